@@ -1,0 +1,1 @@
+"""conductor: see ../shared/DESIGN.md; built in a later issue."""

@@ -1,0 +1,1 @@
+"""decode: see ../shared/DESIGN.md; built in a later issue."""

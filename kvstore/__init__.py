@@ -1,0 +1,1 @@
+"""kvstore: see ../shared/DESIGN.md; built in a later issue."""

@@ -1,0 +1,1 @@
+"""prefill: see ../shared/DESIGN.md; built in a later issue."""

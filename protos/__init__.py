@@ -1,0 +1,1 @@
+"""protos: see ../shared/DESIGN.md; built in a later issue."""

@@ -1,0 +1,1 @@
+"""transfer: see ../shared/DESIGN.md; built in a later issue."""

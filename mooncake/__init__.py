@@ -1,0 +1,2 @@
+"""Mooncake-style disaggregated LLM serving."""
+__version__ = "0.1.0"

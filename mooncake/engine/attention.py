@@ -1,0 +1,104 @@
+"""Attention over the paged KV cache: the one function a faster kernel would replace.
+
+Cache layout per layer (the pool layout of DESIGN §4 with layers split out):
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot s = block_id * block_size + offset  ->  k_cache.view(-1, Hkv, D)[s]
+
+A step's tokens are flattened into one [T] batch, decodes first, then prefill chunks:
+
+    tokens:  | d0 d1 ... d(B-1) | chunk of req p0 ... | chunk of req p1 ... |
+             '--- one query each '--- q_len queries at positions ctx-q_len .. ctx-1
+
+Decodes are attended together in one padded SDPA call (GQA folded into the query
+axis, so K/V are never repeated); each prefill chunk is one causal SDPA call whose
+key range is its whole context (cached prefix + the chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One request's chunk of new tokens in the flattened batch."""
+
+    q_start: int  # first index of the chunk in the [T] batch
+    q_len: int  # tokens in this chunk
+    ctx_len: int  # tokens attended: cached prefix + this chunk
+    block_ids: torch.Tensor  # [ceil(ctx_len / block_size)] long, on the device
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where the step's tokens live in the cache and whom each attends to.
+
+    Built once per step by the model runner and shared by every layer.
+    """
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    num_decodes: int  # tokens [0, num_decodes) are single-token decodes
+    decode_block_table: torch.Tensor | None  # [B, max_blocks] long (padded with block 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillSegment]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store the new tokens' K/V ([T, Hkv, D] each) at their cache slots."""
+    nb, bs, hkv, d = k_cache.shape
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k)
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the step's queries over the paged cache.
+
+    q: [T, H, D]; k, v: [T, Hkv, D] (this step's new K/V, already written to the cache).
+    Returns [T, H, D]. Called once per layer per step.
+    """
+    t, h, d = q.shape
+    hkv = k_cache.shape[2]
+    group = h // hkv
+    out = torch.empty_like(q)
+    b = meta.num_decodes
+    if b:
+        qd = q[:b].view(b, hkv, group, d)  # [B, Hkv, G, D]: a decode's G heads share one K/V head
+        bt = meta.decode_block_table
+        kd = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:b] = od.reshape(b, h, d)
+    for seg in meta.prefills:
+        s, n = seg.q_start, seg.q_len
+        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.ctx_len == n:
+            # No cached prefix: the chunk's own K/V are the whole context.
+            ks = k[s : s + n]  # [n, Hkv, D]
+            vs = v[s : s + n]
+            mask = None
+        else:
+            ks = k_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]  # [ctx, Hkv, D]
+            vs = v_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]
+            # Query i sits at position ctx-n+i and sees keys 0..ctx-n+i.
+            mask = torch.ones(n, seg.ctx_len, dtype=torch.bool, device=q.device).tril(seg.ctx_len - n)
+        ks = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        os_ = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )  # [1, H, n, D]
+        out[s : s + n] = os_[0].transpose(0, 1)
+    return out

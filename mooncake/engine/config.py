@@ -1,0 +1,52 @@
+"""Engine configuration (a pydantic model passed in; nothing is read from the environment)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class EngineConfig(BaseModel):
+    """Everything one engine instance needs to know; one config per process.
+
+    ``num_kv_blocks`` fixes the paged cache size directly; otherwise it is derived from
+    ``kv_cache_memory_gib`` once the model's per-block size is known.
+    """
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(description="Path to a Hugging Face layout model directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (engine, pool, index)")
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Per-step token budget; a longer prompt is prefilled in chunks"
+    )
+    max_model_len: int | None = Field(None, ge=1, description="Default: the model's max positions")
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    model_fingerprint: str | None = Field(
+        None, description="Identity for block keys; default derived from the model files"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.device.startswith("cuda") is False and self.device != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,257 @@
+"""LLMEngine: the single-process inference engine that prefill and decode workers run.
+
+One step is three hops, owned by three objects:
+
+    scheduler.schedule()          who runs, with how many tokens (pure; scheduler.py)
+    runner.execute(...)           imports, forward, sampling (torch; runner.py)
+    scheduler.update_from_output  advance, stop checks, free blocks (pure)
+
+The engine adds stop strings (they need the tokenizer) and turns requests into
+RequestOutputs. It is synchronous and not thread-safe: a server runs it in one loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from mooncake.blocks import KeyChain, model_fingerprint
+from mooncake.engine.block_pool import BlockPool
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.connector import KVConnector
+from mooncake.engine.loader import load_model, model_identity
+from mooncake.engine.request import FinishReason, Request, SamplingParams
+from mooncake.engine.runner import ModelRunner
+from mooncake.engine.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's progress after a step (or its final state)."""
+
+    request_id: str
+    output_token_ids: list[int]  # every token generated so far
+    new_token_ids: list[int]  # tokens generated in this step
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    text: str = ""  # decoded output (only when the engine has a tokenizer)
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    prefix_hit_rate: float
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Paged-KV continuous-batching engine over one model. See module docstring."""
+
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, tokenizer=None):
+        self.config = config
+        if config.num_threads and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.model = load_model(config.model, config.torch_dtype, self.device)
+        args = self.model.args
+        self.args = args
+        limit = args.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
+        self.max_model_len = config.max_model_len or limit
+        self.block_size = config.block_size
+        elem = torch.tensor([], dtype=config.torch_dtype).element_size()
+        self.block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // self.block_bytes)
+        identity = config.model_fingerprint or model_identity(config.model, config.torch_dtype)
+        self.fingerprint = model_fingerprint(identity)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            on_finish=self._on_finish,
+        )
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, self.max_model_len, self.device, config.torch_dtype, config.seed
+        )
+        self.connector = connector or KVConnector()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(args.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        external_kv: torch.Tensor | None = None,
+        num_external_tokens: int = 0,
+        initial_output_token_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request; return its id. Raises ValueError for bad input.
+
+        ``external_kv`` [n, L, 2, block_size, Hkv, D] (pool layout) holds the KV of the
+        sequence's first ``num_external_tokens`` tokens, imported into the cache when the
+        request is admitted so it starts with ``num_computed_tokens > 0`` (the decode
+        worker's path). ``initial_output_token_ids`` are tokens already generated
+        elsewhere (the prefill worker's first token); they count toward ``max_tokens``.
+        """
+        params = sampling_params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is required")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
+        if any(t < 0 or t >= self.args.vocab_size for t in prompt):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.args.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine built with a tokenizer")
+        outputs = list(initial_output_token_ids or [])
+        if len(outputs) >= params.max_tokens:
+            raise ValueError("initial_output_token_ids already reach max_tokens")
+        if external_kv is not None:
+            total = len(prompt) + len(outputs)
+            if not 0 < num_external_tokens < total:
+                raise ValueError(f"num_external_tokens must be in [1, {total - 1}], got {num_external_tokens}")
+            n_blocks = -(-num_external_tokens // self.block_size)
+            if tuple(external_kv.shape[1:]) != self.runner.block_shape or external_kv.shape[0] < n_blocks:
+                raise ValueError(
+                    f"external_kv of shape {tuple(external_kv.shape)} does not hold {n_blocks} blocks "
+                    f"of shape {self.runner.block_shape}"
+                )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            key_chain=KeyChain.start(self.block_size, self.fingerprint, cache_salt),
+            eos_token_ids=self.eos_token_ids,
+            output_token_ids=outputs,
+            external_kv=external_kv,
+            num_external_tokens=num_external_tokens if external_kv is not None else 0,
+        )
+        self.scheduler.add_request(request)
+        if params.seed is not None:
+            self.runner.add_generator(rid, params.seed)
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a queued or running request and free its blocks. False if unknown/finished."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _on_finish(self, request: Request) -> None:
+        # Called by the scheduler before a finished or aborted request's blocks are freed.
+        self.connector.request_finished(request.request_id, list(request.block_ids))
+        self.runner.drop_request(request.request_id)
+
+    # -- the step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs for every request that got a token."""
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out, self.connector)
+        finished = {id(r) for r in self.scheduler.update_from_output(out, sampled)}
+        results = []
+        for s in out.scheduled:
+            req = s.request
+            if req.request_id not in sampled:
+                continue  # a prompt chunk short of the end: nothing to report yet
+            if req.sampling_params.stop and id(req) not in finished and self._match_stop_string(req):
+                finished.add(id(req))
+            done = id(req) in finished
+            if done and self.tokenizer is not None and not req.sampling_params.stop:
+                req.output_text = self.tokenizer.decode(req.output_token_ids)
+            results.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    output_token_ids=list(req.output_token_ids),
+                    new_token_ids=[req.output_token_ids[-1]],
+                    finished=done,
+                    finish_reason=req.finish_reason if done else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                    text=req.output_text,
+                    stop_reason=req.stop_reason if done else None,
+                )
+            )
+        return results
+
+    def _match_stop_string(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.output_token_ids)
+        params = req.sampling_params
+        # Only the tail can hold a new match: what was searched last step held none.
+        window = max(len(s) for s in params.stop) + 16
+        start = max(0, len(req.output_text) - window)
+        best = None
+        for s in params.stop:
+            at = text.find(s, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            req.output_text = text
+            return False
+        at, s = best
+        req.output_text = text[: at + len(s)] if params.include_stop_str_in_output else text[:at]
+        self.scheduler.finish(req, FinishReason.STOP, s)
+        return True
+
+    def generate(
+        self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; return their final outputs in input order."""
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+    # -- KV export / import ---------------------------------------------------------
+
+    def request_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a live request (blocks in sequence order)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown or finished request {request_id!r}")
+        return list(request.block_ids)
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """KV of the given blocks in the pool layout, [n, L, 2, block_size, Hkv, D], on the CPU."""
+        if any(not 0 <= b < self.pool.num_blocks for b in block_ids):
+            raise ValueError("block id out of range")
+        return self.runner.export_blocks(block_ids)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            kv_usage=self.pool.usage,
+            prefix_hit_rate=self.pool.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

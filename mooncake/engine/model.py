@@ -1,0 +1,197 @@
+"""A Llama-family decoder in plain torch, over a paged KV cache.
+
+One module serves llama, mistral, qwen2 (qkv bias) and qwen3 (q/k RMSNorm); ModelArgs
+says which parts exist. Parameter names follow Hugging Face (``model.layers.N...``),
+except that q/k/v and gate/up are fused into one matmul each (``load_hf_state_dict``
+concatenates them), because on CPU one wide matmul beats three narrow ones.
+
+Tokens arrive flattened: ``input_ids`` and ``positions`` are [T] over every request in
+the step; attention.py knows which token belongs to whom.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mooncake.engine.attention import AttentionMetadata, paged_attention, write_kv
+from mooncake.engine.connector import ConnectorStep, KVConnector
+from mooncake.engine.model_args import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, bs, Hkv, D]
+        meta: AttentionMetadata,
+        connector: KVConnector,
+        step: ConnectorStep,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        connector.wait_for_layer_load(self.layer)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        connector.save_layer(self.layer, k_cache, v_cache, step)
+        return self.o_proj(o.view(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.intermediate = args.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta, connector, step) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, connector, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole model: ``forward`` gives hidden states, ``compute_logits`` the logits."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # cos/sin for every position, float32, computed the way transformers does.
+        self.register_buffer("_inv_freq", args.inv_freq(), persistent=False)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [max_len, D] in the model dtype (built once, then cached)."""
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < max_len:
+            inv = self._inv_freq.float()
+            pos = torch.arange(max_len, device=inv.device, dtype=torch.int64).float()
+            freqs = pos[:, None] * inv[None, :]  # [L, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+            dtype = self.model.embed_tokens.weight.dtype
+            self._rope_cache = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._rope_cache
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: torch.Tensor,  # [L, 2, num_blocks, bs, Hkv, D]
+        meta: AttentionMetadata,
+        connector: KVConnector,
+        step: ConnectorStep,
+    ) -> torch.Tensor:
+        cos_t, sin_t = self._rope_cache  # built by the runner for max_model_len
+        cos = cos_t[positions].unsqueeze(1)  # [T, 1, D]
+        sin = sin_t[positions].unsqueeze(1)
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_caches[i], meta, connector, step)
+        return self.model.norm(x)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for the given hidden rows [N, hidden]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Raises ValueError on a mismatch."""
+        fused: dict[str, torch.Tensor] = {}
+        for name, tensor in weights.items():
+            if "rotary_emb" in name:
+                continue
+            fused[name] = tensor
+        for i in range(self.args.num_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [f"{p}self_attn.{n}_proj.{kind}" for n in ("q", "k", "v")]
+                if all(n in fused for n in parts):
+                    fused[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([fused.pop(n) for n in parts], 0)
+            parts = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            if all(n in fused for n in parts):
+                fused[f"{p}mlp.gate_up_proj.weight"] = torch.cat([fused.pop(n) for n in parts], 0)
+        if self.lm_head is None:
+            fused.pop("lm_head.weight", None)
+        own = self.state_dict()
+        missing = sorted(set(own) - set(fused))
+        unexpected = sorted(set(fused) - set(own))
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not match the {self.args.arch} architecture: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        for name, tensor in fused.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+        self.load_state_dict(fused, strict=True)

@@ -1,0 +1,120 @@
+"""Requests and sampling parameters: the engine's unit of work (pure, no torch)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake.blocks import KeyChain
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token / stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress.
+
+    ``num_computed_tokens`` chases ``num_tokens``: tokens whose KV is in the cache. A
+    request in prefill has many tokens to go; in decode exactly one (the token sampled
+    last step). There is no separate "phase". Owned by the scheduler.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    key_chain: KeyChain
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_imported_tokens: int = 0  # tokens whose KV came from ``external_kv``
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    external_kv: Any = None  # KV of leading blocks to import (engine-specific; see engine.py)
+    num_external_tokens: int = 0
+    output_text: str = ""
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def block_keys(self) -> list[bytes]:
+        """Keys of the request's full blocks so far (hashed once per block)."""
+        self.key_chain.extend(self._all_token_ids)
+        return self.key_chain.keys

@@ -1,0 +1,172 @@
+"""ModelRunner: owns the model and the KV cache tensor; turns a SchedulerOutput into tokens.
+
+KV cache, one tensor for the whole engine:
+
+    kv_cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+
+so ``kv_cache[:, :, b]`` is block ``b`` in the pool layout of DESIGN §4
+(``[layers][2][block_size][kv_heads][head_dim]``) and ``kv_cache[l, :, b]`` one layer of
+it: export and import are single indexed copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mooncake.engine.attention import AttentionMetadata, PrefillSegment
+from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
+from mooncake.engine.model import CausalLM
+from mooncake.engine.sampler import sample
+from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    """Runs one forward step at a time. Not thread-safe; the engine loop owns it."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+    ):
+        args = model.args
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(
+            args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim, dtype=dtype, device=device
+        )
+        model.rope_tables(max_model_len)
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+        self.step_id = 0
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block in the pool layout: [L, 2, block_size, Hkv, D]."""
+        layers, two, _, bs, hkv, d = self.kv_cache.shape
+        return (layers, two, bs, hkv, d)
+
+    def add_generator(self, request_id: str, seed: int) -> None:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        self.generators[request_id] = gen
+
+    def drop_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy blocks out in the pool layout: [n, L, 2, block_size, Hkv, D] on the CPU."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write pool-layout blocks [n, L, 2, block_size, Hkv, D] into the given cache blocks."""
+        if tuple(data.shape[1:]) != self.block_shape or data.shape[0] != len(block_ids):
+            raise ValueError(
+                f"KV blocks of shape {tuple(data.shape)} do not fit {len(block_ids)} blocks of {self.block_shape}"
+            )
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        src = data.to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
+        self.kv_cache.index_copy_(2, idx, src)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, connector: KVConnector) -> dict[str, int]:
+        """Run one step: imports, forward over every scheduled token, sampling.
+
+        Returns ``{request_id: token}`` for each request that reached the end of its
+        sequence this step (the others were mid-prompt chunks).
+        """
+        for imp in out.imports:
+            ext = imp.request.external_kv
+            self.import_blocks(imp.block_ids, ext[imp.first_block : imp.first_block + len(imp.block_ids)])
+        if not out.scheduled:
+            return {}
+        # Decodes (one new token) first, then prefill chunks: see attention.py.
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, meta, step, sample_rows = self._prepare(decodes, prefills)
+        connector.start_step(step)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, connector, step)
+        connector.wait_for_save()
+        self.step_id += 1
+        rows = [r for r, _ in sample_rows]
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        reqs = [ordered[i].request for _, i in sample_rows]
+        tokens = sample(
+            logits,
+            [r.sampling_params for r in reqs],
+            [self.generators.get(r.request_id) for r in reqs],
+            self.default_generator,
+        )
+        return {r.request_id: t for r, t in zip(reqs, tokens)}
+
+    def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[int, int]] = []  # (row in hidden, index into decodes + prefills)
+        step_reqs: list[StepRequest] = []
+        max_blocks = 0
+        for j, s in enumerate(decodes):
+            req, p = s.request, s.num_computed_tokens
+            ids.append(req.all_token_ids[p])
+            pos.append(p)
+            slots.append(req.block_ids[p // bs] * bs + p % bs)
+            max_blocks = max(max_blocks, p // bs + 1)
+            if s.samples:
+                sample_rows.append((j, j))
+        decode_table = decode_mask = None
+        if decodes:
+            table = [s.request.block_ids[: s.num_computed_tokens // bs + 1] for s in decodes]
+            decode_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long)
+            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
+            decode_mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None])[:, None, None, :]
+            decode_table = decode_table.to(dev)
+            decode_mask = decode_mask.to(dev)
+        segments: list[PrefillSegment] = []
+        for j, s in enumerate(prefills, start=len(decodes)):
+            req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
+            start = len(ids)
+            ids.extend(req.all_token_ids[c : c + n])
+            pos.extend(range(c, c + n))
+            nblk = -(-(c + n) // bs)
+            table = torch.tensor(req.block_ids[:nblk], dtype=torch.long)
+            p = torch.arange(c, c + n)
+            slots.extend((table[p // bs] * bs + p % bs).tolist())
+            segments.append(PrefillSegment(start, n, c + n, table.to(dev)))
+            if s.samples:
+                sample_rows.append((start + n - 1, j))
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        offset = 0
+        for s in decodes + prefills:
+            step_reqs.append(
+                StepRequest(
+                    request_id=s.request.request_id,
+                    num_computed_tokens=s.num_computed_tokens,
+                    num_new_tokens=s.num_new_tokens,
+                    slots=slot_t[offset : offset + s.num_new_tokens],
+                    block_ids=list(s.request.block_ids),
+                )
+            )
+            offset += s.num_new_tokens
+        meta = AttentionMetadata(
+            slot_mapping=slot_t,
+            num_decodes=len(decodes),
+            decode_block_table=decode_table,
+            decode_mask=decode_mask,
+            prefills=segments,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, ConnectorStep(self.step_id, step_reqs), sample_rows

@@ -10,13 +10,16 @@ A step's tokens are flattened into one [T] batch, decodes first, then prefill ch
     tokens:  | d0 d1 ... d(B-1) | chunk of req p0 ... | chunk of req p1 ... |
              '--- one query each '--- q_len queries at positions ctx-q_len .. ctx-1
 
-Decodes are attended together in one padded SDPA call (GQA folded into the query
-axis, so K/V are never repeated); each prefill chunk is one causal SDPA call whose
-key range is its whole context (cached prefix + the chunk).
+Decodes are attended together: by the compiled kernel (kernels/paged_attention.cpp),
+which reads K/V rows in place from their blocks, or else by one padded SDPA call over
+gathered blocks (GQA folded into the query axis, so K/V are never repeated). Each
+prefill chunk is one causal SDPA call whose key range is its whole context (cached
+prefix + the chunk).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +46,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
     num_decodes: int  # tokens [0, num_decodes) are single-token decodes
     decode_block_table: torch.Tensor | None  # [B, max_blocks] long (padded with block 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_ctx_lens: torch.Tensor | None  # [B] long: tokens each decode attends to
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool (torch path only)
     prefills: list[PrefillSegment]
+    decode_kernel: Callable | None = None  # compiled in-place kernel (kernels/), else torch
 
 
 def write_kv(
@@ -75,7 +80,11 @@ def paged_attention(
     group = h // hkv
     out = torch.empty_like(q)
     b = meta.num_decodes
-    if b:
+    if b and meta.decode_kernel is not None:
+        out[:b] = meta.decode_kernel(
+            q[:b].contiguous(), k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
+        )
+    elif b:
         qd = q[:b].view(b, hkv, group, d)  # [B, Hkv, G, D]: a decode's G heads share one K/V head
         bt = meta.decode_block_table
         kd = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]

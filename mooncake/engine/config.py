@@ -37,6 +37,8 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    use_kernels: bool = Field(True, description="Compile and use the CPU paged decode-attention kernel")
+    kernel_dir: str = Field("~/.cache/mooncake/kernels", description="Where compiled kernels are cached")
     model_fingerprint: str | None = Field(
         None, description="Identity for block keys; default derived from the model files"
     )

@@ -21,6 +21,8 @@ from mooncake.blocks import KeyChain, model_fingerprint
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.connector import KVConnector
+from mooncake.engine.cpu import keep_freed_memory
+from mooncake.engine.kernels import load_paged_decode
 from mooncake.engine.loader import load_model, model_identity
 from mooncake.engine.request import FinishReason, Request, SamplingParams
 from mooncake.engine.runner import ModelRunner
@@ -58,9 +60,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, connector: KVConnector | None = None, tokenizer=None):
         self.config = config
-        if config.num_threads and config.device == "cpu":
-            torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
         self.model = load_model(config.model, config.torch_dtype, self.device)
         args = self.model.args
         self.args = args
@@ -83,8 +87,18 @@ class LLMEngine:
             self.max_model_len,
             on_finish=self._on_finish,
         )
+        kernel = None
+        if config.use_kernels and self.device.type == "cpu" and config.torch_dtype == torch.float32:
+            kernel = load_paged_decode(config.kernel_dir)
         self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, self.max_model_len, self.device, config.torch_dtype, config.seed
+            self.model,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            self.device,
+            config.torch_dtype,
+            config.seed,
+            decode_kernel=kernel,
         )
         self.connector = connector or KVConnector()
         self.tokenizer = tokenizer

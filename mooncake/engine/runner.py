@@ -32,9 +32,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        decode_kernel=None,
     ):
         args = model.args
         self.model = model
+        self.decode_kernel = decode_kernel  # used for float32 on CPU only
         self.block_size = block_size
         self.device = device
         self.kv_cache = torch.zeros(
@@ -126,14 +128,16 @@ class ModelRunner:
             max_blocks = max(max_blocks, p // bs + 1)
             if s.samples:
                 sample_rows.append((j, j))
-        decode_table = decode_mask = None
+        decode_table = decode_mask = ctx = None
+        kernel = self.decode_kernel
         if decodes:
             table = [s.request.block_ids[: s.num_computed_tokens // bs + 1] for s in decodes]
             decode_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long)
-            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes])
-            decode_mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None])[:, None, None, :]
+            ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes], dtype=torch.long)
+            if kernel is None:
+                decode_mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None])[:, None, None, :].to(dev)
             decode_table = decode_table.to(dev)
-            decode_mask = decode_mask.to(dev)
+            ctx = ctx.to(dev)
         segments: list[PrefillSegment] = []
         for j, s in enumerate(prefills, start=len(decodes)):
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
@@ -164,8 +168,10 @@ class ModelRunner:
             slot_mapping=slot_t,
             num_decodes=len(decodes),
             decode_block_table=decode_table,
+            decode_ctx_lens=ctx,
             decode_mask=decode_mask,
             prefills=segments,
+            decode_kernel=kernel,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)

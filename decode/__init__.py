@@ -1,1 +1,4 @@
-"""decode: see ../shared/DESIGN.md; built in a later issue."""
+"""Decode worker (DESIGN §3): KV receive, continuous batching under a TBT budget.
+
+Not built yet (issue 5). It will import landed KV with LLMEngine.add_request(external_kv=...).
+"""

@@ -1,1 +1,1 @@
-"""protos: see ../shared/DESIGN.md; built in a later issue."""
+""".proto files and their generated modules. Empty until the first gRPC service (issue 3)."""

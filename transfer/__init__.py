@@ -1,1 +1,4 @@
-"""transfer: see ../shared/DESIGN.md; built in a later issue."""
+"""Transfer engine (DESIGN §6): registered segments, one-sided read/write; shm, tcp, rdma.
+
+Not built yet (issue 3).
+"""

@@ -135,12 +135,15 @@ def test_a_duplicate_block_stays_unnamed_and_is_reused_first():
     assert [b.block_id for b in pool.lookup([key])] == [first]
 
 
-def test_lookup_stops_at_the_first_missing_key_and_counts_hits():
+def test_lookup_stops_at_the_first_missing_key_and_counts_only_recorded_hits():
     pool = BlockPool(8)
     keys = keys_for(list(range(16)))
     ids = take(pool, keys[:2])
     other = take(pool, keys_for([7] * 4))  # unrelated
-    assert [b.block_id for b in pool.lookup(keys)] == ids
+    hits = pool.lookup(keys)
+    assert [b.block_id for b in hits] == ids
+    assert pool.stats.queried_blocks == 0  # a lookup alone (e.g. a retried admission) is not counted
+    pool.record_lookup(len(keys), len(hits))
     assert pool.stats.queried_blocks == 4 and pool.stats.hit_blocks == 2
     assert pool.stats.hit_rate == pytest.approx(0.5)
     assert other

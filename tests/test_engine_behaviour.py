@@ -111,6 +111,19 @@ def test_eos_from_config_stops_unless_ignore_eos(tiny_llama, tmp_path):
     assert out.finish_reason == FinishReason.LENGTH
 
 
+def test_eos_listed_only_in_generation_config_stops(tiny_llama, tmp_path):
+    engine = make_engine(tiny_llama.path)
+    prompt = prompt_of(10, 11)
+    g = greedy_tokens(engine, prompt, 16)
+    eos = g[4]
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama.path, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, eos]}))
+    (out,) = make_engine(model_dir).generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
+    assert out.output_token_ids == g[: g.index(eos) + 1]
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == eos
+
+
 @pytest.fixture(scope="module")
 def tokenized_model(tmp_path_factory):
     """A tiny model directory that ships a tokenizer, and that tokenizer."""
@@ -159,11 +172,6 @@ def test_text_without_stop_strings_is_the_decoded_output(tokenized_model):
     assert out.text == tok.decode(out.output_token_ids) and out.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: with stop strings set, a request that ends by max_tokens skips the last "
-    "stop-string check and keeps last step's text (mooncake/engine/engine.py, LLMEngine.step)",
-)
 def test_text_with_unmatched_stop_string_includes_last_token(tokenized_model):
     path, tok = tokenized_model
     engine = make_engine(path, tokenizer=tok)
@@ -174,11 +182,6 @@ def test_text_with_unmatched_stop_string_includes_last_token(tokenized_model):
     assert out.text == tok.decode(out.output_token_ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: a stop string completed by the token that also reaches max_tokens is "
-    "reported as finish_reason length (mooncake/engine/engine.py, LLMEngine.step)",
-)
 def test_stop_string_in_the_last_allowed_token_is_a_stop(tokenized_model):
     engine, tok, prompt, g, stop = _stop_string_case(tokenized_model)
     i = next(i for i in range(1, len(g) + 1) if stop in tok.decode(g[:i]))

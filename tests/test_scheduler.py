@@ -137,12 +137,6 @@ def test_preempted_request_comes_back_and_finishes():
     assert sched.pool.num_free_blocks == 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler bug: a lone request whose prompt fits but whose growth exceeds the whole "
-    "cache preempts itself and is never re-admitted; steps return nothing forever "
-    "(mooncake/engine/scheduler.py, Scheduler.schedule)",
-)
 def test_a_request_outgrowing_the_whole_cache_does_not_stall_forever():
     sched = make_scheduler(num_blocks=4, budget=64)
     sched.add_request(make_request("big", range(12), max_tokens=20))  # 12 + 20 tokens need 8 blocks

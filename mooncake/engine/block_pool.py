@@ -71,7 +71,7 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[KVBlock]:
-        """Longest run of leading keys held in the cache (does not take references)."""
+        """Longest run of leading keys held in the cache (no references taken, no stats)."""
         hits: list[KVBlock] = []
         if not self.enable_prefix_caching:
             return hits
@@ -80,9 +80,12 @@ class BlockPool:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queried_blocks += len(keys)
-        self.stats.hit_blocks += len(hits)
         return hits
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count one admitted request's prefix lookup (a retried admission is not a new query)."""
+        self.stats.queried_blocks += num_queried
+        self.stats.hit_blocks += num_hit
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on each block (reviving cached blocks out of the free queue)."""

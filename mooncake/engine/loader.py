@@ -10,7 +10,7 @@ import xxhash
 
 from mooncake.engine.model import CausalLM
 from mooncake.engine.model_args import ModelArgs
-from mooncake.engine.weights import load_hf_config, load_hf_weights
+from mooncake.engine.weights import load_hf_config, load_hf_weights, read_json_object
 
 _SAMPLE = 1 << 20  # bytes hashed from each end and the middle of a weight file
 
@@ -54,13 +54,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
 
 def generation_eos_ids(model_dir: str | Path) -> frozenset[int]:
     """EOS ids from generation_config.json (some models list extra stop ids only there)."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return frozenset()
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    eos = read_json_object(Path(model_dir) / "generation_config.json").get("eos_token_id")
     if eos is None:
         return frozenset()
     return frozenset(int(t) for t in (eos if isinstance(eos, list) else [eos]))

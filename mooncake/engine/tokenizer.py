@@ -13,7 +13,6 @@ pieces whose concatenation equals ``decode()`` of all ids (after ``flush()``).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from mooncake.engine.weights import (
     GENERATION_CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    read_json_object,
 )
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -53,18 +53,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
     raise ValueError(f"cannot read a special token from {value!r}")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"{str(path)!r} must hold a JSON object")
-    return value
 
 
 def _ids(value: Any) -> list[int]:
@@ -142,8 +130,8 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
             raise ValueError(f"{str(tokenizer_file)!r} is not a valid tokenizers file: {exc}") from exc
-        config = _read_json(path / TOKENIZER_CONFIG_FILE)
-        generation = _read_json(path / GENERATION_CONFIG_FILE)
+        config = read_json_object(path / TOKENIZER_CONFIG_FILE)
+        generation = read_json_object(path / GENERATION_CONFIG_FILE)
         special = {name: _token_content(config.get(name)) for name in _TEMPLATE_TOKEN_NAMES}
 
         if backend.post_processor is None:
@@ -169,7 +157,7 @@ class Tokenizer:
         )
         eos_ids = _ids(generation.get("eos_token_id"))
         if not eos_ids and special.get("eos_token") is None:
-            eos_ids = _ids(_read_json(path / CONFIG_FILE).get("eos_token_id"))
+            eos_ids = _ids(read_json_object(path / CONFIG_FILE).get("eos_token_id"))
         return cls(backend, special_tokens=special, chat_template=template, eos_token_ids=eos_ids)
 
     @property

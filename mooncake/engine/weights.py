@@ -67,13 +67,23 @@ def load_hf_config(model_dir: str | os.PathLike[str]) -> dict:
             f"{str(path)!r} is not a model directory: {CONFIG_FILE} is missing "
             f"(expected a Hugging Face layout with {CONFIG_FILE} and {SINGLE_WEIGHTS_FILE})"
         )
+    return read_json_object(config_path)
+
+
+def read_json_object(path: Path) -> dict:
+    """Parse a JSON file that must hold an object; ``{}`` if the file does not exist.
+
+    Raises ``ValueError`` naming the file when it is not valid JSON or not an object.
+    """
+    if not path.is_file():
+        return {}
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{str(config_path)!r} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"{str(config_path)!r} must hold a JSON object, got {type(config).__name__}")
-    return config
+        raise ValueError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:

@@ -58,6 +58,12 @@ TINY_SPECS: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=3, tie_word_embeddings=True)),
     # head_dim (32) differs from hidden / heads (16): the engine must read it from config.json.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False)),
+    # Mistral: llama's shape under its own config and model classes in transformers.
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_hidden_layers=2, tie_word_embeddings=False, head_dim=16, sliding_window=None),
+    ),
     # llama3 rope scaling with a short original context, so all three frequency bands exist
     # for head_dim 16 (wavelengths from 6 to ~20000 against bands at 8 and 32).
     "llama3_rope": (

@@ -14,7 +14,7 @@ connector that moves KV between the paged cache and the pool while layers comput
 written to (``slots``) and its whole block table, so a connector can copy one layer of
 the new tokens (``k_cache.view(-1, Hkv, D)[slots]``) or whole finished blocks.
 Hooks run on the engine's thread, once per layer per step: keep them cheap and
-asynchronous. The default connector does nothing.
+asynchronous. The default connector (``KVConnector`` itself) does nothing.
 """
 
 from __future__ import annotations
@@ -61,5 +61,3 @@ class KVConnector:
     def request_finished(self, request_id: str, block_ids: list[int]) -> None:
         """Called when a request finishes or is aborted, before its blocks are freed."""
 
-
-NoopConnector = KVConnector

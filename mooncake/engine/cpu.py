@@ -18,8 +18,8 @@ def keep_freed_memory() -> bool:
     PyTorch's CPU allocator has no cache: every activation over glibc's mmap threshold
     is a fresh mmap whose pages fault in on first touch, then an munmap. An engine step
     allocates and frees the same sizes over and over, so raising both thresholds lets
-    those buffers be reused from the heap instead (elementwise ops on a 2,048-token
-    batch measured several times faster here). Process-wide; returns False off glibc.
+    those buffers be reused from the heap instead of faulting fresh pages in on every
+    step. Process-wide; returns False off glibc.
     """
     name = ctypes.util.find_library("c")
     if not name:

@@ -169,8 +169,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given hidden rows [N, hidden]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        # W @ h^T rather than h @ W^T: with few rows and a 50k-row vocabulary, MKL runs
-        # this shape 1.7x faster on CPU (measured at 32 rows). The result is a transposed view.
+        # W @ h^T rather than h @ W^T: with few rows and a 50k-row vocabulary MKL runs
+        # this order faster on CPU (benchmarks/matmul_shapes.py). The result is a transposed view.
         return (weight @ hidden.t()).t().float()  # [N, V]
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,13 @@
-"""Transfer engine (DESIGN §6): registered segments, one-sided read/write; shm, tcp, rdma.
+"""Transfer engine: one-sided batched reads/writes between registered memory segments (shm, tcp; rdma later)."""
 
-Not built yet (issue 3).
-"""
+from transfer.batch import TransferBatch
+from transfer.engine import TransferConfig, TransferEngine
+from transfer.region import SharedRegion
+from transfer.registry import MemoryRegistry, RedisRegistry, SegmentRegistry, make_registry
+from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, TransferState, host_id
+
+__all__ = [
+    "BackendKind", "MemoryRegistry", "OpKind", "RedisRegistry", "Segment", "SegmentRegistry", "SharedRegion",
+    "Slice", "TransferBatch", "TransferConfig", "TransferEngine", "TransferError", "TransferState",
+    "host_id", "make_registry",
+]  # fmt: skip

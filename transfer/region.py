@@ -1,0 +1,72 @@
+"""Shared-memory regions: a file in a tmpfs directory, mapped by its owner and by peers.
+
+A region is the memory behind a segment that same-host peers can map: the owner creates
+it (replacing a stale file a killed predecessor left behind) and unlinks it on close; a
+peer opens it read-write by path. ``buffer`` is a writable memoryview over the mapping.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+
+class SharedRegion:
+    """A memory-mapped shared file. Create as owner with :meth:`create`, map with :meth:`open`."""
+
+    def __init__(self, path: Path, size: int, mm: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self._mmap = mm
+        self.buffer = memoryview(mm)
+        self.owner = owner
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, size: int) -> "SharedRegion":
+        """Create (or replace) the file at ``path`` with ``size`` bytes and map it."""
+        if size <= 0:
+            raise ValueError(f"region size must be positive, got {size}")
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.unlink(missing_ok=True)  # a stale region from a killed owner
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(p, size, mm, owner=True)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "SharedRegion":
+        """Map an existing region read-write (a peer on the same host)."""
+        p = Path(path)
+        fd = os.open(p, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise ValueError(f"shared region {p} is empty")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(p, size, mm, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file. Safe to call twice."""
+        if self._mmap.closed:
+            return
+        try:
+            self.buffer.release()
+            self._mmap.close()
+        except BufferError:
+            # Someone still holds a slice of the buffer; the mapping goes with the process.
+            pass
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "SharedRegion":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,343 @@
+"""The tcp backend: one-sided reads and writes against a peer's transfer server.
+
+Wire format (little-endian), one request after another on a connection, answered in
+order, so a client pipelines: it sends requests while reading earlier answers.
+
+    request  = op:u8  name_len:u16  req_id:u64  offset:u64  length:u64  name[name_len]
+               then, for a WRITE, ``length`` payload bytes
+    response = req_id:u64  status:u8  length:u64
+               then ``length`` bytes: READ data when status is 0, a UTF-8 error otherwise
+
+Data never goes through an intermediate buffer: senders pass memoryviews of the
+registered memory to ``sendmsg`` (header and payload gathered in one call) and receivers
+``recv_into`` the destination slice. Each peer gets several connections; the engine cuts
+large slices into chunks that are spread over them.
+
+A connection that breaks (peer killed, reset, or silent past ``io_timeout_s`` while an
+answer is due) fails every job queued or in flight on it at once, with the peer named
+in the error; the next batch to that peer reconnects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from transfer.backend import Backend, Job
+from transfer.types import BackendKind, OpKind, Segment, TransferError
+
+log = logging.getLogger(__name__)
+
+REQUEST = struct.Struct("<BHQQQ")
+RESPONSE = struct.Struct("<QBQ")
+OP_CODES = {OpKind.READ: 1, OpKind.WRITE: 2}
+STATUS_OK, STATUS_ERROR = 0, 1
+MAX_ERROR_BYTES = 4096
+
+
+def send_all(sock: socket.socket, buffers: list) -> None:
+    """Send every byte of ``buffers`` with gathered ``sendmsg`` calls (no joining copy)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket; raise ``ConnectionError`` on EOF."""
+    pos, end = 0, len(view)
+    while pos < end:
+        n = sock.recv_into(view[pos:], end - pos)
+        if n == 0:
+            raise ConnectionError("connection closed by peer")
+        pos += n
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad tcp address {addr!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+class TcpServer:
+    """Serves one-sided reads and writes into this process's registered segments.
+
+    ``lookup(name)`` returns the writable memoryview of a local segment or None. One
+    thread accepts; each connection gets a thread that answers its requests in order.
+    """
+
+    def __init__(self, host: str, port: int, lookup: Callable[[str], memoryview | None]) -> None:
+        self._lookup = lookup
+        self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.port = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        header = bytearray(REQUEST.size)
+        hview = memoryview(header)
+        name_buf = bytearray(1 << 16)
+        try:
+            while True:
+                try:
+                    recv_exact(conn, hview)
+                except ConnectionError:
+                    return
+                op, name_len, req_id, offset, length = REQUEST.unpack(header)
+                recv_exact(conn, memoryview(name_buf)[:name_len])
+                name = name_buf[:name_len].decode("utf-8", "replace")
+                error = self._check(op, name, offset, length)
+                if op == OP_CODES[OpKind.WRITE]:
+                    if error is None:
+                        recv_exact(conn, self._lookup(name)[offset : offset + length])
+                    else:
+                        self._discard(conn, length)
+                if error is not None:
+                    msg = error.encode("utf-8")[:MAX_ERROR_BYTES]
+                    send_all(conn, [RESPONSE.pack(req_id, STATUS_ERROR, len(msg)), msg])
+                elif op == OP_CODES[OpKind.READ]:
+                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, length), self._lookup(name)[offset : offset + length]])
+                else:
+                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, 0)])
+        except OSError as e:
+            if not self._closed:
+                log.debug("transfer connection closed: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _check(self, op: int, name: str, offset: int, length: int) -> str | None:
+        if op not in OP_CODES.values():
+            return f"unknown operation code {op}"
+        buf = self._lookup(name)
+        if buf is None:
+            return f"unknown segment {name!r}"
+        if offset + length > len(buf):
+            return f"segment {name!r}: [{offset}, {offset + length}) is past its end ({len(buf)})"
+        return None
+
+    @staticmethod
+    def _discard(conn: socket.socket, length: int) -> None:
+        scratch = memoryview(bytearray(min(length, 1 << 20) or 1))
+        while length:
+            n = conn.recv_into(scratch, min(length, len(scratch)))
+            if n == 0:
+                raise ConnectionError("connection closed by peer")
+            length -= n
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _Connection:
+    """One client connection with a sender thread and a receiver thread (pipelined)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, addr: str, node: str, connect_timeout: float, io_timeout: float) -> None:
+        self.addr, self.node = addr, node
+        try:
+            self._sock = socket.create_connection(parse_addr(addr), timeout=connect_timeout)
+        except OSError as e:
+            raise TransferError(f"peer {node!r} at {addr}: cannot connect: {e}") from e
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.settimeout(io_timeout)
+        self._io_timeout = io_timeout
+        self._queue: deque[Job] = deque()
+        self._inflight: deque[tuple[int, Job]] = deque()
+        self._cond = threading.Condition()
+        self.broken: TransferError | None = None
+        self._closing = False
+        self._threads = [
+            threading.Thread(target=self._send_loop, name=f"tcp-send-{addr}", daemon=True),
+            threading.Thread(target=self._recv_loop, name=f"tcp-recv-{addr}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def enqueue(self, jobs: list[Job]) -> None:
+        with self._cond:
+            if self.broken is not None:
+                for job in jobs:
+                    job.batch.job_failed(self.broken)
+                return
+            self._queue.extend(jobs)
+            self._cond.notify_all()
+
+    def _send_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and self.broken is None and not self._closing:
+                        self._cond.wait()
+                    if self.broken is not None or self._closing:
+                        return
+                    job = self._queue.popleft()
+                    if job.batch.state.finished:
+                        continue
+                    req_id = next(self._ids)
+                    self._inflight.append((req_id, job))
+                    self._cond.notify_all()
+                job.batch.job_started()
+                name = job.segment.name.encode("utf-8")
+                header = REQUEST.pack(OP_CODES[job.kind], len(name), req_id, job.remote_offset, job.length) + name
+                send_all(self._sock, [header, job.local] if job.kind is OpKind.WRITE else [header])
+        except (OSError, ValueError) as e:
+            self._break(e)
+
+    def _recv_loop(self) -> None:
+        header = bytearray(RESPONSE.size)
+        hview = memoryview(header)
+        try:
+            while True:
+                with self._cond:
+                    while not self._inflight and self.broken is None and not self._closing:
+                        self._cond.wait()
+                    if self.broken is not None or (self._closing and not self._inflight):
+                        return
+                    req_id, job = self._inflight[0]
+                recv_exact(self._sock, hview)
+                got_id, status, length = RESPONSE.unpack(header)
+                if got_id != req_id:
+                    raise ConnectionError(f"protocol error: answer to request {got_id}, expected {req_id}")
+                if status == STATUS_OK and job.kind is OpKind.READ:
+                    if length != job.length:
+                        raise ConnectionError(f"protocol error: {length} bytes for a {job.length}-byte read")
+                    recv_exact(self._sock, job.local)
+                    error = None
+                elif status == STATUS_OK:
+                    error = None
+                else:
+                    msg = bytearray(length)
+                    recv_exact(self._sock, memoryview(msg))
+                    error = TransferError(f"peer {self.node!r} at {self.addr}: {msg.decode('utf-8', 'replace')}")
+                with self._cond:
+                    self._inflight.popleft()
+                if error is None:
+                    job.batch.job_done()
+                else:
+                    job.batch.job_failed(error)
+        except (OSError, ValueError) as e:
+            self._break(e)
+
+    def _break(self, cause: BaseException) -> None:
+        if isinstance(cause, TimeoutError) or isinstance(cause, socket.timeout):
+            what = f"no answer within {self._io_timeout} s"
+        else:
+            what = f"connection lost ({cause})"
+        error = TransferError(f"peer {self.node!r} at {self.addr}: {what}")
+        with self._cond:
+            if self.broken is not None:
+                return
+            if self._closing:
+                error = TransferError(f"peer {self.node!r} at {self.addr}: transfer engine closed")
+            self.broken = error
+            jobs = [job for _, job in self._inflight] + list(self._queue)
+            self._inflight.clear()
+            self._queue.clear()
+            self._cond.notify_all()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        for job in jobs:
+            job.batch.job_failed(error)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._break(ConnectionError("closed"))
+
+
+class TcpBackend(Backend):
+    """Client side: ``connections`` pipelined connections per peer address, chosen round-robin."""
+
+    kind = BackendKind.TCP
+
+    def __init__(self, connections: int, connect_timeout: float, io_timeout: float) -> None:
+        if connections < 1:
+            raise ValueError(f"tcp connections per peer must be at least 1, got {connections}")
+        self._n = connections
+        self._connect_timeout = connect_timeout
+        self._io_timeout = io_timeout
+        self._links: dict[str, list[_Connection]] = {}
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _link(self, segment: Segment) -> list[_Connection]:
+        if segment.tcp_addr is None:
+            raise TransferError(f"segment {segment.name!r} of node {segment.node!r} has no tcp address")
+        with self._lock:
+            if self._closed:
+                raise TransferError("transfer engine is closed")
+            link = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is None]
+            while len(link) < self._n:
+                link.append(_Connection(segment.tcp_addr, segment.node, self._connect_timeout, self._io_timeout))
+            self._links[segment.tcp_addr] = link
+            return link
+
+    def submit(self, segment: Segment, jobs: list[Job]) -> None:
+        try:
+            link = self._link(segment)
+        except TransferError as e:
+            for job in jobs:
+                job.batch.job_failed(e)
+            return
+        per_conn: list[list[Job]] = [[] for _ in link]
+        start = next(self._rr)
+        for i, job in enumerate(jobs):
+            per_conn[(start + i) % len(link)].append(job)
+        for conn, assigned in zip(link, per_conn):
+            if assigned:
+                conn.enqueue(assigned)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links = [c for link in self._links.values() for c in link]
+            self._links.clear()
+        for conn in links:
+            conn.close()

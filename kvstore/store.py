@@ -1,0 +1,498 @@
+"""The block store of one pool node: which block is where, who may evict what, and when.
+
+Owns the index (key -> entry), the two tiers' slot allocators and eviction policies,
+reservations (the first phase of a put), leases and pins, and the event log. Bytes live
+in the DRAM tier's memory (a transfer segment other processes write into directly) and
+in the :class:`~kvstore.ssd.SsdTier`; the store only copies them when it demotes to SSD or
+promotes back. Thread-safe (one lock); the gRPC service is a thin adapter over it.
+
+Life of a block::
+
+    reserve -> (caller writes the slot) -> commit -> DRAM --evict--> SSD --evict--> gone
+                                  abort / timeout -> slot freed     <--hit (promote)--
+
+A reserved slot is invisible until committed, so a half-written block is never served.
+Leased and pinned blocks are never evicted. When DRAM use passes the high watermark
+after a commit, blocks are demoted until it is back at the low watermark; a reservation
+that finds no free slot evicts what it needs first or fails with :class:`StoreFull`,
+without touching anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.config import StoreConfig
+from kvstore.eviction import EvictionPolicy, make_policy
+from kvstore.events import EventKind, EventLog, Tier
+from kvstore.ssd import CorruptBlock, SsdTier
+from mooncake.blocks import KEY_BYTES
+
+log = logging.getLogger(__name__)
+
+
+class StoreFull(Exception):
+    """No slot can be freed: everything is leased, pinned or reserved."""
+
+
+@dataclass(slots=True)
+class Entry:
+    key: bytes
+    position: int
+    dram_slot: int | None = None
+    ssd_slot: int | None = None
+    leases: int = 0
+    pinned: bool = False
+
+
+@dataclass(slots=True)
+class Reservation:
+    id: str
+    slots: dict[bytes, int]  # key -> DRAM slot, for the keys the caller must write
+    positions: dict[bytes, int]
+    deadline: float
+
+
+@dataclass(slots=True)
+class Lease:
+    id: str
+    keys: list[bytes]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveResult:
+    reservation_id: str
+    slots: list[tuple[bytes, int]]  # (key, DRAM slot) to write, in request order
+    existing: list[bytes]  # keys already stored: nothing to write
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix_blocks: int  # the longest stored prefix of the chain
+    tiers: list[Tier]  # the fastest tier of each block of that prefix
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    lease_id: str
+    slots: list[tuple[bytes, int]]  # the prefix that is readable now, with its DRAM slots
+    corrupt: list[bytes]  # blocks found corrupt (dropped; the prefix stops there)
+    dram_hits: int
+    ssd_hits: int  # of which promoted from SSD
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    capacity_blocks: int
+    used_blocks: int
+    reserved_blocks: int
+    hits: int
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    node: str
+    block_bytes: int
+    eviction: str
+    dram: TierStats
+    ssd: TierStats
+    leases: int
+    reservations: int
+    corrupt_blocks: int
+    adopted_blocks: int
+    event_seq: int
+
+
+@dataclass(slots=True)
+class _Free:
+    """A tier's free slots: lowest first, so a fresh store fills from the start."""
+
+    capacity: int
+    free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.capacity - 1, -1, -1))
+
+    def take(self) -> int:
+        return self.free.pop()
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def claim(self, slot: int) -> None:
+        self.free.remove(slot)
+
+
+class BlockStore:
+    """The index, tiers, reservations, leases and events of one node.
+
+    ``dram`` is the DRAM tier's memory (``config.dram_blocks * config.block_bytes``
+    bytes; a shared-memory segment in a node, a bytearray in unit tests). ``ssd`` is
+    the SSD tier or None. Construct with both in memory for fast tests.
+    """
+
+    def __init__(self, config: StoreConfig, dram: memoryview, ssd: SsdTier | None = None) -> None:
+        view = memoryview(dram).cast("B")
+        if len(view) < config.dram_blocks * config.block_bytes:
+            raise ValueError(f"DRAM buffer is {len(view)} bytes; {config.dram_blocks} blocks need {config.dram_blocks * config.block_bytes}")
+        self.config = config
+        self.block_bytes = config.block_bytes
+        self.dram = view
+        self.ssd = ssd
+        self._entries: dict[bytes, Entry] = {}
+        self._dram_free = _Free(config.dram_blocks)
+        self._ssd_free = _Free(ssd.num_blocks if ssd else 0)
+        self._dram_policy: EvictionPolicy = make_policy(config.eviction)
+        self._ssd_policy: EvictionPolicy = make_policy(config.eviction)
+        self._reservations: dict[str, Reservation] = {}
+        self._leases: dict[str, Lease] = {}
+        self._reserved_slots = 0
+        self._dram_count = TierCounters()
+        self._ssd_count = TierCounters()
+        self._corrupt = 0
+        self._tick = itertools.count(1)
+        self._lock = threading.RLock()
+        self.events = EventLog(config.max_events)
+        self.adopted = self._adopt() if ssd else 0
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        out = [bytes(k) for k in keys]
+        for k in out:
+            if len(k) != KEY_BYTES:
+                raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(k)}")
+        return out
+
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """Raise ValueError unless a caller's block size (0: unspecified) is this store's."""
+        if block_bytes and block_bytes != self.block_bytes:
+            raise ValueError(f"block size {block_bytes} does not match this store's {self.block_bytes} bytes")
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The DRAM bytes of ``slot``."""
+        return self.dram[slot * self.block_bytes : (slot + 1) * self.block_bytes]
+
+    def _adopt(self) -> int:
+        assert self.ssd is not None
+        for block in self.ssd.adopt():
+            self._ssd_free.claim(block.slot)
+            self._entries[block.key] = Entry(block.key, 0, ssd_slot=block.slot)
+            self._ssd_policy.insert(block.key, 0, next(self._tick))
+            self.events.append(EventKind.STORED, block.key, Tier.SSD)
+        count = len(self._entries)
+        if count:
+            log.info("re-adopted %d blocks from %s", count, self.ssd.dir)
+        return count
+
+    def _drop(self, entry: Entry) -> None:
+        if entry.dram_slot is None and entry.ssd_slot is None:
+            del self._entries[entry.key]
+
+    # -- eviction -------------------------------------------------------------------
+
+    def _evict_dram(self, count: int, protect: frozenset[bytes] = frozenset()) -> int:
+        """Demote up to ``count`` DRAM blocks (to SSD when there is one); return how many left DRAM."""
+
+        def evictable(key: bytes) -> bool:
+            e = self._entries[key]
+            return e.leases == 0 and not e.pinned and key not in protect
+
+        victims = self._dram_policy.victims(count, evictable)
+        for key in victims:
+            entry = self._entries[key]
+            slot = entry.dram_slot
+            if self.ssd is not None and entry.ssd_slot is None:
+                self._demote(entry)
+            self._dram_policy.remove(key)
+            entry.dram_slot = None
+            self._dram_free.give(slot)
+            self._dram_count.evictions += 1
+            self.events.append(EventKind.REMOVED, key, Tier.DRAM)
+            self._drop(entry)
+        return len(victims)
+
+    def _demote(self, entry: Entry) -> None:
+        assert self.ssd is not None and entry.dram_slot is not None
+        if not self._ssd_free.free and not self._evict_ssd(1):
+            return  # SSD full of protected blocks: the block is simply dropped from DRAM
+        slot = self._ssd_free.take()
+        try:
+            self.ssd.write(slot, entry.key, self.slot_view(entry.dram_slot))
+        except OSError as e:
+            log.error("SSD write failed, block %s dropped: %s", entry.key.hex(), e)
+            self._ssd_free.give(slot)
+            return
+        entry.ssd_slot = slot
+        self._ssd_policy.insert(entry.key, entry.position, next(self._tick))
+        self.events.append(EventKind.STORED, entry.key, Tier.SSD)
+
+    def _evict_ssd(self, count: int) -> int:
+        victims = self._ssd_policy.victims(count, lambda key: not self._entries[key].pinned)
+        for key in victims:
+            self._remove_ssd(self._entries[key])
+            self._ssd_count.evictions += 1
+        return len(victims)
+
+    def _remove_ssd(self, entry: Entry) -> None:
+        assert self.ssd is not None and entry.ssd_slot is not None
+        self.ssd.invalidate(entry.ssd_slot)
+        self._ssd_free.give(entry.ssd_slot)
+        self._ssd_policy.remove(entry.key)
+        entry.ssd_slot = None
+        self.events.append(EventKind.REMOVED, entry.key, Tier.SSD)
+        self._drop(entry)
+
+    def _take_dram(self, count: int, protect: frozenset[bytes] = frozenset()) -> list[int]:
+        short = count - len(self._dram_free.free)
+        if short > 0 and self._evict_dram(short, protect) < short:
+            raise StoreFull(
+                f"need {count} DRAM slots, {len(self._dram_free.free)} free and the rest are leased, pinned or reserved"
+            )
+        return [self._dram_free.take() for _ in range(count)]
+
+    def _after_insert(self) -> None:
+        used = self.config.dram_blocks - len(self._dram_free.free)
+        if used > self.config.high_watermark * self.config.dram_blocks:
+            self._evict_dram(used - int(self.config.low_watermark * self.config.dram_blocks))
+
+    # -- two-phase put --------------------------------------------------------------
+
+    def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float | None = None) -> ReserveResult:
+        """Reserve DRAM slots for the keys not yet stored; the caller writes them, then commits.
+
+        ``positions`` are the blocks' indices in their key chains (default: 0..n-1),
+        used by the length-aware policy. Raises ``StoreFull`` when the slots cannot be
+        found, ``ValueError`` for bad keys.
+        """
+        keys = self._check_keys(keys)
+        if len(set(keys)) != len(keys):
+            raise ValueError("a reservation lists the same key twice")
+        pos = list(positions) if positions else list(range(len(keys)))
+        if len(pos) != len(keys):
+            raise ValueError(f"{len(pos)} positions for {len(keys)} keys")
+        with self._lock:
+            existing = [k for k in keys if k in self._entries]
+            todo = [k for k in keys if k not in self._entries]
+            slots = self._take_dram(len(todo))
+            rid = uuid.uuid4().hex
+            self._reservations[rid] = Reservation(
+                rid, dict(zip(todo, slots)), dict(zip(keys, pos)), time.monotonic() + (ttl_s or self.config.reservation_ttl_s)
+            )
+            self._reserved_slots += len(slots)
+            return ReserveResult(rid, list(zip(todo, slots)), existing)
+
+    def _pop_reservation(self, reservation_id: str) -> Reservation:
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            raise KeyError(f"no reservation {reservation_id!r} (never made, already committed or aborted, or timed out)")
+        self._reserved_slots -= len(res.slots)
+        return res
+
+    def commit(self, reservation_id: str) -> tuple[int, int]:
+        """Make a reservation's blocks visible; return (stored, deduplicated). Raises KeyError if unknown."""
+        with self._lock:
+            res = self._pop_reservation(reservation_id)
+            stored = dup = 0
+            for key, slot in res.slots.items():
+                entry = self._entries.get(key)
+                if entry is not None and entry.dram_slot is not None:
+                    self._dram_free.give(slot)  # another put stored it meanwhile
+                    dup += 1
+                    continue
+                if entry is None:
+                    entry = self._entries[key] = Entry(key, res.positions.get(key, 0))
+                entry.dram_slot = slot
+                self._dram_policy.insert(key, entry.position, next(self._tick))
+                self.events.append(EventKind.STORED, key, Tier.DRAM)
+                stored += 1
+            self._after_insert()
+            return stored, dup
+
+    def abort(self, reservation_id: str) -> None:
+        """Free a reservation's slots. Raises KeyError if unknown."""
+        with self._lock:
+            res = self._pop_reservation(reservation_id)
+            for slot in res.slots.values():
+                self._dram_free.give(slot)
+
+    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None) -> tuple[int, int]:
+        """Store blocks from this process's memory (reserve, copy, commit). Returns (stored, already there)."""
+        view = memoryview(data).cast("B")
+        if len(view) != len(keys) * self.block_bytes:
+            raise ValueError(f"{len(view)} bytes for {len(keys)} blocks of {self.block_bytes}")
+        res = self.reserve(keys, positions)
+        index = {k: i for i, k in enumerate(self._check_keys(keys))}
+        for key, slot in res.slots:
+            i = index[key]
+            self.slot_view(slot)[:] = view[i * self.block_bytes : (i + 1) * self.block_bytes]
+        stored, _ = self.commit(res.reservation_id)
+        return stored, len(res.existing)
+
+    # -- reads ----------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Return the longest stored prefix of a key chain and each block's fastest tier. No side effects."""
+        keys = self._check_keys(keys)
+        tiers: list[Tier] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    break
+                tiers.append(Tier.DRAM if entry.dram_slot is not None else Tier.SSD)
+        return LookupResult(len(tiers), tiers)
+
+    def get(self, keys: Sequence[bytes], lease_ttl_s: float | None = None) -> GetResult:
+        """Lease the longest stored prefix of ``keys`` in DRAM (promoting SSD blocks) and return its slots.
+
+        The caller reads the slots (through the transfer engine or the shared memory)
+        and then :meth:`release` s the lease; until then, or until the lease times out,
+        none of these blocks is evicted. A block whose SSD copy fails its checksum is
+        dropped, reported in ``corrupt``, and ends the prefix.
+        """
+        keys = self._check_keys(keys)
+        with self._lock:
+            prefix: list[Entry] = []
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    break
+                prefix.append(entry)
+            for entry in prefix:
+                entry.leases += 1  # nothing in the prefix may be evicted to make room for the rest
+            corrupt: list[bytes] = []
+            ssd_hits = 0
+            for i, entry in enumerate(prefix):
+                if entry.dram_slot is not None:
+                    continue
+                try:
+                    self._promote(entry, frozenset(e.key for e in prefix))
+                    ssd_hits += 1
+                except CorruptBlock as e:
+                    log.warning("corrupt block %s on SSD, dropped: %s", entry.key.hex(), e)
+                    self._corrupt += 1
+                    corrupt.append(entry.key)
+                    entry.leases -= 1
+                    self._remove_ssd(entry)
+                    for later in prefix[i + 1 :]:
+                        later.leases -= 1
+                    prefix = prefix[:i]
+                    break
+                except StoreFull:
+                    for later in prefix[i:]:
+                        later.leases -= 1
+                    prefix = prefix[:i]
+                    break
+            tick = next(self._tick)
+            for entry in reversed(prefix):  # tail first: the head ends up most recent
+                self._dram_policy.touch(entry.key, tick)
+                if entry.ssd_slot is not None:
+                    self._ssd_policy.touch(entry.key, tick)
+            self._dram_count.hits += len(prefix) - ssd_hits
+            self._ssd_count.hits += ssd_hits
+            lid = uuid.uuid4().hex
+            self._leases[lid] = Lease(lid, [e.key for e in prefix], time.monotonic() + (lease_ttl_s or self.config.lease_ttl_s))
+            return GetResult(lid, [(e.key, e.dram_slot) for e in prefix], corrupt, len(prefix) - ssd_hits, ssd_hits)
+
+    def _promote(self, entry: Entry, protect: frozenset[bytes]) -> None:
+        assert self.ssd is not None and entry.ssd_slot is not None
+        (slot,) = self._take_dram(1, protect)
+        try:
+            self.ssd.read(entry.ssd_slot, entry.key, self.slot_view(slot))
+        except (CorruptBlock, OSError) as e:
+            self._dram_free.give(slot)
+            raise CorruptBlock(str(e)) from e
+        entry.dram_slot = slot
+        self._dram_policy.insert(entry.key, entry.position, next(self._tick))
+        self.events.append(EventKind.STORED, entry.key, Tier.DRAM)
+
+    def release(self, lease_id: str) -> None:
+        """End a lease. Raises KeyError if unknown (never granted, released, or expired)."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise KeyError(f"no lease {lease_id!r} (never granted, already released, or expired)")
+            self._unlease(lease)
+            self._after_insert()
+
+    def _unlease(self, lease: Lease) -> None:
+        for key in lease.keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.leases > 0:
+                entry.leases -= 1
+
+    def pin(self, keys: Sequence[bytes], pinned: bool = True) -> int:
+        """Pin (or unpin) stored blocks so no eviction takes them; return how many changed."""
+        keys = self._check_keys(keys)
+        changed = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.pinned != pinned:
+                    entry.pinned = pinned
+                    changed += 1
+        return changed
+
+    def expire(self, now: float | None = None) -> tuple[int, int]:
+        """Abort timed-out reservations and end timed-out leases; return how many of each. Called periodically."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            dead_res = [r.id for r in self._reservations.values() if r.deadline <= now]
+            for rid in dead_res:
+                self.abort(rid)
+            dead_leases = [l for l in self._leases.values() if l.deadline <= now]
+            for lease in dead_leases:
+                del self._leases[lease.id]
+                self._unlease(lease)
+            if dead_res or dead_leases:
+                log.info("expired %d reservations and %d leases", len(dead_res), len(dead_leases))
+            return len(dead_res), len(dead_leases)
+
+    # -- introspection --------------------------------------------------------------
+
+    def contents(self) -> list[tuple[bytes, list[Tier]]]:
+        """Every stored block with the tiers holding it (for snapshots)."""
+        with self._lock:
+            out = []
+            for e in self._entries.values():
+                tiers = ([Tier.DRAM] if e.dram_slot is not None else []) + ([Tier.SSD] if e.ssd_slot is not None else [])
+                out.append((e.key, tiers))
+            return out
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            dram_used = self.config.dram_blocks - len(self._dram_free.free)
+            ssd_cap = self.ssd.num_blocks if self.ssd else 0
+            return StoreStats(
+                node=self.config.node,
+                block_bytes=self.block_bytes,
+                eviction=self.config.eviction.value,
+                dram=TierStats(self.config.dram_blocks, dram_used - self._reserved_slots, self._reserved_slots,
+                               self._dram_count.hits, self._dram_count.evictions),
+                ssd=TierStats(ssd_cap, ssd_cap - len(self._ssd_free.free), 0, self._ssd_count.hits, self._ssd_count.evictions),
+                leases=len(self._leases),
+                reservations=len(self._reservations),
+                corrupt_blocks=self._corrupt,
+                adopted_blocks=self.adopted,
+                event_seq=self.events.next_seq - 1,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        self.events.wake()
+        if self.ssd is not None:
+            self.ssd.close()

@@ -465,14 +465,16 @@ class BlockStore:
 
     # -- introspection --------------------------------------------------------------
 
-    def contents(self) -> list[tuple[bytes, list[Tier]]]:
-        """Every stored block with the tiers holding it (for snapshots)."""
+    def snapshot(self) -> tuple[list[tuple[bytes, Tier]], int]:
+        """Every (block, tier) stored now, and the sequence number the event stream continues from."""
         with self._lock:
             out = []
             for e in self._entries.values():
-                tiers = ([Tier.DRAM] if e.dram_slot is not None else []) + ([Tier.SSD] if e.ssd_slot is not None else [])
-                out.append((e.key, tiers))
-            return out
+                if e.dram_slot is not None:
+                    out.append((e.key, Tier.DRAM))
+                if e.ssd_slot is not None:
+                    out.append((e.key, Tier.SSD))
+            return out, self.events.next_seq
 
     def stats(self) -> StoreStats:
         with self._lock:

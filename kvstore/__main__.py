@@ -1,0 +1,91 @@
+"""Run one KV cache pool node: ``python -m kvstore --help``.
+
+Prints one line ``READY {json}`` on stdout (gRPC address, DRAM segment, adopted SSD
+blocks) when it serves, and stops cleanly on SIGTERM or Ctrl-C (its shared-memory
+segment is removed; SSD blocks stay for the next start to re-adopt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from kvstore.config import EvictionKind, StoreConfig
+from kvstore.service import KVStoreNode, start_server
+from transfer import BackendKind, TransferConfig, make_registry
+
+MIB = 1 << 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m kvstore",
+        description="A KV cache pool node: a DRAM tier (shared memory, served to peers over shm and tcp), "
+        "an optional SSD tier, and the gRPC control service workers and the Conductor talk to.",
+    )
+    p.add_argument("--node", default="kv0", help="node name, unique in the cluster (default: kv0)")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC service and the transfer server bind")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port, printed in the READY line)")
+    p.add_argument("--transfer-port", type=int, default=0, help="transfer (tcp) server port (default: any free port)")
+    p.add_argument("--block-bytes", type=int, required=True,
+                   help="bytes of one block's KV: layers * 2 * block_size * kv_heads * head_dim * dtype bytes")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--dram-blocks", type=int, help="DRAM tier size in blocks")
+    size.add_argument("--dram-mib", type=int, help="DRAM tier size in MiB (rounded down to whole blocks)")
+    p.add_argument("--ssd-dir", help="directory for the SSD tier's slot files (omit for no SSD tier)")
+    p.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier size in blocks")
+    p.add_argument("--ssd-mib", type=int, default=0, help="SSD tier size in MiB (instead of --ssd-blocks)")
+    p.add_argument("--ssd-fsync", action="store_true", help="fsync every SSD write (survive power loss; slower)")
+    p.add_argument("--eviction", choices=[e.value for e in EvictionKind], default="lru", help="eviction policy (default: lru)")
+    p.add_argument("--high-watermark", type=float, default=0.95, help="DRAM use that starts eviction (default: 0.95)")
+    p.add_argument("--low-watermark", type=float, default=0.85, help="DRAM use eviction stops at (default: 0.85)")
+    p.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unless released (default: 30)")
+    p.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds an uncommitted put lives (default: 30)")
+    p.add_argument("--redis-url", help="publish the DRAM segment in this Redis (default: in-process registry)")
+    p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory for the DRAM segment")
+    p.add_argument("--backend", choices=["auto", "tcp", "shm"], default="auto",
+                   help="how this node reaches peers when it pulls blocks (default: auto = shm on this host, else tcp)")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s kvstore[%(process)d] %(message)s")
+    bb = args.block_bytes
+    try:
+        dram_blocks = args.dram_blocks or (args.dram_mib * MIB) // bb
+        ssd_blocks = args.ssd_blocks or (args.ssd_mib * MIB) // bb
+        config = StoreConfig(
+            node=args.node, block_bytes=bb, dram_blocks=dram_blocks, ssd_dir=args.ssd_dir if ssd_blocks else None,
+            ssd_blocks=ssd_blocks if args.ssd_dir else 0, ssd_fsync=args.ssd_fsync, eviction=args.eviction,
+            high_watermark=args.high_watermark, low_watermark=args.low_watermark, lease_ttl_s=args.lease_ttl,
+            reservation_ttl_s=args.reservation_ttl,
+        )  # fmt: skip
+        transfer = TransferConfig(node=args.node, listen_host=args.host, port=args.transfer_port, shm_dir=args.shm_dir,
+                                  backend=BackendKind(args.backend))  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    node = KVStoreNode(config, transfer, make_registry(args.redis_url))
+    server, port = start_server(node, args.host, args.port)
+    ready = {
+        "grpc": f"{args.host}:{port}", "node": args.node, "segment": node.segment.name, "tcp": node.engine.tcp_addr,
+        "dram_blocks": dram_blocks, "ssd_blocks": config.ssd_blocks, "adopted_blocks": node.store.adopted,
+    }  # fmt: skip
+    print("READY " + json.dumps(ready), flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=2).wait()
+    node.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

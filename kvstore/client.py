@@ -1,0 +1,192 @@
+"""The client library workers use to talk to a pool node.
+
+Control calls go over gRPC; block bytes go through a transfer engine (shared memory
+when the node is on this host, tcp otherwise), straight between the caller's buffer and
+the node's DRAM segment::
+
+    with KVStoreClient("10.0.0.5:7100") as kv:
+        kv.put(keys, kv_bytes)              # reserve -> write slots -> commit (abort on failure)
+        hit = kv.get(keys)                  # lease -> read slots -> release
+        hit.num_blocks, hit.data            # the longest stored prefix and its bytes
+
+Errors: ``ValueError`` for bad input (wrong block size, bad keys), ``KeyError`` for an
+unknown reservation or lease, :class:`~kvstore.store.StoreFull` when the node cannot make
+room, :class:`KVStoreUnavailable` when the node cannot be reached,
+:class:`~transfer.TransferError` when the bytes could not be moved.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore.events import Tier
+from kvstore.service import GRPC_OPTIONS, segment_from_pb
+from kvstore.store import LookupResult, StoreFull
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+from transfer import Slice, TransferConfig, TransferEngine, TransferError
+
+PB_TO_TIER = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
+
+
+class KVStoreUnavailable(ConnectionError):
+    """The node did not answer (down, unreachable, or past the deadline)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int  # blocks written and committed
+    existing: int  # blocks the node already had (not sent)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    num_blocks: int  # the longest stored prefix that was read
+    data: memoryview  # num_blocks * block_bytes bytes, in chain order
+    dram_hits: int
+    ssd_hits: int
+    corrupt: list[bytes]  # blocks the node found corrupt (reported, dropped, never returned)
+
+
+def _raise(e: grpc.RpcError) -> None:
+    code, details = e.code(), e.details()
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        raise ValueError(details) from None
+    if code is grpc.StatusCode.NOT_FOUND:
+        raise KeyError(details) from None
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        raise StoreFull(details) from None
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        raise KVStoreUnavailable(f"kvstore: {details}") from None
+    raise RuntimeError(f"kvstore {code.name}: {details}") from None
+
+
+class KVStoreClient:
+    """A connection to one kvstore node. ``engine`` moves the bytes (a private one by default)."""
+
+    def __init__(self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._own_engine = engine is None
+        self.engine = engine or TransferEngine(TransferConfig(node=f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}", serve=False))
+        self._block_bytes: int | None = None
+
+    def _call(self, method, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as e:
+            _raise(e)
+
+    @property
+    def block_bytes(self) -> int:
+        """The node's block size (asked once)."""
+        if self._block_bytes is None:
+            self._block_bytes = self.stats().block_bytes
+        return self._block_bytes
+
+    # -- control calls (one RPC each) -----------------------------------------------
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call(self._stub.Stats, pb.StatsRequest())
+
+    def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float = 0) -> pb.ReserveResponse:
+        return self._call(self._stub.Reserve, pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s))
+
+    def commit(self, reservation_id: str) -> pb.CommitResponse:
+        return self._call(self._stub.Commit, pb.CommitRequest(reservation_id=reservation_id))
+
+    def abort(self, reservation_id: str) -> None:
+        self._call(self._stub.Abort, pb.AbortRequest(reservation_id=reservation_id))
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        r = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
+        return LookupResult(r.prefix_blocks, [PB_TO_TIER[t] for t in r.tiers])
+
+    def get_locations(self, keys: Sequence[bytes], lease_ttl_s: float = 0) -> pb.GetResponse:
+        """Lease the longest stored prefix and return where its bytes are. Release the lease after reading."""
+        return self._call(self._stub.Get, pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes))
+
+    def release(self, lease_id: str) -> None:
+        self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
+
+    def pin(self, keys: Sequence[bytes], pinned: bool = True) -> int:
+        return self._call(self._stub.Pin, pb.PinRequest(keys=keys, pinned=pinned)).changed
+
+    def pull(self, peer: str, keys: Sequence[bytes], timeout_s: float | None = None) -> pb.PullResponse:
+        """Ask this node to copy the prefix of ``keys`` that node ``peer`` (a gRPC address) holds."""
+        return self._call(self._stub.Pull, pb.PullRequest(peer=peer, keys=keys), timeout_s)
+
+    def subscribe(self, from_seq: int = 0, snapshot: bool = False) -> Iterator[pb.EventBatch]:
+        """Stream the node's events from ``from_seq`` (blocks; cancel by closing the client)."""
+        try:
+            yield from self._stub.Subscribe(pb.SubscribeRequest(from_seq=from_seq, snapshot=snapshot))
+        except grpc.RpcError as e:
+            if e.code() is not grpc.StatusCode.CANCELLED:
+                _raise(e)
+
+    # -- data calls (control + transfer) --------------------------------------------
+
+    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None) -> PutResult:
+        """Store ``len(keys)`` blocks from ``data`` (block i at ``i * block_bytes``)."""
+        view = memoryview(data).cast("B")
+        bb = self.block_bytes
+        if len(view) != len(keys) * bb:
+            raise ValueError(f"{len(view)} bytes for {len(keys)} blocks of {bb} bytes")
+        res = self.reserve(keys, positions)
+        try:
+            if res.slots:
+                seg = segment_from_pb(res.segment)
+                self.engine.add_segment(seg)
+                index = {bytes(k): i for i, k in enumerate(keys)}
+                slices = [Slice(index[s.key] * bb, seg.name, s.offset, bb) for s in res.slots]
+                self.engine.write(view, slices).wait(self.engine.config.io_timeout_s)
+        except BaseException:
+            try:
+                self.abort(res.reservation_id)
+            except (KeyError, KVStoreUnavailable):
+                pass  # the reservation times out on the node
+            raise
+        self.commit(res.reservation_id)
+        return PutResult(len(res.slots), len(res.existing))
+
+    def get(self, keys: Sequence[bytes], out=None) -> ReadResult:
+        """Read the longest stored prefix of ``keys`` into ``out`` (or a new buffer)."""
+        got = self.get_locations(keys)
+        bb = self.block_bytes
+        try:
+            n = len(got.slots)
+            view = memoryview(out).cast("B") if out is not None else memoryview(bytearray(n * bb))
+            if len(view) < n * bb:
+                raise ValueError(f"output buffer of {len(view)} bytes cannot hold {n} blocks of {bb}")
+            if n:
+                seg = segment_from_pb(got.segment)
+                self.engine.add_segment(seg)
+                slices = [Slice(i * bb, seg.name, s.offset, bb) for i, s in enumerate(got.slots)]
+                self.engine.read(view, slices).wait(self.engine.config.io_timeout_s)
+        finally:
+            try:
+                self.release(got.lease_id)
+            except (KeyError, KVStoreUnavailable):
+                pass  # expired or node gone: nothing left to free
+        return ReadResult(n, view[: n * bb], got.dram_hits, got.ssd_hits, [bytes(k) for k in got.corrupt])
+
+    def close(self) -> None:
+        self._channel.close()
+        if self._own_engine:
+            self.engine.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["KVStoreClient", "KVStoreUnavailable", "PutResult", "ReadResult", "StoreFull", "TransferError"]

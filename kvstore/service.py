@@ -1,0 +1,215 @@
+"""A pool node as a process: the block store, its DRAM segment, and the gRPC control service.
+
+:class:`KVStoreNode` wires a :class:`~kvstore.store.BlockStore` to a transfer engine (its
+DRAM tier *is* a shared-memory transfer segment, so writers on the same host copy
+straight into it and remote writers ``recv_into`` it) and runs the housekeeping thread
+that expires leases and reservations. :class:`KVStoreServicer` is the thin gRPC adapter:
+it translates messages and maps errors to status codes (bad input INVALID_ARGUMENT,
+unknown reservation or lease NOT_FOUND, full store RESOURCE_EXHAUSTED, an unreachable
+peer UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+
+from kvstore.config import StoreConfig
+from kvstore.events import EventKind, Tier
+from kvstore.ssd import SsdTier
+from kvstore.store import BlockStore, StoreFull
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+from transfer import Segment, Slice, TransferConfig, TransferEngine, TransferError
+from transfer.registry import SegmentRegistry
+
+log = logging.getLogger(__name__)
+
+TIER_TO_PB = {Tier.DRAM: pb.DRAM, Tier.SSD: pb.SSD}
+KIND_TO_PB = {EventKind.STORED: pb.Event.STORED, EventKind.REMOVED: pb.Event.REMOVED}
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def segment_to_pb(seg: Segment) -> pb.SegmentInfo:
+    return pb.SegmentInfo(name=seg.name, node=seg.node, size=seg.size, host=seg.host, pid=seg.pid,
+                          shm_path=seg.shm_path or "", tcp_addr=seg.tcp_addr or "")  # fmt: skip
+
+
+def segment_from_pb(msg: pb.SegmentInfo) -> Segment:
+    return Segment(name=msg.name, node=msg.node, size=msg.size, host=msg.host, pid=msg.pid,
+                   shm_path=msg.shm_path or None, tcp_addr=msg.tcp_addr or None)  # fmt: skip
+
+
+class KVStoreNode:
+    """A running pool node: store + DRAM segment + housekeeping. Call :meth:`close` to stop."""
+
+    def __init__(self, config: StoreConfig, transfer: TransferConfig, registry: SegmentRegistry | None = None) -> None:
+        self.config = config
+        self.engine = TransferEngine(transfer, registry)
+        self.segment = self.engine.allocate("dram", config.dram_blocks * config.block_bytes)
+        ssd = None
+        if config.ssd_dir:
+            ssd = SsdTier(config.ssd_dir, config.block_bytes, config.ssd_blocks, config.ssd_file_blocks, config.ssd_fsync)
+        self.store = BlockStore(config, self.engine.buffer(self.segment.name), ssd)
+        self._stop = threading.Event()
+        self._housekeeper = threading.Thread(target=self._housekeep, name="kvstore-expire", daemon=True)
+        self._housekeeper.start()
+
+    def _housekeep(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.store.expire()
+            except Exception:  # keep expiring; a bug here must not silently stop it
+                log.exception("lease/reservation expiry failed")
+
+    def pull(self, peer: str, keys: list[bytes]) -> tuple[int, int, int]:
+        """Copy the longest prefix of ``keys`` stored on ``peer`` into this node; return (pulled, already, missing)."""
+        from kvstore.client import KVStoreClient  # the node is a client of its peer
+
+        with KVStoreClient(peer, engine=self.engine) as client:
+            got = client.get_locations(keys)
+            try:
+                remote = segment_from_pb(got.segment)
+                self.engine.add_segment(remote)
+                found = [s.key for s in got.slots]
+                res = self.store.reserve(found)
+                try:
+                    where = {s.key: s for s in got.slots}
+                    bb = self.config.block_bytes
+                    slices = [Slice(slot * bb, remote.name, where[key].offset, bb) for key, slot in res.slots]
+                    self.engine.read(self.segment.name, slices).wait(self.engine.config.io_timeout_s)
+                except BaseException:
+                    self.store.abort(res.reservation_id)
+                    raise
+                stored, _ = self.store.commit(res.reservation_id)
+            finally:
+                client.release(got.lease_id)
+        return stored, len(res.existing), len(keys) - len(found)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.store.close()
+        self.engine.close()
+
+
+def _status(fn):
+    """Map the store's exceptions to gRPC status codes with the message a caller can act on."""
+
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        try:
+            return fn(self, request, context)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KeyError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, e.args[0] if e.args else str(e))
+        except StoreFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except TransferError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except grpc.RpcError as e:  # a peer's error during Pull
+            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"peer: {e.details() if hasattr(e, 'details') else e}")
+
+    return wrapper
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    """gRPC adapter over a :class:`KVStoreNode`."""
+
+    def __init__(self, node: KVStoreNode) -> None:
+        self.node = node
+        self.store = node.store
+        self.seg = segment_to_pb(node.segment)
+        self.bb = node.config.block_bytes
+
+    def _slots(self, pairs) -> list[pb.SlotLocation]:
+        return [pb.SlotLocation(key=k, offset=slot * self.bb, length=self.bb) for k, slot in pairs]
+
+    @_status
+    def Reserve(self, request, context):
+        self.store.check_block_bytes(request.block_bytes)
+        res = self.store.reserve(list(request.keys), list(request.positions) or None, request.ttl_s or None)
+        return pb.ReserveResponse(reservation_id=res.reservation_id, segment=self.seg, slots=self._slots(res.slots), existing=res.existing)
+
+    @_status
+    def Commit(self, request, context):
+        stored, dup = self.store.commit(request.reservation_id)
+        return pb.CommitResponse(stored=stored, deduplicated=dup)
+
+    @_status
+    def Abort(self, request, context):
+        self.store.abort(request.reservation_id)
+        return pb.AbortResponse()
+
+    @_status
+    def Lookup(self, request, context):
+        res = self.store.lookup(list(request.keys))
+        return pb.LookupResponse(prefix_blocks=res.prefix_blocks, tiers=[TIER_TO_PB[t] for t in res.tiers])
+
+    @_status
+    def Get(self, request, context):
+        self.store.check_block_bytes(request.block_bytes)
+        res = self.store.get(list(request.keys), request.lease_ttl_s or None)
+        return pb.GetResponse(lease_id=res.lease_id, segment=self.seg, slots=self._slots(res.slots), corrupt=res.corrupt,
+                              dram_hits=res.dram_hits, ssd_hits=res.ssd_hits)  # fmt: skip
+
+    @_status
+    def Release(self, request, context):
+        self.store.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    @_status
+    def Pin(self, request, context):
+        return pb.PinResponse(changed=self.store.pin(list(request.keys), request.pinned))
+
+    @_status
+    def Pull(self, request, context):
+        if not request.peer:
+            raise ValueError("Pull needs the peer's address")
+        pulled, already, missing = self.node.pull(request.peer, list(request.keys))
+        return pb.PullResponse(pulled=pulled, already=already, missing=missing)
+
+    @_status
+    def Stats(self, request, context):
+        s = self.store.stats()
+        tier = lambda t: pb.TierStats(capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,  # noqa: E731
+                                      reserved_blocks=t.reserved_blocks, hits=t.hits, evictions=t.evictions)
+        return pb.StatsResponse(node=s.node, block_bytes=s.block_bytes, eviction=s.eviction, dram=tier(s.dram), ssd=tier(s.ssd),
+                                leases=s.leases, reservations=s.reservations, corrupt_blocks=s.corrupt_blocks,
+                                adopted_blocks=s.adopted_blocks, event_seq=s.event_seq, segment=self.seg)  # fmt: skip
+
+    def Subscribe(self, request, context):
+        node = self.node.config.node
+        seq = max(1, request.from_seq)
+        first = True
+        while context.is_active():
+            events, lost = self.store.events.read(seq, timeout=0.5)
+            if (first and request.snapshot) or lost:
+                blocks, seq = self.store.snapshot()
+                yield pb.EventBatch(node=node, reset=True, next_seq=seq, events=[
+                    pb.Event(seq=0, kind=pb.Event.STORED, key=k, tier=TIER_TO_PB[t]) for k, t in blocks
+                ])  # fmt: skip
+                first = False
+                continue
+            first = False
+            if events:
+                seq = events[-1].seq + 1
+                yield pb.EventBatch(node=node, next_seq=seq, events=[
+                    pb.Event(seq=e.seq, kind=KIND_TO_PB[e.kind], key=e.key, tier=TIER_TO_PB[e.tier], time=e.time) for e in events
+                ])  # fmt: skip
+
+
+def start_server(node: KVStoreNode, host: str = "127.0.0.1", port: int = 0, workers: int = 32) -> tuple[grpc.Server, int]:
+    """Start the gRPC service for ``node``; return the server and its bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"), options=GRPC_OPTIONS)
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(node), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ValueError(f"cannot bind the kvstore gRPC service to {host}:{port}")
+    server.start()
+    return server, bound

@@ -205,14 +205,17 @@ class BlockStore:
 
     # -- eviction -------------------------------------------------------------------
 
-    def _evict_dram(self, count: int, protect: frozenset[bytes] = frozenset()) -> int:
-        """Demote up to ``count`` DRAM blocks (to SSD when there is one); return how many left DRAM."""
-
+    def _dram_victims(self, count: int, protect: frozenset[bytes] = frozenset()) -> list[bytes]:
         def evictable(key: bytes) -> bool:
             e = self._entries[key]
             return e.leases == 0 and not e.pinned and key not in protect
 
-        victims = self._dram_policy.victims(count, evictable)
+        return self._dram_policy.victims(count, evictable)
+
+    def _evict_dram(self, count: int, protect: frozenset[bytes] = frozenset(), victims: list[bytes] | None = None) -> int:
+        """Demote up to ``count`` DRAM blocks (to SSD when there is one); return how many left DRAM."""
+        if victims is None:
+            victims = self._dram_victims(count, protect)
         for key in victims:
             entry = self._entries[key]
             slot = entry.dram_slot
@@ -259,10 +262,14 @@ class BlockStore:
 
     def _take_dram(self, count: int, protect: frozenset[bytes] = frozenset()) -> list[int]:
         short = count - len(self._dram_free.free)
-        if short > 0 and self._evict_dram(short, protect) < short:
-            raise StoreFull(
-                f"need {count} DRAM slots, {len(self._dram_free.free)} free and the rest are leased, pinned or reserved"
-            )
+        if short > 0:
+            victims = self._dram_victims(short, protect)
+            if len(victims) < short:  # refuse before evicting anything
+                raise StoreFull(
+                    f"need {count} DRAM slots; {len(self._dram_free.free)} are free and only {len(victims)} more can be "
+                    f"freed (the rest are leased, pinned or reserved)"
+                )
+            self._evict_dram(short, victims=victims)
         return [self._dram_free.take() for _ in range(count)]
 
     def _after_insert(self) -> None:

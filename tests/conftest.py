@@ -319,3 +319,27 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("greedy near-ties accepted")
         for line in NEAR_TIES:
             terminalreporter.write_line(line)
+
+
+# -- pool processes -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the session (installed by `make test`)."""
+    from kvnodes import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session's Redis, emptied for this test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url

@@ -1,0 +1,196 @@
+"""The block store in one process: two-phase puts, bad input, a full store, watermarks, the SSD tier."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvstore.config import StoreConfig
+from kvstore.events import EventKind, Tier
+from kvstore.ssd import CorruptBlock, SsdTier
+from kvstore.store import BlockStore, StoreFull
+
+BB = 4096 + 100  # not a multiple of the SSD alignment on purpose
+
+
+def keys(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt]) + i.to_bytes(15, "big") for i in range(n)]
+
+
+def blocks(n: int, seed: int = 0) -> bytes:
+    return os.urandom(n * BB) if seed == 0 else bytes((i * 7 + seed) % 251 for i in range(n * BB))
+
+
+def read(store: BlockStore, ks: list[bytes]) -> tuple[bytes, object]:
+    got = store.get(ks)
+    data = b"".join(bytes(store.slot_view(slot)) for _, slot in got.slots)
+    store.release(got.lease_id)
+    return data, got
+
+
+def make(dram_blocks=8, ssd_dir=None, ssd_blocks=0, **kw) -> BlockStore:
+    """A store; watermarks off (1.0) unless a test sets them, so tiny stores fill up exactly."""
+    kw.setdefault("high_watermark", 1.0)
+    kw.setdefault("low_watermark", 1.0)
+    cfg = StoreConfig(block_bytes=BB, dram_blocks=dram_blocks, ssd_dir=str(ssd_dir) if ssd_dir else None, ssd_blocks=ssd_blocks,
+                      ssd_file_blocks=4, **kw)  # fmt: skip
+    ssd = SsdTier(ssd_dir, BB, ssd_blocks, 4) if ssd_dir else None
+    return BlockStore(cfg, bytearray(BB * dram_blocks), ssd)
+
+
+def test_put_then_get_returns_the_bytes_and_the_longest_prefix():
+    store = make()
+    ks, data = keys(3), blocks(3)
+    assert store.put(ks, data) == (3, 0)
+    assert store.put(ks[:2], data[: 2 * BB]) == (0, 2)  # already there: nothing written
+    got, res = read(store, ks + keys(2, salt=9))
+    assert got == data and len(res.slots) == 3 and res.dram_hits == 3
+    assert store.lookup([ks[0], keys(1, salt=9)[0], ks[2]]).prefix_blocks == 1  # the chain stops at the first miss
+
+
+def test_reserved_block_is_invisible_until_commit_and_abort_frees_it():
+    store = make(dram_blocks=2)
+    ks = keys(2)
+    res = store.reserve(ks)
+    for _, slot in res.slots:
+        store.slot_view(slot)[:] = b"x" * BB
+    assert store.lookup(ks).prefix_blocks == 0  # half-written is never visible
+    assert store.stats().dram.reserved_blocks == 2
+    with pytest.raises(StoreFull):
+        store.reserve(keys(1, salt=1))  # reserved slots are not evictable
+    store.abort(res.reservation_id)
+    assert store.stats().dram.reserved_blocks == 0 and store.lookup(ks).prefix_blocks == 0
+    with pytest.raises(KeyError, match="no reservation"):
+        store.commit(res.reservation_id)
+    res = store.reserve(ks)
+    assert store.commit(res.reservation_id) == (2, 0)
+    assert store.lookup(ks).prefix_blocks == 2
+
+
+def test_bad_input_gets_clear_errors():
+    store = make()
+    with pytest.raises(ValueError, match="16 bytes"):
+        store.reserve([b"short"])
+    with pytest.raises(ValueError, match="same key twice"):
+        store.reserve(keys(1) * 2)
+    with pytest.raises(ValueError, match="positions"):
+        store.reserve(keys(2), positions=[0])
+    with pytest.raises(ValueError, match="block size 1000 does not match"):
+        store.check_block_bytes(1000)
+    with pytest.raises(ValueError, match="bytes for 2 blocks"):
+        store.put(keys(2), b"x" * BB)
+    with pytest.raises(KeyError):
+        store.release("no-such-lease")
+    with pytest.raises(ValueError):
+        StoreConfig(block_bytes=BB, dram_blocks=4, low_watermark=0.9, high_watermark=0.5)
+
+
+def test_reservation_times_out():
+    store = make()
+    res = store.reserve(keys(2), ttl_s=0.001)
+    assert store.expire(now=float("inf")) == (1, 0)
+    with pytest.raises(KeyError):
+        store.commit(res.reservation_id)
+    assert store.stats().dram.reserved_blocks == 0
+
+
+def test_full_store_refuses_without_corrupting():
+    store = make(dram_blocks=3)
+    ks, data = keys(3), blocks(3)
+    store.put(ks, data)
+    lease = store.get(ks)
+    with pytest.raises(StoreFull, match="leased, pinned or reserved"):
+        store.put(keys(1, salt=1), blocks(1))
+    store.release(lease.lease_id)
+    assert read(store, ks)[0] == data
+
+
+def test_watermarks_evict_down_to_the_low_mark():
+    store = make(dram_blocks=10, high_watermark=0.8, low_watermark=0.5)
+    ks = keys(9)
+    for k in ks[:8]:
+        store.put([k], blocks(1, seed=3))
+    assert store.stats().dram.used_blocks == 8  # at the high mark, not past it
+    store.put([ks[8]], blocks(1, seed=3))
+    assert store.stats().dram.used_blocks == 5
+    assert [store.lookup([k]).prefix_blocks for k in ks] == [0, 0, 0, 0, 1, 1, 1, 1, 1]  # LRU: oldest four went
+
+
+def test_ssd_round_trip_demotion_and_promotion(tmp_path):
+    store = make(dram_blocks=4, ssd_dir=tmp_path, ssd_blocks=8)
+    ks, data = keys(6), blocks(6)
+    seq = store.events.next_seq
+    for i, k in enumerate(ks):
+        store.put([k], data[i * BB : (i + 1) * BB])
+    assert store.lookup(ks).tiers == [Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM, Tier.DRAM, Tier.DRAM]
+    events, _ = store.events.read(seq, timeout=0)
+    assert (EventKind.STORED, ks[0], Tier.SSD) in [(e.kind, e.key, e.tier) for e in events]
+    assert (EventKind.REMOVED, ks[0], Tier.DRAM) in [(e.kind, e.key, e.tier) for e in events]
+    got, res = read(store, ks[:1])  # a hit on SSD comes back through DRAM
+    assert got == data[:BB] and res.ssd_hits == 1
+    assert store.lookup(ks[:1]).tiers == [Tier.DRAM]
+    got, res = read(store, ks[:4])  # a prefix, promoting what is still on SSD
+    # ks[1] was still on SSD, and promoting ks[0] had demoted ks[2] (then least recently used)
+    assert got == data[: 4 * BB] and (res.ssd_hits, res.dram_hits) == (2, 2)
+    got, res = read(store, ks)  # more than DRAM holds at once: the lease stops at what fits
+    assert len(res.slots) == 4 and got == data[: 4 * BB]
+    stats = store.stats()
+    assert stats.ssd.hits >= 2 and stats.dram.evictions >= 2
+
+
+def test_flipped_byte_on_ssd_is_a_reported_miss(tmp_path):
+    store = make(dram_blocks=2, ssd_dir=tmp_path, ssd_blocks=4)
+    ks, data = keys(2), blocks(2)
+    store.put(ks, data)
+    store.put(keys(1, salt=3), blocks(1))  # demotes ks[0] to SSD slot 0
+    assert store.lookup(ks[:1]).tiers == [Tier.SSD]
+    path = tmp_path / "slots-0000.bin"
+    with open(path, "r+b") as f:  # slot 0's data starts at 4096
+        f.seek(4096 + 1234)
+        byte = f.read(1)
+        f.seek(4096 + 1234)
+        f.write(bytes([byte[0] ^ 0x01]))
+    _, res = read(store, ks)
+    assert res.slots == [] and res.corrupt == [ks[0]]
+    assert store.stats().corrupt_blocks == 1
+    assert store.lookup(ks).prefix_blocks == 0  # dropped: later lookups miss instead of serving bad bytes
+
+
+def test_ssd_write_interrupted_by_a_crash_never_reads_back_valid(tmp_path, monkeypatch):
+    ssd = SsdTier(tmp_path, BB, 4, 4)
+    old, new = b"o" * BB, b"n" * BB
+    ssd.write(0, keys(1)[0], memoryview(old))
+    real = os.pwrite
+    calls = []
+
+    def crash_before_header(fd, data, offset):  # a process killed after the data, before the header
+        calls.append(offset)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", crash_before_header)
+    with pytest.raises(KeyboardInterrupt):
+        ssd.write(0, keys(1, salt=5)[0], memoryview(new))
+    monkeypatch.setattr(os, "pwrite", real)
+    ssd.close()
+    again = SsdTier(tmp_path, BB, 4, 4)
+    assert again.adopt() == []  # neither the old block nor the half-written new one
+    with pytest.raises(CorruptBlock):
+        again.read(0, keys(1, salt=5)[0], memoryview(bytearray(BB)))
+
+
+def test_restart_re_adopts_ssd_blocks(tmp_path):
+    store = make(dram_blocks=2, ssd_dir=tmp_path, ssd_blocks=8)
+    ks, data = keys(5), blocks(5)
+    for i, k in enumerate(ks):
+        store.put([k], data[i * BB : (i + 1) * BB])
+    on_ssd = [k for k, t in zip(ks, store.lookup(ks).tiers) if t is Tier.SSD]
+    store.close()  # no flush, no shutdown hook: what is on disk is what a kill would leave
+    again = make(dram_blocks=4, ssd_dir=tmp_path, ssd_blocks=8)
+    assert again.adopted == len(on_ssd) == 3
+    got, res = read(again, on_ssd)
+    assert got == data[: 3 * BB] and res.ssd_hits == 3
+    with pytest.raises(ValueError, match="another geometry"):
+        SsdTier(tmp_path, BB * 2, 8, 4)

@@ -1,0 +1,161 @@
+"""The transfer engine: one-sided batched reads and writes over shm and tcp, registries, and failing fast."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+import uuid
+
+import pytest
+
+from kvnodes import start_node
+from transfer import (
+    BackendKind, MemoryRegistry, RedisRegistry, Segment, Slice, TransferConfig, TransferEngine, TransferError, TransferState,
+)  # fmt: skip
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def shm_dir():
+    path = f"/dev/shm/mooncake-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def pair(shm_dir):
+    """Node 'owner' with a 4 MiB segment of known bytes, and a peer engine per backend."""
+    registry = MemoryRegistry()
+    owner = TransferEngine(TransferConfig(node="owner", shm_dir=shm_dir), registry)
+    owner.allocate("mem", 4 * MIB)
+    owner.buffer("owner/mem")[:] = os.urandom(4 * MIB)
+    peers = {
+        kind: TransferEngine(TransferConfig(node=f"peer-{kind}", backend=kind, shm_dir=shm_dir, tcp_chunk_bytes=64 * 1024), registry)
+        for kind in ("tcp", "shm")
+    }
+    yield owner, peers
+    for p in peers.values():
+        p.close()
+    owner.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_batched_read_and_write_move_the_exact_bytes(pair, backend):
+    owner, peers = pair
+    peer, remote = peers[backend], owner.buffer("owner/mem")
+    local = bytearray(3 * MIB)
+    # slices that cross chunk boundaries, are unaligned, and land out of order in the local buffer
+    slices = [Slice(2 * MIB, "owner/mem", 12345, MIB), Slice(0, "owner/mem", 3 * MIB - 7, 300_001), Slice(MIB, "owner/mem", 0, 17)]
+    batch = peer.read(local, slices)
+    batch.wait(10)
+    assert batch.state is TransferState.DONE
+    for s in slices:
+        assert local[s.local_offset : s.local_offset + s.length] == remote[s.remote_offset : s.remote_offset + s.length]
+    payload = os.urandom(2 * MIB)
+    peer.write(payload, [Slice(0, "owner/mem", 5, MIB), Slice(MIB, "owner/mem", 2 * MIB + 3, MIB)]).wait(10)
+    assert bytes(remote[5 : 5 + MIB]) == payload[:MIB]
+    assert bytes(remote[2 * MIB + 3 : 3 * MIB + 3]) == payload[MIB:]
+
+
+def test_backend_is_chosen_per_peer(pair, shm_dir):
+    owner, peers = pair
+    seg = owner.segment("owner/mem")
+    auto = TransferEngine(TransferConfig(node="auto", shm_dir=shm_dir, serve=False), owner.registry)
+    try:
+        assert auto.backend_for(seg).kind is BackendKind.SHM  # same host
+        elsewhere = Segment(**{**seg.to_dict(), "host": "other-host:boot"})
+        assert auto.backend_for(elsewhere).kind is BackendKind.TCP
+        assert peers["tcp"].backend_for(seg).kind is BackendKind.TCP
+        with pytest.raises(ValueError, match="not on this host"):
+            peers["shm"].backend_for(elsewhere)
+    finally:
+        auto.close()
+
+
+def test_bad_requests_get_clear_errors(pair):
+    owner, peers = pair
+    peer = peers["tcp"]
+    with pytest.raises(ValueError, match="unknown segment"):
+        peer.read(bytearray(10), [Slice(0, "nobody/mem", 0, 10)])
+    with pytest.raises(ValueError, match="past segment"):
+        peer.read(bytearray(10), [Slice(0, "owner/mem", 4 * MIB - 5, 10)])
+    with pytest.raises(ValueError, match="past the local buffer"):
+        peer.read(bytearray(10), [Slice(5, "owner/mem", 0, 10)])
+    with pytest.raises(ValueError, match="writable"):
+        peer.read(b"0123456789", [Slice(0, "owner/mem", 0, 10)])
+    with pytest.raises(ValueError, match="length > 0"):
+        peer.read(bytearray(10), [Slice(0, "owner/mem", 0, 0)])
+    with pytest.raises(ValueError, match="rdma"):
+        TransferEngine(TransferConfig(node="x", backend="rdma"))
+    with pytest.raises(ValueError, match="already registered"):
+        owner.allocate("mem", 10)
+    # a descriptor that lies about the size: the owner refuses, the batch fails with its reason
+    liar = Segment(**{**owner.segment("owner/mem").to_dict(), "name": "owner/mem", "size": 8 * MIB})
+    peer2 = TransferEngine(TransferConfig(node="p2", backend="tcp", serve=False), MemoryRegistry())
+    try:
+        peer2.add_segment(liar)
+        batch = peer2.read(bytearray(MIB), [Slice(0, "owner/mem", 6 * MIB, MIB)])
+        with pytest.raises(TransferError, match="past its end"):
+            batch.wait(10)
+        assert batch.state is TransferState.FAILED
+        peer2.read(bytearray(10), [Slice(0, "owner/mem", 0, 10)]).wait(10)  # the connection is still good
+    finally:
+        peer2.close()
+
+
+def test_redis_registry_shares_segments_between_engines(redis_url, shm_dir):
+    owner = TransferEngine(TransferConfig(node="owner", shm_dir=shm_dir), RedisRegistry(redis_url))
+    reader = TransferEngine(TransferConfig(node="reader", backend="tcp", serve=False), RedisRegistry(redis_url))
+    try:
+        seg = owner.allocate("mem", MIB)
+        owner.buffer(seg.name)[:4] = b"moon"
+        assert RedisRegistry(redis_url).get(seg.name) == seg
+        assert [s.name for s in RedisRegistry(redis_url).list(node="owner")] == [seg.name]
+        out = bytearray(4)
+        reader.read(out, [Slice(0, seg.name, 0, 4)]).wait(10)
+        assert out == b"moon"
+    finally:
+        reader.close()
+        owner.close()
+    assert RedisRegistry(redis_url).list() == []  # a closed engine unregisters its segments
+
+
+def test_peer_killed_mid_transfer_fails_promptly(shm_dir):
+    node = start_node("victim", 1 * MIB, 64, shm_dir=shm_dir)
+    reader = TransferEngine(TransferConfig(node="reader", backend="tcp", serve=False, io_timeout_s=60), MemoryRegistry())
+    try:
+        stats_seg = Segment(name="victim/dram", node="victim", size=64 * MIB, host="elsewhere", pid=node.proc.pid,
+                            tcp_addr=node.info["tcp"])  # fmt: skip
+        reader.add_segment(stats_seg)
+        node.kill(signal.SIGSTOP)  # the peer stops answering with the batch on the wire
+        batch = reader.read(bytearray(64 * MIB), [Slice(0, "victim/dram", 0, 64 * MIB)])
+        time.sleep(0.5)
+        assert batch.state is TransferState.TRANSFERRING
+        node.kill(signal.SIGKILL)
+        with pytest.raises(TransferError, match="'victim'.*connection lost"):
+            batch.wait(30)  # fails on the reset, long before io_timeout_s (60 s)
+        with pytest.raises(TransferError, match="cannot connect"):
+            reader.read(bytearray(10), [Slice(0, "victim/dram", 0, 10)]).wait(30)
+    finally:
+        node.stop()
+        reader.close()
+
+
+def test_shm_peer_that_died_fails_its_transfers(shm_dir):
+    node = start_node("victim", 64 * 1024, 4, shm_dir=shm_dir)
+    reader = TransferEngine(TransferConfig(node="reader", backend="shm", serve=False), MemoryRegistry())
+    try:
+        seg = Segment(name="victim/dram", node="victim", size=4 * 64 * 1024, host=reader.host, pid=node.proc.pid,
+                      shm_path=os.path.join(shm_dir, "victim--dram"))  # fmt: skip
+        reader.add_segment(seg)
+        reader.read(bytearray(10), [Slice(0, "victim/dram", 0, 10)]).wait(10)
+        node.kill(signal.SIGKILL)  # its shared-memory file outlives it
+        assert os.path.exists(seg.shm_path)
+        with pytest.raises(TransferError, match="owner process .* is gone"):
+            reader.read(bytearray(10), [Slice(0, "victim/dram", 0, 10)]).wait(10)
+    finally:
+        node.stop()
+        reader.close()

@@ -9,7 +9,7 @@ MOONCAKE := $(VENV)/bin/mooncake
 MODEL ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: up test install dev model redis clean
+.PHONY: up test install dev model redis protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ up: model
 
 test: dev model redis
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The generated gRPC modules are committed; regenerate them after editing protos/*.proto.
+protos: $(VENV)/.dev
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,184 @@
+"""Pool nodes as real processes on loopback: put on one, read on the other; restart after kill -9; events; errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import uuid
+
+import pytest
+
+from kvnodes import start_node
+from kvstore.client import KVStoreClient, KVStoreUnavailable
+from kvstore.events import Tier
+from kvstore.store import StoreFull
+from mooncake.blocks import block_keys, model_fingerprint
+from protos import kvstore_pb2 as pb
+from transfer import RedisRegistry, TransferConfig, TransferEngine
+
+BB = 256 * 1024  # bytes per block
+FP = model_fingerprint("test-model")
+
+
+def chain(n: int, seed: int) -> list[bytes]:
+    """Real block keys: a chain over n blocks of 16 tokens."""
+    return block_keys([(seed * 1000 + i) % 30000 for i in range(16 * n)], 16, FP)
+
+
+@pytest.fixture
+def shm_dir():
+    path = f"/dev/shm/mooncake-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes(shm_dir):
+    started = []
+
+    def start(name, *extra, dram_blocks=32):
+        node = start_node(name, BB, dram_blocks, *extra, shm_dir=shm_dir)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+def tcp_client(address: str) -> KVStoreClient:
+    engine = TransferEngine(TransferConfig(node=f"client-{uuid.uuid4().hex[:6]}", backend="tcp", serve=False))
+    client = KVStoreClient(address, engine=engine)
+    client._own_engine = True  # closed with the client
+    return client
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_put_on_one_node_read_on_the_other(nodes, backend):
+    a = nodes("a")
+    b = nodes("b", "--backend", backend)  # how b reaches a when it pulls
+    keys, data = chain(6, seed=1), os.urandom(6 * BB)
+    connect = tcp_client if backend == "tcp" else KVStoreClient
+    with connect(a.grpc) as ca, connect(b.grpc) as cb:
+        assert ca.put(keys, data).stored == 6
+        assert cb.lookup(keys).prefix_blocks == 0
+        pulled = cb.pull(a.grpc, keys[:4] + chain(2, seed=9))  # a's prefix, then keys nobody has
+        assert (pulled.pulled, pulled.missing) == (4, 2)
+        got = cb.get(keys)
+        assert got.num_blocks == 4 and bytes(got.data) == data[: 4 * BB]
+        assert cb.stats().dram.used_blocks == 4
+        assert cb.pull(a.grpc, keys).pulled == 2  # only what b lacks moves
+        assert bytes(cb.get(keys).data) == data
+
+
+def test_client_errors_are_clear(nodes):
+    a = nodes("a", "--high-watermark", "1", "--low-watermark", "1", dram_blocks=4)
+    with KVStoreClient(a.grpc) as c:
+        with pytest.raises(ValueError, match="bytes for 2 blocks"):
+            c.put(chain(2, 1), b"x" * BB)
+        c._block_bytes = BB // 2  # a worker configured for another model
+        with pytest.raises(ValueError, match="does not match this store's"):
+            c.put(chain(1, 1), b"x" * (BB // 2))
+        c._block_bytes = None
+        with pytest.raises(ValueError, match="16 bytes"):
+            c.lookup([b"short"])
+        with pytest.raises(KeyError, match="no lease"):
+            c.release("nope")
+        with pytest.raises(KeyError, match="no reservation"):
+            c.commit("nope")
+        keys = chain(4, 2)
+        c.put(keys, os.urandom(4 * BB))
+        lease = c.get_locations(keys)
+        with pytest.raises(StoreFull):
+            c.put(chain(1, 3), os.urandom(BB))
+        c.release(lease.lease_id)
+        assert c.put(chain(1, 3), os.urandom(BB)).stored == 1
+    a.stop()
+    with KVStoreClient(a.grpc, timeout_s=2) as c, pytest.raises(KVStoreUnavailable):
+        c.stats()
+
+
+def test_kill_9_then_restart_re_adopts_ssd_blocks(nodes, tmp_path):
+    ssd = ["--ssd-dir", str(tmp_path / "ssd"), "--ssd-blocks", "32"]
+    a = nodes("a", *ssd, dram_blocks=4)
+    keys, data = chain(10, seed=4), os.urandom(10 * BB)
+    with KVStoreClient(a.grpc) as c:
+        for i, k in enumerate(keys):  # one by one: the oldest are demoted to SSD as DRAM fills
+            c.put([k], data[i * BB : (i + 1) * BB], positions=[i])
+        tiers = c.lookup(keys).tiers
+    on_ssd = [i for i, t in enumerate(tiers) if t is Tier.SSD]
+    assert len(on_ssd) >= 6
+    a.kill(signal.SIGKILL)
+    again = nodes("a", *ssd, dram_blocks=8)
+    assert again.info["adopted_blocks"] == len(on_ssd)
+    with KVStoreClient(again.grpc) as c:
+        snap = next(iter(c.subscribe(snapshot=True)))
+        assert snap.reset and {e.key for e in snap.events} == {keys[i] for i in on_ssd}
+        assert all(e.tier == pb.SSD for e in snap.events)
+        prefix = on_ssd[: next((j for j, i in enumerate(on_ssd) if i != j), len(on_ssd))]
+        got = c.get(keys)
+        assert got.num_blocks == len(prefix) and bytes(got.data) == data[: len(prefix) * BB]
+        assert got.ssd_hits == len(prefix)
+
+
+def test_flipped_byte_in_an_ssd_block_is_a_reported_miss(nodes, tmp_path):
+    ssd_dir = tmp_path / "ssd"
+    a = nodes("a", "--ssd-dir", str(ssd_dir), "--ssd-blocks", "8", "--high-watermark", "1", "--low-watermark", "1", dram_blocks=3)
+    keys, data = chain(3, seed=5), os.urandom(3 * BB)
+    with KVStoreClient(a.grpc) as c:
+        c.put(keys, data)
+        c.put(chain(1, seed=50), os.urandom(BB))  # keys[0] goes to SSD slot 0
+        assert c.lookup(keys[:1]).tiers == [Tier.SSD]
+        with open(ssd_dir / "slots-0000.bin", "r+b") as f:
+            f.seek(4096 + 777)
+            b = f.read(1)
+            f.seek(4096 + 777)
+            f.write(bytes([b[0] ^ 0x80]))
+        got = c.get(keys)
+        assert got.num_blocks == 0 and got.corrupt == [keys[0]]
+        assert c.stats().corrupt_blocks == 1
+        assert c.lookup(keys).prefix_blocks == 0
+
+
+def test_events_stream_what_is_stored_and_removed(nodes):
+    a = nodes("a", "--high-watermark", "1", "--low-watermark", "1", dram_blocks=2)
+    seen: list[pb.Event] = []
+    done = threading.Event()
+    with KVStoreClient(a.grpc) as c:
+        keys = chain(3, seed=6)
+
+        def follow():
+            for batch in c.subscribe(from_seq=1):
+                seen.extend(batch.events)
+                if len(seen) >= 4:
+                    done.set()
+                    return
+
+        t = threading.Thread(target=follow, daemon=True)
+        t.start()
+        c.put(keys[:2], os.urandom(2 * BB))
+        c.put(keys[2:], os.urandom(BB))  # evicts keys[0] (no SSD tier: it is gone)
+        assert done.wait(10)
+    kinds = [(e.kind, e.key, e.tier) for e in seen[:4]]
+    assert kinds == [
+        (pb.Event.STORED, keys[0], pb.DRAM), (pb.Event.STORED, keys[1], pb.DRAM),
+        (pb.Event.REMOVED, keys[0], pb.DRAM), (pb.Event.STORED, keys[2], pb.DRAM),
+    ]  # fmt: skip
+    assert [e.seq for e in seen[:4]] == [1, 2, 3, 4]
+
+
+def test_nodes_publish_segments_in_redis(nodes, redis_url):
+    a = nodes("a", "--redis-url", redis_url)
+    b = nodes("b", "--redis-url", redis_url, "--backend", "tcp")
+    registry = RedisRegistry(redis_url)
+    assert {s.name for s in registry.list()} == {"a/dram", "b/dram"}
+    assert registry.get("a/dram").tcp_addr == a.info["tcp"]
+    keys, data = chain(2, seed=7), os.urandom(2 * BB)
+    with KVStoreClient(a.grpc) as ca, KVStoreClient(b.grpc) as cb:
+        ca.put(keys, data)
+        assert cb.pull(a.grpc, keys).pulled == 2
+        assert bytes(cb.get(keys).data) == data
+    a.stop()  # a clean stop unregisters
+    assert {s.name for s in registry.list()} == {"b/dram"}

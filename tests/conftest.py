@@ -324,6 +324,17 @@ def pytest_terminal_summary(terminalreporter):
 # -- pool processes -------------------------------------------------------------------
 
 
+@pytest.fixture
+def shm_dir():
+    """A private tmpfs directory for a test's shared-memory segments, removed afterwards."""
+    import shutil
+    import uuid
+
+    path = f"/dev/shm/mooncake-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server for the session (installed by `make test`)."""

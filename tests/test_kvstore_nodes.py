@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import uuid
@@ -25,13 +24,6 @@ FP = model_fingerprint("test-model")
 def chain(n: int, seed: int) -> list[bytes]:
     """Real block keys: a chain over n blocks of 16 tokens."""
     return block_keys([(seed * 1000 + i) % 30000 for i in range(16 * n)], 16, FP)
-
-
-@pytest.fixture
-def shm_dir():
-    path = f"/dev/shm/mooncake-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
-import uuid
 
 import pytest
 
@@ -16,13 +14,6 @@ from transfer import (
 )  # fmt: skip
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def shm_dir():
-    path = f"/dev/shm/mooncake-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

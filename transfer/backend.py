@@ -35,6 +35,12 @@ class Job:
     length: int
 
 
+def fail_jobs(jobs: list[Job], error: BaseException) -> None:
+    """Fail every job's batch with ``error`` (a batch already finished ignores it)."""
+    for job in jobs:
+        job.batch.job_failed(error)
+
+
 class Backend(abc.ABC):
     """Moves jobs' bytes to and from one kind of peer."""
 
@@ -98,8 +104,7 @@ class ShmBackend(Backend):
         try:
             remote = self._mapping(segment)
         except TransferError as e:
-            for job in jobs:
-                job.batch.job_failed(e)
+            fail_jobs(jobs, e)
             return
         for job in jobs:
             if job.batch.state.finished:

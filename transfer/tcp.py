@@ -28,7 +28,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from transfer.backend import Backend, Job
+from transfer.backend import Backend, Job, fail_jobs
 from transfer.types import BackendKind, OpKind, Segment, TransferError
 
 log = logging.getLogger(__name__)
@@ -198,8 +198,7 @@ class _Connection:
     def enqueue(self, jobs: list[Job]) -> None:
         with self._cond:
             if self.broken is not None:
-                for job in jobs:
-                    job.batch.job_failed(self.broken)
+                fail_jobs(jobs, self.broken)
                 return
             self._queue.extend(jobs)
             self._cond.notify_all()
@@ -281,8 +280,7 @@ class _Connection:
         except OSError:
             pass
         self._sock.close()
-        for job in jobs:
-            job.batch.job_failed(error)
+        fail_jobs(jobs, error)
 
     def close(self) -> None:
         with self._cond:
@@ -323,8 +321,7 @@ class TcpBackend(Backend):
         try:
             link = self._link(segment)
         except TransferError as e:
-            for job in jobs:
-                job.batch.job_failed(e)
+            fail_jobs(jobs, e)
             return
         per_conn: list[list[Job]] = [[] for _ in link]
         start = next(self._rr)

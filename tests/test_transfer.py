@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvnodes import start_node
+from kvstore.client import KVStoreClient
 from transfer import (
     BackendKind, MemoryRegistry, RedisRegistry, Segment, Slice, TransferConfig, TransferEngine, TransferError, TransferState,
 )  # fmt: skip
@@ -147,6 +148,30 @@ def test_shm_peer_that_died_fails_its_transfers(shm_dir):
         assert os.path.exists(seg.shm_path)
         with pytest.raises(TransferError, match="owner process .* is gone"):
             reader.read(bytearray(10), [Slice(0, "victim/dram", 0, 10)]).wait(10)
+    finally:
+        node.stop()
+        reader.close()
+
+
+def test_timed_out_batch_is_cancelled_and_leaves_the_buffer_alone(shm_dir):
+    node = start_node("slow", 1 * MIB, 16, shm_dir=shm_dir)
+    reader = TransferEngine(TransferConfig(node="reader", backend="tcp", serve=False), MemoryRegistry())
+    try:
+        reader.add_segment(Segment(name="slow/dram", node="slow", size=16 * MIB, host="elsewhere", pid=node.proc.pid,
+                                   tcp_addr=node.info["tcp"]))  # fmt: skip
+        with KVStoreClient(node.grpc) as kv:  # fill the segment with something that is not zeros
+            kv.put([bytes([i]) * 16 for i in range(15)], b"\xab" * (15 * MIB))
+        node.kill(signal.SIGSTOP)  # alive but silent
+        local = bytearray(16 * MIB)
+        batch = reader.read(local, [Slice(0, "slow/dram", 0, 16 * MIB)])
+        with pytest.raises(TransferError, match="timed out"):
+            batch.wait(0.5)
+        assert batch.state is TransferState.FAILED
+        node.kill(signal.SIGCONT)  # the peer wakes up and would answer now...
+        time.sleep(0.5)
+        assert local == bytearray(16 * MIB)  # ...but nothing lands in a buffer its owner got back
+        out = bytearray(4)
+        reader.read(out, [Slice(0, "slow/dram", 0, 4)]).wait(10)  # and the next batch reconnects
     finally:
         node.stop()
         reader.close()

@@ -107,8 +107,9 @@ class ShmBackend(Backend):
             fail_jobs(jobs, e)
             return
         for job in jobs:
-            if job.batch.state.finished:
-                continue  # failed elsewhere or timed out: skip the copy
+            if job.batch.state.finished:  # failed elsewhere or timed out: skip the copy
+                job.batch.job_failed(job.batch.error or TransferError("batch cancelled"))
+                continue
             job.batch.job_started()
             end = job.remote_offset + job.length
             if end > len(remote):

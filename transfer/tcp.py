@@ -212,7 +212,8 @@ class _Connection:
                     if self.broken is not None or self._closing:
                         return
                     job = self._queue.popleft()
-                    if job.batch.state.finished:
+                    if job.batch.state.finished:  # failed elsewhere or timed out: don't send it
+                        job.batch.job_failed(job.batch.error or TransferError("batch cancelled"))
                         continue
                     req_id = next(self._ids)
                     self._inflight.append((req_id, job))
@@ -258,6 +259,17 @@ class _Connection:
                     job.batch.job_failed(error)
         except (OSError, ValueError) as e:
             self._break(e)
+
+    def cancel(self, batch) -> None:
+        """Drop ``batch``'s queued jobs; if one is on the wire, close the connection (the only way to stop it)."""
+        with self._cond:
+            queued = [job for job in self._queue if job.batch is batch]
+            if queued:
+                self._queue = deque(job for job in self._queue if job.batch is not batch)
+            on_wire = any(job.batch is batch for _, job in self._inflight)
+        fail_jobs(queued, TransferError("batch cancelled"))
+        if on_wire:
+            self._break(ConnectionError("closed to cancel an abandoned batch"))
 
     def _break(self, cause: BaseException) -> None:
         if isinstance(cause, TimeoutError) or isinstance(cause, socket.timeout):
@@ -327,8 +339,10 @@ class TcpBackend(Backend):
         start = next(self._rr)
         for i, job in enumerate(jobs):
             per_conn[(start + i) % len(link)].append(job)
+        batch = jobs[0].batch if jobs else None
         for conn, assigned in zip(link, per_conn):
             if assigned:
+                batch.on_cancel(conn.cancel)
                 conn.enqueue(assigned)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -160,7 +161,8 @@ class BlockStore:
         self._ssd_policy: EvictionPolicy = make_policy(config.eviction)
         self._reservations: dict[str, Reservation] = {}
         self._leases: dict[str, Lease] = {}
-        self._reserved_slots = 0
+        self._reserved_slots = 0  # slots held by reservations, and by expired ones in quarantine
+        self._quarantine: deque[tuple[float, list[int]]] = deque()
         self._dram_count = TierCounters()
         self._ssd_count = TierCounters()
         self._corrupt = 0
@@ -461,7 +463,16 @@ class BlockStore:
         with self._lock:
             dead_res = [r.id for r in self._reservations.values() if r.deadline <= now]
             for rid in dead_res:
-                self.abort(rid)
+                # A writer that overran its reservation may still be sending into these slots:
+                # keep them out of use for one more TTL before they can hold another block.
+                res = self._pop_reservation(rid)
+                self._quarantine.append((now + self.config.reservation_ttl_s, list(res.slots.values())))
+                self._reserved_slots += len(res.slots)
+            while self._quarantine and self._quarantine[0][0] <= now:
+                _, slots = self._quarantine.popleft()
+                self._reserved_slots -= len(slots)
+                for slot in slots:
+                    self._dram_free.give(slot)
             dead_leases = [l for l in self._leases.values() if l.deadline <= now]
             for lease in dead_leases:
                 del self._leases[lease.id]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -86,13 +87,18 @@ def test_bad_input_gets_clear_errors():
         StoreConfig(block_bytes=BB, dram_blocks=4, low_watermark=0.9, high_watermark=0.5)
 
 
-def test_reservation_times_out():
-    store = make()
+def test_reservation_times_out_and_its_slots_rest_before_reuse():
+    store = make(dram_blocks=2, reservation_ttl_s=10)
     res = store.reserve(keys(2), ttl_s=0.001)
-    assert store.expire(now=float("inf")) == (1, 0)
+    now = time.monotonic() + 1
+    assert store.expire(now=now) == (1, 0)
     with pytest.raises(KeyError):
         store.commit(res.reservation_id)
+    with pytest.raises(StoreFull):  # a late writer may still be sending into them
+        store.reserve(keys(1, salt=1))
+    store.expire(now=now + 11)
     assert store.stats().dram.reserved_blocks == 0
+    assert store.put(keys(2, salt=1), blocks(2)) == (2, 0)
 
 
 def test_full_store_refuses_without_corrupting():

@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from kvstore.config import EvictionKind, StoreConfig
 from kvstore.service import KVStoreNode, start_server
@@ -30,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node", default="kv0", help="node name, unique in the cluster (default: kv0)")
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC service and the transfer server bind")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port, printed in the READY line)")
+    p.add_argument("--control-port", type=int, default=0,
+                   help="port of the control fast path (the hot calls without gRPC; default: any free port)")
     p.add_argument("--transfer-port", type=int, default=0, help="transfer (tcp) server port (default: any free port)")
     p.add_argument("--block-bytes", type=int, required=True,
                    help="bytes of one block's KV: layers * 2 * block_size * kv_heads * head_dim * dtype bytes")
@@ -72,9 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     node = KVStoreNode(config, transfer, make_registry(args.redis_url))
-    server, port = start_server(node, args.host, args.port)
+    uds = str(Path(args.shm_dir) / f"{args.node.replace('/', '--')}--control.sock")
+    try:
+        service = start_server(node, args.host, args.port, control_port=args.control_port, control_uds=uds)
+    except (OSError, ValueError) as e:
+        node.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     ready = {
-        "grpc": f"{args.host}:{port}", "node": args.node, "segment": node.segment.name, "tcp": node.engine.tcp_addr,
+        "grpc": f"{args.host}:{service.grpc_port}", "control": f"{args.host}:{service.control.port}", "control_uds": uds,
+        "node": args.node, "segment": node.segment.name, "tcp": node.engine.tcp_addr,
         "dram_blocks": dram_blocks, "ssd_blocks": config.ssd_blocks, "adopted_blocks": node.store.adopted,
     }  # fmt: skip
     print("READY " + json.dumps(ready), flush=True)
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    server.stop(grace=2).wait()
+    service.stop(grace=2)
     node.close()
     return 0
 

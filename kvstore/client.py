@@ -1,6 +1,7 @@
 """The client library workers use to talk to a pool node.
 
-Control calls go over gRPC; block bytes go through a transfer engine (shared memory
+Control calls go over gRPC, the hot ones over the node's control fast path
+(:mod:`kvstore.control`); block bytes go through a transfer engine (shared memory
 when the node is on this host, tcp otherwise), straight between the caller's buffer and
 the node's DRAM segment::
 
@@ -24,12 +25,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvstore.control import METHOD_IDS, ControlAddress, ControlChannel, ControlError
 from kvstore.events import Tier
 from kvstore.service import GRPC_OPTIONS, segment_from_pb
 from kvstore.store import LookupResult, StoreFull
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
-from transfer import Slice, TransferConfig, TransferEngine, TransferError
+from transfer import Segment, Slice, TransferConfig, TransferEngine, TransferError
+from transfer.types import host_id
 
 PB_TO_TIER = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
 
@@ -53,8 +56,7 @@ class ReadResult:
     corrupt: list[bytes]  # blocks the node found corrupt (reported, dropped, never returned)
 
 
-def _raise(e: grpc.RpcError) -> None:
-    code, details = e.code(), e.details()
+def _raise(code: grpc.StatusCode, details: str) -> None:
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         raise ValueError(details) from None
     if code is grpc.StatusCode.NOT_FOUND:
@@ -67,61 +69,88 @@ def _raise(e: grpc.RpcError) -> None:
 
 
 class KVStoreClient:
-    """A connection to one kvstore node. ``engine`` moves the bytes (a private one by default)."""
+    """A connection to one kvstore node. ``engine`` moves the bytes (a private one by default).
 
-    def __init__(self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0) -> None:
+    The first call asks the node (over gRPC) for its block size and its control fast
+    path; from then on the hot calls go over that (its Unix socket when the node is on
+    this host, its tcp port otherwise) unless ``fast_path=False``.
+    """
+
+    def __init__(self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0, fast_path: bool = True) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(TransferConfig(node=f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}", serve=False))
+        self._fast_path = fast_path
+        self._control: ControlChannel | None = None
         self._block_bytes: int | None = None
+        self._segments: dict[str, Segment] = {}
 
-    def _call(self, method, request, timeout: float | None = None):
+    def _call(self, name: str, request, timeout: float | None = None, oneway: bool = False):
+        timeout = timeout or self.timeout_s
+        if self._control is not None and name in METHOD_IDS:
+            try:
+                return self._control.call(name, request, timeout, oneway)
+            except ControlError as e:
+                _raise(e.code, e.details)
+            except OSError as e:
+                raise KVStoreUnavailable(f"kvstore {self._control.address.target}: {e or type(e).__name__}") from None
         try:
-            return method(request, timeout=timeout or self.timeout_s)
+            return getattr(self._stub, name)(request, timeout=timeout)
         except grpc.RpcError as e:
-            _raise(e)
+            _raise(e.code(), e.details())
 
     @property
     def block_bytes(self) -> int:
-        """The node's block size (asked once)."""
+        """The node's block size (asked once, with where its control fast path is)."""
         if self._block_bytes is None:
-            self._block_bytes = self.stats().block_bytes
+            stats = self._call("Stats", pb.StatsRequest())
+            if self._fast_path:
+                self._control = self._control_channel(stats)
+            self._block_bytes = stats.block_bytes
         return self._block_bytes
+
+    def _control_channel(self, stats: pb.StatsResponse) -> ControlChannel | None:
+        if stats.control_uds and stats.segment.host == host_id() and os.path.exists(stats.control_uds):
+            return ControlChannel(ControlAddress("unix:" + stats.control_uds))
+        if stats.control_port:
+            return ControlChannel(ControlAddress(f"{self.address.rpartition(':')[0]}:{stats.control_port}"))
+        return None
 
     # -- control calls (one RPC each) -----------------------------------------------
 
     def stats(self) -> pb.StatsResponse:
-        return self._call(self._stub.Stats, pb.StatsRequest())
+        return self._call("Stats", pb.StatsRequest())
 
     def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float = 0) -> pb.ReserveResponse:
-        return self._call(self._stub.Reserve, pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s))
+        return self._call("Reserve", pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s))
 
     def commit(self, reservation_id: str) -> pb.CommitResponse:
-        return self._call(self._stub.Commit, pb.CommitRequest(reservation_id=reservation_id))
+        return self._call("Commit", pb.CommitRequest(reservation_id=reservation_id))
 
     def abort(self, reservation_id: str) -> None:
-        self._call(self._stub.Abort, pb.AbortRequest(reservation_id=reservation_id))
+        self._call("Abort", pb.AbortRequest(reservation_id=reservation_id))
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        r = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
+        r = self._call("Lookup", pb.LookupRequest(keys=keys))
         return LookupResult(r.prefix_blocks, [PB_TO_TIER[t] for t in r.tiers])
 
     def get_locations(self, keys: Sequence[bytes], lease_ttl_s: float = 0) -> pb.GetResponse:
         """Lease the longest stored prefix and return where its bytes are. Release the lease after reading."""
-        return self._call(self._stub.Get, pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes))
+        return self._call("Get", pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes))
 
-    def release(self, lease_id: str) -> None:
-        self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
+    def release(self, lease_id: str, wait: bool = True) -> None:
+        """End a lease. ``wait=False`` does not wait for the answer on the fast path (an unknown lease is then not reported)."""
+        self._call("Release", pb.ReleaseRequest(lease_id=lease_id), oneway=not wait and self._control is not None)
 
     def pin(self, keys: Sequence[bytes], pinned: bool = True) -> int:
-        return self._call(self._stub.Pin, pb.PinRequest(keys=keys, pinned=pinned)).changed
+        return self._call("Pin", pb.PinRequest(keys=keys, pinned=pinned)).changed
 
     def pull(self, peer: str, keys: Sequence[bytes], timeout_s: float | None = None) -> pb.PullResponse:
         """Ask this node to copy the prefix of ``keys`` that node ``peer`` (a gRPC address) holds."""
-        return self._call(self._stub.Pull, pb.PullRequest(peer=peer, keys=keys), timeout_s)
+        return self._call("Pull", pb.PullRequest(peer=peer, keys=keys), timeout_s)
 
     def subscribe(self, from_seq: int = 0, snapshot: bool = False) -> Iterator[pb.EventBatch]:
         """Stream the node's events from ``from_seq`` (blocks; cancel by closing the client)."""
@@ -129,9 +158,17 @@ class KVStoreClient:
             yield from self._stub.Subscribe(pb.SubscribeRequest(from_seq=from_seq, snapshot=snapshot))
         except grpc.RpcError as e:
             if e.code() is not grpc.StatusCode.CANCELLED:
-                _raise(e)
+                _raise(e.code(), e.details())
 
     # -- data calls (control + transfer) --------------------------------------------
+
+    def _segment(self, msg: pb.SegmentInfo) -> Segment:
+        """The node's DRAM segment as the engine knows it (converted and taught once per segment and owner)."""
+        seg = self._segments.get(msg.name)
+        if seg is None or seg.pid != msg.pid or seg.tcp_addr != (msg.tcp_addr or None):
+            seg = self._segments[msg.name] = segment_from_pb(msg)
+            self.engine.add_segment(seg)
+        return seg
 
     def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None) -> PutResult:
         """Store ``len(keys)`` blocks from ``data`` (block i at ``i * block_bytes``)."""
@@ -142,8 +179,7 @@ class KVStoreClient:
         res = self.reserve(keys, positions)
         try:
             if res.slots:
-                seg = segment_from_pb(res.segment)
-                self.engine.add_segment(seg)
+                seg = self._segment(res.segment)
                 index = {bytes(k): i for i, k in enumerate(keys)}
                 slices = [Slice(index[s.key] * bb, seg.name, s.offset, bb) for s in res.slots]
                 self.engine.write(view, slices).wait(self.engine.config.io_timeout_s)
@@ -166,18 +202,19 @@ class KVStoreClient:
             if len(view) < n * bb:
                 raise ValueError(f"output buffer of {len(view)} bytes cannot hold {n} blocks of {bb}")
             if n:
-                seg = segment_from_pb(got.segment)
-                self.engine.add_segment(seg)
+                seg = self._segment(got.segment)
                 slices = [Slice(i * bb, seg.name, s.offset, bb) for i, s in enumerate(got.slots)]
                 self.engine.read(view, slices).wait(self.engine.config.io_timeout_s)
         finally:
             try:
-                self.release(got.lease_id)
+                self.release(got.lease_id, wait=False)
             except (KeyError, KVStoreUnavailable):
                 pass  # expired or node gone: nothing left to free
         return ReadResult(n, view[: n * bb], got.dram_hits, got.ssd_hits, [bytes(k) for k in got.corrupt])
 
     def close(self) -> None:
+        if self._control is not None:
+            self._control.close()
         self._channel.close()
         if self._own_engine:
             self.engine.close()

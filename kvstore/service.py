@@ -3,7 +3,8 @@
 :class:`KVStoreNode` wires a :class:`~kvstore.store.BlockStore` to a transfer engine (its
 DRAM tier *is* a shared-memory transfer segment, so writers on the same host copy
 straight into it and remote writers ``recv_into`` it) and runs the housekeeping thread
-that expires leases and reservations. :class:`KVStoreServicer` is the thin gRPC adapter:
+that expires leases and reservations. :class:`KVStoreServicer` is the thin gRPC adapter
+(its hot methods are also served by the control fast path, :mod:`kvstore.control`):
 it translates messages and maps errors to status codes (bad input INVALID_ARGUMENT,
 unknown reservation or lease NOT_FOUND, full store RESOURCE_EXHAUSTED, an unreachable
 peer UNAVAILABLE).
@@ -15,10 +16,12 @@ import functools
 import logging
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
 from kvstore.config import StoreConfig
+from kvstore.control import ControlServer
 from kvstore.events import EventKind, Tier
 from kvstore.ssd import SsdTier
 from kvstore.store import BlockStore, StoreFull
@@ -126,6 +129,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store = node.store
         self.seg = segment_to_pb(node.segment)
         self.bb = node.config.block_bytes
+        self.control_port = 0  # set by start_server once the control fast path listens
+        self.control_uds = ""
 
     def _slots(self, pairs) -> list[pb.SlotLocation]:
         return [pb.SlotLocation(key=k, offset=slot * self.bb, length=self.bb) for k, slot in pairs]
@@ -181,7 +186,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                       reserved_blocks=t.reserved_blocks, hits=t.hits, evictions=t.evictions)
         return pb.StatsResponse(node=s.node, block_bytes=s.block_bytes, eviction=s.eviction, dram=tier(s.dram), ssd=tier(s.ssd),
                                 leases=s.leases, reservations=s.reservations, corrupt_blocks=s.corrupt_blocks,
-                                adopted_blocks=s.adopted_blocks, event_seq=s.event_seq, segment=self.seg)  # fmt: skip
+                                adopted_blocks=s.adopted_blocks, event_seq=s.event_seq, segment=self.seg,
+                                control_port=self.control_port, control_uds=self.control_uds)  # fmt: skip
 
     def Subscribe(self, request, context):
         node = self.node.config.node
@@ -204,12 +210,31 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 ])  # fmt: skip
 
 
-def start_server(node: KVStoreNode, host: str = "127.0.0.1", port: int = 0, workers: int = 32) -> tuple[grpc.Server, int]:
-    """Start the gRPC service for ``node``; return the server and its bound port."""
+@dataclass
+class Service:
+    """A node's running services: gRPC (every call) and the control fast path (the hot calls)."""
+
+    grpc_server: grpc.Server
+    grpc_port: int
+    control: ControlServer
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.control.close()
+        self.grpc_server.stop(grace=grace).wait()
+
+
+def start_server(
+    node: KVStoreNode, host: str = "127.0.0.1", port: int = 0, workers: int = 32, control_port: int = 0, control_uds: str | None = None
+) -> Service:
+    """Start the gRPC service and the control fast path (tcp ``control_port``, Unix socket ``control_uds``) for ``node``."""
+    servicer = KVStoreServicer(node)
+    control = ControlServer(servicer, host, control_port, control_uds)
+    servicer.control_port, servicer.control_uds = control.port, control_uds or ""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"), options=GRPC_OPTIONS)
-    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(node), server)
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
+        control.close()
         raise ValueError(f"cannot bind the kvstore gRPC service to {host}:{port}")
     server.start()
-    return server, bound
+    return Service(server, bound, control)

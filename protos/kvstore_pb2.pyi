@@ -193,7 +193,7 @@ class TierStats(_message.Message):
     def __init__(self, capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node", "block_bytes", "eviction", "dram", "ssd", "leases", "reservations", "corrupt_blocks", "adopted_blocks", "event_seq", "segment")
+    __slots__ = ("node", "block_bytes", "eviction", "dram", "ssd", "leases", "reservations", "corrupt_blocks", "adopted_blocks", "event_seq", "segment", "control_port", "control_uds")
     NODE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,8 @@ class StatsResponse(_message.Message):
     ADOPTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_UDS_FIELD_NUMBER: _ClassVar[int]
     node: str
     block_bytes: int
     eviction: str
@@ -216,7 +218,9 @@ class StatsResponse(_message.Message):
     adopted_blocks: int
     event_seq: int
     segment: SegmentInfo
-    def __init__(self, node: _Optional[str] = ..., block_bytes: _Optional[int] = ..., eviction: _Optional[str] = ..., dram: _Optional[_Union[TierStats, _Mapping]] = ..., ssd: _Optional[_Union[TierStats, _Mapping]] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., adopted_blocks: _Optional[int] = ..., event_seq: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ...) -> None: ...
+    control_port: int
+    control_uds: str
+    def __init__(self, node: _Optional[str] = ..., block_bytes: _Optional[int] = ..., eviction: _Optional[str] = ..., dram: _Optional[_Union[TierStats, _Mapping]] = ..., ssd: _Optional[_Union[TierStats, _Mapping]] = ..., leases: _Optional[int] = ..., reservations: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., adopted_blocks: _Optional[int] = ..., event_seq: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., control_port: _Optional[int] = ..., control_uds: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("from_seq", "snapshot")

@@ -9,8 +9,10 @@ import uuid
 
 import pytest
 
-from kvnodes import start_node
+import grpc
+from kvnodes import free_port, start_node
 from kvstore.client import KVStoreClient, KVStoreUnavailable
+from kvstore.control import ControlAddress, ControlChannel, ControlError
 from kvstore.events import Tier
 from kvstore.store import StoreFull
 from mooncake.blocks import block_keys, model_fingerprint
@@ -90,6 +92,48 @@ def test_client_errors_are_clear(nodes):
     a.stop()
     with KVStoreClient(a.grpc, timeout_s=2) as c, pytest.raises(KVStoreUnavailable):
         c.stats()
+
+
+def test_hot_calls_take_the_control_fast_path_with_the_same_answers(nodes):
+    a = nodes("a")
+    keys, data = chain(3, seed=5), os.urandom(3 * BB)
+    with KVStoreClient(a.grpc) as fast, KVStoreClient(a.grpc, fast_path=False) as slow:
+        assert fast.put(keys, data).stored == 3
+        assert fast._control.address.target == "unix:" + a.info["control_uds"]  # same host: the Unix socket
+        assert slow._control is None
+        assert bytes(slow.get(keys).data) == data  # one store behind both paths
+        got = fast.get(keys)
+        assert bytes(got.data) == data and got.dram_hits == 3
+        assert fast.stats().leases == 0  # the get's one-way release was handled before the next call
+        with pytest.raises(KeyError, match="no lease"):
+            fast.release("nope")
+    chan = ControlChannel(ControlAddress(a.info["control"]))  # the tcp port, as another host reaches it
+    try:
+        got = chan.call("Get", pb.GetRequest(keys=keys, block_bytes=BB), timeout=5)
+        assert [s.key for s in got.slots] == keys and got.segment.name == a.info["segment"]
+        with pytest.raises(ControlError) as err:
+            chan.call("Get", pb.GetRequest(keys=keys, block_bytes=BB + 1), timeout=5)
+        assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        chan.call("Release", pb.ReleaseRequest(lease_id=got.lease_id), timeout=5)
+        assert chan.call("Stats", pb.StatsRequest(), timeout=5).leases == 0
+    finally:
+        chan.close()
+
+
+def test_a_client_outlives_a_node_restart(nodes):
+    ports = ["--port", str(free_port()), "--control-port", str(free_port())]
+    a = nodes("a", *ports)
+    keys, first, second = chain(2, seed=6), os.urandom(2 * BB), os.urandom(2 * BB)
+    with KVStoreClient(a.grpc, timeout_s=3) as c:
+        c.put(keys, first)
+        a.kill(signal.SIGKILL)
+        with pytest.raises(KVStoreUnavailable):
+            c.get(keys)
+        again = nodes("a", *ports)
+        assert c.get(keys).num_blocks == 0  # DRAM died with the process; the client reconnected
+        with KVStoreClient(again.grpc) as other:
+            other.put(keys, second)
+        assert bytes(c.get(keys).data) == second  # the new segment file, not a stale mapping of the old one
 
 
 def test_kill_9_then_restart_re_adopts_ssd_blocks(nodes, tmp_path):

@@ -60,8 +60,31 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
+def split_by_bytes(jobs: list[Job], parts: int, total: int) -> list[list[Job]]:
+    """Cut ``jobs`` into at most ``parts`` consecutive runs of roughly ``total / parts`` bytes."""
+    if parts <= 1 or len(jobs) < 2:
+        return [jobs]
+    share = total / parts
+    out: list[list[Job]] = []
+    current: list[Job] = []
+    size = 0
+    for job in jobs:
+        current.append(job)
+        size += job.length
+        if size >= share * (len(out) + 1) and len(out) < parts - 1:
+            out.append(current)
+            current = []
+    if current:
+        out.append(current)
+    return out
+
+
 class ShmBackend(Backend):
     """Same-host peers: map the segment's shared-memory file and copy.
+
+    Batches of up to ``inline_bytes`` are copied in the submitting thread before
+    ``submit`` returns (handing a copy of a few microseconds to a pool thread and waking
+    the waiter again costs more than the copy); larger ones go to the copy threads.
 
     ``local_buffer`` returns this process's own memory for segments it owns (no mapping
     needed). A peer process that has died fails the jobs that target it, even though its
@@ -70,17 +93,24 @@ class ShmBackend(Backend):
 
     kind = BackendKind.SHM
 
-    def __init__(self, threads: int, local_buffer: Callable[[str], memoryview | None]) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shm-copy")
+    def __init__(self, threads: int, local_buffer: Callable[[str], memoryview | None], inline_bytes: int = 0) -> None:
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="shm-copy")
         self._local_buffer = local_buffer
-        self._maps: dict[str, SharedRegion] = {}
+        self._inline_bytes = inline_bytes
+        self._maps: dict[str, tuple[int, SharedRegion]] = {}  # segment name -> (owner pid, mapping)
         self._lock = threading.Lock()
         self._closed = False
 
     def submit(self, segment: Segment, jobs: list[Job]) -> None:
         if self._closed:
             raise TransferError("transfer engine is closed")
-        self._pool.submit(self._run, segment, jobs)
+        total = sum(job.length for job in jobs)
+        if total <= self._inline_bytes:
+            self._run(segment, jobs)  # a small copy costs less than waking a pool thread
+            return
+        for part in split_by_bytes(jobs, self._threads, total):  # copy threads share the work
+            self._pool.submit(self._run, segment, part)
 
     def _mapping(self, segment: Segment) -> memoryview:
         own = self._local_buffer(segment.name)
@@ -89,15 +119,19 @@ class ShmBackend(Backend):
         if not pid_alive(segment.pid):
             raise TransferError(f"segment {segment.name!r}: owner process {segment.pid} of node {segment.node!r} is gone")
         with self._lock:
-            region = self._maps.get(segment.name)
-            if region is None or str(region.path) != segment.shm_path:
+            pid, region = self._maps.get(segment.name, (None, None))
+            if region is None or pid != segment.pid or str(region.path) != segment.shm_path:
+                # new, or re-created by a restarted owner (same path, new file): map it afresh
                 if segment.shm_path is None:
                     raise TransferError(f"segment {segment.name!r} has no shared-memory file")
                 try:
-                    region = SharedRegion.open(segment.shm_path)
+                    fresh = SharedRegion.open(segment.shm_path)
                 except (OSError, ValueError) as e:
                     raise TransferError(f"segment {segment.name!r}: cannot map {segment.shm_path}: {e}") from e
-                self._maps[segment.name] = region
+                if region is not None:
+                    region.close()
+                region = fresh
+                self._maps[segment.name] = (segment.pid, region)
             return region.buffer
 
     def _run(self, segment: Segment, jobs: list[Job]) -> None:
@@ -106,26 +140,34 @@ class ShmBackend(Backend):
         except TransferError as e:
             fail_jobs(jobs, e)
             return
+        done: list[Job] = []
         for job in jobs:
-            if job.batch.state.finished:  # failed elsewhere or timed out: skip the copy
-                job.batch.job_failed(job.batch.error or TransferError("batch cancelled"))
+            batch = job.batch
+            if batch.state.finished:  # failed elsewhere or timed out: skip the copy
+                batch.job_failed(batch.error or TransferError("batch cancelled"))
                 continue
-            job.batch.job_started()
+            batch.job_started()
             end = job.remote_offset + job.length
             if end > len(remote):
-                job.batch.job_failed(TransferError(f"segment {segment.name!r}: [{job.remote_offset}, {end}) is past its end ({len(remote)})"))
+                batch.job_failed(TransferError(f"segment {segment.name!r}: [{job.remote_offset}, {end}) is past its end ({len(remote)})"))
                 continue
             window = remote[job.remote_offset : end]
-            if job.kind is OpKind.READ:
-                copy_bytes(job.local, window)
-            else:
-                copy_bytes(window, job.local)
-            job.batch.job_done()
+            try:
+                if job.kind is OpKind.READ:
+                    copy_bytes(job.local, window)
+                else:
+                    copy_bytes(window, job.local)
+            except (ValueError, OSError) as e:  # e.g. the mapping went away under us
+                batch.job_failed(TransferError(f"segment {segment.name!r}: copy failed: {e}"))
+                continue
+            done.append(job)
+        if done:
+            done[0].batch.jobs_done(len(done))  # one engine submit: every job is of one batch
 
     def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=True)
         with self._lock:
-            for region in self._maps.values():
+            for _, region in self._maps.values():
                 region.close()
             self._maps.clear()

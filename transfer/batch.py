@@ -89,8 +89,12 @@ class TransferBatch:
                     self._state = TransferState.TRANSFERRING
 
     def job_done(self) -> None:
+        self.jobs_done(1)
+
+    def jobs_done(self, count: int) -> None:
+        """Resolve ``count`` jobs as done at once."""
         with self._cond:
-            self._outstanding -= 1
+            self._outstanding -= count
             if not self._state.finished and self._outstanding == 0:
                 self._state = TransferState.DONE
                 self.finished_at = time.monotonic()

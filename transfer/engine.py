@@ -5,12 +5,14 @@
     batch = engine.read(local_buf, [Slice(0, "node-b/dram", 4096, 65536)])
     batch.wait(timeout=5)                               # or poll() for the state
 
-Each batch is split into jobs (slices cut to ``tcp_chunk_bytes`` on tcp, so one large
-slice is pipelined over several connections), grouped by remote segment, and handed to
+Each batch is split into jobs (slices contiguous on both sides merged, then cut to
+``tcp_chunk_bytes`` on tcp, so one large slice is pipelined over several connections),
+grouped by remote segment, and handed to
 the backend chosen for that segment's owner: shm when it lives on this host (and shm is
 allowed), tcp otherwise. Every engine also runs a tcp server for its own segments.
 Segments are resolved through the registry and cached for ``segment_cache_ttl_s``;
-:meth:`add_segment` teaches the engine a segment learnt some other way (a control RPC).
+:meth:`add_segment` teaches the engine a segment learnt some other way (a control RPC),
+which it then uses until taught a newer version.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class TransferConfig(BaseModel):
     tcp_chunk_bytes: int = Field(2 << 20, ge=4096, description="large slices are cut into chunks of this size")
     connect_timeout_s: float = Field(3.0, gt=0)
     io_timeout_s: float = Field(30.0, gt=0, description="an answer overdue by this long fails the connection")
-    shm_threads: int = Field(2, ge=1, le=64)
+    shm_threads: int = Field(2, ge=1, le=64, description="threads that copy large shm batches")
+    shm_inline_bytes: int = Field(4 << 20, ge=0, description="shm batches up to this size are copied by the caller, before read/write returns")
     segment_cache_ttl_s: float = Field(5.0, ge=0)
 
 
@@ -64,10 +67,11 @@ class TransferEngine:
         self._local: dict[str, memoryview] = {}
         self._regions: dict[str, SharedRegion] = {}
         self._segments: dict[str, Segment] = {}
-        self._cache: dict[str, tuple[float, Segment]] = {}
+        self._cache: dict[str, tuple[float, Segment]] = {}  # from the registry, for segment_cache_ttl_s
+        self._taught: dict[str, Segment] = {}  # from add_segment
         self._lock = threading.Lock()
         self._server = TcpServer(config.listen_host, config.port, self._local.get) if config.serve else None
-        self._shm = ShmBackend(config.shm_threads, self._local.get)
+        self._shm = ShmBackend(config.shm_threads, self._local.get, config.shm_inline_bytes)
         self._tcp = TcpBackend(config.tcp_connections, config.connect_timeout_s, config.io_timeout_s)
         self._closed = False
 
@@ -126,8 +130,8 @@ class TransferEngine:
         return view
 
     def segment(self, name: str) -> Segment:
-        """Return a segment's descriptor (local, cached, or from the registry)."""
-        local = self._segments.get(name)
+        """Return a segment's descriptor (local, taught by :meth:`add_segment`, cached, or from the registry)."""
+        local = self._segments.get(name) or self._taught.get(name)
         if local is not None:
             return local
         now = time.monotonic()
@@ -136,16 +140,14 @@ class TransferEngine:
             return cached[1]
         found = self.registry.get(name)
         if found is None:
-            if cached is not None:
-                return cached[1]  # learnt through add_segment; the registry may not know it
             raise ValueError(f"unknown segment {name!r}: not registered")
         self._cache[name] = (now, found)
         return found
 
     def add_segment(self, segment: Segment) -> None:
-        """Remember a remote segment learnt outside the registry (for example from a control RPC)."""
+        """Use ``segment`` (learnt outside the registry, e.g. from a control RPC) until taught another version of it."""
         if segment.name not in self._segments:
-            self._cache[segment.name] = (time.monotonic(), segment)
+            self._taught[segment.name] = segment
 
     def unregister(self, name: str) -> None:
         """Stop serving a local segment and remove it from the registry."""
@@ -198,7 +200,12 @@ class TransferEngine:
             seg = groups[s.segment][0]
             if s.remote_offset + s.length > seg.size:
                 raise ValueError(f"slice {s} runs past segment {seg.name!r} ({seg.size} bytes)")
-            groups[s.segment][2].append((s.local_offset, s.remote_offset, s.length))
+            spans = groups[s.segment][2]
+            if spans and spans[-1][0] + spans[-1][2] == s.local_offset and spans[-1][1] + spans[-1][2] == s.remote_offset:
+                lo, ro, n = spans[-1]
+                spans[-1] = (lo, ro, n + s.length)  # contiguous on both sides: one copy
+            else:
+                spans.append((s.local_offset, s.remote_offset, s.length))
             total += s.length
         pieces: list[tuple[Segment, Backend, list[tuple[int, int, int]]]] = []
         num_jobs = 0

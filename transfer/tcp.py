@@ -25,6 +25,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -38,6 +39,8 @@ RESPONSE = struct.Struct("<QBQ")
 OP_CODES = {OpKind.READ: 1, OpKind.WRITE: 2}
 STATUS_OK, STATUS_ERROR = 0, 1
 MAX_ERROR_BYTES = 4096
+SEND_BATCH = 64  # requests gathered into one sendmsg (well under IOV_MAX)
+INLINE_WRITE_BYTES = 256 << 10  # writes up to this size are sent by the submitting thread
 
 
 def send_all(sock: socket.socket, buffers: list) -> None:
@@ -184,10 +187,11 @@ class _Connection:
         self._sock.settimeout(io_timeout)
         self._io_timeout = io_timeout
         self._queue: deque[Job] = deque()
-        self._inflight: deque[tuple[int, Job]] = deque()
+        self._inflight: deque[tuple[int, Job, float]] = deque()  # (request id, job, time sent)
         self._cond = threading.Condition()
         self.broken: TransferError | None = None
         self._closing = False
+        self._sending = False  # the send turn: whoever holds it writes to the socket
         self._threads = [
             threading.Thread(target=self._send_loop, name=f"tcp-send-{addr}", daemon=True),
             threading.Thread(target=self._recv_loop, name=f"tcp-recv-{addr}", daemon=True),
@@ -195,48 +199,98 @@ class _Connection:
         for t in self._threads:
             t.start()
 
-    def enqueue(self, jobs: list[Job]) -> None:
+    def enqueue(self, jobs: list[Job], inline: bool = False) -> None:
+        """Queue ``jobs``; with ``inline``, send them from this thread when no one else is sending.
+
+        Sending inline saves waking the sender thread (a read request is a few dozen
+        bytes); the sender thread sends whatever is queued while another send is on.
+        """
         with self._cond:
             if self.broken is not None:
                 fail_jobs(jobs, self.broken)
                 return
             self._queue.extend(jobs)
-            self._cond.notify_all()
+            if not inline or self._sending:
+                self._cond.notify_all()
+                return
+            self._sending = True
+            items = self._take_locked()
+        self._send(items)
 
-    def _send_loop(self) -> None:
+    def _take_locked(self) -> list[tuple[int, Job]]:
+        """Pop up to ``SEND_BATCH`` queued jobs into flight, in wire order (caller holds the send turn)."""
+        items = []
+        while self._queue and len(items) < SEND_BATCH:
+            job = self._queue.popleft()
+            if job.batch.state.finished:  # failed elsewhere or timed out: don't send it
+                job.batch.job_failed(job.batch.error or TransferError("batch cancelled"))
+                continue
+            req_id = next(self._ids)
+            self._inflight.append((req_id, job, time.monotonic()))
+            items.append((req_id, job))
+        self._cond.notify_all()
+        return items
+
+    def _send(self, items: list[tuple[int, Job]]) -> None:
+        """Send ``items``' requests (and write payloads) in one gathered call, then give up the send turn."""
         try:
-            while True:
-                with self._cond:
-                    while not self._queue and self.broken is None and not self._closing:
-                        self._cond.wait()
-                    if self.broken is not None or self._closing:
-                        return
-                    job = self._queue.popleft()
-                    if job.batch.state.finished:  # failed elsewhere or timed out: don't send it
-                        job.batch.job_failed(job.batch.error or TransferError("batch cancelled"))
-                        continue
-                    req_id = next(self._ids)
-                    self._inflight.append((req_id, job))
-                    self._cond.notify_all()
+            buffers: list = []
+            for req_id, job in items:
                 job.batch.job_started()
                 name = job.segment.name.encode("utf-8")
-                header = REQUEST.pack(OP_CODES[job.kind], len(name), req_id, job.remote_offset, job.length) + name
-                send_all(self._sock, [header, job.local] if job.kind is OpKind.WRITE else [header])
+                buffers.append(REQUEST.pack(OP_CODES[job.kind], len(name), req_id, job.remote_offset, job.length) + name)
+                if job.kind is OpKind.WRITE:
+                    buffers.append(job.local)
+            send_all(self._sock, buffers)
         except (OSError, ValueError) as e:
             self._break(e)
+        finally:
+            with self._cond:
+                self._sending = False
+                self._cond.notify_all()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while (not self._queue or self._sending) and self.broken is None and not self._closing:
+                    self._cond.wait()
+                if self.broken is not None or self._closing:
+                    return
+                self._sending = True
+                items = self._take_locked()
+            self._send(items)
+
+    def _recv_header(self, view: memoryview) -> None:
+        """Block for the next answer's header, idle as long as nothing is in flight.
+
+        The receiver sits in ``recv`` (not on a condition) so an answer wakes it once.
+        A socket timeout is an error only when the oldest request in flight has waited
+        ``io_timeout_s`` for its answer.
+        """
+        pos = 0
+        while pos < len(view):
+            try:
+                n = self._sock.recv_into(view[pos:], len(view) - pos)
+            except TimeoutError:
+                with self._cond:
+                    oldest = self._inflight[0][2] if self._inflight else None
+                if pos == 0 and (oldest is None or time.monotonic() - oldest < self._io_timeout):
+                    continue
+                raise
+            if n == 0:
+                raise ConnectionError("connection closed by peer")
+            pos += n
 
     def _recv_loop(self) -> None:
         header = bytearray(RESPONSE.size)
         hview = memoryview(header)
         try:
             while True:
+                self._recv_header(hview)
                 with self._cond:
-                    while not self._inflight and self.broken is None and not self._closing:
-                        self._cond.wait()
-                    if self.broken is not None or (self._closing and not self._inflight):
-                        return
-                    req_id, job = self._inflight[0]
-                recv_exact(self._sock, hview)
+                    if not self._inflight:
+                        raise ConnectionError("protocol error: an answer to no request")
+                    req_id, job, _ = self._inflight[0]
                 got_id, status, length = RESPONSE.unpack(header)
                 if got_id != req_id:
                     raise ConnectionError(f"protocol error: answer to request {got_id}, expected {req_id}")
@@ -266,7 +320,7 @@ class _Connection:
             queued = [job for job in self._queue if job.batch is batch]
             if queued:
                 self._queue = deque(job for job in self._queue if job.batch is not batch)
-            on_wire = any(job.batch is batch for _, job in self._inflight)
+            on_wire = any(job.batch is batch for _, job, _ in self._inflight)
         fail_jobs(queued, TransferError("batch cancelled"))
         if on_wire:
             self._break(ConnectionError("closed to cancel an abandoned batch"))
@@ -283,7 +337,7 @@ class _Connection:
             if self._closing:
                 error = TransferError(f"peer {self.node!r} at {self.addr}: transfer engine closed")
             self.broken = error
-            jobs = [job for _, job in self._inflight] + list(self._queue)
+            jobs = [job for _, job, _ in self._inflight] + list(self._queue)
             self._inflight.clear()
             self._queue.clear()
             self._cond.notify_all()
@@ -343,7 +397,8 @@ class TcpBackend(Backend):
         for conn, assigned in zip(link, per_conn):
             if assigned:
                 batch.on_cancel(conn.cancel)
-                conn.enqueue(assigned)
+                inline = all(j.kind is OpKind.READ for j in assigned) or sum(j.length for j in assigned) <= INLINE_WRITE_BYTES
+                conn.enqueue(assigned, inline)
 
     def close(self) -> None:
         with self._lock:

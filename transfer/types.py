@@ -15,6 +15,7 @@ import enum
 import functools
 import os
 import socket
+import time
 from dataclasses import asdict, dataclass
 
 
@@ -111,16 +112,30 @@ def host_id() -> str:
     return f"{socket.gethostname()}:{boot}"
 
 
+ZOMBIE_CHECK_INTERVAL_S = 1.0
+_zombie_checked: dict[int, float] = {}
+
+
 def pid_alive(pid: int) -> bool:
-    """Return whether process ``pid`` exists on this host (zombies count as dead)."""
+    """Return whether process ``pid`` exists on this host (zombies count as dead).
+
+    ``kill(pid, 0)`` runs every time (about a microsecond); the zombie check reads /proc
+    and so runs at most once per ``ZOMBIE_CHECK_INTERVAL_S`` per pid.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    now = time.monotonic()
+    if now - _zombie_checked.get(pid, -ZOMBIE_CHECK_INTERVAL_S) < ZOMBIE_CHECK_INTERVAL_S:
+        return True
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            alive = f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
-        return True
+        alive = True
+    if alive:
+        _zombie_checked[pid] = now
+    return alive

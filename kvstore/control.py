@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos import kvstore_pb2 as pb
+from transfer.sockio import SPIN_S, deadline_after, recv_some, send_all
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ REQUEST = struct.Struct("<BBI")
 RESPONSE = struct.Struct("<BI")
 ONEWAY = 1
 MAX_MESSAGE = 64 << 20
+IO_TIMEOUT_S = 30.0  # the server's limit for sending an answer
 
 # method id -> (servicer method name, request type, response type); ids are the wire format
 METHODS: dict[int, tuple[str, type, type]] = {
@@ -78,26 +80,67 @@ class _Context:
 
 
 class StaleConnection(ConnectionError):
-    """The peer closed the connection before answering a single byte."""
+    """The peer closed the connection before sending a single byte of the awaited frame."""
 
 
-def recv_exact(sock: socket.socket, n: int, eof: type[Exception] = ConnectionError) -> bytearray:
-    """Read exactly ``n`` bytes; raise ``eof`` if the peer closes before the first, ConnectionError after."""
-    buf = bytearray(n)
-    view, pos = memoryview(buf), 0
-    while pos < n:
-        got = sock.recv_into(view[pos:], n - pos)
-        if got == 0:
-            raise (eof if pos == 0 else ConnectionError)("connection closed by peer")
-        pos += got
-    return buf
+class FramedSocket:
+    """A non-blocking socket carrying frames: buffered reads that busy-poll briefly (transfer.sockio).
+
+    One recv usually brings a whole frame, header and body.
+    """
+
+    def __init__(self, sock: socket.socket, spin_s: float, buffer_bytes: int = 64 << 10) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.spin_s = spin_s
+        self._buf = bytearray(buffer_bytes)
+        self._start = self._end = 0
+
+    def read_frame(self, header: struct.Struct, timeout: float | None) -> tuple[tuple, bytes]:
+        """Read one frame whose header ends in its body length; return (header fields, body)."""
+        deadline = deadline_after(timeout)
+        self._fill(header.size, deadline, first=True)
+        fields = header.unpack_from(self._buf, self._start)
+        length = fields[-1]
+        if length > MAX_MESSAGE:
+            raise ConnectionError(f"frame of {length} bytes is over the {MAX_MESSAGE}-byte limit")
+        self._start += header.size
+        self._fill(length, deadline, first=False)
+        body = bytes(self._buf[self._start : self._start + length])
+        self._start += length
+        if self._start == self._end:
+            self._start = self._end = 0
+        return fields, body
+
+    def _fill(self, need: int, deadline: float | None, first: bool) -> None:
+        if self._end - self._start >= need:
+            return
+        if self._start + need > len(self._buf):  # make room: move what is buffered to the front
+            pending = self._buf[self._start : self._end]
+            if need > len(self._buf):
+                self._buf = bytearray(need)
+            self._buf[: len(pending)] = pending
+            self._start, self._end = 0, len(pending)
+        view = memoryview(self._buf)
+        while self._end - self._start < need:
+            n = recv_some(self.sock, view[self._end :], deadline, self.spin_s)
+            if n == 0:
+                raise (StaleConnection if first and self._end == self._start else ConnectionError)("connection closed by peer")
+            self._end += n
+
+    def send(self, data: bytes, timeout: float | None) -> None:
+        send_all(self.sock, [data], deadline_after(timeout))
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class ControlServer:
     """Answers framed calls with ``servicer``'s methods on a tcp port and, optionally, a Unix socket."""
 
-    def __init__(self, servicer, host: str, port: int = 0, uds_path: str | None = None) -> None:
+    def __init__(self, servicer, host: str, port: int = 0, uds_path: str | None = None, spin_s: float = SPIN_S) -> None:
         self._servicer = servicer
+        self._spin_s = spin_s
         self._handlers: dict[int, tuple[Callable, type]] = {
             mid: (getattr(servicer, name), req_type) for mid, (name, req_type, _) in METHODS.items()
         }  # fmt: skip
@@ -131,21 +174,19 @@ class ControlServer:
 
     def _serve(self, conn: socket.socket) -> None:
         context = _Context()
+        framed = FramedSocket(conn, self._spin_s)  # spins for the client's next call (a get's release, the next get)
         try:
             while True:
                 try:
-                    method, flags, length = REQUEST.unpack(recv_exact(conn, REQUEST.size))
-                except ConnectionError:
+                    (method, flags, _), body = framed.read_frame(REQUEST, None)
+                except StaleConnection:
                     return
-                if length > MAX_MESSAGE:
-                    raise ConnectionError(f"request of {length} bytes is over the {MAX_MESSAGE}-byte limit")
-                body = recv_exact(conn, length)
                 code, payload = self._call(method, body, context)
                 if flags & ONEWAY:
                     if code:
                         log.debug("one-way call %d failed: %s", method, payload.decode("utf-8", "replace"))
                     continue
-                conn.sendall(RESPONSE.pack(code, len(payload)) + payload)
+                framed.send(RESPONSE.pack(code, len(payload)) + payload, IO_TIMEOUT_S)
         except OSError as e:
             if not self._closed:
                 log.debug("control connection closed: %s", e)
@@ -154,13 +195,13 @@ class ControlServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _call(self, method: int, body: bytearray, context: _Context) -> tuple[int, bytes]:
+    def _call(self, method: int, body: bytes, context: _Context) -> tuple[int, bytes]:
         handler = self._handlers.get(method)
         if handler is None:
             return grpc.StatusCode.UNIMPLEMENTED.value[0], f"unknown control method {method}".encode()
         fn, req_type = handler
         try:
-            response = fn(req_type.FromString(bytes(body)), context)
+            response = fn(req_type.FromString(body), context)
         except ControlError as e:
             return e.code.value[0], e.details.encode("utf-8")
         except Exception as e:  # a bug must not kill the connection's other callers
@@ -215,9 +256,10 @@ class ControlAddress:
 class ControlChannel:
     """Client side: a pool of connections, each used by one calling thread at a time."""
 
-    def __init__(self, address: ControlAddress) -> None:
+    def __init__(self, address: ControlAddress, spin_s: float = SPIN_S) -> None:
         self.address = address
-        self._idle: list[socket.socket] = []
+        self.spin_s = spin_s
+        self._idle: list[FramedSocket] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -230,59 +272,57 @@ class ControlChannel:
         mid = METHOD_IDS[name]
         body = request.SerializeToString()
         frame = REQUEST.pack(mid, ONEWAY if oneway else 0, len(body)) + body
-        sock, pooled = self._take(timeout)
+        conn, pooled = self._take(timeout)
         try:
-            code, payload = self._exchange(sock, frame, oneway, timeout)
+            code, payload = self._exchange(conn, frame, oneway, timeout)
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, StaleConnection) as e:
             if not pooled:
                 raise
             # an idle connection the node dropped (it restarted): nothing was answered, try once afresh
             log.debug("control connection to %s went stale (%s); reconnecting", self.address.target, e)
-            sock = self.address.connect(timeout)
-            code, payload = self._exchange(sock, frame, oneway, timeout)
+            code, payload = self._exchange(self._connect(timeout), frame, oneway, timeout)
         if oneway:
             return None
         if code:
             raise ControlError(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode("utf-8", "replace"))
         return METHODS[mid][2].FromString(payload)
 
-    def _exchange(self, sock: socket.socket, frame: bytes, oneway: bool, timeout: float) -> tuple[int, bytes]:
+    def _exchange(self, conn: FramedSocket, frame: bytes, oneway: bool, timeout: float) -> tuple[int, bytes]:
         """Send one frame and read its answer; the connection goes back to the pool only if the exchange completed."""
         try:
-            sock.settimeout(timeout)
-            sock.sendall(frame)
+            conn.send(frame, timeout)
             if oneway:
-                self._give(sock)
-                return 0, b""
-            code, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size, eof=StaleConnection))
-            if length > MAX_MESSAGE:
-                raise ConnectionError(f"response of {length} bytes is over the {MAX_MESSAGE}-byte limit")
-            payload = bytes(recv_exact(sock, length))
+                code, payload = 0, b""
+            else:
+                (code, _), payload = conn.read_frame(RESPONSE, timeout)
         except BaseException:
-            sock.close()  # its stream position is unknown now
+            conn.close()  # its stream position is unknown now
             raise
-        self._give(sock)
+        self._give(conn)
         return code, payload
 
-    def _take(self, timeout: float) -> tuple[socket.socket, bool]:
+    def _connect(self, timeout: float) -> FramedSocket:
+        return FramedSocket(self.address.connect(timeout), self.spin_s, buffer_bytes=4 << 10)
+
+    def _take(self, timeout: float) -> tuple[FramedSocket, bool]:
         """A connection, and whether it came from the pool (it may have gone stale while idle)."""
         with self._lock:
             if self._closed:
                 raise ConnectionError("control channel is closed")
             if self._idle:
                 return self._idle.pop(), True
-        return self.address.connect(timeout), False
+        return self._connect(timeout), False
 
-    def _give(self, sock: socket.socket) -> None:
+    def _give(self, conn: FramedSocket) -> None:
         with self._lock:
             if not self._closed:
-                self._idle.append(sock)
+                self._idle.append(conn)
                 return
-        sock.close()
+        conn.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
+        for conn in idle:
+            conn.close()

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 
 from transfer.backend import Backend, Job, fail_jobs
+from transfer.sockio import SPIN_S, deadline_after, recv_exact, recv_some, send_all
 from transfer.types import BackendKind, OpKind, Segment, TransferError
 
 log = logging.getLogger(__name__)
@@ -41,30 +42,6 @@ STATUS_OK, STATUS_ERROR = 0, 1
 MAX_ERROR_BYTES = 4096
 SEND_BATCH = 64  # requests gathered into one sendmsg (well under IOV_MAX)
 INLINE_WRITE_BYTES = 256 << 10  # writes up to this size are sent by the submitting thread
-
-
-def send_all(sock: socket.socket, buffers: list) -> None:
-    """Send every byte of ``buffers`` with gathered ``sendmsg`` calls (no joining copy)."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket; raise ``ConnectionError`` on EOF."""
-    pos, end = 0, len(view)
-    while pos < end:
-        n = sock.recv_into(view[pos:], end - pos)
-        if n == 0:
-            raise ConnectionError("connection closed by peer")
-        pos += n
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -99,6 +76,7 @@ class TcpServer:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            conn.setblocking(False)  # transfer.sockio: poll briefly for the next request, then sleep
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
@@ -110,25 +88,25 @@ class TcpServer:
         try:
             while True:
                 try:
-                    recv_exact(conn, hview)
+                    recv_exact(conn, hview, None)
                 except ConnectionError:
                     return
                 op, name_len, req_id, offset, length = REQUEST.unpack(header)
-                recv_exact(conn, memoryview(name_buf)[:name_len])
+                recv_exact(conn, memoryview(name_buf)[:name_len], None)
                 name = name_buf[:name_len].decode("utf-8", "replace")
                 error = self._check(op, name, offset, length)
                 if op == OP_CODES[OpKind.WRITE]:
                     if error is None:
-                        recv_exact(conn, self._lookup(name)[offset : offset + length])
+                        recv_exact(conn, self._lookup(name)[offset : offset + length], None)
                     else:
                         self._discard(conn, length)
                 if error is not None:
                     msg = error.encode("utf-8")[:MAX_ERROR_BYTES]
-                    send_all(conn, [RESPONSE.pack(req_id, STATUS_ERROR, len(msg)), msg])
+                    send_all(conn, [RESPONSE.pack(req_id, STATUS_ERROR, len(msg)), msg], None)
                 elif op == OP_CODES[OpKind.READ]:
-                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, length), self._lookup(name)[offset : offset + length]])
+                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, length), self._lookup(name)[offset : offset + length]], None)
                 else:
-                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, 0)])
+                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, 0)], None)
         except OSError as e:
             if not self._closed:
                 log.debug("transfer connection closed: %s", e)
@@ -151,7 +129,7 @@ class TcpServer:
     def _discard(conn: socket.socket, length: int) -> None:
         scratch = memoryview(bytearray(min(length, 1 << 20) or 1))
         while length:
-            n = conn.recv_into(scratch, min(length, len(scratch)))
+            n = recv_some(conn, scratch[: min(length, len(scratch))], None)
             if n == 0:
                 raise ConnectionError("connection closed by peer")
             length -= n
@@ -184,7 +162,7 @@ class _Connection:
         except OSError as e:
             raise TransferError(f"peer {node!r} at {addr}: cannot connect: {e}") from e
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.settimeout(io_timeout)
+        self._sock.setblocking(False)  # transfer.sockio: deadlines are explicit
         self._io_timeout = io_timeout
         self._queue: deque[Job] = deque()
         self._inflight: deque[tuple[int, Job, float]] = deque()  # (request id, job, time sent)
@@ -241,7 +219,7 @@ class _Connection:
                 buffers.append(REQUEST.pack(OP_CODES[job.kind], len(name), req_id, job.remote_offset, job.length) + name)
                 if job.kind is OpKind.WRITE:
                     buffers.append(job.local)
-            send_all(self._sock, buffers)
+            send_all(self._sock, buffers, deadline_after(self._io_timeout))
         except (OSError, ValueError) as e:
             self._break(e)
         finally:
@@ -264,13 +242,14 @@ class _Connection:
         """Block for the next answer's header, idle as long as nothing is in flight.
 
         The receiver sits in ``recv`` (not on a condition) so an answer wakes it once.
-        A socket timeout is an error only when the oldest request in flight has waited
+        A timeout is an error only when the oldest request in flight has waited
         ``io_timeout_s`` for its answer.
         """
         pos = 0
         while pos < len(view):
             try:
-                n = self._sock.recv_into(view[pos:], len(view) - pos)
+                spin = SPIN_S if self._inflight else 0.0  # an idle connection sleeps at once: the caller wants the GIL
+                n = recv_some(self._sock, view[pos:], deadline_after(self._io_timeout), spin)
             except TimeoutError:
                 with self._cond:
                     oldest = self._inflight[0][2] if self._inflight else None
@@ -297,13 +276,13 @@ class _Connection:
                 if status == STATUS_OK and job.kind is OpKind.READ:
                     if length != job.length:
                         raise ConnectionError(f"protocol error: {length} bytes for a {job.length}-byte read")
-                    recv_exact(self._sock, job.local)
+                    recv_exact(self._sock, job.local, deadline_after(self._io_timeout))
                     error = None
                 elif status == STATUS_OK:
                     error = None
                 else:
                     msg = bytearray(length)
-                    recv_exact(self._sock, memoryview(msg))
+                    recv_exact(self._sock, memoryview(msg), deadline_after(self._io_timeout))
                     error = TransferError(f"peer {self.node!r} at {self.addr}: {msg.decode('utf-8', 'replace')}")
                 with self._cond:
                     self._inflight.popleft()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import threading
 import uuid
 
@@ -118,6 +120,19 @@ def test_hot_calls_take_the_control_fast_path_with_the_same_answers(nodes):
         assert chan.call("Stats", pb.StatsRequest(), timeout=5).leases == 0
     finally:
         chan.close()
+
+
+def test_control_port_survives_garbage(nodes):
+    a = nodes("a")
+    host, port = a.info["control"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack("<BBI", 99, 0, 0))  # a method that does not exist
+        code, length = struct.unpack("<BI", s.recv(5))
+        assert code == grpc.StatusCode.UNIMPLEMENTED.value[0] and b"unknown control method" in s.recv(length)
+        s.sendall(struct.pack("<BBI", 1, 0, 1 << 30))  # a frame over the size limit: the node hangs up
+        assert s.recv(16) == b""
+    with KVStoreClient(a.grpc) as c:
+        assert c.stats().node == "a"  # and keeps serving everyone else
 
 
 def test_a_client_outlives_a_node_restart(nodes):

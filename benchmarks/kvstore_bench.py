@@ -6,8 +6,9 @@ For each block size a node is started as its own process (``python -m kvstore``,
 ``--dram-mib`` DRAM tier) and filled once, so its shared memory is touched before
 anything is timed. A client in this process then puts and gets one block per call
 (``--batch-blocks`` blocks per call in extra rows for blocks under 1 MiB), through
-shared memory (the client's default engine, the node being on this host) and through
-tcp (an engine forced to tcp). Puts use fresh keys, so a full store evicts (LRU) as it
+shared memory (the client's defaults: the node is on this host, so its Unix control
+socket and its shared-memory segment) and through tcp (an engine forced to tcp, control
+calls on the node's tcp control port: what a client on another host does). Puts use fresh keys, so a full store evicts (LRU) as it
 goes; gets cycle over keys stored last.
 
 Baseline in the same run: a redis-server this benchmark starts on a free loopback port
@@ -24,11 +25,8 @@ import argparse
 import itertools
 import json
 import os
-import platform
-import re
 import shlex
 import shutil
-import socket
 import statistics
 import struct
 import subprocess
@@ -47,7 +45,10 @@ REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
+import grpc  # noqa: E402
 import redis  # noqa: E402
+from benchutil import describe_machine, human, parse_size, timed_loop  # noqa: E402
+from mooncake.localproc import RedisServer  # noqa: E402
 
 from kvstore.client import KVStoreClient  # noqa: E402
 from transfer import BackendKind, TransferConfig, TransferEngine  # noqa: E402
@@ -78,38 +79,6 @@ class Cell:
     @property
     def gbps(self) -> float:
         return self.ops * self.blocks * self.block_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, flags=re.IGNORECASE)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 64KiB, 1MiB, 16MiB")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
-
-
-def human(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
-def timed_loop(op, seconds: float, min_ops: int = 5) -> tuple[list[float], float]:
-    """Call ``op()`` back to back for ``seconds`` (at least ``min_ops`` times); return each call's time and the total."""
-    durations = []
-    start = now = time.perf_counter()
-    while now < start + seconds or len(durations) < min_ops:
-        t = now
-        op()
-        now = time.perf_counter()
-        durations.append(now - t)
-    return durations, now - start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the processes: a kvstore node, redis-server ------------------------------------------
@@ -146,36 +115,6 @@ class Node:
                 self.proc.kill()
                 self.proc.wait(10)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
-
-
-class RedisServer:
-    """A throwaway redis-server on a free loopback port, without persistence."""
-
-    def __init__(self, workdir: str) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed: run `make redis` (apt-get install -y redis-server)")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        self.version = self.client.info("server")["redis_version"]
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 # -- the measurements ---------------------------------------------------------------------
@@ -302,21 +241,6 @@ class Report:
     total_wall_s: float = 0.0
 
 
-def describe_machine() -> dict[str, object]:
-    cpu = platform.processor() or "unknown"
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    import grpc
-
-    return {
-        "cpu_model": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(), "redis_py": redis.__version__,
-        "grpcio": grpc.__version__, "platform": platform.platform(), "load_average": os.getloadavg(),
-    }  # fmt: skip
-
-
 def shapes_for(sizes: list[int], batch_blocks: int) -> list[tuple[int, int]]:
     """(block bytes, blocks per call) of every row: one block each, and a batch for blocks under 1 MiB."""
     return [(s, 1) for s in sizes] + ([(s, batch_blocks) for s in sizes if s < MIB] if batch_blocks > 1 else [])
@@ -325,7 +249,7 @@ def shapes_for(sizes: list[int], batch_blocks: int) -> list[tuple[int, int]]:
 def run(args: argparse.Namespace, console: Console) -> Report:
     report = Report(
         command=shlex.join([sys.executable, *sys.argv]), started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        machine=describe_machine(), sizes=args.sizes, batch_blocks=args.batch_blocks, dram_mib=args.dram_mib,
+        machine=describe_machine(redis_py=redis.__version__, grpcio=grpc.__version__), sizes=args.sizes, batch_blocks=args.batch_blocks, dram_mib=args.dram_mib,
         seconds=args.seconds, rounds=args.rounds,
     )  # fmt: skip
     shapes = shapes_for(args.sizes, args.batch_blocks)
@@ -336,7 +260,8 @@ def run(args: argparse.Namespace, console: Console) -> Report:
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="kvstore-bench-redis-")
     server = RedisServer(workdir)
-    report.redis_version = server.version
+    redis_client = redis.Redis.from_url(server.url, socket_timeout=30)
+    report.redis_version = redis_client.info("server")["redis_version"]
     try:
         with progress:
             task = progress.add_task("starting", total=len(shapes) * args.rounds * 3)
@@ -344,7 +269,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                 progress.update(task, description=f"{human(size)}: starting a node and filling {args.dram_mib} MiB")
                 node = Node(size, args.dram_mib)
                 tcp_engine = TransferEngine(TransferConfig(node="bench-client", serve=False, backend=BackendKind.TCP))
-                clients = {"store-shm": KVStoreClient(node.grpc), "store-tcp": KVStoreClient(node.grpc, engine=tcp_engine)}
+                clients = {"store-shm": KVStoreClient(node.grpc), "store-tcp": KVStoreClient(node.grpc, engine=tcp_engine, control="tcp")}
                 try:
                     dram_blocks = int(node.info["dram_blocks"])
                     value = np.random.default_rng(size).integers(0, 256, size * max(n for s, n in shapes if s == size), dtype=np.uint8)
@@ -360,7 +285,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                                 progress.advance(task)
                             progress.update(task, description=f"round {rnd + 1}: redis {human(size)} x {blocks}")
                             ring = Keys(1 + len(report.runs), ring=working)  # Redis overwrites: its memory stays bounded
-                            cells = redis_cells(server.client, ring, value[:size].tobytes(), size, blocks, working, args.seconds, rnd)
+                            cells = redis_cells(redis_client, ring, value[:size].tobytes(), size, blocks, working, args.seconds, rnd)
                             record(report, cells, console)
                             progress.advance(task)
                     for name, client in clients.items():
@@ -370,8 +295,9 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                         client.close()
                     tcp_engine.close()
                     node.stop()
-                    server.client.flushall()
+                    redis_client.flushall()
     finally:
+        redis_client.close()
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     report.cells = best_of(report.runs)

@@ -24,12 +24,9 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
-import re
 import shlex
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +43,7 @@ from rich.table import Table
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchutil import describe_machine, human, p50_us, parse_size, size_list, timed_loop  # noqa: E402
 from transfer import BackendKind, Segment, Slice, TransferConfig, TransferEngine
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -78,43 +76,6 @@ class Cell:
     @property
     def gbps(self) -> float:
         return self.ops * self.slices * self.size / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-def parse_size(text: str) -> int:
-    """``64KiB``, ``1MiB``, ``2M``, ``4096`` -> bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, flags=re.IGNORECASE)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 64KiB, 1MiB, 16MiB")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
-
-
-def size_list(text: str) -> list[int]:
-    return [parse_size(s) for s in text.split(",") if s.strip()]
-
-
-def human(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
-def timed_loop(op, seconds: float, min_ops: int = 5) -> tuple[list[float], float]:
-    """Call ``op()`` back to back for ``seconds`` (at least ``min_ops`` times); return each call's time and the total."""
-    durations = []
-    start = time.perf_counter()
-    deadline = start + seconds
-    now = start
-    while now < deadline or len(durations) < min_ops:
-        t = now
-        op()
-        now = time.perf_counter()
-        durations.append(now - t)
-    return durations, now - start
-
-
-def p50_us(durations: list[float]) -> float:
-    return statistics.median(durations) * 1e6 if durations else 0.0
 
 
 # -- the segment owner (a separate process) -----------------------------------------------
@@ -525,20 +486,6 @@ class Report:
     total_wall_s: float = 0.0
 
 
-def describe_machine() -> dict[str, object]:
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(
-            (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), cpu
-        )  # fmt: skip
-    except OSError:
-        pass
-    return {
-        "cpu_model": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(),
-        "numpy": np.__version__, "platform": platform.platform(), "load_average": os.getloadavg(),
-    }  # fmt: skip
-
-
 def shapes_for(sizes: list[int], batch_slices: int) -> list[tuple[int, int]]:
     """(slice size, slices per op) of every row: one slice each, and a batch for sizes under 16 MiB."""
     shapes = [(s, 1) for s in sizes]
@@ -550,7 +497,7 @@ def shapes_for(sizes: list[int], batch_slices: int) -> list[tuple[int, int]]:
 def run(args: argparse.Namespace, console: Console) -> Report:
     report = Report(
         command=shlex.join([sys.executable, *sys.argv]), started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        machine=describe_machine(), sizes=args.sizes, batch_slices=args.batch_slices, seconds=args.seconds, rounds=args.rounds,
+        machine=describe_machine(numpy=np.__version__), sizes=args.sizes, batch_slices=args.batch_slices, seconds=args.seconds, rounds=args.rounds,
         defaults={"tcp_connections": DEFAULTS.tcp_connections, "tcp_chunk_bytes": DEFAULTS.tcp_chunk_bytes},
     )  # fmt: skip
     shapes = shapes_for(args.sizes, args.batch_slices)

@@ -73,17 +73,20 @@ class KVStoreClient:
 
     The first call asks the node (over gRPC) for its block size and its control fast
     path; from then on the hot calls go over that (its Unix socket when the node is on
-    this host, its tcp port otherwise) unless ``fast_path=False``.
+    this host, its tcp port otherwise). ``control`` chooses: ``auto`` (that), ``tcp``
+(the tcp port even on the same host), ``grpc`` (every call over gRPC).
     """
 
-    def __init__(self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0, fast_path: bool = True) -> None:
+    def __init__(self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0, control: str = "auto") -> None:
+        if control not in ("auto", "tcp", "grpc"):
+            raise ValueError(f"control must be auto, tcp or grpc, not {control!r}")
         self.address = address
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(TransferConfig(node=f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}", serve=False))
-        self._fast_path = fast_path
+        self._control_mode = control
         self._control: ControlChannel | None = None
         self._block_bytes: int | None = None
         self._segments: dict[str, Segment] = {}
@@ -107,13 +110,14 @@ class KVStoreClient:
         """The node's block size (asked once, with where its control fast path is)."""
         if self._block_bytes is None:
             stats = self._call("Stats", pb.StatsRequest())
-            if self._fast_path:
+            if self._control_mode != "grpc":
                 self._control = self._control_channel(stats)
             self._block_bytes = stats.block_bytes
         return self._block_bytes
 
     def _control_channel(self, stats: pb.StatsResponse) -> ControlChannel | None:
-        if stats.control_uds and stats.segment.host == host_id() and os.path.exists(stats.control_uds):
+        local = bool(stats.control_uds) and stats.segment.host == host_id() and os.path.exists(stats.control_uds)
+        if self._control_mode == "auto" and local:
             return ControlChannel(ControlAddress("unix:" + stats.control_uds))
         if stats.control_port:
             return ControlChannel(ControlAddress(f"{self.address.rpartition(':')[0]}:{stats.control_port}"))

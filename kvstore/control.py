@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos import kvstore_pb2 as pb
-from transfer.sockio import SPIN_S, deadline_after, recv_some, send_all
+from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, recv_some, send_all
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ class ControlServer:
         self._handlers: dict[int, tuple[Callable, type]] = {
             mid: (getattr(servicer, name), req_type) for mid, (name, req_type, _) in METHODS.items()
         }  # fmt: skip
-        self._listeners = [socket.create_server((host, port), backlog=128)]
-        self.port = self._listeners[0].getsockname()[1]
+        listeners = [socket.create_server((host, port), backlog=128)]
+        self.port = listeners[0].getsockname()[1]
         self.uds_path = uds_path
         if uds_path is not None:
             if os.path.exists(uds_path):
@@ -153,47 +153,23 @@ class ControlServer:
             uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             uds.bind(uds_path)
             uds.listen(128)
-            self._listeners.append(uds)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        for listener in self._listeners:
-            threading.Thread(target=self._accept_loop, args=(listener,), name="kvstore-control-accept", daemon=True).start()
-
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while not self._closed:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvstore-control", daemon=True).start()
+            listeners.append(uds)
+        self._server = ConnectionServer(listeners, self._serve, "kvstore-control")
 
     def _serve(self, conn: socket.socket) -> None:
         context = _Context()
-        framed = FramedSocket(conn, self._spin_s)  # spins for the client's next call (a get's release, the next get)
-        try:
-            while True:
-                try:
-                    (method, flags, _), body = framed.read_frame(REQUEST, None)
-                except StaleConnection:
-                    return
-                code, payload = self._call(method, body, context)
-                if flags & ONEWAY:
-                    if code:
-                        log.debug("one-way call %d failed: %s", method, payload.decode("utf-8", "replace"))
-                    continue
-                framed.send(RESPONSE.pack(code, len(payload)) + payload, IO_TIMEOUT_S)
-        except OSError as e:
-            if not self._closed:
-                log.debug("control connection closed: %s", e)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+        framed = FramedSocket(conn, self._spin_s)  # polls for the client's next call (a get's release, the next get)
+        while True:
+            try:
+                (method, flags, _), body = framed.read_frame(REQUEST, None)
+            except StaleConnection:
+                return
+            code, payload = self._call(method, body, context)
+            if flags & ONEWAY:
+                if code:
+                    log.debug("one-way call %d failed: %s", method, payload.decode("utf-8", "replace"))
+                continue
+            framed.send(RESPONSE.pack(code, len(payload)) + payload, IO_TIMEOUT_S)
 
     def _call(self, method: int, body: bytes, context: _Context) -> tuple[int, bytes]:
         handler = self._handlers.get(method)
@@ -210,20 +186,7 @@ class ControlServer:
         return 0, response.SerializeToString()
 
     def close(self) -> None:
-        self._closed = True
-        for listener in self._listeners:
-            try:
-                listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._server.close()
         if self.uds_path is not None:
             try:
                 os.unlink(self.uds_path)

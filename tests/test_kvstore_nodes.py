@@ -99,7 +99,7 @@ def test_client_errors_are_clear(nodes):
 def test_hot_calls_take_the_control_fast_path_with_the_same_answers(nodes):
     a = nodes("a")
     keys, data = chain(3, seed=5), os.urandom(3 * BB)
-    with KVStoreClient(a.grpc) as fast, KVStoreClient(a.grpc, fast_path=False) as slow:
+    with KVStoreClient(a.grpc) as fast, KVStoreClient(a.grpc, control="grpc") as slow:
         assert fast.put(keys, data).stored == 3
         assert fast._control.address.target == "unix:" + a.info["control_uds"]  # same host: the Unix socket
         assert slow._control is None
@@ -109,7 +109,9 @@ def test_hot_calls_take_the_control_fast_path_with_the_same_answers(nodes):
         assert fast.stats().leases == 0  # the get's one-way release was handled before the next call
         with pytest.raises(KeyError, match="no lease"):
             fast.release("nope")
-    chan = ControlChannel(ControlAddress(a.info["control"]))  # the tcp port, as another host reaches it
+    with KVStoreClient(a.grpc, control="tcp") as remote:  # the tcp port, as another host reaches it
+        assert remote.get(keys).dram_hits == 3 and remote._control.address.target == a.info["control"]
+    chan = ControlChannel(ControlAddress(a.info["control"]))
     try:
         got = chan.call("Get", pb.GetRequest(keys=keys, block_bytes=BB), timeout=5)
         assert [s.key for s in got.slots] == keys and got.segment.name == a.info["segment"]

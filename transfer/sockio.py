@@ -13,10 +13,13 @@ raises ``TimeoutError`` past it; ``ConnectionError`` when the peer closes mid-me
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
 import time
+
+log = logging.getLogger(__name__)
 
 SPIN_S = 100e-6
 
@@ -94,3 +97,64 @@ def send_all(sock: socket.socket, buffers: list, deadline: float | None) -> None
 
 def deadline_after(seconds: float | None) -> float | None:
     return None if seconds is None else time.monotonic() + seconds
+
+
+class ConnectionServer:
+    """Accepts on ``listeners``; each connection gets a daemon thread running ``handle(conn)``.
+
+    Accepted sockets are non-blocking (this module's functions do the waiting), with
+    TCP_NODELAY and keepalive on tcp. ``handle`` returns when the peer is done; an
+    ``OSError`` it raises ends that connection quietly. :meth:`close` stops accepting
+    and shuts every open connection down, which ends their handlers.
+    """
+
+    def __init__(self, listeners: list[socket.socket], handle, name: str) -> None:
+        self._listeners = listeners
+        self._handle = handle
+        self._name = name
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.closed = False
+        for listener in listeners:
+            threading.Thread(target=self._accept_loop, args=(listener,), name=f"{name}-accept", daemon=True).start()
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self.closed:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            conn.setblocking(False)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._run, args=(conn,), name=self._name, daemon=True).start()
+
+    def _run(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        except OSError as e:
+            if not self.closed:
+                log.debug("%s connection closed: %s", self._name, e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self.closed = True
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 
 from transfer.backend import Backend, Job, fail_jobs
-from transfer.sockio import SPIN_S, deadline_after, recv_exact, recv_some, send_all
+from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, recv_exact, recv_some, send_all
 from transfer.types import BackendKind, OpKind, Segment, TransferError
 
 log = logging.getLogger(__name__)
@@ -60,60 +60,35 @@ class TcpServer:
 
     def __init__(self, host: str, port: int, lookup: Callable[[str], memoryview | None]) -> None:
         self._lookup = lookup
-        self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
-        self.port = self._listener.getsockname()[1]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            conn.setblocking(False)  # transfer.sockio: poll briefly for the next request, then sleep
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+        listener = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.port = listener.getsockname()[1]
+        self._server = ConnectionServer([listener], self._serve, "tcp-serve")
 
     def _serve(self, conn: socket.socket) -> None:
         header = bytearray(REQUEST.size)
         hview = memoryview(header)
         name_buf = bytearray(1 << 16)
-        try:
-            while True:
-                try:
-                    recv_exact(conn, hview, None)
-                except ConnectionError:
-                    return
-                op, name_len, req_id, offset, length = REQUEST.unpack(header)
-                recv_exact(conn, memoryview(name_buf)[:name_len], None)
-                name = name_buf[:name_len].decode("utf-8", "replace")
-                error = self._check(op, name, offset, length)
-                if op == OP_CODES[OpKind.WRITE]:
-                    if error is None:
-                        recv_exact(conn, self._lookup(name)[offset : offset + length], None)
-                    else:
-                        self._discard(conn, length)
-                if error is not None:
-                    msg = error.encode("utf-8")[:MAX_ERROR_BYTES]
-                    send_all(conn, [RESPONSE.pack(req_id, STATUS_ERROR, len(msg)), msg], None)
-                elif op == OP_CODES[OpKind.READ]:
-                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, length), self._lookup(name)[offset : offset + length]], None)
+        while True:
+            try:
+                recv_exact(conn, hview, None)
+            except ConnectionError:
+                return
+            op, name_len, req_id, offset, length = REQUEST.unpack(header)
+            recv_exact(conn, memoryview(name_buf)[:name_len], None)
+            name = name_buf[:name_len].decode("utf-8", "replace")
+            error = self._check(op, name, offset, length)
+            if op == OP_CODES[OpKind.WRITE]:
+                if error is None:
+                    recv_exact(conn, self._lookup(name)[offset : offset + length], None)
                 else:
-                    send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, 0)], None)
-        except OSError as e:
-            if not self._closed:
-                log.debug("transfer connection closed: %s", e)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+                    self._discard(conn, length)
+            if error is not None:
+                msg = error.encode("utf-8")[:MAX_ERROR_BYTES]
+                send_all(conn, [RESPONSE.pack(req_id, STATUS_ERROR, len(msg)), msg], None)
+            elif op == OP_CODES[OpKind.READ]:
+                send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, length), self._lookup(name)[offset : offset + length]], None)
+            else:
+                send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, 0)], None)
 
     def _check(self, op: int, name: str, offset: int, length: int) -> str | None:
         if op not in OP_CODES.values():
@@ -135,19 +110,7 @@ class TcpServer:
             length -= n
 
     def close(self) -> None:
-        self._closed = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._server.close()
 
 
 class _Connection:

@@ -1,0 +1,60 @@
+"""Helpers the pool benchmarks share: sizes, timing loops, the machine's description."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+
+
+def parse_size(text: str) -> int:
+    """``64KiB``, ``1MiB``, ``2M``, ``4096`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, flags=re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 64KiB, 1MiB, 16MiB")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def size_list(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def timed_loop(op, seconds: float, min_ops: int = 5) -> tuple[list[float], float]:
+    """Call ``op()`` back to back for ``seconds`` (at least ``min_ops`` times); return each call's time and the total."""
+    durations = []
+    start = now = time.perf_counter()
+    while now < start + seconds or len(durations) < min_ops:
+        t = now
+        op()
+        now = time.perf_counter()
+        durations.append(now - t)
+    return durations, now - start
+
+
+def p50_us(durations: list[float]) -> float:
+    return statistics.median(durations) * 1e6 if durations else 0.0
+
+
+def describe_machine(**versions: str) -> dict[str, object]:
+    """CPU model, cores, Python, platform and load average, plus the given package versions."""
+    cpu = platform.processor() or "unknown"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(), **versions,
+        "platform": platform.platform(), "load_average": os.getloadavg(),
+    }  # fmt: skip

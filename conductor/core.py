@@ -1,0 +1,240 @@
+"""The Conductor's state and its decisions, with no I/O: the gRPC service and the simulator both drive it.
+
+    conductor = Conductor(ConductorConfig())
+    conductor.register(Instance("p0", Role.PREFILL, "10.0.0.1:7000", node="kv0"), now)
+    conductor.stored("kv0", key, Tier.DRAM)                 # from kvstore event streams
+    outcome = conductor.schedule(ScheduleRequest(...), now)  # Decision or Rejection
+
+Time is always passed in (``now``, seconds on any monotonic clock), so the simulator can
+run it on simulated time. Not thread-safe: the service serialises calls with a lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from conductor.admission import (
+    AdmissionKind, DecodeForecast, decode_load_at, decode_load_now, decode_tbt, select_decode,
+)  # fmt: skip
+from conductor.index import KVIndex
+from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, make_policy
+from conductor.predictors import PredictorConfig, Predictors
+from conductor.types import (
+    Decision, Instance, InstanceState, Load, Prediction, Rejection, RejectReason, Role, ScheduleRequest, Slo,
+)  # fmt: skip
+from kvstore.events import Tier
+
+MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
+
+
+class ConductorConfig(BaseModel):
+    policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
+    admission: AdmissionKind = AdmissionKind.EARLY_PREDICTIVE
+    slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": Slo(ttft_s=30.0, tbt_s=0.1)})
+    block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is dead")
+    default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
+    predictors: PredictorConfig = Field(default_factory=PredictorConfig)
+    policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
+
+    model_config = {"arbitrary_types_allowed": True}
+
+
+@dataclass
+class Counters:
+    """Decisions so far (what /metrics and the admin API report)."""
+
+    scheduled: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    reused_blocks: int = 0
+    fetched_blocks: int = 0
+    computed_tokens: int = 0
+
+
+class Conductor:
+    def __init__(self, config: ConductorConfig | None = None) -> None:
+        self.config = config or ConductorConfig()
+        self.instances: dict[str, Instance] = {}
+        self.index = KVIndex()
+        self.predictors = Predictors.from_config(self.config.predictors, self.config.block_bytes)
+        self.forecast = DecodeForecast(self.config.default_decode_s)
+        self.policy = make_policy(self.config.policy, self.config.policy_config)
+        self.admission = self.config.admission
+        self.counters = Counters()
+
+    # -- configuration at run time -------------------------------------------------------
+
+    def set_policy(self, kind: PolicyKind | str) -> None:
+        self.policy = make_policy(kind, self.config.policy_config)
+
+    def set_admission(self, kind: AdmissionKind | str) -> None:
+        try:
+            self.admission = AdmissionKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown admission {kind!r}; choose from {', '.join(k.value for k in AdmissionKind)}") from None
+
+    # -- registry --------------------------------------------------------------------------
+
+    def register(self, inst: Instance, now: float) -> None:
+        """Add or re-add an instance (a restarted worker re-registers under its id)."""
+        if not inst.id or not inst.address:
+            raise ValueError("an instance needs an id and an address")
+        inst.state, inst.last_heartbeat = InstanceState.ALIVE, now
+        self.instances[inst.id] = inst
+
+    def heartbeat(self, instance_id: str, load: Load, now: float) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.state is InstanceState.DEAD:
+            raise KeyError(f"instance {instance_id!r} is not registered (register again)")
+        inst.load, inst.last_heartbeat = load, now
+        if inst.role is Role.DECODE and load.step_s > 0 and load.running_requests > 0:
+            self.predictors.decode.observe(load.running_requests, load.context_tokens, load.step_s)
+
+    def drain(self, instance_id: str) -> None:
+        inst = self._get(instance_id)
+        if inst.state is InstanceState.ALIVE:
+            inst.state = InstanceState.DRAINING
+
+    def deregister(self, instance_id: str) -> None:
+        inst = self.instances.pop(instance_id, None)
+        if inst is not None:
+            self._forget(inst)
+
+    def expire(self, now: float) -> list[str]:
+        """Mark instances silent for ``heartbeat_timeout_s`` dead; return their ids."""
+        dead = []
+        for inst in self.instances.values():
+            if inst.state is not InstanceState.DEAD and now - inst.last_heartbeat > self.config.heartbeat_timeout_s:
+                inst.state = InstanceState.DEAD
+                self._forget(inst)
+                dead.append(inst.id)
+        self.forecast.expire(now)
+        return dead
+
+    def _forget(self, inst: Instance) -> None:
+        if inst.role is Role.KVSTORE:
+            self.index.reset_node(inst.node)  # its blocks are gone from scheduling
+        elif inst.role is Role.DECODE:
+            self.forecast.forget_instance(inst.id)
+
+    def _get(self, instance_id: str) -> Instance:
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            raise KeyError(f"no instance {instance_id!r}")
+        return inst
+
+    def alive(self, role: Role) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role is role and i.schedulable]
+
+    # -- the index -------------------------------------------------------------------------
+
+    def stored(self, node: str, key: bytes, tier: Tier) -> None:
+        self.index.stored(node, key, tier)
+
+    def removed(self, node: str, key: bytes, tier: Tier) -> None:
+        self.index.removed(node, key, tier)
+
+    def snapshot(self, node: str, blocks: list[tuple[bytes, Tier]]) -> None:
+        self.index.reset_node(node, blocks)
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def prefill_sample(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        self.predictors.prefill.observe(prompt_tokens, cached_tokens, seconds)
+
+    def transfer_sample(self, num_bytes: int, seconds: float) -> None:
+        self.predictors.transfer.observe(num_bytes, seconds)
+
+    def decode_started(self, request_id: str, now: float) -> None:
+        self.forecast.decode_started(request_id, now)
+
+    def finished(self, request_id: str, now: float) -> None:
+        self.forecast.finished(request_id, now)
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def slo(self, slo_class: str) -> Slo:
+        slo = self.config.slo_classes.get(slo_class)
+        if slo is None:
+            raise ValueError(f"unknown SLO class {slo_class!r}; configured: {', '.join(sorted(self.config.slo_classes))}")
+        return slo
+
+    def schedule(self, req: ScheduleRequest, now: float) -> Decision | Rejection:
+        """Pick the prefill and decode instances and the prefix plan for ``req``, or reject it.
+
+        Raises ValueError for a malformed request. A Decision is recorded: the prefill
+        instance's queue grows by the predicted prefill time until its next heartbeat,
+        and the request joins the decode forecast.
+        """
+        req.validate()
+        slo = self.slo(req.slo_class)
+        prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
+        if not prefills:
+            return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
+        if not decodes:
+            return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
+        choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
+        decode, tbt = select_decode(req, decodes, self.predictors.decode, self.forecast)
+        predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
+        verdict = self._admit(choice, tbt, decodes, slo, now)
+        if verdict is not None:
+            reason, message, retry = verdict
+            return self._reject(req, reason, message, retry, predicted)
+        self._record(req, choice, decode, now)
+        return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
+
+    def admit_at_decode(self, decode_id: str, now: float) -> Rejection | None:
+        """The baseline's late check, made when a prefill has finished: is the decode instance over its SLO?"""
+        inst = self.instances.get(decode_id)
+        if self.admission is not AdmissionKind.BASELINE or inst is None:
+            return None
+        tbt_slo = min(s.tbt_s for s in self.config.slo_classes.values())
+        tbt = decode_tbt(inst, self.predictors.decode, 1)
+        if tbt <= tbt_slo:
+            return None
+        return Rejection("", RejectReason.TBT_SLO, f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",
+                         _clamp(self.forecast.t_d / 2))  # fmt: skip
+
+    def _admit(self, choice: PrefillChoice, tbt: float, decodes: list[Instance], slo: Slo, now: float):
+        kind = self.admission
+        if kind is AdmissionKind.NONE:
+            return None
+        retry = _clamp(choice.queue_s)
+        if kind is AdmissionKind.BASELINE:
+            if choice.ttft_s > slo.ttft_s:
+                return RejectReason.TTFT_SLO, f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO", retry
+            return None
+        prefill_load = choice.ttft_s / slo.ttft_s
+        if kind is AdmissionKind.EARLY:
+            decode_load = decode_load_now(decodes, self.predictors.decode, slo.tbt_s)
+        else:
+            decode_load = decode_load_at(decodes, self.predictors.decode, self.forecast, now + choice.ttft_s, slo.tbt_s)
+        if prefill_load > 1.0 and prefill_load >= decode_load:
+            return RejectReason.TTFT_SLO, f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO", retry
+        if decode_load > 1.0:
+            when = "now" if kind is AdmissionKind.EARLY else f"in {choice.ttft_s:.1f} s"
+            return RejectReason.OVERLOAD, f"decode load {decode_load:.2f} of the TBT SLO {when}", _clamp(self.forecast.t_d / 2)
+        if tbt > slo.tbt_s:
+            return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", _clamp(self.forecast.t_d / 2)
+        return None
+
+    def _record(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float) -> None:
+        load = choice.instance.load
+        load.queued_s += choice.prefill_s + choice.transfer_s
+        load.queued_requests += 1
+        self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2)
+        c = self.counters
+        c.scheduled += 1
+        c.reused_blocks += choice.plan.reused_blocks
+        c.fetched_blocks += choice.plan.fetch_blocks
+        c.computed_tokens += choice.plan.compute_tokens
+
+    def _reject(self, req: ScheduleRequest, reason: RejectReason, message: str, retry: float, predicted: Prediction | None = None) -> Rejection:
+        self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1
+        return Rejection(req.request_id, reason, message, retry, predicted)
+
+
+def _clamp(seconds: float) -> float:
+    return min(MAX_RETRY_S, max(MIN_RETRY_S, seconds))

@@ -1,0 +1,194 @@
+"""The global KV index: which pool node holds which block, in which tier.
+
+Built from the kvstore nodes' event streams (a block stored or removed, with its tier),
+so it is exact. The question it answers on every request is: for each node, how many
+leading keys of this key chain does it hold (in any tier, and in DRAM)? Block keys are
+chained (DESIGN §4), so a match walks the chain from the start and stops for a node at
+the first key that node lacks.
+
+Representation: every node gets a bit; each key gets a row in two bit-matrices (nodes
+holding it in any tier, nodes holding it in DRAM), 64 nodes per uint64 word. A match is a
+running AND down the rows of the chain's keys: a node's prefix ends where its bit drops
+out. Everything per key happens in C (one dict lookup each, then numpy).
+
+    key k1 -> 0b1011   (nodes 0, 1, 3)
+    key k2 -> 0b0011
+    key k3 -> 0b0001   running AND: 1011, 0011, 0001 -> node 3: 1 block, node 1: 2, node 0: 3
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import takewhile
+
+import numpy as np
+
+from kvstore.events import Tier
+
+DRAM_BIT, SSD_BIT = 1, 2
+_TIER_BITS = {Tier.DRAM: DRAM_BIT, Tier.SSD: SSD_BIT}
+FAST_PATH_NODES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Leading blocks of one key chain held by each node (nodes holding none are absent)."""
+
+    any_tier: dict[str, int]
+    dram: dict[str, int]
+
+    def blocks(self, node: str) -> int:
+        return self.any_tier.get(node, 0)
+
+    def dram_blocks(self, node: str) -> int:
+        return self.dram.get(node, 0)
+
+    def best(self) -> tuple[str | None, int]:
+        """The node holding the longest prefix (ties: the name that sorts first), and its length."""
+        if not self.any_tier:
+            return None, 0
+        node = min(self.any_tier, key=lambda n: (-self.any_tier[n], n))
+        return node, self.any_tier[node]
+
+
+class KVIndex:
+    """Exact map of blocks to the nodes (and tiers) that hold them. Not thread-safe: one owner."""
+
+    def __init__(self, initial_rows: int = 1024) -> None:
+        self._row: dict[bytes, int] = {}  # key -> its row in the matrices
+        self._free_rows: list[int] = []
+        self._words = 1
+        self._any = np.zeros((initial_rows, 1), dtype=np.uint64)  # [row, word]: nodes holding the key
+        self._dram = np.zeros((initial_rows, 1), dtype=np.uint64)  # [row, word]: nodes holding it in DRAM
+        self._held: dict[str, dict[bytes, int]] = {}  # node -> key -> tier bits
+        self._bit: dict[str, int] = {}  # node -> its bit number
+        self._node_of_bit: dict[int, str] = {}
+        self._free_bits: list[int] = []
+
+    # -- updates (from the kvstore event streams) --------------------------------------
+
+    def stored(self, node: str, key: bytes, tier: Tier) -> None:
+        """``node`` now holds ``key`` in ``tier``."""
+        held = self._held.get(node)
+        if held is None:
+            held = self._held[node] = {}
+            bit = self._free_bits.pop() if self._free_bits else len(self._bit)
+            self._bit[node], self._node_of_bit[bit] = bit, node
+            if bit >= 64 * self._words:
+                self._widen()
+        bits = held.get(key, 0) | _TIER_BITS[tier]
+        held[key] = bits
+        self._set(node, key, bits)
+
+    def removed(self, node: str, key: bytes, tier: Tier) -> None:
+        """``node`` no longer holds ``key`` in ``tier`` (unknown keys are ignored)."""
+        held = self._held.get(node)
+        if held is None or key not in held:
+            return
+        bits = held[key] & ~_TIER_BITS[tier]
+        if bits:
+            held[key] = bits
+        else:
+            del held[key]
+        self._set(node, key, bits)
+
+    def reset_node(self, node: str, blocks: list[tuple[bytes, Tier]] | None = None) -> None:
+        """Forget everything ``node`` held (it died, or a snapshot follows); then record ``blocks``."""
+        held = self._held.pop(node, None)
+        if held is not None:
+            for key in held:
+                self._set(node, key, 0)
+            bit = self._bit.pop(node)
+            del self._node_of_bit[bit]
+            self._free_bits.append(bit)
+        for key, tier in blocks or ():
+            self.stored(node, key, tier)
+
+    def _set(self, node: str, key: bytes, bits: int) -> None:
+        bit = self._bit[node]
+        word, flag = bit // 64, np.uint64(1 << (bit % 64))
+        row = self._row.get(key)
+        if row is None:
+            if not bits:
+                return
+            row = self._new_row(key)
+        for matrix, has in ((self._any, bits != 0), (self._dram, bool(bits & DRAM_BIT))):
+            if has:
+                matrix[row, word] |= flag
+            else:
+                matrix[row, word] &= ~flag
+        if not self._any[row].any():  # nobody holds it any more: recycle the row
+            del self._row[key]
+            self._free_rows.append(row)
+
+    def _new_row(self, key: bytes) -> int:
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self._row)
+            if row >= len(self._any):
+                self._any = np.concatenate([self._any, np.zeros_like(self._any)])
+                self._dram = np.concatenate([self._dram, np.zeros_like(self._dram)])
+        self._row[key] = row
+        return row
+
+    def _widen(self) -> None:
+        pad = np.zeros((len(self._any), 1), dtype=np.uint64)
+        self._any = np.hstack([self._any, pad])
+        self._dram = np.hstack([self._dram, pad])
+        self._words += 1
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Distinct keys held anywhere."""
+        return len(self._row)
+
+    def node_blocks(self, node: str) -> int:
+        return len(self._held.get(node, ()))
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self._held)
+
+    def holders(self, key: bytes) -> dict[str, Tier]:
+        """Who holds ``key``, with the fastest tier each has it in."""
+        out = {}
+        for node, held in self._held.items():
+            bits = held.get(key, 0)
+            if bits:
+                out[node] = Tier.DRAM if bits & DRAM_BIT else Tier.SSD
+        return out
+
+    def match(self, keys: list[bytes]) -> PrefixMatch:
+        """For every node, the number of leading ``keys`` it holds (any tier; and in DRAM).
+
+        Cost: one dict lookup per key (in C) up to the first key nobody holds, then a
+        running AND over those rows in numpy. Called once per Schedule.
+        """
+        rows = list(map(self._row.get, keys))
+        try:
+            rows = rows[: rows.index(None)]
+        except ValueError:
+            pass
+        if not rows:
+            return PrefixMatch({}, {})
+        index = np.array(rows, dtype=np.int64)
+        return PrefixMatch(self._prefixes(self._any[index]), self._prefixes(self._dram[index]))
+
+    def _prefixes(self, masks: np.ndarray) -> dict[str, int]:
+        """[keys, words] masks in chain order -> {node: leading keys whose masks include it}."""
+        acc = np.bitwise_and.accumulate(masks, axis=0)
+        changes = (np.flatnonzero((acc[1:] != acc[:-1]).any(axis=1)) + 1).tolist()
+        steps = acc[[0, *changes]].tolist()  # the running AND where it changes, as Python ints
+        out: dict[str, int] = {}
+        node_of_bit = self._node_of_bit
+        for end, before, after in zip([*changes, len(masks)], steps, [*steps[1:], [0] * self._words]):
+            for w in range(self._words):
+                dropped = before[w] & ~after[w]  # nodes whose prefix ends at ``end``
+                while dropped:
+                    low = dropped & -dropped
+                    out[node_of_bit[64 * w + low.bit_length() - 1]] = end
+                    dropped ^= low
+        return out

@@ -1,0 +1,172 @@
+"""Prefill placement policies: pure functions of (request, instances, prefix match, predictors).
+
+    random              any alive prefill instance
+    round_robin         the next one in turn
+    least_loaded        the shortest predicted queue (the paper's "load balancing")
+    cache_aware_local   the lowest TTFT counting only the instance's own cached prefix
+    kvcache_centric     Algorithm 1 (DESIGN §5): an instance may fetch the longest prefix
+                        held anywhere when it is more than ``kvcache_balancing_threshold``
+                        times its own; the fetched blocks stay there (hot blocks replicate)
+
+Every policy reuses the chosen instance's own cached prefix. With ``tier_aware`` (our
+addition, not in the paper), a prefix block on SSD is priced by its load time, and an
+instance stops its prefix where loading the rest would cost more than recomputing it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import random
+from dataclasses import dataclass
+
+from pydantic import BaseModel, Field
+
+from conductor.index import PrefixMatch
+from conductor.predictors import Predictors
+from conductor.types import Instance, PrefixPlan, ScheduleRequest
+
+
+class PolicyKind(str, enum.Enum):
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    CACHE_AWARE_LOCAL = "cache_aware_local"
+    KVCACHE_CENTRIC = "kvcache_centric"
+
+
+class PolicyConfig(BaseModel):
+    kvcache_balancing_threshold: float = Field(1.5, ge=1.0, description="fetch the best prefix when it is this many times the local one")
+    tier_aware: bool = Field(False, description="price SSD-resident prefix blocks by their load time (kvcache_centric, cache_aware_local)")
+    ssd_bytes_per_s: float = Field(2e9, gt=0, description="SSD read bandwidth, for tier_aware")
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    instance: Instance
+    plan: PrefixPlan
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.transfer_s + self.prefill_s
+
+
+def estimate(
+    inst: Instance, req: ScheduleRequest, local_blocks: int, fetch_node: str | None, fetch_blocks: int,
+    predictors: Predictors, load_s: float = 0.0,
+) -> PrefillChoice:  # fmt: skip
+    """The TTFT parts for ``inst`` reusing ``local_blocks`` and fetching ``fetch_blocks`` from ``fetch_node``.
+
+    At least one token is always computed (the first output token needs the last prompt
+    token's hidden state), so a fully cached prompt still costs one token of prefill.
+    """
+    reused = local_blocks + fetch_blocks
+    cached = min(reused * req.block_tokens, req.prompt_tokens - 1)
+    transfer_s = predictors.transfer.predict(fetch_blocks * predictors.block_bytes) + load_s
+    prefill_s = predictors.prefill.predict(req.prompt_tokens, cached)
+    plan = PrefixPlan(local_blocks, fetch_node if fetch_blocks else None, fetch_blocks, req.prompt_tokens - cached)
+    return PrefillChoice(inst, plan, inst.load.queued_s, transfer_s, prefill_s)
+
+
+class PrefillPolicy(abc.ABC):
+    kind: PolicyKind
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def choose(self, req: ScheduleRequest, candidates: list[Instance], match: PrefixMatch, predictors: Predictors) -> PrefillChoice:
+        """Pick one of ``candidates`` (non-empty, all alive prefill instances) and its prefix plan."""
+
+    def _local(self, inst: Instance, req: ScheduleRequest, match: PrefixMatch, predictors: Predictors) -> PrefillChoice:
+        """``inst`` reusing its own node's prefix (tier-aware: only as far as loading beats recomputing)."""
+        blocks = match.blocks(inst.node)
+        if not self.config.tier_aware:
+            return estimate(inst, req, blocks, None, 0, predictors)
+        dram = min(match.dram_blocks(inst.node), blocks)
+        options = [estimate(inst, req, dram, None, 0, predictors)]
+        if blocks > dram:
+            ssd_s = (blocks - dram) * predictors.block_bytes / self.config.ssd_bytes_per_s
+            options.append(estimate(inst, req, blocks, None, 0, predictors, load_s=ssd_s))
+        return min(options, key=lambda c: c.ttft_s)
+
+
+class RandomPolicy(PrefillPolicy):
+    kind = PolicyKind.RANDOM
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._rng = random.Random(config.seed)
+
+    def choose(self, req, candidates, match, predictors):
+        return self._local(self._rng.choice(candidates), req, match, predictors)
+
+
+class RoundRobinPolicy(PrefillPolicy):
+    kind = PolicyKind.ROUND_ROBIN
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._turn = 0
+
+    def choose(self, req, candidates, match, predictors):
+        ordered = sorted(candidates, key=lambda i: i.id)
+        inst = ordered[self._turn % len(ordered)]
+        self._turn += 1
+        return self._local(inst, req, match, predictors)
+
+
+class LeastLoadedPolicy(PrefillPolicy):
+    kind = PolicyKind.LEAST_LOADED
+
+    def choose(self, req, candidates, match, predictors):
+        inst = min(candidates, key=lambda i: (i.load.queued_s, i.load.queued_requests, i.id))
+        return self._local(inst, req, match, predictors)
+
+
+class CacheAwareLocalPolicy(PrefillPolicy):
+    kind = PolicyKind.CACHE_AWARE_LOCAL
+
+    def choose(self, req, candidates, match, predictors):
+        return min((self._local(i, req, match, predictors) for i in candidates), key=lambda c: (c.ttft_s, c.instance.id))
+
+
+class KVCacheCentricPolicy(PrefillPolicy):
+    """Algorithm 1: min over instances of T_queue + T_transfer + T_prefill, fetching the best prefix when worth it."""
+
+    kind = PolicyKind.KVCACHE_CENTRIC
+
+    def choose(self, req, candidates, match, predictors):
+        best_node, best_len = match.best()
+        threshold = self.config.kvcache_balancing_threshold
+        choices = []
+        for inst in candidates:
+            local = self._local(inst, req, match, predictors)
+            own = local.plan.local_blocks
+            fetch = best_node is not None and best_node != inst.node and best_len > own and (own == 0 or best_len / own > threshold)
+            if not fetch:
+                choices.append(local)
+                continue
+            load_s = 0.0
+            if self.config.tier_aware:  # what the holder keeps on SSD must be read before it is sent
+                on_ssd = max(0, best_len - max(match.dram_blocks(best_node), own))
+                load_s = on_ssd * predictors.block_bytes / self.config.ssd_bytes_per_s
+            choices.append(estimate(inst, req, own, best_node, best_len - own, predictors, load_s=load_s))
+        return min(choices, key=lambda c: (c.ttft_s, c.instance.id))
+
+
+POLICIES: dict[PolicyKind, type[PrefillPolicy]] = {
+    p.kind: p for p in (RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy, CacheAwareLocalPolicy, KVCacheCentricPolicy)
+}
+
+
+def make_policy(kind: PolicyKind | str, config: PolicyConfig | None = None) -> PrefillPolicy:
+    try:
+        kind = PolicyKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown policy {kind!r}; choose from {', '.join(k.value for k in PolicyKind)}") from None
+    return POLICIES[kind](config or PolicyConfig())

@@ -1,0 +1,141 @@
+"""What the Conductor predicts: prefill time, decode step time (TBT), transfer time.
+
+Each predictor starts from a configured default (so the first requests are placed
+sanely) and refits from the measurements workers report: prefill workers send
+(prompt tokens, cached tokens, seconds) after each prefill, decode workers their step
+time with the batch size and context tokens, pool transfers their bytes and seconds.
+All are pure: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+
+class PredictorConfig(BaseModel):
+    """Defaults used until enough samples arrive (a LLaMA3-70B-like model on 8 GPUs is about 0.5 s per 4k tokens)."""
+
+    prefill_tokens_per_s: float = Field(8000.0, gt=0, description="default prefill rate for uncached tokens")
+    prefill_attention_s_per_token2: float = Field(0.0, ge=0, description="default quadratic term: seconds per (new x context) token pair")
+    prefill_overhead_s: float = Field(0.01, ge=0)
+    decode_base_s: float = Field(0.02, ge=0, description="default decode step time of a batch of one")
+    decode_s_per_request: float = Field(0.0005, ge=0)
+    decode_s_per_context_token: float = Field(2e-8, ge=0)
+    transfer_bytes_per_s: float = Field(10e9, gt=0, description="default pool bandwidth (bytes/s)")
+    transfer_latency_s: float = Field(0.001, ge=0)
+    min_samples: int = Field(8, ge=2, description="samples before a fitted model replaces the default")
+    window: int = Field(2000, ge=10, description="most recent samples kept for fitting")
+
+
+def _features_prefill(prompt: np.ndarray, cached: np.ndarray) -> np.ndarray:
+    new = prompt - cached
+    # constant, linear in new tokens, and new x average context (attention is quadratic)
+    return np.stack([np.ones_like(new), new, new * (prompt + cached) / 2.0], axis=-1)
+
+
+class PrefillPredictor:
+    """T_prefill = c0 + c1 * new + c2 * new * (prompt + cached) / 2, least squares on recent samples.
+
+    ``new`` = prompt - cached tokens. Coefficients are kept non-negative (a negative
+    rate would predict negative times for some prompts).
+    """
+
+    def __init__(self, config: PredictorConfig) -> None:
+        self.config = config
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=config.window)
+        self._since_fit = 0
+        self.coef = np.array([config.prefill_overhead_s, 1.0 / config.prefill_tokens_per_s, config.prefill_attention_s_per_token2])
+        self.fitted = False
+
+    def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """Record one measured prefill (refits every few samples)."""
+        if prompt_tokens <= 0 or cached_tokens < 0 or cached_tokens > prompt_tokens or seconds <= 0:
+            raise ValueError(f"bad prefill sample: {prompt_tokens} prompt, {cached_tokens} cached tokens, {seconds} s")
+        self._samples.append((prompt_tokens, cached_tokens, seconds))
+        self._since_fit += 1
+        if len(self._samples) >= self.config.min_samples and (not self.fitted or self._since_fit >= max(1, len(self._samples) // 20)):
+            self._fit()
+
+    def _fit(self) -> None:
+        data = np.array(self._samples, dtype=np.float64)
+        x = _features_prefill(data[:, 0], data[:, 1])
+        coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
+        self.coef = np.maximum(coef, 0.0)
+        self.fitted = True
+        self._since_fit = 0
+
+    def predict(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """Seconds to prefill ``prompt_tokens`` of which ``cached_tokens`` are already computed."""
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        feats = _features_prefill(np.float64(prompt_tokens), np.float64(cached))
+        return float(feats @ self.coef)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+
+class DecodePredictor:
+    """TBT = c0 + c1 * batch + c2 * context tokens, least squares on reported steps."""
+
+    def __init__(self, config: PredictorConfig) -> None:
+        self.config = config
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=config.window)
+        self._since_fit = 0
+        self.coef = np.array([config.decode_base_s, config.decode_s_per_request, config.decode_s_per_context_token])
+        self.fitted = False
+
+    def observe(self, batch: int, context_tokens: int, step_s: float) -> None:
+        if batch <= 0 or context_tokens < 0 or step_s <= 0:
+            raise ValueError(f"bad decode sample: batch {batch}, {context_tokens} context tokens, {step_s} s")
+        self._samples.append((batch, context_tokens, step_s))
+        self._since_fit += 1
+        if len(self._samples) >= self.config.min_samples and (not self.fitted or self._since_fit >= max(1, len(self._samples) // 20)):
+            data = np.array(self._samples, dtype=np.float64)
+            x = np.stack([np.ones(len(data)), data[:, 0], data[:, 1]], axis=-1)
+            coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
+            self.coef = np.maximum(coef, 0.0)
+            self.fitted = True
+            self._since_fit = 0
+
+    def predict(self, batch: int, context_tokens: int) -> float:
+        """Seconds per decode step with ``batch`` running requests holding ``context_tokens`` in all."""
+        if batch <= 0:
+            return 0.0
+        return float(self.coef[0] + self.coef[1] * batch + self.coef[2] * context_tokens)
+
+
+class TransferPredictor:
+    """Seconds to move bytes between pool nodes: latency + bytes / bandwidth (bandwidth an EMA of samples)."""
+
+    def __init__(self, config: PredictorConfig, alpha: float = 0.2) -> None:
+        self.bytes_per_s = config.transfer_bytes_per_s
+        self.latency_s = config.transfer_latency_s
+        self.alpha = alpha
+
+    def observe(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes <= 0 or seconds <= 0:
+            raise ValueError(f"bad transfer sample: {num_bytes} bytes in {seconds} s")
+        rate = num_bytes / max(seconds - self.latency_s, seconds / 2)
+        self.bytes_per_s = (1 - self.alpha) * self.bytes_per_s + self.alpha * rate
+
+    def predict(self, num_bytes: int) -> float:
+        return 0.0 if num_bytes <= 0 else self.latency_s + num_bytes / self.bytes_per_s
+
+
+@dataclass(slots=True)
+class Predictors:
+    """The three predictors a policy consults, and the bytes of one block (for transfers)."""
+
+    prefill: PrefillPredictor
+    decode: DecodePredictor
+    transfer: TransferPredictor
+    block_bytes: int
+
+    @classmethod
+    def from_config(cls, config: PredictorConfig, block_bytes: int) -> "Predictors":
+        return cls(PrefillPredictor(config), DecodePredictor(config), TransferPredictor(config), block_bytes)

@@ -1,0 +1,148 @@
+"""The Conductor's values: instances and their load, requests, plans, decisions, rejections.
+
+Everything here is plain data (dataclasses and enums) so the same policies run in the
+gRPC server and in the cluster simulator (benchmarks/sim.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    KVSTORE = "kvstore"
+
+
+class InstanceState(str, enum.Enum):
+    ALIVE = "alive"
+    DRAINING = "draining"  # finishes what it has, gets nothing new
+    DEAD = "dead"  # missed its heartbeats: out of scheduling, its blocks out of the index
+
+
+class RejectReason(str, enum.Enum):
+    NO_PREFILL = "no_prefill_instance"
+    NO_DECODE = "no_decode_instance"
+    TTFT_SLO = "ttft_slo"  # the predicted time to first token is over the SLO
+    TBT_SLO = "tbt_slo"  # the predicted time between tokens is over the SLO
+    OVERLOAD = "overload"  # early rejection: the (predicted) load is over 1
+
+
+@dataclass(slots=True)
+class Load:
+    """What an instance's heartbeat says about its load.
+
+    Prefill instances fill the queue fields (``queued_s``: the sum of the predicted
+    prefill times of what is queued and running); decode instances the batch fields.
+    """
+
+    queued_requests: int = 0
+    queued_s: float = 0.0
+    running_requests: int = 0
+    context_tokens: int = 0  # decode: tokens of context over the running batch
+    free_kv_blocks: int = 0
+    step_s: float = 0.0  # decode: the last measured step time (0: not known)
+
+
+@dataclass(slots=True)
+class Instance:
+    """A registered worker or pool node.
+
+    ``node`` is the kvstore node whose pool this instance reads and writes locally
+    (its own name for a kvstore instance); the index is keyed by it.
+    """
+
+    id: str
+    role: Role
+    address: str
+    node: str
+    model: str = ""
+    capacity: int = 0  # prefill: tokens per step; decode: most running requests; kvstore: blocks
+    state: InstanceState = InstanceState.ALIVE
+    last_heartbeat: float = 0.0
+    load: Load = field(default_factory=Load)
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state is InstanceState.ALIVE
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float
+    tbt_s: float
+
+
+@dataclass(slots=True)
+class ScheduleRequest:
+    """One request to place: its block keys (DESIGN §4, full blocks only) and lengths."""
+
+    request_id: str
+    keys: list[bytes]
+    prompt_tokens: int
+    block_tokens: int
+    expected_output_tokens: int = 0  # 0: unknown
+    slo_class: str = "default"
+
+    def validate(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id is empty")
+        if self.prompt_tokens <= 0:
+            raise ValueError(f"prompt_tokens must be positive, got {self.prompt_tokens}")
+        if self.block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
+        if len(self.keys) * self.block_tokens > self.prompt_tokens:
+            raise ValueError(f"{len(self.keys)} keys of {self.block_tokens} tokens are more than the prompt's {self.prompt_tokens} tokens")
+        if any(len(k) != 16 for k in self.keys):
+            raise ValueError("every block key must be 16 bytes (mooncake.blocks)")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPlan:
+    """Where the prompt's KV comes from: reused blocks, fetched blocks, computed tokens.
+
+    The chosen prefill instance reuses ``local_blocks`` leading blocks from its own
+    node, pulls blocks ``[local_blocks, local_blocks + fetch_blocks)`` from
+    ``fetch_node`` (and keeps them there when ``keep_fetched``: hot blocks replicate),
+    and computes the remaining ``compute_tokens``.
+    """
+
+    local_blocks: int
+    fetch_node: str | None
+    fetch_blocks: int
+    compute_tokens: int
+    keep_fetched: bool = True
+
+    @property
+    def reused_blocks(self) -> int:
+        return self.local_blocks + self.fetch_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    ttft_s: float
+    tbt_s: float
+    queue_s: float = 0.0
+    transfer_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    request_id: str
+    prefill: str  # instance ids
+    decode: str
+    plan: PrefixPlan
+    predicted: Prediction
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    request_id: str
+    reason: RejectReason
+    message: str
+    retry_after_s: float
+    predicted: Prediction | None = None

@@ -19,7 +19,6 @@ out. Everything per key happens in C (one dict lookup each, then numpy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import takewhile
 
 import numpy as np
 
@@ -27,7 +26,6 @@ from kvstore.events import Tier
 
 DRAM_BIT, SSD_BIT = 1, 2
 _TIER_BITS = {Tier.DRAM: DRAM_BIT, Tier.SSD: SSD_BIT}
-FAST_PATH_NODES = 64
 
 
 @dataclass(frozen=True, slots=True)

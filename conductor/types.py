@@ -93,6 +93,11 @@ class ScheduleRequest:
             raise ValueError(f"prompt_tokens must be positive, got {self.prompt_tokens}")
         if self.block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
+        if not self.keys and self.prompt_tokens >= self.block_tokens:
+            raise ValueError(
+                f"empty key chain for a {self.prompt_tokens}-token prompt: send the keys of its "
+                f"{self.prompt_tokens // self.block_tokens} full {self.block_tokens}-token blocks (mooncake.blocks.block_keys)"
+            )
         if len(self.keys) * self.block_tokens > self.prompt_tokens:
             raise ValueError(f"{len(self.keys)} keys of {self.block_tokens} tokens are more than the prompt's {self.prompt_tokens} tokens")
         if any(len(k) != 16 for k in self.keys):

@@ -1,0 +1,323 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    PREFILL: _ClassVar[Role]
+    DECODE: _ClassVar[Role]
+    KVSTORE: _ClassVar[Role]
+
+class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATE_UNSPECIFIED: _ClassVar[InstanceState]
+    ALIVE: _ClassVar[InstanceState]
+    DRAINING: _ClassVar[InstanceState]
+    DEAD: _ClassVar[InstanceState]
+ROLE_UNSPECIFIED: Role
+PREFILL: Role
+DECODE: Role
+KVSTORE: Role
+STATE_UNSPECIFIED: InstanceState
+ALIVE: InstanceState
+DRAINING: InstanceState
+DEAD: InstanceState
+
+class Load(_message.Message):
+    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s")
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    queued_requests: int
+    queued_s: float
+    running_requests: int
+    context_tokens: int
+    free_kv_blocks: int
+    step_s: float
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("id", "role", "address", "node", "model", "capacity")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    role: Role
+    address: str
+    node: str
+    model: str
+    capacity: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s")
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("id", "load")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    load: Load
+    def __init__(self, id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class PrefillSample(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "seconds")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    seconds: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class TransferSample(_message.Message):
+    __slots__ = ("bytes", "seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class RequestEvent(_message.Message):
+    __slots__ = ("request_id", "kind", "measured_ttft_s")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[RequestEvent.Kind]
+        DECODE_STARTED: _ClassVar[RequestEvent.Kind]
+        FINISHED: _ClassVar[RequestEvent.Kind]
+    KIND_UNSPECIFIED: RequestEvent.Kind
+    DECODE_STARTED: RequestEvent.Kind
+    FINISHED: RequestEvent.Kind
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kind: RequestEvent.Kind
+    measured_ttft_s: float
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("prefill", "transfer", "requests")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    prefill: _containers.RepeatedCompositeFieldContainer[PrefillSample]
+    transfer: _containers.RepeatedCompositeFieldContainer[TransferSample]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestEvent]
+    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., transfer: _Optional[_Iterable[_Union[TransferSample, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestEvent, _Mapping]]] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ScheduleRequest(_message.Message):
+    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt_tokens: int
+    block_tokens: int
+    expected_output_tokens: int
+    slo_class: str
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ...) -> None: ...
+
+class PrefixPlan(_message.Message):
+    __slots__ = ("local_blocks", "fetch_node", "fetch_address", "fetch_blocks", "compute_tokens", "keep_fetched")
+    LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_NODE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    local_blocks: int
+    fetch_node: str
+    fetch_address: str
+    fetch_blocks: int
+    compute_tokens: int
+    keep_fetched: bool
+    def __init__(self, local_blocks: _Optional[int] = ..., fetch_node: _Optional[str] = ..., fetch_address: _Optional[str] = ..., fetch_blocks: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., keep_fetched: _Optional[bool] = ...) -> None: ...
+
+class Prediction(_message.Message):
+    __slots__ = ("ttft_s", "tbt_s", "queue_s", "transfer_s", "prefill_s")
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    TBT_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    ttft_s: float
+    tbt_s: float
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy")
+    PREFILL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    prefill_id: str
+    prefill_address: str
+    prefill_node: str
+    decode_id: str
+    decode_address: str
+    plan: PrefixPlan
+    policy: str
+    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class Rejection(_message.Message):
+    __slots__ = ("reason", "message", "retry_after_s")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    message: str
+    retry_after_s: float
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
+class ScheduleResponse(_message.Message):
+    __slots__ = ("placement", "rejection", "predicted")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    REJECTION_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    rejection: Rejection
+    predicted: Prediction
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted: _Optional[_Union[Prediction, _Mapping]] = ...) -> None: ...
+
+class AdmitAtDecodeRequest(_message.Message):
+    __slots__ = ("decode_id",)
+    DECODE_ID_FIELD_NUMBER: _ClassVar[int]
+    decode_id: str
+    def __init__(self, decode_id: _Optional[str] = ...) -> None: ...
+
+class AdmitAtDecodeResponse(_message.Message):
+    __slots__ = ("admit", "rejection")
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    REJECTION_FIELD_NUMBER: _ClassVar[int]
+    admit: bool
+    rejection: Rejection
+    def __init__(self, admit: _Optional[bool] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ...) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    role: Role
+    address: str
+    node: str
+    model: str
+    capacity: int
+    state: InstanceState
+    heartbeat_age_s: float
+    load: Load
+    indexed_blocks: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
+    policy: str
+    admission: str
+    index_blocks: int
+    scheduled: int
+    rejected: _containers.ScalarMap[str, int]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: InstanceState
+    def __init__(self, state: _Optional[_Union[InstanceState, str]] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("policy", "admission")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    admission: str
+    def __init__(self, policy: _Optional[str] = ..., admission: _Optional[str] = ...) -> None: ...
+
+class SetPolicyResponse(_message.Message):
+    __slots__ = ("policy", "admission")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    admission: str
+    def __init__(self, policy: _Optional[str] = ..., admission: _Optional[str] = ...) -> None: ...

@@ -1,4 +1,4 @@
-"""Real processes for the pool tests: redis-server and kvstore nodes on loopback."""
+"""Real processes for the tests: redis-server, kvstore nodes and the Conductor on loopback."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 @dataclass
 class Node:
-    """A ``python -m kvstore`` process and what its READY line said."""
+    """A service process (``python -m kvstore`` or ``conductor``) and what its READY line said."""
 
     proc: subprocess.Popen
     info: dict
     args: list[str]
+    log: Path | None = None
 
     @property
     def grpc(self) -> str:
@@ -56,3 +57,18 @@ def start_node(node: str, block_bytes: int, dram_blocks: int, *extra: str, shm_d
         _, err = proc.communicate(timeout=10)
         raise RuntimeError(f"kvstore node {node} did not start: {line}{err}")
     return Node(proc, json.loads(line.split(" ", 1)[1]), args)
+
+
+def start_conductor(*extra: str) -> Node:
+    """Start ``python -m conductor`` and wait for its READY line; its log goes to a temporary file (``node.log``)."""
+    import tempfile
+
+    log = tempfile.NamedTemporaryFile(prefix="conductor-", suffix=".log", delete=False)
+    args = [sys.executable, "-m", "conductor", "--log-level", "INFO", *extra]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
+    line = proc.stdout.readline()
+    if not line.startswith("READY "):
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError(f"the conductor did not start: {line}{Path(log.name).read_text()[-4000:]}")
+    return Node(proc, json.loads(line.split(" ", 1)[1]), args, Path(log.name))

@@ -1,0 +1,107 @@
+"""Run the Conductor: ``python -m conductor --help``.
+
+Prints one line ``READY {json}`` on stdout (gRPC and metrics addresses, the policy and
+admission in force, instances recovered from Redis) when it serves, and stops cleanly on
+SIGTERM or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from prometheus_client import start_http_server
+
+from conductor.admission import AdmissionKind
+from conductor.core import ConductorConfig
+from conductor.persistence import make_store
+from conductor.policies import PolicyConfig, PolicyKind
+from conductor.predictors import PredictorConfig
+from conductor.service import ConductorService, start_server
+from conductor.types import Slo
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m conductor",
+        description="The Conductor: registry, global KV index, KVCache-centric scheduling and early rejection (gRPC).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port, printed in the READY line)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port; -1: none)")
+    p.add_argument("--redis-url", help="persist the registry and settings here, and recover them at start")
+    p.add_argument("--policy", choices=[k.value for k in PolicyKind], default=PolicyKind.KVCACHE_CENTRIC.value,
+                   help="prefill placement policy (a value persisted in Redis wins)")
+    p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
+                   help="admission (early rejection) policy (a value persisted in Redis wins)")
+    p.add_argument("--ttft-slo", type=float, default=30.0, help="the default SLO class's time to first token, seconds")
+    p.add_argument("--tbt-slo", type=float, default=0.1, help="the default SLO class's time between tokens, seconds")
+    p.add_argument("--slo-class", action="append", default=[], metavar="NAME=TTFT,TBT",
+                   help="another SLO class, e.g. batch=120,0.5 (repeatable)")
+    p.add_argument("--block-bytes", type=int, default=320 * 1024 * 16, help="bytes of one KV block (transfer estimates)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before an instance is dead")
+    p.add_argument("--balancing-threshold", type=float, default=1.5, help="kvcache_centric: fetch a prefix this many times the local one")
+    p.add_argument("--tier-aware", action="store_true", help="price SSD-resident prefix blocks by their load time")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate assumed until samples arrive")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> ConductorConfig:
+    classes = {"default": Slo(args.ttft_slo, args.tbt_slo)}
+    for spec in args.slo_class:
+        name, _, values = spec.partition("=")
+        try:
+            ttft, tbt = (float(v) for v in values.split(","))
+        except ValueError:
+            raise ValueError(f"bad --slo-class {spec!r}; expected NAME=TTFT,TBT such as batch=120,0.5") from None
+        if not name or ttft <= 0 or tbt <= 0:
+            raise ValueError(f"bad --slo-class {spec!r}: a name and two positive numbers")
+        classes[name] = Slo(ttft, tbt)
+    return ConductorConfig(
+        policy=args.policy, admission=args.admission, slo_classes=classes, block_bytes=args.block_bytes,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        predictors=PredictorConfig(prefill_tokens_per_s=args.prefill_tokens_per_s),
+        policy_config=PolicyConfig(kvcache_balancing_threshold=args.balancing_threshold, tier_aware=args.tier_aware),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s conductor[%(process)d] %(message)s")
+    try:
+        config = build_config(args)
+        store = make_store(args.redis_url)
+    except (ValueError, ConnectionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    service = ConductorService(config, store)
+    try:
+        server, port = start_server(service, args.host, args.port)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    metrics = None
+    if args.metrics_port >= 0:
+        metrics_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=service.metrics.registry)
+        metrics = f"{args.host}:{metrics_server.server_port}"
+    c = service.conductor
+    ready = {"grpc": f"{args.host}:{port}", "metrics": metrics, "policy": c.policy.kind.value, "admission": c.admission.value,
+             "recovered_instances": len(c.instances)}  # fmt: skip
+    print("READY " + json.dumps(ready), flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=2).wait()
+    service.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

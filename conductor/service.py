@@ -1,0 +1,381 @@
+"""The Conductor as a service: the pure :class:`~conductor.core.Conductor` behind a lock, fed by I/O threads.
+
+    ConductorService  owns the Conductor, persistence (Redis or nothing), Prometheus
+                      metrics, one event watcher per kvstore node (its Subscribe stream
+                      applied to the index; a resync snapshot on every (re)connect),
+                      and the expiry thread that marks silent instances dead
+    ConductorServicer the gRPC adapter (protos/conductor.proto): messages in and out,
+                      ValueError -> INVALID_ARGUMENT, KeyError -> NOT_FOUND
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from conductor.core import Conductor, ConductorConfig
+from conductor.persistence import MemoryStore
+from conductor.types import Decision, Instance, InstanceState, Load, Role, ScheduleRequest
+from kvstore.client import KVStoreClient, KVStoreUnavailable
+from kvstore.events import Tier
+from protos import conductor_pb2 as pb
+from protos import conductor_pb2_grpc as pb_grpc
+from protos import kvstore_pb2 as kv_pb
+
+log = logging.getLogger(__name__)
+
+ROLE_TO_PB = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE, Role.KVSTORE: pb.KVSTORE}
+PB_TO_ROLE = {v: k for k, v in ROLE_TO_PB.items()}
+STATE_TO_PB = {InstanceState.ALIVE: pb.ALIVE, InstanceState.DRAINING: pb.DRAINING, InstanceState.DEAD: pb.DEAD}
+KV_TIER = {kv_pb.DRAM: Tier.DRAM, kv_pb.SSD: Tier.SSD}
+HEARTBEAT_INTERVAL_FRACTION = 0.25  # workers are told to beat 4 times per timeout
+RESUBSCRIBE_S = 1.0
+MAX_PENDING_PREDICTIONS = 100_000
+
+
+class Metrics:
+    """The Conductor's Prometheus metrics, in a registry of its own (served on --metrics-port)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("mooncake_conductor_decisions", "Schedule outcomes", ["policy", "outcome"], registry=r)
+        self.decision_seconds = Histogram("mooncake_conductor_decision_seconds", "Time to decide one Schedule", registry=r,
+                                          buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))  # fmt: skip
+        self.ttft_error = Histogram("mooncake_conductor_ttft_abs_error_seconds", "|predicted - measured| TTFT", registry=r,
+                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
+        self.match_blocks = Histogram("mooncake_conductor_reused_blocks", "Prefix blocks reused (local + fetched) per placement",
+                                      registry=r, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096))  # fmt: skip
+        self.index_blocks = Gauge("mooncake_conductor_index_blocks", "Distinct blocks in the global KV index", registry=r)
+        self.instances = Gauge("mooncake_conductor_instances", "Registered instances", ["role", "state"], registry=r)
+
+
+class _Watcher:
+    """Follows one kvstore node's event stream into the index until stopped."""
+
+    def __init__(self, service: "ConductorService", inst: Instance) -> None:
+        self.service, self.inst = service, inst
+        self._stop = threading.Event()
+        self._client: KVStoreClient | None = None
+        self._thread = threading.Thread(target=self._run, name=f"conductor-events-{inst.node}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._client = KVStoreClient(self.inst.address, control="grpc", timeout_s=5)
+                for batch in self._client.subscribe(snapshot=True):  # a fresh snapshot on every connect
+                    if self._stop.is_set():
+                        break
+                    self.service.apply_events(self.inst.node, batch)
+            except (KVStoreUnavailable, ValueError, RuntimeError) as e:
+                log.debug("events of %s: %s", self.inst.node, e)
+            finally:
+                if self._client is not None:
+                    self._client.close()
+            self._stop.wait(RESUBSCRIBE_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._client is not None:
+            self._client.close()  # cancels the stream
+
+
+class ConductorService:
+    """The Conductor, its persistence, metrics and background threads. Thread-safe."""
+
+    def __init__(self, config: ConductorConfig, store: MemoryStore | None = None, expire_every_s: float = 0.5) -> None:
+        self.conductor = Conductor(config)
+        self.store = store or MemoryStore()
+        self.metrics = Metrics()
+        self._lock = threading.Lock()
+        self._watchers: dict[str, _Watcher] = {}
+        self._predicted_ttft: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._recover()
+        self._expirer = threading.Thread(target=self._expire_loop, args=(expire_every_s,), name="conductor-expire", daemon=True)
+        self._expirer.start()
+
+    # -- recovery and persistence ---------------------------------------------------------
+
+    def _recover(self) -> None:
+        instances, settings = self.store.load()
+        if settings.get("policy"):
+            self.conductor.set_policy(settings["policy"])
+        if settings.get("admission"):
+            self.conductor.set_admission(settings["admission"])
+        now = time.monotonic()
+        for inst in instances:
+            state = inst.state
+            self.conductor.register(inst, now)  # a fresh heartbeat deadline
+            if state is InstanceState.DRAINING:
+                self.conductor.drain(inst.id)
+            if inst.role is Role.KVSTORE and state is not InstanceState.DEAD:
+                self._watch(inst)
+        if instances:
+            log.info("recovered %d instances (policy %s, admission %s)", len(instances), self.conductor.policy.kind.value,
+                     self.conductor.admission.value)  # fmt: skip
+
+    def _watch(self, inst: Instance) -> None:
+        old = self._watchers.pop(inst.id, None)
+        if old is not None:
+            old.stop()
+        self._watchers[inst.id] = _Watcher(self, inst)
+
+    def _unwatch(self, instance_id: str) -> None:
+        watcher = self._watchers.pop(instance_id, None)
+        if watcher is not None:
+            watcher.stop()
+
+    # -- calls (each under the lock) ------------------------------------------------------
+
+    def register(self, inst: Instance) -> None:
+        with self._lock:
+            self.conductor.register(inst, time.monotonic())
+            if inst.role is Role.KVSTORE:
+                self.conductor.index.reset_node(inst.node)  # the watcher's snapshot refills it
+            self.store.save_instance(inst)
+        if inst.role is Role.KVSTORE:
+            self._watch(inst)
+
+    def heartbeat(self, instance_id: str, load: Load) -> bool:
+        with self._lock:
+            try:
+                self.conductor.heartbeat(instance_id, load, time.monotonic())
+                return True
+            except KeyError:
+                return False
+
+    def deregister(self, instance_id: str) -> None:
+        with self._lock:
+            self.conductor.deregister(instance_id)
+            self.store.delete_instance(instance_id)
+        self._unwatch(instance_id)
+
+    def drain(self, instance_id: str) -> InstanceState:
+        with self._lock:
+            self.conductor.drain(instance_id)
+            inst = self.conductor.instances[instance_id]
+            self.store.save_instance(inst)
+            return inst.state
+
+    def set_policy(self, policy: str, admission: str) -> tuple[str, str]:
+        with self._lock:
+            if policy:
+                self.conductor.set_policy(policy)
+            if admission:
+                self.conductor.set_admission(admission)
+            settings = {"policy": self.conductor.policy.kind.value, "admission": self.conductor.admission.value}
+            self.store.save_settings(settings)
+            return settings["policy"], settings["admission"]
+
+    def schedule(self, req: ScheduleRequest):
+        started = time.perf_counter()
+        with self._lock:
+            outcome = self.conductor.schedule(req, time.monotonic())
+            policy = self.conductor.policy.kind.value
+            if isinstance(outcome, Decision):
+                if len(self._predicted_ttft) < MAX_PENDING_PREDICTIONS:
+                    self._predicted_ttft[req.request_id] = outcome.predicted.ttft_s
+                addresses = {i.id: i.address for i in self.conductor.instances.values()}
+                nodes = {i.node: i.address for i in self.conductor.instances.values() if i.role is Role.KVSTORE}
+                outcome_info = (addresses[outcome.prefill], addresses[outcome.decode], nodes.get(outcome.plan.fetch_node or "", ""),
+                                self.conductor.instances[outcome.prefill].node)  # fmt: skip
+            else:
+                outcome_info = None
+            self.metrics.index_blocks.set(self.conductor.index.num_blocks)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if isinstance(outcome, Decision):
+            self.metrics.decisions.labels(policy, "scheduled").inc()
+            self.metrics.match_blocks.observe(outcome.plan.reused_blocks)
+        else:
+            self.metrics.decisions.labels(policy, outcome.reason.value).inc()
+        return outcome, outcome_info
+
+    def admit_at_decode(self, decode_id: str):
+        with self._lock:
+            return self.conductor.admit_at_decode(decode_id, time.monotonic())
+
+    def report(self, request: pb.ReportRequest) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for s in request.prefill:
+                self.conductor.prefill_sample(s.prompt_tokens, s.cached_tokens, s.seconds)
+            for s in request.transfer:
+                self.conductor.transfer_sample(s.bytes, s.seconds)
+            for e in request.requests:
+                if e.kind == pb.RequestEvent.DECODE_STARTED:
+                    self.conductor.decode_started(e.request_id, now)
+                    predicted = self._predicted_ttft.pop(e.request_id, None)
+                    if predicted is not None and e.measured_ttft_s > 0:
+                        self.metrics.ttft_error.observe(abs(predicted - e.measured_ttft_s))
+                elif e.kind == pb.RequestEvent.FINISHED:
+                    self.conductor.finished(e.request_id, now)
+                    self._predicted_ttft.pop(e.request_id, None)
+                else:
+                    raise ValueError(f"request event of unknown kind {e.kind} for {e.request_id!r}")
+
+    def apply_events(self, node: str, batch) -> None:
+        """One batch of a kvstore node's event stream (``reset``: a snapshot replaces what the index had)."""
+        with self._lock:
+            if batch.reset:
+                self.conductor.snapshot(node, [(bytes(e.key), KV_TIER[e.tier]) for e in batch.events])
+            else:
+                for e in batch.events:
+                    if e.kind == kv_pb.Event.STORED:
+                        self.conductor.stored(node, bytes(e.key), KV_TIER[e.tier])
+                    else:
+                        self.conductor.removed(node, bytes(e.key), KV_TIER[e.tier])
+            self.metrics.index_blocks.set(self.conductor.index.num_blocks)
+
+    def snapshot_instances(self, role: Role | None = None) -> list[tuple[Instance, float, int]]:
+        """(instance, seconds since its heartbeat, blocks the index has on its node) for the admin API."""
+        now = time.monotonic()
+        with self._lock:
+            return [(i, now - i.last_heartbeat, self.conductor.index.node_blocks(i.node))
+                    for i in self.conductor.instances.values() if role is None or i.role is role]  # fmt: skip
+
+    # -- background ---------------------------------------------------------------------------
+
+    def _expire_loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                with self._lock:
+                    dead = self.conductor.expire(time.monotonic())
+                    counts: dict[tuple[str, str], int] = {}
+                    for i in self.conductor.instances.values():
+                        counts[(i.role.value, i.state.value)] = counts.get((i.role.value, i.state.value), 0) + 1
+                for role in Role:
+                    for state in InstanceState:
+                        self.metrics.instances.labels(role.value, state.value).set(counts.get((role.value, state.value), 0))
+                for instance_id in dead:
+                    log.warning("instance %s missed its heartbeats: marked dead", instance_id)
+                    self._unwatch(instance_id)
+            except Exception:  # keep expiring; a bug here must not silently stop it
+                log.exception("expiry failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        for instance_id in list(self._watchers):
+            self._unwatch(instance_id)
+
+
+def _status(fn):
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        try:
+            return fn(self, request, context)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KeyError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, e.args[0] if e.args else str(e))
+
+    return wrapper
+
+
+def load_from_pb(msg: pb.Load) -> Load:
+    return Load(msg.queued_requests, msg.queued_s, msg.running_requests, msg.context_tokens, msg.free_kv_blocks, msg.step_s)
+
+
+def load_to_pb(load: Load) -> pb.Load:
+    return pb.Load(queued_requests=load.queued_requests, queued_s=load.queued_s, running_requests=load.running_requests,
+                   context_tokens=load.context_tokens, free_kv_blocks=load.free_kv_blocks, step_s=load.step_s)  # fmt: skip
+
+
+class ConductorServicer(pb_grpc.ConductorServicer):
+    def __init__(self, service: ConductorService) -> None:
+        self.service = service
+
+    @_status
+    def Register(self, request, context):
+        if request.role not in PB_TO_ROLE:
+            raise ValueError("role must be PREFILL, DECODE or KVSTORE")
+        if not request.node:
+            raise ValueError("node is required: the kvstore node this instance uses (a kvstore node: its own name)")
+        inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity)
+        self.service.register(inst)
+        timeout = self.service.conductor.config.heartbeat_timeout_s
+        return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout)
+
+    @_status
+    def Heartbeat(self, request, context):
+        return pb.HeartbeatResponse(known=self.service.heartbeat(request.id, load_from_pb(request.load)))
+
+    @_status
+    def Report(self, request, context):
+        self.service.report(request)
+        return pb.ReportResponse()
+
+    @_status
+    def Schedule(self, request, context):
+        req = ScheduleRequest(request.request_id, [bytes(k) for k in request.keys], request.prompt_tokens, request.block_tokens,
+                              request.expected_output_tokens, request.slo_class or "default")  # fmt: skip
+        outcome, info = self.service.schedule(req)
+        p = outcome.predicted
+        predicted = None if p is None else pb.Prediction(ttft_s=p.ttft_s, tbt_s=p.tbt_s, queue_s=p.queue_s, transfer_s=p.transfer_s,
+                                                         prefill_s=p.prefill_s)  # fmt: skip
+        if not isinstance(outcome, Decision):
+            rejection = pb.Rejection(reason=outcome.reason.value, message=outcome.message, retry_after_s=outcome.retry_after_s)
+            return pb.ScheduleResponse(rejection=rejection, predicted=predicted)
+        prefill_address, decode_address, fetch_address, prefill_node = info
+        plan = outcome.plan
+        return pb.ScheduleResponse(
+            placement=pb.Placement(
+                prefill_id=outcome.prefill, prefill_address=prefill_address, prefill_node=prefill_node,
+                decode_id=outcome.decode, decode_address=decode_address, policy=outcome.policy,
+                plan=pb.PrefixPlan(local_blocks=plan.local_blocks, fetch_node=plan.fetch_node or "", fetch_address=fetch_address,
+                                   fetch_blocks=plan.fetch_blocks, compute_tokens=plan.compute_tokens, keep_fetched=plan.keep_fetched),
+            ),
+            predicted=predicted,
+        )  # fmt: skip
+
+    @_status
+    def AdmitAtDecode(self, request, context):
+        rejection = self.service.admit_at_decode(request.decode_id)
+        if rejection is None:
+            return pb.AdmitAtDecodeResponse(admit=True)
+        return pb.AdmitAtDecodeResponse(admit=False, rejection=pb.Rejection(
+            reason=rejection.reason.value, message=rejection.message, retry_after_s=rejection.retry_after_s))  # fmt: skip
+
+    @_status
+    def ListInstances(self, request, context):
+        role = PB_TO_ROLE.get(request.role)
+        rows = self.service.snapshot_instances(role)
+        c = self.service.conductor
+        return pb.ListInstancesResponse(
+            instances=[pb.InstanceInfo(id=i.id, role=ROLE_TO_PB[i.role], address=i.address, node=i.node, model=i.model,
+                                       capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age,
+                                       load=load_to_pb(i.load), indexed_blocks=blocks) for i, age, blocks in rows],
+            policy=c.policy.kind.value, admission=c.admission.value, index_blocks=c.index.num_blocks,
+            scheduled=c.counters.scheduled, rejected=c.counters.rejected,
+        )  # fmt: skip
+
+    @_status
+    def Drain(self, request, context):
+        return pb.DrainResponse(state=STATE_TO_PB[self.service.drain(request.id)])
+
+    @_status
+    def Deregister(self, request, context):
+        self.service.deregister(request.id)
+        return pb.DeregisterResponse()
+
+    @_status
+    def SetPolicy(self, request, context):
+        policy, admission = self.service.set_policy(request.policy, request.admission)
+        return pb.SetPolicyResponse(policy=policy, admission=admission)
+
+
+def start_server(service: ConductorService, host: str = "127.0.0.1", port: int = 0, workers: int = 16) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conductor-rpc"))
+    pb_grpc.add_ConductorServicer_to_server(ConductorServicer(service), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ValueError(f"cannot bind the Conductor's gRPC service to {host}:{port}")
+    server.start()
+    return server, bound

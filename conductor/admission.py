@@ -48,13 +48,17 @@ class DecodeForecast:
     default_decode_s: float = 10.0
     alpha: float = 0.1
     t_d: float = field(init=False)
-    _flights: dict[str, _Flight] = field(default_factory=dict)
+    _flights: dict[str, _Flight] = field(default_factory=dict)  # request id -> flight
+    _by_decode: dict[str, dict[str, _Flight]] = field(default_factory=dict)  # decode id -> its flights
 
     def __post_init__(self) -> None:
         self.t_d = self.default_decode_s
 
     def scheduled(self, request_id: str, decode: str, prefill_done_at: float, context_tokens: int) -> None:
-        self._flights[request_id] = _Flight(decode, prefill_done_at, context_tokens)
+        self._drop(request_id)
+        flight = _Flight(decode, prefill_done_at, context_tokens)
+        self._flights[request_id] = flight
+        self._by_decode.setdefault(decode, {})[request_id] = flight
 
     def decode_started(self, request_id: str, now: float) -> None:
         flight = self._flights.get(request_id)
@@ -63,30 +67,37 @@ class DecodeForecast:
 
     def finished(self, request_id: str, now: float) -> None:
         """The request left its decode instance (done, failed or cancelled)."""
-        flight = self._flights.pop(request_id, None)
+        flight = self._drop(request_id)
         if flight is not None and flight.started and now > flight.start:
             self.t_d = (1 - self.alpha) * self.t_d + self.alpha * (now - flight.start)
 
+    def _drop(self, request_id: str) -> _Flight | None:
+        flight = self._flights.pop(request_id, None)
+        if flight is not None:
+            self._by_decode[flight.decode].pop(request_id, None)
+        return flight
+
     def forget_instance(self, decode: str) -> None:
-        for rid in [r for r, f in self._flights.items() if f.decode == decode]:
-            del self._flights[rid]
+        for rid in list(self._by_decode.pop(decode, {})):
+            self._flights.pop(rid, None)
 
     def expire(self, now: float) -> None:
         """Drop flights long past their predicted end (a lost report must not inflate the load forever)."""
         for rid in [r for r, f in self._flights.items() if now > f.start + 4 * self.t_d]:
-            del self._flights[rid]
+            self._drop(rid)
 
     def batch_at(self, decode: str, t: float) -> tuple[int, int]:
         """(requests, context tokens) predicted on ``decode`` at time ``t`` from the Conductor's own flights."""
         n = tokens = 0
-        for f in self._flights.values():
-            if f.decode == decode and f.start <= t < f.start + self.t_d:
+        end = self.t_d
+        for f in self._by_decode.get(decode, {}).values():
+            if f.start <= t < f.start + end:
                 n += 1
                 tokens += f.context_tokens
         return n, tokens
 
     def in_flight(self, decode: str) -> int:
-        return sum(1 for f in self._flights.values() if f.decode == decode)
+        return len(self._by_decode.get(decode, ()))
 
     def __len__(self) -> int:
         return len(self._flights)

@@ -78,6 +78,24 @@ class KVIndex:
         held[key] = bits
         self._set(node, key, bits)
 
+    def stored_many(self, node: str, keys: list[bytes], tier: Tier) -> None:
+        """``node`` now holds every key of ``keys`` in ``tier`` (a snapshot: one numpy update, not one per key)."""
+        if not keys:
+            return
+        held = self._held.get(node)
+        if held is None:
+            self.stored(node, keys[0], tier)
+            held = self._held[node]
+        tier_bit = _TIER_BITS[tier]
+        for key in keys:
+            held[key] = held.get(key, 0) | tier_bit
+        rows = np.fromiter((self._row.get(k) if k in self._row else self._new_row(k) for k in keys), dtype=np.int64, count=len(keys))
+        bit = self._bit[node]
+        word, flag = bit // 64, np.uint64(1 << (bit % 64))
+        self._any[rows, word] |= flag
+        if tier is Tier.DRAM:
+            self._dram[rows, word] |= flag
+
     def removed(self, node: str, key: bytes, tier: Tier) -> None:
         """``node`` no longer holds ``key`` in ``tier`` (unknown keys are ignored)."""
         held = self._held.get(node)
@@ -99,8 +117,11 @@ class KVIndex:
             bit = self._bit.pop(node)
             del self._node_of_bit[bit]
             self._free_bits.append(bit)
+        by_tier: dict[Tier, list[bytes]] = {}
         for key, tier in blocks or ():
-            self.stored(node, key, tier)
+            by_tier.setdefault(tier, []).append(key)
+        for tier, keys in by_tier.items():
+            self.stored_many(node, keys, tier)
 
     def _set(self, node: str, key: bytes, bits: int) -> None:
         bit = self._bit[node]

@@ -178,7 +178,7 @@ class Conductor:
         choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
         decode, tbt = select_decode(req, decodes, self.predictors.decode, self.forecast)
         predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
-        verdict = self._admit(choice, tbt, decodes, slo, now)
+        verdict = self._admit(req, choice, decode, tbt, decodes, slo, now)
         if verdict is not None:
             reason, message, retry = verdict
             return self._reject(req, reason, message, retry, predicted)
@@ -197,8 +197,10 @@ class Conductor:
         return Rejection("", RejectReason.TBT_SLO, f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",
                          _clamp(self.forecast.t_d / 2))  # fmt: skip
 
-    def _admit(self, choice: PrefillChoice, tbt: float, decodes: list[Instance], slo: Slo, now: float):
+    def _admit(self, req: ScheduleRequest, choice: PrefillChoice, choice_decode: Instance, tbt: float,
+               decodes: list[Instance], slo: Slo, now: float):  # fmt: skip
         kind = self.admission
+        context = req.prompt_tokens + req.expected_output_tokens // 2
         if kind is AdmissionKind.NONE:
             return None
         retry = _clamp(choice.queue_s)
@@ -216,6 +218,9 @@ class Conductor:
         if decode_load > 1.0:
             when = "now" if kind is AdmissionKind.EARLY else f"in {choice.ttft_s:.1f} s"
             return RejectReason.OVERLOAD, f"decode load {decode_load:.2f} of the TBT SLO {when}", _clamp(self.forecast.t_d / 2)
+        if kind is AdmissionKind.EARLY_PREDICTIVE:  # the chosen instance's TBT when this request would join it
+            n, tokens = self.forecast.batch_at(choice_decode.id, now + choice.ttft_s)
+            tbt = self.predictors.decode.predict(n + 1, tokens + context)
         if tbt > slo.tbt_s:
             return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", _clamp(self.forecast.t_d / 2)
         return None

@@ -9,7 +9,7 @@ the first key that node lacks.
 Representation: every node gets a bit; each key gets a row in two bit-matrices (nodes
 holding it in any tier, nodes holding it in DRAM), 64 nodes per uint64 word. A match is a
 running AND down the rows of the chain's keys: a node's prefix ends where its bit drops
-out. Everything per key happens in C (one dict lookup each, then numpy).
+out. Everything per key happens in numpy (conductor.keytable maps keys to rows).
 
     key k1 -> 0b1011   (nodes 0, 1, 3)
     key k2 -> 0b0011
@@ -18,9 +18,11 @@ out. Everything per key happens in C (one dict lookup each, then numpy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from conductor.keytable import KeyTable
 
 from kvstore.events import Tier
 
@@ -33,7 +35,9 @@ class PrefixMatch:
     """Leading blocks of one key chain held by each node (nodes holding none are absent)."""
 
     any_tier: dict[str, int]
-    dram: dict[str, int]
+    dram: dict[str, int]  # leading blocks in DRAM
+    dram_masks: np.ndarray | None = field(default=None, compare=False, repr=False)  # [matched keys, words]: DRAM holders
+    bits: dict[str, int] | None = field(default=None, compare=False, repr=False)  # node -> its bit in the masks
 
     def blocks(self, node: str) -> int:
         return self.any_tier.get(node, 0)
@@ -41,11 +45,20 @@ class PrefixMatch:
     def dram_blocks(self, node: str) -> int:
         return self.dram.get(node, 0)
 
-    def best(self) -> tuple[str | None, int]:
+    def dram_count(self, node: str, start: int = 0, end: int | None = None) -> int:
+        """How many of blocks ``[start, end)`` of the chain ``node`` holds in DRAM (the rest of its prefix is on SSD)."""
+        if self.dram_masks is None or self.bits is None or node not in self.bits:
+            return 0
+        bit = self.bits[node]
+        column = self.dram_masks[start:end, bit // 64]
+        return int(np.count_nonzero(column & np.uint64(1 << (bit % 64))))
+
+    def best(self, exclude: str | None = None) -> tuple[str | None, int]:
         """The node holding the longest prefix (ties: the name that sorts first), and its length."""
-        if not self.any_tier:
+        candidates = [n for n in self.any_tier if n != exclude]
+        if not candidates:
             return None, 0
-        node = min(self.any_tier, key=lambda n: (-self.any_tier[n], n))
+        node = min(candidates, key=lambda n: (-self.any_tier[n], n))
         return node, self.any_tier[node]
 
 
@@ -53,11 +66,13 @@ class KVIndex:
     """Exact map of blocks to the nodes (and tiers) that hold them. Not thread-safe: one owner."""
 
     def __init__(self, initial_rows: int = 1024) -> None:
-        self._row: dict[bytes, int] = {}  # key -> its row in the matrices
+        self._rows = KeyTable(initial_rows)  # key -> its row in the matrices
         self._free_rows: list[int] = []
+        self._next_row = 0
         self._words = 1
-        self._any = np.zeros((initial_rows, 1), dtype=np.uint64)  # [row, word]: nodes holding the key
-        self._dram = np.zeros((initial_rows, 1), dtype=np.uint64)  # [row, word]: nodes holding it in DRAM
+        # [row, 2 * words]: the first ``words`` columns are the nodes holding the key in any
+        # tier, the next ``words`` those holding it in DRAM (one gather per key on a match)
+        self._bits = np.zeros((initial_rows, 2), dtype=np.uint64)
         self._held: dict[str, dict[bytes, int]] = {}  # node -> key -> tier bits
         self._bit: dict[str, int] = {}  # node -> its bit number
         self._node_of_bit: dict[int, str] = {}
@@ -82,6 +97,7 @@ class KVIndex:
         """``node`` now holds every key of ``keys`` in ``tier`` (a snapshot: one numpy update, not one per key)."""
         if not keys:
             return
+        keys = list(dict.fromkeys(keys))  # the table takes each key once
         held = self._held.get(node)
         if held is None:
             self.stored(node, keys[0], tier)
@@ -89,12 +105,17 @@ class KVIndex:
         tier_bit = _TIER_BITS[tier]
         for key in keys:
             held[key] = held.get(key, 0) | tier_bit
-        rows = np.fromiter((self._row.get(k) if k in self._row else self._new_row(k) for k in keys), dtype=np.int64, count=len(keys))
+        rows = self._rows.lookup_many(keys)
+        new = np.flatnonzero(rows < 0)
+        if len(new):
+            fresh = self._new_rows(len(new))
+            rows[new] = fresh
+            self._rows.put_many([keys[i] for i in new.tolist()], fresh)
         bit = self._bit[node]
         word, flag = bit // 64, np.uint64(1 << (bit % 64))
-        self._any[rows, word] |= flag
+        self._bits[rows, word] |= flag
         if tier is Tier.DRAM:
-            self._dram[rows, word] |= flag
+            self._bits[rows, self._words + word] |= flag
 
     def removed(self, node: str, key: bytes, tier: Tier) -> None:
         """``node`` no longer holds ``key`` in ``tier`` (unknown keys are ignored)."""
@@ -126,35 +147,32 @@ class KVIndex:
     def _set(self, node: str, key: bytes, bits: int) -> None:
         bit = self._bit[node]
         word, flag = bit // 64, np.uint64(1 << (bit % 64))
-        row = self._row.get(key)
-        if row is None:
+        row = self._rows.get(key)
+        if row < 0:
             if not bits:
                 return
-            row = self._new_row(key)
-        for matrix, has in ((self._any, bits != 0), (self._dram, bool(bits & DRAM_BIT))):
+            row = int(self._new_rows(1)[0])
+            self._rows.put(key, row)
+        for column, has in ((word, bits != 0), (self._words + word, bool(bits & DRAM_BIT))):
             if has:
-                matrix[row, word] |= flag
+                self._bits[row, column] |= flag
             else:
-                matrix[row, word] &= ~flag
-        if not self._any[row].any():  # nobody holds it any more: recycle the row
-            del self._row[key]
+                self._bits[row, column] &= ~flag
+        if not self._bits[row, : self._words].any():  # nobody holds it any more: recycle the row
+            self._rows.delete(key)
             self._free_rows.append(row)
 
-    def _new_row(self, key: bytes) -> int:
-        if self._free_rows:
-            row = self._free_rows.pop()
-        else:
-            row = len(self._row)
-            if row >= len(self._any):
-                self._any = np.concatenate([self._any, np.zeros_like(self._any)])
-                self._dram = np.concatenate([self._dram, np.zeros_like(self._dram)])
-        self._row[key] = row
-        return row
+    def _new_rows(self, n: int) -> np.ndarray:
+        """``n`` unused rows (recycled first), growing the matrices as needed."""
+        reused = [self._free_rows.pop() for _ in range(min(n, len(self._free_rows)))]
+        start, self._next_row = self._next_row, self._next_row + (n - len(reused))
+        while self._next_row > len(self._bits):
+            self._bits = np.concatenate([self._bits, np.zeros_like(self._bits)])
+        return np.array(reused + list(range(start, self._next_row)), dtype=np.int64)
 
     def _widen(self) -> None:
-        pad = np.zeros((len(self._any), 1), dtype=np.uint64)
-        self._any = np.hstack([self._any, pad])
-        self._dram = np.hstack([self._dram, pad])
+        w, pad = self._words, np.zeros((len(self._bits), 1), dtype=np.uint64)
+        self._bits = np.hstack([self._bits[:, :w], pad, self._bits[:, w:], pad])
         self._words += 1
 
     # -- queries ------------------------------------------------------------------------
@@ -162,7 +180,7 @@ class KVIndex:
     @property
     def num_blocks(self) -> int:
         """Distinct keys held anywhere."""
-        return len(self._row)
+        return len(self._rows)
 
     def node_blocks(self, node: str) -> int:
         return len(self._held.get(node, ()))
@@ -183,18 +201,21 @@ class KVIndex:
     def match(self, keys: list[bytes]) -> PrefixMatch:
         """For every node, the number of leading ``keys`` it holds (any tier; and in DRAM).
 
-        Cost: one dict lookup per key (in C) up to the first key nobody holds, then a
-        running AND over those rows in numpy. Called once per Schedule.
+        Cost: one vectorised hash-table probe of the whole chain (conductor.keytable), cut
+        at the first key nobody holds, then a running AND over those rows. Called once per
+        Schedule.
         """
-        rows = list(map(self._row.get, keys))
-        try:
-            rows = rows[: rows.index(None)]
-        except ValueError:
-            pass
-        if not rows:
+        if not keys:
             return PrefixMatch({}, {})
-        index = np.array(rows, dtype=np.int64)
-        return PrefixMatch(self._prefixes(self._any[index]), self._prefixes(self._dram[index]))
+        rows = self._rows.lookup_many(keys)
+        absent = np.flatnonzero(rows < 0)
+        if len(absent):
+            rows = rows[: absent[0]]
+        if not len(rows):
+            return PrefixMatch({}, {})
+        masks = self._bits[rows]
+        dram = masks[:, self._words :]
+        return PrefixMatch(self._prefixes(masks[:, : self._words]), self._prefixes(dram), dram, self._bit)
 
     def _prefixes(self, masks: np.ndarray) -> dict[str, int]:
         """[keys, words] masks in chain order -> {node: leading keys whose masks include it}."""

@@ -87,12 +87,15 @@ class PrefillPolicy(abc.ABC):
         blocks = match.blocks(inst.node)
         if not self.config.tier_aware:
             return estimate(inst, req, blocks, None, 0, predictors)
-        dram = min(match.dram_blocks(inst.node), blocks)
-        options = [estimate(inst, req, dram, None, 0, predictors)]
-        if blocks > dram:
-            ssd_s = (blocks - dram) * predictors.block_bytes / self.config.ssd_bytes_per_s
-            options.append(estimate(inst, req, blocks, None, 0, predictors, load_s=ssd_s))
+        leading_dram = min(match.dram_blocks(inst.node), blocks)
+        options = [estimate(inst, req, leading_dram, None, 0, predictors)]  # stop where SSD starts
+        on_ssd = blocks - match.dram_count(inst.node, 0, blocks)
+        if blocks > leading_dram:  # or read the SSD blocks of the whole prefix
+            options.append(estimate(inst, req, blocks, None, 0, predictors, load_s=self._ssd_s(on_ssd, predictors)))
         return min(options, key=lambda c: c.ttft_s)
+
+    def _ssd_s(self, blocks: int, predictors: Predictors) -> float:
+        return blocks * predictors.block_bytes / self.config.ssd_bytes_per_s
 
 
 class RandomPolicy(PrefillPolicy):
@@ -128,11 +131,32 @@ class LeastLoadedPolicy(PrefillPolicy):
         return self._local(inst, req, match, predictors)
 
 
+def _cheapest(candidates: list[Instance], key, cost) -> PrefillChoice:
+    """The candidate with the lowest TTFT, where ``cost(inst)`` is computed once per distinct ``key(inst)``.
+
+    Instances that hold the same prefix differ only in their queues, and most of 64
+    instances hold none of a given prompt, so a Schedule costs a few predictions, not 64.
+    """
+    parts: dict = {}
+    best = best_inst = None
+    for inst in candidates:
+        k = key(inst)
+        c = parts.get(k)
+        if c is None:
+            c = parts[k] = cost(inst)
+        score = (inst.load.queued_s + c.transfer_s + c.prefill_s, inst.id)
+        if best is None or score < best:
+            best, best_inst = score, inst
+    c = parts[key(best_inst)]
+    return PrefillChoice(best_inst, c.plan, best_inst.load.queued_s, c.transfer_s, c.prefill_s)
+
+
 class CacheAwareLocalPolicy(PrefillPolicy):
     kind = PolicyKind.CACHE_AWARE_LOCAL
 
     def choose(self, req, candidates, match, predictors):
-        return min((self._local(i, req, match, predictors) for i in candidates), key=lambda c: (c.ttft_s, c.instance.id))
+        return _cheapest(candidates, lambda i: (match.blocks(i.node), match.dram_blocks(i.node)),
+                         lambda i: self._local(i, req, match, predictors))  # fmt: skip
 
 
 class KVCacheCentricPolicy(PrefillPolicy):
@@ -141,22 +165,33 @@ class KVCacheCentricPolicy(PrefillPolicy):
     kind = PolicyKind.KVCACHE_CENTRIC
 
     def choose(self, req, candidates, match, predictors):
-        best_node, best_len = match.best()
         threshold = self.config.kvcache_balancing_threshold
-        choices = []
-        for inst in candidates:
+        tier_aware = self.config.tier_aware
+        top_node, top_len = match.best()
+        runner_up = match.best(exclude=top_node) if tier_aware else (None, 0)
+
+        def source(inst: Instance) -> tuple[str | None, int]:
+            # Algorithm 1 fetches from the longest holder, which may be the instance's own node
+            # (then nothing is fetched); tier-aware, from the longest *other* holder, since its
+            # DRAM may beat reading this node's own SSD
+            if tier_aware and inst.node == top_node:
+                return runner_up
+            return top_node, top_len
+
+        def cost(inst: Instance) -> PrefillChoice:
             local = self._local(inst, req, match, predictors)
             own = local.plan.local_blocks
+            best_node, best_len = source(inst)
             fetch = best_node is not None and best_node != inst.node and best_len > own and (own == 0 or best_len / own > threshold)
             if not fetch:
-                choices.append(local)
-                continue
+                return local
             load_s = 0.0
-            if self.config.tier_aware:  # what the holder keeps on SSD must be read before it is sent
-                on_ssd = max(0, best_len - max(match.dram_blocks(best_node), own))
-                load_s = on_ssd * predictors.block_bytes / self.config.ssd_bytes_per_s
-            choices.append(estimate(inst, req, own, best_node, best_len - own, predictors, load_s=load_s))
-        return min(choices, key=lambda c: (c.ttft_s, c.instance.id))
+            if tier_aware:  # what the holder keeps on SSD must be read before it is sent
+                load_s = self._ssd_s((best_len - own) - match.dram_count(best_node, own, best_len), predictors)
+            fetched = estimate(inst, req, own, best_node, best_len - own, predictors, load_s=load_s)
+            return min(local, fetched, key=lambda c: c.ttft_s) if tier_aware else fetched
+
+        return _cheapest(candidates, lambda i: (match.blocks(i.node), match.dram_blocks(i.node), i.node == top_node), cost)
 
 
 POLICIES: dict[PolicyKind, type[PrefillPolicy]] = {

@@ -68,11 +68,20 @@ class PrefillPredictor:
         self.fitted = True
         self._since_fit = 0
 
+    @property
+    def coef(self) -> np.ndarray:
+        return np.array(self._coef)
+
+    @coef.setter
+    def coef(self, value) -> None:
+        self._coef = tuple(float(v) for v in value)
+
     def predict(self, prompt_tokens: int, cached_tokens: int) -> float:
         """Seconds to prefill ``prompt_tokens`` of which ``cached_tokens`` are already computed."""
         cached = min(max(cached_tokens, 0), prompt_tokens)
-        feats = _features_prefill(np.float64(prompt_tokens), np.float64(cached))
-        return float(feats @ self.coef)
+        new = prompt_tokens - cached
+        c0, c1, c2 = self._coef  # plain floats: called for every instance on every Schedule
+        return c0 + c1 * new + c2 * new * (prompt_tokens + cached) / 2.0
 
     @property
     def num_samples(self) -> int:

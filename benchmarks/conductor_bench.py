@@ -153,7 +153,8 @@ def grpc_client(address: str, method: str, keys: list[bytes], prompt_tokens: int
     stub = pb_grpc.ConductorStub(grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]))
     pid = os.getpid()
     if method == "Schedule":
-        call = lambda i: stub.Schedule(pb.ScheduleRequest(request_id=f"{pid}-{i}", keys=keys, prompt_tokens=prompt_tokens,  # noqa: E731
+        chain = b"".join(keys)
+        call = lambda i: stub.Schedule(pb.ScheduleRequest(request_id=f"{pid}-{i}", key_chain=chain, prompt_tokens=prompt_tokens,  # noqa: E731
                                                           block_tokens=BLOCK_TOKENS, expected_output_tokens=300), timeout=10)
     else:
         call = lambda i: stub.Heartbeat(pb.HeartbeatRequest(id="p0", load=pb.Load()), timeout=10)  # noqa: E731

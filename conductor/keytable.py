@@ -24,9 +24,10 @@ EMPTY, DELETED = -1, -2
 MAX_LOAD = 0.5
 
 
-def split_keys(keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """(hi, lo) uint64 halves of 16-byte keys."""
-    halves = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(-1, 2)
+def split_keys(keys) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) uint64 halves of 16-byte keys (a list of keys, or anything with a ``blob`` of them)."""
+    blob = getattr(keys, "blob", None)
+    halves = np.frombuffer(blob if blob is not None else b"".join(keys), dtype=np.uint64).reshape(-1, 2)
     if halves.shape[0] != len(keys):
         raise ValueError("every key must be 16 bytes")
     return halves[:, 0], halves[:, 1]

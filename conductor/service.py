@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conductor.core import Conductor, ConductorConfig
 from conductor.persistence import MemoryStore
-from conductor.types import Decision, Instance, InstanceState, Load, Role, ScheduleRequest
+from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, Role, ScheduleRequest
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.events import Tier
 from protos import conductor_pb2 as pb
@@ -314,7 +314,10 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_status
     def Schedule(self, request, context):
-        req = ScheduleRequest(request.request_id, [bytes(k) for k in request.keys], request.prompt_tokens, request.block_tokens,
+        if request.key_chain and request.keys:
+            raise ValueError("send the block keys as keys or as key_chain, not both")
+        keys = KeyChain(request.key_chain) if request.key_chain else [bytes(k) for k in request.keys]
+        req = ScheduleRequest(request.request_id, keys, request.prompt_tokens, request.block_tokens,
                               request.expected_output_tokens, request.slo_class or "default")  # fmt: skip
         outcome, info = self.service.schedule(req)
         p = outcome.predicted

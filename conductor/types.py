@@ -7,6 +7,7 @@ gRPC server and in the cluster simulator (benchmarks/sim.py).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -75,12 +76,50 @@ class Slo:
     tbt_s: float
 
 
+class KeyChain(Sequence[bytes]):
+    """Block keys as one byte string of 16-byte keys: how they travel (one protobuf ``bytes``
+    field, not thousands) and how the index probes them, without a Python object per key."""
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes) -> None:
+        if len(blob) % 16:
+            raise ValueError(f"a key chain is whole 16-byte keys; got {len(blob)} bytes")
+        self.blob = bytes(blob)
+
+    @classmethod
+    def of(cls, keys: Sequence[bytes]) -> "KeyChain":
+        if isinstance(keys, KeyChain):
+            return keys
+        if keys and not (min(map(len, keys)) == max(map(len, keys)) == 16):
+            raise ValueError("every block key must be 16 bytes (mooncake.blocks)")
+        return cls(b"".join(keys))
+
+    def __len__(self) -> int:
+        return len(self.blob) // 16
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.blob[j * 16 : j * 16 + 16] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.blob[i * 16 : i * 16 + 16]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KeyChain) and other.blob == self.blob
+
+    def __repr__(self) -> str:
+        return f"KeyChain({len(self)} keys)"
+
+
 @dataclass(slots=True)
 class ScheduleRequest:
     """One request to place: its block keys (DESIGN §4, full blocks only) and lengths."""
 
     request_id: str
-    keys: list[bytes]
+    keys: Sequence[bytes]  # a list of 16-byte keys or a KeyChain
     prompt_tokens: int
     block_tokens: int
     expected_output_tokens: int = 0  # 0: unknown
@@ -100,8 +139,7 @@ class ScheduleRequest:
             )
         if len(self.keys) * self.block_tokens > self.prompt_tokens:
             raise ValueError(f"{len(self.keys)} keys of {self.block_tokens} tokens are more than the prompt's {self.prompt_tokens} tokens")
-        if self.keys and not (min(map(len, self.keys)) == max(map(len, self.keys)) == 16):  # in C: 6k keys in ~0.1 ms
-            raise ValueError("every block key must be 16 bytes (mooncake.blocks)")
+        self.keys = KeyChain.of(self.keys)  # checks every key is 16 bytes
 
 
 @dataclass(frozen=True, slots=True)

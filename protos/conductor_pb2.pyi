@@ -134,20 +134,22 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class")
+    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
+    KEY_CHAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
     block_tokens: int
     expected_output_tokens: int
     slo_class: str
-    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ...) -> None: ...
+    key_chain: bytes
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ...) -> None: ...
 
 class PrefixPlan(_message.Message):
     __slots__ = ("local_blocks", "fetch_node", "fetch_address", "fetch_blocks", "compute_tokens", "keep_fetched")

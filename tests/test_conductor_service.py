@@ -112,6 +112,8 @@ def test_schedule_uses_the_index_fed_by_kvstore_events(cluster):
 
     placed = cluster.schedule(keys).placement
     assert (placed.prefill_id, placed.prefill_node, placed.decode_id) == ("p1", "kvB", "d0")
+    same = cluster.schedule([], extra_tokens=len(keys) * BLOCK_TOKENS + 5, key_chain=b"".join(keys)).placement  # keys as one blob
+    assert same.plan.local_blocks + same.plan.fetch_blocks == 8 and same.plan.compute_tokens == 5
     assert (placed.plan.local_blocks, placed.plan.fetch_blocks, placed.plan.compute_tokens) == (8, 0, 5)
 
     stub.Drain(pb.DrainRequest(id="p1"))  # only p0 is left: it must pull kvB's prefix (Algorithm 1)
@@ -125,7 +127,7 @@ def test_schedule_uses_the_index_fed_by_kvstore_events(cluster):
     assert (placed.prefill_id, placed.plan.fetch_blocks, placed.plan.compute_tokens) == ("p0", 0, 8 * BLOCK_TOKENS + 5)
 
     listed = stub.ListInstances(pb.ListInstancesRequest())
-    assert listed.policy == "cache_aware_local" and listed.scheduled == 3 and listed.index_blocks == 8
+    assert listed.policy == "cache_aware_local" and listed.scheduled == 4 and listed.index_blocks == 8
 
     with KVStoreClient(cluster.kv_b.grpc) as kv:  # fill kvB past its watermark: evicted blocks leave the index
         for i in range(60):
@@ -138,7 +140,7 @@ def test_schedule_uses_the_index_fed_by_kvstore_events(cluster):
     assert cluster.schedule(keys).placement.plan.fetch_blocks == still_held
 
     metrics = urllib.request.urlopen(f"http://{cluster.conductor.info['metrics']}/metrics", timeout=5).read().decode()
-    assert 'mooncake_conductor_decisions_total{outcome="scheduled",policy="kvcache_centric"} 3.0' in metrics
+    assert 'mooncake_conductor_decisions_total{outcome="scheduled",policy="kvcache_centric"} 4.0' in metrics
     assert 'mooncake_conductor_decisions_total{outcome="scheduled",policy="cache_aware_local"} 1.0' in metrics
     assert f"mooncake_conductor_index_blocks {float(used)}" in metrics
 
@@ -160,6 +162,8 @@ def test_bad_requests_get_clear_errors(cluster):
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "16 bytes" in details
     code, details = code_and_details(lambda: stub.SetPolicy(pb.SetPolicyRequest(policy="fastest")))
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "unknown policy 'fastest'" in details
+    code, details = code_and_details(lambda: cluster.schedule([], key_chain=b"x" * 20))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "whole 16-byte keys" in details
     code, _ = code_and_details(lambda: stub.Drain(pb.DrainRequest(id="nobody")))
     assert code is grpc.StatusCode.NOT_FOUND
     code, details = code_and_details(lambda: stub.Register(pb.RegisterRequest(id="x", role=pb.PREFILL, address="h:1")))

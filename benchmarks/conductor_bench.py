@@ -44,7 +44,7 @@ from rich.table import Table  # noqa: E402
 from benchutil import describe_machine  # noqa: E402
 from conductor.core import Conductor, ConductorConfig  # noqa: E402
 from conductor.service import ConductorService, start_server  # noqa: E402
-from conductor.types import Instance, Load, Role, ScheduleRequest  # noqa: E402
+from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest  # noqa: E402
 from kvstore.events import Tier  # noqa: E402
 
 BLOCK_TOKENS = 16
@@ -87,9 +87,11 @@ def heartbeat_all(conductor: Conductor, now: float, rng: random.Random) -> None:
 
 
 def requests(chains: list[list[bytes]], prompt_tokens: int, rng: random.Random):
+    """Requests over the chains, keys as a KeyChain (one byte string), as they arrive over gRPC."""
+    blobs = [KeyChain.of(c) for c in chains]
     i = 0
     while True:
-        yield ScheduleRequest(f"r{i}", rng.choice(chains), prompt_tokens, BLOCK_TOKENS, expected_output_tokens=300)
+        yield ScheduleRequest(f"r{i}", rng.choice(blobs), prompt_tokens, BLOCK_TOKENS, expected_output_tokens=300)
         i += 1
 
 

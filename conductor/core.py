@@ -220,7 +220,8 @@ class Conductor:
             return RejectReason.OVERLOAD, f"decode load {decode_load:.2f} of the TBT SLO {when}", _clamp(self.forecast.t_d / 2)
         if kind is AdmissionKind.EARLY_PREDICTIVE:  # the chosen instance's TBT when this request would join it
             n, tokens = self.forecast.batch_at(choice_decode.id, now + choice.ttft_s)
-            tbt = self.predictors.decode.predict(n + 1, tokens + context)
+            full = choice_decode.capacity and n + 1 > choice_decode.capacity
+            tbt = float("inf") if full else self.predictors.decode.predict(n + 1, tokens + context)
         if tbt > slo.tbt_s:
             return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", _clamp(self.forecast.t_d / 2)
         return None

@@ -155,8 +155,11 @@ class CacheAwareLocalPolicy(PrefillPolicy):
     kind = PolicyKind.CACHE_AWARE_LOCAL
 
     def choose(self, req, candidates, match, predictors):
-        return _cheapest(candidates, lambda i: (match.blocks(i.node), match.dram_blocks(i.node)),
-                         lambda i: self._local(i, req, match, predictors))  # fmt: skip
+        if self.config.tier_aware:  # prices depend on where inside a prefix the SSD blocks are: one per instance
+            key = lambda i: i.node  # noqa: E731
+        else:
+            key = lambda i: (match.blocks(i.node), match.dram_blocks(i.node))  # noqa: E731
+        return _cheapest(candidates, key, lambda i: self._local(i, req, match, predictors))
 
 
 class KVCacheCentricPolicy(PrefillPolicy):
@@ -180,18 +183,31 @@ class KVCacheCentricPolicy(PrefillPolicy):
 
         def cost(inst: Instance) -> PrefillChoice:
             local = self._local(inst, req, match, predictors)
+            if tier_aware:
+                return self._tier_aware_cost(inst, req, match, predictors, local, *source(inst))
             own = local.plan.local_blocks
-            best_node, best_len = source(inst)
-            fetch = best_node is not None and best_node != inst.node and best_len > own and (own == 0 or best_len / own > threshold)
+            fetch = top_node is not None and top_node != inst.node and top_len > own and (own == 0 or top_len / own > threshold)
             if not fetch:
                 return local
-            load_s = 0.0
-            if tier_aware:  # what the holder keeps on SSD must be read before it is sent
-                load_s = self._ssd_s((best_len - own) - match.dram_count(best_node, own, best_len), predictors)
-            fetched = estimate(inst, req, own, best_node, best_len - own, predictors, load_s=load_s)
-            return min(local, fetched, key=lambda c: c.ttft_s) if tier_aware else fetched
+            return estimate(inst, req, own, top_node, top_len - own, predictors)
 
+        if tier_aware:  # prices depend on where inside a prefix the SSD blocks are: one per instance
+            return _cheapest(candidates, lambda i: i.node, cost)
         return _cheapest(candidates, lambda i: (match.blocks(i.node), match.dram_blocks(i.node), i.node == top_node), cost)
+
+    def _tier_aware_cost(self, inst, req, match, predictors, local: PrefillChoice, src: str | None, src_len: int) -> PrefillChoice:
+        """The cheapest of: the local plan, or fetching from ``src`` whatever this node lacks, or also what it has only on SSD."""
+        options = [local]
+        if src is None or src == inst.node:
+            return local
+        blocks = match.blocks(inst.node)
+        for start in {min(match.dram_blocks(inst.node), blocks), blocks}:
+            if src_len <= start:
+                continue
+            own_ssd = start - match.dram_count(inst.node, 0, start)  # read from this node's SSD
+            src_ssd = (src_len - start) - match.dram_count(src, start, src_len)  # read from the holder's SSD, then sent
+            options.append(estimate(inst, req, start, src, src_len - start, predictors, load_s=self._ssd_s(own_ssd + src_ssd, predictors)))
+        return min(options, key=lambda c: c.ttft_s)
 
 
 POLICIES: dict[PolicyKind, type[PrefillPolicy]] = {

@@ -317,12 +317,6 @@ def test_tier_aware_prices_the_ssd_blocks_a_fetch_must_read_on_the_holder():
     assert choice.ttft_s == pytest.approx(0.098)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "conductor/policies.py KVCacheCentricPolicy.choose (tier_aware): the fetch is only weighed when "
-    "best_len > own, where own is the local plan's local_blocks; when reading the instance's own SSD beats "
-    "recomputing, own already counts those SSD blocks (own=10=best_len), so fetching them from the pool's DRAM "
-    "is never considered: kv5 reads its own 8 SSD blocks (TTFT 0.090 s) instead of fetching them from kv1's "
-    "DRAM (0.008 s moved + 10 tokens = 0.018 s)"))  # fmt: skip
 def test_tier_aware_fetches_from_a_pools_dram_rather_than_reading_its_own_ssd_at_any_speed():
     own = [(i, Tier.DRAM if i < 2 else Tier.SSD) for i in range(10)]
     p5 = Instance("p5", Role.PREFILL, "10.0.0.5:7000", node="kv5")
@@ -344,12 +338,6 @@ def test_tier_aware_charges_only_the_blocks_that_are_on_ssd(kind):
 
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 @pytest.mark.parametrize("kind", ["cache_aware_local", "kvcache_centric"])
-@pytest.mark.xfail(strict=True, reason=(
-    "conductor/policies.py _cheapest caches one PrefillChoice per key (match.blocks, match.dram_blocks[, is the "
-    "top node]), but under tier_aware the price also depends on how many blocks inside the prefix are in DRAM "
-    "(PrefillPolicy._local: match.dram_count(inst.node, 0, blocks)); kv0 (block 0 SSD, 1-9 DRAM) and kv1 (all "
-    "SSD) share a key, so whichever is priced first sets the other's price: p1 is chosen in both orders (given "
-    "p0's 0.03 s plan, or p0 given p1's 0.17 s recompute) instead of p0 at 0.08 s"))  # fmt: skip
 def test_tier_aware_prices_each_instance_by_its_own_ssd_blocks(kind, order):
     # both nodes hold all 10 blocks with block 0 on SSD; kv0 has 1-9 in DRAM, kv1 has them on SSD too.
     # p0: 0.05 s queue + one SSD read (0.02 s) + 10 tokens = 0.08 s; p1: recompute 170 tokens = 0.17 s
@@ -558,11 +546,6 @@ def test_early_predictive_admits_to_a_full_decode_instance_that_will_have_room()
     assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TBT_SLO
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "conductor/core.py Conductor._admit (EARLY_PREDICTIVE branch): the TBT from select_decode, inf because d0 is at "
-    "its capacity (admission.py select_decode), is replaced by decode.predict(n + 1, ...) from forecast.batch_at, "
-    "which never looks at capacity; so a request is admitted to a decode instance that the forecast itself says "
-    "will still hold its 4 of 4 requests when the prefill ends (t_d = 60 s), and the Decision carries tbt_s=inf"))  # fmt: skip
 def test_early_predictive_rejects_a_decode_instance_that_will_still_be_full():
     c = full_decode("early_predictive", t_d=60.0)
     outcome = c.schedule(request("b", prompt=1000), 0.5)

@@ -5,9 +5,9 @@ The KV index looks up every key of a prompt's chain on every Schedule: 6,250 key
 million entries (each one a cache miss, plus the interpreter); this table takes the
 whole chain as one byte string and probes it with vector operations.
 
-Layout: open addressing with linear probing over three arrays (the key's two 64-bit
-halves and the value); block keys are already uniform hashes, so the low half is the
-slot. ``EMPTY`` ends a probe sequence; ``DELETED`` (a tombstone) does not. The table
+Layout: open addressing with linear probing over rows of (the key's two 64-bit halves,
+the value); a key's home slot is a Fibonacci hash of its halves, so keys that are not
+uniform hashes (a client's mistake) still spread out. ``EMPTY`` ends a probe sequence; ``DELETED`` (a tombstone) does not. The table
 doubles, or is rebuilt without tombstones, when used slots pass half its capacity.
 
     slot:   0      1      2      3   ...
@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY, DELETED = -1, -2
+GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: keys that are not uniform hashes still spread over the slots
 MAX_LOAD = 0.5
 
 
@@ -46,10 +47,18 @@ class KeyTable:
         self._lo = self._slots[:, 1]
         self._value = self._slots[:, 2].view(np.int64)
         self._mask = np.uint64(capacity - 1)
+        self._shift = np.uint64(64 - (capacity.bit_length() - 1))
         self._used = 0  # live entries and tombstones
 
     def __len__(self) -> int:
         return self.size
+
+    def _home(self, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return ((hi ^ lo) * np.uint64(GOLDEN)) >> self._shift
+
+    def _home_one(self, hi: int, lo: int) -> int:
+        return (((hi ^ lo) * GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> int(self._shift)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -60,7 +69,7 @@ class KeyTable:
         hi, lo = split_keys(keys)
         out = np.full(len(keys), EMPTY, dtype=np.int64)
         pending = np.arange(len(keys))
-        slot = lo & self._mask
+        slot = self._home(hi, lo)
         while len(pending):
             s = slot[pending]
             rows = self._slots[s]  # [n, 3]: one gather
@@ -84,7 +93,7 @@ class KeyTable:
         hi, lo = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
         values, his, los = self._value, self._hi, self._lo
         mask = len(values) - 1
-        slot, free = lo & mask, -1
+        slot, free = self._home_one(hi, lo), -1
         while True:
             v = int(values[slot])
             if v == EMPTY:
@@ -120,7 +129,7 @@ class KeyTable:
         hi, lo = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
         values, his, los = self._value, self._hi, self._lo
         mask = len(values) - 1
-        slot = lo & mask
+        slot = self._home_one(hi, lo)
         while True:
             v = int(values[slot])
             if v == EMPTY:
@@ -135,7 +144,7 @@ class KeyTable:
         """Slot of each key, or -1 where absent."""
         out = np.full(len(hi), -1, dtype=np.int64)
         pending = np.arange(len(hi))
-        slot = lo & self._mask
+        slot = self._home(hi, lo)
         while len(pending):
             s = slot[pending]
             value = self._value[s]
@@ -149,7 +158,7 @@ class KeyTable:
     def _insert(self, hi: np.ndarray, lo: np.ndarray, values: np.ndarray) -> None:
         """Place keys known to be absent: each round, every pending key claims its slot if free; one wins per slot."""
         pending = np.arange(len(hi))
-        slot = lo & self._mask
+        slot = self._home(hi, lo)
         while len(pending):
             s = slot[pending]
             free = self._value[s] < 0  # empty or a tombstone

@@ -185,13 +185,14 @@ class Conductor:
         self._record(req, choice, decode, now)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
 
-    def admit_at_decode(self, decode_id: str, now: float) -> Rejection | None:
-        """The baseline's late check, made when a prefill has finished: is the decode instance over its SLO?"""
+    def admit_at_decode(self, decode_id: str, now: float, context_tokens: int = 0) -> Rejection | None:
+        """The baseline's late check, made when a prefill has finished: would the decode instance, with this
+        request (``context_tokens`` of KV) joining, run over its TBT SLO?"""
         inst = self.instances.get(decode_id)
         if self.admission is not AdmissionKind.BASELINE or inst is None:
             return None
         tbt_slo = min(s.tbt_s for s in self.config.slo_classes.values())
-        tbt = decode_tbt(inst, self.predictors.decode, 1)
+        tbt = decode_tbt(inst, self.predictors.decode, 1, context_tokens)
         if tbt <= tbt_slo:
             return None
         return Rejection("", RejectReason.TBT_SLO, f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",

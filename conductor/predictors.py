@@ -37,6 +37,26 @@ def _features_prefill(prompt: np.ndarray, cached: np.ndarray) -> np.ndarray:
     return np.stack([np.ones_like(new), new, new * (prompt + cached) / 2.0], axis=-1)
 
 
+def fit_toward(x: np.ndarray, y: np.ndarray, prior: np.ndarray, rcond: float = 1e-6) -> np.ndarray:
+    """Least squares for ``x @ c = y``, taking ``prior`` along the directions the samples leave open; c >= 0.
+
+    Plain least squares is arbitrary where the samples do not vary: a decode instance
+    that only ever ran one request at a time gives a batch column equal to the constant
+    one, and the minimum-norm split of the step time between the two made a second
+    request look as costly as the first. Here the fit is the prior plus the smallest
+    correction that explains the samples, a correction measured per term relative to
+    that term's typical size, so the larger term absorbs most of what one direction of
+    data cannot tell apart; directions the samples do determine are fitted as plain
+    least squares would fit them.
+    """
+    scale = np.sqrt((x * x).mean(axis=0))
+    scale[scale == 0] = 1.0
+    typical = np.abs(prior) * scale  # each term's contribution at a typical sample, in seconds
+    size = np.maximum(typical, 0.05 * max(typical.sum(), 1e-12))
+    u, *_ = np.linalg.lstsq(x / scale * size, y - x @ prior, rcond=rcond)
+    return np.maximum(prior + u * size / scale, 0.0)
+
+
 class PrefillPredictor:
     """T_prefill = c0 + c1 * new + c2 * new * (prompt + cached) / 2, least squares on recent samples.
 
@@ -48,7 +68,8 @@ class PrefillPredictor:
         self.config = config
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=config.window)
         self._since_fit = 0
-        self.coef = np.array([config.prefill_overhead_s, 1.0 / config.prefill_tokens_per_s, config.prefill_attention_s_per_token2])
+        self._prior = np.array([config.prefill_overhead_s, 1.0 / config.prefill_tokens_per_s, config.prefill_attention_s_per_token2])
+        self.coef = self._prior
         self.fitted = False
 
     def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
@@ -63,8 +84,7 @@ class PrefillPredictor:
     def _fit(self) -> None:
         data = np.array(self._samples, dtype=np.float64)
         x = _features_prefill(data[:, 0], data[:, 1])
-        coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
-        self.coef = np.maximum(coef, 0.0)
+        self.coef = fit_toward(x, data[:, 2], self._prior)
         self.fitted = True
         self._since_fit = 0
 
@@ -95,7 +115,8 @@ class DecodePredictor:
         self.config = config
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=config.window)
         self._since_fit = 0
-        self.coef = np.array([config.decode_base_s, config.decode_s_per_request, config.decode_s_per_context_token])
+        self._prior = np.array([config.decode_base_s, config.decode_s_per_request, config.decode_s_per_context_token])
+        self.coef = self._prior.copy()
         self.fitted = False
 
     def observe(self, batch: int, context_tokens: int, step_s: float) -> None:
@@ -106,8 +127,7 @@ class DecodePredictor:
         if len(self._samples) >= self.config.min_samples and (not self.fitted or self._since_fit >= max(1, len(self._samples) // 20)):
             data = np.array(self._samples, dtype=np.float64)
             x = np.stack([np.ones(len(data)), data[:, 0], data[:, 1]], axis=-1)
-            coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
-            self.coef = np.maximum(coef, 0.0)
+            self.coef = fit_toward(x, data[:, 2], self._prior)
             self.fitted = True
             self._since_fit = 0
 

@@ -198,9 +198,9 @@ class ConductorService:
             self.metrics.decisions.labels(policy, outcome.reason.value).inc()
         return outcome, outcome_info
 
-    def admit_at_decode(self, decode_id: str):
+    def admit_at_decode(self, decode_id: str, context_tokens: int = 0):
         with self._lock:
-            return self.conductor.admit_at_decode(decode_id, time.monotonic())
+            return self.conductor.admit_at_decode(decode_id, time.monotonic(), context_tokens)
 
     def report(self, request: pb.ReportRequest) -> None:
         now = time.monotonic()
@@ -340,7 +340,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_status
     def AdmitAtDecode(self, request, context):
-        rejection = self.service.admit_at_decode(request.decode_id)
+        rejection = self.service.admit_at_decode(request.decode_id, max(0, request.context_tokens))
         if rejection is None:
             return pb.AdmitAtDecodeResponse(admit=True)
         return pb.AdmitAtDecodeResponse(admit=False, rejection=pb.Rejection(

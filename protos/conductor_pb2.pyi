@@ -220,10 +220,12 @@ class ScheduleResponse(_message.Message):
     def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted: _Optional[_Union[Prediction, _Mapping]] = ...) -> None: ...
 
 class AdmitAtDecodeRequest(_message.Message):
-    __slots__ = ("decode_id",)
+    __slots__ = ("decode_id", "context_tokens")
     DECODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     decode_id: str
-    def __init__(self, decode_id: _Optional[str] = ...) -> None: ...
+    context_tokens: int
+    def __init__(self, decode_id: _Optional[str] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class AdmitAtDecodeResponse(_message.Message):
     __slots__ = ("admit", "rejection")

@@ -1,0 +1,342 @@
+"""Cluster simulator: the Mooncake trace replayed on simulated prefill and decode instances, placed by the real Conductor.
+
+    python benchmarks/sim.py --trace PATH --prefill N --decode M --policy P --admission A --speed S
+                             [--cache-blocks C --eviction lru|lfu|length] [--ssd-blocks B] [--tier-aware]
+                             [--limit N] [--ttft-slo S] [--tbt-slo S] [--threshold X] [--seed N]
+                             [--json PATH] [--plot PATH] [--no-progress]
+    python benchmarks/sim.py --reproduce [--json PATH] [--plot PATH]    the paper's three experiments
+
+Every scheduling decision is made by ``conductor.core.Conductor`` (the same object the gRPC
+service wraps), with its policies, admission, predictors and KV index; the simulator only
+supplies time, the cost of work, and the reports a real cluster would send back
+(benchmarks/sim_cluster.py). The cost models and the trace are in benchmarks/sim_model.py.
+
+Model and assumptions (sources in sim_model.ModelConfig):
+
+- Trace: Mooncake's conversation trace (shared/traces/README.md). ``hash_ids`` name 512-token
+  blocks and are already prefix-chained, so the key of id h is blake2b(h, 16 bytes); only
+  the prompt's full blocks (input_length // 512, at most len(hash_ids)) get keys. Arrival
+  times are divided by ``--speed``. Outputs of 0 tokens count as 1.
+- Model: LLaMA3-70B-shaped (80 layers, hidden 8192, GQA with 8 KV heads: 320 KiB of KV per
+  token, so one 512-token block is 160 MiB), on nodes of 8 x A800 (312 TFLOPS fp16, 2.04
+  TB/s HBM, 80 GB each); one node is one instance.
+- Prefill (compute-bound): a + b*n + k*n*(c + n/2) for n new tokens after c cached, with
+  b = 2 * 70.6e9 / (8 * 312e12 * 0.4) = 0.141 ms per token and k the attention FLOPs at
+  the same 40% MFU (2.6 ns per token pair); a = 20 ms. One request at a time, FIFO: the
+  paper's chunked pipeline parallelism across nodes is abstracted as one server per instance.
+- Decode (memory-bound): 141 GB of weights over 8 x 2.04 TB/s at 70% efficiency (12.4 ms a
+  step), plus 0.1 ms per running request, plus each context token's 320 KiB at the same
+  bandwidth (28.7 ns). Continuous batching: a request joins at the next step boundary once
+  its KV fits (it reserves prompt + output tokens of the 1.37M-token KV space), makes one
+  token per step, and leaves after its output length. TTFT = arrival -> end of its first
+  decode step; TBT = mean of the longest 10% of its token gaps (the paper's).
+- Transfers: 100 GB/s between nodes (8 x 200 Gbps RDMA is 200 GB/s of line rate; we take
+  half) + 0.1 ms. The prompt's KV streams to decode layer by layer during prefill, so only
+  the last layer's share (1/80) is left to send when prefill ends. Transfers do not
+  contend for links (not modelled).
+- Caches: each prefill node's DRAM (``--cache-blocks`` blocks, default unbounded) and an
+  optional SSD (``--ssd-blocks``, 5 GB/s) with the kvstore's eviction policies; after a
+  prefill every block of the prompt is stored on the node (fetched ones too: keep_fetched).
+- The Conductor learns: its predictors start from their defaults (PredictorConfig) and are
+  fed the simulated measurements, never the cost models' constants.
+- Hit ratio = reused blocks (own node + fetched) / key blocks, over the requests prefilled.
+- SLO attainment = requests served with TTFT and TBT both under the SLO / all requests
+  (rejected ones count as misses); "of served" divides by the served ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from conductor.admission import AdmissionKind  # noqa: E402
+from conductor.policies import PolicyKind  # noqa: E402
+from conductor.predictors import PredictorConfig  # noqa: E402
+from sim_cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig  # noqa: E402
+from sim_model import ModelConfig, load_trace  # noqa: E402
+
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
+EVICTIONS = ("lru", "lfu", "length")
+
+
+def simulate(config: SimConfig, trace: Path = DEFAULT_TRACE, speed: float = 1.0, limit: int | None = None,
+             progress: bool = False, console: Console | None = None, requests=None) -> dict:  # fmt: skip
+    """Run one simulation; return its summary (``summarize``) with the per-request records under ``"_records"``.
+
+    ``requests`` (a list from ``load_trace``) skips reading the trace again.
+    """
+    if requests is None:
+        requests = load_trace(trace, speed, limit)
+    start = time.perf_counter()
+    cluster = Cluster(config, requests)
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:  # fmt: skip
+            task = bar.add_task(f"{config.policy.value}/{config.admission.value}", total=len(requests))
+            records = cluster.run(lambda n: bar.update(task, completed=n))
+    else:
+        records = cluster.run()
+    summary = summarize(cluster, records, time.perf_counter() - start)
+    summary["_records"] = records
+    return summary
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def summarize(cluster: Cluster, records: list[Record], wall_s: float) -> dict:
+    """Every number the table, the JSON and the tests use (plain floats and ints)."""
+    cfg = cluster.config
+    done = [r for r in records if not math.isnan(r.finish)]
+    ttft = np.array([r.ttft_s for r in done])
+    tbt = np.array([r.tbt_s for r in done])
+    ok = int(np.count_nonzero((ttft <= cfg.ttft_slo_s) & (tbt <= cfg.tbt_slo_s)))
+    rejected: dict[str, int] = {}
+    for r in records:
+        if r.rejected is not None:
+            rejected[r.rejected] = rejected.get(r.rejected, 0) + 1
+    prefilled = [r for r in records if not math.isnan(r.prefill_end)]
+    wasted = [r for r in prefilled if r.rejected == REJECTED_AT_DECODE]
+    key_blocks = sum(len(r.req.keys) for r in prefilled)
+    reused = sum(r.local_blocks + r.fetched_blocks for r in prefilled)
+    end = max([r.finish for r in done] + [r.prefill_end for r in prefilled] + [0.0])
+    busy = sum(p.busy_s for p in cluster.prefills)
+    predicted = np.array([r.predicted_ttft_s for r in prefilled])
+    actual = np.array([r.prefill_end - r.req.arrival_s for r in prefilled])
+    steps = sum(d.steps for d in cluster.decodes)
+    return {
+        "requests": len(records), "served": len(done), "rejected": sum(rejected.values()),
+        "rejected_by_reason": dict(sorted(rejected.items())),
+        "rejected_after_prefill": len(wasted), "wasted_prefill_s": sum(r.load_s + r.compute_s for r in wasted),
+        "ttft_mean_s": float(ttft.mean()) if len(ttft) else math.nan, "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
+        "tbt_mean_s": float(tbt.mean()) if len(tbt) else math.nan, "tbt_p90_s": _pct(tbt, 90), "tbt_p99_s": _pct(tbt, 99),
+        "slo_ok": ok, "slo_attainment": ok / len(records) if records else math.nan,
+        "slo_attainment_served": ok / len(done) if done else math.nan,
+        "hit_ratio": reused / key_blocks if key_blocks else 0.0, "key_blocks": key_blocks, "reused_blocks": reused,
+        "fetched_blocks": sum(r.fetched_blocks for r in prefilled), "ssd_blocks_read": sum(r.ssd_blocks for r in prefilled),
+        "prefill_compute_s": sum(r.compute_s for r in prefilled), "prefill_load_s": sum(r.load_s for r in prefilled),
+        "prefill_utilization": busy / (end * len(cluster.prefills)) if end else 0.0,
+        "ttft_prediction_error_mean_s": float(np.mean(predicted - actual)) if len(actual) else math.nan,
+        "ttft_prediction_abs_error_mean_s": float(np.mean(np.abs(predicted - actual))) if len(actual) else math.nan,
+        "decode_steps": steps,
+        "decode_mean_step_s": float(sum(d.durations[: d.steps].sum() for d in cluster.decodes) / steps) if steps else 0.0,
+        "decode_peak_batch": max(d.peak_batch for d in cluster.decodes),
+        "evictions": sum(c.evictions for c in cluster.caches.values()),
+        "simulated_s": end, "events": cluster.events, "wall_s": wall_s,
+    }  # fmt: skip
+
+
+def records_json(records: list[Record]) -> dict[str, list]:
+    """Per-request raw numbers, column by column (NaN -> null)."""
+
+    def col(f):
+        return [None if isinstance(v, float) and math.isnan(v) else v for v in map(f, records)]
+
+    return {
+        "arrival_s": col(lambda r: r.req.arrival_s), "prompt_tokens": col(lambda r: r.req.prompt_tokens),
+        "output_tokens": col(lambda r: r.req.output_tokens), "key_blocks": col(lambda r: len(r.req.keys)),
+        "prefill": col(lambda r: r.decision.prefill if r.decision else None),
+        "decode": col(lambda r: r.decision.decode if r.decision else None),
+        "rejected": col(lambda r: r.rejected), "predicted_ttft_s": col(lambda r: r.predicted_ttft_s if r.decision else None),
+        "prefill_start_s": col(lambda r: r.prefill_start), "prefill_end_s": col(lambda r: r.prefill_end),
+        "local_blocks": col(lambda r: r.local_blocks), "fetched_blocks": col(lambda r: r.fetched_blocks),
+        "ssd_blocks": col(lambda r: r.ssd_blocks), "load_s": col(lambda r: r.load_s), "compute_s": col(lambda r: r.compute_s),
+        "first_token_s": col(lambda r: r.first_token), "finish_s": col(lambda r: r.finish), "tbt_s": col(lambda r: r.tbt_s),
+    }  # fmt: skip
+
+
+def config_json(cfg: SimConfig) -> dict:
+    d = {k: getattr(cfg, k) for k in ("prefill", "decode", "cache_blocks", "ssd_blocks", "eviction", "ttft_slo_s",
+                                      "tbt_slo_s", "threshold", "tier_aware", "seed", "tick_s")}  # fmt: skip
+    d["policy"], d["admission"] = cfg.policy.value, cfg.admission.value
+    d["model"] = {**{k: getattr(cfg.model, k) for k in cfg.model.__dataclass_fields__}, **cfg.model.describe()}
+    d["predictor_priors"] = cfg.predictors.model_dump()
+    return d
+
+
+def public(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if not k.startswith("_")}
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def _s(v: float) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+
+
+def run_table(summary: dict, cfg: SimConfig) -> Table:
+    t = Table(title=f"{cfg.policy.value} / {cfg.admission.value}: {cfg.prefill}P + {cfg.decode}D, "
+                    f"SLO TTFT {cfg.ttft_slo_s} s, TBT {cfg.tbt_slo_s} s")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("requests / served", f"{summary['requests']} / {summary['served']}"),
+        ("TTFT mean / p50 / p90 / p99 (s)", " / ".join(_s(summary[k]) for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))),
+        ("TBT mean / p90 / p99 (ms)", " / ".join(_s(summary[k] * 1e3) for k in ("tbt_mean_s", "tbt_p90_s", "tbt_p99_s"))),
+        ("SLO attainment (of all / of served)", f"{summary['slo_attainment']:.1%} / {summary['slo_attainment_served']:.1%}"),
+        ("rejected", f"{summary['rejected']} " + (str(summary["rejected_by_reason"]) if summary["rejected"] else "")),
+        ("rejected after prefill (wasted prefill s)", f"{summary['rejected_after_prefill']} ({summary['wasted_prefill_s']:.0f} s)"),
+        ("cache hit ratio (reused / key blocks)", f"{summary['hit_ratio']:.1%} ({summary['reused_blocks']} / {summary['key_blocks']})"),
+        ("fetched blocks / SSD blocks read", f"{summary['fetched_blocks']} / {summary['ssd_blocks_read']}"),
+        ("prefill compute s (utilization)", f"{summary['prefill_compute_s']:.0f} ({summary['prefill_utilization']:.0%})"),
+        ("Conductor's TTFT prediction error (mean, |mean|)",
+         f"{summary['ttft_prediction_error_mean_s']:+.2f} s, {summary['ttft_prediction_abs_error_mean_s']:.2f} s"),
+        ("decode steps, mean step, peak batch",
+         f"{summary['decode_steps']}, {summary['decode_mean_step_s'] * 1e3:.1f} ms, {summary['decode_peak_batch']}"),
+        ("simulated s / wall s", f"{summary['simulated_s']:.0f} / {summary['wall_s']:.1f}"),
+    ]  # fmt: skip
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def plot_run(summary: dict, cfg: SimConfig, path: Path, console: Console) -> None:
+    plt = _pyplot(console)
+    if plt is None:
+        return
+    records = summary["_records"]
+    done = [r for r in records if not math.isnan(r.finish)]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
+    a.scatter([r.req.arrival_s for r in done], [r.ttft_s for r in done], s=2)
+    a.set(xlabel="arrival (simulated s)", ylabel="TTFT (s)", title="TTFT by arrival (red: SLO)")
+    a.axhline(cfg.ttft_slo_s, color="red", lw=0.8)
+    for ax, values, slo, name in ((b, [r.ttft_s for r in done], cfg.ttft_slo_s, "TTFT (s)"),
+                                  (c, [r.tbt_s * 1e3 for r in done], cfg.tbt_slo_s * 1e3, "TBT (ms)")):  # fmt: skip
+        v = np.sort(values)
+        ax.plot(v, np.arange(1, len(v) + 1) / max(1, len(v)))
+        ax.axvline(slo, color="red", lw=0.8)
+        ax.set(xlabel=name, ylabel="share of served requests", title=f"{name.split()[0]} CDF (red: SLO)")
+    b.set_xscale("symlog")
+    fig.suptitle(f"{cfg.policy.value} / {cfg.admission.value}, {cfg.prefill}P + {cfg.decode}D")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    console.print(f"plot written to {path}")
+
+
+def _pyplot(console: Console):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("[yellow]--plot needs matplotlib, which is not installed: .venv/bin/pip install matplotlib[/yellow]")
+        return None
+    return plt
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sim.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Replay the Mooncake trace on a simulated cluster whose every placement and admission "
+                    "decision is made by the real Conductor (conductor.core). Models and assumptions: "
+                    "the module docstring of benchmarks/sim.py and benchmarks/README.md.",
+        epilog="Model (every constant and its source: sim_model.ModelConfig; benchmarks/README.md):\n"
+               "  LLaMA3-70B-shaped model, 320 KiB of KV a token (a 512-token block is 160 MiB), one node of\n"
+               "  8 x A800 per instance. Prefill: 20 ms + 0.141 ms a new token + attention (40% MFU), one\n"
+               "  request at a time, FIFO. Decode: continuous batching, 12.4 ms + 0.1 ms a request + 28.7 ns\n"
+               "  a context token per step. RDMA 100 GB/s, SSD 5 GB/s. TTFT = arrival to the end of the\n"
+               "  first decode step; TBT = mean of a request's longest 10% of token gaps; a request is\n"
+               "  effective when both are under their SLOs. Hit ratio = reused / key blocks.\n\n"
+               "Examples:\n"
+               "  sim.py --prefill 8 --decode 8 --policy kvcache_centric --admission none --speed 1.5\n"
+               "  sim.py --prefill 8 --decode 8 --admission early_predictive --speed 2 --tbt-slo 0.04\n"
+               "  sim.py --cache-blocks 1000 --eviction length --limit 3000\n"
+               "  sim.py --reproduce --json benchmarks/results/sim_paper.json --plot benchmarks/results/sim_paper.png",
+    )  # fmt: skip
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSON lines; default: %(default)s)")
+    p.add_argument("--prefill", type=int, default=8, help="prefill instances, each with its own pool node (default 8)")
+    p.add_argument("--decode", type=int, default=8, help="decode instances (default 8)")
+    p.add_argument("--policy", default="kvcache_centric", choices=[k.value for k in PolicyKind], help="prefill placement (default kvcache_centric)")
+    p.add_argument("--admission", default="none", choices=[k.value for k in AdmissionKind],
+                   help="none: never reject; baseline: TTFT check at schedule, TBT check after prefill (wasted); "
+                        "early: current loads; early_predictive: decode load predicted at prefill end (default none)")  # fmt: skip
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed: inter-arrival times are divided by it (default 1)")
+    p.add_argument("--cache-blocks", type=int, default=None, help="DRAM blocks (160 MiB each) per prefill node (default: unbounded)")
+    p.add_argument("--eviction", default="lru", choices=EVICTIONS, help="eviction policy of every node's tiers (default lru)")
+    p.add_argument("--ssd-blocks", type=int, default=0, help="SSD blocks per prefill node (default 0: no SSD tier)")
+    p.add_argument("--tier-aware", action="store_true", help="PolicyConfig(tier_aware=True): price SSD prefix blocks by their load time")
+    p.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold of kvcache_centric (default 1.5)")
+    p.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO in seconds (default 30)")
+    p.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO in seconds (default 0.1)")
+    p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)")
+    p.add_argument("--decode-prior-s", type=float, default=None,
+                   help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "
+                        "default: the Conductor's own, 0.02). Keep it under the TBT SLO: a prior over the SLO "
+                        "rejects every request and never learns")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random policy and of the noise (default 0)")
+    p.add_argument("--json", type=Path, default=None, help="write every raw number (and the command) here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG here (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--jobs", type=int, default=1, help="--reproduce: simulations run at once, one process each (default 1)")
+    p.add_argument("--reproduce", action="store_true",
+                   help="run the paper's three experiments (placement policies, admission at 2x, hit ratio by "
+                        "capacity) plus the tier-aware variant, and print them beside the paper's numbers "
+                        "(benchmarks/sim_paper.py); --trace, --json, --plot, --limit, --noise, --seed, --jobs and "
+                        "--no-progress apply")  # fmt: skip
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        prefill=args.prefill, decode=args.decode, policy=PolicyKind(args.policy), admission=AdmissionKind(args.admission),
+        cache_blocks=args.cache_blocks, ssd_blocks=args.ssd_blocks, eviction=args.eviction, ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo, threshold=args.threshold, tier_aware=args.tier_aware, seed=args.seed,
+        model=ModelConfig(noise=args.noise),
+        predictors=PredictorConfig() if args.decode_prior_s is None else PredictorConfig(decode_base_s=args.decode_prior_s),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide enough for the tables
+        console = Console(width=160)
+    if args.reproduce:
+        sys.modules.setdefault("sim", sys.modules[__name__])  # sim_paper imports this module by name
+        import sim_paper
+
+        return sim_paper.reproduce(args, console)
+    try:
+        cfg = config_from_args(args)
+        cfg.validate()
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    summary = simulate(cfg, args.trace, args.speed, args.limit, progress=not args.no_progress, console=console)
+    console.print(run_table(summary, cfg))
+    if args.json:
+        out = {"command": sys.argv if argv is None else ["sim.py", *argv], "speed": args.speed, "limit": args.limit,
+               "trace": str(args.trace), "config": config_json(cfg), "summary": public(summary),
+               "records": records_json(summary["_records"])}  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+        console.print(f"JSON written to {args.json}")
+    if args.plot:
+        plot_run(summary, cfg, args.plot, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

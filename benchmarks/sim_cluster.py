@@ -1,0 +1,424 @@
+"""The discrete-event cluster: prefill and decode instances driven by the Conductor's own code.
+
+    requests (trace) --schedule--> Conductor (conductor.core, the real one)
+        Decision -> prefill instance queue (FIFO, one prefill at a time)
+                      fetch plan.fetch_blocks from plan.fetch_node, read SSD blocks, compute
+                      store every block of the prompt in the node's cache (events -> Conductor)
+                 -> decode instance (continuous batching: one token per running request a step)
+        Rejection -> counted by reason
+
+What the Conductor hears, and when (all on simulated time):
+- ``stored`` / ``removed`` for every block entering or leaving a tier of a node (exact index);
+- a prefill instance's heartbeat whenever its queue changes, with ``queued_s`` = the
+  predicted time left on the running prefill plus the predictions of the queued ones;
+- a decode instance's heartbeat when requests join it, when one leaves (with the batch,
+  context tokens and time of the step just done: the Conductor's decode predictor learns
+  from these), and when it goes idle;
+- ``prefill_sample`` after each prefill (its compute seconds only), ``transfer_sample`` after
+  each fetch, ``decode_started`` / ``finished`` for the decode forecast;
+- every ``tick_s`` (0.5 s, the service's expiry period) every instance heartbeats (decode:
+  with its latest completed step) and ``expire`` runs, as the gRPC service would.
+
+Decode steps are simulated a run at a time (DecodeInstance): the result is the same as
+stepping one by one, at a cost per join and leave instead of per step.
+
+A prefill instance follows its plan as made: it reuses its own blocks ``[0, local_blocks)``
+(fewer if some were evicted since), fetches ``[local_blocks, local_blocks + fetch_blocks)``
+from ``fetch_node`` while that node still holds them, and computes the rest; blocks that
+arrived on its node after the decision are not used (the Conductor did not plan with them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from conductor.admission import AdmissionKind
+from conductor.core import Conductor, ConductorConfig
+from conductor.policies import PolicyConfig, PolicyKind
+from conductor.predictors import PredictorConfig
+from conductor.types import Decision, Instance, Load, Rejection, Role, ScheduleRequest, Slo
+from kvstore.events import Tier
+from sim_model import Jitter, ModelConfig, NodeCache, TraceRequest
+
+REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
+_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK = 0, 1, 2, 3
+
+
+@dataclass
+class SimConfig:
+    prefill: int = 8
+    decode: int = 8
+    policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
+    admission: AdmissionKind = AdmissionKind.NONE
+    cache_blocks: int | None = None  # DRAM blocks per prefill node (None: unbounded)
+    ssd_blocks: int = 0  # SSD blocks per prefill node (0: no SSD tier)
+    eviction: str = "lru"
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    threshold: float = 1.5  # kvcache_balancing_threshold
+    tier_aware: bool = False
+    seed: int = 0
+    tick_s: float = 0.5
+    model: ModelConfig = field(default_factory=ModelConfig)
+    predictors: PredictorConfig = field(default_factory=PredictorConfig)  # the Conductor's priors (its defaults)
+
+    def validate(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"need at least one prefill and one decode instance, got {self.prefill} and {self.decode}")
+        if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
+            raise ValueError("SLOs must be positive")
+
+
+@dataclass(slots=True)
+class Record:
+    """What happened to one request."""
+
+    req: TraceRequest
+    rid: str
+    decision: Decision | None = None
+    rejected: str | None = None  # a RejectReason value, or REJECTED_AT_DECODE
+    predicted_ttft_s: float = 0.0
+    predicted_s: float = 0.0  # the Conductor's predicted transfer + prefill time (what it queued)
+    prefill_start: float = math.nan
+    prefill_end: float = math.nan
+    local_blocks: int = 0
+    fetched_blocks: int = 0
+    ssd_blocks: int = 0
+    cached_tokens: int = 0
+    load_s: float = 0.0  # SSD reads and the fetch
+    compute_s: float = 0.0
+    join_step: int = -1
+    first_token: float = math.nan
+    finish: float = math.nan
+    tbt_s: float = math.nan
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token - self.req.arrival_s
+
+
+class PrefillInstance:
+    def __init__(self, inst: Instance, cache: NodeCache) -> None:
+        self.inst, self.cache = inst, cache
+        self.queue: deque[Record] = deque()
+        self.queued_predicted_s = 0.0
+        self.running: Record | None = None
+        self.running_predicted_end = 0.0
+        self.busy_s = 0.0
+
+    def load(self, now: float) -> Load:
+        left = max(0.0, self.running_predicted_end - now) if self.running else 0.0
+        return Load(queued_requests=len(self.queue) + (self.running is not None), queued_s=left + self.queued_predicted_s)
+
+
+class DecodeInstance:
+    """A decode instance's batch, advanced a *run* of steps at a time.
+
+    Between a join and a leave nothing changes but the context (each step adds one token
+    per running request), so the steps up to the next leave are computed at once (numpy)
+    and one event ends them; a request that arrives meanwhile cuts the run short at the
+    first step boundary after it, where it joins. ``durations[i]`` is step i's time.
+    """
+
+    def __init__(self, inst: Instance, kv_tokens: int) -> None:
+        self.inst = inst
+        self.kv_tokens = kv_tokens
+        self.kv_used = 0  # tokens reserved: prompt + output of every running request
+        self.waiting: deque[Record] = deque()
+        self.batch = 0
+        self.context = 0  # at the start of the current run
+        self.finishing: list[tuple[int, int, Record]] = []  # (step count after which it is done, seq, record)
+        self.steps = 0  # completed steps (at the start of the current run)
+        self.durations = np.zeros(1 << 14)
+        self.busy = False
+        self.run_start = 0.0
+        self.run_ends = np.zeros(0)  # offsets from run_start at which the run's steps end
+        self.run_steps = 0  # steps of the current run that will happen (cut short by a join)
+        self.version = 0  # the live run's number: an end event of an older one is ignored
+        self.peak_batch = 0
+        self.last_heartbeat = -math.inf
+
+    def reserve(self, n: int) -> None:
+        while self.steps + n > len(self.durations):
+            self.durations = np.concatenate([self.durations, np.zeros_like(self.durations)])
+
+    def progress(self, now: float) -> int:
+        """Steps of the current run completed by ``now``."""
+        if not self.busy:
+            return 0
+        return min(self.run_steps, int(np.searchsorted(self.run_ends, now - self.run_start, side="right")))
+
+    def load(self, now: float) -> Load:
+        """The heartbeat: batch and context now, and the last completed step's time (with its batch and context)."""
+        done = self.progress(now)
+        load = Load(queued_requests=len(self.waiting), running_requests=self.batch,
+                    context_tokens=self.context + done * self.batch, free_kv_blocks=(self.kv_tokens - self.kv_used) // 512)  # fmt: skip
+        if done:
+            load.context_tokens -= self.batch  # the completed step's context, to go with its time
+            load.step_s = float(self.durations[self.steps + done - 1])
+        return load
+
+
+def tbt_of(gaps: np.ndarray) -> float:
+    """The paper's TBT: the mean of the longest 10% of a request's token gaps (0 with no gaps)."""
+    if not len(gaps):
+        return 0.0
+    k = max(1, math.ceil(0.1 * len(gaps)))
+    return float(np.partition(gaps, len(gaps) - k)[len(gaps) - k :].mean())
+
+
+class Cluster:
+    """One simulation: build with a config and the trace's requests, then ``run()``."""
+
+    def __init__(self, config: SimConfig, requests: list[TraceRequest]) -> None:
+        config.validate()
+        self.config = config
+        self.model = m = config.model
+        self.requests = requests
+        self.conductor = Conductor(ConductorConfig(
+            policy=config.policy, admission=config.admission,
+            slo_classes={"default": Slo(ttft_s=config.ttft_slo_s, tbt_s=config.tbt_slo_s)},
+            block_bytes=m.block_bytes, predictors=config.predictors,
+            policy_config=PolicyConfig(kvcache_balancing_threshold=config.threshold, tier_aware=config.tier_aware,
+                                       ssd_bytes_per_s=m.ssd_bytes_per_s, seed=config.seed),
+        ))  # fmt: skip
+        c = self.conductor
+        self.prefills: list[PrefillInstance] = []
+        self.caches: dict[str, NodeCache] = {}
+        for i in range(config.prefill):
+            node = f"kv{i}"
+            inst = Instance(f"p{i}", Role.PREFILL, f"sim:p{i}", node=node)
+            c.register(inst, 0.0)
+            c.register(Instance(node, Role.KVSTORE, f"sim:{node}", node=node, capacity=config.cache_blocks or 0), 0.0)
+            cache = NodeCache(node, config.cache_blocks, config.ssd_blocks, config.eviction, self._index_events)
+            self.caches[node] = cache
+            self.prefills.append(PrefillInstance(inst, cache))
+        self.decodes: list[DecodeInstance] = []
+        for i in range(config.decode):
+            inst = Instance(f"d{i}", Role.DECODE, f"sim:d{i}", node=f"kvd{i}")
+            c.register(inst, 0.0)
+            self.decodes.append(DecodeInstance(inst, m.decode_kv_tokens))
+        self.prefill_of = {p.inst.id: p for p in self.prefills}
+        self.decode_of = {d.inst.id: d for d in self.decodes}
+        self.records = [Record(r, f"r{r.index}") for r in requests]
+        self.jitter = Jitter(m.noise, config.seed)
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.events = 0
+
+    def _index_events(self, node: str, events: list[tuple[bool, bytes, Tier]]) -> None:
+        """A node's block events, in order, to the Conductor's index.
+
+        A run of stored events of one tier goes in as one ``index.stored_many`` (what the
+        Conductor's snapshot path uses; the same result as ``stored`` key by key, which costs
+        tens of microseconds a key); removals go one by one through ``Conductor.removed``.
+        """
+        c = self.conductor
+        run: list[bytes] = []
+        run_tier = None
+        for stored, key, tier in events:
+            if stored and (tier is run_tier or not run):
+                run.append(key)
+                run_tier = tier
+                continue
+            if run:
+                c.index.stored_many(node, run, run_tier)
+                run = []
+            if stored:
+                run.append(key)
+                run_tier = tier
+            else:
+                c.removed(node, key, tier)
+        if run:
+            c.index.stored_many(node, run, run_tier)
+
+    # -- the event loop --------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, what: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, what))
+
+    def run(self, progress: Callable[[int], None] | None = None) -> list[Record]:
+        """Replay every request; return their records. ``progress(n)`` hears of every 100 arrivals."""
+        heap, records = self._heap, self.records
+        nxt = 0
+        self._push(self.config.tick_s, _TICK, None)
+        while nxt < len(records) or len(heap) > 1:
+            if nxt < len(records) and (not heap or records[nxt].req.arrival_s <= heap[0][0]):
+                rec = records[nxt]
+                nxt += 1
+                self.now = rec.req.arrival_s
+                self._arrive(rec)
+                if progress is not None and nxt % 100 == 0:
+                    progress(nxt)
+                continue
+            t, _, kind, what = heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            if kind == _STEP_END:
+                self._step_end(*what)
+            elif kind == _PREFILL_DONE:
+                self._prefill_done(what)
+            elif kind == _DECODE_ARRIVE:
+                self._decode_arrive(*what)
+            else:
+                self._tick()
+        if progress is not None:
+            progress(len(records))
+        return records
+
+    def _tick(self) -> None:
+        c, now = self.conductor, self.now
+        for p in self.prefills:
+            c.heartbeat(p.inst.id, p.load(now), now)
+            c.heartbeat(p.inst.node, Load(), now)
+        for d in self.decodes:
+            c.heartbeat(d.inst.id, d.load(now), now)
+        c.expire(now)
+        self._push(now + self.config.tick_s, _TICK, None)
+
+    # -- arrival and prefill ------------------------------------------------------------------
+
+    def _arrive(self, rec: Record) -> None:
+        r = rec.req
+        out = self.conductor.schedule(ScheduleRequest(rec.rid, r.chain, r.prompt_tokens, self.model.block_tokens), self.now)
+        if isinstance(out, Rejection):
+            rec.rejected = out.reason.value
+            return
+        rec.decision = out
+        rec.predicted_ttft_s = out.predicted.ttft_s
+        rec.predicted_s = out.predicted.transfer_s + out.predicted.prefill_s
+        p = self.prefill_of[out.prefill]
+        p.queue.append(rec)
+        p.queued_predicted_s += rec.predicted_s
+        if p.running is None:
+            self._start_prefill(p)
+        else:
+            self.conductor.heartbeat(p.inst.id, p.load(self.now), self.now)
+
+    def _start_prefill(self, p: PrefillInstance) -> None:
+        rec = p.queue.popleft()
+        p.queued_predicted_s = max(0.0, p.queued_predicted_s - rec.predicted_s)
+        m, now, keys, plan = self.model, self.now, rec.req.keys, rec.decision.plan
+        local = p.cache.leading(keys, 0, plan.local_blocks)
+        fetched = 0
+        if plan.fetch_blocks and local == plan.local_blocks:
+            src = self.caches[plan.fetch_node]
+            fetched = src.leading(keys, local, local + plan.fetch_blocks)
+        p.cache.leased = set(keys[: local + fetched])  # before the reads: a promotion may evict, never these
+        ssd = p.cache.read(keys[:local])
+        net_s = 0.0
+        if fetched:
+            ssd += self.caches[plan.fetch_node].read(keys[local : local + fetched])
+            net_s = m.transfer_s(fetched * m.block_bytes)
+        prompt = rec.req.prompt_tokens
+        cached = min((local + fetched) * m.block_tokens, prompt - 1)  # the last token is always computed
+        rec.local_blocks, rec.fetched_blocks, rec.ssd_blocks, rec.cached_tokens = local, fetched, ssd, cached
+        rec.load_s = m.ssd_s(ssd) + net_s
+        rec.compute_s = m.prefill_s(prompt, cached) * self.jitter()
+        rec.prefill_start = now
+        p.running = rec
+        p.running_predicted_end = now + rec.predicted_s
+        self._push(now + rec.load_s + rec.compute_s, _PREFILL_DONE, p)
+        if fetched:
+            self.conductor.transfer_sample(fetched * m.block_bytes, net_s)
+        self.conductor.heartbeat(p.inst.id, p.load(now), now)
+
+    def _prefill_done(self, p: PrefillInstance) -> None:
+        c, now, rec = self.conductor, self.now, p.running
+        rec.prefill_end = now
+        p.busy_s += rec.load_s + rec.compute_s
+        c.prefill_sample(rec.req.prompt_tokens, rec.cached_tokens, rec.compute_s)
+        p.cache.put(rec.req.keys)  # the whole prompt, fetched blocks included (keep_fetched)
+        p.cache.leased = set()
+        p.running = None
+        late = c.admit_at_decode(rec.decision.decode, now, rec.req.prompt_tokens)
+        if late is not None:
+            rec.rejected = REJECTED_AT_DECODE
+            c.finished(rec.rid, now)
+        else:
+            push_s = self.model.transfer_s(rec.req.prompt_tokens * self.model.kv_bytes_per_token * self.model.decode_push_fraction)
+            self._push(now + push_s, _DECODE_ARRIVE, (self.decode_of[rec.decision.decode], rec))
+        if p.queue:
+            self._start_prefill(p)
+        else:
+            c.heartbeat(p.inst.id, p.load(now), now)
+
+    # -- decode ------------------------------------------------------------------------------------
+
+    def _decode_arrive(self, d: DecodeInstance, rec: Record) -> None:
+        d.waiting.append(rec)
+        if not d.busy:
+            self._start_run(d)
+            return
+        cut = int(np.searchsorted(d.run_ends, self.now - d.run_start, side="left")) + 1  # it joins after this many steps
+        if cut < d.run_steps:
+            d.run_steps = cut
+            d.version += 1
+            self._push(d.run_start + float(d.run_ends[cut - 1]), _STEP_END, (d, d.version))
+
+    def _start_run(self, d: DecodeInstance) -> None:
+        now, m = self.now, self.model
+        joined = []
+        while d.waiting:  # join at a step boundary, while the KV fits (a request reserves prompt + output)
+            rec = d.waiting[0]
+            need = rec.req.prompt_tokens + rec.req.output_tokens
+            if d.kv_used + need > d.kv_tokens and d.batch:
+                break
+            d.waiting.popleft()
+            d.kv_used += need
+            d.batch += 1
+            d.context += rec.req.prompt_tokens
+            rec.join_step = d.steps
+            self._seq += 1
+            heapq.heappush(d.finishing, (d.steps + rec.req.output_tokens, self._seq, rec))
+            joined.append(rec)
+            self.conductor.decode_started(rec.rid, now)
+        if not d.batch:
+            d.busy = False
+            self.conductor.heartbeat(d.inst.id, d.load(now), now)
+            return
+        d.busy = True
+        d.peak_batch = max(d.peak_batch, d.batch)
+        n = d.finishing[0][0] - d.steps  # steps until the next request leaves
+        context = d.context + d.batch * np.arange(n)
+        step_s = (m.decode_base_s + m.decode_per_request_s * d.batch + m.decode_s_per_context_token * context) * self.jitter.many(n)
+        d.reserve(n)
+        d.durations[d.steps : d.steps + n] = step_s
+        d.run_ends = np.cumsum(step_s)
+        d.run_start, d.run_steps = now, n
+        d.version += 1
+        for rec in joined:  # a run always completes its first step: a join only cuts it after that
+            rec.first_token = now + float(d.run_ends[0])
+        self._push(now + float(d.run_ends[-1]), _STEP_END, (d, d.version))
+        if joined:
+            self.conductor.heartbeat(d.inst.id, d.load(now), now)
+
+    def _step_end(self, d: DecodeInstance, version: int) -> None:
+        if version != d.version:
+            return  # a run that a join cut short
+        now, c = self.now, self.conductor
+        n = d.run_steps
+        load = Load(queued_requests=len(d.waiting), running_requests=d.batch, context_tokens=d.context + (n - 1) * d.batch,
+                    step_s=float(d.durations[d.steps + n - 1]))  # the last step, for the decode predictor  # fmt: skip
+        d.steps += n
+        d.context += n * d.batch
+        while d.finishing and d.finishing[0][0] <= d.steps:
+            _, _, rec = heapq.heappop(d.finishing)
+            rec.finish = now
+            start = rec.join_step + 1  # token i+1 comes one step after token i: the gaps are those steps
+            rec.tbt_s = tbt_of(d.durations[start : rec.join_step + rec.req.output_tokens])
+            d.batch -= 1
+            d.context -= rec.req.prompt_tokens + rec.req.output_tokens
+            d.kv_used -= rec.req.prompt_tokens + rec.req.output_tokens
+            c.finished(rec.rid, now)
+        d.busy = False
+        c.heartbeat(d.inst.id, load, now)
+        self._start_run(d)

@@ -26,10 +26,14 @@ Model and assumptions (sources in sim_model.ModelConfig):
   paper's chunked pipeline parallelism across nodes is abstracted as one server per instance.
 - Decode (memory-bound): 141 GB of weights over 8 x 2.04 TB/s at 70% efficiency (12.4 ms a
   step), plus 0.1 ms per running request, plus each context token's 320 KiB at the same
-  bandwidth (28.7 ns). Continuous batching: a request joins at the next step boundary once
-  its KV fits (it reserves prompt + output tokens of the 1.37M-token KV space), makes one
-  token per step, and leaves after its output length. TTFT = arrival -> end of its first
-  decode step; TBT = mean of the longest 10% of its token gaps (the paper's).
+  bandwidth (28.7 ns). ``--decode-profile slow`` (a decode-bound cluster, our assumption):
+  30% of HBM bandwidth (28.9 ms a step) and 1 ms per running request. Continuous batching:
+  a request joins at the next step boundary, first come first served, once its KV fits (it
+  reserves prompt + output tokens of the 1.37M-token KV space) and the step it makes stays
+  under ``--tbt-headroom`` x the TBT SLO (the decode worker's own cap, from its true step
+  cost); until then it waits. It makes one token per step and leaves after its output
+  length. TTFT = arrival -> end of its first decode step; TBT = mean of the longest 10% of
+  its token gaps (the paper's).
 - Transfers: 100 GB/s between nodes (8 x 200 Gbps RDMA is 200 GB/s of line rate; we take
   half) + 0.1 ms. The prompt's KV streams to decode layer by layer during prefill, so only
   the last layer's share (1/80) is left to send when prefill ends. Transfers do not
@@ -37,6 +41,11 @@ Model and assumptions (sources in sim_model.ModelConfig):
 - Caches: each prefill node's DRAM (``--cache-blocks`` blocks, default unbounded) and an
   optional SSD (``--ssd-blocks``, 5 GB/s) with the kvstore's eviction policies; after a
   prefill every block of the prompt is stored on the node (fetched ones too: keep_fetched).
+- Admission: the Conductor's own (none, baseline, early, early_predictive). Under the
+  baseline the decode side checks the request when its prefill ends
+  (``Conductor.admit_at_decode``) and turns it away if it would break the TBT SLO (the
+  prefill is wasted); under early rejection the decode side takes what it is sent, and
+  what the prediction got wrong waits for room (longer TTFT).
 - The Conductor learns: its predictors start from their defaults (PredictorConfig) and are
   fed the simulated measurements, never the cost models' constants.
 - Hit ratio = reused blocks (own node + fetched) / key blocks, over the requests prefilled.
@@ -61,11 +70,11 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from conductor.admission import AdmissionKind  # noqa: E402
+from conductor.admission import AdmissionKind, ForecastKind  # noqa: E402
 from conductor.policies import PolicyKind  # noqa: E402
 from conductor.predictors import PredictorConfig  # noqa: E402
 from sim_cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig  # noqa: E402
-from sim_model import ModelConfig, load_trace  # noqa: E402
+from sim_model import DECODE_PROFILES, load_trace, model_config  # noqa: E402
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
 EVICTIONS = ("lru", "lfu", "length")
@@ -163,8 +172,8 @@ def records_json(records: list[Record]) -> dict[str, list]:
 
 def config_json(cfg: SimConfig) -> dict:
     d = {k: getattr(cfg, k) for k in ("prefill", "decode", "cache_blocks", "ssd_blocks", "eviction", "ttft_slo_s",
-                                      "tbt_slo_s", "threshold", "tier_aware", "seed", "tick_s")}  # fmt: skip
-    d["policy"], d["admission"] = cfg.policy.value, cfg.admission.value
+                                      "tbt_slo_s", "tbt_headroom", "threshold", "tier_aware", "seed", "tick_s")}  # fmt: skip
+    d["policy"], d["admission"], d["decode_forecast"] = cfg.policy.value, cfg.admission.value, cfg.decode_forecast.value
     d["model"] = {**{k: getattr(cfg.model, k) for k in cfg.model.__dataclass_fields__}, **cfg.model.describe()}
     d["predictor_priors"] = cfg.predictors.model_dump()
     return d
@@ -279,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold of kvcache_centric (default 1.5)")
     p.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO in seconds (default 30)")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO in seconds (default 0.1)")
+    p.add_argument("--decode-profile", default="roofline", choices=list(DECODE_PROFILES),
+                   help="decode cost model: roofline (70%% of HBM bandwidth, 0.1 ms a request a step) or slow "
+                        "(30%%, 1 ms: a decode-bound cluster) (default roofline)")
+    p.add_argument("--tbt-headroom", type=float, default=0.9,
+                   help="the Conductor and every decode instance hold the predicted mean step under this share of "
+                        "the TBT SLO, since the SLO is on a request's slowest 10%% of gaps (default 0.9)")
+    p.add_argument("--decode-forecast", default="uniform", choices=[k.value for k in ForecastKind],
+                   help="early_predictive's decode forecast: uniform (the paper's: every decode lasts t_d) or "
+                        "survival (ours: measured durations, by how long each request has run) (default uniform)")
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)")
     p.add_argument("--decode-prior-s", type=float, default=None,
                    help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "
@@ -303,7 +321,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill=args.prefill, decode=args.decode, policy=PolicyKind(args.policy), admission=AdmissionKind(args.admission),
         cache_blocks=args.cache_blocks, ssd_blocks=args.ssd_blocks, eviction=args.eviction, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, threshold=args.threshold, tier_aware=args.tier_aware, seed=args.seed,
-        model=ModelConfig(noise=args.noise),
+        tbt_headroom=args.tbt_headroom, decode_forecast=ForecastKind(args.decode_forecast),
+        model=model_config(args.decode_profile, noise=args.noise),
         predictors=PredictorConfig() if args.decode_prior_s is None else PredictorConfig(decode_base_s=args.decode_prior_s),
     )  # fmt: skip
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conductor.admission import AdmissionKind
+from conductor.admission import AdmissionKind, ForecastKind
 from conductor.core import Conductor, ConductorConfig
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
@@ -61,6 +61,8 @@ class SimConfig:
     eviction: str = "lru"
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
+    tbt_headroom: float = 0.9  # the Conductor's and each decode instance's: mean step held under this share of the TBT SLO
+    decode_forecast: ForecastKind = ForecastKind.UNIFORM
     threshold: float = 1.5  # kvcache_balancing_threshold
     tier_aware: bool = False
     seed: int = 0
@@ -73,6 +75,8 @@ class SimConfig:
             raise ValueError(f"need at least one prefill and one decode instance, got {self.prefill} and {self.decode}")
         if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
             raise ValueError("SLOs must be positive")
+        if not 0 < self.tbt_headroom <= 1:
+            raise ValueError(f"tbt_headroom must be in (0, 1], got {self.tbt_headroom}")
 
 
 @dataclass(slots=True)
@@ -184,6 +188,7 @@ class Cluster:
         self.conductor = Conductor(ConductorConfig(
             policy=config.policy, admission=config.admission,
             slo_classes={"default": Slo(ttft_s=config.ttft_slo_s, tbt_s=config.tbt_slo_s)},
+            tbt_headroom=config.tbt_headroom, decode_forecast=config.decode_forecast,
             block_bytes=m.block_bytes, predictors=config.predictors,
             policy_config=PolicyConfig(kvcache_balancing_threshold=config.threshold, tier_aware=config.tier_aware,
                                        ssd_bytes_per_s=m.ssd_bytes_per_s, seed=config.seed),
@@ -367,10 +372,11 @@ class Cluster:
     def _start_run(self, d: DecodeInstance) -> None:
         now, m = self.now, self.model
         joined = []
-        while d.waiting:  # join at a step boundary, while the KV fits (a request reserves prompt + output)
-            rec = d.waiting[0]
+        cap_s = self.config.tbt_slo_s * self.config.tbt_headroom
+        while d.waiting:  # join at a step boundary, first come first served, while the KV fits (a request
+            rec = d.waiting[0]  # reserves prompt + output) and the step stays under the TBT cap
             need = rec.req.prompt_tokens + rec.req.output_tokens
-            if d.kv_used + need > d.kv_tokens and d.batch:
+            if d.batch and (d.kv_used + need > d.kv_tokens or m.decode_step_s(d.batch + 1, d.context + rec.req.prompt_tokens) > cap_s):
                 break
             d.waiting.popleft()
             d.kv_used += need

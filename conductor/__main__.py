@@ -16,7 +16,7 @@ import threading
 
 from prometheus_client import start_http_server
 
-from conductor.admission import AdmissionKind
+from conductor.admission import AdmissionKind, ForecastKind
 from conductor.core import ConductorConfig
 from conductor.persistence import make_store
 from conductor.policies import PolicyConfig, PolicyKind
@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="prefill placement policy (a value persisted in Redis wins)")
     p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
                    help="admission (early rejection) policy (a value persisted in Redis wins)")
+    p.add_argument("--decode-forecast", choices=[k.value for k in ForecastKind], default=ForecastKind.UNIFORM.value,
+                   help="early_predictive's decode forecast: uniform (the paper's: every decode lasts t_d) or survival "
+                        "(measured decode durations, each request weighed by how long it has run)")
+    p.add_argument("--tbt-headroom", type=float, default=1.0,
+                   help="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1)")
     p.add_argument("--ttft-slo", type=float, default=30.0, help="the default SLO class's time to first token, seconds")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="the default SLO class's time between tokens, seconds")
     p.add_argument("--slo-class", action="append", default=[], metavar="NAME=TTFT,TBT",
@@ -65,7 +70,7 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
         classes[name] = Slo(ttft, tbt)
     return ConductorConfig(
         policy=args.policy, admission=args.admission, slo_classes=classes, block_bytes=args.block_bytes,
-        heartbeat_timeout_s=args.heartbeat_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout, decode_forecast=args.decode_forecast, tbt_headroom=args.tbt_headroom,
         predictors=PredictorConfig(prefill_tokens_per_s=args.prefill_tokens_per_s),
         policy_config=PolicyConfig(kvcache_balancing_threshold=args.balancing_threshold, tier_aware=args.tier_aware),
     )  # fmt: skip

@@ -8,15 +8,25 @@
                       request's prefill would finish (DESIGN §5)
 
 Loads are fractions of the SLO: prefill load = predicted TTFT / TTFT SLO; decode load =
-the mean over decode instances of predicted TBT / TBT SLO. The prediction (arXiv §7)
-assumes every decode lasts a uniform ``t_d`` (a moving average of measured decode
-durations): at time t an instance still runs what started after t - t_d, plus the
-requests whose prefill has finished by t.
+the mean over decode instances of predicted TBT / TBT SLO. The decode forecast comes in
+two kinds:
+
+    uniform   the paper's (arXiv §7): every decode lasts ``t_d`` (a moving average of
+              measured decode durations); at time t an instance still runs what started
+              after t - t_d, plus the requests whose prefill has finished by t
+    survival  ours: the measured durations' distribution (the last ``window``), and each
+              request counted by its chance to still run at t given how long it has run
+              already, ``S(t - start) / S(now - start)``; a request not yet decoding counts
+              ``S(t - start)`` from its predicted start. Output lengths are long-tailed, so
+              a request that has run long is likely to run on, which ``t_d`` cannot say.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conductor.predictors import DecodePredictor
@@ -28,6 +38,11 @@ class AdmissionKind(str, enum.Enum):
     BASELINE = "baseline"
     EARLY = "early"
     EARLY_PREDICTIVE = "early_predictive"
+
+
+class ForecastKind(str, enum.Enum):
+    UNIFORM = "uniform"
+    SURVIVAL = "survival"
 
 
 @dataclass(slots=True)
@@ -42,17 +57,25 @@ class _Flight:
 class DecodeForecast:
     """The requests the Conductor has sent to each decode instance, and when they decode.
 
-    ``t_d`` starts at ``default_decode_s`` and follows measured decode durations (EMA).
+    ``t_d`` starts at ``default_decode_s`` and follows measured decode durations (EMA);
+    ``kind`` picks how ``batch_at`` uses them (module docstring). The survival forecast
+    uses the uniform one until ``min_samples`` durations are measured.
     """
 
     default_decode_s: float = 10.0
     alpha: float = 0.1
+    kind: ForecastKind = ForecastKind.UNIFORM
+    window: int = 1000
+    min_samples: int = 20
     t_d: float = field(init=False)
     _flights: dict[str, _Flight] = field(default_factory=dict)  # request id -> flight
     _by_decode: dict[str, dict[str, _Flight]] = field(default_factory=dict)  # decode id -> its flights
+    _recent: deque[float] = field(default_factory=deque)  # measured durations, oldest first
+    _sorted: list[float] = field(default_factory=list)  # the same, sorted (for S(x))
 
     def __post_init__(self) -> None:
         self.t_d = self.default_decode_s
+        self.kind = ForecastKind(self.kind)
 
     def scheduled(self, request_id: str, decode: str, prefill_done_at: float, context_tokens: int) -> None:
         self._drop(request_id)
@@ -69,7 +92,12 @@ class DecodeForecast:
         """The request left its decode instance (done, failed or cancelled)."""
         flight = self._drop(request_id)
         if flight is not None and flight.started and now > flight.start:
-            self.t_d = (1 - self.alpha) * self.t_d + self.alpha * (now - flight.start)
+            duration = now - flight.start
+            self.t_d = (1 - self.alpha) * self.t_d + self.alpha * duration
+            self._recent.append(duration)
+            bisect.insort(self._sorted, duration)
+            if len(self._recent) > self.window:
+                del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
 
     def _drop(self, request_id: str) -> _Flight | None:
         flight = self._flights.pop(request_id, None)
@@ -82,25 +110,58 @@ class DecodeForecast:
             self._flights.pop(rid, None)
 
     def expire(self, now: float) -> None:
-        """Drop flights long past their predicted end (a lost report must not inflate the load forever)."""
-        for rid in [r for r, f in self._flights.items() if now > f.start + 4 * self.t_d]:
+        """Drop flights long past any end seen (a lost report must not inflate the load forever)."""
+        longest = max(4 * self.t_d, 2 * self._sorted[-1] if self._sorted else 0.0)
+        for rid in [r for r, f in self._flights.items() if now > f.start + longest]:
             self._drop(rid)
 
-    def batch_at(self, decode: str, t: float) -> tuple[int, int]:
-        """(requests, context tokens) predicted on ``decode`` at time ``t`` from the Conductor's own flights."""
+    def _survival(self, x: float) -> float:
+        """Share of measured decode durations longer than ``x`` seconds."""
+        return 1.0 - bisect.bisect_right(self._sorted, x) / len(self._sorted)
+
+    def batch_at(self, decode: str, t: float, now: float) -> tuple[float, float]:
+        """(requests, context tokens) expected on ``decode`` at time ``t`` (>= ``now``) from the Conductor's own flights."""
+        n = tokens = 0.0
+        flights = self._by_decode.get(decode, {}).values()
+        if self.kind is ForecastKind.UNIFORM or len(self._sorted) < self.min_samples:
+            end = self.t_d
+            for f in flights:
+                start = f.start if f.started else max(f.start, now)  # late for its predicted start: not before now
+                if start <= t < start + end:
+                    n += 1
+                    tokens += f.context_tokens
+            return n, tokens
+        for f in flights:
+            start = f.start if f.started else max(f.start, now)
+            if start > t:
+                continue
+            p = self._survival(t - start)
+            if f.started and now > start:
+                alive = self._survival(now - start)
+                p = min(1.0, p / alive) if alive > 0 else 1.0  # older than every measured decode: no telling when it ends
+            n += p
+            tokens += p * f.context_tokens
+        return n, tokens
+
+    def pending(self, decode: str) -> tuple[int, int]:
+        """(requests, context tokens) sent to ``decode`` whose decode has not started (in prefill or in transit)."""
         n = tokens = 0
-        end = self.t_d
         for f in self._by_decode.get(decode, {}).values():
-            if f.start <= t < f.start + end:
+            if not f.started:
                 n += 1
                 tokens += f.context_tokens
         return n, tokens
 
-    def in_flight(self, decode: str) -> int:
-        return len(self._by_decode.get(decode, ()))
-
     def __len__(self) -> int:
         return len(self._flights)
+
+
+Batch = tuple[float, float]  # (running requests, context tokens) of a decode instance; a forecast's are expected values
+
+
+def reported_batch(inst: Instance) -> Batch:
+    """The batch ``inst`` reported in its last heartbeat."""
+    return inst.load.running_requests, inst.load.context_tokens
 
 
 def decode_tbt(inst: Instance, predictor: DecodePredictor, extra_requests: int = 0, extra_tokens: int = 0) -> float:
@@ -108,40 +169,28 @@ def decode_tbt(inst: Instance, predictor: DecodePredictor, extra_requests: int =
     return predictor.predict(inst.load.running_requests + extra_requests, inst.load.context_tokens + extra_tokens)
 
 
-def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: DecodePredictor, forecast: DecodeForecast) -> tuple[Instance, float]:
-    """The decode instance with the lowest predicted TBT once this request (and those already sent its way) join."""
+def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: DecodePredictor) -> float:
+    """Predicted TBT on ``inst`` once a request of ``context_tokens`` joins ``batch`` (inf: no free slot)."""
+    n, tokens = batch
+    if inst.capacity and n + 1 > inst.capacity:
+        return float("inf")  # full: it would queue the request
+    return predictor.predict(n + 1, tokens + context_tokens)
+
+
+def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: DecodePredictor,
+                  batch_of: Callable[[Instance], Batch]) -> tuple[Instance, float]:  # fmt: skip
+    """The decode instance with the lowest predicted TBT once ``req`` joins the batch ``batch_of`` says it will find."""
     context = req.prompt_tokens + req.expected_output_tokens // 2
-
-    def tbt(inst: Instance) -> float:
-        pending = max(0, forecast.in_flight(inst.id) - inst.load.running_requests)  # sent, not yet in its heartbeat
-        if inst.capacity and inst.load.running_requests + pending + 1 > inst.capacity:
-            return float("inf")  # full: it would queue the request
-        return decode_tbt(inst, predictor, pending + 1, context * (pending + 1))
-
-    best = min(decodes, key=lambda i: (tbt(i), i.id))
-    return best, tbt(best)
-
-
-def decode_load_now(decodes: list[Instance], predictor: DecodePredictor, tbt_slo: float) -> float:
-    """Mean over decode instances of the current predicted TBT / SLO."""
-    if not decodes:
-        return float("inf")
-    return sum(decode_tbt(i, predictor) for i in decodes) / len(decodes) / tbt_slo
-
-
-def decode_load_at(decodes: list[Instance], predictor: DecodePredictor, forecast: DecodeForecast, t: float, tbt_slo: float) -> float:
-    """Mean over decode instances of predicted TBT / SLO at time ``t``, from the Conductor's flights."""
-    if not decodes:
-        return float("inf")
-    total = 0.0
+    best = best_tbt = None
     for inst in decodes:
-        n, tokens = forecast.batch_at(inst.id, t)
-        total += predictor.predict(n, tokens)
-    return total / len(decodes) / tbt_slo
+        tbt = join_tbt(inst, batch_of(inst), context, predictor)
+        if best is None or (tbt, inst.id) < (best_tbt, best.id):
+            best, best_tbt = inst, tbt
+    return best, best_tbt
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    reason: RejectReason
-    message: str
-    retry_after_s: float
+def decode_load(decodes: list[Instance], predictor: DecodePredictor, batch_of: Callable[[Instance], Batch], tbt_limit: float) -> float:
+    """Mean over decode instances of the predicted TBT of the batch ``batch_of`` gives each, over ``tbt_limit``."""
+    if not decodes:
+        return float("inf")
+    return sum(predictor.predict(*batch_of(i)) for i in decodes) / len(decodes) / tbt_limit

@@ -11,12 +11,13 @@ run it on simulated time. Not thread-safe: the service serialises calls with a l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
 from conductor.admission import (
-    AdmissionKind, DecodeForecast, decode_load_at, decode_load_now, decode_tbt, select_decode,
+    AdmissionKind, Batch, DecodeForecast, ForecastKind, decode_load, join_tbt, reported_batch, select_decode,
 )  # fmt: skip
 from conductor.index import KVIndex
 from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, make_policy
@@ -36,6 +37,10 @@ class ConductorConfig(BaseModel):
     block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is dead")
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
+    decode_forecast: ForecastKind = Field(ForecastKind.UNIFORM, description="early_predictive's decode forecast: "
+                                          "uniform (the paper's t_d) or survival (measured durations by age)")
+    tbt_headroom: float = Field(1.0, gt=0, le=1.0, description="admit while the predicted mean step stays under this share "
+                                "of the TBT SLO (the SLO is on a request's slowest gaps, not its mean)")
     predictors: PredictorConfig = Field(default_factory=PredictorConfig)
     policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
 
@@ -59,7 +64,7 @@ class Conductor:
         self.instances: dict[str, Instance] = {}
         self.index = KVIndex()
         self.predictors = Predictors.from_config(self.config.predictors, self.config.block_bytes)
-        self.forecast = DecodeForecast(self.config.default_decode_s)
+        self.forecast = DecodeForecast(self.config.default_decode_s, kind=self.config.decode_forecast)
         self.policy = make_policy(self.config.policy, self.config.policy_config)
         self.admission = self.config.admission
         self.counters = Counters()
@@ -176,9 +181,10 @@ class Conductor:
         if not decodes:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
         choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
-        decode, tbt = select_decode(req, decodes, self.predictors.decode, self.forecast)
+        batch_of = self._batch_at(now + choice.ttft_s, now)
+        decode, tbt = select_decode(req, decodes, self.predictors.decode, batch_of)
         predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
-        verdict = self._admit(req, choice, decode, tbt, decodes, slo, now)
+        verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:
             reason, message, retry = verdict
             return self._reject(req, reason, message, retry, predicted)
@@ -187,44 +193,66 @@ class Conductor:
 
     def admit_at_decode(self, decode_id: str, now: float, context_tokens: int = 0) -> Rejection | None:
         """The baseline's late check, made when a prefill has finished: would the decode instance, with this
-        request (``context_tokens`` of KV) joining, run over its TBT SLO?"""
+        request (``context_tokens`` of KV) joining, run over ``tbt_headroom`` of its TBT SLO?
+
+        Only the baseline rejects here (its prefill is then wasted). The other admissions
+        decided before prefill; what they mispredicted waits on the decode side for room.
+        """
         inst = self.instances.get(decode_id)
         if self.admission is not AdmissionKind.BASELINE or inst is None:
             return None
         tbt_slo = min(s.tbt_s for s in self.config.slo_classes.values())
-        tbt = decode_tbt(inst, self.predictors.decode, 1, context_tokens)
-        if tbt <= tbt_slo:
+        tbt = join_tbt(inst, reported_batch(inst), context_tokens, self.predictors.decode)
+        if tbt <= tbt_slo * self.config.tbt_headroom:
             return None
         return Rejection("", RejectReason.TBT_SLO, f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",
                          _clamp(self.forecast.t_d / 2))  # fmt: skip
 
-    def _admit(self, req: ScheduleRequest, choice: PrefillChoice, choice_decode: Instance, tbt: float,
-               decodes: list[Instance], slo: Slo, now: float):  # fmt: skip
+    def _batch_at(self, t: float, now: float) -> Callable[[Instance], Batch]:
+        """The batch a request joining a decode instance at ``t`` would find there, as this admission sees it.
+
+        early_predictive: the decode forecast at ``t`` (DESIGN §5). The others: the
+        reported batch plus what was sent there and has not started decoding (so requests
+        scheduled between two heartbeats spread over the instances).
+        """
+        if self.admission is AdmissionKind.EARLY_PREDICTIVE:
+            return lambda inst: self.forecast.batch_at(inst.id, t, now)
+
+        def now_and_pending(inst: Instance) -> Batch:
+            (n, tokens), (pn, ptokens) = reported_batch(inst), self.forecast.pending(inst.id)
+            return n + pn, tokens + ptokens
+
+        return now_and_pending
+
+    def _admit(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, tbt: float, decodes: list[Instance],
+               batch_of: Callable[[Instance], Batch], slo: Slo) -> tuple[RejectReason, str, float] | None:  # fmt: skip
+        """Why ``req`` must be turned away now (reason, message, retry-after), or None to serve it.
+
+        ``tbt`` is the predicted TBT on ``decode`` with ``req`` in the batch ``batch_of``
+        gives. Plain early judges decode by the current (reported) batches alone, as the
+        paper's early rejection does; early_predictive by the batches forecast for when
+        this prefill ends.
+        """
         kind = self.admission
-        context = req.prompt_tokens + req.expected_output_tokens // 2
         if kind is AdmissionKind.NONE:
             return None
-        retry = _clamp(choice.queue_s)
+        ttft_over = (RejectReason.TTFT_SLO, f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO", _clamp(choice.queue_s))
         if kind is AdmissionKind.BASELINE:
-            if choice.ttft_s > slo.ttft_s:
-                return RejectReason.TTFT_SLO, f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO", retry
-            return None
-        prefill_load = choice.ttft_s / slo.ttft_s
+            return ttft_over if choice.ttft_s > slo.ttft_s else None
+        limit = slo.tbt_s * self.config.tbt_headroom
         if kind is AdmissionKind.EARLY:
-            decode_load = decode_load_now(decodes, self.predictors.decode, slo.tbt_s)
-        else:
-            decode_load = decode_load_at(decodes, self.predictors.decode, self.forecast, now + choice.ttft_s, slo.tbt_s)
-        if prefill_load > 1.0 and prefill_load >= decode_load:
-            return RejectReason.TTFT_SLO, f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO", retry
-        if decode_load > 1.0:
+            batch_of = reported_batch
+            tbt = join_tbt(decode, reported_batch(decode), req.prompt_tokens + req.expected_output_tokens // 2, self.predictors.decode)
+        prefill_load = choice.ttft_s / slo.ttft_s
+        load = decode_load(decodes, self.predictors.decode, batch_of, limit)
+        if prefill_load > 1.0 and prefill_load >= load:
+            return ttft_over
+        retry_decode = _clamp(self.forecast.t_d / 2)
+        if load > 1.0:
             when = "now" if kind is AdmissionKind.EARLY else f"in {choice.ttft_s:.1f} s"
-            return RejectReason.OVERLOAD, f"decode load {decode_load:.2f} of the TBT SLO {when}", _clamp(self.forecast.t_d / 2)
-        if kind is AdmissionKind.EARLY_PREDICTIVE:  # the chosen instance's TBT when this request would join it
-            n, tokens = self.forecast.batch_at(choice_decode.id, now + choice.ttft_s)
-            full = choice_decode.capacity and n + 1 > choice_decode.capacity
-            tbt = float("inf") if full else self.predictors.decode.predict(n + 1, tokens + context)
-        if tbt > slo.tbt_s:
-            return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", _clamp(self.forecast.t_d / 2)
+            return RejectReason.OVERLOAD, f"decode load {load:.2f} of the TBT SLO {when}", retry_decode
+        if tbt > limit:
+            return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", retry_decode
         return None
 
     def _record(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float) -> None:

@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 
-from conductor.admission import DecodeForecast, decode_load_at, decode_load_now, select_decode
+from conductor.admission import DecodeForecast, decode_load, reported_batch, select_decode
 from conductor.core import Conductor, ConductorConfig
 from conductor.index import KVIndex, PrefixMatch
 from conductor.policies import PolicyConfig, make_policy
@@ -367,17 +367,25 @@ def decode(i: int, running: int = 0, capacity: int = 0) -> Instance:
 
 def test_select_decode_picks_the_lightest_batch_and_skips_full_instances():
     d = DecodePredictor(ROUND)
-    forecast = DecodeForecast()
-    inst, tbt = select_decode(request(), [decode(0, 5), decode(1, 2), decode(2, 7)], d, forecast)
+    inst, tbt = select_decode(request(), [decode(0, 5), decode(1, 2), decode(2, 7)], d, reported_batch)
     assert inst.id == "d1" and tbt == pytest.approx(0.01 + 0.01 * 3)
-    inst, _ = select_decode(request(), [decode(0, 5), decode(1, 2, capacity=2)], d, forecast)
+    inst, _ = select_decode(request(), [decode(0, 5), decode(1, 2, capacity=2)], d, reported_batch)
     assert inst.id == "d0"  # d1 is full
-    # requests already sent to d1 but not yet in its heartbeat count against it
-    # (6 sent, 2 reported running: 4 pending, so d1 would run 7 and d0 6)
-    for n in range(6):
-        forecast.scheduled(f"x{n}", "d1", 0.0, 100)
-    inst, tbt = select_decode(request(), [decode(0, 5), decode(1, 2)], d, forecast)
-    assert inst.id == "d0" and tbt == pytest.approx(0.07)
+
+
+def test_the_conductor_counts_requests_sent_to_a_decode_instance_until_they_start_decoding():
+    c = conductor("none")
+    c.register(prefill(0), 0.0)
+    for i, running in ((0, 5), (1, 2)):
+        c.register(decode(i), 0.0)
+        c.heartbeat(f"d{i}", Load(running_requests=running), 0.0)
+    sent = [c.schedule(request(f"x{n}"), 0.0).decode for n in range(4)]
+    assert sent == ["d1", "d1", "d1", "d0"]  # d1 would run 3, 4, 5 (a tie with d0, broken by id), then d0 6
+    for n in range(4):
+        c.decode_started(f"x{n}", 1.0)  # started: from now on the heartbeats count them
+    c.heartbeat("d0", Load(running_requests=6), 1.0)
+    c.heartbeat("d1", Load(running_requests=5), 1.0)
+    assert c.schedule(request("y"), 1.0).decode == "d1"
 
 
 def test_decode_load_now_and_at_a_later_time_from_the_forecast():
@@ -387,13 +395,89 @@ def test_decode_load_now_and_at_a_later_time_from_the_forecast():
         forecast.scheduled(f"x{n}", "d0", 9.8, 100)
         forecast.decode_started(f"x{n}", 9.8)
     decodes = [decode(0, running=10)]
-    assert decode_load_now(decodes, d, 0.1) == pytest.approx(1.1)
-    assert decode_load_at(decodes, d, forecast, 10.0, 0.1) == pytest.approx(1.1)
-    assert decode_load_at(decodes, d, forecast, 11.0, 0.1) == 0.0  # all finished by then
+
+    def at(t):
+        return lambda inst: forecast.batch_at(inst.id, t, 10.0)
+
+    assert decode_load(decodes, d, reported_batch, 0.1) == pytest.approx(1.1)
+    assert decode_load(decodes, d, at(10.0), 0.1) == pytest.approx(1.1)
+    assert decode_load(decodes, d, at(11.0), 0.1) == 0.0  # all finished by then
     # a request whose prefill finishes at 10.9 joins the batch at 11.0
     forecast.scheduled("late", "d0", 10.9, 100)
-    assert decode_load_at(decodes, d, forecast, 11.0, 0.1) == pytest.approx(0.2)
-    assert decode_load_now([], d, 0.1) == float("inf")
+    assert decode_load(decodes, d, at(11.0), 0.1) == pytest.approx(0.2)
+    assert decode_load([], d, reported_batch, 0.1) == float("inf")
+
+
+def measured(forecast: DecodeForecast, durations: list[float]) -> None:
+    """Teach ``forecast`` these decode durations (requests that started at 0 and finished after each)."""
+    for n, seconds in enumerate(durations):
+        forecast.scheduled(f"past{n}", "dx", 0.0, 1)
+        forecast.decode_started(f"past{n}", 0.0)
+        forecast.finished(f"past{n}", seconds)
+
+
+def test_survival_forecast_counts_a_request_by_its_chance_to_still_run():
+    # half the decodes take 1 s, half 100 s: t_d (an average) says everything is gone after ~50 s
+    # and everything runs until then; the distribution says a request that has run 5 s is a long one
+    forecast = DecodeForecast(default_decode_s=10.0, kind="survival")
+    measured(forecast, [1.0, 100.0] * 10)
+    now = 1000.0
+    forecast.scheduled("old", "d0", now - 5, 100)
+    forecast.decode_started("old", now - 5)  # has run 5 s: one of the long ones
+    assert forecast.batch_at("d0", now + 10, now) == pytest.approx((1.0, 100.0))
+    forecast.scheduled("fresh", "d0", now, 100)
+    forecast.decode_started("fresh", now)  # just started: a coin toss whether it is still running 10 s on
+    assert forecast.batch_at("d0", now + 10, now) == pytest.approx((1.5, 150.0))
+    assert forecast.batch_at("d0", now + 200, now) == (0.0, 0.0)  # longer than any measured decode
+    forecast.scheduled("next", "d0", now + 20, 1000)  # its prefill ends at now + 20: not there at now + 10
+    assert forecast.batch_at("d0", now + 10, now)[0] == pytest.approx(1.5)
+    assert forecast.batch_at("d0", now + 20, now) == pytest.approx((2.5, 1150.0))
+
+
+def test_a_request_late_for_its_predicted_start_is_forecast_from_now():
+    for kind in ("uniform", "survival"):
+        forecast = DecodeForecast(default_decode_s=10.0, kind=kind)
+        measured(forecast, [10.0] * 20)
+        forecast.scheduled("waiting", "d0", 50.0, 100)  # predicted to start decoding at 50, has not by 100
+        assert forecast.batch_at("d0", 105.0, 100.0) == pytest.approx((1.0, 100.0)), kind
+
+
+def test_survival_forecast_is_the_uniform_one_until_it_has_measurements_and_keeps_a_window():
+    uniform = DecodeForecast(default_decode_s=10.0)
+    survival = DecodeForecast(default_decode_s=10.0, kind="survival", window=20, min_samples=20)
+    for f in (uniform, survival):
+        measured(f, [100.0] * 19)
+        f.scheduled("a", "d0", 0.0, 100)
+        f.decode_started("a", 0.0)
+    assert uniform.t_d > 50  # the EMA moved toward 100 s
+    assert survival.batch_at("d0", 50.0, 1.0) == uniform.batch_at("d0", 50.0, 1.0) == (1.0, 100.0)
+    measured(survival, [100.0] + [1.0] * 20)  # the window now holds only the 1 s decodes
+    assert survival.batch_at("d0", 50.0, 0.5) == (0.0, 0.0)  # every decode takes 1 s: gone long before 50 s
+    assert survival.batch_at("d0", 0.5, 0.5) == (1.0, 100.0)  # but it runs now
+    assert survival.batch_at("d0", 50.0, 10.0) == (1.0, 100.0)  # older than any measured decode: counted in full
+
+
+def test_expiry_keeps_flights_as_long_as_the_longest_measured_decode():
+    forecast = DecodeForecast(default_decode_s=1.0, kind="survival")
+    measured(forecast, [1.0] * 19 + [500.0])
+    forecast.scheduled("long", "d0", 0.0, 100)
+    forecast.decode_started("long", 0.0)
+    forecast.expire(900.0)  # 4 t_d is far less; twice the longest decode is 1000 s
+    assert len(forecast) == 1
+    forecast.expire(1001.0)
+    assert len(forecast) == 0
+
+
+def test_tbt_headroom_keeps_the_predicted_step_under_a_share_of_the_slo():
+    # 8 running + this one: 0.10 s, exactly the SLO; with headroom 0.9 the limit is 0.09 s
+    for headroom, admitted in ((1.0, True), (0.9, False)):
+        c = conductor("early", tbt_headroom=headroom)
+        cluster(c)
+        c.heartbeat("d0", Load(running_requests=8), 0.0)
+        outcome = c.schedule(request(), 0.0)
+        assert isinstance(outcome, Decision) is admitted, headroom
+        c.set_admission("baseline")
+        assert (c.admit_at_decode("d0", 1.0) is None) is admitted
 
 
 # -- the Conductor: admission ---------------------------------------------------------------
@@ -514,7 +598,8 @@ def test_early_predictive_admits_when_the_decode_instances_will_have_drained():
     c = busy_decode_draining_soon("early_predictive", decodes=2)
     outcome = c.schedule(request(blocks=10, prompt=1000), 100.0)
     assert isinstance(outcome, Decision)
-    assert outcome.decode == "d1"
+    assert outcome.decode == "d0"  # it selects by the forecast too: both will be empty by then (ties go by id)
+    assert outcome.predicted.tbt_s == pytest.approx(c.predictors.decode.predict(1, 1000))
 
 
 def test_early_predictive_admits_when_the_only_decode_instance_will_have_drained():

@@ -294,9 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tbt-headroom", type=float, default=0.9,
                    help="the Conductor and every decode instance hold the predicted mean step under this share of "
                         "the TBT SLO, since the SLO is on a request's slowest 10%% of gaps (default 0.9)")
-    p.add_argument("--decode-forecast", default="uniform", choices=[k.value for k in ForecastKind],
-                   help="early_predictive's decode forecast: uniform (the paper's: every decode lasts t_d) or "
-                        "survival (ours: measured durations, by how long each request has run) (default uniform)")
+    p.add_argument("--decode-forecast", default="survival", choices=[k.value for k in ForecastKind],
+                   help="early_predictive's decode forecast: survival (ours, the Conductor's default: measured "
+                        "durations by how long each request has run, and the joins to come) or uniform (the paper's: "
+                        "every decode lasts t_d) (default survival)")
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)")
     p.add_argument("--decode-prior-s", type=float, default=None,
                    help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "

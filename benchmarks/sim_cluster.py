@@ -62,7 +62,7 @@ class SimConfig:
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     tbt_headroom: float = 0.9  # the Conductor's and each decode instance's: mean step held under this share of the TBT SLO
-    decode_forecast: ForecastKind = ForecastKind.UNIFORM
+    decode_forecast: ForecastKind = ForecastKind.SURVIVAL
     threshold: float = 1.5  # kvcache_balancing_threshold
     tier_aware: bool = False
     seed: int = 0

@@ -16,8 +16,9 @@
    2b. Decode-bound: the ``slow`` decode profile (sim_model.DECODE_PROFILES, our
    assumption: 30% of HBM bandwidth, 1 ms per request a step) with TBT SLOs of 50 to
    70 ms, where both pools are loaded at 2x, as in the paper's experiment (its figure
-   shows decode load near 1). Rows: the paper's three, and early_predictive with our
-   survival forecast (conductor.admission.ForecastKind).
+   shows decode load near 1). Rows: the paper's three (early_predictive with the paper's
+   uniform t_d forecast), and early_predictive with our survival forecast, the
+   Conductor's default (conductor.admission.ForecastKind).
 3. Cache hit ratio by capacity (paper: about 37% with an unbounded cache on this trace):
    speed 1, kvcache_centric, total DRAM capacity 1k .. 100k blocks and unbounded, split
    evenly over the 8 prefill nodes, for LRU, LFU and length-aware eviction.
@@ -48,7 +49,7 @@ from sim_model import load_trace, model_config
 NODES = 8
 CAPACITIES_TOTAL = (1_000, 10_000, 30_000, 50_000, 100_000, None)  # blocks over the 8 prefill nodes; None: unbounded
 DECODE_BOUND_TBT_S = (0.05, 0.055, 0.06, 0.065, 0.07)
-SURVIVAL = "early_predictive + survival"  # ours: the decode forecast by measured durations, not one t_d
+SURVIVAL = "early_predictive + survival"  # ours (the Conductor's default): measured durations by age, and the joins to come
 ADMISSIONS = (*("baseline", "early", "early_predictive"), SURVIVAL)
 
 PAPER_TTFT = {"random": 19.65, "least_loaded": 5.27, "cache_aware_local": 3.58, "kvcache_centric": 3.07}
@@ -150,18 +151,24 @@ def goals(runs: list[Run]) -> list[dict]:
     out.append({"goal": "admission (2a, paper's SLOs): early_predictive >= 10% fewer rejections than baseline",
                 "measured": f"{1 - rej['early_predictive'] / max(1, rej['baseline']):.1%} fewer",
                 "met": rej["early_predictive"] <= 0.9 * rej["baseline"]})  # fmt: skip
+    paper_order = []
     for tbt in DECODE_BOUND_TBT_S:
         rej = {a: bound[_bound_label(a, tbt)]["rejected"] for a in ADMISSIONS}
         ok = {a: bound[_bound_label(a, tbt)]["slo_ok"] for a in ADMISSIONS}
-        name = f"admission (2b, decode-bound, TBT SLO {tbt * 1e3:g} ms)"
-        out.append({"goal": f"{name}: baseline > early > early_predictive rejections; early_predictive >= 10% fewer than baseline",
-                    "measured": f"{rej['baseline']} > {rej['early']} > {rej['early_predictive']}: "
-                                f"{rej['baseline'] > rej['early'] > rej['early_predictive']}; "
-                                f"{1 - rej['early_predictive'] / max(1, rej['baseline']):.1%} fewer",
-                    "met": rej["baseline"] > rej["early"] > rej["early_predictive"] and rej["early_predictive"] <= 0.9 * rej["baseline"]})
-        out.append({"goal": f"{name}, ours: the survival forecast rejects fewer than the uniform one and serves as many within both SLOs",
-                    "measured": f"rejected {rej['early_predictive']} -> {rej[SURVIVAL]}, effective {ok['early_predictive']} -> {ok[SURVIVAL]}",
-                    "met": rej[SURVIVAL] < rej["early_predictive"] and ok[SURVIVAL] >= ok["early_predictive"]})  # fmt: skip
+        met = rej["baseline"] > rej["early"] > rej["early_predictive"] and rej["early_predictive"] <= 0.9 * rej["baseline"]
+        paper_order.append((tbt, met, f"{tbt * 1e3:g} ms: {rej['baseline']} > {rej['early']} > {rej['early_predictive']} "
+                                      f"({1 - rej['early_predictive'] / max(1, rej['baseline']):.0%} fewer)"))  # fmt: skip
+        out.append({"goal": f"admission (2b, decode-bound, TBT SLO {tbt * 1e3:g} ms), ours: early_predictive + survival rejects "
+                            f">= 10% fewer than baseline, fewer than early, and serves at least as many within both SLOs as either",
+                    "measured": f"rejected {rej[SURVIVAL]} vs baseline {rej['baseline']} ({1 - rej[SURVIVAL] / max(1, rej['baseline']):.0%} "
+                                f"fewer), early {rej['early']}; effective {ok[SURVIVAL]} vs {ok['baseline']}, {ok['early']}",
+                    "met": rej[SURVIVAL] <= 0.9 * rej["baseline"] and rej[SURVIVAL] < rej["early"]
+                           and ok[SURVIVAL] >= max(ok["baseline"], ok["early"])})  # fmt: skip
+    out.append({"goal": "admission (2b, decode-bound), the paper's forecast: baseline > early > early_predictive (uniform t_d) "
+                        "rejections and >= 10% fewer than baseline, at every TBT SLO",
+                "measured": "; ".join(m for _, _, m in paper_order) + " (met at "
+                            + (", ".join(f"{t * 1e3:g} ms" for t, ok_, _ in paper_order if ok_) or "none") + ")",
+                "met": all(ok_ for _, ok_, _ in paper_order)})  # fmt: skip
     unb = {ev: cache[_cache_label(ev, None)]["hit_ratio"] for ev in sim.EVICTIONS}
     out.append({"goal": f"cache: unbounded hit ratio about the paper's {PAPER_HIT_UNBOUNDED:.0%} (within 3 points)",
                 "measured": f"{unb['lru']:.1%}", "met": abs(unb["lru"] - PAPER_HIT_UNBOUNDED) <= 0.03})  # fmt: skip

@@ -39,9 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="prefill placement policy (a value persisted in Redis wins)")
     p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
                    help="admission (early rejection) policy (a value persisted in Redis wins)")
-    p.add_argument("--decode-forecast", choices=[k.value for k in ForecastKind], default=ForecastKind.UNIFORM.value,
-                   help="early_predictive's decode forecast: uniform (the paper's: every decode lasts t_d) or survival "
-                        "(measured decode durations, each request weighed by how long it has run)")
+    p.add_argument("--decode-forecast", choices=[k.value for k in ForecastKind], default=ForecastKind.SURVIVAL.value,
+                   help="early_predictive's decode forecast: survival (measured decode durations, each request weighed by "
+                        "how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every "
+                        "decode lasts t_d)")
     p.add_argument("--tbt-headroom", type=float, default=1.0,
                    help="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1)")
     p.add_argument("--ttft-slo", type=float, default=30.0, help="the default SLO class's time to first token, seconds")

@@ -19,6 +19,9 @@ two kinds:
               already, ``S(t - start) / S(now - start)``; a request not yet decoding counts
               ``S(t - start)`` from its predicted start. Output lengths are long-tailed, so
               a request that has run long is likely to run on, which ``t_d`` cannot say.
+              Plus the requests not yet scheduled that will have joined by t, at the
+              recent rate of decode starts (``joins``): a forecast far ahead otherwise
+              sees every batch drain and admits long prompts that find it full.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from conductor.predictors import DecodePredictor
 from conductor.types import Instance, RejectReason, ScheduleRequest
@@ -72,12 +77,19 @@ class DecodeForecast:
     _by_decode: dict[str, dict[str, _Flight]] = field(default_factory=dict)  # decode id -> its flights
     _recent: deque[float] = field(default_factory=deque)  # measured durations, oldest first
     _sorted: list[float] = field(default_factory=list)  # the same, sorted (for S(x))
+    _starts: deque[tuple[float, int]] = field(default_factory=deque)  # (time, context tokens) of recent decode starts
+    _start_tokens: int = 0  # their context tokens in all
+    horizon_s: float = 0.0  # moving average of scheduled requests' time from schedule to decode
+    _prefix: np.ndarray | None = None  # prefix sums of _sorted (None: to recompute)
 
     def __post_init__(self) -> None:
         self.t_d = self.default_decode_s
         self.kind = ForecastKind(self.kind)
 
-    def scheduled(self, request_id: str, decode: str, prefill_done_at: float, context_tokens: int) -> None:
+    def scheduled(self, request_id: str, decode: str, prefill_done_at: float, context_tokens: int, now: float | None = None) -> None:
+        """A request was sent to ``decode``; its prefill should end at ``prefill_done_at`` (scheduled at ``now``)."""
+        if now is not None:
+            self.horizon_s = (1 - self.alpha) * self.horizon_s + self.alpha * max(0.0, prefill_done_at - now)
         self._drop(request_id)
         flight = _Flight(decode, prefill_done_at, context_tokens)
         self._flights[request_id] = flight
@@ -87,6 +99,10 @@ class DecodeForecast:
         flight = self._flights.get(request_id)
         if flight is not None:
             flight.start, flight.started = now, True
+            self._starts.append((now, flight.context_tokens))
+            self._start_tokens += flight.context_tokens
+            if len(self._starts) > self.window:
+                self._start_tokens -= self._starts.popleft()[1]
 
     def finished(self, request_id: str, now: float) -> None:
         """The request left its decode instance (done, failed or cancelled)."""
@@ -98,6 +114,7 @@ class DecodeForecast:
             bisect.insort(self._sorted, duration)
             if len(self._recent) > self.window:
                 del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
+            self._prefix = None
 
     def _drop(self, request_id: str) -> _Flight | None:
         flight = self._flights.pop(request_id, None)
@@ -118,6 +135,34 @@ class DecodeForecast:
     def _survival(self, x: float) -> float:
         """Share of measured decode durations longer than ``x`` seconds."""
         return 1.0 - bisect.bisect_right(self._sorted, x) / len(self._sorted)
+
+    def joins(self, t: float, now: float, instances: int) -> tuple[float, float]:
+        """(requests, context tokens) expected on each of ``instances`` decode instances at ``t`` from requests
+        not scheduled yet (survival forecast only; the uniform one says (0, 0)).
+
+        Requests keep arriving at the recent rate of decode starts, spread evenly over the
+        instances, and reach decode ``horizon_s`` (the usual time from schedule to decode)
+        after they arrive; so before ``t`` only those arriving in the first
+        ``t - now - horizon_s`` seconds join (the ones before them are already scheduled: the
+        flights). One that starts at ``s`` still runs at ``t`` with chance ``S(t - s)``: in
+        all ``rate * integral of S over [0, t - now - horizon_s]``, and the integral is the
+        mean of ``min(duration, t - now - horizon_s)``. Without this term a forecast for a
+        long prefill sees every batch drain and nothing replace it.
+        """
+        if self.kind is ForecastKind.UNIFORM or len(self._sorted) < self.min_samples or len(self._starts) < self.min_samples:
+            return 0.0, 0.0
+        first, last = self._starts[0][0], self._starts[-1][0]
+        if last <= first:
+            return 0.0, 0.0
+        rate = (len(self._starts) - 1) / (last - first) / max(1, instances)  # starts per second per instance
+        horizon = t - now - self.horizon_s
+        if horizon <= 0:
+            return 0.0, 0.0
+        if self._prefix is None:
+            self._prefix = np.concatenate([[0.0], np.cumsum(self._sorted)])
+        k = bisect.bisect_left(self._sorted, horizon)
+        n = rate * (self._prefix[k] + horizon * (len(self._sorted) - k)) / len(self._sorted)
+        return n, n * self._start_tokens / len(self._starts)
 
     def batch_at(self, decode: str, t: float, now: float) -> tuple[float, float]:
         """(requests, context tokens) expected on ``decode`` at time ``t`` (>= ``now``) from the Conductor's own flights."""

@@ -37,8 +37,8 @@ class ConductorConfig(BaseModel):
     block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is dead")
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
-    decode_forecast: ForecastKind = Field(ForecastKind.UNIFORM, description="early_predictive's decode forecast: "
-                                          "uniform (the paper's t_d) or survival (measured durations by age)")
+    decode_forecast: ForecastKind = Field(ForecastKind.SURVIVAL, description="early_predictive's decode forecast: "
+                                          "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)")
     tbt_headroom: float = Field(1.0, gt=0, le=1.0, description="admit while the predicted mean step stays under this share "
                                 "of the TBT SLO (the SLO is on a request's slowest gaps, not its mean)")
     predictors: PredictorConfig = Field(default_factory=PredictorConfig)
@@ -216,7 +216,14 @@ class Conductor:
         scheduled between two heartbeats spread over the instances).
         """
         if self.admission is AdmissionKind.EARLY_PREDICTIVE:
-            return lambda inst: self.forecast.batch_at(inst.id, t, now)
+            forecast = self.forecast
+            joins_n, joins_tokens = forecast.joins(t, now, len(self.alive(Role.DECODE)))
+
+            def at_t(inst: Instance) -> Batch:
+                n, tokens = forecast.batch_at(inst.id, t, now)
+                return n + joins_n, tokens + joins_tokens
+
+            return at_t
 
         def now_and_pending(inst: Instance) -> Batch:
             (n, tokens), (pn, ptokens) = reported_batch(inst), self.forecast.pending(inst.id)
@@ -259,7 +266,7 @@ class Conductor:
         load = choice.instance.load
         load.queued_s += choice.prefill_s + choice.transfer_s
         load.queued_requests += 1
-        self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2)
+        self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now)
         c = self.counters
         c.scheduled += 1
         c.reused_blocks += choice.plan.reused_blocks

@@ -434,6 +434,31 @@ def test_survival_forecast_counts_a_request_by_its_chance_to_still_run():
     assert forecast.batch_at("d0", now + 20, now) == pytest.approx((2.5, 1150.0))
 
 
+def test_survival_forecast_expects_the_joins_to_come_at_the_recent_rate():
+    # one decode start a second for 20 s, each decoding 10 s, 300 tokens of context, over 2 instances
+    forecasts = {k: DecodeForecast(default_decode_s=10.0, kind=k, min_samples=10) for k in ("uniform", "survival")}
+    for f in forecasts.values():
+        for n in range(20):
+            f.scheduled(f"r{n}", f"d{n % 2}", float(n), 300)
+            f.decode_started(f"r{n}", float(n))
+        for n in range(10):
+            f.finished(f"r{n}", n + 10.0)
+    survival = forecasts["survival"]
+    # 0.5 starts a second per instance; one starting within the next 4 s still runs at now + 4
+    assert survival.joins(23.0, 19.0, instances=2) == pytest.approx((2.0, 600.0))
+    # far ahead: Little's law, 0.5 a second x 10 s each
+    assert survival.joins(119.0, 19.0, instances=2) == pytest.approx((5.0, 1500.0))
+    assert survival.joins(19.0, 19.0, instances=2) == (0.0, 0.0)
+    assert forecasts["uniform"].joins(119.0, 19.0, instances=2) == (0.0, 0.0)  # the paper's forecast has no such term
+    # requests usually reach decode 2 s after they are scheduled: of those arriving from now on, only the
+    # first 2 s of them start before now + 4 (the rest of the next 4 s is the flights already scheduled)
+    for n in range(40):
+        survival.scheduled(f"h{n}", "d0", 21.0, 300, now=19.0)
+    assert survival.horizon_s == pytest.approx(2.0, rel=0.02)
+    assert survival.joins(23.0, 19.0, instances=2)[0] == pytest.approx(1.0, rel=0.02)
+    assert survival.joins(20.5, 19.0, instances=2) == (0.0, 0.0)  # sooner than anything new could arrive
+
+
 def test_a_request_late_for_its_predicted_start_is_forecast_from_now():
     for kind in ("uniform", "survival"):
         forecast = DecodeForecast(default_decode_s=10.0, kind=kind)

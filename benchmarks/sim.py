@@ -70,7 +70,8 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from conductor.admission import AdmissionKind, ForecastKind  # noqa: E402
+from conductor.admission import AdmissionKind  # noqa: E402
+from conductor.forecast import ForecastKind  # noqa: E402
 from conductor.policies import PolicyKind  # noqa: E402
 from conductor.predictors import PredictorConfig  # noqa: E402
 from sim_cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig  # noqa: E402

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conductor.admission import AdmissionKind, ForecastKind
+from conductor.admission import AdmissionKind
+from conductor.forecast import ForecastKind
 from conductor.core import Conductor, ConductorConfig
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig

@@ -18,7 +18,7 @@
    70 ms, where both pools are loaded at 2x, as in the paper's experiment (its figure
    shows decode load near 1). Rows: the paper's three (early_predictive with the paper's
    uniform t_d forecast), and early_predictive with our survival forecast, the
-   Conductor's default (conductor.admission.ForecastKind).
+   Conductor's default (conductor.forecast).
 3. Cache hit ratio by capacity (paper: about 37% with an unbounded cache on this trace):
    speed 1, kvcache_centric, total DRAM capacity 1k .. 100k blocks and unbounded, split
    evenly over the 8 prefill nodes, for LRU, LFU and length-aware eviction.
@@ -41,7 +41,8 @@ from rich.console import Console
 from rich.table import Table
 
 import sim
-from conductor.admission import AdmissionKind, ForecastKind
+from conductor.admission import AdmissionKind
+from conductor.forecast import ForecastKind
 from conductor.policies import PolicyKind
 from sim_cluster import SimConfig
 from sim_model import load_trace, model_config

@@ -16,7 +16,8 @@ import threading
 
 from prometheus_client import start_http_server
 
-from conductor.admission import AdmissionKind, ForecastKind
+from conductor.admission import AdmissionKind
+from conductor.forecast import ForecastKind
 from conductor.core import ConductorConfig
 from conductor.persistence import make_store
 from conductor.policies import PolicyConfig, PolicyKind

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from conductor.admission import (
-    AdmissionKind, Batch, DecodeForecast, ForecastKind, decode_load, join_tbt, reported_batch, select_decode,
-)  # fmt: skip
+from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode
+from conductor.forecast import DecodeForecast, ForecastKind
 from conductor.index import KVIndex
 from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, make_policy
 from conductor.predictors import PredictorConfig, Predictors
@@ -181,7 +180,7 @@ class Conductor:
         if not decodes:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
         choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
-        batch_of = self._batch_at(now + choice.ttft_s, now)
+        batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
         decode, tbt = select_decode(req, decodes, self.predictors.decode, batch_of)
         predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
         verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
@@ -208,7 +207,7 @@ class Conductor:
         return Rejection("", RejectReason.TBT_SLO, f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",
                          _clamp(self.forecast.t_d / 2))  # fmt: skip
 
-    def _batch_at(self, t: float, now: float) -> Callable[[Instance], Batch]:
+    def _batch_at(self, t: float, now: float, num_decodes: int) -> Callable[[Instance], Batch]:
         """The batch a request joining a decode instance at ``t`` would find there, as this admission sees it.
 
         early_predictive: the decode forecast at ``t`` (DESIGN §5). The others: the
@@ -216,17 +215,19 @@ class Conductor:
         scheduled between two heartbeats spread over the instances).
         """
         if self.admission is AdmissionKind.EARLY_PREDICTIVE:
-            forecast = self.forecast
-            joins_n, joins_tokens = forecast.joins(t, now, len(self.alive(Role.DECODE)))
+            batches = self.forecast.batches_at(t, now)
+            joins_n, joins_tokens = self.forecast.joins(t, now, num_decodes)
 
             def at_t(inst: Instance) -> Batch:
-                n, tokens = forecast.batch_at(inst.id, t, now)
+                n, tokens = batches.get(inst.id, (0.0, 0.0))
                 return n + joins_n, tokens + joins_tokens
 
             return at_t
 
+        pending = self.forecast.pending()
+
         def now_and_pending(inst: Instance) -> Batch:
-            (n, tokens), (pn, ptokens) = reported_batch(inst), self.forecast.pending(inst.id)
+            (n, tokens), (pn, ptokens) = reported_batch(inst), pending.get(inst.id, (0, 0))
             return n + pn, tokens + ptokens
 
         return now_and_pending

@@ -213,7 +213,7 @@ class KVIndex:
             rows = rows[: absent[0]]
         if not len(rows):
             return PrefixMatch({}, {})
-        masks = self._bits[rows]
+        masks = np.take(self._bits, rows, axis=0)  # np.take: several times faster than fancy indexing here
         dram = masks[:, self._words :]
         return PrefixMatch(self._prefixes(masks[:, : self._words]), self._prefixes(dram), dram, self._bit)
 

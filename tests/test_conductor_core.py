@@ -15,8 +15,9 @@ import random
 import numpy as np
 import pytest
 
-from conductor.admission import DecodeForecast, decode_load, reported_batch, select_decode
+from conductor.admission import decode_load, reported_batch, select_decode
 from conductor.core import Conductor, ConductorConfig
+from conductor.forecast import DecodeForecast
 from conductor.index import KVIndex, PrefixMatch
 from conductor.policies import PolicyConfig, make_policy
 from conductor.predictors import DecodePredictor, PredictorConfig, PrefillPredictor, Predictors, TransferPredictor

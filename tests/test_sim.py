@@ -21,7 +21,8 @@ import sim  # noqa: E402
 from sim_cluster import Cluster, SimConfig  # noqa: E402
 from sim_model import ModelConfig, NodeCache, TraceRequest, block_key, load_trace, model_config  # noqa: E402
 
-from conductor.admission import AdmissionKind, ForecastKind  # noqa: E402
+from conductor.admission import AdmissionKind  # noqa: E402
+from conductor.forecast import ForecastKind  # noqa: E402
 from conductor.policies import PolicyKind  # noqa: E402
 from conductor.types import KeyChain  # noqa: E402
 from kvstore.events import Tier  # noqa: E402

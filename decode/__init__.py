@@ -1,4 +1,7 @@
-"""Decode worker (DESIGN §3): KV receive, continuous batching under a TBT budget.
+"""Decode worker (DESIGN §3): receives a prompt's KV from a prefill worker, decodes in a continuous batch.
 
-Not built yet (issue 5). It will import landed KV with LLMEngine.add_request(external_kv=...).
+    python -m decode --model DIR --conductor HOST:PORT   (or: mooncake serve decode)
+
+worker.py serves a request (landing slots, the prefill call, the engine); server.py is
+the gRPC service, metrics and the Conductor link.
 """

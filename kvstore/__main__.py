@@ -8,15 +8,17 @@ segment is removed; SSD blocks stay for the next start to re-adopt).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from kvstore.config import EvictionKind, StoreConfig
+from kvstore.metrics import store_registry
 from kvstore.service import KVStoreNode, start_server
+from mooncake.serving.conductor_link import ConductorLink
+from mooncake.serving.process import print_ready, wait_for_signal
+from mooncake.serving.status_http import start_status_server
+from protos import conductor_pb2 as cpb
 from transfer import BackendKind, TransferConfig, make_registry
 
 MIB = 1 << 20
@@ -52,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory for the DRAM segment")
     p.add_argument("--backend", choices=["auto", "tcp", "shm"], default="auto",
                    help="how this node reaches peers when it pulls blocks (default: auto = shm on this host, else tcp)")
+    p.add_argument("--conductor", help="the Conductor's gRPC address: register this node and heartbeat (its blocks "
+                   "enter the Conductor's index); none: standalone")
+    p.add_argument("--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; default -1: none)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -87,11 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         "node": args.node, "segment": node.segment.name, "tcp": node.engine.tcp_addr,
         "dram_blocks": dram_blocks, "ssd_blocks": config.ssd_blocks, "adopted_blocks": node.store.adopted,
     }  # fmt: skip
-    print("READY " + json.dumps(ready), flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    status = link = None
+    if args.metrics_port >= 0:
+        status = start_status_server(args.host, args.metrics_port, store_registry(node.store), lambda: (True, {"node": args.node}))
+        ready["metrics"] = f"{args.host}:{status.server_port}"
+    if args.conductor:
+        registration = cpb.RegisterRequest(id=args.node, role=cpb.KVSTORE, address=ready["grpc"], node=args.node,
+                                           capacity=dram_blocks)  # fmt: skip
+        link = ConductorLink(args.conductor, registration, cpb.Load).start()
+    print_ready(ready)
+    wait_for_signal()
+    if link is not None:
+        link.close()
+    if status is not None:
+        status.shutdown()
     service.stop(grace=2)
     node.close()
     return 0

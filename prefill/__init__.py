@@ -1,5 +1,7 @@
-"""Prefill worker (DESIGN §3): prefix load, chunked + layer-wise prefill, KV streaming.
+"""Prefill worker (DESIGN §3): prefix load from the pool, chunked + layer-wise prefill, KV streamed to decode and the pool.
 
-Not built yet (issue 5). It will drive mooncake.engine.LLMEngine through the layer hooks
-of mooncake/engine/connector.py.
+    python -m prefill --model DIR --kvstore HOST:PORT --conductor HOST:PORT   (or: mooncake serve prefill)
+
+worker.py runs a request (the pool, the engine); connector.py moves each layer's KV;
+server.py is the gRPC service, metrics and the Conductor link.
 """

@@ -11,6 +11,8 @@ it: export and import are single indexed copies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
@@ -77,6 +79,17 @@ class ModelRunner:
         src = data.to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
         self.kv_cache.index_copy_(2, idx, src)
 
+    def import_layer(self, layer: int, imp: "_Import") -> None:
+        """Write one layer of an import's external KV into its cache blocks."""
+        n = len(imp.block_ids)
+        ext = imp.external_kv
+        if isinstance(ext, torch.Tensor):
+            src = ext[imp.first_block : imp.first_block + n, layer]  # [n, 2, bs, Hkv, D]
+        else:  # a lazy source (ExternalKV): reads one layer of its blocks
+            src = ext.layer(layer, imp.first_block, imp.first_block + n)
+        idx = torch.tensor(imp.block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache[layer].index_copy_(1, idx, src.to(device=self.device, dtype=self.kv_cache.dtype).transpose(0, 1))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, connector: KVConnector) -> dict[str, int]:
         """Run one step: imports, forward over every scheduled token, sampling.
@@ -84,11 +97,14 @@ class ModelRunner:
         Returns ``{request_id: token}`` for each request that reached the end of its
         sequence this step (the others were mid-prompt chunks).
         """
-        for imp in out.imports:
-            ext = imp.request.external_kv
-            self.import_blocks(imp.block_ids, ext[imp.first_block : imp.first_block + len(imp.block_ids)])
+        imports = [_Import(imp.block_ids, imp.request.external_kv, imp.first_block) for imp in out.imports]
         if not out.scheduled:
+            for imp in imports:
+                for layer in range(self.kv_cache.shape[0]):
+                    self.import_layer(layer, imp)
             return {}
+        if imports:  # each layer's imported KV lands just before that layer runs: loading overlaps computing
+            connector = _LayerImports(self, connector, imports)
         # Decodes (one new token) first, then prefill chunks: see attention.py.
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
@@ -176,3 +192,48 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, ConnectorStep(self.step_id, step_reqs), sample_rows
+
+
+@dataclass(slots=True)
+class _Import:
+    block_ids: list[int]
+    external_kv: object  # [n, L, 2, bs, Hkv, D] tensor, or an ExternalKV
+    first_block: int
+
+
+class ExternalKV:
+    """A lazy source of a request's leading KV blocks, read one layer at a time (e.g. pool slots in shared memory).
+
+    ``shape`` is that of the equivalent tensor, [n, L, 2, block_size, Hkv, D];
+    ``layer(l, start, end)`` returns layer ``l`` of blocks ``[start, end)`` as
+    [end - start, 2, block_size, Hkv, D], blocking until those bytes are there.
+    """
+
+    shape: tuple[int, ...]
+
+    def layer(self, layer: int, start: int, end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _LayerImports(KVConnector):
+    """Wraps the step's connector: before each layer runs, that layer of every import is copied in."""
+
+    def __init__(self, runner: ModelRunner, inner: KVConnector, imports: list[_Import]) -> None:
+        self.runner, self.inner, self.imports = runner, inner, imports
+
+    def start_step(self, step: ConnectorStep) -> None:
+        self.inner.start_step(step)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.inner.wait_for_layer_load(layer)
+        for imp in self.imports:
+            self.runner.import_layer(layer, imp)
+
+    def save_layer(self, layer, k_cache, v_cache, step) -> None:
+        self.inner.save_layer(layer, k_cache, v_cache, step)
+
+    def wait_for_save(self) -> None:
+        self.inner.wait_for_save()
+
+    def request_finished(self, request_id: str, block_ids: list[int]) -> None:
+        self.inner.request_finished(request_id, block_ids)

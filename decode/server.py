@@ -1,0 +1,150 @@
+"""The decode worker's gRPC service (protos/worker.proto ``Decode``), its metrics, and its process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from concurrent import futures
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from decode.worker import Busy, DecodeConfig, DecodeWorker, Failed
+from mooncake.serving.conductor_link import ConductorLink
+from mooncake.serving.process import print_ready, wait_for_signal
+from mooncake.serving.status_http import start_status_server
+from protos import conductor_pb2 as cpb
+from protos import worker_pb2_grpc as wpb_grpc
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_KEY = "retry-after-s"  # trailing metadata of a RESOURCE_EXHAUSTED answer
+
+
+class DecodeMetrics:
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mooncake_decode_requests", "requests by outcome", ["outcome"], registry=r)
+        self.rejections = Counter("mooncake_decode_rejections", "requests turned away, by reason", ["reason"], registry=r)
+        self.ttft = Histogram("mooncake_decode_ttft_seconds", "Generate call to first token (prefill included)",
+                              buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100), registry=r)  # fmt: skip
+        self.tbt = Histogram("mooncake_decode_tbt_seconds", "time between a request's streamed chunks",
+                             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)  # fmt: skip
+        self.kv_bytes = Counter("mooncake_kv_bytes", "KV bytes moved by this worker", ["direction"], registry=r)
+        self.cached = Counter("mooncake_decode_cached_prompt_tokens", "prompt tokens whose KV was reused, by tier", ["tier"], registry=r)
+        Gauge("mooncake_decode_running_requests", "requests in the engine (running or waiting)", registry=r).set_function(
+            lambda: worker.loop.num_running)
+        Gauge("mooncake_decode_in_prefill", "requests waiting for their prefill", registry=r).set_function(lambda: worker.num_in_prefill)
+        Gauge("mooncake_decode_batch_cap", "the running batch's current cap", registry=r).set_function(lambda: worker.batch_cap)
+        Gauge("mooncake_decode_landing_free_slots", "free landing slots", registry=r).set_function(lambda: worker.slots.num_free)
+
+
+class DecodeServicer(wpb_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker, metrics: DecodeMetrics) -> None:
+        self.worker, self.metrics = worker, metrics
+
+    def Generate(self, request, context):
+        m = self.metrics
+        start = last = time.perf_counter()
+        first = True
+        try:
+            for chunk in self.worker.generate(request, context):
+                now = time.perf_counter()
+                if first:
+                    m.ttft.observe(now - start)
+                    for tier, n in chunk.cached_tokens_by_tier.items():
+                        m.cached.labels(tier).inc(n)
+                    m.kv_bytes.labels("landed").inc(-(-len(request.prompt_token_ids) // self.worker.config.block_size)
+                                                    * self.worker.block_bytes)  # fmt: skip
+                    first = False
+                else:
+                    m.tbt.observe(now - last)
+                last = now
+                yield chunk
+        except Busy as e:
+            m.rejections.labels(e.reason).inc()
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{e.retry_after_s:g}"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}: {e}")
+        except Failed as e:
+            m.requests.labels(e.code.name.lower()).inc()
+            context.abort(e.code, str(e))
+        m.requests.labels("ok" if context.is_active() else "cancelled").inc()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m decode", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="A decode worker: reserves landing slots for a prompt's KV, has the planned prefill worker fill them, "
+                    "then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
+    )  # fmt: skip
+    p.add_argument("--id", default="decode-0", help="instance id, unique in the cluster")
+    p.add_argument("--model", required=True, help="model directory (mooncake model pull prints it)")
+    p.add_argument("--conductor", help="the Conductor's gRPC address (register, heartbeat, report); none: standalone")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC service and the landing transfer server bind")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=2048, help="the engine's paged cache, in blocks")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in the running batch")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)")
+    p.add_argument("--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s decode[%(process)d] %(message)s")
+    try:
+        config = DecodeConfig(id=args.id, model=args.model, host=args.host, dtype=args.dtype, block_size=args.block_size,
+                              num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, num_threads=args.threads)  # fmt: skip
+        worker = DecodeWorker(config)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    metrics = DecodeMetrics(worker)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="decode-rpc"))
+    wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, metrics), server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        print(f"error: cannot bind {args.host}:{args.port}", file=sys.stderr)
+        return 2
+    server.start()
+    address = f"{args.host}:{port}"
+
+    def load() -> cpb.Load:
+        worker.learn_step_times()
+        step = worker.last_step
+        return cpb.Load(queued_requests=worker.num_in_prefill, running_requests=worker.loop.num_running,
+                        context_tokens=worker.loop.context_tokens, free_kv_blocks=worker.engine.pool.num_free_blocks,
+                        step_s=step.seconds if step is not None and worker.loop.num_running else 0.0)  # fmt: skip
+
+    link = None
+    if args.conductor:
+        link = ConductorLink(args.conductor, cpb.RegisterRequest(id=args.id, role=cpb.DECODE, address=address, node=args.id,
+                                                                   model=args.model, capacity=args.max_num_seqs), load)  # fmt: skip
+        worker.link = link
+        link.start()
+    status = start_status_server(args.host, args.metrics_port, metrics.registry,
+                                 lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}))  # fmt: skip
+    print_ready({"id": args.id, "grpc": address, "metrics": f"{args.host}:{status.server_port}",
+                 "landing": worker.landing_segment.name, "max_model_len": worker.max_model_len})  # fmt: skip
+    wait_for_signal()
+    log.info("stopping: draining %d running requests", worker.loop.num_running)
+    worker.draining = True
+    if link is not None:
+        link.close()
+    deadline = time.monotonic() + args.drain_timeout
+    while (worker.loop.num_running or worker.num_in_prefill) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=1).wait()
+    status.shutdown()
+    worker.close()
+    return 0

@@ -1,0 +1,322 @@
+"""The decode worker (DESIGN §3): receive a prompt's KV from a prefill worker, then decode in a continuous batch.
+
+    Generate(request, placement)                                        (a server stream)
+      1. admission: the running batch stays under the TBT budget; with a full batch
+         already waiting, the request is turned away (RESOURCE_EXHAUSTED, retry later)
+      2. reserve landing slots, one per prompt block, in this worker's landing segment
+         (shared memory, also served over tcp)
+      3. Prefill(plan, landing) on the planned prefill worker: it writes the prompt's KV
+         into the slots layer by layer and answers with the first token
+      4. import the landed KV into the engine's paged cache, free the slots, and add the
+         request to the running batch (the first token counts as generated)
+      5. stream tokens, text and usage until it finishes; the client going away (gRPC
+         cancellation) aborts it everywhere: the prefill call, the engine, the slots
+
+Ownership: the landing slots belong to the request from step 2 until the import copies
+them out (step 4) or the request fails; they are freed in one place (``_Landing``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+from pydantic import BaseModel, Field
+
+from conductor.predictors import DecodePredictor, PredictorConfig
+from kvstore.service import segment_to_pb
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import LLMEngine, RequestOutput
+from mooncake.engine.request import SamplingParams
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.serving.conductor_link import ConductorLink
+from mooncake.serving.engine_loop import EngineLoop
+from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
+from mooncake.serving.text import TextStream
+from protos import conductor_pb2 as cpb
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
+from transfer import TransferConfig, TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+class DecodeConfig(BaseModel):
+    """One decode worker (``python -m decode --help`` fills it)."""
+
+    id: str = Field("decode-0", min_length=1, description="instance id, unique in the cluster")
+    model: str = Field(description="model directory (Hugging Face layout)")
+    host: str = Field("127.0.0.1", description="address of its transfer server (landing slots over tcp)")
+    dtype: str = "float32"
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int = Field(2048, ge=1, description="the engine's paged cache, in blocks")
+    max_num_seqs: int = Field(32, ge=1, description="most requests in the running batch")
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_model_len: int | None = None
+    landing_slots: int | None = Field(None, ge=1, description="landing slots (blocks); default: two full-context prompts")
+    tbt_slo_s: float | None = Field(None, gt=0, description="hold the batch where the predicted step stays under "
+                                    "tbt_headroom x this (None: only max_num_seqs caps it)")
+    tbt_headroom: float = Field(0.9, gt=0, le=1)
+    prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
+    num_threads: int | None = None
+    use_kernels: bool = True
+    shm_dir: str = "/dev/shm/mooncake"
+
+
+class Busy(Exception):
+    """Turned away to protect the TBT SLO or for lack of landing slots (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.reason, self.retry_after_s = reason, retry_after_s
+
+
+class Failed(Exception):
+    """A status to end the stream with: ``code`` and a message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class FirstToken:
+    token: int
+    cached_tokens: int
+    by_tier: dict[str, int]
+
+
+class DecodeWorker:
+    """Owns the engine, the landing segment and the prefill channels. ``generate`` runs on gRPC threads."""
+
+    def __init__(self, config: DecodeConfig, link: ConductorLink | None = None) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        engine_config = EngineConfig(
+            model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads,
+            use_kernels=config.use_kernels,
+        )  # fmt: skip
+        self.engine = LLMEngine(engine_config, tokenizer=self.tokenizer)
+        self.max_model_len = self.engine.max_model_len
+        self.block_bytes = self.engine.block_bytes
+        slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
+        self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir))
+        self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes)
+        self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.runner.block_shape,
+                                   engine_config.torch_dtype)  # fmt: skip
+        self.slots = SlotAllocator(slots)
+        self.loop = EngineLoop(self.engine, name="decode-engine")
+        self.predictor = DecodePredictor(PredictorConfig())
+        self.last_step = None  # the latest StepSample (heartbeats report its time)
+        self._channels: dict[str, wpb_grpc.PrefillStub] = {}
+        self._channels_lock = threading.Lock()
+        self._in_prefill = 0  # requests between admission and joining the batch
+        self._count_lock = threading.Lock()
+        self.link = link
+        self.draining = False
+
+    # -- admission ----------------------------------------------------------------------------
+
+    @property
+    def batch_cap(self) -> int:
+        """Most running requests: max_num_seqs, lowered to where the measured step time meets the TBT budget."""
+        cap = self.config.max_num_seqs
+        if self.config.tbt_slo_s is None or not self.predictor.fitted:
+            return cap
+        limit = self.config.tbt_slo_s * self.config.tbt_headroom
+        running = max(1, self.loop.num_running)
+        per_request = self.loop.context_tokens / running if self.loop.num_running else 0
+        while cap > 1 and self.predictor.predict(cap, int(per_request * cap)) > limit:
+            cap -= 1
+        return cap
+
+    def learn_step_times(self) -> None:
+        """Feed the steps measured since the last call to the TBT predictor; apply the batch cap to the engine.
+
+        Called with every heartbeat."""
+        while True:
+            try:
+                step = self.loop.steps.popleft()
+            except IndexError:
+                break
+            self.last_step = step
+            if step.batch > 0 and step.seconds > 0:
+                self.predictor.observe(step.batch, step.context_tokens, step.seconds)
+        cap = self.batch_cap
+        self.loop.call(lambda engine: setattr(engine.scheduler, "max_num_seqs", cap))
+
+    def _admit(self) -> None:
+        if self.draining:
+            raise Failed(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.config.id} is draining")
+        cap = self.batch_cap
+        waiting = self._in_prefill + max(0, self.loop.num_running - cap)
+        if waiting >= cap:
+            raise Busy(f"decode worker {self.config.id} has a full batch waiting ({waiting} requests for a batch of {cap})",
+                       "decode_busy")  # fmt: skip
+
+    # -- the stream ----------------------------------------------------------------------------
+
+    def generate(self, req: wpb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[wpb.GenerateChunk]:
+        """Serve one request (see the module docstring). Raises Busy or Failed before or during the stream."""
+        t0 = time.perf_counter()
+        prompt = list(req.prompt_token_ids)
+        params = self._params(req, prompt)
+        placement = req.placement
+        if not placement.prefill_address:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the request has no placement (a prefill address from the Conductor)")
+        self._admit()
+        num_blocks = -(-len(prompt) // self.config.block_size)
+        slots = self.slots.allocate(num_blocks)
+        if slots is None:
+            raise Busy(f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
+                       "decode_busy")  # fmt: skip
+        with self._count_lock:
+            self._in_prefill += 1
+        joined = False
+        try:
+            first = self._prefill(req, prompt, slots, context)
+            self._check_late_admission(req, len(prompt))
+            stream = TextStream(self.tokenizer, prompt, params.stop)
+            finish, text = self._first_token_finish(first.token, params)
+            usage = dict(prompt_tokens=len(prompt), cached_tokens=first.cached_tokens, cached_tokens_by_tier=first.by_tier)
+            if finish is not None:
+                yield wpb.GenerateChunk(token_ids=[first.token], text=text, finish_reason=finish, completion_tokens=1, **usage)
+                return
+            external = self.landing.index_select(0, torch.tensor(slots, dtype=torch.long))  # [n, L, 2, bs, Hkv, D]
+            self.slots.free(slots)
+            slots = []
+            outputs: queue.Queue = queue.Queue()
+            future = self.loop.submit_nowait(outputs.put, prompt_token_ids=prompt, sampling_params=params, request_id=req.request_id,
+                                             external_kv=external, num_external_tokens=len(prompt),
+                                             initial_output_token_ids=[first.token])  # fmt: skip
+            try:
+                future.result()
+            except ValueError as e:
+                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            joined = True
+            if self.link is not None:
+                self.link.decode_started(req.request_id, time.perf_counter() - t0)
+            with self._count_lock:
+                self._in_prefill -= 1
+            yield wpb.GenerateChunk(token_ids=[first.token], text=stream.push([first.token]), completion_tokens=1, **usage)
+            while True:
+                try:
+                    out = outputs.get(timeout=0.1)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                if isinstance(out, BaseException):
+                    raise Failed(grpc.StatusCode.UNAVAILABLE, f"the decode engine failed: {out}")
+                text = stream.push(out.new_token_ids)
+                if out.finished:
+                    text += stream.finish(out.text)
+                yield wpb.GenerateChunk(token_ids=list(out.new_token_ids), text=text,
+                                        finish_reason=out.finish_reason.value if out.finished else "",
+                                        completion_tokens=len(out.output_token_ids), **usage)  # fmt: skip
+                if out.finished:
+                    return
+        finally:
+            if slots:
+                self.slots.free(slots)
+            if joined:
+                self.loop.abort(req.request_id)  # a no-op once it finished
+                if self.link is not None:
+                    self.link.finished(req.request_id)
+            else:
+                with self._count_lock:
+                    self._in_prefill -= 1
+
+    def _params(self, req: wpb.GenerateRequest, prompt: list[int]) -> SamplingParams:
+        s = req.sampling
+        if not prompt:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        if len(prompt) + s.max_tokens > self.max_model_len:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}")  # fmt: skip
+        try:
+            return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                                  seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
+                                  stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                                  include_stop_str_in_output=s.include_stop_str_in_output)  # fmt: skip
+        except ValueError as e:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    def _prefill(self, req: wpb.GenerateRequest, prompt: list[int], slots: list[int], context) -> FirstToken:
+        """Have the planned prefill worker fill ``slots``; return its first token."""
+        placement = req.placement
+        landing = wpb.Landing(segment=segment_to_pb(self.landing_segment), offsets=[s * self.block_bytes for s in slots],
+                              block_bytes=self.block_bytes)  # fmt: skip
+        call = self._prefill_stub(placement.prefill_address).Prefill.future(
+            wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=prompt, sampling=req.sampling,
+                               cache_salt=req.cache_salt if req.HasField("cache_salt") else None, plan=placement.plan,
+                               landing=landing),
+            timeout=self.config.prefill_timeout_s,
+        )  # fmt: skip
+        context.add_callback(call.cancel)  # the client went away: so does the prefill
+        try:
+            resp = call.result()
+        except grpc.FutureCancelledError:
+            raise Failed(grpc.StatusCode.CANCELLED, "the client cancelled the request") from None
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+                raise Failed(code, e.details()) from None
+            raise Failed(grpc.StatusCode.UNAVAILABLE,
+                         f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: {code.name} {e.details()}") from None  # fmt: skip
+        by_tier = {}
+        if resp.local_tokens:
+            by_tier["dram"] = resp.local_tokens - resp.ssd_tokens
+            if resp.ssd_tokens:
+                by_tier["ssd"] = resp.ssd_tokens
+        if resp.fetched_tokens:
+            by_tier["remote"] = resp.fetched_tokens
+        return FirstToken(resp.first_token, resp.cached_tokens, {k: v for k, v in by_tier.items() if v})
+
+    def _check_late_admission(self, req: wpb.GenerateRequest, context_tokens: int) -> None:
+        """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted)."""
+        if self.link is None or not self.link.registered.is_set():
+            return
+        try:
+            verdict = self.link.stub.AdmitAtDecode(cpb.AdmitAtDecodeRequest(decode_id=self.config.id, context_tokens=context_tokens),
+                                                   timeout=2.0)  # fmt: skip
+        except grpc.RpcError:
+            return  # the Conductor is away: serve
+        if not verdict.admit:
+            raise Busy(verdict.rejection.message, verdict.rejection.reason, verdict.rejection.retry_after_s)
+
+    def _first_token_finish(self, token: int, params: SamplingParams) -> tuple[str | None, str]:
+        """Does the prefill's token already end the request? (finish reason or None, the text to show)."""
+        text = self.tokenizer.decode([token])
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.eos_token_ids):
+            return "stop", text
+        for stop in params.stop:
+            at = text.find(stop)
+            if at != -1:
+                return "stop", text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        if params.max_tokens == 1:
+            return "length", text
+        return None, text
+
+    def _prefill_stub(self, address: str) -> wpb_grpc.PrefillStub:
+        with self._channels_lock:
+            stub = self._channels.get(address)
+            if stub is None:
+                stub = self._channels[address] = wpb_grpc.PrefillStub(grpc.insecure_channel(address))
+            return stub
+
+    @property
+    def num_in_prefill(self) -> int:
+        return self._in_prefill
+
+    def close(self) -> None:
+        self.loop.close()
+        self.transfer.close()

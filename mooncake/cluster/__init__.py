@@ -1,0 +1,1 @@
+"""The whole system on one machine: mooncake.cluster.launcher.LocalCluster (``mooncake up``)."""

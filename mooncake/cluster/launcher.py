@@ -1,0 +1,298 @@
+"""LocalCluster: the whole system as processes on this machine (what ``mooncake up`` runs).
+
+    conductor --- kvstore kv0 .. kv{P-1}  (one pool node per prefill worker, DRAM in /dev/shm)
+              --- prefill-0 .. prefill-{P-1}  (each on its own node)
+              --- decode-0 .. decode-{D-1}
+              --- gateway (OpenAI HTTP on --port)
+
+Every component is its own process (``python -m conductor|kvstore|prefill|decode``,
+``python -m mooncake.gateway``), started in dependency order; each prints ``READY
+{json}`` on stdout when it serves, and its log goes to ``<workdir>/logs/<name>.log``.
+Ports are chosen up front, so a component that dies is restarted on the same port
+(``supervise``): its peers reconnect and it registers with the Conductor again.
+``stop`` sends SIGTERM to everything (workers drain and deregister) and SIGKILL to
+whatever is still there after the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.weights import load_hf_config
+from mooncake.localproc import free_port
+
+log = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ClusterConfig(BaseModel):
+    """What ``mooncake up`` starts (its flags fill this)."""
+
+    model: str = Field(description="model directory")
+    model_name: str = Field(description="the name clients send as `model`")
+    prefill: int = Field(1, ge=1, description="prefill workers (each with its own pool node)")
+    decode: int = Field(1, ge=1, description="decode workers")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port (0: any free port)")
+    api_key: str | None = None
+    redis_url: str | None = None
+    workdir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run")
+    dtype: str = "float32"
+    block_size: int = 16
+    pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node")
+    pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (0: none)")
+    max_model_len: int | None = None
+    prefill_batched_tokens: int = 512
+    decode_max_seqs: int = 32
+    threads: int | None = Field(None, description="torch threads per worker (default: torch's)")
+    policy: str = "kvcache_centric"
+    admission: str = "early_predictive"
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.5
+    gateway: bool = True
+    restart: bool = Field(True, description="restart a component that dies")
+    ready_timeout_s: float = 180.0
+
+    def block_bytes(self) -> int:
+        args = ModelArgs.from_hf_config(load_hf_config(self.model))
+        return args.num_layers * 2 * self.block_size * args.num_kv_heads * args.head_dim * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(eq=False)
+class Component:
+    """One process of the cluster."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)  # its READY line
+    restarts: int = 0
+    stopping: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)  # fmt: skip
+        log_file.close()
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        """Read stdout until the READY line; raise RuntimeError (with the log's tail) if it dies or takes too long."""
+        result: list[str] = []
+
+        def read() -> None:
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace")
+                if line.startswith("READY "):
+                    result.append(line)
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not result:
+            self.kill()
+            why = "exited" if self.proc.poll() is not None else f"was not ready after {timeout_s:.0f} s"
+            raise RuntimeError(f"{self.name} {why}; the end of {self.log_path}:\n{tail(self.log_path)}")
+        self.info = json.loads(result[0].split(" ", 1)[1])
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
+        return self.info
+
+    def _drain_stdout(self) -> None:
+        for _ in self.proc.stdout:
+            pass
+
+    def terminate(self) -> None:
+        self.stopping = True
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
+
+
+class LocalCluster:
+    """Start with ``start()``, stop with ``stop()``; ``endpoint`` is the OpenAI base URL once started."""
+
+    def __init__(self, config: ClusterConfig, on_event: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.on_event = on_event or (lambda msg: log.info("%s", msg))
+        run = f"{int(time.time())}-{os.getpid()}"
+        self.run_dir = Path(config.workdir) / run
+        self.shm_dir = f"/dev/shm/mooncake-{run}"
+        self.components: dict[str, Component] = {}
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        h = config.host
+        self.ports = {"conductor": free_port(h), "gateway": config.port or free_port(h)}
+
+    # -- argv of each component ---------------------------------------------------------------
+
+    def _python(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args]
+
+    def _plan(self) -> list[list[Component]]:
+        """The components in start order: waves that may start together."""
+        c, h = self.config, self.config.host
+        conductor_addr = f"{h}:{self.ports['conductor']}"
+        logs = self.run_dir / "logs"
+        threads = ["--threads", str(c.threads)] if c.threads else []
+        max_len = ["--max-model-len", str(c.max_model_len)] if c.max_model_len else []
+        redis = ["--redis-url", c.redis_url] if c.redis_url else []
+        conductor = Component("conductor", self._python(
+            "conductor", "--host", h, "--port", str(self.ports["conductor"]), "--metrics-port", "0", "--policy", c.policy,
+            "--admission", c.admission, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis,
+        ), logs / "conductor.log")  # fmt: skip
+        block_bytes = c.block_bytes()
+        nodes, prefills, decodes = [], [], []
+        for i in range(c.prefill):
+            port = self.ports.setdefault(f"kv{i}", free_port(h))
+            ssd = ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
+            nodes.append(Component(f"kv{i}", self._python(
+                "kvstore", "--node", f"kv{i}", "--host", h, "--port", str(port), "--block-bytes", str(block_bytes),
+                "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", conductor_addr,
+                "--metrics-port", "0", *ssd,
+            ), logs / f"kv{i}.log"))  # fmt: skip
+            pport = self.ports.setdefault(f"prefill-{i}", free_port(h))
+            prefills.append(Component(f"prefill-{i}", self._python(
+                "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", conductor_addr,
+                "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
+                "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len,
+            ), logs / f"prefill-{i}.log"))  # fmt: skip
+        for i in range(c.decode):
+            dport = self.ports.setdefault(f"decode-{i}", free_port(h))
+            decodes.append(Component(f"decode-{i}", self._python(
+                "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", conductor_addr, "--host", h,
+                "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size),
+                "--max-num-seqs", str(c.decode_max_seqs), *threads, *max_len,
+            ), logs / f"decode-{i}.log"))  # fmt: skip
+        waves = [[conductor], nodes, prefills + decodes]
+        if c.gateway:
+            key = ["--api-key", c.api_key] if c.api_key else []
+            waves.append([Component("gateway", self._python(
+                "mooncake.gateway", "--conductor", conductor_addr, "--model", c.model, "--model-name", c.model_name,
+                "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),
+                *max_len, *key,
+            ), logs / "gateway.log")])  # fmt: skip
+        return waves
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> "LocalCluster":
+        """Start every component, wave by wave, waiting for each wave's READY lines. Raises RuntimeError on failure."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for wave in self._plan():
+                for comp in wave:
+                    self.components[comp.name] = comp
+                    comp.start()
+                    self.on_event(f"started {comp.name} (pid {comp.proc.pid})")
+                for comp in wave:
+                    comp.wait_ready(self.config.ready_timeout_s)
+                    self.on_event(f"{comp.name} ready: {comp.info.get('grpc') or comp.info.get('http') or ''}")
+            self._wait_registered()
+        except BaseException:
+            self.stop()
+            raise
+        if self.config.restart:
+            self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
+            self._supervisor.start()
+        return self
+
+    def _wait_registered(self) -> None:
+        """Until the Conductor lists every worker and pool node alive (they register right after READY)."""
+        import grpc
+
+        from protos import conductor_pb2 as cpb
+        from protos import conductor_pb2_grpc as cpb_grpc
+
+        want = self.config.prefill * 2 + self.config.decode
+        deadline = time.monotonic() + 30
+        with grpc.insecure_channel(f"{self.config.host}:{self.ports['conductor']}") as channel:
+            stub = cpb_grpc.ConductorStub(channel)
+            while True:
+                listing = stub.ListInstances(cpb.ListInstancesRequest(), timeout=5)
+                alive = sum(1 for i in listing.instances if i.state == cpb.ALIVE)
+                if alive >= want:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"only {alive} of {want} instances registered with the Conductor within 30 s")
+                time.sleep(0.1)
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.5):
+            for comp in list(self.components.values()):
+                if comp.alive or comp.stopping or self._stop.is_set():
+                    continue
+                code = comp.proc.returncode if comp.proc else None
+                comp.restarts += 1
+                delay = min(30.0, 2.0 ** min(comp.restarts, 5) / 4)
+                self.on_event(f"{comp.name} exited ({code}); restarting in {delay:.1f} s (restart {comp.restarts})")
+                if self._stop.wait(delay):
+                    return
+                try:
+                    comp.start()
+                    comp.wait_ready(self.config.ready_timeout_s)
+                    self.on_event(f"{comp.name} is back")
+                except RuntimeError as e:
+                    self.on_event(f"{comp.name} did not come back: {e}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM everything (gateway and workers first), wait up to ``grace_s``, SIGKILL the rest."""
+        self._stop.set()
+        order = sorted(self.components.values(), key=lambda c: ("gateway", "decode", "prefill", "kv", "conductor").index(
+            next(p for p in ("gateway", "decode", "prefill", "kv", "conductor") if c.name.startswith(p))))  # fmt: skip
+        for comp in order:
+            comp.terminate()
+        deadline = time.monotonic() + grace_s
+        for comp in order:
+            while comp.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if comp.alive:
+                self.on_event(f"{comp.name} did not stop in {grace_s:.0f} s: killing it")
+            comp.kill()
+        import shutil
+
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    # -- where things are ---------------------------------------------------------------------------
+
+    @property
+    def conductor_address(self) -> str:
+        return f"{self.config.host}:{self.ports['conductor']}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.config.host}:{self.ports['gateway']}/v1"
+
+    def component(self, name: str) -> Component:
+        return self.components[name]
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,319 @@
+"""The gateway's FastAPI app: thin routes over OpenAIServing, errors in OpenAI's shape.
+
+    app = create_app(backend, tokenizer, GatewayConfig(served_model_name="tiny", api_key="sk-..."))
+    uvicorn.run(app, host="0.0.0.0", port=8000)
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (behind the API
+key when one is configured), GET /health, GET /metrics (always open).
+
+A client that goes away cancels its request. The routes race the backend work against
+the ASGI ``http.disconnect`` message (``_unless_disconnected``); a stream's response
+(``_EventStreamResponse``) listens for it while streaming, whatever ASGI version the
+server speaks, and closes the EventStream, hence the backend's iterator, however the
+response ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.gateway.metrics import GatewayMetrics
+from mooncake.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from mooncake.gateway.serving import ApiError, EventStream, OpenAIServing, PreparedRequest
+from mooncake.serving.types import BackendError, GenerationBackend
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status a request gets in the metrics when its client left
+_STATUS_KEY = "mooncake_status"  # in scope["state"]: a stream's outcome, which its HTTP status (200) cannot say
+_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+
+class GatewayConfig(BaseModel):
+    """How the gateway presents the backend. ``max_model_len`` comes from the backend."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    served_model_name: str = Field(description="The name clients send as `model`")
+    api_key: str | None = Field(None, description="When set, /v1/* needs `Authorization: Bearer <api_key>`")
+    default_max_tokens: int = Field(
+        4096, ge=1, description="max_tokens when a request leaves it out: the rest of the context, at most this"
+    )
+
+
+def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: GatewayConfig) -> FastAPI:
+    """The OpenAI-compatible app over ``backend``; it closes the backend when the app shuts down.
+
+    Metrics live in a registry of the app's own (``app.state.metrics``).
+    """
+    metrics = GatewayMetrics()
+    serving = OpenAIServing(backend, tokenizer, config.served_model_name, metrics, config.default_max_tokens)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    started = int(time.time())
+    app = FastAPI(title="mooncake gateway", lifespan=lifespan)
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(serving, request, await serving.prepare_chat(body))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(serving, request, await serving.prepare_completion(body))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=config.served_model_name, created=started, max_model_len=backend.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse:
+        return JSONResponse(await backend.health())
+
+    @app.get("/metrics", response_model=None)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    _install_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=config.api_key)
+    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the 401s too
+    return app
+
+
+# -- routes' helpers ----------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def _respond(serving: OpenAIServing, request: Request, prepared: PreparedRequest) -> Response:
+    headers = {"x-request-id": prepared.request_id}
+    if prepared.stream:
+        stream = await _unless_disconnected(request, serving.open_stream(prepared))
+        return _EventStreamResponse(stream, headers=headers)
+    body = await _unless_disconnected(request, serving.complete(prepared))
+    return JSONResponse(body, headers=headers)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    # The body was read already, so the next message is the disconnect (uvicorn holds it until then).
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first: then cancel it and raise _ClientGone.
+
+    Cancelling a task that awaits the backend's iterator closes it, which cancels the request.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # let it close the backend stream before we go on
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+class _EventStreamResponse(StreamingResponse):
+    """``text/event-stream`` over an EventStream, which it always closes when it ends.
+
+    Starlette stops iterating when the client goes away but leaves the iterator to the
+    garbage collector, and on ASGI 2.4 servers only notices at the next write; this
+    listens for ``http.disconnect`` throughout and closes the stream in ``finally``.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: EventStream, headers: dict[str, str]) -> None:
+        super().__init__(stream, headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream_then_stop() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # ASGI 2.4 servers raise on a write to a closed connection
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+            scope.setdefault("state", {})[_STATUS_KEY] = self._stream.status
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_of(loc: tuple[int | str, ...]) -> str | None:
+    """``messages[0].content`` from pydantic's ``("body", "messages", 0, "content", "str")``.
+
+    Pydantic puts the tried member of a union into the location ("str", "list[int]",
+    "ContentPart"); no field here looks like one, so they are dropped.
+    """
+    parts = loc[1:] if loc and loc[0] == "body" else loc
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[]-("):
+            continue
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    if not errors:
+        return ApiError(400, "Invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return ApiError(400, f"The body is not valid JSON: {reason}".rstrip(": "), code="invalid_json")
+    param = _param_of(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid value"))
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 and first.get("type") != "missing" else ""
+    if param is None:
+        return ApiError(400, f"Invalid request body: {msg}")
+    if first.get("type") == "missing":
+        return ApiError(400, f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
+    return ApiError(400, f"Invalid value for '{param}': {msg}{more}", param=param, code="invalid_value")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, as ``{"error": {...}}``; the user's mistakes as 4xx."""
+
+    async def on_api_error(_: Request, exc: ApiError) -> Response:
+        return _error_response(exc)
+
+    async def on_backend_error(_: Request, exc: BackendError) -> Response:
+        return _error_response(ApiError.from_backend(exc))
+
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return _error_response(_validation_error(exc))
+
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(ApiError(exc.status_code, str(exc.detail), error_type=error_type, headers=exc.headers))
+
+    async def on_client_gone(_: Request, __: Exception) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; the metrics do
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error_response(ApiError(500, "Internal server error", error_type="server_error"))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(BackendError, on_backend_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(_ClientGone, on_client_gone)
+    app.add_exception_handler(Exception, on_bug)
+
+
+# -- ASGI middleware (plain ASGI: BaseHTTPMiddleware would get between us and http.disconnect) --
+
+
+class _BearerAuth:
+    """Answers 401 to /v1/* requests without ``Authorization: Bearer <api_key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            header = dict(scope["headers"]).get(b"authorization")
+            if header is None:
+                error = "Missing API key: send it as 'Authorization: Bearer <key>'"
+            else:
+                scheme, _, token = header.partition(b" ")
+                error = None if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key) else (
+                    "Incorrect API key provided"
+                )  # fmt: skip
+            if error is not None:
+                denial = ApiError(401, error, error_type="authentication_error", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                await _error_response(denial)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _CountRequests:
+    """Counts every HTTP request in ``mooncake_gateway_requests_total{endpoint,status}``.
+
+    The status is the response's, except for a stream, whose outcome the response leaves
+    in ``scope["state"]`` (its HTTP status was 200 before it failed or its client left),
+    and for a request whose client left before any response (499).
+    """
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})  # shared with the response, which may write the outcome
+        status = CLIENT_CLOSED
+
+        async def send_and_see(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_see)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+            self._metrics.requests.labels(endpoint, str(state.get(_STATUS_KEY, status))).inc()

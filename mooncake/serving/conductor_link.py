@@ -1,0 +1,138 @@
+"""A worker's (or pool node's) line to the Conductor: register, heartbeat the load, report measurements.
+
+    link = ConductorLink("127.0.0.1:7000", pb.RegisterRequest(id="p0", role=pb.PREFILL, ...), load=lambda: pb.Load(...))
+    link.start()                             # registers (retrying until the Conductor answers), then heartbeats
+    link.prefill_sample(prompt, cached, s)   # queued; sent in one Report with the others
+    link.close()                             # deregisters: the Conductor stops sending work at once
+
+One daemon thread per link. A Conductor that restarted without Redis answers a heartbeat
+with ``known=False``; the link then registers again. While the Conductor is unreachable
+the link keeps trying (logging once per outage), and measurements queue up to a bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+
+from protos import conductor_pb2 as pb
+from protos import conductor_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED = 10_000
+REPORT_EVERY_S = 0.2
+
+
+class ConductorLink:
+    def __init__(self, address: str, registration: pb.RegisterRequest, load: Callable[[], pb.Load],
+                 interval_s: float | None = None, rpc_timeout_s: float = 3.0) -> None:  # fmt: skip
+        self.address = address
+        self.registration = registration
+        self._load = load
+        self._interval = interval_s
+        self._rpc_timeout = rpc_timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.ConductorStub(self._channel)
+        self._prefill: deque[pb.PrefillSample] = deque(maxlen=MAX_QUEUED)
+        self._transfer: deque[pb.TransferSample] = deque(maxlen=MAX_QUEUED)
+        self._events: deque[pb.RequestEvent] = deque(maxlen=MAX_QUEUED)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.registered = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"conductor-link-{registration.id}", daemon=True)
+
+    def start(self) -> "ConductorLink":
+        self._thread.start()
+        return self
+
+    # -- measurements (any thread) -----------------------------------------------------------
+
+    def prefill_sample(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        if prompt_tokens > 0 and seconds > 0:
+            self._prefill.append(pb.PrefillSample(prompt_tokens=prompt_tokens, cached_tokens=min(cached_tokens, prompt_tokens), seconds=seconds))
+
+    def transfer_sample(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > 0:
+            self._transfer.append(pb.TransferSample(bytes=num_bytes, seconds=seconds))
+
+    def decode_started(self, request_id: str, measured_ttft_s: float = 0.0) -> None:
+        self._events.append(pb.RequestEvent(request_id=request_id, kind=pb.RequestEvent.DECODE_STARTED, measured_ttft_s=measured_ttft_s))
+        self._wake.set()
+
+    def finished(self, request_id: str) -> None:
+        self._events.append(pb.RequestEvent(request_id=request_id, kind=pb.RequestEvent.FINISHED))
+        self._wake.set()
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        down_since = None
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                if not self.registered.is_set():
+                    r = self.stub.Register(self.registration, timeout=self._rpc_timeout)
+                    if self._interval is None:
+                        self._interval = max(0.2, r.heartbeat_interval_s)
+                    self.registered.set()
+                    log.info("registered %s with the Conductor at %s", self.registration.id, self.address)
+                    next_beat = 0.0
+                now = time.monotonic()
+                if now >= next_beat:
+                    beat = self.stub.Heartbeat(pb.HeartbeatRequest(id=self.registration.id, load=self._load()), timeout=self._rpc_timeout)
+                    next_beat = now + self._interval
+                    if not beat.known:
+                        log.warning("the Conductor does not know %s (it restarted): registering again", self.registration.id)
+                        self.registered.clear()
+                        continue
+                self._flush()
+                if down_since is not None:
+                    log.info("the Conductor at %s answers again (after %.1f s)", self.address, time.monotonic() - down_since)
+                    down_since = None
+            except grpc.RpcError as e:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("the Conductor at %s does not answer (%s); retrying", self.address, e.code().name)
+                self._stop.wait(1.0)
+                continue
+            self._wake.wait(min(REPORT_EVERY_S, max(0.0, next_beat - time.monotonic())))
+            self._wake.clear()
+
+    def _flush(self) -> None:
+        if not (self._prefill or self._transfer or self._events):
+            return
+        batch = pb.ReportRequest(prefill=_drain(self._prefill), transfer=_drain(self._transfer), requests=_drain(self._events))
+        try:
+            self.stub.Report(batch, timeout=self._rpc_timeout)
+        except grpc.RpcError:
+            self._prefill.extendleft(reversed(batch.prefill))  # keep them for the next try
+            self._transfer.extendleft(reversed(batch.transfer))
+            self._events.extendleft(reversed(batch.requests))
+            raise
+
+    def close(self, deregister: bool = True) -> None:
+        """Stop the thread; deregister (so nothing new is sent here) unless told not to."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if deregister and self.registered.is_set():
+            try:
+                self._flush()
+                self.stub.Deregister(pb.DeregisterRequest(id=self.registration.id), timeout=self._rpc_timeout)
+            except grpc.RpcError:
+                pass  # the Conductor will expire us
+        self._channel.close()
+
+
+def _drain(queue: deque) -> list:
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out

@@ -1,0 +1,154 @@
+"""EngineLoop: one LLMEngine on its own thread, fed and drained from any thread or event loop.
+
+    loop = EngineLoop(engine)                       # starts the thread
+    rid = await loop.submit(sink, prompt_token_ids=ids, sampling_params=sp, request_id="r1")
+    ...sink(output) is called on the engine thread for every RequestOutput of r1...
+    loop.abort("r1")                                # from anywhere; the sink hears nothing more
+    loop.close()
+
+The engine is synchronous and not thread-safe, so only the loop thread touches it:
+``submit`` and ``abort`` queue commands that the thread runs between steps (``submit``'s
+future carries add_request's ValueError back to the caller). Every step's wall time is
+kept with its batch size and context tokens: decode workers report them to the
+Conductor, which fits its TBT predictor on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from mooncake.engine.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One engine step: how many requests ran, over how much context, and how long it took."""
+
+    batch: int
+    context_tokens: int
+    seconds: float
+    new_tokens: int  # tokens computed (prompt chunks count every token)
+
+
+class EngineLoop:
+    """Owns ``engine`` and the thread that steps it. See the module docstring."""
+
+    def __init__(self, engine: LLMEngine, name: str = "engine", history: int = 256) -> None:
+        self.engine = engine
+        self._commands: deque[Callable[[], None]] = deque()
+        self._sinks: dict[str, Sink] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self.steps: deque[StepSample] = deque(maxlen=history)
+        self.num_running = 0  # requests in the engine (running or waiting), as of the last step
+        self.context_tokens = 0  # their tokens so far
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- from any thread ---------------------------------------------------------------
+
+    def submit_nowait(self, sink: Sink, **add_request_kwargs) -> Future:
+        """Queue ``engine.add_request(**kwargs)``; the future holds the request id or its ValueError."""
+        done: Future = Future()
+
+        def add() -> None:
+            try:
+                rid = self.engine.add_request(**add_request_kwargs)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+                return
+            self._sinks[rid] = sink
+            done.set_result(rid)
+
+        self._queue(add, done)
+        return done
+
+    async def submit(self, sink: Sink, **add_request_kwargs) -> str:
+        return await asyncio.wrap_future(self.submit_nowait(sink, **add_request_kwargs))
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` if it is still in the engine; its sink hears nothing more."""
+
+        def abort() -> None:
+            self._sinks.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+        self._queue(abort)
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps (for reads such as export_kv)."""
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+        self._queue(run, done)
+        return done
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _queue(self, command: Callable[[], None], done: Future | None = None) -> None:
+        if self._closed:
+            if done is not None:
+                done.set_exception(RuntimeError("the engine loop is closed"))
+            return
+        self._commands.append(command)
+        self._wake.set()
+
+    # -- the loop thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._closed:
+            while self._commands:
+                self._commands.popleft()()
+            if not engine.has_unfinished():
+                self.num_running = self.context_tokens = 0
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug in the engine: fail what is in it, keep serving
+                log.exception("engine step failed; failing its %d requests", len(self._sinks))
+                for rid, sink in list(self._sinks.items()):
+                    engine.abort_request(rid)
+                    sink(e)
+                self._sinks.clear()
+                continue
+            seconds = time.perf_counter() - start
+            requests = engine.scheduler.requests
+            self.num_running = len(requests)
+            self.context_tokens = sum(r.num_tokens for r in requests.values())
+            if outputs:
+                self.steps.append(StepSample(len(outputs), self.context_tokens, seconds, len(outputs)))
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+                if sink is not None:
+                    try:
+                        sink(out)
+                    except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
+                        log.exception("output sink of %s failed", out.request_id)
+        for rid, sink in list(self._sinks.items()):
+            sink(RuntimeError("the engine loop closed"))
+        self._sinks.clear()

@@ -1,0 +1,83 @@
+"""LocalBackend: one engine in this process serving the gateway, prefill and decode coupled.
+
+The coupled baseline (a single engine, no pool, no Conductor: the paper's vLLM-shaped
+baseline) and the simplest way to serve a model. The disaggregated path is
+mooncake.serving.cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import LLMEngine, RequestOutput
+from mooncake.engine.request import SamplingParams
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.serving.engine_loop import EngineLoop
+from mooncake.serving.text import TextStream
+from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Unavailable
+
+
+def sampling_params(req: GenerationRequest) -> SamplingParams:
+    """The engine's SamplingParams for a request (ValueError for values the engine refuses)."""
+    return SamplingParams(
+        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )  # fmt: skip
+
+
+class LocalBackend(GenerationBackend):
+    """Serves ``model_name`` from one LLMEngine on a thread of this process."""
+
+    def __init__(self, config: EngineConfig, model_name: str, tokenizer: Tokenizer | None = None) -> None:
+        self.tokenizer = tokenizer or Tokenizer.from_dir(config.model)
+        self.engine = LLMEngine(config, tokenizer=self.tokenizer)
+        self.loop = EngineLoop(self.engine, name="local-engine")
+        self.model_name = model_name
+        self.max_model_len = self.engine.max_model_len
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        try:
+            params = sampling_params(request)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(out: RequestOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        try:
+            rid = await self.loop.submit(sink, prompt_token_ids=request.prompt_token_ids, sampling_params=params,
+                                         request_id=request.request_id, cache_salt=request.cache_salt)  # fmt: skip
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        stream = TextStream(self.tokenizer, request.prompt_token_ids, request.stop)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise Unavailable(f"the engine failed: {out}")
+                text = stream.push(out.new_token_ids)
+                finished = out.finished
+                if finished:
+                    text += stream.finish(out.text)
+                yield GenerationChunk(
+                    token_ids=list(out.new_token_ids), text=text,
+                    finish_reason=out.finish_reason.value if finished and out.finish_reason else None,
+                    prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.output_token_ids),
+                    cached_tokens=out.num_cached_tokens,
+                    cached_tokens_by_tier={"engine": out.num_cached_tokens} if out.num_cached_tokens else {},
+                )  # fmt: skip
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+
+    async def health(self) -> dict:
+        return {"status": "ok", "backend": "local", "running": self.loop.num_running}
+
+    async def close(self) -> None:
+        self.loop.close()

@@ -1,0 +1,53 @@
+"""Streaming a request's text as its tokens arrive, without ever showing a stop string.
+
+The engine finds stop strings (engine.py cuts ``output_text`` before the first one and
+finishes the request); while the request runs, text that could be the start of a stop
+string is held back, so what was streamed is always a prefix of the final text:
+
+    stream = TextStream(tokenizer, prompt_ids, stop=("\\n\\n",))
+    stream.push(new_ids)          -> text safe to show now ("" while held back)
+    stream.finish(final_text)     -> the rest of the final text
+
+A stop string completed at the text's end starts at most ``max(len(stop)) - 1``
+characters before it, and one that started earlier would have been found already, so
+holding back that many characters is enough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mooncake.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextStream:
+    """One request's streamed text. Not thread-safe: one consumer."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._text = ""  # everything decoded so far
+        self._shown = 0  # characters of it already returned
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add generated ids; return the new text that can be shown."""
+        self._text += self._detok.push(token_ids)
+        safe = len(self._text) - self._hold
+        if safe <= self._shown:
+            return ""
+        piece = self._text[self._shown : safe]
+        self._shown = safe
+        return piece
+
+    def finish(self, final_text: str | None = None) -> str:
+        """The rest: of ``final_text`` (the engine's, cut at a stop string) or of everything decoded."""
+        if final_text is None:
+            self._text += self._detok.flush()
+            final_text = self._text
+        piece = final_text[self._shown :]
+        self._shown = len(final_text)
+        return piece
+
+    @property
+    def shown(self) -> int:
+        return self._shown

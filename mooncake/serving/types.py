@@ -1,0 +1,114 @@
+"""The contract between the OpenAI gateway and whatever generates tokens behind it.
+
+    gateway (mooncake.gateway) --GenerationRequest--> GenerationBackend.generate()
+                               <--GenerationChunk ...-- (an async iterator)
+
+Two backends implement it: ``ClusterBackend`` (mooncake.serving.cluster: the Conductor
+schedules, a decode worker streams, a prefill worker prefills) and ``LocalBackend``
+(mooncake.serving.local: one engine in this process, prefill and decode coupled). Errors
+a client should see are ``BackendError`` subclasses carrying the HTTP status and the
+OpenAI error type; anything else is a bug (a 500).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One completion to generate: token ids in, tokens and text out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # keeps tenants' prefix caches apart (DESIGN §4)
+    slo_class: str = "default"
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    """New tokens of one request (at least one, except in a final chunk), and the usage so far.
+
+    ``text`` is the new text, safe to show: it never runs into a stop string the request
+    may still hit. The last chunk has ``finish_reason`` set (``stop`` or ``length``).
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused, not computed
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "dram", "ssd", "remote" (pulled)
+
+
+class BackendError(Exception):
+    """A failure the client should see as an OpenAI-style error."""
+
+    status = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(BackendError):
+    """The request cannot be served as asked (too long for the context, bad parameters): HTTP 400."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class Rejected(BackendError):
+    """Turned away to protect the SLOs (the Conductor's early rejection, a full decode batch): HTTP 429."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "overloaded"
+
+
+class Unavailable(BackendError):
+    """No worker can take it (none alive, or one died mid-request): HTTP 503."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "unavailable"
+
+
+class GenerationBackend(abc.ABC):
+    """Generates for the gateway. ``generate`` is called once per request, concurrently from one event loop."""
+
+    model_name: str  # the name clients send as ``model``
+    max_model_len: int  # prompt + completion tokens at most
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's chunks. Closing the iterator early (``aclose``) cancels the request everywhere.
+
+        Raises BackendError subclasses for what the client should see (before the first
+        chunk, or during the stream when a worker dies mid-request).
+        """
+
+    async def health(self) -> dict:
+        """What /health reports; raise Unavailable when nothing can serve."""
+        return {"status": "ok"}
+
+    async def close(self) -> None:
+        """Release connections and threads (the gateway calls it at shutdown)."""

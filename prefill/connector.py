@@ -1,0 +1,124 @@
+"""PoolConnector: the prefill worker's KV connector. After each layer, new KV goes to decode and to the pool.
+
+For every request it serves (a ``PrefillJob``), in every engine step that computes
+some of its prompt, after each layer:
+
+    blocks completed by this step (the prompt's last, partial block once the prompt is done)
+      layer l of each -> the decode worker's landing slots (transfer engine: shm or tcp)
+                      -> this node's pool slots reserved for it (new full blocks; a copy
+                         into the shared-memory segment)
+
+so pushing layer l overlaps computing layer l + 1, and the request's KV is on the decode
+worker when its prefill ends. Blocks imported from the pool (the reused prefix) are
+pushed to the landing slots the same way, from the engine's cache, in the step that
+imports them. ``wait_for_save`` waits for the step's transfers before the step ends
+(the engine may reuse those cache blocks once the request finishes).
+
+Runs on the engine's thread; jobs are added and removed from request threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mooncake.engine.connector import ConnectorStep, KVConnector
+from transfer import Slice, TransferEngine, TransferError
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """One request's prefill: its landing, its pool slots, and how far its KV has been pushed."""
+
+    request_id: str
+    prompt_len: int
+    num_blocks: int  # prompt blocks, the last one possibly partial
+    landing_segment: str
+    landing_offsets: list[int]  # one per prompt block
+    pool_slots: dict[int, int] = field(default_factory=dict)  # block index -> reserved slot in this node's pool
+    pushed: int = 0  # blocks whose every layer is on the decode worker
+    pushed_bytes: int = 0
+    started_at: float | None = None  # its first engine step
+    finished_at: float | None = None
+    first_token: int | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+
+class PoolConnector(KVConnector):
+    def __init__(self, transfer: TransferEngine, pool: torch.Tensor, block_size: int, io_timeout_s: float) -> None:
+        self.transfer = transfer
+        self.pool = pool  # [slots, L, 2, bs, Hkv, D]: this node's DRAM tier
+        self.block_size = block_size
+        self.io_timeout_s = io_timeout_s
+        self.jobs: dict[str, PrefillJob] = {}
+        self._active: list[tuple[PrefillJob, list[int], int, int]] = []  # (job, block table, first block, end)
+        self._batches: list[tuple[PrefillJob, object]] = []
+
+    def bind(self, kv_cache: torch.Tensor) -> None:
+        """The engine's cache, [L, 2, num_blocks, bs, Hkv, D] (contiguous, on the CPU): the source of every push."""
+        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            raise ValueError("the prefill connector pushes from a contiguous CPU cache")
+        self.kv_cache = kv_cache
+        self._bytes = memoryview(kv_cache.numpy()).cast("B")
+        layers, _, num_blocks = kv_cache.shape[:3]
+        self._half = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # K (or V) of one block and layer
+        self._num_blocks = num_blocks
+        self._layer_bytes = 2 * self._half
+
+    def _offset(self, layer: int, kv: int, block: int) -> int:
+        return ((layer * 2 + kv) * self._num_blocks + block) * self._half
+
+    # -- the engine's hooks ---------------------------------------------------------------
+
+    def start_step(self, step: ConnectorStep) -> None:
+        self._active, self._batches = [], []
+        now = time.perf_counter()
+        for sreq in step.requests:
+            job = self.jobs.get(sreq.request_id)
+            if job is None:
+                continue
+            if job.started_at is None:
+                job.started_at = now
+            done = sreq.num_computed_tokens + sreq.num_new_tokens
+            end = job.num_blocks if done >= job.prompt_len else done // self.block_size
+            if end > job.pushed:
+                self._active.append((job, sreq.block_ids, job.pushed, end))
+
+    def save_layer(self, layer, k_cache, v_cache, step) -> None:
+        half = self._half
+        for job, table, start, end in self._active:
+            if job.error is not None:
+                continue
+            slices = []
+            for b in range(start, end):
+                block = table[b]
+                remote = job.landing_offsets[b] + layer * self._layer_bytes
+                slices.append(Slice(self._offset(layer, 0, block), job.landing_segment, remote, half))
+                slices.append(Slice(self._offset(layer, 1, block), job.landing_segment, remote + half, half))
+                slot = job.pool_slots.get(b)
+                if slot is not None:
+                    self.pool[slot, layer].copy_(self.kv_cache[layer, :, block])
+            try:
+                self._batches.append((job, self.transfer.write(self._bytes, slices)))
+            except TransferError as e:
+                job.fail(e)
+
+    def wait_for_save(self) -> None:
+        for job, batch in self._batches:
+            try:
+                batch.wait(self.io_timeout_s)
+            except TransferError as e:
+                job.fail(e)
+        for job, _, start, end in self._active:
+            if job.error is None:
+                job.pushed_bytes += (end - start) * self._layer_bytes * self.kv_cache.shape[0]
+                job.pushed = end
+        self._active, self._batches = [], []

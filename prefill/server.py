@@ -1,0 +1,150 @@
+"""The prefill worker's gRPC service (protos/worker.proto ``Prefill``), its metrics, and its process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvstore.client import KVStoreUnavailable
+from mooncake.serving.conductor_link import ConductorLink
+from mooncake.serving.process import print_ready, wait_for_signal
+from mooncake.serving.status_http import start_status_server
+from prefill.worker import Cancelled, PrefillConfig, PrefillWorker
+from protos import conductor_pb2 as cpb
+from protos import worker_pb2_grpc as wpb_grpc
+from transfer import TransferError
+
+log = logging.getLogger(__name__)
+
+
+class PrefillMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mooncake_prefill_requests", "prefills by outcome", ["outcome"], registry=r)
+        self.seconds = Histogram("mooncake_prefill_seconds", "engine time of a prefill (first step to first token)",
+                                 buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100), registry=r)  # fmt: skip
+        self.queue = Histogram("mooncake_prefill_queue_seconds", "time a prefill waited for the engine",
+                               buckets=(0.001, 0.01, 0.1, 0.3, 1, 3, 10, 30), registry=r)  # fmt: skip
+        self.tokens = Counter("mooncake_prefill_prompt_tokens", "prompt tokens by where their KV came from", ["source"], registry=r)
+        self.kv_bytes = Counter("mooncake_kv_bytes", "KV bytes moved by this worker", ["direction"], registry=r)
+        self.inflight = Gauge("mooncake_prefill_inflight", "prefills in this worker (queued or running)", registry=r)
+
+
+class PrefillServicer(wpb_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker, metrics: PrefillMetrics) -> None:
+        self.worker, self.metrics = worker, metrics
+
+    def Prefill(self, request, context):
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        m = self.metrics
+        m.inflight.inc()
+        try:
+            resp = self.worker.prefill(request, cancelled)
+        except ValueError as e:
+            m.requests.labels("invalid").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Cancelled as e:
+            m.requests.labels("cancelled").inc()
+            context.abort(grpc.StatusCode.CANCELLED, str(e))
+        except (KVStoreUnavailable, TransferError) as e:
+            m.requests.labels("failed").inc()
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill {request.request_id} failed: {e}")
+        except RuntimeError as e:  # draining, or the engine failed
+            m.requests.labels("failed").inc()
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            m.inflight.dec()
+        m.requests.labels("ok").inc()
+        m.seconds.observe(resp.prefill_s)
+        m.queue.observe(resp.queue_s)
+        m.tokens.labels("computed").inc(resp.computed_tokens)
+        m.tokens.labels("pool_dram").inc(max(0, resp.local_tokens - resp.ssd_tokens))
+        m.tokens.labels("pool_ssd").inc(resp.ssd_tokens)
+        m.tokens.labels("remote").inc(resp.fetched_tokens)
+        m.kv_bytes.labels("pushed").inc(len(request.landing.offsets) * self.worker.block_bytes)
+        m.kv_bytes.labels("pulled").inc(resp.fetched_tokens // self.worker.config.block_size * self.worker.block_bytes)
+        return resp
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m prefill", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="A prefill worker: loads reusable prefix KV from the pool, computes the rest of each prompt layer "
+                    "by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
+    )  # fmt: skip
+    p.add_argument("--id", default="prefill-0", help="instance id, unique in the cluster")
+    p.add_argument("--model", required=True, help="model directory (mooncake model pull prints it)")
+    p.add_argument("--kvstore", required=True, help="gRPC address of this worker's pool node, on this host")
+    p.add_argument("--conductor", help="the Conductor's gRPC address (register, heartbeat, report); none: standalone")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds and advertises")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the pool's)")
+    p.add_argument("--num-kv-blocks", type=int, default=1024, help="the engine's paged cache, in blocks")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (longer prompts: chunks)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="prefills in the engine at once")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s prefill[%(process)d] %(message)s")
+    try:
+        config = PrefillConfig(id=args.id, model=args.model, kvstore=args.kvstore, dtype=args.dtype, block_size=args.block_size,
+                               num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
+                               store_new_blocks=not args.no_store)  # fmt: skip
+        worker = PrefillWorker(config)
+    except (ValueError, KVStoreUnavailable, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    metrics = PrefillMetrics()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefill-rpc"))
+    wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        print(f"error: cannot bind {args.host}:{args.port}", file=sys.stderr)
+        return 2
+    server.start()
+    address = f"{args.host}:{port}"
+
+    def load() -> cpb.Load:
+        return cpb.Load(queued_requests=worker.num_inflight, queued_s=worker.queued_seconds(),
+                        running_requests=worker.loop.num_running, free_kv_blocks=worker.engine.pool.num_free_blocks)  # fmt: skip
+
+    link = None
+    if args.conductor:
+        link = ConductorLink(args.conductor, cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, address=address, node=worker.node,
+                                                                   model=args.model, capacity=args.max_num_batched_tokens), load)  # fmt: skip
+        worker.link = link
+        link.start()
+    status = start_status_server(args.host, args.metrics_port, metrics.registry,
+                                 lambda: (not worker.draining, {"id": args.id, "inflight": worker.num_inflight}))  # fmt: skip
+    print_ready({"id": args.id, "grpc": address, "metrics": f"{args.host}:{status.server_port}", "node": worker.node,
+                 "block_bytes": worker.block_bytes})  # fmt: skip
+    wait_for_signal()
+    log.info("stopping: draining %d in-flight prefills", worker.num_inflight)
+    worker.draining = True
+    if link is not None:
+        link.close()  # deregister first: nothing new is sent here
+    deadline = time.monotonic() + args.drain_timeout
+    while worker.num_inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=1).wait()
+    status.shutdown()
+    worker.close()
+    return 0

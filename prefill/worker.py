@@ -1,0 +1,338 @@
+"""The prefill worker (DESIGN §3): load the reusable prefix, compute the rest layer by layer, stream the KV out.
+
+    Prefill(request, plan, landing)
+      1. lease the plan's local prefix blocks on this node's pool (they are read in place:
+         the node's DRAM tier is shared memory on this host)
+      2. pull the plan's fetch blocks from the node it names, one layer at a time, straight
+         into slots reserved in this node's pool (kept there when the plan says so: hot
+         blocks replicate)
+      3. reserve pool slots for the prompt's other full blocks
+      4. run the engine: the prefix is imported layer by layer just before each layer runs
+         (waiting for that layer of the pull); after each layer the connector pushes the
+         new KV to the decode worker's landing slots and into the reserved pool slots
+      5. commit the reservations (the blocks become visible, and the Conductor's index
+         hears of them), release the leases; answer with the first token
+
+Failure is a designed path: blocks evicted since the plan was made, a fetch node that no
+longer has them, or a full pool shrink the plan (more is computed); a decode worker that
+went away fails the request (UNAVAILABLE) but the KV computed for the pool is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from conductor.predictors import PredictorConfig, PrefillPredictor
+from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
+from kvstore.service import segment_from_pb
+from mooncake.blocks import block_keys
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import LLMEngine, RequestOutput
+from mooncake.engine.request import SamplingParams
+from mooncake.serving.conductor_link import ConductorLink
+from mooncake.serving.engine_loop import EngineLoop
+from mooncake.serving.kvlayout import SlotKV, slot_tensor
+from prefill.connector import PoolConnector, PrefillJob
+from protos import worker_pb2 as wpb
+from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
+
+
+class PrefillConfig(BaseModel):
+    """One prefill worker (``python -m prefill --help`` fills it)."""
+
+    id: str = Field("prefill-0", min_length=1, description="instance id, unique in the cluster")
+    model: str = Field(description="model directory (Hugging Face layout)")
+    kvstore: str = Field(description="gRPC address of this worker's pool node (on this host)")
+    dtype: str = "float32"
+    block_size: int = Field(16, ge=1, description="tokens per block: the pool's, the engine's and the Conductor's")
+    num_kv_blocks: int = Field(1024, ge=1, description="the engine's paged cache, in blocks")
+    max_num_batched_tokens: int = Field(512, ge=1, description="tokens per engine step; longer prompts run in chunks")
+    max_num_seqs: int = Field(8, ge=1, description="prefills in the engine at once")
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    use_kernels: bool = True
+    store_new_blocks: bool = Field(True, description="write the prompt's new full blocks into the pool")
+    io_timeout_s: float = Field(30.0, gt=0)
+
+
+class Cancelled(Exception):
+    """The caller (a decode worker) went away."""
+
+
+@dataclass(eq=False)
+class _Held:
+    """Pool resources a prefill holds until it ends: leases to release, reservations to commit or abort."""
+
+    local_lease: str | None = None
+    remote: tuple[KVStoreClient, str] | None = None  # (client, lease id)
+    fetch_reservation: str | None = None
+    keep_fetched: bool = True
+    new_reservation: str | None = None
+    fetch_batches: list = field(default_factory=list)  # one transfer batch per layer
+    fetch_started: float = 0.0
+    fetch_seconds: float = 0.0  # issue to the last layer landing (as the engine waited for it)
+    io_timeout_s: float = 30.0
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` of the pull has landed (the engine calls it just before that layer)."""
+        self.fetch_batches[layer].wait(self.io_timeout_s)
+        if layer == len(self.fetch_batches) - 1:
+            self.fetch_seconds = time.perf_counter() - self.fetch_started
+
+
+class PrefillWorker:
+    """Owns the engine, the connector, the pool clients. ``prefill`` is called from gRPC threads."""
+
+    def __init__(self, config: PrefillConfig, link: ConductorLink | None = None) -> None:
+        self.config = config
+        self.kv = KVStoreClient(config.kvstore)
+        stats = self.kv.stats()
+        self.node = stats.node
+        self.transfer = TransferEngine(TransferConfig(node=f"{config.id}-xfer", serve=False))
+        engine_config = EngineConfig(
+            model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads,
+            use_kernels=config.use_kernels,
+        )  # fmt: skip
+        if stats.block_bytes == 0:
+            raise ValueError(f"pool node {config.kvstore} reports no block size")
+        if not stats.segment.shm_path:
+            raise ValueError(f"pool node {self.node} is not on this host (its DRAM tier has no shared-memory file)")
+        self._region = SharedRegion.open(stats.segment.shm_path)
+        self.connector = PoolConnector(self.transfer, None, config.block_size, config.io_timeout_s)
+        self.engine = LLMEngine(engine_config, connector=self.connector)
+        if self.engine.block_bytes != stats.block_bytes:
+            raise ValueError(f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
+                             f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})")  # fmt: skip
+        self.block_shape = self.engine.runner.block_shape
+        self.pool = slot_tensor(self._region.buffer, self.block_shape, engine_config.torch_dtype)
+        self.connector.pool = self.pool
+        self.connector.bind(self.engine.runner.kv_cache)
+        self.block_bytes = stats.block_bytes
+        self.layer_bytes = self.block_bytes // self.block_shape[0]
+        self._pool_bytes = memoryview(self._region.buffer).cast("B")
+        self.loop = EngineLoop(self.engine, name="prefill-engine")
+        self._remote: dict[str, KVStoreClient] = {}
+        self._remote_lock = threading.Lock()
+        self.predictor = PrefillPredictor(PredictorConfig())
+        self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
+        self.link = link  # measurements go to the Conductor through it (set by the server)
+        self.draining = False
+
+    # -- the RPC -------------------------------------------------------------------------------
+
+    def prefill(self, req: wpb.PrefillRequest, cancelled: threading.Event) -> wpb.PrefillResponse:
+        """Prefill ``req`` into its landing slots; return the first token. See the module docstring.
+
+        Raises ValueError (bad request), Cancelled, KVStoreUnavailable or TransferError
+        (a node or the decode worker is gone), RuntimeError (draining).
+        """
+        if self.draining:
+            raise RuntimeError(f"prefill worker {self.config.id} is draining")
+        t0 = time.perf_counter()
+        prompt = list(req.prompt_token_ids)
+        bs = self.config.block_size
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        num_blocks = -(-len(prompt) // bs)
+        landing = req.landing
+        if len(landing.offsets) != num_blocks:
+            raise ValueError(f"{len(landing.offsets)} landing slots for a {len(prompt)}-token prompt of {num_blocks} blocks")
+        if landing.block_bytes != self.block_bytes:
+            raise ValueError(f"landing slots of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}")
+        salt = req.cache_salt if req.HasField("cache_salt") else None
+        keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
+        job = PrefillJob(req.request_id, len(prompt), num_blocks, landing.segment.name, list(landing.offsets))
+        self.transfer.add_segment(segment_from_pb(landing.segment))
+        held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
+        try:
+            local, ssd_hits, fetched = self._load_plan(req.plan, keys, held)
+            cached_blocks = len(local) + len(fetched)
+            cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
+            job.pool_slots = self._reserve_new(keys, cached_blocks, held)
+            external = None
+            if cached > 0:
+                external = SlotKV(self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None)
+            self._inflight[req.request_id] = (len(prompt), cached)
+            self.connector.jobs[req.request_id] = job
+            self._run(req, prompt, salt, external, cached, job, cancelled)
+            if job.error is not None:
+                raise job.error
+            self._commit(held)
+        finally:
+            self.connector.jobs.pop(req.request_id, None)
+            self._inflight.pop(req.request_id, None)
+            self._release(held)
+        compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
+        self.predictor.observe(len(prompt), cached, max(compute_s, 1e-6))
+        if self.link is not None:
+            self.link.prefill_sample(len(prompt), cached, compute_s)
+            if held.fetch_seconds:
+                self.link.transfer_sample(len(fetched) * self.block_bytes, held.fetch_seconds)
+        return wpb.PrefillResponse(
+            first_token=job.first_token, cached_tokens=cached, local_tokens=min(len(local) * bs, cached), ssd_tokens=ssd_hits * bs,
+            fetched_tokens=max(0, cached - len(local) * bs), computed_tokens=len(prompt) - cached,
+            queue_s=(job.started_at or t0) - t0, prefill_s=compute_s,
+        )  # fmt: skip
+
+    def _run(self, req, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
+        """Run the request through the engine until its first token (or a failure, or the caller leaves)."""
+        s = req.sampling
+
+        def sink(out: RequestOutput | BaseException) -> None:
+            if isinstance(out, BaseException):
+                job.fail(out)
+            elif out.finished:
+                job.first_token = out.output_token_ids[0] if out.output_token_ids else None
+                job.finished_at = time.perf_counter()
+            if isinstance(out, BaseException) or out.finished:
+                job.done.set()
+
+        params = SamplingParams(max_tokens=1, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                                seed=s.seed if s.HasField("seed") else None, ignore_eos=True)  # fmt: skip
+        future = self.loop.submit_nowait(sink, prompt_token_ids=prompt, sampling_params=params, request_id=req.request_id,
+                                         cache_salt=salt, external_kv=external, num_external_tokens=cached if external else 0)  # fmt: skip
+        future.result()  # ValueError for a request the engine refuses
+        while not job.done.wait(0.05):
+            if cancelled.is_set():
+                self.loop.abort(req.request_id)
+                # the abort runs between steps: once this no-op has run too, no step touches the job's slots
+                self.loop.call(lambda engine: None).result(timeout=self.config.io_timeout_s)
+                raise Cancelled(f"prefill of {req.request_id} cancelled by the caller")
+        if job.first_token is None and job.error is None:
+            job.fail(RuntimeError(f"the engine ended {req.request_id} without a token"))
+
+    # -- the pool ----------------------------------------------------------------------------------
+
+    def _load_plan(self, plan, keys: list[bytes], held: _Held) -> tuple[list[int], int, list[int]]:
+        """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched slots)."""
+        local: list[int] = []
+        ssd_hits = 0
+        want = min(plan.local_blocks, len(keys))
+        if want:
+            got = self.kv.get_locations(keys[:want])
+            held.local_lease = got.lease_id
+            local = [s.offset // self.block_bytes for s in got.slots]
+            ssd_hits = got.ssd_hits
+        fetched: list[int] = []
+        n = min(plan.fetch_blocks, len(keys) - want)
+        if n > 0 and plan.fetch_address and len(local) == want:  # the fetch continues the local prefix only if it is whole
+            try:
+                fetched = self._start_fetch(plan.fetch_address, keys[want : want + n], want, held)
+            except (KVStoreUnavailable, TransferError, StoreFull, KeyError) as e:
+                log.warning("fetching %d blocks from %s failed (%s): computing them instead", n, plan.fetch_node, e)
+                self._release_fetch(held)
+                fetched = []
+        return local, ssd_hits, fetched
+
+    def _start_fetch(self, address: str, keys: list[bytes], first: int, held: _Held) -> list[int]:
+        remote = self._remote_client(address)
+        got = remote.get_locations(keys)
+        held.remote = (remote, got.lease_id)
+        n = len(got.slots)
+        if not n:
+            return []
+        res = self.kv.reserve(keys[:n], positions=list(range(first, first + n)))
+        held.fetch_reservation = res.reservation_id
+        if res.existing:  # stored here meanwhile: not worth the bookkeeping, compute instead
+            self._release_fetch(held)
+            return []
+        slot_of = {bytes(s.key): s.offset for s in res.slots}
+        local_offsets = [slot_of[k] for k in keys[:n]]
+        seg = remote._segment(got.segment)
+        lb = self.layer_bytes
+        held.fetch_started = time.perf_counter()
+        for layer in range(self.block_shape[0]):
+            slices = [Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb) for i in range(n)]
+            held.fetch_batches.append(self.transfer.read(self._pool_bytes, slices))
+        return [o // self.block_bytes for o in local_offsets]
+
+    def _reserve_new(self, keys: list[bytes], first: int, held: _Held) -> dict[int, int]:
+        """Reserve pool slots for full blocks ``first..`` (those the pool lacks); return {block index: slot}."""
+        new = keys[first:]
+        if not new or not self.config.store_new_blocks:
+            return {}
+        try:
+            res = self.kv.reserve(new, positions=list(range(first, len(keys))))
+        except StoreFull as e:
+            log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
+            return {}
+        held.new_reservation = res.reservation_id
+        index = {k: first + i for i, k in enumerate(new)}
+        return {index[bytes(s.key)]: s.offset // self.block_bytes for s in res.slots}
+
+    def _commit(self, held: _Held) -> None:
+        if held.fetch_reservation is not None:
+            if held.keep_fetched:
+                self.kv.commit(held.fetch_reservation)
+            else:
+                self.kv.abort(held.fetch_reservation)
+            held.fetch_reservation = None
+        if held.new_reservation is not None:
+            self.kv.commit(held.new_reservation)
+            held.new_reservation = None
+
+    def _release(self, held: _Held) -> None:
+        """Release leases; abort what was not committed (after every pull has stopped touching the slots)."""
+        self._release_fetch(held)
+        for rid in (held.new_reservation,):
+            if rid is not None:
+                _quietly(self.kv.abort, rid)
+        held.new_reservation = None
+        if held.local_lease is not None:
+            _quietly(self.kv.release, held.local_lease, False)
+            held.local_lease = None
+
+    def _release_fetch(self, held: _Held) -> None:
+        for batch in held.fetch_batches:
+            try:
+                batch.wait(self.config.io_timeout_s)
+            except TransferError:
+                pass
+        if held.fetch_reservation is not None:
+            _quietly(self.kv.abort, held.fetch_reservation)
+            held.fetch_reservation = None
+        if held.remote is not None:
+            client, lease = held.remote
+            _quietly(client.release, lease, False)
+            held.remote = None
+
+    def _remote_client(self, address: str) -> KVStoreClient:
+        with self._remote_lock:
+            client = self._remote.get(address)
+            if client is None:
+                client = self._remote[address] = KVStoreClient(address, engine=self.transfer)
+            return client
+
+    # -- load ------------------------------------------------------------------------------------
+
+    def queued_seconds(self) -> float:
+        """Predicted seconds of prefill in flight (what the Conductor adds as queueing time)."""
+        return sum(self.predictor.predict(p, c) for p, c in list(self._inflight.values()))
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def close(self) -> None:
+        self.loop.close()
+        for client in self._remote.values():
+            client.close()
+        self.kv.close()
+        self.transfer.close()
+        self._region.close()
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except (KeyError, KVStoreUnavailable):
+        pass  # expired or the node is gone: nothing left to free

@@ -35,9 +35,11 @@ model: $(VENV)/.installed
 redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 
-# Until the serving stack lands (issue 5), `up` starts an interactive single-engine chat.
+# The whole disaggregated system on this machine (Conductor, a pool node, prefill and decode
+# workers, the OpenAI gateway on port 8000); Ctrl-C stops it. UP_ARGS passes flags through.
+UP_ARGS ?=
 up: model
-	$(MOONCAKE) chat --model $(MODEL)
+	$(MOONCAKE) up --model $(MODEL) $(UP_ARGS)
 
 test: dev model redis
 	$(PY) -m pytest $(PYTEST_ARGS)

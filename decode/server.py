@@ -49,6 +49,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
         m = self.metrics
         start = last = time.perf_counter()
         first = True
+        outcome = "cancelled"  # unless the stream ends otherwise: a client that leaves closes this generator
         try:
             for chunk in self.worker.generate(request, context):
                 now = time.perf_counter()
@@ -63,14 +64,17 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                     m.tbt.observe(now - last)
                 last = now
                 yield chunk
+            outcome = "ok" if context.is_active() else "cancelled"
         except Busy as e:
+            outcome = "rejected"
             m.rejections.labels(e.reason).inc()
             context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{e.retry_after_s:g}"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}: {e}")
         except Failed as e:
-            m.requests.labels(e.code.name.lower()).inc()
+            outcome = e.code.name.lower()
             context.abort(e.code, str(e))
-        m.requests.labels("ok" if context.is_active() else "cancelled").inc()
+        finally:
+            m.requests.labels(outcome).inc()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -216,9 +216,8 @@ class DecodeWorker:
                     continue
                 if isinstance(out, BaseException):
                     raise Failed(grpc.StatusCode.UNAVAILABLE, f"the decode engine failed: {out}")
-                text = stream.push(out.new_token_ids)
-                if out.finished:
-                    text += stream.finish(out.text)
+                # a finished output's text is the engine's, cut before a stop string the new token completed
+                text = stream.finish(out.text) if out.finished else stream.push(out.new_token_ids)
                 yield wpb.GenerateChunk(token_ids=list(out.new_token_ids), text=text,
                                         finish_reason=out.finish_reason.value if out.finished else "",
                                         completion_tokens=len(out.output_token_ids), **usage)  # fmt: skip

@@ -186,7 +186,7 @@ class LocalCluster:
             decodes.append(Component(f"decode-{i}", self._python(
                 "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", conductor_addr, "--host", h,
                 "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-                "--max-num-seqs", str(c.decode_max_seqs), *threads, *max_len,
+                "--max-num-seqs", str(c.decode_max_seqs), "--tbt-slo", str(c.tbt_slo_s), *threads, *max_len,
             ), logs / f"decode-{i}.log"))  # fmt: skip
         waves = [[conductor], nodes, prefills + decodes]
         if c.gateway:

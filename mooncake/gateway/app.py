@@ -217,7 +217,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"The body is not valid JSON: {reason}".rstrip(": "), code="invalid_json")
     param = _param_of(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value"))
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 and first.get("type") != "missing" else ""
+    others = len({_param_of(tuple(e.get("loc", ()))) for e in errors}) - 1  # a union's members repeat one field
+    more = f" (and {others} more invalid parameters)" if others > 0 else ""
     if param is None:
         return ApiError(400, f"Invalid request body: {msg}")
     if first.get("type") == "missing":

@@ -112,14 +112,20 @@ def sse(payload: dict[str, Any]) -> str:
 # -- response shapes ----------------------------------------------------------------------
 
 
-class _ChatFormat:
-    """Chat completion responses and stream events of one request."""
+class _Format:
+    """The fields every response and event of one request repeats."""
 
-    id_prefix = "chatcmpl-"
+    id_prefix = ""
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool) -> None:
         self._head = dict(id=request_id, created=created, model=model)
-        self._exclude = None if include_usage else {"usage"}
+        self._exclude = None if include_usage else {"usage"}  # events carry "usage": null only if asked
+
+
+class _ChatFormat(_Format):
+    """Chat completion responses and stream events of one request."""
+
+    id_prefix = "chatcmpl-"
 
     def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
         choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
@@ -142,14 +148,10 @@ class _ChatFormat:
         return ChatCompletionChunk(**self._head, choices=[], usage=usage).model_dump()
 
 
-class _CompletionFormat:
+class _CompletionFormat(_Format):
     """Text completion responses and stream events of one request (no role event: OpenAI sends none)."""
 
     id_prefix = "cmpl-"
-
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool) -> None:
-        self._head = dict(id=request_id, created=created, model=model)
-        self._exclude = None if include_usage else {"usage"}
 
     def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
         choice = CompletionChoice(text=text, finish_reason=finish_reason)
@@ -400,7 +402,6 @@ class OpenAIServing:
                 pieces.append(chunk.text)
                 if chunk.finish_reason is not None:
                     return prepared.format.response("".join(pieces), chunk.finish_reason, run.usage())
-            run.status = 500
             raise _unfinished(prepared)
         except BackendError as e:
             raise ApiError.from_backend(e) from None

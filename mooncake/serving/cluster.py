@@ -15,7 +15,7 @@ Closing the stream early cancels the Generate call, which cancels the prefill.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 import grpc.aio
@@ -85,7 +85,7 @@ class ClusterBackend(GenerationBackend):
             raise cls(r.message, code=r.reason, retry_after_s=r.retry_after_s)
         return resp.placement
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         placement = await self.schedule(request)
         msg = wpb.GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                                   sampling=sampling_to_pb(request), cache_salt=request.cache_salt, placement=placement)  # fmt: skip
@@ -123,7 +123,9 @@ class ClusterBackend(GenerationBackend):
         return {"status": "ok", "backend": "cluster", "alive": alive, "policy": listing.policy, "admission": listing.admission}
 
     async def close(self) -> None:
-        for channel in self._channels:
+        channels, self._channels = self._channels, []
+        self._conductor, self._decoders = None, {}
+        for channel in channels:
             await channel.close()
 
 

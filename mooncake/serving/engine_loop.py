@@ -63,6 +63,8 @@ class EngineLoop:
         done: Future = Future()
 
         def add() -> None:
+            if not done.set_running_or_notify_cancel():
+                return  # the caller gave up (its client went away) before the request reached the engine
             try:
                 rid = self.engine.add_request(**add_request_kwargs)
             except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -91,6 +93,8 @@ class EngineLoop:
         done: Future = Future()
 
         def run() -> None:
+            if not done.set_running_or_notify_cancel():
+                return
             try:
                 done.set_result(fn(self.engine))
             except Exception as e:  # noqa: BLE001 - handed to the caller

@@ -8,7 +8,7 @@ mooncake.serving.cluster.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine, RequestOutput
@@ -38,7 +38,7 @@ class LocalBackend(GenerationBackend):
         self.model_name = model_name
         self.max_model_len = self.engine.max_model_len
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         try:
             params = sampling_params(request)
         except ValueError as e:
@@ -54,6 +54,9 @@ class LocalBackend(GenerationBackend):
                                          request_id=request.request_id, cache_salt=request.cache_salt)  # fmt: skip
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        except asyncio.CancelledError:  # the client left while the request was being added: it may be in already
+            self.loop.abort(request.request_id)
+            raise
         stream = TextStream(self.tokenizer, request.prompt_token_ids, request.stop)
         finished = False
         try:
@@ -61,10 +64,9 @@ class LocalBackend(GenerationBackend):
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise Unavailable(f"the engine failed: {out}")
-                text = stream.push(out.new_token_ids)
                 finished = out.finished
-                if finished:
-                    text += stream.finish(out.text)
+                # a finished output's text is the engine's, cut before a stop string the new token completed
+                text = stream.finish(out.text) if finished else stream.push(out.new_token_ids)
                 yield GenerationChunk(
                     token_ids=list(out.new_token_ids), text=text,
                     finish_reason=out.finish_reason.value if finished and out.finish_reason else None,

@@ -13,7 +13,7 @@ OpenAI error type; anything else is a bug (a 500).
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 
@@ -99,16 +99,17 @@ class GenerationBackend(abc.ABC):
     max_model_len: int  # prompt + completion tokens at most
 
     @abc.abstractmethod
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the request's chunks. Closing the iterator early (``aclose``) cancels the request everywhere.
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """Stream the request's chunks. Closing the generator early (``aclose``), or cancelling the task
+        awaiting its next chunk, cancels the request everywhere; both must be safe at any point.
 
         Raises BackendError subclasses for what the client should see (before the first
         chunk, or during the stream when a worker dies mid-request).
         """
 
     async def health(self) -> dict:
-        """What /health reports; raise Unavailable when nothing can serve."""
+        """What /health reports, within a few seconds; raise Unavailable when nothing can serve."""
         return {"status": "ok"}
 
     async def close(self) -> None:
-        """Release connections and threads (the gateway calls it at shutdown)."""
+        """Release connections and threads (the gateway calls it at shutdown; a second call does nothing)."""

@@ -1,0 +1,92 @@
+"""``mooncake up`` (the whole cluster on this machine) and ``mooncake serve COMPONENT`` (one component, as a pod runs it)."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from mooncake.cli.chat_cmd import CacheOpt, ModelOpt, _model_dir
+from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+
+console = Console(stderr=True)
+
+COMPONENTS = {
+    "conductor": "conductor.__main__",
+    "kvstore": "kvstore.__main__",
+    "prefill": "prefill.server",
+    "decode": "decode.server",
+    "gateway": "mooncake.gateway.__main__",
+}
+
+
+def up(
+    model: str = ModelOpt,
+    cache_dir: Optional[Path] = CacheOpt,
+    prefill: int = typer.Option(1, "--prefill", min=1, help="Prefill workers (each gets its own pool node)"),
+    decode: int = typer.Option(1, "--decode", min=1, help="Decode workers"),
+    port: int = typer.Option(8000, "--port", help="The gateway's HTTP port"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address every component binds"),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Persist the Conductor's registry and settings here"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer <key>` on /v1/*"),
+    pool_dram_mib: int = typer.Option(1024, "--pool-dram-mib", min=1, help="DRAM tier of each pool node (MiB)"),
+    pool_ssd_mib: int = typer.Option(0, "--pool-ssd-mib", min=0, help="SSD tier of each pool node (MiB; 0: none)"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context limit [default: the model's]"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker [default: torch's]"),
+    policy: str = typer.Option("kvcache_centric", "--policy", help="Prefill placement policy"),
+    admission: str = typer.Option("early_predictive", "--admission", help="none | baseline | early | early_predictive"),
+    ttft_slo: float = typer.Option(30.0, "--ttft-slo", help="TTFT SLO in seconds"),
+    tbt_slo: float = typer.Option(0.5, "--tbt-slo", help="TBT SLO in seconds (CPU decode steps are tens of ms)"),
+    workdir: Path = typer.Option(Path.home() / ".cache" / "mooncake" / "run", "--workdir", help="Logs (and SSD files) go here"),
+) -> None:
+    """Start the whole disaggregated system on this machine and serve the OpenAI API.
+
+    Starts the Conductor, a pool node per prefill worker, the prefill and decode workers
+    and the gateway as separate processes, waits until all are healthy, prints the
+    endpoint, restarts a component that dies, and stops everything on Ctrl-C or SIGTERM.
+    """
+    try:
+        model_dir = _model_dir(model, cache_dir)
+    except (ValueError, RuntimeError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    config = ClusterConfig(
+        model=str(model_dir), model_name=model if "/" not in model else model_dir.name, prefill=prefill, decode=decode,
+        host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
+        pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
+        ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+    )  # fmt: skip
+    cluster = LocalCluster(config, on_event=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with console.status(f"starting {prefill} prefill + {decode} decode workers for {config.model_name}"):
+            cluster.start()
+    except RuntimeError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    console.print(f"logs: {cluster.run_dir / 'logs'}")
+    console.print(f"OpenAI endpoint: [bold]{cluster.endpoint}[/bold]  (model: {config.model_name})")
+    print(f"mooncake is ready at {cluster.endpoint}", flush=True)
+    stop.wait()
+    console.print("stopping every component")
+    cluster.stop()
+
+
+def serve(ctx: typer.Context, component: str = typer.Argument(..., help=" | ".join(COMPONENTS))) -> None:
+    """Run one component in this process (what a Kubernetes pod runs); the rest of the arguments are its own.
+
+    `mooncake serve prefill --help` lists a component's flags.
+    """
+    module = COMPONENTS.get(component)
+    if module is None:
+        console.print(f"[red]error:[/red] unknown component {component!r}; choose from {', '.join(COMPONENTS)}")
+        raise typer.Exit(2)
+    sys.exit(importlib.import_module(module).main(list(ctx.args)))

@@ -1,0 +1,104 @@
+"""``python -m mooncake.gateway``: the OpenAI-compatible HTTP gateway as a process (``mooncake serve gateway``).
+
+With ``--conductor`` it serves the disaggregated cluster (mooncake.serving.cluster); with
+``--local`` it runs one engine in this process instead (prefill and decode coupled: the
+baseline shape, no pool, no Conductor). Prints ``READY {json}`` once it listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import torch
+import uvicorn
+
+from mooncake.blocks import model_fingerprint
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.loader import model_identity
+from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.engine.weights import load_hf_config
+from mooncake.gateway.app import GatewayConfig, create_app
+from mooncake.serving.process import print_ready
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m mooncake.gateway", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="The OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
+                    "Tokenizes with the model's tokenizer and chat template, computes the block keys once, asks the Conductor "
+                    "to schedule and streams from the decode worker it picks.",
+    )  # fmt: skip
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--conductor", help="the Conductor's gRPC address (the disaggregated cluster)")
+    src.add_argument("--local", action="store_true", help="serve from one engine in this process (coupled; no cluster)")
+    p.add_argument("--model", required=True, help="model directory: its tokenizer, chat template and config")
+    p.add_argument("--model-name", default=None, help="the name clients send as `model` (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the workers' dtype (part of the block keys)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the cluster's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--num-kv-blocks", type=int, default=2048, help="--local: the engine's paged cache, in blocks")
+    p.add_argument("--threads", type=int, default=None, help="--local: torch threads")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_backend(args: argparse.Namespace):
+    name = args.model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    if args.local:
+        from mooncake.serving.local import LocalBackend
+
+        config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                              max_model_len=args.max_model_len, num_threads=args.threads)  # fmt: skip
+        return LocalBackend(config, name), name
+    from mooncake.serving.cluster import ClusterBackend
+
+    model_args = ModelArgs.from_hf_config(load_hf_config(args.model))
+    max_len = min(args.max_model_len or model_args.max_position_embeddings, model_args.max_position_embeddings)
+    fingerprint = model_fingerprint(model_identity(args.model, DTYPES[args.dtype]))
+    return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint), name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s gateway[%(process)d] %(message)s")
+    try:
+        tokenizer = Tokenizer.from_dir(args.model)
+        backend, name = build_backend(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(backend, tokenizer, GatewayConfig(served_model_name=name, api_key=args.api_key))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                await task
+                return
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print_ready({"http": f"http://{args.host}:{port}", "model": name, "backend": "local" if args.local else "cluster"})
+        await task
+        await backend.close()
+
+    try:
+        asyncio.run(serve())
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if server.started else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

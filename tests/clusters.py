@@ -1,0 +1,63 @@
+"""Real clusters for the serving tests: LocalCluster (every component its own process) on a tiny model or SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import torch
+
+from mooncake.blocks import model_fingerprint
+from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import LLMEngine
+from mooncake.engine.loader import model_identity
+from mooncake.engine.request import SamplingParams
+from mooncake.serving.cluster import ClusterBackend
+from mooncake.serving.types import GenerationChunk, GenerationRequest
+from protos import conductor_pb2 as cpb
+from protos import conductor_pb2_grpc as cpb_grpc
+
+MAX_LEN = 1024
+
+
+def start_cluster(model_dir: Path, workdir: Path, **overrides) -> LocalCluster:
+    # generous SLOs: a loaded test machine must not turn requests away (test_serving_cluster tests rejection on its own)
+    config = dict(model=str(model_dir), model_name="tiny", workdir=workdir, pool_dram_mib=64, max_model_len=MAX_LEN, port=0,
+                  ready_timeout_s=120.0, ttft_slo_s=300.0, tbt_slo_s=10.0)  # fmt: skip
+    config.update(overrides)
+    return LocalCluster(ClusterConfig(**config)).start()
+
+
+def backend(cluster: LocalCluster) -> ClusterBackend:
+    """A ClusterBackend to the cluster (token ids and per-tier cache counts, which the HTTP API does not show)."""
+    model = cluster.config.model
+    return ClusterBackend(cluster.conductor_address, cluster.config.model_name, MAX_LEN, cluster.config.block_size,
+                          model_fingerprint(model_identity(model, torch.float32)))  # fmt: skip
+
+
+def generate(be: ClusterBackend, request_id: str, prompt: list[int], max_tokens: int, **kw) -> list[GenerationChunk]:
+    async def run() -> list[GenerationChunk]:
+        return [c async for c in be.generate(GenerationRequest(request_id, prompt, max_tokens, **kw))]
+
+    return asyncio.run(run())
+
+
+def tokens(chunks: list[GenerationChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int, **engine) -> list[int]:
+    """Greedy tokens of one engine alone (the correctness bar for the disaggregated path)."""
+    config = EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN, **engine)
+    out = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return list(out[0].output_token_ids)
+
+
+def conductor(cluster: LocalCluster) -> cpb_grpc.ConductorStub:
+    return cpb_grpc.ConductorStub(grpc.insecure_channel(cluster.conductor_address))
+
+
+def instances(cluster: LocalCluster) -> dict[str, cpb.InstanceInfo]:
+    return {i.id: i for i in conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5).instances}

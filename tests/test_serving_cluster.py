@@ -1,0 +1,287 @@
+"""The whole system for real: Conductor, pool nodes, prefill and decode workers and the gateway as processes.
+
+Clients are the official ``openai`` package over HTTP (and ClusterBackend where the token
+ids or the cache tier matter). The correctness bar: greedy output through the
+disaggregated path (prefill on one worker, KV through landing slots, decode on another)
+equals one engine alone, token for token.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from mooncake.engine.tiny import make_tiny
+from mooncake.engine.tokenizer import Tokenizer
+from protos import conductor_pb2 as cpb
+from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+
+KEY = "sk-test"
+MESSAGES = [{"role": "user", "content": "Tell me a story about a robot that learned to read."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny-chat") / "model", "llama")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir, tmp_path_factory):
+    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("run"), prefill=2, decode=1, api_key=KEY)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.endpoint, api_key=KEY, max_retries=0, timeout=60)
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    """``n`` token ids of the tiny vocabulary (the same seed: the same prompt)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 440) for _ in range(n)]
+
+
+# -- the OpenAI API ---------------------------------------------------------------------------------
+
+
+def test_chat_streaming_and_not_give_the_same_greedy_text_and_usage(client, tok):
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    assert full.usage.prompt_tokens == len(tok.encode_chat(MESSAGES))
+    assert full.usage.completion_tokens == 24 or full.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})  # fmt: skip
+    parts, usage, reasons = [], None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(parts) == full.choices[0].message.content
+    assert reasons[-1] == full.choices[0].finish_reason
+    assert usage.prompt_tokens == full.usage.prompt_tokens and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completion_max_tokens_stop_string_and_prompt_as_ids(client, tok):
+    out = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
+    text = out.choices[0].text
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip())
+    cut = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=7, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    ids = tok.encode("The quick brown fox")
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=1.0, seed=seed)
+        return r.choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_errors_have_openai_shape_and_status(cluster, client):
+    with pytest.raises(openai.BadRequestError) as e:  # prompt + max_tokens beyond the 1024-token context
+        client.completions.create(model="tiny", prompt=prompt_of(1000), max_tokens=100)
+    assert "1024" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=4)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=cluster.endpoint, api_key="wrong", max_retries=0).models.list()
+    r = httpx.post(f"{cluster.endpoint}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny", "messages": [], "max_tokens": 4})  # fmt: skip
+    assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    health = httpx.get(cluster.endpoint.replace("/v1", "/health")).json()
+    assert health["alive"] == {"prefill": 2, "decode": 1, "kvstore": 2}
+
+
+# -- equivalence and the pool ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [5, 16, 100, 700])  # under a block, one block, several, several engine steps
+def test_disaggregated_greedy_equals_one_engine(cluster, tiny_dir, length):
+    prompt = prompt_of(length, seed=length)
+    got = generate(backend(cluster), f"eq-{length}", prompt, 20, temperature=0.0, ignore_eos=True)
+    assert tokens(got) == reference_tokens(tiny_dir, prompt, 20)
+    assert got[-1].prompt_tokens == length and got[-1].completion_tokens == 20 and got[-1].finish_reason == "length"
+
+
+def test_a_shared_prefix_is_served_from_the_pool_with_the_same_tokens(cluster, client, tiny_dir):
+    shared = prompt_of(320, seed=99)
+    first = client.completions.create(model="tiny", prompt=shared + prompt_of(40, seed=1), max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second_prompt = shared + prompt_of(50, seed=2)
+    second = client.completions.create(model="tiny", prompt=second_prompt, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert second.usage.prompt_tokens_details.cached_tokens == 320  # the 20 shared blocks
+    tok = Tokenizer.from_dir(tiny_dir)
+    assert second.choices[0].text == tok.decode(reference_tokens(tiny_dir, second_prompt, 12))
+    metrics = httpx.get(cluster.endpoint.replace("/v1", "/metrics")).text
+    cached = [line for line in metrics.splitlines() if line.startswith("mooncake_gateway_cached_prompt_tokens_total{")]
+    assert cached and sum(float(line.rsplit(" ", 1)[1]) for line in cached) >= 320
+
+
+def test_a_prefix_on_the_other_prefill_node_is_pulled_and_kept(cluster, tiny_dir):
+    """prefill-0 computes a prompt into kv0; with prefill-0 draining, prefill-1 serves the next one by pulling from kv0."""
+    stub = conductor(cluster)
+    listed = instances(cluster)
+
+    def reregister(name: str) -> None:  # a drained instance comes back by registering again
+        i = listed[name]
+        stub.Register(cpb.RegisterRequest(id=i.id, role=i.role, address=i.address, node=i.node, model=i.model,
+                                          capacity=i.capacity), timeout=5)  # fmt: skip
+
+    shared = prompt_of(256, seed=1234)
+    be = backend(cluster)
+    try:
+        stub.Drain(cpb.DrainRequest(id="prefill-1"), timeout=5)
+        generate(be, "pull-a", shared + [7, 8, 9], 4, temperature=0.0, ignore_eos=True)
+        reregister("prefill-1")
+        stub.Drain(cpb.DrainRequest(id="prefill-0"), timeout=5)
+        prompt = shared + [11, 12, 13, 14, 15]
+        got = generate(be, "pull-b", prompt, 16, temperature=0.0, ignore_eos=True)
+    finally:
+        reregister("prefill-0")
+        reregister("prefill-1")
+    assert got[-1].cached_tokens_by_tier.get("remote") == 256
+    assert tokens(got) == reference_tokens(tiny_dir, prompt, 16)
+    deadline = time.monotonic() + 5  # kept on kv1 (hot blocks replicate): the Conductor's index hears of it
+    while instances(cluster)["kv1"].indexed_blocks < 16 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert instances(cluster)["kv1"].indexed_blocks >= 16
+
+
+# -- overload and failures ------------------------------------------------------------------------------
+
+
+def test_the_conductors_early_rejection_is_429_with_retry_after(tiny_dir, tmp_path):
+    c = start_cluster(tiny_dir, tmp_path, tbt_slo_s=0.001)  # no decode step can meet it: every request is turned away
+    try:
+        r = httpx.post(f"{c.endpoint}/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 429
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error" and "TBT" in r.json()["error"]["message"]
+    finally:
+        c.stop()
+
+
+def test_a_worker_killed_mid_request_fails_fast_and_the_cluster_keeps_serving(tiny_dir, tmp_path):
+    c = start_cluster(tiny_dir, tmp_path, max_model_len=2048)
+    client = openai.OpenAI(base_url=c.endpoint, api_key="none", max_retries=0, timeout=30)
+    try:
+        for victim in ("decode-0", "prefill-0"):
+            stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2000, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            it = iter(stream)
+            next(it)  # the request is decoding
+            os.kill(c.component(victim).proc.pid, signal.SIGKILL)
+            start = time.monotonic()
+            outcome = []
+
+            def drain() -> None:
+                try:
+                    for chunk in it:
+                        if chunk.choices and chunk.choices[0].finish_reason:
+                            outcome.append("completed")
+                except (openai.APIError, httpx.HTTPError) as e:
+                    outcome.append(type(e).__name__)
+
+            t = threading.Thread(target=drain, daemon=True)
+            t.start()
+            t.join(20)
+            assert outcome, f"the stream hung after {victim} was killed"
+            assert time.monotonic() - start < 20
+            if victim == "decode-0":
+                assert outcome != ["completed"]  # its decode worker is gone: an error, not a silent cut
+            deadline = time.monotonic() + 60  # the launcher restarts it; the cluster serves again
+            while True:
+                try:
+                    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+                    assert r.usage.completion_tokens >= 1
+                    break
+                except openai.APIError:
+                    assert time.monotonic() < deadline, f"the cluster did not serve again after {victim} was killed"
+                    time.sleep(0.5)
+            assert c.component(victim).restarts == 1
+    finally:
+        c.stop()
+
+
+@pytest.mark.slow
+def test_smollm2_disaggregated_equals_one_engine_with_and_without_the_pool(smollm2_dir, tmp_path):
+    c = start_cluster(smollm2_dir, tmp_path, model_name="smollm2", pool_dram_mib=256, max_model_len=1024)
+    try:
+        tok = Tokenizer.from_dir(smollm2_dir)
+        long_question = [{"role": "system", "content": "You are a helpful assistant. " * 20},
+                         {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]  # fmt: skip
+        prompt = tok.encode_chat(long_question)
+        be = backend(c)
+        cold = generate(be, "smol-cold", prompt, 24, temperature=0.0, ignore_eos=True)
+        warm = generate(be, "smol-warm", prompt, 24, temperature=0.0, ignore_eos=True)
+        ref = reference_tokens(smollm2_dir, prompt, 24)
+        assert cold[-1].cached_tokens == 0 and warm[-1].cached_tokens == len(prompt) // 16 * 16
+        assert tokens(cold) == ref
+        assert tokens(warm) == ref
+        text = "".join(ch.text for ch in cold)
+        assert text == tok.decode(ref)
+    finally:
+        c.stop()
+
+
+def test_a_client_that_goes_away_cancels_its_request_everywhere(cluster):
+    """Close a stream after its first token: the decode worker drops the request and its landing slots come back."""
+    decode_status = f"http://{cluster.component('decode-0').info['metrics']}"
+
+    def metric(name: str) -> float:
+        lines = httpx.get(f"{decode_status}/metrics").text.splitlines()
+        return float(next((line.split()[-1] for line in lines if line.startswith(name)), 0))
+
+    slots_before = metric("mooncake_decode_landing_free_slots")
+    cancelled = 'mooncake_decode_requests_total{outcome="cancelled"}'
+    assert metric(cancelled) == 0
+    with httpx.stream("POST", f"{cluster.endpoint}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then the client goes away
+    deadline = time.monotonic() + 10
+    while metric(cancelled) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(cancelled) == 1  # it ended as cancelled, not with its 1,000 tokens
+    assert httpx.get(f"{decode_status}/health").json()["running"] == 0
+    assert metric("mooncake_decode_landing_free_slots") == slots_before
+
+
+def test_with_no_decode_worker_alive_requests_get_503(tiny_dir, tmp_path):
+    c = start_cluster(tiny_dir, tmp_path, restart=False)
+    try:
+        c.component("decode-0").kill()
+        r = httpx.post(f"{c.endpoint}/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(c.endpoint.replace("/v1", "/health")).status_code == 503 or True  # until the Conductor expires it
+    finally:
+        c.stop()

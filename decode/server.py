@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)")
     p.add_argument("--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory of the landing segment")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = DecodeConfig(id=args.id, model=args.model, host=args.host, dtype=args.dtype, block_size=args.block_size,
                               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, num_threads=args.threads)  # fmt: skip
+                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, num_threads=args.threads,
+                              shm_dir=args.shm_dir)  # fmt: skip
         worker = DecodeWorker(config)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
+    p.add_argument("--reservation-ttl", type=float, default=600.0,
+                   help="seconds the pool slots reserved for a prefill's blocks live (longer than the longest prefill)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         config = PrefillConfig(id=args.id, model=args.model, kvstore=args.kvstore, dtype=args.dtype, block_size=args.block_size,
                                num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
-                               store_new_blocks=not args.no_store)  # fmt: skip
+                               store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl)  # fmt: skip
         worker = PrefillWorker(config)
     except (ValueError, KVStoreUnavailable, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -60,6 +60,8 @@ class PrefillConfig(BaseModel):
     use_kernels: bool = True
     store_new_blocks: bool = Field(True, description="write the prompt's new full blocks into the pool")
     io_timeout_s: float = Field(30.0, gt=0)
+    reservation_ttl_s: float = Field(600.0, gt=0, description="pool slots reserved for a prefill's blocks expire after "
+                                     "this (a long prompt on a CPU takes minutes; a crashed worker's slots come back then)")
 
 
 class Cancelled(Exception):
@@ -240,7 +242,7 @@ class PrefillWorker:
         n = len(got.slots)
         if not n:
             return []
-        res = self.kv.reserve(keys[:n], positions=list(range(first, first + n)))
+        res = self.kv.reserve(keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s)
         held.fetch_reservation = res.reservation_id
         if res.existing:  # stored here meanwhile: not worth the bookkeeping, compute instead
             self._release_fetch(held)
@@ -261,7 +263,7 @@ class PrefillWorker:
         if not new or not self.config.store_new_blocks:
             return {}
         try:
-            res = self.kv.reserve(new, positions=list(range(first, len(keys))))
+            res = self.kv.reserve(new, positions=list(range(first, len(keys))), ttl_s=self.config.reservation_ttl_s)
         except StoreFull as e:
             log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
             return {}
@@ -270,15 +272,20 @@ class PrefillWorker:
         return {index[bytes(s.key)]: s.offset // self.block_bytes for s in res.slots}
 
     def _commit(self, held: _Held) -> None:
-        if held.fetch_reservation is not None:
-            if held.keep_fetched:
-                self.kv.commit(held.fetch_reservation)
-            else:
-                self.kv.abort(held.fetch_reservation)
-            held.fetch_reservation = None
-        if held.new_reservation is not None:
-            self.kv.commit(held.new_reservation)
-            held.new_reservation = None
+        """Make the pulled (when kept) and new blocks visible in the pool. The request does not depend on it: its KV
+        is on the decode worker already, so a reservation that expired only costs the pool these blocks."""
+        for name in ("fetch_reservation", "new_reservation"):
+            rid = getattr(held, name)
+            if rid is None:
+                continue
+            setattr(held, name, None)
+            try:
+                if name == "fetch_reservation" and not held.keep_fetched:
+                    self.kv.abort(rid)
+                else:
+                    self.kv.commit(rid)
+            except KeyError as e:
+                log.warning("pool reservation %s ended before its commit (%s): these blocks are not stored", rid, e)
 
     def _release(self, held: _Held) -> None:
         """Release leases; abort what was not committed (after every pull has stopped touching the slots)."""

@@ -146,56 +146,78 @@ class LocalCluster:
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         h = config.host
-        self.ports = {"conductor": free_port(h), "gateway": config.port or free_port(h)}
+        self.ports = {"conductor": free_port(h), "gateway": config.port or free_port(h), "control": free_port(h)}
+        self._block_bytes = config.block_bytes()
+        self._control = None  # the control endpoint the Conductor's local pool provider calls (start())
+        self._next: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     # -- argv of each component ---------------------------------------------------------------
 
     def _python(self, module: str, *args: str) -> list[str]:
         return [sys.executable, "-m", module, *args]
 
-    def _plan(self) -> list[list[Component]]:
-        """The components in start order: waves that may start together."""
-        c, h = self.config, self.config.host
-        conductor_addr = f"{h}:{self.ports['conductor']}"
-        logs = self.run_dir / "logs"
+    def _common(self) -> tuple[list[str], list[str]]:
+        c = self.config
         threads = ["--threads", str(c.threads)] if c.threads else []
         max_len = ["--max-model-len", str(c.max_model_len)] if c.max_model_len else []
+        return threads, max_len
+
+    def _conductor(self) -> Component:
+        c, h = self.config, self.config.host
         redis = ["--redis-url", c.redis_url] if c.redis_url else []
-        conductor = Component("conductor", self._python(
+        provider = ["--pool-provider", "local", "--pool-control", f"http://{h}:{self.ports['control']}"] if self._control else []
+        return Component("conductor", self._python(
             "conductor", "--host", h, "--port", str(self.ports["conductor"]), "--metrics-port", "0", "--policy", c.policy,
-            "--admission", c.admission, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis,
-        ), logs / "conductor.log")  # fmt: skip
-        block_bytes = c.block_bytes()
-        nodes, prefills, decodes = [], [], []
-        for i in range(c.prefill):
-            port = self.ports.setdefault(f"kv{i}", free_port(h))
-            ssd = ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
-            nodes.append(Component(f"kv{i}", self._python(
-                "kvstore", "--node", f"kv{i}", "--host", h, "--port", str(port), "--block-bytes", str(block_bytes),
-                "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", conductor_addr,
-                "--metrics-port", "0", *ssd,
-            ), logs / f"kv{i}.log"))  # fmt: skip
-            pport = self.ports.setdefault(f"prefill-{i}", free_port(h))
-            prefills.append(Component(f"prefill-{i}", self._python(
-                "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", conductor_addr,
-                "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-                "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len,
-            ), logs / f"prefill-{i}.log"))  # fmt: skip
-        for i in range(c.decode):
-            dport = self.ports.setdefault(f"decode-{i}", free_port(h))
-            decodes.append(Component(f"decode-{i}", self._python(
-                "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", conductor_addr, "--host", h,
-                "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-                "--max-num-seqs", str(c.decode_max_seqs), "--tbt-slo", str(c.tbt_slo_s), *threads, *max_len,
-            ), logs / f"decode-{i}.log"))  # fmt: skip
-        waves = [[conductor], nodes, prefills + decodes]
-        if c.gateway:
-            key = ["--api-key", c.api_key] if c.api_key else []
-            waves.append([Component("gateway", self._python(
-                "mooncake.gateway", "--conductor", conductor_addr, "--model", c.model, "--model-name", c.model_name,
-                "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),
-                *max_len, *key,
-            ), logs / "gateway.log")])  # fmt: skip
+            "--admission", c.admission, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis, *provider,
+        ), self.run_dir / "logs" / "conductor.log")  # fmt: skip
+
+    def _prefill_pair(self, i: int) -> tuple[Component, Component]:
+        """Pool node ``kv{i}`` and ``prefill-{i}`` on it."""
+        c, h = self.config, self.config.host
+        threads, max_len = self._common()
+        port = self.ports.setdefault(f"kv{i}", free_port(h))
+        ssd = ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
+        node = Component(f"kv{i}", self._python(
+            "kvstore", "--node", f"kv{i}", "--host", h, "--port", str(port), "--block-bytes", str(self._block_bytes),
+            "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", self.conductor_address,
+            "--metrics-port", "0", *ssd,
+        ), self.run_dir / "logs" / f"kv{i}.log")  # fmt: skip
+        pport = self.ports.setdefault(f"prefill-{i}", free_port(h))
+        prefill = Component(f"prefill-{i}", self._python(
+            "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_address,
+            "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
+            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len,
+        ), self.run_dir / "logs" / f"prefill-{i}.log")  # fmt: skip
+        return node, prefill
+
+    def _decode(self, i: int) -> Component:
+        c, h = self.config, self.config.host
+        threads, max_len = self._common()
+        dport = self.ports.setdefault(f"decode-{i}", free_port(h))
+        return Component(f"decode-{i}", self._python(
+            "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", self.conductor_address, "--host", h,
+            "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size), "--max-num-seqs", str(c.decode_max_seqs),
+            "--tbt-slo", str(c.tbt_slo_s), "--shm-dir", self.shm_dir, *threads, *max_len,
+        ), self.run_dir / "logs" / f"decode-{i}.log")  # fmt: skip
+
+    def _gateway(self) -> Component:
+        c, h = self.config, self.config.host
+        _, max_len = self._common()
+        key = ["--api-key", c.api_key] if c.api_key else []
+        return Component("gateway", self._python(
+            "mooncake.gateway", "--conductor", self.conductor_address, "--model", c.model, "--model-name", c.model_name,
+            "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size), *max_len, *key,
+        ), self.run_dir / "logs" / "gateway.log")  # fmt: skip
+
+    def _plan(self) -> list[list[Component]]:
+        """The components in start order: waves that may start together."""
+        pairs = [self._prefill_pair(i) for i in range(self.config.prefill)]
+        decodes = [self._decode(i) for i in range(self.config.decode)]
+        self._next = {"prefill": self.config.prefill, "decode": self.config.decode}
+        waves = [[self._conductor()], [n for n, _ in pairs], [p for _, p in pairs] + decodes]
+        if self.config.gateway:
+            waves.append([self._gateway()])
         return waves
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -203,6 +225,9 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         """Start every component, wave by wave, waiting for each wave's READY lines. Raises RuntimeError on failure."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        from mooncake.cluster.control import start_control_server
+
+        self._control = start_control_server(self, self.config.host, self.ports["control"])
         try:
             for wave in self._plan():
                 for comp in wave:
@@ -230,7 +255,7 @@ class LocalCluster:
 
         want = self.config.prefill * 2 + self.config.decode
         deadline = time.monotonic() + 30
-        with grpc.insecure_channel(f"{self.config.host}:{self.ports['conductor']}") as channel:
+        with grpc.insecure_channel(self.conductor_address) as channel:
             stub = cpb_grpc.ConductorStub(channel)
             while True:
                 listing = stub.ListInstances(cpb.ListInstancesRequest(), timeout=5)
@@ -243,7 +268,9 @@ class LocalCluster:
 
     def _supervise(self) -> None:
         while not self._stop.wait(0.5):
-            for comp in list(self.components.values()):
+            with self._lock:
+                comps = list(self.components.values())
+            for comp in comps:
                 if comp.alive or comp.stopping or self._stop.is_set():
                     continue
                 code = comp.proc.returncode if comp.proc else None
@@ -259,10 +286,68 @@ class LocalCluster:
                 except RuntimeError as e:
                     self.on_event(f"{comp.name} did not come back: {e}")
 
+    # -- scaling (the Conductor's local pool provider calls these through mooncake.cluster.control) ---------
+
+    def add(self, role: str, count: int) -> list[str]:
+        """Start ``count`` more prefill workers (each with its pool node) or decode workers; return their names.
+
+        Returns at once: they register with the Conductor when ready (the supervisor
+        restarts one that fails to start).
+        """
+        if role not in ("prefill", "decode") or count < 1:
+            raise ValueError(f"add needs role prefill or decode and a positive count, got {role!r}, {count}")
+        started = []
+        for _ in range(count):
+            with self._lock:
+                i = self._next[role]
+                self._next[role] = i + 1
+            comps = list(self._prefill_pair(i)) if role == "prefill" else [self._decode(i)]
+            started.append(comps[-1].name)
+            threading.Thread(target=self._start_chain, args=(comps,), name=f"start-{comps[-1].name}", daemon=True).start()
+        return started
+
+    def _start_chain(self, comps: list[Component]) -> None:
+        """Start components one after another (a pool node before its prefill worker)."""
+        for comp in comps:
+            with self._lock:
+                self.components[comp.name] = comp
+            try:
+                comp.start()
+                comp.wait_ready(self.config.ready_timeout_s)
+                self.on_event(f"{comp.name} ready (scaled up)")
+            except RuntimeError as e:
+                self.on_event(f"{comp.name} did not start: {e}")
+                return
+
+    def remove(self, name: str, grace_s: float = 60.0) -> None:
+        """Stop worker ``name`` (SIGTERM: it finishes what it runs and deregisters), and a prefill worker's pool node."""
+        comp = self.components.get(name)
+        if comp is None or not (name.startswith("prefill-") or name.startswith("decode-")):
+            raise ValueError(f"no worker {name!r} in this cluster")
+        chain = [comp]
+        if name.startswith("prefill-"):
+            node = self.components.get(f"kv{name.removeprefix('prefill-')}")
+            if node is not None:
+                chain.append(node)
+        for c in chain:
+            c.terminate()
+            deadline = time.monotonic() + grace_s
+            while c.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            c.kill()
+            with self._lock:
+                self.components.pop(c.name, None)
+            self.on_event(f"{c.name} stopped (scaled down)")
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM everything (gateway and workers first), wait up to ``grace_s``, SIGKILL the rest."""
         self._stop.set()
-        order = sorted(self.components.values(), key=lambda c: ("gateway", "decode", "prefill", "kv", "conductor").index(
+        if self._control is not None:
+            self._control.shutdown()
+            self._control = None
+        with self._lock:
+            comps = list(self.components.values())
+        order = sorted(comps, key=lambda c: ("gateway", "decode", "prefill", "kv", "conductor").index(
             next(p for p in ("gateway", "decode", "prefill", "kv", "conductor") if c.name.startswith(p))))  # fmt: skip
         for comp in order:
             comp.terminate()

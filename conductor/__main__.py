@@ -20,10 +20,11 @@ from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
 from conductor.core import ConductorConfig
 from conductor.persistence import make_store
+from conductor.pool import make_provider
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
 from conductor.service import ConductorService, start_server
-from conductor.types import Slo
+from conductor.types import Role, Slo
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--balancing-threshold", type=float, default=1.5, help="kvcache_centric: fetch a prefix this many times the local one")
     p.add_argument("--tier-aware", action="store_true", help="price SSD-resident prefix blocks by their load time")
     p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate assumed until samples arrive")
+    p.add_argument("--pool-provider", choices=["none", "local", "kubernetes"], default="none",
+                   help="how `mooncake pool scale` adds and removes workers: local (the processes of `mooncake up`), "
+                        "kubernetes (the pools' Deployments), none (refused)")
+    p.add_argument("--pool-control", help="local: the launcher's control URL")
+    p.add_argument("--namespace", default="default", help="kubernetes: the pools' namespace")
+    p.add_argument("--prefill-deployment", default="mooncake-prefill", help="kubernetes: the prefill pool's Deployment")
+    p.add_argument("--decode-deployment", default="mooncake-decode", help="kubernetes: the decode pool's Deployment")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -84,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = build_config(args)
         store = make_store(args.redis_url)
+        provider = make_provider(args.pool_provider, args.pool_control, args.namespace,
+                                 {Role.PREFILL: args.prefill_deployment, Role.DECODE: args.decode_deployment})  # fmt: skip
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    service = ConductorService(config, store)
+    service = ConductorService(config, store, provider=provider)
     try:
         server, port = start_server(service, args.host, args.port)
     except (ValueError, RuntimeError) as e:

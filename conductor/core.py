@@ -47,6 +47,16 @@ class ConductorConfig(BaseModel):
 
 
 @dataclass
+class Served:
+    """What one prefill instance was given so far (the admin API's per-instance cache figures)."""
+
+    decisions: int = 0
+    prompt_blocks: int = 0
+    reused_blocks: int = 0  # of those, local or fetched instead of computed
+    fetched_blocks: int = 0
+
+
+@dataclass
 class Counters:
     """Decisions so far (what /metrics and the admin API report)."""
 
@@ -67,6 +77,9 @@ class Conductor:
         self.policy = make_policy(self.config.policy, self.config.policy_config)
         self.admission = self.config.admission
         self.counters = Counters()
+        self.served: dict[str, Served] = {}  # prefill instance id -> what it was given
+        self.last_sent: dict[str, float] = {}  # instance id -> when a request was last placed on it
+        self.retiring: set[str] = set()  # drained instances to stop (through the pool provider) once idle
 
     # -- configuration at run time -------------------------------------------------------
 
@@ -87,6 +100,7 @@ class Conductor:
             raise ValueError("an instance needs an id and an address")
         inst.state, inst.last_heartbeat = InstanceState.ALIVE, now
         self.instances[inst.id] = inst
+        self.retiring.discard(inst.id)
 
     def heartbeat(self, instance_id: str, load: Load, now: float) -> None:
         inst = self.instances.get(instance_id)
@@ -96,13 +110,55 @@ class Conductor:
         if inst.role is Role.DECODE and load.step_s > 0 and load.running_requests > 0:
             self.predictors.decode.observe(load.running_requests, load.context_tokens, load.step_s)
 
-    def drain(self, instance_id: str) -> None:
+    def drain(self, instance_id: str, remove: bool = False) -> None:
+        """Send ``instance_id`` nothing new; with ``remove``, stop it once it is idle (``idle_to_remove``)."""
         inst = self._get(instance_id)
         if inst.state is InstanceState.ALIVE:
             inst.state = InstanceState.DRAINING
+        if remove and inst.role is not Role.KVSTORE:
+            self.retiring.add(instance_id)
+
+    def scale_plan(self, role: Role | str, replicas: int) -> tuple[int, list[str]]:
+        """How to reach ``replicas`` schedulable instances of ``role``: (how many to add, which to drain and remove).
+
+        Scaling down picks the least busy instances (ties: the last by id, so the first
+        ones stay). Raises ValueError for the pool role or fewer than one replica.
+        """
+        role = Role(role)
+        if role is Role.KVSTORE:
+            raise ValueError("pool nodes scale with their prefill workers; scale prefill or decode")
+        if replicas < 1:
+            raise ValueError(f"a pool needs at least one instance (every request would be rejected); got {replicas}")
+        alive = self.alive(role)
+        if replicas >= len(alive):
+            return replicas - len(alive), []
+
+        def busy(i: Instance) -> tuple:
+            return (i.load.queued_requests + i.load.running_requests, i.load.queued_s, [-ord(ch) for ch in i.id])
+
+        return 0, [i.id for i in sorted(alive, key=busy)[: len(alive) - replicas]]
+
+    def idle_to_remove(self, now: float, quiet_s: float) -> list[Instance]:
+        """Retiring instances with nothing left to do: reported idle, no request in flight to them, and nothing
+        placed there for ``quiet_s`` (a request placed just before the drain may not have reached them yet)."""
+        out = []
+        for iid in list(self.retiring):
+            inst = self.instances.get(iid)
+            if inst is None or inst.state is not InstanceState.DRAINING:
+                self.retiring.discard(iid)
+                continue
+            load = inst.load
+            busy = load.queued_requests or load.running_requests
+            if inst.role is Role.DECODE:
+                busy = busy or self.forecast.count(iid)
+            if not busy and now - self.last_sent.get(iid, -float("inf")) >= quiet_s and inst.last_heartbeat > self.last_sent.get(iid, -float("inf")):
+                out.append(inst)
+        return out
 
     def deregister(self, instance_id: str) -> None:
         inst = self.instances.pop(instance_id, None)
+        self.retiring.discard(instance_id)
+        self.last_sent.pop(instance_id, None)
         if inst is not None:
             self._forget(inst)
 
@@ -268,6 +324,12 @@ class Conductor:
         load.queued_s += choice.prefill_s + choice.transfer_s
         load.queued_requests += 1
         self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now)
+        self.last_sent[choice.instance.id] = self.last_sent[decode.id] = now
+        served = self.served.setdefault(choice.instance.id, Served())
+        served.decisions += 1
+        served.prompt_blocks += len(req.keys)
+        served.reused_blocks += choice.plan.reused_blocks
+        served.fetched_blocks += choice.plan.fetch_blocks
         c = self.counters
         c.scheduled += 1
         c.reused_blocks += choice.plan.reused_blocks

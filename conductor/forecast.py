@@ -127,6 +127,14 @@ class DecodeForecast:
     def __len__(self) -> int:
         return len(self._row)
 
+    def count(self, decode: str) -> int:
+        """Requests sent to ``decode`` that have not finished."""
+        number = self._decode_number.get(decode)
+        if number is None:
+            return 0
+        n = len(self._ids)
+        return int(np.count_nonzero(self._live[:n] & (self._decode[:n] == number)))
+
     def _grow(self) -> int:
         """A fresh row (the columns double when full)."""
         row = len(self._ids)

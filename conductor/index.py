@@ -185,6 +185,10 @@ class KVIndex:
     def node_blocks(self, node: str) -> int:
         return len(self._held.get(node, ()))
 
+    def node_dram_blocks(self, node: str) -> int:
+        """Of ``node_blocks``, those held in DRAM (an admin figure: one pass over the node's blocks)."""
+        return sum(1 for bits in self._held.get(node, {}).values() if bits & DRAM_BIT)
+
     @property
     def nodes(self) -> list[str]:
         return list(self._held)

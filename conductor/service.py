@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conductor.core import Conductor, ConductorConfig
 from conductor.persistence import MemoryStore
+from conductor.pool import NoProvider, PoolProvider
 from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, Role, ScheduleRequest
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.events import Tier
@@ -90,8 +91,12 @@ class _Watcher:
 class ConductorService:
     """The Conductor, its persistence, metrics and background threads. Thread-safe."""
 
-    def __init__(self, config: ConductorConfig, store: MemoryStore | None = None, expire_every_s: float = 0.5) -> None:
+    def __init__(self, config: ConductorConfig, store: MemoryStore | None = None, expire_every_s: float = 0.5,
+                 provider: PoolProvider | None = None, retire_quiet_s: float = 3.0) -> None:  # fmt: skip
         self.conductor = Conductor(config)
+        self.provider = provider or NoProvider()
+        self.retire_quiet_s = retire_quiet_s
+        self._removing: set[str] = set()  # instances the provider is stopping now
         self.store = store or MemoryStore()
         self.metrics = Metrics()
         self._lock = threading.Lock()
@@ -158,12 +163,30 @@ class ConductorService:
             self.store.delete_instance(instance_id)
         self._unwatch(instance_id)
 
-    def drain(self, instance_id: str) -> InstanceState:
+    def drain(self, instance_id: str, remove: bool = False) -> InstanceState:
+        if remove and isinstance(self.provider, NoProvider):
+            raise ValueError("this Conductor has no pool provider to stop the instance: drain without --remove, "
+                             "or start the Conductor with --pool-provider local or kubernetes")  # fmt: skip
         with self._lock:
-            self.conductor.drain(instance_id)
+            self.conductor.drain(instance_id, remove)
             inst = self.conductor.instances[instance_id]
             self.store.save_instance(inst)
             return inst.state
+
+    def scale(self, role: Role, replicas: int) -> tuple[int, list[str], list[str]]:
+        """Bring ``role``'s pool to ``replicas`` (see Conductor.scale_plan); return (alive before, started, draining)."""
+        with self._lock:
+            alive = len(self.conductor.alive(role))
+            add, drain = self.conductor.scale_plan(role, replicas)
+            if drain and isinstance(self.provider, NoProvider):
+                raise ValueError("this Conductor has no pool provider: start it with --pool-provider local or kubernetes")
+            for iid in drain:
+                self.conductor.drain(iid, remove=True)
+                self.store.save_instance(self.conductor.instances[iid])
+        started = self.provider.add(role, add) if add else []
+        if add or drain:
+            log.info("scaling %s from %d to %d: started %s, draining %s", role.value, alive, replicas, started, drain)
+        return alive, started, drain
 
     def set_policy(self, policy: str, admission: str) -> tuple[str, str]:
         with self._lock:
@@ -234,12 +257,15 @@ class ConductorService:
                         self.conductor.removed(node, bytes(e.key), KV_TIER[e.tier])
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
 
-    def snapshot_instances(self, role: Role | None = None) -> list[tuple[Instance, float, int]]:
-        """(instance, seconds since its heartbeat, blocks the index has on its node) for the admin API."""
+    def snapshot_instances(self, role: Role | None = None) -> list[tuple[Instance, float, int, int, object, bool]]:
+        """(instance, seconds since its heartbeat, blocks the index has on its node, of those in DRAM, what it was
+        served (prefill), retiring) for the admin API."""
         now = time.monotonic()
+        c = self.conductor
         with self._lock:
-            return [(i, now - i.last_heartbeat, self.conductor.index.node_blocks(i.node))
-                    for i in self.conductor.instances.values() if role is None or i.role is role]  # fmt: skip
+            return [(i, now - i.last_heartbeat, c.index.node_blocks(i.node), c.index.node_dram_blocks(i.node),
+                     c.served.get(i.id), i.id in c.retiring)
+                    for i in c.instances.values() if role is None or i.role is role]  # fmt: skip
 
     # -- background ---------------------------------------------------------------------------
 
@@ -257,8 +283,30 @@ class ConductorService:
                 for instance_id in dead:
                     log.warning("instance %s missed its heartbeats: marked dead", instance_id)
                     self._unwatch(instance_id)
+                self._retire_idle()
             except Exception:  # keep expiring; a bug here must not silently stop it
                 log.exception("expiry failed")
+
+    def _retire_idle(self) -> None:
+        """Hand drained instances that finished their work to the provider (each on a thread: stopping takes a while)."""
+        with self._lock:
+            idle = [i for i in self.conductor.idle_to_remove(time.monotonic(), self.retire_quiet_s) if i.id not in self._removing]
+            self._removing.update(i.id for i in idle)
+        for inst in idle:
+            threading.Thread(target=self._remove, args=(inst,), name=f"conductor-remove-{inst.id}", daemon=True).start()
+
+    def _remove(self, inst: Instance) -> None:
+        log.info("%s is drained and idle: stopping it (%s provider)", inst.id, self.provider.kind)
+        try:
+            self.provider.remove(inst)
+        except (RuntimeError, ValueError) as e:
+            log.warning("could not stop %s (%s); trying again", inst.id, e)
+            with self._lock:
+                self._removing.discard(inst.id)
+            return
+        with self._lock:  # it deregisters itself as it stops; until then it stays drained
+            self.conductor.retiring.discard(inst.id)
+            self._removing.discard(inst.id)
 
     def close(self) -> None:
         self._stop.set()
@@ -351,17 +399,34 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         role = PB_TO_ROLE.get(request.role)
         rows = self.service.snapshot_instances(role)
         c = self.service.conductor
+        infos = []
+        for i, age, blocks, dram, served, retiring in rows:
+            info = pb.InstanceInfo(id=i.id, role=ROLE_TO_PB[i.role], address=i.address, node=i.node, model=i.model,
+                                   capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age, load=load_to_pb(i.load),
+                                   indexed_blocks=blocks, dram_blocks=dram, retiring=retiring)  # fmt: skip
+            if served is not None:
+                info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks
+                info.reused_blocks, info.fetched_blocks = served.reused_blocks, served.fetched_blocks
+            infos.append(info)
         return pb.ListInstancesResponse(
-            instances=[pb.InstanceInfo(id=i.id, role=ROLE_TO_PB[i.role], address=i.address, node=i.node, model=i.model,
-                                       capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age,
-                                       load=load_to_pb(i.load), indexed_blocks=blocks) for i, age, blocks in rows],
+            instances=infos,
             policy=c.policy.kind.value, admission=c.admission.value, index_blocks=c.index.num_blocks,
             scheduled=c.counters.scheduled, rejected=c.counters.rejected,
         )  # fmt: skip
 
     @_status
     def Drain(self, request, context):
-        return pb.DrainResponse(state=STATE_TO_PB[self.service.drain(request.id)])
+        return pb.DrainResponse(state=STATE_TO_PB[self.service.drain(request.id, request.remove)])
+
+    @_status
+    def ScalePool(self, request, context):
+        if request.role not in (pb.PREFILL, pb.DECODE):
+            raise ValueError("role must be PREFILL or DECODE (pool nodes scale with their prefill workers)")
+        try:
+            alive, started, draining = self.service.scale(PB_TO_ROLE[request.role], request.replicas)
+        except RuntimeError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.ScalePoolResponse(provider=self.service.provider.kind, alive=alive, started=started, draining=draining)
 
     @_status
     def Deregister(self, request, context):

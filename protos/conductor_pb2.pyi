@@ -242,7 +242,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks", "dram_blocks", "decisions", "prompt_blocks", "reused_blocks", "fetched_blocks", "retiring")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,12 @@ class InstanceInfo(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETIRING_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -263,7 +269,13 @@ class InstanceInfo(_message.Message):
     heartbeat_age_s: float
     load: Load
     indexed_blocks: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ...) -> None: ...
+    dram_blocks: int
+    decisions: int
+    prompt_blocks: int
+    reused_blocks: int
+    fetched_blocks: int
+    retiring: bool
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected")
@@ -289,10 +301,12 @@ class ListInstancesResponse(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("id",)
+    __slots__ = ("id", "remove")
     ID_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
     id: str
-    def __init__(self, id: _Optional[str] = ...) -> None: ...
+    remove: bool
+    def __init__(self, id: _Optional[str] = ..., remove: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("state",)
@@ -325,3 +339,23 @@ class SetPolicyResponse(_message.Message):
     policy: str
     admission: str
     def __init__(self, policy: _Optional[str] = ..., admission: _Optional[str] = ...) -> None: ...
+
+class ScalePoolRequest(_message.Message):
+    __slots__ = ("role", "replicas")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    replicas: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ScalePoolResponse(_message.Message):
+    __slots__ = ("provider", "alive", "started", "draining")
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    provider: str
+    alive: int
+    started: _containers.RepeatedScalarFieldContainer[str]
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, provider: _Optional[str] = ..., alive: _Optional[int] = ..., started: _Optional[_Iterable[str]] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -79,6 +79,11 @@ class ConductorStub:
                 request_serializer=protos_dot_conductor__pb2.SetPolicyRequest.SerializeToString,
                 response_deserializer=protos_dot_conductor__pb2.SetPolicyResponse.FromString,
                 _registered_method=True)
+        self.ScalePool = channel.unary_unary(
+                '/mooncake.conductor.Conductor/ScalePool',
+                request_serializer=protos_dot_conductor__pb2.ScalePoolRequest.SerializeToString,
+                response_deserializer=protos_dot_conductor__pb2.ScalePoolResponse.FromString,
+                _registered_method=True)
 
 
 class ConductorServicer:
@@ -139,6 +144,12 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScalePool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +197,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.SetPolicy,
                     request_deserializer=protos_dot_conductor__pb2.SetPolicyRequest.FromString,
                     response_serializer=protos_dot_conductor__pb2.SetPolicyResponse.SerializeToString,
+            ),
+            'ScalePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScalePool,
+                    request_deserializer=protos_dot_conductor__pb2.ScalePoolRequest.FromString,
+                    response_serializer=protos_dot_conductor__pb2.ScalePoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +447,33 @@ class Conductor:
             '/mooncake.conductor.Conductor/SetPolicy',
             protos_dot_conductor__pb2.SetPolicyRequest.SerializeToString,
             protos_dot_conductor__pb2.SetPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScalePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.conductor.Conductor/ScalePool',
+            protos_dot_conductor__pb2.ScalePoolRequest.SerializeToString,
+            protos_dot_conductor__pb2.ScalePoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,7 +6,7 @@ import logging
 
 import typer
 
-from mooncake.cli import chat_cmd, model_cmd, up_cmd
+from mooncake.cli import chat_cmd, model_cmd, pool_cmd, up_cmd
 
 app = typer.Typer(
     help="Mooncake-style disaggregated LLM serving: the cluster (up, serve), models, and a single-engine chat.",
@@ -16,6 +16,8 @@ app.add_typer(model_cmd.app, name="model")
 app.command("chat")(chat_cmd.chat)
 app.command("generate")(chat_cmd.generate)
 app.command("up")(up_cmd.up)
+app.command("status")(pool_cmd.status)
+app.add_typer(pool_cmd.app, name="pool")
 app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(up_cmd.serve)
 
 

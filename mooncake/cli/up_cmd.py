@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import signal
 import sys
 import threading
@@ -73,10 +75,14 @@ def up(
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
     console.print(f"logs: {cluster.run_dir / 'logs'}")
-    console.print(f"OpenAI endpoint: [bold]{cluster.endpoint}[/bold]  (model: {config.model_name})")
+    console.print(f"OpenAI endpoint: [bold]{cluster.endpoint}[/bold]  (model: {config.model_name}); "
+                  f"Conductor {cluster.conductor_address} (`mooncake status`, `mooncake pool scale`)")  # fmt: skip
+    current = workdir / "current.json"
+    current.write_text(json.dumps({"conductor": cluster.conductor_address, "endpoint": cluster.endpoint, "pid": os.getpid()}))
     print(f"mooncake is ready at {cluster.endpoint}", flush=True)
     stop.wait()
     console.print("stopping every component")
+    current.unlink(missing_ok=True)
     cluster.stop()
 
 

@@ -1,0 +1,144 @@
+"""The operator's commands: ``mooncake status``, ``mooncake pool scale``, ``mooncake pool drain`` (through the Conductor)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import grpc
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from protos import conductor_pb2 as pb
+from protos import conductor_pb2_grpc as pb_grpc
+
+console = Console()
+err = Console(stderr=True)
+app = typer.Typer(help="See and scale the prefill and decode pools (through the Conductor's admin API).", no_args_is_help=True)
+
+RUN_DIR = Path.home() / ".cache" / "mooncake" / "run"
+CURRENT = RUN_DIR / "current.json"  # written by `mooncake up` while it runs
+ConductorOpt = typer.Option(None, "--conductor", "-c", envvar="MOONCAKE_CONDUCTOR",
+                            help="The Conductor's gRPC address [default: the one `mooncake up` runs here]")  # fmt: skip
+ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
+
+
+def conductor_address(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return json.loads(CURRENT.read_text())["conductor"]
+    except (OSError, ValueError, KeyError):
+        err.print("[red]error:[/red] no Conductor address: pass --conductor HOST:PORT (or run `mooncake up` here)")
+        raise typer.Exit(2) from None
+
+
+def _stub(address: str) -> pb_grpc.ConductorStub:
+    return pb_grpc.ConductorStub(grpc.insecure_channel(address))
+
+
+def _call(fn, request, address: str):
+    try:
+        return fn(request, timeout=10)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            err.print(f"[red]error:[/red] the Conductor at {address} does not answer ({e.code().name})")
+        else:
+            err.print(f"[red]error:[/red] {e.details()}")
+        raise typer.Exit(1) from None
+
+
+def _ratio(n: int, d: int) -> str:
+    return f"{n / d:.0%}" if d else "-"
+
+
+def status_table(listing: pb.ListInstancesResponse) -> Table:
+    t = Table(title=f"policy {listing.policy}, admission {listing.admission}: {listing.scheduled} scheduled, "
+                    f"{sum(listing.rejected.values())} rejected, {listing.index_blocks} blocks indexed")  # fmt: skip
+    for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
+        t.add_column(c, justify="left" if c in ("instance", "role", "address", "state") else "right")
+    nodes = {i.node: i for i in listing.instances if i.role == pb.KVSTORE}
+    order = {pb.PREFILL: 0, pb.KVSTORE: 1, pb.DECODE: 2}
+    for i in sorted(listing.instances, key=lambda i: (order.get(i.role, 3), i.id)):
+        role = pb.Role.Name(i.role).lower()
+        state = pb.InstanceState.Name(i.state).lower() + (" (retiring)" if i.retiring else "")
+        kv = "-"
+        if i.role in (pb.PREFILL, pb.KVSTORE):
+            node = nodes.get(i.node)
+            if node is not None:
+                kv = f"{node.dram_blocks} / {node.indexed_blocks}" + (f" of {node.capacity}" if node.capacity else "")
+        if i.role == pb.PREFILL:
+            load = f"{i.load.queued_requests} queued, {i.load.queued_s:.2f} s"
+            running, hit = str(i.load.running_requests), f"{_ratio(i.reused_blocks, i.prompt_blocks)} of {i.decisions} req"
+        elif i.role == pb.DECODE:
+            load = f"{i.load.queued_requests} in prefill"
+            running = f"{i.load.running_requests} ({i.load.step_s * 1e3:.0f} ms/step)" if i.load.step_s else str(i.load.running_requests)
+            hit = "-"
+        else:
+            load = running = hit = "-"
+        t.add_row(i.id, role, i.address, state, load, running, kv, hit, f"{i.heartbeat_age_s:.1f} s ago")
+    return t
+
+
+def status(conductor: Optional[str] = ConductorOpt, watch: float = typer.Option(0.0, "--watch", "-w", help="Refresh every N seconds")) -> None:
+    """A table of every instance: role, address, state, load, running batch, KV per tier, cache hit ratio."""
+    address = conductor_address(conductor)
+    stub = _stub(address)
+    while True:
+        listing = _call(stub.ListInstances, pb.ListInstancesRequest(), address)
+        if watch:
+            console.clear()
+        console.print(status_table(listing))
+        if not watch:
+            return
+        time.sleep(watch)
+
+
+@app.command("scale")
+def scale(
+    role: str = typer.Argument(..., help="prefill | decode"),
+    replicas: int = typer.Argument(..., min=1, help="How many instances the pool should have"),
+    conductor: Optional[str] = ConductorOpt,
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the pool has exactly that many (started ones ready, drained ones gone)"),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait"),
+) -> None:
+    """Scale a pool: start instances through the pool provider, or drain the least busy and stop them once idle."""
+    if role not in ROLES:
+        err.print(f"[red]error:[/red] role must be prefill or decode, not {role!r}")
+        raise typer.Exit(2)
+    address = conductor_address(conductor)
+    stub = _stub(address)
+    r = _call(stub.ScalePool, pb.ScalePoolRequest(role=ROLES[role], replicas=replicas), address)
+    console.print(f"{role}: {r.alive} -> {replicas} ({r.provider} provider)"
+                  + (f"; starting {', '.join(r.started)}" if r.started else "")
+                  + (f"; draining {', '.join(r.draining)}" if r.draining else ""))  # fmt: skip
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout
+    with console.status(f"waiting for {replicas} {role} instances"):
+        while True:
+            listing = _call(stub.ListInstances, pb.ListInstancesRequest(role=ROLES[role]), address)
+            alive = [i for i in listing.instances if i.state == pb.ALIVE]
+            leaving = [i for i in listing.instances if i.state == pb.DRAINING]
+            if len(alive) == replicas and not leaving:
+                break
+            if time.monotonic() > deadline:
+                err.print(f"[red]error:[/red] after {timeout:.0f} s: {len(alive)} alive, {len(leaving)} still draining")
+                raise typer.Exit(1)
+            time.sleep(0.5)
+    console.print(f"{role} pool: {replicas} alive ({', '.join(sorted(i.id for i in alive))})")
+
+
+@app.command("drain")
+def drain(
+    instance: str = typer.Argument(..., help="An instance id (`mooncake status` lists them)"),
+    conductor: Optional[str] = ConductorOpt,
+    remove: bool = typer.Option(True, "--remove/--keep", help="Stop it once idle (needs a pool provider) or keep it drained"),
+) -> None:
+    """Send an instance no new work; let what it runs finish; then (by default) stop it."""
+    address = conductor_address(conductor)
+    r = _call(_stub(address).Drain, pb.DrainRequest(id=instance, remove=remove), address)
+    console.print(f"{instance}: {pb.InstanceState.Name(r.state).lower()}" + (" (stopped once idle)" if remove else ""))

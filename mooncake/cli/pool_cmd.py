@@ -16,6 +16,8 @@ from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
 console = Console()
+if not console.is_terminal:  # a pipe or a log: wide enough for the status table
+    console = Console(width=200)
 err = Console(stderr=True)
 app = typer.Typer(help="See and scale the prefill and decode pools (through the Conductor's admin API).", no_args_is_help=True)
 

@@ -101,9 +101,20 @@ class KubernetesProvider(PoolProvider):
             try:
                 config.load_incluster_config()
             except config.ConfigException:
-                config.load_kube_config()
+                try:
+                    config.load_kube_config()
+                except (config.ConfigException, OSError) as e:
+                    raise RuntimeError(f"no Kubernetes API to scale with (neither in-cluster config nor a kubeconfig): {e}") from None
             self._api = (client.AppsV1Api(), client.CoreV1Api())
         return self._api
+
+    def _guarded(self, what: str, fn):
+        try:
+            return fn()
+        except (RuntimeError, ValueError):
+            raise
+        except Exception as e:  # the client's ApiException, connection errors: the provider failed, say why
+            raise RuntimeError(f"kubernetes: {what} failed: {e}") from None
 
     def _deployment(self, role: Role) -> str:
         name = self.deployments.get(role)
@@ -120,13 +131,16 @@ class KubernetesProvider(PoolProvider):
         return replicas
 
     def add(self, role: Role, count: int) -> list[str]:
-        replicas = self._scale_by(role, count)
+        replicas = self._guarded(f"scaling {role.value} up", lambda: self._scale_by(role, count))
         return [f"{self._deployment(role)} replicas -> {replicas}"]
 
     def remove(self, inst: Instance) -> None:
-        _, core = self._clients()
-        core.patch_namespaced_pod(inst.id, self.namespace, {"metadata": {"annotations": {DELETION_COST: "-1000000"}}})
-        self._scale_by(inst.role, -1)
+        def remove() -> None:
+            _, core = self._clients()
+            core.patch_namespaced_pod(inst.id, self.namespace, {"metadata": {"annotations": {DELETION_COST: "-1000000"}}})
+            self._scale_by(inst.role, -1)
+
+        self._guarded(f"removing {inst.id}", remove)
 
 
 def make_provider(kind: str, control_url: str | None = None, namespace: str = "default",

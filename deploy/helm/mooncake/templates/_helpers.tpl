@@ -1,0 +1,155 @@
+{{/*
+Names, labels and the pieces every component's pod shares.
+*/}}
+
+{{- define "mooncake.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>-<chart>, or fullnameOverride; at most 50 characters so "-conductor" etc. fit in 63. */}}
+{{- define "mooncake.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "mooncake.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "prefill"). */}}
+{{- define "mooncake.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mooncake.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All labels of one component's objects. */}}
+{{- define "mooncake.labels" -}}
+helm.sh/chart: {{ include "mooncake.chart" .ctx }}
+{{ include "mooncake.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: mooncake
+{{- end }}
+
+{{- define "mooncake.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{- define "mooncake.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (printf "%s-conductor" (include "mooncake.fullname" .)) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The Conductor's gRPC address, as every other component dials it. */}}
+{{- define "mooncake.conductorAddress" -}}
+{{- printf "%s-conductor:%d" (include "mooncake.fullname" .) (int .Values.conductor.port) }}
+{{- end }}
+
+{{/* true when the Conductor persists to a Redis (in the release or external). */}}
+{{- define "mooncake.redisEnabled" -}}
+{{- if or .Values.redis.externalUrlSecret.name .Values.redis.externalUrl .Values.redis.enabled }}true{{ end }}
+{{- end }}
+
+{{/* true when the chart runs its own Redis StatefulSet. */}}
+{{- define "mooncake.redisInRelease" -}}
+{{- if and .Values.redis.enabled (not .Values.redis.externalUrl) (not .Values.redis.externalUrlSecret.name) }}true{{ end }}
+{{- end }}
+
+{{/* The env entry MOONCAKE_REDIS_URL (only called when mooncake.redisEnabled). */}}
+{{- define "mooncake.redisUrlEnv" -}}
+- name: MOONCAKE_REDIS_URL
+{{- if .Values.redis.externalUrlSecret.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.externalUrlSecret.name }}
+      key: {{ .Values.redis.externalUrlSecret.key }}
+{{- else if .Values.redis.externalUrl }}
+  value: {{ .Values.redis.externalUrl | quote }}
+{{- else }}
+  value: {{ printf "redis://%s-redis:%d/0" (include "mooncake.fullname" .) (int .Values.redis.port) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the gateway's API key, or "" when none is configured. */}}
+{{- define "mooncake.apiKeySecret" -}}
+{{- if .Values.gateway.apiKey.existingSecret }}
+{{- .Values.gateway.apiKey.existingSecret }}
+{{- else if .Values.gateway.apiKey.value }}
+{{- printf "%s-gateway" (include "mooncake.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment of every mooncake container: the ConfigMap's shared settings plus the pod's
+name and IP from the downward API. Workers and pool nodes bind and advertise the pod IP:
+the address they register with the Conductor is --host:--port, and peers dial it.
+*/}}
+{{- define "mooncake.podEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: HOME
+  value: /home/mooncake
+{{- end }}
+
+{{- define "mooncake.envFrom" -}}
+- configMapRef:
+    name: {{ include "mooncake.fullname" . }}-config
+{{- end }}
+
+{{/* Pod annotations that roll the pods when the shared settings change. */}}
+{{- define "mooncake.configChecksum" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- end }}
+
+{{/*
+Resources of a worker container, with nvidia.com/gpu added to requests and limits
+when gpus > 0: (dict "resources" .Values.prefill.resources "gpus" .Values.prefill.gpus).
+*/}}
+{{- define "mooncake.workerResources" -}}
+{{- $res := deepCopy (default dict .resources) }}
+{{- if gt (int .gpus) 0 }}
+{{- $req := default dict (get $res "requests") }}
+{{- $lim := default dict (get $res "limits") }}
+{{- $_ := set $req "nvidia.com/gpu" (int .gpus) }}
+{{- $_ := set $lim "nvidia.com/gpu" (int .gpus) }}
+{{- $_ := set $res "requests" $req }}
+{{- $_ := set $res "limits" $lim }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* An HTTP probe: (dict "path" "/health" "port" "metrics" "period" 10 "failures" 3). */}}
+{{- define "mooncake.httpProbe" -}}
+httpGet:
+  path: {{ .path }}
+  port: {{ .port }}
+periodSeconds: {{ .period | default 10 }}
+timeoutSeconds: {{ .timeout | default 3 }}
+failureThreshold: {{ .failures | default 3 }}
+{{- end }}
+
+{{/* Fail rendering when a grace period does not cover the drain it must allow. */}}
+{{- define "mooncake.checkGrace" -}}
+{{- if le (int .grace) (int .drain) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed %s.drainTimeoutSeconds (%v)" .who .grace .who .drain) }}
+{{- end }}
+{{- end }}

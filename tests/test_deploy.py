@@ -1,0 +1,698 @@
+"""The Kubernetes deployment in deploy/: the helm chart, its production values, the Grafana dashboard.
+
+The chart must lint (``helm lint --strict``), render (``helm template``) and validate
+against the Kubernetes schemas (``kubernetes-validate --strict``) with the default values
+and with deploy/helm/values-production.yaml; what it renders must be what a user relies
+on (the prefill pod's pool node sidecar on a shared tmpfs, probes on the real /health
+endpoints, GPUs only when asked for, the Conductor allowed to scale the pools), and the
+command line of every container must parse with the component's own argument parser. The
+dashboard may query only metrics the code exports.
+
+helm comes from deploy/tools/install-helm.sh and kubernetes-validate from pip; when
+either is missing these tests fail (they never skip) with the command that installs it.
+No cluster and no Docker engine are needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "deploy" / "helm" / "mooncake"
+PRODUCTION = REPO / "deploy" / "helm" / "values-production.yaml"
+DASHBOARD = REPO / "deploy" / "grafana" / "mooncake.json"
+RELEASE, NAMESPACE = "mc", "serving"
+PREFIX = f"{RELEASE}-mooncake"
+VALUE_SETS = {"default": [], "production": ["-f", str(PRODUCTION)]}
+
+# The files whose Prometheus metrics the dashboard may query.
+METRIC_SOURCES = [
+    "mooncake/gateway/metrics.py", "decode/server.py", "prefill/server.py", "kvstore/metrics.py", "conductor/service.py",
+]  # fmt: skip
+
+
+def _tool(name: str, install: str) -> str:
+    """The path of ``name`` on PATH or in this interpreter's (or the repo's) venv; fail, never skip, without it."""
+    candidates = [shutil.which(name), Path(sys.executable).parent / name, REPO / ".venv" / "bin" / name]
+    for found in candidates:
+        if found and Path(found).is_file():
+            return str(found)
+    pytest.fail(f"{name} is not installed; install it with: {install}")
+
+
+@functools.cache
+def helm() -> str:
+    return _tool("helm", "deploy/tools/install-helm.sh .venv/bin")
+
+
+@functools.cache
+def kubernetes_validate() -> str:
+    return _tool("kubernetes-validate", ".venv/bin/pip install kubernetes-validate")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+@functools.cache
+def render_text(*extra: str) -> str:
+    out = run(helm(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *extra)
+    assert out.returncode == 0, f"helm template {' '.join(extra)} failed:\n{out.stderr}"
+    return out.stdout
+
+
+def render(*extra: str) -> list[dict]:
+    """The documents ``helm template`` renders (empty ones dropped)."""
+    return [d for d in yaml.safe_load_all(render_text(*extra)) if d]
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, rendered: {[(d['kind'], d['metadata']['name']) for d in docs]}"
+    return found[0]
+
+
+def kinds(docs: list[dict]) -> set[str]:
+    return {d["kind"] for d in docs}
+
+
+def pod_spec(docs: list[dict], component: str) -> dict:
+    return find(docs, "Deployment", f"{PREFIX}-{component}")["spec"]["template"]["spec"]
+
+
+def container(spec: dict, name: str) -> dict:
+    every = spec.get("initContainers", []) + spec["containers"]
+    found = [c for c in every if c["name"] == name]
+    assert len(found) == 1, f"no container {name!r} in {[c['name'] for c in every]}"
+    return found[0]
+
+
+def flags(c: dict) -> dict[str, str]:
+    """``--name=value`` arguments as {name: value} (bare flags map to "")."""
+    out = {}
+    for arg in c["args"][1:]:
+        name, _, value = arg.partition("=")
+        out[name] = value
+    return out
+
+
+def port_number(c: dict, port: int | str) -> int:
+    """A probe's port: a number, or the name of one of the container's ports."""
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+    assert port in named, f"container {c['name']} has no port named {port!r} ({named})"
+    return named[port]
+
+
+POD_ENV = {"POD_NAME": f"{PREFIX}-x-0", "POD_IP": "10.1.2.3", "MOONCAKE_REDIS_URL": "redis://r:6379/0", "MOONCAKE_API_KEY": "k"}
+
+
+def expanded_args(docs: list[dict], c: dict, env: dict[str, str] | None = None) -> list[str]:
+    """A container's arguments after its component name, with $(VAR) expanded from the ConfigMap and ``env``
+    (the downward API's and the Secrets' values), as the kubelet expands them."""
+    values = {**find(docs, "ConfigMap", f"{PREFIX}-config")["data"], **POD_ENV, **(env or {})}
+    return [re.sub(r"\$\(([A-Z_0-9]+)\)", lambda m: values[m.group(1)], a) for a in c["args"][1:]]
+
+
+def mooncake_containers(docs: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(component, container, pod spec) of every container running the mooncake image."""
+    out = []
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        spec = d["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            if "mooncake-serve" in c["image"]:
+                out.append((c["args"][0], c, spec))
+    return out
+
+
+# -- lint, render, validate ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_chart_lints_strict(values):
+    out = run(helm(), "lint", "--strict", str(CHART), *VALUE_SETS[values])
+    assert out.returncode == 0, f"helm lint --strict ({values}) failed:\n{out.stdout}\n{out.stderr}"
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_rendered_manifests_validate_against_kubernetes_schemas(values, tmp_path):
+    """Every document passes ``kubernetes-validate --strict`` (unknown fields are errors) at the
+    validator's default Kubernetes version. The validator has no schemas for CRDs: it warns and
+    passes a ServiceMonitor, so that warning is the only one allowed, and only for that kind."""
+    docs = render(*VALUE_SETS[values])
+    manifest = tmp_path / f"{values}.yaml"
+    manifest.write_text(render_text(*VALUE_SETS[values]))
+    out = run(kubernetes_validate(), "--strict", str(manifest))
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, f"kubernetes-validate --strict ({values}) failed:\n{report}"
+    passed = re.findall(r"^INFO .* passed for resource (\S+) against version", report, re.M)
+    warnings = [line for line in report.splitlines() if line.startswith("WARN")]
+    crds = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(passed) == len(docs) - len(crds), report
+    assert len(warnings) == len(crds), report
+    assert all("kind ServiceMonitor with api version monitoring.coreos.com/v1" in w for w in warnings), report
+
+
+def test_every_resource_is_labelled_for_the_release():
+    for d in render() + render(*VALUE_SETS["production"]):
+        labels = d["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/instance") == RELEASE, d["metadata"]["name"]
+        assert labels.get("app.kubernetes.io/part-of") == "mooncake", d["metadata"]["name"]
+
+
+# -- what the pods run ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_prefill_pod_pairs_its_pool_node_as_a_sidecar_on_a_shared_tmpfs(values):
+    docs = render(*VALUE_SETS[values])
+    spec = pod_spec(docs, "prefill")
+    kv, worker = container(spec, "kvstore"), container(spec, "prefill")
+    assert [c["name"] for c in spec["initContainers"]] == ["kvstore"]
+    assert kv["restartPolicy"] == "Always"  # a native sidecar: up (startup probe passed) before the worker starts
+    assert kv["startupProbe"]["httpGet"]["path"] == "/health"
+    shm = {v["name"]: v for v in spec["volumes"]}["shm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    kv_mount = {m["name"]: m["mountPath"] for m in kv["volumeMounts"]}["shm"]
+    worker_mount = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}["shm"]
+    kv_flags, worker_flags = flags(kv), flags(worker)
+    assert kv_mount == worker_mount == kv_flags["--shm-dir"] == "/dev/shm/mooncake"
+    assert spec["shareProcessNamespace"] is True  # the segment owner's pid is checked by whoever maps it
+    # the worker dials its own node; both bind and register the pod IP (peers and the Conductor dial it)
+    assert worker_flags["--kvstore"] == f"$(POD_IP):{kv_flags['--port']}"
+    assert kv_flags["--host"] == worker_flags["--host"] == "$(POD_IP)"
+    # one registry, two instances: the node's name must differ from the worker's id
+    assert kv_flags["--node"] != worker_flags["--id"]
+    assert int(kv_flags["--dram-mib"]) * 2**20 < _quantity(shm["emptyDir"]["sizeLimit"])
+    for c in (kv, worker):  # tmpfs pages count against the container that writes them first: either
+        assert _quantity(c["resources"]["limits"]["memory"]) > int(kv_flags["--dram-mib"]) * 2**20, c["name"]
+
+
+def test_decode_pod_has_its_landing_segment_in_memory():
+    spec = pod_spec(render(), "decode")
+    shm = {v["name"]: v for v in spec["volumes"]}["shm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    mounts = {m["name"]: m["mountPath"] for m in container(spec, "decode")["volumeMounts"]}
+    assert mounts["shm"] == "/dev/shm/mooncake"  # the decode worker's default --shm-dir
+
+
+def test_workers_advertise_their_pod_ip_from_the_downward_api():
+    for component, c, _ in mooncake_containers(render()):
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        if component in ("prefill", "decode", "kvstore"):
+            assert flags(c)["--host"] == "$(POD_IP)", component
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_probes_ask_health_on_the_metrics_ports(values):
+    docs = render(*VALUE_SETS[values])
+    seen = set()
+    for component, c, _ in mooncake_containers(docs):
+        f = flags(c)
+        if component == "conductor":  # no HTTP health: a tcp probe on the gRPC port
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert port_number(c, c[probe]["tcpSocket"]["port"]) == int(f["--port"])
+        else:
+            port = int(f["--port"] if component == "gateway" else f["--metrics-port"])
+            ready = c["readinessProbe"]["httpGet"]
+            assert (ready["path"], port_number(c, ready["port"])) == ("/health", port), component
+            live = c["livenessProbe"]["httpGet"]
+            assert live["path"] in ("/health", "/metrics") and port_number(c, live["port"]) == port, component
+            start = c["startupProbe"]["httpGet"]
+            assert port_number(c, start["port"]) == port, component
+        seen.add(component)
+    assert seen == {"conductor", "gateway", "kvstore", "prefill", "decode"}
+
+
+def test_gpus_are_requested_only_when_set():
+    def gpus(docs):
+        """{container: (requested, limit)} of every container that mentions nvidia.com/gpu."""
+        out = {}
+        for _, c, _ in mooncake_containers(docs):
+            res = c["resources"]
+            if "nvidia.com/gpu" in json.dumps(res):
+                out[c["name"]] = (res.get("requests", {}).get("nvidia.com/gpu"), res.get("limits", {}).get("nvidia.com/gpu"))
+        return out
+
+    assert gpus(render()) == {}
+    assert gpus(render("--set", "prefill.gpus=2")) == {"prefill": (2, 2)}
+    assert gpus(render("--set", "decode.gpus=1")) == {"decode": (1, 1)}
+    production = yaml.safe_load(PRODUCTION.read_text())
+    expected = {"prefill": (production["prefill"]["gpus"],) * 2, "decode": (production["decode"]["gpus"],) * 2}
+    assert gpus(render(*VALUE_SETS["production"])) == expected  # never on the kvstore sidecar
+
+
+def test_conductor_may_get_patch_and_scale_the_pool_deployments():
+    docs = render()
+    role = find(docs, "Role", f"{PREFIX}-conductor")
+    pools = {f"{PREFIX}-prefill", f"{PREFIX}-decode"}
+    assert pools <= {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    by_resource = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                by_resource[f"{group}/{resource}"] = (set(rule["verbs"]), set(rule.get("resourceNames", [])))
+    assert {"get", "patch"} <= by_resource["apps/deployments/scale"][0]
+    assert {"get", "patch"} <= by_resource["apps/deployments"][0]
+    assert by_resource["apps/deployments/scale"][1] == by_resource["apps/deployments"][1] == pools
+    assert by_resource["/pods"][0] == {"get", "patch"}  # the pod-deletion-cost annotation; nothing more on pods
+    assert set(by_resource) == {"apps/deployments", "apps/deployments/scale", "/pods"}
+    binding = find(docs, "RoleBinding", f"{PREFIX}-conductor")
+    account = pod_spec(docs, "conductor")["serviceAccountName"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    find(docs, "ServiceAccount", account)
+    for component in ("gateway", "prefill", "decode"):  # only the Conductor holds the token
+        assert pod_spec(docs, component)["automountServiceAccountToken"] is False
+
+
+class RecordingApi:
+    """A stand-in for the two kubernetes client objects the Conductor's pool provider uses; it records each
+    call as the RBAC request it would be: (api group, resource, verb, name, namespace)."""
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas, self.requests = replicas, []
+
+    def read_namespaced_deployment_scale(self, name, namespace):
+        self.requests.append(("apps", "deployments/scale", "get", name, namespace))
+        return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas))
+
+    def patch_namespaced_deployment_scale(self, name, namespace, body):
+        self.requests.append(("apps", "deployments/scale", "patch", name, namespace))
+        self.replicas = body["spec"]["replicas"]
+
+    def patch_namespaced_pod(self, name, namespace, body):
+        self.requests.append(("", "pods", "patch", name, namespace))
+
+
+def test_conductor_pool_provider_calls_are_all_allowed_by_its_role():
+    """`mooncake pool scale` through the Conductor's kubernetes provider, built from the rendered args as the
+    Conductor builds it: every API request it makes (scale up; drain one pod and scale down) is one the
+    rendered Role grants, on this release's Deployments in the release's namespace."""
+    from conductor.__main__ import parse_args
+    from conductor.pool import make_provider
+    from conductor.types import Instance, Role
+
+    docs = render()
+    args = parse_args(expanded_args(docs, container(pod_spec(docs, "conductor"), "conductor")))
+    assert (args.pool_provider, args.namespace) == ("kubernetes", NAMESPACE)
+    deployments = {Role.PREFILL: args.prefill_deployment, Role.DECODE: args.decode_deployment}
+    provider = make_provider(args.pool_provider, namespace=args.namespace, deployments=deployments)
+    api = RecordingApi(replicas=2)
+    provider._api = (api, api)
+    provider.add(Role.DECODE, 1)
+    provider.remove(Instance(f"{PREFIX}-prefill-5d8f-abcde", Role.PREFILL, "10.1.2.3:7200", node=f"{PREFIX}-prefill-5d8f-abcde"))
+    assert {r[3] for r in api.requests if r[1] == "deployments/scale"} == {f"{PREFIX}-decode", f"{PREFIX}-prefill"}
+    rules = find(docs, "Role", f"{PREFIX}-conductor")["rules"]
+    for group, resource, verb, name, namespace in api.requests:
+        assert namespace == NAMESPACE
+        allowed = any(
+            group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+            and ("resourceNames" not in r or name in r["resourceNames"])
+            for r in rules
+        )  # fmt: skip
+        assert allowed, f"the Role does not allow {verb} {resource} {name}"
+
+
+def test_pool_provider_none_renders_no_kubernetes_flags():
+    conductor = flags(container(pod_spec(render("--set", "conductor.poolProvider=none"), "conductor"), "conductor"))
+    assert conductor["--pool-provider"] == "none" and "--prefill-deployment" not in conductor
+
+
+@pytest.mark.parametrize("service_port", [None, 80])
+def test_gateway_service_reaches_the_gateway_port(service_port):
+    docs = render(*(["--set", f"gateway.service.port={service_port}"] if service_port else []))
+    service = find(docs, "Service", f"{PREFIX}-gateway")
+    gateway = container(pod_spec(docs, "gateway"), "gateway")
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == (service_port or 8000)
+    assert port_number(gateway, port["targetPort"]) == int(flags(gateway)["--port"]) == 8000
+    assert service["spec"]["selector"] == find(docs, "Deployment", f"{PREFIX}-gateway")["spec"]["selector"]["matchLabels"]
+    assert flags(gateway)["--conductor"] == "$(MOONCAKE_CONDUCTOR)"
+    config = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]
+    conductor = find(docs, "Service", f"{PREFIX}-conductor")
+    grpc_port = {p["name"]: p["port"] for p in conductor["spec"]["ports"]}["grpc"]
+    assert config["MOONCAKE_CONDUCTOR"] == f"{PREFIX}-conductor:{grpc_port}"
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_every_variable_in_a_command_line_is_defined(values):
+    """Kubernetes expands $(VAR) in args only when VAR is in the container's environment;
+    an undefined one would reach the process as the literal text."""
+    docs = render(*VALUE_SETS[values])
+    config = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]
+    for _, c, _ in mooncake_containers(docs):
+        defined = {e["name"] for e in c.get("env", [])}
+        for source in c.get("envFrom", []):
+            assert source["configMapRef"]["name"] == f"{PREFIX}-config"
+            defined |= set(config)
+        used = set(re.findall(r"\$\(([A-Z_][A-Z0-9_]*)\)", " ".join(c["args"])))
+        assert used <= defined, f"{c['name']}: undefined {sorted(used - defined)}"
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_command_lines_parse_with_the_components_own_parsers(values):
+    """Each container's args, with the variables expanded as Kubernetes would, are accepted by
+    ``mooncake serve <component>``'s argument parser, and the shared settings agree."""
+    from mooncake.cli.up_cmd import COMPONENTS
+
+    docs = render(*VALUE_SETS[values])
+    config = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]
+    parsed = {}
+    for component, c, _ in mooncake_containers(docs):
+        args = expanded_args(docs, c)
+        module = importlib.import_module(COMPONENTS[component])
+        try:
+            parsed[component] = module.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"`mooncake serve {component}` rejects the chart's args: {args}")
+    values_file = yaml.safe_load(PRODUCTION.read_text()) if values == "production" else {}
+    block_bytes = values_file.get("model", {}).get("blockBytes", 737280)
+    assert parsed["kvstore"].block_bytes == parsed["conductor"].block_bytes == block_bytes
+    assert parsed["prefill"].block_size == parsed["decode"].block_size == parsed["gateway"].block_size
+    assert parsed["prefill"].dtype == parsed["decode"].dtype == parsed["gateway"].dtype
+    assert parsed["prefill"].model == parsed["decode"].model == parsed["gateway"].model == config["MOONCAKE_MODEL_DIR"]
+    assert parsed["prefill"].kvstore == f"10.1.2.3:{parsed['kvstore'].port}"
+    assert parsed["decode"].tbt_slo == parsed["conductor"].tbt_slo
+    assert parsed["conductor"].redis_url == "redis://r:6379/0"
+
+
+def test_block_bytes_match_the_model_in_each_values_file():
+    """blockBytes = layers x 2 x blockSize x kv_heads x head_dim x dtype bytes (SmolLM2-135M: 30 layers,
+    3 KV heads of 64); the prefill worker refuses a pool node whose block size differs."""
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["model"]
+    for model in (defaults, {**defaults, **yaml.safe_load(PRODUCTION.read_text())["model"]}):
+        assert model["blockBytes"] == 30 * 2 * model["blockSize"] * 3 * 64 * size[model["dtype"]]
+
+
+# -- values sets ------------------------------------------------------------------------
+
+
+def test_defaults_run_redis_in_the_release_and_leave_the_extras_off():
+    docs = render()
+    assert {"Ingress", "HorizontalPodAutoscaler", "ServiceMonitor", "Secret"}.isdisjoint(kinds(docs))
+    redis = find(docs, "StatefulSet", f"{PREFIX}-redis")
+    assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    conductor = container(pod_spec(docs, "conductor"), "conductor")
+    url = {e["name"]: e for e in conductor["env"]}["MOONCAKE_REDIS_URL"]["value"]
+    assert url == f"redis://{PREFIX}-redis:6379/0"
+    assert find(docs, "Service", f"{PREFIX}-redis")["spec"]["ports"][0]["port"] == 6379
+    assert find(docs, "Deployment", f"{PREFIX}-conductor")["spec"]["strategy"] == {"type": "Recreate"}
+    for component in ("prefill", "decode"):
+        assert find(docs, "Deployment", f"{PREFIX}-{component}")["spec"]["replicas"] == 1
+        pdb = find(docs, "PodDisruptionBudget", f"{PREFIX}-{component}")
+        deployment = find(docs, "Deployment", f"{PREFIX}-{component}")
+        assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_without_redis_the_conductor_keeps_its_state_in_memory():
+    docs = render("--set", "redis.enabled=false")
+    assert "StatefulSet" not in kinds(docs)
+    conductor = container(pod_spec(docs, "conductor"), "conductor")
+    assert "--redis-url" not in flags(conductor)
+    assert "MOONCAKE_REDIS_URL" not in {e["name"] for e in conductor["env"]}
+
+
+def test_production_values_scale_out_behind_tls_with_external_redis():
+    docs = render(*VALUE_SETS["production"])
+    assert "StatefulSet" not in kinds(docs)
+    conductor = container(pod_spec(docs, "conductor"), "conductor")
+    url = {e["name"]: e for e in conductor["env"]}["MOONCAKE_REDIS_URL"]
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "mooncake-redis", "key": "redis-url"}
+    ingress = find(docs, "Ingress", f"{PREFIX}-gateway")
+    assert ingress["spec"]["tls"] == [{"secretName": "mooncake-gateway-tls", "hosts": ["llm.example.com"]}]
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": f"{PREFIX}-gateway", "port": {"name": "http"}}
+    for component in ("prefill", "decode"):
+        hpa = find(docs, "HorizontalPodAutoscaler", f"{PREFIX}-{component}")
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{PREFIX}-{component}"}
+        assert "replicas" not in find(docs, "Deployment", f"{PREFIX}-{component}")["spec"]  # the HPA owns it
+    gateway = container(pod_spec(docs, "gateway"), "gateway")
+    assert "--api-key=$(MOONCAKE_API_KEY)" in gateway["args"]
+    key = {e["name"]: e for e in gateway["env"]}["MOONCAKE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert key == {"name": "mooncake-api-key", "key": "api-key"}
+    kv = flags(container(pod_spec(docs, "prefill"), "kvstore"))
+    assert kv["--ssd-dir"] == "/var/lib/mooncake/ssd" and int(kv["--ssd-mib"]) > 0
+    ssd = {v["name"]: v for v in pod_spec(docs, "prefill")["volumes"]}["ssd"]
+    assert ssd["ephemeral"]["volumeClaimTemplate"]["spec"]["storageClassName"] == "local-nvme"
+
+
+def test_service_monitor_scrapes_every_components_metrics_port():
+    docs = render(*VALUE_SETS["production"])
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    endpoint_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    assert all(e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+    components = set(monitor["spec"]["selector"]["matchExpressions"][0]["values"])
+    scraped = set()
+    for d in docs:
+        if d["kind"] == "Service" and d["metadata"]["labels"]["app.kubernetes.io/component"] in components:
+            names = {p["name"] for p in d["spec"]["ports"]}
+            scraped |= {(d["metadata"]["name"], p) for p in names & endpoint_ports}
+    assert scraped == {
+        (f"{PREFIX}-gateway", "http"), (f"{PREFIX}-conductor", "metrics"), (f"{PREFIX}-prefill", "metrics"),
+        (f"{PREFIX}-prefill", "kv-metrics"), (f"{PREFIX}-decode", "metrics"),
+    }  # fmt: skip
+
+
+def test_api_key_value_is_stored_in_a_secret():
+    docs = render("--set", "gateway.apiKey.value=s3cret")
+    secret = find(docs, "Secret", f"{PREFIX}-gateway")
+    assert secret["stringData"] == {"api-key": "s3cret"}
+    gateway = container(pod_spec(docs, "gateway"), "gateway")
+    assert "s3cret" not in json.dumps(gateway)  # the pod reads it from the Secret
+    assert {e["name"]: e for e in gateway["env"]}["MOONCAKE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{PREFIX}-gateway"
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--set", "decode.terminationGracePeriodSeconds=30"], "decode.terminationGracePeriodSeconds (30) must exceed"),
+        (["--set", "prefill.autoscaling.enabled=true", "--set", "prefill.autoscaling.targetCPUUtilizationPercentage=null"],
+         "prefill.autoscaling needs targetCPUUtilizationPercentage or metrics"),
+        (["--set", "conductor.poolProvider=local"], "conductor.poolProvider must be none or kubernetes"),
+    ],
+)  # fmt: skip
+def test_inconsistent_values_fail_with_a_message(bad, message):
+    out = run(helm(), "template", RELEASE, str(CHART), *bad)
+    assert out.returncode != 0
+    assert message in out.stderr
+
+
+# -- the rendered pods, run as processes -------------------------------------------------
+
+
+class PodProcesses:
+    """The rendered containers as local processes, as a pod would run them: the image's entrypoint
+    (`mooncake serve`) with the container's args, $(VAR) expanded from its environment, the pod IP
+    being 127.0.0.1. Pool-node sidecars start before their worker, as native sidecars do."""
+
+    def __init__(self, docs: list[dict], env: dict[str, str], logs: Path, shm_dir: str) -> None:
+        self.docs, self.env, self.logs, self.shm_dir = docs, env, logs, shm_dir
+        self.running: list[tuple[str, subprocess.Popen, int]] = []  # (container, process, pod's grace seconds)
+
+    def start(self, component: str, timeout_s: float = 300) -> None:
+        spec = pod_spec(self.docs, component)
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            env = {"POD_NAME": f"{PREFIX}-{component}-0", "POD_IP": "127.0.0.1"}
+            env |= {e["name"]: e["value"] for e in c.get("env", []) if "value" in e and e["name"] != "HOME"}
+            env |= self.env  # what the cluster's DNS names resolve to here
+            args = [a.replace("/dev/shm/mooncake", self.shm_dir) for a in expanded_args(self.docs, c, env)]
+            if c["name"] == "decode":  # its landing segment: the mount's path is the default; here a private one
+                args.append(f"--shm-dir={self.shm_dir}")
+            log = open(self.logs / f"{c['name']}.log", "w")
+            proc = subprocess.Popen([sys.executable, "-m", "mooncake.cli.main", "serve", c["args"][0], *args],
+                                    stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **env})  # fmt: skip
+            self.running.append((c["name"], proc, spec.get("terminationGracePeriodSeconds", 30)))
+            deadline = time.monotonic() + timeout_s
+            while not (line := proc.stdout.readline()).startswith("READY"):
+                if (not line and proc.poll() is not None) or time.monotonic() > deadline:
+                    pytest.fail(f"{c['name']} did not start: {(self.logs / (c['name'] + '.log')).read_text()[-3000:]}")
+
+    def stop(self) -> dict[str, tuple[int | None, float]]:
+        """SIGTERM the workers first and the sidecars and the Conductor last; {container: (exit code, seconds)}."""
+        out = {}
+        for name, proc, grace in reversed(self.running):
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                out[name] = (proc.wait(timeout=grace), time.monotonic() - start)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out[name] = (None, time.monotonic() - start)
+        return out
+
+    def kill(self) -> None:
+        for _, proc, _ in self.running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def http_status(url: str, body: dict | None = None) -> tuple[int, dict | None]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            text = r.read().decode()
+            return r.status, json.loads(text) if r.headers.get_content_type() == "application/json" else None
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+@pytest.mark.slow
+def test_rendered_pods_run_answer_their_probes_serve_and_stop_within_their_grace(smollm2_dir, tmp_path):
+    """The default chart's containers, run with exactly their rendered command lines (ports moved to free
+    ones, the model directory to the local SmolLM2), find each other by the addresses they register, answer
+    every probe the chart declares, serve chat completions with the second one's prefix from the pool, and
+    stop on SIGTERM within their pod's grace period."""
+    from mooncake.localproc import RedisServer, free_port
+
+    ports = ["conductor.port", "conductor.metricsPort", "gateway.port", "prefill.port", "prefill.metricsPort",
+             "prefill.kvstore.port", "prefill.kvstore.controlPort", "prefill.kvstore.transferPort",
+             "prefill.kvstore.metricsPort", "decode.port", "decode.metricsPort"]  # fmt: skip
+    sets = {key: free_port() for key in ports} | {
+        "model.dir": smollm2_dir, "prefill.threads": 1, "decode.threads": 1, "prefill.numKvBlocks": 256,
+        "decode.numKvBlocks": 512, "prefill.kvstore.dramMib": 256,
+    }  # fmt: skip
+    docs = render(*(arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")))
+    redis = RedisServer(tmp_path)
+    shm_dir = f"/dev/shm/mc-deploy-test-{os.getpid()}"
+    # what the Services' DNS names resolve to here
+    env = {"MOONCAKE_CONDUCTOR": f"127.0.0.1:{sets['conductor.port']}", "MOONCAKE_REDIS_URL": redis.url}
+    pods = PodProcesses(docs, env, tmp_path, shm_dir)
+    try:
+        for component in ("conductor", "prefill", "decode", "gateway"):
+            pods.start(component)
+        gateway = f"http://127.0.0.1:{sets['gateway.port']}"
+        deadline = time.monotonic() + 30
+        while (health := http_status(f"{gateway}/health"))[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)  # ready once the workers' registrations are in
+        assert health[0] == 200 and health[1]["alive"] == {"prefill": 1, "decode": 1, "kvstore": 1}
+
+        for component in ("conductor", "prefill", "decode", "gateway"):
+            spec = pod_spec(docs, component)
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    probe = c.get(kind)
+                    if probe is None:
+                        continue
+                    if "tcpSocket" in probe:
+                        socket.create_connection(("127.0.0.1", port_number(c, probe["tcpSocket"]["port"])), timeout=2).close()
+                    else:
+                        port = port_number(c, probe["httpGet"]["port"])
+                        status, _ = http_status(f"http://127.0.0.1:{port}{probe['httpGet']['path']}")
+                        assert status == 200, f"{c['name']} {kind} on :{port}{probe['httpGet']['path']}: {status}"
+
+        system = "You answer questions about European capitals briefly and precisely. " * 10
+        usage = []
+        for question in ("What is the capital of France?", "What is the capital of France? One word."):
+            status, answer = http_status(f"{gateway}/v1/chat/completions", {
+                "model": "smollm2-135m", "max_tokens": 12, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})  # fmt: skip
+            assert status == 200
+            assert "Paris" in answer["choices"][0]["message"]["content"]
+            usage.append(answer["usage"])
+        assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert usage[1]["prompt_tokens_details"]["cached_tokens"] >= 16 * (usage[0]["prompt_tokens"] // 16 - 2)
+
+        stopped = pods.stop()
+        for name, (code, _) in stopped.items():
+            # uvicorn (the gateway) re-raises the SIGTERM it shut down on
+            assert code in (0, -signal.SIGTERM), f"{name} did not stop within its grace period: {stopped}"
+    finally:
+        pods.kill()
+        redis.stop()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+# -- the Grafana dashboard -------------------------------------------------------------
+
+
+def exported_series() -> set[str]:
+    """Every series name the components expose: Counter -> name_total, Histogram -> _bucket, _sum, _count."""
+    pattern = re.compile(r"\b(Counter|Gauge|Histogram|Summary|CounterMetricFamily|GaugeMetricFamily)\(\s*\"(mooncake_\w+)\"")
+    series = set()
+    for source in METRIC_SOURCES:
+        for kind, name in pattern.findall((REPO / source).read_text()):
+            if kind.startswith("Counter"):
+                series.add(name.removesuffix("_total") + "_total")
+            elif kind == "Histogram":
+                series |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+            elif kind == "Summary":
+                series |= {name, f"{name}_sum", f"{name}_count"}
+            else:
+                series.add(name)
+    return series
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    return [t["expr"] for p in panels for t in p["targets"]]
+
+
+def test_dashboard_is_grafana_json_with_a_datasource_variable():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    titles = []
+    for panel in dashboard["panels"]:
+        titles.append(panel["title"])
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel["title"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    wanted = {"TTFT (gateway)", "TBT (gateway)", "Rejections by reason (gateway)", "Prompt tokens served from cache, by tier",
+              "KV bytes moved", "Prefill queue", "Running batch and cap", "Pool usage by tier", "Instances alive"}  # fmt: skip
+    assert wanted <= set(titles), sorted(wanted - set(titles))
+
+
+def test_dashboard_queries_only_metrics_the_code_exports():
+    exported = exported_series()
+    assert {"mooncake_gateway_ttft_seconds_bucket", "mooncake_pool_used_blocks", "mooncake_kv_bytes_total"} <= exported
+    queried = {name for expr in dashboard_queries() for name in re.findall(r"\bmooncake_\w+", expr)}
+    assert queried, "the dashboard queries nothing"
+    assert queried <= exported, f"not exported by the code: {sorted(queried - exported)}"
+
+
+def test_dashboard_latency_panels_take_quantiles_over_histogram_buckets():
+    exprs = dashboard_queries()
+    for metric in ("mooncake_gateway_ttft_seconds", "mooncake_gateway_tbt_seconds"):
+        quantiles = {q for e in exprs if f"{metric}_bucket" in e for q in re.findall(r"histogram_quantile\((0\.\d+)", e)}
+        assert quantiles == {"0.5", "0.9", "0.99"}, metric
+
+
+def _quantity(text: str) -> int:
+    """A Kubernetes memory quantity (Mi, Gi, or bytes) in bytes."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if str(text).endswith(suffix):
+            return int(float(str(text)[: -len(suffix)]) * factor)
+    return int(text)

@@ -9,7 +9,7 @@ MOONCAKE := $(VENV)/bin/mooncake
 MODEL ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: up test install dev model redis helm protos clean
+.PHONY: up test install dev model redis helm kernel protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,13 @@ up: model
 helm: $(VENV)/.installed
 	bash deploy/tools/install-helm.sh $(VENV)/bin
 
-test: dev model redis helm
+# The CPU decode-attention kernel, built once per environment (about a minute on 2 cores) before
+# the tests start the workers that use it, so no test waits on the build.
+kernel: $(VENV)/.installed
+	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from mooncake.engine.kernels import load_paged_decode; \
+	          print('kernel:', 'built' if load_paged_decode('~/.cache/mooncake/kernels') else 'unavailable (the torch path is used)')"
+
+test: dev model redis helm kernel
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The generated gRPC modules are committed; regenerate them after editing protos/*.proto.

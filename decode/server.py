@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from decode.worker import Busy, DecodeConfig, DecodeWorker, Failed
 from mooncake.serving.conductor_link import ConductorLink
-from mooncake.serving.process import print_ready, wait_for_signal
+from mooncake.serving.process import print_ready, wait_for_signal, worker_parser
 from mooncake.serving.status_http import start_status_server
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -78,28 +78,14 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m decode", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="A decode worker: reserves landing slots for a prompt's KV, has the planned prefill worker fill them, "
-                    "then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
-    )  # fmt: skip
-    p.add_argument("--id", default="decode-0", help="instance id, unique in the cluster")
-    p.add_argument("--model", required=True, help="model directory (mooncake model pull prints it)")
-    p.add_argument("--conductor", help="the Conductor's gRPC address (register, heartbeat, report); none: standalone")
-    p.add_argument("--host", default="127.0.0.1", help="address the gRPC service and the landing transfer server bind")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, default=2048, help="the engine's paged cache, in blocks")
+    p = worker_parser("python -m decode", "A decode worker: reserves landing slots for a prompt's KV, has the planned prefill "
+                      "worker fill them, then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
+                      "decode-0", 2048)  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in the running batch")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)")
     p.add_argument("--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory of the landing segment")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish")
-    p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.client import KVStoreUnavailable
 from mooncake.serving.conductor_link import ConductorLink
-from mooncake.serving.process import print_ready, wait_for_signal
+from mooncake.serving.process import print_ready, wait_for_signal, worker_parser
 from mooncake.serving.status_http import start_status_server
 from prefill.worker import Cancelled, PrefillConfig, PrefillWorker
 from protos import conductor_pb2 as cpb
@@ -75,30 +75,16 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m prefill", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="A prefill worker: loads reusable prefix KV from the pool, computes the rest of each prompt layer "
-                    "by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
-    )  # fmt: skip
-    p.add_argument("--id", default="prefill-0", help="instance id, unique in the cluster")
-    p.add_argument("--model", required=True, help="model directory (mooncake model pull prints it)")
+    p = worker_parser("python -m prefill", "A prefill worker: loads reusable prefix KV from the pool, computes the rest of each "
+                      "prompt layer by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
+                      "prefill-0", 1024)  # fmt: skip
     p.add_argument("--kvstore", required=True, help="gRPC address of this worker's pool node, on this host")
-    p.add_argument("--conductor", help="the Conductor's gRPC address (register, heartbeat, report); none: standalone")
-    p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds and advertises")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the pool's)")
-    p.add_argument("--num-kv-blocks", type=int, default=1024, help="the engine's paged cache, in blocks")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (longer prompts: chunks)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="prefills in the engine at once")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
     p.add_argument("--reservation-ttl", type=float, default=600.0,
                    help="seconds the pool slots reserved for a prefill's blocks live (longer than the longest prefill)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end")
-    p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 

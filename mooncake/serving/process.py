@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import threading
@@ -25,3 +26,21 @@ def wait_for_signal() -> str:
         signal.signal(sig, handler)
     done.wait()
     return got[0] if got else "SIGTERM"
+
+
+def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: int) -> argparse.ArgumentParser:
+    """The flags prefill and decode workers share; each adds its own."""
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--id", default=default_id, help="instance id, unique in the cluster")
+    p.add_argument("--model", required=True, help="model directory (mooncake model pull prints it)")
+    p.add_argument("--conductor", help="the Conductor's gRPC address (register, heartbeat, report); none: standalone")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds and advertises to the Conductor")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the pool's and the Conductor's)")
+    p.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="the engine's paged cache, in blocks")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--log-level", default="INFO")
+    return p

@@ -3,14 +3,23 @@
 ``load_paged_decode(build_dir)`` returns the compiled decode-attention function, or None
 when it cannot be built (no compiler, no ninja): callers then fall back to the pure-torch
 path in attention.py, which gives the same results, only slower. The build (~1 minute on
-2 cores) is cached in ``build_dir`` keyed by the source's hash and the CPU's flags.
+2 cores) is cached in ``build_dir`` keyed by the source's hash, the CPU's flags and the
+Python environment (torch's loader rebuilds when its include paths change, so two virtual
+environments sharing one directory would rebuild each other's kernel forever).
+
+Processes that start together (a cluster's workers) build it once: an ``flock`` (freed by
+the kernel if its holder dies) serialises the loads, and under it a ``lock`` file that
+torch's loader left behind (its builder was killed mid-build) is removed, since no live
+builder can hold it; torch would otherwise wait on it forever.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,14 +48,17 @@ def load_paged_decode(build_dir: str | Path) -> Callable | None:
         from torch.utils import cpp_extension
 
         flags = ["-O3", "-fopenmp-simd", *_cpu_flags()]
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode())
+        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode() + sys.prefix.encode())
         name = f"mooncake_paged_attn_{key.hexdigest()[:12]}"
         target = build_dir / name
         target.mkdir(parents=True, exist_ok=True)
         log.info("loading the paged attention kernel (first build takes about a minute): %s", target)
-        mod = cpp_extension.load(
-            name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(target), verbose=False
-        )
+        with open(target / "mooncake.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # one loader at a time; released when this process ends, however
+            (target / "lock").unlink(missing_ok=True)  # torch's, left by a builder that died: no live one holds it
+            mod = cpp_extension.load(
+                name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(target), verbose=False
+            )
         fn = mod.paged_decode_attention
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("paged attention kernel unavailable, using the torch path: %s", e)

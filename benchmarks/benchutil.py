@@ -1,11 +1,13 @@
-"""Helpers the pool benchmarks share: sizes, timing loops, the machine's description."""
+"""Helpers the benchmarks share: sizes, timing loops, the machine's description, a cleanup Ctrl-C cannot cut short."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import re
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -58,3 +60,19 @@ def describe_machine(**versions: str) -> dict[str, object]:
         "cpu_model": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(), **versions,
         "platform": platform.platform(), "load_average": os.getloadavg(),
     }  # fmt: skip
+
+
+@contextlib.contextmanager
+def shielded():
+    """Run a cleanup to its end: Ctrl-C or SIGTERM during it is held, then raised as KeyboardInterrupt (main thread only)."""
+    held: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            raise KeyboardInterrupt

@@ -39,10 +39,8 @@ thread is printed beside it. See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import random
 import shlex
 import shutil
@@ -66,7 +64,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from benchutil import describe_machine  # noqa: E402
+from benchutil import describe_machine, shielded  # noqa: E402
 
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
 from mooncake.engine.tokenizer import Tokenizer  # noqa: E402
@@ -176,22 +174,6 @@ def measure(client: httpx.Client, system: str, endpoint: str, prompt: list[int],
     mean = (events[-1] - events[0]) / (tokens - 1) if tokens > 1 else 0.0
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return Sample(system, len(prompt), cache, rep, events[0], mean, tail, cached, tokens, events)
-
-
-@contextlib.contextmanager
-def shielded():
-    """Run a cleanup to its end: Ctrl-C or SIGTERM during it is held, then raised as KeyboardInterrupt (main thread only)."""
-    held: list[int] = []
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        signal.signal(sig, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if held:
-            raise KeyboardInterrupt
 
 
 # -- serving: the two systems ------------------------------------------------------------------

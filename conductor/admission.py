@@ -19,7 +19,7 @@ import enum
 from collections.abc import Callable
 
 from conductor.predictors import DecodePredictor
-from conductor.types import Instance, RejectReason, ScheduleRequest
+from conductor.types import Instance, ScheduleRequest
 
 
 class AdmissionKind(str, enum.Enum):

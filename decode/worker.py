@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from conductor.predictors import DecodePredictor, PredictorConfig
 from kvstore.service import segment_to_pb
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.engine import LLMEngine, RequestOutput
+from mooncake.engine.engine import LLMEngine
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.conductor_link import ConductorLink

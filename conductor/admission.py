@@ -47,14 +47,20 @@ def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: Decod
 
 def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: DecodePredictor,
                   batch_of: Callable[[Instance], Batch]) -> tuple[Instance, float]:  # fmt: skip
-    """The decode instance with the lowest predicted TBT once ``req`` joins the batch ``batch_of`` says it will find."""
+    """The decode instance with the lowest predicted TBT once ``req`` joins the batch ``batch_of`` says it will find.
+
+    Ties (a predictor that has learnt that batch size costs nothing, as on a small model)
+    go to the smaller batch, then by id, so requests still spread over the instances.
+    """
     context = req.prompt_tokens + req.expected_output_tokens // 2
-    best = best_tbt = None
+    best = best_key = None
     for inst in decodes:
-        tbt = join_tbt(inst, batch_of(inst), context, predictor)
-        if best is None or (tbt, inst.id) < (best_tbt, best.id):
-            best, best_tbt = inst, tbt
-    return best, best_tbt
+        batch = batch_of(inst)
+        tbt = join_tbt(inst, batch, context, predictor)
+        key = (round(tbt, 9), batch[0], inst.id)
+        if best is None or key < best_key:
+            best, best_key = inst, key
+    return best, best_key[0]
 
 
 def decode_load(decodes: list[Instance], predictor: DecodePredictor, batch_of: Callable[[Instance], Batch], tbt_limit: float) -> float:

@@ -909,3 +909,10 @@ def test_predictors_round_numbers_are_what_the_tests_assume():
     assert p.transfer.predict(4 * BLOCK_BYTES) == pytest.approx(0.004)
     assert p.decode.predict(10, 12345) == pytest.approx(0.11)
     assert np.all(p.prefill.coef >= 0)
+
+
+def test_decode_ties_go_to_the_smaller_batch():
+    # a predictor that learnt batch size costs nothing (a small model): every instance predicts the same TBT
+    flat = DecodePredictor(ROUND.model_copy(update={"decode_s_per_request": 0.0}))
+    inst, tbt = select_decode(request(), [decode(0, 5), decode(1, 2), decode(2, 7)], flat, reported_batch)
+    assert inst.id == "d1" and tbt == pytest.approx(0.01)

@@ -46,18 +46,19 @@ def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: Decod
 
 
 def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: DecodePredictor,
-                  batch_of: Callable[[Instance], Batch]) -> tuple[Instance, float]:  # fmt: skip
+                  batch_of: Callable[[Instance], Batch], assigned: Callable[[Instance], int] | None = None) -> tuple[Instance, float]:  # fmt: skip
     """The decode instance with the lowest predicted TBT once ``req`` joins the batch ``batch_of`` says it will find.
 
-    Ties (a predictor that has learnt that batch size costs nothing, as on a small model)
-    go to the smaller batch, then by id, so requests still spread over the instances.
+    Ties (a predictor that has learnt that batch size costs nothing, as on a small model,
+    or a forecast that sees every batch drained by then) go to the smaller batch, then to
+    the instance with fewer requests ``assigned`` now, then by id, so requests spread.
     """
     context = req.prompt_tokens + req.expected_output_tokens // 2
     best = best_key = None
     for inst in decodes:
         batch = batch_of(inst)
         tbt = join_tbt(inst, batch, context, predictor)
-        key = (round(tbt, 9), batch[0], inst.id)
+        key = (round(tbt, 9), round(batch[0], 6), assigned(inst) if assigned else 0, inst.id)
         if best is None or key < best_key:
             best, best_key = inst, key
     return best, best_key[0]

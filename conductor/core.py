@@ -237,7 +237,7 @@ class Conductor:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
         choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
         batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
-        decode, tbt = select_decode(req, decodes, self.predictors.decode, batch_of)
+        decode, tbt = select_decode(req, decodes, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
         predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
         verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:

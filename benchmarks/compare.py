@@ -57,7 +57,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
 import replay as rp  # noqa: E402
-from benchutil import describe_machine, shielded  # noqa: E402
+from benchutil import describe_machine, run_interruptible, shielded  # noqa: E402
 
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
 
@@ -347,7 +347,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-args", default="", help="more flags for vLLM's server, one string, e.g. '--max-num-batched-tokens 256'")
     p.add_argument("--vllm-timeout", type=float, default=600.0, help="seconds vLLM's server may take to start")
     p.add_argument("--systems", default=None, help="which to run, comma-separated, from coupled, disaggregated, vllm "
-                   "(default: coupled,disaggregated, and vllm with --vllm); e.g. --systems vllm --vllm to measure vLLM again alone")
+                   "(default: coupled,disaggregated, and vllm with --vllm); e.g. --systems vllm to measure vLLM again alone")
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     rp.add_trace_args(p)
     args = p.parse_args(argv)
@@ -358,13 +358,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.policies = [x.strip() for x in policies.split(",") if x.strip()]
     if bad := [x for x in args.policies if x not in (*ALL_POLICIES, "round_robin")]:
         p.error(f"unknown policies {bad}; choose from {', '.join(ALL_POLICIES)}, round_robin")
-    args.systems = [x.strip() for x in (args.systems or "coupled,disaggregated,vllm").split(",") if x.strip()]
+    default_systems = "coupled,disaggregated" + (",vllm" if args.vllm else "")
+    args.systems = [x.strip() for x in (args.systems or default_systems).split(",") if x.strip()]
     if bad := [x for x in args.systems if x not in SYSTEM_KINDS]:
         p.error(f"unknown systems {bad}; choose from {', '.join(SYSTEM_KINDS)}")
-    if not args.vllm:
-        args.systems = [x for x in args.systems if x != "vllm"]
     if not args.systems:
-        p.error("--systems names nothing to run (vllm also needs --vllm)")
+        p.error("--systems names nothing to run")
     if min(args.prefill, args.decode, args.coupled_threads, args.limit) < 1:
         p.error("--prefill, --decode, --coupled-threads and --limit must be >= 1")
     return args
@@ -426,15 +425,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
-
-    def on_sigterm(signum, frame):  # noqa: ARG001 - run the cleanup in the finally blocks, as Ctrl-C does
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        report = run(args, console)
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: every process this benchmark started has been stopped")
+    report = run_interruptible(lambda: run(args, console), console)
+    if report is None:
         return 130
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -44,7 +44,6 @@ import math
 import random
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -64,7 +63,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from benchutil import describe_machine, shielded  # noqa: E402
+from benchutil import describe_machine, run_interruptible, shielded  # noqa: E402
 
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
 from mooncake.engine.tokenizer import Tokenizer  # noqa: E402
@@ -556,15 +555,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
-
-    def on_sigterm(signum, frame):  # noqa: ARG001 - run the cleanup in the finally blocks, as Ctrl-C does
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        report = run(args, console)
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: every process this benchmark started has been stopped")
+    report = run_interruptible(lambda: run(args, console), console)
+    if report is None:
         return 130
     srows, orows = serving_rows(report), overlap_rows(report)
     render(report, srows, orows, console)

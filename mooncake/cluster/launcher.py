@@ -279,12 +279,7 @@ class LocalCluster:
                 self.on_event(f"{comp.name} exited ({code}); restarting in {delay:.1f} s (restart {comp.restarts})")
                 if self._stop.wait(delay):
                     return
-                try:
-                    comp.start()
-                    comp.wait_ready(self.config.ready_timeout_s)
-                    self.on_event(f"{comp.name} is back")
-                except RuntimeError as e:
-                    self.on_event(f"{comp.name} did not come back: {e}")
+                self._bring_up(comp, "is back", "did not come back")
 
     # -- scaling (the Conductor's local pool provider calls these through mooncake.cluster.control) ---------
 
@@ -311,13 +306,19 @@ class LocalCluster:
         for comp in comps:
             with self._lock:
                 self.components[comp.name] = comp
-            try:
-                comp.start()
-                comp.wait_ready(self.config.ready_timeout_s)
-                self.on_event(f"{comp.name} ready (scaled up)")
-            except RuntimeError as e:
-                self.on_event(f"{comp.name} did not start: {e}")
+            if not self._bring_up(comp, "ready (scaled up)", "did not start"):
                 return
+
+    def _bring_up(self, comp: Component, ready: str, failed: str) -> bool:
+        """Start ``comp`` and wait for its READY line; say which way it went (``ready`` / ``failed: why``)."""
+        try:
+            comp.start()
+            comp.wait_ready(self.config.ready_timeout_s)
+        except RuntimeError as e:
+            self.on_event(f"{comp.name} {failed}: {e}")
+            return False
+        self.on_event(f"{comp.name} {ready}")
+        return True
 
     def remove(self, name: str, grace_s: float = 60.0) -> None:
         """Stop worker ``name`` (SIGTERM: it finishes what it runs and deregisters), and a prefill worker's pool node."""

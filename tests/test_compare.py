@@ -1,0 +1,70 @@
+"""benchmarks/compare.py without servers: which systems run, the table's ratios and the goals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import compare  # noqa: E402
+
+
+def measured(name: str, kind: str, shares: dict[float, float], rate_at_x1: float = 0.7) -> compare.SystemRun:
+    """A system swept over ``shares`` (rate factor -> share effective), as replay.sweep reports it."""
+    runs = [{"rate_factor": f, "summary": {"offered_rate_rps": rate_at_x1 * f, "slo_attainment": share}} for f, share in shares.items()]
+    passed = [r for r in runs if r["summary"]["slo_attainment"] >= 0.9]
+    best = max(passed, key=lambda r: r["rate_factor"]) if passed and runs[0] in passed else None
+    capacity = {"target": 0.9, "rate_factor": best and best["rate_factor"], "rate_rps": best and best["summary"]["offered_rate_rps"],
+                "saturated": best is runs[-1]}  # fmt: skip
+    return compare.SystemRun(name, kind, runs=runs, capacity=capacity)
+
+
+def test_the_systems_default_to_coupled_and_disaggregated_and_vllm_joins_with_its_flag():
+    assert compare.parse_args([]).systems == ["coupled", "disaggregated"]
+    assert compare.parse_args(["--vllm"]).systems == ["coupled", "disaggregated", "vllm"]
+    assert compare.parse_args(["--systems", "vllm"]).systems == ["vllm"]
+
+
+def test_an_unknown_system_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        compare.parse_args(["--systems", "coupled,sglang"])
+    assert e.value.code == 2
+    assert "unknown systems ['sglang']" in capsys.readouterr().err
+
+
+def test_only_the_named_systems_are_started(tmp_path):
+    args = compare.parse_args(["--systems", "disaggregated", "--policies", "random,least_loaded"])
+    names = [run.name for run, _ in compare.systems(args, tmp_path, tmp_path)]
+    assert names == ["disaggregated/random", "disaggregated/least_loaded"]
+
+
+def test_a_coupled_run_that_missed_every_rate_bounds_the_ratio_from_below():
+    runs = [
+        measured("coupled", "coupled", {0.5: 0.64, 1.0: 0.19, 2.0: 0.02}),
+        measured("disaggregated/kvcache_centric", "disaggregated", {0.5: 0.98, 1.0: 0.94, 2.0: 0.76}),
+        measured("vllm-cpu", "vllm", {0.5: 0.82, 1.0: 0.57, 2.0: 0.06}),
+    ]
+    rows, goals = compare.rows_and_goals(runs, sweeping=True)
+    ours = rows[1]
+    assert ours["headline"] == pytest.approx(0.7)
+    assert ours["ratio_vs_coupled"] is None  # coupled has no capacity to divide by
+    assert ours["ratio_vs_coupled_above"] == pytest.approx(2.0)  # 0.70 req/s over coupled's lowest rate, 0.35
+    assert rows[2]["ratio_vs_coupled_above"] is None  # vLLM missed every rate too: nothing to bound
+    assert {g["goal"]: g["met"] for g in goals} == {
+        "disaggregated (kvcache_centric) >= coupled": True,
+        "disaggregated (kvcache_centric) >= vllm-cpu": True,
+    }
+
+
+def test_a_coupled_capacity_gives_a_plain_ratio_and_a_miss_when_it_is_ahead():
+    runs = [
+        measured("coupled", "coupled", {0.5: 0.95, 1.0: 0.92, 2.0: 0.5}),
+        measured("disaggregated/kvcache_centric", "disaggregated", {0.5: 0.97, 1.0: 0.6, 2.0: 0.3}),
+    ]
+    rows, goals = compare.rows_and_goals(runs, sweeping=True)
+    assert rows[1]["ratio_vs_coupled"] == pytest.approx(0.5)
+    assert rows[1]["ratio_vs_coupled_above"] is None
+    assert goals == [{"goal": "disaggregated (kvcache_centric) >= coupled", "ours": pytest.approx(0.35), "theirs": pytest.approx(0.7), "met": False}]

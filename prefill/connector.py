@@ -14,6 +14,11 @@ pushed to the landing slots the same way, from the engine's cache, in the step t
 imports them. ``wait_for_save`` waits for the step's transfers before the step ends
 (the engine may reuse those cache blocks once the request finishes).
 
+The native engine's cache is in the pool layout, so its blocks are pushed straight from
+the cache (``bind``). Another engine's cache (vLLM's) is read through ``export``, which
+copies one layer of the completed blocks into a staging tensor in the pool layout; the
+pushes read that tensor, kept alive until the step's transfers are done.
+
 Runs on the engine's thread; jobs are added and removed from request threads.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +46,6 @@ class PrefillJob:
     landing_offsets: list[int]  # one per prompt block
     pool_slots: dict[int, int] = field(default_factory=dict)  # block index -> reserved slot in this node's pool
     pushed: int = 0  # blocks whose every layer is on the decode worker
-    pushed_bytes: int = 0
     started_at: float | None = None  # its first engine step
     finished_at: float | None = None
     first_token: int | None = None
@@ -52,15 +57,20 @@ class PrefillJob:
             self.error = error
 
 
+Export = Callable[[int, torch.Tensor, list[int]], torch.Tensor]  # (layer, its cache, block ids) -> [n, 2, bs, Hkv, D]
+
+
 class PoolConnector(KVConnector):
-    def __init__(self, transfer: TransferEngine, pool: torch.Tensor, block_size: int, io_timeout_s: float) -> None:
+    def __init__(self, transfer: TransferEngine, pool: torch.Tensor | None, block_size: int, io_timeout_s: float,
+                 export: Export | None = None) -> None:  # fmt: skip
         self.transfer = transfer
         self.pool = pool  # [slots, L, 2, bs, Hkv, D]: this node's DRAM tier
         self.block_size = block_size
         self.io_timeout_s = io_timeout_s
+        self.export = export  # None: push from the bound cache, which is in the pool layout
         self.jobs: dict[str, PrefillJob] = {}
         self._active: list[tuple[PrefillJob, list[int], int, int]] = []  # (job, block table, first block, end)
-        self._batches: list[tuple[PrefillJob, object]] = []
+        self._batches: list[tuple[PrefillJob, object, torch.Tensor | None]] = []  # (job, transfer, staging it reads)
 
     def bind(self, kv_cache: torch.Tensor) -> None:
         """The engine's cache, [L, 2, num_blocks, bs, Hkv, D] (contiguous, on the CPU): the source of every push."""
@@ -93,6 +103,9 @@ class PoolConnector(KVConnector):
                 self._active.append((job, sreq.block_ids, job.pushed, end))
 
     def save_layer(self, layer, k_cache, v_cache, step) -> None:
+        if self.export is not None:
+            self._save_staged(layer, k_cache)
+            return
         half = self._half
         for job, table, start, end in self._active:
             if job.error is not None:
@@ -107,18 +120,36 @@ class PoolConnector(KVConnector):
                 if slot is not None:
                     self.pool[slot, layer].copy_(self.kv_cache[layer, :, block])
             try:
-                self._batches.append((job, self.transfer.write(self._bytes, slices)))
+                self._batches.append((job, self.transfer.write(self._bytes, slices), None))
+            except TransferError as e:
+                job.fail(e)
+
+    def _save_staged(self, layer: int, cache: torch.Tensor) -> None:
+        """Push layer ``layer`` of each active job's completed blocks from ``export``'s pool-layout copy of them."""
+        for job, table, start, end in self._active:
+            if job.error is not None:
+                continue
+            staged = self.export(layer, cache, table[start:end])  # [n, 2, bs, Hkv, D], contiguous, CPU
+            size = staged[0].numel() * staged.element_size()
+            slices = [Slice(i * size, job.landing_segment, job.landing_offsets[b] + layer * size, size)
+                      for i, b in enumerate(range(start, end))]  # fmt: skip
+            for i, b in enumerate(range(start, end)):
+                slot = job.pool_slots.get(b)
+                if slot is not None:
+                    self.pool[slot, layer].copy_(staged[i])
+            raw = memoryview(staged.reshape(-1).view(torch.uint8).numpy())
+            try:
+                self._batches.append((job, self.transfer.write(raw, slices), staged))
             except TransferError as e:
                 job.fail(e)
 
     def wait_for_save(self) -> None:
-        for job, batch in self._batches:
+        for job, batch, _ in self._batches:
             try:
                 batch.wait(self.io_timeout_s)
             except TransferError as e:
                 job.fail(e)
-        for job, _, start, end in self._active:
+        for job, _, _, end in self._active:
             if job.error is None:
-                job.pushed_bytes += (end - start) * self._layer_bytes * self.kv_cache.shape[0]
                 job.pushed = end
         self._active, self._batches = [], []

@@ -25,7 +25,7 @@ from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.kernels import load_paged_decode
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
-from mooncake.engine.request import FinishReason, Request, SamplingParams
+from mooncake.engine.request import FinishReason, Request, SamplingParams, match_stop_string
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import Scheduler
 
@@ -187,6 +187,26 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # -- what a worker reads and sets (mooncake.serving.engines.WorkerEngine) ---------------
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block in the pool layout: (L, 2, block_size, Hkv, D)."""
+        return self.runner.block_shape
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def load(self) -> tuple[int, int]:
+        """(requests in the engine, their tokens so far); read on the engine's thread after a step."""
+        requests = self.scheduler.requests
+        return len(requests), sum(r.num_tokens for r in requests.values())
+
+    def set_max_num_seqs(self, n: int) -> None:
+        """Cap the running batch (a decode worker keeps its TBT under the SLO with it)."""
+        self.scheduler.max_num_seqs = n
+
     def _on_finish(self, request: Request) -> None:
         # Called by the scheduler before a finished or aborted request's blocks are freed.
         self.connector.request_finished(request.request_id, list(request.block_ids))
@@ -232,27 +252,10 @@ class LLMEngine:
         return results
 
     def _match_stop_string(self, req: Request) -> str | None:
-        """Update ``req.output_text``; return the earliest stop string it now contains, if any.
-
-        The text is cut before the stop string (or after it, with
-        ``include_stop_str_in_output``). Only the tail is searched: what was searched on
-        earlier steps held no match.
-        """
-        text = self.tokenizer.decode(req.output_token_ids)
-        params = req.sampling_params
-        window = max(len(s) for s in params.stop) + 16
-        start = max(0, len(req.output_text) - window)
-        best = None
-        for s in params.stop:
-            at = text.find(s, start)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, s)
-        if best is None:
-            req.output_text = text
-            return None
-        at, s = best
-        req.output_text = text[: at + len(s)] if params.include_stop_str_in_output else text[:at]
-        return s
+        """Update ``req.output_text``; return the earliest stop string it now contains, if any."""
+        req.output_text, stop = match_stop_string(self.tokenizer.decode(req.output_token_ids), req.output_text,
+                                                  req.sampling_params)  # fmt: skip
+        return stop
 
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None

@@ -63,6 +63,26 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def match_stop_string(text: str, previous_text: str, params: SamplingParams) -> tuple[str, str | None]:
+    """Find the earliest of ``params.stop`` in ``text`` (all output decoded); return (text to show, the stop or None).
+
+    The text is cut before the stop string (or after it, with ``include_stop_str_in_output``).
+    Only the tail is searched: ``previous_text``, the text shown after the last token, held
+    no match. Every engine calls this once per generated token of a request with stops.
+    """
+    window = max(len(s) for s in params.stop) + 16
+    start = max(0, len(previous_text) - window)
+    best = None
+    for s in params.stop:
+        at = text.find(s, start)
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, s)
+    if best is None:
+        return text, None
+    at, s = best
+    return (text[: at + len(s)] if params.include_stop_str_in_output else text[:at]), s
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress.

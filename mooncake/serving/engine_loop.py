@@ -1,4 +1,4 @@
-"""EngineLoop: one LLMEngine on its own thread, fed and drained from any thread or event loop.
+"""EngineLoop: one engine (native or vLLM) on its own thread, fed and drained from any thread or event loop.
 
     loop = EngineLoop(engine)                       # starts the thread
     rid = await loop.submit(sink, prompt_token_ids=ids, sampling_params=sp, request_id="r1")
@@ -24,7 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from mooncake.engine.engine import LLMEngine, RequestOutput
+from mooncake.engine.engine import RequestOutput
+from mooncake.serving.engines import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class StepSample:
 class EngineLoop:
     """Owns ``engine`` and the thread that steps it. See the module docstring."""
 
-    def __init__(self, engine: LLMEngine, name: str = "engine", history: int = 256) -> None:
+    def __init__(self, engine: WorkerEngine, name: str = "engine", history: int = 256) -> None:
         self.engine = engine
         self._commands: deque[Callable[[], None]] = deque()
         self._sinks: dict[str, Sink] = {}
@@ -88,7 +89,7 @@ class EngineLoop:
 
         self._queue(abort)
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> Future:
+    def call(self, fn: Callable[[WorkerEngine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps (for reads such as export_kv)."""
         done: Future = Future()
 
@@ -139,9 +140,7 @@ class EngineLoop:
                 self._sinks.clear()
                 continue
             seconds = time.perf_counter() - start
-            requests = engine.scheduler.requests
-            self.num_running = len(requests)
-            self.context_tokens = sum(r.num_tokens for r in requests.values())
+            self.num_running, self.context_tokens = engine.load()
             if outputs:
                 self.steps.append(StepSample(len(outputs), self.context_tokens, seconds, len(outputs)))
             for out in outputs:

@@ -1,0 +1,114 @@
+"""The engine a worker hosts: one small interface, two implementations (ours and stock vLLM).
+
+A prefill or decode worker needs only this of its engine; ``EngineLoop`` steps it on one
+thread, and every call below happens on that thread:
+
+    add_request(prompt_token_ids, sampling_params, request_id,
+                external_kv=..., num_external_tokens=...,    the prompt's leading KV, in the pool
+                initial_output_token_ids=...)                layout, imported layer by layer
+    step() -> [RequestOutput]                                 one scheduling step
+    abort_request(request_id), has_unfinished(), load(), set_max_num_seqs(n)
+
+and, fixed at start-up: ``block_size``, ``block_shape`` and ``block_bytes`` (a block in the
+pool layout, DESIGN §4), ``fingerprint`` (the root of our block keys), ``max_model_len``,
+``eos_token_ids``, ``num_free_blocks``. New KV leaves the engine through the prefill
+worker's ``PoolConnector``, which each engine calls after every layer of a step.
+
+``--engine native`` (the default) is ``mooncake.engine.LLMEngine``; ``--engine vllm`` is
+``mooncake.vllm_engine.VllmEngine``, which imports vLLM only when chosen. A third engine
+is one more class with these members and one more branch in ``build_engine``.
+
+The engine kind is part of the model fingerprint, so a native worker and a vLLM worker
+never share pool blocks (their KV differs in the last bits) and a gateway that computed
+keys for the other engine finds nothing instead of wrong KV.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from mooncake.blocks import model_fingerprint
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import RequestOutput
+from mooncake.engine.loader import model_identity
+from mooncake.engine.request import SamplingParams
+
+
+class EngineKind(str, enum.Enum):
+    NATIVE = "native"
+    VLLM = "vllm"
+
+
+class WorkerEngine(Protocol):
+    block_size: int
+    block_bytes: int
+    fingerprint: bytes
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None, external_kv: Any = None,
+                    num_external_tokens: int = 0, initial_output_token_ids: list[int] | None = None) -> str: ...  # fmt: skip
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort_request(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def load(self) -> tuple[int, int]: ...
+
+    def set_max_num_seqs(self, n: int) -> None: ...
+
+
+def engine_fingerprint(kind: EngineKind, model: str, dtype: torch.dtype) -> bytes:
+    """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model``."""
+    identity = model_identity(model, dtype)
+    return model_fingerprint(identity if kind is EngineKind.NATIVE else f"{kind.value}:{identity}")
+
+
+def build_engine(kind: EngineKind, config: EngineConfig, *, vllm_args: dict[str, Any] | None = None, tokenizer=None,
+                 connector=None) -> WorkerEngine:  # fmt: skip
+    """Build the worker's engine. ``connector`` is the prefill worker's PoolConnector (None on decode).
+
+    Raises ValueError for a configuration the engine refuses.
+    """
+    if kind is EngineKind.NATIVE:
+        from mooncake.engine.engine import LLMEngine
+
+        engine = LLMEngine(config, connector=connector, tokenizer=tokenizer)
+        if connector is not None:
+            connector.bind(engine.runner.kv_cache)
+        return engine
+    if kind is EngineKind.VLLM:
+        from mooncake.vllm_engine.engine import VllmEngine
+
+        return VllmEngine(config, vllm_args or {}, tokenizer=tokenizer, pusher=connector)
+    raise ValueError(f"unknown engine {kind!r}")
+
+
+def parse_vllm_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--vllm-arg key=value`` pairs into vLLM EngineArgs keywords (values parsed as JSON when they parse)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--vllm-arg wants key=value, got {pair!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip().lstrip("-").replace("-", "_")] = value
+    return out

@@ -1,0 +1,257 @@
+"""MooncakePoolConnector: a vLLM v1 KV connector that moves KV between vLLM's paged cache and our pool.
+
+vLLM builds two instances from ``kv_transfer_config`` (``kv_connector_module_path`` =
+this module): a SCHEDULER one inside its scheduler and a WORKER one beside the model
+runner. Both run in the worker process that hosts the engine (``VllmEngine`` runs vLLM
+in-process), so both find that engine's ``Bridge`` by the id in
+``kv_connector_extra_config["bridge"]``; the worker's own objects (the prefix to load,
+the prefill job to push) never pass through vLLM, only block tables do.
+
+    scheduler side, once per step                      worker side, in the forward pass
+    get_num_new_matched_tokens: the bridge's load      register_kv_caches: probe the layout
+      for the request (its prefix in pool or landing     (layout.py), one converter for all layers
+      slots), minus what vLLM computed already         wait_for_layer_load(l): write layer l of
+    update_state_after_alloc: note the load              each load into its blocks (waiting for a
+    build_connector_meta: per request scheduled          pull still landing)
+      now, its whole block table (tracked across      save_kv_layer(l): the prefill pusher takes
+      steps), what it computes, and the load to do       layer l of the blocks this step completed
+      (each load is used once: a preempted request      (landing slots and pool slots)
+      computes its prompt again)                     wait_for_save: the step's pushes are done
+
+Pushes finish inside the step (``wait_for_save`` waits for them), so ``request_finished``
+never holds blocks back. Block keys are never vLLM's: the worker computes ours (DESIGN §4)
+from the token ids and decides what is loaded and where it is pushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from mooncake.engine.connector import ConnectorStep, StepRequest
+from mooncake.vllm_engine.layout import BlockLayout
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from prefill.connector import PoolConnector
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "MooncakePoolConnector"
+
+
+@dataclass(slots=True)
+class Load:
+    """KV for a request's first ``num_tokens`` tokens: a tensor [n, L, 2, bs, Hkv, D] or an ExternalKV."""
+
+    source: Any
+    num_tokens: int
+
+
+@dataclass(eq=False)
+class Bridge:
+    """What one VllmEngine shares with its two connector instances (all in one process)."""
+
+    loads: dict[str, Load] = field(default_factory=dict)  # set before add_request; taken when scheduled
+    loading: dict[str, Load] = field(default_factory=dict)  # scheduled this step: the worker side takes them
+    external: dict[str, str] = field(default_factory=dict)  # vLLM's request id -> the worker's (jobs use it)
+    pusher: PoolConnector | None = None  # the prefill worker's: where each layer of new KV goes
+    layout: BlockLayout | None = None  # set by the worker side once the caches exist
+    caches: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> its cache
+
+
+_BRIDGES: dict[str, Bridge] = {}
+_BRIDGES_LOCK = threading.Lock()
+
+
+def register_bridge(bridge_id: str, bridge: Bridge) -> None:
+    with _BRIDGES_LOCK:
+        if bridge_id in _BRIDGES:
+            raise RuntimeError(f"a vLLM engine bridge {bridge_id!r} exists already in this process")
+        _BRIDGES[bridge_id] = bridge
+
+
+def unregister_bridge(bridge_id: str) -> None:
+    with _BRIDGES_LOCK:
+        _BRIDGES.pop(bridge_id, None)
+
+
+def _bridge_for(vllm_config: VllmConfig) -> Bridge:
+    bridge_id = vllm_config.kv_transfer_config.get_from_extra_config("bridge", None)
+    with _BRIDGES_LOCK:
+        bridge = _BRIDGES.get(bridge_id)
+    if bridge is None:
+        raise RuntimeError(f"{CONNECTOR_NAME} runs only inside a mooncake worker's VllmEngine (in-process, no bridge "
+                           f"{bridge_id!r} here): start it with `mooncake serve prefill|decode --engine vllm`")  # fmt: skip
+    return bridge
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class PoolConnectorMetadata(KVConnectorMetadata):
+    """One step: the loads to do and every scheduled request's progress (picklable)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    requests: list[StepRequest] = field(default_factory=list)
+    step_id: int = 0
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class MooncakePoolConnector(KVConnectorBase_V1):
+    """See the module docstring. Needs TP = PP = 1 (the whole cache of a layer in this process)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError(f"{CONNECTOR_NAME} supports tensor and pipeline parallel size 1 only "
+                             f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})")  # fmt: skip
+        self.bridge = _bridge_for(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        # scheduler side
+        self._allocated: dict[str, int] = {}  # request id -> external tokens vLLM allocated for
+        self._tables: dict[str, list[int]] = {}  # request id -> block table (group 0)
+        self._steps = 0
+        # worker side
+        self._layers: dict[str, int] = {}  # layer name -> index
+        self._writers: dict[int, Any] = {}
+        self._meta_loads: list[tuple[LoadSpec, Load, torch.Tensor]] = []
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        load = self.bridge.loads.get(request.request_id)
+        if load is None or load.num_tokens <= num_computed_tokens:
+            return 0, False
+        return load.num_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._allocated[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._steps += 1
+        meta = PoolConnectorMetadata(step_id=self._steps)
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            table = self._tables[new.req_id] = list(new.block_ids[0])
+            n_ext = self._allocated.pop(new.req_id, 0)
+            load = self.bridge.loads.pop(new.req_id, None)  # used once: a preempted request recomputes
+            if n_ext and load is not None:
+                self.bridge.loading[new.req_id] = load
+                first = new.num_computed_tokens - n_ext  # tokens vLLM had already (0: no prefix caching)
+                if first != 0:
+                    raise RuntimeError(f"request {new.req_id}: {first} tokens computed locally before the external "
+                                       "prefix; the pool connector expects vLLM's prefix caching off")  # fmt: skip
+                meta.loads.append(LoadSpec(new.req_id, table, n_ext))
+            meta.requests.append(StepRequest(self._worker_id(new.req_id), new.num_computed_tokens, counts.get(new.req_id, 0),
+                                             None, table))  # fmt: skip
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self._tables[rid] = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                self._tables.setdefault(rid, []).extend(new_ids[0])
+            meta.requests.append(StepRequest(self._worker_id(rid), cached.num_computed_tokens[i], counts.get(rid, 0), None,
+                                             list(self._tables.get(rid, []))))  # fmt: skip
+        for rid in scheduler_output.finished_req_ids:
+            self._tables.pop(rid, None)
+            self._allocated.pop(rid, None)
+        return meta
+
+    def _worker_id(self, vllm_id: str) -> str:
+        return self.bridge.external.get(vllm_id, vllm_id)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tables.pop(request.request_id, None)
+        self._allocated.pop(request.request_id, None)
+        self.bridge.loads.pop(request.request_id, None)
+        return False, None  # every push of a step ends with the step
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        attention = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
+        for pos, (name, cache) in enumerate(kv_caches.items()):
+            m = _LAYER_INDEX.search(name)
+            index = int(m.group(1)) if m else pos
+            self._layers[name] = index
+            self.bridge.caches[index] = cache
+            layer = attention[name]
+            self._writers[index] = (lambda k, v, s, layer=layer, cache=cache:
+                                    layer.impl.do_kv_cache_update(layer, k, v, cache, s))  # fmt: skip
+        if sorted(self._layers.values()) != list(range(len(kv_caches))):
+            raise RuntimeError(f"cannot order the attention layers {list(kv_caches)}")
+        first = self.bridge.caches[0]
+        if first.dim() != 4:
+            raise ValueError(f"{CONNECTOR_NAME} needs a [blocks, heads, block_size, 2*head_size] cache per layer "
+                             f"(MLA and other latent caches are not supported); got {tuple(first.shape)}")  # fmt: skip
+        # block 0 is vLLM's null block: never holds a request's KV, safe to probe (and restored after)
+        self.bridge.layout = BlockLayout.probe(first, 0, self._writers[0])
+        log.info("vLLM KV cache: %d layers of %s %s, converted to the pool layout by a probed permutation",
+                 len(kv_caches), tuple(first.shape), first.dtype)  # fmt: skip
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called as each step's forward context is entered, before any layer runs: set up its loads and pushes."""
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if not isinstance(meta, PoolConnectorMetadata):
+            raise RuntimeError(f"{CONNECTOR_NAME} got metadata of type {type(meta).__name__}")
+        self._meta_loads = []
+        for spec in meta.loads:
+            load = self.bridge.loading.pop(spec.request_id, None)
+            if load is not None:
+                self._meta_loads.append((spec, load, torch.tensor(spec.block_ids, dtype=torch.long)))
+        pusher = self.bridge.pusher
+        if pusher is not None:
+            pusher.start_step(ConnectorStep(meta.step_id, meta.requests))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Nothing to start: each layer's load happens in ``wait_for_layer_load``, just before that layer."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._meta_loads:
+            return
+        layer = self._layers[layer_name]
+        layout = self.bridge.layout
+        for spec, load, table in self._meta_loads:
+            n = -(-spec.num_tokens // self.block_size)
+            src = load.source
+            kv = src.layer(layer, 0, n) if hasattr(src, "layer") else src[:n, layer]
+            layout.import_tokens(self._writers[layer], kv, table, spec.num_tokens)
+        if layer == len(self._layers) - 1:
+            self._meta_loads = []
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        pusher = self.bridge.pusher
+        if pusher is not None:
+            pusher.save_layer(self._layers[layer_name], kv_layer, None, None)
+
+    def wait_for_save(self) -> None:
+        pusher = self.bridge.pusher
+        if pusher is not None:
+            pusher.wait_for_save()

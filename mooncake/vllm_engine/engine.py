@@ -1,0 +1,248 @@
+"""VllmEngine: a stock vLLM (v1) engine, in this process, behind the worker engine interface.
+
+The worker engine interface is ``mooncake.serving.engines.WorkerEngine``. vLLM runs
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its EngineCore and, with TP = 1, its
+model runner share this process), stepped by ``EngineLoop`` on one thread like our own
+engine. KV moves through ``MooncakePoolConnector`` (connector.py), which vLLM builds from
+the ``kv_transfer_config`` set here and which finds this engine's ``Bridge`` by its id.
+
+How the worker's requests become vLLM requests:
+
+    prefill:  prompt P, external prefix of c tokens (pool slots)  -> vLLM prompt P, c tokens loaded,
+              max_tokens 1                                           the rest computed; pushes per layer
+    decode:   prompt P, external KV of all |P| tokens (landing),  -> vLLM prompt P + [t1], |P| tokens
+              first token t1 already sampled by the prefill          loaded, t1 computed; max_tokens - 1
+
+so the decode computes one token's KV, never the prompt. vLLM's own prefix cache is off
+(the pool is the prefix cache; blocks are reused across workers, not just inside one).
+
+Stop strings are ours (the same rule as our engine, over every output token, the prefill's
+first token included), so a stop string that spans the first token and the next is found.
+vLLM still applies EOS, stop token ids and max_tokens itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import RequestOutput
+from mooncake.engine.loader import generation_eos_ids
+from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.request import FinishReason, SamplingParams, match_stop_string
+from mooncake.engine.weights import load_hf_config
+from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """One request as the worker sees it (vLLM sees the prompt plus the initial outputs)."""
+
+    internal_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    initial: list[int]
+    outputs: list[int] = field(default_factory=list)  # initial + vLLM's tokens
+    text: str = ""
+
+
+class VllmEngine:
+    """See the module docstring. Built once per worker process (vLLM keeps process-wide state)."""
+
+    def __init__(self, config: EngineConfig, vllm_args: dict[str, Any], tokenizer=None, pusher=None) -> None:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            log.warning("VLLM_ENABLE_V1_MULTIPROCESSING=%s ignored: the worker runs vLLM in its own process",
+                        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])  # fmt: skip
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import EngineArgs
+        from vllm.config import KVTransferConfig
+        from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.bridge = Bridge(pusher=pusher)
+        self._bridge_id = f"vllm-{uuid.uuid4().hex[:12]}"
+        register_bridge(self._bridge_id, self.bridge)
+        if pusher is not None:
+            pusher.export = self._export
+        args = ModelArgs.from_hf_config(load_hf_config(config.model))
+        elem = torch.tensor([], dtype=config.torch_dtype).element_size()
+        block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
+        kwargs: dict[str, Any] = dict(
+            model=config.model, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
+            enable_prefix_caching=False, seed=config.seed,
+        )  # fmt: skip
+        if "gpu_memory_utilization" not in vllm_args and "kv_cache_memory_bytes" not in vllm_args:
+            blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
+            kwargs["kv_cache_memory_bytes"] = (blocks + 1) * block_bytes  # + vLLM's null block
+        for key in ("kv_transfer_config", "enable_prefix_caching"):
+            if key in vllm_args:
+                raise ValueError(f"--vllm-arg {key} is set by the worker (the pool connector, and the pool as prefix cache)")
+        kwargs.update(vllm_args)
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=CONNECTOR_NAME, kv_connector_module_path="mooncake.vllm_engine.connector", kv_role="kv_both",
+            kv_connector_extra_config={"bridge": self._bridge_id},
+        )  # fmt: skip
+        try:
+            self._llm = VllmLLMEngine.from_engine_args(EngineArgs(**kwargs))
+        except TypeError as e:  # an EngineArgs keyword that does not exist
+            unregister_bridge(self._bridge_id)
+            raise ValueError(f"vLLM refused the engine arguments: {e}") from None
+        vc = self._llm.vllm_config
+        mc = vc.model_config
+        self.block_size = vc.cache_config.block_size
+        if self.block_size != config.block_size:
+            raise ValueError(f"vLLM chose block size {self.block_size}; the cluster's is {config.block_size}")
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.get_vocab_size()
+        self._block_shape = (mc.get_num_layers(vc.parallel_config), 2, self.block_size,
+                             mc.get_num_kv_heads(vc.parallel_config), mc.get_head_size())  # fmt: skip
+        self.block_bytes = 1
+        for d in self._block_shape:
+            self.block_bytes *= d
+        self.block_bytes *= torch.tensor([], dtype=mc.dtype).element_size()
+        from mooncake.serving.engines import EngineKind, engine_fingerprint
+
+        self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, config.torch_dtype)
+        self.eos_token_ids = frozenset(args.eos_token_ids) | generation_eos_ids(config.model) | frozenset(
+            getattr(tokenizer, "eos_token_ids", ()))  # fmt: skip
+        self._reqs: dict[str, _Tracked] = {}
+        self._ids = 0
+        log.info("vLLM engine ready: block %s (%d bytes), max_model_len %d", self._block_shape, self.block_bytes,
+                 self.max_model_len)  # fmt: skip
+
+    # -- the interface ------------------------------------------------------------------------
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return self._block_shape
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None, external_kv: Any = None,
+                    num_external_tokens: int = 0, initial_output_token_ids: list[int] | None = None) -> str:  # fmt: skip
+        """Queue a request (see the module docstring for what vLLM is given). Raises ValueError for bad input."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = sampling_params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is required")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine built with a tokenizer")
+        initial = [int(t) for t in initial_output_token_ids or []]
+        remaining = params.max_tokens - len(initial)
+        if remaining < 1:
+            raise ValueError("initial_output_token_ids already reach max_tokens")
+        sequence = prompt + initial
+        if external_kv is not None and not 0 < num_external_tokens < len(sequence):
+            raise ValueError(f"num_external_tokens must be in [1, {len(sequence) - 1}], got {num_external_tokens}")
+        rid = request_id if request_id is not None else f"req-{self._next_id()}"
+        if rid in self._reqs:
+            raise ValueError(f"request {rid!r} is already in the engine")
+        vparams = VllmSamplingParams(
+            max_tokens=remaining, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, detokenize=False,
+        )  # fmt: skip
+        internal = self._llm.add_request(rid, TokensPrompt(prompt_token_ids=sequence), vparams)
+        if external_kv is not None:
+            self.bridge.loads[internal] = Load(external_kv, num_external_tokens)
+        self.bridge.external[internal] = rid
+        self._reqs[rid] = _Tracked(internal, params, len(prompt), num_external_tokens if external_kv is not None else 0,
+                                   initial, list(initial))  # fmt: skip
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        results = []
+        for out in self._llm.step():
+            tracked = self._reqs.get(out.request_id)
+            if tracked is None or not out.outputs:
+                continue
+            comp = out.outputs[0]
+            before = len(tracked.outputs)
+            tracked.outputs = tracked.initial + list(comp.token_ids)
+            new = tracked.outputs[before:]
+            if not new and not out.finished:
+                continue
+            done = out.finished
+            reason = FinishReason(comp.finish_reason) if done and comp.finish_reason else None
+            stop_reason = comp.stop_reason if done else None
+            if tracked.params.stop:
+                tracked.text, stop = match_stop_string(self.tokenizer.decode(tracked.outputs), tracked.text, tracked.params)
+                if stop is not None:
+                    if not done:
+                        self._llm.abort_request([out.request_id])
+                    done, reason, stop_reason = True, FinishReason.STOP, stop
+            elif done and self.tokenizer is not None:
+                tracked.text = self.tokenizer.decode(tracked.outputs)
+            if done:
+                self._forget(out.request_id)
+            results.append(RequestOutput(
+                request_id=out.request_id, output_token_ids=list(tracked.outputs), new_token_ids=new, finished=done,
+                finish_reason=reason, num_prompt_tokens=tracked.num_prompt_tokens, num_cached_tokens=tracked.num_cached_tokens,
+                text=tracked.text, stop_reason=stop_reason,
+            ))  # fmt: skip
+        return results
+
+    def abort_request(self, request_id: str) -> bool:
+        if request_id not in self._reqs:
+            return False
+        self._llm.abort_request([request_id])
+        self._forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self._llm.has_unfinished_requests()
+
+    def load(self) -> tuple[int, int]:
+        reqs = list(self._reqs.values())
+        return len(reqs), sum(r.num_prompt_tokens + len(r.outputs) for r in reqs)
+
+    def set_max_num_seqs(self, n: int) -> None:
+        self._scheduler().max_num_running_reqs = max(1, n)
+
+    def close(self) -> None:
+        unregister_bridge(self._bridge_id)
+        try:
+            self._llm.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            log.debug("vLLM shutdown failed", exc_info=True)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _export(self, layer: int, cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        """The pusher's view of a layer: blocks ``block_ids`` in the pool layout, on the CPU."""
+        out = self.bridge.layout.export_blocks(cache, torch.tensor(block_ids, dtype=torch.long, device=cache.device))
+        return out.cpu()
+
+    def _forget(self, request_id: str) -> None:
+        tracked = self._reqs.pop(request_id, None)
+        if tracked is not None:
+            self.bridge.loads.pop(tracked.internal_id, None)
+            self.bridge.loading.pop(tracked.internal_id, None)
+            self.bridge.external.pop(tracked.internal_id, None)
+
+    def _scheduler(self):
+        return self._llm.engine_core.engine_core.scheduler  # in-process: InprocClient -> EngineCore
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids

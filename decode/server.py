@@ -6,15 +6,13 @@ import argparse
 import logging
 import sys
 import time
-from concurrent import futures
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from decode.worker import Busy, DecodeConfig, DecodeWorker, Failed
-from mooncake.serving.conductor_link import ConductorLink
-from mooncake.serving.process import print_ready, wait_for_signal, worker_parser
-from mooncake.serving.status_http import start_status_server
+from mooncake.serving.engines import parse_vllm_args
+from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
 
@@ -93,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s decode[%(process)d] %(message)s")
     try:
-        config = DecodeConfig(id=args.id, model=args.model, host=args.host, dtype=args.dtype, block_size=args.block_size,
+        config = DecodeConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
+                              host=args.host, dtype=args.dtype, block_size=args.block_size or default_block_size(args.engine),
                               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, num_threads=args.threads,
                               shm_dir=args.shm_dir)  # fmt: skip
@@ -102,41 +101,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     metrics = DecodeMetrics(worker)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="decode-rpc"))
-    wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, metrics), server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        print(f"error: cannot bind {args.host}:{args.port}", file=sys.stderr)
-        return 2
-    server.start()
-    address = f"{args.host}:{port}"
 
     def load() -> cpb.Load:
         worker.learn_step_times()
         step = worker.last_step
         return cpb.Load(queued_requests=worker.num_in_prefill, running_requests=worker.loop.num_running,
-                        context_tokens=worker.loop.context_tokens, free_kv_blocks=worker.engine.pool.num_free_blocks,
+                        context_tokens=worker.loop.context_tokens, free_kv_blocks=worker.engine.num_free_blocks,
                         step_s=step.seconds if step is not None and worker.loop.num_running else 0.0)  # fmt: skip
 
-    link = None
-    if args.conductor:
-        link = ConductorLink(args.conductor, cpb.RegisterRequest(id=args.id, role=cpb.DECODE, address=address, node=args.id,
-                                                                   model=args.model, capacity=args.max_num_seqs), load)  # fmt: skip
-        worker.link = link
-        link.start()
-    status = start_status_server(args.host, args.metrics_port, metrics.registry,
-                                 lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}))  # fmt: skip
-    print_ready({"id": args.id, "grpc": address, "metrics": f"{args.host}:{status.server_port}",
-                 "landing": worker.landing_segment.name, "max_model_len": worker.max_model_len})  # fmt: skip
-    wait_for_signal()
-    log.info("stopping: draining %d running requests", worker.loop.num_running)
-    worker.draining = True
-    if link is not None:
-        link.close()
-    deadline = time.monotonic() + args.drain_timeout
-    while (worker.loop.num_running or worker.num_in_prefill) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    server.stop(grace=1).wait()
-    status.shutdown()
-    worker.close()
-    return 0
+    spec = WorkerProcess(
+        name="decode",
+        add_servicer=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, metrics), server),
+        registration=cpb.RegisterRequest(id=args.id, role=cpb.DECODE, node=args.id, model=args.model, capacity=args.max_num_seqs),
+        load=load,
+        ready={"landing": worker.landing_segment.name, "max_model_len": worker.max_model_len, "engine": args.engine},
+        health=lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}),
+        busy=lambda: worker.loop.num_running + worker.num_in_prefill,
+        drain_timeout_s=args.drain_timeout, max_rpc_threads=64,
+    )  # fmt: skip
+    return run_worker(args, worker, spec, metrics.registry)

@@ -27,16 +27,18 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 from conductor.predictors import DecodePredictor, PredictorConfig
 from kvstore.service import segment_to_pb
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.engine import LLMEngine
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
+from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
@@ -52,6 +54,8 @@ class DecodeConfig(BaseModel):
 
     id: str = Field("decode-0", min_length=1, description="instance id, unique in the cluster")
     model: str = Field(description="model directory (Hugging Face layout)")
+    engine: EngineKind = Field(EngineKind.NATIVE, description="native: ours; vllm: stock vLLM in this process")
+    vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     host: str = Field("127.0.0.1", description="address of its transfer server (landing slots over tcp)")
     dtype: str = "float32"
     block_size: int = Field(16, ge=1)
@@ -104,13 +108,13 @@ class DecodeWorker:
             max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads,
             use_kernels=config.use_kernels,
         )  # fmt: skip
-        self.engine = LLMEngine(engine_config, tokenizer=self.tokenizer)
+        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer)
         self.max_model_len = self.engine.max_model_len
         self.block_bytes = self.engine.block_bytes
         slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
         self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir))
         self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes)
-        self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.runner.block_shape,
+        self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.block_shape,
                                    engine_config.torch_dtype)  # fmt: skip
         self.slots = SlotAllocator(slots)
         self.loop = EngineLoop(self.engine, name="decode-engine")
@@ -151,7 +155,7 @@ class DecodeWorker:
             if step.batch > 0 and step.seconds > 0:
                 self.predictor.observe(step.batch, step.context_tokens, step.seconds)
         cap = self.batch_cap
-        self.loop.call(lambda engine: setattr(engine.scheduler, "max_num_seqs", cap))
+        self.loop.call(lambda engine: engine.set_max_num_seqs(cap))
 
     def _admit(self) -> None:
         if self.draining:
@@ -318,4 +322,5 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.loop.close()
+        self.engine.close()
         self.transfer.close()

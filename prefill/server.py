@@ -6,16 +6,13 @@ import argparse
 import logging
 import sys
 import threading
-import time
-from concurrent import futures
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.client import KVStoreUnavailable
-from mooncake.serving.conductor_link import ConductorLink
-from mooncake.serving.process import print_ready, wait_for_signal, worker_parser
-from mooncake.serving.status_http import start_status_server
+from mooncake.serving.engines import parse_vllm_args
+from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
 from prefill.worker import Cancelled, PrefillConfig, PrefillWorker
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -92,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s prefill[%(process)d] %(message)s")
     try:
-        config = PrefillConfig(id=args.id, model=args.model, kvstore=args.kvstore, dtype=args.dtype, block_size=args.block_size,
+        config = PrefillConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
+                               kvstore=args.kvstore, dtype=args.dtype, block_size=args.block_size or default_block_size(args.engine),
                                num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
                                store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl)  # fmt: skip
@@ -101,38 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     metrics = PrefillMetrics()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefill-rpc"))
-    wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        print(f"error: cannot bind {args.host}:{args.port}", file=sys.stderr)
-        return 2
-    server.start()
-    address = f"{args.host}:{port}"
 
     def load() -> cpb.Load:
         return cpb.Load(queued_requests=worker.num_inflight, queued_s=worker.queued_seconds(),
-                        running_requests=worker.loop.num_running, free_kv_blocks=worker.engine.pool.num_free_blocks)  # fmt: skip
+                        running_requests=worker.loop.num_running, free_kv_blocks=worker.engine.num_free_blocks)  # fmt: skip
 
-    link = None
-    if args.conductor:
-        link = ConductorLink(args.conductor, cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, address=address, node=worker.node,
-                                                                   model=args.model, capacity=args.max_num_batched_tokens), load)  # fmt: skip
-        worker.link = link
-        link.start()
-    status = start_status_server(args.host, args.metrics_port, metrics.registry,
-                                 lambda: (not worker.draining, {"id": args.id, "inflight": worker.num_inflight}))  # fmt: skip
-    print_ready({"id": args.id, "grpc": address, "metrics": f"{args.host}:{status.server_port}", "node": worker.node,
-                 "block_bytes": worker.block_bytes})  # fmt: skip
-    wait_for_signal()
-    log.info("stopping: draining %d in-flight prefills", worker.num_inflight)
-    worker.draining = True
-    if link is not None:
-        link.close()  # deregister first: nothing new is sent here
-    deadline = time.monotonic() + args.drain_timeout
-    while worker.num_inflight and time.monotonic() < deadline:
-        time.sleep(0.05)
-    server.stop(grace=1).wait()
-    status.shutdown()
-    worker.close()
-    return 0
+    spec = WorkerProcess(
+        name="prefill",
+        add_servicer=lambda server: wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server),
+        registration=cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, node=worker.node, model=args.model,
+                                         capacity=args.max_num_batched_tokens),  # fmt: skip
+        load=load,
+        ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine},
+        health=lambda: (not worker.draining, {"id": args.id, "inflight": worker.num_inflight}),
+        busy=lambda: worker.num_inflight,
+        drain_timeout_s=args.drain_timeout,
+    )  # fmt: skip
+    return run_worker(args, worker, spec, metrics.registry)

@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 from conductor.predictors import PredictorConfig, PrefillPredictor
@@ -32,10 +34,11 @@ from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from kvstore.service import segment_from_pb
 from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.engine import LLMEngine, RequestOutput
+from mooncake.engine.engine import RequestOutput
 from mooncake.engine.request import SamplingParams
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
+from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from prefill.connector import PoolConnector, PrefillJob
 from protos import worker_pb2 as wpb
@@ -49,6 +52,8 @@ class PrefillConfig(BaseModel):
 
     id: str = Field("prefill-0", min_length=1, description="instance id, unique in the cluster")
     model: str = Field(description="model directory (Hugging Face layout)")
+    engine: EngineKind = Field(EngineKind.NATIVE, description="native: ours; vllm: stock vLLM in this process")
+    vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     kvstore: str = Field(description="gRPC address of this worker's pool node (on this host)")
     dtype: str = "float32"
     block_size: int = Field(16, ge=1, description="tokens per block: the pool's, the engine's and the Conductor's")
@@ -110,14 +115,13 @@ class PrefillWorker:
             raise ValueError(f"pool node {self.node} is not on this host (its DRAM tier has no shared-memory file)")
         self._region = SharedRegion.open(stats.segment.shm_path)
         self.connector = PoolConnector(self.transfer, None, config.block_size, config.io_timeout_s)
-        self.engine = LLMEngine(engine_config, connector=self.connector)
+        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector)
         if self.engine.block_bytes != stats.block_bytes:
             raise ValueError(f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
                              f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})")  # fmt: skip
-        self.block_shape = self.engine.runner.block_shape
+        self.block_shape = self.engine.block_shape
         self.pool = slot_tensor(self._region.buffer, self.block_shape, engine_config.torch_dtype)
         self.connector.pool = self.pool
-        self.connector.bind(self.engine.runner.kv_cache)
         self.block_bytes = stats.block_bytes
         self.layer_bytes = self.block_bytes // self.block_shape[0]
         self._pool_bytes = memoryview(self._region.buffer).cast("B")
@@ -331,6 +335,7 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.loop.close()
+        self.engine.close()
         for client in self._remote.values():
             client.close()
         self.kv.close()

@@ -47,6 +47,11 @@ def up(
     ttft_slo: float = typer.Option(30.0, "--ttft-slo", help="TTFT SLO in seconds"),
     tbt_slo: float = typer.Option(0.5, "--tbt-slo", help="TBT SLO in seconds (CPU decode steps are tens of ms)"),
     workdir: Path = typer.Option(Path.home() / ".cache" / "mooncake" / "run", "--workdir", help="Logs (and SSD files) go here"),
+    engine: str = typer.Option("native", "--engine", help="Workers' engine: native (ours) or vllm (stock vLLM, installed "
+                               "with the project's `vllm` extra)"),
+    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="KEY=VALUE vLLM engine argument for every worker, repeatable "
+                                       "(e.g. enforce_eager=true, gpu_memory_utilization=0.85)"),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block [default: 16 native, 32 vllm]"),
 ) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 
@@ -54,6 +59,9 @@ def up(
     and the gateway as separate processes, waits until all are healthy, prints the
     endpoint, restarts a component that dies, and stops everything on Ctrl-C or SIGTERM.
     """
+    if engine not in ("native", "vllm"):
+        console.print(f"[red]error:[/red] --engine must be native or vllm, got {engine!r}")
+        raise typer.Exit(2)
     try:
         model_dir = _model_dir(model, cache_dir)
     except (ValueError, RuntimeError) as e:
@@ -63,7 +71,7 @@ def up(
         model=str(model_dir), model_name=model if "/" not in model else model_dir.name, prefill=prefill, decode=decode,
         host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
         pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
-        ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+        ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size,
     )  # fmt: skip
     cluster = LocalCluster(config, on_event=lambda msg: console.print(f"[dim]{msg}[/dim]"))
     stop = threading.Event()

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
@@ -52,7 +52,9 @@ class ClusterConfig(BaseModel):
     redis_url: str | None = None
     workdir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run")
     dtype: str = "float32"
-    block_size: int = 16
+    engine: str = Field("native", pattern="^(native|vllm)$", description="the workers' engine: ours or stock vLLM")
+    vllm_args: list[str] = Field(default_factory=list, description="KEY=VALUE vLLM engine arguments for every worker")
+    block_size: int | None = Field(None, ge=1, description="default: 16 native, 32 vllm")
     pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node")
     pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (0: none)")
     max_model_len: int | None = None
@@ -66,6 +68,14 @@ class ClusterConfig(BaseModel):
     gateway: bool = True
     restart: bool = Field(True, description="restart a component that dies")
     ready_timeout_s: float = 180.0
+
+    @model_validator(mode="after")
+    def _block_size(self) -> "ClusterConfig":
+        if self.block_size is None:
+            from mooncake.serving.process import default_block_size
+
+            self.block_size = default_block_size(self.engine)
+        return self
 
     def block_bytes(self) -> int:
         args = ModelArgs.from_hf_config(load_hf_config(self.model))
@@ -83,6 +93,7 @@ class Component:
     info: dict = field(default_factory=dict)  # its READY line
     restarts: int = 0
     stopping: bool = False
+    env: dict[str, str] | None = None  # added to this process's environment
 
     @property
     def alive(self) -> bool:
@@ -91,8 +102,9 @@ class Component:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
+        env = {**os.environ, **self.env} if self.env else None
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True, env=env)  # fmt: skip
         log_file.close()
 
     def wait_ready(self, timeout_s: float) -> dict:
@@ -163,6 +175,19 @@ class LocalCluster:
         max_len = ["--max-model-len", str(c.max_model_len)] if c.max_model_len else []
         return threads, max_len
 
+    def _engine_flags(self) -> list[str]:
+        c = self.config
+        return ["--engine", c.engine, *(f for a in c.vllm_args for f in ("--vllm-arg", a))]
+
+    def _worker_env(self, index: int) -> dict[str, str] | None:
+        """vLLM binds its OpenMP threads to cores: with ``threads`` set, each worker gets its own (round robin)."""
+        c = self.config
+        if c.engine != "vllm" or not c.threads:
+            return None
+        cores = os.cpu_count() or 1
+        first = index * c.threads
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str((first + t) % cores) for t in range(c.threads))}
+
     def _conductor(self) -> Component:
         c, h = self.config, self.config.host
         redis = ["--redis-url", c.redis_url] if c.redis_url else []
@@ -187,8 +212,8 @@ class LocalCluster:
         prefill = Component(f"prefill-{i}", self._python(
             "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_address,
             "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len,
-        ), self.run_dir / "logs" / f"prefill-{i}.log")  # fmt: skip
+            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(),
+        ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env(2 * i))  # fmt: skip
         return node, prefill
 
     def _decode(self, i: int) -> Component:
@@ -198,8 +223,8 @@ class LocalCluster:
         return Component(f"decode-{i}", self._python(
             "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", self.conductor_address, "--host", h,
             "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size), "--max-num-seqs", str(c.decode_max_seqs),
-            "--tbt-slo", str(c.tbt_slo_s), "--shm-dir", self.shm_dir, *threads, *max_len,
-        ), self.run_dir / "logs" / f"decode-{i}.log")  # fmt: skip
+            "--tbt-slo", str(c.tbt_slo_s), "--shm-dir", self.shm_dir, *threads, *max_len, *self._engine_flags(),
+        ), self.run_dir / "logs" / f"decode-{i}.log", env=self._worker_env(2 * i + 1))  # fmt: skip
 
     def _gateway(self) -> Component:
         c, h = self.config, self.config.host
@@ -207,7 +232,8 @@ class LocalCluster:
         key = ["--api-key", c.api_key] if c.api_key else []
         return Component("gateway", self._python(
             "mooncake.gateway", "--conductor", self.conductor_address, "--model", c.model, "--model-name", c.model_name,
-            "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size), *max_len, *key,
+            "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),
+            "--engine", c.engine, *max_len, *key,
         ), self.run_dir / "logs" / "gateway.log")  # fmt: skip
 
     def _plan(self) -> list[list[Component]]:

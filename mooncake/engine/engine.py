@@ -203,6 +203,9 @@ class LLMEngine:
         requests = self.scheduler.requests
         return len(requests), sum(r.num_tokens for r in requests.values())
 
+    def close(self) -> None:
+        """Nothing to release: the engine's memory goes with it."""
+
     def set_max_num_seqs(self, n: int) -> None:
         """Cap the running batch (a decode worker keeps its TBT under the SLO with it)."""
         self.scheduler.max_num_seqs = n

@@ -15,14 +15,13 @@ import sys
 import torch
 import uvicorn
 
-from mooncake.blocks import model_fingerprint
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.loader import model_identity
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.engine.weights import load_hf_config
 from mooncake.gateway.app import GatewayConfig, create_app
-from mooncake.serving.process import print_ready
+from mooncake.serving.engines import EngineKind, engine_fingerprint, parse_vllm_args
+from mooncake.serving.process import default_block_size, print_ready
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,10 +42,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the workers' dtype (part of the block keys)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the cluster's)")
+    p.add_argument("--engine", default="native", choices=["native", "vllm"],
+                   help="the workers' engine (part of the block keys: a cluster runs one kind)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block, the cluster's (default: 16 native, 32 vllm)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="--local: the engine's paged cache, in blocks")
     p.add_argument("--threads", type=int, default=None, help="--local: torch threads")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="--local --engine vllm: a vLLM "
+                   "EngineArgs keyword, repeatable")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="--local: the engine's per-step token budget (a longer "
                    "prompt is prefilled in chunks of this many tokens, inside the decode steps)")
     p.add_argument("--log-level", default="INFO")
@@ -55,18 +58,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_backend(args: argparse.Namespace):
     name = args.model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    args.block_size = args.block_size or default_block_size(args.engine)
     if args.local:
         from mooncake.serving.local import LocalBackend
 
         config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                               max_model_len=args.max_model_len, num_threads=args.threads,
                               max_num_batched_tokens=args.max_batched_tokens)  # fmt: skip
-        return LocalBackend(config, name), name
+        return LocalBackend(config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)), name
     from mooncake.serving.cluster import ClusterBackend
 
     model_args = ModelArgs.from_hf_config(load_hf_config(args.model))
     max_len = min(args.max_model_len or model_args.max_position_embeddings, model_args.max_position_embeddings)
-    fingerprint = model_fingerprint(model_identity(args.model, DTYPES[args.dtype]))
+    fingerprint = engine_fingerprint(EngineKind(args.engine), args.model, DTYPES[args.dtype])
     return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint), name
 
 

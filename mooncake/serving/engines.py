@@ -70,6 +70,8 @@ class WorkerEngine(Protocol):
 
     def set_max_num_seqs(self, n: int) -> None: ...
 
+    def close(self) -> None: ...
+
 
 def engine_fingerprint(kind: EngineKind, model: str, dtype: torch.dtype) -> bytes:
     """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model``."""

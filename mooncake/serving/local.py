@@ -11,9 +11,10 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.engine import LLMEngine, RequestOutput
+from mooncake.engine.engine import RequestOutput
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
+from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.text import TextStream
 from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Unavailable
@@ -29,11 +30,12 @@ def sampling_params(req: GenerationRequest) -> SamplingParams:
 
 
 class LocalBackend(GenerationBackend):
-    """Serves ``model_name`` from one LLMEngine on a thread of this process."""
+    """Serves ``model_name`` from one engine (ours, or vLLM's with ``engine``) on a thread of this process."""
 
-    def __init__(self, config: EngineConfig, model_name: str, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_name: str, tokenizer: Tokenizer | None = None,
+                 engine: EngineKind = EngineKind.NATIVE, vllm_args: dict | None = None) -> None:  # fmt: skip
         self.tokenizer = tokenizer or Tokenizer.from_dir(config.model)
-        self.engine = LLMEngine(config, tokenizer=self.tokenizer)
+        self.engine = build_engine(engine, config, vllm_args=vllm_args, tokenizer=self.tokenizer)
         self.loop = EngineLoop(self.engine, name="local-engine")
         self.model_name = model_name
         self.max_model_len = self.engine.max_model_len

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
+import sys
 import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 def print_ready(info: dict) -> None:
@@ -38,9 +46,77 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the pool's and the Conductor's)")
+    p.add_argument("--engine", default="native", choices=["native", "vllm"],
+                   help="native: our engine; vllm: stock vLLM (v1) hosted in this process, KV through our pool connector")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a vLLM EngineArgs keyword for --engine vllm, repeatable; values parse as JSON when they can "
+                        "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true, kv_cache_dtype=auto)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block, the pool's and the Conductor's (default: 16 native, 32 vllm: "
+                        "vLLM's CPU attention needs a multiple of 32)")
     p.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="the engine's paged cache, in blocks")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def default_block_size(engine: str) -> int:
+    """The block size a component uses when none is given: 16 for ours, 32 for vLLM (its CPU kernels need 32k)."""
+    return 32 if engine == "vllm" else 16
+
+
+@dataclass
+class WorkerProcess:
+    """What differs between the prefill and the decode worker's process; ``run_worker`` does the rest."""
+
+    name: str  # "prefill" or "decode": log prefix and thread names
+    add_servicer: Callable[[object], None]  # adds the gRPC servicer to the server
+    registration: object  # the conductor_pb2.RegisterRequest, address left empty (filled once bound)
+    load: Callable[[], object]  # a conductor_pb2.Load for each heartbeat
+    ready: dict  # extra READY fields
+    health: Callable[[], tuple[bool, dict]]
+    busy: Callable[[], int]  # requests still in the worker (drained on SIGTERM)
+    drain_timeout_s: float
+    max_rpc_threads: int = 32
+
+
+def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) -> int:
+    """Serve ``worker`` until SIGTERM: gRPC, Conductor registration and heartbeats, /metrics and /health, drain.
+
+    ``worker`` has ``link``, ``draining`` and ``close()``. Returns the exit code.
+    """
+    import grpc
+
+    from mooncake.serving.conductor_link import ConductorLink
+    from mooncake.serving.status_http import start_status_server
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=spec.max_rpc_threads, thread_name_prefix=f"{spec.name}-rpc"))
+    spec.add_servicer(server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        print(f"error: cannot bind {args.host}:{args.port}", file=sys.stderr)
+        worker.close()
+        return 2
+    server.start()
+    address = f"{args.host}:{port}"
+    link = None
+    if args.conductor:
+        spec.registration.address = address
+        link = ConductorLink(args.conductor, spec.registration, spec.load)
+        worker.link = link
+        link.start()
+    status = start_status_server(args.host, args.metrics_port, registry, spec.health)
+    print_ready({"id": args.id, "grpc": address, "metrics": f"{args.host}:{status.server_port}", **spec.ready})
+    wait_for_signal()
+    log.info("stopping: draining %d requests", spec.busy())
+    worker.draining = True
+    if link is not None:
+        link.close()  # deregister first: nothing new is sent here
+    deadline = time.monotonic() + spec.drain_timeout_s
+    while spec.busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=1).wait()
+    status.shutdown()
+    worker.close()
+    return 0

@@ -63,6 +63,14 @@ class VllmEngine:
             log.warning("VLLM_ENABLE_V1_MULTIPROCESSING=%s ignored: the worker runs vLLM in its own process",
                         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])  # fmt: skip
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        multiple = 16 if torch.cuda.is_available() else 32  # FLASH_ATTN's kernel blocks; CPU_ATTN's
+        if config.block_size % multiple:
+            raise ValueError(f"vLLM's attention on this machine needs a block size that is a multiple of {multiple}; the "
+                             f"cluster's is {config.block_size} (start every component with --block-size 32)")  # fmt: skip
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--engine vllm needs vLLM installed (pip install 'mooncake-serve[vllm]'): {e}") from None
         from vllm import EngineArgs
         from vllm.config import KVTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine

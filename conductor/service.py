@@ -141,13 +141,29 @@ class ConductorService:
     # -- calls (each under the lock) ------------------------------------------------------
 
     def register(self, inst: Instance) -> None:
+        """Add (or re-add) an instance. Raises Mismatch for a worker whose KV the cluster's workers cannot use."""
         with self._lock:
+            self._check_compatible(inst)
             self.conductor.register(inst, time.monotonic())
             if inst.role is Role.KVSTORE:
                 self.conductor.index.reset_node(inst.node)  # the watcher's snapshot refills it
             self.store.save_instance(inst)
         if inst.role is Role.KVSTORE:
             self._watch(inst)
+
+    def _check_compatible(self, inst: Instance) -> None:
+        """Prefill and decode workers exchange KV and share pool blocks: one fingerprint (model, dtype, engine) for all."""
+        if inst.role is Role.KVSTORE or not inst.fingerprint:
+            return
+        for other in self.conductor.instances.values():
+            if (other.id != inst.id and other.role is not Role.KVSTORE and other.fingerprint
+                    and other.state is not InstanceState.DEAD and other.fingerprint != inst.fingerprint):  # fmt: skip
+                raise Mismatch(
+                    f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: {other.id} runs the "
+                    f"{other.engine or 'unknown'} engine on {other.model}, and their KV caches differ (block-key "
+                    f"fingerprints {inst.fingerprint.hex()[:12]} and {other.fingerprint.hex()[:12]}). A cluster's prefill and "
+                    "decode workers run one engine on one model and dtype."
+                )  # fmt: skip
 
     def heartbeat(self, instance_id: str, load: Load) -> bool:
         with self._lock:
@@ -314,6 +330,10 @@ class ConductorService:
             self._unwatch(instance_id)
 
 
+class Mismatch(Exception):
+    """A worker that cannot join this cluster (FAILED_PRECONDITION)."""
+
+
 def _status(fn):
     @functools.wraps(fn)
     def wrapper(self, request, context):
@@ -346,8 +366,12 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             raise ValueError("role must be PREFILL, DECODE or KVSTORE")
         if not request.node:
             raise ValueError("node is required: the kvstore node this instance uses (a kvstore node: its own name)")
-        inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity)
-        self.service.register(inst)
+        inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity,
+                        fingerprint=bytes(request.fingerprint), engine=request.engine)  # fmt: skip
+        try:
+            self.service.register(inst)
+        except Mismatch as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         timeout = self.service.conductor.config.heartbeat_timeout_s
         return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout)
 
@@ -403,7 +427,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         for i, age, blocks, dram, served, retiring in rows:
             info = pb.InstanceInfo(id=i.id, role=ROLE_TO_PB[i.role], address=i.address, node=i.node, model=i.model,
                                    capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age, load=load_to_pb(i.load),
-                                   indexed_blocks=blocks, dram_blocks=dram, retiring=retiring)  # fmt: skip
+                                   indexed_blocks=blocks, dram_blocks=dram, retiring=retiring, engine=i.engine)  # fmt: skip
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks
                 info.reused_blocks, info.fetched_blocks = served.reused_blocks, served.fetched_blocks

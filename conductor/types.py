@@ -62,6 +62,8 @@ class Instance:
     model: str = ""
     capacity: int = 0  # prefill: tokens per step; decode: most running requests; kvstore: blocks
     state: InstanceState = InstanceState.ALIVE
+    fingerprint: bytes = b""  # workers: the root of their block keys (model, dtype, engine kind)
+    engine: str = ""  # workers: native or vllm
     last_heartbeat: float = 0.0
     load: Load = field(default_factory=Load)
 

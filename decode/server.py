@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = WorkerProcess(
         name="decode",
         add_servicer=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, metrics), server),
-        registration=cpb.RegisterRequest(id=args.id, role=cpb.DECODE, node=args.id, model=args.model, capacity=args.max_num_seqs),
+        registration=cpb.RegisterRequest(id=args.id, role=cpb.DECODE, node=args.id, model=args.model,
+                                         fingerprint=worker.engine.fingerprint, engine=args.engine,
+                                         capacity=args.max_num_seqs),  # fmt: skip
         load=load,
         ready={"landing": worker.landing_segment.name, "max_model_len": worker.max_model_len, "engine": args.engine},
         health=lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}),

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         name="prefill",
         add_servicer=lambda server: wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server),
         registration=cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, node=worker.node, model=args.model,
+                                         fingerprint=worker.engine.fingerprint, engine=args.engine,
                                          capacity=args.max_num_batched_tokens),  # fmt: skip
         load=load,
         ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine},

@@ -46,20 +46,24 @@ class Load(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
     node: str
     model: str
     capacity: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+    fingerprint: bytes
+    engine: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s")
@@ -242,7 +246,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks", "dram_blocks", "decisions", "prompt_blocks", "reused_blocks", "fetched_blocks", "retiring")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks", "dram_blocks", "decisions", "prompt_blocks", "reused_blocks", "fetched_blocks", "retiring", "engine")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +263,7 @@ class InstanceInfo(_message.Message):
     REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RETIRING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -275,7 +280,8 @@ class InstanceInfo(_message.Message):
     reused_blocks: int
     fetched_blocks: int
     retiring: bool
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ...) -> None: ...
+    engine: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected")

@@ -172,6 +172,26 @@ def test_bad_requests_get_clear_errors(cluster):
     assert cluster.schedule([], extra_tokens=3).HasField("placement")  # a prompt shorter than a block has no keys
 
 
+def test_a_worker_whose_kv_differs_from_the_clusters_is_refused_at_registration(cluster):
+    """A native prefill feeding a vLLM decode would exchange KV of different engines: refused, with both named."""
+    stub = cluster.start_conductor()
+    native, vllm = model_fingerprint("native:model"), model_fingerprint("vllm:model")
+
+    def register(instance_id, role, fingerprint, engine):
+        return stub.Register(pb.RegisterRequest(id=instance_id, role=role, address="127.0.0.1:9", node="kvA", model="m",
+                                                fingerprint=fingerprint, engine=engine), timeout=5)  # fmt: skip
+
+    register("p0", pb.PREFILL, native, "native")
+    with pytest.raises(grpc.RpcError) as err:
+        register("d0", pb.DECODE, vllm, "vllm")
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "d0 (vllm engine" in err.value.details() and "p0 runs the native engine" in err.value.details()
+    register("d1", pb.DECODE, native, "native")  # the same engine and model joins
+    register("p0", pb.PREFILL, native, "native")  # and a restarted worker registers again under its id
+    listed = {i.id: i for i in stub.ListInstances(pb.ListInstancesRequest()).instances}
+    assert set(listed) == {"p0", "d1"} and listed["p0"].engine == "native"
+
+
 def test_dead_instances_leave_scheduling_and_their_blocks_leave_the_index(cluster):
     stub = cluster.start_conductor()
     cluster.register_all()

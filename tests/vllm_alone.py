@@ -1,0 +1,88 @@
+"""Stock vLLM in a process of its own, for the vLLM tests: the references the cluster is held to.
+
+vLLM keeps process-wide state (its KV connector agent), so each use runs in a fresh
+interpreter: ``run(mode, **args)`` starts ``python tests/vllm_alone.py`` with the arguments
+as JSON on stdin and returns the JSON it prints.
+
+- ``reference``: greedy tokens of each prompt, one ``vllm.LLM.generate`` per prompt, with
+  no KV connector and prefix caching off: vLLM serving it alone.
+- ``layout``: the KV our ``VllmEngine`` exports for a prompt, in the pool layout
+  [L, 2, T, Hkv, D], saved with ``torch.save`` to ``path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RESULT = "VLLM_ALONE_RESULT "
+
+
+def run(mode: str, timeout_s: float = 600, **args) -> object:
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0")}  # fmt: skip
+    proc = subprocess.run([sys.executable, __file__], input=json.dumps({"mode": mode, **args}), capture_output=True, text=True,
+                          timeout=timeout_s, env=env, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vllm_alone {mode} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(RESULT) :])
+
+
+def _reference(args: dict) -> list[list[int]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args["model"], dtype="float32", block_size=args["block_size"], max_model_len=args["max_model_len"],
+              enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=512 * 2**20, seed=0)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
+    return [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
+            for p in args["prompts"]]  # fmt: skip
+
+
+def _layout(args: dict) -> str:
+    import torch
+
+    from mooncake.engine.config import EngineConfig
+    from mooncake.engine.request import SamplingParams
+    from mooncake.serving.engines import EngineKind, build_engine
+
+    class Capture:
+        """Stands where the prefill worker's PoolConnector does: keeps each layer of the prompt's blocks."""
+
+        export = None
+
+        def __init__(self) -> None:
+            self.layers: dict[int, torch.Tensor] = {}
+            self.active: list = []
+
+        def start_step(self, step) -> None:
+            self.active = [(r.block_ids, r.num_computed_tokens + r.num_new_tokens) for r in step.requests]
+
+        def save_layer(self, layer, cache, _v, _step) -> None:
+            for table, done in self.active:
+                self.layers[layer] = self.export(layer, cache, table[: -(-done // args["block_size"])])
+
+        def wait_for_save(self) -> None:
+            pass
+
+    capture = Capture()
+    config = EngineConfig(model=args["model"], block_size=args["block_size"], num_kv_blocks=64, max_model_len=1024)
+    engine = build_engine(EngineKind.VLLM, config, vllm_args={"enforce_eager": True}, connector=capture)
+    prompt = args["prompt"]
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), request_id="probe")
+    while engine.has_unfinished():
+        engine.step()
+    kv = torch.stack([capture.layers[i] for i in range(len(capture.layers))])  # [L, n, 2, bs, Hkv, D]
+    kv = kv.permute(0, 2, 1, 3, 4, 5).flatten(2, 3)[:, :, : len(prompt)]  # [L, 2, T, Hkv, D]
+    torch.save(kv.clone(), args["path"])
+    return args["path"]
+
+
+if __name__ == "__main__":
+    request = json.loads(sys.stdin.read())
+    out = {"reference": _reference, "layout": _layout}[request["mode"]](request)
+    print(RESULT + json.dumps(out), flush=True)

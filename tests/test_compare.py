@@ -68,3 +68,29 @@ def test_a_coupled_capacity_gives_a_plain_ratio_and_a_miss_when_it_is_ahead():
     assert rows[1]["ratio_vs_coupled"] == pytest.approx(0.5)
     assert rows[1]["ratio_vs_coupled_above"] is None
     assert goals == [{"goal": "disaggregated (kvcache_centric) >= coupled", "ours": pytest.approx(0.35), "theirs": pytest.approx(0.7), "met": False}]
+
+
+def test_the_vllm_cluster_is_a_system_of_its_own_and_is_held_to_twice_vllm_alone(tmp_path):
+    args = compare.parse_args(["--systems", "disaggregated-vllm,vllm", "--policies", "kvcache_centric",
+                               "--cluster-vllm-arg", "enforce_eager=true"])  # fmt: skip
+    names = [run.name for run, _ in compare.systems(args, tmp_path, tmp_path)]
+    assert names == ["disaggregated-vllm/kvcache_centric", "vllm-cpu"]
+    assert args.cluster_vllm_arg == ["enforce_eager=true"]
+    runs = [
+        measured("disaggregated-vllm/kvcache_centric", "disaggregated-vllm", {0.5: 0.99, 1.0: 0.95, 2.0: 0.7}),
+        measured("vllm-cpu", "vllm", {0.5: 0.92, 1.0: 0.5, 2.0: 0.1}),  # 0.35 req/s: ours is exactly twice that
+    ]
+    _, goals = compare.rows_and_goals(runs, sweeping=True)
+    assert goals == [{"goal": "disaggregated-vllm/kvcache_centric >= 2x vllm-cpu", "ours": pytest.approx(0.7),
+                      "theirs": pytest.approx(0.35), "met": True}]  # fmt: skip
+    runs[0] = measured("disaggregated-vllm/kvcache_centric", "disaggregated-vllm", {0.5: 0.95, 1.0: 0.6, 2.0: 0.2})
+    assert not compare.rows_and_goals(runs, sweeping=True)[1][0]["met"]  # 0.35 is not twice 0.35
+
+
+def test_vllm_alone_missing_every_rate_is_bounded_by_its_lowest_rate():
+    runs = [
+        measured("disaggregated-vllm/kvcache_centric", "disaggregated-vllm", {0.5: 0.99, 1.0: 0.95, 2.0: 0.7}),
+        measured("vllm-cpu", "vllm", {0.5: 0.8, 1.0: 0.5, 2.0: 0.1}),
+    ]
+    (goal,) = compare.rows_and_goals(runs, sweeping=True)[1]
+    assert goal["theirs"] == pytest.approx(0.35) and goal["met"] and "below its lowest rate" in goal["goal"]

@@ -1,12 +1,13 @@
-"""The Kubernetes deployment in deploy/: the helm chart, its production values, the Grafana dashboard.
+"""The Kubernetes deployment in deploy/: the helm chart, its values files, the Grafana dashboard.
 
 The chart must lint (``helm lint --strict``), render (``helm template``) and validate
-against the Kubernetes schemas (``kubernetes-validate --strict``) with the default values
-and with deploy/helm/values-production.yaml; what it renders must be what a user relies
-on (the prefill pod's pool node sidecar on a shared tmpfs, probes on the real /health
-endpoints, GPUs only when asked for, the Conductor allowed to scale the pools), and the
-command line of every container must parse with the component's own argument parser. The
-dashboard may query only metrics the code exports.
+against the Kubernetes schemas (``kubernetes-validate --strict``) with the default values,
+deploy/helm/values-production.yaml, deploy/helm/values-vllm-gpu.yaml and stock vLLM on the
+production sizes and on the CPU; what it renders must be what a user relies on (the prefill
+pod's pool node sidecar on a shared tmpfs, probes on the real /health endpoints, GPUs only
+when asked for, the Conductor allowed to scale the pools, one engine for the whole cluster),
+and the command line of every container must parse with the component's own argument
+parser. No test here starts vLLM. The dashboard may query only metrics the code exports.
 
 helm comes from deploy/tools/install-helm.sh and kubernetes-validate from pip; when
 either is missing these tests fail (they never skip) with the command that installs it.
@@ -37,10 +38,20 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "deploy" / "helm" / "mooncake"
 PRODUCTION = REPO / "deploy" / "helm" / "values-production.yaml"
+VLLM_GPU = REPO / "deploy" / "helm" / "values-vllm-gpu.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "mooncake.json"
 RELEASE, NAMESPACE = "mc", "serving"
 PREFIX = f"{RELEASE}-mooncake"
-VALUE_SETS = {"default": [], "production": ["-f", str(PRODUCTION)]}
+# stock vLLM on the production sizes, as deploy/README.md tells to run it
+VLLM_ON_PRODUCTION = ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cuda",
+                      "--set", "engine.vllmArgs={enforce_eager=true}"]  # fmt: skip
+# stock vLLM on the CPU: its attention needs 32-token blocks (SmolLM2-135M, float32: 30 x 2 x 32 x 3 x 64 x 4 bytes)
+VLLM_ON_CPU = ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu", "--set", "model.blockSize=32",
+               "--set", "model.blockBytes=1474560"]  # fmt: skip
+VALUE_SETS = {
+    "default": [], "production": ["-f", str(PRODUCTION)], "vllm-gpu": ["-f", str(VLLM_GPU)],
+    "production-vllm": ["-f", str(PRODUCTION), *VLLM_ON_PRODUCTION], "vllm-cpu": VLLM_ON_CPU,
+}  # fmt: skip
 
 # The files whose Prometheus metrics the dashboard may query.
 METRIC_SOURCES = [
@@ -81,6 +92,33 @@ def render_text(*extra: str) -> str:
 def render(*extra: str) -> list[dict]:
     """The documents ``helm template`` renders (empty ones dropped)."""
     return [d for d in yaml.safe_load_all(render_text(*extra)) if d]
+
+
+def merged_values(values: str) -> dict:
+    """The chart's values under a value set, merged as helm merges them: values.yaml, each -f file, each --set
+    (``a.b=value``, a list written ``{x,y}``)."""
+
+    def merge(into: dict, over: dict) -> None:
+        for key, value in over.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = value
+
+    merged = yaml.safe_load((CHART / "values.yaml").read_text())
+    args = VALUE_SETS[values]
+    for flag, arg in zip(args[::2], args[1::2]):
+        if flag == "-f":
+            merge(merged, yaml.safe_load(Path(arg).read_text()))
+            continue
+        path, _, raw = arg.partition("=")
+        value = raw[1:-1].split(",") if raw.startswith("{") else yaml.safe_load(raw)
+        *parents, leaf = path.split(".")
+        node = merged
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return merged
 
 
 def find(docs: list[dict], kind: str, name: str) -> dict:
@@ -175,7 +213,7 @@ def test_rendered_manifests_validate_against_kubernetes_schemas(values, tmp_path
 
 
 def test_every_resource_is_labelled_for_the_release():
-    for d in render() + render(*VALUE_SETS["production"]):
+    for d in (d for values in VALUE_SETS.values() for d in render(*values)):
         labels = d["metadata"].get("labels", {})
         assert labels.get("app.kubernetes.io/instance") == RELEASE, d["metadata"]["name"]
         assert labels.get("app.kubernetes.io/part-of") == "mooncake", d["metadata"]["name"]
@@ -260,9 +298,12 @@ def test_gpus_are_requested_only_when_set():
     assert gpus(render()) == {}
     assert gpus(render("--set", "prefill.gpus=2")) == {"prefill": (2, 2)}
     assert gpus(render("--set", "decode.gpus=1")) == {"decode": (1, 1)}
-    production = yaml.safe_load(PRODUCTION.read_text())
-    expected = {"prefill": (production["prefill"]["gpus"],) * 2, "decode": (production["decode"]["gpus"],) * 2}
-    assert gpus(render(*VALUE_SETS["production"])) == expected  # never on the kvstore sidecar
+    for values in ("production", "vllm-gpu"):
+        asked = merged_values(values)
+        assert asked["prefill"]["gpus"] >= 1 and asked["decode"]["gpus"] >= 1, values
+        expected = {"prefill": (asked["prefill"]["gpus"],) * 2, "decode": (asked["decode"]["gpus"],) * 2}
+        assert gpus(render(*VALUE_SETS[values])) == expected, values  # never on the kvstore sidecar
+    assert gpus(render(*VALUE_SETS["vllm-cpu"])) == {}
 
 
 def test_conductor_may_get_patch_and_scale_the_pool_deployments():
@@ -389,10 +430,14 @@ def test_command_lines_parse_with_the_components_own_parsers(values):
             parsed[component] = module.parse_args(args)
         except SystemExit:
             pytest.fail(f"`mooncake serve {component}` rejects the chart's args: {args}")
-    values_file = yaml.safe_load(PRODUCTION.read_text()) if values == "production" else {}
-    block_bytes = values_file.get("model", {}).get("blockBytes", 737280)
-    assert parsed["kvstore"].block_bytes == parsed["conductor"].block_bytes == block_bytes
-    assert parsed["prefill"].block_size == parsed["decode"].block_size == parsed["gateway"].block_size
+    asked = merged_values(values)
+    assert parsed["kvstore"].block_bytes == parsed["conductor"].block_bytes == asked["model"]["blockBytes"]
+    block_size = asked["model"]["blockSize"]
+    assert parsed["prefill"].block_size == parsed["decode"].block_size == parsed["gateway"].block_size == block_size
+    # one engine for the cluster: it is part of the block keys the gateway computes and the workers store
+    assert parsed["prefill"].engine == parsed["decode"].engine == parsed["gateway"].engine == asked["engine"]["kind"]
+    vllm_args = asked["engine"]["vllmArgs"] if asked["engine"]["kind"] == "vllm" else []
+    assert parsed["prefill"].vllm_arg == parsed["decode"].vllm_arg == vllm_args
     assert parsed["prefill"].dtype == parsed["decode"].dtype == parsed["gateway"].dtype
     assert parsed["prefill"].model == parsed["decode"].model == parsed["gateway"].model == config["MOONCAKE_MODEL_DIR"]
     assert parsed["prefill"].kvstore == f"10.1.2.3:{parsed['kvstore'].port}"
@@ -400,13 +445,53 @@ def test_command_lines_parse_with_the_components_own_parsers(values):
     assert parsed["conductor"].redis_url == "redis://r:6379/0"
 
 
-def test_block_bytes_match_the_model_in_each_values_file():
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_block_bytes_match_the_model_in_each_values_file(values):
     """blockBytes = layers x 2 x blockSize x kv_heads x head_dim x dtype bytes (SmolLM2-135M: 30 layers,
     3 KV heads of 64); the prefill worker refuses a pool node whose block size differs."""
     size = {"float32": 4, "bfloat16": 2, "float16": 2}
-    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["model"]
-    for model in (defaults, {**defaults, **yaml.safe_load(PRODUCTION.read_text())["model"]}):
-        assert model["blockBytes"] == 30 * 2 * model["blockSize"] * 3 * 64 * size[model["dtype"]]
+    model = merged_values(values)["model"]
+    assert model["blockBytes"] == 30 * 2 * model["blockSize"] * 3 * 64 * size[model["dtype"]]
+
+
+@pytest.mark.parametrize("values", ["vllm-gpu", "production-vllm"])
+def test_vllm_on_gpus_asks_for_the_vllm_cuda_image_and_a_gpu_per_worker(values):
+    docs = render(*VALUE_SETS[values])
+    config = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]
+    assert config["MOONCAKE_ENGINE"] == "vllm"
+    assert int(config["MOONCAKE_BLOCK_SIZE"]) % 16 == 0  # vLLM's attention on CUDA
+    images = {c["image"] for _, c, _ in mooncake_containers(docs)}
+    assert len(images) == 1 and images.pop().endswith(":0.1.0-vllm-cuda")
+    for component in ("prefill", "decode"):
+        spec = pod_spec(docs, component)
+        worker = container(spec, component)
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] >= 1, component
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"], component
+        assert "--vllm-arg=enforce_eager=true" in worker["args"], component
+
+
+def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vllm_engine():
+    """Each of engine.vllmArgs is one --vllm-arg of every prefill and decode worker, and the workers turn them
+    into vLLM EngineArgs keywords (JSON values parsed); the gateway and the native engine get none."""
+    from mooncake.serving.engines import parse_vllm_args
+
+    wanted = ["enforce_eager=true", "gpu_memory_utilization=0.85", 'compilation_config={"level": 0}']
+    sets = ["--set-json", f"engine.vllmArgs={json.dumps(wanted)}"]
+    docs = render(*VALUE_SETS["vllm-gpu"], *sets)
+    workers = set()
+    for component, c, _ in mooncake_containers(docs):
+        if component in ("prefill", "decode"):
+            args = importlib.import_module(f"{component}.server").parse_args(expanded_args(docs, c))
+            workers.add(component)
+            assert args.engine == "vllm"
+            assert parse_vllm_args(args.vllm_arg) == {"enforce_eager": True, "gpu_memory_utilization": 0.85,
+                                                      "compilation_config": {"level": 0}}  # fmt: skip
+        else:
+            assert not any(a.startswith("--vllm-arg") for a in c["args"]), component
+    assert workers == {"prefill", "decode"}
+    native = render("--set-json", f"engine.vllmArgs={json.dumps(wanted)}")
+    for _, c, _ in mooncake_containers(native):
+        assert not any(a.startswith("--vllm-arg") for a in c["args"]), c["name"]
 
 
 # -- values sets ------------------------------------------------------------------------
@@ -495,6 +580,15 @@ def test_api_key_value_is_stored_in_a_secret():
         (["--set", "prefill.autoscaling.enabled=true", "--set", "prefill.autoscaling.targetCPUUtilizationPercentage=null"],
          "prefill.autoscaling needs targetCPUUtilizationPercentage or metrics"),
         (["--set", "conductor.poolProvider=local"], "conductor.poolProvider must be none or kubernetes"),
+        (["--set", "engine.kind=sglang"], 'engine.kind must be native or vllm, not "sglang"'),
+        (["-f", str(VLLM_GPU), "--set", "model.blockSize=24"],
+         "model.blockSize (24) must be a multiple of 16 with engine.kind=vllm"),
+        (["-f", str(VLLM_GPU), "--set", "decode.gpus=0"],
+         "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU (decode.gpus is 0)"),
+        (["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu"],
+         "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU (image.variant is vllm-cpu)"),
+        (["-f", str(VLLM_GPU), "--set", "image.variant=cuda"], "engine.kind=vllm needs an image with vLLM"),
+        (["-f", str(VLLM_GPU), "--set", "engine.vllmArgs={enforce_eager}"], "engine.vllmArgs wants KEY=VALUE strings"),
     ],
 )  # fmt: skip
 def test_inconsistent_values_fail_with_a_message(bad, message):

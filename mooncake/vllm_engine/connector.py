@@ -225,7 +225,8 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         for spec in meta.loads:
             load = self.bridge.loading.pop(spec.request_id, None)
             if load is not None:
-                self._meta_loads.append((spec, load, torch.tensor(spec.block_ids, dtype=torch.long)))
+                table = torch.tensor(spec.block_ids, dtype=torch.long, device=self.bridge.caches[0].device)
+                self._meta_loads.append((spec, load, table))
         pusher = self.bridge.pusher
         if pusher is not None:
             pusher.start_step(ConnectorStep(meta.step_id, meta.requests))

@@ -80,7 +80,8 @@ class BlockLayout:
     def import_tokens(self, write: Writer, kv: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> None:
         """Write the first ``num_tokens`` tokens of ``kv`` ([n, 2, bs, Hkv, D], pool layout) into blocks ``block_ids``."""
         n, _, bs, heads, d = kv.shape
-        key = kv[:, 0].reshape(n * bs, heads, d)[:num_tokens].contiguous()
-        value = kv[:, 1].reshape(n * bs, heads, d)[:num_tokens].contiguous()
+        device = block_ids.device  # the cache's: the writer runs there (a GPU's copy is synchronous here)
+        key = kv[:, 0].reshape(n * bs, heads, d)[:num_tokens].to(device).contiguous()
+        value = kv[:, 1].reshape(n * bs, heads, d)[:num_tokens].to(device).contiguous()
         slots = (block_ids[:n, None] * bs + torch.arange(bs, device=block_ids.device)).reshape(-1)[:num_tokens]
         write(key, value, slots)

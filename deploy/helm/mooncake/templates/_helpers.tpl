@@ -147,6 +147,66 @@ timeoutSeconds: {{ .timeout | default 3 }}
 failureThreshold: {{ .failures | default 3 }}
 {{- end }}
 
+{{/* "true" when a worker pool asks for a GPU: (index .Values "prefill"); gpus, or a *gpu* resource of its own. */}}
+{{- define "mooncake.asksForGpu" -}}
+{{- $gpu := gt (int .gpus) 0 }}
+{{- range $section := list "requests" "limits" }}
+{{- range $name, $_ := (get (default dict $.resources) $section | default dict) }}
+{{- if contains "gpu" $name }}{{ $gpu = true }}{{ end }}
+{{- end }}
+{{- end }}
+{{- if $gpu }}true{{ end }}
+{{- end }}
+
+{{/*
+Fail rendering when the workers' engine could not start: an unknown kind, or vLLM
+(engine.kind=vllm) with an image that has none, with a block size its attention refuses
+(a multiple of 16 tokens on CUDA, of 32 on the CPU; a pool that asks for no GPU runs vLLM
+on the CPU), or with vllmArgs that are not KEY=VALUE strings. The workers refuse the same
+at start; failing here saves a rollout of crash-looping pods.
+*/}}
+{{- define "mooncake.checkEngine" -}}
+{{- $e := .Values.engine }}
+{{- if not (has $e.kind (list "native" "vllm")) }}
+{{- fail (printf "engine.kind must be native or vllm, not %q" (toString $e.kind)) }}
+{{- end }}
+{{- if eq $e.kind "vllm" }}
+{{- $blockSize := int .Values.model.blockSize }}
+{{- if mod $blockSize 16 }}
+{{- fail (printf "model.blockSize (%d) must be a multiple of 16 with engine.kind=vllm: vLLM's attention takes multiples of 16 tokens on CUDA and of 32 on the CPU" $blockSize) }}
+{{- end }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $why := "" }}
+{{- if and (not $.Values.image.tag) (eq $.Values.image.variant "vllm-cpu") }}
+{{- $why = "image.variant is vllm-cpu" }}
+{{- else if not (include "mooncake.asksForGpu" (index $.Values $pool)) }}
+{{- $why = printf "%s.gpus is 0" $pool }}
+{{- end }}
+{{- if and $why (mod $blockSize 32) }}
+{{- fail (printf "model.blockSize (%d) must be a multiple of 32 with engine.kind=vllm on the CPU (%s): vLLM's CPU attention works in 32-token blocks" $blockSize $why) }}
+{{- end }}
+{{- end }}
+{{- if and (not .Values.image.tag) (not (hasPrefix "vllm-" .Values.image.variant)) }}
+{{- fail (printf "engine.kind=vllm needs an image with vLLM: image.variant vllm-cuda (GPUs) or vllm-cpu, not %q (or an image.tag naming such an image)" .Values.image.variant) }}
+{{- end }}
+{{- range $e.vllmArgs }}
+{{- if or (not (kindIs "string" .)) (not (regexMatch "^[A-Za-z_-][A-Za-z0-9_-]*=" (toString .))) }}
+{{- fail (printf "engine.vllmArgs wants KEY=VALUE strings (e.g. enforce_eager=true), got %v" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The worker's engine flags: --engine, and each of engine.vllmArgs as --vllm-arg when the engine is vLLM. */}}
+{{- define "mooncake.engineArgs" -}}
+- --engine=$(MOONCAKE_ENGINE)
+{{- if eq .Values.engine.kind "vllm" }}
+{{- range .Values.engine.vllmArgs }}
+- {{ printf "--vllm-arg=%s" . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Fail rendering when a grace period does not cover the drain it must allow. */}}
 {{- define "mooncake.checkGrace" -}}
 {{- if le (int .grace) (int .drain) }}

@@ -55,6 +55,38 @@ def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int, **engi
     return list(out[0].output_token_ids)
 
 
+def kill_mid_stream(cluster: LocalCluster, victim: str, stream, wait_s: float) -> list[str]:
+    """SIGKILL ``victim`` once ``stream`` (an openai stream) gave its first chunk; return how the stream ended.
+
+    ``["completed"]``, or the name of the error the client raised; empty if it neither
+    ended nor failed within ``wait_s`` (a hang).
+    """
+    import os
+    import signal
+    import threading
+
+    import httpx
+    import openai
+
+    it = iter(stream)
+    next(it)  # the request is decoding
+    os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
+    outcome: list[str] = []
+
+    def drain() -> None:
+        try:
+            for chunk in it:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    outcome.append("completed")
+        except (openai.APIError, httpx.HTTPError) as e:
+            outcome.append(type(e).__name__)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    t.join(wait_s)
+    return outcome
+
+
 def conductor(cluster: LocalCluster) -> cpb_grpc.ConductorStub:
     return cpb_grpc.ConductorStub(grpc.insecure_channel(cluster.conductor_address))
 

@@ -8,9 +8,6 @@ equals one engine alone, token for token.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import httpx
@@ -20,7 +17,7 @@ import pytest
 from mooncake.engine.tiny import make_tiny
 from mooncake.engine.tokenizer import Tokenizer
 from protos import conductor_pb2 as cpb
-from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+from clusters import backend, conductor, generate, instances, kill_mid_stream, reference_tokens, start_cluster, tokens
 
 KEY = "sk-test"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot that learned to read."}]
@@ -196,23 +193,8 @@ def test_a_worker_killed_mid_request_fails_fast_and_the_cluster_keeps_serving(ti
         for victim in ("decode-0", "prefill-0"):
             stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2000, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-            it = iter(stream)
-            next(it)  # the request is decoding
-            os.kill(c.component(victim).proc.pid, signal.SIGKILL)
             start = time.monotonic()
-            outcome = []
-
-            def drain() -> None:
-                try:
-                    for chunk in it:
-                        if chunk.choices and chunk.choices[0].finish_reason:
-                            outcome.append("completed")
-                except (openai.APIError, httpx.HTTPError) as e:
-                    outcome.append(type(e).__name__)
-
-            t = threading.Thread(target=drain, daemon=True)
-            t.start()
-            t.join(20)
+            outcome = kill_mid_stream(c, victim, stream, 20)
             assert outcome, f"the stream hung after {victim} was killed"
             assert time.monotonic() - start < 20
             if victim == "decode-0":

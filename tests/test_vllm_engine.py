@@ -9,9 +9,6 @@ start-up takes seconds rather than a minute of graph compilation.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import httpx
@@ -20,7 +17,7 @@ import pytest
 import torch
 
 import vllm_alone
-from clusters import conductor, generate, instances, start_cluster, tokens
+from clusters import conductor, generate, instances, kill_mid_stream, start_cluster, tokens
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
 from mooncake.engine.request import SamplingParams
@@ -200,23 +197,8 @@ def test_a_killed_vllm_decode_worker_fails_the_stream_fast_and_comes_back(cluste
     client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=60)
     stream = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=1500, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})  # fmt: skip
-    it = iter(stream)
-    next(it)  # decoding
-    os.kill(cluster.component("decode-0").proc.pid, signal.SIGKILL)
     start = time.monotonic()
-    outcome: list[str] = []
-
-    def drain() -> None:
-        try:
-            for chunk in it:
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    outcome.append("completed")
-        except (openai.APIError, httpx.HTTPError) as e:
-            outcome.append(type(e).__name__)
-
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
-    t.join(30)
+    outcome = kill_mid_stream(cluster, "decode-0", stream, 30)
     assert outcome and outcome != ["completed"], f"the stream after the kill: {outcome or 'hung'}"
     assert time.monotonic() - start < 30
     deadline = time.monotonic() + 180  # the launcher restarts it (vLLM starts in seconds, eagerly)

@@ -25,7 +25,7 @@ from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.kernels import load_paged_decode
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
-from mooncake.engine.request import FinishReason, Request, SamplingParams, match_stop_string
+from mooncake.engine.request import FinishReason, Request, SamplingParams, checked_prompt, match_stop_string
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import Scheduler
 
@@ -138,15 +138,7 @@ class LLMEngine:
         elsewhere (the prefill worker's first token); they count toward ``max_tokens``.
         """
         params = sampling_params or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is required")
-        if len(prompt) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
-        if any(t < 0 or t >= self.args.vocab_size for t in prompt):
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.args.vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine built with a tokenizer")
+        prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None)
         outputs = list(initial_output_token_ids or [])
         if len(outputs) >= params.max_tokens:
             raise ValueError("initial_output_token_ids already reach max_tokens")

@@ -63,6 +63,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def checked_prompt(prompt_token_ids, params: SamplingParams, max_model_len: int, vocab_size: int, has_tokenizer: bool) -> list[int]:
+    """The prompt as ints, or ValueError for what no engine can serve (every engine's ``add_request`` calls this)."""
+    prompt = [int(t) for t in prompt_token_ids]
+    if not prompt:
+        raise ValueError("prompt is empty: at least one token is required")
+    if len(prompt) > max_model_len:
+        raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}")
+    if any(t < 0 or t >= vocab_size for t in prompt):
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size})")
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop strings need an engine built with a tokenizer")
+    return prompt
+
+
 def match_stop_string(text: str, previous_text: str, params: SamplingParams) -> tuple[str, str | None]:
     """Find the earliest of ``params.stop`` in ``text`` (all output decoded); return (text to show, the stop or None).
 

@@ -36,7 +36,7 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
-from mooncake.engine.request import FinishReason, SamplingParams, match_stop_string
+from mooncake.engine.request import FinishReason, SamplingParams, checked_prompt, match_stop_string
 from mooncake.engine.weights import load_hf_config
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 
@@ -149,15 +149,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         params = sampling_params or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is required")
-        if len(prompt) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}")
-        if any(t < 0 or t >= self.vocab_size for t in prompt):
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine built with a tokenizer")
+        prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None)
         initial = [int(t) for t in initial_output_token_ids or []]
         remaining = params.max_tokens - len(initial)
         if remaining < 1:

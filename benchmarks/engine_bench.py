@@ -41,6 +41,7 @@ from rich.table import Table
 from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
 from mooncake.engine.registry import default_cache_dir, pull
 from mooncake.engine.weights import count_parameters, load_hf_config
+from mooncake.vllm_engine import cpu_preload
 
 MODEL_NAME = "smollm2-135m"
 DEFAULT_VLLM_PYTHON = Path(sys.executable)  # vLLM is the project's `vllm` extra, installed into .venv by make
@@ -495,7 +496,6 @@ def bench_transformers(model_dir: Path, device: torch.device, work: Workload, ph
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")  # run with the vllm venv's python
 
 
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
 
 
 def vllm_env(cpu_ids: list[int], kv_cache_gib: int, python: Path | None = None) -> dict[str, str]:
@@ -517,10 +517,8 @@ def vllm_env(cpu_ids: list[int], kv_cache_gib: int, python: Path | None = None) 
         VLLM_LOGGING_LEVEL="WARNING",
         TOKENIZERS_PARALLELISM="false",
     )
-    iomp = python.parent.parent / "lib" / "libiomp5.so" if python is not None else None
-    preload = [str(lib) for lib in (TCMALLOC, iomp) if lib is not None and lib.exists()]
-    if preload:
-        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [os.environ.get("LD_PRELOAD")])])
+    if python is not None and (preload := cpu_preload(python.parent.parent)):
+        env["LD_PRELOAD"] = preload
     return env
 
 

@@ -267,3 +267,17 @@ def test_with_no_decode_worker_alive_requests_get_503(tiny_dir, tmp_path):
         assert httpx.get(c.endpoint.replace("/v1", "/health")).status_code == 503 or True  # until the Conductor expires it
     finally:
         c.stop()
+
+
+def test_a_worker_whose_kv_would_differ_is_refused_and_exits_saying_why(cluster, tiny_dir, tmp_path):
+    """A bfloat16 decode worker joining a float32 cluster (or a vLLM one joining ours): the Conductor refuses it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "decode", "--id", "decode-bf16", "--model", str(tiny_dir), "--dtype", "bfloat16",
+                           "--conductor", cluster.conductor_address, "--num-kv-blocks", "64", "--shm-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert "the Conductor refused this worker" in proc.stderr and "decode-bf16 (native engine" in proc.stderr
+    assert "READY" not in proc.stdout
+    assert "decode-bf16" not in instances(cluster)

@@ -9,6 +9,9 @@ start-up takes seconds rather than a minute of graph compilation.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import httpx
@@ -210,3 +213,35 @@ def test_a_killed_vllm_decode_worker_fails_the_stream_fast_and_comes_back(cluste
         except openai.APIError:
             assert time.monotonic() < deadline, "the cluster did not serve again after its vLLM decode worker was killed"
             time.sleep(1)
+
+
+def test_a_vllm_prefill_worker_killed_mid_prefill_fails_the_request_fast_and_comes_back(cluster):
+    client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=60)
+    statuses = {name: cluster.component(name).info["metrics"] for name in ("prefill-0", "prefill-1")}
+    outcome: list[str] = []
+
+    def send() -> None:
+        try:
+            client.completions.create(model="smol", prompt=prompt_of(1900, seed=5), max_tokens=4, temperature=0)
+            outcome.append("completed")
+        except openai.APIError as e:
+            outcome.append(f"{type(e).__name__}: {e}")
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    victim, deadline = None, time.monotonic() + 20
+    while victim is None and time.monotonic() < deadline:  # the worker the Conductor picked, while it computes
+        victim = next((n for n, s in statuses.items() if httpx.get(f"http://{s}/health").json()["inflight"]), None)
+        time.sleep(0.05)
+    assert victim is not None, "no prefill worker took the request"
+    os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    t.join(30)
+    assert outcome and outcome[0].startswith("InternalServerError") and "503" in outcome[0], outcome or "hung"
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 180
+    while cluster.component(victim).restarts < 1 or not cluster.component(victim).alive:
+        assert time.monotonic() < deadline, f"{victim} was not restarted"
+        time.sleep(1)
+    r = client.completions.create(model="smol", prompt="Hello", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1

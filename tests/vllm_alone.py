@@ -22,8 +22,8 @@ RESULT = "VLLM_ALONE_RESULT "
 
 
 def run(mode: str, timeout_s: float = 600, **args) -> object:
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0")}  # fmt: skip
+    # one thread, as the cluster's workers compute (tests start them with threads=1): the same sums in the same order
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, __file__], input=json.dumps({"mode": mode, **args}), capture_output=True, text=True,
                           timeout=timeout_s, env=env, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]

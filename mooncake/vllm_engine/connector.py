@@ -141,9 +141,9 @@ class MooncakePoolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         load = self.bridge.loads.get(request.request_id)
-        if load is None or load.num_tokens <= num_computed_tokens:
+        if load is None or num_computed_tokens:  # vLLM's own prefix cache hit (a worker turns it off): it computes the rest
             return 0, False
-        return load.num_tokens - num_computed_tokens, False
+        return load.num_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -159,10 +159,9 @@ class MooncakePoolConnector(KVConnectorBase_V1):
             load = self.bridge.loads.pop(new.req_id, None)  # used once: a preempted request recomputes
             if n_ext and load is not None:
                 self.bridge.loading[new.req_id] = load
-                first = new.num_computed_tokens - n_ext  # tokens vLLM had already (0: no prefix caching)
+                first = new.num_computed_tokens - n_ext  # tokens vLLM had already: none, get_num_new_matched_tokens saw to it
                 if first != 0:
-                    raise RuntimeError(f"request {new.req_id}: {first} tokens computed locally before the external "
-                                       "prefix; the pool connector expects vLLM's prefix caching off")  # fmt: skip
+                    raise RuntimeError(f"request {new.req_id}: {first} tokens computed locally before its external prefix")
                 meta.loads.append(LoadSpec(new.req_id, table, n_ext))
             meta.requests.append(StepRequest(self._worker_id(new.req_id), new.num_computed_tokens, counts.get(new.req_id, 0),
                                              None, table))  # fmt: skip

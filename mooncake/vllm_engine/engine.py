@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from mooncake.engine.config import EngineConfig
+from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
@@ -41,6 +43,8 @@ from mooncake.engine.weights import load_hf_config
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 
 log = logging.getLogger(__name__)
+
+_set_num_threads = torch.set_num_threads  # vLLM's CPU worker turns torch.set_num_threads into a no-op once it starts
 
 
 @dataclass(eq=False)
@@ -78,6 +82,8 @@ class VllmEngine:
 
         self.config = config
         self.tokenizer = tokenizer
+        if not torch.cuda.is_available():
+            keep_freed_memory()  # what tcmalloc would do where it is not preloaded: no page faults per step
         self.bridge = Bridge(pusher=pusher)
         self._bridge_id = f"vllm-{uuid.uuid4().hex[:12]}"
         register_bridge(self._bridge_id, self.bridge)
@@ -128,6 +134,7 @@ class VllmEngine:
             getattr(tokenizer, "eos_token_ids", ()))  # fmt: skip
         self._reqs: dict[str, _Tracked] = {}
         self._ids = 0
+        self._threaded: int | None = None  # the thread whose torch thread count was set
         log.info("vLLM engine ready: block %s (%d bytes), max_model_len %d", self._block_shape, self.block_bytes,
                  self.max_model_len)  # fmt: skip
 
@@ -173,6 +180,11 @@ class VllmEngine:
         return rid
 
     def step(self) -> list[RequestOutput]:
+        if self.config.num_threads and self._threaded != threading.get_ident():
+            # OpenMP gives each new thread (the worker's engine loop) a thread per core, whatever vLLM set for the
+            # thread that built it; three engines on two cores would then each compute with two
+            _set_num_threads(self.config.num_threads)
+            self._threaded = threading.get_ident()
         results = []
         for out in self._llm.step():
             tracked = self._reqs.get(out.request_id)
@@ -199,7 +211,8 @@ class VllmEngine:
                 self._forget(out.request_id)
             results.append(RequestOutput(
                 request_id=out.request_id, output_token_ids=list(tracked.outputs), new_token_ids=new, finished=done,
-                finish_reason=reason, num_prompt_tokens=tracked.num_prompt_tokens, num_cached_tokens=tracked.num_cached_tokens,
+                finish_reason=reason, num_prompt_tokens=tracked.num_prompt_tokens,
+                num_cached_tokens=tracked.num_cached_tokens or (out.num_cached_tokens or 0),  # ours, else vLLM's prefix cache
                 text=tracked.text, stop_reason=stop_reason,
             ))  # fmt: skip
         return results

@@ -26,6 +26,7 @@ keys for the other engine finds nothing instead of wrong KV.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -101,8 +102,6 @@ def build_engine(kind: EngineKind, config: EngineConfig, *, vllm_args: dict[str,
 
 def parse_vllm_args(pairs: Sequence[str]) -> dict[str, Any]:
     """``--vllm-arg key=value`` pairs into vLLM EngineArgs keywords (values parsed as JSON when they parse)."""
-    import json
-
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")

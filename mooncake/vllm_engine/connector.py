@@ -26,7 +26,6 @@ from the token ids and decides what is loaded and where it is pushed.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,7 +68,6 @@ class Bridge:
     external: dict[str, str] = field(default_factory=dict)  # vLLM's request id -> the worker's (jobs use it)
     pusher: PoolConnector | None = None  # the prefill worker's: where each layer of new KV goes
     layout: BlockLayout | None = None  # set by the worker side once the caches exist
-    caches: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> its cache
 
 
 _BRIDGES: dict[str, Bridge] = {}
@@ -114,9 +112,6 @@ class PoolConnectorMetadata(KVConnectorMetadata):
     step_id: int = 0
 
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
 class MooncakePoolConnector(KVConnectorBase_V1):
     """See the module docstring. Needs TP = PP = 1 (the whole cache of a layer in this process)."""
 
@@ -135,7 +130,8 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         # worker side
         self._layers: dict[str, int] = {}  # layer name -> index
         self._writers: dict[int, Any] = {}
-        self._meta_loads: list[tuple[LoadSpec, Load, torch.Tensor]] = []
+        self._device = torch.device("cpu")  # the caches'
+        self._meta_loads: list[tuple[LoadSpec, Load, torch.Tensor]] = []  # this step's: (spec, source, token slots)
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -174,9 +170,6 @@ class MooncakePoolConnector(KVConnectorBase_V1):
                 self._tables.setdefault(rid, []).extend(new_ids[0])
             meta.requests.append(StepRequest(self._worker_id(rid), cached.num_computed_tokens[i], counts.get(rid, 0), None,
                                              list(self._tables.get(rid, []))))  # fmt: skip
-        for rid in scheduler_output.finished_req_ids:
-            self._tables.pop(rid, None)
-            self._allocated.pop(rid, None)
         return meta
 
     def _worker_id(self, vllm_id: str) -> str:
@@ -194,18 +187,18 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
+        from vllm.model_executor.models.utils import extract_layer_index
+
         attention = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
-        for pos, (name, cache) in enumerate(kv_caches.items()):
-            m = _LAYER_INDEX.search(name)
-            index = int(m.group(1)) if m else pos
-            self._layers[name] = index
-            self.bridge.caches[index] = cache
+        for name, cache in kv_caches.items():
+            index = self._layers[name] = extract_layer_index(name)
             layer = attention[name]
             self._writers[index] = (lambda k, v, s, layer=layer, cache=cache:
                                     layer.impl.do_kv_cache_update(layer, k, v, cache, s))  # fmt: skip
         if sorted(self._layers.values()) != list(range(len(kv_caches))):
             raise RuntimeError(f"cannot order the attention layers {list(kv_caches)}")
-        first = self.bridge.caches[0]
+        first = next(cache for name, cache in kv_caches.items() if self._layers[name] == 0)
+        self._device = first.device
         if first.dim() != 4:
             raise ValueError(f"{CONNECTOR_NAME} needs a [blocks, heads, block_size, 2*head_size] cache per layer "
                              f"(MLA and other latent caches are not supported); got {tuple(first.shape)}")  # fmt: skip
@@ -224,8 +217,9 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         for spec in meta.loads:
             load = self.bridge.loading.pop(spec.request_id, None)
             if load is not None:
-                table = torch.tensor(spec.block_ids, dtype=torch.long, device=self.bridge.caches[0].device)
-                self._meta_loads.append((spec, load, table))
+                table = torch.tensor(spec.block_ids, dtype=torch.long, device=self._device)
+                slots = (table[:, None] * self.block_size + torch.arange(self.block_size, device=self._device)).reshape(-1)
+                self._meta_loads.append((spec, load, slots[: spec.num_tokens]))
         pusher = self.bridge.pusher
         if pusher is not None:
             pusher.start_step(ConnectorStep(meta.step_id, meta.requests))
@@ -238,13 +232,11 @@ class MooncakePoolConnector(KVConnectorBase_V1):
             return
         layer = self._layers[layer_name]
         layout = self.bridge.layout
-        for spec, load, table in self._meta_loads:
+        for spec, load, slots in self._meta_loads:
             n = -(-spec.num_tokens // self.block_size)
             src = load.source
             kv = src.layer(layer, 0, n) if hasattr(src, "layer") else src[:n, layer]
-            layout.import_tokens(self._writers[layer], kv, table, spec.num_tokens)
-        if layer == len(self._layers) - 1:
-            self._meta_loads = []
+            layout.import_tokens(self._writers[layer], kv, slots)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pusher = self.bridge.pusher

@@ -25,6 +25,7 @@ vLLM still applies EOS, stop token ids and max_tokens itself.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import uuid
@@ -40,6 +41,7 @@ from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.request import FinishReason, SamplingParams, checked_prompt, match_stop_string
 from mooncake.engine.weights import load_hf_config
+from mooncake.serving.engines import EngineKind, engine_fingerprint
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 
 log = logging.getLogger(__name__)
@@ -123,12 +125,7 @@ class VllmEngine:
         self.vocab_size = mc.get_vocab_size()
         self._block_shape = (mc.get_num_layers(vc.parallel_config), 2, self.block_size,
                              mc.get_num_kv_heads(vc.parallel_config), mc.get_head_size())  # fmt: skip
-        self.block_bytes = 1
-        for d in self._block_shape:
-            self.block_bytes *= d
-        self.block_bytes *= torch.tensor([], dtype=mc.dtype).element_size()
-        from mooncake.serving.engines import EngineKind, engine_fingerprint
-
+        self.block_bytes = math.prod(self._block_shape) * torch.tensor([], dtype=mc.dtype).element_size()
         self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, config.torch_dtype)
         self.eos_token_ids = frozenset(args.eos_token_ids) | generation_eos_ids(config.model) | frozenset(
             getattr(tokenizer, "eos_token_ids", ()))  # fmt: skip

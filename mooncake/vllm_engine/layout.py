@@ -77,11 +77,11 @@ class BlockLayout:
         out = blocks.index_select(1, self.gather)
         return out.view(len(block_ids), 2, self.block_size, self.num_kv_heads, self.head_size)
 
-    def import_tokens(self, write: Writer, kv: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> None:
-        """Write the first ``num_tokens`` tokens of ``kv`` ([n, 2, bs, Hkv, D], pool layout) into blocks ``block_ids``."""
+    def import_tokens(self, write: Writer, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the first ``len(slots)`` tokens of ``kv`` ([n, 2, bs, Hkv, D], pool layout) to cache slots ``slots``."""
         n, _, bs, heads, d = kv.shape
-        device = block_ids.device  # the cache's: the writer runs there (a GPU's copy is synchronous here)
+        num_tokens = len(slots)
+        device = slots.device  # the cache's: the writer runs there (a GPU's copy is synchronous here)
         key = kv[:, 0].reshape(n * bs, heads, d)[:num_tokens].to(device).contiguous()
         value = kv[:, 1].reshape(n * bs, heads, d)[:num_tokens].to(device).contiguous()
-        slots = (block_ids[:n, None] * bs + torch.arange(bs, device=block_ids.device)).reshape(-1)[:num_tokens]
         write(key, value, slots)

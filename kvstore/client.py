@@ -74,13 +74,20 @@ class KVStoreClient:
     The first call asks the node (over gRPC) for its block size and its control fast
     path; from then on the hot calls go over that (its Unix socket when the node is on
     this host, its tcp port otherwise). ``control`` chooses: ``auto`` (that), ``tcp``
-(the tcp port even on the same host), ``grpc`` (every call over gRPC).
+    (the tcp port even on the same host), ``grpc`` (every call over gRPC).
+
+    ``owner`` (a worker's instance id; empty: nobody in particular) goes with every
+    lease and reservation this client makes, so that :meth:`release_owner` can end
+    them all when that worker restarts.
     """
 
-    def __init__(self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0, control: str = "auto") -> None:
+    def __init__(
+        self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0, control: str = "auto", owner: str = ""
+    ) -> None:
         if control not in ("auto", "tcp", "grpc"):
             raise ValueError(f"control must be auto, tcp or grpc, not {control!r}")
         self.address = address
+        self.owner = owner
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
@@ -129,7 +136,8 @@ class KVStoreClient:
         return self._call("Stats", pb.StatsRequest())
 
     def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float = 0) -> pb.ReserveResponse:
-        return self._call("Reserve", pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s))
+        request = pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s, owner=self.owner)
+        return self._call("Reserve", request)
 
     def commit(self, reservation_id: str) -> pb.CommitResponse:
         return self._call("Commit", pb.CommitRequest(reservation_id=reservation_id))
@@ -143,11 +151,21 @@ class KVStoreClient:
 
     def get_locations(self, keys: Sequence[bytes], lease_ttl_s: float = 0) -> pb.GetResponse:
         """Lease the longest stored prefix and return where its bytes are. Release the lease after reading."""
-        return self._call("Get", pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes))
+        return self._call("Get", pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes, owner=self.owner))
 
     def release(self, lease_id: str, wait: bool = True) -> None:
         """End a lease. ``wait=False`` does not wait for the answer on the fast path (an unknown lease is then not reported)."""
         self._call("Release", pb.ReleaseRequest(lease_id=lease_id), oneway=not wait and self._control is not None)
+
+    def release_owner(self, owner: str | None = None) -> tuple[int, int]:
+        """End every lease and abort every reservation ``owner`` (default: this client's) holds on the node.
+
+        Returns (leases, reservations) released. A worker calls it once at start, for what a
+        killed predecessor under its id left behind; the aborted reservations' slots are
+        free at once. Raises ValueError when the owner is empty (the node refuses it).
+        """
+        got = self._call("ReleaseOwner", pb.ReleaseOwnerRequest(owner=self.owner if owner is None else owner))
+        return got.leases, got.reservations
 
     def pin(self, keys: Sequence[bytes], pinned: bool = True) -> int:
         return self._call("Pin", pb.PinRequest(keys=keys, pinned=pinned)).changed

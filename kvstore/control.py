@@ -3,11 +3,11 @@
 A gRPC unary call from Python costs about 600 us on this project's 2-core machines (the
 call stack of grpcio on both sides, and a thread handoff in its server), which would
 make a one-block get several times slower than a Redis GET. The calls a worker makes
-per request (Get, Release, Reserve, Commit, Abort, Lookup, Pin, Stats) therefore also
-travel over a plain socket, carrying the same protobuf messages, answered by the same
-:class:`~kvstore.service.KVStoreServicer` methods, with the same error codes. Same-host
-clients use the node's Unix socket, others its tcp port; everything else (Pull, the
-event stream) stays on gRPC.
+per request (Get, Release, Reserve, Commit, Abort, Lookup, Pin, Stats; ReleaseOwner once
+at its start) therefore also travel over a plain socket, carrying the same protobuf
+messages, answered by the same :class:`~kvstore.service.KVStoreServicer` methods, with
+the same error codes. Same-host clients use the node's Unix socket, others its tcp
+port; everything else (Pull, the event stream) stays on gRPC.
 
 Framing (little-endian), on a connection used by one caller at a time:
 
@@ -52,6 +52,7 @@ METHODS: dict[int, tuple[str, type, type]] = {
     6: ("Lookup", pb.LookupRequest, pb.LookupResponse),
     7: ("Pin", pb.PinRequest, pb.PinResponse),
     8: ("Stats", pb.StatsRequest, pb.StatsResponse),
+    9: ("ReleaseOwner", pb.ReleaseOwnerRequest, pb.ReleaseOwnerResponse),
 }
 METHOD_IDS = {name: mid for mid, (name, _, _) in METHODS.items()}
 

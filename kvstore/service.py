@@ -138,7 +138,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_status
     def Reserve(self, request, context):
         self.store.check_block_bytes(request.block_bytes)
-        res = self.store.reserve(list(request.keys), list(request.positions) or None, request.ttl_s or None)
+        res = self.store.reserve(list(request.keys), list(request.positions) or None, request.ttl_s or None, request.owner)
         return pb.ReserveResponse(reservation_id=res.reservation_id, segment=self.seg, slots=self._slots(res.slots), existing=res.existing)
 
     @_status
@@ -159,7 +159,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_status
     def Get(self, request, context):
         self.store.check_block_bytes(request.block_bytes)
-        res = self.store.get(list(request.keys), request.lease_ttl_s or None)
+        res = self.store.get(list(request.keys), request.lease_ttl_s or None, request.owner)
         return pb.GetResponse(lease_id=res.lease_id, segment=self.seg, slots=self._slots(res.slots), corrupt=res.corrupt,
                               dram_hits=res.dram_hits, ssd_hits=res.ssd_hits)  # fmt: skip
 
@@ -167,6 +167,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Release(self, request, context):
         self.store.release(request.lease_id)
         return pb.ReleaseResponse()
+
+    @_status
+    def ReleaseOwner(self, request, context):
+        leases, reservations = self.store.release_owner(request.owner)
+        return pb.ReleaseOwnerResponse(leases=leases, reservations=reservations)
 
     @_status
     def Pin(self, request, context):

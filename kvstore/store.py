@@ -1,9 +1,11 @@
 """The block store of one pool node: which block is where, who may evict what, and when.
 
 Owns the index (key -> entry), the two tiers' slot allocators and eviction policies,
-reservations (the first phase of a put), leases and pins, and the event log. Bytes live
-in the DRAM tier's memory (a transfer segment other processes write into directly) and
-in the :class:`~kvstore.ssd.SsdTier`; the store only copies them when it demotes to SSD or
+reservations (the first phase of a put), leases and pins, and the event log. Each lease
+and reservation remembers its owner (a worker's instance id), so a restarted worker can
+hand back at once what its killed predecessor held. Bytes live in the DRAM tier's memory
+(a transfer segment other processes write into directly) and in the
+:class:`~kvstore.ssd.SsdTier`; the store only copies them when it demotes to SSD or
 promotes back. Thread-safe (one lock); the gRPC service is a thin adapter over it.
 
 Life of a block::
@@ -58,6 +60,7 @@ class Reservation:
     slots: dict[bytes, int]  # key -> DRAM slot, for the keys the caller must write
     positions: dict[bytes, int]
     deadline: float
+    owner: str = ""  # the worker that will write the slots ("": nobody in particular)
 
 
 @dataclass(slots=True)
@@ -65,6 +68,7 @@ class Lease:
     id: str
     keys: list[bytes]
     deadline: float
+    owner: str = ""  # the worker reading the blocks ("": nobody in particular)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,11 +285,14 @@ class BlockStore:
 
     # -- two-phase put --------------------------------------------------------------
 
-    def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float | None = None) -> ReserveResult:
+    def reserve(
+        self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float | None = None, owner: str = ""
+    ) -> ReserveResult:
         """Reserve DRAM slots for the keys not yet stored; the caller writes them, then commits.
 
         ``positions`` are the blocks' indices in their key chains (default: 0..n-1),
-        used by the length-aware policy. Raises ``StoreFull`` when the slots cannot be
+        used by the length-aware policy. ``owner`` (a worker's instance id) lets
+        :meth:`release_owner` abort it. Raises ``StoreFull`` when the slots cannot be
         found, ``ValueError`` for bad keys.
         """
         keys = self._check_keys(keys)
@@ -299,9 +306,8 @@ class BlockStore:
             todo = [k for k in keys if k not in self._entries]
             slots = self._take_dram(len(todo))
             rid = uuid.uuid4().hex
-            self._reservations[rid] = Reservation(
-                rid, dict(zip(todo, slots)), dict(zip(keys, pos)), time.monotonic() + (ttl_s or self.config.reservation_ttl_s)
-            )
+            deadline = time.monotonic() + (ttl_s or self.config.reservation_ttl_s)
+            self._reservations[rid] = Reservation(rid, dict(zip(todo, slots)), dict(zip(keys, pos)), deadline, owner)
             self._reserved_slots += len(slots)
             return ReserveResult(rid, list(zip(todo, slots)), existing)
 
@@ -366,13 +372,14 @@ class BlockStore:
                 tiers.append(Tier.DRAM if entry.dram_slot is not None else Tier.SSD)
         return LookupResult(len(tiers), tiers)
 
-    def get(self, keys: Sequence[bytes], lease_ttl_s: float | None = None) -> GetResult:
+    def get(self, keys: Sequence[bytes], lease_ttl_s: float | None = None, owner: str = "") -> GetResult:
         """Lease the longest stored prefix of ``keys`` in DRAM (promoting SSD blocks) and return its slots.
 
         The caller reads the slots (through the transfer engine or the shared memory)
-        and then :meth:`release` s the lease; until then, or until the lease times out,
-        none of these blocks is evicted. A block whose SSD copy fails its checksum is
-        dropped, reported in ``corrupt``, and ends the prefix.
+        and then :meth:`release` s the lease; until then, until the lease times out, or
+        until :meth:`release_owner` ends ``owner``'s leases, none of these blocks is
+        evicted. A block whose SSD copy fails its checksum is dropped, reported in
+        ``corrupt``, and ends the prefix.
         """
         keys = self._check_keys(keys)
         with self._lock:
@@ -415,7 +422,8 @@ class BlockStore:
             self._dram_count.hits += len(prefix) - ssd_hits
             self._ssd_count.hits += ssd_hits
             lid = uuid.uuid4().hex
-            self._leases[lid] = Lease(lid, [e.key for e in prefix], time.monotonic() + (lease_ttl_s or self.config.lease_ttl_s))
+            deadline = time.monotonic() + (lease_ttl_s or self.config.lease_ttl_s)
+            self._leases[lid] = Lease(lid, [e.key for e in prefix], deadline, owner)
             return GetResult(lid, [(e.key, e.dram_slot) for e in prefix], corrupt, len(prefix) - ssd_hits, ssd_hits)
 
     def _promote(self, entry: Entry, protect: frozenset[bytes]) -> None:
@@ -438,6 +446,37 @@ class BlockStore:
                 raise KeyError(f"no lease {lease_id!r} (never granted, already released, or expired)")
             self._unlease(lease)
             self._after_insert()
+
+    def release_owner(self, owner: str) -> tuple[int, int]:
+        """End every lease and abort every reservation ``owner`` holds; return (leases, reservations).
+
+        Called when a worker starts, with its instance id, so that what a killed
+        predecessor under the same id held comes back now rather than when the TTLs run
+        out (a reservation's is minutes long). Unlike an expired reservation's slots
+        (:meth:`expire` quarantines those for a TTL, since their writer may still be
+        sending), a released reservation's slots are free at once: the owner is a
+        restarted process, so its old process, the only writer into those slots, is
+        dead. That rests on instance ids being unique in the cluster. The released
+        reservations can no longer be committed (KeyError). Scans every lease and
+        reservation. Raises ValueError for an empty owner, which would release
+        everyone's anonymous holdings.
+        """
+        if not owner:
+            raise ValueError("release_owner needs an owner (an empty one would release every anonymous lease and reservation)")
+        with self._lock:
+            leases = [l for l in self._leases.values() if l.owner == owner]
+            for lease in leases:
+                del self._leases[lease.id]
+                self._unlease(lease)
+            reservations = [r.id for r in self._reservations.values() if r.owner == owner]
+            for rid in reservations:
+                for slot in self._pop_reservation(rid).slots.values():
+                    self._dram_free.give(slot)
+            if leases:
+                self._after_insert()  # blocks the leases kept above the high watermark may go now
+            if leases or reservations:
+                log.info("released %d leases and %d reservations of %s", len(leases), len(reservations), owner)
+            return len(leases), len(reservations)
 
     def _unlease(self, lease: Lease) -> None:
         for key in lease.keys:

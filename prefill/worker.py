@@ -15,7 +15,9 @@
 
 Failure is a designed path: blocks evicted since the plan was made, a fetch node that no
 longer has them, or a full pool shrink the plan (more is computed); a decode worker that
-went away fails the request (UNAVAILABLE) but the KV computed for the pool is kept.
+went away fails the request (UNAVAILABLE) but the KV computed for the pool is kept. Every
+lease and reservation is made under the worker's id, so a worker killed mid-prefill and
+restarted under that id hands back, as it starts, what its last run held on its pool node.
 """
 
 from __future__ import annotations
@@ -99,7 +101,14 @@ class PrefillWorker:
 
     def __init__(self, config: PrefillConfig, link: ConductorLink | None = None) -> None:
         self.config = config
-        self.kv = KVStoreClient(config.kvstore)
+        self.kv = KVStoreClient(config.kvstore, owner=config.id)
+        # A previous run under this id, killed mid-prefill, may have left leases and reservations
+        # on this node, held until their TTLs (reservation_ttl_s: minutes). Its process is dead, so
+        # they end now. Leases on the nodes it fetched from are not known here: they expire by TTL.
+        leases, reservations = self.kv.release_owner()
+        if leases or reservations:
+            log.info("a previous run of %s left %d leases and %d reservations on %s: released",
+                     config.id, leases, reservations, config.kvstore)  # fmt: skip
         stats = self.kv.stats()
         self.node = stats.node
         self.transfer = TransferEngine(TransferConfig(node=f"{config.id}-xfer", serve=False))
@@ -320,7 +329,7 @@ class PrefillWorker:
         with self._remote_lock:
             client = self._remote.get(address)
             if client is None:
-                client = self._remote[address] = KVStoreClient(address, engine=self.transfer)
+                client = self._remote[address] = KVStoreClient(address, engine=self.transfer, owner=self.config.id)
             return client
 
     # -- load ------------------------------------------------------------------------------------

@@ -45,16 +45,18 @@ class SlotLocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("keys", "positions", "block_bytes", "ttl_s")
+    __slots__ = ("keys", "positions", "block_bytes", "ttl_s", "owner")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     positions: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
     ttl_s: float
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., positions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    owner: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., positions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "segment", "slots", "existing")
@@ -107,14 +109,16 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("keys", "lease_ttl_s", "block_bytes")
+    __slots__ = ("keys", "lease_ttl_s", "block_bytes", "owner")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_s: float
     block_bytes: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., block_bytes: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("lease_id", "segment", "slots", "corrupt", "dram_hits", "ssd_hits")
@@ -141,6 +145,20 @@ class ReleaseRequest(_message.Message):
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReleaseOwnerRequest(_message.Message):
+    __slots__ = ("owner",)
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    def __init__(self, owner: _Optional[str] = ...) -> None: ...
+
+class ReleaseOwnerResponse(_message.Message):
+    __slots__ = ("leases", "reservations")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    leases: int
+    reservations: int
+    def __init__(self, leases: _Optional[int] = ..., reservations: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("keys", "pinned")

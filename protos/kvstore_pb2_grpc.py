@@ -64,6 +64,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstore__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ReleaseOwner = channel.unary_unary(
+                '/mooncake.kvstore.KVStore/ReleaseOwner',
+                request_serializer=protos_dot_kvstore__pb2.ReleaseOwnerRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.ReleaseOwnerResponse.FromString,
+                _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/mooncake.kvstore.KVStore/Pin',
                 request_serializer=protos_dot_kvstore__pb2.PinRequest.SerializeToString,
@@ -125,6 +130,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseOwner(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Pin(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -181,6 +192,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=protos_dot_kvstore__pb2.ReleaseRequest.FromString,
                     response_serializer=protos_dot_kvstore__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ReleaseOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseOwner,
+                    request_deserializer=protos_dot_kvstore__pb2.ReleaseOwnerRequest.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.ReleaseOwnerResponse.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
@@ -365,6 +381,33 @@ class KVStore:
             '/mooncake.kvstore.KVStore/Release',
             protos_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
             protos_dot_kvstore__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.kvstore.KVStore/ReleaseOwner',
+            protos_dot_kvstore__pb2.ReleaseOwnerRequest.SerializeToString,
+            protos_dot_kvstore__pb2.ReleaseOwnerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,13 +6,15 @@ import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import uuid
 
 import pytest
 
 import grpc
-from kvnodes import free_port, start_node
+from kvnodes import REPO, free_port, start_node
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.control import ControlAddress, ControlChannel, ControlError
 from kvstore.events import Tier
@@ -235,3 +237,73 @@ def test_nodes_publish_segments_in_redis(nodes, redis_url):
         assert bytes(cb.get(keys).data) == data
     a.stop()  # a clean stop unregisters
     assert {s.name for s in registry.list()} == {"b/dram"}
+
+
+# A worker process that leases and reserves under its id, says so, and waits to be killed.
+HOLDER = """
+import sys, time
+from kvstore.client import KVStoreClient
+address, owner, leased, reserved = sys.argv[1:]
+kv = KVStoreClient(address, owner=owner)
+lease = kv.get_locations([bytes.fromhex(k) for k in leased.split(",")])
+res = kv.reserve([bytes.fromhex(k) for k in reserved.split(",")], ttl_s=600)
+print("HELD", lease.lease_id, res.reservation_id, flush=True)
+time.sleep(120)
+"""
+
+
+def hold(address: str, owner: str, leased: list[bytes], reserved: list[bytes]) -> tuple[subprocess.Popen, str, str]:
+    """Start a holder; return it with its lease id and reservation id once it holds them."""
+    args = [sys.executable, "-c", HOLDER, address, owner, ",".join(k.hex() for k in leased), ",".join(k.hex() for k in reserved)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    line = proc.stdout.readline().split()
+    if line[:1] != ["HELD"]:
+        proc.kill()
+        raise RuntimeError(f"the holder did not hold: {proc.communicate(timeout=10)[1]}")
+    return proc, line[1], line[2]
+
+
+@pytest.mark.parametrize("control", ["auto", "grpc"])  # the control fast path's Unix socket, then gRPC alone
+def test_a_restarted_worker_gets_back_at_once_what_its_killed_run_held(nodes, control):
+    a = nodes("a", "--high-watermark", "1", "--low-watermark", "1", dram_blocks=5)  # full means full
+    keys, data = chain(4, seed=11), os.urandom(4 * BB)
+    with KVStoreClient(a.grpc) as c:
+        c.put(keys[:2], data[: 2 * BB])
+        idle = c.stats()
+    dead, dead_lease, dead_res = hold(a.grpc, "prefill-0", keys[:1], keys[2:])
+    live, _, _ = hold(a.grpc, "prefill-1", keys[1:2], chain(1, seed=12))
+    try:
+        dead.kill()  # kill -9 mid-prefill: nothing released, nothing committed
+        dead.wait(10)
+        with KVStoreClient(a.grpc, control=control, owner="prefill-0") as restarted:
+            if control == "auto":
+                assert restarted.block_bytes == BB and restarted._control.address.target.startswith("unix:")
+            with pytest.raises(StoreFull):  # every slot is leased or reserved
+                restarted.put(keys[2:], data[2 * BB :])
+            assert restarted.release_owner() == (1, 1)
+            stats = restarted.stats()
+            assert (stats.leases, stats.reservations, stats.dram.reserved_blocks) == (1, 1, 1)  # prefill-1's stay
+            with pytest.raises(KeyError, match="no reservation"):
+                restarted.commit(dead_res)
+            with pytest.raises(KeyError, match="no lease"):
+                restarted.release(dead_lease)
+            assert restarted.put(keys[2:], data[2 * BB :]).stored == 2  # the dead run's slots, free at once
+            got = restarted.get(keys)
+            assert got.num_blocks == 4 and bytes(got.data) == data
+            assert restarted.release_owner() == (0, 0)
+        with KVStoreClient(a.grpc, control=control) as anyone:
+            if control == "auto":
+                anyone.block_bytes  # noqa: B018  (learns the fast path)
+            with pytest.raises(ValueError, match="owner"):
+                anyone.release_owner()  # no owner: refused, nothing released
+            assert anyone.stats().leases == 1
+            live.kill()
+            live.wait(10)
+            assert anyone.release_owner("prefill-1") == (1, 1)
+            stats = anyone.stats()
+            assert (stats.leases, stats.reservations, stats.dram.reserved_blocks) == (idle.leases, idle.reservations, 0) == (0, 0, 0)
+    finally:
+        for proc in (dead, live):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

@@ -200,3 +200,40 @@ def test_restart_re_adopts_ssd_blocks(tmp_path):
     assert got == data[: 3 * BB] and res.ssd_hits == 3
     with pytest.raises(ValueError, match="another geometry"):
         SsdTier(tmp_path, BB * 2, 8, 4)
+
+
+def test_release_owner_frees_exactly_that_owners_leases_and_reservations_at_once():
+    store = make(dram_blocks=5)
+    stored = keys(2)
+    store.put(stored, blocks(2))
+    idle = store.stats()
+    dead_lease = store.get(stored[:1], owner="prefill-0")  # a worker killed mid-prefill holds these
+    dead_res = store.reserve(keys(2, salt=1), owner="prefill-0")
+    live_lease = store.get(stored[1:], owner="prefill-1")
+    live_res = store.reserve(keys(1, salt=2), owner="prefill-1")
+    with pytest.raises(StoreFull):  # every slot is leased or reserved
+        store.reserve(keys(1, salt=3))
+    assert store.release_owner("prefill-0") == (1, 1)
+    stats = store.stats()
+    assert (stats.leases, stats.reservations, stats.dram.reserved_blocks) == (1, 1, 1)  # prefill-1's stay
+    with pytest.raises(KeyError, match="no reservation"):
+        store.commit(dead_res.reservation_id)
+    with pytest.raises(KeyError, match="no lease"):
+        store.release(dead_lease.lease_id)
+    # the dead run's two reserved slots are free at once (not quarantined), and its leased block may be evicted
+    assert store.put(keys(3, salt=4), blocks(3)) == (3, 0)
+    assert store.lookup(stored).prefix_blocks == 0 and store.lookup(stored[1:]).prefix_blocks == 1
+    assert store.commit(live_res.reservation_id) == (1, 0)
+    store.release(live_lease.lease_id)
+    assert store.release_owner("prefill-0") == (0, 0)
+    stats = store.stats()
+    assert (stats.leases, stats.reservations, stats.dram.reserved_blocks) == (idle.leases, idle.reservations, 0) == (0, 0, 0)
+
+
+def test_release_owner_refuses_an_empty_owner_and_keeps_anonymous_holdings():
+    store = make(dram_blocks=2)
+    res = store.reserve(keys(1))
+    with pytest.raises(ValueError, match="owner"):
+        store.release_owner("")
+    assert store.stats().reservations == 1
+    assert store.commit(res.reservation_id) == (1, 0)

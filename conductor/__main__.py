@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="another SLO class, e.g. batch=120,0.5 (repeatable)")
     p.add_argument("--block-bytes", type=int, default=320 * 1024 * 16, help="bytes of one KV block (transfer estimates)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before an instance is dead")
+    p.add_argument("--suspect-hold", type=float, default=1.0, help="an instance a gateway reports failing gets nothing new "
+                   "until it heartbeats this many seconds after the report")
     p.add_argument("--balancing-threshold", type=float, default=1.5, help="kvcache_centric: fetch a prefix this many times the local one")
     p.add_argument("--tier-aware", action="store_true", help="price SSD-resident prefix blocks by their load time")
     p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate assumed until samples arrive")
@@ -80,7 +82,7 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
         classes[name] = Slo(ttft, tbt)
     return ConductorConfig(
         policy=args.policy, admission=args.admission, slo_classes=classes, block_bytes=args.block_bytes,
-        heartbeat_timeout_s=args.heartbeat_timeout, decode_forecast=args.decode_forecast, tbt_headroom=args.tbt_headroom,
+        heartbeat_timeout_s=args.heartbeat_timeout, suspect_hold_s=args.suspect_hold, decode_forecast=args.decode_forecast, tbt_headroom=args.tbt_headroom,
         predictors=PredictorConfig(prefill_tokens_per_s=args.prefill_tokens_per_s),
         policy_config=PolicyConfig(kvcache_balancing_threshold=args.balancing_threshold, tier_aware=args.tier_aware),
     )  # fmt: skip

@@ -35,6 +35,8 @@ class ConductorConfig(BaseModel):
     slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": Slo(ttft_s=30.0, tbt_s=0.1)})
     block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is dead")
+    suspect_hold_s: float = Field(1.0, ge=0, description="an instance reported failing gets nothing new until a heartbeat "
+                                  "sent this long after the report (a dead one sends none, and is dead after heartbeat_timeout_s)")
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
     decode_forecast: ForecastKind = Field(ForecastKind.SURVIVAL, description="early_predictive's decode forecast: "
                                           "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)")
@@ -107,13 +109,25 @@ class Conductor:
         if inst is None or inst.state is InstanceState.DEAD:
             raise KeyError(f"instance {instance_id!r} is not registered (register again)")
         inst.load, inst.last_heartbeat = load, now
+        if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
+            inst.state = InstanceState.ALIVE
         if inst.role is Role.DECODE and load.step_s > 0 and load.running_requests > 0:
             self.predictors.decode.observe(load.running_requests, load.context_tokens, load.step_s)
+
+    def suspect(self, instance_id: str, now: float) -> bool:
+        """A caller saw ``instance_id`` fail (a reset stream, an unreachable address): send it nothing new
+        until it heartbeats ``suspect_hold_s`` from now. Long before the heartbeat timeout notices a dead
+        instance, the requests after this one go elsewhere. Returns whether it was alive until now."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.state is not InstanceState.ALIVE:
+            return False
+        inst.state, inst.suspect_until = InstanceState.SUSPECT, now + self.config.suspect_hold_s
+        return True
 
     def drain(self, instance_id: str, remove: bool = False) -> None:
         """Send ``instance_id`` nothing new; with ``remove``, stop it once it is idle (``idle_to_remove``)."""
         inst = self._get(instance_id)
-        if inst.state is InstanceState.ALIVE:
+        if inst.state in (InstanceState.ALIVE, InstanceState.SUSPECT):
             inst.state = InstanceState.DRAINING
         if remove and inst.role is not Role.KVSTORE:
             self.retiring.add(instance_id)
@@ -230,6 +244,8 @@ class Conductor:
         """
         req.validate()
         slo = self.slo(req.slo_class)
+        for instance_id in req.failed:
+            self.suspect(instance_id, now)
         prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
         if not prefills:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 ROLE_TO_PB = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE, Role.KVSTORE: pb.KVSTORE}
 PB_TO_ROLE = {v: k for k, v in ROLE_TO_PB.items()}
-STATE_TO_PB = {InstanceState.ALIVE: pb.ALIVE, InstanceState.DRAINING: pb.DRAINING, InstanceState.DEAD: pb.DEAD}
+STATE_TO_PB = {InstanceState.ALIVE: pb.ALIVE, InstanceState.DRAINING: pb.DRAINING, InstanceState.DEAD: pb.DEAD,
+               InstanceState.SUSPECT: pb.SUSPECT}
 KV_TIER = {kv_pb.DRAM: Tier.DRAM, kv_pb.SSD: Tier.SSD}
 HEARTBEAT_INTERVAL_FRACTION = 0.25  # workers are told to beat 4 times per timeout
 RESUBSCRIBE_S = 1.0
@@ -390,7 +391,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             raise ValueError("send the block keys as keys or as key_chain, not both")
         keys = KeyChain(request.key_chain) if request.key_chain else [bytes(k) for k in request.keys]
         req = ScheduleRequest(request.request_id, keys, request.prompt_tokens, request.block_tokens,
-                              request.expected_output_tokens, request.slo_class or "default")  # fmt: skip
+                              request.expected_output_tokens, request.slo_class or "default", tuple(request.failed))  # fmt: skip
         outcome, info = self.service.schedule(req)
         p = outcome.predicted
         predicted = None if p is None else pb.Prediction(ttft_s=p.ttft_s, tbt_s=p.tbt_s, queue_s=p.queue_s, transfer_s=p.transfer_s,

@@ -21,6 +21,7 @@ class InstanceState(str, enum.Enum):
     ALIVE = "alive"
     DRAINING = "draining"  # finishes what it has, gets nothing new
     DEAD = "dead"  # missed its heartbeats: out of scheduling, its blocks out of the index
+    SUSPECT = "suspect"  # failed a call for some request: nothing new until a heartbeat says it lives
 
 
 class RejectReason(str, enum.Enum):
@@ -65,6 +66,7 @@ class Instance:
     fingerprint: bytes = b""  # workers: the root of their block keys (model, dtype, engine kind)
     engine: str = ""  # workers: native or vllm
     last_heartbeat: float = 0.0
+    suspect_until: float = 0.0  # SUSPECT: heartbeats before this do not clear it (they may predate the failure)
     load: Load = field(default_factory=Load)
 
     @property
@@ -126,6 +128,7 @@ class ScheduleRequest:
     block_tokens: int
     expected_output_tokens: int = 0  # 0: unknown
     slo_class: str = "default"
+    failed: tuple[str, ...] = ()  # a retry: instances that failed this request (suspect now, so not chosen again)
 
     def validate(self) -> None:
         if not self.request_id:

@@ -19,6 +19,7 @@ from protos import worker_pb2_grpc as wpb_grpc
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-s"  # trailing metadata of a RESOURCE_EXHAUSTED answer
+FAILED_INSTANCE_KEY = "failed-instance"  # trailing metadata of an UNAVAILABLE answer: the prefill worker that failed
 
 
 class DecodeMetrics:
@@ -55,7 +56,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                     m.ttft.observe(now - start)
                     for tier, n in chunk.cached_tokens_by_tier.items():
                         m.cached.labels(tier).inc(n)
-                    m.kv_bytes.labels("landed").inc(-(-len(request.prompt_token_ids) // self.worker.config.block_size)
+                    m.kv_bytes.labels("landed").inc(-(-(len(request.prompt_token_ids) + len(request.output_token_ids)) // self.worker.config.block_size)
                                                     * self.worker.block_bytes)  # fmt: skip
                     first = False
                 else:
@@ -70,6 +71,8 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}: {e}")
         except Failed as e:
             outcome = e.code.name.lower()
+            if e.failed_instance:
+                context.set_trailing_metadata(((FAILED_INSTANCE_KEY, e.failed_instance),))
             context.abort(e.code, str(e))
         finally:
             m.requests.labels(outcome).inc()

@@ -18,6 +18,7 @@ them out (step 4) or the request fails; they are freed in one place (``_Landing`
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -34,8 +35,9 @@ from pydantic import BaseModel, Field
 from conductor.predictors import DecodePredictor, PredictorConfig
 from kvstore.service import segment_to_pb
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
+from mooncake.serving.channels import RECONNECT_OPTIONS
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind, build_engine
@@ -82,11 +84,62 @@ class Busy(Exception):
 
 
 class Failed(Exception):
-    """A status to end the stream with: ``code`` and a message."""
+    """A status to end the stream with: ``code``, a message, and the instance that failed when it was not this one
+    (the prefill worker: the gateway's retry reports it to the Conductor)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, failed_instance: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.failed_instance = failed_instance
+
+
+class DecodeState(enum.Enum):
+    """Where one request stands on this worker; ``_Decoding.close`` frees what each state holds."""
+
+    PREFILLING = "prefilling"  # holds landing slots; the prefill worker writes them
+    DECODING = "decoding"  # in the engine's batch (the slots were copied into its cache and freed)
+    DONE = "done"  # finished (the engine dropped it, or it never joined)
+
+
+class _Decoding:
+    """One request's resources on this worker, by state: who frees what, in one place."""
+
+    def __init__(self, worker: "DecodeWorker", request_id: str, slots: list[int] | None) -> None:
+        self.worker, self.request_id, self.slots = worker, request_id, slots
+        self.state = DecodeState.PREFILLING
+        if slots is not None:
+            with worker._count_lock:
+                worker._in_prefill += 1
+
+    def join(self, sink: queue.Queue, prompt: list[int], params: SamplingParams, outputs: list[int], num_landed: int) -> None:
+        """PREFILLING -> DECODING: copy the landed KV out of the slots, free them, add the request to the batch."""
+        w = self.worker
+        external = w.landing.index_select(0, torch.tensor(self.slots, dtype=torch.long))  # [n, L, 2, bs, Hkv, D]
+        self._free_slots()
+        future = w.loop.submit_nowait(sink.put, prompt_token_ids=prompt, sampling_params=params, request_id=self.request_id,
+                                      external_kv=external, num_external_tokens=num_landed, initial_output_token_ids=outputs)  # fmt: skip
+        try:
+            future.result()
+        except ValueError as e:
+            self.state = DecodeState.DONE
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self.state = DecodeState.DECODING
+
+    def _free_slots(self) -> None:
+        if self.slots:
+            self.worker.slots.free(self.slots)
+            with self.worker._count_lock:
+                self.worker._in_prefill -= 1
+        self.slots = []
+
+    def close(self) -> None:
+        """However the request ended (finished, failed, the client gone): release what its state holds."""
+        self._free_slots()
+        if self.state is DecodeState.DECODING:
+            self.worker.loop.abort(self.request_id)  # a no-op once it finished
+        if self.worker.link is not None:
+            self.worker.link.finished(self.request_id)  # out of the Conductor's decode forecast, however it ended
+        self.state = DecodeState.DONE
 
 
 @dataclass(slots=True)
@@ -169,51 +222,43 @@ class DecodeWorker:
     # -- the stream ----------------------------------------------------------------------------
 
     def generate(self, req: wpb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[wpb.GenerateChunk]:
-        """Serve one request (see the module docstring). Raises Busy or Failed before or during the stream."""
+        """Serve one request (see the module docstring). Raises Busy or Failed before or during the stream.
+
+        A resumed stream (``req.output_token_ids``: tokens another decode worker already
+        streamed before it died) is prefilled as prompt + those tokens, mostly from the
+        pool, and goes on from there; its chunks count and show only what is new.
+        """
         t0 = time.perf_counter()
-        prompt = list(req.prompt_token_ids)
-        params = self._params(req, prompt)
-        placement = req.placement
-        if not placement.prefill_address:
+        prompt, outputs = list(req.prompt_token_ids), list(req.output_token_ids)
+        params = self._params(req, prompt, len(outputs))
+        if not req.placement.prefill_address:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the request has no placement (a prefill address from the Conductor)")
         self._admit()
-        num_blocks = -(-len(prompt) // self.config.block_size)
-        slots = self.slots.allocate(num_blocks)
-        if slots is None:
+        sequence = prompt + outputs  # what the prefill computes (its KV lands here)
+        num_blocks = -(-len(sequence) // self.config.block_size)
+        run = _Decoding(self, req.request_id, self.slots.allocate(num_blocks))
+        if run.slots is None:
             raise Busy(f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
                        "decode_busy")  # fmt: skip
-        with self._count_lock:
-            self._in_prefill += 1
-        joined = False
         try:
-            first = self._prefill(req, prompt, slots, context)
-            self._check_late_admission(req, len(prompt))
-            stream = TextStream(self.tokenizer, prompt, params.stop)
-            finish, text = self._first_token_finish(first.token, params)
+            first = self._prefill(req, sequence, len(outputs), run.slots, context)
+            self._check_late_admission(req, len(sequence))
+            stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
+            finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
             usage = dict(prompt_tokens=len(prompt), cached_tokens=first.cached_tokens, cached_tokens_by_tier=first.by_tier)
             if finish is not None:
-                yield wpb.GenerateChunk(token_ids=[first.token], text=text, finish_reason=finish, completion_tokens=1, **usage)
+                run.state = DecodeState.DONE
+                yield wpb.GenerateChunk(token_ids=[first.token], text=text, finish_reason=finish, completion_tokens=len(outputs) + 1,
+                                        **usage)  # fmt: skip
                 return
-            external = self.landing.index_select(0, torch.tensor(slots, dtype=torch.long))  # [n, L, 2, bs, Hkv, D]
-            self.slots.free(slots)
-            slots = []
-            outputs: queue.Queue = queue.Queue()
-            future = self.loop.submit_nowait(outputs.put, prompt_token_ids=prompt, sampling_params=params, request_id=req.request_id,
-                                             external_kv=external, num_external_tokens=len(prompt),
-                                             initial_output_token_ids=[first.token])  # fmt: skip
-            try:
-                future.result()
-            except ValueError as e:
-                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            joined = True
+            outputs_queue: queue.Queue = queue.Queue()
+            run.join(outputs_queue, prompt, params, outputs + [first.token], len(sequence))
             if self.link is not None:
                 self.link.decode_started(req.request_id, time.perf_counter() - t0)
-            with self._count_lock:
-                self._in_prefill -= 1
-            yield wpb.GenerateChunk(token_ids=[first.token], text=stream.push([first.token]), completion_tokens=1, **usage)
+            yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, **usage)
             while True:
                 try:
-                    out = outputs.get(timeout=0.1)
+                    out = outputs_queue.get(timeout=0.1)
                 except queue.Empty:
                     if not context.is_active():
                         return
@@ -226,22 +271,18 @@ class DecodeWorker:
                                         finish_reason=out.finish_reason.value if out.finished else "",
                                         completion_tokens=len(out.output_token_ids), **usage)  # fmt: skip
                 if out.finished:
+                    run.state = DecodeState.DONE
                     return
         finally:
-            if slots:
-                self.slots.free(slots)
-            if joined:
-                self.loop.abort(req.request_id)  # a no-op once it finished
-                if self.link is not None:
-                    self.link.finished(req.request_id)
-            else:
-                with self._count_lock:
-                    self._in_prefill -= 1
+            run.close()
 
-    def _params(self, req: wpb.GenerateRequest, prompt: list[int]) -> SamplingParams:
+    def _params(self, req: wpb.GenerateRequest, prompt: list[int], num_outputs: int) -> SamplingParams:
         s = req.sampling
         if not prompt:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        if num_outputs >= s.max_tokens:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, f"a resumed stream with {num_outputs} tokens already has its "
+                         f"max_tokens ({s.max_tokens})")  # fmt: skip
         if len(prompt) + s.max_tokens > self.max_model_len:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}")  # fmt: skip
@@ -253,15 +294,16 @@ class DecodeWorker:
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
-    def _prefill(self, req: wpb.GenerateRequest, prompt: list[int], slots: list[int], context) -> FirstToken:
-        """Have the planned prefill worker fill ``slots``; return its first token."""
+    def _prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, slots: list[int], context) -> FirstToken:
+        """Have the planned prefill worker fill ``slots`` with the KV of ``sequence`` (the prompt and, resuming, the
+        ``num_outputs`` tokens streamed so far); return the token after it."""
         placement = req.placement
         landing = wpb.Landing(segment=segment_to_pb(self.landing_segment), offsets=[s * self.block_bytes for s in slots],
                               block_bytes=self.block_bytes)  # fmt: skip
         call = self._prefill_stub(placement.prefill_address).Prefill.future(
-            wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=prompt, sampling=req.sampling,
+            wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=sequence, sampling=req.sampling,
                                cache_salt=req.cache_salt if req.HasField("cache_salt") else None, plan=placement.plan,
-                               landing=landing),
+                               landing=landing, num_output_tokens=num_outputs),
             timeout=self.config.prefill_timeout_s,
         )  # fmt: skip
         context.add_callback(call.cancel)  # the client went away: so does the prefill
@@ -274,7 +316,8 @@ class DecodeWorker:
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
                 raise Failed(code, e.details()) from None
             raise Failed(grpc.StatusCode.UNAVAILABLE,
-                         f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: {code.name} {e.details()}") from None  # fmt: skip
+                         f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: {code.name} {e.details()}",
+                         failed_instance=placement.prefill_id) from None  # fmt: skip
         by_tier = {}
         if resp.local_tokens:
             by_tier["dram"] = resp.local_tokens - resp.ssd_tokens
@@ -296,24 +339,25 @@ class DecodeWorker:
         if not verdict.admit:
             raise Busy(verdict.rejection.message, verdict.rejection.reason, verdict.rejection.retry_after_s)
 
-    def _first_token_finish(self, token: int, params: SamplingParams) -> tuple[str | None, str]:
-        """Does the prefill's token already end the request? (finish reason or None, the text to show)."""
-        text = self.tokenizer.decode([token])
+    def _first_token_finish(self, token: int, params: SamplingParams, stream: TextStream, num_outputs: int) -> tuple[str | None, str]:
+        """Does the prefill's token already end the request? (finish reason or None, the text to show now)."""
+        previous = stream.text
+        stream.add([token])
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.eos_token_ids):
-            return "stop", text
-        for stop in params.stop:
-            at = text.find(stop)
-            if at != -1:
-                return "stop", text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
-        if params.max_tokens == 1:
-            return "length", text
-        return None, text
+            return "stop", stream.finish()
+        if params.stop:
+            cut, stop = match_stop_string(stream.text, previous, params)
+            if stop is not None:
+                return "stop", stream.finish(cut)
+        if num_outputs + 1 >= params.max_tokens:
+            return "length", stream.finish()
+        return None, stream.reveal()
 
     def _prefill_stub(self, address: str) -> wpb_grpc.PrefillStub:
         with self._channels_lock:
             stub = self._channels.get(address)
             if stub is None:
-                stub = self._channels[address] = wpb_grpc.PrefillStub(grpc.insecure_channel(address))
+                stub = self._channels[address] = wpb_grpc.PrefillStub(grpc.insecure_channel(address, options=RECONNECT_OPTIONS))
             return stub
 
     @property

@@ -206,15 +206,20 @@ class PrefillWorker:
             if isinstance(out, BaseException):
                 job.fail(out)
             elif out.finished:
-                job.first_token = out.output_token_ids[0] if out.output_token_ids else None
+                job.first_token = out.output_token_ids[-1] if out.output_token_ids else None
                 job.finished_at = time.perf_counter()
             if isinstance(out, BaseException) or out.finished:
                 job.done.set()
 
-        params = SamplingParams(max_tokens=1, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+        # a resumed stream's tokens so far are outputs to the engine: they count as sampled (a seeded generator
+        # skips their draws, so the next token is the one an undisturbed run samples)
+        num_outputs = min(req.num_output_tokens, len(prompt) - 1)
+        split = len(prompt) - num_outputs
+        params = SamplingParams(max_tokens=num_outputs + 1, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                                 seed=s.seed if s.HasField("seed") else None, ignore_eos=True)  # fmt: skip
-        future = self.loop.submit_nowait(sink, prompt_token_ids=prompt, sampling_params=params, request_id=req.request_id,
-                                         cache_salt=salt, external_kv=external, num_external_tokens=cached if external else 0)  # fmt: skip
+        future = self.loop.submit_nowait(sink, prompt_token_ids=prompt[:split], sampling_params=params, request_id=req.request_id,
+                                         cache_salt=salt, external_kv=external, num_external_tokens=cached if external else 0,
+                                         initial_output_token_ids=prompt[split:])  # fmt: skip
         future.result()  # ValueError for a request the engine refuses
         while not job.done.wait(0.05):
             if cancelled.is_set():

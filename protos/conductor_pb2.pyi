@@ -20,6 +20,7 @@ class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALIVE: _ClassVar[InstanceState]
     DRAINING: _ClassVar[InstanceState]
     DEAD: _ClassVar[InstanceState]
+    SUSPECT: _ClassVar[InstanceState]
 ROLE_UNSPECIFIED: Role
 PREFILL: Role
 DECODE: Role
@@ -28,6 +29,7 @@ STATE_UNSPECIFIED: InstanceState
 ALIVE: InstanceState
 DRAINING: InstanceState
 DEAD: InstanceState
+SUSPECT: InstanceState
 
 class Load(_message.Message):
     __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s")
@@ -138,7 +140,7 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain")
+    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class ScheduleRequest(_message.Message):
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     KEY_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
@@ -153,7 +156,8 @@ class ScheduleRequest(_message.Message):
     expected_output_tokens: int
     slo_class: str
     key_chain: bytes
-    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ...) -> None: ...
+    failed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefixPlan(_message.Message):
     __slots__ = ("local_blocks", "fetch_node", "fetch_address", "fetch_blocks", "compute_tokens", "keep_fetched")

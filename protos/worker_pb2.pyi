@@ -41,20 +41,22 @@ class Landing(_message.Message):
     def __init__(self, segment: _Optional[_Union[_kvstore_pb2.SegmentInfo, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "plan", "landing")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "plan", "landing", "num_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     LANDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     cache_salt: str
     plan: _conductor_pb2.PrefixPlan
     landing: Landing
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_salt: _Optional[str] = ..., plan: _Optional[_Union[_conductor_pb2.PrefixPlan, _Mapping]] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ...) -> None: ...
+    num_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_salt: _Optional[str] = ..., plan: _Optional[_Union[_conductor_pb2.PrefixPlan, _Mapping]] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "local_tokens", "ssd_tokens", "fetched_tokens", "computed_tokens", "queue_s", "prefill_s")
@@ -77,18 +79,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., local_tokens: _Optional[int] = ..., ssd_tokens: _Optional[int] = ..., fetched_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "placement")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "placement", "output_token_ids", "text_shown")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_SHOWN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     cache_salt: str
     placement: _conductor_pb2.Placement
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_salt: _Optional[str] = ..., placement: _Optional[_Union[_conductor_pb2.Placement, _Mapping]] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_shown: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_salt: _Optional[str] = ..., placement: _Optional[_Union[_conductor_pb2.Placement, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., text_shown: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_by_tier")

@@ -15,6 +15,7 @@ from mooncake.engine.engine import LLMEngine
 from mooncake.engine.loader import model_identity
 from mooncake.engine.request import SamplingParams
 from mooncake.serving.cluster import ClusterBackend
+from mooncake.serving.recovery import RecoveryConfig
 from mooncake.serving.types import GenerationChunk, GenerationRequest
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
@@ -33,8 +34,9 @@ def start_cluster(model_dir: Path, workdir: Path, **overrides) -> LocalCluster:
 def backend(cluster: LocalCluster) -> ClusterBackend:
     """A ClusterBackend to the cluster (token ids and per-tier cache counts, which the HTTP API does not show)."""
     model = cluster.config.model
+    recovery = RecoveryConfig(hold_s=cluster.config.hold_s, retry_budget_s=cluster.config.ttft_slo_s)  # as its gateway's
     return ClusterBackend(cluster.conductor_address, cluster.config.model_name, MAX_LEN, cluster.config.block_size,
-                          model_fingerprint(model_identity(model, torch.float32)))  # fmt: skip
+                          model_fingerprint(model_identity(model, torch.float32)), recovery=recovery)  # fmt: skip
 
 
 def generate(be: ClusterBackend, request_id: str, prompt: list[int], max_tokens: int, **kw) -> list[GenerationChunk]:
@@ -53,38 +55,6 @@ def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int, **engi
     config = EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN, **engine)
     out = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return list(out[0].output_token_ids)
-
-
-def kill_mid_stream(cluster: LocalCluster, victim: str, stream, wait_s: float) -> list[str]:
-    """SIGKILL ``victim`` once ``stream`` (an openai stream) gave its first chunk; return how the stream ended.
-
-    ``["completed"]``, or the name of the error the client raised; empty if it neither
-    ended nor failed within ``wait_s`` (a hang).
-    """
-    import os
-    import signal
-    import threading
-
-    import httpx
-    import openai
-
-    it = iter(stream)
-    next(it)  # the request is decoding
-    os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
-    outcome: list[str] = []
-
-    def drain() -> None:
-        try:
-            for chunk in it:
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    outcome.append("completed")
-        except (openai.APIError, httpx.HTTPError) as e:
-            outcome.append(type(e).__name__)
-
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
-    t.join(wait_s)
-    return outcome
 
 
 def conductor(cluster: LocalCluster) -> cpb_grpc.ConductorStub:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import vllm_alone
-from clusters import conductor, generate, instances, kill_mid_stream, start_cluster, tokens
+from clusters import conductor, generate, instances, start_cluster, tokens
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
 from mooncake.engine.request import SamplingParams
@@ -196,26 +196,21 @@ def test_a_client_that_goes_away_cancels_the_request_in_both_vllm_engines(cluste
         assert httpx.get(f"http://{status}/health").json()["inflight"] == 0
 
 
-def test_a_killed_vllm_decode_worker_fails_the_stream_fast_and_comes_back(cluster):
-    client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=60)
-    stream = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=1500, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
-    start = time.monotonic()
-    outcome = kill_mid_stream(cluster, "decode-0", stream, 30)
-    assert outcome and outcome != ["completed"], f"the stream after the kill: {outcome or 'hung'}"
-    assert time.monotonic() - start < 30
-    deadline = time.monotonic() + 180  # the launcher restarts it (vLLM starts in seconds, eagerly)
-    while True:
-        try:
-            r = client.completions.create(model="smol", prompt="Hello", max_tokens=4, temperature=0)
-            assert r.usage.completion_tokens >= 1
-            break
-        except openai.APIError:
-            assert time.monotonic() < deadline, "the cluster did not serve again after its vLLM decode worker was killed"
-            time.sleep(1)
+def test_a_killed_vllm_decode_workers_stream_resumes_once_it_is_back_with_the_undisturbed_text(cluster):
+    client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=300)
+    ask = dict(model="smol", prompt="Once upon a time", max_tokens=96, temperature=0, extra_body={"ignore_eos": True})
+    undisturbed = client.completions.create(**ask).choices[0].text
+    it = iter(client.completions.create(**ask, stream=True))
+    texts = [next(it).choices[0].text]
+    os.kill(cluster.component("decode-0").proc.pid, signal.SIGKILL)
+    for chunk in it:  # the only decode worker restarts (vLLM takes about a minute); the stream waits for it
+        if chunk.choices:
+            texts.append(chunk.choices[0].text)
+    assert "".join(texts) == undisturbed
+    assert cluster.component("decode-0").restarts == 1
 
 
-def test_a_vllm_prefill_worker_killed_mid_prefill_fails_the_request_fast_and_comes_back(cluster):
+def test_a_vllm_prefill_worker_killed_mid_prefill_has_its_request_placed_on_the_other_one(cluster):
     client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=60)
     statuses = {name: cluster.component(name).info["metrics"] for name in ("prefill-0", "prefill-1")}
     outcome: list[str] = []
@@ -237,7 +232,7 @@ def test_a_vllm_prefill_worker_killed_mid_prefill_fails_the_request_fast_and_com
     os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
     start = time.monotonic()
     t.join(30)
-    assert outcome and outcome[0].startswith("InternalServerError") and "503" in outcome[0], outcome or "hung"
+    assert outcome == ["completed"], outcome or "hung"  # the gateway placed it again, on the other prefill worker
     assert time.monotonic() - start < 30
     deadline = time.monotonic() + 180
     while cluster.component(victim).restarts < 1 or not cluster.component(victim).alive:

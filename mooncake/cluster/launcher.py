@@ -67,6 +67,8 @@ class ClusterConfig(BaseModel):
     tbt_slo_s: float = 0.5
     gateway: bool = True
     restart: bool = Field(True, description="restart a component that dies")
+    hold_s: float = Field(10.0, ge=0, description="the gateway holds a request this long while the Conductor (or every "
+                          "worker of a role) is away, then answers 503")  # fmt: skip
     ready_timeout_s: float = 180.0
 
     @model_validator(mode="after")
@@ -244,7 +246,7 @@ class LocalCluster:
         return Component("gateway", self._python(
             "mooncake.gateway", "--conductor", self.conductor_address, "--model", c.model, "--model-name", c.model_name,
             "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--engine", c.engine, *max_len, *key,
+            "--engine", c.engine, "--retry-budget-s", str(c.ttft_slo_s), "--hold-s", str(c.hold_s), *max_len, *key,
         ), self.run_dir / "logs" / "gateway.log")  # fmt: skip
 
     def _plan(self) -> list[list[Component]]:

@@ -165,7 +165,7 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         if params.seed is not None:
-            self.runner.add_generator(rid, params.seed)
+            self.runner.add_generator(rid, params.seed, num_sampled=len(outputs))
         return rid
 
     def abort_request(self, request_id: str) -> bool:

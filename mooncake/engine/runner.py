@@ -41,6 +41,7 @@ class ModelRunner:
         self.decode_kernel = decode_kernel  # used for float32 on CPU only
         self.block_size = block_size
         self.device = device
+        self.vocab_size = args.vocab_size  # the width of the logits (and of each sampling draw)
         self.kv_cache = torch.zeros(
             args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim, dtype=dtype, device=device
         )
@@ -56,9 +57,20 @@ class ModelRunner:
         layers, two, _, bs, hkv, d = self.kv_cache.shape
         return (layers, two, bs, hkv, d)
 
-    def add_generator(self, request_id: str, seed: int) -> None:
+    def add_generator(self, request_id: str, seed: int, num_sampled: int = 0) -> None:
+        """A seeded generator for ``request_id``, as it stands after sampling ``num_sampled`` tokens.
+
+        Each sampled token draws one noise vector over the vocabulary (sampler.sample), so
+        skipping that many draws lets a request whose first tokens were sampled elsewhere
+        (a prefill worker's first token, a resumed stream's tokens) go on exactly as one
+        engine alone would.
+        """
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
+        if num_sampled:
+            scratch = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
+            for _ in range(num_sampled):
+                scratch.exponential_(generator=gen)
         self.generators[request_id] = gen
 
     def drop_request(self, request_id: str) -> None:

@@ -52,6 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "EngineArgs keyword, repeatable")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="--local: the engine's per-step token budget (a longer "
                    "prompt is prefilled in chunks of this many tokens, inside the decode steps)")
+    p.add_argument("--hold-s", type=float, default=10.0, help="a request arriving while the Conductor (or every worker "
+                   "of a role) is away waits this long before it gets 503 with Retry-After")
+    p.add_argument("--retry-budget-s", type=float, default=30.0, help="after a worker fails a request, how long placing it "
+                   "again (or resuming its stream on another decode worker) may take; set it to the TTFT SLO")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -67,11 +71,13 @@ def build_backend(args: argparse.Namespace):
                               max_num_batched_tokens=args.max_batched_tokens)  # fmt: skip
         return LocalBackend(config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)), name
     from mooncake.serving.cluster import ClusterBackend
+    from mooncake.serving.recovery import RecoveryConfig
 
     model_args = ModelArgs.from_hf_config(load_hf_config(args.model))
     max_len = min(args.max_model_len or model_args.max_position_embeddings, model_args.max_position_embeddings)
     fingerprint = engine_fingerprint(EngineKind(args.engine), args.model, DTYPES[args.dtype])
-    return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint), name
+    recovery = RecoveryConfig(hold_s=args.hold_s, retry_budget_s=args.retry_budget_s)
+    return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint, recovery=recovery), name
 
 
 def main(argv: list[str] | None = None) -> int:

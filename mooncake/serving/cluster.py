@@ -6,28 +6,41 @@
       Decode(placement.decode).Generate(...) -> a stream of chunks
                                                 (the decode worker calls the prefill worker)
 
-A Rejection becomes ``Rejected`` (HTTP 429 with the Conductor's retry-after) or, when no
-instance of a role is alive, ``Unavailable`` (503); a decode worker's RESOURCE_EXHAUSTED
-is a rejection too, and a worker dying mid-request ends the stream with Unavailable.
-Closing the stream early cancels the Generate call, which cancels the prefill.
+A Rejection becomes ``Rejected`` (HTTP 429 with the Conductor's retry-after); a decode
+worker's RESOURCE_EXHAUSTED is a rejection too. A component that fails the request is
+outlived where it can be (mooncake.serving.recovery): a prefill or decode worker that
+fails it before its first token gets it placed elsewhere (the Conductor hears which one
+failed), a decode worker dying mid-stream gets it resumed on another one from the pool's
+KV, and while the Conductor or every worker of a role is away it waits. What cannot be
+outlived within the budget ends as ``Unavailable`` (503). Closing the stream early
+cancels the Generate call, which cancels the prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncGenerator
 
 import grpc
 import grpc.aio
 
 from mooncake.blocks import block_keys
-from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Rejected, Unavailable
+from mooncake.serving.channels import RECONNECT_OPTIONS
+from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
+from mooncake.serving.types import (
+    BackendError, GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Recovery, Rejected, Unavailable,
+)  # fmt: skip
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 
+log = logging.getLogger(__name__)
+
 RETRY_AFTER_KEY = "retry-after-s"  # decode.server's trailing metadata on RESOURCE_EXHAUSTED
+FAILED_INSTANCE_KEY = "failed-instance"  # and on UNAVAILABLE, when the prefill worker failed
 UNAVAILABLE_REASONS = ("no_prefill_instance", "no_decode_instance")
 
 
@@ -41,12 +54,13 @@ class ClusterBackend(GenerationBackend):
     """Serves ``model_name`` through the Conductor at ``conductor`` (a gRPC address)."""
 
     def __init__(self, conductor: str, model_name: str, max_model_len: int, block_size: int, fingerprint: bytes,
-                 schedule_timeout_s: float = 5.0) -> None:  # fmt: skip
+                 schedule_timeout_s: float = 5.0, recovery: RecoveryConfig | None = None) -> None:  # fmt: skip
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.schedule_timeout_s = schedule_timeout_s
+        self.recovery = recovery or RecoveryConfig()
         self._conductor_address = conductor
         self._conductor: cpb_grpc.ConductorStub | None = None
         self._decoders: dict[str, wpb_grpc.DecodeStub] = {}
@@ -58,7 +72,7 @@ class ClusterBackend(GenerationBackend):
         if loop is not self._loop:  # a grpc.aio channel belongs to the event loop it was made in
             self._loop, self._conductor, self._decoders, self._channels = loop, None, {}, []
         if self._conductor is None:
-            channel = grpc.aio.insecure_channel(self._conductor_address)
+            channel = grpc.aio.insecure_channel(self._conductor_address, options=RECONNECT_OPTIONS)
             self._channels.append(channel)
             self._conductor = cpb_grpc.ConductorStub(channel)
         return self._conductor
@@ -66,45 +80,112 @@ class ClusterBackend(GenerationBackend):
     def _decoder(self, address: str) -> wpb_grpc.DecodeStub:
         stub = self._decoders.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
             self._channels.append(channel)
             stub = self._decoders[address] = wpb_grpc.DecodeStub(channel)
         return stub
 
-    async def schedule(self, request: GenerationRequest) -> cpb.Placement:
-        keys = block_keys(request.prompt_token_ids, self.block_size, self.fingerprint, request.cache_salt)
-        msg = cpb.ScheduleRequest(request_id=request.request_id, key_chain=b"".join(keys), prompt_tokens=len(request.prompt_token_ids),
-                                  block_tokens=self.block_size, slo_class=request.slo_class)  # fmt: skip
+    async def schedule(self, request: GenerationRequest, progress: RequestProgress | None = None) -> cpb.Placement:
+        """A placement for ``request`` (resuming: for its prompt and the tokens streamed so far).
+
+        Raises _Fault for what a retry may outlive (the Conductor away, no instance alive),
+        Rejected or InvalidRequest for what it may not.
+        """
+        sequence = request.prompt_token_ids + (progress.output_token_ids if progress else [])
+        keys = block_keys(sequence, self.block_size, self.fingerprint, request.cache_salt)
+        msg = cpb.ScheduleRequest(request_id=request.request_id, key_chain=b"".join(keys), prompt_tokens=len(sequence),
+                                  block_tokens=self.block_size, slo_class=request.slo_class,
+                                  failed=progress.report_failed() if progress else ())  # fmt: skip
         try:
             resp = await self._conductor_stub().Schedule(msg, timeout=self.schedule_timeout_s)
         except grpc.RpcError as e:
-            raise _error(e, "the Conductor") from None
+            error = _error(e, "the Conductor")
+            if isinstance(error, Unavailable):
+                raise _Fault(Fault.CONDUCTOR, error) from None
+            raise error from None
         if resp.HasField("rejection"):
             r = resp.rejection
-            cls = Unavailable if r.reason in UNAVAILABLE_REASONS else Rejected
-            raise cls(r.message, code=r.reason, retry_after_s=r.retry_after_s)
+            if r.reason in UNAVAILABLE_REASONS:
+                raise _Fault(Fault.NO_INSTANCE, Unavailable(r.message, code=r.reason, retry_after_s=r.retry_after_s))
+            rejected = Rejected(r.message, code=r.reason, retry_after_s=r.retry_after_s)
+            if progress is not None and progress.output_token_ids:
+                raise _Fault(Fault.BUSY, rejected)  # a stream the client is reading: wait for room rather than cut it
+            raise rejected
         return resp.placement
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
-        placement = await self.schedule(request)
+        """Stream ``request``, placing it again when a component fails it (see mooncake.serving.recovery)."""
+        progress = RequestProgress(time.monotonic(), self.recovery)
+        usage: tuple[int, dict[str, int]] | None = None  # the first prefill's cache hits: what the client is told
+        while True:
+            try:
+                placement = await self.schedule(request, progress)
+                progress.placed()
+                first = True
+                async for c in self._stream(request, placement, progress):
+                    if usage is None:
+                        usage = (c.cached_tokens, dict(c.cached_tokens_by_tier))
+                    elif first and progress.resumed:
+                        progress.resumed_prefill(len(request.prompt_token_ids) + len(progress.output_token_ids), c.cached_tokens)
+                    first = False
+                    progress.received(list(c.token_ids), c.text, bool(c.finish_reason))
+                    yield GenerationChunk(token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason or None,
+                                          prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                                          cached_tokens=usage[0], cached_tokens_by_tier=usage[1],
+                                          recovery=self._recovery(request, progress) if c.finish_reason else None)  # fmt: skip
+                    if c.finish_reason:
+                        return
+                raise _Fault(Fault.DECODE, Unavailable(f"decode worker {placement.decode_id} ended the stream without finishing"),
+                             placement.decode_id)  # fmt: skip
+            except _Fault as fault:
+                step = progress.failure(fault.fault, time.monotonic(), fault.instance)
+                if step.action is Action.GIVE_UP:
+                    error = fault.error
+                    error.message = f"{error.message} ({step.reason})"
+                    error.retry_after_s = error.retry_after_s or progress.retry_after_s
+                    raise error from None
+                log.warning("request %s: %s: %s; %s in %.2f s", request.request_id, step.reason, fault.error.message,
+                            step.action.value, step.delay_s)  # fmt: skip
+                if step.delay_s:
+                    await asyncio.sleep(step.delay_s)
+
+    @staticmethod
+    def _recovery(request: GenerationRequest, progress: RequestProgress) -> Recovery | None:
+        if not progress.faults:
+            return None
+        recovery = Recovery([f"{f.value}:{i}" for f, i, _ in progress.faults], progress.attempts, progress.resumed,
+                            progress.loaded_tokens, progress.recomputed_tokens)  # fmt: skip
+        log.info("request %s finished after outliving %s (%d placements, %d resumed; %d tokens loaded, %d recomputed)",
+                 request.request_id, ", ".join(recovery.faults), recovery.placements, recovery.resumes, recovery.loaded_tokens,
+                 recovery.recomputed_tokens)  # fmt: skip
+        return recovery
+
+    async def _stream(self, request: GenerationRequest, placement: cpb.Placement, progress: RequestProgress) -> AsyncGenerator[wpb.GenerateChunk, None]:
+        """One placement's chunks from its decode worker. Raises _Fault when a worker fails it."""
         msg = wpb.GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                  sampling=sampling_to_pb(request), cache_salt=request.cache_salt, placement=placement)  # fmt: skip
+                                  sampling=sampling_to_pb(request), cache_salt=request.cache_salt, placement=placement,
+                                  output_token_ids=progress.output_token_ids, text_shown=progress.text_shown)  # fmt: skip
         call = self._decoder(placement.decode_address).Generate(msg)
         finished = False
         try:
             async for c in call:
                 finished = bool(c.finish_reason)
-                yield GenerationChunk(token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason or None,
-                                      prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
-                                      cached_tokens_by_tier=dict(c.cached_tokens_by_tier))  # fmt: skip
-            if not finished:
-                raise Unavailable(f"decode worker {placement.decode_id} ended the stream without finishing")
+                yield c
         except grpc.RpcError as e:
-            retry = None
+            retry, failed = None, ""
             for key, value in (await call.trailing_metadata()) or ():
                 if key == RETRY_AFTER_KEY:
                     retry = float(value)
-            raise _error(e, f"decode worker {placement.decode_id}", retry) from None
+                elif key == FAILED_INSTANCE_KEY:
+                    failed = value
+            error = _error(e, f"decode worker {placement.decode_id}", retry)
+            if isinstance(error, Unavailable) and e.code() is not grpc.StatusCode.CANCELLED:
+                if failed:
+                    raise _Fault(Fault.PREFILL, error, failed) from None
+                raise _Fault(Fault.DECODE, error, placement.decode_id) from None
+            if isinstance(error, Rejected) and progress.output_token_ids:
+                raise _Fault(Fault.BUSY, error) from None
+            raise error from None
         finally:
             if not finished:
                 call.cancel()
@@ -127,6 +208,14 @@ class ClusterBackend(GenerationBackend):
         self._conductor, self._decoders = None, {}
         for channel in channels:
             await channel.close()
+
+
+class _Fault(Exception):
+    """A fault the request may outlive: what failed (``instance``, when known) and the error the client gets if not."""
+
+    def __init__(self, fault: Fault, error: BackendError, instance: str = "") -> None:
+        super().__init__(error.message)
+        self.fault, self.error, self.instance = fault, error, instance
 
 
 def _error(e: grpc.RpcError, who: str, retry_after_s: float | None = None) -> BackendError:

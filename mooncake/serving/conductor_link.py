@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
+from mooncake.serving.channels import RECONNECT_OPTIONS
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
@@ -37,7 +38,7 @@ class ConductorLink:
         self._load = load
         self._interval = interval_s
         self._rpc_timeout = rpc_timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ConductorStub(self._channel)
         self._prefill: deque[pb.PrefillSample] = deque(maxlen=MAX_QUEUED)
         self._transfer: deque[pb.TransferSample] = deque(maxlen=MAX_QUEUED)

@@ -23,15 +23,29 @@ from mooncake.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextStream:
     """One request's streamed text. Not thread-safe: one consumer."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 output_ids: Sequence[int] = (), shown: int = 0) -> None:  # fmt: skip
+        """``output_ids`` and ``shown``: a resumed stream, whose tokens so far and ``shown`` characters of
+        their text were already returned (by another worker); only the text after that comes out."""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._text = ""  # everything decoded so far
         self._shown = 0  # characters of it already returned
+        if output_ids:
+            self.add(output_ids)
+            self._shown = min(shown, len(self._text))
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add generated ids; return the new text that can be shown."""
+        self.add(token_ids)
+        return self.reveal()
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Decode generated ids without showing anything yet (``text`` then holds them: check it for stops)."""
         self._text += self._detok.push(token_ids)
+
+    def reveal(self) -> str:
+        """The text that can be shown now and was not yet."""
         safe = len(self._text) - self._hold
         if safe <= self._shown:
             return ""
@@ -47,6 +61,11 @@ class TextStream:
         piece = final_text[self._shown :]
         self._shown = len(final_text)
         return piece
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (shown or held back)."""
+        return self._text
 
     @property
     def shown(self) -> int:

@@ -51,6 +51,18 @@ class GenerationChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was reused, not computed
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "dram", "ssd", "remote" (pulled)
+    recovery: Recovery | None = None  # last chunk of a request that outlived a failure: what it took
+
+
+@dataclass(slots=True)
+class Recovery:
+    """What outliving failures cost one request (mooncake.serving.recovery)."""
+
+    faults: list[str]  # each failure, "decode:decode-0" (kind:instance)
+    placements: int  # placements made (1 + retries + resumes)
+    resumes: int  # placements that went on mid-stream
+    loaded_tokens: int = 0  # resumes: tokens of prompt + output whose KV came from the pool
+    recomputed_tokens: int = 0  # resumes: tokens the new prefill computed again
 
 
 class BackendError(Exception):

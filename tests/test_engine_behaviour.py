@@ -55,6 +55,19 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny_llama):
     assert alone.output_token_ids != greedy_tokens(engine, prompt, 24)
 
 
+def test_a_seeded_request_resumed_from_its_first_tokens_samples_what_it_would_have_alone(tiny_llama):
+    """A resumed stream (or a decode worker going on from a prefill's first token) is given the tokens sampled
+    elsewhere: the seeded generator skips their draws, so the rest is the undisturbed run's."""
+    prompt = prompt_of(5, 23)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=20, ignore_eos=True)
+    engine = make_engine(tiny_llama.path)
+    (alone,) = engine.generate([prompt], params)
+    for sampled_elsewhere in (1, 9):
+        rid = engine.add_request(prompt, params, initial_output_token_ids=alone.output_token_ids[:sampled_elsewhere])
+        resumed = run_to_completion(engine)[rid]
+        assert resumed.output_token_ids == alone.output_token_ids
+
+
 def test_unseeded_sampling_gives_valid_tokens(tiny_llama):
     engine = make_engine(tiny_llama.path)
     params = SamplingParams(temperature=0.8, top_k=50, max_tokens=16, ignore_eos=True)

@@ -225,8 +225,9 @@ class ConductorService:
                     self._predicted_ttft[req.request_id] = outcome.predicted.ttft_s
                 addresses = {i.id: i.address for i in self.conductor.instances.values()}
                 nodes = {i.node: i.address for i in self.conductor.instances.values() if i.role is Role.KVSTORE}
+                prefill_node = self.conductor.instances[outcome.prefill].node
                 outcome_info = (addresses[outcome.prefill], addresses[outcome.decode], nodes.get(outcome.plan.fetch_node or "", ""),
-                                self.conductor.instances[outcome.prefill].node)  # fmt: skip
+                                prefill_node, nodes.get(prefill_node, ""))  # fmt: skip
             else:
                 outcome_info = None
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
@@ -399,11 +400,12 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         if not isinstance(outcome, Decision):
             rejection = pb.Rejection(reason=outcome.reason.value, message=outcome.message, retry_after_s=outcome.retry_after_s)
             return pb.ScheduleResponse(rejection=rejection, predicted=predicted)
-        prefill_address, decode_address, fetch_address, prefill_node = info
+        prefill_address, decode_address, fetch_address, prefill_node, prefill_node_address = info
         plan = outcome.plan
         return pb.ScheduleResponse(
             placement=pb.Placement(
                 prefill_id=outcome.prefill, prefill_address=prefill_address, prefill_node=prefill_node,
+                prefill_node_address=prefill_node_address,
                 decode_id=outcome.decode, decode_address=decode_address, policy=outcome.policy,
                 plan=pb.PrefixPlan(local_blocks=plan.local_blocks, fetch_node=plan.fetch_node or "", fetch_address=fetch_address,
                                    fetch_blocks=plan.fetch_blocks, compute_tokens=plan.compute_tokens, keep_fetched=plan.keep_fetched),

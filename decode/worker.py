@@ -9,11 +9,17 @@
          into the slots layer by layer and answers with the first token
       4. import the landed KV into the engine's paged cache, free the slots, and add the
          request to the running batch (the first token counts as generated)
-      5. stream tokens, text and usage until it finishes; the client going away (gRPC
-         cancellation) aborts it everywhere: the prefill call, the engine, the slots
+      5. stream tokens, text and usage until it finishes, writing each generated block into
+         the pool as it fills (write-behind, decode/writeback.py: a stream resumed on another
+         decode worker loads it); the client going away (gRPC cancellation) aborts it
+         everywhere: the prefill call, the engine, the slots
 
-Ownership: the landing slots belong to the request from step 2 until the import copies
-them out (step 4) or the request fails; they are freed in one place (``_Landing``).
+A resumed stream (its decode worker died; the gateway sends the prompt and the tokens the
+client has) runs the same steps with prompt + those tokens as the sequence to prefill.
+
+Ownership: a request's state (``DecodeState``) says what it holds: landing slots while
+PREFILLING (from step 2 until the import copies them out, or it fails), a place in the
+engine's batch while DECODING; ``_Decoding.close`` frees whichever, in one place.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from conductor.predictors import DecodePredictor, PredictorConfig
+from decode.writeback import BlockWriter
 from kvstore.service import segment_to_pb
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.request import SamplingParams, match_stop_string
@@ -70,6 +77,8 @@ class DecodeConfig(BaseModel):
                                     "tbt_headroom x this (None: only max_num_seqs caps it)")
     tbt_headroom: float = Field(0.9, gt=0, le=1)
     prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
+    write_behind: bool = Field(True, description="write each generated block into the pool as it fills, on the prefill's "
+                               "node (a stream resumed elsewhere then loads it instead of recomputing it)")  # fmt: skip
     num_threads: int | None = None
     use_kernels: bool = True
     shm_dir: str = "/dev/shm/mooncake"
@@ -111,13 +120,15 @@ class _Decoding:
             with worker._count_lock:
                 worker._in_prefill += 1
 
-    def join(self, sink: queue.Queue, prompt: list[int], params: SamplingParams, outputs: list[int], num_landed: int) -> None:
+    def join(self, sink: queue.Queue, prompt: list[int], params: SamplingParams, outputs: list[int], num_landed: int,
+             cache_salt: str | None) -> None:  # fmt: skip
         """PREFILLING -> DECODING: copy the landed KV out of the slots, free them, add the request to the batch."""
         w = self.worker
         external = w.landing.index_select(0, torch.tensor(self.slots, dtype=torch.long))  # [n, L, 2, bs, Hkv, D]
         self._free_slots()
         future = w.loop.submit_nowait(sink.put, prompt_token_ids=prompt, sampling_params=params, request_id=self.request_id,
-                                      external_kv=external, num_external_tokens=num_landed, initial_output_token_ids=outputs)  # fmt: skip
+                                      external_kv=external, num_external_tokens=num_landed, initial_output_token_ids=outputs,
+                                      cache_salt=cache_salt)  # fmt: skip
         try:
             future.result()
         except ValueError as e:
@@ -171,6 +182,12 @@ class DecodeWorker:
                                    engine_config.torch_dtype)  # fmt: skip
         self.slots = SlotAllocator(slots)
         self.loop = EngineLoop(self.engine, name="decode-engine")
+        self.writer = None
+        if config.write_behind and hasattr(self.engine, "computed_blocks"):
+            self.writer = BlockWriter(self.loop, self.transfer, config.id, config.block_size)
+        elif config.write_behind:
+            log.info("the %s engine cannot export a running request's blocks yet: no write-behind (a resumed stream "
+                     "recomputes its generated tokens)", config.engine.value)  # fmt: skip
         self.predictor = DecodePredictor(PredictorConfig())
         self.last_step = None  # the latest StepSample (heartbeats report its time)
         self._channels: dict[str, wpb_grpc.PrefillStub] = {}
@@ -252,7 +269,9 @@ class DecodeWorker:
                                         **usage)  # fmt: skip
                 return
             outputs_queue: queue.Queue = queue.Queue()
-            run.join(outputs_queue, prompt, params, outputs + [first.token], len(sequence))
+            salt = req.cache_salt if req.HasField("cache_salt") else None
+            run.join(outputs_queue, prompt, params, outputs + [first.token], len(sequence), salt)
+            written = self.writer.start(req.request_id, req.placement.prefill_node_address, len(sequence)) if self.writer else None
             if self.link is not None:
                 self.link.decode_started(req.request_id, time.perf_counter() - t0)
             yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, **usage)
@@ -273,6 +292,8 @@ class DecodeWorker:
                 if out.finished:
                     run.state = DecodeState.DONE
                     return
+                if written is not None:  # the newest token's KV is computed by the next step
+                    self.writer.progress(written, len(prompt) + len(out.output_token_ids) - 1)
         finally:
             run.close()
 
@@ -365,6 +386,8 @@ class DecodeWorker:
         return self._in_prefill
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
         self.loop.close()
         self.engine.close()
         self.transfer.close()

@@ -190,7 +190,7 @@ class Prediction(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy")
+    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address")
     PREFILL_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class Placement(_message.Message):
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     prefill_id: str
     prefill_address: str
     prefill_node: str
@@ -205,7 +206,8 @@ class Placement(_message.Message):
     decode_address: str
     plan: PrefixPlan
     policy: str
-    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ...) -> None: ...
+    prefill_node_address: str
+    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("reason", "message", "retry_after_s")

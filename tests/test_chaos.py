@@ -20,7 +20,7 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from mooncake.engine.tiny import make_tiny
-from mooncake.serving.types import BackendError, GenerationRequest
+from mooncake.serving.types import BackendError, GenerationRequest, Recovery
 from clusters import backend, start_cluster
 
 NUM_REQUESTS = 60
@@ -34,7 +34,7 @@ def requests() -> list[GenerationRequest]:
     out = []
     for i in range(NUM_REQUESTS):
         prompt = prefixes[i % SHARED_PREFIXES] + [rng.randrange(10, 290) for _ in range(rng.randrange(8, 60))]
-        out.append(GenerationRequest(f"chaos-{i}", prompt, max_tokens=rng.randrange(40, 90), temperature=0.0, ignore_eos=True))
+        out.append(GenerationRequest(f"chaos-{i}", prompt, max_tokens=rng.randrange(120, 200), temperature=0.0, ignore_eos=True))
     return out
 
 
@@ -50,12 +50,12 @@ def cluster(tiny_dir, tmp_path_factory):
     c.stop()
 
 
-def replay(cluster, victim: str | None = None) -> tuple[dict[str, list[int]], dict[str, str], list[str]]:
-    """Run every request; kill ``victim`` once a third of them are streaming. (tokens, errors, faults outlived)."""
+def replay(cluster, victim: str | None = None) -> tuple[dict[str, list[int]], dict[str, str], list[Recovery]]:
+    """Run every request; kill ``victim`` once a third of them are streaming. (tokens, errors, what outliving took)."""
     be = backend(cluster)
     outputs: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
-    faults: list[str] = []
+    recoveries: list[Recovery] = []
     streaming = 0
 
     async def one(req: GenerationRequest, gate: asyncio.Semaphore) -> None:
@@ -68,7 +68,7 @@ def replay(cluster, victim: str | None = None) -> tuple[dict[str, list[int]], di
                         streaming += 1
                     got.extend(chunk.token_ids)
                     if chunk.recovery is not None:
-                        faults.extend(chunk.recovery.faults)
+                        recoveries.append(chunk.recovery)
                 outputs[req.request_id] = got
             except BackendError as e:
                 errors[req.request_id] = f"{type(e).__name__}: {e.message}"
@@ -76,6 +76,11 @@ def replay(cluster, victim: str | None = None) -> tuple[dict[str, list[int]], di
     async def kill_when_busy() -> None:
         while streaming < NUM_REQUESTS // 3:
             await asyncio.sleep(0.02)
+        if victim.startswith("decode"):  # mid-stream: when it has streams running, not only prefills waiting
+            health = f"http://{cluster.component(victim).info['metrics']}/health"
+            async with httpx.AsyncClient(timeout=5) as http:
+                while (await http.get(health)).json()["running"] < 2:
+                    await asyncio.sleep(0.01)
         os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
 
     async def run() -> None:
@@ -87,7 +92,7 @@ def replay(cluster, victim: str | None = None) -> tuple[dict[str, list[int]], di
         await be.close()
 
     asyncio.run(run())
-    return outputs, errors, faults
+    return outputs, errors, recoveries
 
 
 def idle_counts(cluster) -> dict[str, int]:
@@ -129,8 +134,8 @@ def wait_restarted(cluster, name: str, timeout_s: float = 120) -> None:
 @pytest.fixture(scope="module")
 def undisturbed(cluster):
     idle = idle_counts(cluster)
-    outputs, errors, faults = replay(cluster)
-    assert not errors and not faults and len(outputs) == NUM_REQUESTS
+    outputs, errors, recoveries = replay(cluster)
+    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS
     assert wait_idle(cluster, idle, 10) == idle
     return outputs, idle
 
@@ -138,12 +143,19 @@ def undisturbed(cluster):
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0", "conductor", "kv1"])
 def test_a_component_killed_mid_run_loses_no_request_and_changes_no_token(cluster, undisturbed, victim):
     expected, idle = undisturbed
-    outputs, errors, faults = replay(cluster, victim)
+    outputs, errors, recoveries = replay(cluster, victim)
     assert errors == {}, f"{len(errors)} requests failed after {victim} was killed"
     assert outputs == expected
     if victim.startswith(("decode", "prefill")):
         # the kill hit requests in flight, and they were placed again (a resumed stream for a decode worker)
-        assert any(f.endswith(victim) for f in faults), faults
+        assert any(f.endswith(victim) for r in recoveries for f in r.faults), recoveries
+    if victim.startswith("decode"):
+        resumed = [r for r in recoveries if r.resumes]
+        assert resumed, recoveries
+        # the generated blocks were written behind into the pool: a resume recomputes its last, partial block, and
+        # at most one more whose write was still on its way
+        bs = cluster.config.block_size
+        assert all(r.recomputed_tokens <= 2 * bs * r.resumes for r in resumed), [(r.loaded_tokens, r.recomputed_tokens) for r in resumed]
     wait_restarted(cluster, victim)
     # the pool's leases (30 s TTL on a node the killed worker pulled from) and reservations come back
     assert wait_idle(cluster, idle, 40) == idle

@@ -108,7 +108,13 @@ def idle_counts(cluster) -> dict[str, int]:
     for i in range(cluster.config.decode):
         status = cluster.component(f"decode-{i}").info["metrics"]
         lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
-        counts[f"decode-{i} free slots"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith("mooncake_decode_landing_free_slots"))))
+        for name, metric in (("free slots", "mooncake_decode_landing_free_slots"), ("running", "mooncake_decode_running_requests"),
+                             ("in prefill", "mooncake_decode_in_prefill")):  # fmt: skip
+            counts[f"decode-{i} {name}"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith(metric))))
+    for i in range(cluster.config.prefill):
+        status = cluster.component(f"prefill-{i}").info["metrics"]
+        lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
+        counts[f"prefill-{i} inflight"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith("mooncake_prefill_inflight"))))
     return counts
 
 
@@ -159,3 +165,46 @@ def test_a_component_killed_mid_run_loses_no_request_and_changes_no_token(cluste
     wait_restarted(cluster, victim)
     # the pool's leases (30 s TTL on a node the killed worker pulled from) and reservations come back
     assert wait_idle(cluster, idle, 40) == idle
+
+
+def test_an_abort_storm_leaves_nothing_held_and_the_cluster_serves_on(cluster, undisturbed):
+    """200 HTTP clients that hang up at random moments (before placement, in prefill, in the KV hand-off,
+    mid-stream), 20 at a time: within a few seconds every lease, reservation, landing slot and engine slot is
+    back, and the next 30 requests complete."""
+    _, idle = undisturbed
+    rng = random.Random(200)
+    prompts = [[rng.randrange(10, 290) for _ in range(rng.randrange(20, 200))] for _ in range(200)]
+    hang_ups = [rng.choice([0.0, rng.uniform(0.0, 0.05), rng.uniform(0.05, 0.3), rng.uniform(0.3, 1.0)]) for _ in prompts]
+    url = f"{cluster.endpoint}/completions"
+
+    async def hang_up(http: httpx.AsyncClient, prompt: list[int], after_s: float, gate: asyncio.Semaphore) -> str:
+        async with gate:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 150, "stream": True, "ignore_eos": True}
+            try:
+                async with asyncio.timeout(after_s or 0.001):
+                    async with http.stream("POST", url, json=body) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+                return "completed"
+            except TimeoutError:
+                return "hung up"  # leaving the block closes the connection: the client is gone
+
+    async def storm() -> list[str]:
+        gate = asyncio.Semaphore(20)
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(hang_up(http, p, t, gate) for p, t in zip(prompts, hang_ups)))
+
+    outcomes = asyncio.run(storm())
+    assert outcomes.count("hung up") > 150
+    assert wait_idle(cluster, idle, 5) == idle
+    after = [GenerationRequest(f"after-storm-{i}", prompts[i], max_tokens=16, temperature=0.0, ignore_eos=True) for i in range(30)]
+    be = backend(cluster)
+
+    async def serve() -> list[int]:
+        done = []
+        for req in after:
+            done.append(len([t async for c in be.generate(req) for t in c.token_ids]))
+        await be.close()
+        return done
+
+    assert asyncio.run(serve()) == [16] * 30

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -25,6 +24,7 @@ from conductor.pool import NoProvider, PoolProvider
 from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, Role, ScheduleRequest
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.events import Tier
+from mooncake.faults import StatusTable
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 from protos import kvstore_pb2 as kv_pb
@@ -336,17 +336,12 @@ class Mismatch(Exception):
     """A worker that cannot join this cluster (FAILED_PRECONDITION)."""
 
 
-def _status(fn):
-    @functools.wraps(fn)
-    def wrapper(self, request, context):
-        try:
-            return fn(self, request, context)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except KeyError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, e.args[0] if e.args else str(e))
-
-    return wrapper
+CONDUCTOR_STATUS = StatusTable(raised=[
+    (Mismatch, grpc.StatusCode.FAILED_PRECONDITION),  # a worker whose KV the cluster cannot use: it stops trying
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (KeyError, grpc.StatusCode.NOT_FOUND),
+])  # fmt: skip
+_status = CONDUCTOR_STATUS.servicer
 
 
 def load_from_pb(msg: pb.Load) -> Load:
@@ -370,10 +365,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             raise ValueError("node is required: the kvstore node this instance uses (a kvstore node: its own name)")
         inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity,
                         fingerprint=bytes(request.fingerprint), engine=request.engine)  # fmt: skip
-        try:
-            self.service.register(inst)
-        except Mismatch as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
         timeout = self.service.conductor.config.heartbeat_timeout_s
         return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout)
 

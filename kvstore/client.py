@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvstore.errors import KVSTORE_STATUS, KVStoreUnavailable
 from kvstore.control import METHOD_IDS, ControlAddress, ControlChannel, ControlError
 from kvstore.events import Tier
 from kvstore.service import GRPC_OPTIONS, segment_from_pb
@@ -35,10 +36,6 @@ from transfer import Segment, Slice, TransferConfig, TransferEngine, TransferErr
 from transfer.types import host_id
 
 PB_TO_TIER = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
-
-
-class KVStoreUnavailable(ConnectionError):
-    """The node did not answer (down, unreachable, or past the deadline)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +54,7 @@ class ReadResult:
 
 
 def _raise(code: grpc.StatusCode, details: str) -> None:
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        raise ValueError(details) from None
-    if code is grpc.StatusCode.NOT_FOUND:
-        raise KeyError(details) from None
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        raise StoreFull(details) from None
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        raise KVStoreUnavailable(f"kvstore: {details}") from None
-    raise RuntimeError(f"kvstore {code.name}: {details}") from None
+    raise KVSTORE_STATUS.error(code, details) from None
 
 
 class KVStoreClient:

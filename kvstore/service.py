@@ -22,6 +22,7 @@ import grpc
 
 from kvstore.config import StoreConfig
 from kvstore.control import ControlServer
+from kvstore.errors import KVSTORE_STATUS
 from kvstore.events import EventKind, Tier
 from kvstore.ssd import SsdTier
 from kvstore.store import BlockStore, StoreFull
@@ -100,21 +101,16 @@ class KVStoreNode:
 
 
 def _status(fn):
-    """Map the store's exceptions to gRPC status codes with the message a caller can act on."""
+    """Answer the store's exceptions with their status codes (kvstore/errors.py); a peer's failed call during Pull
+    with its own code."""
+
+    answered = KVSTORE_STATUS.servicer(fn)
 
     @functools.wraps(fn)
     def wrapper(self, request, context):
         try:
-            return fn(self, request, context)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except KeyError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, e.args[0] if e.args else str(e))
-        except StoreFull as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except TransferError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except grpc.RpcError as e:  # a peer's error during Pull
+            return answered(self, request, context)
+        except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNAVAILABLE
             context.abort(code, f"peer: {e.details() if hasattr(e, 'details') else e}")
 

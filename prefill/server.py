@@ -11,6 +11,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.client import KVStoreUnavailable
+from mooncake.faults import StatusTable, message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
 from prefill.worker import Cancelled, PrefillConfig, PrefillWorker
@@ -19,6 +20,16 @@ from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransferError
 
 log = logging.getLogger(__name__)
+
+
+PREFILL_STATUS = StatusTable(raised=[
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (Cancelled, grpc.StatusCode.CANCELLED),  # the decode worker went away
+    (KVStoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # a pool node is gone: the gateway places the request again
+    (TransferError, grpc.StatusCode.UNAVAILABLE),
+    (RuntimeError, grpc.StatusCode.UNAVAILABLE),  # draining, or the engine failed
+])  # fmt: skip
+OUTCOME = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.UNAVAILABLE: "failed"}
 
 
 class PrefillMetrics:
@@ -45,18 +56,12 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         m.inflight.inc()
         try:
             resp = self.worker.prefill(request, cancelled)
-        except ValueError as e:
-            m.requests.labels("invalid").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Cancelled as e:
-            m.requests.labels("cancelled").inc()
-            context.abort(grpc.StatusCode.CANCELLED, str(e))
-        except (KVStoreUnavailable, TransferError) as e:
-            m.requests.labels("failed").inc()
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill {request.request_id} failed: {e}")
-        except RuntimeError as e:  # draining, or the engine failed
-            m.requests.labels("failed").inc()
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:
+            code = PREFILL_STATUS.code_of(e)
+            if code is None:
+                raise
+            m.requests.labels(OUTCOME[code]).inc()
+            context.abort(code, f"prefill {request.request_id} failed: {message(e)}")
         finally:
             m.inflight.dec()
         m.requests.labels("ok").inc()

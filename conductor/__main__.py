@@ -19,7 +19,8 @@ from prometheus_client import start_http_server
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
 from conductor.core import ConductorConfig
-from conductor.persistence import make_store
+from conductor.leader import LeaderLease
+from conductor.persistence import RedisStore, make_store
 from conductor.pool import make_provider
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
@@ -36,7 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port, printed in the READY line)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port; -1: none)")
-    p.add_argument("--redis-url", help="persist the registry and settings here, and recover them at start")
+    p.add_argument("--redis-url", help="persist the registry and settings here, and recover them at start; several "
+                   "Conductors on one Redis elect a leader (the others stand by and take over when its lease lapses)")
+    p.add_argument("--leader-lease", type=float, default=3.0, help="with --redis-url: seconds a leader's lease lasts "
+                   "unrenewed (a standby takes over within about 4/3 of it)")
     p.add_argument("--policy", choices=[k.value for k in PolicyKind], default=PolicyKind.KVCACHE_CENTRIC.value,
                    help="prefill placement policy (a value persisted in Redis wins)")
     p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
@@ -99,24 +103,31 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    service = ConductorService(config, store, provider=provider)
+    elected = isinstance(store, RedisStore)  # on Redis: whoever holds the leader lease serves
+    service = ConductorService(config, store, provider=provider, standby=elected)
     try:
         server, port = start_server(service, args.host, args.port)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    lease = None
+    if elected:
+        lease = LeaderLease(store.client, f"{args.host}:{port}", args.leader_lease, service.on_leadership).start()
+        service.leading.wait(args.leader_lease / 3)  # a lone Conductor leads at once; a standby says so below
     metrics = None
     if args.metrics_port >= 0:
         metrics_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=service.metrics.registry)
         metrics = f"{args.host}:{metrics_server.server_port}"
     c = service.conductor
     ready = {"grpc": f"{args.host}:{port}", "metrics": metrics, "policy": c.policy.kind.value, "admission": c.admission.value,
-             "recovered_instances": len(c.instances)}  # fmt: skip
+             "recovered_instances": len(c.instances), "leading": service.leading.is_set()}  # fmt: skip
     print("READY " + json.dumps(ready), flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    if lease is not None:
+        lease.close()  # hand the lease over at once
     server.stop(grace=2).wait()
     service.close()
     return 0

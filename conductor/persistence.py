@@ -56,6 +56,7 @@ class RedisStore(MemoryStore):
     def __init__(self, url: str) -> None:
         self.url = url
         self._redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self.client = self._redis  # the leader lease (conductor/leader.py) uses the same connection pool
         try:
             self._redis.ping()
         except redis.RedisError as e:

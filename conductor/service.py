@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -93,7 +94,9 @@ class ConductorService:
     """The Conductor, its persistence, metrics and background threads. Thread-safe."""
 
     def __init__(self, config: ConductorConfig, store: MemoryStore | None = None, expire_every_s: float = 0.5,
-                 provider: PoolProvider | None = None, retire_quiet_s: float = 3.0) -> None:  # fmt: skip
+                 provider: PoolProvider | None = None, retire_quiet_s: float = 3.0, standby: bool = False) -> None:  # fmt: skip
+        """``standby``: start without serving (another Conductor leads); ``take_over`` makes it the leader."""
+        self.config = config
         self.conductor = Conductor(config)
         self.provider = provider or NoProvider()
         self.retire_quiet_s = retire_quiet_s
@@ -104,9 +107,30 @@ class ConductorService:
         self._watchers: dict[str, _Watcher] = {}
         self._predicted_ttft: dict[str, float] = {}
         self._stop = threading.Event()
-        self._recover()
+        self.leading = threading.Event()
+        if not standby:
+            self.take_over()
         self._expirer = threading.Thread(target=self._expire_loop, args=(expire_every_s,), name="conductor-expire", daemon=True)
         self._expirer.start()
+
+    # -- leadership (conductor/leader.py) -------------------------------------------------
+
+    def take_over(self) -> None:
+        """Start serving: rebuild the registry and settings from the store (Redis: what the previous leader wrote;
+        every instance gets a fresh heartbeat deadline) and the index from the pool nodes' snapshots."""
+        with self._lock:
+            self.conductor = Conductor(self.config)
+            self._recover()
+        self.leading.set()
+
+    def step_down(self) -> None:
+        """Stop serving (the lease went to another Conductor): calls are answered UNAVAILABLE from now on."""
+        self.leading.clear()
+        for instance_id in list(self._watchers):
+            self._unwatch(instance_id)
+
+    def on_leadership(self, leading: bool) -> None:
+        (self.take_over if leading else self.step_down)()
 
     # -- recovery and persistence ---------------------------------------------------------
 
@@ -289,6 +313,8 @@ class ConductorService:
 
     def _expire_loop(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
+            if not self.leading.is_set():
+                continue
             try:
                 with self._lock:
                     dead = self.conductor.expire(time.monotonic())
@@ -341,7 +367,17 @@ CONDUCTOR_STATUS = StatusTable(raised=[
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (KeyError, grpc.StatusCode.NOT_FOUND),
 ])  # fmt: skip
-_status = CONDUCTOR_STATUS.servicer
+def _status(fn):
+    """Answer through CONDUCTOR_STATUS; a standby answers everything UNAVAILABLE (callers move to the next Conductor)."""
+    answered = CONDUCTOR_STATUS.servicer(fn)
+
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        if not self.service.leading.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this Conductor is a standby: another one holds the leader lease")
+        return answered(self, request, context)
+
+    return wrapper
 
 
 def load_from_pb(msg: pb.Load) -> Load:

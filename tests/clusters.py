@@ -35,7 +35,7 @@ def backend(cluster: LocalCluster) -> ClusterBackend:
     """A ClusterBackend to the cluster (token ids and per-tier cache counts, which the HTTP API does not show)."""
     model = cluster.config.model
     recovery = RecoveryConfig(hold_s=cluster.config.hold_s, retry_budget_s=cluster.config.ttft_slo_s)  # as its gateway's
-    return ClusterBackend(cluster.conductor_address, cluster.config.model_name, MAX_LEN, cluster.config.block_size,
+    return ClusterBackend(cluster.conductor_addresses, cluster.config.model_name, MAX_LEN, cluster.config.block_size,
                           model_fingerprint(model_identity(model, torch.float32)), recovery=recovery)  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import random
 import signal
 import time
 
+import grpc
 import httpx
 import pytest
 
@@ -22,6 +23,8 @@ from kvstore.client import KVStoreClient
 from mooncake.engine.tiny import make_tiny
 from mooncake.serving.types import BackendError, GenerationRequest, Recovery
 from clusters import backend, start_cluster
+from protos import conductor_pb2 as cpb
+from protos import conductor_pb2_grpc as cpb_grpc
 
 NUM_REQUESTS = 60
 CONCURRENCY = 6
@@ -208,3 +211,19 @@ def test_an_abort_storm_leaves_nothing_held_and_the_cluster_serves_on(cluster, u
         return done
 
     assert asyncio.run(serve()) == [16] * 30
+
+
+def test_with_a_standby_conductor_killing_the_leader_loses_no_request(tiny_dir, tmp_path, redis_url, undisturbed):
+    """``mooncake up --conductors 2 --redis-url``: the standby takes the lapsed lease, recovers the registry from
+    Redis and the index from the pool nodes, and gateways and workers follow it; no request notices more than a wait."""
+    expected, _ = undisturbed  # the same model on another cluster: greedy gives the same tokens
+    c = start_cluster(tiny_dir, tmp_path, prefill=2, decode=2, max_model_len=512, hold_s=30.0, redis_url=redis_url,
+                      conductors=2, restart=False)  # fmt: skip
+    try:
+        outputs, errors, _ = replay(c, "conductor")
+        assert errors == {} and outputs == expected
+        standby = cpb_grpc.ConductorStub(grpc.insecure_channel(f"{c.config.host}:{c.ports['conductor-1']}"))
+        listing = standby.ListInstances(cpb.ListInstancesRequest(), timeout=5)  # it leads now: it answers
+        assert sum(i.state == cpb.ALIVE for i in listing.instances) == 6
+    finally:
+        c.stop()

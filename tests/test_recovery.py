@@ -51,6 +51,7 @@ def test_while_the_conductor_is_away_a_new_request_waits_backing_off_then_gives_
         now += step.delay_s + 1.0  # each Schedule attempt takes a second to fail
     assert delays[:4] == [0.5, 1.0, 2.0, 2.0]  # doubling up to backoff_max_s
     assert now >= 110.0 and p.phase is Phase.FAILED
+    assert len(p.faults) == 1  # one outage, however many tries
     assert 1.0 <= p.retry_after_s <= CONFIG.hold_s
 
 

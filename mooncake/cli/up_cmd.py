@@ -52,6 +52,10 @@ def up(
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="KEY=VALUE vLLM engine argument for every worker, repeatable "
                                        "(e.g. enforce_eager=true, gpu_memory_utilization=0.85)"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block [default: 16 native, 32 vllm]"),
+    conductors: int = typer.Option(1, "--conductors", min=1, max=5, help="Conductors; more than one needs --redis-url: "
+                                   "one leads, the others stand by and take over when it dies"),
+    hold: float = typer.Option(10.0, "--hold", min=0, help="Seconds the gateway holds a request while the Conductor (or "
+                               "every worker of a role) is away, before answering 503"),
 ) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 
@@ -67,12 +71,17 @@ def up(
     except (ValueError, RuntimeError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
-    config = ClusterConfig(
-        model=str(model_dir), model_name=model if "/" not in model else model_dir.name, prefill=prefill, decode=decode,
-        host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
-        pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
-        ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size,
-    )  # fmt: skip
+    try:
+        config = ClusterConfig(
+            model=str(model_dir), model_name=model if "/" not in model else model_dir.name, prefill=prefill, decode=decode,
+            host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
+            pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
+            ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size,
+            conductors=conductors, hold_s=hold,
+        )  # fmt: skip
+    except ValueError as e:  # pydantic's ValidationError is one
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
     cluster = LocalCluster(config, on_event=lambda msg: console.print(f"[dim]{msg}[/dim]"))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -16,6 +16,7 @@ whatever is still there after the grace period.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -69,7 +70,15 @@ class ClusterConfig(BaseModel):
     restart: bool = Field(True, description="restart a component that dies")
     hold_s: float = Field(10.0, ge=0, description="the gateway holds a request this long while the Conductor (or every "
                           "worker of a role) is away, then answers 503")  # fmt: skip
+    conductors: int = Field(1, ge=1, le=5, description="Conductors: with more than one (on --redis-url), one leads and "
+                            "the others stand by to take over when its lease lapses")  # fmt: skip
     ready_timeout_s: float = 180.0
+
+    @model_validator(mode="after")
+    def _standbys_need_redis(self) -> "ClusterConfig":
+        if self.conductors > 1 and not self.redis_url:
+            raise ValueError("standby Conductors elect their leader in Redis: give --redis-url with --conductors > 1")
+        return self
 
     @model_validator(mode="after")
     def _block_size(self) -> "ClusterConfig":
@@ -161,6 +170,8 @@ class LocalCluster:
         self._supervisor: threading.Thread | None = None
         h = config.host
         self.ports = {"conductor": free_port(h), "gateway": config.port or free_port(h), "control": free_port(h)}
+        for i in range(1, config.conductors):
+            self.ports[f"conductor-{i}"] = free_port(h)
         self._block_bytes = config.block_bytes()
         self._control = None  # the control endpoint the Conductor's local pool provider calls (start())
         self._next: dict[str, int] = {}
@@ -201,14 +212,16 @@ class LocalCluster:
             env.update(OMP_NUM_THREADS=str(c.threads), KMP_BLOCKTIME="5", KMP_TPAUSE="0")
         return env or None
 
-    def _conductor(self) -> Component:
+    def _conductor(self, i: int = 0) -> Component:
+        """The Conductor (``conductor``), or standby ``conductor-{i}``."""
         c, h = self.config, self.config.host
+        name = "conductor" if i == 0 else f"conductor-{i}"
         redis = ["--redis-url", c.redis_url] if c.redis_url else []
         provider = ["--pool-provider", "local", "--pool-control", f"http://{h}:{self.ports['control']}"] if self._control else []
-        return Component("conductor", self._python(
-            "conductor", "--host", h, "--port", str(self.ports["conductor"]), "--metrics-port", "0", "--policy", c.policy,
+        return Component(name, self._python(
+            "conductor", "--host", h, "--port", str(self.ports[name]), "--metrics-port", "0", "--policy", c.policy,
             "--admission", c.admission, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis, *provider,
-        ), self.run_dir / "logs" / "conductor.log")  # fmt: skip
+        ), self.run_dir / "logs" / f"{name}.log")  # fmt: skip
 
     def _prefill_pair(self, i: int) -> tuple[Component, Component]:
         """Pool node ``kv{i}`` and ``prefill-{i}`` on it."""
@@ -218,12 +231,12 @@ class LocalCluster:
         ssd = ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
         node = Component(f"kv{i}", self._python(
             "kvstore", "--node", f"kv{i}", "--host", h, "--port", str(port), "--block-bytes", str(self._block_bytes),
-            "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", self.conductor_address,
+            "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", self.conductor_addresses,
             "--metrics-port", "0", *ssd,
         ), self.run_dir / "logs" / f"kv{i}.log")  # fmt: skip
         pport = self.ports.setdefault(f"prefill-{i}", free_port(h))
         prefill = Component(f"prefill-{i}", self._python(
-            "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_address,
+            "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_addresses,
             "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
             "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(),
         ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env())  # fmt: skip
@@ -234,7 +247,7 @@ class LocalCluster:
         threads, max_len = self._common()
         dport = self.ports.setdefault(f"decode-{i}", free_port(h))
         return Component(f"decode-{i}", self._python(
-            "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", self.conductor_address, "--host", h,
+            "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", self.conductor_addresses, "--host", h,
             "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size), "--max-num-seqs", str(c.decode_max_seqs),
             "--tbt-slo", str(c.tbt_slo_s), "--shm-dir", self.shm_dir, *threads, *max_len, *self._engine_flags(),
         ), self.run_dir / "logs" / f"decode-{i}.log", env=self._worker_env())  # fmt: skip
@@ -244,7 +257,7 @@ class LocalCluster:
         _, max_len = self._common()
         key = ["--api-key", c.api_key] if c.api_key else []
         return Component("gateway", self._python(
-            "mooncake.gateway", "--conductor", self.conductor_address, "--model", c.model, "--model-name", c.model_name,
+            "mooncake.gateway", "--conductor", self.conductor_addresses, "--model", c.model, "--model-name", c.model_name,
             "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),
             "--engine", c.engine, "--retry-budget-s", str(c.ttft_slo_s), "--hold-s", str(c.hold_s), *max_len, *key,
         ), self.run_dir / "logs" / "gateway.log")  # fmt: skip
@@ -254,7 +267,8 @@ class LocalCluster:
         pairs = [self._prefill_pair(i) for i in range(self.config.prefill)]
         decodes = [self._decode(i) for i in range(self.config.decode)]
         self._next = {"prefill": self.config.prefill, "decode": self.config.decode}
-        waves = [[self._conductor()], [n for n, _ in pairs], [p for _, p in pairs] + decodes]
+        standbys = [self._conductor(i) for i in range(1, self.config.conductors)]  # after the first: it leads
+        waves = [[self._conductor()], standbys + [n for n, _ in pairs], [p for _, p in pairs] + decodes]
         if self.config.gateway:
             waves.append([self._gateway()])
         return waves
@@ -294,11 +308,18 @@ class LocalCluster:
 
         want = self.config.prefill * 2 + self.config.decode
         deadline = time.monotonic() + 30
-        with grpc.insecure_channel(self.conductor_address) as channel:
-            stub = cpb_grpc.ConductorStub(channel)
+        addresses = self.conductor_addresses.split(",")
+        with contextlib.ExitStack() as channels:
+            stubs = [cpb_grpc.ConductorStub(channels.enter_context(grpc.insecure_channel(a))) for a in addresses]
             while True:
-                listing = stub.ListInstances(cpb.ListInstancesRequest(), timeout=5)
-                alive = sum(1 for i in listing.instances if i.state == cpb.ALIVE)
+                alive = 0
+                for stub in stubs:  # whichever leads
+                    try:
+                        listing = stub.ListInstances(cpb.ListInstancesRequest(), timeout=5)
+                    except grpc.RpcError:
+                        continue
+                    alive = sum(1 for i in listing.instances if i.state == cpb.ALIVE)
+                    break
                 if alive >= want:
                     return
                 if time.monotonic() > deadline:
@@ -406,7 +427,14 @@ class LocalCluster:
 
     @property
     def conductor_address(self) -> str:
+        """The first Conductor's (the only one, unless --conductors)."""
         return f"{self.config.host}:{self.ports['conductor']}"
+
+    @property
+    def conductor_addresses(self) -> str:
+        """Every Conductor's address, comma-separated: what gateways and workers are given (they follow the leader)."""
+        names = ["conductor"] + [f"conductor-{i}" for i in range(1, self.config.conductors)]
+        return ",".join(f"{self.config.host}:{self.ports[n]}" for n in names)
 
     @property
     def endpoint(self) -> str:

@@ -61,7 +61,10 @@ class ClusterBackend(GenerationBackend):
         self.fingerprint = fingerprint
         self.schedule_timeout_s = schedule_timeout_s
         self.recovery = recovery or RecoveryConfig()
-        self._conductor_address = conductor
+        self._conductor_addresses = [a.strip() for a in conductor.split(",") if a.strip()]  # a leader and its standbys
+        if not self._conductor_addresses:
+            raise ValueError("no Conductor address")
+        self._conductor_address = self._conductor_addresses[0]
         self._conductor: cpb_grpc.ConductorStub | None = None
         self._decoders: dict[str, wpb_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -76,6 +79,13 @@ class ClusterBackend(GenerationBackend):
             self._channels.append(channel)
             self._conductor = cpb_grpc.ConductorStub(channel)
         return self._conductor
+
+    def _next_conductor(self, failed: str) -> None:
+        """The Conductor at ``failed`` did not answer: use the next one (once, however many requests saw it fail)."""
+        if len(self._conductor_addresses) > 1 and self._conductor_address == failed:
+            i = self._conductor_addresses.index(failed)
+            self._conductor_address = self._conductor_addresses[(i + 1) % len(self._conductor_addresses)]
+            self._conductor = None
 
     def _decoder(self, address: str) -> wpb_grpc.DecodeStub:
         stub = self._decoders.get(address)
@@ -96,11 +106,13 @@ class ClusterBackend(GenerationBackend):
         msg = cpb.ScheduleRequest(request_id=request.request_id, key_chain=b"".join(keys), prompt_tokens=len(sequence),
                                   block_tokens=self.block_size, slo_class=request.slo_class,
                                   failed=progress.report_failed() if progress else ())  # fmt: skip
+        address = self._conductor_address
         try:
             resp = await self._conductor_stub().Schedule(msg, timeout=self.schedule_timeout_s)
         except grpc.RpcError as e:
-            error = _error(e, "the Conductor")
+            error = _error(e, f"the Conductor at {address}")
             if isinstance(error, Unavailable):
+                self._next_conductor(address)
                 raise _Fault(Fault.CONDUCTOR, error) from None
             raise error from None
         if resp.HasField("rejection"):
@@ -108,8 +120,8 @@ class ClusterBackend(GenerationBackend):
             if r.reason in UNAVAILABLE_REASONS:
                 raise _Fault(Fault.NO_INSTANCE, Unavailable(r.message, code=r.reason, retry_after_s=r.retry_after_s))
             rejected = Rejected(r.message, code=r.reason, retry_after_s=r.retry_after_s)
-            if progress is not None and progress.output_token_ids:
-                raise _Fault(Fault.BUSY, rejected)  # a stream the client is reading: wait for room rather than cut it
+            if progress is not None and progress.faults:
+                raise _Fault(Fault.BUSY, rejected)  # it outlived a failure already: wait for room rather than fail it now
             raise rejected
         return resp.placement
 
@@ -183,7 +195,7 @@ class ClusterBackend(GenerationBackend):
                 if failed:
                     raise _Fault(Fault.PREFILL, error, failed) from None
                 raise _Fault(Fault.DECODE, error, placement.decode_id) from None
-            if isinstance(error, Rejected) and progress.output_token_ids:
+            if isinstance(error, Rejected) and progress.faults:
                 raise _Fault(Fault.BUSY, error) from None
             raise error from None
         finally:
@@ -191,10 +203,12 @@ class ClusterBackend(GenerationBackend):
                 call.cancel()
 
     async def health(self) -> dict:
+        address = self._conductor_address
         try:
             listing = await self._conductor_stub().ListInstances(cpb.ListInstancesRequest(), timeout=2.0)
         except grpc.RpcError as e:
-            raise Unavailable(f"the Conductor at {self._conductor_address} does not answer: {e.code().name}") from None
+            self._next_conductor(address)
+            raise Unavailable(f"the Conductor at {address} does not answer: {e.code().name}") from None
         alive = {role: 0 for role in ("prefill", "decode", "kvstore")}
         for inst in listing.instances:
             if inst.state == cpb.ALIVE:

@@ -8,6 +8,8 @@
 One daemon thread per link. A Conductor that restarted without Redis answers a heartbeat
 with ``known=False``; the link then registers again. While the Conductor is unreachable
 the link keeps trying (logging once per outage), and measurements queue up to a bound.
+Given several addresses ("a:7000,b:7000": a leader and its standbys, conductor/leader.py),
+a failed call moves the link to the next one, where it registers again.
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ REPORT_EVERY_S = 0.2
 class ConductorLink:
     def __init__(self, address: str, registration: pb.RegisterRequest, load: Callable[[], pb.Load],
                  interval_s: float | None = None, rpc_timeout_s: float = 3.0) -> None:  # fmt: skip
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()]  # the leader and its standbys, any order
+        if not self.addresses:
+            raise ValueError("no Conductor address")
+        self.address = self.addresses[0]
         self.registration = registration
         self._load = load
         self._interval = interval_s
         self._rpc_timeout = rpc_timeout_s
-        self._channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
+        self._channel = grpc.insecure_channel(self.address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ConductorStub(self._channel)
         self._prefill: deque[pb.PrefillSample] = deque(maxlen=MAX_QUEUED)
         self._transfer: deque[pb.TransferSample] = deque(maxlen=MAX_QUEUED)
@@ -108,10 +113,21 @@ class ConductorLink:
                 if down_since is None:
                     down_since = time.monotonic()
                     log.warning("the Conductor at %s does not answer (%s); retrying", self.address, e.code().name)
-                self._stop.wait(1.0)
+                if len(self.addresses) > 1:
+                    self._next_conductor()
+                self._stop.wait(1.0 / len(self.addresses))
                 continue
             self._wake.wait(min(REPORT_EVERY_S, max(0.0, next_beat - time.monotonic())))
             self._wake.clear()
+
+    def _next_conductor(self) -> None:
+        """Move to the next Conductor (the one that failed may be dead or a standby now), and register there."""
+        old = self._channel
+        self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+        self._channel = grpc.insecure_channel(self.address, options=RECONNECT_OPTIONS)
+        self.stub = pb_grpc.ConductorStub(self._channel)
+        self.registered.clear()
+        old.close()
 
     def _flush(self) -> None:
         if not (self._prefill or self._transfer or self._events):

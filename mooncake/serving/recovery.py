@@ -21,8 +21,9 @@ Faults and what they cost:
                  placed again at once, the failed instance reported to the Conductor
                  (which marks it suspect, so no other request goes there either), for
                  up to ``retry_budget_s`` after the failure
-    BUSY         a resumed stream's new placement was turned away (429): backs off, as
-                 above; before the first token a 429 goes to the client as it is
+    BUSY         a new placement for a request that already outlived a failure was turned
+                 away (429: the survivors crowd the instances left): backs off, as above;
+                 a request that met no failure gets its 429 as it is
 
 Pure: no sockets and no clock (``now`` is an argument), so tests drive every path.
 """
@@ -66,7 +67,8 @@ class RecoveryConfig(BaseModel):
                                   "take (set it to the TTFT SLO: a retry must still meet it)")  # fmt: skip
     max_attempts: int = Field(4, ge=1, description="most placements one request gets")
     backoff_s: float = Field(0.2, gt=0, description="first wait before asking again; doubles to backoff_max_s")
-    backoff_max_s: float = Field(2.0, gt=0)
+    backoff_max_s: float = Field(1.0, gt=0, description="longest wait between two tries (a restarted component is "
+                                 "back within about a second of registering)")  # fmt: skip
 
 
 @dataclass
@@ -126,8 +128,9 @@ class RequestProgress:
 
     def failure(self, fault: Fault, now: float, instance: str = "") -> Step:
         """A fault happened to the current attempt: retry, resume, or give up (and how long to wait first)."""
-        self.faults.append((fault, instance, now))
         first_in_outage = self._failed_at is None
+        if first_in_outage or self.faults[-1][:2] != (fault, instance):  # one entry per outage, not per try
+            self.faults.append((fault, instance, now))
         if first_in_outage:
             self._failed_at = now
         if instance and fault in (Fault.PREFILL, Fault.DECODE):

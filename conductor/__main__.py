@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     lease = None
     if elected:
         lease = LeaderLease(store.client, f"{args.host}:{port}", args.leader_lease, service.on_leadership).start()
-        service.leading.wait(args.leader_lease / 3)  # a lone Conductor leads at once; a standby says so below
+        # a lone Conductor leads at once; a restarted one once its predecessor's lease lapses; a standby says so below
+        service.leading.wait(args.leader_lease * 1.5)
     metrics = None
     if args.metrics_port >= 0:
         metrics_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=service.metrics.registry)

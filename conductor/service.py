@@ -26,6 +26,7 @@ from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, R
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.events import Tier
 from mooncake.faults import StatusTable
+from mooncake.serving.channels import SERVER_OPTIONS
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 from protos import kvstore_pb2 as kv_pb
@@ -495,7 +496,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
 
 def start_server(service: ConductorService, host: str = "127.0.0.1", port: int = 0, workers: int = 16) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conductor-rpc"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conductor-rpc"), options=SERVER_OPTIONS)
     pb_grpc.add_ConductorServicer_to_server(ConductorServicer(service), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

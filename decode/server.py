@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in the running batch")
     p.add_argument("--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)")
     p.add_argument("--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this")
+    p.add_argument("--detect-s", type=float, default=2.0, help="a prefill worker that stops answering keepalive pings this "
+                   "long (a host off the network) fails the prefill; the gateway places the request again")
     p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory of the landing segment")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish")
     return p.parse_args(argv)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         config = DecodeConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
                               host=args.host, dtype=args.dtype, block_size=args.block_size or default_block_size(args.engine),
                               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, num_threads=args.threads,
+                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, detect_s=args.detect_s, num_threads=args.threads,
                               shm_dir=args.shm_dir)  # fmt: skip
         worker = DecodeWorker(config)
     except (ValueError, OSError) as e:

@@ -31,11 +31,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
-from typing import Any
-
 from pydantic import BaseModel, Field
 
 from conductor.predictors import DecodePredictor, PredictorConfig
@@ -44,7 +43,7 @@ from kvstore.service import segment_to_pb
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.serving.channels import RECONNECT_OPTIONS
+from mooncake.serving.channels import client_options
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind, build_engine
@@ -77,6 +76,8 @@ class DecodeConfig(BaseModel):
                                     "tbt_headroom x this (None: only max_num_seqs caps it)")
     tbt_headroom: float = Field(0.9, gt=0, le=1)
     prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
+    detect_s: float = Field(2.0, gt=0, description="a prefill worker silent this long (a host off the network) fails "
+                            "the request's prefill, about a second later; the gateway places it again")  # fmt: skip
     write_behind: bool = Field(True, description="write each generated block into the pool as it fills, on the prefill's "
                                "node (a stream resumed elsewhere then loads it instead of recomputing it)")  # fmt: skip
     num_threads: int | None = None
@@ -378,7 +379,7 @@ class DecodeWorker:
         with self._channels_lock:
             stub = self._channels.get(address)
             if stub is None:
-                stub = self._channels[address] = wpb_grpc.PrefillStub(grpc.insecure_channel(address, options=RECONNECT_OPTIONS))
+                stub = self._channels[address] = wpb_grpc.PrefillStub(grpc.insecure_channel(address, options=client_options(self.config.detect_s)))
             return stub
 
     @property

@@ -25,10 +25,11 @@ from kvstore.control import ControlServer
 from kvstore.errors import KVSTORE_STATUS
 from kvstore.events import EventKind, Tier
 from kvstore.ssd import SsdTier
-from kvstore.store import BlockStore, StoreFull
+from kvstore.store import BlockStore
+from mooncake.serving.channels import SERVER_OPTIONS
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
-from transfer import Segment, Slice, TransferConfig, TransferEngine, TransferError
+from transfer import Segment, Slice, TransferConfig, TransferEngine
 from transfer.registry import SegmentRegistry
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def start_server(
     servicer = KVStoreServicer(node)
     control = ControlServer(servicer, host, control_port, control_uds)
     servicer.control_port, servicer.control_uds = control.port, control_uds or ""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"), options=GRPC_OPTIONS + list(SERVER_OPTIONS))
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -10,35 +10,18 @@ must be back at their idle values.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
-import time
 
 import grpc
 import httpx
 import pytest
-
-from kvstore.client import KVStoreClient
-from mooncake.engine.tiny import make_tiny
-from mooncake.serving.types import BackendError, GenerationRequest, Recovery
 from clusters import backend, start_cluster
+from replays import NUM_REQUESTS, idle_counts, replay, wait_idle, wait_restarted
+
+from mooncake.engine.tiny import make_tiny
+from mooncake.serving.types import GenerationRequest
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
-
-NUM_REQUESTS = 60
-CONCURRENCY = 6
-SHARED_PREFIXES = 4  # requests share system-prompt-like prefixes, so the pool and its pulls are exercised
-
-
-def requests() -> list[GenerationRequest]:
-    rng = random.Random(17)
-    prefixes = [[rng.randrange(10, 290) for _ in range(48)] for _ in range(SHARED_PREFIXES)]
-    out = []
-    for i in range(NUM_REQUESTS):
-        prompt = prefixes[i % SHARED_PREFIXES] + [rng.randrange(10, 290) for _ in range(rng.randrange(8, 60))]
-        out.append(GenerationRequest(f"chaos-{i}", prompt, max_tokens=rng.randrange(120, 200), temperature=0.0, ignore_eos=True))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -51,93 +34,6 @@ def cluster(tiny_dir, tmp_path_factory):
     c = start_cluster(tiny_dir, tmp_path_factory.mktemp("chaos"), prefill=2, decode=2, max_model_len=512, hold_s=30.0)
     yield c
     c.stop()
-
-
-def replay(cluster, victim: str | None = None) -> tuple[dict[str, list[int]], dict[str, str], list[Recovery]]:
-    """Run every request; kill ``victim`` once a third of them are streaming. (tokens, errors, what outliving took)."""
-    be = backend(cluster)
-    outputs: dict[str, list[int]] = {}
-    errors: dict[str, str] = {}
-    recoveries: list[Recovery] = []
-    streaming = 0
-
-    async def one(req: GenerationRequest, gate: asyncio.Semaphore) -> None:
-        nonlocal streaming
-        async with gate:
-            got: list[int] = []
-            try:
-                async for chunk in be.generate(req):
-                    if not got:
-                        streaming += 1
-                    got.extend(chunk.token_ids)
-                    if chunk.recovery is not None:
-                        recoveries.append(chunk.recovery)
-                outputs[req.request_id] = got
-            except BackendError as e:
-                errors[req.request_id] = f"{type(e).__name__}: {e.message}"
-
-    async def kill_when_busy() -> None:
-        while streaming < NUM_REQUESTS // 3:
-            await asyncio.sleep(0.02)
-        if victim.startswith("decode"):  # mid-stream: when it has streams running, not only prefills waiting
-            health = f"http://{cluster.component(victim).info['metrics']}/health"
-            async with httpx.AsyncClient(timeout=5) as http:
-                while (await http.get(health)).json()["running"] < 2:
-                    await asyncio.sleep(0.01)
-        os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
-
-    async def run() -> None:
-        gate = asyncio.Semaphore(CONCURRENCY)
-        tasks = [one(r, gate) for r in requests()]
-        if victim is not None:
-            tasks.append(kill_when_busy())
-        await asyncio.gather(*tasks)
-        await be.close()
-
-    asyncio.run(run())
-    return outputs, errors, recoveries
-
-
-def idle_counts(cluster) -> dict[str, int]:
-    """What must come back after any run: leases and reservations on each pool node, free landing slots per decode worker."""
-    counts = {}
-    for i in range(cluster.config.prefill):
-        client = KVStoreClient(f"{cluster.config.host}:{cluster.ports[f'kv{i}']}", control="grpc", timeout_s=5)
-        try:
-            stats = client.stats()
-            counts[f"kv{i} leases"], counts[f"kv{i} reservations"] = stats.leases, stats.reservations
-        finally:
-            client.close()
-    for i in range(cluster.config.decode):
-        status = cluster.component(f"decode-{i}").info["metrics"]
-        lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
-        for name, metric in (("free slots", "mooncake_decode_landing_free_slots"), ("running", "mooncake_decode_running_requests"),
-                             ("in prefill", "mooncake_decode_in_prefill")):  # fmt: skip
-            counts[f"decode-{i} {name}"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith(metric))))
-    for i in range(cluster.config.prefill):
-        status = cluster.component(f"prefill-{i}").info["metrics"]
-        lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
-        counts[f"prefill-{i} inflight"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith("mooncake_prefill_inflight"))))
-    return counts
-
-
-def wait_idle(cluster, idle: dict[str, int], timeout_s: float) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            now = idle_counts(cluster)
-        except Exception:  # a restarted component not yet up
-            now = {}
-        if now == idle or time.monotonic() > deadline:
-            return now
-        time.sleep(0.5)
-
-
-def wait_restarted(cluster, name: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not (cluster.component(name).restarts >= 1 and cluster.component(name).alive and cluster.component(name).info):
-        assert time.monotonic() < deadline, f"{name} was not restarted"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

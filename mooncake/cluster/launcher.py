@@ -70,6 +70,10 @@ class ClusterConfig(BaseModel):
     restart: bool = Field(True, description="restart a component that dies")
     hold_s: float = Field(10.0, ge=0, description="the gateway holds a request this long while the Conductor (or every "
                           "worker of a role) is away, then answers 503")  # fmt: skip
+    network_hosts: bool = Field(False, description="put each prefill worker (with its pool node) and each decode worker "
+                                "on a network host of its own (a namespace on a bridge; root only), so links can be cut")
+    detect_s: float = Field(2.0, gt=0, description="a worker silent this long on a live connection (a host off the "
+                            "network) is taken for dead by its callers")  # fmt: skip
     conductors: int = Field(1, ge=1, le=5, description="Conductors: with more than one (on --redis-url), one leads and "
                             "the others stand by to take over when its lease lapses")  # fmt: skip
     ready_timeout_s: float = 180.0
@@ -168,7 +172,14 @@ class LocalCluster:
         self.components: dict[str, Component] = {}
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
-        h = config.host
+        self.net = None
+        if config.network_hosts:
+            from mooncake.cluster.netns import VirtualNetwork
+
+            self.net = VirtualNetwork()
+        self.root_host = self.net.gateway_ip if self.net is not None else config.host  # the Conductor's and gateway's
+        self.hosts: dict[str, str] = {}  # component -> its network host's address (network_hosts)
+        h = self.root_host
         self.ports = {"conductor": free_port(h), "gateway": config.port or free_port(h), "control": free_port(h)}
         for i in range(1, config.conductors):
             self.ports[f"conductor-{i}"] = free_port(h)
@@ -179,8 +190,22 @@ class LocalCluster:
 
     # -- argv of each component ---------------------------------------------------------------
 
-    def _python(self, module: str, *args: str) -> list[str]:
-        return [sys.executable, "-m", module, *args]
+    def _python(self, module: str, *args: str, host: str | None = None) -> list[str]:
+        argv = [sys.executable, "-m", module, *args]
+        return self.net.wrap(host, argv) if self.net is not None and host is not None else argv
+
+    def _host(self, host: str, *components: str) -> str:
+        """The address of network host ``host`` (the root's without network_hosts), where ``components`` run."""
+        address = self.net.add_host(host) if self.net is not None else self.root_host
+        for name in components:
+            self.hosts[name] = address
+        return address
+
+    def _port(self, name: str, host: str) -> int:
+        """``name``'s port: free on the root host; on a network host of its own any port is free."""
+        if name not in self.ports:
+            self.ports[name] = free_port(host) if self.net is None else 7100 + len(self.ports)
+        return self.ports[name]
 
     def _common(self) -> tuple[list[str], list[str]]:
         c = self.config
@@ -214,7 +239,7 @@ class LocalCluster:
 
     def _conductor(self, i: int = 0) -> Component:
         """The Conductor (``conductor``), or standby ``conductor-{i}``."""
-        c, h = self.config, self.config.host
+        c, h = self.config, self.root_host
         name = "conductor" if i == 0 else f"conductor-{i}"
         redis = ["--redis-url", c.redis_url] if c.redis_url else []
         provider = ["--pool-provider", "local", "--pool-control", f"http://{h}:{self.ports['control']}"] if self._control else []
@@ -224,42 +249,43 @@ class LocalCluster:
         ), self.run_dir / "logs" / f"{name}.log")  # fmt: skip
 
     def _prefill_pair(self, i: int) -> tuple[Component, Component]:
-        """Pool node ``kv{i}`` and ``prefill-{i}`` on it."""
-        c, h = self.config, self.config.host
+        """Pool node ``kv{i}`` and ``prefill-{i}`` on it (one host, ``p{i}``)."""
+        c, h = self.config, self._host(f"p{i}", f"kv{i}", f"prefill-{i}")
         threads, max_len = self._common()
-        port = self.ports.setdefault(f"kv{i}", free_port(h))
+        port = self._port(f"kv{i}", h)
         ssd = ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
         node = Component(f"kv{i}", self._python(
             "kvstore", "--node", f"kv{i}", "--host", h, "--port", str(port), "--block-bytes", str(self._block_bytes),
             "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", self.conductor_addresses,
-            "--metrics-port", "0", *ssd,
+            "--metrics-port", "0", *ssd, host=f"p{i}",
         ), self.run_dir / "logs" / f"kv{i}.log")  # fmt: skip
-        pport = self.ports.setdefault(f"prefill-{i}", free_port(h))
+        pport = self._port(f"prefill-{i}", h)
         prefill = Component(f"prefill-{i}", self._python(
             "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_addresses,
             "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(),
+            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(), host=f"p{i}",
         ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env())  # fmt: skip
         return node, prefill
 
     def _decode(self, i: int) -> Component:
-        c, h = self.config, self.config.host
+        c, h = self.config, self._host(f"d{i}", f"decode-{i}")
         threads, max_len = self._common()
-        dport = self.ports.setdefault(f"decode-{i}", free_port(h))
+        dport = self._port(f"decode-{i}", h)
         return Component(f"decode-{i}", self._python(
             "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", self.conductor_addresses, "--host", h,
             "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size), "--max-num-seqs", str(c.decode_max_seqs),
-            "--tbt-slo", str(c.tbt_slo_s), "--shm-dir", self.shm_dir, *threads, *max_len, *self._engine_flags(),
+            "--tbt-slo", str(c.tbt_slo_s), "--detect-s", str(c.detect_s), "--shm-dir", self.shm_dir, *threads, *max_len, *self._engine_flags(),
+            host=f"d{i}",
         ), self.run_dir / "logs" / f"decode-{i}.log", env=self._worker_env())  # fmt: skip
 
     def _gateway(self) -> Component:
-        c, h = self.config, self.config.host
+        c, h = self.config, self.root_host
         _, max_len = self._common()
         key = ["--api-key", c.api_key] if c.api_key else []
         return Component("gateway", self._python(
             "mooncake.gateway", "--conductor", self.conductor_addresses, "--model", c.model, "--model-name", c.model_name,
             "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--engine", c.engine, "--retry-budget-s", str(c.ttft_slo_s), "--hold-s", str(c.hold_s), *max_len, *key,
+            "--engine", c.engine, "--retry-budget-s", str(c.ttft_slo_s), "--hold-s", str(c.hold_s), "--detect-s", str(c.detect_s), *max_len, *key,
         ), self.run_dir / "logs" / "gateway.log")  # fmt: skip
 
     def _plan(self) -> list[list[Component]]:
@@ -280,7 +306,7 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         from mooncake.cluster.control import start_control_server
 
-        self._control = start_control_server(self, self.config.host, self.ports["control"])
+        self._control = start_control_server(self, self.root_host, self.ports["control"])
         try:
             for wave in self._plan():
                 for comp in wave:
@@ -422,23 +448,42 @@ class LocalCluster:
         import shutil
 
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self.net is not None:
+            self.net.close()
 
     # -- where things are ---------------------------------------------------------------------------
 
     @property
     def conductor_address(self) -> str:
         """The first Conductor's (the only one, unless --conductors)."""
-        return f"{self.config.host}:{self.ports['conductor']}"
+        return f"{self.root_host}:{self.ports['conductor']}"
 
     @property
     def conductor_addresses(self) -> str:
         """Every Conductor's address, comma-separated: what gateways and workers are given (they follow the leader)."""
         names = ["conductor"] + [f"conductor-{i}" for i in range(1, self.config.conductors)]
-        return ",".join(f"{self.config.host}:{self.ports[n]}" for n in names)
+        return ",".join(f"{self.root_host}:{self.ports[n]}" for n in names)
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.config.host}:{self.ports['gateway']}/v1"
+        return f"http://{self.root_host}:{self.ports['gateway']}/v1"
+
+    def address(self, name: str) -> str:
+        """``host:port`` of component ``name``'s gRPC service."""
+        return f"{self.hosts.get(name, self.root_host)}:{self.ports[name]}"
+
+    def cut(self, name: str) -> None:
+        """Take the network host of component ``name`` off the network (network_hosts only); ``heal`` undoes it."""
+        self._net_host(name, self.net.cut if self.net is not None else None)
+
+    def heal(self, name: str) -> None:
+        self._net_host(name, self.net.heal if self.net is not None else None)
+
+    def _net_host(self, name: str, action) -> None:
+        if action is None:
+            raise ValueError("the cluster has no network hosts (network_hosts=False)")
+        address = self.hosts[name]
+        action(next(h for h, a in self.net.hosts.items() if a == address))
 
     def component(self, name: str) -> Component:
         return self.components[name]

@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "of a role) is away waits this long before it gets 503 with Retry-After")
     p.add_argument("--retry-budget-s", type=float, default=30.0, help="after a worker fails a request, how long placing it "
                    "again (or resuming its stream on another decode worker) may take; set it to the TTFT SLO")
+    p.add_argument("--detect-s", type=float, default=2.0, help="a decode worker (or the Conductor) that stops answering "
+                   "keepalive pings this long (a host off the network) is taken for dead: its streams resume elsewhere")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -76,7 +78,7 @@ def build_backend(args: argparse.Namespace):
     model_args = ModelArgs.from_hf_config(load_hf_config(args.model))
     max_len = min(args.max_model_len or model_args.max_position_embeddings, model_args.max_position_embeddings)
     fingerprint = engine_fingerprint(EngineKind(args.engine), args.model, DTYPES[args.dtype])
-    recovery = RecoveryConfig(hold_s=args.hold_s, retry_budget_s=args.retry_budget_s)
+    recovery = RecoveryConfig(hold_s=args.hold_s, retry_budget_s=args.retry_budget_s, detect_s=args.detect_s)
     return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint, recovery=recovery), name
 
 

@@ -1,9 +1,15 @@
-"""gRPC channel options for calls between components that restart (the launcher and Kubernetes bring them back).
+"""gRPC channel options for calls between components that restart or drop off the network.
 
-gRPC's default reconnect backoff grows from 1 s to 120 s: a channel to a component that was
-down for a few seconds keeps failing calls fast for up to two minutes after it is back. Calls
-here retry on their own schedule (mooncake.serving.recovery, the Conductor link's loop), so
-the channel should try to reconnect about as often as they do.
+Restarts: gRPC's default reconnect backoff grows from 1 s to 120 s, so a channel to a
+component that was down for a few seconds keeps failing calls fast for up to two minutes
+after it is back. Calls here retry on their own schedule (mooncake.serving.recovery, the
+Conductor link's loop), so the channel reconnects about as often as they do.
+
+Partitions: a killed process resets its connections at once, but a host that drops off the
+network goes silent, and a stream from it (a decode worker's tokens, a prefill's answer)
+would wait forever. Keepalive pings find it: a connection whose ping is unanswered for
+``detect_s`` fails its calls with UNAVAILABLE, which the caller treats as the peer's death.
+Servers must accept pings that often (``SERVER_OPTIONS``), or they answer them with GOAWAY.
 """
 
 from __future__ import annotations
@@ -13,3 +19,23 @@ RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+DETECT_S = 2.0  # default: a silent peer is declared failed after about this long (plus one ping interval)
+PING_INTERVAL_MS = 1000
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", PING_INTERVAL_MS // 2),
+    ("grpc.http2.min_ping_interval_without_data_ms", PING_INTERVAL_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+)
+
+
+def client_options(detect_s: float = DETECT_S) -> tuple[tuple[str, int], ...]:
+    """Options of a channel whose calls must fail within about ``detect_s`` + 1 s of the peer going silent."""
+    return RECONNECT_OPTIONS + (
+        ("grpc.keepalive_time_ms", PING_INTERVAL_MS),
+        ("grpc.keepalive_timeout_ms", int(detect_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    )

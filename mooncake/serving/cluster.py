@@ -27,7 +27,7 @@ import grpc
 import grpc.aio
 
 from mooncake.blocks import block_keys
-from mooncake.serving.channels import RECONNECT_OPTIONS
+from mooncake.serving.channels import client_options
 from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
 from mooncake.serving.types import (
     BackendError, GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Recovery, Rejected, Unavailable,
@@ -75,7 +75,7 @@ class ClusterBackend(GenerationBackend):
         if loop is not self._loop:  # a grpc.aio channel belongs to the event loop it was made in
             self._loop, self._conductor, self._decoders, self._channels = loop, None, {}, []
         if self._conductor is None:
-            channel = grpc.aio.insecure_channel(self._conductor_address, options=RECONNECT_OPTIONS)
+            channel = grpc.aio.insecure_channel(self._conductor_address, options=client_options(self.recovery.detect_s))
             self._channels.append(channel)
             self._conductor = cpb_grpc.ConductorStub(channel)
         return self._conductor
@@ -90,7 +90,7 @@ class ClusterBackend(GenerationBackend):
     def _decoder(self, address: str) -> wpb_grpc.DecodeStub:
         stub = self._decoders.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=client_options(self.recovery.detect_s))
             self._channels.append(channel)
             stub = self._decoders[address] = wpb_grpc.DecodeStub(channel)
         return stub
@@ -165,7 +165,8 @@ class ClusterBackend(GenerationBackend):
     def _recovery(request: GenerationRequest, progress: RequestProgress) -> Recovery | None:
         if not progress.faults:
             return None
-        recovery = Recovery([f"{f.value}:{i}" for f, i, _ in progress.faults], progress.attempts, progress.resumed,
+        recovery = Recovery([f"{f.value}:{i}" for f, i, _ in progress.faults], [t for _, _, t in progress.faults],
+                            progress.attempts, progress.resumed,
                             progress.loaded_tokens, progress.recomputed_tokens)  # fmt: skip
         log.info("request %s finished after outliving %s (%d placements, %d resumed; %d tokens loaded, %d recomputed)",
                  request.request_id, ", ".join(recovery.faults), recovery.placements, recovery.resumes, recovery.loaded_tokens,

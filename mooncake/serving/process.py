@@ -89,10 +89,12 @@ def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) 
     """
     import grpc
 
+    from mooncake.serving.channels import SERVER_OPTIONS
     from mooncake.serving.conductor_link import ConductorLink
     from mooncake.serving.status_http import start_status_server
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=spec.max_rpc_threads, thread_name_prefix=f"{spec.name}-rpc"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=spec.max_rpc_threads, thread_name_prefix=f"{spec.name}-rpc"),
+                         options=SERVER_OPTIONS)  # fmt: skip
     spec.add_servicer(server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:

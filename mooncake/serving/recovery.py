@@ -66,6 +66,8 @@ class RecoveryConfig(BaseModel):
     retry_budget_s: float = Field(30.0, ge=0, description="after a worker fails a request, how long placing it again may "
                                   "take (set it to the TTFT SLO: a retry must still meet it)")  # fmt: skip
     max_attempts: int = Field(4, ge=1, description="most placements one request gets")
+    detect_s: float = Field(2.0, gt=0, description="a decode worker (or the Conductor) silent this long (no answer to a "
+                            "keepalive ping: a host off the network) is taken for dead, about a second later")  # fmt: skip
     backoff_s: float = Field(0.2, gt=0, description="first wait before asking again; doubles to backoff_max_s")
     backoff_max_s: float = Field(1.0, gt=0, description="longest wait between two tries (a restarted component is "
                                  "back within about a second of registering)")  # fmt: skip

@@ -59,6 +59,7 @@ class Recovery:
     """What outliving failures cost one request (mooncake.serving.recovery)."""
 
     faults: list[str]  # each failure, "decode:decode-0" (kind:instance)
+    fault_times: list[float]  # when each was seen (time.monotonic() in the gateway)
     placements: int  # placements made (1 + retries + resumes)
     resumes: int  # placements that went on mid-stream
     loaded_tokens: int = 0  # resumes: tokens of prompt + output whose KV came from the pool

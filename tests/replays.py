@@ -1,0 +1,130 @@
+"""Replaying streamed requests against a real cluster while components die or drop off the network (issue 17).
+
+Shared by tests/test_chaos.py (kills) and tests/test_partition.py (cut links).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+from clusters import backend
+
+from kvstore.client import KVStoreClient
+from mooncake.serving.types import BackendError, GenerationRequest, Recovery
+
+NUM_REQUESTS = 60
+CONCURRENCY = 6
+SHARED_PREFIXES = 4  # requests share system-prompt-like prefixes, so the pool and its pulls are exercised
+
+
+def requests() -> list[GenerationRequest]:
+    rng = random.Random(17)
+    prefixes = [[rng.randrange(10, 290) for _ in range(48)] for _ in range(SHARED_PREFIXES)]
+    out = []
+    for i in range(NUM_REQUESTS):
+        prompt = prefixes[i % SHARED_PREFIXES] + [rng.randrange(10, 290) for _ in range(rng.randrange(8, 60))]
+        out.append(GenerationRequest(f"chaos-{i}", prompt, max_tokens=rng.randrange(120, 200), temperature=0.0, ignore_eos=True))
+    return out
+
+
+def kill(cluster, victim: str) -> None:
+    os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
+
+
+def replay(cluster, victim: str | None = None, strike: Callable = kill, struck: list[float] | None = None,
+           ) -> tuple[dict[str, list[int]], dict[str, str], list[Recovery]]:  # fmt: skip
+    """Run every request; ``strike(cluster, victim)`` once a third of them are streaming (and, for a decode worker,
+    once it streams); its time.monotonic() goes into ``struck``. (tokens, errors, what outliving took)."""
+    be = backend(cluster)
+    outputs: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    recoveries: list[Recovery] = []
+    streaming = 0
+
+    async def one(req: GenerationRequest, gate: asyncio.Semaphore) -> None:
+        nonlocal streaming
+        async with gate:
+            got: list[int] = []
+            try:
+                async for chunk in be.generate(req):
+                    if not got:
+                        streaming += 1
+                    got.extend(chunk.token_ids)
+                    if chunk.recovery is not None:
+                        recoveries.append(chunk.recovery)
+                outputs[req.request_id] = got
+            except BackendError as e:
+                errors[req.request_id] = f"{type(e).__name__}: {e.message}"
+
+    async def kill_when_busy() -> None:
+        while streaming < NUM_REQUESTS // 3:
+            await asyncio.sleep(0.02)
+        if victim.startswith("decode"):  # mid-stream: when it has streams running, not only prefills waiting
+            health = f"http://{cluster.component(victim).info['metrics']}/health"
+            async with httpx.AsyncClient(timeout=5) as http:
+                while (await http.get(health)).json()["running"] < 2:
+                    await asyncio.sleep(0.01)
+        if struck is not None:
+            struck.append(time.monotonic())
+        await asyncio.to_thread(strike, cluster, victim)
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(CONCURRENCY)
+        tasks = [one(r, gate) for r in requests()]
+        if victim is not None:
+            tasks.append(kill_when_busy())
+        await asyncio.gather(*tasks)
+        await be.close()
+
+    asyncio.run(run())
+    return outputs, errors, recoveries
+
+
+def idle_counts(cluster) -> dict[str, int]:
+    """What must come back after any run: leases and reservations on each pool node, free landing slots per decode worker."""
+    counts = {}
+    for i in range(cluster.config.prefill):
+        client = KVStoreClient(cluster.address(f"kv{i}"), control="grpc", timeout_s=5)
+        try:
+            stats = client.stats()
+            counts[f"kv{i} leases"], counts[f"kv{i} reservations"] = stats.leases, stats.reservations
+        finally:
+            client.close()
+    for i in range(cluster.config.decode):
+        status = cluster.component(f"decode-{i}").info["metrics"]
+        lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
+        for name, metric in (("free slots", "mooncake_decode_landing_free_slots"), ("running", "mooncake_decode_running_requests"),
+                             ("in prefill", "mooncake_decode_in_prefill")):  # fmt: skip
+            counts[f"decode-{i} {name}"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith(metric))))
+    for i in range(cluster.config.prefill):
+        status = cluster.component(f"prefill-{i}").info["metrics"]
+        lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
+        counts[f"prefill-{i} inflight"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith("mooncake_prefill_inflight"))))
+    return counts
+
+
+def wait_idle(cluster, idle: dict[str, int], timeout_s: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            now = idle_counts(cluster)
+        except Exception:  # a restarted component not yet up
+            now = {}
+        if now == idle or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def wait_restarted(cluster, name: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (cluster.component(name).restarts >= 1 and cluster.component(name).alive and cluster.component(name).info):
+        assert time.monotonic() < deadline, f"{name} was not restarted"
+        time.sleep(0.2)
+
+

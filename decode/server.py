@@ -38,7 +38,7 @@ class DecodeMetrics:
         Gauge("mooncake_decode_in_prefill", "requests waiting for their prefill", registry=r).set_function(lambda: worker.num_in_prefill)
         Gauge("mooncake_decode_batch_cap", "the running batch's current cap", registry=r).set_function(lambda: worker.batch_cap)
         Gauge("mooncake_decode_landing_free_slots", "free landing slots", registry=r).set_function(lambda: worker.slots.num_free)
-        Gauge("mooncake_decode_blocks_written", "generated blocks written into the pool (write-behind)", registry=r).set_function(
+        Gauge("mooncake_decode_blocks_written", "generated blocks put into the pool (write-behind; written, or there already)", registry=r).set_function(
             lambda: worker.writer.blocks_written if worker.writer is not None else 0)
 
 

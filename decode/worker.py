@@ -183,12 +183,7 @@ class DecodeWorker:
                                    engine_config.torch_dtype)  # fmt: skip
         self.slots = SlotAllocator(slots)
         self.loop = EngineLoop(self.engine, name="decode-engine")
-        self.writer = None
-        if config.write_behind and hasattr(self.engine, "computed_blocks"):
-            self.writer = BlockWriter(self.loop, self.transfer, config.id, config.block_size)
-        elif config.write_behind:
-            log.info("the %s engine cannot export a running request's blocks yet: no write-behind (a resumed stream "
-                     "recomputes its generated tokens)", config.engine.value)  # fmt: skip
+        self.writer = BlockWriter(self.loop, self.transfer, config.id, config.block_size) if config.write_behind else None
         self.predictor = DecodePredictor(PredictorConfig())
         self.last_step = None  # the latest StepSample (heartbeats report its time)
         self._channels: dict[str, wpb_grpc.PrefillStub] = {}

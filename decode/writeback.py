@@ -47,7 +47,7 @@ class BlockWriter:
         self.loop, self.transfer, self.owner, self.block_size = loop, transfer, owner, block_size
         self._queue: queue.Queue[tuple[Written, int, Future] | None] = queue.Queue()
         self._clients: dict[str, KVStoreClient] = {}
-        self.blocks_written = 0  # blocks the pool took (the write-behind's metric)
+        self.blocks_written = 0  # blocks now in the pool through the write-behind (written, or found there already)
         self._thread = threading.Thread(target=self._run, name="decode-writeback", daemon=True)
         self._thread.start()
 
@@ -75,7 +75,7 @@ class BlockWriter:
                 if keys:
                     data = memoryview(kv.numpy()).cast("B")
                     result = self._client(written.node_address).put(keys, data, positions=list(range(first, first + len(keys))))
-                    self.blocks_written += result.stored
+                    self.blocks_written += result.stored + result.existing
             except (KVStoreUnavailable, StoreFull, TransferError, KeyError, ValueError, TimeoutError) as e:
                 log.info("write-behind of %s blocks %d.. to %s failed (%s): a resume recomputes them", written.request_id,
                          first, written.node_address, e)  # fmt: skip

@@ -200,6 +200,9 @@ def test_a_killed_vllm_decode_workers_stream_resumes_once_it_is_back_with_the_un
     client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=300)
     ask = dict(model="smol", prompt="Once upon a time", max_tokens=96, temperature=0, extra_body={"ignore_eos": True})
     undisturbed = client.completions.create(**ask).choices[0].text
+    decode = cluster.component("decode-0").info["metrics"]
+    # its generated blocks went into the pool as they filled (write-behind: a resume loads them)
+    assert _metric(decode, "mooncake_decode_blocks_written") >= 2  # of the 3 full 32-token blocks of 4 + 96 tokens
     it = iter(client.completions.create(**ask, stream=True))
     texts = [next(it).choices[0].text]
     os.kill(cluster.component("decode-0").proc.pid, signal.SIGKILL)

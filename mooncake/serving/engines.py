@@ -71,6 +71,11 @@ class WorkerEngine(Protocol):
 
     def set_max_num_seqs(self, n: int) -> None: ...
 
+    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None]:
+        """A running request's computed full blocks from ``first_block`` on: (block keys, pool-layout KV).
+        Engine thread only, between steps (the decode worker's write-behind)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -68,6 +68,7 @@ class Bridge:
     external: dict[str, str] = field(default_factory=dict)  # vLLM's request id -> the worker's (jobs use it)
     pusher: PoolConnector | None = None  # the prefill worker's: where each layer of new KV goes
     layout: BlockLayout | None = None  # set by the worker side once the caches exist
+    caches: list[torch.Tensor] | None = None  # each layer's cache, in layer order (the decode worker's write-behind reads them)
 
 
 _BRIDGES: dict[str, Bridge] = {}
@@ -202,6 +203,7 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         if first.dim() != 4:
             raise ValueError(f"{CONNECTOR_NAME} needs a [blocks, heads, block_size, 2*head_size] cache per layer "
                              f"(MLA and other latent caches are not supported); got {tuple(first.shape)}")  # fmt: skip
+        self.bridge.caches = [kv_caches[name] for name in sorted(kv_caches, key=self._layers.__getitem__)]
         # block 0 is vLLM's null block: never holds a request's KV, safe to probe (and restored after)
         self.bridge.layout = BlockLayout.probe(first, 0, self._writers[0])
         log.info("vLLM KV cache: %d layers of %s %s, converted to the pool layout by a probed permutation",

@@ -41,6 +41,7 @@ from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.request import FinishReason, SamplingParams, checked_prompt, match_stop_string
 from mooncake.engine.weights import load_hf_config
+from mooncake.blocks import block_keys
 from mooncake.serving.engines import EngineKind, engine_fingerprint
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 
@@ -60,6 +61,8 @@ class _Tracked:
     initial: list[int]
     outputs: list[int] = field(default_factory=list)  # initial + vLLM's tokens
     text: str = ""
+    prompt: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 class VllmEngine:
@@ -173,7 +176,7 @@ class VllmEngine:
             self.bridge.loads[internal] = Load(external_kv, num_external_tokens)
         self.bridge.external[internal] = rid
         self._reqs[rid] = _Tracked(internal, params, len(prompt), num_external_tokens if external_kv is not None else 0,
-                                   initial, list(initial))  # fmt: skip
+                                   initial, list(initial), prompt=prompt, cache_salt=cache_salt)  # fmt: skip
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -237,6 +240,29 @@ class VllmEngine:
             self._llm.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort at exit
             log.debug("vLLM shutdown failed", exc_info=True)
+
+    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None]:
+        """Full blocks ``first_block..`` of a request whose KV vLLM has computed: their block keys (ours: prompt +
+        outputs under this engine's fingerprint) and their KV in the pool layout, [n, L, 2, block_size, Hkv, D] on
+        the CPU. ``([], None)`` when there are none yet or the request is gone. Engine thread only, between steps."""
+        tracked = self._reqs.get(request_id)
+        caches, layout = self.bridge.caches, self.bridge.layout
+        if tracked is None or caches is None or layout is None:
+            return [], None
+        scheduler = self._scheduler()
+        req = scheduler.requests.get(tracked.internal_id)
+        if req is None:
+            return [], None
+        bs = self.config.block_size
+        end = req.num_computed_tokens // bs
+        block_ids = scheduler.kv_cache_manager.get_block_ids(tracked.internal_id)[0][first_block:end]
+        if end <= first_block or len(block_ids) < end - first_block:
+            return [], None
+        tokens = (tracked.prompt + tracked.outputs)[: end * bs]
+        keys = block_keys(tokens, bs, self.fingerprint, tracked.cache_salt)[first_block:end]
+        index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
+        kv = torch.stack([layout.export_blocks(cache, index) for cache in caches], dim=1)  # [n, L, 2, bs, Hkv, D]
+        return keys, kv.cpu()
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED = 10_000
 REPORT_EVERY_S = 0.2
+RETRY_S = 0.25  # while the Conductor does not answer: a restarted one has every worker back within about this
 
 
 class ConductorLink:
@@ -115,7 +116,7 @@ class ConductorLink:
                     log.warning("the Conductor at %s does not answer (%s); retrying", self.address, e.code().name)
                 if len(self.addresses) > 1:
                     self._next_conductor()
-                self._stop.wait(1.0 / len(self.addresses))
+                self._stop.wait(RETRY_S / len(self.addresses))
                 continue
             self._wake.wait(min(REPORT_EVERY_S, max(0.0, next_beat - time.monotonic())))
             self._wake.clear()

@@ -10,6 +10,10 @@ takes over at its next try, so the cluster goes without a Conductor for at most 
 after a pause) steps down at once: two leaders never both think they hold it. Gateways
 and workers are given every Conductor's address and move to the next one when a call
 fails (a standby's UNAVAILABLE included).
+
+The lease is redis-py's ``Lock`` (non-blocking acquire with the holder's id as the token,
+``reacquire`` to extend it only while the token is still ours, ``release`` to hand it over),
+so the compare-and-extend is the library's, not ours.
 """
 
 from __future__ import annotations
@@ -19,12 +23,11 @@ import threading
 from collections.abc import Callable
 
 import redis
+import redis.lock
 
 log = logging.getLogger(__name__)
 
 LEADER_KEY = "mooncake:conductor:leader"
-# extend the lease only if we still hold it (a plain PEXPIRE could extend a successor's)
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
 
 
 class LeaderLease:
@@ -35,7 +38,8 @@ class LeaderLease:
             raise ValueError(f"the leader lease must be positive, got {lease_s}")
         self.client, self.holder, self.lease_s, self.on_change = client, holder, lease_s, on_change
         self.leading = False
-        self._renew = client.register_script(_RENEW)
+        # thread_local=False: acquired on the campaign thread, released from close()'s
+        self._lock = redis.lock.Lock(client, LEADER_KEY, timeout=lease_s, thread_local=False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="conductor-leader", daemon=True)
 
@@ -45,10 +49,12 @@ class LeaderLease:
 
     def _try(self) -> bool:
         """One round: keep or take the lease. Whether we hold it now."""
-        ms = int(self.lease_s * 1000)
         if self.leading:
-            return bool(self._renew(keys=[LEADER_KEY], args=[self.holder, ms]))
-        return bool(self.client.set(LEADER_KEY, self.holder, nx=True, px=ms))
+            try:
+                return self._lock.reacquire()
+            except redis.exceptions.LockError:  # LockNotOwnedError: it lapsed and another took it
+                return False
+        return self._lock.acquire(blocking=False, token=self.holder)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -81,8 +87,7 @@ class LeaderLease:
         self._thread.join(timeout=5)
         if self.leading:
             try:
-                if self.client.get(LEADER_KEY) == self.holder.encode():
-                    self.client.delete(LEADER_KEY)
-            except redis.RedisError:
+                self._lock.release()  # only if the token is still ours
+            except (redis.exceptions.LockError, redis.RedisError):
                 pass
             self.leading = False

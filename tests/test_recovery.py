@@ -85,3 +85,26 @@ def test_placements_are_capped():
         step = p.failure(Fault.PREFILL, 101.0 + i, f"prefill-{i}")
     assert step.action is Action.GIVE_UP and p.phase is Phase.FAILED
     assert p.failed == [f"prefill-{i}" for i in range(CONFIG.max_attempts)]
+
+
+def test_a_resumed_text_stream_shows_exactly_the_text_the_dead_worker_had_not(tmp_path):
+    """The new decode worker rebuilds the text of the tokens the client has: the client must see no character twice
+    and miss none, even where a character's bytes are split across tokens (random ids of a byte-fallback vocabulary)."""
+    import random
+
+    from mooncake.engine.tiny import make_tiny
+    from mooncake.engine.tokenizer import Tokenizer
+    from mooncake.serving.text import TextStream
+
+    tok = Tokenizer.from_dir(make_tiny(tmp_path / "model", "llama"))
+    prompt = tok.encode("Once upon a time")
+    rng = random.Random(3)
+    ids = [rng.randrange(3, tok.vocab_size) for _ in range(120)]
+    whole = TextStream(tok, prompt)
+    full = "".join(whole.push([t]) for t in ids) + whole.finish()
+    for k in range(1, len(ids)):
+        first = TextStream(tok, prompt)
+        shown = "".join(first.push([t]) for t in ids[:k])  # what the client had when its decode worker died
+        resumed = TextStream(tok, prompt, output_ids=ids[:k], shown=len(shown))
+        rest = "".join(resumed.push([t]) for t in ids[k:]) + resumed.finish()
+        assert shown + rest == full, k

@@ -32,7 +32,10 @@ class TextStream:
         self._text = ""  # everything decoded so far
         self._shown = 0  # characters of it already returned
         if output_ids:
-            self.add(output_ids)
+            # one id at a time, as the worker that streamed them pushed them: the detokenizer's pieces depend on how
+            # the ids are split (a byte-fallback character cut across tokens), and ``shown`` counts the pieces' text
+            for token in output_ids:
+                self.add([token])
             self._shown = min(shown, len(self._text))
 
     def push(self, token_ids: Sequence[int]) -> str:

@@ -48,6 +48,7 @@ from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
+from mooncake.serving.sampling import params_from_pb
 from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -304,10 +305,7 @@ class DecodeWorker:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}")  # fmt: skip
         try:
-            return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                                  seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
-                                  stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                                  include_stop_str_in_output=s.include_stop_str_in_output)  # fmt: skip
+            return params_from_pb(s)
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 

@@ -37,11 +37,11 @@ from kvstore.service import segment_from_pb
 from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
-from mooncake.engine.request import SamplingParams
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
+from mooncake.serving.sampling import params_from_pb
 from prefill.connector import PoolConnector, PrefillJob
 from protos import worker_pb2 as wpb
 from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError
@@ -215,8 +215,9 @@ class PrefillWorker:
         # skips their draws, so the next token is the one an undisturbed run samples)
         num_outputs = min(req.num_output_tokens, len(prompt) - 1)
         split = len(prompt) - num_outputs
-        params = SamplingParams(max_tokens=num_outputs + 1, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                                seed=s.seed if s.HasField("seed") else None, ignore_eos=True)  # fmt: skip
+        # the request's sampling (penalties, biases, min_tokens: its first token is sampled here), for one more token
+        params = params_from_pb(s, max_tokens=num_outputs + 1, stop=(), include_stop_str_in_output=False,
+                                min_tokens=min(s.min_tokens, num_outputs + 1))  # fmt: skip
         future = self.loop.submit_nowait(sink, prompt_token_ids=prompt[:split], sampling_params=params, request_id=req.request_id,
                                          cache_salt=salt, external_kv=external, num_external_tokens=cached if external else 0,
                                          initial_output_token_ids=prompt[split:])  # fmt: skip

@@ -50,10 +50,12 @@ def tokens(chunks: list[GenerationChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int, **engine) -> list[int]:
-    """Greedy tokens of one engine alone (the correctness bar for the disaggregated path)."""
+def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int, sampling: dict | None = None, **engine) -> list[int]:
+    """Greedy tokens of one engine alone (the correctness bar for the disaggregated path); ``sampling``: more
+    SamplingParams (penalties, biases)."""
     config = EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN, **engine)
-    out = LLMEngine(config).generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **(sampling or {}))
+    out = LLMEngine(config).generate([prompt], params)
     return list(out[0].output_token_ids)
 
 

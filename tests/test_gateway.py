@@ -215,6 +215,17 @@ def test_chat_streamed_text_equals_whole_text_and_usage_counts_tokens(client, to
     assert last.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_logit_bias_and_penalties_reach_the_engine(client, tokenizer):
+    biased = client.completions.create(model="tiny", prompt="Once", max_tokens=5, temperature=0, logit_bias={"123": 100},
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert biased.choices[0].text == tokenizer.decode([123] * 5)
+    # the same token forced again and again: a frequency penalty of 2 per repetition overcomes a bias of 7 by the 4th
+    forced = dict(model="tiny", prompt="Once", max_tokens=6, temperature=0, logit_bias={"123": 7}, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**forced).choices[0].text
+    penalised = client.completions.create(**forced, frequency_penalty=2.0).choices[0].text
+    assert plain == tokenizer.decode([123] * 6) and penalised != plain
+
+
 def test_stream_without_include_usage_has_no_usage_and_ends_with_done(http):
     with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 6,
                                                            "stream": True}) as r:  # fmt: skip
@@ -337,6 +348,13 @@ LONG_IDS = [100] * 600
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "seed": 2**70}, "seed"),
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "echo": True}, "echo"),
         (COMPLETIONS, {"model": "tiny", "prompt": 5}, "prompt"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "x", "logit_bias": {"1000000": 1}}, "logit_bias"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_400_with_the_offending_param(http, path, body, param):

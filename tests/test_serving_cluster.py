@@ -213,6 +213,22 @@ def test_with_one_worker_of_each_role_a_killed_workers_requests_wait_for_its_res
         c.stop()
 
 
+def test_penalties_and_biases_hold_across_the_prefill_decode_hand_off(cluster, client, tok, tiny_dir):
+    """The first token is sampled on the prefill worker, the rest on the decode worker: both apply them."""
+    biased = client.completions.create(model="tiny", prompt=prompt_of(20, seed=3), max_tokens=6, temperature=0,
+                                       logit_bias={"123": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    assert biased.choices[0].text == tok.decode([123] * 6) and biased.usage.completion_tokens == 6
+    be = backend(cluster)
+    prompt = prompt_of(40, seed=4)
+    shaping = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2, min_tokens=3)
+    chunks = generate(be, "penalised", prompt, 24, temperature=0.0, ignore_eos=True, **shaping)
+    assert tokens(chunks) == reference_tokens(tiny_dir, prompt, 24, sampling=shaping)
+    assert tokens(chunks) != reference_tokens(tiny_dir, prompt, 24)  # they did change the output
+    bad = httpx.post(f"{cluster.endpoint}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                     json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logit_bias": {"999999": 5}})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
 @pytest.mark.slow
 def test_smollm2_disaggregated_equals_one_engine_with_and_without_the_pool(smollm2_dir, tmp_path):
     c = start_cluster(smollm2_dir, tmp_path, model_name="smollm2", pool_dram_mib=256, max_model_len=1024)

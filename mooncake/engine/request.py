@@ -43,6 +43,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # vLLM's and HF's: prompt and output tokens' logits divided (or, if negative, times) by it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
+    min_tokens: int = 0  # no EOS or stop token before this many tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,12 +60,29 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias))
+        if any(not -100.0 <= b <= 100.0 for _, b in bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, biases, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+                    or self.min_tokens)  # fmt: skip
 
 
 def checked_prompt(prompt_token_ids, params: SamplingParams, max_model_len: int, vocab_size: int, has_tokenizer: bool) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
 from mooncake.engine.model import CausalLM
-from mooncake.engine.sampler import sample
+from mooncake.engine.sampler import History, sample
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -131,12 +131,11 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         reqs = [ordered[i].request for _, i in sample_rows]
-        tokens = sample(
-            logits,
-            [r.sampling_params for r in reqs],
-            [self.generators.get(r.request_id) for r in reqs],
-            self.default_generator,
-        )
+        params = [r.sampling_params for r in reqs]
+        histories = None
+        if any(p.shapes_logits for p in params):
+            histories = [History(r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in reqs]
+        tokens = sample(logits, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories)
         return {r.request_id: t for r, t in zip(reqs, tokens)}
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+"""Token sampling: penalties and biases, then greedy, temperature, top-k, top-p, with per-request seeded generators.
 
 A request with a seed owns a ``torch.Generator`` seeded once, so its tokens depend only
 on its own logits and seed, not on which other requests share the batch. Sampling uses
@@ -8,6 +8,7 @@ the exponential race (argmax of p / Exp(1)), which draws from p with one random 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,13 +30,53 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+@dataclass(frozen=True, slots=True)
+class History:
+    """What a request's logits processing reads: its prompt, what it generated so far, its end tokens."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+def shape_logits(logits: torch.Tensor, p: SamplingParams, history: History) -> torch.Tensor:
+    """Apply ``p``'s penalties, biases and ``min_tokens`` to one row of logits [V] (a new tensor), in vLLM's order:
+    repetition penalty (prompt and output tokens), then frequency and presence (output tokens), then the biases,
+    then the ban on ending before ``min_tokens``."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*history.prompt_token_ids, *history.output_token_ids) if t < vocab}), dtype=torch.long)
+        if len(seen):
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and history.output_token_ids:
+        counts = torch.bincount(torch.tensor(list(history.output_token_ids), dtype=torch.long), minlength=vocab)[:vocab]
+        logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
+    for token, bias in p.logit_bias:
+        if 0 <= token < vocab:
+            logits[token] += bias
+    if len(history.output_token_ids) < p.min_tokens:
+        ends = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else history.eos_token_ids)) if 0 <= t < vocab]
+        if ends:
+            logits[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+    return logits
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator,
+    histories: Sequence[History] | None = None,
 ) -> list[int]:
-    """Pick one token per row of ``logits`` [N, V] (float32). Called once per step."""
+    """Pick one token per row of ``logits`` [N, V] (float32). Called once per step.
+
+    ``histories`` (one per row) are needed only when some request shapes its logits."""
+    if any(p.shapes_logits for p in params):
+        if histories is None:
+            raise ValueError("penalties, biases and min_tokens need each request's history")
+        logits = torch.stack([shape_logits(row, p, h) if p.shapes_logits else row for row, p, h in zip(logits, params, histories)])
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()
     out: list[int] = []

@@ -4,7 +4,7 @@ Requests accept and ignore fields they do not know (clients send things like
 ``logprobs: false`` or ``parallel_tool_calls``); fields OpenAI defines that this server
 cannot honour are declared here so that serving.py can refuse them when they are set to
 anything but their neutral value, instead of silently generating something else.
-Extensions beyond OpenAI: ``top_k``, ``ignore_eos`` and ``cache_salt``.
+Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``cache_salt``, and vLLM's ``repetition_penalty`` and ``min_tokens``.
 
 Responses are built here and dumped with ``model_dump()``; their shapes follow OpenAI's
 exactly (``finish_reason: null`` and ``logprobs: null`` are present, a stream's deltas
@@ -73,10 +73,22 @@ class _SamplingFields(_Request):
     user: str | None = None  # accepted, ignored
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (for benchmarks)")
     cache_salt: str | None = Field(None, description="Extension: keeps this tenant's prefix cache apart")
-    # Defined by OpenAI, refused unless neutral (serving.unsupported_param).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> added to its logit, -100 to 100")
+    repetition_penalty: float | None = Field(None, gt=0, description="Extension (vLLM's): prompt and output tokens' logits "
+                                             "divided by it (multiplied, if negative); 1: off")
+    min_tokens: int | None = Field(None, ge=0, description="Extension (vLLM's): no EOS or stop token before this many tokens")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
+        return bias
 
     @field_validator("stop")
     @classmethod

@@ -63,9 +63,6 @@ DONE_EVENT = "data: [DONE]\n\n"
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
     "echo": (None, False),
@@ -376,12 +373,20 @@ class OpenAIServing:
         format_cls: type[_ChatFormat] | type[_CompletionFormat], arrival: float,
     ) -> PreparedRequest:  # fmt: skip
         request_id = f"{format_cls.id_prefix}{uuid.uuid4().hex}"
+        bias = tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items()))
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t, _ in bias):
+            raise ApiError(400, f"logit_bias names token ids outside the vocabulary [0, {vocab})", param="logit_bias")
+        if (req.min_tokens or 0) > max_tokens:
+            raise ApiError(400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
         generation = GenerationRequest(
             request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(req.top_k or 0, 0), seed=req.seed, stop=req.stop_sequences(), ignore_eos=req.ignore_eos,
-            cache_salt=req.cache_salt,
+            cache_salt=req.cache_salt, presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
+            min_tokens=req.min_tokens or 0,
         )  # fmt: skip
         stream = bool(req.stream)
         include_usage = stream and req.include_usage

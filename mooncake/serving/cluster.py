@@ -28,6 +28,7 @@ import grpc.aio
 
 from mooncake.blocks import block_keys
 from mooncake.serving.channels import client_options
+from mooncake.serving.sampling import sampling_to_pb
 from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
 from mooncake.serving.types import (
     BackendError, GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Recovery, Rejected, Unavailable,
@@ -42,12 +43,6 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_KEY = "retry-after-s"  # decode.server's trailing metadata on RESOURCE_EXHAUSTED
 FAILED_INSTANCE_KEY = "failed-instance"  # and on UNAVAILABLE, when the prefill worker failed
 UNAVAILABLE_REASONS = ("no_prefill_instance", "no_decode_instance")
-
-
-def sampling_to_pb(req: GenerationRequest) -> wpb.Sampling:
-    return wpb.Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                        include_stop_str_in_output=req.include_stop_str_in_output)  # fmt: skip
 
 
 class ClusterBackend(GenerationBackend):

@@ -25,7 +25,9 @@ def sampling_params(req: GenerationRequest) -> SamplingParams:
     return SamplingParams(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
         stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output,
+        include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
+        min_tokens=req.min_tokens,
     )  # fmt: skip
 
 

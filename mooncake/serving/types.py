@@ -34,6 +34,11 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # keeps tenants' prefix caches apart (DESIGN §4)
     slo_class: str = "default"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -164,12 +164,20 @@ class VllmEngine:
         sequence = prompt + initial
         if external_kv is not None and not 0 < num_external_tokens < len(sequence):
             raise ValueError(f"num_external_tokens must be in [1, {len(sequence) - 1}], got {num_external_tokens}")
+        if initial and (params.presence_penalty or params.frequency_penalty):
+            # vLLM counts only what it generated: the tokens generated elsewhere (the prefill's first token) would
+            # escape the penalty, and the output would differ from vLLM serving alone
+            raise ValueError("presence_penalty and frequency_penalty are not supported on vLLM workers yet (vLLM would "
+                             "not count the first token, sampled on the prefill worker)")  # fmt: skip
         rid = request_id if request_id is not None else f"req-{self._next_id()}"
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already in the engine")
         vparams = VllmSamplingParams(
             max_tokens=remaining, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, detokenize=False,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
+            min_tokens=max(0, params.min_tokens - len(initial)),
         )  # fmt: skip
         internal = self._llm.add_request(rid, TokensPrompt(prompt_token_ids=sequence), vparams)
         if external_kv is not None:

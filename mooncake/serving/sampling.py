@@ -1,0 +1,34 @@
+"""A request's sampling on the wire: GenerationRequest -> ``worker.proto``'s Sampling -> the engine's SamplingParams.
+
+The gateway writes it once (``sampling_to_pb``); the decode worker and the prefill worker
+read it with ``params_from_pb``, so both halves of a disaggregated request sample with the
+same penalties, biases and ``min_tokens`` (the prefill samples the first token, the decode
+worker the rest).
+"""
+
+from __future__ import annotations
+
+from mooncake.engine.request import SamplingParams
+from mooncake.serving.types import GenerationRequest
+from protos import worker_pb2 as wpb
+
+
+def sampling_to_pb(req: GenerationRequest) -> wpb.Sampling:
+    return wpb.Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                        include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                        logit_bias=dict(req.logit_bias), min_tokens=req.min_tokens)  # fmt: skip
+
+
+def params_from_pb(s: wpb.Sampling, **overrides) -> SamplingParams:
+    """The engine's SamplingParams (``overrides`` replace fields: the prefill's max_tokens). ValueError if refused."""
+    fields = dict(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, include_stop_str_in_output=s.include_stop_str_in_output,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0, logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
+    )  # fmt: skip
+    fields.update(overrides)
+    return SamplingParams(**fields)

@@ -492,3 +492,39 @@ def test_client_leaving_before_a_whole_response_cancels_its_request(gateway, bac
     assert wait_until_idle(backend)
     assert metric(gateway, "mooncake_gateway_requests_total", endpoint=COMPLETIONS, status="499") == gone_before + 1
     assert metric(gateway, "mooncake_gateway_completion_tokens_total") - tokens_before < budget
+
+
+# -- vLLM's /tokenize and /detokenize ----------------------------------------------------------
+
+
+def test_tokenize_gives_the_ids_the_completions_see_and_detokenize_reverses_them(http, tokenizer):
+    r = http.post("/tokenize", json={"model": "tiny", "prompt": "The quick brown fox"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode("The quick brown fox") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == tokenizer.encode_chat(MESSAGES)
+    back = http.post("/detokenize", json={"model": "tiny", "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == tokenizer.decode(body["tokens"])
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+        ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)  # fmt: skip
+def test_tokenize_and_detokenize_refuse_bad_input_in_openai_shape(http, path, body, status, param):
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_needs_the_api_key_as_v1_does(gateway):
+    r = httpx.post(f"{gateway}/tokenize", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

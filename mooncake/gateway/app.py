@@ -33,7 +33,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway.metrics import GatewayMetrics
-from mooncake.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from mooncake.gateway.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+    TokenizeResponse,
+)  # fmt: skip
 from mooncake.gateway.serving import ApiError, EventStream, OpenAIServing, PreparedRequest
 from mooncake.serving.types import BackendError, GenerationBackend
 
@@ -88,6 +91,14 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
     async def models() -> ModelList:
         card = ModelCard(id=config.served_model_name, created=started, max_model_len=backend.max_model_len)
         return ModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving.detokenize(body)
 
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse:
@@ -260,15 +271,19 @@ def _install_error_handlers(app: FastAPI) -> None:
 # -- ASGI middleware (plain ASGI: BaseHTTPMiddleware would get between us and http.disconnect) --
 
 
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*: they use the model's tokenizer
+
+
 class _BearerAuth:
-    """Answers 401 to /v1/* requests without ``Authorization: Bearer <api_key>``."""
+    """Answers 401 to /v1/*, /tokenize and /detokenize requests without ``Authorization: Bearer <api_key>``."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path == "/v1" or path.startswith("/v1/") or path in GUARDED_PATHS:
             header = dict(scope["headers"]).get(b"authorization")
             if header is None:
                 error = "Missing API key: send it as 'Authorization: Bearer <key>'"

@@ -48,9 +48,13 @@ from mooncake.gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
@@ -392,6 +396,38 @@ class OpenAIServing:
         include_usage = stream and req.include_usage
         fmt = format_cls(request_id, int(time.time()), self.model_name, include_usage)
         return PreparedRequest(generation, fmt, stream, include_usage, arrival)
+
+    # -- vLLM's /tokenize and /detokenize ----------------------------------------------------
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """The token ids of a prompt or a conversation (as the completions would see them). Raises ApiError."""
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "Send either 'prompt' (text) or 'messages' (a conversation), not both or neither",
+                           param="prompt")  # fmt: skip
+        if req.messages is not None:
+            messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+            try:
+                ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, req.add_generation_prompt)
+            except ValueError as e:
+                raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
+        else:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, req.add_special_tokens) if req.prompt else []
+        return TokenizeResponse(count=len(ids), max_model_len=self.backend.max_model_len, tokens=ids)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids. Raises ApiError for ids outside the vocabulary."""
+        self._check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        bad = [i for i in req.tokens if not 0 <= i < vocab]
+        if bad:
+            raise ApiError(400, f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, req.tokens))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")  # fmt: skip
 
     # -- generating -------------------------------------------------------------------------
 

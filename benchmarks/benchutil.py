@@ -13,6 +13,22 @@ import time
 from pathlib import Path
 
 
+def resolve_model(args, workdir: Path) -> tuple[Path, str]:
+    """A benchmark's model: (its directory, its name). ``--quick`` without ``--model``: a tiny random llama made in
+    ``workdir``; otherwise ``--model`` (a directory, or a registry name, pulled into the cache if missing;
+    default smollm2-135m)."""
+    if args.model is None and args.quick:
+        from mooncake.engine.tiny import make_tiny
+
+        return make_tiny(workdir / "tiny-llama", "llama"), "tiny-llama (random weights)"
+    name = args.model or "smollm2-135m"
+    if Path(name).is_dir():
+        return Path(name).absolute(), name
+    from mooncake.engine import registry
+
+    return registry.pull(name, cache_dir=registry.default_cache_dir(), progress=False), name
+
+
 def parse_size(text: str) -> int:
     """``64KiB``, ``1MiB``, ``2M``, ``4096`` -> bytes."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, flags=re.IGNORECASE)

@@ -74,7 +74,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
 import torch
-from benchutil import describe_machine, run_interruptible, shielded
+from benchutil import describe_machine, resolve_model, run_interruptible, shielded
 
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.launcher import ClusterConfig, LocalCluster
@@ -534,24 +534,13 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def resolve(args, workdir: Path) -> tuple[Path, str]:
-    if args.model is None and args.quick:
-        from mooncake.engine.tiny import make_tiny
-
-        return make_tiny(workdir / "tiny-llama", "llama"), "tiny-llama (random weights)"
-    from mooncake.engine import registry
-
-    name = args.model or "smollm2-135m"
-    return registry.resolve_model(name, registry.default_cache_dir()), name
-
-
 def run(args: argparse.Namespace, console: Console) -> Report:
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     ok = False
     cluster = None
     try:
-        model_dir, model = resolve(args, workdir)
+        model_dir, model = resolve_model(args, workdir)
         vocab = Tokenizer.from_dir(str(model_dir)).vocab_size
         requests = workload(args.requests, args.max_tokens, vocab)
         longest = max(len(r.prompt_token_ids) for r in requests) + args.max_tokens

@@ -60,7 +60,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
 import replay as rp  # noqa: E402
-from benchutil import describe_machine, run_interruptible, shielded  # noqa: E402
+from benchutil import describe_machine, resolve_model, run_interruptible, shielded  # noqa: E402
 
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
 
@@ -195,19 +195,6 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
 
 
 # -- the run ---------------------------------------------------------------------------------------------
-
-
-def resolve_model(args, workdir: Path) -> tuple[Path, str]:
-    if args.model is None and args.quick:
-        from mooncake.engine.tiny import make_tiny
-
-        return make_tiny(workdir / "tiny-llama", "llama"), "tiny-llama (random weights)"
-    name = args.model or "smollm2-135m"
-    if Path(name).is_dir():
-        return Path(name).absolute(), name
-    from mooncake.engine import registry
-
-    return registry.pull(name, cache_dir=Path.home() / ".cache" / "mooncake" / "models", progress=False), name
 
 
 def measure(run: SystemRun, server, requests, args, vocab: int, progress, console: Console) -> None:

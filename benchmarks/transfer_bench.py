@@ -51,7 +51,7 @@ GOAL_TCP_VS_RAW = 0.8  # at slices of GOAL_TCP_MIN_SIZE and more
 GOAL_TCP_MIN_SIZE = MIB
 GOAL_SHM_VS_MEMCPY = 0.5
 DEFAULTS = TransferConfig(node="defaults")  # the configuration the main tcp rows use
-DEFAULT_MOONCAKE_PATH = Path("/work/mooncake-te")  # pip install --target of mooncake-transfer-engine-non-cuda
+DEFAULT_MOONCAKE_PATH = Path.home() / ".cache" / "mooncake" / "mooncake-te"  # pip install --target of mooncake-transfer-engine-non-cuda
 MOONCAKE_RESULT_PREFIX = "TRANSFER_BENCH_MOONCAKE "
 WAIT_TIMEOUT_S = 60.0
 

@@ -33,6 +33,16 @@ def requests() -> list[GenerationRequest]:
     return out
 
 
+def undisturbed_run(cluster, settle_s: float = 10.0) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """The replay with nothing struck: (its outputs, the idle counts), asserting nothing failed or was recovered and
+    everything came back to idle."""
+    idle = idle_counts(cluster)
+    outputs, errors, recoveries = replay(cluster)
+    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS
+    assert wait_idle(cluster, idle, settle_s) == idle
+    return outputs, idle
+
+
 def kill(cluster, victim: str) -> None:
     os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
 

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 from clusters import backend, start_cluster
-from replays import NUM_REQUESTS, idle_counts, replay, wait_idle, wait_restarted
+from replays import replay, undisturbed_run, wait_idle, wait_restarted
 
 from mooncake.engine.tiny import make_tiny
 from mooncake.serving.types import GenerationRequest
@@ -38,11 +38,7 @@ def cluster(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def undisturbed(cluster):
-    idle = idle_counts(cluster)
-    outputs, errors, recoveries = replay(cluster)
-    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS
-    assert wait_idle(cluster, idle, 10) == idle
-    return outputs, idle
+    return undisturbed_run(cluster)
 
 
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0", "conductor", "kv1"])

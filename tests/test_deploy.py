@@ -514,52 +514,6 @@ def test_defaults_run_redis_in_the_release_and_leave_the_extras_off():
         assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
 
 
-def test_standby_conductors_elect_a_leader_in_redis_and_only_the_leader_is_ready():
-    docs = render("--set", "conductor.replicas=2")
-    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-conductor"))
-    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
-    conductor = container(pod_spec(docs, "conductor"), "conductor")
-    assert "--redis-url" in flags(conductor) and "--leader-lease" in flags(conductor)
-    probe = conductor["readinessProbe"]["exec"]["command"]
-    assert probe[:3] == ["python", "-m", "conductor.probe"]
-    # a lone Conductor keeps Recreate and its tcp probe
-    lone = render()
-    single = next(d for d in lone if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-conductor"))
-    assert single["spec"]["strategy"]["type"] == "Recreate"
-    assert "tcpSocket" in container(pod_spec(lone, "conductor"), "conductor")["readinessProbe"]
-
-
-def test_the_conductor_probe_says_ready_only_for_a_leader(redis_url):
-    """The probe's exit status against real Conductors on one Redis: the leader 0, the standby 1."""
-    from mooncake.localproc import free_port
-
-    procs, ports = [], []
-    try:
-        for _ in range(2):
-            port = free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "conductor", "--port", str(port), "--metrics-port", "-1",
-                                           "--redis-url", redis_url, "--leader-lease", "1"], cwd=REPO,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))  # fmt: skip
-            assert procs[-1].stdout.readline().startswith("READY")
-            ports.append(port)
-
-        def probe(port: int) -> int:
-            return subprocess.run([sys.executable, "-m", "conductor.probe", f"--address=127.0.0.1:{port}"], cwd=REPO,
-                                  capture_output=True, timeout=30).returncode  # fmt: skip
-
-        assert [probe(p) for p in ports] == [0, 1]
-        procs[0].kill()
-        procs[0].wait()
-        deadline = time.monotonic() + 10
-        while probe(ports[1]) != 0:
-            assert time.monotonic() < deadline, "the standby did not take over"
-            time.sleep(0.2)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-
-
 def test_without_redis_the_conductor_keeps_its_state_in_memory():
     docs = render("--set", "redis.enabled=false")
     assert "StatefulSet" not in kinds(docs)

@@ -15,7 +15,7 @@ import pytest
 from mooncake.cluster.netns import VirtualNetwork
 from mooncake.engine.tiny import make_tiny
 from clusters import start_cluster
-from replays import NUM_REQUESTS, idle_counts, replay, wait_idle
+from replays import replay, undisturbed_run, wait_idle
 
 pytestmark = pytest.mark.skipif(not VirtualNetwork.available(), reason="network namespaces need root and iproute2")
 
@@ -37,10 +37,7 @@ def cluster(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def undisturbed(cluster):
-    idle = idle_counts(cluster)
-    outputs, errors, recoveries = replay(cluster)
-    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS
-    return outputs, idle
+    return undisturbed_run(cluster)
 
 
 def cut(cluster, victim: str) -> None:

@@ -178,7 +178,7 @@ class LocalCluster:
 
             self.net = VirtualNetwork()
         self.root_host = self.net.gateway_ip if self.net is not None else config.host  # the Conductor's and gateway's
-        self.hosts: dict[str, str] = {}  # component -> its network host's address (network_hosts)
+        self.hosts: dict[str, str] = {}  # component -> the network host it runs on (network_hosts)
         h = self.root_host
         self.ports = {"conductor": free_port(h), "gateway": config.port or free_port(h), "control": free_port(h)}
         for i in range(1, config.conductors):
@@ -196,10 +196,11 @@ class LocalCluster:
 
     def _host(self, host: str, *components: str) -> str:
         """The address of network host ``host`` (the root's without network_hosts), where ``components`` run."""
-        address = self.net.add_host(host) if self.net is not None else self.root_host
+        if self.net is None:
+            return self.root_host
         for name in components:
-            self.hosts[name] = address
-        return address
+            self.hosts[name] = host
+        return self.net.add_host(host)
 
     def _port(self, name: str, host: str) -> int:
         """``name``'s port: free on the root host; on a network host of its own any port is free."""
@@ -470,20 +471,20 @@ class LocalCluster:
 
     def address(self, name: str) -> str:
         """``host:port`` of component ``name``'s gRPC service."""
-        return f"{self.hosts.get(name, self.root_host)}:{self.ports[name]}"
+        host = self.hosts.get(name)
+        return f"{self.net.hosts[host] if host is not None else self.root_host}:{self.ports[name]}"
 
     def cut(self, name: str) -> None:
         """Take the network host of component ``name`` off the network (network_hosts only); ``heal`` undoes it."""
-        self._net_host(name, self.net.cut if self.net is not None else None)
+        self._network().cut(self.hosts[name])
 
     def heal(self, name: str) -> None:
-        self._net_host(name, self.net.heal if self.net is not None else None)
+        self._network().heal(self.hosts[name])
 
-    def _net_host(self, name: str, action) -> None:
-        if action is None:
+    def _network(self):
+        if self.net is None:
             raise ValueError("the cluster has no network hosts (network_hosts=False)")
-        address = self.hosts[name]
-        action(next(h for h, a in self.net.hosts.items() if a == address))
+        return self.net
 
     def component(self, name: str) -> Component:
         return self.components[name]

@@ -159,5 +159,6 @@ class RequestProgress:
 
     @property
     def retry_after_s(self) -> float:
-        """What a client that was given up on should wait: about as long as the cluster took so far."""
+        """What a client that was given up on should wait before trying again: two of the longest back-offs (at least
+        1 s, at most ``hold_s``), a guess at how long a restart still takes, not a measurement."""
         return max(1.0, min(self.config.hold_s, self.config.backoff_max_s * 2))

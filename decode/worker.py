@@ -48,7 +48,7 @@ from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
-from mooncake.serving.sampling import params_from_pb
+from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -160,6 +160,7 @@ class FirstToken:
     token: int
     cached_tokens: int
     by_tier: dict[str, int]
+    logprobs: list  # [wpb.TokenLogprob] of the token, when the sampling asked
 
 
 class DecodeWorker:
@@ -263,7 +264,7 @@ class DecodeWorker:
             if finish is not None:
                 run.state = DecodeState.DONE
                 yield wpb.GenerateChunk(token_ids=[first.token], text=text, finish_reason=finish, completion_tokens=len(outputs) + 1,
-                                        **usage)  # fmt: skip
+                                        logprobs=first.logprobs, **usage)  # fmt: skip
                 return
             outputs_queue: queue.Queue = queue.Queue()
             salt = req.cache_salt if req.HasField("cache_salt") else None
@@ -271,7 +272,8 @@ class DecodeWorker:
             written = self.writer.start(req.request_id, req.placement.prefill_node_address, len(sequence)) if self.writer else None
             if self.link is not None:
                 self.link.decode_started(req.request_id, time.perf_counter() - t0)
-            yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, **usage)
+            yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, logprobs=first.logprobs,
+                                    **usage)  # fmt: skip
             while True:
                 try:
                     out = outputs_queue.get(timeout=0.1)
@@ -285,7 +287,8 @@ class DecodeWorker:
                 text = stream.finish(out.text) if out.finished else stream.push(out.new_token_ids)
                 yield wpb.GenerateChunk(token_ids=list(out.new_token_ids), text=text,
                                         finish_reason=out.finish_reason.value if out.finished else "",
-                                        completion_tokens=len(out.output_token_ids), **usage)  # fmt: skip
+                                        completion_tokens=len(out.output_token_ids),
+                                        logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs or ()], **usage)  # fmt: skip
                 if out.finished:
                     run.state = DecodeState.DONE
                     return
@@ -340,7 +343,8 @@ class DecodeWorker:
                 by_tier["ssd"] = resp.ssd_tokens
         if resp.fetched_tokens:
             by_tier["remote"] = resp.fetched_tokens
-        return FirstToken(resp.first_token, resp.cached_tokens, {k: v for k, v in by_tier.items() if v})
+        logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
+        return FirstToken(resp.first_token, resp.cached_tokens, {k: v for k, v in by_tier.items() if v}, logprobs)
 
     def _check_late_admission(self, req: wpb.GenerateRequest, context_tokens: int) -> None:
         """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted)."""

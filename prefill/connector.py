@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncake.engine.connector import ConnectorStep, KVConnector
+from mooncake.engine.request import TokenLogprob
 from transfer import Slice, TransferEngine, TransferError
 
 
@@ -49,6 +50,7 @@ class PrefillJob:
     started_at: float | None = None  # its first engine step
     finished_at: float | None = None
     first_token: int | None = None
+    first_logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 

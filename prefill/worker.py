@@ -41,7 +41,7 @@ from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
-from mooncake.serving.sampling import params_from_pb
+from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from prefill.connector import PoolConnector, PrefillJob
 from protos import worker_pb2 as wpb
 from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError
@@ -196,6 +196,7 @@ class PrefillWorker:
             first_token=job.first_token, cached_tokens=cached, local_tokens=min(len(local) * bs, cached), ssd_tokens=ssd_hits * bs,
             fetched_tokens=max(0, cached - len(local) * bs), computed_tokens=len(prompt) - cached,
             queue_s=(job.started_at or t0) - t0, prefill_s=compute_s,
+            first_logprob=logprob_to_pb(job.first_logprob) if job.first_logprob is not None else None,
         )  # fmt: skip
 
     def _run(self, req, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
@@ -207,6 +208,7 @@ class PrefillWorker:
                 job.fail(out)
             elif out.finished:
                 job.first_token = out.output_token_ids[-1] if out.output_token_ids else None
+                job.first_logprob = out.new_logprobs[-1] if out.new_logprobs else None
                 job.finished_at = time.perf_counter()
             if isinstance(out, BaseException) or out.finished:
                 job.done.set()

@@ -25,7 +25,8 @@ from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.kernels import load_paged_decode
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
-from mooncake.engine.request import FinishReason, Request, SamplingParams, checked_prompt, match_stop_string
+from mooncake.engine.grammar import GrammarBook
+from mooncake.engine.request import FinishReason, Request, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import Scheduler
 
@@ -45,6 +46,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     text: str = ""  # decoded output (only when the engine has a tokenizer)
     stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
 
 
 @dataclass(slots=True)
@@ -163,10 +165,25 @@ class LLMEngine:
             external_kv=external_kv,
             num_external_tokens=num_external_tokens if external_kv is not None else 0,
         )
-        self.scheduler.add_request(request)
+        if params.grammar is not None:
+            self._grammars().add(rid, params.grammar, outputs)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.runner.drop_request(rid)
+            raise
         if params.seed is not None:
             self.runner.add_generator(rid, params.seed, num_sampled=len(outputs))
         return rid
+
+    def _grammars(self) -> GrammarBook:
+        """The engine's constrained requests (built on first use: llguidance reads the tokenizer once, ~0.2 s)."""
+        if self.runner.grammars is None:
+            backend = getattr(self.tokenizer, "backend", None)
+            if backend is None:
+                raise ValueError("structured output needs an engine built with a tokenizer")
+            self.runner.grammars = GrammarBook(backend.to_str(), self.runner.vocab_size, self.eos_token_ids)
+        return self.runner.grammars
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a queued or running request and free its blocks. False if unknown/finished."""
@@ -226,11 +243,11 @@ class LLMEngine:
         """Run one scheduling step; return outputs for every request that got a token."""
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out, self.connector)
-        finished = {id(r) for r in self.scheduler.update_from_output(out, sampled)}
+        finished = {id(r) for r in self.scheduler.update_from_output(out, sampled.tokens)}
         results = []
         for s in out.scheduled:
             req = s.request
-            if req.request_id not in sampled:
+            if req.request_id not in sampled.tokens:
                 continue  # a prompt chunk short of the end: nothing to report yet
             done = id(req) in finished
             if req.sampling_params.stop:
@@ -255,6 +272,7 @@ class LLMEngine:
                     num_cached_tokens=req.num_cached_tokens,
                     text=req.output_text,
                     stop_reason=req.stop_reason if done else None,
+                    new_logprobs=[sampled.logprobs[req.request_id]] if req.request_id in sampled.logprobs else None,
                 )
             )
         return results

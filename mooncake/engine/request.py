@@ -30,6 +30,18 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its raw logits), and the likeliest tokens'."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), likeliest first
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy."""
@@ -48,6 +60,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's and HF's: prompt and output tokens' logits divided (or, if negative, times) by it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     min_tokens: int = 0  # no EOS or stop token before this many tokens
+    logprobs: int | None = None  # each sampled token's log-probability, and this many of the likeliest (at most 20)
+    grammar: str | None = None  # llguidance grammar text the output must follow (mooncake.engine.grammar.grammar_for)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -67,6 +81,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias))
         if any(not -100.0 <= b <= 100.0 for _, b in bias):
             raise ValueError("logit_bias values must be in [-100, 100]")

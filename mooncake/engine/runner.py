@@ -18,7 +18,9 @@ import torch
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
 from mooncake.engine.model import CausalLM
-from mooncake.engine.sampler import History, sample
+from mooncake.engine.grammar import GrammarBook
+from mooncake.engine.request import TokenLogprob
+from mooncake.engine.sampler import History, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -49,6 +51,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars: GrammarBook | None = None  # set by an engine with a tokenizer (constrained decoding)
         self.step_id = 0
 
     @property
@@ -75,6 +78,8 @@ class ModelRunner:
 
     def drop_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.drop(request_id)
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy blocks out in the pool layout: [n, L, 2, block_size, Hkv, D] on the CPU."""
@@ -103,18 +108,18 @@ class ModelRunner:
         self.kv_cache[layer].index_copy_(1, idx, src.to(device=self.device, dtype=self.kv_cache.dtype).transpose(0, 1))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, connector: KVConnector) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput, connector: KVConnector) -> Sampled:
         """Run one step: imports, forward over every scheduled token, sampling.
 
-        Returns ``{request_id: token}`` for each request that reached the end of its
-        sequence this step (the others were mid-prompt chunks).
+        Returns the token of each request that reached the end of its sequence this step
+        (the others were mid-prompt chunks), and its log-probabilities if it asked.
         """
         imports = [_Import(imp.block_ids, imp.request.external_kv, imp.first_block) for imp in out.imports]
         if not out.scheduled:
             for imp in imports:
                 for layer in range(self.kv_cache.shape[0]):
                     self.import_layer(layer, imp)
-            return {}
+            return Sampled({}, {})
         if imports:  # each layer's imported KV lands just before that layer runs: loading overlaps computing
             connector = _LayerImports(self, connector, imports)
         # Decodes (one new token) first, then prefill chunks: see attention.py.
@@ -128,15 +133,25 @@ class ModelRunner:
         self.step_id += 1
         rows = [r for r, _ in sample_rows]
         if not rows:
-            return {}
+            return Sampled({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         reqs = [ordered[i].request for _, i in sample_rows]
         params = [r.sampling_params for r in reqs]
         histories = None
         if any(p.shapes_logits for p in params):
             histories = [History(r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in reqs]
-        tokens = sample(logits, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories)
-        return {r.request_id: t for r, t in zip(reqs, tokens)}
+        constrained = [i for i, r in enumerate(reqs) if self.grammars is not None and r.request_id in self.grammars]
+        masked = logits
+        if constrained:
+            masked = logits.clone()
+            for i in constrained:
+                self.grammars.mask_(masked[i], reqs[i].request_id)
+        tokens = sample(masked, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories)
+        for i in constrained:
+            self.grammars.accept(reqs[i].request_id, tokens[i])
+        logprobs = token_logprobs(logits, tokens, params)
+        return Sampled({r.request_id: t for r, t in zip(reqs, tokens)},
+                       {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None})  # fmt: skip
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
         bs = self.block_size
@@ -203,6 +218,14 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, ConnectorStep(self.step_id, step_reqs), sample_rows
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What one step sampled: a token per request at the end of its sequence, and the log-probabilities asked for."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, TokenLogprob]
 
 
 @dataclass(slots=True)

@@ -18,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 16  # n and best_of, per prompt
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 # -- errors -----------------------------------------------------------------------------
@@ -56,6 +59,31 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str = "{}"  # JSON
+
+
+class ToolCallIn(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class _SamplingFields(_Request):
@@ -67,7 +95,7 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, ge=-1, description="Extension: sample among the k likeliest; 0 or -1: off")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
@@ -110,23 +138,39 @@ class _SamplingFields(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """``text``; ``json_object`` (any JSON object); ``json_schema`` (JSON valid against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Wins over max_tokens")
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    # One prompt: text, or token ids. A list of several is a batch (n > 1), which is refused.
+    # Text, token ids, or a batch of either: each prompt gets n choices (index = prompt * n + choice).
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
 
@@ -144,16 +188,64 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobEntry(BaseModel):
+    """One token of chat's ``logprobs.content``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions' logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str
 
 
@@ -166,11 +258,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str]  # "name" in the first delta of a call, "arguments" (a piece of JSON) in each
+
+
 class Delta(BaseModel):
     """A stream's change to the message: only the keys that are set appear."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -180,7 +280,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -196,7 +296,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -250,3 +350,6 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+ChatMessage.model_rebuild()

@@ -3,7 +3,8 @@
 For every request, called once from its route (app.py):
 
     prepared = await serving.prepare_chat(body)      # or prepare_completion: check, tokenize,
-                                                     # size max_tokens -> a GenerationRequest
+                                                     # size max_tokens -> a GenerationRequest per
+                                                     # choice (n, best_of, a batch of prompts)
     body     = await serving.complete(prepared)      # not streaming: the whole response, or
     stream   = await serving.open_stream(prepared)   # streaming: waits for the first chunk, so
                                                      # a rejection is still an HTTP status
@@ -13,6 +14,10 @@ For every request, called once from its route (app.py):
 Every mistake of the caller is an ApiError (status, OpenAI error type, param), never a
 500. A BackendError before the first chunk becomes its HTTP status; after the first SSE
 event it becomes one ``data: {"error": ...}`` event and ``[DONE]``.
+
+Choices run as separate backend generations that share the prompt's KV (runs.Fanout).
+Log-probabilities, response_format and forced tool calls are the engine's (a grammar,
+mooncake.engine.grammar); tools are rendered and parsed here (tools.py).
 
 Closing the backend's iterator early (``aclose``, or cancelling the task awaiting it)
 cancels the request everywhere: that is how a client that goes away stops its request.
@@ -34,45 +39,33 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake.engine.grammar import JSON_OBJECT_SCHEMA, grammar_for
+from mooncake.engine.request import TokenLogprob
 from mooncake.engine.tokenizer import Tokenizer
+from mooncake.gateway import tools
+from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, TokenTexts
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
+    SEED_MAX,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     ChatMessage,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    Delta,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
-    PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
-    Usage,
 )
+from mooncake.gateway.runs import Fanout
+from mooncake.gateway.tools import ToolPlan
 from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
 
 log = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
 
-# OpenAI parameters this server cannot honour, and the values that ask for nothing.
-_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-}
+MAX_PROMPTS = 64  # generations per request: prompts x (best_of or n)
 
 
 class ApiError(Exception):
@@ -110,169 +103,38 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-# -- response shapes ----------------------------------------------------------------------
-
-
-class _Format:
-    """The fields every response and event of one request repeats."""
-
-    id_prefix = ""
-
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool) -> None:
-        self._head = dict(id=request_id, created=created, model=model)
-        self._exclude = None if include_usage else {"usage"}  # events carry "usage": null only if asked
-
-
-class _ChatFormat(_Format):
-    """Chat completion responses and stream events of one request."""
-
-    id_prefix = "chatcmpl-"
-
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return ChatCompletionResponse(**self._head, choices=[choice], usage=usage).model_dump()
-
-    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> dict[str, Any]:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(**self._head, choices=[choice]).model_dump(exclude=self._exclude)
-
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk(Delta(role="assistant", content=""))]
-
-    def text(self, text: str) -> dict[str, Any]:
-        return self._chunk(Delta(content=text))
-
-    def finish(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk(Delta(), finish_reason)
-
-    def usage(self, usage: Usage) -> dict[str, Any]:
-        return ChatCompletionChunk(**self._head, choices=[], usage=usage).model_dump()
-
-
-class _CompletionFormat(_Format):
-    """Text completion responses and stream events of one request (no role event: OpenAI sends none)."""
-
-    id_prefix = "cmpl-"
-
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return CompletionResponse(**self._head, choices=[choice], usage=usage).model_dump()
-
-    def _chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return CompletionResponse(**self._head, choices=[choice]).model_dump(exclude=self._exclude)
-
-    def opening(self) -> list[dict[str, Any]]:
-        return []
-
-    def text(self, text: str) -> dict[str, Any]:
-        return self._chunk(text)
-
-    def finish(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk("", finish_reason)
-
-    def usage(self, usage: Usage) -> dict[str, Any]:
-        return CompletionResponse(**self._head, choices=[], usage=usage).model_dump()
-
-
 @dataclass(slots=True)
 class PreparedRequest:
-    """A checked, tokenized request, ready for the backend."""
+    """A checked, tokenized request, ready for the backend: one generation per choice (``per_prompt`` per prompt)."""
 
-    generation: GenerationRequest
-    format: _ChatFormat | _CompletionFormat
+    request_id: str
+    generations: list[GenerationRequest]
+    per_prompt: int  # generations per prompt (best_of, else n)
+    n: int  # choices returned per prompt (the likeliest ``n`` of ``best_of``)
+    format: ChatFormat | CompletionFormat
     stream: bool
     include_usage: bool
     arrival: float  # time.monotonic() when the route got it
+    echo: list[str] | None = None  # completions' echo: each prompt's text, shown before its choices
+    tools: ToolPlan | None = None
 
     @property
-    def request_id(self) -> str:
-        return self.generation.request_id
-
-
-# -- one request's backend stream -------------------------------------------------------------
-
-
-class _Run:
-    """One request's stream from the backend, and the metrics it feeds.
-
-    ``status`` is what the request came to: None while it runs, 200 once finished, an
-    error's status once it failed. :meth:`close` must be called exactly as ``finally``.
-    """
-
-    def __init__(self, backend: GenerationBackend, metrics: GatewayMetrics, prepared: PreparedRequest) -> None:
-        self._metrics = metrics
-        self._arrival = prepared.arrival
-        self.num_prompt_tokens = len(prepared.generation.prompt_token_ids)
-        self.num_completion_tokens = 0
-        self.last: GenerationChunk | None = None
-        self.status: int | None = None
-        self._last_token_at: float | None = None
-        self._closed = False
-        self._chunks: AsyncGenerator[GenerationChunk, None] = backend.generate(prepared.generation)  # type: ignore[assignment]
-        metrics.running.inc()
-
-    async def next(self) -> GenerationChunk | None:
-        """The next chunk, or None when the backend's stream ended. Raises the backend's BackendError."""
-        try:
-            chunk = await anext(self._chunks)
-        except StopAsyncIteration:
-            return None
-        except BackendError as e:
-            self.status = e.status
-            if self.last is None and e.status != 400:
-                self._metrics.rejections.labels(e.code or e.error_type).inc()
-            raise
-        now = time.monotonic()
-        if chunk.token_ids:
-            if self._last_token_at is None:
-                self._metrics.ttft.observe(now - self._arrival)
-            else:
-                self._metrics.tbt.observe(now - self._last_token_at)
-            self._last_token_at = now
-            self.num_completion_tokens += len(chunk.token_ids)
-        if chunk.finish_reason is not None:
-            self.status = 200
-            self._metrics.e2e.observe(now - self._arrival)
-        self.last = chunk
-        return chunk
-
-    def usage(self) -> Usage:
-        cached = self.last.cached_tokens if self.last is not None else 0
-        return Usage(
-            prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_completion_tokens,
-            total_tokens=self.num_prompt_tokens + self.num_completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-        )  # fmt: skip
-
-    async def close(self) -> None:
-        """Close the backend's stream (cancelling the request if it has not finished) and count its tokens."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._chunks.aclose()
-        finally:
-            m = self._metrics
-            m.running.dec()
-            if self.last is not None:  # the backend took it: its prompt was (being) prefilled
-                m.prompt_tokens.inc(self.num_prompt_tokens)
-                for tier, count in self.last.cached_tokens_by_tier.items():
-                    m.cached_prompt_tokens.labels(tier).inc(count)
-            m.completion_tokens.inc(self.num_completion_tokens)
+    def generation(self) -> GenerationRequest:
+        return self.generations[0]
 
 
 class EventStream:
     """A streaming response's SSE events (``async for``), and :meth:`aclose`, which ends it.
 
     ``aclose`` must always be called (app.py does it when the response ends, however it
-    ends); it closes the backend's stream, which cancels a request still running.
+    ends); it closes the backend's streams, which cancels requests still running.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None], run: _Run, request_id: str) -> None:
+    def __init__(self, events: AsyncGenerator[str, None] | None, fanout: Fanout, request_id: str) -> None:
         self._events = events
-        self._run = run
+        self._fanout = fanout
         self.request_id = request_id
+        self.error_status: int | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._events
@@ -280,13 +142,14 @@ class EventStream:
     @property
     def status(self) -> int:
         """200 once finished, an error's status after an error event, 499 if closed before either."""
-        return self._run.status if self._run.status is not None else 499
+        status = self.error_status or self._fanout.status
+        return status if status is not None else 499
 
     async def aclose(self) -> None:
         try:
             await self._events.aclose()
         finally:
-            await self._run.close()
+            await self._fanout.close()
 
 
 # -- the serving class ----------------------------------------------------------------------
@@ -304,16 +167,24 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        self.token_texts = TokenTexts(tokenizer)
 
     # -- preparing --------------------------------------------------------------------------
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
-        """Check ``req`` and render + tokenize its conversation (on a thread). Raises ApiError."""
+        """Check ``req``, render its conversation (with its tools) and tokenize it (on a thread). Raises ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
-        messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
         try:
-            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+            tool_plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ValueError as e:
+            param, message = str(e).split("\t", 1)
+            raise ApiError(400, message, param=param) from None
+        native = tools.template_supports_tools(self.tokenizer.chat_template)
+        messages, variables = tools.render_messages([_template_message(m, i) for i, m in enumerate(req.messages)],
+                                                    tool_plan, native)  # fmt: skip
+        try:
+            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, **variables)
         except ValueError as e:
             raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
         if req.max_completion_tokens is not None:
@@ -321,38 +192,73 @@ class OpenAIServing:
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         max_tokens = self._max_tokens(len(prompt), max_tokens, "messages", max_param)
-        return self._prepared(req, prompt, max_tokens, _ChatFormat, arrival)
+        grammar = self._chat_grammar(req, tool_plan)
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prepared = self._prepared(req, [prompt], max_tokens, ChatFormat, arrival, logprobs=logprobs, grammar=grammar)
+        prepared.tools = tool_plan
+        return prepared
+
+    def _chat_grammar(self, req: ChatCompletionRequest, tool_plan: tools.ToolPlan | None) -> str | None:
+        """The grammar the output must follow (response_format, or a forced tool call); ApiError when it does not compile."""
+        fmt = req.response_format
+        lark = tools.lark_grammar(tool_plan) if tool_plan is not None else None
+        if lark is not None and fmt is not None and fmt.type != "text":
+            raise ApiError(400, "response_format cannot be combined with a tool_choice that forces a call", param="response_format")
+        try:
+            if lark is not None:
+                return grammar_for(lark=lark)
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return grammar_for(json_schema=JSON_OBJECT_SCHEMA)
+            if fmt.json_schema is None:
+                raise ApiError(400, "response_format of type json_schema needs 'json_schema'", param="response_format.json_schema")
+            return grammar_for(json_schema=fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {})
+        except ValueError as e:
+            param = "tools" if lark is not None else "response_format"
+            raise ApiError(400, f"The {'tools' if lark is not None else 'schema'} cannot be compiled into a grammar: {e}",
+                           param=param) from None  # fmt: skip
 
     async def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
-        """Check ``req`` and tokenize its prompt (text on a thread; token ids as given). Raises ApiError."""
+        """Check ``req`` and tokenize its prompts (text on a thread; token ids as given). Raises ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ApiError(400, f"Got {len(prompt)} prompts; batches (n > 1) are not supported, send one prompt per "
-                               "request", param="prompt")  # fmt: skip
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if prompt else []
-        else:
-            ids = list(prompt)
-            vocab = self.tokenizer.vocab_size
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if bad:
-                raise ApiError(400, f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
-        max_tokens = self._max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens")
-        return self._prepared(req, ids, max_tokens, _CompletionFormat, arrival)
+        for name in ("suffix",):
+            if getattr(req, name):
+                raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+        prompts = req.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ApiError(400, "The prompt is empty: at least one token is required", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+        ids_list = []
+        vocab = self.tokenizer.vocab_size
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if prompt else []
+            else:
+                ids = list(prompt)
+                bad = [i for i in ids if not 0 <= i < vocab]
+                if bad:
+                    raise ApiError(400, f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+            ids_list.append(ids)
+        max_tokens = min(self._max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens") for ids in ids_list)
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (the prompt's log-probabilities) is not supported yet", param="echo",
+                           code="unsupported_parameter")  # fmt: skip
+        prepared = self._prepared(req, ids_list, max_tokens, CompletionFormat, arrival, logprobs=req.logprobs, best_of=req.best_of)
+        if req.echo:
+            prepared.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        return prepared
 
     def _check_common(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.model != self.model_name:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")  # fmt: skip
-        if req.n not in (None, 1):
-            raise ApiError(400, f"n={req.n} is not supported: only n=1, send several requests instead", param="n")
-        for name, neutral in _NEUTRAL_VALUES.items():
-            if name in type(req).model_fields and getattr(req, name) not in neutral:
-                raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
 
     def _max_tokens(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> int:
         """The completion's token budget; ApiError when the prompt or prompt + max_tokens overflows the context."""
@@ -373,8 +279,9 @@ class OpenAIServing:
         return max_tokens
 
     def _prepared(
-        self, req: ChatCompletionRequest | CompletionRequest, prompt: list[int], max_tokens: int,
-        format_cls: type[_ChatFormat] | type[_CompletionFormat], arrival: float,
+        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], max_tokens: int,
+        format_cls: type[ChatFormat] | type[CompletionFormat], arrival: float, *, logprobs: int | None,
+        grammar: str | None = None, best_of: int | None = None,
     ) -> PreparedRequest:  # fmt: skip
         request_id = f"{format_cls.id_prefix}{uuid.uuid4().hex}"
         bias = tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items()))
@@ -383,19 +290,33 @@ class OpenAIServing:
             raise ApiError(400, f"logit_bias names token ids outside the vocabulary [0, {vocab})", param="logit_bias")
         if (req.min_tokens or 0) > max_tokens:
             raise ApiError(400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
-        generation = GenerationRequest(
-            request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(req.top_k or 0, 0), seed=req.seed, stop=req.stop_sequences(), ignore_eos=req.ignore_eos,
-            cache_salt=req.cache_salt, presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
-            min_tokens=req.min_tokens or 0,
-        )  # fmt: skip
+        n = req.n or 1
+        per_prompt = best_of or n
+        if per_prompt < n:
+            raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
         stream = bool(req.stream)
+        if stream and per_prompt > n:
+            raise ApiError(400, "best_of > n cannot be streamed: the best choices are known only at the end", param="best_of")
+        if per_prompt * len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"At most {MAX_PROMPTS} generations per request, got {len(prompts)} prompts x {per_prompt}",
+                           param="n")  # fmt: skip
+        # best_of ranks its candidates by their summed log-probabilities
+        sampled_logprobs = logprobs if per_prompt == n else max(logprobs or 0, 0)
+        generations = [
+            GenerationRequest(
+                request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}", prompt_token_ids=prompt,
+                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=_choice_seed(req.seed, j),
+                stop=req.stop_sequences(), ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
+                min_tokens=req.min_tokens or 0, logprobs=sampled_logprobs, grammar=grammar,
+            )
+            for p, prompt in enumerate(prompts) for j in range(per_prompt)
+        ]  # fmt: skip
         include_usage = stream and req.include_usage
-        fmt = format_cls(request_id, int(time.time()), self.model_name, include_usage)
-        return PreparedRequest(generation, fmt, stream, include_usage, arrival)
+        fmt = format_cls(request_id, int(time.time()), self.model_name, include_usage, self.token_texts, logprobs)
+        return PreparedRequest(request_id, generations, per_prompt, n, fmt, stream, include_usage, arrival)
 
     # -- vLLM's /tokenize and /detokenize ----------------------------------------------------
 
@@ -431,23 +352,50 @@ class OpenAIServing:
 
     # -- generating -------------------------------------------------------------------------
 
+    def _fanout(self, prepared: PreparedRequest) -> Fanout:
+        return Fanout(self.backend, self.metrics, prepared.generations, prepared.per_prompt, prepared.arrival)
+
     async def complete(self, prepared: PreparedRequest) -> dict[str, Any]:
-        """Generate the whole completion; its response body. Raises ApiError (the backend's errors included).
+        """Generate every choice whole; the response body. Raises ApiError (the backend's errors included).
 
         Cancelling the awaiting task cancels the request in the backend.
         """
-        run = _Run(self.backend, self.metrics, prepared)
-        pieces: list[str] = []
+        fanout = self._fanout(prepared)
+        pieces: list[list[str]] = [[] for _ in prepared.generations]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in prepared.generations]
+        finish: list[str | None] = [None] * len(prepared.generations)
         try:
-            while (chunk := await run.next()) is not None:
-                pieces.append(chunk.text)
-                if chunk.finish_reason is not None:
-                    return prepared.format.response("".join(pieces), chunk.finish_reason, run.usage())
-            raise _unfinished(prepared)
+            while (item := await fanout.next()) is not None:
+                i, chunk = item
+                pieces[i].append(chunk.text)
+                logprobs[i].extend(chunk.logprobs or ())
+                finish[i] = chunk.finish_reason
         except BackendError as e:
             raise ApiError.from_backend(e) from None
+        except RuntimeError:
+            raise _unfinished(prepared) from None
         finally:
-            await run.close()
+            await fanout.close()
+        choices = []
+        for p in range(len(prepared.generations) // prepared.per_prompt):
+            group = range(p * prepared.per_prompt, (p + 1) * prepared.per_prompt)
+            if prepared.per_prompt > prepared.n:  # best_of: the n likeliest, by their summed log-probabilities
+                group = sorted(group, key=lambda i: -sum(lp.logprob for lp in logprobs[i]))[: prepared.n]
+            for j, i in enumerate(group):
+                text = "".join(pieces[i])
+                result = ChoiceResult(p * prepared.n + j, text, finish[i] or "stop", logprobs[i])
+                if prepared.echo is not None:
+                    prepared.format.start_offset(result.index, len(prepared.echo[p]))
+                    result.text = prepared.echo[p] + text
+                if prepared.tools is not None:
+                    content, calls = tools.parse(text, prepared.tools)
+                    if calls:
+                        result.text, result.tool_calls, result.finish_reason = content or "", calls, "tool_calls"
+                choices.append(result)
+        if prepared.format.top_logprobs is None:
+            for c in choices:
+                c.logprobs = []
+        return prepared.format.response(choices, fanout.usage())
 
     async def open_stream(self, prepared: PreparedRequest) -> EventStream:
         """Start generating and wait for the first chunk; the SSE events from there on.
@@ -455,45 +403,91 @@ class OpenAIServing:
         Raises ApiError if the backend refuses the request before its first chunk (so a
         rejection is still a 429, not an event). The caller must ``aclose()`` the stream.
         """
-        run = _Run(self.backend, self.metrics, prepared)
+        fanout = self._fanout(prepared)
         try:
-            first = await run.next()
+            first = await fanout.next()
         except BackendError as e:
-            await run.close()
+            await fanout.close()
             raise ApiError.from_backend(e) from None
         except BaseException:
-            await run.close()
+            await fanout.close()
             raise
-        return EventStream(self._events(prepared, run, first), run, prepared.request_id)
+        stream = EventStream(None, fanout, prepared.request_id)
+        stream._events = self._events(prepared, fanout, first, stream)  # it sets the stream's error status
+        return stream
 
-    async def _events(self, prepared: PreparedRequest, run: _Run, first: GenerationChunk | None) -> AsyncGenerator[str, None]:
+    async def _events(self, prepared: PreparedRequest, fanout: Fanout, first: tuple[int, GenerationChunk] | None,
+                      stream: EventStream) -> AsyncGenerator[str, None]:  # fmt: skip
         fmt = prepared.format
-        for event in fmt.opening():
-            yield sse(event)
-        chunk = first
+        choices = len(prepared.generations)
+        for i in range(choices):
+            for event in fmt.opening(i):
+                yield sse(event)
+            if prepared.echo is not None:
+                echoed = prepared.echo[i // prepared.per_prompt]
+                fmt.start_offset(i, len(echoed))
+                yield sse(fmt.text(i, echoed, None) or {})
+        held = [_HeldToolText() if prepared.tools is not None else None for _ in range(choices)]
+        item = first
         try:
-            while chunk is not None:
-                if chunk.text:
-                    yield sse(fmt.text(chunk.text))
+            while item is not None:
+                i, chunk = item
+                text = held[i].push(chunk.text) if held[i] is not None else chunk.text
+                event = fmt.text(i, text, chunk.logprobs)
+                if event is not None:
+                    yield sse(event)
                 if chunk.finish_reason is not None:
-                    yield sse(fmt.finish(chunk.finish_reason))
-                    if prepared.include_usage:
-                        yield sse(fmt.usage(run.usage()))
-                    yield DONE_EVENT
-                    return
-                chunk = await run.next()
-            raise _unfinished(prepared)
+                    reason = chunk.finish_reason
+                    if held[i] is not None:
+                        content, calls = tools.parse(held[i].flush(), prepared.tools)
+                        if content and (event := fmt.text(i, content, None)) is not None:
+                            yield sse(event)
+                        for k, call in enumerate(calls):
+                            yield sse(fmt.tool_call(i, k, call))
+                        reason = "tool_calls" if calls else reason
+                    yield sse(fmt.finish(i, reason))
+                item = await fanout.next()
+            if prepared.include_usage:
+                yield sse(fmt.usage(fanout.usage()))
+            yield DONE_EVENT
+            return
         except BackendError as e:
             log.warning("request %s failed mid-stream: %s", prepared.request_id, e.message)
             error = ApiError.from_backend(e)
-        except ApiError as e:
-            error = e
+        except RuntimeError:
+            error = _unfinished(prepared)
         except Exception:
             log.exception("request %s failed mid-stream", prepared.request_id)
             error = ApiError(500, "Internal error while generating", error_type="server_error")
-        run.status = error.status
+        stream.error_status = error.status
         yield sse(error.body())
         yield DONE_EVENT
+
+
+class _HeldToolText:
+    """A streamed choice's text, held back from the point where it may be a tool call (tools.may_open_call)."""
+
+    def __init__(self) -> None:
+        self.held = ""
+
+    def push(self, text: str) -> str:
+        """What can be shown now of the new ``text``."""
+        self.held += text
+        if tools.may_open_call(self.held):
+            return ""
+        shown, self.held = self.held, ""
+        return shown
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+def _choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice ``choice``'s seed: the request's plus its index (kept in range), so each choice has its own stream."""
+    if seed is None:
+        return None
+    return seed + choice if seed + choice <= SEED_MAX else seed - choice
 
 
 def _unfinished(prepared: PreparedRequest) -> ApiError:
@@ -519,4 +513,18 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": text}
     if message.name is not None:
         rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                   "arguments": _arguments(c.function.arguments, index, k)}}
+                                  for k, c in enumerate(message.tool_calls)]  # fmt: skip
     return rendered
+
+
+def _arguments(arguments: str, index: int, call: int) -> Any:
+    """A call's arguments as the templates take them (a JSON object); ApiError when they are not JSON."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise ApiError(400, "A tool call's arguments are not JSON", param=f"messages[{index}].tool_calls[{call}].function.arguments") from None

@@ -28,7 +28,7 @@ import grpc.aio
 
 from mooncake.blocks import block_keys
 from mooncake.serving.channels import client_options
-from mooncake.serving.sampling import sampling_to_pb
+from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
 from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
 from mooncake.serving.types import (
     BackendError, GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Recovery, Rejected, Unavailable,
@@ -139,7 +139,8 @@ class ClusterBackend(GenerationBackend):
                     yield GenerationChunk(token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason or None,
                                           prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                                           cached_tokens=usage[0], cached_tokens_by_tier=usage[1],
-                                          recovery=self._recovery(request, progress) if c.finish_reason else None)  # fmt: skip
+                                          recovery=self._recovery(request, progress) if c.finish_reason else None,
+                                          logprobs=[logprob_from_pb(lp) for lp in c.logprobs] if request.logprobs is not None else None)  # fmt: skip
                     if c.finish_reason:
                         return
                 raise _Fault(Fault.DECODE, Unavailable(f"decode worker {placement.decode_id} ended the stream without finishing"),

@@ -27,7 +27,7 @@ def sampling_params(req: GenerationRequest) -> SamplingParams:
         stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
-        min_tokens=req.min_tokens,
+        min_tokens=req.min_tokens, logprobs=req.logprobs, grammar=req.grammar,
     )  # fmt: skip
 
 
@@ -77,6 +77,7 @@ class LocalBackend(GenerationBackend):
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.output_token_ids),
                     cached_tokens=out.num_cached_tokens,
                     cached_tokens_by_tier={"engine": out.num_cached_tokens} if out.num_cached_tokens else {},
+                    logprobs=out.new_logprobs,
                 )  # fmt: skip
         finally:
             if not finished:

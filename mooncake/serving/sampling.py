@@ -8,7 +8,7 @@ worker the rest).
 
 from __future__ import annotations
 
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import SamplingParams, TokenLogprob
 from mooncake.serving.types import GenerationRequest
 from protos import worker_pb2 as wpb
 
@@ -18,7 +18,8 @@ def sampling_to_pb(req: GenerationRequest) -> wpb.Sampling:
                         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
                         include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                        logit_bias=dict(req.logit_bias), min_tokens=req.min_tokens)  # fmt: skip
+                        logit_bias=dict(req.logit_bias), min_tokens=req.min_tokens, logprobs=req.logprobs,
+                        grammar=req.grammar or "")  # fmt: skip
 
 
 def params_from_pb(s: wpb.Sampling, **overrides) -> SamplingParams:
@@ -29,6 +30,16 @@ def params_from_pb(s: wpb.Sampling, **overrides) -> SamplingParams:
         ignore_eos=s.ignore_eos, include_stop_str_in_output=s.include_stop_str_in_output,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty or 1.0, logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
+        logprobs=s.logprobs if s.HasField("logprobs") else None, grammar=s.grammar or None,
     )  # fmt: skip
     fields.update(overrides)
     return SamplingParams(**fields)
+
+
+def logprob_to_pb(lp: TokenLogprob) -> wpb.TokenLogprob:
+    return wpb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                            top_logprobs=[v for _, v in lp.top])  # fmt: skip
+
+
+def logprob_from_pb(m: wpb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(m.token_id, m.logprob, tuple(zip(m.top_ids, m.top_logprobs)))

@@ -16,6 +16,8 @@ import abc
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from mooncake.engine.request import TokenLogprob
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
@@ -39,6 +41,8 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    logprobs: int | None = None  # each token's log-probability, and this many of the likeliest
+    grammar: str | None = None  # llguidance grammar the output must follow (mooncake.engine.grammar.grammar_for)
 
 
 @dataclass(slots=True)
@@ -57,6 +61,7 @@ class GenerationChunk:
     cached_tokens: int = 0  # prompt tokens whose KV was reused, not computed
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "dram", "ssd", "remote" (pulled)
     recovery: Recovery | None = None  # last chunk of a request that outlived a failure: what it took
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
 
 
 @dataclass(slots=True)

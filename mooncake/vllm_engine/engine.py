@@ -39,7 +39,7 @@ from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
-from mooncake.engine.request import FinishReason, SamplingParams, checked_prompt, match_stop_string
+from mooncake.engine.request import FinishReason, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
 from mooncake.engine.weights import load_hf_config
 from mooncake.blocks import block_keys
 from mooncake.serving.engines import EngineKind, engine_fingerprint
@@ -169,6 +169,8 @@ class VllmEngine:
             # escape the penalty, and the output would differ from vLLM serving alone
             raise ValueError("presence_penalty and frequency_penalty are not supported on vLLM workers yet (vLLM would "
                              "not count the first token, sampled on the prefill worker)")  # fmt: skip
+        if params.grammar is not None:
+            raise ValueError("structured output (response_format, tools) is not supported on vLLM workers yet")
         rid = request_id if request_id is not None else f"req-{self._next_id()}"
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already in the engine")
@@ -177,7 +179,7 @@ class VllmEngine:
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, detokenize=False,
             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
-            min_tokens=max(0, params.min_tokens - len(initial)),
+            min_tokens=max(0, params.min_tokens - len(initial)), logprobs=params.logprobs,
         )  # fmt: skip
         internal = self._llm.add_request(rid, TokensPrompt(prompt_token_ids=sequence), vparams)
         if external_kv is not None:
@@ -222,6 +224,7 @@ class VllmEngine:
                 finish_reason=reason, num_prompt_tokens=tracked.num_prompt_tokens,
                 num_cached_tokens=tracked.num_cached_tokens or (out.num_cached_tokens or 0),  # ours, else vLLM's prefix cache
                 text=tracked.text, stop_reason=stop_reason,
+                new_logprobs=_logprobs(comp, before - len(tracked.initial), tracked.params.logprobs),
             ))  # fmt: skip
         return results
 
@@ -292,3 +295,15 @@ class VllmEngine:
     def _next_id(self) -> int:
         self._ids += 1
         return self._ids
+
+
+def _logprobs(completion, start: int, k: int | None) -> list[TokenLogprob] | None:
+    """Ours from vLLM's (per position, {token id: Logprob(logprob, rank)} holding the sampled token and the top k),
+    for the completion's tokens from ``start`` on; None when the request did not ask."""
+    if k is None or completion.logprobs is None:
+        return None
+    out = []
+    for token, entries in zip(completion.token_ids[start:], completion.logprobs[start:]):
+        top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda te: te[1].rank)
+        out.append(TokenLogprob(int(token), float(entries[token].logprob), tuple((int(t), float(e.logprob)) for t, e in top)))
+    return out

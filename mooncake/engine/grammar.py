@@ -22,6 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# JSON as Python's json.dumps writes it (a schema's "x-guidance" may say otherwise): no free whitespace, so a
+# sampled output cannot wander off into blank lines.
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 # The schema llguidance compiles for OpenAI's ``{"type": "json_object"}``: any JSON object.
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
@@ -38,7 +41,7 @@ def grammar_for(*, json_schema: dict[str, Any] | bool | None = None, regex: str 
         raise ValueError("give exactly one of json_schema, regex and lark")
     try:
         if json_schema is not None:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(json_schema))
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(json_schema), defaults=JSON_LAYOUT)
         elif regex is not None:
             grammar = llguidance.LLMatcher.grammar_from_regex(regex)
         else:

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake.engine.grammar import JSON_LAYOUT
 from mooncake.gateway.protocol import FunctionCall, ToolCall, ToolDefinition
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -116,7 +117,7 @@ def lark_grammar(plan: ToolPlan) -> str | None:
     options = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                  "arguments": t.function.parameters or {"type": "object"}},
                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]  # fmt: skip
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_LAYOUT}
     call = f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"'
     return f"start: call{'+' if plan.parallel else ''}\n{call}\n"
 

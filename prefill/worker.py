@@ -39,6 +39,7 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
+from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
@@ -124,7 +125,8 @@ class PrefillWorker:
             raise ValueError(f"pool node {self.node} is not on this host (its DRAM tier has no shared-memory file)")
         self._region = SharedRegion.open(stats.segment.shm_path)
         self.connector = PoolConnector(self.transfer, None, config.block_size, config.io_timeout_s)
-        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector)
+        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector,
+                                   tokenizer=_tokenizer(config.model))  # fmt: skip
         if self.engine.block_bytes != stats.block_bytes:
             raise ValueError(f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
                              f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})")  # fmt: skip
@@ -365,3 +367,12 @@ def _quietly(fn, *args) -> None:
         fn(*args)
     except (KeyError, KVStoreUnavailable):
         pass  # expired or the node is gone: nothing left to free
+
+
+def _tokenizer(model: str) -> Tokenizer | None:
+    """The model's tokenizer (a grammar's first token is sampled here), or None for a model shipped without one."""
+    try:
+        return Tokenizer.from_dir(model)
+    except (OSError, ValueError) as e:
+        log.info("no tokenizer for %s (%s): structured output will be refused", model, e)
+        return None

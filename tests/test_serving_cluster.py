@@ -8,14 +8,19 @@ equals one engine alone, token for token.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
+from mooncake.engine import EngineConfig, LLMEngine
+from mooncake.engine.grammar import grammar_for
+from mooncake.engine.request import SamplingParams
 from mooncake.engine.tiny import make_tiny
 from mooncake.engine.tokenizer import Tokenizer
 from protos import conductor_pb2 as cpb
@@ -227,6 +232,69 @@ def test_penalties_and_biases_hold_across_the_prefill_decode_hand_off(cluster, c
     bad = httpx.post(f"{cluster.endpoint}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
                      json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logit_bias": {"999999": 5}})  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
+def test_logprobs_and_a_grammar_hold_across_the_prefill_decode_hand_off(cluster, client, tok, tiny_dir):
+    """The prefill worker's first token carries its logprobs and starts the grammar; the decode worker replays
+    that token into its own matcher and goes on: the same tokens, logprobs and valid JSON as one engine alone."""
+    prompt = prompt_of(30, seed=8)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=5,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=512, max_model_len=1024), tokenizer=tok)
+    alone = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5))[0]
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in alone.output_token_ids]
+    ref = reference_steps(engine, prompt, alone.output_token_ids)
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref], abs=1e-4)
+    for got, want in zip(lp.top_logprobs, ref):  # keyed by text: tokens of the same text (U+FFFD pieces) share a key
+        want_by_text = {}
+        for t, v in want.top:
+            want_by_text.setdefault(tok.decode([t], skip_special_tokens=False), v)
+        assert got == pytest.approx(want_by_text, abs=1e-4)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+              "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}, "required": ["n", "tags"],
+              "additionalProperties": False}  # fmt: skip
+    grammar = grammar_for(json_schema=schema)
+    be = backend(cluster)
+    for seed in range(6):
+        chunks = generate(be, f"json-{seed}", prompt, 60, temperature=1.0, seed=seed, grammar=grammar)
+        text = "".join(c.text for c in chunks)
+        jsonschema.validate(json.loads(text), schema)
+        one = engine.generate([prompt], SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar))[0]
+        assert tokens(chunks) == one.output_token_ids
+
+
+def reference_steps(engine: LLMEngine, prompt: list[int], outputs: list[int]) -> list:
+    """One engine's logprobs of each given token, step by step (teacher-forced through initial outputs)."""
+    steps = []
+    for i in range(len(outputs)):
+        params = SamplingParams(max_tokens=i + 1, temperature=0.0, ignore_eos=True, logprobs=5)
+        rid = engine.add_request(prompt, params, initial_output_token_ids=outputs[:i])
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid and out.new_logprobs:
+                    steps.append(out.new_logprobs[-1])
+    return steps
+
+
+def test_n_choices_prefill_their_prompt_once(cluster, client):
+    """Choice 0 is prefilled; its siblings start once the prompt's KV is in the pool and compute only the last,
+    partial block (prefill workers' metrics)."""
+
+    def computed() -> float:
+        total = 0.0
+        for name in ("prefill-0", "prefill-1"):
+            lines = httpx.get(f"http://{cluster.component(name).info['metrics']}/metrics", timeout=10).text.splitlines()
+            total += sum(float(x.split()[-1]) for x in lines if x.startswith('mooncake_prefill_prompt_tokens_total{source="computed"}'))
+        return total
+
+    prompt = prompt_of(100, seed=21)  # 6 full blocks of 16 and 4 tokens
+    before = computed()
+    r = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=6, temperature=1.0, seed=1,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert len({c.text for c in r.choices}) == 4
+    assert r.usage.prompt_tokens == 100 and r.usage.completion_tokens == 24
+    assert computed() - before == 100 + 3 * 4  # once whole, then each sibling's last 4 tokens
 
 
 @pytest.mark.slow

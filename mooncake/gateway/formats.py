@@ -138,11 +138,18 @@ class CompletionFormat(_Format):
             text, _ = self._texts(lp.token_id)
             tokens.append(text)
             values.append(lp.logprob)
-            tops.append({self._texts(t)[0]: v for t, v in lp.top[: self.top_logprobs]} if self.top_logprobs else None)
+            tops.append(self._top_by_text(lp) if self.top_logprobs else None)
             offsets.append(offset)
             offset += len(text)
         self._offsets[index] = offset
         return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
+
+    def _top_by_text(self, lp: TokenLogprob) -> dict[str, float]:
+        """The likeliest tokens keyed by their text; tokens of the same text (U+FFFD pieces) keep the likeliest's."""
+        top: dict[str, float] = {}
+        for token_id, value in lp.top[: self.top_logprobs]:
+            top.setdefault(self._texts(token_id)[0], value)
+        return top
 
     def start_offset(self, index: int, offset: int) -> None:
         """Offsets of choice ``index`` count from here (the echoed prompt's length)."""

@@ -9,12 +9,14 @@ start-up takes seconds rather than a minute of graph compilation.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -61,12 +63,17 @@ def be(cluster) -> ClusterBackend:
 
 
 @pytest.fixture(scope="module")
-def references(smollm2_dir) -> dict[tuple[int, ...], list[int]]:
-    """vLLM alone, greedy, 16 tokens: every prompt the equivalence tests send."""
+def alone(smollm2_dir) -> dict[tuple[int, ...], dict]:
+    """vLLM alone, greedy, 16 tokens and their top-5 logprobs: every prompt the equivalence tests send."""
     prompts = [prompt_of(n, seed=n) for n in LENGTHS] + [PULL_SHARED + PULL_TAIL]
     out = vllm_alone.run("reference", model=str(smollm2_dir), block_size=BLOCK, max_model_len=MAX_LEN, max_tokens=16,
-                         prompts=prompts)  # fmt: skip
-    return {tuple(p): t for p, t in zip(prompts, out)}
+                         prompts=prompts, logprobs=5)  # fmt: skip
+    return {tuple(p): o for p, o in zip(prompts, out)}
+
+
+@pytest.fixture(scope="module")
+def references(alone) -> dict[tuple[int, ...], list[int]]:
+    return {p: o["tokens"] for p, o in alone.items()}
 
 
 PULL_SHARED = prompt_of(256, seed=4242)
@@ -109,6 +116,32 @@ def test_vllm_prefill_pool_vllm_decode_equals_vllm_alone_cold_and_from_the_pool(
     assert cold[-1].cached_tokens == 0
     assert warm[-1].cached_tokens == min(length // BLOCK * BLOCK, length - 1)  # its full blocks; the last token computed
     assert warm[-1].prompt_tokens == length and warm[-1].completion_tokens == 16
+
+
+def test_logprobs_through_vllm_prefill_and_decode_equal_vllm_alones(be, alone):
+    """The first token's logprobs come from the prefill worker's vLLM, the rest from the decode worker's."""
+    prompt = prompt_of(100, seed=100)
+    chunks = generate(be, "logprobs", prompt, 16, temperature=0.0, ignore_eos=True, logprobs=5)
+    ref = alone[tuple(prompt)]
+    got = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in got] == ref["tokens"]
+    assert [lp.logprob for lp in got] == pytest.approx([step[0] for step in ref["logprobs"]], abs=1e-4)
+    assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in step[1]] for step in ref["logprobs"]]
+
+
+def test_a_json_schema_holds_across_vllm_prefill_and_decode(cluster, smollm2_dir):
+    """vLLM workers follow our grammar through GrammarLogitsProcessor: the prefill's vLLM samples the first token
+    under it, the decode's vLLM starts its matcher past that token."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+              "age": {"type": "integer", "minimum": 0, "maximum": 120}, "pets": {"type": "array", "maxItems": 3,
+              "items": {"enum": ["cat", "dog", "fish"]}}}, "required": ["name", "age", "pets"], "additionalProperties": False}  # fmt: skip
+    client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=120)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    for seed in range(4):
+        r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Describe a person as JSON."}],
+                                           temperature=1.0, seed=seed, max_tokens=120, response_format=fmt)  # fmt: skip
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_streaming_chat_through_the_openai_client(cluster, smollm2_dir):

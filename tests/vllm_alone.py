@@ -32,15 +32,28 @@ def run(mode: str, timeout_s: float = 600, **args) -> object:
     return json.loads(lines[-1][len(RESULT) :])
 
 
-def _reference(args: dict) -> list[list[int]]:
+def _reference(args: dict) -> list[list[int]] | list[dict]:
+    """Greedy tokens per prompt; with ``logprobs`` (k), ``{"tokens", "logprobs": [[logprob, [[id, logprob] x k]]]}``."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=args["model"], dtype="float32", block_size=args["block_size"], max_model_len=args["max_model_len"],
               enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=512 * 2**20, seed=0)  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
-    return [list(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0].token_ids)
-            for p in args["prompts"]]  # fmt: skip
+    k = args.get("logprobs")
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, logprobs=k)
+    out = []
+    for p in args["prompts"]:
+        completion = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0]
+        tokens = list(completion.token_ids)
+        if k is None:
+            out.append(tokens)
+            continue
+        steps = []
+        for token, entries in zip(tokens, completion.logprobs):
+            top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None and e.rank <= k)
+            steps.append([entries[token].logprob, [[t, v] for _, t, v in top]])
+        out.append({"tokens": tokens, "logprobs": steps})
+    return out
 
 
 def _layout(args: dict) -> str:

@@ -72,8 +72,8 @@ class GrammarBook:
         self._matchers: dict[str, Any] = {}
         self._mask = np.empty((vocab_size + 31) // 32, dtype=np.int32)
 
-    def add(self, request_id: str, grammar: str, output_token_ids: Sequence[int] = ()) -> None:
-        """Start constraining ``request_id``, as it stands after ``output_token_ids``.
+    def new(self, grammar: str, output_token_ids: Sequence[int] = ()) -> Constraint:
+        """A constraint following ``grammar``, as it stands after ``output_token_ids``.
 
         ValueError when the grammar does not compile or those tokens break it."""
         matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
@@ -81,25 +81,44 @@ class GrammarBook:
             raise ValueError(f"the grammar cannot be used: {matcher.get_error()}")
         if output_token_ids and not matcher.consume_tokens([int(t) for t in output_token_ids]):
             raise ValueError(f"the tokens generated so far do not follow the grammar: {matcher.get_error()}")
-        self._matchers[request_id] = matcher
+        return Constraint(matcher, self._mask)
+
+    def add(self, request_id: str, grammar: str, output_token_ids: Sequence[int] = ()) -> None:
+        """Start constraining ``request_id`` (see :meth:`new`)."""
+        self._matchers[request_id] = self.new(grammar, output_token_ids)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
     def mask_(self, logits: torch.Tensor, request_id: str) -> None:
-        """Set to -inf, in place, every entry of one row of logits [V] the grammar forbids next. Once per step."""
-        matcher = self._matchers[request_id]
-        matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        """Set to -inf, in place, every entry of one row of logits [V] the request's grammar forbids next."""
+        self._matchers[request_id].mask_(logits)
+
+    def accept(self, request_id: str, token_id: int) -> None:
+        """Advance the request's matcher past the token it was given (a no-op for unconstrained requests)."""
+        constraint = self._matchers.get(request_id)
+        if constraint is not None:
+            constraint.accept(token_id)
+
+    def drop(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+
+class Constraint:
+    """One request's matcher (GrammarBook.new). ``mask_`` once per step, then ``accept`` of the sampled token."""
+
+    def __init__(self, matcher, mask: np.ndarray) -> None:
+        self._matcher = matcher
+        self._mask = mask  # scratch, shared by the book's constraints (one engine thread)
+
+    def mask_(self, logits: torch.Tensor) -> None:
+        """Set to -inf, in place, every entry of one row of logits [V] the grammar forbids next."""
+        self._matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
         allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: logits.shape[-1]]
         if not allowed.any():  # the matcher failed; leave the row alone rather than sample from nothing
             return
         logits.masked_fill_(torch.from_numpy(allowed == 0).to(logits.device), float("-inf"))
 
-    def accept(self, request_id: str, token_id: int) -> None:
-        """Advance the request's matcher past the token it was given (a no-op for unconstrained requests)."""
-        matcher = self._matchers.get(request_id)
-        if matcher is not None and not matcher.is_stopped():
-            matcher.consume_token(int(token_id))
-
-    def drop(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.is_stopped():
+            self._matcher.consume_token(int(token_id))

@@ -426,7 +426,8 @@ class OpenAIServing:
             if prepared.echo is not None:
                 echoed = prepared.echo[i // prepared.per_prompt]
                 fmt.start_offset(i, len(echoed))
-                yield sse(fmt.text(i, echoed, None) or {})
+                if (event := fmt.text(i, echoed, None)) is not None:
+                    yield sse(event)
         held = [_HeldToolText() if prepared.tools is not None else None for _ in range(choices)]
         item = first
         try:

@@ -39,6 +39,7 @@ from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.request import FinishReason, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
 from mooncake.engine.weights import load_hf_config
 from mooncake.blocks import block_keys
@@ -85,6 +86,8 @@ class VllmEngine:
         from vllm.config import KVTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 
+        from mooncake.vllm_engine.grammar import GrammarLogitsProcessor
+
         self.config = config
         self.tokenizer = tokenizer
         if not torch.cuda.is_available():
@@ -110,6 +113,8 @@ class VllmEngine:
                 raise ValueError(f"--vllm-arg {key} is set by the worker (the pool connector; the pool as prefix cache; "
                                  "the cluster's block size, --block-size)")  # fmt: skip
         kwargs.update(vllm_args)
+        kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), GrammarLogitsProcessor]
+        self._grammars: GrammarBook | None = None  # checks constrained requests' grammars (built on first use)
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=CONNECTOR_NAME, kv_connector_module_path="mooncake.vllm_engine.connector", kv_role="kv_both",
             kv_connector_extra_config={"bridge": self._bridge_id},
@@ -155,6 +160,8 @@ class VllmEngine:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
+        from mooncake.vllm_engine.grammar import GRAMMAR_KEY, INITIAL_KEY
+
         params = sampling_params or SamplingParams()
         prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None)
         initial = [int(t) for t in initial_output_token_ids or []]
@@ -169,8 +176,14 @@ class VllmEngine:
             # escape the penalty, and the output would differ from vLLM serving alone
             raise ValueError("presence_penalty and frequency_penalty are not supported on vLLM workers yet (vLLM would "
                              "not count the first token, sampled on the prefill worker)")  # fmt: skip
-        if params.grammar is not None:
-            raise ValueError("structured output (response_format, tools) is not supported on vLLM workers yet")
+        extra = None
+        if params.grammar is not None:  # checked here (a 400), then followed by GrammarLogitsProcessor inside vLLM
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs an engine built with a tokenizer")
+                self._grammars = GrammarBook(self.tokenizer.backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids)
+            self._grammars.new(params.grammar, initial)
+            extra = {GRAMMAR_KEY: params.grammar, INITIAL_KEY: initial}
         rid = request_id if request_id is not None else f"req-{self._next_id()}"
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already in the engine")
@@ -179,7 +192,7 @@ class VllmEngine:
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, detokenize=False,
             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
-            min_tokens=max(0, params.min_tokens - len(initial)), logprobs=params.logprobs,
+            min_tokens=max(0, params.min_tokens - len(initial)), logprobs=params.logprobs, extra_args=extra,
         )  # fmt: skip
         internal = self._llm.add_request(rid, TokensPrompt(prompt_token_ids=sequence), vparams)
         if external_kv is not None:

@@ -385,6 +385,20 @@ def test_malformed_json_and_non_object_bodies_are_400(http):
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("path, body", [
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+    (COMPLETIONS, b'{"model": "\\udc00", "prompt": "hi"}'),
+    ("/tokenize", b'{"prompt": "\\ud800"}'),
+])  # fmt: skip
+def test_a_lone_surrogate_in_a_string_is_400_and_a_pair_is_text(http, path, body):
+    # found by tests/test_fuzz.py: the tokenizer, protobuf and the error response itself failed on these (500)
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_unicode"
+    emoji = http.post("/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}', headers={"content-type": "application/json"})
+    assert emoji.status_code == 200, emoji.text
+
+
 def test_context_overflow_messages_say_the_numbers(http):
     r = http.post(COMPLETIONS, json={"model": "tiny", "prompt": LONG_IDS})
     assert r.status_code == 400 and "512" in r.json()["error"]["message"] and "600" in r.json()["error"]["message"]

@@ -3,8 +3,9 @@
     app = create_app(backend, tokenizer, GatewayConfig(served_model_name="tiny", api_key="sk-..."))
     uvicorn.run(app, host="0.0.0.0", port=8000)
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (behind the API
-key when one is configured), GET /health, GET /metrics (always open).
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize,
+POST /detokenize (behind the API key when one is configured), GET /health, GET /metrics
+(always open). ``/openapi.json`` documents every status they answer (mooncake.gateway.openapi).
 
 A client that goes away cancels its request. The routes race the backend work against
 the ASGI ``http.disconnect`` message (``_unless_disconnected``); a stream's response
@@ -17,25 +18,28 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake.engine.tokenizer import Tokenizer
+from mooncake.gateway import openapi
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-    TokenizeResponse,
+    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 )  # fmt: skip
 from mooncake.gateway.serving import ApiError, EventStream, OpenAIServing, PreparedRequest
 from mooncake.serving.types import BackendError, GenerationBackend
@@ -75,15 +79,15 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
         await backend.close()
 
     started = int(time.time())
-    app = FastAPI(title="mooncake gateway", lifespan=lifespan)
+    app = FastAPI(title="mooncake gateway", lifespan=lifespan, dependencies=[Depends(_text_only_body)])
     app.state.serving = serving
     app.state.metrics = metrics
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=openapi.generation(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(serving, request, await serving.prepare_chat(body))
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=openapi.generation(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _respond(serving, request, await serving.prepare_completion(body))
 
@@ -92,23 +96,24 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
         card = ModelCard(id=config.served_model_name, created=started, max_model_len=backend.max_model_len)
         return ModelList(data=[card])
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=openapi.errors(400, 404))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         return await serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=openapi.errors(400, 404))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await serving.detokenize(body)
 
-    @app.get("/health", response_model=None)
+    @app.get("/health", response_model=None, responses=openapi.HEALTH)
     async def health() -> JSONResponse:
         return JSONResponse(await backend.health())
 
-    @app.get("/metrics", response_model=None)
+    @app.get("/metrics", response_model=None, response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     _install_error_handlers(app)
+    openapi.document(app, guarded=_is_guarded if config.api_key is not None else None)
     if config.api_key is not None:
         app.add_middleware(_BearerAuth, api_key=config.api_key)
     app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the 401s too
@@ -193,6 +198,28 @@ class _EventStreamResponse(StreamingResponse):
 # -- errors ---------------------------------------------------------------------------------
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # \uD800-\uDFFF: in pairs they spell one character
+
+
+async def _text_only_body(request: Request) -> None:
+    """Refuse (400) a JSON body with a lone UTF-16 surrogate in a string (``"\\ud800"``): valid JSON syntax, but not
+    text, and the tokenizer, protobuf and the error response itself would fail on it (a 500).
+
+    Runs on every route, after FastAPI has read the body (so it costs a scan of bytes read anyway; only a body
+    with a surrogate escape is decoded again).
+    """
+    body = await request.body()
+    if not _SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"The body has a lone UTF-16 surrogate ({e.object[e.start : e.end]!a}), which is not text",
+                       code="invalid_unicode") from None  # fmt: skip
+    except ValueError:
+        pass  # not JSON: the body's validation says so
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -274,6 +301,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/*: they use the model's tokenizer
 
 
+def _is_guarded(path: str) -> bool:
+    """Whether ``path`` needs the API key (when one is configured): /v1/* and GUARDED_PATHS."""
+    return path == "/v1" or path.startswith("/v1/") or path in GUARDED_PATHS
+
+
 class _BearerAuth:
     """Answers 401 to /v1/*, /tokenize and /detokenize requests without ``Authorization: Bearer <api_key>``."""
 
@@ -282,8 +314,7 @@ class _BearerAuth:
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if path == "/v1" or path.startswith("/v1/") or path in GUARDED_PATHS:
+        if scope["type"] == "http" and _is_guarded(scope["path"]):
             header = dict(scope["headers"]).get(b"authorization")
             if header is None:
                 error = "Missing API key: send it as 'Authorization: Bearer <key>'"

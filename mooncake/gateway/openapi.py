@@ -21,10 +21,13 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from mooncake.gateway.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from mooncake.gateway.protocol import AssistantMessage, ChatCompletionChunk, CompletionResponse, Delta, ErrorResponse
 
 BEARER = "bearerAuth"  # the security scheme's name in components.securitySchemes
 _REF = "#/components/schemas/{model}"
+# Their model_serializer drops the keys left unset, which pydantic documents as "any object"; their fields (the
+# dropped ones optional) say what they hold.
+_SERIALIZED_BY_HAND = (AssistantMessage, Delta)
 
 _ERRORS = {
     400: "Invalid request: malformed JSON, a missing or invalid parameter, one this server does not support, or a "
@@ -110,10 +113,7 @@ def _rewrite(schema: dict[str, Any], guarded: Callable[[str], bool] | None) -> d
     models = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 used them
         models.pop(name, None)
-    _, stream_models = models_json_schema([(ChatCompletionChunk, "serialization"), (CompletionResponse, "serialization"),
-                                           (ErrorResponse, "serialization")], ref_template=_REF)  # fmt: skip
-    for name, model in stream_models["$defs"].items():
-        models.setdefault(name, model)
+    _add_models(models)
     if guarded is not None:
         components["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer", "description": "The API key"}}
     for path, item in schema.get("paths", {}).items():
@@ -123,3 +123,19 @@ def _rewrite(schema: dict[str, Any], guarded: Callable[[str], bool] | None) -> d
                 operation["security"] = [{BEARER: []}]
                 operation["responses"]["401"] = {**_error(401), "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
     return schema
+
+
+def _add_models(models: dict[str, Any]) -> None:
+    """The stream events' models (no route returns them, so FastAPI left them out), and the true shapes of the
+    models serialized by hand."""
+    _, streamed = models_json_schema([(ChatCompletionChunk, "serialization"), (CompletionResponse, "serialization"),
+                                      (ErrorResponse, "serialization")], ref_template=_REF)  # fmt: skip
+    for name, model in streamed["$defs"].items():
+        models.setdefault(name, model)
+    _, shaped = models_json_schema([(model, "validation") for model in _SERIALIZED_BY_HAND], ref_template=_REF)
+    by_hand = {model.__name__ for model in _SERIALIZED_BY_HAND}
+    for name, model in shaped["$defs"].items():
+        if name in by_hand:
+            models[name] = model
+        else:
+            models.setdefault(name, model)

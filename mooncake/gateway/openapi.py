@@ -8,8 +8,9 @@ is ``text/event-stream``, and the API key is checked by a middleware FastAPI nev
 
 So the routes declare their responses from the tables here (``errors``, ``generation``,
 ``HEALTH``), and :func:`document` rewrites what a decorator cannot say: it drops the 422s,
-adds the stream chunks' schemas, and puts the Bearer scheme and its 401 on exactly the
-paths the middleware guards (the same predicate decides both).
+adds the stream chunks' schemas, spells out the models serialized by hand, and puts the
+Bearer scheme and its 401 on exactly the paths the middleware guards (the same predicate
+decides both).
 """
 
 from __future__ import annotations

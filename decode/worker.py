@@ -161,6 +161,7 @@ class FirstToken:
     cached_tokens: int
     by_tier: dict[str, int]
     logprobs: list  # [wpb.TokenLogprob] of the token, when the sampling asked
+    prompt_logprobs: list  # [wpb.TokenLogprob] of prompt tokens 1.., when the sampling asked
 
 
 class DecodeWorker:
@@ -264,7 +265,7 @@ class DecodeWorker:
             if finish is not None:
                 run.state = DecodeState.DONE
                 yield wpb.GenerateChunk(token_ids=[first.token], text=text, finish_reason=finish, completion_tokens=len(outputs) + 1,
-                                        logprobs=first.logprobs, **usage)  # fmt: skip
+                                        logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs, **usage)  # fmt: skip
                 return
             outputs_queue: queue.Queue = queue.Queue()
             salt = req.cache_salt if req.HasField("cache_salt") else None
@@ -273,7 +274,7 @@ class DecodeWorker:
             if self.link is not None:
                 self.link.decode_started(req.request_id, time.perf_counter() - t0)
             yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, logprobs=first.logprobs,
-                                    **usage)  # fmt: skip
+                                    prompt_logprobs=first.prompt_logprobs, **usage)  # fmt: skip
             while True:
                 try:
                     out = outputs_queue.get(timeout=0.1)
@@ -308,7 +309,7 @@ class DecodeWorker:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}")  # fmt: skip
         try:
-            return params_from_pb(s)
+            return params_from_pb(s, prompt_logprobs=None)  # the prefill worker computes those
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
@@ -344,7 +345,8 @@ class DecodeWorker:
         if resp.fetched_tokens:
             by_tier["remote"] = resp.fetched_tokens
         logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
-        return FirstToken(resp.first_token, resp.cached_tokens, {k: v for k, v in by_tier.items() if v}, logprobs)
+        return FirstToken(resp.first_token, resp.cached_tokens, {k: v for k, v in by_tier.items() if v}, logprobs,
+                          list(resp.prompt_logprobs))  # fmt: skip
 
     def _check_late_admission(self, req: wpb.GenerateRequest, context_tokens: int) -> None:
         """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted)."""

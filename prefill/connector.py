@@ -51,6 +51,7 @@ class PrefillJob:
     finished_at: float | None = None
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the sampling asked for prompt_logprobs
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 

@@ -171,7 +171,9 @@ class PrefillWorker:
         self.transfer.add_segment(segment_from_pb(landing.segment))
         held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
         try:
-            local, ssd_hits, fetched = self._load_plan(req.plan, keys, held)
+            # prompt logprobs need every prompt token computed: nothing is loaded
+            plan = type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan
+            local, ssd_hits, fetched = self._load_plan(plan, keys, held)
             cached_blocks = len(local) + len(fetched)
             cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
             job.pool_slots = self._reserve_new(keys, cached_blocks, held)
@@ -199,6 +201,7 @@ class PrefillWorker:
             fetched_tokens=max(0, cached - len(local) * bs), computed_tokens=len(prompt) - cached,
             queue_s=(job.started_at or t0) - t0, prefill_s=compute_s,
             first_logprob=logprob_to_pb(job.first_logprob) if job.first_logprob is not None else None,
+            prompt_logprobs=[logprob_to_pb(lp) for lp in job.prompt_logprobs],
         )  # fmt: skip
 
     def _run(self, req, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
@@ -211,6 +214,7 @@ class PrefillWorker:
             elif out.finished:
                 job.first_token = out.output_token_ids[-1] if out.output_token_ids else None
                 job.first_logprob = out.new_logprobs[-1] if out.new_logprobs else None
+                job.prompt_logprobs = out.prompt_logprobs or []
                 job.finished_at = time.perf_counter()
             if isinstance(out, BaseException) or out.finished:
                 job.done.set()
@@ -220,8 +224,10 @@ class PrefillWorker:
         num_outputs = min(req.num_output_tokens, len(prompt) - 1)
         split = len(prompt) - num_outputs
         # the request's sampling (penalties, biases, min_tokens: its first token is sampled here), for one more token
+        # (a resumed stream's client has its prompt logprobs already)
         params = params_from_pb(s, max_tokens=num_outputs + 1, stop=(), include_stop_str_in_output=False,
-                                min_tokens=min(s.min_tokens, num_outputs + 1))  # fmt: skip
+                                min_tokens=min(s.min_tokens, num_outputs + 1),
+                                **({"prompt_logprobs": None} if num_outputs else {}))  # fmt: skip
         future = self.loop.submit_nowait(sink, prompt_token_ids=prompt[:split], sampling_params=params, request_id=req.request_id,
                                          cache_salt=salt, external_kv=external, num_external_tokens=cached if external else 0,
                                          initial_output_token_ids=prompt[split:])  # fmt: skip

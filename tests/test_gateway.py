@@ -357,7 +357,6 @@ LONG_IDS = [100] * 600
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "n": 2, "best_of": 1}, "best_of"),
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "logprobs": 6}, "logprobs"),
-        (COMPLETIONS, {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         (COMPLETIONS, {"model": "tiny", "prompt": [10**6]}, "prompt"),
         (COMPLETIONS, {"model": "tiny", "prompt": LONG_IDS}, "prompt"),
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "seed": 2**70}, "seed"),

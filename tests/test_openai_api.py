@@ -173,10 +173,36 @@ def test_best_of_returns_the_likeliest_candidate(client):
     assert r.choices[0].logprobs is None  # ranked on logprobs it did not ask to see
 
 
-def test_echo_puts_the_prompt_before_the_completion(client):
-    r = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=4, temperature=0, echo=True, extra_body={"ignore_eos": True})
-    plain = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
-    assert r.choices[0].text == "The quick brown fox" + plain.choices[0].text
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(client, tok, hf, stream):
+    words = "The quick brown fox jumps over the lazy dog, again and again and again"  # more than two blocks of 16
+    kwargs = dict(model="tiny", prompt=words, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    client.completions.create(**kwargs)  # now the prompt is in the prefix cache: its logprobs must be computed anyway
+    if stream:
+        text, tokens, values = "", [], []
+        for chunk in client.completions.create(stream=True, echo=True, logprobs=2, **kwargs):
+            for c in chunk.choices:
+                text += c.text
+                if c.logprobs is not None:
+                    tokens += c.logprobs.tokens
+                    values += c.logprobs.token_logprobs
+    else:
+        choice = client.completions.create(echo=True, logprobs=2, **kwargs).choices[0]
+        text, tokens, values = choice.text, choice.logprobs.tokens, choice.logprobs.token_logprobs
+        assert choice.logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert text == words + plain
+    prompt = tok.encode(words)
+    assert len(prompt) > 32
+    ids, ref = greedy_logprobs(hf, prompt, 4)
+    with torch.inference_mode():
+        prompt_ref = hf(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    assert tokens == texts(tok, prompt + ids)
+    assert values[0] is None  # nothing precedes the first prompt token
+    want = [prompt_ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)] + [ref[i, t].item() for i, t in enumerate(ids)]
+    assert values[1:] == pytest.approx(want, abs=1e-4)
+    no_logprobs = client.completions.create(echo=True, **kwargs).choices[0]
+    assert no_logprobs.text == text and no_logprobs.logprobs is None
 
 
 # -- structured output ------------------------------------------------------------------------------

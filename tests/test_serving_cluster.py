@@ -251,6 +251,13 @@ def test_logprobs_and_a_grammar_hold_across_the_prefill_decode_hand_off(cluster,
         for t, v in want.top:
             want_by_text.setdefault(tok.decode([t], skip_special_tokens=False), v)
         assert got == pytest.approx(want_by_text, abs=1e-4)
+    # echo + logprobs: the prefill worker computes the (pool-cached) prompt whole for the prompt's logprobs
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, logprobs=2, echo=True,
+                                       extra_body={"ignore_eos": True}).choices[0].logprobs  # fmt: skip
+    whole = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    assert echoed.token_logprobs[0] is None
+    assert echoed.token_logprobs[1:30] == pytest.approx([x.logprob for x in whole.prompt_logprobs], abs=1e-4)
+    assert echoed.token_logprobs[30:] == pytest.approx(lp.token_logprobs[:2], abs=1e-4)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
               "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}, "required": ["n", "tags"],
               "additionalProperties": False}  # fmt: skip
@@ -262,6 +269,16 @@ def test_logprobs_and_a_grammar_hold_across_the_prefill_decode_hand_off(cluster,
         jsonschema.validate(json.loads(text), schema)
         one = engine.generate([prompt], SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar))[0]
         assert tokens(chunks) == one.output_token_ids
+
+
+def test_a_seed_over_2_63_and_a_top_k_over_2_32_are_served_as_one_engine_serves_them(client, tiny_dir):
+    """Both are valid OpenAI values the wire (int64, uint32) cannot hold as they are (found by tests/test_fuzz.py)."""
+    prompt = prompt_of(12, seed=9)
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True, "top_k": 2**40})
+    big = client.completions.create(seed=2**64 - 3, **kwargs).choices[0].text
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=64, max_model_len=1024))
+    alone = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=2**64 - 3, ignore_eos=True))[0]
+    assert big == Tokenizer.from_dir(tiny_dir).decode(alone.output_token_ids)
 
 
 def reference_steps(engine: LLMEngine, prompt: list[int], outputs: list[int]) -> list:

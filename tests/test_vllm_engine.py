@@ -67,7 +67,7 @@ def alone(smollm2_dir) -> dict[tuple[int, ...], dict]:
     """vLLM alone, greedy, 16 tokens and their top-5 logprobs: every prompt the equivalence tests send."""
     prompts = [prompt_of(n, seed=n) for n in LENGTHS] + [PULL_SHARED + PULL_TAIL]
     out = vllm_alone.run("reference", model=str(smollm2_dir), block_size=BLOCK, max_model_len=MAX_LEN, max_tokens=16,
-                         prompts=prompts, logprobs=5)  # fmt: skip
+                         prompts=prompts, logprobs=5, prompt_logprobs_of=[LENGTHS.index(100)])  # fmt: skip
     return {tuple(p): o for p, o in zip(prompts, out)}
 
 
@@ -127,6 +127,9 @@ def test_logprobs_through_vllm_prefill_and_decode_equal_vllm_alones(be, alone):
     assert [lp.token_id for lp in got] == ref["tokens"]
     assert [lp.logprob for lp in got] == pytest.approx([step[0] for step in ref["logprobs"]], abs=1e-4)
     assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in step[1]] for step in ref["logprobs"]]
+    # echo + logprobs: the prefill worker's vLLM computes the (pool-cached) prompt whole for its logprobs
+    echoed = generate(be, "echo", prompt, 2, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    assert [lp.logprob for lp in echoed[0].prompt_logprobs] == pytest.approx(ref["prompt_logprobs"], abs=1e-4)
 
 
 def test_a_json_schema_holds_across_vllm_prefill_and_decode(cluster, smollm2_dir):

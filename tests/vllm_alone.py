@@ -33,7 +33,8 @@ def run(mode: str, timeout_s: float = 600, **args) -> object:
 
 
 def _reference(args: dict) -> list[list[int]] | list[dict]:
-    """Greedy tokens per prompt; with ``logprobs`` (k), ``{"tokens", "logprobs": [[logprob, [[id, logprob] x k]]]}``."""
+    """Greedy tokens per prompt; with ``logprobs`` (k), ``{"tokens", "logprobs": [[logprob, [[id, logprob] x k]]]}``,
+    and for the prompts numbered in ``prompt_logprobs_of`` also "prompt_logprobs" (prompt tokens 1..)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -42,8 +43,11 @@ def _reference(args: dict) -> list[list[int]] | list[dict]:
     k = args.get("logprobs")
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, logprobs=k)
     out = []
-    for p in args["prompts"]:
-        completion = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0].outputs[0]
+    for i, p in enumerate(args["prompts"]):
+        with_prompt = i in args.get("prompt_logprobs_of", ())
+        result = llm.generate([TokensPrompt(prompt_token_ids=p)], params.clone() if not with_prompt else
+                              SamplingParams(**{**_fields(params), "prompt_logprobs": k}), use_tqdm=False)[0]  # fmt: skip
+        completion = result.outputs[0]
         tokens = list(completion.token_ids)
         if k is None:
             out.append(tokens)
@@ -52,8 +56,15 @@ def _reference(args: dict) -> list[list[int]] | list[dict]:
         for token, entries in zip(tokens, completion.logprobs):
             top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None and e.rank <= k)
             steps.append([entries[token].logprob, [[t, v] for _, t, v in top]])
-        out.append({"tokens": tokens, "logprobs": steps})
+        entry = {"tokens": tokens, "logprobs": steps}
+        if with_prompt:
+            entry["prompt_logprobs"] = [step[t].logprob for t, step in zip(p[1:], result.prompt_logprobs[1:])]
+        out.append(entry)
     return out
+
+
+def _fields(params) -> dict:
+    return dict(temperature=params.temperature, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, logprobs=params.logprobs)
 
 
 def _layout(args: dict) -> str:

@@ -47,6 +47,7 @@ class RequestOutput:
     text: str = ""  # decoded output (only when the engine has a tokenizer)
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first and the last output, when asked)
 
 
 @dataclass(slots=True)
@@ -142,6 +143,8 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None)
         outputs = list(initial_output_token_ids or [])
+        if params.prompt_logprobs is not None and (external_kv is not None or outputs):
+            raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
         if len(outputs) >= params.max_tokens:
             raise ValueError("initial_output_token_ids already reach max_tokens")
         if external_kv is not None:
@@ -243,6 +246,11 @@ class LLMEngine:
         """Run one scheduling step; return outputs for every request that got a token."""
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out, self.connector)
+        for rid, entries in sampled.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            for position, entry in entries:
+                if req is not None and position == len(req.prompt_logprobs) + 1:  # a recomputed prompt adds nothing new
+                    req.prompt_logprobs.append(entry)
         finished = {id(r) for r in self.scheduler.update_from_output(out, sampled.tokens)}
         results = []
         for s in out.scheduled:
@@ -273,6 +281,8 @@ class LLMEngine:
                     text=req.output_text,
                     stop_reason=req.stop_reason if done else None,
                     new_logprobs=[sampled.logprobs[req.request_id]] if req.request_id in sampled.logprobs else None,
+                    prompt_logprobs=list(req.prompt_logprobs) if (len(req.output_token_ids) == 1 or done) and
+                    req.sampling_params.prompt_logprobs is not None else None,
                 )
             )
         return results

@@ -61,6 +61,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     min_tokens: int = 0  # no EOS or stop token before this many tokens
     logprobs: int | None = None  # each sampled token's log-probability, and this many of the likeliest (at most 20)
+    prompt_logprobs: int | None = None  # each prompt token's (after the first), and this many of the likeliest; the
+    # whole prompt is then computed (no prefix-cache hits, no imported KV)
     grammar: str | None = None  # llguidance grammar text the output must follow (mooncake.engine.grammar.grammar_for)
 
     def __post_init__(self) -> None:
@@ -81,8 +83,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias))
         if any(not -100.0 <= b <= 100.0 for _, b in bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
@@ -162,6 +166,7 @@ class Request:
     external_kv: Any = None  # KV of leading blocks to import (engine-specific; see engine.py)
     num_external_tokens: int = 0
     output_text: str = ""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs asked)
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -11,7 +11,7 @@ it: export and import are single indexed copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +19,7 @@ from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
 from mooncake.engine.model import CausalLM
 from mooncake.engine.grammar import GrammarBook
-from mooncake.engine.request import TokenLogprob
+from mooncake.engine.request import SamplingParams, TokenLogprob
 from mooncake.engine.sampler import History, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -127,13 +127,16 @@ class ModelRunner:
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids, positions, meta, step, sample_rows = self._prepare(decodes, prefills)
+        segments = [(row, s) for row, s in zip(_row_starts(ordered), ordered)
+                    if s.request.sampling_params.prompt_logprobs is not None]  # fmt: skip
         connector.start_step(step)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, connector, step)
         connector.wait_for_save()
         self.step_id += 1
+        prompt = {s.request.request_id: self._prompt_logprobs(hidden, row, s) for row, s in segments}
         rows = [r for r, _ in sample_rows]
         if not rows:
-            return Sampled({}, {})
+            return Sampled({}, {}, prompt)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         reqs = [ordered[i].request for _, i in sample_rows]
         params = [r.sampling_params for r in reqs]
@@ -151,7 +154,20 @@ class ModelRunner:
             self.grammars.accept(reqs[i].request_id, tokens[i])
         logprobs = token_logprobs(logits, tokens, params)
         return Sampled({r.request_id: t for r, t in zip(reqs, tokens)},
-                       {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None})  # fmt: skip
+                       {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}, prompt)  # fmt: skip
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, s: ScheduledRequest) -> list[tuple[int, TokenLogprob]]:
+        """(position, logprob) of each prompt token this prefill chunk predicts: row i predicts the token after it."""
+        req, c = s.request, s.num_computed_tokens
+        n = min(s.num_new_tokens, req.num_prompt_tokens - 1 - c)  # the last prompt row predicts an output token
+        if n <= 0:
+            return []
+        logits = self.model.compute_logits(hidden[start : start + n])  # [n, V]
+        targets = list(req.prompt_token_ids[c + 1 : c + 1 + n])
+        params = req.sampling_params
+        k = SamplingParams(logprobs=params.prompt_logprobs)
+        entries = token_logprobs(logits, targets, [k] * n)
+        return [(c + 1 + i, e) for i, e in enumerate(entries)]
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):
         bs = self.block_size
@@ -226,6 +242,7 @@ class Sampled:
 
     tokens: dict[str, int]
     logprobs: dict[str, TokenLogprob]
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)  # (position, logprob)
 
 
 @dataclass(slots=True)
@@ -271,3 +288,12 @@ class _LayerImports(KVConnector):
 
     def request_finished(self, request_id: str, block_ids: list[int]) -> None:
         self.inner.request_finished(request_id, block_ids)
+
+
+def _row_starts(ordered: list[ScheduledRequest]) -> list[int]:
+    """Row of the step's hidden states where each scheduled request's tokens start (decodes first, then prefills)."""
+    starts, row = [], 0
+    for s in ordered:
+        starts.append(row)
+        row += s.num_new_tokens
+    return starts

@@ -43,6 +43,16 @@ class ChoiceResult:
     finish_reason: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] | None = None
+    echo: Echo | None = None  # completions' echo: the prompt shown first
+
+
+@dataclass(slots=True)
+class Echo:
+    """A prompt echoed before its completion, with its tokens' logprobs when they were asked for."""
+
+    text: str
+    first_token: int  # has no logprob (nothing precedes it)
+    logprobs: list[TokenLogprob] | None  # prompt tokens 1..
 
 
 class TokenTexts:
@@ -129,11 +139,19 @@ class CompletionFormat(_Format):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}  # choice index -> length of its text so far (text_offset)
 
-    def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None, echo: Echo | None = None) -> CompletionLogprobs | None:
         if self.top_logprobs is None or logprobs is None:
             return None
         tokens, values, tops, offsets = [], [], [], []
         offset = self._offsets.get(index, 0)
+        if echo is not None and echo.logprobs is not None:  # the prompt's first token has no logprob
+            first, _ = self._texts(echo.first_token)
+            tokens.append(first)
+            values.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            offset += len(first)
+            logprobs = [*echo.logprobs, *logprobs]
         for lp in logprobs:
             text, _ = self._texts(lp.token_id)
             tokens.append(text)
@@ -151,14 +169,22 @@ class CompletionFormat(_Format):
             top.setdefault(self._texts(token_id)[0], value)
         return top
 
-    def start_offset(self, index: int, offset: int) -> None:
-        """Offsets of choice ``index`` count from here (the echoed prompt's length)."""
-        self._offsets[index] = offset
-
     def response(self, choices: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
-        out = [CompletionChoice(index=c.index, text=c.text, logprobs=self._logprobs(c.index, c.logprobs),
-                                finish_reason=c.finish_reason) for c in choices]  # fmt: skip
+        out = []
+        for c in choices:
+            if c.echo is not None and c.echo.logprobs is None:
+                self._offsets[c.index] = len(c.echo.text)  # offsets count in the text shown, the prompt's included
+            text = c.text if c.echo is None else c.echo.text + c.text
+            out.append(CompletionChoice(index=c.index, text=text, logprobs=self._logprobs(c.index, c.logprobs, c.echo),
+                                        finish_reason=c.finish_reason))  # fmt: skip
         return CompletionResponse(**self._head, choices=out, usage=usage).model_dump()
+
+    def echo(self, index: int, echo: Echo) -> dict[str, Any] | None:
+        """The stream event showing the prompt (and its logprobs) before choice ``index``'s first text."""
+        if echo.logprobs is None:
+            self._offsets[index] = len(echo.text)
+            return self._chunk(index, echo.text) if echo.text else None
+        return self._chunk(index, echo.text, logprobs=self._logprobs(index, [], echo))
 
     def _chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None) -> dict[str, Any]:
         choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs)

@@ -1,9 +1,9 @@
 """The OpenAI wire format: request and response schemas of the gateway (pydantic).
 
 Requests accept and ignore fields they do not know (clients send things like
-``logprobs: false`` or ``parallel_tool_calls``); fields OpenAI defines that this server
-cannot honour are declared here so that serving.py can refuse them when they are set to
-anything but their neutral value, instead of silently generating something else.
+``service_tier``); a field OpenAI defines that this server cannot honour (``suffix``) is
+declared here so that serving.py can refuse it when set, instead of silently generating
+something else.
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``cache_salt``, and vLLM's ``repetition_penalty`` and ``min_tokens``.
 
 Responses are built here and dumped with ``model_dump()``; their shapes follow OpenAI's

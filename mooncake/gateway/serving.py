@@ -43,7 +43,7 @@ from mooncake.engine.grammar import JSON_OBJECT_SCHEMA, grammar_for
 from mooncake.engine.request import TokenLogprob
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import tools
-from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, TokenTexts
+from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, Echo, TokenTexts
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
     SEED_MAX,
@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 DONE_EVENT = "data: [DONE]\n\n"
 
 MAX_PROMPTS = 64  # generations per request: prompts x (best_of or n)
+TOP_K_MAX = 2**31 - 1  # a top_k over the vocabulary cuts nothing; larger ones are clamped to fit the wire
 
 
 class ApiError(Exception):
@@ -225,9 +226,8 @@ class OpenAIServing:
         """Check ``req`` and tokenize its prompts (text on a thread; token ids as given). Raises ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
-        for name in ("suffix",):
-            if getattr(req, name):
-                raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+        if req.suffix:
+            raise ApiError(400, "'suffix' (insertion) is not supported by this server", param="suffix", code="unsupported_parameter")
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -247,10 +247,10 @@ class OpenAIServing:
                     raise ApiError(400, f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
             ids_list.append(ids)
         max_tokens = min(self._max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens") for ids in ids_list)
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (the prompt's log-probabilities) is not supported yet", param="echo",
-                           code="unsupported_parameter")  # fmt: skip
-        prepared = self._prepared(req, ids_list, max_tokens, CompletionFormat, arrival, logprobs=req.logprobs, best_of=req.best_of)
+        # echo with logprobs: the prompt's too (each prompt is then computed whole, never from a cache)
+        prompt_logprobs = req.logprobs if req.echo else None
+        prepared = self._prepared(req, ids_list, max_tokens, CompletionFormat, arrival, logprobs=req.logprobs, best_of=req.best_of,
+                                  prompt_logprobs=prompt_logprobs)  # fmt: skip
         if req.echo:
             prepared.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         return prepared
@@ -281,7 +281,7 @@ class OpenAIServing:
     def _prepared(
         self, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], max_tokens: int,
         format_cls: type[ChatFormat] | type[CompletionFormat], arrival: float, *, logprobs: int | None,
-        grammar: str | None = None, best_of: int | None = None,
+        grammar: str | None = None, best_of: int | None = None, prompt_logprobs: int | None = None,
     ) -> PreparedRequest:  # fmt: skip
         request_id = f"{format_cls.id_prefix}{uuid.uuid4().hex}"
         bias = tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items()))
@@ -306,11 +306,11 @@ class OpenAIServing:
             GenerationRequest(
                 request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}", prompt_token_ids=prompt,
                 max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=_choice_seed(req.seed, j),
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=min(max(req.top_k or 0, 0), TOP_K_MAX), seed=_choice_seed(req.seed, j),
                 stop=req.stop_sequences(), ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
-                min_tokens=req.min_tokens or 0, logprobs=sampled_logprobs, grammar=grammar,
+                min_tokens=req.min_tokens or 0, logprobs=sampled_logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,
             )
             for p, prompt in enumerate(prompts) for j in range(per_prompt)
         ]  # fmt: skip
@@ -363,12 +363,14 @@ class OpenAIServing:
         fanout = self._fanout(prepared)
         pieces: list[list[str]] = [[] for _ in prepared.generations]
         logprobs: list[list[TokenLogprob]] = [[] for _ in prepared.generations]
+        prompt_logprobs: list[list[TokenLogprob] | None] = [None] * len(prepared.generations)
         finish: list[str | None] = [None] * len(prepared.generations)
         try:
             while (item := await fanout.next()) is not None:
                 i, chunk = item
                 pieces[i].append(chunk.text)
                 logprobs[i].extend(chunk.logprobs or ())
+                prompt_logprobs[i] = chunk.prompt_logprobs or prompt_logprobs[i]
                 finish[i] = chunk.finish_reason
         except BackendError as e:
             raise ApiError.from_backend(e) from None
@@ -385,8 +387,7 @@ class OpenAIServing:
                 text = "".join(pieces[i])
                 result = ChoiceResult(p * prepared.n + j, text, finish[i] or "stop", logprobs[i])
                 if prepared.echo is not None:
-                    prepared.format.start_offset(result.index, len(prepared.echo[p]))
-                    result.text = prepared.echo[p] + text
+                    result.echo = self._echo(prepared, i, prompt_logprobs[i])
                 if prepared.tools is not None:
                     content, calls = tools.parse(text, prepared.tools)
                     if calls:
@@ -423,16 +424,16 @@ class OpenAIServing:
         for i in range(choices):
             for event in fmt.opening(i):
                 yield sse(event)
-            if prepared.echo is not None:
-                echoed = prepared.echo[i // prepared.per_prompt]
-                fmt.start_offset(i, len(echoed))
-                if (event := fmt.text(i, echoed, None)) is not None:
-                    yield sse(event)
+        echoed: set[int] = set()
         held = [_HeldToolText() if prepared.tools is not None else None for _ in range(choices)]
         item = first
         try:
             while item is not None:
                 i, chunk = item
+                if prepared.echo is not None and i not in echoed:  # before its first text, with its logprobs if asked
+                    echoed.add(i)
+                    if (event := fmt.echo(i, self._echo(prepared, i, chunk.prompt_logprobs))) is not None:
+                        yield sse(event)
                 text = held[i].push(chunk.text) if held[i] is not None else chunk.text
                 event = fmt.text(i, text, chunk.logprobs)
                 if event is not None:
@@ -463,6 +464,12 @@ class OpenAIServing:
         stream.error_status = error.status
         yield sse(error.body())
         yield DONE_EVENT
+
+
+    def _echo(self, prepared: PreparedRequest, choice: int, prompt_logprobs: list[TokenLogprob] | None) -> Echo:
+        generation = prepared.generations[choice]
+        logprobs = prompt_logprobs or [] if generation.prompt_logprobs is not None else None
+        return Echo(prepared.echo[choice // prepared.per_prompt], generation.prompt_token_ids[0], logprobs)
 
 
 class _HeldToolText:

@@ -140,7 +140,8 @@ class ClusterBackend(GenerationBackend):
                                           prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                                           cached_tokens=usage[0], cached_tokens_by_tier=usage[1],
                                           recovery=self._recovery(request, progress) if c.finish_reason else None,
-                                          logprobs=[logprob_from_pb(lp) for lp in c.logprobs] if request.logprobs is not None else None)  # fmt: skip
+                                          logprobs=[logprob_from_pb(lp) for lp in c.logprobs] if request.logprobs is not None else None,
+                                          prompt_logprobs=[logprob_from_pb(lp) for lp in c.prompt_logprobs] if c.prompt_logprobs else None)  # fmt: skip
                     if c.finish_reason:
                         return
                 raise _Fault(Fault.DECODE, Unavailable(f"decode worker {placement.decode_id} ended the stream without finishing"),

@@ -27,7 +27,7 @@ def sampling_params(req: GenerationRequest) -> SamplingParams:
         stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
-        min_tokens=req.min_tokens, logprobs=req.logprobs, grammar=req.grammar,
+        min_tokens=req.min_tokens, logprobs=req.logprobs, grammar=req.grammar, prompt_logprobs=req.prompt_logprobs,
     )  # fmt: skip
 
 
@@ -62,7 +62,7 @@ class LocalBackend(GenerationBackend):
             self.loop.abort(request.request_id)
             raise
         stream = TextStream(self.tokenizer, request.prompt_token_ids, request.stop)
-        finished = False
+        finished = sent = False
         try:
             while not finished:
                 out = await queue.get()
@@ -77,8 +77,9 @@ class LocalBackend(GenerationBackend):
                     prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.output_token_ids),
                     cached_tokens=out.num_cached_tokens,
                     cached_tokens_by_tier={"engine": out.num_cached_tokens} if out.num_cached_tokens else {},
-                    logprobs=out.new_logprobs,
+                    logprobs=out.new_logprobs, prompt_logprobs=out.prompt_logprobs if not sent else None,
                 )  # fmt: skip
+                sent = True
         finally:
             if not finished:
                 self.loop.abort(rid)

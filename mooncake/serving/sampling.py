@@ -14,12 +14,14 @@ from protos import worker_pb2 as wpb
 
 
 def sampling_to_pb(req: GenerationRequest) -> wpb.Sampling:
-    return wpb.Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+    # a seed of 2**63 or more travels as the int64 of the same 64 bits (torch.Generator.manual_seed takes either alike)
+    seed = req.seed - 2**64 if req.seed is not None and req.seed >= 2**63 else req.seed
+    return wpb.Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed,
                         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
                         include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                         logit_bias=dict(req.logit_bias), min_tokens=req.min_tokens, logprobs=req.logprobs,
-                        grammar=req.grammar or "")  # fmt: skip
+                        grammar=req.grammar or "", prompt_logprobs=req.prompt_logprobs)  # fmt: skip
 
 
 def params_from_pb(s: wpb.Sampling, **overrides) -> SamplingParams:
@@ -31,6 +33,7 @@ def params_from_pb(s: wpb.Sampling, **overrides) -> SamplingParams:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty or 1.0, logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
         logprobs=s.logprobs if s.HasField("logprobs") else None, grammar=s.grammar or None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )  # fmt: skip
     fields.update(overrides)
     return SamplingParams(**fields)

@@ -43,6 +43,7 @@ class GenerationRequest:
     min_tokens: int = 0
     logprobs: int | None = None  # each token's log-probability, and this many of the likeliest
     grammar: str | None = None  # llguidance grammar the output must follow (mooncake.engine.grammar.grammar_for)
+    prompt_logprobs: int | None = None  # each prompt token's log-probability (completions' echo with logprobs)
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class GenerationChunk:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # "dram", "ssd", "remote" (pulled)
     recovery: Recovery | None = None  # last chunk of a request that outlived a failure: what it took
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first chunk: prompt tokens 1.., when the request asked
 
 
 @dataclass(slots=True)

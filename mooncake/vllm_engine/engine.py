@@ -64,6 +64,7 @@ class _Tracked:
     text: str = ""
     prompt: list[int] = field(default_factory=list)
     cache_salt: str | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class VllmEngine:
@@ -176,6 +177,8 @@ class VllmEngine:
             # escape the penalty, and the output would differ from vLLM serving alone
             raise ValueError("presence_penalty and frequency_penalty are not supported on vLLM workers yet (vLLM would "
                              "not count the first token, sampled on the prefill worker)")  # fmt: skip
+        if params.prompt_logprobs is not None and (external_kv is not None or initial):
+            raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
         extra = None
         if params.grammar is not None:  # checked here (a 400), then followed by GrammarLogitsProcessor inside vLLM
             if self._grammars is None:
@@ -193,6 +196,7 @@ class VllmEngine:
             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
             min_tokens=max(0, params.min_tokens - len(initial)), logprobs=params.logprobs, extra_args=extra,
+            prompt_logprobs=params.prompt_logprobs,
         )  # fmt: skip
         internal = self._llm.add_request(rid, TokensPrompt(prompt_token_ids=sequence), vparams)
         if external_kv is not None:
@@ -238,8 +242,18 @@ class VllmEngine:
                 num_cached_tokens=tracked.num_cached_tokens or (out.num_cached_tokens or 0),  # ours, else vLLM's prefix cache
                 text=tracked.text, stop_reason=stop_reason,
                 new_logprobs=_logprobs(comp, before - len(tracked.initial), tracked.params.logprobs),
+                prompt_logprobs=self._prompt_logprobs(tracked, out),
             ))  # fmt: skip
         return results
+
+    @staticmethod
+    def _prompt_logprobs(tracked: _Tracked, out) -> list[TokenLogprob] | None:
+        """Ours from vLLM's prompt logprobs (None first, then {token id: Logprob} per prompt token), once."""
+        k = tracked.params.prompt_logprobs
+        if k is None or tracked.prompt_logprobs_sent or not out.prompt_logprobs:
+            return None
+        tracked.prompt_logprobs_sent = True
+        return [_entry(token, step, k) for token, step in zip(tracked.prompt[1:], out.prompt_logprobs[1:])]
 
     def abort_request(self, request_id: str) -> bool:
         if request_id not in self._reqs:
@@ -315,8 +329,10 @@ def _logprobs(completion, start: int, k: int | None) -> list[TokenLogprob] | Non
     for the completion's tokens from ``start`` on; None when the request did not ask."""
     if k is None or completion.logprobs is None:
         return None
-    out = []
-    for token, entries in zip(completion.token_ids[start:], completion.logprobs[start:]):
-        top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda te: te[1].rank)
-        out.append(TokenLogprob(int(token), float(entries[token].logprob), tuple((int(t), float(e.logprob)) for t, e in top)))
-    return out
+    return [_entry(token, entries, k) for token, entries in zip(completion.token_ids[start:], completion.logprobs[start:])]
+
+
+def _entry(token: int, entries: dict, k: int) -> TokenLogprob:
+    """One position's TokenLogprob from vLLM's {token id: Logprob(logprob, rank)} (the token and the top k)."""
+    top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda te: te[1].rank)
+    return TokenLogprob(int(token), float(entries[token].logprob), tuple((int(t), float(e.logprob)) for t, e in top))

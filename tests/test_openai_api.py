@@ -24,6 +24,7 @@ from mooncake.gateway import GatewayConfig, create_app
 from mooncake.gateway import tools as tool_format
 from mooncake.gateway.protocol import ToolDefinition
 from mooncake.serving.local import LocalBackend
+from mooncake.serving.types import GenerationBackend, GenerationRequest, Rejected
 from test_gateway import Served
 
 MESSAGES = [{"role": "user", "content": "Tell me about the quick brown fox."}]
@@ -68,13 +69,42 @@ def hf(model_dir) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def client(model_dir, tok) -> Iterator[openai.OpenAI]:
+def backend(model_dir) -> Iterator[LocalBackend]:
     config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=512, max_model_len=1024)
-    backend = LocalBackend(config, "tiny")
+    local = LocalBackend(config, "tiny")
+    yield local
+    asyncio.run(local.close())  # idempotent
+
+
+def serve(backend: GenerationBackend, tok: Tokenizer) -> tuple[Served, openai.OpenAI]:
     served = Served(create_app(backend, tok, GatewayConfig(served_model_name="tiny")))
-    yield openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return served, openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(backend, tok) -> Iterator[openai.OpenAI]:
+    served, c = serve(backend, tok)
+    yield c
     served.stop()
-    asyncio.run(backend.close())
+
+
+class TwoAtATime(GenerationBackend):
+    """Turns a generation away (429) while two others run, as a full decode worker does."""
+
+    def __init__(self, inner: GenerationBackend) -> None:
+        self.inner, self.model_name, self.max_model_len = inner, inner.model_name, inner.max_model_len
+        self.running = self.rejected = 0
+
+    async def generate(self, request: GenerationRequest):
+        if self.running >= 2:
+            self.rejected += 1
+            raise Rejected("two at a time")
+        self.running += 1
+        try:
+            async for chunk in self.inner.generate(request):
+                yield chunk
+        finally:
+            self.running -= 1
 
 
 def chat_prompt(tok: Tokenizer, messages=MESSAGES) -> list[int]:
@@ -152,6 +182,19 @@ def test_n_4_with_a_seed_gives_4_different_choices_and_counts_the_prompt_once(cl
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert [streamed[i] for i in range(4)] == texts
+
+
+def test_n_larger_than_the_backend_serves_at_once_waits_for_room_instead_of_failing(backend, client, tok):
+    limited = TwoAtATime(backend)
+    served, small = serve(limited, tok)
+    try:
+        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+        r = small.chat.completions.create(n=5, **kwargs)
+    finally:
+        served.stop()
+    assert limited.rejected > 0  # it was turned away, and waited
+    alone = [client.chat.completions.create(**{**kwargs, "seed": 3 + j}).choices[0].message.content for j in range(5)]
+    assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == alone
 
 
 def test_a_batch_of_prompts_gets_n_choices_each_indexed_prompt_major(client):

@@ -5,7 +5,9 @@ generation per choice. The first choice of each prompt starts at once; its sibli
 start once it has its first chunk, when the prompt's KV is cached (in the engine's prefix
 cache, or in the pool beside the prefill worker that computed it, where the Conductor's
 cache-aware placement sends the siblings). So a prompt is prefilled once and each sibling
-computes only the prompt's last, partial block (our engines cache whole blocks).
+computes only the prompt's last, partial block (our engines cache whole blocks). A sibling
+turned away (429) while others of its request stream waits for one of them to finish and
+goes again, so ``n`` may exceed what the cluster decodes at once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncGenerator
 
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import PromptTokensDetails, Usage
-from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
+from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest, Rejected
 
 
 class Run:
@@ -97,8 +99,11 @@ class Fanout:
 
     def __init__(self, backend: GenerationBackend, metrics: GatewayMetrics, generations: list[GenerationRequest],
                  per_prompt: int, arrival: float) -> None:  # fmt: skip
-        self.runs = [Run(backend, metrics, g, arrival, counts_prompt=i % per_prompt == 0) for i, g in enumerate(generations)]
+        self._backend, self._metrics, self._generations, self._arrival = backend, metrics, generations, arrival
         self.per_prompt = per_prompt
+        self.runs = [self._run(i) for i in range(len(generations))]
+        self._a_choice_finished = asyncio.Event()  # replaced each time one finishes
+        self._active = 0  # choices in the backend now
         self._queue: asyncio.Queue[tuple[int, GenerationChunk | BaseException | None]] = asyncio.Queue()
         self._first = [asyncio.Event() for _ in range(0, len(generations), per_prompt)]  # each prompt's leader has a chunk
         self._tasks: list[asyncio.Task] = []
@@ -118,25 +123,48 @@ class Fanout:
             return index, item
         return None
 
+    def _run(self, index: int) -> Run:
+        return Run(self._backend, self._metrics, self._generations[index], self._arrival, counts_prompt=index % self.per_prompt == 0)
+
     async def _pump(self, index: int) -> None:
         prompt, leader = divmod(index, self.per_prompt)
-        run = self.runs[index]
         try:
             if leader:
                 await self._first[prompt].wait()
-            while (chunk := await run.next()) is not None:
-                self._first[prompt].set()
-                self._queue.put_nowait((index, chunk))
-                if chunk.finish_reason is not None:
-                    break
-            else:
-                raise RuntimeError(f"the backend ended choice {index} without a finish_reason")
+            while not await self._stream(index, prompt):  # turned away while its siblings stream: wait, go again
+                finished = self._a_choice_finished
+                await finished.wait()
+                await self.runs[index].close()
+                self.runs[index] = self._run(index)
             self._queue.put_nowait((index, None))
+            self._a_choice_finished.set()
+            self._a_choice_finished = asyncio.Event()
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # the consumer raises it (a BackendError, or a bug it reports)
             self._first[prompt].set()  # siblings go ahead (and most likely fail the same way)
             self._queue.put_nowait((index, e))
+
+    async def _stream(self, index: int, prompt: int) -> bool:
+        """Pump choice ``index``'s chunks to the queue; False when the backend turned it away (a 429 before its first
+        chunk) while another choice of the request streams, which frees capacity when it ends: a request's ``n`` may
+        be more than the cluster decodes at once."""
+        run = self.runs[index]
+        self._active += 1
+        try:
+            while (chunk := await run.next()) is not None:
+                self._first[prompt].set()
+                self._queue.put_nowait((index, chunk))
+                if chunk.finish_reason is not None:
+                    await run.close()  # the backend lets go of what it held for it now, not when the request ends
+                    return True
+        except Rejected:
+            if run.last is None and self._active > 1:  # another choice is in the backend: room comes when it ends
+                return False
+            raise
+        finally:
+            self._active -= 1
+        raise RuntimeError(f"the backend ended choice {index} without a finish_reason")
 
     def usage(self) -> Usage:
         """Prompt tokens once per prompt, completion tokens of every choice."""

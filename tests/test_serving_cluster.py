@@ -210,6 +210,22 @@ def test_with_one_worker_of_each_role_a_killed_workers_requests_wait_for_its_res
                 texts.append(chunk.choices[0].text)
         assert "".join(texts) == undisturbed.choices[0].text
         assert c.component("decode-0").restarts == 1
+        # a constrained stream with logprobs: the new decode worker replays the client's tokens into its grammar
+        # matcher, and the text, the logprobs and the JSON are the undisturbed run's
+        numbers = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 60, "maxItems": 60}
+        ask_json = dict(model="tiny", messages=[{"role": "user", "content": "Sixty numbers"}], max_tokens=600, temperature=0,
+                        logprobs=True, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": numbers}})  # fmt: skip
+        undisturbed = client.chat.completions.create(**ask_json).choices[0]
+        it = iter(client.chat.completions.create(**ask_json, stream=True))
+        chunks = [next(it), next(it)]  # the role, then the first token
+        os.kill(c.component("decode-0").proc.pid, signal.SIGKILL)
+        chunks += [chunk for chunk in it if chunk.choices]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        logprobs = [e.logprob for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        assert text == undisturbed.message.content
+        jsonschema.validate(json.loads(text), numbers)
+        assert logprobs == pytest.approx([e.logprob for e in undisturbed.logprobs.content], abs=1e-4)
+        assert c.component("decode-0").restarts == 2
         os.kill(c.component("prefill-0").proc.pid, signal.SIGKILL)
         r = client.completions.create(**{**ask, "max_tokens": 8})
         assert r.usage.completion_tokens == 8 and r.choices[0].text == client.completions.create(**{**ask, "max_tokens": 8}).choices[0].text

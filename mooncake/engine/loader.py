@@ -37,18 +37,19 @@ def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
     return h.hexdigest()
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Read config and weights, build the model in ``dtype`` on ``device``, eval mode.
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, layers: range | None = None) -> CausalLM:
+    """Read config and weights, build the model (or, with ``layers``, one pipeline stage of it: only those layers'
+    weights are read) in ``dtype`` on ``device``, eval mode.
 
     Raises FileNotFoundError / ValueError (from weights.py and ModelArgs) for a missing
     directory, an unsupported architecture, or weights that do not fit it.
     """
     args = ModelArgs.from_hf_config(load_hf_config(model_dir))
     with torch.device("meta"):
-        model = CausalLM(args)
+        model = CausalLM(args, layers)
     model = model.to_empty(device=device).to(dtype)
     model._inv_freq = args.inv_freq().to(device)  # to_empty left the buffer uninitialised
-    model.load_hf_state_dict(load_hf_weights(model_dir, dtype=dtype, device=str(device)))
+    model.load_hf_state_dict(load_hf_weights(model_dir, dtype=dtype, device=str(device), only=model.owns))
     return model.eval()
 
 

@@ -119,21 +119,31 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The decoder layers of ``layers`` (keyed by their global index, so parameter names stay Hugging Face's), the
+    embedding where the first layer is (or the last, when the head is tied to it) and the final norm where the last is."""
+
+    def __init__(self, args: ModelArgs, layers: range):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        first, last = layers.start == 0, layers.stop == args.num_layers
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if first or (last and args.tie_word_embeddings) else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in layers})
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
 
 
 class CausalLM(nn.Module):
-    """The whole model: ``forward`` gives hidden states, ``compute_logits`` the logits."""
+    """The model, or one pipeline stage of it (``layers``, a contiguous range of decoder layers): ``forward`` gives
+    hidden states (the last stage's normed), ``compute_logits`` the logits (last stage only)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layers: range | None = None):
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.layer_range = range(args.num_layers) if layers is None else layers
+        if not (0 <= self.layer_range.start < self.layer_range.stop <= args.num_layers and self.layer_range.step == 1):
+            raise ValueError(f"layers {self.layer_range} are not a contiguous range within the model's {args.num_layers}")
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == args.num_layers
+        self.model = Backbone(args, self.layer_range)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last and not args.tie_word_embeddings else None
         # cos/sin for every position, float32, computed the way transformers does.
         self.register_buffer("_inv_freq", args.inv_freq(), persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -145,7 +155,7 @@ class CausalLM(nn.Module):
             pos = torch.arange(max_len, device=inv.device, dtype=torch.int64).float()
             freqs = pos[:, None] * inv[None, :]  # [L, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-            dtype = self.model.embed_tokens.weight.dtype
+            dtype = next(self.parameters()).dtype
             self._rope_cache = (emb.cos().to(dtype), emb.sin().to(dtype))
         return self._rope_cache
 
@@ -157,14 +167,33 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         connector: KVConnector,
         step: ConnectorStep,
+        hidden: torch.Tensor | None = None,  # [T, hidden]: a later pipeline stage's input, instead of input_ids
     ) -> torch.Tensor:
+        """Hidden states [T, hidden] after this model's layers (``kv_caches[j]`` is its j-th layer's cache); normed
+        on the last stage."""
         cos_t, sin_t = self._rope_cache  # built by the runner for max_model_len
         cos = cos_t[positions].unsqueeze(1)  # [T, 1, D]
         sin = sin_t[positions].unsqueeze(1)
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_caches[i], meta, connector, step)
-        return self.model.norm(x)  # [T, hidden]
+        if hidden is None:
+            if not self.is_first:
+                raise ValueError(f"a stage starting at layer {self.layer_range.start} takes hidden states, not token ids")
+            hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x = hidden
+        for j, layer in enumerate(self.model.layers.values()):
+            x = layer(x, cos, sin, kv_caches[j], meta, connector, step)
+        return self.model.norm(x) if self.is_last else x  # [T, hidden]
+
+    def owns(self, name: str) -> bool:
+        """Whether the Hugging Face-named parameter ``name`` belongs to this model (or stage)."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.layer_range
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return self.is_last
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the given hidden rows [N, hidden]."""
@@ -177,10 +206,10 @@ class CausalLM(nn.Module):
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Raises ValueError on a mismatch."""
         fused: dict[str, torch.Tensor] = {}
         for name, tensor in weights.items():
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or not self.owns(name):
                 continue
             fused[name] = tensor
-        for i in range(self.args.num_layers):
+        for i in self.layer_range:
             p = f"model.layers.{i}."
             for kind in ("weight", "bias"):
                 parts = [f"{p}self_attn.{n}_proj.{kind}" for n in ("q", "k", "v")]
@@ -190,7 +219,7 @@ class CausalLM(nn.Module):
             if all(n in fused for n in parts):
                 fused[f"{p}mlp.gate_up_proj.weight"] = torch.cat([fused.pop(n) for n in parts], 0)
         if self.lm_head is None:
-            fused.pop("lm_head.weight", None)
+            fused.pop("lm_head.weight", None)  # tied to the embedding, or another stage's
         own = self.state_dict()
         missing = sorted(set(own) - set(fused))
         unexpected = sorted(set(fused) - set(own))

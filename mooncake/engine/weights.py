@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -150,9 +150,11 @@ def _check_safetensors_size(file: Path) -> None:
 
 
 def load_hf_weights(
-    model_dir: str | os.PathLike[str], dtype: torch.dtype, device: str | torch.device = "cpu"
+    model_dir: str | os.PathLike[str], dtype: torch.dtype, device: str | torch.device = "cpu",
+    only: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load every tensor of a Hugging Face model directory.
+    """Load every tensor of a Hugging Face model directory (with ``only``, those whose name it accepts: a pipeline
+    stage reads only its own layers).
 
     Handles a single ``model.safetensors`` or an index plus shards. Each tensor is
     converted to ``dtype`` and placed on ``device``; names are the checkpoint's HF names.
@@ -168,6 +170,8 @@ def load_hf_weights(
         try:
             with safe_open(str(file), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
+                    if only is not None and not only(name):
+                        continue
                     if name in tensors:
                         raise ValueError(f"tensor {name!r} appears twice (again in {str(file)!r})")
                     tensors[name] = reader.get_tensor(name).to(device=device, dtype=dtype)

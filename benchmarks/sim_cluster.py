@@ -53,8 +53,10 @@ _PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK = 0, 1, 2, 3
 
 @dataclass
 class SimConfig:
-    prefill: int = 8
+    prefill: int = 8  # prefill nodes
     decode: int = 8
+    group_size: int = 1  # prefill nodes per chunked-pipeline group (one prefill instance each; 1: every node alone)
+    prefill_chunk: int = 2048  # *free*: a pipeline group's chunk of a prompt (tokens)
     policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
     admission: AdmissionKind = AdmissionKind.NONE
     cache_blocks: int | None = None  # DRAM blocks per prefill node (None: unbounded)
@@ -74,6 +76,8 @@ class SimConfig:
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least one prefill and one decode instance, got {self.prefill} and {self.decode}")
+        if self.group_size < 1 or self.prefill % self.group_size:
+            raise ValueError(f"{self.prefill} prefill nodes do not split into groups of {self.group_size}")
         if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
             raise ValueError("SLOs must be positive")
         if not 0 < self.tbt_headroom <= 1:
@@ -197,12 +201,16 @@ class Cluster:
         c = self.conductor
         self.prefills: list[PrefillInstance] = []
         self.caches: dict[str, NodeCache] = {}
-        for i in range(config.prefill):
+        # a pipeline group of X nodes is one prefill instance; each stage's node holds its layers' 1/X of every
+        # block, so the group's cache is one of X times a node's blocks (and its SSD's)
+        x = config.group_size
+        group_blocks = None if config.cache_blocks is None else config.cache_blocks * x
+        for i in range(config.prefill // x):
             node = f"kv{i}"
             inst = Instance(f"p{i}", Role.PREFILL, f"sim:p{i}", node=node)
             c.register(inst, 0.0)
-            c.register(Instance(node, Role.KVSTORE, f"sim:{node}", node=node, capacity=config.cache_blocks or 0), 0.0)
-            cache = NodeCache(node, config.cache_blocks, config.ssd_blocks, config.eviction, self._index_events)
+            c.register(Instance(node, Role.KVSTORE, f"sim:{node}", node=node, capacity=group_blocks or 0), 0.0)
+            cache = NodeCache(node, group_blocks, config.ssd_blocks * x, config.eviction, self._index_events)
             self.caches[node] = cache
             self.prefills.append(PrefillInstance(inst, cache))
         self.decodes: list[DecodeInstance] = []
@@ -327,8 +335,8 @@ class Cluster:
         prompt = rec.req.prompt_tokens
         cached = min((local + fetched) * m.block_tokens, prompt - 1)  # the last token is always computed
         rec.local_blocks, rec.fetched_blocks, rec.ssd_blocks, rec.cached_tokens = local, fetched, ssd, cached
-        rec.load_s = m.ssd_s(ssd) + net_s
-        rec.compute_s = m.prefill_s(prompt, cached) * self.jitter()
+        rec.load_s = (m.ssd_s(ssd) + net_s) / self.config.group_size  # a group's stages read their layers in parallel
+        rec.compute_s = m.pipelined_prefill_s(prompt, cached, self.config.group_size, self.config.prefill_chunk) * self.jitter()
         rec.prefill_start = now
         p.running = rec
         p.running_predicted_end = now + rec.predicted_s

@@ -121,6 +121,24 @@ class ModelConfig:
         attention = self.prefill_s_per_token_pair * new * (cached_tokens + new / 2)
         return self.prefill_overhead_s + self.prefill_s_per_token * new + attention
 
+    def pipelined_prefill_s(self, prompt_tokens: int, cached_tokens: int, stages: int, chunk: int) -> float:
+        """Chunked pipeline parallelism (§5.1) over ``stages`` nodes, each holding 1/stages of the layers: the new
+        tokens cut into chunks of ``chunk``; chunk j costs a stage prefill_s(chunk j after what precedes it) / stages,
+        plus one hop of its hidden states (fp16) to the next stage; stage i runs chunk j once stage i - 1 finished it
+        and stage i finished chunk j - 1. With one stage: ``prefill_s``."""
+        if stages == 1:
+            return self.prefill_s(prompt_tokens, cached_tokens)
+        done = [0.0] * stages  # when each stage finished its previous chunk
+        for a in range(cached_tokens, prompt_tokens, chunk):
+            n = min(chunk, prompt_tokens - a)
+            work = (self.prefill_s_per_token * n + self.prefill_s_per_token_pair * n * (a + n / 2)) / stages
+            hop = self.transfer_s(n * self.hidden * 2)
+            ready = 0.0
+            for i in range(stages):
+                done[i] = max(done[i], ready) + work
+                ready = done[i] + hop
+        return self.prefill_overhead_s + done[-1]
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         return self.decode_base_s + self.decode_per_request_s * batch + self.decode_s_per_context_token * context_tokens
 

@@ -265,3 +265,25 @@ def test_help_explains_every_option(capsys):
                  "--json", "--plot", "--limit", "--ttft-slo", "--tbt-slo", "--threshold", "--tier-aware", "--seed",
                  "--no-progress", "--reproduce"):  # fmt: skip
         assert flag in text
+
+
+def test_a_pipeline_groups_prefill_is_its_chunks_split_over_the_stages_plus_the_fill():
+    """Chunk j costs each of X stages 1/X of its prefill; the last stage finishes X - 1 chunk-and-hop after the first."""
+    m = ModelConfig()
+    assert m.pipelined_prefill_s(10_000, 2_000, 1, 2048) == m.prefill_s(10_000, 2_000)
+    chunks = [(a, 2048) for a in range(2_048, 10_240, 2048)]  # 4 whole chunks after 2,048 cached tokens
+    work = [(m.prefill_s_per_token * n + m.prefill_s_per_token_pair * n * (a + n / 2)) / 2 for a, n in chunks]
+    hop = m.transfer_s(2048 * m.hidden * 2)
+    expected = m.prefill_overhead_s + sum(work) + (work[-1] + hop)  # chunk work only grows: the drain is the last chunk's
+    assert m.pipelined_prefill_s(10_240, 2_048, 2, 2048) == pytest.approx(expected)
+    # a long prompt gains nearly X; one that fits in a chunk gains nothing and pays the hop
+    assert m.prefill_s(85_000, 0) / m.pipelined_prefill_s(85_000, 0, 2, 2048) > 1.9
+    assert m.pipelined_prefill_s(1_000, 0, 2, 2048) > m.prefill_s(1_000, 0)
+
+
+def test_four_groups_of_two_serve_the_trace_slice_with_every_request_prefilled_once(requests):
+    singles = run(requests, prefill=4)
+    groups = run(requests, prefill=4, group_size=2)
+    assert groups["requests"] == singles["requests"] == groups["served"] == singles["served"]
+    # the prompts' prefill time (instance-seconds): a group of two computes long prompts in about half
+    assert groups["prefill_compute_s"] < 0.75 * singles["prefill_compute_s"]

@@ -1,0 +1,110 @@
+"""Chunked pipeline parallelism: TTFT of one long prompt through X pipeline stages against one stage, same run.
+
+    python benchmarks/cpp_bench.py [--quick] [--model NAME|DIR] [--long 8192] [--short 256] [--chunk 512]
+                                   [--stages 2 3] [--json PATH]
+
+Each stage computes with one thread (``torch.set_num_threads(1)``), so X stages use X
+cores; the baseline is the same code with one stage holding every layer, on one core.
+Stages run as threads of this process (mooncake/engine/pipeline.py: torch releases the
+GIL inside its kernels); the hidden states of a chunk pass between stages in memory.
+TTFT here is the prefill alone (from the first chunk to the first token), the median
+of ``--repeats`` runs (``--long-repeats`` for the long prompt). Results and what they
+do not include: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchutil import describe_machine, resolve_model  # noqa: E402
+
+from mooncake.engine.model_args import ModelArgs  # noqa: E402
+from mooncake.engine.pipeline import LocalPipeline  # noqa: E402
+from mooncake.engine.request import SamplingParams  # noqa: E402
+from mooncake.engine.stage import PipelineStage, split_layers  # noqa: E402
+from mooncake.engine.weights import load_hf_config  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def ttft(pipeline: LocalPipeline, prompt: list[int], chunk: int, repeats: int) -> tuple[float, int]:
+    times, token = [], None
+    for r in range(repeats):
+        t = time.perf_counter()
+        out = pipeline.prefill(f"r{r}", prompt, GREEDY, chunk)
+        times.append(time.perf_counter() - t)
+        if token is not None and out.first_token != token:
+            raise RuntimeError("two runs of the same prompt gave different first tokens")
+        token = out.first_token
+    return statistics.median(times), token
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a model directory or registry name (default smollm2-135m)")
+    ap.add_argument("--quick", action="store_true", help="a tiny random model and short prompts: a smoke run")
+    ap.add_argument("--long", type=int, default=8192, help="the long prompt's tokens")
+    ap.add_argument("--short", type=int, default=256, help="the short prompt's tokens")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipeline sizes to measure against 1")
+    ap.add_argument("--repeats", type=int, default=5, help="runs of the short prompt per configuration")
+    ap.add_argument("--long-repeats", type=int, default=1, help="runs of the long prompt per configuration")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.long, args.short, args.chunk = 512, 32, 64
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, model_name = resolve_model(args, Path(tmp))
+        num_layers = ModelArgs.from_hf_config(load_hf_config(model_dir)).num_layers
+        rng = random.Random(0)
+        vocab = 250 if args.quick else 40000
+        long_prompt = [rng.randrange(3, vocab) for _ in range(args.long)]
+        short_prompt = long_prompt[: args.short]
+        blocks = -(-args.long // 16) + 8
+
+        def pipeline(x: int) -> LocalPipeline:
+            return LocalPipeline([PipelineStage(str(model_dir), layers, num_blocks=blocks, block_size=16, max_model_len=args.long + 16)
+                                  for layers in split_layers(num_layers, x)])  # fmt: skip
+
+        rows = []
+        base = pipeline(1)
+        base_long, token = ttft(base, long_prompt, args.chunk, args.long_repeats)
+        base_short, short_token = ttft(base, short_prompt, args.chunk, args.repeats)
+        del base
+        print(f"1 stage: {args.long} tokens {base_long:.2f} s, {args.short} tokens {1000 * base_short:.1f} ms", flush=True)
+        for x in [x for x in args.stages if x <= num_layers]:
+            group = pipeline(x)
+            long_s, t_long = ttft(group, long_prompt, args.chunk, args.long_repeats)
+            short_s, t_short = ttft(group, short_prompt, args.chunk, args.repeats)
+            if (t_long, t_short) != (token, short_token):
+                raise RuntimeError(f"{x} stages gave another first token than one stage")
+            rows.append({"stages": x, "long_ttft_s": round(long_s, 3), "long_speedup": round(base_long / long_s, 3),
+                         "short_ttft_ms": round(1000 * short_s, 1), "short_slowdown": round(short_s / base_short, 3)})  # fmt: skip
+            print(f"{x} stages: {args.long} tokens {long_s:.2f} s ({base_long / long_s:.2f}x faster), {args.short} tokens "
+                  f"{1000 * short_s:.1f} ms ({short_s / base_short:.2f}x the single stage's)", flush=True)  # fmt: skip
+            del group
+        result = {
+            "model": model_name, "layers": num_layers, "long_tokens": args.long, "short_tokens": args.short,
+            "chunk": args.chunk, "threads_per_stage": 1, "single_long_ttft_s": round(base_long, 3),
+            "single_short_ttft_ms": round(1000 * base_short, 1), "pipelines": rows, "machine": describe_machine(),
+        }  # fmt: skip
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """The Conductor's values: instances and their load, requests, plans, decisions, rejections.
 
 Everything here is plain data (dataclasses and enums) so the same policies run in the
-gRPC server and in the cluster simulator (benchmarks/sim.py).
+gRPC server and in the cluster simulator (benchmarks/sim/).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cluster simulator (benchmarks/sim.py) on slices of the Mooncake trace, driving the real Conductor.
+"""The cluster simulator (benchmarks/sim/) on slices of the Mooncake trace, driving the real Conductor.
 
 Exact checks on one request (its TTFT and decode times are the cost models' sums), the
 Conductor's index against the simulated caches after evictions, and on a loaded slice
@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import sim  # noqa: E402
-from sim_cluster import Cluster, SimConfig  # noqa: E402
-from sim_model import ModelConfig, NodeCache, TraceRequest, block_key, load_trace, model_config  # noqa: E402
-
-from conductor.admission import AdmissionKind  # noqa: E402
-from conductor.forecast import ForecastKind  # noqa: E402
-from conductor.policies import PolicyKind  # noqa: E402
-from conductor.types import KeyChain  # noqa: E402
-from kvstore.events import Tier  # noqa: E402
+from benchmarks.sim import cli as sim
+from benchmarks.sim.cluster import Cluster, SimConfig
+from benchmarks.sim.model import ModelConfig, NodeCache, TraceRequest, block_key, load_trace, model_config
+from conductor.admission import AdmissionKind
+from conductor.forecast import ForecastKind
+from conductor.policies import PolicyKind
+from conductor.types import KeyChain
+from kvstore.events import Tier
 
 TRACE = sim.DEFAULT_TRACE
 SLICE = 1500
@@ -202,7 +196,7 @@ def test_unbounded_cache_hits_more_than_a_small_one(requests):
 @pytest.fixture(scope="module")
 def decode_bound(requests):
     """2 prefill + 2 decode instances at half speed (the reproduction's 8 + 8 at 2x, per instance), the slow
-    decode profile and a 60 ms TBT SLO: both pools loaded, decode the tighter (sim_paper.py, 2b)."""
+    decode profile and a 60 ms TBT SLO: both pools loaded, decode the tighter (benchmarks/sim/paper.py, 2b)."""
     def one(admission: str, forecast: str = "uniform") -> dict:
         return run(requests, prefill=2, decode=2, tbt_slo_s=0.06, admission=AdmissionKind(admission),
                    decode_forecast=ForecastKind(forecast), model=model_config("slow", noise=0.05))  # fmt: skip
@@ -250,7 +244,7 @@ def test_command_line_writes_json(tmp_path):
     assert sim.main(["--limit", "200", "--speed", "4", "--prefill", "2", "--decode", "2", "--admission", "baseline",
                      "--no-progress", "--json", str(path)]) == 0  # fmt: skip
     out = json.loads(path.read_text())
-    assert out["command"][1:3] == ["--limit", "200"]
+    assert out["command"][:5] == ["python", "-m", "benchmarks.sim", "--limit", "200"]
     assert out["summary"]["requests"] == 200
     assert len(out["records"]["arrival_s"]) == 200
     assert out["config"]["admission"] == "baseline" and out["config"]["model"]["block_bytes"] == 512 * 320 * 1024

@@ -1,6 +1,6 @@
 """The cluster simulator's world: cost models, the trace, and each pool node's KV cache.
 
-Nothing here makes a decision: the Conductor decides (benchmarks/sim.py drives it), and
+Nothing here makes a decision: the Conductor decides (benchmarks/sim/cluster.py drives it), and
 this module says what a decision costs. Every constant is stated with its source in
 ``ModelConfig``; benchmarks/README.md lists them with the results.
 

@@ -44,8 +44,8 @@ from conductor.core import Conductor, ConductorConfig
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
 from conductor.types import Decision, Instance, Load, Rejection, Role, ScheduleRequest, Slo
+from benchmarks.sim.model import Jitter, ModelConfig, NodeCache, TraceRequest
 from kvstore.events import Tier
-from sim_model import Jitter, ModelConfig, NodeCache, TraceRequest
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
 _PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK = 0, 1, 2, 3

@@ -1,6 +1,6 @@
 """The paper's three simulator experiments, and the tier-aware variant, beside the paper's numbers.
 
-    python benchmarks/sim.py --reproduce [--jobs 2] [--json PATH] [--plot PATH] [--limit N]
+    python -m benchmarks.sim --reproduce [--jobs 2] [--json PATH] [--plot PATH] [--limit N]
 
 1. Placement (paper: average TTFT random 19.65 s, load balancing 5.27 s, local
    cache-aware 3.58 s, KVCache-centric 3.07 s on 16 nodes): 8 prefill + 8 decode
@@ -13,7 +13,7 @@
    DESIGN §7 gives none for this run). Here the prefill pool is the only bottleneck at 2x:
    decode instances run about 20 requests where their TBT SLO allows about 100, and decode
    load is all the three admissions judge differently, so they decide alike.
-   2b. Decode-bound: the ``slow`` decode profile (sim_model.DECODE_PROFILES, our
+   2b. Decode-bound: the ``slow`` decode profile (model.DECODE_PROFILES, our
    assumption: 30% of HBM bandwidth, 1 ms per request a step) with TBT SLOs of 50 to
    70 ms, where both pools are loaded at 2x, as in the paper's experiment (its figure
    shows decode load near 1). Rows: the paper's three (early_predictive with the paper's
@@ -40,12 +40,12 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 from rich.table import Table
 
-import sim
+from benchmarks.sim import cli as sim
+from benchmarks.sim.cluster import SimConfig
+from benchmarks.sim.model import load_trace, model_config
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
 from conductor.policies import PolicyKind
-from sim_cluster import SimConfig
-from sim_model import load_trace, model_config
 
 NODES = 8
 CAPACITIES_TOTAL = (1_000, 10_000, 30_000, 50_000, 100_000, None)  # blocks over the 8 prefill nodes; None: unbounded
@@ -300,7 +300,7 @@ def reproduce(args: argparse.Namespace, console: Console) -> int:
     wall = time.perf_counter() - start
     console.print(f"total wall time {wall:.0f} s")
     if args.json:
-        out = {"command": ["sim.py", *sys.argv[1:]], "trace": str(args.trace), "limit": args.limit, "wall_s": wall,
+        out = {"command": ["python", "-m", "benchmarks.sim", *sys.argv[1:]], "trace": str(args.trace), "limit": args.limit, "wall_s": wall,
                "paper": {"mean_ttft_s": PAPER_TTFT, "rejected": PAPER_REJECTED, "hit_ratio_unbounded": PAPER_HIT_UNBOUNDED},
                "goals": rows,
                "runs": [{"group": r.group, "label": r.label, "speed": r.speed, "config": sim.config_json(r.config),

@@ -1,17 +1,17 @@
 """Cluster simulator: the Mooncake trace replayed on simulated prefill and decode instances, placed by the real Conductor.
 
-    python benchmarks/sim.py --trace PATH --prefill N --decode M --policy P --admission A --speed S
+    python -m benchmarks.sim --trace PATH --prefill N --decode M --policy P --admission A --speed S
                              [--cache-blocks C --eviction lru|lfu|length] [--ssd-blocks B] [--tier-aware]
                              [--limit N] [--ttft-slo S] [--tbt-slo S] [--threshold X] [--seed N]
                              [--json PATH] [--plot PATH] [--no-progress]
-    python benchmarks/sim.py --reproduce [--json PATH] [--plot PATH]    the paper's three experiments
+    python -m benchmarks.sim --reproduce [--json PATH] [--plot PATH]    the paper's three experiments
 
 Every scheduling decision is made by ``conductor.core.Conductor`` (the same object the gRPC
 service wraps), with its policies, admission, predictors and KV index; the simulator only
 supplies time, the cost of work, and the reports a real cluster would send back
-(benchmarks/sim_cluster.py). The cost models and the trace are in benchmarks/sim_model.py.
+(benchmarks/sim/cluster.py). The cost models and the trace are in benchmarks/sim/model.py.
 
-Model and assumptions (sources in sim_model.ModelConfig):
+Model and assumptions (sources in benchmarks/sim/model.py, ModelConfig):
 
 - Trace: Mooncake's conversation trace (shared/traces/README.md). ``hash_ids`` name 512-token
   blocks and are already prefix-chained, so the key of id h is blake2b(h, 16 bytes); only
@@ -62,22 +62,19 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from benchmarks.sim.cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig
+from benchmarks.sim.model import DECODE_PROFILES, load_trace, model_config
+from conductor.admission import AdmissionKind
+from conductor.forecast import ForecastKind
+from conductor.policies import PolicyKind
+from conductor.predictors import PredictorConfig
 
-from conductor.admission import AdmissionKind  # noqa: E402
-from conductor.forecast import ForecastKind  # noqa: E402
-from conductor.policies import PolicyKind  # noqa: E402
-from conductor.predictors import PredictorConfig  # noqa: E402
-from sim_cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig  # noqa: E402
-from sim_model import DECODE_PROFILES, load_trace, model_config  # noqa: E402
-
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "conversation_trace.jsonl"
+# the repository's sibling ../shared (benchmarks/sim/cli.py -> repo -> its parent)
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 EVICTIONS = ("lru", "lfu", "length")
 
 
@@ -257,11 +254,11 @@ def _pyplot(console: Console):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="sim.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m benchmarks.sim", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Replay the Mooncake trace on a simulated cluster whose every placement and admission "
                     "decision is made by the real Conductor (conductor.core). Models and assumptions: "
-                    "the module docstring of benchmarks/sim.py and benchmarks/README.md.",
-        epilog="Model (every constant and its source: sim_model.ModelConfig; benchmarks/README.md):\n"
+                    "the module docstring of benchmarks/sim/cli.py and benchmarks/README.md.",
+        epilog="Model (every constant and its source: benchmarks/sim/model.py, ModelConfig; benchmarks/README.md):\n"
                "  LLaMA3-70B-shaped model, 320 KiB of KV a token (a 512-token block is 160 MiB), one node of\n"
                "  8 x A800 per instance. Prefill: 20 ms + 0.141 ms a new token + attention (40% MFU), one\n"
                "  request at a time, FIFO. Decode: continuous batching, 12.4 ms + 0.1 ms a request + 28.7 ns\n"
@@ -269,10 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                "  first decode step; TBT = mean of a request's longest 10% of token gaps; a request is\n"
                "  effective when both are under their SLOs. Hit ratio = reused / key blocks.\n\n"
                "Examples:\n"
-               "  sim.py --prefill 8 --decode 8 --policy kvcache_centric --admission none --speed 1.5\n"
-               "  sim.py --prefill 8 --decode 8 --admission early_predictive --speed 2 --tbt-slo 0.04\n"
-               "  sim.py --cache-blocks 1000 --eviction length --limit 3000\n"
-               "  sim.py --reproduce --json benchmarks/results/sim_paper.json --plot benchmarks/results/sim_paper.png",
+               "  python -m benchmarks.sim --prefill 8 --decode 8 --policy kvcache_centric --admission none --speed 1.5\n"
+               "  python -m benchmarks.sim --prefill 8 --decode 8 --admission early_predictive --speed 2 --tbt-slo 0.04\n"
+               "  python -m benchmarks.sim --cache-blocks 1000 --eviction length --limit 3000\n"
+               "  python -m benchmarks.sim --reproduce --json benchmarks/results/sim_paper.json --plot benchmarks/results/sim_paper.png",
     )  # fmt: skip
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSON lines; default: %(default)s)")
     p.add_argument("--prefill", type=int, default=8, help="prefill nodes, each with its own pool node (default 8)")
@@ -316,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reproduce", action="store_true",
                    help="run the paper's three experiments (placement policies, admission at 2x, hit ratio by "
                         "capacity) plus the tier-aware variant, and print them beside the paper's numbers "
-                        "(benchmarks/sim_paper.py); --trace, --json, --plot, --limit, --noise, --seed, --jobs and "
+                        "(benchmarks/sim/paper.py); --trace, --json, --plot, --limit, --noise, --seed, --jobs and "
                         "--no-progress apply")  # fmt: skip
     return p
 
@@ -339,10 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal:  # a log or a pipe: wide enough for the tables
         console = Console(width=160)
     if args.reproduce:
-        sys.modules.setdefault("sim", sys.modules[__name__])  # sim_paper imports this module by name
-        import sim_paper
+        from benchmarks.sim import paper
 
-        return sim_paper.reproduce(args, console)
+        return paper.reproduce(args, console)
     try:
         cfg = config_from_args(args)
         cfg.validate()
@@ -352,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = simulate(cfg, args.trace, args.speed, args.limit, progress=not args.no_progress, console=console)
     console.print(run_table(summary, cfg))
     if args.json:
-        out = {"command": sys.argv if argv is None else ["sim.py", *argv], "speed": args.speed, "limit": args.limit,
+        out = {"command": ["python", "-m", "benchmarks.sim", *(sys.argv[1:] if argv is None else argv)], "speed": args.speed, "limit": args.limit,
                "trace": str(args.trace), "config": config_json(cfg), "summary": public(summary),
                "records": records_json(summary["_records"])}  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)

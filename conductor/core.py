@@ -215,8 +215,11 @@ class Conductor:
 
     # -- measurements ----------------------------------------------------------------------
 
-    def prefill_sample(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
-        self.predictors.prefill.observe(prompt_tokens, cached_tokens, seconds)
+    def prefill_sample(self, prompt_tokens: int, cached_tokens: int, seconds: float, instance: str | None = None) -> None:
+        """One measured prefill; ``instance`` (its id) says whose: a pipeline group's samples fit its own predictor."""
+        inst = self.instances.get(instance) if instance is not None else None
+        predictor = self.predictors.prefill if inst is None else self.predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk)
+        predictor.observe(prompt_tokens, cached_tokens, seconds)
 
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
         self.predictors.transfer.observe(num_bytes, seconds)

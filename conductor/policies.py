@@ -67,7 +67,7 @@ def estimate(
     reused = local_blocks + fetch_blocks
     cached = min(reused * req.block_tokens, req.prompt_tokens - 1)
     transfer_s = predictors.transfer.predict(fetch_blocks * predictors.block_bytes) + load_s
-    prefill_s = predictors.prefill.predict(req.prompt_tokens, cached)
+    prefill_s = predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk).predict(req.prompt_tokens, cached)
     plan = PrefixPlan(local_blocks, fetch_node if fetch_blocks else None, fetch_blocks, req.prompt_tokens - cached)
     return PrefillChoice(inst, plan, inst.load.queued_s, transfer_s, prefill_s)
 
@@ -139,15 +139,19 @@ def _cheapest(candidates: list[Instance], key, cost) -> PrefillChoice:
     """
     parts: dict = {}
     best = best_inst = None
+
+    def full_key(inst: Instance) -> tuple:
+        return key(inst), inst.pipeline_stages, inst.pipeline_chunk  # a pipeline group predicts its own prefill
+
     for inst in candidates:
-        k = key(inst)
+        k = full_key(inst)
         c = parts.get(k)
         if c is None:
             c = parts[k] = cost(inst)
         score = (inst.load.queued_s + c.transfer_s + c.prefill_s, inst.id)
         if best is None or score < best:
             best, best_inst = score, inst
-    c = parts[key(best_inst)]
+    c = parts[full_key(best_inst)]
     return PrefillChoice(best_inst, c.plan, best_inst.load.queued_s, c.transfer_s, c.prefill_s)
 
 

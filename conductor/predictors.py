@@ -10,7 +10,7 @@ All are pure: numbers in, numbers out.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -72,6 +72,9 @@ class PrefillPredictor:
         self.coef = self._prior
         self.fitted = False
 
+    def _features(self, prompt: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        return _features_prefill(prompt, cached)
+
     def observe(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
         """Record one measured prefill (refits every few samples)."""
         if prompt_tokens <= 0 or cached_tokens < 0 or cached_tokens > prompt_tokens or seconds <= 0:
@@ -83,7 +86,7 @@ class PrefillPredictor:
 
     def _fit(self) -> None:
         data = np.array(self._samples, dtype=np.float64)
-        x = _features_prefill(data[:, 0], data[:, 1])
+        x = self._features(data[:, 0], data[:, 1])
         self.coef = fit_toward(x, data[:, 2], self._prior)
         self.fitted = True
         self._since_fit = 0
@@ -106,6 +109,47 @@ class PrefillPredictor:
     @property
     def num_samples(self) -> int:
         return len(self._samples)
+
+
+class PipelinePrefillPredictor(PrefillPredictor):
+    """A chunked-pipeline group's prefill: ``stages`` nodes, each 1/stages of the layers, a prompt's new tokens in
+    chunks of ``chunk``. Chunk j (n_j tokens after a_j) costs a stage w_j = r1 * n_j + r2 * n_j * (a_j + n_j / 2);
+    stage 0 runs the chunks back to back and the last stage ends (stages - 1) chunks later, so with chunk costs that
+    grow (attention does) T = c0 + sum_j w_j + (stages - 1) * max_j w_j: linear in (c0, r1, r2), fitted on the group's
+    own samples (the costliest chunk, which the drain waits for, is taken to be the last whole one). Its prior is a single node's rates split over the stages, and its fixed cost once per stage (each
+    stage has its own launches, and a chunk's hidden states cross each boundary): until its samples say otherwise, a
+    prompt that fits in one chunk is predicted slower through the group than on a single node."""
+
+    def __init__(self, config: PredictorConfig, stages: int, chunk: int) -> None:
+        if stages < 2 or chunk < 1:
+            raise ValueError(f"a pipeline needs at least 2 stages and a chunk of at least 1 token, got {stages}, {chunk}")
+        super().__init__(config)
+        self.stages, self.chunk = stages, chunk
+        self._prior = np.array([self._prior[0] * stages, self._prior[1] / stages, self._prior[2] / stages])
+        self.coef = self._prior
+
+    def _features(self, prompt: np.ndarray, cached: np.ndarray) -> np.ndarray:
+        return np.array([self._row(int(p), int(c)) for p, c in zip(prompt, cached)], dtype=np.float64).reshape(-1, 3)
+
+    def _row(self, prompt: int, cached: int) -> tuple[float, float, float]:
+        new = max(prompt - cached, 0)
+        if new == 0:
+            return (1.0, 0.0, 0.0)
+        full, rest = divmod(new, self.chunk)
+        sizes = [self.chunk] * full + ([rest] if rest else [])
+        starts = [cached + i * self.chunk for i in range(len(sizes))]
+        # the drain: the costliest chunk, taken to be the last whole one (the last, when there is no whole one)
+        d = full - 1 if full else 0
+        linear = float(new) + (self.stages - 1) * sizes[d]
+        pairs = sum(n * (a + n / 2.0) for a, n in zip(starts, sizes))
+        pairs += (self.stages - 1) * sizes[d] * (starts[d] + sizes[d] / 2.0)
+        return (1.0, linear, pairs)
+
+    def predict(self, prompt_tokens: int, cached_tokens: int) -> float:
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        c0, r1, r2 = self._coef
+        _, linear, pairs = self._row(prompt_tokens, cached)
+        return c0 + r1 * linear + r2 * pairs
 
 
 class DecodePredictor:
@@ -164,7 +208,17 @@ class Predictors:
     decode: DecodePredictor
     transfer: TransferPredictor
     block_bytes: int
+    pipelines: dict[tuple[int, int], PipelinePrefillPredictor] = field(default_factory=dict)  # (stages, chunk) ->
 
     @classmethod
     def from_config(cls, config: PredictorConfig, block_bytes: int) -> "Predictors":
         return cls(PrefillPredictor(config), DecodePredictor(config), TransferPredictor(config), block_bytes)
+
+    def prefill_for(self, stages: int, chunk: int) -> PrefillPredictor:
+        """The prefill predictor of instances of this shape: single nodes share one, each pipeline shape has its own."""
+        if stages <= 1:
+            return self.prefill
+        shape = (stages, chunk)
+        if shape not in self.pipelines:
+            self.pipelines[shape] = PipelinePrefillPredictor(self.prefill.config, stages, chunk)
+        return self.pipelines[shape]

@@ -272,7 +272,7 @@ class ConductorService:
         now = time.monotonic()
         with self._lock:
             for s in request.prefill:
-                self.conductor.prefill_sample(s.prompt_tokens, s.cached_tokens, s.seconds)
+                self.conductor.prefill_sample(s.prompt_tokens, s.cached_tokens, s.seconds, request.id or None)
             for s in request.transfer:
                 self.conductor.transfer_sample(s.bytes, s.seconds)
             for e in request.requests:
@@ -401,7 +401,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         if not request.node:
             raise ValueError("node is required: the kvstore node this instance uses (a kvstore node: its own name)")
         inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity,
-                        fingerprint=bytes(request.fingerprint), engine=request.engine)  # fmt: skip
+                        fingerprint=bytes(request.fingerprint), engine=request.engine,
+                        pipeline_stages=max(request.pipeline_stages, 1), pipeline_chunk=request.pipeline_chunk)  # fmt: skip
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
         timeout = self.service.conductor.config.heartbeat_timeout_s
         return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout)

@@ -68,6 +68,8 @@ class Instance:
     last_heartbeat: float = 0.0
     suspect_until: float = 0.0  # SUSPECT: heartbeats before this do not clear it (they may predate the failure)
     load: Load = field(default_factory=Load)
+    pipeline_stages: int = 1  # prefill: nodes of its chunked pipeline (1: a single worker)
+    pipeline_chunk: int = 0  # prefill with stages > 1: its chunk of a prompt (tokens)
 
     @property
     def schedulable(self) -> bool:

@@ -48,7 +48,7 @@ class Load(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class RegisterRequest(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_CHUNK_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -65,7 +67,9 @@ class RegisterRequest(_message.Message):
     capacity: int
     fingerprint: bytes
     engine: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ...) -> None: ...
+    pipeline_stages: int
+    pipeline_chunk: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s")
@@ -126,14 +130,16 @@ class RequestEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("prefill", "transfer", "requests")
+    __slots__ = ("id", "prefill", "transfer", "requests")
+    ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillSample]
     transfer: _containers.RepeatedCompositeFieldContainer[TransferSample]
     requests: _containers.RepeatedCompositeFieldContainer[RequestEvent]
-    def __init__(self, prefill: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., transfer: _Optional[_Iterable[_Union[TransferSample, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestEvent, _Mapping]]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., prefill: _Optional[_Iterable[_Union[PrefillSample, _Mapping]]] = ..., transfer: _Optional[_Iterable[_Union[TransferSample, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestEvent, _Mapping]]] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ()

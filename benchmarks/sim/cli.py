@@ -169,7 +169,7 @@ def records_json(records: list[Record]) -> dict[str, list]:
 
 
 def config_json(cfg: SimConfig) -> dict:
-    d = {k: getattr(cfg, k) for k in ("prefill", "decode", "group_size", "prefill_chunk", "cache_blocks", "ssd_blocks", "eviction", "ttft_slo_s",
+    d = {k: getattr(cfg, k) for k in ("prefill", "decode", "group_size", "pipeline_groups", "prefill_chunk", "cache_blocks", "ssd_blocks", "eviction", "ttft_slo_s",
                                       "tbt_slo_s", "tbt_headroom", "threshold", "tier_aware", "seed", "tick_s")}  # fmt: skip
     d["policy"], d["admission"], d["decode_forecast"] = cfg.policy.value, cfg.admission.value, cfg.decode_forecast.value
     d["model"] = {**{k: getattr(cfg.model, k) for k in cfg.model.__dataclass_fields__}, **cfg.model.describe()}
@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=8, help="prefill nodes, each with its own pool node (default 8)")
     p.add_argument("--group-size", type=int, default=1,
                    help="prefill nodes per chunked-pipeline group, one prefill instance each (default 1: every node alone)")
+    p.add_argument("--pipeline-groups", type=int, default=None,
+                   help="with --group-size: this many groups, the other prefill nodes alone (default: every node in one)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="a pipeline group's chunk of a prompt, tokens (default 2048)")
     p.add_argument("--decode", type=int, default=8, help="decode instances (default 8)")
     p.add_argument("--policy", default="kvcache_centric", choices=[k.value for k in PolicyKind], help="prefill placement (default kvcache_centric)")
@@ -320,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
-        prefill=args.prefill, decode=args.decode, group_size=args.group_size, prefill_chunk=args.prefill_chunk,
+        prefill=args.prefill, decode=args.decode, group_size=args.group_size, pipeline_groups=args.pipeline_groups,
+        prefill_chunk=args.prefill_chunk,
         policy=PolicyKind(args.policy), admission=AdmissionKind(args.admission),
         cache_blocks=args.cache_blocks, ssd_blocks=args.ssd_blocks, eviction=args.eviction, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, threshold=args.threshold, tier_aware=args.tier_aware, seed=args.seed,

@@ -56,6 +56,7 @@ class SimConfig:
     prefill: int = 8  # prefill nodes
     decode: int = 8
     group_size: int = 1  # prefill nodes per chunked-pipeline group (one prefill instance each; 1: every node alone)
+    pipeline_groups: int | None = None  # how many groups (the other nodes serve alone); None: every node in one
     prefill_chunk: int = 2048  # *free*: a pipeline group's chunk of a prompt (tokens)
     policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
     admission: AdmissionKind = AdmissionKind.NONE
@@ -76,8 +77,14 @@ class SimConfig:
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least one prefill and one decode instance, got {self.prefill} and {self.decode}")
-        if self.group_size < 1 or self.prefill % self.group_size:
-            raise ValueError(f"{self.prefill} prefill nodes do not split into groups of {self.group_size}")
+        grouped = self.prefill if self.pipeline_groups is None else self.pipeline_groups * self.group_size
+        if self.group_size < 1 or grouped % self.group_size or not 0 <= grouped <= self.prefill:
+            raise ValueError(f"{self.prefill} prefill nodes do not hold {self.pipeline_groups} groups of {self.group_size}")
+
+    def prefill_shapes(self) -> list[int]:
+        """Each prefill instance's nodes: the groups first, then the nodes alone."""
+        groups = self.prefill // self.group_size if self.pipeline_groups is None else self.pipeline_groups
+        return [self.group_size] * groups + [1] * (self.prefill - groups * self.group_size)
         if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
             raise ValueError("SLOs must be positive")
         if not 0 < self.tbt_headroom <= 1:
@@ -203,11 +210,11 @@ class Cluster:
         self.caches: dict[str, NodeCache] = {}
         # a pipeline group of X nodes is one prefill instance; each stage's node holds its layers' 1/X of every
         # block, so the group's cache is one of X times a node's blocks (and its SSD's)
-        x = config.group_size
-        group_blocks = None if config.cache_blocks is None else config.cache_blocks * x
-        for i in range(config.prefill // x):
+        for i, x in enumerate(config.prefill_shapes()):
+            group_blocks = None if config.cache_blocks is None else config.cache_blocks * x
             node = f"kv{i}"
-            inst = Instance(f"p{i}", Role.PREFILL, f"sim:p{i}", node=node)
+            inst = Instance(f"p{i}", Role.PREFILL, f"sim:p{i}", node=node, pipeline_stages=x,
+                            pipeline_chunk=config.prefill_chunk if x > 1 else 0)  # fmt: skip
             c.register(inst, 0.0)
             c.register(Instance(node, Role.KVSTORE, f"sim:{node}", node=node, capacity=group_blocks or 0), 0.0)
             cache = NodeCache(node, group_blocks, config.ssd_blocks * x, config.eviction, self._index_events)
@@ -335,8 +342,9 @@ class Cluster:
         prompt = rec.req.prompt_tokens
         cached = min((local + fetched) * m.block_tokens, prompt - 1)  # the last token is always computed
         rec.local_blocks, rec.fetched_blocks, rec.ssd_blocks, rec.cached_tokens = local, fetched, ssd, cached
-        rec.load_s = (m.ssd_s(ssd) + net_s) / self.config.group_size  # a group's stages read their layers in parallel
-        rec.compute_s = m.pipelined_prefill_s(prompt, cached, self.config.group_size, self.config.prefill_chunk) * self.jitter()
+        x = p.inst.pipeline_stages
+        rec.load_s = (m.ssd_s(ssd) + net_s) / x  # a group's stages read their layers in parallel
+        rec.compute_s = m.pipelined_prefill_s(prompt, cached, x, self.config.prefill_chunk) * self.jitter()
         rec.prefill_start = now
         p.running = rec
         p.running_predicted_end = now + rec.predicted_s
@@ -349,7 +357,7 @@ class Cluster:
         c, now, rec = self.conductor, self.now, p.running
         rec.prefill_end = now
         p.busy_s += rec.load_s + rec.compute_s
-        c.prefill_sample(rec.req.prompt_tokens, rec.cached_tokens, rec.compute_s)
+        c.prefill_sample(rec.req.prompt_tokens, rec.cached_tokens, rec.compute_s, p.inst.id)
         p.cache.put(rec.req.keys)  # the whole prompt, fetched blocks included (keep_fetched)
         p.cache.leased = set()
         p.running = None

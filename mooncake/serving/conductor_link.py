@@ -133,7 +133,8 @@ class ConductorLink:
     def _flush(self) -> None:
         if not (self._prefill or self._transfer or self._events):
             return
-        batch = pb.ReportRequest(prefill=_drain(self._prefill), transfer=_drain(self._transfer), requests=_drain(self._events))
+        batch = pb.ReportRequest(id=self.registration.id, prefill=_drain(self._prefill), transfer=_drain(self._transfer),
+                                 requests=_drain(self._events))  # fmt: skip
         try:
             self.stub.Report(batch, timeout=self._rpc_timeout)
         except grpc.RpcError:

@@ -1,12 +1,14 @@
 """Chunked pipeline parallelism: TTFT of one long prompt through X pipeline stages against one stage, same run.
 
     python benchmarks/cpp_bench.py [--quick] [--model NAME|DIR] [--long 8192] [--short 256] [--chunk 512]
-                                   [--stages 2 3] [--json PATH]
+                                   [--stages 2 3] [--processes] [--json PATH]
 
 Each stage computes with one thread (``torch.set_num_threads(1)``), so X stages use X
 cores; the baseline is the same code with one stage holding every layer, on one core.
 Stages run as threads of this process (mooncake/engine/pipeline.py: torch releases the
-GIL inside its kernels); the hidden states of a chunk pass between stages in memory.
+GIL inside its kernels; the hidden states of a chunk pass in memory), or with
+``--processes`` as processes (mooncake/engine/stage_process.py: a chunk's hidden states
+through the transfer engine, shm here), the baseline then a single stage process too.
 TTFT here is the prefill alone (from the first chunk to the first token), the median
 of ``--repeats`` runs (``--long-repeats`` for the long prompt). Results and what they
 do not include: benchmarks/README.md.
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -34,6 +37,7 @@ from mooncake.engine.model_args import ModelArgs  # noqa: E402
 from mooncake.engine.pipeline import LocalPipeline  # noqa: E402
 from mooncake.engine.request import SamplingParams  # noqa: E402
 from mooncake.engine.stage import PipelineStage, split_layers  # noqa: E402
+from mooncake.engine.stage_process import ProcessPipeline, StageSpec  # noqa: E402
 from mooncake.engine.weights import load_hf_config  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -51,6 +55,22 @@ def ttft(pipeline: LocalPipeline, prompt: list[int], chunk: int, repeats: int) -
     return statistics.median(times), token
 
 
+class _Processes:
+    """ProcessPipeline under LocalPipeline's prefill signature (the first token only: no KV comes back)."""
+
+    def __init__(self, pipeline: ProcessPipeline) -> None:
+        self.pipeline = pipeline
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, chunk: int):
+        token, _ = self.pipeline.prefill(request_id, prompt, params.temperature, params.seed, chunk)
+        return SimpleNamespace(first_token=token)
+
+
+def _close(pipeline) -> None:
+    if isinstance(pipeline, _Processes):
+        pipeline.pipeline.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a model directory or registry name (default smollm2-135m)")
@@ -61,6 +81,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipeline sizes to measure against 1")
     ap.add_argument("--repeats", type=int, default=5, help="runs of the short prompt per configuration")
     ap.add_argument("--long-repeats", type=int, default=1, help="runs of the long prompt per configuration")
+    ap.add_argument("--processes", action="store_true", help="each stage a process (hidden states through the transfer engine)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -75,7 +96,11 @@ def main() -> None:
         short_prompt = long_prompt[: args.short]
         blocks = -(-args.long // 16) + 8
 
-        def pipeline(x: int) -> LocalPipeline:
+        def pipeline(x: int):
+            if args.processes:
+                specs = [StageSpec(str(model_dir), layers, num_blocks=blocks, block_size=16, max_model_len=args.long + 16,
+                                   max_chunk=args.chunk) for layers in split_layers(num_layers, x)]  # fmt: skip
+                return _Processes(ProcessPipeline(specs))
             return LocalPipeline([PipelineStage(str(model_dir), layers, num_blocks=blocks, block_size=16, max_model_len=args.long + 16)
                                   for layers in split_layers(num_layers, x)])  # fmt: skip
 
@@ -83,7 +108,7 @@ def main() -> None:
         base = pipeline(1)
         base_long, token = ttft(base, long_prompt, args.chunk, args.long_repeats)
         base_short, short_token = ttft(base, short_prompt, args.chunk, args.repeats)
-        del base
+        _close(base)
         print(f"1 stage: {args.long} tokens {base_long:.2f} s, {args.short} tokens {1000 * base_short:.1f} ms", flush=True)
         for x in [x for x in args.stages if x <= num_layers]:
             group = pipeline(x)
@@ -95,10 +120,10 @@ def main() -> None:
                          "short_ttft_ms": round(1000 * short_s, 1), "short_slowdown": round(short_s / base_short, 3)})  # fmt: skip
             print(f"{x} stages: {args.long} tokens {long_s:.2f} s ({base_long / long_s:.2f}x faster), {args.short} tokens "
                   f"{1000 * short_s:.1f} ms ({short_s / base_short:.2f}x the single stage's)", flush=True)  # fmt: skip
-            del group
+            _close(group)
         result = {
             "model": model_name, "layers": num_layers, "long_tokens": args.long, "short_tokens": args.short,
-            "chunk": args.chunk, "threads_per_stage": 1, "single_long_ttft_s": round(base_long, 3),
+            "chunk": args.chunk, "threads_per_stage": 1, "stages_as": "processes" if args.processes else "threads", "single_long_ttft_s": round(base_long, 3),
             "single_short_ttft_ms": round(1000 * base_short, 1), "pipelines": rows, "machine": describe_machine(),
         }  # fmt: skip
     print(json.dumps(result, indent=2))

@@ -125,3 +125,41 @@ def test_smollm2_3000_token_prompt_through_2_stages_equals_one_engine(smollm2_di
             if o.finished and o.request_id == rid:
                 got = list(o.output_token_ids)
     assert got == reference
+
+
+# -- stages as processes ------------------------------------------------------------------------------
+
+
+def process_pipeline(model_dir, n: int, max_chunk: int = 64):
+    from mooncake.engine.stage_process import ProcessPipeline, StageSpec
+
+    num_layers = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=4, max_model_len=64)).args.num_layers
+    return ProcessPipeline([StageSpec(str(model_dir), layers, num_blocks=128, block_size=BLOCK, max_model_len=MAX_LEN,
+                                      max_chunk=max_chunk) for layers in split_layers(num_layers, n)])  # fmt: skip
+
+
+def test_stages_as_processes_pass_hidden_states_through_the_transfer_engine_and_equal_one_engine(tiny_models):
+    model = tiny_models["qwen2"]
+    pipeline = process_pipeline(model.path, 3)
+    try:
+        for length in (5, 300):
+            prompt = prompt_of(length, seed=100 + length)
+            first, kv = pipeline.prefill(f"p{length}", prompt, chunk=64, export=True)
+            assert decode_after(model.path, prompt, first, kv) == alone(model.path, prompt)
+    finally:
+        pipeline.close()
+
+
+def test_a_stage_process_killed_mid_prefill_fails_it_without_a_hang(tiny_models):
+    import os
+    import signal
+    import threading
+
+    model = tiny_models["llama"]
+    pipeline = process_pipeline(model.path, 2, max_chunk=8)
+    victim = pipeline._procs[1].pid
+    threading.Timer(0.5, lambda: os.kill(victim, signal.SIGKILL)).start()
+    with pytest.raises(RuntimeError, match="died|failed"):
+        for i in range(200):  # long enough that the kill lands mid-prefill
+            pipeline.prefill(f"k{i}", prompt_of(900, seed=i), chunk=8, timeout_s=60)
+    assert not any(p.is_alive() for p in pipeline._procs)

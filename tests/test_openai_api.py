@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -24,7 +25,7 @@ from mooncake.gateway import GatewayConfig, create_app
 from mooncake.gateway import tools as tool_format
 from mooncake.gateway.protocol import ToolDefinition
 from mooncake.serving.local import LocalBackend
-from mooncake.serving.types import GenerationBackend, GenerationRequest, Rejected
+from mooncake.serving.types import GenerationBackend, GenerationRequest, Rejected, Unavailable
 from test_gateway import Served
 
 MESSAGES = [{"role": "user", "content": "Tell me about the quick brown fox."}]
@@ -195,6 +196,40 @@ def test_n_larger_than_the_backend_serves_at_once_waits_for_room_instead_of_fail
     assert limited.rejected > 0  # it was turned away, and waited
     alone = [client.chat.completions.create(**{**kwargs, "seed": 3 + j}).choices[0].message.content for j in range(5)]
     assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == alone
+
+
+class SecondChoiceDies(GenerationBackend):
+    """Choice 1 of every request fails after three chunks, as a decode worker lost for good does."""
+
+    def __init__(self, inner: GenerationBackend) -> None:
+        self.inner, self.model_name, self.max_model_len = inner, inner.model_name, inner.max_model_len
+
+    async def generate(self, request: GenerationRequest):
+        n = 0
+        async for chunk in self.inner.generate(request):
+            if request.request_id.endswith("-0-1") and n == 3:
+                raise Unavailable("decode worker lost")
+            n += 1
+            yield chunk
+
+
+def test_a_choice_that_fails_fails_the_request_and_stops_its_siblings(backend, tok):
+    served, c = serve(SecondChoiceDies(backend), tok)
+    try:
+        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=1, n=3, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.InternalServerError) as e:  # 503
+            c.chat.completions.create(**kwargs)
+        assert e.value.status_code == 503
+        # streamed: the response opened with choice 0's first token, so the failure arrives as an error event
+        with pytest.raises(openai.APIError, match="decode worker lost"):
+            for _ in c.chat.completions.create(stream=True, **kwargs):
+                pass
+    finally:
+        metrics = httpx.get(f"{served.url}/metrics").text
+        served.stop()
+    running = [ln for ln in metrics.splitlines() if ln.startswith("mooncake_gateway_running_requests ")]
+    assert running == ["mooncake_gateway_running_requests 0.0"]  # no choice left generating
+    assert backend.loop.num_running == 0
 
 
 def test_a_batch_of_prompts_gets_n_choices_each_indexed_prompt_major(client):

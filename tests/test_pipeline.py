@@ -146,6 +146,10 @@ def test_stages_as_processes_pass_hidden_states_through_the_transfer_engine_and_
             prompt = prompt_of(length, seed=100 + length)
             first, kv = pipeline.prefill(f"p{length}", prompt, chunk=64, export=True)
             assert decode_after(model.path, prompt, first, kv) == alone(model.path, prompt)
+        # a reused prefix: each stage process loads its layers of the 300-token prompt's first 256 tokens
+        reused = prompt[:256] + prompt_of(90, seed=7)
+        first, kv2 = pipeline.prefill("reuse", reused, chunk=64, export=True, prefix_kv=kv[:16], num_prefix_tokens=256)
+        assert decode_after(model.path, reused, first, kv2) == alone(model.path, reused)
     finally:
         pipeline.close()
 

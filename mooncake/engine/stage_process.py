@@ -42,6 +42,7 @@ class ProcessPipeline:
 
     def __init__(self, specs: list[StageSpec], start_timeout_s: float = 300.0) -> None:
         ctx = mp.get_context("spawn")
+        self._specs = specs
         self._procs, self._drivers = [], []
         links = [ctx.Pipe() for _ in range(len(specs) - 1)]  # forward: "chunk k in slot s"
         acks = [ctx.Pipe() for _ in range(len(specs) - 1)]  # backward: "slot s is free"
@@ -66,10 +67,17 @@ class ProcessPipeline:
             conn.send(("next_inbox", segments[i + 1]))  # where stage i writes its hidden states
 
     def prefill(self, request_id: str, prompt: list[int], temperature: float = 0.0, seed: int | None = None,
-                chunk: int = 512, export: bool = False, timeout_s: float = 3600.0) -> tuple[int, torch.Tensor | None]:  # fmt: skip
-        """The first token of ``prompt`` (greedy, or seeded sampling) and, with ``export``, its KV in the pool layout."""
-        for conn in self._drivers:
-            conn.send(("prefill", request_id, prompt, chunk, temperature, seed, export))
+                chunk: int = 512, export: bool = False, timeout_s: float = 3600.0, prefix_kv: torch.Tensor | None = None,
+                num_prefix_tokens: int = 0) -> tuple[int, torch.Tensor | None]:  # fmt: skip
+        """The first token of ``prompt`` (greedy, or seeded sampling) and, with ``export``, its KV in the pool layout.
+
+        ``prefix_kv`` [n, L, 2, bs, Hkv, D] holds the KV of its first ``num_prefix_tokens`` (a reused prefix): each
+        stage gets its layers of it, and the chunks start after it."""
+        if not 0 <= num_prefix_tokens < len(prompt):
+            raise ValueError(f"num_prefix_tokens must be in [0, {len(prompt) - 1}], got {num_prefix_tokens}")
+        for spec, conn in zip(self._specs, self._drivers):
+            prefix = prefix_kv[:, spec.layers.start : spec.layers.stop] if num_prefix_tokens else None
+            conn.send(("prefill", request_id, prompt, chunk, temperature, seed, export, prefix, num_prefix_tokens))
         replies, errors = [], []
         for i, conn in enumerate(self._drivers):
             if not conn.poll(timeout_s):
@@ -150,11 +158,13 @@ def _stage_main(index, num_stages, spec: StageSpec, driver, prev_in, next_out, a
         if msg[0] == "stop":
             engine.close()
             return
-        _, request_id, prompt, chunk, temperature, seed, export = msg
+        _, request_id, prompt, chunk, temperature, seed, export, prefix, num_prefix_tokens = msg
         try:
+            if num_prefix_tokens:
+                stage.import_prefix(request_id, prefix, num_prefix_tokens)
             free = list(range(SLOTS))  # of the next stage's inbox
             last = None
-            for k, (a, b) in enumerate(chunk_bounds(0, len(prompt), chunk)):
+            for k, (a, b) in enumerate(chunk_bounds(num_prefix_tokens, len(prompt), chunk)):
                 n = b - a
                 if index == 0:
                     out = stage.run_chunk(request_id, a, token_ids=prompt[a:b])

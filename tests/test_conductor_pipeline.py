@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_conductor_core import BT, ROUND, conductor, decode, key, prefill
+from conductor_helpers import BT, ROUND, conductor, decode, key, prefill
 
 from benchmarks.sim.model import ModelConfig
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig

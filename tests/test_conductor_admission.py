@@ -1,0 +1,418 @@
+"""The Conductor's admission (none, baseline, early, early_predictive) and its state: registry, heartbeats, the
+index, draining, run-time switches. Answers worked out by hand from conductor_helpers' round-number predictors.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from conductor.admission import reported_batch, select_decode
+from conductor.core import Conductor
+from conductor.predictors import DecodePredictor
+from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest
+from kvstore.events import Tier
+
+from conductor_helpers import (BLOCK_BYTES, BT, KEYS, ROUND, assert_retry_in_bounds, cluster, conductor, decode, decode_formula,
+                               predictors, prefill, request)  # fmt: skip
+
+
+# -- the Conductor: admission ---------------------------------------------------------------
+
+
+def test_admission_none_never_rejects_a_request_it_can_place():
+    c = conductor("none")
+    cluster(c)
+    c.heartbeat("p0", Load(queued_s=500.0), 0.0)  # TTFT far over the 2 s SLO
+    c.heartbeat("d0", Load(running_requests=100), 0.0)  # TBT ten times the SLO
+    outcome = c.schedule(request(), 0.0)
+    assert isinstance(outcome, Decision)
+    assert outcome.predicted.ttft_s > 2.0 and outcome.predicted.tbt_s > 0.1
+
+
+def test_admission_none_rejects_only_when_there_is_no_instance():
+    c = conductor("none")
+    outcome = c.schedule(request(), 0.0)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.NO_PREFILL
+    assert_retry_in_bounds(outcome)
+    c.register(prefill(0), 0.0)
+    outcome = c.schedule(request(), 0.0)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.NO_DECODE
+    assert outcome.request_id == "r"
+    assert_retry_in_bounds(outcome)
+    c.register(decode(0), 0.0)
+    assert isinstance(c.schedule(request(), 0.0), Decision)
+    assert c.counters.rejected == {"no_prefill_instance": 1, "no_decode_instance": 1}
+
+
+def test_baseline_rejects_at_schedule_time_only_for_ttft():
+    c = conductor("baseline")
+    cluster(c)
+    c.heartbeat("p0", Load(queued_s=5.0), 0.0)
+    outcome = c.schedule(request(), 0.0)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TTFT_SLO
+    assert outcome.predicted is not None and outcome.predicted.ttft_s == pytest.approx(5.16)
+    assert outcome.retry_after_s == pytest.approx(5.0)  # wait out the queue
+    assert_retry_in_bounds(outcome)
+    c.heartbeat("p0", Load(queued_s=0.0), 0.0)
+    c.heartbeat("d0", Load(running_requests=30), 0.0)  # decode far over its TBT SLO: not checked yet
+    assert isinstance(c.schedule(request(), 0.0), Decision)
+
+
+def test_baseline_rejects_at_decode_time_when_the_decode_instance_is_over_its_tbt_slo():
+    c = conductor("baseline")
+    cluster(c)
+    c.heartbeat("d0", Load(running_requests=8), 0.0)  # 8 + this one: 0.10 s, at the SLO
+    assert c.admit_at_decode("d0", 1.0) is None
+    c.heartbeat("d0", Load(running_requests=9), 0.0)  # 9 + this one: 0.11 s
+    late = c.admit_at_decode("d0", 1.0)
+    assert isinstance(late, Rejection) and late.reason is RejectReason.TBT_SLO
+    assert_retry_in_bounds(late)
+    assert c.admit_at_decode("no-such-decode", 1.0) is None
+    c.set_admission("early")  # only the baseline checks late; the others decided before prefill
+    assert c.admit_at_decode("d0", 1.0) is None
+
+
+def test_retry_after_is_clamped_to_one_and_sixty_seconds():
+    c = conductor("baseline")
+    cluster(c)
+    c.heartbeat("p0", Load(queued_s=1000.0), 0.0)
+    outcome = c.schedule(request(), 0.0)
+    assert outcome.reason is RejectReason.TTFT_SLO and outcome.retry_after_s == 60.0
+    c = conductor("baseline", ttft_s=0.05)
+    cluster(c)
+    outcome = c.schedule(request(), 0.0)  # 0.16 s with an empty queue
+    assert outcome.reason is RejectReason.TTFT_SLO and outcome.retry_after_s == 1.0
+
+
+def busy_decode_draining_soon(admission: str, decodes: int) -> Conductor:
+    """d0 runs 25 requests now (0.26 s TBT, load 2.6), which all finish 0.3 s from now; the prefill takes 1 s.
+
+    t_d = 0.5 s; the flights started decoding at now - 0.2.
+    """
+    now = 100.0
+    c = conductor(admission, default_decode_s=0.5)
+    cluster(c, prefills=1, decodes=decodes, now=now)
+    for n in range(25):
+        c.forecast.scheduled(f"old{n}", "d0", now - 0.5, 200)
+        c.decode_started(f"old{n}", now - 0.2)
+    c.heartbeat("d0", Load(running_requests=25, context_tokens=25 * 200), now)
+    assert c.forecast.t_d == 0.5
+    return c
+
+
+def test_early_rejects_on_the_current_decode_load_even_if_it_drains_before_prefill_ends():
+    for decodes in (1, 2):  # d1, if there, is idle: the mean load is 2.6 or 1.3
+        c = busy_decode_draining_soon("early", decodes)
+        outcome = c.schedule(request(blocks=10, prompt=1000), 100.0)
+        assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.OVERLOAD, decodes
+        assert_retry_in_bounds(outcome)
+        assert outcome.predicted.ttft_s == pytest.approx(1.0)
+
+
+def test_early_predictive_admits_when_the_decode_instances_will_have_drained():
+    c = busy_decode_draining_soon("early_predictive", decodes=2)
+    outcome = c.schedule(request(blocks=10, prompt=1000), 100.0)
+    assert isinstance(outcome, Decision)
+    assert outcome.decode == "d1"  # both will be empty by then; the tie goes to the one with nothing assigned now
+    assert outcome.predicted.tbt_s == pytest.approx(c.predictors.decode.predict(1, 1000))
+
+
+def test_early_predictive_admits_when_the_only_decode_instance_will_have_drained():
+    c = busy_decode_draining_soon("early_predictive", decodes=1)
+    outcome = c.schedule(request(blocks=10, prompt=1000), 100.0)
+    assert isinstance(outcome, Decision), outcome
+
+
+def full_decode(admission: str, t_d: float) -> Conductor:
+    """d0 (capacity 4) runs the 4 requests the Conductor sent it, decoding since t=0.5 for t_d each."""
+    c = conductor("none", default_decode_s=t_d)
+    c.register(prefill(0), 0.0)
+    c.register(decode(0, capacity=4), 0.0)
+    for n in range(4):
+        assert isinstance(c.schedule(request(f"a{n}", blocks=5, prompt=100), 0.0), Decision)
+    c.heartbeat("p0", Load(), 0.5)
+    c.heartbeat("d0", Load(running_requests=4, context_tokens=400), 0.5)
+    for n in range(4):
+        c.decode_started(f"a{n}", 0.5)
+    c.set_admission(admission)
+    return c
+
+
+def test_early_predictive_admits_to_a_full_decode_instance_that_will_have_room():
+    c = full_decode("early_predictive", t_d=0.5)  # its 4 finish at t=1.0; b's prefill ends at 1.5
+    assert isinstance(c.schedule(request("b", prompt=1000), 0.5), Decision)
+    c = full_decode("early", t_d=0.5)  # plain early looks only at now: full
+    outcome = c.schedule(request("b", prompt=1000), 0.5)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TBT_SLO
+
+
+def test_early_predictive_rejects_a_decode_instance_that_will_still_be_full():
+    c = full_decode("early_predictive", t_d=60.0)
+    outcome = c.schedule(request("b", prompt=1000), 0.5)
+    assert isinstance(outcome, Rejection), outcome
+    assert outcome.reason in (RejectReason.TBT_SLO, RejectReason.OVERLOAD)
+
+
+def test_early_predictive_rejects_when_the_decode_batch_will_still_be_running():
+    now = 100.0
+    c = conductor("early_predictive", default_decode_s=30.0)
+    cluster(c, now=now)
+    for n in range(25):
+        c.forecast.scheduled(f"old{n}", "d0", now - 1.0, 200)
+        c.decode_started(f"old{n}", now - 1.0)
+    c.heartbeat("d0", Load(running_requests=25, context_tokens=25 * 200), now)
+    outcome = c.schedule(request(blocks=10, prompt=1000), now)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.OVERLOAD
+    assert outcome.retry_after_s == 15.0  # t_d / 2
+
+
+def test_t_d_follows_measured_decode_durations():
+    c = conductor("early_predictive", default_decode_s=10.0)
+    cluster(c)
+    d = c.schedule(request("a"), 0.0)
+    assert isinstance(d, Decision) and len(c.forecast) == 1
+    c.decode_started("a", 1.0)
+    c.finished("a", 21.0)  # decoded for 20 s
+    assert c.forecast.t_d == pytest.approx(0.9 * 10.0 + 0.1 * 20.0)
+    assert len(c.forecast) == 0
+    c.finished("a", 30.0)  # a second report of the same request changes nothing
+    assert c.forecast.t_d == pytest.approx(11.0)
+    c.schedule(request("b"), 40.0)
+    c.finished("b", 41.0)  # never started decoding (cancelled): not a decode duration
+    assert c.forecast.t_d == pytest.approx(11.0)
+
+
+def test_early_predictive_counts_the_requests_own_context_in_its_tbt():
+    # 1 us per context token: a 100k-token prompt alone makes a step 0.12 s; a 50k one 0.07 s
+    config = ROUND.model_copy(update={"decode_s_per_context_token": 1e-6})
+    for prompt, admitted in ((50_000, True), (100_000, False)):
+        c = conductor("early_predictive", ttft_s=1000.0, predictors=config)
+        cluster(c)
+        outcome = c.schedule(request(prompt=prompt), 0.0)
+        assert isinstance(outcome, Decision) is admitted, outcome
+        if not admitted:
+            assert outcome.reason is RejectReason.TBT_SLO
+
+
+def test_early_rejects_for_ttft_when_the_prefill_queue_is_too_long():
+    for kind in ("early", "early_predictive"):
+        c = conductor(kind)
+        cluster(c)
+        c.heartbeat("p0", Load(queued_s=3.0), 0.0)
+        outcome = c.schedule(request(), 0.0)
+        assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TTFT_SLO
+        assert_retry_in_bounds(outcome)
+
+
+# -- the Conductor: registry, index, run-time switches ----------------------------------------
+
+
+def test_heartbeats_update_the_load_the_policy_sees():
+    c = conductor("none", policy="least_loaded")
+    cluster(c, prefills=2)
+    c.heartbeat("p0", Load(queued_requests=3, queued_s=2.0), 1.0)
+    c.heartbeat("p1", Load(queued_requests=1, queued_s=0.5), 1.0)
+    assert c.instances["p0"].load.queued_s == 2.0 and c.instances["p0"].last_heartbeat == 1.0
+    assert c.schedule(request("a"), 1.0).prefill == "p1"
+    c.heartbeat("p0", Load(), 2.0)
+    c.heartbeat("p1", Load(queued_requests=4, queued_s=3.0), 2.0)
+    assert c.schedule(request("b"), 2.0).prefill == "p0"
+    with pytest.raises(KeyError):
+        c.heartbeat("stranger", Load(), 2.0)
+
+
+def test_decode_heartbeats_teach_the_tbt_predictor():
+    c = conductor("none")
+    cluster(c)
+    rng = random.Random(5)
+    for n, batch in enumerate([1, 3, 6, 10, 15, 20, 30, 40, 50, 64]):
+        ctx = batch * rng.randint(200, 3000)
+        c.heartbeat("d0", Load(running_requests=batch, context_tokens=ctx, step_s=decode_formula(batch, ctx)), float(n))
+    c.heartbeat("d0", Load(running_requests=4, context_tokens=4 * 1500), 20.0)
+    outcome = c.schedule(request(prompt=30000), 20.0)
+    # 4 running with 6000 context tokens, plus this request's 30000
+    assert outcome.predicted.tbt_s == pytest.approx(decode_formula(5, 4 * 1500 + 30000), rel=0.01)
+
+
+def test_a_decision_grows_the_prefill_queue_until_the_next_heartbeat():
+    c = conductor("none", policy="least_loaded")
+    cluster(c, prefills=2)
+    first = c.schedule(request("a", prompt=200), 0.0)  # 10 blocks of nothing cached: 0.2 s
+    assert first.prefill == "p0" and first.predicted.queue_s == 0.0
+    assert c.instances["p0"].load.queued_s == pytest.approx(0.2)
+    assert c.instances["p0"].load.queued_requests == 1
+    second = c.schedule(request("b", prompt=200), 0.0)
+    assert second.prefill == "p1"  # p0's queue is now longer
+    third = c.schedule(request("c", prompt=300), 0.0)
+    assert third.prefill == "p0" and third.predicted.queue_s == pytest.approx(0.2)
+    assert c.instances["p0"].load.queued_s == pytest.approx(0.5)
+    c.heartbeat("p0", Load(), 0.5)  # the worker's own account replaces the estimate
+    assert c.instances["p0"].load.queued_s == 0.0
+    assert c.counters.scheduled == 3 and c.counters.computed_tokens == 700
+
+
+def test_expire_marks_silent_instances_dead_and_drops_a_dead_pools_blocks():
+    c = conductor("none", heartbeat_timeout_s=10.0)
+    cluster(c, now=0.0)
+    c.register(Instance("pool", Role.KVSTORE, "10.0.2.1:7000", node="kv9"), 0.0)
+    for i in range(8):
+        c.stored("kv9", KEYS[i], Tier.DRAM)
+    before = c.schedule(request("a"), 0.0)
+    assert (before.plan.fetch_node, before.plan.fetch_blocks) == ("kv9", 8)
+    c.heartbeat("p0", Load(), 5.0)
+    c.heartbeat("d0", Load(), 5.0)
+    assert c.expire(10.0) == []  # silent for exactly the timeout: still alive
+    assert c.expire(12.0) == ["pool"]
+    assert c.instances["pool"].state is InstanceState.DEAD
+    assert c.index.match(KEYS[:10]).any_tier == {}
+    after = c.schedule(request("b"), 12.0)
+    assert (after.plan.reused_blocks, after.plan.fetch_node, after.plan.compute_tokens) == (0, None, 160)
+    with pytest.raises(KeyError):
+        c.heartbeat("pool", Load(), 12.0)  # a dead instance must register again
+    assert sorted(c.expire(16.0)) == ["d0", "p0"]
+    outcome = c.schedule(request("c"), 16.0)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.NO_PREFILL
+    assert c.expire(30.0) == []  # already dead: not reported twice
+
+
+def test_snapshot_replaces_what_the_index_says_a_node_holds():
+    c = conductor("none", policy="cache_aware_local")
+    cluster(c, prefills=2)
+    for i in range(10):
+        c.stored("kv1", KEYS[i], Tier.DRAM)
+    c.removed("kv1", KEYS[9], Tier.DRAM)
+    d = c.schedule(request("a"), 0.0)
+    assert (d.prefill, d.plan.local_blocks) == ("p1", 9)
+    c.snapshot("kv1", [(KEYS[0], Tier.DRAM), (KEYS[1], Tier.SSD)])  # the node restarted with two blocks
+    assert c.index.match(KEYS[:10]).any_tier == {"kv1": 2}
+    assert c.index.node_blocks("kv1") == 2
+
+
+def test_a_dead_decode_instance_that_comes_back_starts_with_an_empty_forecast():
+    c = conductor("none", ttft_s=60.0, heartbeat_timeout_s=10.0, default_decode_s=60.0)
+    cluster(c)
+    for n in range(12):  # the Conductor sent d0 twelve requests that decode for the next minute
+        assert isinstance(c.schedule(request(f"a{n}", prompt=200), 0.0), Decision)
+    c.set_admission("early_predictive")
+    outcome = c.schedule(request("b", prompt=200), 0.0)  # d0 will run 12 (0.13 s per token) when b is ready
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.OVERLOAD
+    c.heartbeat("p0", Load(), 11.0)
+    assert c.expire(11.0) == ["d0"]  # d0 died: the requests it held are gone with it
+    c.register(decode(0), 11.0)
+    assert isinstance(c.schedule(request("c", prompt=200), 11.0), Decision)
+
+
+def test_drain_stops_new_work_to_an_instance():
+    c = conductor("none", policy="cache_aware_local")
+    cluster(c, prefills=2)
+    for i in range(10):
+        c.stored("kv1", KEYS[i], Tier.DRAM)
+    assert c.schedule(request("a"), 0.0).prefill == "p1"  # it holds the whole prefix
+    c.drain("p1")
+    assert c.instances["p1"].state is InstanceState.DRAINING
+    for n in range(5):
+        assert c.schedule(request(f"b{n}"), 0.0).prefill == "p0"
+    c.drain("p0")
+    outcome = c.schedule(request("c"), 0.0)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.NO_PREFILL
+    with pytest.raises(KeyError):
+        c.drain("nobody")
+
+
+def test_policy_and_admission_switch_at_run_time():
+    c = conductor("none", policy="round_robin")
+    cluster(c, prefills=2)
+    picks = [c.schedule(request(f"a{n}"), 0.0) for n in range(4)]
+    assert [d.prefill for d in picks] == ["p0", "p1", "p0", "p1"]
+    assert {d.policy for d in picks} == {"round_robin"}
+    c.set_policy("least_loaded")
+    c.heartbeat("p0", Load(queued_s=1.0), 0.0)
+    c.heartbeat("p1", Load(queued_s=0.1), 0.0)
+    d = c.schedule(request("b"), 0.0)
+    assert (d.prefill, d.policy) == ("p1", "least_loaded")
+    with pytest.raises(ValueError):
+        c.set_policy("no-such-policy")
+    assert c.schedule(request("c"), 0.0).policy == "least_loaded"  # the old policy stays
+
+    c.heartbeat("p0", Load(queued_s=10.0), 0.0)
+    c.heartbeat("p1", Load(queued_s=10.0), 0.0)
+    assert isinstance(c.schedule(request("d"), 0.0), Decision)  # admission none
+    c.set_admission("baseline")
+    assert c.schedule(request("e"), 0.0).reason is RejectReason.TTFT_SLO
+    with pytest.raises(ValueError):
+        c.set_admission("maybe")
+    assert c.schedule(request("f"), 0.0).reason is RejectReason.TTFT_SLO  # still baseline
+
+
+@pytest.mark.parametrize(
+    "req",
+    [
+        ScheduleRequest("", KEYS[:2], 32, BT),  # no request id
+        ScheduleRequest("r", [b"short"], 32, BT),  # a key that is not 16 bytes
+        ScheduleRequest("r", [KEYS[0], bytes(17)], 32, BT),
+        ScheduleRequest("r", KEYS[:3], 47, BT),  # 3 keys of 16 tokens: more than 47 prompt tokens
+        ScheduleRequest("r", [], 0, BT),  # an empty prompt
+        ScheduleRequest("r", KEYS[:1], 32, 0),  # no block size
+    ],
+)
+def test_schedule_rejects_malformed_requests_with_value_error(req):
+    c = conductor("none")
+    cluster(c)
+    with pytest.raises(ValueError):
+        c.schedule(req, 0.0)
+    assert c.counters.scheduled == 0 and c.instances["p0"].load.queued_s == 0.0
+
+
+def test_schedule_rejects_an_unknown_slo_class_with_value_error():
+    c = conductor("none")
+    cluster(c)
+    with pytest.raises(ValueError, match="unknown SLO class"):
+        c.schedule(request(slo_class="platinum"), 0.0)
+    assert c.counters.scheduled == 0
+
+
+def test_a_request_with_no_full_block_and_a_prompt_of_partial_blocks_is_placed():
+    c = conductor("none")
+    cluster(c)
+    d = c.schedule(ScheduleRequest("tiny", [], 5, BT), 0.0)
+    assert isinstance(d, Decision) and d.plan.compute_tokens == 5 and d.plan.reused_blocks == 0
+    d = c.schedule(ScheduleRequest("edge", KEYS[:3], 48, BT), 0.0)  # exactly 3 full blocks
+    assert isinstance(d, Decision) and d.plan.compute_tokens == 48
+
+
+def test_register_requires_an_id_and_address_and_revives_a_dead_instance():
+    c = conductor("none", heartbeat_timeout_s=1.0)
+    with pytest.raises(ValueError):
+        c.register(Instance("", Role.PREFILL, "10.0.0.1:7000", node="kv0"), 0.0)
+    with pytest.raises(ValueError):
+        c.register(Instance("p0", Role.PREFILL, "", node="kv0"), 0.0)
+    cluster(c)
+    assert sorted(c.expire(5.0)) == ["d0", "p0"]
+    cluster(c, now=5.0)
+    assert isinstance(c.schedule(request(), 5.0), Decision)
+
+
+def test_predictors_round_numbers_are_what_the_tests_assume():
+    p = predictors()
+    assert p.prefill.predict(160, 0) == pytest.approx(0.160)
+    assert p.transfer.predict(4 * BLOCK_BYTES) == pytest.approx(0.004)
+    assert p.decode.predict(10, 12345) == pytest.approx(0.11)
+    assert np.all(p.prefill.coef >= 0)
+
+
+def test_decode_ties_go_to_the_smaller_batch():
+    # a predictor that learnt batch size costs nothing (a small model): every instance predicts the same TBT
+    flat = DecodePredictor(ROUND.model_copy(update={"decode_s_per_request": 0.0}))
+    inst, tbt = select_decode(request(), [decode(0, 5), decode(1, 2), decode(2, 7)], flat, reported_batch)
+    assert inst.id == "d1" and tbt == pytest.approx(0.01)
+
+
+def test_a_forecast_that_sees_every_batch_drained_still_spreads_requests():
+    c = conductor("early_predictive", default_decode_s=0.01)  # decodes end long before the next prefill does
+    cluster(c, decodes=2)
+    first = c.schedule(request("a"), 0.0)
+    second = c.schedule(request("b"), 0.0)
+    assert {first.decode, second.decode} == {"d0", "d1"}

@@ -115,6 +115,23 @@ def tiny_models(tmp_path_factory) -> dict[str, TinyModel]:
     return {name: build_tiny_model(name, root / name, seed=i) for i, name in enumerate(TINY_ARCHS)}
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random llama with a real tokenizer and chat template (mooncake.engine.tiny), built once per session
+    and only read: the model the serving, gateway and failure tests run."""
+    from mooncake.engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-chat") / "model", "llama")
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_dir):
+    """``tiny_dir``'s tokenizer."""
+    from mooncake.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_dir)
+
+
 @pytest.fixture(params=TINY_ARCHS)
 def tiny(request, tiny_models) -> TinyModel:
     """Parametrized over every tiny architecture."""

@@ -18,15 +18,9 @@ import pytest
 from clusters import backend, start_cluster
 from replays import replay, undisturbed_run, wait_idle, wait_restarted
 
-from mooncake.engine.tiny import make_tiny
 from mooncake.serving.types import GenerationRequest
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny-chaos") / "model", "llama")
 
 
 @pytest.fixture(scope="module")

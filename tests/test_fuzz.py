@@ -36,7 +36,6 @@ import httpx
 import pytest
 from clusters import start_cluster
 
-from mooncake.engine.tiny import make_tiny
 
 KEY = "sk-fuzz"
 CASES = int(os.environ.get("MOONCAKE_FUZZ_CASES", "300"))
@@ -49,10 +48,9 @@ pytestmark = pytest.mark.timeout(300 + CASES)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = make_tiny(tmp_path_factory.mktemp("tiny-fuzz") / "model", "llama")
+def cluster(tiny_dir, tmp_path_factory):
     # a short context keeps every generation short, whatever max_tokens the fuzzer asks for (more is a 400)
-    c = start_cluster(model, tmp_path_factory.mktemp("fuzz"), api_key=KEY, max_model_len=256)
+    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("fuzz"), api_key=KEY, max_model_len=256)
     yield c
     c.stop()
 

@@ -22,7 +22,6 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.tiny import make_tiny
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import GatewayConfig, create_app
 from mooncake.localproc import free_port
@@ -106,18 +105,13 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("gateway") / "tiny", "llama")
+def tokenizer(tiny_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_dir)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def backend(model_dir) -> Iterator[LocalBackend]:
-    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=256,
+def backend(tiny_dir) -> Iterator[LocalBackend]:
+    config = EngineConfig(model=str(tiny_dir), dtype="float32", block_size=16, num_kv_blocks=256,
                           max_model_len=MAX_MODEL_LEN)  # fmt: skip
     local = LocalBackend(config, "tiny")
     yield local

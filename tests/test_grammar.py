@@ -12,20 +12,8 @@ from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.grammar import GrammarBook, grammar_for
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.sampler import token_logprobs
-from mooncake.engine.tiny import make_tiny
-from mooncake.engine.tokenizer import Tokenizer
 
 CHOICE = {"enum": ["yes", "no"]}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("grammar") / "tiny", "llama")
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +53,8 @@ def test_a_schema_llguidance_cannot_compile_is_a_value_error_saying_why():
         grammar_for(lark="start: (")
 
 
-def test_the_engine_samples_only_what_the_schema_allows_at_temperature_1(model_dir, tok):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=128, max_model_len=512), tokenizer=tok)
+def test_the_engine_samples_only_what_the_schema_allows_at_temperature_1(tiny_dir, tok):
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=128, max_model_len=512), tokenizer=tok)
     schema = {"type": "object", "properties": {"k": {"enum": [1, 2, 3]}, "v": {"type": "boolean"}},
               "required": ["k", "v"], "additionalProperties": False}  # fmt: skip
     grammar = grammar_for(json_schema=schema)
@@ -81,8 +69,7 @@ def test_the_engine_samples_only_what_the_schema_allows_at_temperature_1(model_d
 def test_token_logprobs_are_the_log_softmax_of_the_raw_logits_with_the_top_k():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(logprobs=0)]
-    out = token_logprobs(logits, [7, 8, 9], params)
+    out = token_logprobs(logits, [7, 8, 9], [3, None, 0])
     direct = logits.log_softmax(-1)
     assert out[1] is None
     assert out[0].logprob == pytest.approx(direct[0, 7].item(), abs=1e-6)

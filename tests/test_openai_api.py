@@ -19,7 +19,6 @@ import torch
 import transformers
 
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.tiny import make_tiny
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import GatewayConfig, create_app
 from mooncake.gateway import tools as tool_format
@@ -55,23 +54,13 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("openai-api") / "tiny", "llama")
+def hf(tiny_dir) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def backend(model_dir) -> Iterator[LocalBackend]:
-    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=512, max_model_len=1024)
+def backend(tiny_dir) -> Iterator[LocalBackend]:
+    config = EngineConfig(model=str(tiny_dir), dtype="float32", block_size=16, num_kv_blocks=512, max_model_len=1024)
     local = LocalBackend(config, "tiny")
     yield local
     asyncio.run(local.close())  # idempotent
@@ -305,11 +294,17 @@ def test_a_json_schema_always_validates_over_20_seeded_samples_at_temperature_1(
 
 
 def test_json_object_mode_gives_a_json_object(client):
-    for seed in range(5):
-        r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=200,
-                                           response_format={"type": "json_object"}, extra_body={"ignore_eos": False})  # fmt: skip
+    """Any JSON object is allowed, so a random model's may run past max_tokens: every output that ended parses."""
+    finished = 0
+    for seed in range(10):
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=300,
+                                           response_format={"type": "json_object"})  # fmt: skip
+        text = r.choices[0].message.content
+        assert text.startswith("{")
         if r.choices[0].finish_reason == "stop":
-            assert isinstance(json.loads(r.choices[0].message.content), dict)
+            assert isinstance(json.loads(text), dict)
+            finished += 1
+    assert finished >= 3
 
 
 def test_a_schema_the_grammar_library_cannot_compile_is_a_400_saying_why(client):

@@ -13,18 +13,12 @@ from __future__ import annotations
 import pytest
 
 from mooncake.cluster.netns import VirtualNetwork
-from mooncake.engine.tiny import make_tiny
 from clusters import start_cluster
 from replays import replay, undisturbed_run, wait_idle
 
 pytestmark = pytest.mark.skipif(not VirtualNetwork.available(), reason="network namespaces need root and iproute2")
 
 DETECT_S = 1.0  # keepalive: a silent peer fails its calls after about this plus a 1 s ping interval
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny-partition") / "model", "llama")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ import openai
 import pytest
 
 from clusters import conductor, start_cluster
-from mooncake.engine.tiny import make_tiny
 from protos import conductor_pb2 as cpb
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny-scale") / "model", "llama")
 
 
 class Traffic:

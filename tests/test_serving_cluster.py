@@ -21,23 +21,12 @@ import pytest
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.grammar import grammar_for
 from mooncake.engine.request import SamplingParams
-from mooncake.engine.tiny import make_tiny
 from mooncake.engine.tokenizer import Tokenizer
 from protos import conductor_pb2 as cpb
 from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 
 KEY = "sk-test"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot that learned to read."}]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny-chat") / "model", "llama")
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
 """Constrained decoding: a request's grammar masks its logits, so its output always parses.
 
 We use llguidance (Microsoft's, the Rust engine behind guidance, also a vLLM and SGLang
-backend): no Python dependencies, a JSON schema compiles lazily (a matcher is ready in
-about a millisecond, then each token's mask takes tens of microseconds), and a grammar it
-cannot handle is an error message we can hand back as a 400.
+backend): no Python dependencies, a JSON schema compiles lazily (a matcher for a small
+schema was ready in under a millisecond on SmolLM2's tokenizer here; masking and accepting
+cost 116 µs a token in benchmarks/structured_bench.py), and a grammar it cannot handle is
+an error message we can hand back as a 400.
 
 A grammar travels as text (llguidance's grammar JSON, made by :func:`grammar_for`), so
 SamplingParams stays pure and the wire carries a string. Each engine holds one

@@ -92,11 +92,7 @@ class LocalPipeline:
         try:
             if errors:
                 raise errors[0]
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.stages[-1].device)
-                generator.manual_seed(params.seed)
-            token = self.stages[-1].sample_first(last_hidden[0], params, History(prompt, (), eos_token_ids), generator)
+            token = self.stages[-1].sample_first(last_hidden[0], params, History(prompt, (), eos_token_ids))
             kv = torch.cat([stage.export(request_id) for stage in self.stages], dim=1)  # [n, L, 2, bs, Hkv, D]
             return PipelinePrefill(token, kv)
         finally:

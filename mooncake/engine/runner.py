@@ -19,7 +19,7 @@ from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
 from mooncake.engine.model import CausalLM
 from mooncake.engine.grammar import GrammarBook
-from mooncake.engine.request import SamplingParams, TokenLogprob
+from mooncake.engine.request import TokenLogprob
 from mooncake.engine.sampler import History, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -152,7 +152,7 @@ class ModelRunner:
         tokens = sample(masked, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories)
         for i in constrained:
             self.grammars.accept(reqs[i].request_id, tokens[i])
-        logprobs = token_logprobs(logits, tokens, params)
+        logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
         return Sampled({r.request_id: t for r, t in zip(reqs, tokens)},
                        {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}, prompt)  # fmt: skip
 
@@ -164,9 +164,7 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[start : start + n])  # [n, V]
         targets = list(req.prompt_token_ids[c + 1 : c + 1 + n])
-        params = req.sampling_params
-        k = SamplingParams(logprobs=params.prompt_logprobs)
-        entries = token_logprobs(logits, targets, [k] * n)
+        entries = token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * n)
         return [(c + 1 + i, e) for i, e in enumerate(entries)]
 
     def _prepare(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]):

@@ -92,19 +92,19 @@ def sample(
     return out
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
-    """Each row's sampled token's log-probability and its top ``p.logprobs``, from the raw logits [N, V] (before
-    penalties, temperature and grammar masks, as vLLM reports by default); None for rows that did not ask."""
-    out: list[TokenLogprob | None] = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int | None]) -> list[TokenLogprob | None]:
+    """Each row's token's log-probability and its ``tops[row]`` likeliest, from the raw logits [N, V] (before
+    penalties, temperature and grammar masks, as vLLM reports by default); None for rows whose ``tops`` is None."""
+    out: list[TokenLogprob | None] = [None] * len(tops)
+    rows = [i for i, k in enumerate(tops) if k is not None]
     if not rows:
         return out
     lp = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)].float().log_softmax(-1)
-    k = max(params[i].logprobs or 0 for i in rows)
+    k = max(tops[i] or 0 for i in rows)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], dtype=torch.long, device=lp.device)).squeeze(1).tolist()
     top_v, top_i = top_v.tolist(), top_i.tolist()
     for j, i in enumerate(rows):
-        n = params[i].logprobs or 0
+        n = tops[i] or 0
         out[i] = TokenLogprob(int(tokens[i]), chosen[j], tuple(zip(top_i[j][:n], top_v[j][:n])))
     return out

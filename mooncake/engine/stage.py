@@ -124,11 +124,15 @@ class PipelineStage:
         self._done[request_id] = num_tokens
 
     @torch.inference_mode()
-    def sample_first(self, hidden_last: torch.Tensor, params: SamplingParams, history: History,
-                     generator: torch.Generator | None = None) -> int:  # fmt: skip
-        """The first token from the last prompt row's normed hidden state [hidden] (last stage only)."""
+    def sample_first(self, hidden_last: torch.Tensor, params: SamplingParams, history: History) -> int:
+        """The first token from the last prompt row's normed hidden state [hidden] (last stage only); a seeded
+        request draws it from its own generator, as one engine alone does."""
         if not self.is_last:
             raise RuntimeError("only the last stage holds the head")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
         logits = self.model.compute_logits(hidden_last[None])  # [1, V]
         return sample(logits, [params], [generator], self.generator, [history])[0]
 

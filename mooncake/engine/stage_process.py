@@ -191,11 +191,7 @@ def _stage_main(index, num_stages, spec: StageSpec, driver, prev_in, next_out, a
             token = None
             if index == num_stages - 1:
                 params = SamplingParams(max_tokens=1, temperature=temperature, seed=seed)
-                generator = None
-                if seed is not None:
-                    generator = torch.Generator()
-                    generator.manual_seed(seed)
-                token = stage.sample_first(last[-1], params, History(prompt, ()), generator)
+                token = stage.sample_first(last[-1], params, History(prompt, ()))
             kv = stage.export(request_id) if export else None
             stage.release(request_id)
             driver.send(("done", token, kv))

@@ -104,6 +104,7 @@ class Fanout:
         self.runs = [self._run(i) for i in range(len(generations))]
         self._a_choice_finished = asyncio.Event()  # replaced each time one finishes
         self._active = 0  # choices in the backend now
+        self.failed_status: int | None = None
         self._queue: asyncio.Queue[tuple[int, GenerationChunk | BaseException | None]] = asyncio.Queue()
         self._first = [asyncio.Event() for _ in range(0, len(generations), per_prompt)]  # each prompt's leader has a chunk
         self._tasks: list[asyncio.Task] = []
@@ -176,7 +177,10 @@ class Fanout:
 
     @property
     def status(self) -> int | None:
-        """None while a choice runs, 200 when all finished, else the first error's status."""
+        """None while a choice runs, 200 when all finished, else the first error's status (``failed_status``: one the
+        gateway answered with on its own, a mid-stream error that is no backend's)."""
+        if self.failed_status is not None:
+            return self.failed_status
         statuses = [r.status for r in self.runs]
         errors = [s for s in statuses if s not in (None, 200)]
         if errors:

@@ -131,11 +131,10 @@ class EventStream:
     ends); it closes the backend's streams, which cancels requests still running.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None] | None, fanout: Fanout, request_id: str) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str) -> None:
         self._events = events
         self._fanout = fanout
         self.request_id = request_id
-        self.error_status: int | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._events
@@ -143,7 +142,7 @@ class EventStream:
     @property
     def status(self) -> int:
         """200 once finished, an error's status after an error event, 499 if closed before either."""
-        status = self.error_status or self._fanout.status
+        status = self._fanout.status
         return status if status is not None else 499
 
     async def aclose(self) -> None:
@@ -413,12 +412,10 @@ class OpenAIServing:
         except BaseException:
             await fanout.close()
             raise
-        stream = EventStream(None, fanout, prepared.request_id)
-        stream._events = self._events(prepared, fanout, first, stream)  # it sets the stream's error status
-        return stream
+        return EventStream(self._events(prepared, fanout, first), fanout, prepared.request_id)
 
-    async def _events(self, prepared: PreparedRequest, fanout: Fanout, first: tuple[int, GenerationChunk] | None,
-                      stream: EventStream) -> AsyncGenerator[str, None]:  # fmt: skip
+    async def _events(self, prepared: PreparedRequest, fanout: Fanout,
+                      first: tuple[int, GenerationChunk] | None) -> AsyncGenerator[str, None]:  # fmt: skip
         fmt = prepared.format
         choices = len(prepared.generations)
         for i in range(choices):
@@ -461,7 +458,7 @@ class OpenAIServing:
         except Exception:
             log.exception("request %s failed mid-stream", prepared.request_id)
             error = ApiError(500, "Internal error while generating", error_type="server_error")
-        stream.error_status = error.status
+        fanout.failed_status = error.status
         yield sse(error.body())
         yield DONE_EVENT
 

@@ -14,11 +14,19 @@ import pytest
 
 from mooncake.cluster.netns import VirtualNetwork
 from clusters import start_cluster
+from mooncake.engine.tiny import make_tiny
 from replays import replay, undisturbed_run, wait_idle
 
 pytestmark = pytest.mark.skipif(not VirtualNetwork.available(), reason="network namespaces need root and iproute2")
 
 DETECT_S = 1.0  # keepalive: a silent peer fails its calls after about this plus a 1 s ping interval
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    # its own copy, not conftest's session-wide one: with that one this module's undisturbed run saw a decode worker
+    # fail to reach a prefill worker's host, in two CI runs out of two (not understood yet)
+    return make_tiny(tmp_path_factory.mktemp("tiny-partition") / "model", "llama")
 
 
 @pytest.fixture(scope="module")

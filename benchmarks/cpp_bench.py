@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -37,7 +36,7 @@ from mooncake.engine.model_args import ModelArgs  # noqa: E402
 from mooncake.engine.pipeline import LocalPipeline  # noqa: E402
 from mooncake.engine.request import SamplingParams  # noqa: E402
 from mooncake.engine.stage import PipelineStage, split_layers  # noqa: E402
-from mooncake.engine.stage_process import ProcessPipeline, StageSpec  # noqa: E402
+from mooncake.engine.stage_process import ProcessPipeline, StageRequest, StageSpec  # noqa: E402
 from mooncake.engine.weights import load_hf_config  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -62,8 +61,7 @@ class _Processes:
         self.pipeline = pipeline
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, chunk: int):
-        token, _ = self.pipeline.prefill(request_id, prompt, params.temperature, params.seed, chunk)
-        return SimpleNamespace(first_token=token)
+        return self.pipeline.prefill(StageRequest(request_id, prompt, params, chunk))
 
 
 def _close(pipeline) -> None:

@@ -9,7 +9,10 @@ some of its prompt, after each layer:
                          into the shared-memory segment)
 
 so pushing layer l overlaps computing layer l + 1, and the request's KV is on the decode
-worker when its prefill ends. Blocks imported from the pool (the reused prefix) are
+worker when its prefill ends. A stage of a pipelined group (``prefill/group.py``) binds
+the cache of its own layers and pushes them at their global offsets; its pool writes go
+through the transfer engine too (``PrefillJob.pool_segment``), since the pool node is
+another process's memory. Blocks imported from the pool (the reused prefix) are
 pushed to the landing slots the same way, from the engine's cache, in the step that
 imports them. ``wait_for_save`` waits for the step's transfers before the step ends
 (the engine may reuse those cache blocks once the request finishes).
@@ -46,6 +49,7 @@ class PrefillJob:
     landing_segment: str
     landing_offsets: list[int]  # one per prompt block
     pool_slots: dict[int, int] = field(default_factory=dict)  # block index -> reserved slot in this node's pool
+    pool_segment: str | None = None  # the pool's segment, written through the transfer engine (None: the bound tensor)
     pushed: int = 0  # blocks whose every layer is on the decode worker
     started_at: float | None = None  # its first engine step
     finished_at: float | None = None
@@ -75,8 +79,11 @@ class PoolConnector(KVConnector):
         self._active: list[tuple[PrefillJob, list[int], int, int]] = []  # (job, block table, first block, end)
         self._batches: list[tuple[PrefillJob, object, torch.Tensor | None]] = []  # (job, transfer, staging it reads)
 
-    def bind(self, kv_cache: torch.Tensor) -> None:
-        """The engine's cache, [L, 2, num_blocks, bs, Hkv, D] (contiguous, on the CPU): the source of every push."""
+    def bind(self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None) -> None:
+        """The engine's cache, [L, 2, num_blocks, bs, Hkv, D] (contiguous, on the CPU): the source of every push.
+
+        A pipeline stage's cache holds layers [first_layer, first_layer + L) of a ``num_layers``-layer model: its
+        layers land at their global offsets in the landing and pool blocks."""
         if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
             raise ValueError("the prefill connector pushes from a contiguous CPU cache")
         self.kv_cache = kv_cache
@@ -85,9 +92,11 @@ class PoolConnector(KVConnector):
         self._half = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # K (or V) of one block and layer
         self._num_blocks = num_blocks
         self._layer_bytes = 2 * self._half
+        self._first_layer = first_layer
+        self._block_bytes = (num_layers or layers) * self._layer_bytes  # a whole block in the pool layout
 
     def _offset(self, layer: int, kv: int, block: int) -> int:
-        return ((layer * 2 + kv) * self._num_blocks + block) * self._half
+        return (((layer - self._first_layer) * 2 + kv) * self._num_blocks + block) * self._half
 
     # -- the engine's hooks ---------------------------------------------------------------
 
@@ -120,8 +129,14 @@ class PoolConnector(KVConnector):
                 slices.append(Slice(self._offset(layer, 0, block), job.landing_segment, remote, half))
                 slices.append(Slice(self._offset(layer, 1, block), job.landing_segment, remote + half, half))
                 slot = job.pool_slots.get(b)
-                if slot is not None:
-                    self.pool[slot, layer].copy_(self.kv_cache[layer, :, block])
+                if slot is None:
+                    continue
+                if job.pool_segment is None:
+                    self.pool[slot, layer].copy_(self.kv_cache[layer - self._first_layer, :, block])
+                else:
+                    at = slot * self._block_bytes + layer * self._layer_bytes
+                    slices.append(Slice(self._offset(layer, 0, block), job.pool_segment, at, half))
+                    slices.append(Slice(self._offset(layer, 1, block), job.pool_segment, at + half, half))
             try:
                 self._batches.append((job, self.transfer.write(self._bytes, slices), None))
             except TransferError as e:

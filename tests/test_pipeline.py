@@ -12,6 +12,7 @@ from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.pipeline import LocalPipeline, chunk_bounds
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.stage import PipelineStage, split_layers
+from mooncake.engine.stage_process import StageRequest
 
 BLOCK = 16
 MAX_LEN = 1024
@@ -144,12 +145,12 @@ def test_stages_as_processes_pass_hidden_states_through_the_transfer_engine_and_
     try:
         for length in (5, 300):
             prompt = prompt_of(length, seed=100 + length)
-            first, kv = pipeline.prefill(f"p{length}", prompt, chunk=64, export=True)
-            assert decode_after(model.path, prompt, first, kv) == alone(model.path, prompt)
+            out = pipeline.prefill(StageRequest(f"p{length}", prompt, GREEDY, 64, export=True))
+            assert decode_after(model.path, prompt, out.first_token, out.kv) == alone(model.path, prompt)
         # a reused prefix: each stage process loads its layers of the 300-token prompt's first 256 tokens
         reused = prompt[:256] + prompt_of(90, seed=7)
-        first, kv2 = pipeline.prefill("reuse", reused, chunk=64, export=True, prefix_kv=kv[:16], num_prefix_tokens=256)
-        assert decode_after(model.path, reused, first, kv2) == alone(model.path, reused)
+        again = pipeline.prefill(StageRequest("reuse", reused, GREEDY, 64, export=True, prefix_kv=out.kv[:16], num_prefix_tokens=256))
+        assert decode_after(model.path, reused, again.first_token, again.kv) == alone(model.path, reused)
     finally:
         pipeline.close()
 
@@ -165,5 +166,5 @@ def test_a_stage_process_killed_mid_prefill_fails_it_without_a_hang(tiny_models)
     threading.Timer(0.5, lambda: os.kill(victim, signal.SIGKILL)).start()
     with pytest.raises(RuntimeError, match="died|failed"):
         for i in range(200):  # long enough that the kill lands mid-prefill
-            pipeline.prefill(f"k{i}", prompt_of(900, seed=i), chunk=8, timeout_s=60)
+            pipeline.prefill(StageRequest(f"k{i}", prompt_of(900, seed=i), GREEDY, 8), timeout_s=60)
     assert not any(p.is_alive() for p in pipeline._procs)

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mooncake.engine.request import SamplingParams
-from mooncake.engine.sampler import History
+from mooncake.engine.request import SamplingParams, TokenLogprob
 from mooncake.engine.stage import PipelineStage
 
 
@@ -36,7 +35,9 @@ def chunk_bounds(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
 @dataclass(slots=True)
 class PipelinePrefill:
     first_token: int
-    kv: torch.Tensor  # [n, L, 2, block_size, Hkv, D]: the prompt's blocks, every layer (the last block partial)
+    kv: torch.Tensor | None  # [n, L, 2, block_size, Hkv, D]: the prompt's blocks, every layer (the last block partial)
+    logprob: TokenLogprob | None = None  # the first token's, when the sampling asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when the sampling asked
 
 
 class LocalPipeline:
@@ -51,8 +52,7 @@ class LocalPipeline:
         self.stages = stages
 
     def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, chunk: int,
-                prefix_kv: torch.Tensor | None = None, num_prefix_tokens: int = 0,
-                eos_token_ids: frozenset[int] = frozenset()) -> PipelinePrefill:  # fmt: skip
+                prefix_kv: torch.Tensor | None = None, num_prefix_tokens: int = 0) -> PipelinePrefill:  # fmt: skip
         """Run ``prompt`` through the pipeline in chunks of ``chunk`` tokens; its first token and KV.
 
         ``prefix_kv`` [n, L, 2, bs, Hkv, D] holds the KV of its first ``num_prefix_tokens`` (a reused prefix), split
@@ -92,9 +92,9 @@ class LocalPipeline:
         try:
             if errors:
                 raise errors[0]
-            token = self.stages[-1].sample_first(last_hidden[0], params, History(prompt, (), eos_token_ids))
+            token, logprob = self.stages[-1].sample_first(last_hidden[0], params, prompt)
             kv = torch.cat([stage.export(request_id) for stage in self.stages], dim=1)  # [n, L, 2, bs, Hkv, D]
-            return PipelinePrefill(token, kv)
+            return PipelinePrefill(token, kv, logprob)
         finally:
             for stage in self.stages:
                 stage.release(request_id)

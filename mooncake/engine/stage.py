@@ -25,9 +25,10 @@ import torch
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
-from mooncake.engine.loader import load_model
-from mooncake.engine.request import SamplingParams
-from mooncake.engine.sampler import History, sample
+from mooncake.engine.grammar import GrammarBook
+from mooncake.engine.loader import generation_eos_ids, load_model
+from mooncake.engine.request import SamplingParams, TokenLogprob
+from mooncake.engine.sampler import History, sample, token_logprobs
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -47,10 +48,14 @@ class PipelineStage:
     """Layers ``layers`` of the model in ``model_dir`` and their paged KV cache. Not thread-safe: one caller."""
 
     def __init__(self, model_dir: str, layers: range, *, num_blocks: int, block_size: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> None:  # fmt: skip
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, tokenizer=None) -> None:  # fmt: skip
         self.device = torch.device(device)
         self.model = load_model(model_dir, dtype, self.device, layers=layers)
         args = self.model.args
+        self.tokenizer = tokenizer  # the last stage's, for a grammar's first token
+        self.eos_token_ids = frozenset(args.eos_token_ids) | generation_eos_ids(model_dir) | frozenset(
+            getattr(tokenizer, "eos_token_ids", ()))  # fmt: skip
+        self._grammars: GrammarBook | None = None
         self.layers = self.model.layer_range
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -124,17 +129,50 @@ class PipelineStage:
         self._done[request_id] = num_tokens
 
     @torch.inference_mode()
-    def sample_first(self, hidden_last: torch.Tensor, params: SamplingParams, history: History) -> int:
-        """The first token from the last prompt row's normed hidden state [hidden] (last stage only); a seeded
-        request draws it from its own generator, as one engine alone does."""
+    def sample_first(self, hidden_last: torch.Tensor, params: SamplingParams, prompt: list[int],
+                     outputs: list[int] = ()) -> tuple[int, TokenLogprob | None]:  # fmt: skip
+        """The first token from the last prompt row's normed hidden state [hidden] (last stage only), and its logprob
+        when ``params`` asks. ``outputs`` are tokens the request generated before (a resumed stream: they ran through
+        the pipeline as prompt): penalties count them, a seeded generator skips their draws, a grammar replays them,
+        so the token is the one an undisturbed engine samples."""
         if not self.is_last:
             raise RuntimeError("only the last stage holds the head")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
+            scratch = torch.empty(self.model.args.vocab_size, dtype=torch.float32, device=self.device)
+            for _ in outputs:  # one noise draw per sampled token (sampler.sample)
+                scratch.exponential_(generator=generator)
         logits = self.model.compute_logits(hidden_last[None])  # [1, V]
-        return sample(logits, [params], [generator], self.generator, [history])[0]
+        masked = logits
+        constraint = None
+        if params.grammar is not None:
+            constraint = self._grammar_book().new(params.grammar, outputs)
+            masked = logits.clone()
+            constraint.mask_(masked[0])
+        history = History(prompt, tuple(outputs), self.eos_token_ids)
+        token = sample(masked, [params], [generator], self.generator, [history])[0]
+        return token, token_logprobs(logits, [token], [params.logprobs])[0]
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, hidden: torch.Tensor, start: int, prompt: list[int], top: int) -> list[tuple[int, TokenLogprob]]:
+        """(position, logprob) of each prompt token that rows [start, start + n) of ``hidden`` (this stage's output
+        for one chunk, last stage only) predict: row i predicts token i + 1."""
+        n = min(int(hidden.shape[0]), len(prompt) - 1 - start)
+        if n <= 0:
+            return []
+        logits = self.model.compute_logits(hidden[:n])
+        entries = token_logprobs(logits, prompt[start + 1 : start + 1 + n], [top] * n)
+        return [(start + 1 + i, e) for i, e in enumerate(entries)]
+
+    def _grammar_book(self) -> GrammarBook:
+        if self._grammars is None:
+            backend = getattr(self.tokenizer, "backend", None)
+            if backend is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            self._grammars = GrammarBook(backend.to_str(), self.model.args.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def export(self, request_id: str) -> torch.Tensor:
         """This stage's layers of the request's blocks, [n, local L, 2, block_size, Hkv, D], on the CPU."""

@@ -460,7 +460,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         for i, age, blocks, dram, served, retiring in rows:
             info = pb.InstanceInfo(id=i.id, role=ROLE_TO_PB[i.role], address=i.address, node=i.node, model=i.model,
                                    capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age, load=load_to_pb(i.load),
-                                   indexed_blocks=blocks, dram_blocks=dram, retiring=retiring, engine=i.engine)  # fmt: skip
+                                   indexed_blocks=blocks, dram_blocks=dram, retiring=retiring, engine=i.engine,
+                                   pipeline_stages=i.pipeline_stages, pipeline_chunk=i.pipeline_chunk)  # fmt: skip
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks
                 info.reused_blocks, info.fetched_blocks = served.reused_blocks, served.fetched_blocks

@@ -76,6 +76,16 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         return resp
 
 
+def _health(worker_id: str, worker: PrefillWorker) -> tuple[bool, dict]:
+    """Ready unless draining (or, for a group, while its stages restart); a group lists its stages."""
+    body = {"id": worker_id, "inflight": worker.num_inflight}
+    ok = not worker.draining
+    if worker.group is not None:
+        body["stages"] = worker.group.stages()
+        ok = ok and worker.group.ready
+    return ok, body
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = worker_parser("python -m prefill", "A prefill worker: loads reusable prefix KV from the pool, computes the rest of each "
                       "prompt layer by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
@@ -86,6 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
     p.add_argument("--reservation-ttl", type=float, default=600.0,
                    help="seconds the pool slots reserved for a prefill's blocks live (longer than the longest prefill)")
+    p.add_argument("--pipeline-stages", type=int, default=1,
+                   help="run the model as a pipelined prefill group (CPP) of this many stage processes, each a contiguous "
+                        "range of the layers on one thread (give the worker this many cores); a prompt's chunks of "
+                        "--max-num-batched-tokens overlap across the stages. The group registers as one instance")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end")
     return p.parse_args(argv)
 
@@ -98,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                kvstore=args.kvstore, dtype=args.dtype, block_size=args.block_size or default_block_size(args.engine),
                                num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
-                               store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl)  # fmt: skip
+                               store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl,
+                               pipeline_stages=args.pipeline_stages)  # fmt: skip
         worker = PrefillWorker(config)
     except (ValueError, KVStoreUnavailable, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -107,17 +122,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> cpb.Load:
         return cpb.Load(queued_requests=worker.num_inflight, queued_s=worker.queued_seconds(),
-                        running_requests=worker.loop.num_running, free_kv_blocks=worker.engine.num_free_blocks)  # fmt: skip
+                        running_requests=worker.num_running, free_kv_blocks=worker.engine.num_free_blocks)  # fmt: skip
 
     spec = WorkerProcess(
         name="prefill",
         add_servicer=lambda server: wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server),
         registration=cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, node=worker.node, model=args.model,
                                          fingerprint=worker.engine.fingerprint, engine=args.engine,
-                                         capacity=args.max_num_batched_tokens),  # fmt: skip
+                                         capacity=args.max_num_batched_tokens, pipeline_stages=args.pipeline_stages,
+                                         pipeline_chunk=args.max_num_batched_tokens if args.pipeline_stages > 1 else 0),  # fmt: skip
         load=load,
-        ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine},
-        health=lambda: (not worker.draining, {"id": args.id, "inflight": worker.num_inflight}),
+        ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine,
+               **({"stages": worker.group.stages()} if worker.group is not None else {})},
+        health=lambda: _health(args.id, worker),
         busy=lambda: worker.num_inflight,
         drain_timeout_s=args.drain_timeout,
     )  # fmt: skip

@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from conductor.predictors import PredictorConfig, PrefillPredictor
+from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from kvstore.service import segment_from_pb
 from mooncake.blocks import block_keys
@@ -43,7 +43,9 @@ from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
+from mooncake.engine.stage_process import StagePush, StageRequest
 from prefill.connector import PoolConnector, PrefillJob
+from prefill.group import StageGroup
 from protos import worker_pb2 as wpb
 from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError
 
@@ -70,6 +72,10 @@ class PrefillConfig(BaseModel):
     io_timeout_s: float = Field(30.0, gt=0)
     reservation_ttl_s: float = Field(600.0, gt=0, description="pool slots reserved for a prefill's blocks expire after "
                                      "this (a long prompt on a CPU takes minutes; a crashed worker's slots come back then)")
+    pipeline_stages: int = Field(1, ge=1, description="stages of a pipelined group (CPP): each a process holding a "
+                                 "contiguous range of the layers, a prompt's chunks (max_num_batched_tokens) overlapping "
+                                 "across them; 1: one engine")
+    prefill_timeout_s: float = Field(3600.0, gt=0, description="a group's prefill fails after this")
 
 
 class Cancelled(Exception):
@@ -124,9 +130,19 @@ class PrefillWorker:
         if not stats.segment.shm_path:
             raise ValueError(f"pool node {self.node} is not on this host (its DRAM tier has no shared-memory file)")
         self._region = SharedRegion.open(stats.segment.shm_path)
+        self._pool_segment = segment_from_pb(stats.segment)
         self.connector = PoolConnector(self.transfer, None, config.block_size, config.io_timeout_s)
-        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector,
-                                   tokenizer=_tokenizer(config.model))  # fmt: skip
+        self.group: StageGroup | None = None
+        self.loop: EngineLoop | None = None
+        if config.pipeline_stages > 1:
+            if config.engine is not EngineKind.NATIVE:
+                raise ValueError("a pipelined prefill group runs the native engine only")
+            self.engine = self.group = StageGroup(
+                config.model, config.pipeline_stages, dtype=engine_config.torch_dtype, block_size=config.block_size,
+                num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len, chunk=config.max_num_batched_tokens)  # fmt: skip
+        else:
+            self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector,
+                                       tokenizer=_tokenizer(config.model))  # fmt: skip
         if self.engine.block_bytes != stats.block_bytes:
             raise ValueError(f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
                              f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})")  # fmt: skip
@@ -136,10 +152,12 @@ class PrefillWorker:
         self.block_bytes = stats.block_bytes
         self.layer_bytes = self.block_bytes // self.block_shape[0]
         self._pool_bytes = memoryview(self._region.buffer).cast("B")
-        self.loop = EngineLoop(self.engine, name="prefill-engine")
+        if self.group is None:
+            self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._remote: dict[str, KVStoreClient] = {}
         self._remote_lock = threading.Lock()
-        self.predictor = PrefillPredictor(PredictorConfig())
+        self.predictor = (PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
+                          if self.group is not None else PrefillPredictor(PredictorConfig()))  # fmt: skip
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
         self.link = link  # measurements go to the Conductor through it (set by the server)
         self.draining = False
@@ -181,8 +199,11 @@ class PrefillWorker:
             if cached > 0:
                 external = SlotKV(self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None)
             self._inflight[req.request_id] = (len(prompt), cached)
-            self.connector.jobs[req.request_id] = job
-            self._run(req, prompt, salt, external, cached, job, cancelled)
+            if self.group is not None:
+                self._run_group(req, prompt, local + fetched, cached, job, held, cancelled)
+            else:
+                self.connector.jobs[req.request_id] = job
+                self._run(req, prompt, salt, external, cached, job, cancelled)
             if job.error is not None:
                 raise job.error
             self._commit(held)
@@ -206,7 +227,8 @@ class PrefillWorker:
 
     def _run(self, req, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
         """Run the request through the engine until its first token (or a failure, or the caller leaves)."""
-        s = req.sampling
+        num_outputs, params = _prefill_params(req, prompt)
+        split = len(prompt) - num_outputs
 
         def sink(out: RequestOutput | BaseException) -> None:
             if isinstance(out, BaseException):
@@ -219,15 +241,6 @@ class PrefillWorker:
             if isinstance(out, BaseException) or out.finished:
                 job.done.set()
 
-        # a resumed stream's tokens so far are outputs to the engine: they count as sampled (a seeded generator
-        # skips their draws, so the next token is the one an undisturbed run samples)
-        num_outputs = min(req.num_output_tokens, len(prompt) - 1)
-        split = len(prompt) - num_outputs
-        # the request's sampling (penalties, biases, min_tokens: its first token is sampled here), for one more token
-        # (a resumed stream's client has its prompt logprobs already)
-        params = params_from_pb(s, max_tokens=num_outputs + 1, stop=(), include_stop_str_in_output=False,
-                                min_tokens=min(s.min_tokens, num_outputs + 1),
-                                **({"prompt_logprobs": None} if num_outputs else {}))  # fmt: skip
         future = self.loop.submit_nowait(sink, prompt_token_ids=prompt[:split], sampling_params=params, request_id=req.request_id,
                                          cache_salt=salt, external_kv=external, num_external_tokens=cached if external else 0,
                                          initial_output_token_ids=prompt[split:])  # fmt: skip
@@ -240,6 +253,24 @@ class PrefillWorker:
                 raise Cancelled(f"prefill of {req.request_id} cancelled by the caller")
         if job.first_token is None and job.error is None:
             job.fail(RuntimeError(f"the engine ended {req.request_id} without a token"))
+
+    def _run_group(self, req, prompt, prefix_slots: list[int], cached: int, job: PrefillJob, held: _Held,
+                   cancelled: threading.Event) -> None:  # fmt: skip
+        """Run the request through the pipelined group: every stage reads its layers of the prefix from the pool
+        and pushes its layers of the KV (prefill/group.py). Cancellation is seen only while it waits its turn."""
+        num_outputs, params = _prefill_params(req, prompt)
+        for layer in range(len(held.fetch_batches)):  # the stages read the pulled blocks from the pool
+            held.wait_layer(layer)
+        push = StagePush(segment_from_pb(req.landing.segment), list(req.landing.offsets), self._pool_segment, job.pool_slots,
+                         prefix_slots[: -(-cached // self.config.block_size)] if cached else None, self.config.io_timeout_s)  # fmt: skip
+        request = StageRequest(req.request_id, prompt, params, self.config.max_num_batched_tokens, num_outputs=num_outputs,
+                               num_prefix_tokens=cached, push=push)  # fmt: skip
+        try:
+            out = self.group.prefill(request, cancelled, self.config.prefill_timeout_s, on_start=lambda: _started(job))
+        except InterruptedError as e:
+            raise Cancelled(f"prefill of {req.request_id} cancelled by the caller") from e
+        job.first_token, job.first_logprob, job.prompt_logprobs = out.first_token, out.logprob, out.prompt_logprobs or []
+        job.finished_at = time.perf_counter()
 
     # -- the pool ----------------------------------------------------------------------------------
 
@@ -358,14 +389,38 @@ class PrefillWorker:
     def num_inflight(self) -> int:
         return len(self._inflight)
 
+    @property
+    def num_running(self) -> int:
+        if self.group is not None:
+            return min(1, len(self._inflight))
+        return self.loop.num_running
+
     def close(self) -> None:
-        self.loop.close()
+        if self.loop is not None:
+            self.loop.close()
         self.engine.close()
         for client in self._remote.values():
             client.close()
         self.kv.close()
         self.transfer.close()
         self._region.close()
+
+
+def _prefill_params(req: wpb.PrefillRequest, prompt: list[int]):
+    """(num_outputs, SamplingParams) of a prefill: a resumed stream's tokens so far are outputs (they count as sampled:
+    a seeded generator skips their draws, so the next token is the one an undisturbed run samples); the request's
+    sampling (penalties, biases, min_tokens: its first token is sampled here) for one more token (a resumed stream's
+    client has its prompt logprobs already)."""
+    s = req.sampling
+    num_outputs = min(req.num_output_tokens, len(prompt) - 1)
+    params = params_from_pb(s, max_tokens=num_outputs + 1, stop=(), include_stop_str_in_output=False,
+                            min_tokens=min(s.min_tokens, num_outputs + 1),
+                            **({"prompt_logprobs": None} if num_outputs else {}))  # fmt: skip
+    return num_outputs, params
+
+
+def _started(job: PrefillJob) -> None:
+    job.started_at = time.perf_counter()
 
 
 def _quietly(fn, *args) -> None:

@@ -65,7 +65,8 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
     nodes = {i.node: i for i in listing.instances if i.role == pb.KVSTORE}
     order = {pb.PREFILL: 0, pb.KVSTORE: 1, pb.DECODE: 2}
     for i in sorted(listing.instances, key=lambda i: (order.get(i.role, 3), i.id)):
-        role = pb.Role.Name(i.role).lower() + (f" ({i.engine})" if i.engine else "")
+        group = f", {i.pipeline_stages}-stage group, {i.pipeline_chunk}-token chunks" if i.pipeline_stages > 1 else ""
+        role = pb.Role.Name(i.role).lower() + (f" ({i.engine}{group})" if i.engine or group else "")
         state = pb.InstanceState.Name(i.state).lower() + (" (retiring)" if i.retiring else "")
         kv = "-"
         if i.role in (pb.PREFILL, pb.KVSTORE):

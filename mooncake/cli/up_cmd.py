@@ -33,6 +33,10 @@ def up(
     model: str = ModelOpt,
     cache_dir: Optional[Path] = CacheOpt,
     prefill: int = typer.Option(1, "--prefill", min=1, help="Prefill workers (each gets its own pool node)"),
+    prefill_groups: int = typer.Option(0, "--prefill-groups", min=0, help="Of the prefill workers, this many run as "
+                                       "pipelined groups (chunked pipeline parallelism): the model's layers split over "
+                                       "--group-size stage processes, one core each; long prompts go there"),
+    group_size: int = typer.Option(2, "--group-size", min=2, help="Stage processes per pipelined prefill group"),
     decode: int = typer.Option(1, "--decode", min=1, help="Decode workers"),
     port: int = typer.Option(8000, "--port", help="The gateway's HTTP port"),
     host: str = typer.Option("127.0.0.1", "--host", help="Address every component binds"),
@@ -74,6 +78,7 @@ def up(
     try:
         config = ClusterConfig(
             model=str(model_dir), model_name=model if "/" not in model else model_dir.name, prefill=prefill, decode=decode,
+            prefill_groups=prefill_groups, group_size=group_size,
             host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
             pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
             ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size,

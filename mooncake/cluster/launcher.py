@@ -46,6 +46,9 @@ class ClusterConfig(BaseModel):
     model: str = Field(description="model directory")
     model_name: str = Field(description="the name clients send as `model`")
     prefill: int = Field(1, ge=1, description="prefill workers (each with its own pool node)")
+    prefill_groups: int = Field(0, ge=0, description="of the prefill workers, this many (the first) are pipelined groups "
+                                "(CPP): --group-size stage processes each, one thread per stage")
+    group_size: int = Field(2, ge=2, description="stages of each pipelined prefill group")
     decode: int = Field(1, ge=1, description="decode workers")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port (0: any free port)")
@@ -82,6 +85,15 @@ class ClusterConfig(BaseModel):
     def _standbys_need_redis(self) -> "ClusterConfig":
         if self.conductors > 1 and not self.redis_url:
             raise ValueError("standby Conductors elect their leader in Redis: give --redis-url with --conductors > 1")
+        return self
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> "ClusterConfig":
+        if self.prefill_groups > self.prefill:
+            raise ValueError(f"--prefill-groups {self.prefill_groups} exceeds the {self.prefill} prefill workers: the groups "
+                             "are the first of them (add --prefill)")  # fmt: skip
+        if self.prefill_groups and (self.engine != "native" or self.dtype != "float32"):
+            raise ValueError("pipelined prefill groups run the native engine in float32")
         return self
 
     @model_validator(mode="after")
@@ -261,10 +273,11 @@ class LocalCluster:
             "--metrics-port", "0", *ssd, host=f"p{i}",
         ), self.run_dir / "logs" / f"kv{i}.log")  # fmt: skip
         pport = self._port(f"prefill-{i}", h)
+        group = ["--pipeline-stages", str(c.group_size)] if i < c.prefill_groups else []
         prefill = Component(f"prefill-{i}", self._python(
             "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_addresses,
             "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(), host=f"p{i}",
+            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(), *group, host=f"p{i}",
         ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env())  # fmt: skip
         return node, prefill
 

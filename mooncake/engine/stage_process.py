@@ -122,7 +122,11 @@ class ProcessPipeline:
             prefix = request.prefix_kv
             if prefix is not None and request.num_prefix_tokens:
                 prefix = prefix[:, spec.layers.start : spec.layers.stop]
-            conn.send(("prefill", replace(request, prefix_kv=prefix)))
+            try:
+                conn.send(("prefill", replace(request, prefix_kv=prefix)))
+            except (BrokenPipeError, OSError):
+                self.close()
+                raise RuntimeError("a pipeline stage died") from None
         replies, errors = [], []
         for i, conn in enumerate(self._drivers):
             if not conn.poll(timeout_s):
@@ -149,6 +153,9 @@ class ProcessPipeline:
     def alive(self) -> list[bool]:
         """Whether each stage's process is running."""
         return [p.is_alive() for p in self._procs]
+
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self._procs]
 
     def close(self) -> None:
         self._closed = True

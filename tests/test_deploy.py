@@ -51,6 +51,7 @@ VLLM_ON_CPU = ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu", "
 VALUE_SETS = {
     "default": [], "production": ["-f", str(PRODUCTION)], "vllm-gpu": ["-f", str(VLLM_GPU)],
     "production-vllm": ["-f", str(PRODUCTION), *VLLM_ON_PRODUCTION], "vllm-cpu": VLLM_ON_CPU,
+    "groups": ["--set", "prefill.groups.replicas=2", "--set", "prefill.groups.stages=3"],
 }  # fmt: skip
 
 # The files whose Prometheus metrics the dashboard may query.
@@ -245,6 +246,18 @@ def test_prefill_pod_pairs_its_pool_node_as_a_sidecar_on_a_shared_tmpfs(values):
     assert int(kv_flags["--dram-mib"]) * 2**20 < _quantity(shm["emptyDir"]["sizeLimit"])
     for c in (kv, worker):  # tmpfs pages count against the container that writes them first: either
         assert _quantity(c["resources"]["limits"]["memory"]) > int(kv_flags["--dram-mib"]) * 2**20, c["name"]
+
+
+def test_prefill_groups_are_a_deployment_of_pipelined_workers_beside_the_single_ones():
+    docs = render(*VALUE_SETS["groups"])
+    single = find(docs, "Deployment", f"{PREFIX}-prefill")
+    group = find(docs, "Deployment", f"{PREFIX}-prefill-group")
+    assert group["spec"]["replicas"] == 2 and single["spec"]["replicas"] == 1
+    worker = next(c for c in group["spec"]["template"]["spec"]["containers"] if c["name"] == "prefill")
+    assert "--pipeline-stages=3" in worker["args"] and not any(a.startswith("--threads") for a in worker["args"])
+    assert [c["name"] for c in group["spec"]["template"]["spec"]["initContainers"]] == ["kvstore"]  # its own pool node
+    assert group["spec"]["selector"]["matchLabels"] != single["spec"]["selector"]["matchLabels"]
+    assert not any(d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-prefill-group") for d in render())
 
 
 def test_decode_pod_has_its_landing_segment_in_memory():
@@ -590,6 +603,8 @@ def test_api_key_value_is_stored_in_a_secret():
         (["-f", str(VLLM_GPU), "--set", "image.variant=cuda"], "engine.kind=vllm needs an image with vLLM"),
         (["-f", str(VLLM_GPU), "--set", "engine.vllmArgs={enforce_eager}"], "engine.vllmArgs wants KEY=VALUE strings"),
         (["--set", "redis.enabled=false", "--set", "conductor.replicas=2"], "conductor.replicas=2 needs Redis"),
+        (["--set", "prefill.groups.replicas=1", "--set", "prefill.groups.stages=1"], "prefill.groups.stages must be at least 2"),
+        (["-f", str(VLLM_GPU), "--set", "prefill.groups.replicas=1"], "prefill.groups run the native engine only"),
     ],
 )  # fmt: skip
 def test_inconsistent_values_fail_with_a_message(bad, message):

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s decode[%(process)d] %(message)s")
     try:
         config = DecodeConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
-                              host=args.host, dtype=args.dtype, block_size=args.block_size or default_block_size(args.engine),
+                              host=args.host, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
                               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, detect_s=args.detect_s, num_threads=args.threads,
                               shm_dir=args.shm_dir)  # fmt: skip

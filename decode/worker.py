@@ -35,12 +35,12 @@ from typing import Any
 
 import grpc
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from conductor.predictors import DecodePredictor, PredictorConfig
 from decode.writeback import BlockWriter
 from kvstore.service import segment_to_pb
-from mooncake.engine.config import EngineConfig
+from mooncake.engine.config import EngineConfig, check_cuda_device
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.channels import client_options
@@ -67,6 +67,14 @@ class DecodeConfig(BaseModel):
     vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     host: str = Field("127.0.0.1", description="address of its transfer server (landing slots over tcp)")
     dtype: str = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]")
+
+    @field_validator("device")
+    @classmethod
+    def _device_here(cls, device: str) -> str:
+        if device != "cpu":
+            check_cuda_device(device)
+        return device
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int = Field(2048, ge=1, description="the engine's paged cache, in blocks")
     max_num_seqs: int = Field(32, ge=1, description="most requests in the running batch")
@@ -173,7 +181,7 @@ class DecodeWorker:
         engine_config = EngineConfig(
             model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads,
+            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads, device=config.device,
             use_kernels=config.use_kernels,
         )  # fmt: skip
         self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer)

@@ -27,6 +27,8 @@ Runs on the engine's thread; jobs are added and removed from request threads.
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -78,16 +80,29 @@ class PoolConnector(KVConnector):
         self.jobs: dict[str, PrefillJob] = {}
         self._active: list[tuple[PrefillJob, list[int], int, int]] = []  # (job, block table, first block, end)
         self._batches: list[tuple[PrefillJob, object, torch.Tensor | None]] = []  # (job, transfer, staging it reads)
+        self._lock = threading.Lock()  # _batches: the staging thread appends too
+        self._staging: HostStaging | None = None
 
-    def bind(self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None) -> None:
-        """The engine's cache, [L, 2, num_blocks, bs, Hkv, D] (contiguous, on the CPU): the source of every push.
+    def bind(self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None,
+             staged: bool | None = None) -> None:  # fmt: skip
+        """The engine's cache, [L, 2, num_blocks, bs, Hkv, D] (contiguous): the source of every push.
 
-        A pipeline stage's cache holds layers [first_layer, first_layer + L) of a ``num_layers``-layer model: its
-        layers land at their global offsets in the landing and pool blocks."""
-        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-            raise ValueError("the prefill connector pushes from a contiguous CPU cache")
+        A CPU cache is pushed from in place. A CUDA cache (or, with ``staged``, a CPU one: the same path, tested
+        without a GPU) goes through pinned host staging: each layer's blocks are copied out on a side stream, and a
+        thread pushes them once the copy is done (``HostStaging``). A pipeline stage's cache holds layers
+        [first_layer, first_layer + L) of a ``num_layers``-layer model: its layers land at their global offsets in the
+        landing and pool blocks."""
+        if not kv_cache.is_contiguous():
+            raise ValueError("the prefill connector pushes from a contiguous cache")
         self.kv_cache = kv_cache
-        self._bytes = memoryview(kv_cache.numpy()).cast("B")
+        if staged is None:
+            staged = kv_cache.device.type != "cpu"
+        if staged:
+            self._staging = HostStaging(kv_cache.device)
+        elif kv_cache.device.type != "cpu":
+            raise ValueError("a cache on the GPU is pushed through host staging")
+        else:
+            self._bytes = memoryview(kv_cache.numpy()).cast("B")
         layers, _, num_blocks = kv_cache.shape[:3]
         self._half = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # K (or V) of one block and layer
         self._num_blocks = num_blocks
@@ -118,6 +133,9 @@ class PoolConnector(KVConnector):
         if self.export is not None:
             self._save_staged(layer, k_cache)
             return
+        if self._staging is not None:
+            self._save_from_device(layer)
+            return
         half = self._half
         for job, table, start, end in self._active:
             if job.error is not None:
@@ -145,23 +163,50 @@ class PoolConnector(KVConnector):
     def _save_staged(self, layer: int, cache: torch.Tensor) -> None:
         """Push layer ``layer`` of each active job's completed blocks from ``export``'s pool-layout copy of them."""
         for job, table, start, end in self._active:
-            if job.error is not None:
+            if job.error is None:
+                self._push_staged(job, layer, start, end, self.export(layer, cache, table[start:end]))
+
+    def _save_from_device(self, layer: int) -> None:
+        """Layer ``layer`` of each active job's completed blocks, gathered and copied to pinned host memory on the
+        staging side stream (after the layer's compute), then pushed by the staging thread: the engine goes on to the
+        next layer meanwhile."""
+        cache = self.kv_cache[layer - self._first_layer]  # [2, num_blocks, bs, Hkv, D]
+        for job, table, start, end in self._active:
+            if job.error is None:
+                self._staging.submit(cache, table[start:end], functools.partial(self._push_or_fail, job, layer, start, end))
+
+    def _push_or_fail(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor) -> None:
+        try:
+            self._push_staged(job, layer, start, end, staged)
+        except BaseException as e:  # noqa: BLE001 - on the staging thread: the job fails, the engine does not
+            job.fail(e)
+
+    def _push_staged(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor) -> None:
+        """Write ``staged`` [n, 2, bs, Hkv, D] (contiguous, CPU: blocks start..end of one layer) to the landing slots
+        and the job's pool slots."""
+        size = staged[0].numel() * staged.element_size()
+        slices = [Slice(i * size, job.landing_segment, job.landing_offsets[b] + layer * size, size)
+                  for i, b in enumerate(range(start, end))]  # fmt: skip
+        for i, b in enumerate(range(start, end)):
+            slot = job.pool_slots.get(b)
+            if slot is None:
                 continue
-            staged = self.export(layer, cache, table[start:end])  # [n, 2, bs, Hkv, D], contiguous, CPU
-            size = staged[0].numel() * staged.element_size()
-            slices = [Slice(i * size, job.landing_segment, job.landing_offsets[b] + layer * size, size)
-                      for i, b in enumerate(range(start, end))]  # fmt: skip
-            for i, b in enumerate(range(start, end)):
-                slot = job.pool_slots.get(b)
-                if slot is not None:
-                    self.pool[slot, layer].copy_(staged[i])
-            raw = memoryview(staged.reshape(-1).view(torch.uint8).numpy())
-            try:
-                self._batches.append((job, self.transfer.write(raw, slices), staged))
-            except TransferError as e:
-                job.fail(e)
+            if job.pool_segment is None:
+                self.pool[slot, layer].copy_(staged[i])
+            else:
+                slices.append(Slice(i * size, job.pool_segment, slot * self._block_bytes + layer * size, size))
+        raw = memoryview(staged.reshape(-1).view(torch.uint8).numpy())
+        try:
+            batch = self.transfer.write(raw, slices)
+        except TransferError as e:
+            job.fail(e)
+            return
+        with self._lock:
+            self._batches.append((job, batch, staged))
 
     def wait_for_save(self) -> None:
+        if self._staging is not None:
+            self._staging.drain()
         for job, batch, _ in self._batches:
             try:
                 batch.wait(self.io_timeout_s)
@@ -171,3 +216,53 @@ class PoolConnector(KVConnector):
             if job.error is None:
                 job.pushed = end
         self._active, self._batches = [], []
+
+
+class HostStaging:
+    """Copies of cache blocks from a device to pinned host memory off the compute stream, and a thread that hands
+    each copy on once it has landed.
+
+        engine thread (per layer):  side stream waits for the layer's compute -> gather blocks -> copy to pinned host
+                                    (non-blocking) -> record an event -> queue (event, host tensor, then)
+        staging thread:             event.synchronize() -> then(host tensor)   (the transfer-engine writes)
+
+    so layer l's copy and push overlap layer l + 1's compute. On the CPU (tests) the same path runs with plain copies.
+    ``drain`` (end of the step) waits until every queued copy was handed on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="kv-staging", daemon=True).start()
+
+    def submit(self, cache: torch.Tensor, block_ids: list[int], then: Callable[[torch.Tensor], None]) -> None:
+        """Copy blocks ``block_ids`` of one layer's cache [2, num_blocks, bs, Hkv, D] to host as [n, 2, bs, Hkv, D];
+        call ``then`` with it (on the staging thread) once it is there."""
+        if not self.cuda:
+            idx = torch.tensor(block_ids, dtype=torch.long)
+            self._queue.put((None, cache.index_select(1, idx).transpose(0, 1).contiguous(), then))
+            return
+        ready = torch.cuda.current_stream(self.device).record_event()  # this layer's K/V are written
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            gathered = cache.index_select(1, idx).transpose(0, 1).contiguous()
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            done = self.stream.record_event()
+        self._queue.put((done, host, then))
+
+    def drain(self) -> None:
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            done, host, then = self._queue.get()
+            try:
+                if done is not None:
+                    done.synchronize()
+                then(host)  # it fails its own job on an error
+            finally:
+                self._queue.task_done()

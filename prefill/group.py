@@ -42,21 +42,19 @@ class StageGroup:
     """X stage processes of one model, driven one prefill at a time; what PrefillWorker needs of an engine."""
 
     def __init__(self, model: str, num_stages: int, *, dtype: torch.dtype, block_size: int, num_kv_blocks: int,
-                 max_model_len: int | None, chunk: int, start_timeout_s: float = 600.0) -> None:  # fmt: skip
-        if dtype != torch.float32:
-            raise ValueError("a pipelined group computes in float32")
+                 max_model_len: int | None, chunk: int, device: str = "cpu", start_timeout_s: float = 600.0) -> None:  # fmt: skip
         args = ModelArgs.from_hf_config(load_hf_config(model))
         self.num_stages = num_stages
         self.layers = split_layers(args.num_layers, num_stages)
         self.block_size = block_size
         self.block_shape = (args.num_layers, 2, block_size, args.num_kv_heads, args.head_dim)
-        self.block_bytes = args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * 4
+        self.block_bytes = args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
         self.fingerprint = engine_fingerprint(EngineKind.NATIVE, model, dtype)
         self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         self.chunk = chunk
         self.num_kv_blocks = num_kv_blocks
-        self._specs = [StageSpec(model, layers, num_blocks=num_kv_blocks, block_size=block_size,
-                                 max_model_len=self.max_model_len, max_chunk=chunk) for layers in self.layers]  # fmt: skip
+        self._specs = [StageSpec(model, layers, num_blocks=num_kv_blocks, block_size=block_size, max_model_len=self.max_model_len,
+                                 max_chunk=chunk, dtype=dtype, device=stage_device(device, i)) for i, layers in enumerate(self.layers)]  # fmt: skip
         self._start_timeout_s = start_timeout_s
         self._turn = threading.Lock()  # one prefill at a time
         self._state = threading.Condition()
@@ -157,3 +155,11 @@ class StageGroup:
             pipeline, self.pipeline = self.pipeline, None
         if pipeline is not None:
             pipeline.close()
+
+
+def stage_device(device: str, stage: int) -> str:
+    """Stage ``stage``'s device: ``cuda`` spreads the stages over this machine's GPUs (stage i on GPU i modulo their
+    number); ``cpu`` and ``cuda:N`` put every stage there."""
+    if device != "cuda":
+        return device
+    return f"cuda:{stage % max(1, torch.cuda.device_count())}"

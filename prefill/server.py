@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s prefill[%(process)d] %(message)s")
     try:
         config = PrefillConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
-                               kvstore=args.kvstore, dtype=args.dtype, block_size=args.block_size or default_block_size(args.engine),
+                               kvstore=args.kvstore, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
                                num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
                                store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl,

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from kvstore.service import segment_from_pb
 from mooncake.blocks import block_keys
-from mooncake.engine.config import EngineConfig
+from mooncake.engine.config import EngineConfig, check_cuda_device
 from mooncake.engine.engine import RequestOutput
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
@@ -61,6 +61,14 @@ class PrefillConfig(BaseModel):
     vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     kvstore: str = Field(description="gRPC address of this worker's pool node (on this host)")
     dtype: str = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]")
+
+    @field_validator("device")
+    @classmethod
+    def _device_here(cls, device: str) -> str:
+        if device != "cpu":
+            check_cuda_device(device)
+        return device
     block_size: int = Field(16, ge=1, description="tokens per block: the pool's, the engine's and the Conductor's")
     num_kv_blocks: int = Field(1024, ge=1, description="the engine's paged cache, in blocks")
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens per engine step; longer prompts run in chunks")
@@ -122,7 +130,7 @@ class PrefillWorker:
         engine_config = EngineConfig(
             model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads,
+            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads, device=config.device,
             use_kernels=config.use_kernels,
         )  # fmt: skip
         if stats.block_bytes == 0:
@@ -139,7 +147,8 @@ class PrefillWorker:
                 raise ValueError("a pipelined prefill group runs the native engine only")
             self.engine = self.group = StageGroup(
                 config.model, config.pipeline_stages, dtype=engine_config.torch_dtype, block_size=config.block_size,
-                num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len, chunk=config.max_num_batched_tokens)  # fmt: skip
+                num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len, chunk=config.max_num_batched_tokens,
+                device=config.device)  # fmt: skip
         else:
             self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector,
                                        tokenizer=_tokenizer(config.model))  # fmt: skip

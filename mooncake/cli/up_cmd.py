@@ -55,6 +55,8 @@ def up(
                                "with the project's `vllm` extra)"),
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="KEY=VALUE vLLM engine argument for every worker, repeatable "
                                        "(e.g. enforce_eager=true, gpu_memory_utilization=0.85)"),
+    device: str = typer.Option("cpu", "--device", help="Native workers' device: cpu, or cuda[:N] (every worker on that "
+                               "GPU; a pipelined group's stages spread over the GPUs with plain `cuda`)"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block [default: 16 native, 32 vllm]"),
     conductors: int = typer.Option(1, "--conductors", min=1, max=5, help="Conductors; more than one needs --redis-url: "
                                    "one leads, the others stand by and take over when it dies"),
@@ -81,7 +83,7 @@ def up(
             prefill_groups=prefill_groups, group_size=group_size,
             host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
             pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
-            ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size,
+            ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size, device=device,
             conductors=conductors, hold_s=hold,
         )  # fmt: skip
     except ValueError as e:  # pydantic's ValidationError is one

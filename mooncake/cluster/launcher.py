@@ -56,6 +56,7 @@ class ClusterConfig(BaseModel):
     redis_url: str | None = None
     workdir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run")
     dtype: str = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="native workers' device: cpu or cuda[:N]")
     engine: str = Field("native", pattern="^(native|vllm)$", description="the workers' engine: ours or stock vLLM")
     vllm_args: list[str] = Field(default_factory=list, description="KEY=VALUE vLLM engine arguments for every worker")
     block_size: int | None = Field(None, ge=1, description="default: 16 native, 32 vllm")
@@ -92,8 +93,8 @@ class ClusterConfig(BaseModel):
         if self.prefill_groups > self.prefill:
             raise ValueError(f"--prefill-groups {self.prefill_groups} exceeds the {self.prefill} prefill workers: the groups "
                              "are the first of them (add --prefill)")  # fmt: skip
-        if self.prefill_groups and (self.engine != "native" or self.dtype != "float32"):
-            raise ValueError("pipelined prefill groups run the native engine in float32")
+        if self.prefill_groups and self.engine != "native":
+            raise ValueError("pipelined prefill groups run the native engine")
         return self
 
     @model_validator(mode="after")
@@ -228,7 +229,8 @@ class LocalCluster:
 
     def _engine_flags(self) -> list[str]:
         c = self.config
-        return ["--engine", c.engine, *(f for a in c.vllm_args for f in ("--vllm-arg", a))]
+        device = ["--device", c.device] if c.device != "cpu" else []
+        return ["--engine", c.engine, *device, *(f for a in c.vllm_args for f in ("--vllm-arg", a))]
 
     def _worker_env(self) -> dict[str, str] | None:
         """A vLLM worker's environment: tcmalloc and Intel OpenMP preloaded where present (vLLM's CPU guide); with

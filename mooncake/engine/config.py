@@ -47,8 +47,20 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.device.startswith("cuda") is False and self.device != "cpu":
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda"):
+            check_cuda_device(self.device)
         return self
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+
+def check_cuda_device(device: str) -> None:
+    """ValueError, saying what is missing, unless ``device`` (cuda or cuda:N) is a GPU this process can use."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA GPU here (torch {torch.__version__}, "
+                         f"built for CUDA {torch.version.cuda or 'none'}; torch.cuda.is_available() is False)")  # fmt: skip
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPUs")

@@ -44,6 +44,8 @@ class StageSpec:
     max_model_len: int
     max_chunk: int  # tokens: sizes the inbox slots
     shm_dir: str = "/dev/shm/mooncake"
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"  # cuda[:N]: the stage's layers and cache on that GPU (hidden states cross through the host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +208,7 @@ def _stage_main(index, num_stages, spec: StageSpec, driver, prev_in, next_out, a
 
             tokenizer = _tokenizer(spec.model_dir)
         stage = PipelineStage(spec.model_dir, spec.layers, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                              max_model_len=spec.max_model_len, tokenizer=tokenizer)  # fmt: skip
+                              max_model_len=spec.max_model_len, tokenizer=tokenizer, device=spec.device, dtype=spec.dtype)  # fmt: skip
         engine = TransferEngine(TransferConfig(node=f"cpp{index}-{os.getpid()}-{uuid.uuid4().hex[:6]}", serve=False,
                                                shm_dir=spec.shm_dir))  # fmt: skip
         connector = PoolConnector(engine, None, spec.block_size, io_timeout_s=30.0)
@@ -271,7 +273,7 @@ class _Link:
         while not self.free:
             self.free.append(self._ack())
         slot = self.free.pop(0)
-        data = hidden.contiguous()
+        data = hidden.contiguous().cpu()
         size = data.numel() * data.element_size()
         self.engine.write(memoryview(data.numpy()).cast("B"), [Slice(0, self.next_inbox.name, slot * self.slot_bytes, size)]).wait(timeout=60)
         self.next_out.send(("chunk", k, slot))

@@ -57,6 +57,8 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
     p.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="the engine's paged cache, in blocks")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="native engine: cpu, or cuda[:N] (the KV cache and weights on that GPU; "
+                   "KV leaves it through pinned host staging on a side stream). vLLM picks its own device")
     p.add_argument("--log-level", default="INFO")
     return p
 

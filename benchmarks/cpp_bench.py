@@ -1,7 +1,7 @@
 """Chunked pipeline parallelism: TTFT of one long prompt through X pipeline stages against one stage, same run.
 
     python benchmarks/cpp_bench.py [--quick] [--model NAME|DIR] [--long 8192] [--short 256] [--chunk 512]
-                                   [--stages 2 3] [--processes] [--json PATH]
+                                   [--stages 2 3] [--processes | --cluster] [--json PATH]
 
 Each stage computes with one thread (``torch.set_num_threads(1)``), so X stages use X
 cores; the baseline is the same code with one stage holding every layer, on one core.
@@ -10,7 +10,11 @@ GIL inside its kernels; the hidden states of a chunk pass in memory), or with
 ``--processes`` as processes (mooncake/engine/stage_process.py: a chunk's hidden states
 through the transfer engine, shm here), the baseline then a single stage process too.
 TTFT here is the prefill alone (from the first chunk to the first token), the median
-of ``--repeats`` runs (``--long-repeats`` for the long prompt). Results and what they
+of ``--repeats`` runs (``--long-repeats`` for the long prompt). With ``--cluster`` it is
+the whole system's: ``mooncake up``'s cluster (Conductor, pool node, one prefill worker,
+one decode worker, gateway; every worker one thread) whose prefill worker is a single
+engine, then a group of X stage processes, a streamed completion's first token as the
+client sees it over HTTP (each prompt new to the pool). Results and what they
 do not include: benchmarks/README.md.
 """
 
@@ -80,6 +84,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="runs of the short prompt per configuration")
     ap.add_argument("--long-repeats", type=int, default=1, help="runs of the long prompt per configuration")
     ap.add_argument("--processes", action="store_true", help="each stage a process (hidden states through the transfer engine)")
+    ap.add_argument("--cluster", action="store_true", help="the whole system over HTTP: a prefill worker, then a group")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -102,6 +107,8 @@ def main() -> None:
             return LocalPipeline([PipelineStage(str(model_dir), layers, num_blocks=blocks, block_size=16, max_model_len=args.long + 16)
                                   for layers in split_layers(num_layers, x)])  # fmt: skip
 
+        if args.cluster:
+            return _cluster_bench(args, model_dir, model_name, num_layers, vocab)
         rows = []
         base = pipeline(1)
         base_long, token = ttft(base, long_prompt, args.chunk, args.long_repeats)
@@ -124,6 +131,59 @@ def main() -> None:
             "chunk": args.chunk, "threads_per_stage": 1, "stages_as": "processes" if args.processes else "threads", "single_long_ttft_s": round(base_long, 3),
             "single_short_ttft_ms": round(1000 * base_short, 1), "pipelines": rows, "machine": describe_machine(),
         }  # fmt: skip
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _cluster_bench(args, model_dir: Path, model_name: str, num_layers: int, vocab: int) -> None:
+    import httpx
+
+    from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+
+    def first_token_s(endpoint: str, prompt: list[int]) -> float:
+        t = time.perf_counter()
+        body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{endpoint}/completions", json=body, timeout=3600) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    return time.perf_counter() - t
+        raise RuntimeError("the stream ended without a token")
+
+    rng = random.Random(1)
+    rows = []
+    limit = ModelArgs.from_hf_config(load_hf_config(model_dir)).max_position_embeddings
+    if args.long + 2 > limit:  # the prompt and its two output tokens must fit the model's positions
+        print(f"the long prompt is cut to {limit - 2} tokens: the model has {limit} positions", flush=True)
+        args.long = limit - 2
+    with tempfile.TemporaryDirectory() as work:
+        for x in [1, *[x for x in args.stages if x <= num_layers]]:
+            config = ClusterConfig(model=str(model_dir), model_name="m", workdir=Path(work) / f"x{x}", port=0, threads=1,
+                                   prefill=1, prefill_groups=1 if x > 1 else 0, group_size=max(x, 2), decode=1,
+                                   max_model_len=min(args.long + 64, limit), prefill_batched_tokens=args.chunk,
+                                   pool_dram_mib=max(64, 2 * args.long // 16 + 64), ready_timeout_s=600, ttft_slo_s=3600)  # fmt: skip
+            cluster = LocalCluster(config).start()
+            try:
+                first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(16)])  # warm: the first request
+                long_s = statistics.median(first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(args.long)])
+                                           for _ in range(args.long_repeats))  # fmt: skip
+                short_s = statistics.median(first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(args.short)])
+                                            for _ in range(args.repeats))  # fmt: skip
+            finally:
+                cluster.stop()
+            rows.append({"stages": x, "long_ttft_s": round(long_s, 3), "short_ttft_ms": round(1000 * short_s, 1)})
+            print(f"{'one engine' if x == 1 else f'a {x}-stage group'}: {args.long} tokens {long_s:.2f} s, "
+                  f"{args.short} tokens {1000 * short_s:.1f} ms", flush=True)  # fmt: skip
+    base = rows[0]
+    for row in rows[1:]:
+        row["long_speedup"] = round(base["long_ttft_s"] / row["long_ttft_s"], 3)
+        row["short_slowdown"] = round(row["short_ttft_ms"] / base["short_ttft_ms"], 3)
+    result = {"model": model_name, "layers": num_layers, "long_tokens": args.long, "short_tokens": args.short,
+              "chunk": args.chunk, "threads_per_worker": 1, "measured": "TTFT over HTTP through the whole cluster",
+              "single_long_ttft_s": base["long_ttft_s"], "single_short_ttft_ms": base["short_ttft_ms"], "pipelines": rows[1:],
+              "machine": describe_machine()}  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -72,9 +72,12 @@ def describe_machine(**versions: str) -> dict[str, object]:
         cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
     except OSError:
         pass
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu_model": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(), **versions,
-        "platform": platform.platform(), "load_average": os.getloadavg(),
+        "platform": platform.platform(), "load_average": os.getloadavg(), "gpu": gpu, "torch": torch.__version__,
     }  # fmt: skip
 
 

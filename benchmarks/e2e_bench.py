@@ -238,7 +238,7 @@ class IndexWatch:
 
 def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
     blocks = (1 + args.reps) * sum(-(-s // BLOCK_SIZE) for s in args.sizes) + 64  # every prompt stays in the pool
-    engine = dict(engine=args.engine, vllm_args=args.vllm_arg, block_size=BLOCK_SIZE)
+    engine = dict(engine=args.engine, vllm_args=args.vllm_arg, block_size=BLOCK_SIZE, device=args.device, dtype=args.dtype)
     block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME, **engine).block_bytes()
     config = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, prefill=1, decode=1, port=0, workdir=workdir / "cluster",
@@ -266,7 +266,8 @@ def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: 
 def run_coupled(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
     argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model_dir), "--model-name", MODEL_NAME,
             "--port", "0", "--max-model-len", str(args.max_model_len), "--threads", str(args.threads), "--log-level", "WARNING",
-            "--engine", args.engine, "--block-size", str(BLOCK_SIZE), *(f for a in args.vllm_arg for f in ("--vllm-arg", a))]  # fmt: skip
+            "--engine", args.engine, "--block-size", str(BLOCK_SIZE), "--device", args.device, "--dtype", args.dtype,
+            *(f for a in args.vllm_arg for f in ("--vllm-arg", a))]  # fmt: skip
     report.config["coupled"] = {"argv": argv}
     progress.update(task, description="coupled: starting python -m mooncake.gateway --local")
     t0 = time.perf_counter()
@@ -323,7 +324,7 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
     from transfer import TransferConfig, TransferEngine
 
     largest = -(-max(args.overlap_sizes) // BLOCK_SIZE)
-    block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME, block_size=BLOCK_SIZE).block_bytes()
+    block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME, block_size=BLOCK_SIZE, dtype=args.dtype).block_bytes()
     shm_dir = tempfile.mkdtemp(prefix="e2e-bench-", dir="/dev/shm")
     node = worker = landing_engine = None
     try:
@@ -332,7 +333,8 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
         node.start()
         config = PrefillConfig(id="bench-prefill", model=str(model_dir), kvstore=node.info["grpc"], num_kv_blocks=largest + 16,
                                max_model_len=max(args.overlap_sizes) + BLOCK_SIZE, num_threads=args.threads,
-                               engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg), block_size=BLOCK_SIZE)  # fmt: skip
+                               engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg), block_size=BLOCK_SIZE,
+                               device=args.device, dtype=args.dtype)  # fmt: skip
         report.config["prefill_worker"] = config.model_dump(mode="json")
         worker = PrefillWorker(config)
         landing_engine = TransferEngine(TransferConfig(node="bench-landing", shm_dir=shm_dir))
@@ -454,7 +456,8 @@ def render(report: Report, srows: list[dict], orows: list[dict], console: Consol
     if srows and report.samples:
         table = Table(title=f"Through the gateway: disaggregated (1 prefill + 1 decode) vs coupled (one engine); {report.model}, "
                             f"{report.max_tokens} output tokens, {report.threads} torch thread(s) per engine, "
-                            f"{m['cpu_model']} ({m['logical_cores']} cores), median of {report.reps}",
+                            f"{m['cpu_model']} ({m['logical_cores']} cores)" + (f", {m['gpu']}" if m.get("gpu") else "")
+                            + f", median of {report.reps}",
                       caption="ms; ratio = disaggregated / coupled (below 1: disaggregated faster); TBT tail = mean of the "
                               "longest 10% of gaps; cached = usage.prompt_tokens_details.cached_tokens (disagg / coupled)")  # fmt: skip
         for col in ("prompt", "cache", "cached", "TTFT disagg", "TTFT coupled", "ratio", "TBT disagg", "TBT coupled", "ratio",
@@ -548,6 +551,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help=f"repetitions; the median counts (default {FULL['reps']}, quick {QUICK['reps']})")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (default 1: a core per worker)")
     p.add_argument("--engine", choices=["native", "vllm"], default="native", help="the engine of every system measured")
+    p.add_argument("--device", default="cpu", help="native engines' device: cpu, or cuda[:N] (every engine on that GPU)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="every engine's dtype")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: a vLLM "
                    "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)")
     p.add_argument("--no-serving", action="store_true", help="skip the gateway measurements")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from mooncake.serving.engine_loop import EngineLoop
+from mooncake.serving.kvlayout import tensor_bytes
 from transfer import TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class BlockWriter:
             try:
                 keys, kv = future.result(timeout=EXPORT_TIMEOUT_S)
                 if keys:
-                    data = memoryview(kv.numpy()).cast("B")
+                    data = tensor_bytes(kv)
                     result = self._client(written.node_address).put(keys, data, positions=list(range(first, first + len(keys))))
                     self.blocks_written += result.stored + result.existing
             except (KVStoreUnavailable, StoreFull, TransferError, KeyError, ValueError, TimeoutError) as e:

@@ -38,6 +38,7 @@ import torch
 
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.request import TokenLogprob
+from mooncake.serving.kvlayout import tensor_bytes
 from transfer import Slice, TransferEngine, TransferError
 
 
@@ -102,7 +103,7 @@ class PoolConnector(KVConnector):
         elif kv_cache.device.type != "cpu":
             raise ValueError("a cache on the GPU is pushed through host staging")
         else:
-            self._bytes = memoryview(kv_cache.numpy()).cast("B")
+            self._bytes = tensor_bytes(kv_cache)
         layers, _, num_blocks = kv_cache.shape[:3]
         self._half = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # K (or V) of one block and layer
         self._num_blocks = num_blocks
@@ -195,7 +196,7 @@ class PoolConnector(KVConnector):
                 self.pool[slot, layer].copy_(staged[i])
             else:
                 slices.append(Slice(i * size, job.pool_segment, slot * self._block_bytes + layer * size, size))
-        raw = memoryview(staged.reshape(-1).view(torch.uint8).numpy())
+        raw = tensor_bytes(staged)
         try:
             batch = self.transfer.write(raw, slices)
         except TransferError as e:

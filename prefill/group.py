@@ -13,10 +13,16 @@ samples). Its pool holdings are whole blocks on the group's pool node: each stag
 its layer range of a block into the same slot, so the index and the plans see one node,
 as for a single worker (stages on other hosts write there over tcp).
 
+The stages are processes this worker spawns on its host, or, with ``stage_addresses``,
+stage servers on other nodes (``python -m prefill.stage``, one per stage, each on its
+own host) that the worker dials with the group's key: hidden states then cross hosts
+over tcp, and each stage pushes to the landing slots and the pool node over tcp.
+
 One prefill runs at a time (the stages overlap its chunks, not requests); others wait
 their turn. A stage that fails or dies fails the prefill in flight (UNAVAILABLE: the
-gateway places it again) and the group starts its stages anew in the background,
-refusing prefills (UNAVAILABLE) until they are up.
+gateway places it again) and the group starts its stages anew in the background (or,
+for stage servers, dials them again until they answer: a supervisor restarts a dead
+one), refusing prefills (UNAVAILABLE) until they are up.
 """
 
 from __future__ import annotations
@@ -42,7 +48,10 @@ class StageGroup:
     """X stage processes of one model, driven one prefill at a time; what PrefillWorker needs of an engine."""
 
     def __init__(self, model: str, num_stages: int, *, dtype: torch.dtype, block_size: int, num_kv_blocks: int,
-                 max_model_len: int | None, chunk: int, device: str = "cpu", start_timeout_s: float = 600.0) -> None:  # fmt: skip
+                 max_model_len: int | None, chunk: int, device: str = "cpu", start_timeout_s: float = 600.0,
+                 stage_addresses: list[tuple[str, int]] | None = None, authkey: bytes | None = None) -> None:  # fmt: skip
+        if stage_addresses and (len(stage_addresses) != num_stages or not authkey):
+            raise ValueError(f"a group of {num_stages} stage servers needs {num_stages} addresses and the group's key")
         args = ModelArgs.from_hf_config(load_hf_config(model))
         self.num_stages = num_stages
         self.layers = split_layers(args.num_layers, num_stages)
@@ -56,11 +65,12 @@ class StageGroup:
         self._specs = [StageSpec(model, layers, num_blocks=num_kv_blocks, block_size=block_size, max_model_len=self.max_model_len,
                                  max_chunk=chunk, dtype=dtype, device=stage_device(device, i)) for i, layers in enumerate(self.layers)]  # fmt: skip
         self._start_timeout_s = start_timeout_s
+        self._addresses, self._authkey = stage_addresses, authkey
         self._turn = threading.Lock()  # one prefill at a time
         self._state = threading.Condition()
         self._closed = False
         self._restarts = 0
-        self.pipeline: ProcessPipeline | None = ProcessPipeline(self._specs, start_timeout_s)
+        self.pipeline: ProcessPipeline | None = self._new_pipeline()
         threading.Thread(target=self._watch, name="cpp-watch", daemon=True).start()
 
     def prefill(self, request: StageRequest, cancelled: threading.Event, timeout_s: float,
@@ -78,7 +88,7 @@ class StageGroup:
             pipeline = self.pipeline
             if pipeline is None or pipeline.closed:
                 raise RuntimeError(f"the pipeline's stages are restarting (restart {self._restarts})")
-            if not all(pipeline.alive()):
+            if not pipeline.idle_ok():
                 error = RuntimeError(f"a pipeline stage died (stages alive: {pipeline.alive()})")
                 pipeline.close()
                 self._restart(pipeline, error)
@@ -100,10 +110,10 @@ class StageGroup:
         while not self._closed:
             time.sleep(every_s)
             pipeline = self.pipeline
-            if pipeline is None or pipeline.closed or all(pipeline.alive()) or not self._turn.acquire(blocking=False):
+            if pipeline is None or pipeline.closed or not self._turn.acquire(blocking=False):
                 continue
             try:
-                if self.pipeline is pipeline and not all(pipeline.alive()):
+                if self.pipeline is pipeline and not pipeline.idle_ok():
                     error = RuntimeError(f"a pipeline stage died while idle (stages alive: {pipeline.alive()})")
                     pipeline.close()
                     self._restart(pipeline, error)
@@ -119,13 +129,22 @@ class StageGroup:
         log.warning("pipeline stage failed (%s): starting the %d stages anew", error, self.num_stages)
         threading.Thread(target=self._start, name="cpp-restart", daemon=True).start()
 
+    def _new_pipeline(self) -> ProcessPipeline:
+        if self._addresses:
+            return ProcessPipeline.connect(self._addresses, self._authkey, self._start_timeout_s)
+        return ProcessPipeline(self._specs, self._start_timeout_s)
+
     def _start(self) -> None:
         t0 = time.perf_counter()
-        try:
-            pipeline = ProcessPipeline(self._specs, self._start_timeout_s)
-        except RuntimeError as e:
-            log.error("the pipeline's stages did not start again (%s): this worker serves no prefill", e)
-            return
+        while True:
+            try:
+                pipeline = self._new_pipeline()
+                break
+            except RuntimeError as e:
+                if self._closed:
+                    return
+                log.error("the pipeline's stages did not start again (%s): trying again", e)
+                time.sleep(1.0)
         with self._state:
             if self._closed:
                 pipeline.close()
@@ -142,8 +161,9 @@ class StageGroup:
         pipeline = self.pipeline
         alive = pipeline.alive() if pipeline is not None else [False] * self.num_stages
         pids = pipeline.pids() if pipeline is not None else [None] * self.num_stages
-        return [{"stage": i, "layers": [r.start, r.stop], "alive": a, "pid": pid}
-                for i, (r, a, pid) in enumerate(zip(self.layers, alive, pids))]  # fmt: skip
+        where = [f"{h}:{p}" for h, p in self._addresses] if self._addresses else ["spawned"] * self.num_stages
+        return [{"stage": i, "layers": [r.start, r.stop], "alive": a, "pid": pid, "at": at}
+                for i, (r, a, pid, at) in enumerate(zip(self.layers, alive, pids, where))]  # fmt: skip
 
     @property
     def num_free_blocks(self) -> int:

@@ -14,6 +14,7 @@ from kvstore.client import KVStoreUnavailable
 from mooncake.faults import StatusTable, message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
+from prefill.stage import read_key
 from prefill.worker import Cancelled, PrefillConfig, PrefillWorker
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -86,6 +87,13 @@ def _health(worker_id: str, worker: PrefillWorker) -> tuple[bool, dict]:
     return ok, body
 
 
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"a stage address is HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = worker_parser("python -m prefill", "A prefill worker: loads reusable prefix KV from the pool, computes the rest of each "
                       "prompt layer by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
@@ -100,6 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run the model as a pipelined prefill group (CPP) of this many stage processes, each a contiguous "
                         "range of the layers on one thread (give the worker this many cores); a prompt's chunks of "
                         "--max-num-batched-tokens overlap across the stages. The group registers as one instance")
+    p.add_argument("--stage-addresses", default="",
+                   help="HOST:PORT,... of the group's stage servers (python -m prefill.stage, one per stage, in layer "
+                        "order) instead of spawning the stages here; --pipeline-stages defaults to their number")
+    p.add_argument("--stage-key-file", help="the group's key, which its stage servers hold too (default: $MOONCAKE_STAGE_KEY)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end")
     return p.parse_args(argv)
 
@@ -108,12 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s prefill[%(process)d] %(message)s")
     try:
+        addresses = [_address(a) for a in args.stage_addresses.split(",") if a.strip()]
+        stages = len(addresses) or args.pipeline_stages
+        key = read_key(args.stage_key_file) if addresses else None
         config = PrefillConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
                                kvstore=args.kvstore, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
                                num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
                                store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl,
-                               pipeline_stages=args.pipeline_stages)  # fmt: skip
+                               pipeline_stages=stages, stage_addresses=addresses, stage_key=key)  # fmt: skip
         worker = PrefillWorker(config)
     except (ValueError, KVStoreUnavailable, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -129,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         add_servicer=lambda server: wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server),
         registration=cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, node=worker.node, model=args.model,
                                          fingerprint=worker.engine.fingerprint, engine=args.engine,
-                                         capacity=args.max_num_batched_tokens, pipeline_stages=args.pipeline_stages,
-                                         pipeline_chunk=args.max_num_batched_tokens if args.pipeline_stages > 1 else 0),  # fmt: skip
+                                         capacity=args.max_num_batched_tokens, pipeline_stages=stages,
+                                         pipeline_chunk=args.max_num_batched_tokens if stages > 1 else 0),  # fmt: skip
         load=load,
         ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine,
                **({"stages": worker.group.stages()} if worker.group is not None else {})},

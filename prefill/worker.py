@@ -84,6 +84,9 @@ class PrefillConfig(BaseModel):
                                  "contiguous range of the layers, a prompt's chunks (max_num_batched_tokens) overlapping "
                                  "across them; 1: one engine")
     prefill_timeout_s: float = Field(3600.0, gt=0, description="a group's prefill fails after this")
+    stage_addresses: list[tuple[str, int]] = Field(default_factory=list, description="a group's stage servers "
+                                                   "(python -m prefill.stage), in layer order; empty: spawn the stages here")
+    stage_key: bytes | None = Field(None, description="the group's key, which its stage servers hold too")
 
 
 class Cancelled(Exception):
@@ -148,7 +151,7 @@ class PrefillWorker:
             self.engine = self.group = StageGroup(
                 config.model, config.pipeline_stages, dtype=engine_config.torch_dtype, block_size=config.block_size,
                 num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len, chunk=config.max_num_batched_tokens,
-                device=config.device)  # fmt: skip
+                device=config.device, stage_addresses=config.stage_addresses or None, authkey=config.stage_key)  # fmt: skip
         else:
             self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector,
                                        tokenizer=_tokenizer(config.model))  # fmt: skip

@@ -15,16 +15,27 @@ from prefill.connector import PoolConnector, PrefillJob
 from transfer import TransferConfig, TransferEngine
 
 
-def _push(model_dir, prompt: list[int], staged: bool) -> tuple[bytes, torch.Tensor]:
-    """Prefill ``prompt`` (in 32-token steps) with a connector pushing to a landing segment and a pool tensor; the
-    landing segment's bytes and the pool."""
+class _TableConnector(PoolConnector):
+    """Remembers each request's block table (the engine frees it when the request ends; the blocks keep their KV)."""
+
+    tables: dict[str, list[int]]
+
+    def start_step(self, step) -> None:
+        super().start_step(step)
+        self.tables = getattr(self, "tables", {}) | {r.request_id: list(r.block_ids) for r in step.requests}
+
+
+def _push(model_dir, prompt: list[int], staged: bool, device: str = "cpu") -> tuple[bytes, torch.Tensor, list[torch.Tensor]]:
+    """Prefill ``prompt`` (in 32-token steps, on ``device``) with a connector pushing to a landing segment and a pool
+    tensor; the landing segment's bytes, the pool, and the request's blocks as the engine's cache holds them at the
+    end ([L, 2, bs, Hkv, D] each, on the CPU)."""
     bs = 16
     n = -(-len(prompt) // bs)
     owner = TransferEngine(TransferConfig(node=f"land-{uuid.uuid4().hex[:6]}", serve=False))
     sender = TransferEngine(TransferConfig(node=f"push-{uuid.uuid4().hex[:6]}", serve=False))
-    connector = PoolConnector(sender, None, bs, io_timeout_s=30)
+    connector = _TableConnector(sender, None, bs, io_timeout_s=30)
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=bs, num_kv_blocks=64, max_model_len=256,
-                                    max_num_batched_tokens=32), connector=connector)  # fmt: skip
+                                    max_num_batched_tokens=32, device=device, use_kernels=False), connector=connector)  # fmt: skip
     connector.bind(engine.runner.kv_cache, staged=staged)
     block_bytes = engine.block_bytes
     landing = owner.allocate("landing", n * block_bytes)
@@ -38,16 +49,18 @@ def _push(model_dir, prompt: list[int], staged: bool) -> tuple[bytes, torch.Tens
     job = connector.jobs["r"]
     assert job.error is None and job.pushed == n
     out = bytes(owner.buffer("landing"))
+    cache = engine.runner.kv_cache
+    blocks = [cache[:, :, b].cpu() for b in connector.tables["r"][:n]]
     owner.close()
     sender.close()
-    return out, connector.pool
+    return out, connector.pool, blocks
 
 
 def test_staged_pushes_equal_in_place_pushes_byte_for_byte(tiny_models):
     model = tiny_models["llama"]
     prompt = [(7 * i) % 280 + 10 for i in range(70)]  # 5 blocks, the last partial; 3 engine steps
-    direct, direct_pool = _push(model.path, prompt, staged=False)
-    staged, staged_pool = _push(model.path, prompt, staged=True)
+    direct, direct_pool, _ = _push(model.path, prompt, staged=False)
+    staged, staged_pool, _ = _push(model.path, prompt, staged=True)
     assert any(direct) and staged == direct
     assert direct_pool[[5, 1]].abs().sum() > 0 and torch.equal(staged_pool, direct_pool)
 

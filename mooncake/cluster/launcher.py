@@ -192,6 +192,7 @@ class LocalCluster:
             self.net = VirtualNetwork()
         self.root_host = self.net.gateway_ip if self.net is not None else config.host  # the Conductor's and gateway's
         self.hosts: dict[str, str] = {}  # component -> the network host it runs on (network_hosts)
+        self._stage_servers: dict[int, list[Component]] = {}  # group prefill-i -> its stage servers (network_hosts)
         h = self.root_host
         self.ports = {"conductor": free_port(h), "gateway": config.port or free_port(h), "control": free_port(h)}
         for i in range(1, config.conductors):
@@ -276,12 +277,38 @@ class LocalCluster:
         ), self.run_dir / "logs" / f"kv{i}.log")  # fmt: skip
         pport = self._port(f"prefill-{i}", h)
         group = ["--pipeline-stages", str(c.group_size)] if i < c.prefill_groups else []
+        if group and self.net is not None:  # each stage a server on a network host of its own
+            stages = [self._stage_server(i, j) for j in range(c.group_size)]
+            self._stage_servers[i] = [comp for comp, _ in stages]
+            group = ["--stage-addresses", ",".join(address for _, address in stages), "--stage-key-file", str(self._stage_key())]
         prefill = Component(f"prefill-{i}", self._python(
             "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_addresses,
             "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
             "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(), *group, host=f"p{i}",
         ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env())  # fmt: skip
         return node, prefill
+
+    def _stage_server(self, i: int, j: int) -> tuple[Component, str]:
+        """Stage ``j`` of group ``prefill-{i}`` as a stage server on host ``p{i}s{j}``, and the address its worker dials."""
+        c, name = self.config, f"prefill-{i}-stage{j}"
+        h = self._host(f"p{i}s{j}", name)
+        port = self._port(name, h)
+        _, max_len = self._common()
+        device = ["--device", c.device] if c.device != "cpu" else []
+        comp = Component(name, self._python(
+            "prefill.stage", "--model", c.model, "--stage", str(j), "--stages", str(c.group_size), "--host", h, "--port", str(port),
+            "--key-file", str(self._stage_key()), "--dtype", c.dtype, "--block-size", str(c.block_size), "--chunk",
+            str(c.prefill_batched_tokens), "--shm-dir", self.shm_dir, *max_len, *device, host=f"p{i}s{j}",
+        ), self.run_dir / "logs" / f"{name}.log")  # fmt: skip
+        return comp, f"{h}:{port}"
+
+    def _stage_key(self) -> Path:
+        """The groups' key (random, made once per run directory, readable by its owner only)."""
+        path = self.run_dir / "stage.key"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(os.urandom(32).hex())
+        return path
 
     def _decode(self, i: int) -> Component:
         c, h = self.config, self._host(f"d{i}", f"decode-{i}")
@@ -310,7 +337,8 @@ class LocalCluster:
         decodes = [self._decode(i) for i in range(self.config.decode)]
         self._next = {"prefill": self.config.prefill, "decode": self.config.decode}
         standbys = [self._conductor(i) for i in range(1, self.config.conductors)]  # after the first: it leads
-        waves = [[self._conductor()], standbys + [n for n, _ in pairs], [p for _, p in pairs] + decodes]
+        stage_servers = [comp for comps in self._stage_servers.values() for comp in comps]
+        waves = [[self._conductor()], standbys + [n for n, _ in pairs] + stage_servers, [p for _, p in pairs] + decodes]
         if self.config.gateway:
             waves.append([self._gateway()])
         return waves

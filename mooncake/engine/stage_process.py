@@ -1,14 +1,24 @@
-"""Chunked pipeline parallelism across processes: each stage a process, a chunk's hidden states through the transfer
-engine into the next stage's inbox (shm on one host, tcp across hosts), control messages over pipes.
+"""Chunked pipeline parallelism across processes and hosts: each stage a process, a chunk's hidden states through the
+transfer engine into the next stage's inbox (shm on one host, tcp across hosts), control messages over connections.
 
-    driver --plan--> stage 0 --hidden (transfer engine) + "chunk k in slot s" (pipe)--> stage 1 --> ...
-                     stage 0 <--"slot s is free" (pipe)----------------------------------- stage 1
-    driver <--first token (and, when asked, each stage's KV)-------------------------- every stage
+    driver --request--> stage 0 --hidden (transfer engine) + "chunk k in slot s"--> stage 1 --> ...
+                        stage 0 <--"slot s is free"------------------------------- stage 1
+    driver <--first token (and, when asked, each stage's KV)-------------------- every stage
 
 Each stage allocates an inbox segment of ``SLOTS`` chunk-sized slots; a sender writes
 chunk k into slot k % SLOTS once the receiver has freed it (the receiver copies a slot
 out before it computes), so a stage computes chunk k + 1 while the next one computes
 chunk k. Each stage process computes with one thread (``torch.set_num_threads(1)``).
+
+Stages are spawned by the driver (``ProcessPipeline(specs)``: processes on this host), or
+run as stage servers on their own nodes (``python -m prefill.stage``, one per stage) that
+the driver dials (``ProcessPipeline.connect(addresses, authkey)``). Either way a stage
+serves a *session*: the driver says hello (the stage's place in the pipeline), each stage
+answers with its layers, its inbox and the address its previous stage dials; the driver
+tells each stage where the next one is; the stages connect to their neighbours
+(``multiprocessing.connection`` over tcp, authenticated by the pipeline's key); then
+prefills. A session ends when the driver stops it or a stage fails; a stage server then
+waits for the next session (a spawned stage exits).
 
 A prefill worker group (``prefill/group.py``) sends each request with a ``StagePush``:
 every stage then reads its layers of the reused prefix from the pool node's segment and
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import uuid
 from dataclasses import dataclass, replace
 
@@ -30,6 +41,7 @@ import torch
 
 from mooncake.engine.pipeline import PipelinePrefill
 from mooncake.engine.request import SamplingParams
+from mooncake.serving.kvlayout import tensor_bytes
 from transfer.types import Segment
 
 SLOTS = 2  # chunks in flight between two stages
@@ -46,6 +58,7 @@ class StageSpec:
     shm_dir: str = "/dev/shm/mooncake"
     dtype: torch.dtype = torch.float32
     device: str = "cpu"  # cuda[:N]: the stage's layers and cache on that GPU (hidden states cross through the host)
+    host: str = "127.0.0.1"  # the address its transfer server and its link listener bind (and peers dial)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,35 +91,64 @@ class PushFailed(RuntimeError):
 
 
 class ProcessPipeline:
-    """X stage processes (``specs`` in layer order). One prefill at a time; :meth:`close` ends the processes, and a
-    prefill that fails (a stage raised, or died) closes them too, after every stage has answered."""
+    """X stages in layer order, driven one prefill at a time: spawned here (``ProcessPipeline(specs)``) or stage servers
+    dialled (:meth:`connect`). :meth:`close` ends the session (and spawned processes); a prefill that fails (a stage
+    raised, or died) closes it too, after every stage has answered."""
 
     def __init__(self, specs: list[StageSpec], start_timeout_s: float = 300.0) -> None:
         ctx = mp.get_context("spawn")
-        self._specs = specs
-        self._closed = False
-        self._procs, self._drivers = [], []
-        links = [ctx.Pipe() for _ in range(len(specs) - 1)]  # forward: "chunk k in slot s"
-        acks = [ctx.Pipe() for _ in range(len(specs) - 1)]  # backward: "slot s is free"
+        self._authkey = os.urandom(16)
+        self._procs, drivers = [], []
         for i, spec in enumerate(specs):
             mine, theirs = ctx.Pipe()
-            prev_in = links[i - 1][1] if i else None
-            next_out = links[i][0] if i + 1 < len(specs) else None
-            ack_out = acks[i - 1][0] if i else None
-            ack_in = acks[i][1] if i + 1 < len(specs) else None
-            proc = ctx.Process(target=_stage_main, args=(i, len(specs), spec, theirs, prev_in, next_out, ack_out, ack_in),
+            proc = ctx.Process(target=_spawned_stage, args=(i, len(specs), spec, theirs, self._authkey),
                                name=f"cpp-stage-{i}", daemon=True)  # fmt: skip
             proc.start()
             self._procs.append(proc)
-            self._drivers.append(mine)
-        segments = []
-        for i, conn in enumerate(self._drivers):
-            if not conn.poll(start_timeout_s):
-                self.close()
-                raise RuntimeError(f"pipeline stage {i} did not start within {start_timeout_s} s")
-            segments.append(_reply(conn))
-        for i, conn in enumerate(self._drivers[:-1]):
-            conn.send(("next_inbox", segments[i + 1]))  # where stage i writes its hidden states
+            drivers.append(mine)
+        self._start(drivers, start_timeout_s)
+
+    @classmethod
+    def connect(cls, addresses: list[tuple[str, int]], authkey: bytes, timeout_s: float = 60.0) -> "ProcessPipeline":
+        """Start a session with the stage servers at ``addresses`` (in layer order). Raises RuntimeError when one
+        cannot be reached (or refuses the key) within ``timeout_s``."""
+        self = cls.__new__(cls)
+        self._authkey, self._procs = authkey, []
+        drivers = []
+        try:
+            for i, address in enumerate(addresses):
+                drivers.append(_dial(address, authkey, timeout_s, f"stage {i}"))
+        except RuntimeError:
+            for conn in drivers:
+                conn.close()
+            raise
+        self._start(drivers, timeout_s)
+        return self
+
+    def _start(self, drivers: list, timeout_s: float) -> None:
+        self._drivers, self._closed = drivers, False
+        n = len(drivers)
+        try:
+            for i, conn in enumerate(drivers):
+                conn.send(("hello", i, n))
+            infos = [self._answer(i, conn, timeout_s, "start") for i, conn in enumerate(drivers)]
+            self.layers = [info["layers"] for info in infos]
+            if self.layers[0].start != 0 or any(a.stop != b.start for a, b in zip(self.layers, self.layers[1:])):
+                raise RuntimeError(f"the stages' layers do not tile the model: {self.layers}")
+            if self.layers[-1].stop != infos[-1]["num_layers"]:
+                raise RuntimeError(f"the last stage ends at layer {self.layers[-1].stop} of {infos[-1]['num_layers']}")
+            for i, conn in enumerate(drivers[:-1]):
+                conn.send(("next", infos[i + 1]["inbox"], infos[i + 1]["link"]))  # where stage i sends its chunks
+            for i, conn in enumerate(drivers):
+                self._answer(i, conn, timeout_s, "link up")
+        except (RuntimeError, OSError, EOFError) as e:
+            self.close()
+            raise RuntimeError(f"the pipeline did not start: {e}") from None
+
+    def _answer(self, i: int, conn, timeout_s: float, what: str):
+        if not conn.poll(timeout_s):
+            raise RuntimeError(f"stage {i} did not {what} within {timeout_s} s")
+        return _reply(conn)
 
     def prefill(self, request: StageRequest, timeout_s: float = 3600.0) -> PipelinePrefill:
         """The request's first token (and its logprobs, when asked) and, with ``export``, its KV in the pool layout.
@@ -120,10 +162,10 @@ class ProcessPipeline:
             raise ValueError(f"num_prefix_tokens must be in [0, {len(request.prompt) - 1}], got {request.num_prefix_tokens}")
         if self.closed:
             raise RuntimeError("the pipeline is closed: a stage failed")
-        for spec, conn in zip(self._specs, self._drivers):
+        for layers, conn in zip(self.layers, self._drivers):
             prefix = request.prefix_kv
             if prefix is not None and request.num_prefix_tokens:
-                prefix = prefix[:, spec.layers.start : spec.layers.stop]
+                prefix = prefix[:, layers.start : layers.stop]
             try:
                 conn.send(("prefill", replace(request, prefix_kv=prefix)))
             except (BrokenPipeError, OSError):
@@ -153,11 +195,23 @@ class ProcessPipeline:
         return self._closed
 
     def alive(self) -> list[bool]:
-        """Whether each stage's process is running."""
-        return [p.is_alive() for p in self._procs]
+        """Whether each stage is there: a spawned stage's process runs; a stage server's session is open."""
+        if self._procs:
+            return [p.is_alive() for p in self._procs]
+        return [not self._closed] * len(self._drivers)
+
+    def idle_ok(self) -> bool:
+        """Between prefills (no answer is due): every stage is alive and none hung up (a hung-up connection reads as
+        ready, at its end)."""
+        if self._closed or not all(self.alive()):
+            return False
+        try:
+            return not any(conn.poll(0) for conn in self._drivers)
+        except (OSError, EOFError):
+            return False
 
     def pids(self) -> list[int | None]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs] or [None] * len(self._drivers)
 
     def close(self) -> None:
         self._closed = True
@@ -166,6 +220,8 @@ class ProcessPipeline:
                 conn.send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
+            if not self._procs:
+                conn.close()
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():
@@ -195,76 +251,155 @@ class _Reply:
     push_error: str | None = None
 
 
-def _stage_main(index, num_stages, spec: StageSpec, driver, prev_in, next_out, ack_out, ack_in) -> None:
-    torch.set_num_threads(1)
-    from mooncake.engine.stage import PipelineStage
-    from prefill.connector import PoolConnector
-    from transfer import TransferConfig, TransferEngine
-
+def _spawned_stage(index: int, num_stages: int, spec: StageSpec, driver, authkey: bytes) -> None:
+    """A stage spawned by its driver: one session, then the process ends."""
     try:
+        runtime = StageRuntime(spec, authkey)
+    except BaseException as e:  # noqa: BLE001 - the driver reports it
+        driver.recv()  # the hello
+        driver.send(("error", f"stage {index} could not start: {e!r}"))
+        return
+    runtime.session(driver, (index, num_stages))
+    runtime.close()
+
+
+def _dial(address: tuple[str, int], authkey: bytes, timeout_s: float, who: str):
+    """A connection to ``address`` (retried until ``timeout_s``: a stage server may be starting)."""
+    from multiprocessing.connection import AuthenticationError, Client
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(tuple(address), authkey=authkey)
+        except AuthenticationError:
+            raise RuntimeError(f"{who} at {address[0]}:{address[1]} refused the pipeline's key") from None
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{who} at {address[0]}:{address[1]} cannot be reached: {e}") from None
+            time.sleep(0.2)
+
+
+class StageRuntime:
+    """What a stage keeps across sessions: its layers and cache, its transfer engine and inbox, its connector, and the
+    listener its previous stage dials."""
+
+    def __init__(self, spec: StageSpec, authkey: bytes) -> None:
+        from multiprocessing.connection import Listener
+
+        from mooncake.engine.loader import load_hf_config
+        from mooncake.engine.model_args import ModelArgs
+        from mooncake.engine.stage import PipelineStage
+        from prefill.connector import PoolConnector
+        from transfer import TransferConfig, TransferEngine
+
+        torch.set_num_threads(1)
+        self.spec, self.authkey = spec, authkey
+        args = ModelArgs.from_hf_config(load_hf_config(spec.model_dir))
         tokenizer = None
-        if index == num_stages - 1:
+        if spec.layers.stop == args.num_layers:  # the last stage samples: a grammar needs the tokenizer
             from prefill.worker import _tokenizer
 
             tokenizer = _tokenizer(spec.model_dir)
-        stage = PipelineStage(spec.model_dir, spec.layers, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                              max_model_len=spec.max_model_len, tokenizer=tokenizer, device=spec.device, dtype=spec.dtype)  # fmt: skip
-        engine = TransferEngine(TransferConfig(node=f"cpp{index}-{os.getpid()}-{uuid.uuid4().hex[:6]}", serve=False,
-                                               shm_dir=spec.shm_dir))  # fmt: skip
-        connector = PoolConnector(engine, None, spec.block_size, io_timeout_s=30.0)
-        connector.bind(stage.kv_cache, first_layer=stage.layers.start, num_layers=stage.model.args.num_layers)
-        slot_bytes = spec.max_chunk * stage.model.args.hidden_size * stage.kv_cache.element_size()
-        inbox = engine.allocate("inbox", slot_bytes * SLOTS) if index else None
-        driver.send(("ready", inbox))
-        next_inbox = None
-        if next_out is not None:
-            _, next_inbox = driver.recv()
-            engine.add_segment(next_inbox)
-        link = _Link(index, engine, slot_bytes, prev_in, next_out, ack_out, ack_in, next_inbox)
-    except BaseException as e:  # noqa: BLE001 - the driver reports it
-        driver.send(("error", f"stage {index} could not start: {e!r}"))
-        return
-    while True:
-        msg = driver.recv()
-        if msg[0] == "stop":
-            engine.close()
-            return
-        request: StageRequest = msg[1]
+        self.stage = PipelineStage(spec.model_dir, spec.layers, num_blocks=spec.num_blocks, block_size=spec.block_size,
+                                   max_model_len=spec.max_model_len, tokenizer=tokenizer, device=spec.device,
+                                   dtype=spec.dtype)  # fmt: skip
+        self.engine = TransferEngine(TransferConfig(node=f"cpp-{os.getpid()}-{uuid.uuid4().hex[:6]}", shm_dir=spec.shm_dir,
+                                                    listen_host=spec.host))  # fmt: skip
+        self.connector = PoolConnector(self.engine, None, spec.block_size, io_timeout_s=30.0)
+        self.connector.bind(self.stage.kv_cache, first_layer=self.stage.layers.start, num_layers=args.num_layers)
+        self.slot_bytes = spec.max_chunk * args.hidden_size * self.stage.kv_cache.element_size()
+        self.inbox = self.engine.allocate("inbox", self.slot_bytes * SLOTS)
+        self.links = Listener((spec.host, 0), authkey=authkey)
+
+    def session(self, driver, expected: tuple[int, int] | None = None) -> None:
+        """Serve one driver until it stops the session or a prefill fails here."""
+        from multiprocessing.connection import Client
+
+        prev = nxt = None
         try:
-            driver.send(("done", _serve(stage, request, link, connector, index == num_stages - 1)))
-        except BaseException as e:  # noqa: BLE001 - the driver reports it
-            if not isinstance(e, _Aborted):  # tell the neighbours, so that none waits for this stage forever
-                link.abort()
-            driver.send(("error", f"stage {index}: {e!r}"))
-            return  # a failed pipeline is closed by its driver: its pipes may hold a dead request's messages
+            kind, index, num_stages = driver.recv()
+            if expected is not None and (index, num_stages) != expected:
+                driver.send(("error", f"this stage serves as stage {expected[0]} of {expected[1]}, not {index} of {num_stages}"))
+                return
+            driver.send(("ready", {"layers": self.stage.layers, "num_layers": self.stage.model.args.num_layers,
+                                   "inbox": self.inbox, "link": self.links.address}))  # fmt: skip
+            next_inbox = None
+            if index + 1 < num_stages:
+                _, next_inbox, address = driver.recv()
+                self.engine.add_segment(next_inbox)
+                nxt = Client(address, authkey=self.authkey)
+            if index:
+                prev = self.links.accept()
+            driver.send(("linked", None))
+        except (EOFError, OSError) as e:  # the driver (or a neighbour) went away while starting
+            _close_all(prev, nxt)
+            try:
+                driver.send(("error", f"stage could not link up: {e!r}"))
+            except OSError:
+                pass
+            return
+        link = _Link(index, self.engine, self.slot_bytes, prev, nxt, next_inbox, self.engine.buffer("inbox"))
+        try:
+            self._serve(driver, link, index == num_stages - 1)
         finally:
-            connector.jobs.pop(request.request_id, None)
-            stage.release(request.request_id)
+            _close_all(prev, nxt)
+
+    def _serve(self, driver, link: "_Link", is_last: bool) -> None:
+        while True:
+            try:
+                msg = driver.recv()
+            except (EOFError, OSError):
+                return  # the driver went away
+            if msg[0] == "stop":
+                return
+            request: StageRequest = msg[1]
+            try:
+                driver.send(("done", _serve(self.stage, request, link, self.connector, is_last)))
+            except BaseException as e:  # noqa: BLE001 - the driver reports it
+                if not isinstance(e, _Aborted):  # tell the neighbours, so that none waits for this stage forever
+                    link.abort()
+                try:
+                    driver.send(("error", f"stage {link.index}: {e!r}"))
+                except OSError:
+                    pass
+                return  # a failed session ends: its connections may hold a dead request's messages
+            finally:
+                self.connector.jobs.pop(request.request_id, None)
+                self.stage.release(request.request_id)
+
+    def close(self) -> None:
+        self.links.close()
+        self.engine.close()
+
+
+def _close_all(*conns) -> None:
+    for conn in conns:
+        if conn is not None:
+            conn.close()
 
 
 class _Link:
-    """A stage's ends of the pipeline: chunks in from the previous stage's writes into this stage's inbox, chunks
-    out into the next stage's inbox (``SLOTS`` of them, each freed by the receiver's ack)."""
+    """A stage's ends of the pipeline: ``prev`` brings chunk notices from the previous stage (whose writes land in this
+    stage's inbox) and takes back "slot s is free"; ``next`` takes this stage's chunk notices to the next stage (after
+    the hidden states were written into its inbox, ``SLOTS`` slots, each reused once freed)."""
 
-    def __init__(self, index, engine, slot_bytes, prev_in, next_out, ack_out, ack_in, next_inbox) -> None:
+    def __init__(self, index, engine, slot_bytes, prev, next_, next_inbox, inbox) -> None:
         self.index, self.engine, self.slot_bytes = index, engine, slot_bytes
-        self.prev_in, self.next_out, self.ack_out, self.ack_in = prev_in, next_out, ack_out, ack_in
-        self.next_inbox = next_inbox
-        self.inbox = engine.buffer("inbox") if index else None
+        self.prev, self.next, self.next_inbox, self.inbox = prev, next_, next_inbox, inbox
         self.free: list[int] = []
 
     def start(self) -> None:
         self.free = list(range(SLOTS))
 
     def receive(self, k: int, n: int, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-        kind, got_k, slot = self.prev_in.recv()
+        kind, got_k, slot = self.prev.recv()
         if kind != "chunk" or got_k != k:
             if kind == "abort":
                 raise _Aborted(f"stage {self.index - 1} failed")
             raise RuntimeError(f"stage {self.index} expected chunk {k}, got {kind} {got_k}")
         raw = torch.frombuffer(self.inbox, dtype=dtype, count=n * hidden_size, offset=slot * self.slot_bytes)
         out = raw.view(n, hidden_size).clone()
-        self.ack_out.send(slot)  # copied out: the previous stage may reuse it
+        self.prev.send(slot)  # copied out: the previous stage may reuse it
         return out
 
     def send(self, k: int, hidden: torch.Tensor) -> None:
@@ -275,8 +410,8 @@ class _Link:
         slot = self.free.pop(0)
         data = hidden.contiguous().cpu()
         size = data.numel() * data.element_size()
-        self.engine.write(memoryview(data.numpy()).cast("B"), [Slice(0, self.next_inbox.name, slot * self.slot_bytes, size)]).wait(timeout=60)
-        self.next_out.send(("chunk", k, slot))
+        self.engine.write(tensor_bytes(data), [Slice(0, self.next_inbox.name, slot * self.slot_bytes, size)]).wait(timeout=60)
+        self.next.send(("chunk", k, slot))
 
     def drain(self) -> None:
         """Wait until the next stage copied out every chunk sent to it."""
@@ -284,16 +419,18 @@ class _Link:
             self.free.append(self._ack())
 
     def _ack(self) -> int:
-        slot = self.ack_in.recv()
+        slot = self.next.recv()
         if slot < 0:
             raise _Aborted(f"stage {self.index + 1} failed")
         return slot
 
     def abort(self) -> None:
-        if self.next_out is not None:
-            self.next_out.send(("abort", -1, -1))
-        if self.ack_out is not None:
-            self.ack_out.send(-1)
+        for conn, msg in ((self.next, ("abort", -1, -1)), (self.prev, -1)):
+            if conn is not None:
+                try:
+                    conn.send(msg)
+                except OSError:
+                    pass
 
 
 def _serve(stage, request: StageRequest, link: _Link, connector, is_last: bool) -> _Reply:
@@ -326,12 +463,12 @@ def _serve(stage, request: StageRequest, link: _Link, connector, is_last: bool) 
             out = stage.run_chunk(rid, a, token_ids=prompt[a:b], connector=connector)
         else:
             out = stage.run_chunk(rid, a, hidden=link.receive(k, b - a, hidden_size, stage.kv_cache.dtype), connector=connector)
-        if link.next_out is not None:
+        if link.next is not None:
             link.send(k, out)
         elif top is not None:
             prompt_logprobs.extend(e for _, e in stage.prompt_logprobs(out, a, prompt, top))
         last = out
-    if link.next_out is not None:
+    if link.next is not None:
         link.drain()
     reply = _Reply(push_error=repr(job.error) if job is not None and job.error is not None else None)
     if is_last:
@@ -355,5 +492,5 @@ def _read_prefix(stage, engine, push: StagePush) -> torch.Tensor:
     size = len(stage.layers) * layer_bytes
     slices = [Slice(i * size, push.pool.name, slot * block_bytes + stage.layers.start * layer_bytes, size)
               for i, slot in enumerate(push.prefix_slots)]  # fmt: skip
-    engine.read(memoryview(kv.numpy()).cast("B"), slices).wait(timeout=push.io_timeout_s)
+    engine.read(tensor_bytes(kv), slices).wait(timeout=push.io_timeout_s)
     return kv

@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="--local: the engine's paged cache, in blocks")
     p.add_argument("--threads", type=int, default=None, help="--local: torch threads")
+    p.add_argument("--device", default="cpu", help="--local: the engine's device, cpu or cuda[:N]")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="--local --engine vllm: a vLLM "
                    "EngineArgs keyword, repeatable")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="--local: the engine's per-step token budget (a longer "
@@ -70,7 +71,7 @@ def build_backend(args: argparse.Namespace):
 
         config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                               max_model_len=args.max_model_len, num_threads=args.threads,
-                              max_num_batched_tokens=args.max_batched_tokens)  # fmt: skip
+                              max_num_batched_tokens=args.max_batched_tokens, device=args.device)  # fmt: skip
         return LocalBackend(config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)), name
     from mooncake.serving.cluster import ClusterBackend
     from mooncake.serving.recovery import RecoveryConfig

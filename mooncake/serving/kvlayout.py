@@ -34,6 +34,14 @@ def slot_tensor(buffer, block_shape: Sequence[int], dtype: torch.dtype) -> torch
     return flat.view(slots, *block_shape)
 
 
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor of any dtype (bfloat16 too, which numpy has not), without copying: what a
+    transfer writes from or reads into."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 class SlotAllocator:
     """Free slots of a segment (thread-safe). ``allocate`` gives all ``n`` or none."""
 

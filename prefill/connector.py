@@ -15,7 +15,9 @@ through the transfer engine too (``PrefillJob.pool_segment``), since the pool no
 another process's memory. Blocks imported from the pool (the reused prefix) are
 pushed to the landing slots the same way, from the engine's cache, in the step that
 imports them. ``wait_for_save`` waits for the step's transfers before the step ends
-(the engine may reuse those cache blocks once the request finishes).
+(the engine may reuse those cache blocks once the request finishes); pushes through host
+staging (a CUDA cache) read copies, so they run on across steps and are waited for when
+the job's last blocks are under way.
 
 The native engine's cache is in the pool layout, so its blocks are pushed straight from
 the cache (``bind``). Another engine's cache (vLLM's) is read through ``export``, which
@@ -54,6 +56,7 @@ class PrefillJob:
     pool_slots: dict[int, int] = field(default_factory=dict)  # block index -> reserved slot in this node's pool
     pool_segment: str | None = None  # the pool's segment, written through the transfer engine (None: the bound tensor)
     pushed: int = 0  # blocks whose every layer is on the decode worker
+    issued: int = 0  # blocks whose every layer's push has started (pushed <= issued)
     started_at: float | None = None  # its first engine step
     finished_at: float | None = None
     first_token: int | None = None
@@ -83,6 +86,7 @@ class PoolConnector(KVConnector):
         self._batches: list[tuple[PrefillJob, object, torch.Tensor | None]] = []  # (job, transfer, staging it reads)
         self._lock = threading.Lock()  # _batches: the staging thread appends too
         self._staging: HostStaging | None = None
+        self._unsettled: set[PrefillJob] = set()  # jobs with pushes started and not yet waited for
 
     def bind(self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None,
              staged: bool | None = None) -> None:  # fmt: skip
@@ -117,7 +121,7 @@ class PoolConnector(KVConnector):
     # -- the engine's hooks ---------------------------------------------------------------
 
     def start_step(self, step: ConnectorStep) -> None:
-        self._active, self._batches = [], []
+        self._active = []
         now = time.perf_counter()
         for sreq in step.requests:
             job = self.jobs.get(sreq.request_id)
@@ -127,8 +131,8 @@ class PoolConnector(KVConnector):
                 job.started_at = now
             done = sreq.num_computed_tokens + sreq.num_new_tokens
             end = job.num_blocks if done >= job.prompt_len else done // self.block_size
-            if end > job.pushed:
-                self._active.append((job, sreq.block_ids, job.pushed, end))
+            if end > job.issued:
+                self._active.append((job, sreq.block_ids, job.issued, end))
 
     def save_layer(self, layer, k_cache, v_cache, step) -> None:
         if self.export is not None:
@@ -188,14 +192,12 @@ class PoolConnector(KVConnector):
         size = staged[0].numel() * staged.element_size()
         slices = [Slice(i * size, job.landing_segment, job.landing_offsets[b] + layer * size, size)
                   for i, b in enumerate(range(start, end))]  # fmt: skip
-        for i, b in enumerate(range(start, end)):
-            slot = job.pool_slots.get(b)
-            if slot is None:
-                continue
-            if job.pool_segment is None:
-                self.pool[slot, layer].copy_(staged[i])
-            else:
-                slices.append(Slice(i * size, job.pool_segment, slot * self._block_bytes + layer * size, size))
+        to_pool = [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
+        if to_pool and job.pool_segment is None:  # one copy (the GIL let go while it runs), not one per block
+            rows, slots = (torch.tensor(x, dtype=torch.long) for x in zip(*to_pool))
+            self.pool[:, layer].index_copy_(0, slots, staged.index_select(0, rows))
+        elif to_pool:
+            slices += [Slice(i * size, job.pool_segment, slot * self._block_bytes + layer * size, size) for i, slot in to_pool]
         raw = tensor_bytes(staged)
         try:
             batch = self.transfer.write(raw, slices)
@@ -206,17 +208,39 @@ class PoolConnector(KVConnector):
             self._batches.append((job, batch, staged))
 
     def wait_for_save(self) -> None:
+        """End of step. Pushes from the cache itself (or an export) are waited for now: the engine may write those
+        blocks once the step ends. Pushes through host staging read copies the engine never touches, so they go on
+        while the next steps compute and are waited for once a job's last blocks are under way (its prefill ends
+        with this step), or when a request leaves the engine (``request_finished``): a job's KV is whole on the
+        decode worker before its first token is returned."""
+        for job, _, _, end in self._active:
+            job.issued = end
+            self._unsettled.add(job)
+        done = any(job.issued >= job.num_blocks for job, _, _, _ in self._active)
+        self._active = []
+        if self._staging is None or done:
+            self._settle()
+
+    def request_finished(self, request_id: str, block_ids: list[int]) -> None:
+        """A request finished or was aborted: its pushes end before its blocks (and its landing slots) are let go."""
+        if any(job.request_id == request_id for job in self._unsettled):
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for every push started so far; a failed one fails its job."""
         if self._staging is not None:
             self._staging.drain()
-        for job, batch, _ in self._batches:
+        with self._lock:
+            batches, self._batches = self._batches, []
+        for job, batch, _ in batches:
             try:
                 batch.wait(self.io_timeout_s)
             except TransferError as e:
                 job.fail(e)
-        for job, _, _, end in self._active:
+        for job in self._unsettled:
             if job.error is None:
-                job.pushed = end
-        self._active, self._batches = [], []
+                job.pushed = job.issued
+        self._unsettled.clear()
 
 
 class HostStaging:
@@ -248,7 +272,9 @@ class HostStaging:
         ready = torch.cuda.current_stream(self.device).record_event()  # this layer's K/V are written
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            # from pinned memory: a copy from pageable memory would first wait for this stream, i.e. for the layer's
+            # compute, and the engine thread could no longer queue the next layers ahead of the GPU
+            idx = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
             gathered = cache.index_select(1, idx).transpose(0, 1).contiguous()
             host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             host.copy_(gathered, non_blocking=True)

@@ -364,6 +364,7 @@ class StageRuntime:
                     pass
                 return  # a failed session ends: its connections may hold a dead request's messages
             finally:
+                self.connector.request_finished(request.request_id, [])  # its pushes end before its blocks go
                 self.connector.jobs.pop(request.request_id, None)
                 self.stage.release(request.request_id)
 

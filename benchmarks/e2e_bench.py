@@ -71,6 +71,7 @@ import torch  # noqa: E402
 from benchutil import describe_machine, resolve_model, run_interruptible, shielded  # noqa: E402
 
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
+from mooncake.engine.config import DTYPES  # noqa: E402
 from mooncake.engine.tokenizer import Tokenizer  # noqa: E402
 from mooncake.serving.engines import parse_vllm_args  # noqa: E402
 from mooncake.serving.process import default_block_size  # noqa: E402
@@ -552,7 +553,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (default 1: a core per worker)")
     p.add_argument("--engine", choices=["native", "vllm"], default="native", help="the engine of every system measured")
     p.add_argument("--device", default="cpu", help="native engines' device: cpu, or cuda[:N] (every engine on that GPU)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="every engine's dtype")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="every engine's dtype")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: a vLLM "
                    "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)")
     p.add_argument("--no-serving", action="store_true", help="skip the gateway measurements")

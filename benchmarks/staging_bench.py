@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from mooncake.engine import EngineConfig, LLMEngine
+from mooncake.engine.config import DTYPES
 from mooncake.engine.request import SamplingParams
 from mooncake.serving.kvlayout import slot_tensor
 from prefill.connector import PoolConnector, PrefillJob
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a model directory")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--tokens", type=int, default=4096, help="the prompt's tokens")
     ap.add_argument("--chunk", type=int, default=512, help="tokens per engine step")
     ap.add_argument("--reps", type=int, default=3, help="timed runs of each mode (after one warm-up each)")
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     connector.bind(engine.runner.kv_cache, staged=True)  # a CUDA cache always is; on the CPU the same path
     landing = owner.allocate("landing", n * engine.block_bytes)
     sender.add_segment(landing)
-    pool_segment = owner.allocate("pool", n * engine.block_bytes)
+    owner.allocate("pool", n * engine.block_bytes)
     connector.pool = slot_tensor(owner.buffer("pool"), engine.block_shape, engine.runner.kv_cache.dtype)
     push_staged = connector._push_staged
     rng = random.Random(0)
@@ -103,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"command": sys.argv, "device": gpu, "rows": rows}, indent=2) + "\n")
     owner.close()
     sender.close()
-    del pool_segment
     return 0
 
 

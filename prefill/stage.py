@@ -23,8 +23,7 @@ import threading
 from multiprocessing.connection import AuthenticationError, Listener
 from pathlib import Path
 
-import torch
-
+from mooncake.engine.config import DTYPES
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.stage import split_layers
@@ -32,7 +31,6 @@ from mooncake.engine.stage_process import StageRuntime, StageSpec
 from mooncake.serving.process import print_ready
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_key(path: str | None) -> bytes:

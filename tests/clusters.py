@@ -59,6 +59,35 @@ def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int, sampli
     return list(out[0].output_token_ids)
 
 
+def prefill_metric(cluster: LocalCluster, name: str, worker: str = "prefill-0") -> float:
+    """The sum of ``worker``'s Prometheus samples whose line starts with ``name``."""
+    import httpx
+
+    text = httpx.get(f"http://{cluster.components[worker].info['metrics']}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def kill_mid_prefill(cluster: LocalCluster, model_dir: Path, request_id: str, prompt: list[int], kill) -> bool:
+    """Send ``prompt`` (8 greedy tokens) and call ``kill`` once prefill-0 has it in flight; assert the request still
+    ends with one engine's tokens. Returns whether the kill failed that prefill (prefill-0's failed counter rose),
+    i.e. whether it landed mid-prefill rather than after it."""
+    import threading
+    import time
+
+    failed = prefill_metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}')
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(
+        tokens(generate(backend(cluster), request_id, prompt, 8, temperature=0.0, ignore_eos=True))))  # fmt: skip
+    thread.start()
+    deadline = time.monotonic() + 30
+    while prefill_metric(cluster, "mooncake_prefill_inflight") < 1 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    kill()
+    thread.join(timeout=300)
+    assert result == [reference_tokens(model_dir, prompt, 8)]
+    return prefill_metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}') > failed
+
+
 def conductor(cluster: LocalCluster) -> cpb_grpc.ConductorStub:
     return cpb_grpc.ConductorStub(grpc.insecure_channel(cluster.conductor_address))
 

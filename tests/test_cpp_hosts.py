@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from multiprocessing.connection import AuthenticationError, Client
 
 import pytest
 
 from mooncake.cluster.netns import VirtualNetwork
-from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
-from test_cpp_worker import _metric
+from clusters import backend, generate, instances, kill_mid_prefill, reference_tokens, start_cluster, tokens
 
 pytestmark = pytest.mark.skipif(not VirtualNetwork.available(), reason="network namespaces need root and iproute2")
 
@@ -76,22 +74,12 @@ def test_a_stage_server_killed_mid_prefill_loses_no_request(cluster, tiny_dir):
     victim = cluster.components["prefill-0-stage1"]
     for attempt in range(5):
         pid, restarts = victim.proc.pid, victim.restarts
-        failed = _metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}')
-        prompt = prompt_of(900, seed=321 + attempt)
-        result: list = []
-        thread = threading.Thread(target=lambda: result.append(
-            tokens(generate(backend(cluster), f"hosts-kill-{attempt}", prompt, 8, temperature=0.0, ignore_eos=True))))
-        thread.start()
-        deadline = time.monotonic() + 30
-        while _metric(cluster, "mooncake_prefill_inflight") < 1 and time.monotonic() < deadline:
-            time.sleep(0.002)
-        os.kill(pid, signal.SIGKILL)
-        thread.join(timeout=300)
-        assert result == [reference_tokens(tiny_dir, prompt, 8)]
+        landed = kill_mid_prefill(cluster, tiny_dir, f"hosts-kill-{attempt}", prompt_of(900, seed=321 + attempt),
+                                  lambda: os.kill(pid, signal.SIGKILL))  # fmt: skip
         deadline = time.monotonic() + 120
         while (victim.restarts == restarts or not victim.alive or "address" not in victim.info) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert victim.restarts > restarts and victim.proc.pid != pid  # restarted by the supervisor
-        if _metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}') > failed:
+        if landed:
             return
     pytest.fail("no kill landed mid-prefill in 5 tries")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -22,7 +21,7 @@ from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.grammar import grammar_for
 from mooncake.engine.request import SamplingParams
 from protos import conductor_pb2 as cpb
-from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
+from clusters import backend, generate, instances, kill_mid_prefill, reference_tokens, start_cluster, tokens
 
 KEY = "sk-test"
 
@@ -114,30 +113,15 @@ def test_sampling_on_the_prefill_side_is_one_engines(cluster, client, tok, tiny_
     assert lp[90] == pytest.approx(whole.new_logprobs[-1].logprob, abs=1e-4)  # the first token's, from the last stage
 
 
-def _metric(cluster, name: str) -> float:
-    metrics = cluster.components["prefill-0"].info["metrics"]
-    text = httpx.get(f"http://{metrics}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 def test_a_stage_killed_mid_request_loses_no_request(cluster, tiny_dir):
     """A stage is SIGKILLed while the group runs a prefill. That prefill fails (UNAVAILABLE), the group starts its
     stages anew, the gateway places the request again: it ends with one engine's tokens, and the stages are new
     processes. (Tried until a kill lands mid-prefill, which the worker's failed-prefill counter shows.)"""
     for attempt in range(5):
         before = stages(cluster)
-        failed = _metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}')
-        prompt = prompt_of(900, seed=500 + attempt)
-        result: list = []
-        thread = threading.Thread(target=lambda: result.append(
-            tokens(generate(backend(cluster), f"cpp-kill-{attempt}", prompt, 8, temperature=0.0, ignore_eos=True))))
-        thread.start()
-        deadline = time.monotonic() + 30
-        while _metric(cluster, "mooncake_prefill_inflight") < 1 and time.monotonic() < deadline:
-            time.sleep(0.002)
-        os.kill(before[attempt % 2]["pid"], signal.SIGKILL)
-        thread.join(timeout=300)
-        assert result == [reference_tokens(tiny_dir, prompt, 8)]
+        victim = before[attempt % 2]["pid"]
+        landed = kill_mid_prefill(cluster, tiny_dir, f"cpp-kill-{attempt}", prompt_of(900, seed=500 + attempt),
+                                  lambda: os.kill(victim, signal.SIGKILL))  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             after = stages(cluster)
@@ -146,6 +130,6 @@ def test_a_stage_killed_mid_request_loses_no_request(cluster, tiny_dir):
             time.sleep(0.2)
         else:
             pytest.fail(f"the stages did not come back: {after}")
-        if _metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}') > failed:
+        if landed:
             return
     pytest.fail("no kill landed mid-prefill in 5 tries")

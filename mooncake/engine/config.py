@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_DTYPES = {
+DTYPES = {  # the dtypes an engine runs in, by their names on command lines and in configs
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -53,7 +53,7 @@ class EngineConfig(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 def check_cuda_device(device: str) -> None:

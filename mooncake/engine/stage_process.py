@@ -293,7 +293,7 @@ class StageRuntime:
         from transfer import TransferConfig, TransferEngine
 
         torch.set_num_threads(1)
-        self.spec, self.authkey = spec, authkey
+        self.authkey = authkey
         args = ModelArgs.from_hf_config(load_hf_config(spec.model_dir))
         tokenizer = None
         if spec.layers.stop == args.num_layers:  # the last stage samples: a grammar needs the tokenizer

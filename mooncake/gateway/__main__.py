@@ -12,18 +12,15 @@ import asyncio
 import logging
 import sys
 
-import torch
 import uvicorn
 
-from mooncake.engine.config import EngineConfig
+from mooncake.engine.config import DTYPES, EngineConfig
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.engine.weights import load_hf_config
 from mooncake.gateway.app import GatewayConfig, create_app
 from mooncake.serving.engines import EngineKind, engine_fingerprint, parse_vllm_args
 from mooncake.serving.process import default_block_size, print_ready
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
     conductor = Conductor(ConductorConfig())
     conductor.register(Instance("p0", Role.PREFILL, "10.0.0.1:7000", node="kv0"), now)
-    conductor.stored("kv0", key, Tier.DRAM)                 # from kvstore event streams
+    conductor.stored("kv0", key, Tier.DRAM, parent)         # from kvstore event streams
     outcome = conductor.schedule(ScheduleRequest(...), now)  # Decision or Rejection
 
 Time is always passed in (``now``, seconds on any monotonic clock), so the simulator can
@@ -204,13 +204,13 @@ class Conductor:
 
     # -- the index -------------------------------------------------------------------------
 
-    def stored(self, node: str, key: bytes, tier: Tier) -> None:
-        self.index.stored(node, key, tier)
+    def stored(self, node: str, key: bytes, tier: Tier, parent: bytes | None) -> None:
+        self.index.stored(node, key, tier, parent)
 
     def removed(self, node: str, key: bytes, tier: Tier) -> None:
         self.index.removed(node, key, tier)
 
-    def snapshot(self, node: str, blocks: list[tuple[bytes, Tier]]) -> None:
+    def snapshot(self, node: str, blocks: list[tuple[bytes, Tier, bytes | None]]) -> None:
         self.index.reset_node(node, blocks)
 
     # -- measurements ----------------------------------------------------------------------

@@ -1,33 +1,52 @@
 """The global KV index: which pool node holds which block, in which tier.
 
-Built from the kvstore nodes' event streams (a block stored or removed, with its tier),
-so it is exact. The question it answers on every request is: for each node, how many
-leading keys of this key chain does it hold (in any tier, and in DRAM)? Block keys are
-chained (DESIGN §4), so a match walks the chain from the start and stops for a node at
-the first key that node lacks.
+Built from the kvstore nodes' event streams (a block stored or removed, with its tier and
+its parent: the block before it in its key chain), so it is exact. The question it
+answers on every request is: for each node, how many leading keys of this key chain does
+it hold (in any tier, and in DRAM)? Block keys are chained (DESIGN §4), so a node's match
+ends at the first key of the chain that node lacks.
 
-Representation: every node gets a bit; each key gets a row in two bit-matrices (nodes
-holding it in any tier, nodes holding it in DRAM), 64 nodes per uint64 word. A match is a
-running AND down the rows of the chain's keys: a node's prefix ends where its bit drops
-out. Everything per key happens in numpy (conductor.keytable maps keys to rows).
+Holdings are kept prefix-closed: a key counts for a node only while the node holds its
+whole chain up to it (the key, its parent, the parent's parent ... the chain's first
+block). A hole hides everything after it. Then, along any chain, the set of nodes a key
+counts for can only shrink, and each node's longest prefix is where its bit drops out:
+a search over the chain that probes O(log n) keys per distinct prefix length, not all n.
 
-    key k1 -> 0b1011   (nodes 0, 1, 3)
-    key k2 -> 0b0011
-    key k3 -> 0b0001   running AND: 1011, 0011, 0001 -> node 3: 1 block, node 1: 2, node 0: 3
+    chain   k0     k1     k2     k3     ...  k6249
+    counts  1011   1011   0011   0011   ...  0000     (bits: nodes 3..0)
+            node 3 drops out after k1 -> 2 blocks; where nodes 0 and 1 drop, bisection finds
+
+Representation: every node gets a number b; each key a Python int of flags, bit 2b set
+while the key counts for node b and bit 2b + 1 while node b holds it and its whole
+prefix in DRAM (a dict key -> flags; a probe is one dict lookup, and a match probes a
+few hundred keys at most, so nothing per key needs numpy). Per node, a dict
+key -> (tier bits, parent, ssd) where ``ssd`` is
+how many blocks of the key's prefix (itself included) that node holds on SSD only, or
+-1 while the prefix has a hole; it answers "how many of blocks [start, end) are in DRAM"
+with two lookups. An event updates the key and, when its ``ssd`` changes, the keys that
+hang off it on that node (children are linked per node), so the work per event is the
+part of the tree whose answer changed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
-
-from conductor.keytable import KeyTable
 
 from kvstore.events import Tier
 
 DRAM_BIT, SSD_BIT = 1, 2
 _TIER_BITS = {Tier.DRAM: DRAM_BIT, Tier.SSD: SSD_BIT}
+ROOT = b""  # the parent of a chain's first block
+UNKNOWN = None  # a parent nobody told us: the block never counts (as if a hole came before it)
+_BITS, _PARENT, _SSD = 0, 1, 2  # fields of a node's record of a key
+
+Parent = bytes | None
+
+
+def chain_parents(keys: Sequence[bytes]) -> list[bytes]:
+    """The parent of each key of a chain that starts at its first block."""
+    return [ROOT, *keys[:-1]] if len(keys) else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +55,8 @@ class PrefixMatch:
 
     any_tier: dict[str, int]
     dram: dict[str, int]  # leading blocks in DRAM
-    dram_masks: np.ndarray | None = field(default=None, compare=False, repr=False)  # [matched keys, words]: DRAM holders
-    bits: dict[str, int] | None = field(default=None, compare=False, repr=False)  # node -> its bit in the masks
+    keys: Sequence[bytes] | None = field(default=None, compare=False, repr=False)
+    held: dict[str, dict] | None = field(default=None, compare=False, repr=False)  # the index's per-node records
 
     def blocks(self, node: str) -> int:
         return self.any_tier.get(node, 0)
@@ -46,12 +65,13 @@ class PrefixMatch:
         return self.dram.get(node, 0)
 
     def dram_count(self, node: str, start: int = 0, end: int | None = None) -> int:
-        """How many of blocks ``[start, end)`` of the chain ``node`` holds in DRAM (the rest of its prefix is on SSD)."""
-        if self.dram_masks is None or self.bits is None or node not in self.bits:
+        """How many of blocks ``[start, end)`` of ``node``'s prefix it holds in DRAM (the rest are on SSD)."""
+        held = self.held.get(node) if self.held is not None else None
+        end = self.blocks(node) if end is None else min(end, self.blocks(node))
+        if held is None or start >= end:
             return 0
-        bit = self.bits[node]
-        column = self.dram_masks[start:end, bit // 64]
-        return int(np.count_nonzero(column & np.uint64(1 << (bit % 64))))
+        before = held[self.keys[start - 1]][_SSD] if start > 0 else 0
+        return (end - start) - (held[self.keys[end - 1]][_SSD] - before)
 
     def best(self, exclude: str | None = None) -> tuple[str | None, int]:
         """The node holding the longest prefix (ties: the name that sorts first), and its length."""
@@ -65,174 +85,216 @@ class PrefixMatch:
 class KVIndex:
     """Exact map of blocks to the nodes (and tiers) that hold them. Not thread-safe: one owner."""
 
-    def __init__(self, initial_rows: int = 1024) -> None:
-        self._rows = KeyTable(initial_rows)  # key -> its row in the matrices
-        self._free_rows: list[int] = []
-        self._next_row = 0
-        self._words = 1
-        # [row, 2 * words]: the first ``words`` columns are the nodes holding the key in any
-        # tier, the next ``words`` those holding it in DRAM (one gather per key on a match)
-        self._bits = np.zeros((initial_rows, 2), dtype=np.uint64)
-        self._held: dict[str, dict[bytes, int]] = {}  # node -> key -> tier bits
-        self._bit: dict[str, int] = {}  # node -> its bit number
+    def __init__(self) -> None:
+        self._flags: dict[bytes, int] = {}  # key -> bit 2b: counts for node b; bit 2b + 1: and in DRAM down to it (never 0)
+        self._refs: dict[bytes, int] = {}  # key -> nodes holding it, whether it counts for them or not
+        # tuples, not lists: a tuple of ints and bytes drops out of the garbage collector's sight, so a million
+        # records do not make every full collection walk them
+        self._held: dict[str, dict[bytes, tuple]] = {}  # node -> key -> (tier bits, parent, ssd)
+        self._kids: dict[str, dict[bytes, tuple[bytes, ...]]] = {}  # node -> parent -> the keys it holds under it
+        self._bit: dict[str, int] = {}  # node -> its number b
         self._node_of_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
 
     # -- updates (from the kvstore event streams) --------------------------------------
 
-    def stored(self, node: str, key: bytes, tier: Tier) -> None:
-        """``node`` now holds ``key`` in ``tier``."""
-        held = self._held.get(node)
-        if held is None:
-            held = self._held[node] = {}
-            bit = self._free_bits.pop() if self._free_bits else len(self._bit)
-            self._bit[node], self._node_of_bit[bit] = bit, node
-            if bit >= 64 * self._words:
-                self._widen()
-        bits = held.get(key, 0) | _TIER_BITS[tier]
-        held[key] = bits
-        self._set(node, key, bits)
+    def stored(self, node: str, key: bytes, tier: Tier, parent: Parent) -> None:
+        """``node`` now holds ``key`` in ``tier``; ``parent`` is the block before it in its chain
+        (``ROOT`` for a chain's first block, ``UNKNOWN`` if not known: then it never counts)."""
+        self._add(node, [(key, _TIER_BITS[tier], parent)])
 
-    def stored_many(self, node: str, keys: list[bytes], tier: Tier) -> None:
-        """``node`` now holds every key of ``keys`` in ``tier`` (a snapshot: one numpy update, not one per key)."""
-        if not keys:
-            return
-        keys = list(dict.fromkeys(keys))  # the table takes each key once
-        held = self._held.get(node)
-        if held is None:
-            self.stored(node, keys[0], tier)
-            held = self._held[node]
-        tier_bit = _TIER_BITS[tier]
-        for key in keys:
-            held[key] = held.get(key, 0) | tier_bit
-        rows = self._rows.lookup_many(keys)
-        new = np.flatnonzero(rows < 0)
-        if len(new):
-            fresh = self._new_rows(len(new))
-            rows[new] = fresh
-            self._rows.put_many([keys[i] for i in new.tolist()], fresh)
-        bit = self._bit[node]
-        word, flag = bit // 64, np.uint64(1 << (bit % 64))
-        self._bits[rows, word] |= flag
-        if tier is Tier.DRAM:
-            self._bits[rows, self._words + word] |= flag
+    def stored_many(self, node: str, keys: Sequence[bytes], tier: Tier, parents: Sequence[Parent]) -> None:
+        """``node`` now holds every key of ``keys`` (each with its parent) in ``tier``: one update for all of them."""
+        if len(parents) != len(keys):
+            raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
+        bit = _TIER_BITS[tier]
+        self._add(node, [(k, bit, p) for k, p in zip(keys, parents)])
 
     def removed(self, node: str, key: bytes, tier: Tier) -> None:
         """``node`` no longer holds ``key`` in ``tier`` (unknown keys are ignored)."""
         held = self._held.get(node)
-        if held is None or key not in held:
+        record = held.get(key) if held is not None else None
+        if record is None:
             return
-        bits = held[key] & ~_TIER_BITS[tier]
-        if bits:
-            held[key] = bits
-        else:
+        bits = record[_BITS] & ~_TIER_BITS[tier]
+        record = held[key] = (bits, record[_PARENT], record[_SSD])
+        self._refresh(node, [key])
+        if not bits:
             del held[key]
-        self._set(node, key, bits)
+            self._unlink(node, key, record[_PARENT])
+            self._unref(key)
 
-    def reset_node(self, node: str, blocks: list[tuple[bytes, Tier]] | None = None) -> None:
+    def reset_node(self, node: str, blocks: Iterable[tuple[bytes, Tier, Parent]] | None = None) -> None:
         """Forget everything ``node`` held (it died, or a snapshot follows); then record ``blocks``."""
         held = self._held.pop(node, None)
         if held is not None:
-            for key in held:
-                self._set(node, key, 0)
             bit = self._bit.pop(node)
+            both = ~(3 << (2 * bit))
+            flags = self._flags
+            for key, record in held.items():
+                if record[_SSD] >= 0:
+                    left = flags[key] & both
+                    if left:
+                        flags[key] = left
+                    else:
+                        del flags[key]
+                self._unref(key)
+            del self._kids[node]
             del self._node_of_bit[bit]
             self._free_bits.append(bit)
-        by_tier: dict[Tier, list[bytes]] = {}
-        for key, tier in blocks or ():
-            by_tier.setdefault(tier, []).append(key)
-        for tier, keys in by_tier.items():
-            self.stored_many(node, keys, tier)
+        blocks = [(k, _TIER_BITS[t], p) for k, t, p in blocks or ()]
+        if blocks:
+            self._add(node, blocks)
 
-    def _set(self, node: str, key: bytes, bits: int) -> None:
+    def _node(self, node: str) -> dict[bytes, tuple]:
+        held = self._held.get(node)
+        if held is None:
+            held = self._held[node] = {}
+            self._kids[node] = {}
+            bit = self._free_bits.pop() if self._free_bits else len(self._bit)
+            self._bit[node], self._node_of_bit[bit] = bit, node
+        return held
+
+    def _add(self, node: str, blocks: list[tuple[bytes, int, Parent]]) -> None:
+        held, kids, refs = self._node(node), self._kids[node], self._refs
+        for key, bits, parent in blocks:
+            if parent is not UNKNOWN and parent == key:
+                raise ValueError("a block cannot be its own parent")
+            record = held.get(key)
+            if record is None:
+                record = (0, parent, -1)
+                refs[key] = refs.get(key, 0) + 1
+                if parent:
+                    kids[parent] = kids.get(parent, ()) + (key,)
+            elif parent is not UNKNOWN and record[_PARENT] != parent:  # a parent learned late (or corrected)
+                self._unlink(node, key, record[_PARENT])
+                record = (record[_BITS], parent, record[_SSD])
+                if parent:
+                    kids[parent] = kids.get(parent, ()) + (key,)
+            held[key] = (record[_BITS] | bits, record[_PARENT], record[_SSD])
+        self._refresh(node, [k for k, _, _ in blocks])
+
+    def _unlink(self, node: str, key: bytes, parent: Parent) -> None:
+        if not parent:
+            return
+        kids = self._kids[node]
+        siblings = tuple(k for k in kids.get(parent, ()) if k != key)
+        if siblings:
+            kids[parent] = siblings
+        else:
+            kids.pop(parent, None)
+
+    def _unref(self, key: bytes) -> None:
+        n = self._refs[key] - 1
+        if n:
+            self._refs[key] = n
+        else:
+            del self._refs[key]
+
+    def _refresh(self, node: str, keys: list[bytes]) -> None:
+        """Recompute whether each of ``keys`` counts for ``node`` (and its ssd count), and so on down the keys
+        that hang off any that changed, setting their flags as it goes."""
+        held, kids, flags = self._held[node], self._kids[node], self._flags
         bit = self._bit[node]
-        word, flag = bit // 64, np.uint64(1 << (bit % 64))
-        row = self._rows.get(key)
-        if row < 0:
-            if not bits:
-                return
-            row = int(self._new_rows(1)[0])
-            self._rows.put(key, row)
-        for column, has in ((word, bits != 0), (self._words + word, bool(bits & DRAM_BIT))):
-            if has:
-                self._bits[row, column] |= flag
+        any_flag, dram_flag, both = 1 << (2 * bit), 1 << (2 * bit + 1), ~(3 << (2 * bit))
+        stack = list(reversed(keys))
+        while stack:  # a cycle of parent links (a client's bug) ends too: it has no ROOT, so nothing in it counts
+            key = stack.pop()
+            record = held.get(key)
+            if record is None:
+                continue
+            ssd = -1
+            if record[_BITS]:
+                parent = record[_PARENT]
+                if parent == ROOT:
+                    base = 0
+                elif parent is UNKNOWN:
+                    base = -1
+                else:
+                    above = held.get(parent)
+                    base = above[_SSD] if above is not None else -1
+                if base >= 0:
+                    ssd = base + (0 if record[_BITS] & DRAM_BIT else 1)
+            if ssd == record[_SSD]:
+                continue
+            held[key] = (record[_BITS], record[_PARENT], ssd)
+            f = flags.get(key, 0) & both
+            if ssd >= 0:
+                f |= any_flag if ssd else any_flag | dram_flag
+            if f:
+                flags[key] = f
             else:
-                self._bits[row, column] &= ~flag
-        if not self._bits[row, : self._words].any():  # nobody holds it any more: recycle the row
-            self._rows.delete(key)
-            self._free_rows.append(row)
-
-    def _new_rows(self, n: int) -> np.ndarray:
-        """``n`` unused rows (recycled first), growing the matrices as needed."""
-        reused = [self._free_rows.pop() for _ in range(min(n, len(self._free_rows)))]
-        start, self._next_row = self._next_row, self._next_row + (n - len(reused))
-        while self._next_row > len(self._bits):
-            self._bits = np.concatenate([self._bits, np.zeros_like(self._bits)])
-        return np.array(reused + list(range(start, self._next_row)), dtype=np.int64)
-
-    def _widen(self) -> None:
-        w, pad = self._words, np.zeros((len(self._bits), 1), dtype=np.uint64)
-        self._bits = np.hstack([self._bits[:, :w], pad, self._bits[:, w:], pad])
-        self._words += 1
+                flags.pop(key, None)
+            stack.extend(kids.get(key, ()))
 
     # -- queries ------------------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
         """Distinct keys held anywhere."""
-        return len(self._rows)
+        return len(self._refs)
 
     def node_blocks(self, node: str) -> int:
         return len(self._held.get(node, ()))
 
     def node_dram_blocks(self, node: str) -> int:
         """Of ``node_blocks``, those held in DRAM (an admin figure: one pass over the node's blocks)."""
-        return sum(1 for bits in self._held.get(node, {}).values() if bits & DRAM_BIT)
+        return sum(1 for r in self._held.get(node, {}).values() if r[_BITS] & DRAM_BIT)
 
     @property
     def nodes(self) -> list[str]:
         return list(self._held)
 
     def holders(self, key: bytes) -> dict[str, Tier]:
-        """Who holds ``key``, with the fastest tier each has it in."""
+        """Who holds ``key`` (whether or not its prefix is whole), with the fastest tier each has it in."""
         out = {}
         for node, held in self._held.items():
-            bits = held.get(key, 0)
-            if bits:
-                out[node] = Tier.DRAM if bits & DRAM_BIT else Tier.SSD
+            record = held.get(key)
+            if record is not None:
+                out[node] = Tier.DRAM if record[_BITS] & DRAM_BIT else Tier.SSD
         return out
 
-    def match(self, keys: list[bytes]) -> PrefixMatch:
+    def match(self, keys: Sequence[bytes]) -> PrefixMatch:
         """For every node, the number of leading ``keys`` it holds (any tier; and in DRAM).
 
-        Cost: one vectorised hash-table probe of the whole chain (conductor.keytable), cut
-        at the first key nobody holds, then a running AND over those rows. Called once per
-        Schedule.
+        Cost: bisection over the chain. Holdings are prefix-closed, so along the chain a
+        key's flags only lose bits: an interval whose two ends carry the same flags holds
+        no change, and every other interval is halved until the change is pinned between
+        two neighbours. That is about log2(n) dict lookups per distinct prefix length
+        (a 6,250-key chain held to 9 different depths: about 100), not n. Each probe's
+        flags are ANDed with those before it, so a made-up chain (keys from different
+        chains) never gets more than its real leading run. Called once per Schedule.
         """
-        if not keys:
+        n = len(keys)
+        if not n:
             return PrefixMatch({}, {})
-        rows = self._rows.lookup_many(keys)
-        absent = np.flatnonzero(rows < 0)
-        if len(absent):
-            rows = rows[: absent[0]]
-        if not len(rows):
+        blob = getattr(keys, "blob", None)
+        key_at = (lambda i: blob[16 * i : 16 * i + 16]) if blob is not None else keys.__getitem__
+        get = self._flags.get
+        first = get(key_at(0), 0)
+        if not first:
             return PrefixMatch({}, {})
-        masks = np.take(self._bits, rows, axis=0)  # np.take: several times faster than fancy indexing here
-        dram = masks[:, self._words :]
-        return PrefixMatch(self._prefixes(masks[:, : self._words]), self._prefixes(dram), dram, self._bit)
-
-    def _prefixes(self, masks: np.ndarray) -> dict[str, int]:
-        """[keys, words] masks in chain order -> {node: leading keys whose masks include it}."""
-        acc = np.bitwise_and.accumulate(masks, axis=0)
-        changes = (np.flatnonzero((acc[1:] != acc[:-1]).any(axis=1)) + 1).tolist()
-        steps = acc[[0, *changes]].tolist()  # the running AND where it changes, as Python ints
-        out: dict[str, int] = {}
+        last = get(key_at(n - 1), 0) & first
+        drops: list[tuple[int, int]] = [(n, last)]  # (prefix length, the flags that end there)
+        stack = [(0, first, n - 1, last)]
+        while stack:
+            i, at_i, j, at_j = stack.pop()
+            if at_i == at_j:
+                continue
+            if j == i + 1:
+                drops.append((i + 1, at_i & ~at_j))
+                continue
+            mid = (i + j) >> 1
+            at_mid = get(key_at(mid), 0) & at_i
+            stack.append((mid, at_mid, j, at_j & at_mid))
+            stack.append((i, at_i, mid, at_mid))
+        any_tier: dict[str, int] = {}
+        dram: dict[str, int] = {}
         node_of_bit = self._node_of_bit
-        for end, before, after in zip([*changes, len(masks)], steps, [*steps[1:], [0] * self._words]):
-            for w in range(self._words):
-                dropped = before[w] & ~after[w]  # nodes whose prefix ends at ``end``
-                while dropped:
-                    low = dropped & -dropped
-                    out[node_of_bit[64 * w + low.bit_length() - 1]] = end
-                    dropped ^= low
-        return out
+        for length, dropped in drops:
+            while dropped:
+                low = dropped & -dropped
+                e = low.bit_length() - 1
+                (dram if e & 1 else any_tier)[node_of_bit[e >> 1]] = length
+                dropped ^= low
+        return PrefixMatch(any_tier, dram, keys, self._held)

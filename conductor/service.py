@@ -291,11 +291,11 @@ class ConductorService:
         """One batch of a kvstore node's event stream (``reset``: a snapshot replaces what the index had)."""
         with self._lock:
             if batch.reset:
-                self.conductor.snapshot(node, [(bytes(e.key), KV_TIER[e.tier]) for e in batch.events])
+                self.conductor.snapshot(node, [(bytes(e.key), KV_TIER[e.tier], _parent(e)) for e in batch.events])
             else:
                 for e in batch.events:
                     if e.kind == kv_pb.Event.STORED:
-                        self.conductor.stored(node, bytes(e.key), KV_TIER[e.tier])
+                        self.conductor.stored(node, bytes(e.key), KV_TIER[e.tier], _parent(e))
                     else:
                         self.conductor.removed(node, bytes(e.key), KV_TIER[e.tier])
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
@@ -357,6 +357,11 @@ class ConductorService:
         self._stop.set()
         for instance_id in list(self._watchers):
             self._unwatch(instance_id)
+
+
+def _parent(event: kv_pb.Event) -> bytes | None:
+    """A STORED event's parent as the index takes it: the key, ROOT (b"") for a chain's first block, None if unknown."""
+    return bytes(event.parent) if event.parent_known else None
 
 
 class Mismatch(Exception):

@@ -72,10 +72,11 @@ class BlockWriter:
         while (item := self._queue.get()) is not None:
             written, first, future = item
             try:
-                keys, kv = future.result(timeout=EXPORT_TIMEOUT_S)
+                keys, kv, parent = future.result(timeout=EXPORT_TIMEOUT_S)
                 if keys:
                     data = tensor_bytes(kv)
-                    result = self._client(written.node_address).put(keys, data, positions=list(range(first, first + len(keys))))
+                    result = self._client(written.node_address).put(keys, data, positions=list(range(first, first + len(keys))),
+                                                                    parent=parent)  # fmt: skip
                     self.blocks_written += result.stored + result.existing
             except (KVStoreUnavailable, StoreFull, TransferError, KeyError, ValueError, TimeoutError) as e:
                 log.info("write-behind of %s blocks %d.. to %s failed (%s): a resume recomputes them", written.request_id,

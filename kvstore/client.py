@@ -124,8 +124,12 @@ class KVStoreClient:
     def stats(self) -> pb.StatsResponse:
         return self._call("Stats", pb.StatsRequest())
 
-    def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float = 0) -> pb.ReserveResponse:
-        request = pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s, owner=self.owner)
+    def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float = 0,
+                parent: bytes | None = None) -> pb.ReserveResponse:  # fmt: skip
+        """Reserve slots for ``keys`` (``positions``: their indices in their chain; ``parent``: the key before
+        ``keys[0]`` when that is not the chain's first block, so the Conductor's index can count them)."""
+        request = pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s, owner=self.owner,
+                                    parent=parent or b"")  # fmt: skip
         return self._call("Reserve", request)
 
     def commit(self, reservation_id: str) -> pb.CommitResponse:
@@ -181,13 +185,13 @@ class KVStoreClient:
             self.engine.add_segment(seg)
         return seg
 
-    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None) -> PutResult:
+    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None, parent: bytes | None = None) -> PutResult:
         """Store ``len(keys)`` blocks from ``data`` (block i at ``i * block_bytes``)."""
         view = memoryview(data).cast("B")
         bb = self.block_bytes
         if len(view) != len(keys) * bb:
             raise ValueError(f"{len(view)} bytes for {len(keys)} blocks of {bb} bytes")
-        res = self.reserve(keys, positions)
+        res = self.reserve(keys, positions, parent=parent)
         try:
             if res.slots:
                 seg = self._segment(res.segment)

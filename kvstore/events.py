@@ -31,6 +31,7 @@ class BlockEvent:
     key: bytes
     tier: Tier
     time: float
+    parent: bytes | None = None  # the block before it in its chain (b"": the chain's first block; None: not known)
 
 
 class EventLog:
@@ -45,9 +46,9 @@ class EventLog:
     def next_seq(self) -> int:
         return self._next_seq
 
-    def append(self, kind: EventKind, key: bytes, tier: Tier) -> None:
+    def append(self, kind: EventKind, key: bytes, tier: Tier, parent: bytes | None = None) -> None:
         with self._cond:
-            self._events.append(BlockEvent(self._next_seq, kind, key, tier, time.time()))
+            self._events.append(BlockEvent(self._next_seq, kind, key, tier, time.time(), parent))
             self._next_seq += 1
             self._cond.notify_all()
 

@@ -135,7 +135,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_status
     def Reserve(self, request, context):
         self.store.check_block_bytes(request.block_bytes)
-        res = self.store.reserve(list(request.keys), list(request.positions) or None, request.ttl_s or None, request.owner)
+        res = self.store.reserve(list(request.keys), list(request.positions) or None, request.ttl_s or None, request.owner,
+                                 bytes(request.parent) or None)  # fmt: skip
         return pb.ReserveResponse(reservation_id=res.reservation_id, segment=self.seg, slots=self._slots(res.slots), existing=res.existing)
 
     @_status
@@ -200,7 +201,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if (first and request.snapshot) or lost:
                 blocks, seq = self.store.snapshot()
                 yield pb.EventBatch(node=node, reset=True, next_seq=seq, events=[
-                    pb.Event(seq=0, kind=pb.Event.STORED, key=k, tier=TIER_TO_PB[t]) for k, t in blocks
+                    pb.Event(seq=0, kind=pb.Event.STORED, key=k, tier=TIER_TO_PB[t], parent=p or b"", parent_known=p is not None)
+                    for k, t, p in blocks
                 ])  # fmt: skip
                 first = False
                 continue
@@ -208,7 +210,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if events:
                 seq = events[-1].seq + 1
                 yield pb.EventBatch(node=node, next_seq=seq, events=[
-                    pb.Event(seq=e.seq, kind=KIND_TO_PB[e.kind], key=e.key, tier=TIER_TO_PB[e.tier], time=e.time) for e in events
+                    pb.Event(seq=e.seq, kind=KIND_TO_PB[e.kind], key=e.key, tier=TIER_TO_PB[e.tier], time=e.time,
+                             parent=e.parent or b"", parent_known=e.parent is not None) for e in events
                 ])  # fmt: skip
 
 

@@ -5,7 +5,11 @@ Layout of one slot file (``slots-0000.bin`` ...), every slot ``stride`` bytes, 4
     +-------------------- slot 0 ---------------------+-------- slot 1 --------- ...
     | header (64 B) | pad to 4 KiB | block data (block_bytes, padded to 4 KiB) | ...
     header = magic "MCKVBLK1" | version u32 | flags u32 | key[16] | length u64
-             | data_xxh3_64 u64 | seq u64 | header_xxh3_64 u64
+             | data_xxh3_64 u64 | seq u64 | parent[16] | position u32 | pad u32 | header_xxh3_64 u64
+
+``parent`` is the block before this one in its key chain (flags bit 0: known; the
+Conductor's index needs it, conductor/index.py) and ``position`` the block's index in
+the chain. Version 1 headers (before parent and position) still read: parent unknown.
 
 A write first zeroes the slot's header, then writes the data, then the new header: a
 crash (``kill -9`` or, with ``fsync``, power loss) at any point leaves either no valid
@@ -29,9 +33,12 @@ from pathlib import Path
 import xxhash
 
 MAGIC = b"MCKVBLK1"
-VERSION = 1
-HEADER = struct.Struct("<8sII16sQQQ")  # magic, version, flags, key, length, data checksum, seq
-HEADER_BYTES = 64
+VERSION = 1  # of the directory's geometry (meta.json)
+HEADER_VERSION = 2
+HEADER_V1 = struct.Struct("<8sII16sQQQ")  # magic, version, flags, key, length, data checksum, seq
+HEADER = struct.Struct("<8sII16sQQQ16sI4x")  # ... then parent, position
+HEADER_BYTES = 128
+PARENT_KNOWN = 1
 ALIGN = 4096
 
 
@@ -44,6 +51,8 @@ class AdoptedBlock:
     slot: int
     key: bytes
     seq: int
+    parent: bytes | None = None  # b"": a chain's first block; None: not known
+    position: int = 0
 
 
 def _round_up(n: int, to: int) -> int:
@@ -99,11 +108,12 @@ class SsdTier:
         return self._fds[slot // self.file_blocks], (slot % self.file_blocks) * self.stride
 
     @staticmethod
-    def _pack(key: bytes, length: int, checksum: int, seq: int) -> bytes:
-        head = HEADER.pack(MAGIC, VERSION, 0, key, length, checksum, seq)
+    def _pack(key: bytes, length: int, checksum: int, seq: int, parent: bytes | None, position: int) -> bytes:
+        flags = PARENT_KNOWN if parent is not None else 0
+        head = HEADER.pack(MAGIC, HEADER_VERSION, flags, key, length, checksum, seq, (parent or b"").ljust(16, b"\0"), position)
         return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
-    def write(self, slot: int, key: bytes, data: memoryview) -> None:
+    def write(self, slot: int, key: bytes, data: memoryview, parent: bytes | None = None, position: int = 0) -> None:
         """Store ``data`` (exactly ``block_bytes``) as ``key`` in ``slot``, crash-safely."""
         if len(data) != self.block_bytes:
             raise ValueError(f"block is {len(data)} bytes, the SSD tier stores {self.block_bytes}")
@@ -114,7 +124,7 @@ class SsdTier:
         if self.fsync:
             os.fdatasync(fd)
         self._seq += 1
-        os.pwrite(fd, self._pack(key, len(data), checksum, self._seq), base)
+        os.pwrite(fd, self._pack(key, len(data), checksum, self._seq, parent, position), base)
         if self.fsync:
             os.fdatasync(fd)
 
@@ -125,7 +135,7 @@ class SsdTier:
         parsed = self._parse(header)
         if parsed is None:
             raise CorruptBlock(f"SSD slot {slot}: header is not valid")
-        got_key, length, checksum, _ = parsed
+        got_key, length, checksum = parsed[:3]
         if got_key != key or length != self.block_bytes or len(out) != length:
             raise CorruptBlock(f"SSD slot {slot}: holds another block or another size")
         n = os.preadv(fd, [out], base + self.data_offset)
@@ -138,17 +148,27 @@ class SsdTier:
         os.pwrite(fd, bytes(HEADER_BYTES), base)
 
     @staticmethod
-    def _parse(header: bytes) -> tuple[bytes, int, int, int] | None:
+    def _parse(header: bytes) -> tuple[bytes, int, int, int, bytes | None, int] | None:
+        """(key, length, data checksum, seq, parent, position) of a valid header, else None."""
         if len(header) < HEADER_BYTES or header[:8] != MAGIC:
             return None
-        body = header[: HEADER.size]
-        (stored,) = struct.unpack_from("<Q", header, HEADER.size)
+        (version,) = struct.unpack_from("<I", header, 8)
+        layout = {1: HEADER_V1, HEADER_VERSION: HEADER}.get(version)
+        if layout is None:
+            return None
+        body = header[: layout.size]
+        (stored,) = struct.unpack_from("<Q", header, layout.size)
         if xxhash.xxh3_64_intdigest(body) != stored:
             return None
-        magic, version, _flags, key, length, checksum, seq = HEADER.unpack(body)
-        if version != VERSION:
-            return None
-        return key, length, checksum, seq
+        if version == 1:
+            _, _, _, key, length, checksum, seq = layout.unpack(body)
+            return key, length, checksum, seq, None, 0
+        _, _, flags, key, length, checksum, seq, parent, position = layout.unpack(body)
+        if not flags & PARENT_KNOWN:
+            parent_out = None
+        else:
+            parent_out = b"" if position == 0 else parent
+        return key, length, checksum, seq, parent_out, position
 
     def adopt(self) -> list[AdoptedBlock]:
         """Scan every slot header; return the valid blocks (data is verified when read)."""
@@ -159,7 +179,7 @@ class SsdTier:
             parsed = self._parse(os.pread(fd, HEADER_BYTES, base))
             if parsed is None:
                 continue
-            key, length, _, seq = parsed
+            key, length, _, seq, parent, position = parsed
             if length != self.block_bytes:
                 stale.append(slot)
                 continue
@@ -168,7 +188,7 @@ class SsdTier:
             if old is None or seq > old.seq:
                 if old is not None:
                     stale.append(old.slot)
-                best[key] = AdoptedBlock(slot, key, seq)
+                best[key] = AdoptedBlock(slot, key, seq, parent, position)
             else:
                 stale.append(slot)
         for slot in stale:

@@ -48,6 +48,7 @@ class StoreFull(Exception):
 class Entry:
     key: bytes
     position: int
+    parent: bytes | None = None  # the block before it in its chain (b"": the chain's first; None: not known)
     dram_slot: int | None = None
     ssd_slot: int | None = None
     leases: int = 0
@@ -58,7 +59,7 @@ class Entry:
 class Reservation:
     id: str
     slots: dict[bytes, int]  # key -> DRAM slot, for the keys the caller must write
-    positions: dict[bytes, int]
+    positions: dict[bytes, tuple[int, bytes | None]]  # key -> (position, parent)
     deadline: float
     owner: str = ""  # the worker that will write the slots ("": nobody in particular)
 
@@ -197,9 +198,9 @@ class BlockStore:
         assert self.ssd is not None
         for block in self.ssd.adopt():
             self._ssd_free.claim(block.slot)
-            self._entries[block.key] = Entry(block.key, 0, ssd_slot=block.slot)
-            self._ssd_policy.insert(block.key, 0, next(self._tick))
-            self.events.append(EventKind.STORED, block.key, Tier.SSD)
+            self._entries[block.key] = Entry(block.key, block.position, block.parent, ssd_slot=block.slot)
+            self._ssd_policy.insert(block.key, block.position, next(self._tick))
+            self.events.append(EventKind.STORED, block.key, Tier.SSD, block.parent)
         count = len(self._entries)
         if count:
             log.info("re-adopted %d blocks from %s", count, self.ssd.dir)
@@ -241,14 +242,14 @@ class BlockStore:
             return  # SSD full of protected blocks: the block is simply dropped from DRAM
         slot = self._ssd_free.take()
         try:
-            self.ssd.write(slot, entry.key, self.slot_view(entry.dram_slot))
+            self.ssd.write(slot, entry.key, self.slot_view(entry.dram_slot), entry.parent, entry.position)
         except OSError as e:
             log.error("SSD write failed, block %s dropped: %s", entry.key.hex(), e)
             self._ssd_free.give(slot)
             return
         entry.ssd_slot = slot
         self._ssd_policy.insert(entry.key, entry.position, next(self._tick))
-        self.events.append(EventKind.STORED, entry.key, Tier.SSD)
+        self.events.append(EventKind.STORED, entry.key, Tier.SSD, entry.parent)
 
     def _evict_ssd(self, count: int) -> int:
         victims = self._ssd_policy.victims(count, lambda key: not self._entries[key].pinned)
@@ -286,12 +287,17 @@ class BlockStore:
     # -- two-phase put --------------------------------------------------------------
 
     def reserve(
-        self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float | None = None, owner: str = ""
+        self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float | None = None, owner: str = "",
+        parent: bytes | None = None,
     ) -> ReserveResult:
         """Reserve DRAM slots for the keys not yet stored; the caller writes them, then commits.
 
         ``positions`` are the blocks' indices in their key chains (default: 0..n-1),
-        used by the length-aware policy. ``owner`` (a worker's instance id) lets
+        used by the length-aware policy and, with ``parent`` (the key before ``keys[0]``
+        in its chain, when ``positions[0] > 0``), to record each block's parent for the
+        Conductor's index: a key's parent is the key before it here when their positions
+        follow on, none for position 0, else unknown (the block then never counts in the
+        index, conductor/index.py). ``owner`` (a worker's instance id) lets
         :meth:`release_owner` abort it. Raises ``StoreFull`` when the slots cannot be
         found, ``ValueError`` for bad keys.
         """
@@ -301,15 +307,31 @@ class BlockStore:
         pos = list(positions) if positions else list(range(len(keys)))
         if len(pos) != len(keys):
             raise ValueError(f"{len(pos)} positions for {len(keys)} keys")
+        if parent is not None and len(parent) != 16:
+            raise ValueError(f"parent must be a 16-byte block key, not {len(parent)} bytes")
+        parents = [b"" if p == 0 else keys[i - 1] if i and pos[i - 1] == p - 1 else parent if i == 0 else None
+                   for i, p in enumerate(pos)]  # fmt: skip
         with self._lock:
             existing = [k for k in keys if k in self._entries]
+            for key, position, parent_of in zip(keys, pos, parents):
+                entry = self._entries.get(key)
+                if entry is not None and entry.parent is None and parent_of is not None:
+                    self._learn_parent(entry, parent_of, position)
             todo = [k for k in keys if k not in self._entries]
             slots = self._take_dram(len(todo))
             rid = uuid.uuid4().hex
             deadline = time.monotonic() + (ttl_s or self.config.reservation_ttl_s)
-            self._reservations[rid] = Reservation(rid, dict(zip(todo, slots)), dict(zip(keys, pos)), deadline, owner)
+            self._reservations[rid] = Reservation(rid, dict(zip(todo, slots)), dict(zip(keys, zip(pos, parents))), deadline, owner)
             self._reserved_slots += len(slots)
             return ReserveResult(rid, list(zip(todo, slots)), existing)
+
+    def _learn_parent(self, entry: Entry, parent: bytes, position: int) -> None:
+        """A stored block whose parent was not known (a v1 SSD header, a caller that did not say) learns it: the
+        index hears it again, now with the parent, and can count it."""
+        entry.parent, entry.position = parent, position
+        for tier, slot in ((Tier.DRAM, entry.dram_slot), (Tier.SSD, entry.ssd_slot)):
+            if slot is not None:
+                self.events.append(EventKind.STORED, entry.key, tier, parent)
 
     def _pop_reservation(self, reservation_id: str) -> Reservation:
         res = self._reservations.pop(reservation_id, None)
@@ -329,11 +351,14 @@ class BlockStore:
                     self._dram_free.give(slot)  # another put stored it meanwhile
                     dup += 1
                     continue
+                position, parent = res.positions.get(key, (0, None))
                 if entry is None:
-                    entry = self._entries[key] = Entry(key, res.positions.get(key, 0))
+                    entry = self._entries[key] = Entry(key, position, parent)
+                elif entry.parent is None and parent is not None:  # stored meanwhile by a caller that did not say
+                    self._learn_parent(entry, parent, position)
                 entry.dram_slot = slot
                 self._dram_policy.insert(key, entry.position, next(self._tick))
-                self.events.append(EventKind.STORED, key, Tier.DRAM)
+                self.events.append(EventKind.STORED, key, Tier.DRAM, entry.parent)
                 stored += 1
             self._after_insert()
             return stored, dup
@@ -345,12 +370,12 @@ class BlockStore:
             for slot in res.slots.values():
                 self._dram_free.give(slot)
 
-    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None) -> tuple[int, int]:
+    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None, parent: bytes | None = None) -> tuple[int, int]:
         """Store blocks from this process's memory (reserve, copy, commit). Returns (stored, already there)."""
         view = memoryview(data).cast("B")
         if len(view) != len(keys) * self.block_bytes:
             raise ValueError(f"{len(view)} bytes for {len(keys)} blocks of {self.block_bytes}")
-        res = self.reserve(keys, positions)
+        res = self.reserve(keys, positions, parent=parent)
         index = {k: i for i, k in enumerate(self._check_keys(keys))}
         for key, slot in res.slots:
             i = index[key]
@@ -436,7 +461,7 @@ class BlockStore:
             raise CorruptBlock(str(e)) from e
         entry.dram_slot = slot
         self._dram_policy.insert(entry.key, entry.position, next(self._tick))
-        self.events.append(EventKind.STORED, entry.key, Tier.DRAM)
+        self.events.append(EventKind.STORED, entry.key, Tier.DRAM, entry.parent)
 
     def release(self, lease_id: str) -> None:
         """End a lease. Raises KeyError if unknown (never granted, released, or expired)."""
@@ -522,15 +547,15 @@ class BlockStore:
 
     # -- introspection --------------------------------------------------------------
 
-    def snapshot(self) -> tuple[list[tuple[bytes, Tier]], int]:
-        """Every (block, tier) stored now, and the sequence number the event stream continues from."""
+    def snapshot(self) -> tuple[list[tuple[bytes, Tier, bytes | None]], int]:
+        """Every (block, tier, parent) stored now, and the sequence number the event stream continues from."""
         with self._lock:
             out = []
             for e in self._entries.values():
                 if e.dram_slot is not None:
-                    out.append((e.key, Tier.DRAM))
+                    out.append((e.key, Tier.DRAM, e.parent))
                 if e.ssd_slot is not None:
-                    out.append((e.key, Tier.SSD))
+                    out.append((e.key, Tier.SSD, e.parent))
             return out, self.events.next_seq
 
     def stats(self) -> StoreStats:

@@ -300,21 +300,21 @@ class PrefillWorker:
         n = min(plan.fetch_blocks, len(keys) - want)
         if n > 0 and plan.fetch_address and len(local) == want:  # the fetch continues the local prefix only if it is whole
             try:
-                fetched = self._start_fetch(plan.fetch_address, keys[want : want + n], want, held)
+                fetched = self._start_fetch(plan.fetch_address, keys[want : want + n], want, held, keys[want - 1] if want else None)
             except (KVStoreUnavailable, TransferError, StoreFull, KeyError) as e:
                 log.warning("fetching %d blocks from %s failed (%s): computing them instead", n, plan.fetch_node, e)
                 self._release_fetch(held)
                 fetched = []
         return local, ssd_hits, fetched
 
-    def _start_fetch(self, address: str, keys: list[bytes], first: int, held: _Held) -> list[int]:
+    def _start_fetch(self, address: str, keys: list[bytes], first: int, held: _Held, parent: bytes | None) -> list[int]:
         remote = self._remote_client(address)
         got = remote.get_locations(keys)
         held.remote = (remote, got.lease_id)
         n = len(got.slots)
         if not n:
             return []
-        res = self.kv.reserve(keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s)
+        res = self.kv.reserve(keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s, parent=parent)
         held.fetch_reservation = res.reservation_id
         if res.existing:  # stored here meanwhile: not worth the bookkeeping, compute instead
             self._release_fetch(held)
@@ -335,7 +335,8 @@ class PrefillWorker:
         if not new or not self.config.store_new_blocks:
             return {}
         try:
-            res = self.kv.reserve(new, positions=list(range(first, len(keys))), ttl_s=self.config.reservation_ttl_s)
+            res = self.kv.reserve(new, positions=list(range(first, len(keys))), ttl_s=self.config.reservation_ttl_s,
+                                  parent=keys[first - 1] if first else None)  # fmt: skip
         except StoreFull as e:
             log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
             return {}

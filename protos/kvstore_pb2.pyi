@@ -45,18 +45,20 @@ class SlotLocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("keys", "positions", "block_bytes", "ttl_s", "owner")
+    __slots__ = ("keys", "positions", "block_bytes", "ttl_s", "owner", "parent")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     positions: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
     ttl_s: float
     owner: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., positions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., owner: _Optional[str] = ...) -> None: ...
+    parent: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., positions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., owner: _Optional[str] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "segment", "slots", "existing")
@@ -249,7 +251,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, from_seq: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "kind", "key", "tier", "time")
+    __slots__ = ("seq", "kind", "key", "tier", "time", "parent", "parent_known")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Event.Kind]
@@ -263,12 +265,16 @@ class Event(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KNOWN_FIELD_NUMBER: _ClassVar[int]
     seq: int
     kind: Event.Kind
     key: bytes
     tier: Tier
     time: float
-    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., time: _Optional[float] = ...) -> None: ...
+    parent: bytes
+    parent_known: bool
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., time: _Optional[float] = ..., parent: _Optional[bytes] = ..., parent_known: _Optional[bool] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("node", "events", "reset", "next_seq")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 
 from conductor.core import Conductor, ConductorConfig
-from conductor.index import KVIndex, PrefixMatch
+from conductor.index import KVIndex, PrefixMatch, chain_parents
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import Instance, Load, Rejection, Role, ScheduleRequest, Slo
 from kvstore.events import Tier
@@ -31,6 +31,7 @@ def key(i: int) -> bytes:
 
 
 KEYS = [key(i) for i in range(64)]
+PARENTS = chain_parents(KEYS)  # KEYS is one chain
 
 
 def request(rid: str = "r", blocks: int = 10, prompt: int | None = None, slo_class: str = "default") -> ScheduleRequest:
@@ -50,7 +51,7 @@ def match_of(holdings: dict[str, list[tuple[int, Tier]] | int]) -> PrefixMatch:
     index = KVIndex()
     for node, held in holdings.items():
         for i, tier in held if isinstance(held, list) else [(i, Tier.DRAM) for i in range(held)]:
-            index.stored(node, KEYS[i], tier)
+            index.stored(node, KEYS[i], tier, PARENTS[i])
     return index.match(KEYS)
 
 

@@ -15,7 +15,7 @@ from conductor.predictors import DecodePredictor
 from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest
 from kvstore.events import Tier
 
-from conductor_helpers import (BLOCK_BYTES, BT, KEYS, ROUND, assert_retry_in_bounds, cluster, conductor, decode, decode_formula,
+from conductor_helpers import (BLOCK_BYTES, BT, KEYS, PARENTS, ROUND, assert_retry_in_bounds, cluster, conductor, decode, decode_formula,
                                predictors, prefill, request)  # fmt: skip
 
 
@@ -259,7 +259,7 @@ def test_expire_marks_silent_instances_dead_and_drops_a_dead_pools_blocks():
     cluster(c, now=0.0)
     c.register(Instance("pool", Role.KVSTORE, "10.0.2.1:7000", node="kv9"), 0.0)
     for i in range(8):
-        c.stored("kv9", KEYS[i], Tier.DRAM)
+        c.stored("kv9", KEYS[i], Tier.DRAM, PARENTS[i])
     before = c.schedule(request("a"), 0.0)
     assert (before.plan.fetch_node, before.plan.fetch_blocks) == ("kv9", 8)
     c.heartbeat("p0", Load(), 5.0)
@@ -282,11 +282,11 @@ def test_snapshot_replaces_what_the_index_says_a_node_holds():
     c = conductor("none", policy="cache_aware_local")
     cluster(c, prefills=2)
     for i in range(10):
-        c.stored("kv1", KEYS[i], Tier.DRAM)
+        c.stored("kv1", KEYS[i], Tier.DRAM, PARENTS[i])
     c.removed("kv1", KEYS[9], Tier.DRAM)
     d = c.schedule(request("a"), 0.0)
     assert (d.prefill, d.plan.local_blocks) == ("p1", 9)
-    c.snapshot("kv1", [(KEYS[0], Tier.DRAM), (KEYS[1], Tier.SSD)])  # the node restarted with two blocks
+    c.snapshot("kv1", [(KEYS[0], Tier.DRAM, PARENTS[0]), (KEYS[1], Tier.SSD, PARENTS[1])])  # the node restarted with two blocks
     assert c.index.match(KEYS[:10]).any_tier == {"kv1": 2}
     assert c.index.node_blocks("kv1") == 2
 
@@ -309,7 +309,7 @@ def test_drain_stops_new_work_to_an_instance():
     c = conductor("none", policy="cache_aware_local")
     cluster(c, prefills=2)
     for i in range(10):
-        c.stored("kv1", KEYS[i], Tier.DRAM)
+        c.stored("kv1", KEYS[i], Tier.DRAM, PARENTS[i])
     assert c.schedule(request("a"), 0.0).prefill == "p1"  # it holds the whole prefix
     c.drain("p1")
     assert c.instances["p1"].state is InstanceState.DRAINING

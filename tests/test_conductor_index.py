@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from conductor.index import KVIndex
+from conductor.index import ROOT, UNKNOWN, KVIndex, chain_parents
 from kvstore.events import Tier
 
 
@@ -21,6 +21,16 @@ def key(i: int) -> bytes:
 
 
 K = [key(i) for i in range(12)]
+PARENT = dict(zip(K, chain_parents(K)))  # K is one chain: K[0] its first block
+
+
+def put(index: KVIndex, node: str, k: bytes, tier: Tier = Tier.DRAM) -> None:
+    """``node`` stored ``k`` of the chain K (its parent as a pool node reports it)."""
+    index.stored(node, k, tier, PARENT[k])
+
+
+def put_chain(index: KVIndex, node: str, chain: list[bytes], tier: Tier = Tier.DRAM) -> None:
+    index.stored_many(node, chain, tier, chain_parents(chain))
 
 
 class Model:
@@ -100,19 +110,19 @@ def assert_agrees(index: KVIndex, model: Model, chains: list[list[bytes]], keys:
 def test_match_gives_each_nodes_leading_prefix_in_any_tier_and_in_dram():
     index = KVIndex()
     for k in K[:5]:
-        index.stored("a", k, Tier.DRAM)  # a: 5 leading blocks, all DRAM
+        put(index, "a", k)  # a: 5 leading blocks, all DRAM
     for k in K[:3]:
-        index.stored("b", k, Tier.DRAM)  # b: 3 leading blocks
-    index.stored("c", K[0], Tier.DRAM)
-    index.stored("c", K[1], Tier.SSD)  # c: 4 leading blocks, only the first in DRAM
-    index.stored("c", K[2], Tier.SSD)
-    index.stored("c", K[3], Tier.DRAM)
-    index.stored("d", K[1], Tier.DRAM)  # d: holds later keys but not the first
-    index.stored("d", K[2], Tier.DRAM)
-    index.stored("e", K[0], Tier.DRAM)  # e: a gap at K[1], so K[2..3] do not count
-    index.stored("e", K[2], Tier.DRAM)
-    index.stored("e", K[3], Tier.DRAM)
-    index.stored("f", K[9], Tier.DRAM)  # f: holds nothing of the chain's start
+        put(index, "b", k)  # b: 3 leading blocks
+    put(index, "c", K[0])
+    put(index, "c", K[1], Tier.SSD)  # c: 4 leading blocks, only the first in DRAM
+    put(index, "c", K[2], Tier.SSD)
+    put(index, "c", K[3])
+    put(index, "d", K[1])  # d: holds later keys but not the first
+    put(index, "d", K[2])
+    put(index, "e", K[0])  # e: a gap at K[1], so K[2..3] do not count
+    put(index, "e", K[2])
+    put(index, "e", K[3])
+    put(index, "f", K[9])  # f: holds nothing of the chain's start
 
     m = index.match(K[:6])
     assert m.any_tier == {"a": 5, "b": 3, "c": 4, "e": 1}
@@ -135,14 +145,93 @@ def test_match_gives_each_nodes_leading_prefix_in_any_tier_and_in_dram():
 def test_match_stops_at_the_first_key_nobody_holds_even_if_later_keys_are_held():
     index = KVIndex()
     for k in (K[0], K[1], K[3], K[4]):
-        index.stored("a", k, Tier.DRAM)
+        put(index, "a", k)
     assert index.match(K[:5]).any_tier == {"a": 2}
+    put(index, "a", K[2])  # the hole filled: everything after it counts again
+    assert index.match(K[:5]).any_tier == {"a": 5}
+    index.removed("a", K[1], Tier.DRAM)  # a hole near the start hides the rest
+    m = index.match(K[:5])
+    assert m.any_tier == {"a": 1} and m.dram == {"a": 1}
+    assert index.node_blocks("a") == 4  # still held, only not counted
+
+
+def test_a_block_demoted_mid_prefix_moves_the_dram_counts_of_every_block_after_it():
+    index = KVIndex()
+    put_chain(index, "a", K[:8])
+    put(index, "a", K[2], Tier.SSD)
+    index.removed("a", K[2], Tier.DRAM)  # demoted to SSD
+    m = index.match(K[:8])
+    assert m.any_tier == {"a": 8} and m.dram == {"a": 2}
+    assert m.dram_count("a", 0, 8) == 7 and m.dram_count("a", 3, 8) == 5 and m.dram_count("a", 2, 3) == 0
+    put(index, "a", K[2])  # promoted back
+    m = index.match(K[:8])
+    assert m.dram == {"a": 8} and m.dram_count("a", 0, 8) == 8
+
+
+def test_a_block_whose_parent_is_unknown_never_counts_until_the_parent_is_learned():
+    index = KVIndex()
+    put(index, "a", K[0])
+    index.stored("a", K[1], Tier.DRAM, UNKNOWN)  # e.g. a block from an old pool node's SSD
+    put(index, "a", K[2])
+    assert index.match(K[:3]).any_tier == {"a": 1}
+    put(index, "a", K[1])  # stored again by a caller that gave its parent
+    assert index.match(K[:3]).any_tier == {"a": 3}
+
+
+def test_branches_of_one_prefix_match_independently():
+    index = KVIndex()
+    trunk = K[:4]
+    left = [key(100 + i) for i in range(3)]
+    right = [key(200 + i) for i in range(5)]
+    put_chain(index, "a", trunk)
+    index.stored_many("a", left, Tier.DRAM, [trunk[-1], *left[:-1]])
+    index.stored_many("b", trunk + right, Tier.SSD, chain_parents(trunk + right))
+    assert index.match(trunk + left).any_tier == {"a": 7, "b": 4}
+    assert index.match(trunk + right).any_tier == {"a": 4, "b": 9}
+    index.removed("a", trunk[1], Tier.DRAM)  # the shared trunk's hole hides a's branch
+    assert index.match(trunk + left).any_tier == {"a": 1, "b": 4}
+
+
+def test_a_long_chain_is_matched_with_a_few_probes_not_one_per_key():
+    index = KVIndex()
+    chain = [key(1000 + i) for i in range(6250)]  # a 100k-token prompt in 16-token blocks
+    for j, length in enumerate((6250, 4000, 4000, 17, 0)):
+        put_chain(index, f"n{j}", chain[:length], Tier.DRAM if j % 2 else Tier.SSD)
+
+    class Counting(dict):
+        probes = 0
+
+        def get(self, k, default=None):
+            Counting.probes += 1
+            return super().get(k, default)
+
+    index._flags = Counting(index._flags)
+    m = index.match(chain)
+    assert m.any_tier == {"n0": 6250, "n1": 4000, "n2": 4000, "n3": 17}
+    assert m.dram == {"n1": 4000, "n3": 17}
+    assert Counting.probes < 60, Counting.probes  # 3 distinct lengths, about log2(6250) = 13 probes each
+
+
+def test_more_than_64_nodes_each_with_its_own_prefix():
+    index = KVIndex()
+    chain = [key(i) for i in range(140)]
+    nodes = [f"n{j:03d}" for j in range(130)]  # bits 0..129: three uint64 words
+    for j, node in enumerate(nodes):
+        put_chain(index, node, chain[: j + 1], Tier.DRAM if j % 2 else Tier.SSD)
+    m = index.match(chain)
+    assert m.any_tier == {node: j + 1 for j, node in enumerate(nodes)}
+    assert m.dram == {node: j + 1 for j, node in enumerate(nodes) if j % 2}
+    assert m.best() == ("n129", 130)
+    # a node past the first word dies; its neighbours keep their prefixes
+    index.reset_node("n100")
+    m = index.match(chain)
+    assert "n100" not in m.any_tier and m.any_tier["n099"] == 100 and m.any_tier["n101"] == 102
 
 
 def test_removed_unknown_key_or_node_is_a_no_op():
     index = KVIndex()
-    index.stored("a", K[0], Tier.DRAM)
-    index.stored("a", K[1], Tier.DRAM)
+    put(index, "a", K[0])
+    put(index, "a", K[1])
     index.removed("nobody", K[0], Tier.DRAM)
     index.removed("a", key(77), Tier.DRAM)
     index.removed("a", K[0], Tier.SSD)  # held in DRAM only: removing from SSD changes nothing
@@ -155,8 +244,8 @@ def test_removed_unknown_key_or_node_is_a_no_op():
 def test_key_in_dram_and_ssd_removed_from_dram_still_counts_for_any_tier_only():
     index = KVIndex()
     for k in K[:3]:
-        index.stored("a", k, Tier.DRAM)
-    index.stored("a", K[1], Tier.SSD)
+        put(index, "a", k)
+    put(index, "a", K[1], Tier.SSD)
     index.removed("a", K[1], Tier.DRAM)  # demoted: still on SSD
     m = index.match(K[:3])
     assert m.any_tier == {"a": 3}
@@ -170,27 +259,27 @@ def test_key_in_dram_and_ssd_removed_from_dram_still_counts_for_any_tier_only():
 
 def test_holders_report_the_fastest_tier():
     index = KVIndex()
-    index.stored("a", K[0], Tier.SSD)
-    index.stored("a", K[0], Tier.DRAM)
-    index.stored("b", K[0], Tier.SSD)
+    put(index, "a", K[0], Tier.SSD)
+    put(index, "a", K[0])
+    put(index, "b", K[0], Tier.SSD)
     assert index.holders(K[0]) == {"a": Tier.DRAM, "b": Tier.SSD}
 
 
 def test_reset_node_forgets_its_blocks_and_a_new_node_reusing_its_bit_inherits_none():
     index = KVIndex()
     for k in K[:4]:
-        index.stored("a", k, Tier.DRAM)
-        index.stored("b", k, Tier.DRAM)
+        put(index, "a", k)
+        put(index, "b", k)
     index.reset_node("a")
     assert index.match(K[:4]).any_tier == {"b": 4}
     assert "a" not in index.nodes
-    index.stored("c", K[5], Tier.SSD)  # takes a's freed bit
+    put(index, "c", K[5], Tier.SSD)  # takes a's freed bit
     m = index.match(K[:4])
     assert m.any_tier == {"b": 4} and m.dram == {"b": 4}
     assert index.holders(K[0]) == {"b": Tier.DRAM}
     assert index.node_blocks("c") == 1
     # a snapshot: reset, then record exactly what the node now holds
-    index.reset_node("b", [(K[0], Tier.DRAM), (K[1], Tier.SSD)])
+    index.reset_node("b", [(K[0], Tier.DRAM, ROOT), (K[1], Tier.SSD, K[0])])
     m = index.match(K[:4])
     assert m.any_tier == {"b": 2} and m.dram == {"b": 1}
     index.reset_node("b")
@@ -199,16 +288,15 @@ def test_reset_node_forgets_its_blocks_and_a_new_node_reusing_its_bit_inherits_n
 
 
 def test_rows_are_recycled_without_leaking_old_holders():
-    index = KVIndex(initial_rows=2)  # forces the matrices to grow, and rows to be reused
-    for i in range(10):
-        index.stored("a", key(i), Tier.DRAM)
-    for i in range(10):
-        index.removed("a", key(i), Tier.DRAM)
+    index = KVIndex()  # forces the matrices to grow, and rows to be reused
+    first, second = [key(i) for i in range(10)], [key(i) for i in range(100, 110)]
+    put_chain(index, "a", first)
+    for k in first:
+        index.removed("a", k, Tier.DRAM)
     assert index.num_blocks == 0
-    for i in range(100, 110):
-        index.stored("b", key(i), Tier.DRAM)
-    assert index.match([key(i) for i in range(100, 110)]).any_tier == {"b": 10}
-    assert index.match([key(i) for i in range(10)]).any_tier == {}
+    put_chain(index, "b", second)
+    assert index.match(second).any_tier == {"b": 10}
+    assert index.match(first).any_tier == {}
 
 
 def test_keys_that_share_a_half_are_still_told_apart():
@@ -216,32 +304,15 @@ def test_keys_that_share_a_half_are_still_told_apart():
     same_low = [i.to_bytes(8, "big") + bytes(8) for i in range(1, 40)]
     same_high = [bytes(8) + i.to_bytes(8, "big") for i in range(1, 40)]
     index = KVIndex()
-    for k in same_low[:30] + same_high[:20]:
-        index.stored("a", k, Tier.DRAM)
+    put_chain(index, "a", same_low[:30])
+    put_chain(index, "a", same_high[:20])
     assert index.match(same_low).any_tier == {"a": 30}
     assert index.match(same_high).any_tier == {"a": 20}
-    for k in same_low[:10]:  # deleting some leaves the others findable
+    for k in same_low[10:]:  # deleting some leaves the others findable
         index.removed("a", k, Tier.DRAM)
-    assert index.match(same_low[10:]).any_tier == {"a": 20}
-    assert index.match(same_low).any_tier == {}
-    assert index.num_blocks == 40
-
-
-def test_more_than_64_nodes_each_with_its_own_prefix():
-    index = KVIndex()
-    chain = [key(i) for i in range(140)]
-    nodes = [f"n{j:03d}" for j in range(130)]  # bits 0..129: three uint64 words
-    for j, node in enumerate(nodes):
-        for k in chain[: j + 1]:
-            index.stored(node, k, Tier.DRAM if j % 2 else Tier.SSD)
-    m = index.match(chain)
-    assert m.any_tier == {node: j + 1 for j, node in enumerate(nodes)}
-    assert m.dram == {node: j + 1 for j, node in enumerate(nodes) if j % 2}
-    assert m.best() == ("n129", 130)
-    # a node past the first word dies; its neighbours keep their prefixes
-    index.reset_node("n100")
-    m = index.match(chain)
-    assert "n100" not in m.any_tier and m.any_tier["n099"] == 100 and m.any_tier["n101"] == 102
+    assert index.match(same_low).any_tier == {"a": 10}
+    assert index.match(same_high).any_tier == {"a": 20}
+    assert index.num_blocks == 30
 
 
 # -- randomized consistency against the brute-force model ---------------------------------
@@ -250,25 +321,32 @@ def test_more_than_64_nodes_each_with_its_own_prefix():
 def _random_run(seed: int, num_nodes: int, num_keys: int, steps: int, reset_every: int, check_every: int = 5) -> tuple[int, int]:
     """Run the events, checking as it goes; return the longest prefix and the most nodes seen."""
     rng = random.Random(seed)
-    index, model = KVIndex(initial_rows=16), Model()
+    index, model = KVIndex(), Model()
     nodes = [f"node{j}" for j in range(num_nodes)]
-    keys = [key(i) for i in range(num_keys)]
-    chains = [keys[s : s + n] for s, n in ((0, 8), (0, 30), (3, 12), (10, 5), (0, num_keys))]
+    keys = [key(i) for i in range(num_keys)]  # the trunk: one long chain
+    parent = dict(zip(keys, chain_parents(keys)))
+    chains = [keys[:8], keys[:30], keys]
+    for b, (fork, length) in enumerate(((3, 12), (10, 5), (0, 9))):  # branches off the trunk (a fork at 0: a chain of its own)
+        branch = [key(10_000 * (b + 1) + i) for i in range(length)]
+        parent.update(zip(branch, [keys[fork - 1] if fork else ROOT, *branch[:-1]]))
+        chains.append(keys[:fork] + branch)
+    pool = list(parent)
     longest = most_nodes = 0
     for step in range(steps):
         node = rng.choice(nodes)
         # early keys are hot (as a shared system prompt is), so prefixes grow long
-        k = keys[min(num_keys - 1, int(rng.expovariate(1 / 12)))]
+        k = keys[min(num_keys - 1, int(rng.expovariate(1 / 12)))] if rng.random() < 0.8 else rng.choice(pool)
         tier = rng.choice([Tier.DRAM, Tier.SSD])
         if reset_every and step % reset_every == reset_every - 1:
             # the node died, or restarted and sent a snapshot (the same key may be in both tiers)
-            snapshot = [(rng.choice(keys[:30]), rng.choice([Tier.DRAM, Tier.SSD])) for _ in range(rng.choice([0, 5, 20]))]
+            picks = [rng.choice(keys[:30] + pool[num_keys:]) for _ in range(rng.choice([0, 5, 20]))]
+            snapshot = [(k2, rng.choice([Tier.DRAM, Tier.SSD]), parent[k2]) for k2 in picks]
             index.reset_node(node, snapshot)
             model.reset(node)
-            for k2, t2 in snapshot:
+            for k2, t2, _ in snapshot:
                 model.stored(node, k2, t2)
         elif rng.random() < 0.75:
-            index.stored(node, k, tier)
+            index.stored(node, k, tier, parent[k])
             model.stored(node, k, tier)
         else:
             index.removed(node, k, tier)

@@ -102,6 +102,27 @@ def cluster(shm_dir):
         p.stop()
 
 
+def test_a_chain_stored_in_parts_counts_whole_only_when_each_part_names_its_parent(cluster):
+    """A prefill worker stores a prompt's new blocks after the ones the pool had (positions k.., parent = block k-1):
+    the pool node's events carry each block's parent, and the index counts the chain to its end. A part stored
+    without its parent does not count (the index cannot tell it belongs below the prefix) until a later put names it."""
+    cluster.start_conductor()
+    cluster.register_all()
+    keys = chain(10, seed=3)
+    with KVStoreClient(cluster.kv_b.grpc) as kv:
+        kv.put(keys[:4], os.urandom(4 * BB))
+        kv.put(keys[4:7], os.urandom(3 * BB), positions=[4, 5, 6], parent=keys[3])
+        kv.put(keys[7:], os.urandom(3 * BB), positions=[7, 8, 9])  # no parent: these three never count
+    cluster.wait_indexed("kvB", 10)
+    assert cluster.schedule(keys).placement.plan.local_blocks == 7
+    with KVStoreClient(cluster.kv_b.grpc) as kv:
+        kv.put(keys[7:], os.urandom(3 * BB), positions=[7, 8, 9], parent=keys[6])  # stored already: the node learns the parent
+    deadline = time.monotonic() + 10
+    while cluster.schedule(keys).placement.plan.local_blocks != 10:
+        assert time.monotonic() < deadline, "the index never counted the blocks whose parent came later"
+        time.sleep(0.05)
+
+
 def test_schedule_uses_the_index_fed_by_kvstore_events(cluster):
     stub = cluster.start_conductor()
     cluster.register_all()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import struct
 import time
 
 import pytest
+import xxhash
 
 from kvstore.config import StoreConfig
 from kvstore.events import EventKind, Tier
-from kvstore.ssd import CorruptBlock, SsdTier
+from kvstore.ssd import HEADER_V1, MAGIC, CorruptBlock, SsdTier
 from kvstore.store import BlockStore, StoreFull
 
 BB = 4096 + 100  # not a multiple of the SSD alignment on purpose
@@ -200,6 +202,47 @@ def test_restart_re_adopts_ssd_blocks(tmp_path):
     assert got == data[: 3 * BB] and res.ssd_hits == 3
     with pytest.raises(ValueError, match="another geometry"):
         SsdTier(tmp_path, BB * 2, 8, 4)
+
+
+def test_each_block_keeps_its_parent_in_events_snapshots_and_across_a_restart(tmp_path):
+    """The Conductor's index counts a block only below its whole chain, so the store records each block's parent:
+    the key before it in the same put (positions that follow on), the caller's ``parent`` for the first, none for
+    position 0, and unknown otherwise. SSD headers keep it, so a restarted node reports it again."""
+    store = make(dram_blocks=2, ssd_dir=tmp_path, ssd_blocks=8)
+    ks, data = keys(5), blocks(5)
+    store.put(ks[:2], data[: 2 * BB])
+    store.put(ks[2:4], data[2 * BB : 4 * BB], positions=[2, 3], parent=ks[1])
+    store.put(ks[4:], data[4 * BB :], positions=[4])  # no parent given: unknown
+    events, _ = store.events.read(1, timeout=0)
+    parents = {e.key: e.parent for e in events if e.kind is EventKind.STORED and e.tier is Tier.DRAM}
+    assert parents == {ks[0]: b"", ks[1]: ks[0], ks[2]: ks[1], ks[3]: ks[2], ks[4]: None}
+    with pytest.raises(ValueError, match="16-byte"):
+        store.reserve(keys(1, salt=9), positions=[3], parent=b"short")
+    store.close()
+    again = make(dram_blocks=8, ssd_dir=tmp_path, ssd_blocks=8)
+    snapshot, _ = again.snapshot()
+    adopted = {k: p for k, t, p in snapshot}
+    assert adopted and all(adopted[k] == parents[k] for k in adopted)  # the demoted blocks, parents and all
+    assert set(adopted) == {ks[0], ks[1], ks[2]}
+    orphan = keys(1, salt=7)
+    again.put(orphan, blocks(1), positions=[4])  # unknown until a caller names it: then the node says so again
+    again.reserve(orphan, positions=[4], parent=ks[3])
+    events, _ = again.events.read(1, timeout=0)
+    assert (events[-1].key, events[-1].parent) == (orphan[0], ks[3])
+
+
+def test_a_version_1_ssd_header_is_still_read_with_its_parent_unknown(tmp_path):
+    ssd = SsdTier(tmp_path, BB, 4, 4)
+    key, data = keys(1)[0], blocks(1)
+    fd, base = ssd._where(0)
+    os.pwrite(fd, data, base + ssd.data_offset)
+    head = HEADER_V1.pack(MAGIC, 1, 0, key, BB, xxhash.xxh3_64_intdigest(data), 7)
+    os.pwrite(fd, head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), base)
+    (block,) = ssd.adopt()
+    assert (block.key, block.parent, block.position) == (key, None, 0)
+    out = bytearray(BB)
+    ssd.read(0, key, memoryview(out))
+    assert bytes(out) == data
 
 
 def test_release_owner_frees_exactly_that_owners_leases_and_reservations_at_once():

@@ -234,7 +234,7 @@ class Cluster:
         self.now = 0.0
         self.events = 0
 
-    def _index_events(self, node: str, events: list[tuple[bool, bytes, Tier]]) -> None:
+    def _index_events(self, node: str, events: list[tuple[bool, bytes, Tier, bytes | None]]) -> None:
         """A node's block events, in order, to the Conductor's index.
 
         A run of stored events of one tier goes in as one ``index.stored_many`` (what the
@@ -243,22 +243,25 @@ class Cluster:
         """
         c = self.conductor
         run: list[bytes] = []
+        parents: list[bytes | None] = []
         run_tier = None
-        for stored, key, tier in events:
+        for stored, key, tier, parent in events:
             if stored and (tier is run_tier or not run):
                 run.append(key)
+                parents.append(parent)
                 run_tier = tier
                 continue
             if run:
-                c.index.stored_many(node, run, run_tier)
-                run = []
+                c.index.stored_many(node, run, run_tier, parents)
+                run, parents = [], []
             if stored:
                 run.append(key)
+                parents.append(parent)
                 run_tier = tier
             else:
                 c.removed(node, key, tier)
         if run:
-            c.index.stored_many(node, run, run_tier)
+            c.index.stored_many(node, run, run_tier, parents)
 
     # -- the event loop --------------------------------------------------------------------
 

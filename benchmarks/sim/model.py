@@ -241,7 +241,7 @@ def load_trace(path: Path, speed: float = 1.0, limit: int | None = None) -> list
 
 # -- a pool node's KV cache --------------------------------------------------------------------
 
-Event = tuple[bool, bytes, Tier]  # (stored: True, removed: False), key, tier
+Event = tuple[bool, bytes, Tier, bytes | None]  # (stored: True, removed: False), key, tier, parent (b"": a chain's first)
 Sink = Callable[[str, list[Event]], None]  # (node, the events of one operation, in order)
 
 
@@ -263,6 +263,7 @@ class NodeCache:
         self._dram_policy = make_policy(eviction)
         self._ssd_policy = make_policy(eviction)
         self._position: dict[bytes, int] = {}
+        self._parent: dict[bytes, bytes] = {}  # the block before each one in its chain, as a pool node records it
         self._tick = 0
         self.leased: set[bytes] = set()
         self._sink = sink
@@ -304,6 +305,7 @@ class NodeCache:
             if key in self.dram:
                 continue
             self._position[key] = position
+            self._parent[key] = keys[position - 1] if position else b""
             if key in self.ssd:  # a copy on SSD: the fresh one goes to DRAM as well
                 self._ssd_policy.touch(key, self._tick)
             else:
@@ -317,7 +319,7 @@ class NodeCache:
         self._tick += 1
         self.dram.add(key)
         self._dram_policy.insert(key, self._position.get(key, 0), self._tick)
-        self._events.append((True, key, Tier.DRAM))
+        self._events.append((True, key, Tier.DRAM, self._parent.get(key)))
 
     def _flush(self) -> None:
         if self._events:
@@ -363,9 +365,10 @@ class NodeCache:
             ssd_stored.append(key)
         self.evictions += len(victims)
         events = self._events
-        events += [(False, k, Tier.SSD) for k in ssd_removed if k not in self.ssd]
-        events += [(True, k, Tier.SSD) for k in ssd_stored if k in self.ssd]
-        events += [(False, k, Tier.DRAM) for k in victims]
+        events += [(False, k, Tier.SSD, None) for k in ssd_removed if k not in self.ssd]
+        events += [(True, k, Tier.SSD, self._parent.get(k)) for k in ssd_stored if k in self.ssd]
+        events += [(False, k, Tier.DRAM, None) for k in victims]
         for key in (*ssd_removed, *victims):
             if key not in self.dram and key not in self.ssd:
                 self._position.pop(key, None)
+                self._parent.pop(key, None)

@@ -215,18 +215,20 @@ class LLMEngine:
         requests = self.scheduler.requests
         return len(requests), sum(r.num_tokens for r in requests.values())
 
-    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None]:
-        """Full blocks ``first_block..`` of a request in the engine whose KV is computed: their block keys and their
-        KV in the pool layout, [n, L, 2, block_size, Hkv, D] (a copy). ``([], None)`` when there are none yet or the
-        request is gone. Engine thread only, between steps (the decode worker's write-behind calls it)."""
+    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None, bytes | None]:
+        """Full blocks ``first_block..`` of a request in the engine whose KV is computed: their block keys, their
+        KV in the pool layout, [n, L, 2, block_size, Hkv, D] (a copy), and the key before them (None for block 0).
+        ``([], None, None)`` when there are none yet or the request is gone. Engine thread only, between steps
+        (the decode worker's write-behind calls it)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
-            return [], None
+            return [], None, None
         keys = req.block_keys()
         end = min(req.num_computed_tokens // self.block_size, len(keys), len(req.block_ids))
         if end <= first_block:
-            return [], None
-        return keys[first_block:end], self.runner.export_blocks(req.block_ids[first_block:end])
+            return [], None, None
+        parent = keys[first_block - 1] if first_block else None
+        return keys[first_block:end], self.runner.export_blocks(req.block_ids[first_block:end]), parent
 
     def close(self) -> None:
         """Nothing to release: the engine's memory goes with it."""

@@ -279,28 +279,30 @@ class VllmEngine:
         except Exception:  # noqa: BLE001 - best effort at exit
             log.debug("vLLM shutdown failed", exc_info=True)
 
-    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None]:
+    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None, bytes | None]:
         """Full blocks ``first_block..`` of a request whose KV vLLM has computed: their block keys (ours: prompt +
         outputs under this engine's fingerprint) and their KV in the pool layout, [n, L, 2, block_size, Hkv, D] on
-        the CPU. ``([], None)`` when there are none yet or the request is gone. Engine thread only, between steps."""
+        the CPU, and the key before them (None for block 0). ``([], None, None)`` when there are none yet or the
+        request is gone. Engine thread only, between steps."""
         tracked = self._reqs.get(request_id)
         caches, layout = self.bridge.caches, self.bridge.layout
         if tracked is None or caches is None or layout is None:
-            return [], None
+            return [], None, None
         scheduler = self._scheduler()
         req = scheduler.requests.get(tracked.internal_id)
         if req is None:
-            return [], None
+            return [], None, None
         bs = self.config.block_size
         end = req.num_computed_tokens // bs
         block_ids = scheduler.kv_cache_manager.get_block_ids(tracked.internal_id)[0][first_block:end]
         if end <= first_block or len(block_ids) < end - first_block:
-            return [], None
+            return [], None, None
         tokens = (tracked.prompt + tracked.outputs)[: end * bs]
-        keys = block_keys(tokens, bs, self.fingerprint, tracked.cache_salt)[first_block:end]
+        chain = block_keys(tokens, bs, self.fingerprint, tracked.cache_salt)
+        keys, parent = chain[first_block:end], chain[first_block - 1] if first_block else None
         index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
         kv = torch.stack([layout.export_blocks(cache, index) for cache in caches], dim=1)  # [n, L, 2, bs, Hkv, D]
-        return keys, kv.cpu()
+        return keys, kv.cpu(), parent
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ from conductor.persistence import RedisStore, make_store
 from conductor.pool import make_provider
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
-from conductor.service import ConductorService, start_server
+from conductor.fastpath import start_fast_path
+from conductor.service import ConductorService, ConductorServicer, start_server
 from conductor.types import Role, Slo
 
 
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port, printed in the READY line)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port; -1: none)")
+    p.add_argument("--control-port", type=int, default=0, help="Schedule's fast path, framed protobuf without gRPC (what "
+                   "gateways use; conductor/fastpath.py): tcp port (0: any free port; -1: none, gRPC only)")
     p.add_argument("--redis-url", help="persist the registry and settings here, and recover them at start; several "
                    "Conductors on one Redis elect a leader (the others stand by and take over when its lease lapses)")
     p.add_argument("--leader-lease", type=float, default=3.0, help="with --redis-url: seconds a leader's lease lasts "
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     service = ConductorService(config, store, provider=provider, standby=elected)
     try:
         server, port = start_server(service, args.host, args.port)
-    except (ValueError, RuntimeError) as e:
+        fast = start_fast_path(ConductorServicer(service), args.host, args.control_port) if args.control_port >= 0 else None
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lease = None
@@ -120,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=service.metrics.registry)
         metrics = f"{args.host}:{metrics_server.server_port}"
     c = service.conductor
-    ready = {"grpc": f"{args.host}:{port}", "metrics": metrics, "policy": c.policy.kind.value, "admission": c.admission.value,
+    if fast is not None:
+        service.control_port = fast.port
+    ready = {"grpc": f"{args.host}:{port}", "control": f"{args.host}:{fast.port}" if fast else None, "metrics": metrics, "policy": c.policy.kind.value, "admission": c.admission.value,
              "recovered_instances": len(c.instances), "leading": service.leading.is_set()}  # fmt: skip
     print("READY " + json.dumps(ready), flush=True)
     done = threading.Event()
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if lease is not None:
         lease.close()  # hand the lease over at once
     server.stop(grace=2).wait()
+    if fast is not None:
+        fast.close()
     service.close()
     return 0
 

@@ -51,7 +51,7 @@ class Metrics:
         r = self.registry
         self.decisions = Counter("mooncake_conductor_decisions", "Schedule outcomes", ["policy", "outcome"], registry=r)
         self.decision_seconds = Histogram("mooncake_conductor_decision_seconds", "Time to decide one Schedule", registry=r,
-                                          buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))  # fmt: skip
+                                          buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))  # fmt: skip
         self.ttft_error = Histogram("mooncake_conductor_ttft_abs_error_seconds", "|predicted - measured| TTFT", registry=r,
                                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
         self.match_blocks = Histogram("mooncake_conductor_reused_blocks", "Prefix blocks reused (local + fetched) per placement",
@@ -109,6 +109,7 @@ class ConductorService:
         self._predicted_ttft: dict[str, float] = {}
         self._stop = threading.Event()
         self.leading = threading.Event()
+        self.control_port = 0  # where Schedule's fast path listens (conductor/fastpath.py; 0: nowhere), for ListInstances
         if not standby:
             self.take_over()
         self._expirer = threading.Thread(target=self._expire_loop, args=(expire_every_s,), name="conductor-expire", daemon=True)
@@ -474,7 +475,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         return pb.ListInstancesResponse(
             instances=infos,
             policy=c.policy.kind.value, admission=c.admission.value, index_blocks=c.index.num_blocks,
-            scheduled=c.counters.scheduled, rejected=c.counters.rejected,
+            scheduled=c.counters.scheduled, rejected=c.counters.rejected, control_port=self.service.control_port,
         )  # fmt: skip
 
     @_status

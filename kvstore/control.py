@@ -7,7 +7,9 @@ per request (Get, Release, Reserve, Commit, Abort, Lookup, Pin, Stats; ReleaseOw
 at its start) therefore also travel over a plain socket, carrying the same protobuf
 messages, answered by the same :class:`~kvstore.service.KVStoreServicer` methods, with
 the same error codes. Same-host clients use the node's Unix socket, others its tcp
-port; everything else (Pull, the event stream) stays on gRPC.
+port; everything else (Pull, the event stream) stays on gRPC. The Conductor serves
+Schedule the same way (conductor/fastpath.py: its own method table, and an asyncio
+client for the gateway).
 
 Framing (little-endian), on a connection used by one caller at a time:
 
@@ -137,13 +139,15 @@ class FramedSocket:
 
 
 class ControlServer:
-    """Answers framed calls with ``servicer``'s methods on a tcp port and, optionally, a Unix socket."""
+    """Answers framed calls with ``servicer``'s methods (``methods``: id -> (name, request type, response type))
+    on a tcp port and, optionally, a Unix socket."""
 
-    def __init__(self, servicer, host: str, port: int = 0, uds_path: str | None = None, spin_s: float = SPIN_S) -> None:
+    def __init__(self, servicer, host: str, port: int = 0, uds_path: str | None = None, spin_s: float = SPIN_S,
+                 methods: dict[int, tuple[str, type, type]] = METHODS, name: str = "kvstore-control") -> None:  # fmt: skip
         self._servicer = servicer
         self._spin_s = spin_s
         self._handlers: dict[int, tuple[Callable, type]] = {
-            mid: (getattr(servicer, name), req_type) for mid, (name, req_type, _) in METHODS.items()
+            mid: (getattr(servicer, method), req_type) for mid, (method, req_type, _) in methods.items()
         }  # fmt: skip
         listeners = [socket.create_server((host, port), backlog=128)]
         self.port = listeners[0].getsockname()[1]
@@ -155,7 +159,7 @@ class ControlServer:
             uds.bind(uds_path)
             uds.listen(128)
             listeners.append(uds)
-        self._server = ConnectionServer(listeners, self._serve, "kvstore-control")
+        self._server = ConnectionServer(listeners, self._serve, name)
 
     def _serve(self, conn: socket.socket) -> None:
         context = _Context()
@@ -220,9 +224,11 @@ class ControlAddress:
 class ControlChannel:
     """Client side: a pool of connections, each used by one calling thread at a time."""
 
-    def __init__(self, address: ControlAddress, spin_s: float = SPIN_S) -> None:
+    def __init__(self, address: ControlAddress, spin_s: float = SPIN_S, methods: dict[int, tuple[str, type, type]] = METHODS) -> None:
         self.address = address
         self.spin_s = spin_s
+        self._methods = methods
+        self._ids = {name: mid for mid, (name, _, _) in methods.items()}
         self._idle: list[FramedSocket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -233,7 +239,7 @@ class ControlChannel:
         Raises :class:`ControlError` for a non-OK answer and ``OSError`` (incl.
         ``TimeoutError``) when the node cannot be reached or does not answer in time.
         """
-        mid = METHOD_IDS[name]
+        mid = self._ids[name]
         body = request.SerializeToString()
         frame = REQUEST.pack(mid, ONEWAY if oneway else 0, len(body)) + body
         conn, pooled = self._take(timeout)
@@ -249,7 +255,7 @@ class ControlChannel:
             return None
         if code:
             raise ControlError(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode("utf-8", "replace"))
-        return METHODS[mid][2].FromString(payload)
+        return self._methods[mid][2].FromString(payload)
 
     def _exchange(self, conn: FramedSocket, frame: bytes, oneway: bool, timeout: float) -> tuple[int, bytes]:
         """Send one frame and read its answer; the connection goes back to the pool only if the exchange completed."""

@@ -148,7 +148,8 @@ def test_node_cache_evicts_by_policy_and_reports_it():
     keys = [block_key(i) for i in range(10)]
     cache.put(keys)  # 10 > 0.95 * 10: back to 8, evicting the least recently inserted (the chain's head)
     assert len(cache.dram) == 8
-    assert [k for stored, k, _ in events if not stored] == keys[:2]
+    assert [k for stored, k, _, _ in events if not stored] == keys[:2]
+    assert [p for stored, _, _, p in events if stored][:3] == [b"", keys[0], keys[1]]  # each block's parent in its chain
     cache.read(keys[2:4])
     cache.put([block_key(i) for i in range(100, 103)])  # 11 blocks: back to 8
     assert keys[2] in cache.dram and keys[3] in cache.dram  # just used

@@ -349,11 +349,14 @@ class _CountRequests:
             return
         state = scope.setdefault("state", {})  # shared with the response, which may write the outcome
         status = CLIENT_CLOSED
+        arrived = time.perf_counter()
 
         async def send_and_see(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if status == 429:
+                    self._metrics.shedding.observe(time.perf_counter() - arrived)
             await send(message)
 
         try:

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_SHED_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class GatewayMetrics:
@@ -41,6 +42,8 @@ class GatewayMetrics:
             registry=r,
         )  # fmt: skip
         self.running = Gauge("mooncake_gateway_running_requests", "Requests being generated now", registry=r)
+        self.shedding = Histogram("mooncake_gateway_rejection_seconds", "Arrival to a 429's response (how long a refused "
+                                  "client waited to hear it)", buckets=_SHED_BUCKETS, registry=r)  # fmt: skip
 
     def render(self) -> bytes:
         """The Prometheus text exposition of everything above."""

@@ -1,8 +1,10 @@
 """ClusterBackend: the gateway's way into the disaggregated cluster.
 
     generate(request)
-      keys = block keys of the prompt (DESIGN §4: computed once, here at the edge)
+      keys = block keys of the prompt (DESIGN §4: computed once, here at the edge, on a thread)
       Conductor.Schedule(keys, lengths)      -> Placement (prefill, decode, prefix plan) | Rejection
+                                                (over the Conductor's fast path, conductor/fastpath.py,
+                                                where it has one; gRPC otherwise)
       Decode(placement.decode).Generate(...) -> a stream of chunks
                                                 (the decode worker calls the prefill worker)
 
@@ -26,6 +28,8 @@ from collections.abc import AsyncGenerator
 import grpc
 import grpc.aio
 
+from conductor.fastpath import AsyncFastChannel
+from kvstore.control import ControlError
 from mooncake.blocks import block_keys
 from mooncake.serving.channels import client_options
 from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
@@ -43,6 +47,8 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_KEY = "retry-after-s"  # decode.server's trailing metadata on RESOURCE_EXHAUSTED
 FAILED_INSTANCE_KEY = "failed-instance"  # and on UNAVAILABLE, when the prefill worker failed
 UNAVAILABLE_REASONS = ("no_prefill_instance", "no_decode_instance")
+FAST_PATH_RECHECK_S = 5.0  # how often to ask a Conductor without a (working) fast path whether it has one now
+HASH_INLINE_TOKENS = 4096  # shorter prompts hash their keys on the event loop (well under a millisecond)
 
 
 class ClusterBackend(GenerationBackend):
@@ -61,6 +67,8 @@ class ClusterBackend(GenerationBackend):
             raise ValueError("no Conductor address")
         self._conductor_address = self._conductor_addresses[0]
         self._conductor: cpb_grpc.ConductorStub | None = None
+        self._fast: AsyncFastChannel | None = None  # the Conductor's fast path (None: not known yet, or it has none)
+        self._fast_checked = -float("inf")  # when the Conductor was last asked where its fast path is
         self._decoders: dict[str, wpb_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,6 +77,7 @@ class ClusterBackend(GenerationBackend):
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a grpc.aio channel belongs to the event loop it was made in
             self._loop, self._conductor, self._decoders, self._channels = loop, None, {}, []
+            self._fast, self._fast_checked = None, -float("inf")
         if self._conductor is None:
             channel = grpc.aio.insecure_channel(self._conductor_address, options=client_options(self.recovery.detect_s))
             self._channels.append(channel)
@@ -80,7 +89,7 @@ class ClusterBackend(GenerationBackend):
         if len(self._conductor_addresses) > 1 and self._conductor_address == failed:
             i = self._conductor_addresses.index(failed)
             self._conductor_address = self._conductor_addresses[(i + 1) % len(self._conductor_addresses)]
-            self._conductor = None
+            self._conductor, self._fast, self._fast_checked = None, None, -float("inf")
 
     def _decoder(self, address: str) -> wpb_grpc.DecodeStub:
         stub = self._decoders.get(address)
@@ -97,15 +106,23 @@ class ClusterBackend(GenerationBackend):
         Rejected or InvalidRequest for what it may not.
         """
         sequence = request.prompt_token_ids + (progress.output_token_ids if progress else [])
-        keys = block_keys(sequence, self.block_size, self.fingerprint, request.cache_salt)
+        if len(sequence) >= HASH_INLINE_TOKENS:  # a long prompt's keys take milliseconds: off the event loop
+            keys = await asyncio.to_thread(block_keys, sequence, self.block_size, self.fingerprint, request.cache_salt)
+        else:
+            keys = block_keys(sequence, self.block_size, self.fingerprint, request.cache_salt)
         msg = cpb.ScheduleRequest(request_id=request.request_id, key_chain=b"".join(keys), prompt_tokens=len(sequence),
                                   block_tokens=self.block_size, slo_class=request.slo_class,
                                   failed=progress.report_failed() if progress else ())  # fmt: skip
         address = self._conductor_address
         try:
-            resp = await self._conductor_stub().Schedule(msg, timeout=self.schedule_timeout_s)
+            resp = await self._schedule_call(msg)
         except grpc.RpcError as e:
-            error = _error(e, f"the Conductor at {address}")
+            error = _error(e.code(), e.details() or "", f"the Conductor at {address}")
+        except ControlError as e:
+            error = _error(e.code, e.details, f"the Conductor at {address}")
+        else:
+            error = None
+        if error is not None:
             if isinstance(error, Unavailable):
                 self._next_conductor(address)
                 raise _Fault(Fault.CONDUCTOR, error) from None
@@ -119,6 +136,33 @@ class ClusterBackend(GenerationBackend):
                 raise _Fault(Fault.BUSY, rejected)  # it outlived a failure already: wait for room rather than fail it now
             raise rejected
         return resp.placement
+
+    async def _schedule_call(self, msg: cpb.ScheduleRequest) -> cpb.ScheduleResponse:
+        """Schedule over the fast path when the Conductor has one (and it answers), else over gRPC."""
+        stub = self._conductor_stub()
+        fast = await self._fast_channel(stub)
+        if fast is not None:
+            try:
+                return await fast.call("Schedule", msg, self.schedule_timeout_s)
+            except (ConnectionError, TimeoutError, OSError) as e:  # gRPC decides whether the Conductor is away
+                log.warning("the Conductor's fast path at %s failed (%s): Schedule goes over gRPC", fast.target, e)
+                self._fast, self._fast_checked = None, time.monotonic()
+                await fast.close()
+        return await stub.Schedule(msg, timeout=self.schedule_timeout_s)
+
+    async def _fast_channel(self, stub: cpb_grpc.ConductorStub) -> AsyncFastChannel | None:
+        """The Conductor's fast path, asked for (over gRPC) at most every FAST_PATH_RECHECK_S."""
+        if self._fast is not None or time.monotonic() - self._fast_checked < FAST_PATH_RECHECK_S:
+            return self._fast
+        self._fast_checked = time.monotonic()
+        address = self._conductor_address
+        try:
+            listing = await stub.ListInstances(cpb.ListInstancesRequest(role=cpb.KVSTORE), timeout=self.schedule_timeout_s)
+        except grpc.RpcError:
+            return None  # the Schedule call that follows says what is wrong
+        if listing.control_port and address == self._conductor_address:
+            self._fast = AsyncFastChannel(f"{address.rpartition(':')[0]}:{listing.control_port}")
+        return self._fast
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream ``request``, placing it again when a component fails it (see mooncake.serving.recovery)."""
@@ -188,7 +232,7 @@ class ClusterBackend(GenerationBackend):
                     retry = float(value)
                 elif key == FAILED_INSTANCE_KEY:
                     failed = value
-            error = _error(e, f"decode worker {placement.decode_id}", retry)
+            error = _error(e.code(), e.details() or "", f"decode worker {placement.decode_id}", retry)
             if isinstance(error, Unavailable) and e.code() is not grpc.StatusCode.CANCELLED:
                 if failed:
                     raise _Fault(Fault.PREFILL, error, failed) from None
@@ -218,6 +262,9 @@ class ClusterBackend(GenerationBackend):
     async def close(self) -> None:
         channels, self._channels = self._channels, []
         self._conductor, self._decoders = None, {}
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            await fast.close()
         for channel in channels:
             await channel.close()
 
@@ -230,8 +277,8 @@ class _Fault(Exception):
         self.fault, self.error, self.instance = fault, error, instance
 
 
-def _error(e: grpc.RpcError, who: str, retry_after_s: float | None = None) -> BackendError:
-    code, details = e.code(), e.details() or ""
+def _error(code: grpc.StatusCode, details: str, who: str, retry_after_s: float | None = None) -> BackendError:
+    """What a failed call (its gRPC status code and details) means for the client."""
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(details)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -1,0 +1,273 @@
+"""Overload: how fast a refused request hears 429, and whether the accepted ones still meet the SLOs.
+
+    python benchmarks/overload_bench.py [--url URL] [--model smollm2-135m | --quick] [--factor 10] [--open-s 30]
+                                        [--burst 300] [--capacity-s 20] [--concurrency 4] [--json PATH]
+
+Without ``--url`` it starts the cluster ``mooncake up`` starts (one prefill worker with its
+pool node, one decode worker, the Conductor and the gateway; the same defaults) and stops
+it at the end. Every request is what a new user sends: a chat completion of a few hundred
+words of text (``--prompt-words``, different in every request so no cache helps),
+streamed, ``--max-tokens`` tokens, so tokenization and key hashing are part of the path.
+
+1. **Capacity**: ``--concurrency`` clients send requests back to back for
+   ``--capacity-s``; capacity = requests finished (200) per second.
+2. **Open loop**: Poisson arrivals at ``--factor`` x capacity for ``--open-s``, each sent
+   whatever the others are doing; then the stragglers finish.
+3. **Burst**: once the cluster is idle, ``--burst`` requests sent at once.
+
+For each phase: offered requests and rate, accepted (200), rejected (429), errors; the
+429 latency (request sent to response received) p50/p90/p99/max; the accepted requests'
+TTFT and TBT (the paper's: mean of the longest 10% of a request's gaps) and the share
+meeting the cluster's SLOs. Goals printed: open-loop 429 p99 under 50 ms, burst 429 p99
+under 1 s, every accepted request within the SLOs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "benchmarks"))
+
+from benchutil import describe_machine, resolve_model, shielded  # noqa: E402
+from replay import Outcome, RequestResult, tail_tbt  # noqa: E402
+
+GOAL_OPEN_P99_S = 0.050
+GOAL_BURST_P99_S = 1.0
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in old "
+         "towns near rivers and mountains where bright stars shine above calm lakes").split()  # fmt: skip
+
+
+def chat_body(model: str, words: int, max_tokens: int, rng: random.Random) -> bytes:
+    text = f"Request {rng.getrandbits(48):x}: " + " ".join(rng.choice(WORDS) for _ in range(words))
+    return json.dumps({
+        "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }).encode()  # fmt: skip
+
+
+async def send(client: httpx.AsyncClient, url: str, body: bytes, r: RequestResult, clock0: float) -> None:
+    """Stream one chat completion into ``r``; ``e2e_s`` is set for every outcome (for a 429: its latency)."""
+    t0 = time.perf_counter()
+    r.sent_s = t0 - clock0
+    times: list[float] = []
+    try:
+        async with client.stream("POST", f"{url}/chat/completions", content=body, headers={"content-type": "application/json"}) as resp:
+            r.http_status = resp.status_code
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:300]
+                r.outcome = Outcome.REJECTED if resp.status_code == 429 else Outcome.ERROR
+                r.error = f"HTTP {resp.status_code}: {text}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if event.get("error"):
+                    r.outcome, r.error = Outcome.ERROR, json.dumps(event["error"])[:300]
+                    return
+                choices = event.get("choices") or []
+                if choices and choices[0].get("delta", {}).get("content"):
+                    times.append(time.perf_counter() - t0)
+        if times:
+            r.outcome, r.ttft_s, r.completion_tokens = Outcome.OK, times[0], len(times)
+            r.tbt_s = tail_tbt([b - a for a, b in zip(times, times[1:])])
+        else:
+            r.outcome, r.error = Outcome.ERROR, "the stream ended without a token"
+    except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+        r.outcome, r.error = Outcome.ERROR, f"{type(e).__name__}: {e}"[:300]
+    finally:
+        r.e2e_s = time.perf_counter() - t0
+
+
+def _client(limit: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), trust_env=False,
+                             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))  # fmt: skip
+
+
+async def capacity(url: str, args, rng: random.Random) -> tuple[float, list[RequestResult]]:
+    """Closed loop: ``--concurrency`` clients back to back for ``--capacity-s``; finished requests per second."""
+    results: list[RequestResult] = []
+    clock0 = time.perf_counter()
+    deadline = clock0 + args.capacity_s
+
+    async def client_loop(client):
+        while time.perf_counter() < deadline:
+            r = RequestResult(len(results), 0.0, 0.0, args.prompt_words, args.max_tokens)
+            results.append(r)
+            await send(client, url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)
+
+    async with _client(args.concurrency) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
+    elapsed = time.perf_counter() - clock0
+    done = [r for r in results if r.outcome is Outcome.OK]
+    return len(done) / elapsed, results
+
+
+async def open_loop(url: str, rate: float, seconds: float, args, rng: random.Random) -> list[RequestResult]:
+    """Poisson arrivals at ``rate`` per second for ``seconds``; every request sent on time, whatever is in flight."""
+    results, tasks = [], []
+    clock0 = time.perf_counter()
+    t = 0.0
+    async with _client(100_000) as client:
+        while True:
+            t += rng.expovariate(rate)
+            if t > seconds:
+                break
+            await asyncio.sleep(max(0.0, clock0 + t - time.perf_counter()))
+            r = RequestResult(len(results), t, 0.0, args.prompt_words, args.max_tokens)
+            results.append(r)
+            tasks.append(asyncio.create_task(send(client, url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)))
+        await asyncio.gather(*tasks)
+    return results
+
+
+async def burst(url: str, n: int, args, rng: random.Random) -> list[RequestResult]:
+    bodies = [chat_body(args.model_name, args.prompt_words, args.max_tokens, rng) for _ in range(n)]
+    results = [RequestResult(i, 0.0, 0.0, args.prompt_words, args.max_tokens) for i in range(n)]
+    async with _client(n) as client:
+        clock0 = time.perf_counter()
+        await asyncio.gather(*(send(client, url, b, r, clock0) for b, r in zip(bodies, results)))
+    return results
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def summarize(results: list[RequestResult], span_s: float, ttft_slo_s: float, tbt_slo_s: float) -> dict:
+    ok = [r for r in results if r.outcome is Outcome.OK]
+    refused = [r.e2e_s for r in results if r.outcome is Outcome.REJECTED]
+    errors = [r.error for r in results if r.outcome is Outcome.ERROR]
+    within = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tbt_s or 0.0) <= tbt_slo_s]
+    out = {"offered": len(results), "offered_rate_rps": len(results) / span_s if span_s else None, "accepted": len(ok),
+           "rejected": len(refused), "errors": len(errors), "first_errors": errors[:3],
+           "accepted_within_slo": len(within), "accepted_within_slo_share": len(within) / len(ok) if ok else None}  # fmt: skip
+    for q in (50, 90, 99, 100):
+        out[f"reject_p{q}_s"] = _pct(refused, q)
+        out[f"ttft_p{q}_s"] = _pct([r.ttft_s for r in ok], q)
+        out[f"tbt_p{q}_s"] = _pct([r.tbt_s or 0.0 for r in ok], q)
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:,.1f}"
+
+
+def render(phases: dict[str, dict], capacity_rps: float, args, console: Console) -> list[dict]:
+    table = Table(title=f"Overload: capacity {capacity_rps:.2f} requests/s ({args.prompt_words}-word chats, {args.max_tokens} tokens out)")
+    for col in ("phase", "offered", "rate/s", "200", "429", "err", "429 p50 ms", "429 p90 ms", "429 p99 ms", "429 max ms",
+                "TTFT p50 ms", "TTFT p99 ms", "TBT p99 ms", "within SLO"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for name, s in phases.items():
+        share = s["accepted_within_slo_share"]
+        table.add_row(name, str(s["offered"]), f"{s['offered_rate_rps']:.1f}" if s["offered_rate_rps"] else "-", str(s["accepted"]),
+                      str(s["rejected"]), str(s["errors"]), _ms(s["reject_p50_s"]), _ms(s["reject_p90_s"]), _ms(s["reject_p99_s"]),
+                      _ms(s["reject_p100_s"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p99_s"]), _ms(s["tbt_p99_s"]),
+                      "-" if share is None else f"{share:.0%}")  # fmt: skip
+    console.print(table)
+    goals = []
+    for phase, limit in (("open loop", GOAL_OPEN_P99_S), ("burst", GOAL_BURST_P99_S)):
+        s = phases.get(phase)
+        if s is None:
+            continue
+        p99 = s["reject_p99_s"]
+        goals.append({"goal": f"{phase}: 429 p99 under {limit * 1e3:.0f} ms", "value_s": p99, "pass": p99 is not None and p99 < limit})
+        share = s["accepted_within_slo_share"]
+        goals.append({"goal": f"{phase}: every accepted request within the SLOs", "value": share, "pass": share in (None, 1.0)})
+    for g in goals:
+        value = _ms(g["value_s"]) + " ms" if "value_s" in g else ("-" if g["value"] is None else f"{g['value']:.0%}")
+        console.print(f"{'PASS' if g['pass'] else 'MISS'}  {g['goal']}: {value}")
+    return goals
+
+
+@contextlib.contextmanager
+def local_cluster(args, console: Console):
+    """The cluster ``mooncake up`` starts, on free ports; yields (its OpenAI base URL, its TTFT and TBT SLOs)."""
+    from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+
+    workdir = Path(tempfile.mkdtemp(prefix="overload-bench-"))
+    model_dir, args.model_label = resolve_model(args, workdir)
+    config = ClusterConfig(model=str(model_dir), model_name=args.model_name, port=0, restart=False, workdir=workdir)
+    cluster = LocalCluster(config, lambda msg: console.log(msg))
+    try:
+        cluster.start()
+        yield cluster.endpoint, config.ttft_slo_s, config.tbt_slo_s
+    finally:
+        with shielded():
+            cluster.stop()
+
+
+async def run_phases(url: str, ttft_slo_s: float, tbt_slo_s: float, args, console: Console) -> dict:
+    rng = random.Random(args.seed)
+    await burst(url, 2, args, rng)  # warm-up, not counted
+    console.log(f"capacity: {args.concurrency} clients back to back for {args.capacity_s:.0f} s")
+    cap, cap_results = await capacity(url, args, rng)
+    if cap <= 0:
+        raise RuntimeError(f"no request finished while measuring capacity: {[r.error for r in cap_results][:3]}")
+    phases = {"capacity": summarize(cap_results, args.capacity_s, ttft_slo_s, tbt_slo_s)}
+    rate = args.factor * cap
+    console.log(f"open loop: {rate:.1f} requests/s ({args.factor:g} x {cap:.2f}) for {args.open_s:.0f} s")
+    phases["open loop"] = summarize(await open_loop(url, rate, args.open_s, args, rng), args.open_s, ttft_slo_s, tbt_slo_s)
+    if args.burst:
+        await asyncio.sleep(args.settle_s)
+        console.log(f"burst: {args.burst} requests at once")
+        phases["burst"] = summarize(await burst(url, args.burst, args, rng), 0.0, ttft_slo_s, tbt_slo_s)
+    return {"capacity_rps": cap, "offered_rate_rps": rate, "phases": phases}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="an OpenAI base URL (…/v1) to measure instead of starting the cluster")
+    p.add_argument("--model", help="model directory or registry name for the started cluster (default smollm2-135m)")
+    p.add_argument("--model-name", default="mooncake", help="the name requests send as `model`")
+    p.add_argument("--quick", action="store_true", help="a tiny random-weight llama instead of real weights")
+    p.add_argument("--ttft-slo", type=float, help="with --url: the cluster's TTFT SLO, seconds (default 30)")
+    p.add_argument("--tbt-slo", type=float, help="with --url: the cluster's TBT SLO, seconds (default 0.5)")
+    p.add_argument("--prompt-words", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4, help="clients while measuring capacity")
+    p.add_argument("--capacity-s", type=float, default=20.0)
+    p.add_argument("--factor", type=float, default=10.0, help="open-loop rate, as a multiple of the capacity")
+    p.add_argument("--open-s", type=float, default=30.0)
+    p.add_argument("--burst", type=int, default=300, help="requests sent at once (0: no burst)")
+    p.add_argument("--settle-s", type=float, default=5.0, help="pause before the burst")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write every number to this file")
+    args = p.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 160, log_path=False)
+    if args.url:
+        url = args.url.rstrip("/")
+        url = url if url.endswith("/v1") else f"{url}/v1"
+        cm = contextlib.nullcontext((url, args.ttft_slo or 30.0, args.tbt_slo or 0.5))
+    else:
+        cm = local_cluster(args, console)
+    with cm as (url, ttft_slo_s, tbt_slo_s):
+        result = asyncio.run(run_phases(url, ttft_slo_s, tbt_slo_s, args, console))
+    goals = render(result["phases"], result["capacity_rps"], args, console)
+    if args.json:
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
+                                         "machine": describe_machine(), **result, "goals": goals}, indent=2, default=str) + "\n")  # fmt: skip
+        console.print(f"raw numbers written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

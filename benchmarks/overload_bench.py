@@ -34,7 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -48,6 +47,7 @@ from replay import Outcome, RequestResult, tail_tbt  # noqa: E402
 
 GOAL_OPEN_P99_S = 0.050
 GOAL_BURST_P99_S = 1.0
+RETRY_PAUSE_S = 0.2
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in old "
          "towns near rivers and mountains where bright stars shine above calm lakes").split()  # fmt: skip
 
@@ -60,43 +60,93 @@ def chat_body(model: str, words: int, max_tokens: int, rng: random.Random) -> by
     }).encode()  # fmt: skip
 
 
-async def send(client: httpx.AsyncClient, url: str, body: bytes, r: RequestResult, clock0: float) -> None:
-    """Stream one chat completion into ``r``; ``e2e_s`` is set for every outcome (for a 429: its latency)."""
+async def send(url: str, body: bytes, r: RequestResult, clock0: float) -> None:
+    """Stream one chat completion into ``r``; ``e2e_s`` is set for every outcome (for a 429: its latency).
+
+    Plain HTTP/1.1 on an asyncio connection of its own, not an HTTP library: with hundreds
+    of requests at once, httpx's own per-request work (milliseconds of this process's CPU)
+    would be measured as the server's latency."""
+    host, port, path = _split(url)
     t0 = time.perf_counter()
     r.sent_s = t0 - clock0
     times: list[float] = []
+    writer = None
     try:
-        async with client.stream("POST", f"{url}/chat/completions", content=body, headers={"content-type": "application/json"}) as resp:
-            r.http_status = resp.status_code
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")[:300]
-                r.outcome = Outcome.REJECTED if resp.status_code == 429 else Outcome.ERROR
-                r.error = f"HTTP {resp.status_code}: {text}"
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(f"POST {path}/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)  # fmt: skip
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        r.http_status = status
+        if status != 200:
+            r.e2e_s = time.perf_counter() - t0  # the answer is here: the body is a few hundred bytes
+            text = (await _body(reader, headers)).decode(errors="replace")
+            r.outcome = Outcome.REJECTED if status == 429 else Outcome.ERROR
+            r.error = f"HTTP {status}: {text[:300]}"
+            if status == 429:
+                with contextlib.suppress(ValueError, KeyError, AttributeError, TypeError):
+                    r.error = json.loads(text)["error"]["code"] or "429"  # the reason (ttft_slo, overload ...)
+            return
+        async for event in _events(reader):
+            if event.get("error"):
+                r.outcome, r.error = Outcome.ERROR, json.dumps(event["error"])[:300]
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if event.get("error"):
-                    r.outcome, r.error = Outcome.ERROR, json.dumps(event["error"])[:300]
-                    return
-                choices = event.get("choices") or []
-                if choices and choices[0].get("delta", {}).get("content"):
-                    times.append(time.perf_counter() - t0)
+            choices = event.get("choices") or []
+            if choices and choices[0].get("delta", {}).get("content"):
+                times.append(time.perf_counter() - t0)
+        r.e2e_s = time.perf_counter() - t0
         if times:
             r.outcome, r.ttft_s, r.completion_tokens = Outcome.OK, times[0], len(times)
             r.tbt_s = tail_tbt([b - a for a, b in zip(times, times[1:])])
         else:
             r.outcome, r.error = Outcome.ERROR, "the stream ended without a token"
-    except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
         r.outcome, r.error = Outcome.ERROR, f"{type(e).__name__}: {e}"[:300]
-    finally:
         r.e2e_s = time.perf_counter() - t0
+    finally:
+        if writer is not None:
+            writer.close()
 
 
-def _client(limit: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), trust_env=False,
-                             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))  # fmt: skip
+def _split(url: str) -> tuple[str, int, str]:
+    """``http://host:port/v1`` -> (host, port, "/v1")."""
+    rest = url.split("://", 1)[-1]
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    return host, int(port), "/" + path.rstrip("/")
+
+
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+    if "content-length" in headers:
+        return await reader.readexactly(int(headers["content-length"]))
+    return b"".join([chunk async for chunk in _chunks(reader)])
+
+
+async def _chunks(reader: asyncio.StreamReader):
+    """The chunks of a chunked transfer encoding, as they arrive."""
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            return
+        chunk = await reader.readexactly(size + 2)
+        yield chunk[:-2]
+
+
+async def _events(reader: asyncio.StreamReader):
+    """The server-sent events of a chunked stream, decoded, until ``[DONE]``."""
+    pending = b""
+    async for chunk in _chunks(reader):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
 
 
 async def capacity(url: str, args, rng: random.Random) -> tuple[float, list[RequestResult]]:
@@ -105,14 +155,15 @@ async def capacity(url: str, args, rng: random.Random) -> tuple[float, list[Requ
     clock0 = time.perf_counter()
     deadline = clock0 + args.capacity_s
 
-    async def client_loop(client):
+    async def client_loop():
         while time.perf_counter() < deadline:
             r = RequestResult(len(results), 0.0, 0.0, args.prompt_words, args.max_tokens)
             results.append(r)
-            await send(client, url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)
+            await send(url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)
+            if r.outcome is not Outcome.OK:
+                await asyncio.sleep(RETRY_PAUSE_S)  # a refused client waits a little before its next request
 
-    async with _client(args.concurrency) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(args.concurrency)))
+    await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
     elapsed = time.perf_counter() - clock0
     done = [r for r in results if r.outcome is Outcome.OK]
     return len(done) / elapsed, results
@@ -123,25 +174,23 @@ async def open_loop(url: str, rate: float, seconds: float, args, rng: random.Ran
     results, tasks = [], []
     clock0 = time.perf_counter()
     t = 0.0
-    async with _client(100_000) as client:
-        while True:
-            t += rng.expovariate(rate)
-            if t > seconds:
-                break
-            await asyncio.sleep(max(0.0, clock0 + t - time.perf_counter()))
-            r = RequestResult(len(results), t, 0.0, args.prompt_words, args.max_tokens)
-            results.append(r)
-            tasks.append(asyncio.create_task(send(client, url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)))
-        await asyncio.gather(*tasks)
+    while True:
+        t += rng.expovariate(rate)
+        if t > seconds:
+            break
+        await asyncio.sleep(max(0.0, clock0 + t - time.perf_counter()))
+        r = RequestResult(len(results), t, 0.0, args.prompt_words, args.max_tokens)
+        results.append(r)
+        tasks.append(asyncio.create_task(send(url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)))
+    await asyncio.gather(*tasks)
     return results
 
 
 async def burst(url: str, n: int, args, rng: random.Random) -> list[RequestResult]:
     bodies = [chat_body(args.model_name, args.prompt_words, args.max_tokens, rng) for _ in range(n)]
     results = [RequestResult(i, 0.0, 0.0, args.prompt_words, args.max_tokens) for i in range(n)]
-    async with _client(n) as client:
-        clock0 = time.perf_counter()
-        await asyncio.gather(*(send(client, url, b, r, clock0) for b, r in zip(bodies, results)))
+    clock0 = time.perf_counter()
+    await asyncio.gather(*(send(url, b, r, clock0) for b, r in zip(bodies, results)))
     return results
 
 
@@ -156,9 +205,13 @@ def summarize(results: list[RequestResult], span_s: float, ttft_slo_s: float, tb
     ok = [r for r in results if r.outcome is Outcome.OK]
     refused = [r.e2e_s for r in results if r.outcome is Outcome.REJECTED]
     errors = [r.error for r in results if r.outcome is Outcome.ERROR]
+    reasons: dict[str, int] = {}
+    for r in results:
+        if r.outcome is Outcome.REJECTED:
+            reasons[str(r.error)] = reasons.get(str(r.error), 0) + 1
     within = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tbt_s or 0.0) <= tbt_slo_s]
     out = {"offered": len(results), "offered_rate_rps": len(results) / span_s if span_s else None, "accepted": len(ok),
-           "rejected": len(refused), "errors": len(errors), "first_errors": errors[:3],
+           "rejected": len(refused), "reasons": reasons, "errors": len(errors), "first_errors": errors[:3],
            "accepted_within_slo": len(within), "accepted_within_slo_share": len(within) / len(ok) if ok else None}  # fmt: skip
     for q in (50, 90, 99, 100):
         out[f"reject_p{q}_s"] = _pct(refused, q)
@@ -183,6 +236,9 @@ def render(phases: dict[str, dict], capacity_rps: float, args, console: Console)
                       _ms(s["reject_p100_s"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p99_s"]), _ms(s["tbt_p99_s"]),
                       "-" if share is None else f"{share:.0%}")  # fmt: skip
     console.print(table)
+    for name, s in phases.items():
+        if s["reasons"]:
+            console.print(f"{name}: 429s by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())))
     goals = []
     for phase, limit in (("open loop", GOAL_OPEN_P99_S), ("burst", GOAL_BURST_P99_S)):
         s = phases.get(phase)

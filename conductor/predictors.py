@@ -53,8 +53,19 @@ def fit_toward(x: np.ndarray, y: np.ndarray, prior: np.ndarray, rcond: float = 1
     scale[scale == 0] = 1.0
     typical = np.abs(prior) * scale  # each term's contribution at a typical sample, in seconds
     size = np.maximum(typical, 0.05 * max(typical.sum(), 1e-12))
-    u, *_ = np.linalg.lstsq(x / scale * size, y - x @ prior, rcond=rcond)
-    return np.maximum(prior + u * size / scale, 0.0)
+    # Non-negative: a term the unconstrained fit drives below zero is pinned at zero and the others refitted
+    # (clamping it alone would keep the rest of that fit: samples of nearly one prompt length fitted noise
+    # with a large negative constant and a large rate, and predicted 9 s for a prefill of 1 s)
+    free = np.ones(len(prior), dtype=bool)
+    while True:
+        fixed = np.where(free, prior, 0.0)
+        u = np.zeros(len(prior))
+        u[free], *_ = np.linalg.lstsq((x / scale * size)[:, free], y - x @ fixed, rcond=rcond)
+        coef = fixed + u * size / scale
+        negative = free & (coef < 0)
+        if not negative.any():
+            return coef
+        free &= ~negative
 
 
 class PrefillPredictor:

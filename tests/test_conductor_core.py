@@ -63,6 +63,17 @@ def test_prefill_predictor_refits_when_the_hardware_changes():
         assert p.predict(6000, 500) == pytest.approx(scale * prefill_formula(6000, 500), rel=0.01)
 
 
+def test_prefill_predictor_fitted_on_one_prompt_length_with_noisy_times_predicts_those_times():
+    """Chat prompts of nearly one length, timed with noise (batching): the noise must not become a huge rate with
+    its negative constant clamped away (that predicted 9 s for prefills of 1 s and refused 4 concurrent requests)."""
+    p = PrefillPredictor(PredictorConfig())
+    rng = random.Random(0)
+    for _ in range(24):
+        p.observe(rng.randint(270, 300), 0, rng.uniform(0.4, 1.5))
+    assert 0.5 < p.predict(285, 0) < 1.5
+    assert p.predict(15, 0) < p.predict(285, 0) and all(c >= 0 for c in p.coef)
+
+
 @pytest.mark.parametrize("prompt, cached, seconds", [(0, 0, 1.0), (-5, 0, 1.0), (100, -1, 1.0), (100, 101, 1.0), (100, 0, 0.0), (100, 0, -1.0)])
 def test_prefill_predictor_rejects_bad_samples(prompt, cached, seconds):
     p = PrefillPredictor(PredictorConfig())

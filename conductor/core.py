@@ -11,6 +11,7 @@ run it on simulated time. Not thread-safe: the service serialises calls with a l
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from pydantic import BaseModel, Field
 from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode
 from conductor.forecast import DecodeForecast, ForecastKind
 from conductor.index import KVIndex
-from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, make_policy
+from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, estimate, make_policy
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import (
     Decision, Instance, InstanceState, Load, Prediction, Rejection, RejectReason, Role, ScheduleRequest, Slo,
@@ -27,6 +28,9 @@ from conductor.types import (
 from kvstore.events import Tier
 
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
+SHED_S = 0.25  # how long a "refuse everything" verdict stands before it is asked again (Conductor.shed_s)
+SHED_TIMES = 8  # when the cheapest request's prefill could end: points from its soonest to the SLO, checked
+SHED_REUSE_S = 0.02  # a verdict this fresh is reused (a burst's rejections do not each recompute it)
 
 
 class ConductorConfig(BaseModel):
@@ -82,6 +86,7 @@ class Conductor:
         self.served: dict[str, Served] = {}  # prefill instance id -> what it was given
         self.last_sent: dict[str, float] = {}  # instance id -> when a request was last placed on it
         self.retiring: set[str] = set()  # drained instances to stop (through the pool provider) once idle
+        self._shed: tuple[float, float] = (-float("inf"), 0.0)  # (when, verdict) of the last shed_s
 
     # -- configuration at run time -------------------------------------------------------
 
@@ -261,9 +266,49 @@ class Conductor:
         verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:
             reason, message, retry = verdict
-            return self._reject(req, reason, message, retry, predicted)
+            return dataclasses.replace(self._reject(req, reason, message, retry, predicted), shed_s=self.shed_s(now))
         self._record(req, choice, decode, now)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
+
+    def shed_s(self, now: float) -> float:
+        """How long every request will be refused: SHED_S if even the cheapest request would be now, else 0.
+
+        The cheapest request is one prompt token on the prefill instance that would start
+        it soonest, in the loosest SLO class. Everything a real request adds (tokens to
+        compute, context in the decode batch) only makes its TTFT and TBT longer, so
+        when this one is refused, so is every other, except through the decode forecast:
+        a request whose prefill ends later meets the decode batch as it will be then. So
+        under early_predictive the cheapest request must be refused at every one of
+        SHED_TIMES moments its prefill could end, from its soonest to the TTFT SLO.
+        Nothing is recorded. A gateway that hears a verdict refuses new requests itself
+        for SHED_S and asks again (a probe) before that runs out.
+        """
+        when, verdict = self._shed
+        if now - when < SHED_REUSE_S:
+            return max(0.0, verdict - (now - when)) if verdict else 0.0
+        verdict = self._shed_verdict(now)
+        self._shed = (now, verdict)
+        return verdict
+
+    def _shed_verdict(self, now: float) -> float:
+        if self.admission is AdmissionKind.NONE or not self.config.slo_classes:
+            return 0.0
+        prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
+        if not prefills or not decodes:
+            return 0.0  # unavailable, not overloaded: the gateway holds such requests instead
+        slo = Slo(ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),
+                  tbt_s=max(s.tbt_s for s in self.config.slo_classes.values()))  # fmt: skip
+        probe = ScheduleRequest("shed-probe", (), 1, 1)
+        choice = min((estimate(i, probe, 0, None, 0, self.predictors) for i in prefills), key=lambda c: (c.ttft_s, c.instance.id))
+        times = [choice.ttft_s]
+        if self.admission is AdmissionKind.EARLY_PREDICTIVE and slo.ttft_s > choice.ttft_s:
+            times = [choice.ttft_s + (slo.ttft_s - choice.ttft_s) * k / (SHED_TIMES - 1) for k in range(SHED_TIMES)]
+        for t in times:
+            batch_of = self._batch_at(now + t, now, len(decodes))
+            decode, tbt = select_decode(probe, decodes, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
+            if self._admit(probe, choice, decode, tbt, decodes, batch_of, slo) is None:
+                return 0.0
+        return SHED_S
 
     def admit_at_decode(self, decode_id: str, now: float, context_tokens: int = 0) -> Rejection | None:
         """The baseline's late check, made when a prefill has finished: would the decode instance, with this

@@ -265,6 +265,11 @@ class ConductorService:
             self.metrics.decisions.labels(policy, outcome.reason.value).inc()
         return outcome, outcome_info
 
+    def shed_s(self) -> float:
+        """How long every request will be refused from now (Conductor.shed_s): what a shedding gateway's probe asks."""
+        with self._lock:
+            return self.conductor.shed_s(time.monotonic())
+
     def admit_at_decode(self, decode_id: str, context_tokens: int = 0):
         with self._lock:
             return self.conductor.admit_at_decode(decode_id, time.monotonic(), context_tokens)
@@ -424,6 +429,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_status
     def Schedule(self, request, context):
+        if request.probe:
+            return pb.ScheduleResponse(shed_s=self.service.shed_s())
         if request.key_chain and request.keys:
             raise ValueError("send the block keys as keys or as key_chain, not both")
         keys = KeyChain(request.key_chain) if request.key_chain else [bytes(k) for k in request.keys]
@@ -435,7 +442,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                                                          prefill_s=p.prefill_s)  # fmt: skip
         if not isinstance(outcome, Decision):
             rejection = pb.Rejection(reason=outcome.reason.value, message=outcome.message, retry_after_s=outcome.retry_after_s)
-            return pb.ScheduleResponse(rejection=rejection, predicted=predicted)
+            return pb.ScheduleResponse(rejection=rejection, predicted=predicted, shed_s=outcome.shed_s)
         prefill_address, decode_address, fetch_address, prefill_node, prefill_node_address = info
         plan = outcome.plan
         return pb.ScheduleResponse(

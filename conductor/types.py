@@ -196,3 +196,4 @@ class Rejection:
     message: str
     retry_after_s: float
     predicted: Prediction | None = None
+    shed_s: float = 0.0  # every request is refused for at least this long (Conductor.shed_s)

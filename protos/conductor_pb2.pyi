@@ -146,7 +146,7 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed")
+    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed", "probe")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class ScheduleRequest(_message.Message):
     SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     KEY_CHAIN_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
@@ -163,7 +164,8 @@ class ScheduleRequest(_message.Message):
     slo_class: str
     key_chain: bytes
     failed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
+    probe: bool
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class PrefixPlan(_message.Message):
     __slots__ = ("local_blocks", "fetch_node", "fetch_address", "fetch_blocks", "compute_tokens", "keep_fetched")
@@ -226,14 +228,16 @@ class Rejection(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("placement", "rejection", "predicted")
+    __slots__ = ("placement", "rejection", "predicted", "shed_s")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    SHED_S_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
     rejection: Rejection
     predicted: Prediction
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted: _Optional[_Union[Prediction, _Mapping]] = ...) -> None: ...
+    shed_s: float
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted: _Optional[_Union[Prediction, _Mapping]] = ..., shed_s: _Optional[float] = ...) -> None: ...
 
 class AdmitAtDecodeRequest(_message.Message):
     __slots__ = ("decode_id", "context_tokens")

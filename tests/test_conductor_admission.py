@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conductor.admission import reported_batch, select_decode
-from conductor.core import Conductor
+from conductor.core import SHED_S, Conductor
 from conductor.predictors import DecodePredictor
 from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest
 from kvstore.events import Tier
@@ -416,3 +416,42 @@ def test_a_forecast_that_sees_every_batch_drained_still_spreads_requests():
     first = c.schedule(request("a"), 0.0)
     second = c.schedule(request("b"), 0.0)
     assert {first.decode, second.decode} == {"d0", "d1"}
+
+
+# -- shedding: when every request is refused ---------------------------------------------------
+
+
+def test_shed_s_is_set_only_when_even_the_cheapest_request_would_be_refused():
+    c = conductor("early_predictive", ttft_s=2.0)
+    cluster(c, prefills=2)
+    c.heartbeat("p0", Load(queued_s=5.0), 0.0)
+    c.heartbeat("p1", Load(queued_s=1.5), 0.0)
+    big = c.schedule(request("big", blocks=60), 0.0)  # 960 tokens: 1.5 + 0.96 s on p1, over the 2 s SLO
+    assert isinstance(big, Rejection) and big.reason is RejectReason.TTFT_SLO
+    assert big.shed_s == 0.0  # a short prompt still fits on p1: the gateway must keep asking
+    assert isinstance(c.schedule(request("small", blocks=2), 0.0), Decision)
+    c.heartbeat("p0", Load(queued_s=2.5), 1.0)
+    c.heartbeat("p1", Load(queued_s=2.5), 1.0)  # now no prompt, however short, starts within the SLO
+    scheduled, rejected = c.counters.scheduled, dict(c.counters.rejected)
+    one_block = c.schedule(request("tiny", blocks=1), 1.0)
+    assert isinstance(one_block, Rejection) and one_block.shed_s == SHED_S
+    assert c.shed_s(1.1) == SHED_S  # asked again (a gateway's probe): decides and records nothing
+    assert c.counters.scheduled == scheduled and c.counters.rejected["ttft_slo"] == rejected["ttft_slo"] + 1
+    assert c.instances["p1"].load.queued_s == 2.5
+    c.heartbeat("p1", Load(queued_s=0.0), 1.2)  # p1 drained: the next probe ends the shedding
+    assert c.shed_s(1.2) == 0.0
+    c.heartbeat("p1", Load(queued_s=9.0), 1.3)
+    c.set_admission("none")  # nothing is ever refused: nothing to shed
+    assert c.shed_s(2.0) == 0.0
+
+
+def test_shed_s_covers_a_decode_pool_past_its_tbt_slo_but_not_a_missing_one():
+    c = conductor("early", ttft_s=2.0, tbt_s=0.1)
+    cluster(c)
+    c.heartbeat("d0", Load(running_requests=30), 0.0)  # 10 ms + 30 x 10 ms a step: far over the 0.1 s TBT SLO
+    outcome = c.schedule(request(), 0.0)
+    assert isinstance(outcome, Rejection) and outcome.shed_s == SHED_S
+    c.heartbeat("d0", Load(running_requests=0), 0.5)
+    assert c.shed_s(0.5) == 0.0
+    c.deregister("d0")  # no decode at all: unavailable (the gateway holds such requests), not overloaded
+    assert c.shed_s(1.0) == 0.0

@@ -18,7 +18,7 @@ from kvnodes import start_conductor
 from kvstore.control import ControlError
 from mooncake.blocks import block_keys, model_fingerprint
 from mooncake.serving.cluster import ClusterBackend
-from mooncake.serving.types import GenerationRequest, InvalidRequest
+from mooncake.serving.types import GenerationRequest, InvalidRequest, Rejected
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
@@ -111,5 +111,45 @@ def test_the_gateway_schedules_over_the_fast_path_when_the_conductor_has_one(fas
         placement, using = asyncio.run(go())
         assert (placement.prefill_id, placement.decode_id) == ("p0", "d0")
         assert using is fast
+    finally:
+        node.stop()
+
+
+def test_a_gateway_sheds_while_the_conductor_refuses_everything_and_stops_when_it_drains():
+    node = start_conductor("--heartbeat-timeout", "60", "--ttft-slo", "2")
+    try:
+        stub = pb_grpc.ConductorStub(grpc.insecure_channel(node.info["grpc"]))
+        stub.Register(pb.RegisterRequest(id="p0", role=pb.PREFILL, address="127.0.0.1:2", node="kv0"))
+        stub.Register(pb.RegisterRequest(id="d0", role=pb.DECODE, address="127.0.0.1:3", node="kv0", capacity=64))
+        stub.Heartbeat(pb.HeartbeatRequest(id="p0", load=pb.Load(queued_s=100.0)))  # nothing starts within the SLO
+        backend = ClusterBackend(node.info["grpc"], "m", 4096, BLOCK_TOKENS, FP)
+
+        def req() -> GenerationRequest:
+            return GenerationRequest(request_id=os.urandom(4).hex(), prompt_token_ids=list(range(40)), max_tokens=4)
+
+        async def go():
+            try:
+                assert backend.shedding() is None
+                with pytest.raises(Rejected) as first:
+                    await backend.schedule(req())
+                assert first.value.code == "ttft_slo"
+                shed = backend.shedding()  # the next request is refused here, without asking
+                assert shed is not None and shed.code == "ttft_slo" and "refused at the gateway" in shed.message
+                await asyncio.sleep(1.0)  # the probe keeps the verdict alive while the queue stays long
+                assert backend.shedding() is not None
+                stub.Heartbeat(pb.HeartbeatRequest(id="p0", load=pb.Load(queued_s=0.0)))
+                for _ in range(40):  # the next probe (within SHED_S) hears otherwise
+                    if backend.shedding() is None:
+                        break
+                    await asyncio.sleep(0.05)
+                assert backend.shedding() is None
+                placement = await backend.schedule(req())
+                assert placement.prefill_id == "p0"
+            finally:
+                await backend.close()
+
+        asyncio.run(go())
+        decided = stub.ListInstances(pb.ListInstancesRequest())
+        assert decided.scheduled == 1 and decided.rejected["ttft_slo"] == 1  # the probes decided nothing
     finally:
         node.stop()

@@ -48,15 +48,21 @@ STRICT_TEMPLATE = (
 
 
 class FaultyBackend(GenerationBackend):
-    """``inner``, failing as ``fault`` says: "reject" (429), "unavailable" (503), "midstream" (503 after 2 chunks)."""
+    """``inner``, failing as ``fault`` says: "reject" (429), "unavailable" (503), "midstream" (503 after 2 chunks),
+    "shed" (429 before any work: ``shedding``)."""
 
     def __init__(self, inner: GenerationBackend) -> None:
         self.inner = inner
         self.model_name = inner.model_name
         self.max_model_len = inner.max_model_len
         self.fault: str | None = None
+        self.generated = 0  # requests that reached generate
+
+    def shedding(self) -> Rejected | None:
+        return Rejected("every prefill queue is past the TTFT SLO", code="ttft_slo", retry_after_s=4.2) if self.fault == "shed" else None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        self.generated += 1
         if self.fault == "reject":
             raise Rejected("the decode instances are over their TBT SLO", retry_after_s=2.5)
         if self.fault == "unavailable":
@@ -442,6 +448,27 @@ def test_backend_rejection_is_429_with_retry_after(faulty):
         assert metric(url, "mooncake_gateway_requests_total", endpoint=CHAT, status="429") == 2
     finally:
         backend.fault = None
+
+
+def test_a_shedding_backend_gets_429_before_the_prompt_is_even_tokenized(faulty):
+    url, backend = faulty
+    backend.fault = "shed"
+    before = backend.generated
+    try:
+        for path, body in ((CHAT, {"model": "tiny", "messages": MESSAGES, "stream": True}), (COMPLETIONS, {"model": "tiny", "prompt": "x"})):
+            r = httpx.post(f"{url}{path}", json=body)
+            assert r.status_code == 429 and r.headers["retry-after"] == "5"
+            assert r.json()["error"]["code"] == "ttft_slo" and "TTFT SLO" in r.json()["error"]["message"]
+        assert backend.generated == before  # refused before the backend was asked
+        assert metric(url, "mooncake_gateway_rejections_total", reason="ttft_slo") == 2
+        assert metric(url, "mooncake_gateway_rejection_seconds_count") >= 2
+        # a request that is wrong anyway still hears why (its 4xx), not the 429
+        r = httpx.post(f"{url}{CHAT}", json={"model": "no-such-model", "messages": MESSAGES})
+        assert r.status_code == 404
+    finally:
+        backend.fault = None
+    r = httpx.post(f"{url}{COMPLETIONS}", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and backend.generated == before + 1
 
 
 def test_backend_unavailable_is_503_and_health_says_so(faulty):

@@ -62,6 +62,9 @@ def up(
                                    "one leads, the others stand by and take over when it dies"),
     hold: float = typer.Option(10.0, "--hold", min=0, help="Seconds the gateway holds a request while the Conductor (or "
                                "every worker of a role) is away, before answering 503"),
+    worker_nice: int = typer.Option(10, "--worker-nice", min=0, max=19, help="Run the workers and pool nodes this much below "
+                                    "the Conductor and the gateway in CPU priority (nice), so refusals and decisions stay "
+                                    "fast however busy the workers are; 0: the same priority"),
 ) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 
@@ -84,7 +87,7 @@ def up(
             host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
             pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
             ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size, device=device,
-            conductors=conductors, hold_s=hold,
+            conductors=conductors, hold_s=hold, worker_nice=worker_nice,
         )  # fmt: skip
     except ValueError as e:  # pydantic's ValidationError is one
         console.print(f"[red]error:[/red] {e}")

@@ -81,6 +81,9 @@ class ClusterConfig(BaseModel):
     conductors: int = Field(1, ge=1, le=5, description="Conductors: with more than one (on --redis-url), one leads and "
                             "the others stand by to take over when its lease lapses")  # fmt: skip
     ready_timeout_s: float = 180.0
+    worker_nice: int = Field(10, ge=0, le=19, description="the workers' and pool nodes' CPU priority below the Conductor's "
+                             "and the gateway's (nice): on shared cores a refused request is answered in milliseconds "
+                             "however busy the workers are (0: the same priority)")  # fmt: skip
 
     @model_validator(mode="after")
     def _standbys_need_redis(self) -> "ClusterConfig":
@@ -122,6 +125,7 @@ class Component:
     restarts: int = 0
     stopping: bool = False
     env: dict[str, str] | None = None  # added to this process's environment
+    nice: int = 0  # CPU priority below the control plane's (os.nice), for it and every thread it starts
 
     @property
     def alive(self) -> bool:
@@ -131,8 +135,9 @@ class Component:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
         env = {**os.environ, **self.env} if self.env else None
+        nice = self.nice
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)  # fmt: skip
+                                     start_new_session=True, env=env, preexec_fn=(lambda: os.nice(nice)) if nice else None)  # fmt: skip
         log_file.close()
 
     def wait_ready(self, timeout_s: float) -> dict:
@@ -274,7 +279,7 @@ class LocalCluster:
             "kvstore", "--node", f"kv{i}", "--host", h, "--port", str(port), "--block-bytes", str(self._block_bytes),
             "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", self.conductor_addresses,
             "--metrics-port", "0", *ssd, host=f"p{i}",
-        ), self.run_dir / "logs" / f"kv{i}.log")  # fmt: skip
+        ), self.run_dir / "logs" / f"kv{i}.log", nice=c.worker_nice)  # fmt: skip
         pport = self._port(f"prefill-{i}", h)
         group = ["--pipeline-stages", str(c.group_size)] if i < c.prefill_groups else []
         if group and self.net is not None:  # each stage a server on a network host of its own
@@ -285,7 +290,7 @@ class LocalCluster:
             "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_addresses,
             "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
             "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(), *group, host=f"p{i}",
-        ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env())  # fmt: skip
+        ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env(), nice=c.worker_nice)  # fmt: skip
         return node, prefill
 
     def _stage_server(self, i: int, j: int) -> tuple[Component, str]:
@@ -299,7 +304,7 @@ class LocalCluster:
             "prefill.stage", "--model", c.model, "--stage", str(j), "--stages", str(c.group_size), "--host", h, "--port", str(port),
             "--key-file", str(self._stage_key()), "--dtype", c.dtype, "--block-size", str(c.block_size), "--chunk",
             str(c.prefill_batched_tokens), "--shm-dir", self.shm_dir, *max_len, *device, host=f"p{i}s{j}",
-        ), self.run_dir / "logs" / f"{name}.log")  # fmt: skip
+        ), self.run_dir / "logs" / f"{name}.log", nice=c.worker_nice)  # fmt: skip
         return comp, f"{h}:{port}"
 
     def _stage_key(self) -> Path:
@@ -319,7 +324,7 @@ class LocalCluster:
             "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size), "--max-num-seqs", str(c.decode_max_seqs),
             "--tbt-slo", str(c.tbt_slo_s), "--detect-s", str(c.detect_s), "--shm-dir", self.shm_dir, *threads, *max_len, *self._engine_flags(),
             host=f"d{i}",
-        ), self.run_dir / "logs" / f"decode-{i}.log", env=self._worker_env())  # fmt: skip
+        ), self.run_dir / "logs" / f"decode-{i}.log", env=self._worker_env(), nice=c.worker_nice)  # fmt: skip
 
     def _gateway(self) -> Component:
         c, h = self.config, self.root_host

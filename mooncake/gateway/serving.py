@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 DONE_EVENT = "data: [DONE]\n\n"
 
 MAX_PROMPTS = 64  # generations per request: prompts x (best_of or n)
+INLINE_CHARS = 16_384  # shorter texts tokenize on the event loop (see _off_loop_if_long)
 TOP_K_MAX = 2**31 - 1  # a top_k over the vocabulary cuts nothing; larger ones are clamped to fit the wire
 
 
@@ -172,9 +173,10 @@ class OpenAIServing:
     # -- preparing --------------------------------------------------------------------------
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
-        """Check ``req``, render its conversation (with its tools) and tokenize it (on a thread). Raises ApiError."""
+        """Check ``req``, render its conversation (with its tools) and tokenize it (a long one on a thread). Raises ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
+        self._refuse_if_shedding()
         try:
             tool_plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         except ValueError as e:
@@ -184,7 +186,8 @@ class OpenAIServing:
         messages, variables = tools.render_messages([_template_message(m, i) for i, m in enumerate(req.messages)],
                                                     tool_plan, native)  # fmt: skip
         try:
-            prompt = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, **variables)
+            chars = sum(len(str(m.get("content") or "")) for m in messages)
+            prompt = await _off_loop_if_long(chars, self.tokenizer.encode_chat, messages, True, **variables)
         except ValueError as e:
             raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
         if req.max_completion_tokens is not None:
@@ -222,9 +225,10 @@ class OpenAIServing:
                            param=param) from None  # fmt: skip
 
     async def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
-        """Check ``req`` and tokenize its prompts (text on a thread; token ids as given). Raises ApiError."""
+        """Check ``req`` and tokenize its prompts (long text on a thread; token ids as given). Raises ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
+        self._refuse_if_shedding()
         if req.suffix:
             raise ApiError(400, "'suffix' (insertion) is not supported by this server", param="suffix", code="unsupported_parameter")
         prompts = req.prompt
@@ -238,7 +242,7 @@ class OpenAIServing:
         vocab = self.tokenizer.vocab_size
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if prompt else []
+                ids = await _off_loop_if_long(len(prompt), self.tokenizer.encode, prompt) if prompt else []
             else:
                 ids = list(prompt)
                 bad = [i for i in ids if not 0 <= i < vocab]
@@ -253,6 +257,13 @@ class OpenAIServing:
         if req.echo:
             prepared.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         return prepared
+
+    def _refuse_if_shedding(self) -> None:
+        """A 429 before any work (template, tokens, keys) while the backend knows every request is refused now."""
+        rejected = self.backend.shedding()
+        if rejected is not None:
+            self.metrics.rejections.labels(rejected.code or rejected.error_type).inc()
+            raise ApiError.from_backend(rejected)
 
     def _check_common(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.model != self.model_name:
@@ -486,6 +497,20 @@ class _HeldToolText:
     def flush(self) -> str:
         held, self.held = self.held, ""
         return held
+
+
+async def _off_loop_if_long(chars: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a thread for a text of ``INLINE_CHARS`` or more, else here on the event loop.
+
+    A short text tokenizes in well under a millisecond; handing it to a thread costs more
+    than that under load (the event loop waits for the GIL back, up to Python's 5 ms
+    switch interval, while other requests' threads run), and that wait was most of a
+    refused request's latency in a burst (benchmarks/overload_bench.py). A long one would
+    stall every other request on the loop, so it goes to a thread.
+    """
+    if chars < INLINE_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 def _choice_seed(seed: int | None, choice: int) -> int | None:

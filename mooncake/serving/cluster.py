@@ -9,7 +9,11 @@
                                                 (the decode worker calls the prefill worker)
 
 A Rejection becomes ``Rejected`` (HTTP 429 with the Conductor's retry-after); a decode
-worker's RESOURCE_EXHAUSTED is a rejection too. A component that fails the request is
+worker's RESOURCE_EXHAUSTED is a rejection too. A rejection that says the cluster refuses
+even the cheapest request (``shed_s``, conductor.core.Conductor.shed_s) makes the gateway
+refuse new requests itself, before tokenizing them (``shedding``), while a background
+probe asks the Conductor again every time the verdict runs out; the first probe that
+hears otherwise ends it. A component that fails the request is
 outlived where it can be (mooncake.serving.recovery): a prefill or decode worker that
 fails it before its first token gets it placed elsewhere (the Conductor hears which one
 failed), a decode worker dying mid-stream gets it resumed on another one from the pool's
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_KEY = "retry-after-s"  # decode.server's trailing metadata on RESOURCE_EXHAUSTED
 FAILED_INSTANCE_KEY = "failed-instance"  # and on UNAVAILABLE, when the prefill worker failed
 UNAVAILABLE_REASONS = ("no_prefill_instance", "no_decode_instance")
+SHED_PROBE_LEAD_S = 0.05  # a shedding gateway probes the Conductor this long before the verdict runs out
 FAST_PATH_RECHECK_S = 5.0  # how often to ask a Conductor without a (working) fast path whether it has one now
 HASH_INLINE_TOKENS = 4096  # shorter prompts hash their keys on the event loop (well under a millisecond)
 
@@ -69,6 +74,9 @@ class ClusterBackend(GenerationBackend):
         self._conductor: cpb_grpc.ConductorStub | None = None
         self._fast: AsyncFastChannel | None = None  # the Conductor's fast path (None: not known yet, or it has none)
         self._fast_checked = -float("inf")  # when the Conductor was last asked where its fast path is
+        self._shed_until = 0.0  # until then (monotonic), new requests are refused here: the Conductor said it refuses all
+        self._shed_rejection: Rejected | None = None  # the rejection that said so (its reason and retry-after)
+        self._shed_task: asyncio.Task | None = None  # the probe that asks again before _shed_until
         self._decoders: dict[str, wpb_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -132,6 +140,8 @@ class ClusterBackend(GenerationBackend):
             if r.reason in UNAVAILABLE_REASONS:
                 raise _Fault(Fault.NO_INSTANCE, Unavailable(r.message, code=r.reason, retry_after_s=r.retry_after_s))
             rejected = Rejected(r.message, code=r.reason, retry_after_s=r.retry_after_s)
+            if resp.shed_s > 0:
+                self._shed(rejected, resp.shed_s)
             if progress is not None and progress.faults:
                 raise _Fault(Fault.BUSY, rejected)  # it outlived a failure already: wait for room rather than fail it now
             raise rejected
@@ -149,6 +159,39 @@ class ClusterBackend(GenerationBackend):
                 self._fast, self._fast_checked = None, time.monotonic()
                 await fast.close()
         return await stub.Schedule(msg, timeout=self.schedule_timeout_s)
+
+    # -- shedding ------------------------------------------------------------------------------
+
+    def shedding(self) -> Rejected | None:
+        """A 429 for a new request, at once, while the Conductor's last word is that it refuses every request."""
+        if time.monotonic() >= self._shed_until or self._shed_rejection is None:
+            return None
+        r = self._shed_rejection
+        return Rejected(f"{r.message} (refused at the gateway: the cluster refuses every request for now)", code=r.code,
+                        retry_after_s=r.retry_after_s)  # fmt: skip
+
+    def _shed(self, rejected: Rejected, shed_s: float) -> None:
+        self._shed_until, self._shed_rejection = time.monotonic() + shed_s, rejected
+        if self._shed_task is None or self._shed_task.done():
+            self._shed_task = asyncio.get_running_loop().create_task(self._probe_until_accepting())
+
+    async def _probe_until_accepting(self) -> None:
+        """While shedding, ask the Conductor (a probe: it decides and records nothing) shortly before the verdict runs
+        out; a verdict of 0, or a Conductor that does not answer, ends the shedding (requests then ask it themselves)."""
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, self._shed_until - time.monotonic() - SHED_PROBE_LEAD_S))
+                try:
+                    resp = await self._schedule_call(cpb.ScheduleRequest(probe=True))
+                except (grpc.RpcError, ControlError):
+                    resp = None
+                if resp is None or resp.shed_s <= 0:
+                    self._shed_until = 0.0
+                    return
+                self._shed_until = time.monotonic() + resp.shed_s
+        except asyncio.CancelledError:
+            self._shed_until = 0.0
+            raise
 
     async def _fast_channel(self, stub: cpb_grpc.ConductorStub) -> AsyncFastChannel | None:
         """The Conductor's fast path, asked for (over gRPC) at most every FAST_PATH_RECHECK_S."""
@@ -265,6 +308,8 @@ class ClusterBackend(GenerationBackend):
         fast, self._fast = self._fast, None
         if fast is not None:
             await fast.close()
+        if self._shed_task is not None:
+            self._shed_task.cancel()
         for channel in channels:
             await channel.close()
 

@@ -132,6 +132,11 @@ class GenerationBackend(abc.ABC):
         chunk, or during the stream when a worker dies mid-request).
         """
 
+    def shedding(self) -> Rejected | None:
+        """The answer for a new request now, before any work on it, when the backend already knows it would be
+        refused (a cluster past its SLO for even the cheapest request); None: go ahead."""
+        return None
+
     async def health(self) -> dict:
         """What /health reports, within a few seconds; raise Unavailable when nothing can serve."""
         return {"status": "ok"}

@@ -682,8 +682,8 @@ def test_rendered_pods_run_answer_their_probes_serve_and_stop_within_their_grace
     stop on SIGTERM within their pod's grace period."""
     from mooncake.localproc import RedisServer, free_port
 
-    ports = ["conductor.port", "conductor.metricsPort", "gateway.port", "prefill.port", "prefill.metricsPort",
-             "prefill.kvstore.port", "prefill.kvstore.controlPort", "prefill.kvstore.transferPort",
+    ports = ["conductor.port", "conductor.metricsPort", "conductor.controlPort", "gateway.port", "prefill.port",
+             "prefill.metricsPort", "prefill.kvstore.port", "prefill.kvstore.controlPort", "prefill.kvstore.transferPort",
              "prefill.kvstore.metricsPort", "decode.port", "decode.metricsPort"]  # fmt: skip
     sets = {key: free_port() for key in ports} | {
         "model.dir": smollm2_dir, "prefill.threads": 1, "decode.threads": 1, "prefill.numKvBlocks": 256,

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -135,9 +136,10 @@ class Component:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
         env = {**os.environ, **self.env} if self.env else None
-        nice = self.nice
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env, preexec_fn=(lambda: os.nice(nice)) if nice else None)  # fmt: skip
+        # `nice` execs the command (the pid stays the component's); a preexec_fn would fork this threaded process instead
+        argv = ["nice", "-n", str(self.nice), *self.argv] if self.nice and shutil.which("nice") else self.argv
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env)  # fmt: skip
         log_file.close()
 
     def wait_ready(self, timeout_s: float) -> dict:
@@ -406,8 +408,8 @@ class LocalCluster:
             with self._lock:
                 comps = list(self.components.values())
             for comp in comps:
-                if comp.alive or comp.stopping or self._stop.is_set():
-                    continue
+                if comp.alive or comp.stopping or comp.proc is None or self._stop.is_set():
+                    continue  # (never started yet: a scale-up's thread is starting it and says if that fails)
                 code = comp.proc.returncode if comp.proc else None
                 comp.restarts += 1
                 delay = min(30.0, 2.0 ** min(comp.restarts, 5) / 4)

@@ -207,6 +207,17 @@ class Conductor:
     def alive(self, role: Role) -> list[Instance]:
         return [i for i in self.instances.values() if i.role is role and i.schedulable]
 
+    def _alive_pools(self) -> tuple[list[Instance], list[Instance]]:
+        """(alive prefill instances, alive decode instances), in one pass (every Schedule asks)."""
+        prefills, decodes = [], []
+        for i in self.instances.values():
+            if i.role is Role.PREFILL:
+                if i.schedulable:
+                    prefills.append(i)
+            elif i.role is Role.DECODE and i.schedulable:
+                decodes.append(i)
+        return prefills, decodes
+
     # -- the index -------------------------------------------------------------------------
 
     def stored(self, node: str, key: bytes, tier: Tier, parent: bytes | None) -> None:
@@ -254,7 +265,7 @@ class Conductor:
         slo = self.slo(req.slo_class)
         for instance_id in req.failed:
             self.suspect(instance_id, now)
-        prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
+        prefills, decodes = self._alive_pools()
         if not prefills:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
         if not decodes:

@@ -268,13 +268,12 @@ class KVIndex:
         n = len(keys)
         if not n:
             return PrefixMatch({}, {})
-        blob = getattr(keys, "blob", None)
-        key_at = (lambda i: blob[16 * i : 16 * i + 16]) if blob is not None else keys.__getitem__
+        blob = getattr(keys, "blob", None)  # a KeyChain (as Schedule gets them): slice it; else a list of keys
         get = self._flags.get
-        first = get(key_at(0), 0)
+        first = get(blob[:16] if blob is not None else keys[0], 0)
         if not first:
             return PrefixMatch({}, {})
-        last = get(key_at(n - 1), 0) & first
+        last = get(blob[-16:] if blob is not None else keys[n - 1], 0) & first
         drops: list[tuple[int, int]] = [(n, last)]  # (prefix length, the flags that end there)
         stack = [(0, first, n - 1, last)]
         while stack:
@@ -285,7 +284,7 @@ class KVIndex:
                 drops.append((i + 1, at_i & ~at_j))
                 continue
             mid = (i + j) >> 1
-            at_mid = get(key_at(mid), 0) & at_i
+            at_mid = get(blob[16 * mid : 16 * mid + 16] if blob is not None else keys[mid], 0) & at_i
             stack.append((mid, at_mid, j, at_j & at_mid))
             stack.append((i, at_i, mid, at_mid))
         any_tier: dict[str, int] = {}

@@ -138,20 +138,16 @@ def _cheapest(candidates: list[Instance], key, cost) -> PrefillChoice:
     instances hold none of a given prompt, so a Schedule costs a few predictions, not 64.
     """
     parts: dict = {}
-    best = best_inst = None
-
-    def full_key(inst: Instance) -> tuple:
-        return key(inst), inst.pipeline_stages, inst.pipeline_chunk  # a pipeline group predicts its own prefill
-
+    best = best_inst = best_part = None
     for inst in candidates:
-        k = full_key(inst)
+        k = key(inst), inst.pipeline_stages, inst.pipeline_chunk  # a pipeline group predicts its own prefill
         c = parts.get(k)
         if c is None:
             c = parts[k] = cost(inst)
         score = (inst.load.queued_s + c.transfer_s + c.prefill_s, inst.id)
         if best is None or score < best:
-            best, best_inst = score, inst
-    c = parts[full_key(best_inst)]
+            best, best_inst, best_part = score, inst, c
+    c = best_part
     return PrefillChoice(best_inst, c.plan, best_inst.load.queued_s, c.transfer_s, c.prefill_s)
 
 
@@ -197,7 +193,8 @@ class KVCacheCentricPolicy(PrefillPolicy):
 
         if tier_aware:  # prices depend on where inside a prefix the SSD blocks are: one per instance
             return _cheapest(candidates, lambda i: i.node, cost)
-        return _cheapest(candidates, lambda i: (match.blocks(i.node), match.dram_blocks(i.node), i.node == top_node), cost)
+        held, dram = match.any_tier.get, match.dram.get  # plain dict lookups: this runs for every instance
+        return _cheapest(candidates, lambda i: (held(i.node, 0), dram(i.node, 0), i.node == top_node), cost)
 
     def _tier_aware_cost(self, inst, req, match, predictors, local: PrefillChoice, src: str | None, src_len: int) -> PrefillChoice:
         """The cheapest of: the local plan, or fetching from ``src`` whatever this node lacks, or also what it has only on SSD."""

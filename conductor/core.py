@@ -304,7 +304,7 @@ class Conductor:
     def _shed_verdict(self, now: float) -> float:
         if self.admission is AdmissionKind.NONE or not self.config.slo_classes:
             return 0.0
-        prefills, decodes = self.alive(Role.PREFILL), self.alive(Role.DECODE)
+        prefills, decodes = self._alive_pools()
         if not prefills or not decodes:
             return 0.0  # unavailable, not overloaded: the gateway holds such requests instead
         slo = Slo(ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),

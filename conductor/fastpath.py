@@ -23,9 +23,8 @@ import collections
 import contextlib
 import logging
 
-import grpc
 
-from kvstore.control import MAX_MESSAGE, REQUEST, RESPONSE, ControlError, ControlServer
+from kvstore.control import MAX_MESSAGE, REQUEST, RESPONSE, ControlError, ControlServer, status_code
 from protos import conductor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,6 @@ METHODS: dict[int, tuple[str, type, type]] = {
     3: ("Report", pb.ReportRequest, pb.ReportResponse),
 }
 METHOD_IDS = {name: mid for mid, (name, _, _) in METHODS.items()}
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def start_fast_path(servicer, host: str, port: int = 0) -> ControlServer:
@@ -82,7 +80,7 @@ class AsyncFastChannel:
                 writer.close()
             raise
         if code:
-            raise ControlError(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode("utf-8", "replace"))
+            raise ControlError(status_code(code), payload.decode("utf-8", "replace"))
         return METHODS[mid][2].FromString(payload)
 
     async def _connect(self) -> asyncio.StreamWriter:

@@ -70,6 +70,11 @@ class ControlError(Exception):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def status_code(value: int) -> grpc.StatusCode:
+    """The gRPC status code a frame's ``code`` byte carries (UNKNOWN for a value gRPC has not defined)."""
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
 class _Context:
     """What a servicer method needs of a gRPC context: ``abort`` raises."""
 
@@ -254,7 +259,7 @@ class ControlChannel:
         if oneway:
             return None
         if code:
-            raise ControlError(_CODES.get(code, grpc.StatusCode.UNKNOWN), payload.decode("utf-8", "replace"))
+            raise ControlError(status_code(code), payload.decode("utf-8", "replace"))
         return self._methods[mid][2].FromString(payload)
 
     def _exchange(self, conn: FramedSocket, frame: bytes, oneway: bool, timeout: float) -> tuple[int, bytes]:

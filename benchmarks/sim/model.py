@@ -262,8 +262,7 @@ class NodeCache:
         self.ssd: set[bytes] = set()
         self._dram_policy = make_policy(eviction)
         self._ssd_policy = make_policy(eviction)
-        self._position: dict[bytes, int] = {}
-        self._parent: dict[bytes, bytes] = {}  # the block before each one in its chain, as a pool node records it
+        self._chain: dict[bytes, tuple[int, bytes]] = {}  # key -> (its position, the block before it), as a pool node records them
         self._tick = 0
         self.leased: set[bytes] = set()
         self._sink = sink
@@ -304,8 +303,7 @@ class NodeCache:
         for position, key in enumerate(keys):
             if key in self.dram:
                 continue
-            self._position[key] = position
-            self._parent[key] = keys[position - 1] if position else b""
+            self._chain[key] = (position, keys[position - 1] if position else b"")
             if key in self.ssd:  # a copy on SSD: the fresh one goes to DRAM as well
                 self._ssd_policy.touch(key, self._tick)
             else:
@@ -318,8 +316,9 @@ class NodeCache:
     def _insert_dram(self, key: bytes) -> None:
         self._tick += 1
         self.dram.add(key)
-        self._dram_policy.insert(key, self._position.get(key, 0), self._tick)
-        self._events.append((True, key, Tier.DRAM, self._parent.get(key)))
+        position, parent = self._chain.get(key, (0, None))
+        self._dram_policy.insert(key, position, self._tick)
+        self._events.append((True, key, Tier.DRAM, parent))
 
     def _flush(self) -> None:
         if self._events:
@@ -361,14 +360,13 @@ class NodeCache:
                     ssd_removed.append(victim)
             self._tick += 1
             self.ssd.add(key)
-            self._ssd_policy.insert(key, self._position.get(key, 0), self._tick)
+            self._ssd_policy.insert(key, self._chain.get(key, (0, None))[0], self._tick)
             ssd_stored.append(key)
         self.evictions += len(victims)
         events = self._events
         events += [(False, k, Tier.SSD, None) for k in ssd_removed if k not in self.ssd]
-        events += [(True, k, Tier.SSD, self._parent.get(k)) for k in ssd_stored if k in self.ssd]
+        events += [(True, k, Tier.SSD, self._chain.get(k, (0, None))[1]) for k in ssd_stored if k in self.ssd]
         events += [(False, k, Tier.DRAM, None) for k in victims]
         for key in (*ssd_removed, *victims):
             if key not in self.dram and key not in self.ssd:
-                self._position.pop(key, None)
-                self._parent.pop(key, None)
+                self._chain.pop(key, None)

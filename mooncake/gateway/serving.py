@@ -503,10 +503,9 @@ async def _off_loop_if_long(chars: int, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` on a thread for a text of ``INLINE_CHARS`` or more, else here on the event loop.
 
     A short text tokenizes in well under a millisecond; handing it to a thread costs more
-    than that under load (the event loop waits for the GIL back, up to Python's 5 ms
-    switch interval, while other requests' threads run), and that wait was most of a
-    refused request's latency in a burst (benchmarks/overload_bench.py). A long one would
-    stall every other request on the loop, so it goes to a thread.
+    than that under load (the event loop waits for the GIL back while other requests'
+    threads run; a profile of a burst, benchmarks/overload_bench.py, showed the loop
+    there). A long one would stall every other request on the loop, so it goes to a thread.
     """
     if chars < INLINE_CHARS:
         return fn(*args, **kwargs)

@@ -30,6 +30,7 @@ from kvstore.events import Tier
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
 SHED_S = 0.25  # how long a "refuse everything" verdict stands before it is asked again (Conductor.shed_s)
 SHED_TIMES = 8  # when the cheapest request's prefill could end: points from its soonest to the SLO, checked
+SHED_BUSY_S = 0.1  # the same when every decode worker is full: a batch frees sooner than a prefill queue drains
 SHED_REUSE_S = 0.02  # a verdict this fresh is reused (a burst's rejections do not each recompute it)
 
 
@@ -270,9 +271,13 @@ class Conductor:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
         if not decodes:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
+        takers = self._takers(decodes)
+        if not takers:
+            return dataclasses.replace(self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes), MIN_RETRY_S),
+                                       shed_s=self.shed_s(now))  # fmt: skip
         choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
         batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
-        decode, tbt = select_decode(req, decodes, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
+        decode, tbt = select_decode(req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
         predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
         verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:
@@ -309,6 +314,9 @@ class Conductor:
             return 0.0  # unavailable, not overloaded: the gateway holds such requests instead
         slo = Slo(ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),
                   tbt_s=max(s.tbt_s for s in self.config.slo_classes.values()))  # fmt: skip
+        takers = self._takers(decodes)
+        if not takers:
+            return SHED_BUSY_S
         probe = ScheduleRequest("shed-probe", (), 1, 1)
         choice = min((estimate(i, probe, 0, None, 0, self.predictors) for i in prefills), key=lambda c: (c.ttft_s, c.instance.id))
         times = [choice.ttft_s]
@@ -316,10 +324,38 @@ class Conductor:
             times = [choice.ttft_s + (slo.ttft_s - choice.ttft_s) * k / (SHED_TIMES - 1) for k in range(SHED_TIMES)]
         for t in times:
             batch_of = self._batch_at(now + t, now, len(decodes))
-            decode, tbt = select_decode(probe, decodes, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
+            decode, tbt = select_decode(probe, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
             if self._admit(probe, choice, decode, tbt, decodes, batch_of, slo) is None:
                 return 0.0
         return SHED_S
+
+    def _takers(self, decodes: list[Instance]) -> list[Instance]:
+        """The decode instances that would take one more request now; under the early admissions, those whose
+        worker would not refuse it as ``decode.worker.DecodeWorker._admit`` does.
+
+        A worker refuses when the requests it holds in prefill, plus those running past its
+        batch cap (``Load.batch_cap``: what its TBT SLO allows, in every heartbeat), come to a
+        whole batch. The requests come from the forecast's bookkeeping (scheduled here, their
+        decode start and end reported by the worker), which is as fresh as the last report;
+        a worker that reports no cap is never full here. Refused here, such a request hears
+        429 in a fraction of a millisecond instead of a round trip to a busy worker, and the
+        gateway can shed while every worker is full.
+        """
+        if self.admission not in (AdmissionKind.EARLY, AdmissionKind.EARLY_PREDICTIVE):
+            return decodes
+        takers = []
+        for inst in decodes:
+            cap = inst.load.batch_cap
+            if cap:
+                pending, decoding = self.forecast.occupancy(inst.id)
+                if pending + max(0, decoding - cap) >= cap:
+                    continue
+            takers.append(inst)
+        return takers
+
+    def _busy_message(self, decodes: list[Instance]) -> str:
+        held = ", ".join(f"{i.id}: {sum(self.forecast.occupancy(i.id))} for a batch of {i.load.batch_cap}" for i in decodes[:4])
+        return f"every decode worker has a full batch waiting ({held})"
 
     def admit_at_decode(self, decode_id: str, now: float, context_tokens: int = 0) -> Rejection | None:
         """The baseline's late check, made when a prefill has finished: would the decode instance, with this

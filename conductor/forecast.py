@@ -57,6 +57,8 @@ class DecodeForecast:
         self._free: list[int] = []
         self._decode_number: dict[str, int] = {}  # decode id -> its number in the ``_decode`` column
         self._decode_ids: list[str] = []
+        self._pending: list[int] = []  # by decode number: live flights not yet decoding
+        self._decoding: list[int] = []  # and decoding
         self._decode = np.zeros(0, np.int64)
         self._start = np.zeros(0)  # when its decode starts (predicted until reported)
         self._context = np.zeros(0)
@@ -81,7 +83,10 @@ class DecodeForecast:
         if number is None:
             number = self._decode_number[decode] = len(self._decode_ids)
             self._decode_ids.append(decode)
+            self._pending.append(0)
+            self._decoding.append(0)
         row = self._free.pop() if self._free else self._grow()
+        self._pending[number] += 1
         self._row[request_id], self._ids[row] = row, request_id
         self._decode[row], self._start[row], self._context[row] = number, prefill_done_at, context_tokens
         self._started[row], self._live[row] = False, True
@@ -90,6 +95,10 @@ class DecodeForecast:
         row = self._row.get(request_id)
         if row is None:
             return
+        if not self._started[row]:
+            number = int(self._decode[row])
+            self._pending[number] -= 1
+            self._decoding[number] += 1
         self._start[row], self._started[row] = now, True
         context = int(self._context[row])
         self._starts.append((now, context))
@@ -129,11 +138,15 @@ class DecodeForecast:
 
     def count(self, decode: str) -> int:
         """Requests sent to ``decode`` that have not finished."""
+        pending, decoding = self.occupancy(decode)
+        return pending + decoding
+
+    def occupancy(self, decode: str) -> tuple[int, int]:
+        """(requests sent to ``decode`` and not decoding yet, requests decoding there), as reported so far."""
         number = self._decode_number.get(decode)
         if number is None:
-            return 0
-        n = len(self._ids)
-        return int(np.count_nonzero(self._live[:n] & (self._decode[:n] == number)))
+            return 0, 0
+        return self._pending[number], self._decoding[number]
 
     def _grow(self) -> int:
         """A fresh row (the columns double when full)."""
@@ -151,6 +164,8 @@ class DecodeForecast:
     def _drop(self, request_id: str) -> None:
         row = self._row.pop(request_id, None)
         if row is not None:
+            counts = self._decoding if self._started[row] else self._pending
+            counts[int(self._decode[row])] -= 1
             self._live[row], self._ids[row] = False, None
             self._free.append(row)
 

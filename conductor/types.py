@@ -30,6 +30,7 @@ class RejectReason(str, enum.Enum):
     TTFT_SLO = "ttft_slo"  # the predicted time to first token is over the SLO
     TBT_SLO = "tbt_slo"  # the predicted time between tokens is over the SLO
     OVERLOAD = "overload"  # early rejection: the (predicted) load is over 1
+    DECODE_BUSY = "decode_busy"  # every decode worker would refuse it now: a full batch is waiting in prefill there
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class Load:
     context_tokens: int = 0  # decode: tokens of context over the running batch
     free_kv_blocks: int = 0
     step_s: float = 0.0  # decode: the last measured step time (0: not known)
+    batch_cap: int = 0  # decode: the most running requests its TBT SLO allows now (0: not reported)
 
 
 @dataclass(slots=True)

@@ -123,12 +123,11 @@ class DecodeState(enum.Enum):
 class _Decoding:
     """One request's resources on this worker, by state: who frees what, in one place."""
 
-    def __init__(self, worker: "DecodeWorker", request_id: str, slots: list[int] | None) -> None:
+    def __init__(self, worker: "DecodeWorker", request_id: str, slots: list[int]) -> None:
         self.worker, self.request_id, self.slots = worker, request_id, slots
         self.state = DecodeState.PREFILLING
-        if slots is not None:
-            with worker._count_lock:
-                worker._in_prefill += 1
+        with worker._count_lock:
+            worker._in_prefill += 1
 
     def join(self, sink: queue.Queue, prompt: list[int], params: SamplingParams, outputs: list[int], num_landed: int,
              cache_salt: str | None) -> None:  # fmt: skip
@@ -219,8 +218,9 @@ class DecodeWorker:
             cap -= 1
         return cap
 
-    def learn_step_times(self) -> None:
-        """Feed the steps measured since the last call to the TBT predictor; apply the batch cap to the engine.
+    def learn_step_times(self) -> int:
+        """Feed the steps measured since the last call to the TBT predictor; apply the batch cap to the engine
+        and return it (the heartbeat reports it: the Conductor then refuses what ``_admit`` would).
 
         Called with every heartbeat."""
         while True:
@@ -233,6 +233,7 @@ class DecodeWorker:
                 self.predictor.observe(step.batch, step.context_tokens, step.seconds)
         cap = self.batch_cap
         self.loop.call(lambda engine: engine.set_max_num_seqs(cap))
+        return cap
 
     def _admit(self) -> None:
         if self.draining:
@@ -254,16 +255,22 @@ class DecodeWorker:
         """
         t0 = time.perf_counter()
         prompt, outputs = list(req.prompt_token_ids), list(req.output_token_ids)
-        params = self._params(req, prompt, len(outputs))
-        if not req.placement.prefill_address:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the request has no placement (a prefill address from the Conductor)")
-        self._admit()
         sequence = prompt + outputs  # what the prefill computes (its KV lands here)
-        num_blocks = -(-len(sequence) // self.config.block_size)
-        run = _Decoding(self, req.request_id, self.slots.allocate(num_blocks))
-        if run.slots is None:
-            raise Busy(f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
-                       "decode_busy")  # fmt: skip
+        try:
+            params = self._params(req, prompt, len(outputs))
+            if not req.placement.prefill_address:
+                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the request has no placement (a prefill address from the Conductor)")
+            self._admit()
+            num_blocks = -(-len(sequence) // self.config.block_size)
+            slots = self.slots.allocate(num_blocks)
+            if slots is None:
+                raise Busy(f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
+                           "decode_busy")  # fmt: skip
+        except (Busy, Failed):
+            if self.link is not None:  # the Conductor counted it here when it scheduled it
+                self.link.finished(req.request_id)
+            raise
+        run = _Decoding(self, req.request_id, slots)
         try:
             first = self._prefill(req, sequence, len(outputs), run.slots, context)
             self._check_late_admission(req, len(sequence))

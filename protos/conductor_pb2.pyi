@@ -32,20 +32,22 @@ DEAD: InstanceState
 SUSPECT: InstanceState
 
 class Load(_message.Message):
-    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s")
+    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_CAP_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_s: float
     running_requests: int
     context_tokens: int
     free_kv_blocks: int
     step_s: float
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
+    batch_cap: int
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk")

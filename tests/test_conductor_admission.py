@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conductor.admission import reported_batch, select_decode
-from conductor.core import SHED_S, Conductor
+from conductor.core import SHED_BUSY_S, SHED_S, Conductor
 from conductor.predictors import DecodePredictor
 from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest
 from kvstore.events import Tier
@@ -455,3 +455,41 @@ def test_shed_s_covers_a_decode_pool_past_its_tbt_slo_but_not_a_missing_one():
     assert c.shed_s(0.5) == 0.0
     c.deregister("d0")  # no decode at all: unavailable (the gateway holds such requests), not overloaded
     assert c.shed_s(1.0) == 0.0
+
+
+# -- decode workers with a full batch waiting ----------------------------------------------------
+
+
+@pytest.mark.parametrize("admission", ["early", "early_predictive"])
+def test_a_decode_worker_with_a_full_batch_waiting_gets_nothing_more(admission):
+    c = conductor(admission, tbt_s=1.0)  # a TBT SLO nothing here comes near: only the batch cap refuses
+    cluster(c, decodes=2)
+    c.heartbeat("d0", Load(batch_cap=2), 0.0)
+    c.heartbeat("d1", Load(batch_cap=1), 0.0)
+    placed = [c.schedule(request(f"r{n}"), 0.0) for n in range(4)]
+    assert [getattr(o, "decode", None) for o in placed] == ["d0", "d1", "d0", None]  # d1 holds 1 of 1, d0 2 of 2 in prefill
+    busy = placed[3]
+    assert isinstance(busy, Rejection) and busy.reason is RejectReason.DECODE_BUSY
+    assert "d0: 2 for a batch of 2" in busy.message and "d1: 1 for a batch of 1" in busy.message
+    assert busy.shed_s == SHED_BUSY_S  # every worker is full: the gateway refuses on its own for a moment
+    assert_retry_in_bounds(busy)
+    c.decode_started("r0", 0.5)  # r0 joins d0's batch of 2: one waits there now, one place is free
+    assert c.shed_s(0.6) == 0.0
+    assert isinstance(again := c.schedule(request("r4"), 0.6), Decision) and again.decode == "d0"
+    c.decode_started("r2", 0.7)
+    c.decode_started("r4", 0.7)  # d0 runs 3 for a batch of 2: the one over the cap waits, as one in prefill does
+    assert c.schedule(request("r5"), 0.7).decode == "d0"
+    assert isinstance(c.schedule(request("r6"), 0.7), Rejection)
+    c.finished("r1", 0.8)  # d1 refused r1 or finished it: either way it is reported, and d1 has room again
+    assert c.schedule(request("r7"), 0.8).decode == "d1"
+
+
+def test_the_baseline_and_a_worker_reporting_no_cap_leave_the_batch_check_to_the_worker():
+    c = conductor("baseline", tbt_s=1.0)
+    cluster(c)
+    c.heartbeat("d0", Load(batch_cap=1), 0.0)
+    assert all(isinstance(c.schedule(request(f"r{n}"), 0.0), Decision) for n in range(3))  # the worker refuses late
+    c.set_admission("early")
+    assert isinstance(c.schedule(request("r3"), 0.0), Rejection)
+    c.heartbeat("d0", Load(), 0.1)  # an older worker (or the simulator) reports no cap
+    assert isinstance(c.schedule(request("r4"), 0.1), Decision)

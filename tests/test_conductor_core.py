@@ -371,6 +371,26 @@ def test_decode_load_now_and_at_a_later_time_from_the_forecast():
     assert decode_load([], d, reported_batch, 0.1) == float("inf")
 
 
+def test_the_forecast_counts_each_decode_instances_requests_in_prefill_and_decoding():
+    forecast = DecodeForecast(default_decode_s=1.0)
+    for n in range(3):
+        forecast.scheduled(f"a{n}", "d0", 0.5, 100, 0.0)
+    forecast.scheduled("b", "d1", 0.5, 100, 0.0)
+    forecast.scheduled("a0", "d0", 0.7, 100, 0.1)  # placed again (a retry): still one request
+    forecast.decode_started("a1", 0.6)
+    forecast.decode_started("a1", 0.6)  # a repeated report moves nothing twice
+    assert (forecast.occupancy("d0"), forecast.occupancy("d1"), forecast.occupancy("dx")) == ((2, 1), (1, 0), (0, 0))
+    assert forecast.count("d0") == 3
+    forecast.finished("a1", 0.9)
+    forecast.finished("a2", 0.9)  # refused by its worker before it decoded: reported finished too
+    forecast.finished("a2", 0.9)
+    assert forecast.occupancy("d0") == (1, 0)
+    forecast.forget_instance("d1")
+    assert forecast.occupancy("d1") == (0, 0)
+    forecast.expire(100.0)  # long past any decode: a lost report does not hold a place forever
+    assert forecast.occupancy("d0") == (0, 0) and len(forecast) == 0
+
+
 def measured(forecast: DecodeForecast, durations: list[float]) -> None:
     """Teach ``forecast`` these decode durations (requests that started at 0 and finished after each)."""
     for n, seconds in enumerate(durations):

@@ -38,9 +38,15 @@ def reported_batch(inst: Instance) -> Batch:
 
 
 def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: DecodePredictor) -> float:
-    """Predicted TBT on ``inst`` once a request of ``context_tokens`` joins ``batch`` (inf: no free slot)."""
+    """Predicted TBT on ``inst`` once a request of ``context_tokens`` joins ``batch`` (inf: no free slot).
+
+    A slot is free below the batch cap the instance last reported (what its TBT SLO allows
+    now, ``Load.batch_cap``), else below its registered capacity (max_num_seqs). Past it the
+    request would wait for a place after its first token: one long gap, as bad as a slow step.
+    """
     n, tokens = batch
-    if inst.capacity and n + 1 > inst.capacity:
+    cap = inst.load.batch_cap or inst.capacity
+    if cap and n + 1 > cap:
         return float("inf")  # full: it would queue the request
     return predictor.predict(n + 1, tokens + context_tokens)
 

@@ -424,8 +424,10 @@ class Conductor:
             return ttft_over
         retry_decode = _clamp(self.forecast.t_d / 2)
         if load > 1.0:
-            when = "now" if kind is AdmissionKind.EARLY else f"in {choice.ttft_s:.1f} s"
-            return RejectReason.OVERLOAD, f"decode load {load:.2f} of the TBT SLO {when}", retry_decode
+            return RejectReason.OVERLOAD, f"decode load {load:.2f} of the TBT SLO {when_prefill_ends(kind, choice)}", retry_decode
+        if tbt == float("inf"):
+            cap = decode.load.batch_cap or decode.capacity
+            return RejectReason.TBT_SLO, f"decode {decode.id}'s batch of {cap} is full {when_prefill_ends(kind, choice)}", retry_decode
         if tbt > limit:
             return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", retry_decode
         return None
@@ -450,6 +452,11 @@ class Conductor:
     def _reject(self, req: ScheduleRequest, reason: RejectReason, message: str, retry: float, predicted: Prediction | None = None) -> Rejection:
         self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1
         return Rejection(req.request_id, reason, message, retry, predicted)
+
+
+def when_prefill_ends(kind: AdmissionKind, choice: PrefillChoice) -> str:
+    """When the decode side is judged, for a message: now (plain early) or when the prefill would end."""
+    return "now" if kind is AdmissionKind.EARLY else f"in {choice.ttft_s:.1f} s"
 
 
 def _clamp(seconds: float) -> float:

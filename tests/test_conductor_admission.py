@@ -460,9 +460,8 @@ def test_shed_s_covers_a_decode_pool_past_its_tbt_slo_but_not_a_missing_one():
 # -- decode workers with a full batch waiting ----------------------------------------------------
 
 
-@pytest.mark.parametrize("admission", ["early", "early_predictive"])
-def test_a_decode_worker_with_a_full_batch_waiting_gets_nothing_more(admission):
-    c = conductor(admission, tbt_s=1.0)  # a TBT SLO nothing here comes near: only the batch cap refuses
+def test_a_decode_worker_with_a_full_batch_waiting_gets_nothing_more():
+    c = conductor("early", tbt_s=1.0)  # a TBT SLO nothing here comes near: only the batch cap refuses
     cluster(c, decodes=2)
     c.heartbeat("d0", Load(batch_cap=2), 0.0)
     c.heartbeat("d1", Load(batch_cap=1), 0.0)
@@ -493,3 +492,18 @@ def test_the_baseline_and_a_worker_reporting_no_cap_leave_the_batch_check_to_the
     assert isinstance(c.schedule(request("r3"), 0.0), Rejection)
     c.heartbeat("d0", Load(), 0.1)  # an older worker (or the simulator) reports no cap
     assert isinstance(c.schedule(request("r4"), 0.1), Decision)
+
+
+def test_early_predictive_refuses_a_request_that_would_wait_for_a_place_in_the_batch():
+    c = conductor("early_predictive", tbt_s=1.0)
+    cluster(c)
+    c.heartbeat("d0", Load(batch_cap=2), 0.0)  # the worker's TBT allows 2 running; a third waits after its first token
+    assert all(isinstance(c.schedule(request(f"r{n}"), 0.0), Decision) for n in range(2))
+    c.decode_started("r0", 0.05)  # one waits in prefill: the worker would take another, but it would not run
+    full = c.schedule(request("r2"), 0.05)
+    assert isinstance(full, Rejection) and full.reason is RejectReason.TBT_SLO
+    assert full.message.startswith("decode d0's batch of 2 is full in ")
+    c.finished("r0", 0.1)
+    assert isinstance(c.schedule(request("r3"), 0.1), Decision)
+    c.heartbeat("d0", Load(batch_cap=0), 0.2)  # no cap reported: the registered capacity (none here) is the only bound
+    assert isinstance(c.schedule(request("r4"), 0.2), Decision)

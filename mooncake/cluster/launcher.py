@@ -141,6 +141,8 @@ class Component:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
                                      start_new_session=True, env=env)  # fmt: skip
         log_file.close()
+        if self.nice:
+            nice_session(self.proc.pid, self.nice)
 
     def wait_ready(self, timeout_s: float) -> dict:
         """Read stdout until the READY line; raise RuntimeError (with the log's tail) if it dies or takes too long."""
@@ -538,6 +540,24 @@ class LocalCluster:
 
     def component(self, name: str) -> Component:
         return self.components[name]
+
+
+def nice_session(pid: int, nice: int) -> bool:
+    """Give the session ``pid`` leads the CPU priority ``nice``; False where the kernel has no autogroups.
+
+    With autogroups (Linux's default on desktops and most VMs: kernel.sched_autogroup_enabled)
+    the scheduler shares the CPUs fairly between sessions first, and a process's own nice
+    orders it only against the other processes of its session. A component alone in its
+    session would compete with the Conductor and the gateway as an equal, whatever its nice:
+    measured with ``benchmarks/overload_bench.py``, the gateway's event loop then sat
+    runnable but off the CPU for 20 to 95 ms at a time while both workers computed, and
+    that was the whole tail of the 429 latency.
+    """
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:
+        return False
+    return True
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -271,9 +271,10 @@ class Conductor:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
         if not decodes:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
-        takers = self._takers(decodes)
+        blocks = -(-req.prompt_tokens // req.block_tokens)
+        takers = self._takers(decodes, blocks)
         if not takers:
-            return dataclasses.replace(self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes), MIN_RETRY_S),
+            return dataclasses.replace(self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes, blocks), MIN_RETRY_S),
                                        shed_s=self.shed_s(now))  # fmt: skip
         choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
         batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
@@ -314,7 +315,7 @@ class Conductor:
             return 0.0  # unavailable, not overloaded: the gateway holds such requests instead
         slo = Slo(ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),
                   tbt_s=max(s.tbt_s for s in self.config.slo_classes.values()))  # fmt: skip
-        takers = self._takers(decodes)
+        takers = self._takers(decodes, 1)
         if not takers:
             return SHED_BUSY_S
         probe = ScheduleRequest("shed-probe", (), 1, 1)
@@ -329,33 +330,36 @@ class Conductor:
                 return 0.0
         return SHED_S
 
-    def _takers(self, decodes: list[Instance]) -> list[Instance]:
-        """The decode instances that would take one more request now; under the early admissions, those whose
-        worker would not refuse it as ``decode.worker.DecodeWorker._admit`` does.
+    def _takers(self, decodes: list[Instance], blocks: int) -> list[Instance]:
+        """The decode instances that would take one more request of ``blocks`` landing blocks now; under the early
+        admissions, those whose worker would not refuse it as ``decode.worker.DecodeWorker.generate`` does.
 
         A worker refuses when the requests it holds in prefill, plus those running past its
         batch cap (``Load.batch_cap``: what its TBT SLO allows, in every heartbeat), come to a
-        whole batch. The requests come from the forecast's bookkeeping (scheduled here, their
-        decode start and end reported by the worker), which is as fresh as the last report;
-        a worker that reports no cap is never full here. Refused here, such a request hears
-        429 in a fraction of a millisecond instead of a round trip to a busy worker, and the
-        gateway can shed while every worker is full.
+        whole batch, or when its landing segment (``Load.landing_blocks``) has no room for the
+        prompt's KV beside theirs. Those requests come from the forecast's bookkeeping
+        (scheduled here, their decode start and end reported by the worker), as fresh as the
+        last report; what a worker does not report is not checked here. Refused here, such a
+        request hears 429 in a fraction of a millisecond instead of after a round trip to a
+        busy worker, and while every worker is full the gateway sheds.
         """
         if self.admission not in (AdmissionKind.EARLY, AdmissionKind.EARLY_PREDICTIVE):
             return decodes
-        takers = []
-        for inst in decodes:
-            cap = inst.load.batch_cap
-            if cap:
-                pending, decoding = self.forecast.occupancy(inst.id)
-                if pending + max(0, decoding - cap) >= cap:
-                    continue
-            takers.append(inst)
-        return takers
+        return [inst for inst in decodes if not self._refusal(inst, blocks)]
 
-    def _busy_message(self, decodes: list[Instance]) -> str:
-        held = ", ".join(f"{i.id}: {sum(self.forecast.occupancy(i.id))} for a batch of {i.load.batch_cap}" for i in decodes[:4])
-        return f"every decode worker has a full batch waiting ({held})"
+    def _refusal(self, inst: Instance, blocks: int) -> str:
+        """Why ``inst``'s worker would refuse a request of ``blocks`` landing blocks now ("": it would take it)."""
+        pending, decoding, landing = self.forecast.occupancy(inst.id)
+        cap, room = inst.load.batch_cap, inst.load.landing_blocks
+        if cap and pending + max(0, decoding - cap) >= cap:
+            return f"{inst.id}: {pending + max(0, decoding - cap)} waiting for a batch of {cap}"
+        if room and landing + blocks > room:
+            return f"{inst.id}: {landing} of {room} landing blocks held, {blocks} more needed"
+        return ""
+
+    def _busy_message(self, decodes: list[Instance], blocks: int) -> str:
+        why = "; ".join(self._refusal(inst, blocks) for inst in decodes[:4])
+        return f"every decode worker is full ({why}{'; ...' if len(decodes) > 4 else ''})"
 
     def admit_at_decode(self, decode_id: str, now: float, context_tokens: int = 0) -> Rejection | None:
         """The baseline's late check, made when a prefill has finished: would the decode instance, with this
@@ -436,7 +440,8 @@ class Conductor:
         load = choice.instance.load
         load.queued_s += choice.prefill_s + choice.transfer_s
         load.queued_requests += 1
-        self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now)
+        self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now,
+                                -(-req.prompt_tokens // req.block_tokens))  # fmt: skip
         self.last_sent[choice.instance.id] = self.last_sent[decode.id] = now
         served = self.served.setdefault(choice.instance.id, Served())
         served.decisions += 1

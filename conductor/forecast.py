@@ -59,9 +59,11 @@ class DecodeForecast:
         self._decode_ids: list[str] = []
         self._pending: list[int] = []  # by decode number: live flights not yet decoding
         self._decoding: list[int] = []  # and decoding
+        self._landing: list[int] = []  # the landing blocks the ones not yet decoding hold
         self._decode = np.zeros(0, np.int64)
         self._start = np.zeros(0)  # when its decode starts (predicted until reported)
         self._context = np.zeros(0)
+        self._blocks = np.zeros(0, np.int64)  # landing blocks it holds until its decode starts
         self._started = np.zeros(0, np.bool_)
         self._live = np.zeros(0, np.bool_)
         # measurements
@@ -74,8 +76,10 @@ class DecodeForecast:
 
     # -- what happens to requests ------------------------------------------------------------
 
-    def scheduled(self, request_id: str, decode: str, prefill_done_at: float, context_tokens: int, now: float | None = None) -> None:
-        """A request was sent to ``decode``; its prefill should end at ``prefill_done_at`` (scheduled at ``now``)."""
+    def scheduled(self, request_id: str, decode: str, prefill_done_at: float, context_tokens: int, now: float | None = None,
+                  landing_blocks: int = 0) -> None:  # fmt: skip
+        """A request was sent to ``decode``; its prefill should end at ``prefill_done_at`` (scheduled at ``now``), and
+        its prompt's KV takes ``landing_blocks`` of the decode worker's landing segment until its decode starts."""
         if now is not None:
             self.horizon_s = (1 - self.alpha) * self.horizon_s + self.alpha * max(0.0, prefill_done_at - now)
         self._drop(request_id)
@@ -85,8 +89,11 @@ class DecodeForecast:
             self._decode_ids.append(decode)
             self._pending.append(0)
             self._decoding.append(0)
+            self._landing.append(0)
         row = self._free.pop() if self._free else self._grow()
         self._pending[number] += 1
+        self._landing[number] += landing_blocks
+        self._blocks[row] = landing_blocks
         self._row[request_id], self._ids[row] = row, request_id
         self._decode[row], self._start[row], self._context[row] = number, prefill_done_at, context_tokens
         self._started[row], self._live[row] = False, True
@@ -99,6 +106,7 @@ class DecodeForecast:
             number = int(self._decode[row])
             self._pending[number] -= 1
             self._decoding[number] += 1
+            self._landing[number] -= int(self._blocks[row])
         self._start[row], self._started[row] = now, True
         context = int(self._context[row])
         self._starts.append((now, context))
@@ -138,22 +146,23 @@ class DecodeForecast:
 
     def count(self, decode: str) -> int:
         """Requests sent to ``decode`` that have not finished."""
-        pending, decoding = self.occupancy(decode)
+        pending, decoding, _ = self.occupancy(decode)
         return pending + decoding
 
-    def occupancy(self, decode: str) -> tuple[int, int]:
-        """(requests sent to ``decode`` and not decoding yet, requests decoding there), as reported so far."""
+    def occupancy(self, decode: str) -> tuple[int, int, int]:
+        """(requests sent to ``decode`` and not decoding yet, requests decoding there, landing blocks the first hold),
+        as reported so far."""
         number = self._decode_number.get(decode)
         if number is None:
-            return 0, 0
-        return self._pending[number], self._decoding[number]
+            return 0, 0, 0
+        return self._pending[number], self._decoding[number], self._landing[number]
 
     def _grow(self) -> int:
         """A fresh row (the columns double when full)."""
         row = len(self._ids)
         if row == len(self._live):
             size = max(64, 2 * row)
-            for name in ("_decode", "_start", "_context", "_started", "_live"):
+            for name in ("_decode", "_start", "_context", "_blocks", "_started", "_live"):
                 old = getattr(self, name)
                 new = np.zeros(size, old.dtype)
                 new[:row] = old
@@ -164,8 +173,12 @@ class DecodeForecast:
     def _drop(self, request_id: str) -> None:
         row = self._row.pop(request_id, None)
         if row is not None:
-            counts = self._decoding if self._started[row] else self._pending
-            counts[int(self._decode[row])] -= 1
+            number = int(self._decode[row])
+            if self._started[row]:
+                self._decoding[number] -= 1
+            else:
+                self._pending[number] -= 1
+                self._landing[number] -= int(self._blocks[row])
             self._live[row], self._ids[row] = False, None
             self._free.append(row)
 

@@ -48,6 +48,7 @@ class Load:
     free_kv_blocks: int = 0
     step_s: float = 0.0  # decode: the last measured step time (0: not known)
     batch_cap: int = 0  # decode: the most running requests its TBT SLO allows now (0: not reported)
+    landing_blocks: int = 0  # decode: blocks its landing segment holds (0: not reported)
 
 
 @dataclass(slots=True)

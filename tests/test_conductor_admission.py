@@ -469,7 +469,7 @@ def test_a_decode_worker_with_a_full_batch_waiting_gets_nothing_more():
     assert [getattr(o, "decode", None) for o in placed] == ["d0", "d1", "d0", None]  # d1 holds 1 of 1, d0 2 of 2 in prefill
     busy = placed[3]
     assert isinstance(busy, Rejection) and busy.reason is RejectReason.DECODE_BUSY
-    assert "d0: 2 for a batch of 2" in busy.message and "d1: 1 for a batch of 1" in busy.message
+    assert busy.message == "every decode worker is full (d0: 2 waiting for a batch of 2; d1: 1 waiting for a batch of 1)"
     assert busy.shed_s == SHED_BUSY_S  # every worker is full: the gateway refuses on its own for a moment
     assert_retry_in_bounds(busy)
     c.decode_started("r0", 0.5)  # r0 joins d0's batch of 2: one waits there now, one place is free
@@ -507,3 +507,20 @@ def test_early_predictive_refuses_a_request_that_would_wait_for_a_place_in_the_b
     assert isinstance(c.schedule(request("r3"), 0.1), Decision)
     c.heartbeat("d0", Load(batch_cap=0), 0.2)  # no cap reported: the registered capacity (none here) is the only bound
     assert isinstance(c.schedule(request("r4"), 0.2), Decision)
+
+
+def test_a_decode_worker_without_landing_room_for_the_prompt_gets_nothing_more():
+    c = conductor("early", tbt_s=1.0)
+    cluster(c)
+    c.heartbeat("d0", Load(landing_blocks=25), 0.0)  # room for 25 blocks of prompt KV on their way from prefill
+    assert isinstance(c.schedule(request("r0", blocks=10), 0.0), Decision)
+    assert isinstance(c.schedule(request("r1", blocks=10), 0.0), Decision)
+    big = c.schedule(request("r2", blocks=10), 0.0)
+    assert isinstance(big, Rejection) and big.reason is RejectReason.DECODE_BUSY
+    assert big.message == "every decode worker is full (d0: 20 of 25 landing blocks held, 10 more needed)"
+    assert big.shed_s == 0.0  # a shorter prompt still fits
+    assert isinstance(c.schedule(request("r3", blocks=4, prompt=70), 0.0), Decision)  # 70 tokens: 5 blocks, the last partial
+    full = c.schedule(request("r4", blocks=1), 0.1)  # all 25 held: not even a one-block prompt fits
+    assert isinstance(full, Rejection) and full.shed_s == SHED_BUSY_S
+    c.decode_started("r0", 0.5)  # its KV moved into the engine: its landing blocks are free
+    assert isinstance(c.schedule(request("r5", blocks=10), 0.5), Decision)

@@ -379,16 +379,23 @@ def test_the_forecast_counts_each_decode_instances_requests_in_prefill_and_decod
     forecast.scheduled("a0", "d0", 0.7, 100, 0.1)  # placed again (a retry): still one request
     forecast.decode_started("a1", 0.6)
     forecast.decode_started("a1", 0.6)  # a repeated report moves nothing twice
-    assert (forecast.occupancy("d0"), forecast.occupancy("d1"), forecast.occupancy("dx")) == ((2, 1), (1, 0), (0, 0))
+    assert (forecast.occupancy("d0"), forecast.occupancy("d1"), forecast.occupancy("dx")) == ((2, 1, 0), (1, 0, 0), (0, 0, 0))
     assert forecast.count("d0") == 3
     forecast.finished("a1", 0.9)
     forecast.finished("a2", 0.9)  # refused by its worker before it decoded: reported finished too
     forecast.finished("a2", 0.9)
-    assert forecast.occupancy("d0") == (1, 0)
+    assert forecast.occupancy("d0") == (1, 0, 0)
     forecast.forget_instance("d1")
-    assert forecast.occupancy("d1") == (0, 0)
+    assert forecast.occupancy("d1") == (0, 0, 0)
+    forecast.scheduled("c", "d0", 1.0, 100, 0.9, landing_blocks=7)  # its prompt's KV holds 7 landing blocks until it decodes
+    forecast.scheduled("c2", "d0", 1.0, 100, 0.9, landing_blocks=5)
+    assert forecast.occupancy("d0") == (3, 0, 12)
+    forecast.decode_started("c", 1.0)
+    assert forecast.occupancy("d0") == (2, 1, 5)
+    forecast.scheduled("c2", "d0", 1.1, 100, 1.0, landing_blocks=6)  # placed again: its old blocks are not counted twice
+    assert forecast.occupancy("d0") == (2, 1, 6)
     forecast.expire(100.0)  # long past any decode: a lost report does not hold a place forever
-    assert forecast.occupancy("d0") == (0, 0) and len(forecast) == 0
+    assert forecast.occupancy("d0") == (0, 0, 0) and len(forecast) == 0
 
 
 def measured(forecast: DecodeForecast, durations: list[float]) -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+import grpc
 import httpx
 import jsonschema
 import openai
@@ -23,7 +24,9 @@ from mooncake.engine.grammar import grammar_for
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
 from protos import conductor_pb2 as cpb
-from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+from protos import worker_pb2 as wpb
+from protos import worker_pb2_grpc as wpb_grpc
+from clusters import MAX_LEN, backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 
 KEY = "sk-test"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot that learned to read."}]
@@ -180,6 +183,30 @@ def test_the_conductors_early_rejection_is_429_with_retry_after(tiny_dir, tmp_pa
         assert r.json()["error"]["type"] == "rate_limit_error" and "TBT" in r.json()["error"]["message"]
     finally:
         c.stop()
+
+
+def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_batch(cluster, client):
+    """The decode worker reports what it holds (its batch cap, its landing blocks), and the Conductor refuses what it
+    would. A request the Conductor placed but the worker then refused (here: malformed) is reported finished: else the
+    Conductor would count it in the worker's batch, and after a batch of them refuse everything (decode_busy)."""
+    deadline = time.monotonic() + 30
+    while not (decode := next(i for i in instances(cluster).values() if i.role == cpb.DECODE)).load.batch_cap:
+        assert time.monotonic() < deadline, "the decode worker's heartbeat never carried its batch cap"
+        time.sleep(0.2)
+    assert decode.load.landing_blocks == 2 * -(-MAX_LEN // 16)  # its default: two full contexts
+    stub = conductor(cluster)
+    worker = wpb_grpc.DecodeStub(grpc.insecure_channel(decode.address))
+    for n in range(decode.load.batch_cap + 2):
+        deadline = time.monotonic() + 5  # the worker's report reaches the Conductor in milliseconds
+        while (placed := stub.Schedule(cpb.ScheduleRequest(request_id=f"refused-{n}", prompt_tokens=8, block_tokens=16),
+                                       timeout=10)).HasField("rejection"):  # fmt: skip
+            assert time.monotonic() < deadline, f"request {n}: {placed.rejection.message}"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(worker.Generate(wpb.GenerateRequest(request_id=f"refused-{n}", placement=placed.placement), timeout=10))
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "empty" in refused.value.details()
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3 or out.choices[0].finish_reason == "stop"
 
 
 def test_with_one_worker_of_each_role_a_killed_workers_requests_wait_for_its_restart_and_complete(tiny_dir, tmp_path):

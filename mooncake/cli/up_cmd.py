@@ -63,8 +63,9 @@ def up(
     hold: float = typer.Option(10.0, "--hold", min=0, help="Seconds the gateway holds a request while the Conductor (or "
                                "every worker of a role) is away, before answering 503"),
     worker_nice: int = typer.Option(10, "--worker-nice", min=0, max=19, help="Run the workers and pool nodes this much below "
-                                    "the Conductor and the gateway in CPU priority (nice), so refusals and decisions stay "
-                                    "fast however busy the workers are; 0: the same priority"),
+                                    "the Conductor and the gateway in CPU priority (nice, and the same for the session each runs in, "
+                                    "which the kernel's autogroups schedule as one), so refusals and decisions stay fast "
+                                    "however busy the workers are; 0: the same priority"),
 ) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 

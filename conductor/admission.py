@@ -37,23 +37,28 @@ def reported_batch(inst: Instance) -> Batch:
     return inst.load.running_requests, inst.load.context_tokens
 
 
-def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: DecodePredictor) -> float:
+def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: DecodePredictor,
+             later: Callable[[], Batch] | None = None) -> float:  # fmt: skip
     """Predicted TBT on ``inst`` once a request of ``context_tokens`` joins ``batch`` (inf: no free slot).
 
     A slot is free below the batch cap the instance last reported (what its TBT SLO allows
     now, ``Load.batch_cap``), else below its registered capacity (max_num_seqs). Past it the
-    request would wait for a place after its first token: one long gap, as bad as a slow step.
+    request waits for a place after its first token: one long gap. ``later``, when given, is
+    the batch one TBT budget on: a place free by then makes the wait no longer than a step
+    may be, and the request is judged by the batch it joins.
     """
     n, tokens = batch
     cap = inst.load.batch_cap or inst.capacity
-    if cap and n + 1 > cap:
-        return float("inf")  # full: it would queue the request
-    return predictor.predict(n + 1, tokens + context_tokens)
+    if cap and n + 1 > cap and (later is None or later()[0] + 1 > cap):
+        return float("inf")  # full: it would wait too long for a place
+    return predictor.predict(min(n + 1, cap) if cap else n + 1, tokens + context_tokens)
 
 
-def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: DecodePredictor,
-                  batch_of: Callable[[Instance], Batch], assigned: Callable[[Instance], int] | None = None) -> tuple[Instance, float]:  # fmt: skip
-    """The decode instance with the lowest predicted TBT once ``req`` joins the batch ``batch_of`` says it will find.
+def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: DecodePredictor, batch_of: Callable[[Instance], Batch],
+                  assigned: Callable[[Instance], int] | None = None,
+                  later_of: Callable[[Instance], Batch] | None = None) -> tuple[Instance, float]:  # fmt: skip
+    """The decode instance with the lowest predicted TBT once ``req`` joins the batch ``batch_of`` says it will find
+    (``later_of``: the batch one TBT budget after that, for an instance then at its cap; see join_tbt).
 
     Ties (a predictor that has learnt that batch size costs nothing, as on a small model,
     or a forecast that sees every batch drained by then) go to the smaller batch, then to
@@ -63,7 +68,7 @@ def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: Deco
     best = best_key = None
     for inst in decodes:
         batch = batch_of(inst)
-        tbt = join_tbt(inst, batch, context, predictor)
+        tbt = join_tbt(inst, batch, context, predictor, (lambda inst=inst: later_of(inst)) if later_of else None)
         key = (round(tbt, 9), round(batch[0], 6), assigned(inst) if assigned else 0, inst.id)
         if best is None or key < best_key:
             best, best_key = inst, key

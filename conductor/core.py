@@ -278,7 +278,8 @@ class Conductor:
                                        shed_s=self.shed_s(now))  # fmt: skip
         choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
         batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
-        decode, tbt = select_decode(req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
+        later_of = self._later(now + choice.ttft_s, now, len(decodes), slo)
+        decode, tbt = select_decode(req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of)
         predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
         verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:
@@ -325,7 +326,8 @@ class Conductor:
             times = [choice.ttft_s + (slo.ttft_s - choice.ttft_s) * k / (SHED_TIMES - 1) for k in range(SHED_TIMES)]
         for t in times:
             batch_of = self._batch_at(now + t, now, len(decodes))
-            decode, tbt = select_decode(probe, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id))
+            later_of = self._later(now + t, now, len(decodes), slo)
+            decode, tbt = select_decode(probe, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of)
             if self._admit(probe, choice, decode, tbt, decodes, batch_of, slo) is None:
                 return 0.0
         return SHED_S
@@ -402,6 +404,20 @@ class Conductor:
             return n + pn, tokens + ptokens
 
         return now_and_pending
+
+    def _later(self, t: float, now: float, num_decodes: int, slo: Slo) -> Callable[[Instance], Batch] | None:
+        """early_predictive: the batches one TBT budget after ``t``, forecast when first asked (join_tbt asks only
+        about an instance at its cap at ``t``: would a place be free before the wait is longer than a step may be?)."""
+        if self.admission is not AdmissionKind.EARLY_PREDICTIVE:
+            return None
+        forecast: list[Callable[[Instance], Batch]] = []
+
+        def later_of(inst: Instance) -> Batch:
+            if not forecast:
+                forecast.append(self._batch_at(t + slo.tbt_s * self.config.tbt_headroom, now, num_decodes))
+            return forecast[0](inst)
+
+        return later_of
 
     def _admit(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, tbt: float, decodes: list[Instance],
                batch_of: Callable[[Instance], Batch], slo: Slo) -> tuple[RejectReason, str, float] | None:  # fmt: skip

@@ -524,3 +524,20 @@ def test_a_decode_worker_without_landing_room_for_the_prompt_gets_nothing_more()
     assert isinstance(full, Rejection) and full.shed_s == SHED_BUSY_S
     c.decode_started("r0", 0.5)  # its KV moved into the engine: its landing blocks are free
     assert isinstance(c.schedule(request("r5", blocks=10), 0.5), Decision)
+
+
+def test_early_predictive_admits_to_a_full_batch_where_a_place_frees_within_one_step_budget():
+    c = conductor("early_predictive", tbt_s=1.0)
+    cluster(c)
+    assert isinstance(c.schedule(request("r0"), -10.0), Decision)
+    c.decode_started("r0", -9.6)  # t_d is 10 s: r0 is forecast to end at 0.4
+    c.heartbeat("p0", Load(), 0.0)
+    c.heartbeat("d0", Load(running_requests=1, batch_cap=2), 0.0)
+    assert isinstance(c.schedule(request("r1"), 0.0), Decision)  # in prefill until about 0.16
+    # r2's prefill ends after r1's: it meets r0 and r1 there (a batch of 2, at the cap), but r0 ends before the
+    # gap after r2's first token could exceed the TBT budget
+    r2 = c.schedule(request("r2"), 0.0)
+    assert isinstance(r2, Decision) and r2.predicted.tbt_s < 1.0
+    c.decode_started("r1", 0.2)
+    c.decode_started("r2", 0.3)  # r1 and r2 fill the batch until about 10 s: r3 would wait far longer than a step
+    assert isinstance(c.schedule(request("r3"), 0.5), Rejection)

@@ -18,7 +18,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from rich.console import Console
 
+from mooncake.cli.pool_cmd import status_table
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.grammar import grammar_for
 from mooncake.engine.request import SamplingParams
@@ -194,6 +196,9 @@ def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_
         assert time.monotonic() < deadline, "the decode worker's heartbeat never carried its batch cap"
         time.sleep(0.2)
     assert decode.load.landing_blocks == 2 * -(-MAX_LEN // 16)  # its default: two full contexts
+    console = Console(record=True, width=200)
+    console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
+    assert f" of {decode.load.batch_cap}" in console.export_text()  # `mooncake status` shows the running batch against its cap
     stub = conductor(cluster)
     worker = wpb_grpc.DecodeStub(grpc.insecure_channel(decode.address))
     for n in range(decode.load.batch_cap + 2):

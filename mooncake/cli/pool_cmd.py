@@ -78,7 +78,8 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             running, hit = str(i.load.running_requests), f"{_ratio(i.reused_blocks, i.prompt_blocks)} of {i.decisions} req"
         elif i.role == pb.DECODE:
             load = f"{i.load.queued_requests} in prefill"
-            running = f"{i.load.running_requests} ({i.load.step_s * 1e3:.0f} ms/step)" if i.load.step_s else str(i.load.running_requests)
+            running = str(i.load.running_requests) + (f" of {i.load.batch_cap}" if i.load.batch_cap else "")
+            running += f" ({i.load.step_s * 1e3:.0f} ms/step)" if i.load.step_s else ""
             hit = "-"
         else:
             load = running = hit = "-"

@@ -571,6 +571,19 @@ def test_service_monitor_scrapes_every_components_metrics_port():
     }  # fmt: skip
 
 
+def test_tenants_come_from_a_secret_mounted_read_only_and_exclude_a_single_key():
+    docs = render("--set", "gateway.tenants.existingSecret=mooncake-tenants")
+    spec = pod_spec(docs, "gateway")
+    gateway = container(spec, "gateway")
+    assert "--tenants=/etc/mooncake/tenants/tenants.yaml" in gateway["args"]
+    assert not any(a.startswith("--api-key") for a in gateway["args"])
+    assert gateway["volumeMounts"] == [{"name": "tenants", "mountPath": "/etc/mooncake/tenants", "readOnly": True}]
+    volume = {v["name"]: v for v in spec["volumes"]}["tenants"]["secret"]
+    assert volume == {"secretName": "mooncake-tenants", "items": [{"key": "tenants.yaml", "path": "tenants.yaml"}]}
+    out = run(helm(), "template", RELEASE, str(CHART), "--set", "gateway.tenants.existingSecret=t", "--set", "gateway.apiKey.value=k")
+    assert out.returncode != 0 and "exclusive" in out.stderr
+
+
 def test_api_key_value_is_stored_in_a_secret():
     docs = render("--set", "gateway.apiKey.value=s3cret")
     secret = find(docs, "Secret", f"{PREFIX}-gateway")

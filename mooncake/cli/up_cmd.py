@@ -42,6 +42,9 @@ def up(
     host: str = typer.Option("127.0.0.1", "--host", help="Address every component binds"),
     redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Persist the Conductor's registry and settings here"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer <key>` on /v1/*"),
+    tenants: Optional[Path] = typer.Option(None, "--tenants", exists=True, dir_okay=False, help="API keys by tenant (YAML or "
+                                           "JSON), instead of --api-key: each tenant gets a KV cache of its own and its own "
+                                           "rate limit and cap on requests in flight"),
     pool_dram_mib: int = typer.Option(1024, "--pool-dram-mib", min=1, help="DRAM tier of each pool node (MiB)"),
     pool_ssd_mib: int = typer.Option(0, "--pool-ssd-mib", min=0, help="SSD tier of each pool node (MiB; 0: none)"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context limit [default: the model's]"),
@@ -85,7 +88,7 @@ def up(
         config = ClusterConfig(
             model=str(model_dir), model_name=model if "/" not in model else model_dir.name, prefill=prefill, decode=decode,
             prefill_groups=prefill_groups, group_size=group_size,
-            host=host, port=port, api_key=api_key, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
+            host=host, port=port, api_key=api_key, tenants_file=tenants, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
             pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
             ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size, device=device,
             conductors=conductors, hold_s=hold, worker_nice=worker_nice,

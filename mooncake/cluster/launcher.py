@@ -54,6 +54,7 @@ class ClusterConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port (0: any free port)")
     api_key: str | None = None
+    tenants_file: Path | None = Field(None, description="the gateway's tenants (mooncake.gateway.tenants); instead of api_key")
     redis_url: str | None = None
     workdir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run")
     dtype: str = "float32"
@@ -85,6 +86,12 @@ class ClusterConfig(BaseModel):
     worker_nice: int = Field(10, ge=0, le=19, description="the workers' and pool nodes' CPU priority below the Conductor's "
                              "and the gateway's (nice): on shared cores a refused request is answered in milliseconds "
                              "however busy the workers are (0: the same priority)")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "ClusterConfig":
+        if self.api_key and self.tenants_file:
+            raise ValueError("give --api-key or --tenants, not both (a tenants file can hold any number of keys)")
+        return self
 
     @model_validator(mode="after")
     def _standbys_need_redis(self) -> "ClusterConfig":
@@ -333,7 +340,7 @@ class LocalCluster:
     def _gateway(self) -> Component:
         c, h = self.config, self.root_host
         _, max_len = self._common()
-        key = ["--api-key", c.api_key] if c.api_key else []
+        key = ["--api-key", c.api_key] if c.api_key else (["--tenants", str(c.tenants_file)] if c.tenants_file else [])
         return Component("gateway", self._python(
             "mooncake.gateway", "--conductor", self.conductor_addresses, "--model", c.model, "--model-name", c.model_name,
             "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),

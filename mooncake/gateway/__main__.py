@@ -40,7 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="the name clients send as `model` (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/* (one key, shared cache)")
+    auth.add_argument("--tenants", default=None, metavar="FILE", help="API keys by tenant, in YAML or JSON: each tenant's "
+                      "requests get a cache of their own (no KV shared between tenants) and its own rate limit and cap on "
+                      "requests in flight (429 with Retry-After); format: mooncake/gateway/tenants.py")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the workers' dtype (part of the block keys)")
     p.add_argument("--engine", default="native", choices=["native", "vllm"],
                    help="the workers' engine (part of the block keys: a cluster runs one kind)")
@@ -89,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = Tokenizer.from_dir(args.model)
         backend, name = build_backend(args)
+        app = create_app(backend, tokenizer, GatewayConfig(served_model_name=name, api_key=args.api_key, tenants_file=args.tenants))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(backend, tokenizer, GatewayConfig(served_model_name=name, api_key=args.api_key))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     server = uvicorn.Server(config)
 

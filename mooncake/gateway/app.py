@@ -17,9 +17,9 @@ response ends.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -35,13 +35,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.gateway import openapi
+from mooncake.gateway import openapi, tenants
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 )  # fmt: skip
 from mooncake.gateway.serving import ApiError, EventStream, OpenAIServing, PreparedRequest
+from mooncake.gateway.tenants import Tenants
 from mooncake.serving.types import BackendError, GenerationBackend
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status a request gets in the metrics when its client left
 _STATUS_KEY = "mooncake_status"  # in scope["state"]: a stream's outcome, which its HTTP status (200) cannot say
 _ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+_GENERATION = frozenset({"/v1/chat/completions", "/v1/completions"})  # what tenants' limits count
 
 
 class GatewayConfig(BaseModel):
@@ -60,6 +62,8 @@ class GatewayConfig(BaseModel):
 
     served_model_name: str = Field(description="The name clients send as `model`")
     api_key: str | None = Field(None, description="When set, /v1/* needs `Authorization: Bearer <api_key>`")
+    tenants_file: str | None = Field(None, description="API keys by tenant, with each tenant's limits "
+                                     "(mooncake.gateway.tenants); instead of api_key")
     default_max_tokens: int = Field(
         4096, ge=1, description="max_tokens when a request leaves it out: the rest of the context, at most this"
     )
@@ -70,6 +74,11 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
 
     Metrics live in a registry of the app's own (``app.state.metrics``).
     """
+    if config.api_key is not None and config.tenants_file is not None:
+        raise ValueError("give an API key or a tenants file, not both (a tenants file can hold any number of keys)")
+    roster = Tenants.load(config.tenants_file) if config.tenants_file is not None else (
+        Tenants.single(config.api_key) if config.api_key is not None else None
+    )  # fmt: skip
     metrics = GatewayMetrics()
     serving = OpenAIServing(backend, tokenizer, config.served_model_name, metrics, config.default_max_tokens)
 
@@ -113,9 +122,9 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
         return Response(metrics.render(), media_type=metrics.content_type)
 
     _install_error_handlers(app)
-    openapi.document(app, guarded=_is_guarded if config.api_key is not None else None)
-    if config.api_key is not None:
-        app.add_middleware(_BearerAuth, api_key=config.api_key)
+    openapi.document(app, guarded=_is_guarded if roster is not None else None)
+    if roster is not None:
+        app.add_middleware(_BearerAuth, roster=roster, metrics=metrics)
     app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the 401s too
     return app
 
@@ -307,28 +316,47 @@ def _is_guarded(path: str) -> bool:
 
 
 class _BearerAuth:
-    """Answers 401 to /v1/*, /tokenize and /detokenize requests without ``Authorization: Bearer <api_key>``."""
+    """Answers 401 to /v1/*, /tokenize and /detokenize requests without ``Authorization: Bearer <key>`` of a tenant,
+    and 429 to a tenant's generation request over its limits; serves the rest as its tenant (``tenants.current``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, roster: Tenants, metrics: GatewayMetrics) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._tenants = roster
+        self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _is_guarded(scope["path"]):
-            header = dict(scope["headers"]).get(b"authorization")
-            if header is None:
-                error = "Missing API key: send it as 'Authorization: Bearer <key>'"
-            else:
-                scheme, _, token = header.partition(b" ")
-                error = None if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key) else (
-                    "Incorrect API key provided"
-                )  # fmt: skip
-            if error is not None:
-                denial = ApiError(401, error, error_type="authentication_error", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-                await _error_response(denial)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or not _is_guarded(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization")
+        tenant = None
+        if header is None:
+            error = "Missing API key: send it as 'Authorization: Bearer <key>'"
+        else:
+            scheme, _, token = header.partition(b" ")
+            tenant = self._tenants.authenticate(token.strip()) if scheme.lower() == b"bearer" else None
+            error = None if tenant is not None else "Incorrect API key provided"
+        if tenant is None:
+            denial = ApiError(401, error, error_type="authentication_error", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            await _error_response(denial)(scope, receive, send)
+            return
+        limit = self._tenants.limit(tenant) if scope["path"] in _GENERATION else None
+        if limit is not None and (refused := limit.take(time.monotonic())) is not None:
+            reason, wait_s = refused
+            self._metrics.tenant_rejections.labels(tenant.name, reason).inc()
+            what = "rate limit" if reason == "tenant_rate_limit" else "cap on requests in flight"
+            denial = ApiError(429, f"Tenant '{tenant.name}' is over its {what}; retry after {wait_s:.1f} s",
+                              error_type="rate_limit_error", code=reason, headers={"Retry-After": str(max(1, math.ceil(wait_s)))})  # fmt: skip
+            await _error_response(denial)(scope, receive, send)
+            return
+        served_as = tenants.current.set(tenant)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            tenants.current.reset(served_as)
+            if limit is not None:
+                limit.release()
 
 
 class _CountRequests:

@@ -41,6 +41,10 @@ class GatewayMetrics:
             "mooncake_gateway_rejections", "Requests the backend turned away before generating, by reason", ["reason"],
             registry=r,
         )  # fmt: skip
+        self.tenant_rejections = Counter(
+            "mooncake_gateway_tenant_rejections", "Requests refused for their tenant's rate limit or concurrency cap",
+            ["tenant", "reason"], registry=r,
+        )  # fmt: skip
         self.running = Gauge("mooncake_gateway_running_requests", "Requests being generated now", registry=r)
         self.shedding = Histogram("mooncake_gateway_rejection_seconds", "Arrival to a 429's response (how long a refused "
                                   "client waited to hear it)", buckets=_SHED_BUCKETS, registry=r)  # fmt: skip

@@ -42,7 +42,7 @@ from typing import Any
 from mooncake.engine.grammar import JSON_OBJECT_SCHEMA, grammar_for
 from mooncake.engine.request import TokenLogprob
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.gateway import tools
+from mooncake.gateway import tenants, tools
 from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, Echo, TokenTexts
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
@@ -317,7 +317,7 @@ class OpenAIServing:
                 request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}", prompt_token_ids=prompt,
                 max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=min(max(req.top_k or 0, 0), TOP_K_MAX), seed=_choice_seed(req.seed, j),
-                stop=req.stop_sequences(), ignore_eos=req.ignore_eos, cache_salt=req.cache_salt,
+                stop=req.stop_sequences(), ignore_eos=req.ignore_eos, cache_salt=tenants.salt_for(req.cache_salt),
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
                 min_tokens=req.min_tokens or 0, logprobs=sampled_logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,

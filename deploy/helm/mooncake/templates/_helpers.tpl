@@ -213,3 +213,13 @@ at start; failing here saves a rollout of crash-looping pods.
 {{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed %s.drainTimeoutSeconds (%v)" .who .grace .who .drain) }}
 {{- end }}
 {{- end }}
+
+{{/* A container's security context: .Values.securityContext, with a read-only root filesystem where the component
+allows one (the gateway and the Conductor write nothing but /tmp, an emptyDir): (dict "ctx" $ "readOnly" true). */}}
+{{- define "mooncake.containerSecurity" -}}
+{{- $sc := deepCopy .ctx.Values.securityContext }}
+{{- if .readOnly }}
+{{- $_ := set $sc "readOnlyRootFilesystem" true }}
+{{- end }}
+{{- toYaml $sc }}
+{{- end }}

@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ from prometheus_client import start_http_server
 SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this soon (Python's default: 5 ms)
 
 from conductor.admission import AdmissionKind
+from conductor.auth import TOKEN_FILE_ENV, read_token_file
 from conductor.forecast import ForecastKind
 from conductor.core import ConductorConfig
 from conductor.leader import LeaderLease
@@ -30,6 +32,8 @@ from conductor.predictors import PredictorConfig
 from conductor.fastpath import start_fast_path
 from conductor.service import ConductorService, ConductorServicer, start_server
 from conductor.types import Role, Slo
+
+log = logging.getLogger("conductor")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--namespace", default="default", help="kubernetes: the pools' namespace")
     p.add_argument("--prefill-deployment", default="mooncake-prefill", help="kubernetes: the prefill pool's Deployment")
     p.add_argument("--decode-deployment", default="mooncake-decode", help="kubernetes: the decode pool's Deployment")
+    p.add_argument("--operator-token-file", default=os.environ.get(TOKEN_FILE_ENV), metavar="FILE",
+                   help="the admin calls (Drain, SetPolicy, ScalePool, Deregister of another instance) need this file's token "
+                        f"as 'authorization: Bearer <token>' (default ${TOKEN_FILE_ENV}); without one they are open to "
+                        "anyone who reaches the port")  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -103,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s conductor[%(process)d] %(message)s")
     try:
         config = build_config(args)
+        operator_token = read_token_file(args.operator_token_file) if args.operator_token_file else None
         store = make_store(args.redis_url)
         provider = make_provider(args.pool_provider, args.pool_control, args.namespace,
                                  {Role.PREFILL: args.prefill_deployment, Role.DECODE: args.decode_deployment})  # fmt: skip
@@ -112,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     elected = isinstance(store, RedisStore)  # on Redis: whoever holds the leader lease serves
     service = ConductorService(config, store, provider=provider, standby=elected)
     try:
-        server, port = start_server(service, args.host, args.port)
+        server, port = start_server(service, args.host, args.port, operator_token=operator_token)
         fast = start_fast_path(ConductorServicer(service), args.host, args.control_port) if args.control_port >= 0 else None
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if operator_token is None:
+        log.warning("no operator token (--operator-token-file): Drain, SetPolicy, ScalePool and Deregister are open to "
+                    "anyone who reaches %s:%d", args.host, port)  # fmt: skip
     lease = None
     if elected:
         lease = LeaderLease(store.client, f"{args.host}:{port}", args.leader_lease, service.on_leadership).start()

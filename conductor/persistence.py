@@ -26,6 +26,7 @@ def instance_to_json(inst: Instance) -> str:
     return json.dumps({
         "id": inst.id, "role": inst.role.value, "address": inst.address, "node": inst.node, "model": inst.model,
         "capacity": inst.capacity, "state": inst.state.value, "fingerprint": inst.fingerprint.hex(), "engine": inst.engine,
+        "token": inst.token.hex(),
     })  # fmt: skip
 
 
@@ -33,7 +34,7 @@ def instance_from_json(text: str | bytes) -> Instance:
     d = json.loads(text)
     return Instance(d["id"], Role(d["role"]), d["address"], d["node"], d.get("model", ""), int(d.get("capacity", 0)),
                     InstanceState(d.get("state", "alive")), fingerprint=bytes.fromhex(d.get("fingerprint", "")),
-                    engine=d.get("engine", ""))  # fmt: skip
+                    engine=d.get("engine", ""), token=bytes.fromhex(d.get("token", "")))  # fmt: skip
 
 
 class MemoryStore:

@@ -19,6 +19,7 @@ from concurrent import futures
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from conductor.auth import OperatorCheck, new_instance_token, same_token
 from conductor.core import Conductor, ConductorConfig
 from conductor.persistence import MemoryStore
 from conductor.pool import NoProvider, PoolProvider
@@ -404,8 +405,11 @@ def load_to_pb(load: Load) -> pb.Load:
 
 
 class ConductorServicer(pb_grpc.ConductorServicer):
-    def __init__(self, service: ConductorService) -> None:
+    """The gRPC face of a ConductorService; ``operator``: who may make the admin calls (conductor.auth)."""
+
+    def __init__(self, service: ConductorService, operator: OperatorCheck | None = None) -> None:
         self.service = service
+        self.operator = operator or OperatorCheck(None)
 
     @_status
     def Register(self, request, context):
@@ -415,10 +419,12 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             raise ValueError("node is required: the kvstore node this instance uses (a kvstore node: its own name)")
         inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity,
                         fingerprint=bytes(request.fingerprint), engine=request.engine,
-                        pipeline_stages=max(request.pipeline_stages, 1), pipeline_chunk=request.pipeline_chunk)  # fmt: skip
+                        pipeline_stages=max(request.pipeline_stages, 1), pipeline_chunk=request.pipeline_chunk,
+                        token=new_instance_token())  # fmt: skip
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
         timeout = self.service.conductor.config.heartbeat_timeout_s
-        return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout)
+        return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout,
+                                   instance_token=inst.token)  # fmt: skip
 
     @_status
     def Heartbeat(self, request, context):
@@ -485,14 +491,17 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             instances=infos,
             policy=c.policy.kind.value, admission=c.admission.value, index_blocks=c.index.num_blocks,
             scheduled=c.counters.scheduled, rejected=c.counters.rejected, control_port=self.service.control_port,
+            admin_open=self.operator.open,
         )  # fmt: skip
 
     @_status
     def Drain(self, request, context):
+        self.operator.require(context, "Drain")
         return pb.DrainResponse(state=STATE_TO_PB[self.service.drain(request.id, request.remove)])
 
     @_status
     def ScalePool(self, request, context):
+        self.operator.require(context, "ScalePool")
         if request.role not in (pb.PREFILL, pb.DECODE):
             raise ValueError("role must be PREFILL or DECODE (pool nodes scale with their prefill workers)")
         try:
@@ -503,18 +512,23 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_status
     def Deregister(self, request, context):
+        inst = self.service.conductor.instances.get(request.id)
+        if not (inst is not None and same_token(bytes(request.instance_token), inst.token)):
+            self.operator.require(context, f"Deregister of {request.id} without its instance token")
         self.service.deregister(request.id)
         return pb.DeregisterResponse()
 
     @_status
     def SetPolicy(self, request, context):
+        self.operator.require(context, "SetPolicy")
         policy, admission = self.service.set_policy(request.policy, request.admission)
         return pb.SetPolicyResponse(policy=policy, admission=admission)
 
 
-def start_server(service: ConductorService, host: str = "127.0.0.1", port: int = 0, workers: int = 16) -> tuple[grpc.Server, int]:
+def start_server(service: ConductorService, host: str = "127.0.0.1", port: int = 0, workers: int = 16,
+                 operator_token: str | None = None) -> tuple[grpc.Server, int]:  # fmt: skip
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conductor-rpc"), options=SERVER_OPTIONS)
-    pb_grpc.add_ConductorServicer_to_server(ConductorServicer(service), server)
+    pb_grpc.add_ConductorServicer_to_server(ConductorServicer(service, OperatorCheck(operator_token)), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise ValueError(f"cannot bind the Conductor's gRPC service to {host}:{port}")

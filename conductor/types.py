@@ -73,6 +73,7 @@ class Instance:
     load: Load = field(default_factory=Load)
     pipeline_stages: int = 1  # prefill: nodes of its chunked pipeline (1: a single worker)
     pipeline_chunk: int = 0  # prefill with stages > 1: its chunk of a prompt (tokens)
+    token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
 
     @property
     def schedulable(self) -> bool:

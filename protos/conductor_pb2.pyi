@@ -76,12 +76,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "instance_token")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    instance_token: bytes
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., instance_token: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("id", "load")
@@ -308,7 +310,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port")
+    __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port", "admin_open")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +325,7 @@ class ListInstancesResponse(_message.Message):
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_OPEN_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     policy: str
     admission: str
@@ -330,7 +333,8 @@ class ListInstancesResponse(_message.Message):
     scheduled: int
     rejected: _containers.ScalarMap[str, int]
     control_port: int
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., control_port: _Optional[int] = ...) -> None: ...
+    admin_open: bool
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., control_port: _Optional[int] = ..., admin_open: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("id", "remove")
@@ -347,10 +351,12 @@ class DrainResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[InstanceState, str]] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("id",)
+    __slots__ = ("id", "instance_token")
     ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     id: str
-    def __init__(self, id: _Optional[str] = ...) -> None: ...
+    instance_token: bytes
+    def __init__(self, id: _Optional[str] = ..., instance_token: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()

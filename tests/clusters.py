@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from conductor.auth import bearer
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.launcher import ClusterConfig, LocalCluster
 from mooncake.engine.config import EngineConfig
@@ -88,8 +89,23 @@ def kill_mid_prefill(cluster: LocalCluster, model_dir: Path, request_id: str, pr
     return prefill_metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}') > failed
 
 
-def conductor(cluster: LocalCluster) -> cpb_grpc.ConductorStub:
-    return cpb_grpc.ConductorStub(grpc.insecure_channel(cluster.conductor_address))
+class _Operator(grpc.UnaryUnaryClientInterceptor):
+    """Adds the cluster's operator credential to every call (conductor.auth), as the operator CLI does."""
+
+    def __init__(self, token: str | None) -> None:
+        self.metadata = list(bearer(token))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        details = details._replace(metadata=list(details.metadata or ()) + self.metadata)
+        return continuation(details, request)
+
+
+def conductor(cluster: LocalCluster, operator: bool = True) -> cpb_grpc.ConductorStub:
+    """A stub to the cluster's Conductor, with the operator credential (``operator``) or without."""
+    channel = grpc.insecure_channel(cluster.conductor_address)
+    if operator:
+        channel = grpc.intercept_channel(channel, _Operator(cluster.operator_token))
+    return cpb_grpc.ConductorStub(channel)
 
 
 def instances(cluster: LocalCluster) -> dict[str, cpb.InstanceInfo]:

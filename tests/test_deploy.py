@@ -506,7 +506,8 @@ def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vll
 
 def test_defaults_run_redis_in_the_release_and_leave_the_extras_off():
     docs = render()
-    assert {"Ingress", "HorizontalPodAutoscaler", "ServiceMonitor", "Secret"}.isdisjoint(kinds(docs))
+    assert {"Ingress", "HorizontalPodAutoscaler", "ServiceMonitor"}.isdisjoint(kinds(docs))
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [f"{PREFIX}-operator"]  # the only one
     redis = find(docs, "StatefulSet", f"{PREFIX}-redis")
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
     conductor = container(pod_spec(docs, "conductor"), "conductor")
@@ -619,6 +620,25 @@ def test_the_gateway_and_the_conductor_run_on_a_read_only_root_filesystem_with_a
         assert container(pod_spec(docs, component), component)["securityContext"]["readOnlyRootFilesystem"] is False
 
 
+def test_the_conductor_has_an_operator_token_from_a_secret_mounted_read_only():
+    import base64
+
+    docs = render()
+    spec = pod_spec(docs, "conductor")
+    c = container(spec, "conductor")
+    assert {e["name"]: e.get("value") for e in c["env"]}["MOONCAKE_OPERATOR_TOKEN_FILE"] == "/etc/mooncake/operator/token"
+    assert {"name": "operator", "mountPath": "/etc/mooncake/operator", "readOnly": True} in c["volumeMounts"]
+    volume = {v["name"]: v for v in spec["volumes"]}["operator"]["secret"]
+    assert volume["secretName"] == f"{PREFIX}-operator" and volume["items"] == [{"key": "token", "path": "token"}]
+    assert volume["defaultMode"] == 0o400
+    secret = find(docs, "Secret", f"{PREFIX}-operator")
+    assert len(base64.b64decode(secret["data"]["token"])) == 48  # made by the chart: random, at least 16 characters
+    assert all("operator" not in json.dumps(container(pod_spec(docs, other), other)) for other in ("gateway", "decode"))
+    docs = render("--set", "conductor.operatorToken.existingSecret=ops")
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == f"{PREFIX}-operator"]
+    assert {v["name"]: v for v in pod_spec(docs, "conductor")["volumes"]}["operator"]["secret"]["secretName"] == "ops"
+
+
 def test_tenants_come_from_a_secret_mounted_read_only_and_exclude_a_single_key():
     docs = render("--set", "gateway.tenants.existingSecret=mooncake-tenants")
     spec = pod_spec(docs, "gateway")
@@ -683,10 +703,12 @@ class PodProcesses:
     def start(self, component: str, timeout_s: float = 300) -> None:
         spec = pod_spec(self.docs, component)
         for c in spec.get("initContainers", []) + spec["containers"]:
+            mounts = self._secret_mounts(spec, c)
             env = {"POD_NAME": f"{PREFIX}-{component}-0", "POD_IP": "127.0.0.1"}
             env |= {e["name"]: e["value"] for e in c.get("env", []) if "value" in e and e["name"] != "HOME"}
+            env = {k: _moved(v, mounts) for k, v in env.items()}
             env |= self.env  # what the cluster's DNS names resolve to here
-            args = [a.replace("/dev/shm/mooncake", self.shm_dir) for a in expanded_args(self.docs, c, env)]
+            args = [_moved(a.replace("/dev/shm/mooncake", self.shm_dir), mounts) for a in expanded_args(self.docs, c, env)]
             if c["name"] == "decode":  # its landing segment: the mount's path is the default; here a private one
                 args.append(f"--shm-dir={self.shm_dir}")
             log = open(self.logs / f"{c['name']}.log", "w")
@@ -697,6 +719,24 @@ class PodProcesses:
             while not (line := proc.stdout.readline()).startswith("READY"):
                 if (not line and proc.poll() is not None) or time.monotonic() > deadline:
                     pytest.fail(f"{c['name']} did not start: {(self.logs / (c['name'] + '.log')).read_text()[-3000:]}")
+
+    def _secret_mounts(self, spec: dict, c: dict) -> dict[str, str]:
+        """The container's mounts of the chart's Secrets, written out here: {mount path: local directory}."""
+        import base64
+
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        out = {}
+        for m in c.get("volumeMounts", []):
+            source = volumes[m["name"]].get("secret")
+            if source is None:
+                continue
+            data = find(self.docs, "Secret", source["secretName"])["data"]
+            local = self.logs / "secrets" / m["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            for item in source["items"]:
+                (local / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+            out[m["mountPath"]] = str(local)
+        return out
 
     def stop(self) -> dict[str, tuple[int | None, float]]:
         """SIGTERM the workers first and the sidecars and the Conductor last; {container: (exit code, seconds)}."""
@@ -716,6 +756,12 @@ class PodProcesses:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def _moved(value: str, mounts: dict[str, str]) -> str:
+    for path, local in mounts.items():
+        value = value.replace(path, local)
+    return value
 
 
 def http_status(url: str, body: dict | None = None) -> tuple[int, dict | None]:

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from conductor.auth import TOKEN_FILE_ENV, bearer, read_token_file
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
@@ -25,6 +26,8 @@ RUN_DIR = Path.home() / ".cache" / "mooncake" / "run"
 CURRENT = RUN_DIR / "current.json"  # written by `mooncake up` while it runs
 ConductorOpt = typer.Option(None, "--conductor", "-c", envvar="MOONCAKE_CONDUCTOR",
                             help="The Conductor's gRPC address [default: the one `mooncake up` runs here]")  # fmt: skip
+OperatorOpt = typer.Option(None, "--operator-token-file", envvar=TOKEN_FILE_ENV, exists=True, dir_okay=False,
+                           help="The operator credential for admin calls [default: the one `mooncake up` runs here wrote]")  # fmt: skip
 ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 
 
@@ -38,13 +41,30 @@ def conductor_address(given: str | None) -> str:
         raise typer.Exit(2) from None
 
 
+def operator_token(given: Path | None) -> str | None:
+    """The operator token: from ``given`` (the option or its variable), else the file of the `mooncake up` running here."""
+    path = given
+    if path is None:
+        try:
+            path = json.loads(CURRENT.read_text()).get("operator_token_file")
+        except (OSError, ValueError):
+            path = None
+    if not path:
+        return None
+    try:
+        return read_token_file(path)
+    except ValueError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+
+
 def _stub(address: str) -> pb_grpc.ConductorStub:
     return pb_grpc.ConductorStub(grpc.insecure_channel(address))
 
 
-def _call(fn, request, address: str):
+def _call(fn, request, address: str, token: str | None = None):
     try:
-        return fn(request, timeout=10)
+        return fn(request, timeout=10, metadata=bearer(token))
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             err.print(f"[red]error:[/red] the Conductor at {address} does not answer ({e.code().name})")
@@ -59,7 +79,8 @@ def _ratio(n: int, d: int) -> str:
 
 def status_table(listing: pb.ListInstancesResponse) -> Table:
     t = Table(title=f"policy {listing.policy}, admission {listing.admission}: {listing.scheduled} scheduled, "
-                    f"{sum(listing.rejected.values())} rejected, {listing.index_blocks} blocks indexed")  # fmt: skip
+                    f"{sum(listing.rejected.values())} rejected, {listing.index_blocks} blocks indexed"
+                    + ("\n[bold red]admin calls are open: the Conductor has no operator token[/bold red]" if listing.admin_open else ""))  # fmt: skip
     for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
         t.add_column(c, justify="left" if c in ("instance", "role", "address", "state") else "right")
     nodes = {i.node: i for i in listing.instances if i.role == pb.KVSTORE}
@@ -106,6 +127,7 @@ def scale(
     role: str = typer.Argument(..., help="prefill | decode"),
     replicas: int = typer.Argument(..., min=1, help="How many instances the pool should have"),
     conductor: Optional[str] = ConductorOpt,
+    token_file: Optional[Path] = OperatorOpt,
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the pool has exactly that many (started ones ready, drained ones gone)"),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait"),
 ) -> None:
@@ -115,7 +137,7 @@ def scale(
         raise typer.Exit(2)
     address = conductor_address(conductor)
     stub = _stub(address)
-    r = _call(stub.ScalePool, pb.ScalePoolRequest(role=ROLES[role], replicas=replicas), address)
+    r = _call(stub.ScalePool, pb.ScalePoolRequest(role=ROLES[role], replicas=replicas), address, operator_token(token_file))
     console.print(f"{role}: {r.alive} -> {replicas} ({r.provider} provider)"
                   + (f"; starting {', '.join(r.started)}" if r.started else "")
                   + (f"; draining {', '.join(r.draining)}" if r.draining else ""))  # fmt: skip
@@ -140,9 +162,10 @@ def scale(
 def drain(
     instance: str = typer.Argument(..., help="An instance id (`mooncake status` lists them)"),
     conductor: Optional[str] = ConductorOpt,
+    token_file: Optional[Path] = OperatorOpt,
     remove: bool = typer.Option(True, "--remove/--keep", help="Stop it once idle (needs a pool provider) or keep it drained"),
 ) -> None:
     """Send an instance no new work; let what it runs finish; then (by default) stop it."""
     address = conductor_address(conductor)
-    r = _call(_stub(address).Drain, pb.DrainRequest(id=instance, remove=remove), address)
+    r = _call(_stub(address).Drain, pb.DrainRequest(id=instance, remove=remove), address, operator_token(token_file))
     console.print(f"{instance}: {pb.InstanceState.Name(r.state).lower()}" + (" (stopped once idle)" if remove else ""))

@@ -110,7 +110,8 @@ def up(
     console.print(f"OpenAI endpoint: [bold]{cluster.endpoint}[/bold]  (model: {config.model_name}); "
                   f"Conductor {cluster.conductor_address} (`mooncake status`, `mooncake pool scale`)")  # fmt: skip
     current = workdir / "current.json"
-    current.write_text(json.dumps({"conductor": cluster.conductor_address, "endpoint": cluster.endpoint, "pid": os.getpid()}))
+    current.write_text(json.dumps({"conductor": cluster.conductor_address, "endpoint": cluster.endpoint, "pid": os.getpid(),
+                                   "operator_token_file": str(cluster.operator_token_file)}))  # fmt: skip
     print(f"mooncake is ready at {cluster.endpoint}", flush=True)
     stop.wait()
     console.print("stopping every component")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, model_validator
 
+from conductor.auth import write_token_file
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
 from mooncake.localproc import free_port
@@ -197,6 +198,8 @@ class LocalCluster:
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         run = f"{int(time.time())}-{os.getpid()}"
         self.run_dir = Path(config.workdir) / run
+        self.operator_token_file = self.run_dir / "operator-token"  # the admin calls' credential (conductor.auth)
+        self.operator_token: str | None = None
         self.shm_dir = f"/dev/shm/mooncake-{run}"
         self.components: dict[str, Component] = {}
         self._stop = threading.Event()
@@ -278,6 +281,7 @@ class LocalCluster:
         return Component(name, self._python(
             "conductor", "--host", h, "--port", str(self.ports[name]), "--metrics-port", "0", "--policy", c.policy,
             "--admission", c.admission, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis, *provider,
+            "--operator-token-file", str(self.operator_token_file),
         ), self.run_dir / "logs" / f"{name}.log")  # fmt: skip
 
     def _prefill_pair(self, i: int) -> tuple[Component, Component]:
@@ -364,6 +368,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         """Start every component, wave by wave, waiting for each wave's READY lines. Raises RuntimeError on failure."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.operator_token = write_token_file(self.operator_token_file)
         from mooncake.cluster.control import start_control_server
 
         self._control = start_control_server(self, self.root_host, self.ports["control"])

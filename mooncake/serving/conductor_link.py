@@ -49,6 +49,7 @@ class ConductorLink:
         self._prefill: deque[pb.PrefillSample] = deque(maxlen=MAX_QUEUED)
         self._transfer: deque[pb.TransferSample] = deque(maxlen=MAX_QUEUED)
         self._events: deque[pb.RequestEvent] = deque(maxlen=MAX_QUEUED)
+        self._token = b""  # the latest registration's instance token (conductor.auth)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.registered = threading.Event()
@@ -87,6 +88,7 @@ class ConductorLink:
             try:
                 if not self.registered.is_set():
                     r = self.stub.Register(self.registration, timeout=self._rpc_timeout)
+                    self._token = r.instance_token  # what lets it deregister itself
                     if self._interval is None:
                         self._interval = max(0.2, r.heartbeat_interval_s)
                     self.registered.set()
@@ -152,7 +154,8 @@ class ConductorLink:
         if deregister and self.registered.is_set():
             try:
                 self._flush()
-                self.stub.Deregister(pb.DeregisterRequest(id=self.registration.id), timeout=self._rpc_timeout)
+                self.stub.Deregister(pb.DeregisterRequest(id=self.registration.id, instance_token=self._token),
+                                     timeout=self._rpc_timeout)  # fmt: skip
             except grpc.RpcError:
                 pass  # the Conductor will expire us
         self._channel.close()

@@ -307,14 +307,14 @@ class ConductorService:
                         self.conductor.removed(node, bytes(e.key), KV_TIER[e.tier])
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
 
-    def snapshot_instances(self, role: Role | None = None) -> list[tuple[Instance, float, int, int, object, bool]]:
+    def snapshot_instances(self, role: Role | None = None) -> list[tuple[Instance, float, int, int, object, bool, tuple]]:
         """(instance, seconds since its heartbeat, blocks the index has on its node, of those in DRAM, what it was
-        served (prefill), retiring) for the admin API."""
+        served (prefill), retiring, what the forecast counts there (decode)) for the admin API."""
         now = time.monotonic()
         c = self.conductor
         with self._lock:
             return [(i, now - i.last_heartbeat, c.index.node_blocks(i.node), c.index.node_dram_blocks(i.node),
-                     c.served.get(i.id), i.id in c.retiring)
+                     c.served.get(i.id), i.id in c.retiring, c.forecast.occupancy(i.id))
                     for i in c.instances.values() if role is None or i.role is role]  # fmt: skip
 
     # -- background ---------------------------------------------------------------------------
@@ -478,11 +478,12 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         rows = self.service.snapshot_instances(role)
         c = self.service.conductor
         infos = []
-        for i, age, blocks, dram, served, retiring in rows:
+        for i, age, blocks, dram, served, retiring, (in_prefill, decoding, landing) in rows:
             info = pb.InstanceInfo(id=i.id, role=ROLE_TO_PB[i.role], address=i.address, node=i.node, model=i.model,
                                    capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age, load=load_to_pb(i.load),
                                    indexed_blocks=blocks, dram_blocks=dram, retiring=retiring, engine=i.engine,
-                                   pipeline_stages=i.pipeline_stages, pipeline_chunk=i.pipeline_chunk)  # fmt: skip
+                                   pipeline_stages=i.pipeline_stages, pipeline_chunk=i.pipeline_chunk,
+                                   placed_in_prefill=in_prefill, placed_decoding=decoding, landing_held=landing)  # fmt: skip
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks
                 info.reused_blocks, info.fetched_blocks = served.reused_blocks, served.fetched_blocks

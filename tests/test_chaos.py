@@ -74,7 +74,7 @@ def test_an_abort_storm_leaves_nothing_held_and_the_cluster_serves_on(cluster, u
                     async with http.stream("POST", url, json=body) as r:
                         async for _ in r.aiter_lines():
                             pass
-                return "completed"
+                return "completed" if r.status_code == 200 else f"HTTP {r.status_code}"
             except TimeoutError:
                 return "hung up"  # leaving the block closes the connection: the client is gone
 
@@ -84,7 +84,10 @@ def test_an_abort_storm_leaves_nothing_held_and_the_cluster_serves_on(cluster, u
             return await asyncio.gather(*(hang_up(http, p, t, gate) for p, t in zip(prompts, hang_ups)))
 
     outcomes = asyncio.run(storm())
-    assert outcomes.count("hung up") > 150
+    # 20 at a time is more than two decode workers' landing slots hold: some are refused (429), now by the
+    # Conductor within milliseconds, before their client would have hung up
+    assert outcomes.count("hung up") > 120
+    assert set(outcomes) <= {"hung up", "completed", "HTTP 429"}
     assert wait_idle(cluster, idle, 5) == idle
     after = [GenerationRequest(f"after-storm-{i}", prompts[i], max_tokens=16, temperature=0.0, ignore_eos=True) for i in range(30)]
     be = backend(cluster)

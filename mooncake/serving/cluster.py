@@ -25,6 +25,7 @@ cancels the Generate call, which cancels the prefill.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -77,6 +78,7 @@ class ClusterBackend(GenerationBackend):
         self._shed_until = 0.0  # until then (monotonic), new requests are refused here: the Conductor said it refuses all
         self._shed_rejection: Rejected | None = None  # the rejection that said so (its reason and retry-after)
         self._shed_task: asyncio.Task | None = None  # the probe that asks again before _shed_until
+        self._reports: set[asyncio.Task] = set()  # FINISHED reports on their way (_forget)
         self._decoders: dict[str, wpb_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,6 +124,8 @@ class ClusterBackend(GenerationBackend):
                                   block_tokens=self.block_size, slo_class=request.slo_class,
                                   failed=progress.report_failed() if progress else ())  # fmt: skip
         address = self._conductor_address
+        if progress is not None:
+            progress.asked += 1
         try:
             resp = await self._schedule_call(msg)
         except grpc.RpcError as e:
@@ -210,6 +214,17 @@ class ClusterBackend(GenerationBackend):
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream ``request``, placing it again when a component fails it (see mooncake.serving.recovery)."""
         progress = RequestProgress(time.monotonic(), self.recovery)
+        received = False
+        try:
+            async with contextlib.aclosing(self._generate(request, progress)) as chunks:
+                async for chunk in chunks:
+                    received = True
+                    yield chunk
+        finally:
+            if progress.asked and not received:
+                self._forget(request.request_id)
+
+    async def _generate(self, request: GenerationRequest, progress: RequestProgress) -> AsyncGenerator[GenerationChunk, None]:
         usage: tuple[int, dict[str, int]] | None = None  # the first prefill's cache hits: what the client is told
         while True:
             try:
@@ -244,6 +259,31 @@ class ClusterBackend(GenerationBackend):
                             step.action.value, step.delay_s)  # fmt: skip
                 if step.delay_s:
                     await asyncio.sleep(step.delay_s)
+
+    def _forget(self, request_id: str) -> None:
+        """Tell the Conductor that ``request_id`` ended before any token (the client left, or every placement failed).
+
+        The Conductor counts a placed request in its decode worker's batch until the worker
+        reports it finished, and a worker that never got it never will: the client hung up
+        while Schedule's answer was on its way, or before the worker's admission. A storm of
+        such requests (tests/test_chaos.py) had the Conductor count 10 requests in prefill on
+        a worker holding none, and refuse (decode_busy) until the flights expired. A second
+        report, when the worker did have it, and a report of a request never placed, are
+        ignored. Sent on a task of its own: the request's own task may be being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._report_finished(request_id))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report_finished(self, request_id: str) -> None:
+        msg = cpb.ReportRequest(requests=[cpb.RequestEvent(request_id=request_id, kind=cpb.RequestEvent.FINISHED)])
+        try:
+            fast = self._fast
+            if fast is not None:
+                await fast.call("Report", msg, self.schedule_timeout_s)
+            else:
+                await self._conductor_stub().Report(msg, timeout=self.schedule_timeout_s)
+        except (grpc.RpcError, ControlError, ConnectionError, TimeoutError, OSError) as e:
+            log.debug("could not report %s finished (%s): the Conductor expires it", request_id, e)
 
     @staticmethod
     def _recovery(request: GenerationRequest, progress: RequestProgress) -> Recovery | None:

@@ -125,7 +125,7 @@ class ClusterBackend(GenerationBackend):
                                   failed=progress.report_failed() if progress else ())  # fmt: skip
         address = self._conductor_address
         if progress is not None:
-            progress.asked += 1
+            progress.maybe_placed = True  # until it answers otherwise: the answer may never reach us
         try:
             resp = await self._schedule_call(msg)
         except grpc.RpcError as e:
@@ -140,6 +140,8 @@ class ClusterBackend(GenerationBackend):
                 raise _Fault(Fault.CONDUCTOR, error) from None
             raise error from None
         if resp.HasField("rejection"):
+            if progress is not None:
+                progress.maybe_placed = False
             r = resp.rejection
             if r.reason in UNAVAILABLE_REASONS:
                 raise _Fault(Fault.NO_INSTANCE, Unavailable(r.message, code=r.reason, retry_after_s=r.retry_after_s))
@@ -221,7 +223,7 @@ class ClusterBackend(GenerationBackend):
                     received = True
                     yield chunk
         finally:
-            if progress.asked and not received:
+            if progress.maybe_placed and not received:
                 self._forget(request.request_id)
 
     async def _generate(self, request: GenerationRequest, progress: RequestProgress) -> AsyncGenerator[GenerationChunk, None]:

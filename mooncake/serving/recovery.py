@@ -90,7 +90,7 @@ class RequestProgress:
     config: RecoveryConfig = field(default_factory=RecoveryConfig)
     phase: Phase = Phase.SCHEDULING
     attempts: int = 0  # placements so far
-    asked: int = 0  # Schedule calls sent (the Conductor may have placed it though the answer never came)
+    maybe_placed: bool = False  # the Conductor may hold a placement of it (a Schedule was sent and not answered "no")
     output_token_ids: list[int] = field(default_factory=list)  # tokens the client has
     text_shown: int = 0  # characters of their text the client has
     failed: list[str] = field(default_factory=list)  # instances that failed it

@@ -6,6 +6,7 @@ starts a cluster on one machine.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -13,11 +14,42 @@ import time
 from pathlib import Path
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (another process may still take it)."""
-    with socket.socket() as s:
+    """A TCP port free on ``host`` right now, below the kernel's ephemeral range, and not handed out before by
+    this process (another process may still take it).
+
+    A port picked to be bound later (``mooncake up`` picks its components' ports first) used
+    to come from the ephemeral range, where any socket bound to port 0 meanwhile (a metrics
+    server, a transfer server, a client) could get it: CI saw a decode worker's Prefill
+    calls answered UNIMPLEMENTED by whatever shared the prefill worker's port. Below the
+    range, only another explicit pick can collide, and this process never picks one twice.
+    """
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(max(1024, low // 2), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # the range below is all taken: any free port
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to a socket bound to port 0 (Linux's default: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class RedisServer:

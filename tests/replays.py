@@ -38,7 +38,7 @@ def undisturbed_run(cluster, settle_s: float = 10.0) -> tuple[dict[str, list[int
     everything came back to idle."""
     idle = idle_counts(cluster)
     outputs, errors, recoveries = replay(cluster)
-    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS
+    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS, (dict(list(errors.items())[:5]), recoveries[:5])
     assert wait_idle(cluster, idle, settle_s) == idle
     return outputs, idle
 

@@ -28,6 +28,9 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.min_recv_ping_interval_without_data_ms", PING_INTERVAL_MS // 2),
     ("grpc.http2.min_ping_interval_without_data_ms", PING_INTERVAL_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
+    # gRPC binds with SO_REUSEPORT by default: two servers given one port would both bind it and share its
+    # connections, a client reaching the wrong one (UNIMPLEMENTED). Without it the second fails to bind, loudly.
+    ("grpc.so_reuseport", 0),
 )
 
 

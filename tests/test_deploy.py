@@ -1,4 +1,5 @@
-"""The Kubernetes deployment in deploy/: the helm chart and its values files (the dashboard: test_dashboard.py).
+"""The Kubernetes deployment in deploy/: the helm chart and its values files (the dashboard: test_dashboard.py; the
+chart's defences: test_deploy_security.py; rendering helpers: charts.py).
 
 The chart must lint (``helm lint --strict``), render (``helm template``) and validate
 against the Kubernetes schemas (``kubernetes-validate --strict``) with the default values,
@@ -16,7 +17,6 @@ No cluster and no Docker engine are needed.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import os
@@ -33,149 +33,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-CHART = REPO / "deploy" / "helm" / "mooncake"
-PRODUCTION = REPO / "deploy" / "helm" / "values-production.yaml"
-VLLM_GPU = REPO / "deploy" / "helm" / "values-vllm-gpu.yaml"
-RELEASE, NAMESPACE = "mc", "serving"
-PREFIX = f"{RELEASE}-mooncake"
-# stock vLLM on the production sizes, as deploy/README.md tells to run it
-VLLM_ON_PRODUCTION = ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cuda",
-                      "--set", "engine.vllmArgs={enforce_eager=true}"]  # fmt: skip
-# stock vLLM on the CPU: its attention needs 32-token blocks (SmolLM2-135M, float32: 30 x 2 x 32 x 3 x 64 x 4 bytes)
-VLLM_ON_CPU = ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu", "--set", "model.blockSize=32",
-               "--set", "model.blockBytes=1474560"]  # fmt: skip
-VALUE_SETS = {
-    "default": [], "production": ["-f", str(PRODUCTION)], "vllm-gpu": ["-f", str(VLLM_GPU)],
-    "production-vllm": ["-f", str(PRODUCTION), *VLLM_ON_PRODUCTION], "vllm-cpu": VLLM_ON_CPU,
-    "groups": ["--set", "prefill.groups.replicas=2", "--set", "prefill.groups.stages=3"],
-}  # fmt: skip
-
-
-def _tool(name: str, install: str) -> str:
-    """The path of ``name`` on PATH or in this interpreter's (or the repo's) venv; fail, never skip, without it."""
-    candidates = [shutil.which(name), Path(sys.executable).parent / name, REPO / ".venv" / "bin" / name]
-    for found in candidates:
-        if found and Path(found).is_file():
-            return str(found)
-    pytest.fail(f"{name} is not installed; install it with: {install}")
-
-
-@functools.cache
-def helm() -> str:
-    return _tool("helm", "deploy/tools/install-helm.sh .venv/bin")
-
-
-@functools.cache
-def kubernetes_validate() -> str:
-    return _tool("kubernetes-validate", ".venv/bin/pip install kubernetes-validate")
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=120)
-
-
-@functools.cache
-def render_text(*extra: str) -> str:
-    out = run(helm(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *extra)
-    assert out.returncode == 0, f"helm template {' '.join(extra)} failed:\n{out.stderr}"
-    return out.stdout
-
-
-def render(*extra: str) -> list[dict]:
-    """The documents ``helm template`` renders (empty ones dropped)."""
-    return [d for d in yaml.safe_load_all(render_text(*extra)) if d]
-
-
-def merged_values(values: str) -> dict:
-    """The chart's values under a value set, merged as helm merges them: values.yaml, each -f file, each --set
-    (``a.b=value``, a list written ``{x,y}``)."""
-
-    def merge(into: dict, over: dict) -> None:
-        for key, value in over.items():
-            if isinstance(value, dict) and isinstance(into.get(key), dict):
-                merge(into[key], value)
-            else:
-                into[key] = value
-
-    merged = yaml.safe_load((CHART / "values.yaml").read_text())
-    args = VALUE_SETS[values]
-    for flag, arg in zip(args[::2], args[1::2]):
-        if flag == "-f":
-            merge(merged, yaml.safe_load(Path(arg).read_text()))
-            continue
-        path, _, raw = arg.partition("=")
-        value = raw[1:-1].split(",") if raw.startswith("{") else yaml.safe_load(raw)
-        *parents, leaf = path.split(".")
-        node = merged
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    return merged
-
-
-def find(docs: list[dict], kind: str, name: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name}, rendered: {[(d['kind'], d['metadata']['name']) for d in docs]}"
-    return found[0]
-
-
-def kinds(docs: list[dict]) -> set[str]:
-    return {d["kind"] for d in docs}
-
-
-def pod_spec(docs: list[dict], component: str) -> dict:
-    return find(docs, "Deployment", f"{PREFIX}-{component}")["spec"]["template"]["spec"]
-
-
-def container(spec: dict, name: str) -> dict:
-    every = spec.get("initContainers", []) + spec["containers"]
-    found = [c for c in every if c["name"] == name]
-    assert len(found) == 1, f"no container {name!r} in {[c['name'] for c in every]}"
-    return found[0]
-
-
-def flags(c: dict) -> dict[str, str]:
-    """``--name=value`` arguments as {name: value} (bare flags map to "")."""
-    out = {}
-    for arg in c["args"][1:]:
-        name, _, value = arg.partition("=")
-        out[name] = value
-    return out
-
-
-def port_number(c: dict, port: int | str) -> int:
-    """A probe's port: a number, or the name of one of the container's ports."""
-    if isinstance(port, int):
-        return port
-    named = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
-    assert port in named, f"container {c['name']} has no port named {port!r} ({named})"
-    return named[port]
-
-
-POD_ENV = {"POD_NAME": f"{PREFIX}-x-0", "POD_IP": "10.1.2.3", "MOONCAKE_REDIS_URL": "redis://r:6379/0", "MOONCAKE_API_KEY": "k"}
-
-
-def expanded_args(docs: list[dict], c: dict, env: dict[str, str] | None = None) -> list[str]:
-    """A container's arguments after its component name, with $(VAR) expanded from the ConfigMap and ``env``
-    (the downward API's and the Secrets' values), as the kubelet expands them."""
-    values = {**find(docs, "ConfigMap", f"{PREFIX}-config")["data"], **POD_ENV, **(env or {})}
-    return [re.sub(r"\$\(([A-Z_0-9]+)\)", lambda m: values[m.group(1)], a) for a in c["args"][1:]]
-
-
-def mooncake_containers(docs: list[dict]) -> list[tuple[str, dict, dict]]:
-    """(component, container, pod spec) of every container running the mooncake image."""
-    out = []
-    for d in docs:
-        if d["kind"] != "Deployment":
-            continue
-        spec = d["spec"]["template"]["spec"]
-        for c in spec.get("initContainers", []) + spec["containers"]:
-            if "mooncake-serve" in c["image"]:
-                out.append((c["args"][0], c, spec))
-    return out
+from charts import (
+    CHART, VLLM_GPU, RELEASE, NAMESPACE, PREFIX, VALUE_SETS, helm, kubernetes_validate, run, render_text, render, merged_values, find, kinds, pod_spec, container, flags, port_number, expanded_args, mooncake_containers,
+)  # fmt: skip
 
 
 # -- lint, render, validate ------------------------------------------------------------
@@ -570,95 +431,6 @@ def test_service_monitor_scrapes_every_components_metrics_port():
         (f"{PREFIX}-gateway", "http"), (f"{PREFIX}-conductor", "metrics"), (f"{PREFIX}-prefill", "metrics"),
         (f"{PREFIX}-prefill", "kv-metrics"), (f"{PREFIX}-decode", "metrics"),
     }  # fmt: skip
-
-
-CALLERS = {  # who calls whom inside a release (the chart's NetworkPolicies must allow exactly this)
-    "conductor": {"gateway", "prefill", "prefill-group", "decode"},
-    "prefill": {"decode", "prefill", "prefill-group", "conductor"},
-    "prefill-group": {"decode", "prefill", "prefill-group", "conductor"},
-    "decode": {"gateway", "prefill", "prefill-group"},
-    "redis": {"conductor"},
-}
-
-
-@pytest.mark.parametrize("values", ["default", "production"])
-def test_network_policies_let_in_only_the_callers_and_only_the_gateway_from_outside(values):
-    docs = render(*VALUE_SETS[values])
-    policies = {d["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: d for d in docs if d["kind"] == "NetworkPolicy"}
-    pods = {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs
-            if d["kind"] in ("Deployment", "StatefulSet")}  # fmt: skip
-    assert pods <= set(policies), f"pods without a policy: {pods - set(policies)}"
-    for component, policy in policies.items():
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
-        rules = policy["spec"]["ingress"]
-        if component == "gateway":
-            assert rules == [{"ports": [{"port": "http"}]}]  # anyone, on the API port only
-            continue
-        (inside, *metrics) = rules
-        (peer,) = inside["from"]
-        assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": RELEASE} and "ports" not in inside
-        (expression,) = peer["podSelector"]["matchExpressions"]
-        assert expression["key"] == "app.kubernetes.io/component" and set(expression["values"]) == CALLERS[component]
-        if values == "production" and component != "redis":  # Prometheus, on the metrics ports alone
-            (scrape,) = metrics
-            assert scrape["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-            assert {p["port"] for p in scrape["ports"]} <= {"metrics", "kv-metrics"}
-        else:
-            assert metrics == []
-
-
-def test_the_gateway_and_the_conductor_run_on_a_read_only_root_filesystem_with_a_tmp_of_their_own():
-    docs = render()
-    for component in ("gateway", "conductor"):
-        spec = pod_spec(docs, component)
-        c = container(spec, component)
-        assert c["securityContext"]["readOnlyRootFilesystem"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
-        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
-        assert {v["name"]: v for v in spec["volumes"]}["tmp"]["emptyDir"]
-        assert spec["securityContext"]["runAsNonRoot"] is True
-    for component in ("prefill", "decode"):  # the engine may compile its attention kernel into ~/.cache
-        assert container(pod_spec(docs, component), component)["securityContext"]["readOnlyRootFilesystem"] is False
-
-
-def test_the_conductor_has_an_operator_token_from_a_secret_mounted_read_only():
-    import base64
-
-    docs = render()
-    spec = pod_spec(docs, "conductor")
-    c = container(spec, "conductor")
-    assert {e["name"]: e.get("value") for e in c["env"]}["MOONCAKE_OPERATOR_TOKEN_FILE"] == "/etc/mooncake/operator/token"
-    assert {"name": "operator", "mountPath": "/etc/mooncake/operator", "readOnly": True} in c["volumeMounts"]
-    volume = {v["name"]: v for v in spec["volumes"]}["operator"]["secret"]
-    assert volume["secretName"] == f"{PREFIX}-operator" and volume["items"] == [{"key": "token", "path": "token"}]
-    assert volume["defaultMode"] == 0o400
-    secret = find(docs, "Secret", f"{PREFIX}-operator")
-    assert len(base64.b64decode(secret["data"]["token"])) == 48  # made by the chart: random, at least 16 characters
-    assert all("operator" not in json.dumps(container(pod_spec(docs, other), other)) for other in ("gateway", "decode"))
-    docs = render("--set", "conductor.operatorToken.existingSecret=ops")
-    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == f"{PREFIX}-operator"]
-    assert {v["name"]: v for v in pod_spec(docs, "conductor")["volumes"]}["operator"]["secret"]["secretName"] == "ops"
-
-
-def test_tenants_come_from_a_secret_mounted_read_only_and_exclude_a_single_key():
-    docs = render("--set", "gateway.tenants.existingSecret=mooncake-tenants")
-    spec = pod_spec(docs, "gateway")
-    gateway = container(spec, "gateway")
-    assert "--tenants=/etc/mooncake/tenants/tenants.yaml" in gateway["args"]
-    assert not any(a.startswith("--api-key") for a in gateway["args"])
-    assert {"name": "tenants", "mountPath": "/etc/mooncake/tenants", "readOnly": True} in gateway["volumeMounts"]
-    volume = {v["name"]: v for v in spec["volumes"]}["tenants"]["secret"]
-    assert volume == {"secretName": "mooncake-tenants", "items": [{"key": "tenants.yaml", "path": "tenants.yaml"}]}
-    out = run(helm(), "template", RELEASE, str(CHART), "--set", "gateway.tenants.existingSecret=t", "--set", "gateway.apiKey.value=k")
-    assert out.returncode != 0 and "exclusive" in out.stderr
-
-
-def test_api_key_value_is_stored_in_a_secret():
-    docs = render("--set", "gateway.apiKey.value=s3cret")
-    secret = find(docs, "Secret", f"{PREFIX}-gateway")
-    assert secret["stringData"] == {"api-key": "s3cret"}
-    gateway = container(pod_spec(docs, "gateway"), "gateway")
-    assert "s3cret" not in json.dumps(gateway)  # the pod reads it from the Secret
-    assert {e["name"]: e for e in gateway["env"]}["MOONCAKE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{PREFIX}-gateway"
 
 
 @pytest.mark.parametrize(

@@ -271,7 +271,7 @@ class Conductor:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
         if not decodes:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
-        blocks = -(-req.prompt_tokens // req.block_tokens)
+        blocks = -(-req.prompt_tokens // req.block_tokens)  # what its prompt's KV takes of a decode worker's landing slots
         takers = self._takers(decodes, blocks)
         if not takers:
             return dataclasses.replace(self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes, blocks), MIN_RETRY_S),
@@ -285,7 +285,7 @@ class Conductor:
         if verdict is not None:
             reason, message, retry = verdict
             return dataclasses.replace(self._reject(req, reason, message, retry, predicted), shed_s=self.shed_s(now))
-        self._record(req, choice, decode, now)
+        self._record(req, choice, decode, now, blocks)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
 
     def shed_s(self, now: float) -> float:
@@ -452,12 +452,12 @@ class Conductor:
             return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", retry_decode
         return None
 
-    def _record(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float) -> None:
+    def _record(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float, landing_blocks: int) -> None:
         load = choice.instance.load
         load.queued_s += choice.prefill_s + choice.transfer_s
         load.queued_requests += 1
         self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now,
-                                -(-req.prompt_tokens // req.block_tokens))  # fmt: skip
+                                landing_blocks)  # fmt: skip
         self.last_sent[choice.instance.id] = self.last_sent[decode.id] = now
         served = self.served.setdefault(choice.instance.id, Served())
         served.decisions += 1

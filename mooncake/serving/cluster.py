@@ -127,7 +127,7 @@ class ClusterBackend(GenerationBackend):
         if progress is not None:
             progress.maybe_placed = True  # until it answers otherwise: the answer may never reach us
         try:
-            resp = await self._schedule_call(msg)
+            resp = await self._conductor_call("Schedule", msg)
         except grpc.RpcError as e:
             error = _error(e.code(), e.details() or "", f"the Conductor at {address}")
         except ControlError as e:
@@ -153,18 +153,18 @@ class ClusterBackend(GenerationBackend):
             raise rejected
         return resp.placement
 
-    async def _schedule_call(self, msg: cpb.ScheduleRequest) -> cpb.ScheduleResponse:
-        """Schedule over the fast path when the Conductor has one (and it answers), else over gRPC."""
+    async def _conductor_call(self, method: str, msg):
+        """``method`` (Schedule or Report) over the fast path when the Conductor has one (and it answers), else over gRPC."""
         stub = self._conductor_stub()
         fast = await self._fast_channel(stub)
         if fast is not None:
             try:
-                return await fast.call("Schedule", msg, self.schedule_timeout_s)
+                return await fast.call(method, msg, self.schedule_timeout_s)
             except (ConnectionError, TimeoutError, OSError) as e:  # gRPC decides whether the Conductor is away
-                log.warning("the Conductor's fast path at %s failed (%s): Schedule goes over gRPC", fast.target, e)
+                log.warning("the Conductor's fast path at %s failed (%s): %s goes over gRPC", fast.target, e, method)
                 self._fast, self._fast_checked = None, time.monotonic()
                 await fast.close()
-        return await stub.Schedule(msg, timeout=self.schedule_timeout_s)
+        return await getattr(stub, method)(msg, timeout=self.schedule_timeout_s)
 
     # -- shedding ------------------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class ClusterBackend(GenerationBackend):
             while True:
                 await asyncio.sleep(max(0.0, self._shed_until - time.monotonic() - SHED_PROBE_LEAD_S))
                 try:
-                    resp = await self._schedule_call(cpb.ScheduleRequest(probe=True))
+                    resp = await self._conductor_call("Schedule", cpb.ScheduleRequest(probe=True))
                 except (grpc.RpcError, ControlError):
                     resp = None
                 if resp is None or resp.shed_s <= 0:
@@ -279,11 +279,7 @@ class ClusterBackend(GenerationBackend):
     async def _report_finished(self, request_id: str) -> None:
         msg = cpb.ReportRequest(requests=[cpb.RequestEvent(request_id=request_id, kind=cpb.RequestEvent.FINISHED)])
         try:
-            fast = self._fast
-            if fast is not None:
-                await fast.call("Report", msg, self.schedule_timeout_s)
-            else:
-                await self._conductor_stub().Report(msg, timeout=self.schedule_timeout_s)
+            await self._conductor_call("Report", msg)
         except (grpc.RpcError, ControlError, ConnectionError, TimeoutError, OSError) as e:
             log.debug("could not report %s finished (%s): the Conductor expires it", request_id, e)
 

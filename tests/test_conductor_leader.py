@@ -10,7 +10,7 @@ import redis
 
 from conductor.leader import LEADER_KEY, LeaderLease
 from mooncake.localproc import free_port
-from test_deploy import REPO, container, flags, pod_spec, render
+from charts import REPO, container, flags, pod_spec, render
 
 LEASE_S = 0.3
 

@@ -76,6 +76,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 from benchutil import describe_machine, resolve_model, run_interruptible, shielded
 
+from mooncake import tls  # noqa: E402
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.launcher import ClusterConfig, LocalCluster
 from mooncake.engine.loader import model_identity
@@ -306,7 +307,7 @@ def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, killed
     result.back_after_s = back[0] - killed_at
     c = cluster.config
     want = {f"kv{i}" for i in range(c.prefill)} | {f"prefill-{i}" for i in range(c.prefill)} | {f"decode-{i}" for i in range(c.decode)}
-    with grpc.insecure_channel(cluster.conductor_address) as channel:
+    with tls.grpc_channel(cluster.conductor_address) as channel:
         stub = cpb_grpc.ConductorStub(channel)
         while True:
             try:

@@ -51,6 +51,7 @@ from conductor.fastpath import start_fast_path  # noqa: E402
 from conductor.service import ConductorService, ConductorServicer, start_server  # noqa: E402
 from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest  # noqa: E402
 from kvstore.events import Tier  # noqa: E402
+from mooncake import tls  # noqa: E402
 
 BLOCK_TOKENS = 16
 NUM_CHAINS = 16
@@ -179,11 +180,9 @@ def wire_client(transport: str, address: str, method: str, keys: list[bytes], pr
     from protos import conductor_pb2 as pb
 
     if transport == "gRPC":
-        import grpc
-
         from protos import conductor_pb2_grpc as pb_grpc
 
-        stub = pb_grpc.ConductorStub(grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]))
+        stub = pb_grpc.ConductorStub(tls.grpc_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]))
         send = lambda name, msg: getattr(stub, name)(msg, timeout=10)  # noqa: E731
     else:
         from conductor.fastpath import METHODS

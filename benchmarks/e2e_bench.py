@@ -70,6 +70,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 from benchutil import describe_machine, resolve_model, run_interruptible, shielded  # noqa: E402
 
+from mooncake import tls
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
 from mooncake.engine.config import DTYPES  # noqa: E402
 from mooncake.engine.tokenizer import Tokenizer  # noqa: E402
@@ -213,13 +214,11 @@ class IndexWatch:
     """How many blocks of pool node kv0 the Conductor's index lists (stored blocks reach it as events, a moment later)."""
 
     def __init__(self, conductor_address: str) -> None:
-        import grpc
-
         from protos import conductor_pb2 as cpb
         from protos import conductor_pb2_grpc as cpb_grpc
 
         self._request = cpb.ListInstancesRequest()
-        self._channel = grpc.insecure_channel(conductor_address)
+        self._channel = tls.grpc_channel(conductor_address)
         self._stub = cpb_grpc.ConductorStub(self._channel)
 
     def count(self) -> int:

@@ -22,9 +22,10 @@ import asyncio
 import collections
 import contextlib
 import logging
-
+import socket
 
 from kvstore.control import MAX_MESSAGE, REQUEST, RESPONSE, ControlError, ControlServer, status_code
+from mooncake import tls
 from protos import conductor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,21 @@ class AsyncFastChannel:
         async with self._connecting:
             if self._writer is None:
                 try:
-                    reader, writer = await asyncio.open_connection(self._host, self._port)
+                    reader, writer = await self._open()
                 except OSError as e:
                     raise ConnectionError(f"the Conductor's fast path at {self.target}: {e}") from None
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read(reader, writer))
         return self._writer
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Dial the Conductor; with an identity, the handshake (mooncake.tls) runs on a thread, off the event loop."""
+        if tls.identity() is None:
+            return await asyncio.open_connection(self._host, self._port)
+        sock = await asyncio.to_thread(tls.create_connection, (self._host, self._port), tls.HANDSHAKE_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        return await asyncio.open_connection(sock=sock)
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         error: BaseException = ConnectionError(f"the Conductor's fast path at {self.target} closed the connection")

@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 
 from conductor.types import Instance, Role
+from mooncake import tls
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ class LocalProvider(PoolProvider):
         req = urllib.request.Request(f"{self.control_url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            ident = tls.identity()
+            context = ident.https_context if ident is not None and self.control_url.startswith("https:") else None
+            with urllib.request.urlopen(req, timeout=self.timeout_s, context=context) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"the launcher refused {path}: {e.read().decode(errors='replace')}") from None

@@ -14,6 +14,7 @@ import sys
 
 import grpc
 
+from mooncake import tls
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default="127.0.0.1:7000", help="the Conductor's gRPC address")
     p.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for its answer")
     args = p.parse_args(argv)
-    with grpc.insecure_channel(args.address) as channel:
+    with tls.grpc_channel(args.address) as channel:
         try:
             pb_grpc.ConductorStub(channel).ListInstances(pb.ListInstancesRequest(), timeout=args.timeout)
         except grpc.RpcError as e:

@@ -26,6 +26,7 @@ from conductor.pool import NoProvider, PoolProvider
 from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, Role, ScheduleRequest
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.events import Tier
+from mooncake import tls
 from mooncake.faults import StatusTable
 from mooncake.serving.channels import SERVER_OPTIONS
 from protos import conductor_pb2 as pb
@@ -493,6 +494,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             policy=c.policy.kind.value, admission=c.admission.value, index_blocks=c.index.num_blocks,
             scheduled=c.counters.scheduled, rejected=c.counters.rejected, control_port=self.service.control_port,
             admin_open=self.operator.open,
+            insecure=tls.identity() is None,
         )  # fmt: skip
 
     @_status
@@ -530,7 +532,7 @@ def start_server(service: ConductorService, host: str = "127.0.0.1", port: int =
                  operator_token: str | None = None) -> tuple[grpc.Server, int]:  # fmt: skip
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conductor-rpc"), options=SERVER_OPTIONS)
     pb_grpc.add_ConductorServicer_to_server(ConductorServicer(service, OperatorCheck(operator_token)), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = tls.grpc_add_port(server, f"{host}:{port}")
     if bound == 0:
         raise ValueError(f"cannot bind the Conductor's gRPC service to {host}:{port}")
     server.start()

@@ -40,6 +40,7 @@ from pydantic import BaseModel, Field, field_validator
 from conductor.predictors import DecodePredictor, PredictorConfig
 from decode.writeback import BlockWriter
 from kvstore.service import segment_to_pb
+from mooncake import tls
 from mooncake.engine.config import EngineConfig, check_cuda_device
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
@@ -393,7 +394,7 @@ class DecodeWorker:
         with self._channels_lock:
             stub = self._channels.get(address)
             if stub is None:
-                stub = self._channels[address] = wpb_grpc.PrefillStub(grpc.insecure_channel(address, options=client_options(self.config.detect_s)))
+                stub = self._channels[address] = wpb_grpc.PrefillStub(tls.grpc_channel(address, options=client_options(self.config.detect_s)))
             return stub
 
     @property

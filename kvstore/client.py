@@ -30,6 +30,7 @@ from kvstore.control import METHOD_IDS, ControlAddress, ControlChannel, ControlE
 from kvstore.events import Tier
 from kvstore.service import GRPC_OPTIONS, segment_from_pb
 from kvstore.store import LookupResult, StoreFull
+from mooncake import tls
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from transfer import Segment, Slice, TransferConfig, TransferEngine, TransferError
@@ -78,7 +79,7 @@ class KVStoreClient:
         self.address = address
         self.owner = owner
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = tls.grpc_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(TransferConfig(node=f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}", serve=False))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from mooncake import tls
 from protos import kvstore_pb2 as pb
 from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, recv_some, send_all
 
@@ -221,8 +222,9 @@ class ControlAddress:
                 raise
             return sock
         host, _, port = self.target.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        sock = tls.create_connection((host.strip("[]"), int(port)), timeout)  # authenticated (mooncake.tls)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(timeout)
         return sock
 
 

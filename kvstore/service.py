@@ -26,6 +26,7 @@ from kvstore.errors import KVSTORE_STATUS
 from kvstore.events import EventKind, Tier
 from kvstore.ssd import SsdTier
 from kvstore.store import BlockStore
+from mooncake import tls
 from mooncake.serving.channels import SERVER_OPTIONS
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -237,7 +238,7 @@ def start_server(
     servicer.control_port, servicer.control_uds = control.port, control_uds or ""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"), options=GRPC_OPTIONS + list(SERVER_OPTIONS))
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = tls.grpc_add_port(server, f"{host}:{port}")
     if bound == 0:
         control.close()
         raise ValueError(f"cannot bind the kvstore gRPC service to {host}:{port}")

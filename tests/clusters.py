@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from conductor.auth import bearer
+from mooncake import tls
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.launcher import ClusterConfig, LocalCluster
 from mooncake.engine.config import EngineConfig
@@ -102,7 +103,7 @@ class _Operator(grpc.UnaryUnaryClientInterceptor):
 
 def conductor(cluster: LocalCluster, operator: bool = True) -> cpb_grpc.ConductorStub:
     """A stub to the cluster's Conductor, with the operator credential (``operator``) or without."""
-    channel = grpc.insecure_channel(cluster.conductor_address)
+    channel = tls.grpc_channel(cluster.conductor_address)
     if operator:
         channel = grpc.intercept_channel(channel, _Operator(cluster.operator_token))
     return cpb_grpc.ConductorStub(channel)

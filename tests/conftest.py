@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mooncake import tls
 from mooncake.engine import ConnectorStep, EngineConfig, KVConnector, LLMEngine
 
 TIE_TOLERANCE = 1e-4  # reference top-two logit gap under which a divergence is a tie, not a bug
@@ -329,6 +330,18 @@ def assert_greedy_close(ours, reference_model, prompt, max_new_tokens, *, label:
     if len(ours) < max_new_tokens and ours[-1] not in eos:
         fail(f"engine stopped after {len(ours)} of {max_new_tokens} tokens without EOS")
     return None
+
+
+def pytest_configure(config):
+    """Every component a test starts, and every client in the test process, speaks mutual TLS (mooncake.tls) with
+    one CA made for the session, as a cluster's components do; MOONCAKE_TEST_INSECURE=1 runs the suite without it."""
+    if os.environ.get("MOONCAKE_TEST_INSECURE") == "1" or os.environ.get(tls.ENV_DIR):
+        return
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="mooncake-test-tls-"))
+    tls.generate(directory)
+    os.environ[tls.ENV_DIR] = str(directory)
 
 
 def pytest_terminal_summary(terminalreporter):

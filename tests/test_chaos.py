@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-import grpc
 import httpx
 import pytest
 from clusters import backend, start_cluster
 from replays import replay, undisturbed_run, wait_idle, wait_restarted
 
+from mooncake import tls
 from mooncake.serving.types import GenerationRequest
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
@@ -111,7 +111,7 @@ def test_with_a_standby_conductor_killing_the_leader_loses_no_request(tiny_dir, 
     try:
         outputs, errors, _ = replay(c, "conductor")
         assert errors == {} and outputs == expected
-        standby = cpb_grpc.ConductorStub(grpc.insecure_channel(f"{c.config.host}:{c.ports['conductor-1']}"))
+        standby = cpb_grpc.ConductorStub(tls.grpc_channel(f"{c.config.host}:{c.ports['conductor-1']}"))
         listing = standby.ListInstances(cpb.ListInstancesRequest(), timeout=5)  # it leads now: it answers
         assert sum(i.state == cpb.ALIVE for i in listing.instances) == 6
     finally:

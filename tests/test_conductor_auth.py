@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from conductor.auth import bearer, write_token_file
 from kvnodes import start_conductor
+from mooncake import tls
 from mooncake.cli.pool_cmd import app as pool_app
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
@@ -21,7 +22,7 @@ def guarded(tmp_path_factory):
     token = write_token_file(path)
     node = start_conductor("--operator-token-file", str(path))
     address = node.info["grpc"]
-    yield pb_grpc.ConductorStub(grpc.insecure_channel(address)), token, path, address
+    yield pb_grpc.ConductorStub(tls.grpc_channel(address)), token, path, address
     node.stop()
     assert token not in node.log.read_text()  # never logged
 
@@ -94,7 +95,7 @@ def test_the_cli_carries_the_credential_from_its_file(guarded, tmp_path, monkeyp
 def test_without_a_token_admin_calls_are_open_and_the_conductor_says_so():
     node = start_conductor()
     try:
-        stub = pb_grpc.ConductorStub(grpc.insecure_channel(node.info["grpc"]))
+        stub = pb_grpc.ConductorStub(tls.grpc_channel(node.info["grpc"]))
         assert stub.ListInstances(pb.ListInstancesRequest(), timeout=5).admin_open is True
         register(stub, "d-open")
         assert stub.Drain(pb.DrainRequest(id="d-open"), timeout=5).state == pb.DRAINING

@@ -16,6 +16,7 @@ import pytest
 from conductor.fastpath import AsyncFastChannel
 from kvnodes import start_conductor
 from kvstore.control import ControlError
+from mooncake import tls
 from mooncake.blocks import block_keys, model_fingerprint
 from mooncake.serving.cluster import ClusterBackend
 from mooncake.serving.types import GenerationRequest, InvalidRequest, Rejected
@@ -29,7 +30,7 @@ FP = model_fingerprint("fastpath-test")
 @pytest.fixture
 def conductor():
     node = start_conductor("--heartbeat-timeout", "60")
-    channel = grpc.insecure_channel(node.info["grpc"])
+    channel = tls.grpc_channel(node.info["grpc"])
     stub = pb_grpc.ConductorStub(channel)
     stub.Register(pb.RegisterRequest(id="kv0", role=pb.KVSTORE, address="127.0.0.1:1", node="kv0"))
     stub.Register(pb.RegisterRequest(id="p0", role=pb.PREFILL, address="127.0.0.1:2", node="kv0"))
@@ -92,7 +93,7 @@ def test_errors_carry_the_grpc_status_codes_and_a_dead_conductor_fails_calls_at_
 def test_the_gateway_schedules_over_the_fast_path_when_the_conductor_has_one(fast):
     node = start_conductor("--heartbeat-timeout", "60", *([] if fast else ["--control-port", "-1"]))
     try:
-        stub = pb_grpc.ConductorStub(grpc.insecure_channel(node.info["grpc"]))
+        stub = pb_grpc.ConductorStub(tls.grpc_channel(node.info["grpc"]))
         stub.Register(pb.RegisterRequest(id="p0", role=pb.PREFILL, address="127.0.0.1:2", node="kv0"))
         stub.Register(pb.RegisterRequest(id="d0", role=pb.DECODE, address="127.0.0.1:3", node="kv0", capacity=64))
         backend = ClusterBackend(node.info["grpc"], "m", 4096, BLOCK_TOKENS, FP)
@@ -118,7 +119,7 @@ def test_the_gateway_schedules_over_the_fast_path_when_the_conductor_has_one(fas
 def test_a_gateway_sheds_while_the_conductor_refuses_everything_and_stops_when_it_drains():
     node = start_conductor("--heartbeat-timeout", "60", "--ttft-slo", "2")
     try:
-        stub = pb_grpc.ConductorStub(grpc.insecure_channel(node.info["grpc"]))
+        stub = pb_grpc.ConductorStub(tls.grpc_channel(node.info["grpc"]))
         stub.Register(pb.RegisterRequest(id="p0", role=pb.PREFILL, address="127.0.0.1:2", node="kv0"))
         stub.Register(pb.RegisterRequest(id="d0", role=pb.DECODE, address="127.0.0.1:3", node="kv0", capacity=64))
         stub.Heartbeat(pb.HeartbeatRequest(id="p0", load=pb.Load(queued_s=100.0)))  # nothing starts within the SLO

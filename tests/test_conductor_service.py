@@ -13,6 +13,7 @@ import pytest
 
 from kvnodes import start_conductor, start_node
 from kvstore.client import KVStoreClient
+from mooncake import tls
 from mooncake.blocks import block_keys, model_fingerprint
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
@@ -60,7 +61,7 @@ def cluster(shm_dir):
         def start_conductor(self, *extra):
             self.conductor = start_conductor("--heartbeat-timeout", "1.5", *extra)
             procs.append(self.conductor)
-            self.channel = grpc.insecure_channel(self.conductor.info["grpc"])
+            self.channel = tls.grpc_channel(self.conductor.info["grpc"])
             self.stub = pb_grpc.ConductorStub(self.channel)
             beater.stub = self.stub
             return self.stub

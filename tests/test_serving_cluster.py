@@ -20,6 +20,7 @@ import openai
 import pytest
 from rich.console import Console
 
+from mooncake import tls
 from mooncake.cli.pool_cmd import status_table
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.grammar import grammar_for
@@ -200,7 +201,7 @@ def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_
     console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
     assert f" of {decode.load.batch_cap}" in console.export_text()  # `mooncake status` shows the running batch against its cap
     stub = conductor(cluster)
-    worker = wpb_grpc.DecodeStub(grpc.insecure_channel(decode.address))
+    worker = wpb_grpc.DecodeStub(tls.grpc_channel(decode.address))
     for n in range(decode.load.batch_cap + 2):
         deadline = time.monotonic() + 5  # the worker's report reaches the Conductor in milliseconds
         while (placed := stub.Schedule(cpb.ScheduleRequest(request_id=f"refused-{n}", prompt_tokens=8, block_tokens=16),

@@ -122,6 +122,7 @@ def test_peer_killed_mid_transfer_fails_promptly(shm_dir):
         stats_seg = Segment(name="victim/dram", node="victim", size=64 * MIB, host="elsewhere", pid=node.proc.pid,
                             tcp_addr=node.info["tcp"])  # fmt: skip
         reader.add_segment(stats_seg)
+        reader.read(bytearray(10), [Slice(0, "victim/dram", 0, 10)]).wait(30)  # connected (and authenticated) first
         node.kill(signal.SIGSTOP)  # the peer stops answering with the batch on the wire
         batch = reader.read(bytearray(64 * MIB), [Slice(0, "victim/dram", 0, 64 * MIB)])
         time.sleep(0.5)

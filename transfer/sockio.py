@@ -16,8 +16,11 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
+
+from mooncake import tls
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ class ConnectionServer:
     def _accept_loop(self, listener: socket.socket) -> None:
         while not self.closed:
             try:
-                conn, _ = listener.accept()
+                conn, addr = listener.accept()
             except OSError:
                 return
             if conn.family != socket.AF_UNIX:
@@ -130,18 +133,40 @@ class ConnectionServer:
             conn.setblocking(False)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._run, args=(conn,), name=self._name, daemon=True).start()
+            threading.Thread(target=self._run, args=(conn, addr), name=self._name, daemon=True).start()
 
-    def _run(self, conn: socket.socket) -> None:
+    def _run(self, conn: socket.socket, addr) -> None:
         try:
-            self._handle(conn)
+            conn = self._authenticate(conn, addr)
+            if conn is not None:
+                self._handle(conn)
         except OSError as e:
             if not self.closed:
                 log.debug("%s connection closed: %s", self._name, e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
+            if conn is not None:
+                conn.close()
+
+    def _authenticate(self, conn: socket.socket, addr) -> socket.socket | None:
+        """The connection once its peer has shown the cluster's certificate (mooncake.tls); None if it has not."""
+        with self._lock:
+            self._conns.discard(conn)
+        try:
+            plain = tls.accept(conn)
+        except (ssl.SSLError, OSError) as e:
             conn.close()
+            if not self.closed:
+                log.warning("%s refused a connection from %s: %s", self._name, addr or "a local socket", e)
+            return None
+        plain.setblocking(False)
+        with self._lock:
+            if self.closed:
+                plain.close()
+                return None
+            self._conns.add(plain)
+        return plain
 
     def close(self) -> None:
         self.closed = True
@@ -158,3 +183,4 @@ class ConnectionServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from mooncake import tls
 from transfer.backend import Backend, Job, fail_jobs
 from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, recv_exact, recv_some, send_all
 from transfer.types import BackendKind, OpKind, Segment, TransferError
@@ -121,7 +122,7 @@ class _Connection:
     def __init__(self, addr: str, node: str, connect_timeout: float, io_timeout: float) -> None:
         self.addr, self.node = addr, node
         try:
-            self._sock = socket.create_connection(parse_addr(addr), timeout=connect_timeout)
+            self._sock = tls.create_connection(parse_addr(addr), connect_timeout)  # authenticated (mooncake.tls)
         except OSError as e:
             raise TransferError(f"peer {node!r} at {addr}: cannot connect: {e}") from e
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

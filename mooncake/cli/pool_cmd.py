@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -15,6 +16,7 @@ from rich.table import Table
 from conductor.auth import TOKEN_FILE_ENV, bearer, read_token_file
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
+from mooncake import tls
 
 console = Console()
 if not console.is_terminal:  # a pipe or a log: wide enough for the status table
@@ -59,7 +61,15 @@ def operator_token(given: Path | None) -> str | None:
 
 
 def _stub(address: str) -> pb_grpc.ConductorStub:
-    return pb_grpc.ConductorStub(grpc.insecure_channel(address))
+    """A stub with the cluster's certificate: $MOONCAKE_TLS_DIR, else that of the `mooncake up` running here."""
+    if not os.environ.get(tls.ENV_DIR):
+        try:
+            given = json.loads(CURRENT.read_text()).get("tls_dir")
+        except (OSError, ValueError):
+            given = None
+        if given:
+            os.environ[tls.ENV_DIR] = given  # this CLI process's identity, as a component's
+    return pb_grpc.ConductorStub(tls.grpc_channel(address))
 
 
 def _call(fn, request, address: str, token: str | None = None):
@@ -80,7 +90,9 @@ def _ratio(n: int, d: int) -> str:
 def status_table(listing: pb.ListInstancesResponse) -> Table:
     t = Table(title=f"policy {listing.policy}, admission {listing.admission}: {listing.scheduled} scheduled, "
                     f"{sum(listing.rejected.values())} rejected, {listing.index_blocks} blocks indexed"
-                    + ("\n[bold red]admin calls are open: the Conductor has no operator token[/bold red]" if listing.admin_open else ""))  # fmt: skip
+                    + ("\n[bold red]admin calls are open: the Conductor has no operator token[/bold red]" if listing.admin_open else "")
+                    + ("\n[bold red]INSECURE: no TLS between the components; anyone who reaches their ports can call them"
+                       "[/bold red]" if listing.insecure else ""))  # fmt: skip
     for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
         t.add_column(c, justify="left" if c in ("instance", "role", "address", "state") else "right")
     nodes = {i.node: i for i in listing.instances if i.role == pb.KVSTORE}

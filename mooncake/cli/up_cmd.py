@@ -69,6 +69,9 @@ def up(
                                     "the Conductor and the gateway in CPU priority (nice, and the same for the session each runs in, "
                                     "which the kernel's autogroups schedule as one), so refusals and decisions stay fast "
                                     "however busy the workers are; 0: the same priority"),
+    insecure: bool = typer.Option(False, "--insecure", help="No TLS between the components (development only). By default "
+                                  "they present certificates from a CA made in the run directory (or $MOONCAKE_TLS_DIR's) "
+                                  "and refuse any peer without one"),
 ) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 
@@ -91,7 +94,7 @@ def up(
             host=host, port=port, api_key=api_key, tenants_file=tenants, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
             pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
             ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size, device=device,
-            conductors=conductors, hold_s=hold, worker_nice=worker_nice,
+            conductors=conductors, hold_s=hold, worker_nice=worker_nice, insecure=insecure,
         )  # fmt: skip
     except ValueError as e:  # pydantic's ValidationError is one
         console.print(f"[red]error:[/red] {e}")
@@ -111,7 +114,8 @@ def up(
                   f"Conductor {cluster.conductor_address} (`mooncake status`, `mooncake pool scale`)")  # fmt: skip
     current = workdir / "current.json"
     current.write_text(json.dumps({"conductor": cluster.conductor_address, "endpoint": cluster.endpoint, "pid": os.getpid(),
-                                   "operator_token_file": str(cluster.operator_token_file)}))  # fmt: skip
+                                   "operator_token_file": str(cluster.operator_token_file),
+                                   "tls_dir": str(cluster.tls_dir) if cluster.tls_dir else None}))  # fmt: skip
     print(f"mooncake is ready at {cluster.endpoint}", flush=True)
     stop.wait()
     console.print("stopping every component")

@@ -4,7 +4,7 @@
     POST /remove  {"id": "decode-1"}                          -> {"stopped": "decode-1"} (after it drained)
     GET  /components                                          -> {name: {"alive", "pid", "restarts"}}
 
-Loopback only by default (``mooncake up`` binds it to its --host); errors are JSON with a
+https with the cluster's certificates (mooncake.tls) unless --insecure. Loopback only by default (``mooncake up`` binds it to its --host); errors are JSON with a
 4xx status. The pool logic (what to drain, when it is idle) is the Conductor's; this only
 runs processes.
 """
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from mooncake import tls
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,16 @@ def start_control_server(cluster, host: str, port: int) -> ThreadingHTTPServer:
         def log_message(self, *args) -> None:
             pass
 
+        def setup(self) -> None:
+            if isinstance(self.request, ssl.SSLSocket):  # the handshake on this request's thread, not the accept loop's
+                self.request.settimeout(tls.HANDSHAKE_TIMEOUT_S)
+                self.request.do_handshake()
+            super().setup()
+
     server = ThreadingHTTPServer((host, port), Handler)
+    ident = tls.identity()
+    if ident is not None:  # https, and only for a caller with the cluster's certificate (the Conductor)
+        server.socket = ident.server_context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="cluster-control", daemon=True).start()
     return server

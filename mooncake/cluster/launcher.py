@@ -33,6 +33,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, model_validator
 
 from conductor.auth import write_token_file
+from mooncake import tls
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
 from mooncake.localproc import free_port
@@ -83,6 +84,8 @@ class ClusterConfig(BaseModel):
                             "network) is taken for dead by its callers")  # fmt: skip
     conductors: int = Field(1, ge=1, le=5, description="Conductors: with more than one (on --redis-url), one leads and "
                             "the others stand by to take over when its lease lapses")  # fmt: skip
+    insecure: bool = Field(False, description="no TLS between the components (mooncake.tls): anyone who can reach their "
+                           "ports can call them; for development only")  # fmt: skip
     ready_timeout_s: float = 180.0
     worker_nice: int = Field(10, ge=0, le=19, description="the workers' and pool nodes' CPU priority below the Conductor's "
                              "and the gateway's (nice): on shared cores a refused request is answered in milliseconds "
@@ -133,7 +136,7 @@ class Component:
     info: dict = field(default_factory=dict)  # its READY line
     restarts: int = 0
     stopping: bool = False
-    env: dict[str, str] | None = None  # added to this process's environment
+    env: dict[str, str | None] | None = None  # added to this process's environment (None: removed from it)
     nice: int = 0  # CPU priority below the control plane's (os.nice), for it and every thread it starts
 
     @property
@@ -143,7 +146,7 @@ class Component:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
-        env = {**os.environ, **self.env} if self.env else None
+        env = {k: v for k, v in {**os.environ, **(self.env or {})}.items() if v is not None}  # None: not inherited
         # `nice` execs the command (the pid stays the component's); a preexec_fn would fork this threaded process instead
         argv = ["nice", "-n", str(self.nice), *self.argv] if self.nice and shutil.which("nice") else self.argv
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
@@ -200,6 +203,7 @@ class LocalCluster:
         self.run_dir = Path(config.workdir) / run
         self.operator_token_file = self.run_dir / "operator-token"  # the admin calls' credential (conductor.auth)
         self.operator_token: str | None = None
+        self.tls_dir: Path | None = None  # the components' certificates (mooncake.tls); None: --insecure
         self.shm_dir = f"/dev/shm/mooncake-{run}"
         self.components: dict[str, Component] = {}
         self._stop = threading.Event()
@@ -277,7 +281,8 @@ class LocalCluster:
         c, h = self.config, self.root_host
         name = "conductor" if i == 0 else f"conductor-{i}"
         redis = ["--redis-url", c.redis_url] if c.redis_url else []
-        provider = ["--pool-provider", "local", "--pool-control", f"http://{h}:{self.ports['control']}"] if self._control else []
+        scheme = "https" if self.tls_dir else "http"
+        provider = ["--pool-provider", "local", "--pool-control", f"{scheme}://{h}:{self.ports['control']}"] if self._control else []
         return Component(name, self._python(
             "conductor", "--host", h, "--port", str(self.ports[name]), "--metrics-port", "0", "--policy", c.policy,
             "--admission", c.admission, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis, *provider,
@@ -369,6 +374,7 @@ class LocalCluster:
         """Start every component, wave by wave, waiting for each wave's READY lines. Raises RuntimeError on failure."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.operator_token = write_token_file(self.operator_token_file)
+        self._use_tls()
         from mooncake.cluster.control import start_control_server
 
         self._control = start_control_server(self, self.root_host, self.ports["control"])
@@ -390,6 +396,19 @@ class LocalCluster:
             self._supervisor.start()
         return self
 
+    def _use_tls(self) -> None:
+        """Pick the components' identity: ``$MOONCAKE_TLS_DIR`` when set, else a CA and certificate made in the run
+        directory; this process (which calls the Conductor) and every component use it. ``insecure``: none at all."""
+        if self.config.insecure:
+            if os.environ.get(tls.ENV_DIR):
+                raise RuntimeError(f"--insecure, but {tls.ENV_DIR} is set in this environment: unset it first")
+            self.on_event("INSECURE: no TLS between the components; anyone who can reach their ports can call them")
+            return
+        given = os.environ.get(tls.ENV_DIR)
+        self.tls_dir = Path(given) if given else tls.generate(self.run_dir / "tls").directory
+        tls.Identity.load(self.tls_dir)  # a clear error now rather than in every component's log
+        os.environ[tls.ENV_DIR] = str(self.tls_dir)  # inherited by every component this process starts
+
     def _wait_registered(self) -> None:
         """Until the Conductor lists every worker and pool node alive (they register right after READY)."""
         import grpc
@@ -401,7 +420,7 @@ class LocalCluster:
         deadline = time.monotonic() + 30
         addresses = self.conductor_addresses.split(",")
         with contextlib.ExitStack() as channels:
-            stubs = [cpb_grpc.ConductorStub(channels.enter_context(grpc.insecure_channel(a))) for a in addresses]
+            stubs = [cpb_grpc.ConductorStub(channels.enter_context(tls.grpc_channel(a))) for a in addresses]
             while True:
                 alive = 0
                 for stub in stubs:  # whichever leads

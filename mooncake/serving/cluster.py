@@ -35,6 +35,7 @@ import grpc.aio
 
 from conductor.fastpath import AsyncFastChannel
 from kvstore.control import ControlError
+from mooncake import tls
 from mooncake.blocks import block_keys
 from mooncake.serving.channels import client_options
 from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
@@ -89,7 +90,7 @@ class ClusterBackend(GenerationBackend):
             self._loop, self._conductor, self._decoders, self._channels = loop, None, {}, []
             self._fast, self._fast_checked = None, -float("inf")
         if self._conductor is None:
-            channel = grpc.aio.insecure_channel(self._conductor_address, options=client_options(self.recovery.detect_s))
+            channel = tls.grpc_aio_channel(self._conductor_address, options=client_options(self.recovery.detect_s))
             self._channels.append(channel)
             self._conductor = cpb_grpc.ConductorStub(channel)
         return self._conductor
@@ -104,7 +105,7 @@ class ClusterBackend(GenerationBackend):
     def _decoder(self, address: str) -> wpb_grpc.DecodeStub:
         stub = self._decoders.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=client_options(self.recovery.detect_s))
+            channel = tls.grpc_aio_channel(address, options=client_options(self.recovery.detect_s))
             self._channels.append(channel)
             stub = self._decoders[address] = wpb_grpc.DecodeStub(channel)
         return stub

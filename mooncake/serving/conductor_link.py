@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import grpc
 
+from mooncake import tls
 from mooncake.serving.channels import RECONNECT_OPTIONS
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
@@ -44,7 +45,7 @@ class ConductorLink:
         self._load = load
         self._interval = interval_s
         self._rpc_timeout = rpc_timeout_s
-        self._channel = grpc.insecure_channel(self.address, options=RECONNECT_OPTIONS)
+        self._channel = tls.grpc_channel(self.address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ConductorStub(self._channel)
         self._prefill: deque[pb.PrefillSample] = deque(maxlen=MAX_QUEUED)
         self._transfer: deque[pb.TransferSample] = deque(maxlen=MAX_QUEUED)
@@ -127,7 +128,7 @@ class ConductorLink:
         """Move to the next Conductor (the one that failed may be dead or a standby now), and register there."""
         old = self._channel
         self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
-        self._channel = grpc.insecure_channel(self.address, options=RECONNECT_OPTIONS)
+        self._channel = tls.grpc_channel(self.address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ConductorStub(self._channel)
         self.registered.clear()
         old.close()

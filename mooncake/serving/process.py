@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
+from mooncake import tls
+
 log = logging.getLogger(__name__)
 
 
@@ -98,7 +100,7 @@ def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=spec.max_rpc_threads, thread_name_prefix=f"{spec.name}-rpc"),
                          options=SERVER_OPTIONS)  # fmt: skip
     spec.add_servicer(server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = tls.grpc_add_port(server, f"{args.host}:{args.port}")
     if port == 0:
         print(f"error: cannot bind {args.host}:{args.port}", file=sys.stderr)
         worker.close()

@@ -243,7 +243,7 @@ def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: 
     config = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, prefill=1, decode=1, port=0, workdir=workdir / "cluster",
         pool_dram_mib=max(64, math.ceil(blocks * block_bytes / 2**20)), max_model_len=args.max_model_len, threads=args.threads,
-        ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False, ready_timeout_s=600.0, **engine,
+        ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False, ready_timeout_s=600.0, insecure=args.insecure, **engine,
     )  # fmt: skip
     report.config["cluster"] = config.model_dump(mode="json")
     progress.update(task, description="disaggregated: starting the cluster")
@@ -555,6 +555,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="every engine's dtype")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: a vLLM "
                    "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)")
+    p.add_argument("--insecure", action="store_true", help="the cluster without TLS between its components (default: "
+                   "mutual TLS, as mooncake up; benchmarks/tls_bench.py compares the two)")
     p.add_argument("--no-serving", action="store_true", help="skip the gateway measurements")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -197,7 +197,7 @@ class KVStoreClient:
             if res.slots:
                 seg = self._segment(res.segment)
                 index = {bytes(k): i for i, k in enumerate(keys)}
-                slices = [Slice(index[s.key] * bb, seg.name, s.offset, bb) for s in res.slots]
+                slices = [Slice(index[s.key] * bb, seg.name, s.offset, bb, res.reservation_id) for s in res.slots]
                 self.engine.write(view, slices).wait(self.engine.config.io_timeout_s)
         except BaseException:
             try:
@@ -219,7 +219,7 @@ class KVStoreClient:
                 raise ValueError(f"output buffer of {len(view)} bytes cannot hold {n} blocks of {bb}")
             if n:
                 seg = self._segment(got.segment)
-                slices = [Slice(i * bb, seg.name, s.offset, bb) for i, s in enumerate(got.slots)]
+                slices = [Slice(i * bb, seg.name, s.offset, bb, got.lease_id) for i, s in enumerate(got.slots)]
                 self.engine.read(view, slices).wait(self.engine.config.io_timeout_s)
         finally:
             try:

@@ -56,7 +56,9 @@ class KVStoreNode:
     def __init__(self, config: StoreConfig, transfer: TransferConfig, registry: SegmentRegistry | None = None) -> None:
         self.config = config
         self.engine = TransferEngine(transfer, registry)
-        self.segment = self.engine.allocate("dram", config.dram_blocks * config.block_bytes)
+        self.store: BlockStore | None = None
+        # over tcp, a peer touches only the slots a lease or reservation of this node granted it (BlockStore.authorize)
+        self.segment = self.engine.allocate("dram", config.dram_blocks * config.block_bytes, guard=self._authorize)
         ssd = None
         if config.ssd_dir:
             ssd = SsdTier(config.ssd_dir, config.block_bytes, config.ssd_blocks, config.ssd_file_blocks, config.ssd_fsync)
@@ -72,6 +74,11 @@ class KVStoreNode:
             except Exception:  # keep expiring; a bug here must not silently stop it
                 log.exception("lease/reservation expiry failed")
 
+    def _authorize(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        if self.store is None:
+            return "the node is starting"
+        return self.store.authorize(token, write, offset, length)
+
     def pull(self, peer: str, keys: list[bytes]) -> tuple[int, int, int]:
         """Copy the longest prefix of ``keys`` stored on ``peer`` into this node; return (pulled, already, missing)."""
         from kvstore.client import KVStoreClient  # the node is a client of its peer
@@ -86,7 +93,7 @@ class KVStoreNode:
                 try:
                     where = {s.key: s for s in got.slots}
                     bb = self.config.block_bytes
-                    slices = [Slice(slot * bb, remote.name, where[key].offset, bb) for key, slot in res.slots]
+                    slices = [Slice(slot * bb, remote.name, where[key].offset, bb, got.lease_id) for key, slot in res.slots]
                     self.engine.read(self.segment.name, slices).wait(self.engine.config.io_timeout_s)
                 except BaseException:
                     self.store.abort(res.reservation_id)

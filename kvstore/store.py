@@ -62,6 +62,7 @@ class Reservation:
     positions: dict[bytes, tuple[int, bytes | None]]  # key -> (position, parent)
     deadline: float
     owner: str = ""  # the worker that will write the slots ("": nobody in particular)
+    granted: frozenset[int] = frozenset()  # the DRAM slots it lets its holder write (authorize)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class Lease:
     keys: list[bytes]
     deadline: float
     owner: str = ""  # the worker reading the blocks ("": nobody in particular)
+    granted: frozenset[int] = frozenset()  # the DRAM slots it lets its holder read (authorize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +323,8 @@ class BlockStore:
             slots = self._take_dram(len(todo))
             rid = uuid.uuid4().hex
             deadline = time.monotonic() + (ttl_s or self.config.reservation_ttl_s)
-            self._reservations[rid] = Reservation(rid, dict(zip(todo, slots)), dict(zip(keys, zip(pos, parents))), deadline, owner)
+            self._reservations[rid] = Reservation(rid, dict(zip(todo, slots)), dict(zip(keys, zip(pos, parents))), deadline, owner,
+                                                  frozenset(slots))  # fmt: skip
             self._reserved_slots += len(slots)
             return ReserveResult(rid, list(zip(todo, slots)), existing)
 
@@ -448,8 +451,32 @@ class BlockStore:
             self._ssd_count.hits += ssd_hits
             lid = uuid.uuid4().hex
             deadline = time.monotonic() + (lease_ttl_s or self.config.lease_ttl_s)
-            self._leases[lid] = Lease(lid, [e.key for e in prefix], deadline, owner)
+            self._leases[lid] = Lease(lid, [e.key for e in prefix], deadline, owner, frozenset(e.dram_slot for e in prefix))
             return GetResult(lid, [(e.key, e.dram_slot) for e in prefix], corrupt, len(prefix) - ssd_hits, ssd_hits)
+
+    def authorize(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        """Whether ``token`` grants bytes ``[offset, offset + length)`` of the DRAM tier: None if so, else why not.
+
+        A read needs a live lease (its id, from ``get``) on every slot the bytes touch, a
+        write a live reservation (its id, from ``reserve``) of them: so a peer that can
+        reach the node's transfer port still reads only blocks it was granted and writes
+        only slots it reserved, and only until it releases, commits or aborts them (or
+        they expire). A reservation also lets its holder read its slots back (a prefill
+        group's stages read the blocks their worker pulled in before it commits them).
+        The node's tcp server calls this for every request.
+        """
+        if length <= 0:
+            return "an empty range"
+        bb = self.block_bytes
+        first, last = offset // bb, (offset + length - 1) // bb
+        with self._lock:
+            grant = self._reservations.get(token) if write else (self._leases.get(token) or self._reservations.get(token))
+            if grant is None:
+                what = "reservation" if write else "lease"
+                return f"no live {what} with that token (a {what} id this node issued, not yet ended, is needed)"
+            if not all(slot in grant.granted for slot in range(first, last + 1)):
+                return f"slots {first}..{last} are not all held by that {'reservation' if write else 'lease'}"
+        return None
 
     def _promote(self, entry: Entry, protect: frozenset[bytes]) -> None:
         assert self.ssd is not None and entry.ssd_slot is not None

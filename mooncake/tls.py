@@ -175,7 +175,7 @@ def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server_side: bool, time
     so the peer's first frame stays in the kernel's buffer for the plain socket.
     Raises ``ssl.SSLError`` (a peer without the cluster's certificate) or ``OSError``.
     """
-    blocking = sock.getblocking()
+    before = sock.gettimeout()  # None: blocking; 0.0: non-blocking; else a timeout
     kw = {} if server_side else {"server_hostname": SERVER_NAME}
     tls = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False, **kw)
     try:
@@ -186,7 +186,7 @@ def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server_side: bool, time
     except BaseException:
         tls.close()
         raise
-    plain.setblocking(blocking)
+    plain.settimeout(before)
     return plain
 
 

@@ -55,6 +55,7 @@ class PrefillJob:
     landing_offsets: list[int]  # one per prompt block
     pool_slots: dict[int, int] = field(default_factory=dict)  # block index -> reserved slot in this node's pool
     pool_segment: str | None = None  # the pool's segment, written through the transfer engine (None: the bound tensor)
+    pool_token: str = ""  # the reservation of pool_slots (Slice.token: the pool node checks it)
     pushed: int = 0  # blocks whose every layer is on the decode worker
     issued: int = 0  # blocks whose every layer's push has started (pushed <= issued)
     started_at: float | None = None  # its first engine step
@@ -158,8 +159,8 @@ class PoolConnector(KVConnector):
                     self.pool[slot, layer].copy_(self.kv_cache[layer - self._first_layer, :, block])
                 else:
                     at = slot * self._block_bytes + layer * self._layer_bytes
-                    slices.append(Slice(self._offset(layer, 0, block), job.pool_segment, at, half))
-                    slices.append(Slice(self._offset(layer, 1, block), job.pool_segment, at + half, half))
+                    slices.append(Slice(self._offset(layer, 0, block), job.pool_segment, at, half, job.pool_token))
+                    slices.append(Slice(self._offset(layer, 1, block), job.pool_segment, at + half, half, job.pool_token))
             try:
                 self._batches.append((job, self.transfer.write(self._bytes, slices), None))
             except TransferError as e:
@@ -197,7 +198,8 @@ class PoolConnector(KVConnector):
             rows, slots = (torch.tensor(x, dtype=torch.long) for x in zip(*to_pool))
             self.pool[:, layer].index_copy_(0, slots, staged.index_select(0, rows))
         elif to_pool:
-            slices += [Slice(i * size, job.pool_segment, slot * self._block_bytes + layer * size, size) for i, slot in to_pool]
+            slices += [Slice(i * size, job.pool_segment, slot * self._block_bytes + layer * size, size, job.pool_token)
+                       for i, slot in to_pool]  # fmt: skip
         raw = tensor_bytes(staged)
         try:
             batch = self.transfer.write(raw, slices)

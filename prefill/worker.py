@@ -212,7 +212,8 @@ class PrefillWorker:
                 external = SlotKV(self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None)
             self._inflight[req.request_id] = (len(prompt), cached)
             if self.group is not None:
-                self._run_group(req, prompt, local + fetched, cached, job, held, cancelled)
+                tokens = [held.local_lease or ""] * len(local) + [held.fetch_reservation or ""] * len(fetched)
+                self._run_group(req, prompt, local + fetched, tokens, cached, job, held, cancelled)
             else:
                 self.connector.jobs[req.request_id] = job
                 self._run(req, prompt, salt, external, cached, job, cancelled)
@@ -266,15 +267,17 @@ class PrefillWorker:
         if job.first_token is None and job.error is None:
             job.fail(RuntimeError(f"the engine ended {req.request_id} without a token"))
 
-    def _run_group(self, req, prompt, prefix_slots: list[int], cached: int, job: PrefillJob, held: _Held,
-                   cancelled: threading.Event) -> None:  # fmt: skip
+    def _run_group(self, req, prompt, prefix_slots: list[int], prefix_tokens: list[str], cached: int, job: PrefillJob,
+                   held: _Held, cancelled: threading.Event) -> None:  # fmt: skip
         """Run the request through the pipelined group: every stage reads its layers of the prefix from the pool
         and pushes its layers of the KV (prefill/group.py). Cancellation is seen only while it waits its turn."""
         num_outputs, params = _prefill_params(req, prompt)
         for layer in range(len(held.fetch_batches)):  # the stages read the pulled blocks from the pool
             held.wait_layer(layer)
+        n = -(-cached // self.config.block_size)
         push = StagePush(segment_from_pb(req.landing.segment), list(req.landing.offsets), self._pool_segment, job.pool_slots,
-                         prefix_slots[: -(-cached // self.config.block_size)] if cached else None, self.config.io_timeout_s)  # fmt: skip
+                         prefix_slots[:n] if cached else None, self.config.io_timeout_s, pool_token=held.new_reservation or "",
+                         prefix_tokens=prefix_tokens[:n] if cached else None)  # fmt: skip
         request = StageRequest(req.request_id, prompt, params, self.config.max_num_batched_tokens, num_outputs=num_outputs,
                                num_prefix_tokens=cached, push=push)  # fmt: skip
         try:
@@ -325,7 +328,8 @@ class PrefillWorker:
         lb = self.layer_bytes
         held.fetch_started = time.perf_counter()
         for layer in range(self.block_shape[0]):
-            slices = [Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb) for i in range(n)]
+            slices = [Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb, got.lease_id)
+                      for i in range(n)]  # fmt: skip
             held.fetch_batches.append(self.transfer.read(self._pool_bytes, slices))
         return [o // self.block_bytes for o in local_offsets]
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from charts import (
-    CHART, RELEASE, PREFIX, VALUE_SETS, helm, run, render, find, pod_spec, container,
+    CHART, RELEASE, PREFIX, VALUE_SETS, helm, run, render, find, pod_spec, container, mooncake_containers,
 )  # fmt: skip
 
 
@@ -98,3 +98,66 @@ def test_api_key_value_is_stored_in_a_secret():
     gateway = container(pod_spec(docs, "gateway"), "gateway")
     assert "s3cret" not in json.dumps(gateway)  # the pod reads it from the Secret
     assert {e["name"]: e for e in gateway["env"]}["MOONCAKE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{PREFIX}-gateway"
+
+
+def test_every_component_speaks_mutual_tls_with_the_certificates_the_chart_makes(tmp_path):
+    """Each mooncake container gets MOONCAKE_TLS_DIR and the release's TLS Secret read-only; the CA and certificate
+    the chart makes with genCA are ones mooncake.tls accepts: a handshake with them succeeds, one with another
+    cluster's certificate does not."""
+    import socket
+    import ssl
+    import threading
+
+    from mooncake import tls
+
+    docs = render()
+    containers = mooncake_containers(docs)
+    assert {component for component, _, _ in containers} >= {"conductor", "gateway", "prefill", "kvstore", "decode"}
+    for component, c, spec in containers:
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env.get("MOONCAKE_TLS_DIR") == "/etc/mooncake/tls", component
+        assert {"name": "tls", "mountPath": "/etc/mooncake/tls", "readOnly": True} in c["volumeMounts"], component
+        assert {v["name"]: v for v in spec["volumes"]}["tls"]["secret"]["secretName"] == f"{PREFIX}-tls"
+    secret = find(docs, "Secret", f"{PREFIX}-tls")["data"]
+    ours = tmp_path / "chart"
+    ours.mkdir()
+    for key in tls.FILES:
+        (ours / key).write_bytes(base64.b64decode(secret[key]))
+
+    def handshake(server_dir, client_dir) -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        errors: list[BaseException] = []
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            try:
+                tls._handshake(conn, tls.Identity.load(server_dir).server_context, True, 5).close()
+            except OSError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            client = socket.create_connection(listener.getsockname(), timeout=5)
+            tls._handshake(client, tls.Identity.load(client_dir).client_context, False, 5).close()
+        finally:
+            t.join(10)
+            listener.close()
+        if errors:
+            raise errors[0]
+
+    handshake(ours, ours)
+    other = tls.generate(tmp_path / "other").directory
+    with pytest.raises(ssl.SSLError):
+        handshake(ours, other)
+
+    docs = render("--set", "tls.enabled=false")
+    assert not [d for d in docs if d["kind"] in ("Secret", "Certificate") and d["metadata"]["name"] == f"{PREFIX}-tls"]
+    assert all("MOONCAKE_TLS_DIR" not in json.dumps(c) for _, c, _ in mooncake_containers(docs))
+    docs = render("--set", "tls.existingSecret=mine")
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == f"{PREFIX}-tls"]
+    assert {v["name"]: v for v in pod_spec(docs, "conductor")["volumes"]}["tls"]["secret"]["secretName"] == "mine"
+    docs = render("--set", "tls.certManager.enabled=true", "--set", "tls.certManager.issuerRef.name=cluster-ca")
+    cert = find(docs, "Certificate", f"{PREFIX}-tls")["spec"]
+    assert cert["secretName"] == f"{PREFIX}-tls" and cert["dnsNames"] == [tls.SERVER_NAME]
+    assert {"server auth", "client auth"} <= set(cert["usages"])

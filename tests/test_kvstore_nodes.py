@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.control import ControlAddress, ControlChannel, ControlError
 from kvstore.events import Tier
 from kvstore.store import StoreFull
+from mooncake import tls
 from mooncake.blocks import block_keys, model_fingerprint
 from protos import kvstore_pb2 as pb
 from transfer import RedisRegistry, TransferConfig, TransferEngine
@@ -129,7 +129,7 @@ def test_hot_calls_take_the_control_fast_path_with_the_same_answers(nodes):
 def test_control_port_survives_garbage(nodes):
     a = nodes("a")
     host, port = a.info["control"].rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
+    with tls.create_connection((host, int(port)), 5) as s:
         s.sendall(struct.pack("<BBI", 99, 0, 0))  # a method that does not exist
         code, length = struct.unpack("<BI", s.recv(5))
         assert code == grpc.StatusCode.UNIMPLEMENTED.value[0] and b"unknown control method" in s.recv(length)

@@ -115,6 +115,17 @@ def test_redis_registry_shares_segments_between_engines(redis_url, shm_dir):
     assert RedisRegistry(redis_url).list() == []  # a closed engine unregisters its segments
 
 
+def leased_slices(node, blocks: int, block_bytes: int) -> list[Slice]:
+    """Put ``blocks`` blocks of 0xab into a pool node and lease them: one slice per block, each carrying the lease
+    (the token the node's transfer port asks for), laid end to end in the local buffer."""
+    with KVStoreClient(node.grpc) as kv:
+        keys = [i.to_bytes(16, "little") for i in range(1, blocks + 1)]
+        kv.put(keys, b"\xab" * (blocks * block_bytes))
+        got = kv.get_locations(keys)
+    assert len(got.slots) == blocks
+    return [Slice(i * block_bytes, got.segment.name, s.offset, block_bytes, got.lease_id) for i, s in enumerate(got.slots)]
+
+
 def test_peer_killed_mid_transfer_fails_promptly(shm_dir):
     node = start_node("victim", 1 * MIB, 64, shm_dir=shm_dir)
     reader = TransferEngine(TransferConfig(node="reader", backend="tcp", serve=False, io_timeout_s=60), MemoryRegistry())
@@ -122,9 +133,10 @@ def test_peer_killed_mid_transfer_fails_promptly(shm_dir):
         stats_seg = Segment(name="victim/dram", node="victim", size=64 * MIB, host="elsewhere", pid=node.proc.pid,
                             tcp_addr=node.info["tcp"])  # fmt: skip
         reader.add_segment(stats_seg)
-        reader.read(bytearray(10), [Slice(0, "victim/dram", 0, 10)]).wait(30)  # connected (and authenticated) first
+        slices = leased_slices(node, 32, MIB)
+        reader.read(bytearray(MIB), slices[:1]).wait(30)  # connected (and authenticated) first
         node.kill(signal.SIGSTOP)  # the peer stops answering with the batch on the wire
-        batch = reader.read(bytearray(64 * MIB), [Slice(0, "victim/dram", 0, 64 * MIB)])
+        batch = reader.read(bytearray(32 * MIB), slices)
         time.sleep(0.5)
         assert batch.state is TransferState.TRANSFERRING
         node.kill(signal.SIGKILL)
@@ -160,19 +172,19 @@ def test_timed_out_batch_is_cancelled_and_leaves_the_buffer_alone(shm_dir):
     try:
         reader.add_segment(Segment(name="slow/dram", node="slow", size=16 * MIB, host="elsewhere", pid=node.proc.pid,
                                    tcp_addr=node.info["tcp"]))  # fmt: skip
-        with KVStoreClient(node.grpc) as kv:  # fill the segment with something that is not zeros
-            kv.put([bytes([i]) * 16 for i in range(15)], b"\xab" * (15 * MIB))
+        slices = leased_slices(node, 12, MIB)  # the segment holds something that is not zeros, and we may read it
         node.kill(signal.SIGSTOP)  # alive but silent
-        local = bytearray(16 * MIB)
-        batch = reader.read(local, [Slice(0, "slow/dram", 0, 16 * MIB)])
+        local = bytearray(12 * MIB)
+        batch = reader.read(local, slices)
         with pytest.raises(TransferError, match="timed out"):
             batch.wait(0.5)
         assert batch.state is TransferState.FAILED
         node.kill(signal.SIGCONT)  # the peer wakes up and would answer now...
         time.sleep(0.5)
-        assert local == bytearray(16 * MIB)  # ...but nothing lands in a buffer its owner got back
-        out = bytearray(4)
-        reader.read(out, [Slice(0, "slow/dram", 0, 4)]).wait(10)  # and the next batch reconnects
+        assert local == bytearray(12 * MIB)  # ...but nothing lands in a buffer its owner got back
+        out = bytearray(MIB)
+        reader.read(out, slices[:1]).wait(10)  # and the next batch reconnects
+        assert out == b"\xab" * MIB
     finally:
         node.stop()
         reader.close()

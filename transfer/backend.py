@@ -33,6 +33,7 @@ class Job:
     segment: Segment
     remote_offset: int
     length: int
+    token: bytes = b""  # the owner's capability for these bytes (Slice.token)
 
 
 def fail_jobs(jobs: list[Job], error: BaseException) -> None:

@@ -30,7 +30,7 @@ from transfer.backend import Backend, Job, ShmBackend
 from transfer.batch import TransferBatch
 from transfer.region import SharedRegion
 from transfer.registry import MemoryRegistry, SegmentRegistry
-from transfer.tcp import TcpBackend, TcpServer
+from transfer.tcp import Guard, TcpBackend, TcpServer
 from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, host_id
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,13 @@ class TransferEngine:
         self.registry = registry if registry is not None else MemoryRegistry()
         self.host = host_id()
         self._local: dict[str, memoryview] = {}
+        self._guards: dict[str, Guard] = {}  # segment -> who may touch which bytes of it over tcp (allocate)
         self._regions: dict[str, SharedRegion] = {}
         self._segments: dict[str, Segment] = {}
         self._cache: dict[str, tuple[float, Segment]] = {}  # from the registry, for segment_cache_ttl_s
         self._taught: dict[str, Segment] = {}  # from add_segment
         self._lock = threading.Lock()
-        self._server = TcpServer(config.listen_host, config.port, self._local.get) if config.serve else None
+        self._server = TcpServer(config.listen_host, config.port, self._local.get, self._guards.get) if config.serve else None
         self._shm = ShmBackend(config.shm_threads, self._local.get, config.shm_inline_bytes)
         self._tcp = TcpBackend(config.tcp_connections, config.connect_timeout_s, config.io_timeout_s)
         self._closed = False
@@ -83,13 +84,18 @@ class TransferEngine:
             return None
         return f"{self.config.advertise_host or self.config.listen_host}:{self._server.port}"
 
-    def allocate(self, label: str, size: int) -> Segment:
+    def allocate(self, label: str, size: int, guard: Guard | None = None) -> Segment:
         """Create a shared-memory segment of ``size`` bytes, serve it, and publish it.
 
         Returns its :class:`Segment`; :meth:`buffer` gives the memory. Same-host peers
-        map the file; others reach it over tcp.
+        map the file; others reach it over tcp. With ``guard``, the tcp server asks it
+        about every request: ``guard(token, write, offset, length)`` returns None to
+        allow the bytes or why not (the request then fails, and nothing is read or
+        written); without one, any peer the transport lets in may touch any byte.
         """
         name = self._name(label)
+        if guard is not None:
+            self._guards[name] = guard
         path = Path(self.config.shm_dir) / name.replace("/", "--")
         region = SharedRegion.create(path, size)
         with self._lock:
@@ -153,6 +159,7 @@ class TransferEngine:
         """Stop serving a local segment and remove it from the registry."""
         with self._lock:
             self._local.pop(name, None)
+            self._guards.pop(name, None)
             self._segments.pop(name, None)
             region = self._regions.pop(name, None)
         self.registry.unregister(name)
@@ -187,39 +194,42 @@ class TransferEngine:
         view = self.buffer(local) if isinstance(local, str) else memoryview(local).cast("B")
         if kind is OpKind.READ and view.readonly:
             raise ValueError("a read needs a writable local buffer")
-        groups: dict[str, tuple[Segment, Backend, list[tuple[int, int, int]]]] = {}
+        groups: dict[tuple[str, str], tuple[Segment, Backend, list[tuple[int, int, int]]]] = {}
         total = 0
         for s in slices:
             if s.length <= 0 or s.local_offset < 0 or s.remote_offset < 0:
                 raise ValueError(f"bad slice {s}: offsets must be >= 0 and length > 0")
             if s.local_offset + s.length > len(view):
                 raise ValueError(f"slice {s} runs past the local buffer ({len(view)} bytes)")
-            if s.segment not in groups:
+            group = (s.segment, s.token)  # one token per job: slices merge only under the same one
+            if group not in groups:
+                if len(s.token) > 255:
+                    raise ValueError(f"a slice's token is at most 255 characters, got {len(s.token)}")
                 seg = self.segment(s.segment)
-                groups[s.segment] = (seg, self.backend_for(seg), [])
-            seg = groups[s.segment][0]
+                groups[group] = (seg, self.backend_for(seg), [])
+            seg = groups[group][0]
             if s.remote_offset + s.length > seg.size:
                 raise ValueError(f"slice {s} runs past segment {seg.name!r} ({seg.size} bytes)")
-            spans = groups[s.segment][2]
+            spans = groups[group][2]
             if spans and spans[-1][0] + spans[-1][2] == s.local_offset and spans[-1][1] + spans[-1][2] == s.remote_offset:
                 lo, ro, n = spans[-1]
                 spans[-1] = (lo, ro, n + s.length)  # contiguous on both sides: one copy
             else:
                 spans.append((s.local_offset, s.remote_offset, s.length))
             total += s.length
-        pieces: list[tuple[Segment, Backend, list[tuple[int, int, int]]]] = []
+        pieces: list[tuple[Segment, Backend, bytes, list[tuple[int, int, int]]]] = []
         num_jobs = 0
         chunk = self.config.tcp_chunk_bytes
-        for seg, backend, spans in groups.values():
+        for (_, token), (seg, backend, spans) in groups.items():
             if backend is self._tcp:
                 spans = [
                     (lo + i, ro + i, min(chunk, n - i)) for lo, ro, n in spans for i in range(0, n, chunk)
                 ]  # fmt: skip
-            pieces.append((seg, backend, spans))
+            pieces.append((seg, backend, token.encode(), spans))
             num_jobs += len(spans)
         batch = TransferBatch(kind, num_jobs, total)
-        for seg, backend, spans in pieces:
-            jobs = [Job(batch, kind, view[lo : lo + n], seg, ro, n) for lo, ro, n in spans]
+        for seg, backend, token, spans in pieces:
+            jobs = [Job(batch, kind, view[lo : lo + n], seg, ro, n, token) for lo, ro, n in spans]
             backend.submit(seg, jobs)
         return batch
 

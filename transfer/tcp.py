@@ -3,7 +3,8 @@
 Wire format (little-endian), one request after another on a connection, answered in
 order, so a client pipelines: it sends requests while reading earlier answers.
 
-    request  = op:u8  name_len:u16  req_id:u64  offset:u64  length:u64  name[name_len]
+    request  = op:u8  name_len:u16  token_len:u8  req_id:u64  offset:u64  length:u64
+               name[name_len]  token[token_len]
                then, for a WRITE, ``length`` payload bytes
     response = req_id:u64  status:u8  length:u64
                then ``length`` bytes: READ data when status is 0, a UTF-8 error otherwise
@@ -12,6 +13,11 @@ Data never goes through an intermediate buffer: senders pass memoryviews of the
 registered memory to ``sendmsg`` (header and payload gathered in one call) and receivers
 ``recv_into`` the destination slice. Each peer gets several connections; the engine cuts
 large slices into chunks that are spread over them.
+
+``token`` is the capability the segment's owner issued for those bytes (Slice.token);
+a segment served with a guard (a pool node's DRAM) answers an error, and reads or writes
+nothing, unless its guard accepts the token for exactly that range. Each connection is
+authenticated first (mooncake.tls).
 
 A connection that breaks (peer killed, reset, or silent past ``io_timeout_s`` while an
 answer is due) fails every job queued or in flight on it at once, with the peer named
@@ -36,7 +42,10 @@ from transfer.types import BackendKind, OpKind, Segment, TransferError
 
 log = logging.getLogger(__name__)
 
-REQUEST = struct.Struct("<BHQQQ")
+# (token, write, offset, length) -> None to allow those bytes of a segment, or why not (TransferEngine.allocate)
+Guard = Callable[[str, bool, int, int], "str | None"]
+
+REQUEST = struct.Struct("<BHBQQQ")
 RESPONSE = struct.Struct("<QBQ")
 OP_CODES = {OpKind.READ: 1, OpKind.WRITE: 2}
 STATUS_OK, STATUS_ERROR = 0, 1
@@ -59,8 +68,10 @@ class TcpServer:
     thread accepts; each connection gets a thread that answers its requests in order.
     """
 
-    def __init__(self, host: str, port: int, lookup: Callable[[str], memoryview | None]) -> None:
+    def __init__(self, host: str, port: int, lookup: Callable[[str], memoryview | None],
+                 guard: Callable[[str], Guard | None] = lambda name: None) -> None:  # fmt: skip
         self._lookup = lookup
+        self._guard = guard
         listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.port = listener.getsockname()[1]
         self._server = ConnectionServer([listener], self._serve, "tcp-serve")
@@ -68,16 +79,17 @@ class TcpServer:
     def _serve(self, conn: socket.socket) -> None:
         header = bytearray(REQUEST.size)
         hview = memoryview(header)
-        name_buf = bytearray(1 << 16)
+        name_buf = bytearray((1 << 16) + 256)
         while True:
             try:
                 recv_exact(conn, hview, None)
             except ConnectionError:
                 return
-            op, name_len, req_id, offset, length = REQUEST.unpack(header)
-            recv_exact(conn, memoryview(name_buf)[:name_len], None)
+            op, name_len, token_len, req_id, offset, length = REQUEST.unpack(header)
+            recv_exact(conn, memoryview(name_buf)[: name_len + token_len], None)
             name = name_buf[:name_len].decode("utf-8", "replace")
-            error = self._check(op, name, offset, length)
+            token = name_buf[name_len : name_len + token_len].decode("ascii", "replace")
+            error = self._check(op, name, offset, length, token)
             if op == OP_CODES[OpKind.WRITE]:
                 if error is None:
                     recv_exact(conn, self._lookup(name)[offset : offset + length], None)
@@ -91,7 +103,7 @@ class TcpServer:
             else:
                 send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, 0)], None)
 
-    def _check(self, op: int, name: str, offset: int, length: int) -> str | None:
+    def _check(self, op: int, name: str, offset: int, length: int, token: str) -> str | None:
         if op not in OP_CODES.values():
             return f"unknown operation code {op}"
         buf = self._lookup(name)
@@ -99,6 +111,11 @@ class TcpServer:
             return f"unknown segment {name!r}"
         if offset + length > len(buf):
             return f"segment {name!r}: [{offset}, {offset + length}) is past its end ({len(buf)})"
+        guard = self._guard(name)
+        if guard is not None:
+            refused = guard(token, op == OP_CODES[OpKind.WRITE], offset, length)
+            if refused is not None:
+                return f"segment {name!r}: [{offset}, {offset + length}) refused: {refused}"
         return None
 
     @staticmethod
@@ -180,7 +197,8 @@ class _Connection:
             for req_id, job in items:
                 job.batch.job_started()
                 name = job.segment.name.encode("utf-8")
-                buffers.append(REQUEST.pack(OP_CODES[job.kind], len(name), req_id, job.remote_offset, job.length) + name)
+                buffers.append(REQUEST.pack(OP_CODES[job.kind], len(name), len(job.token), req_id, job.remote_offset, job.length)
+                               + name + job.token)  # fmt: skip
                 if job.kind is OpKind.WRITE:
                     buffers.append(job.local)
             send_all(self._sock, buffers, deadline_after(self._io_timeout))

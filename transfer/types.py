@@ -92,13 +92,17 @@ class Slice:
     """One contiguous piece of a one-sided operation.
 
     ``local_offset`` is into the local buffer the batch names; ``remote_offset`` is into
-    ``segment`` (a segment name, resolved through the registry).
+    ``segment`` (a segment name, resolved through the registry). ``token`` is the
+    capability the segment's owner issued for these bytes, where it asks for one (a pool
+    node's DRAM: the lease or reservation id that granted the slots; checked by its tcp
+    server on every request, see ``TransferEngine.allocate``).
     """
 
     local_offset: int
     segment: str
     remote_offset: int
     length: int
+    token: str = ""
 
 
 @functools.cache

@@ -71,6 +71,8 @@ class StagePush:
     pool_slots: dict[int, int] | None = None  # block index -> slot reserved in it for a new full block
     prefix_slots: list[int] | None = None  # the reused prefix's blocks, in order: their slots in it
     io_timeout_s: float = 30.0
+    pool_token: str = ""  # the reservation of pool_slots: the pool node's tcp server checks it (BlockStore.authorize)
+    prefix_tokens: list[str] | None = None  # the lease (or fetch reservation) holding each of prefix_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,7 +448,8 @@ def _serve(stage, request: StageRequest, link: _Link, connector, is_last: bool) 
         if push.pool is not None:
             link.engine.add_segment(push.pool)
         job = PrefillJob(rid, len(prompt), -(-len(prompt) // stage.block_size), push.landing.name, list(push.landing_offsets),
-                         pool_slots=dict(push.pool_slots or {}), pool_segment=push.pool.name if push.pool else None)  # fmt: skip
+                         pool_slots=dict(push.pool_slots or {}), pool_segment=push.pool.name if push.pool else None,
+                         pool_token=push.pool_token)  # fmt: skip
         connector.io_timeout_s = push.io_timeout_s
         connector.jobs[rid] = job
     if request.num_prefix_tokens:
@@ -491,7 +494,8 @@ def _read_prefix(stage, engine, push: StagePush) -> torch.Tensor:
     layer_bytes = kv[0, 0].numel() * kv.element_size()
     block_bytes = stage.model.args.num_layers * layer_bytes
     size = len(stage.layers) * layer_bytes
-    slices = [Slice(i * size, push.pool.name, slot * block_bytes + stage.layers.start * layer_bytes, size)
-              for i, slot in enumerate(push.prefix_slots)]  # fmt: skip
+    tokens = push.prefix_tokens or [""] * len(push.prefix_slots)
+    slices = [Slice(i * size, push.pool.name, slot * block_bytes + stage.layers.start * layer_bytes, size, token)
+              for i, (slot, token) in enumerate(zip(push.prefix_slots, tokens))]  # fmt: skip
     engine.read(tensor_bytes(kv), slices).wait(timeout=push.io_timeout_s)
     return kv

@@ -108,6 +108,37 @@ the address they register with the Conductor is --host:--port, and peers dial it
       fieldPath: status.podIP
 - name: HOME
   value: /home/mooncake
+{{- if .Values.tls.enabled }}
+- name: MOONCAKE_TLS_DIR
+  value: /etc/mooncake/tls
+{{- end }}
+{{- end }}
+
+{{/* The Secret with the components' CA, certificate and key (templates/tls.yaml). */}}
+{{- define "mooncake.tlsSecret" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "mooncake.fullname" .)) -}}
+{{- end }}
+
+{{/* Its mount in a mooncake container (with mooncake.podEnv's MOONCAKE_TLS_DIR), and its volume. */}}
+{{- define "mooncake.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/mooncake/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "mooncake.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "mooncake.tlsSecret" . }}
+    defaultMode: 0400
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
 {{- end }}
 
 {{- define "mooncake.envFrom" -}}

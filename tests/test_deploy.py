@@ -368,7 +368,8 @@ def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vll
 def test_defaults_run_redis_in_the_release_and_leave_the_extras_off():
     docs = render()
     assert {"Ingress", "HorizontalPodAutoscaler", "ServiceMonitor"}.isdisjoint(kinds(docs))
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [f"{PREFIX}-operator"]  # the only one
+    secrets = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Secret")
+    assert secrets == [f"{PREFIX}-operator", f"{PREFIX}-tls"]  # the only ones: the operator token, the components' TLS
     redis = find(docs, "StatefulSet", f"{PREFIX}-redis")
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
     conductor = container(pod_spec(docs, "conductor"), "conductor")

@@ -9,7 +9,7 @@ MOONCAKE := $(VENV)/bin/mooncake
 MODEL ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: up test install dev vllm model redis helm kernel protos clean
+.PHONY: up test install dev vllm model redis helm kernel rdma protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,13 +60,21 @@ up: model $(if $(filter vllm,$(ENGINE)),vllm)
 helm: $(VENV)/.installed
 	bash deploy/tools/install-helm.sh $(VENV)/bin
 
+# pyverbs for the rdma transfer backend (transfer/rdma.py). It comes with rdma-core, not PyPI: Debian's
+# python3-pyverbs (with the RDMA user space: rdma-core, ibverbs-providers, ibv_devices) is linked into .venv,
+# whose Python is the same 3.11 (deploy/tools/link_pyverbs.py says what to do when it is not).
+rdma: $(VENV)/.installed
+	@command -v apt-get >/dev/null || { echo "make rdma needs apt-get; elsewhere build pyverbs from rdma-core (deploy/tools/link_pyverbs.py --help)"; exit 2; }
+	@dpkg -s python3-pyverbs >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq python3-pyverbs rdma-core ibverbs-providers ibverbs-utils; }
+	$(PY) deploy/tools/link_pyverbs.py
+
 # The CPU decode-attention kernel, built once per environment (about a minute on 2 cores) before
 # the tests start the workers that use it, so no test waits on the build.
 kernel: $(VENV)/.installed
 	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from mooncake.engine.kernels import load_paged_decode; \
 	          print('kernel:', 'built' if load_paged_decode('~/.cache/mooncake/kernels') else 'unavailable (the torch path is used)')"
 
-test: dev vllm model redis helm kernel
+test: dev vllm model redis helm kernel rdma
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The generated gRPC modules are committed; regenerate them after editing protos/*.proto.

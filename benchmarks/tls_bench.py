@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="sizes of the transfer and pool rows")
     p.add_argument("--stream-mib", type=int, default=2048, help="MiB streamed in the plain/TLS socket comparison")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end TTFT comparison")
+    p.add_argument("--only-e2e", action="store_true", help="only the end-to-end TTFT comparison (part 3)")
     p.add_argument("--e2e-args", default="", help="more arguments for e2e_bench.py (e.g. \"--quick\")")
     args = p.parse_args(argv)
 
@@ -129,6 +130,22 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": describe_machine(), "log": str(log)}  # fmt: skip
     t0 = time.perf_counter()
 
+    if args.only_e2e:
+        args.pairs = 0
+    else:
+        stream_part(args, ident, report)
+    benches_part(args, ident, work, log, report)
+    if not args.no_e2e:
+        e2e_part(args, work, log, report)
+    report["total_wall_s"] = time.perf_counter() - t0
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def stream_part(args, ident: tls.Identity, report: dict) -> None:
     console.print("[bold]1. one stream, plain and encrypted[/bold]")
     plain = max(stream_gbps(args.stream_mib, None) for _ in range(2))
     encrypted = max(stream_gbps(args.stream_mib, ident) for _ in range(2))
@@ -136,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"  plain {plain:.2f} GB/s, TLS {encrypted:.2f} GB/s: {encrypted / plain:.2f}x "
                   "(why the transfer path is authenticated per connection, not encrypted)")  # fmt: skip
 
+
+
+def benches_part(args, ident: tls.Identity, work: Path, log: Path, report: dict) -> None:
+    if not args.pairs:
+        return
     sub = ["--seconds", str(args.seconds), "--sizes", args.sizes]
     order = [m for i in range(args.pairs) for m in ((False, True) if i % 2 == 0 else (True, False))]
     runs: dict[str, dict[bool, list[dict]]] = {"transfer": {False: [], True: []}, "pool": {False: [], True: []}}
@@ -168,35 +190,30 @@ def main(argv: list[str] | None = None) -> int:
     report["comparison"] = rows
     console.print(table)
 
-    if not args.no_e2e:
-        extra = shlex.split(args.e2e_args)
-        e2e: dict[bool, list[dict]] = {False: [], True: []}
-        for i, with_tls in enumerate((False, True)):
-            label = "TLS" if with_tls else "plain"
-            console.print(f"[bold]3. e2e_bench ({label})[/bold]")
-            e2e_args = ["--no-overlap", *extra, *([] if with_tls else ["--insecure"])]
-            e2e[with_tls].append(run_bench("e2e_bench.py", e2e_args, None, work / f"e2e-{i}.json", log))
-        report["e2e_runs"] = e2e
-        t = Table(title="end to end, TTFT (s), median of the reps")
-        for c in ("prompt", "cache", "plain", "TLS", "ratio", "coupled (plain run)", "coupled (TLS run)"):
-            t.add_column(c, justify="right")
-        e2e_rows = []
-        for a, b in zip(e2e[False][0]["serving"], e2e[True][0]["serving"]):
-            ratio = b["disaggregated_ttft_s"] / a["disaggregated_ttft_s"]
-            e2e_rows.append({"prompt_tokens": a["prompt_tokens"], "cache": a["cache"], "plain_ttft_s": a["disaggregated_ttft_s"],
-                             "tls_ttft_s": b["disaggregated_ttft_s"], "ratio": ratio,
-                             "coupled_plain_s": a["coupled_ttft_s"], "coupled_tls_s": b["coupled_ttft_s"]})  # fmt: skip
-            t.add_row(str(a["prompt_tokens"]), a["cache"], f"{a['disaggregated_ttft_s']:.3f}", f"{b['disaggregated_ttft_s']:.3f}",
-                      f"{ratio:.2f}", f"{a['coupled_ttft_s']:.3f}", f"{b['coupled_ttft_s']:.3f}")  # fmt: skip
-        report["e2e"] = e2e_rows
-        console.print(t)
 
-    report["total_wall_s"] = time.perf_counter() - t0
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        console.print(f"wrote {args.json}")
-    return 0
+
+def e2e_part(args, work: Path, log: Path, report: dict) -> None:
+    extra = shlex.split(args.e2e_args)
+    e2e: dict[bool, list[dict]] = {False: [], True: []}
+    for i, with_tls in enumerate((False, True)):
+        label = "TLS" if with_tls else "plain"
+        console.print(f"[bold]3. e2e_bench ({label})[/bold]")
+        e2e_args = ["--no-overlap", *extra, *([] if with_tls else ["--insecure"])]
+        e2e[with_tls].append(run_bench("e2e_bench.py", e2e_args, None, work / f"e2e-{i}.json", log))
+    report["e2e_runs"] = e2e
+    t = Table(title="end to end, TTFT (s), median of the reps")
+    for c in ("prompt", "cache", "plain", "TLS", "ratio", "coupled (plain run)", "coupled (TLS run)"):
+        t.add_column(c, justify="right")
+    e2e_rows = []
+    for a, b in zip(e2e[False][0]["serving"], e2e[True][0]["serving"]):
+        ratio = b["disaggregated_ttft_s"] / a["disaggregated_ttft_s"]
+        e2e_rows.append({"prompt_tokens": a["prompt_tokens"], "cache": a["cache"], "plain_ttft_s": a["disaggregated_ttft_s"],
+                         "tls_ttft_s": b["disaggregated_ttft_s"], "ratio": ratio,
+                         "coupled_plain_s": a["coupled_ttft_s"], "coupled_tls_s": b["coupled_ttft_s"]})  # fmt: skip
+        t.add_row(str(a["prompt_tokens"]), a["cache"], f"{a['disaggregated_ttft_s']:.3f}", f"{b['disaggregated_ttft_s']:.3f}",
+                  f"{ratio:.2f}", f"{a['coupled_ttft_s']:.3f}", f"{b['coupled_ttft_s']:.3f}")  # fmt: skip
+    report["e2e"] = e2e_rows
+    console.print(t)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Transfer benchmark: our engine's tcp and shm backends against a raw socket and memcpy.
 
-    python benchmarks/transfer_bench.py [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB] [--mooncake]
+    python benchmarks/transfer_bench.py [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB] [--mooncake] [--backend tcp|rdma]
 
 The segment owner is a separate process on loopback (a ``TransferEngine`` that allocates
 one shared-memory segment and serves it); this process reads and writes it through a
@@ -81,9 +81,9 @@ class Cell:
 # -- the segment owner (a separate process) -----------------------------------------------
 
 
-def owner_main(conn, seg_bytes: int, shm_dir: str) -> None:
+def owner_main(conn, seg_bytes: int, shm_dir: str, backend: str = "auto") -> None:
     """Child process: allocate and serve one segment filled with a known pattern; stop when told."""
-    engine = TransferEngine(TransferConfig(node="bench-owner", shm_dir=shm_dir))
+    engine = TransferEngine(TransferConfig(node="bench-owner", shm_dir=shm_dir, backend=BackendKind(backend)))
     seg = engine.allocate("dram", seg_bytes)
     np.frombuffer(engine.buffer(seg.name), dtype=np.uint8)[:] = pattern(seg_bytes)
     conn.send(seg.to_dict())
@@ -101,10 +101,10 @@ def pattern(n: int) -> np.ndarray:
 class Owner:
     """The owner process and the segment it serves."""
 
-    def __init__(self, ctx, seg_bytes: int) -> None:
+    def __init__(self, ctx, seg_bytes: int, backend: str = "auto") -> None:
         self.shm_dir = tempfile.mkdtemp(prefix="transfer-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=owner_main, args=(child, seg_bytes, self.shm_dir), daemon=True)
+        self.proc = ctx.Process(target=owner_main, args=(child, seg_bytes, self.shm_dir, backend), daemon=True)
         self.proc.start()
         if not self._conn.poll(60):
             raise RuntimeError("the segment owner did not start within 60 s")
@@ -512,9 +512,9 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         console=console, transient=True, disable=args.no_progress,
     )  # fmt: skip
     started = time.perf_counter()
-    owner = Owner(ctx, seg_bytes)
+    owner = Owner(ctx, seg_bytes, "rdma" if args.backend == "rdma" else "auto")
     raw = RawPeer(ctx)
-    engines = {b: client_engine(b) for b in ("tcp", "shm")}
+    engines = {b: client_engine(b) for b in (args.backend, "shm")}  # between hosts (tcp or rdma), and this host
     for engine in engines.values():
         engine.add_segment(owner.segment)
     try:
@@ -602,7 +602,7 @@ def compare(report: Report) -> list[dict]:
     """Every engine row with its baseline, the ratio, and the goal where one applies."""
     rows = []
     for c in report.cells:
-        if c.system not in ("tcp", "shm", "mooncake-tcp"):
+        if c.system not in ("tcp", "rdma", "shm", "mooncake-tcp"):
             continue
         if c.system == "shm":
             base = find(report.cells, "memcpy", "copy", c.size)
@@ -729,6 +729,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tune-chunks", type=size_list, default=size_list("1MiB,2MiB,4MiB"))
     p.add_argument("--tune-rounds", type=int, default=2, help="rounds over every tuning config; the best counts (default: 2)")
     p.add_argument("--tune-seconds", type=float, default=None, help="seconds per tuning loop (default: --seconds / 2)")
+    p.add_argument("--backend", choices=["tcp", "rdma"], default="tcp", help="the between-hosts backend measured beside "
+                   "shm (rdma: over an active RDMA port, which the owner's segment is registered on; exits 2 without one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if not args.sizes or any(s <= 0 for s in args.sizes):
@@ -741,6 +743,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160, log_path=False)
+    if args.backend == "rdma":
+        from transfer.rdma import RdmaUnavailable, probe
+
+        try:
+            console.print(f"rdma: {probe().describe()}")
+        except RdmaUnavailable as e:
+            console.print(f"[red]error:[/red] --backend rdma: {e}")
+            return 2
     report = run(args, console)
     rows, tuning = compare(report), tuning_summary(report)
     render(report, rows, tuning, console)

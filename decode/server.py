@@ -15,6 +15,8 @@ from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
+from transfer import TransportChoice
+from transfer.metrics import TransferCollector
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                               host=args.host, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
                               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, detect_s=args.detect_s, num_threads=args.threads,
-                              shm_dir=args.shm_dir)  # fmt: skip
+                              shm_dir=args.shm_dir, transport=TransportChoice.from_args(args))  # fmt: skip
         worker = DecodeWorker(config)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     metrics = DecodeMetrics(worker)
+    metrics.registry.register(TransferCollector(worker.transfer))
 
     def load() -> cpb.Load:
         cap = worker.learn_step_times()
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                          fingerprint=worker.engine.fingerprint, engine=args.engine,
                                          capacity=args.max_num_seqs),  # fmt: skip
         load=load,
-        ready={"landing": worker.landing_segment.name, "max_model_len": worker.max_model_len, "engine": args.engine},
+        ready={"landing": worker.landing_segment.name, "max_model_len": worker.max_model_len, "engine": args.engine,
+               "transport": worker.transfer.transport},
         health=lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}),
         busy=lambda: worker.loop.num_running + worker.num_in_prefill,
         drain_timeout_s=args.drain_timeout, max_rpc_threads=64,

@@ -54,7 +54,7 @@ from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
-from transfer import TransferConfig, TransferEngine
+from transfer import TransferConfig, TransferEngine, TransportChoice
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class DecodeConfig(BaseModel):
     num_threads: int | None = None
     use_kernels: bool = True
     shm_dir: str = "/dev/shm/mooncake"
+    transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
 
 class Busy(Exception):
@@ -188,7 +189,8 @@ class DecodeWorker:
         self.max_model_len = self.engine.max_model_len
         self.block_bytes = self.engine.block_bytes
         slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
-        self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir))
+        self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir,
+                                                      **config.transport.model_dump()))  # fmt: skip
         self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes)
         self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.block_shape,
                                    engine_config.torch_dtype)  # fmt: skip

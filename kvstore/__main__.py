@@ -19,7 +19,8 @@ from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.process import print_ready, wait_for_signal
 from mooncake.serving.status_http import start_status_server
 from protos import conductor_pb2 as cpb
-from transfer import BackendKind, TransferConfig, make_registry
+from transfer import TransferConfig, TransportChoice, add_transport_args, make_registry
+from transfer.metrics import TransferCollector
 
 MIB = 1 << 20
 
@@ -52,8 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds an uncommitted put lives (default: 30)")
     p.add_argument("--redis-url", help="publish the DRAM segment in this Redis (default: in-process registry)")
     p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory for the DRAM segment")
-    p.add_argument("--backend", choices=["auto", "tcp", "shm"], default="auto",
-                   help="how this node reaches peers when it pulls blocks (default: auto = shm on this host, else tcp)")
+    add_transport_args(p, "--backend")
     p.add_argument("--conductor", help="the Conductor's gRPC address: register this node and heartbeat (its blocks "
                    "enter the Conductor's index); none: standalone")
     p.add_argument("--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; default -1: none)")
@@ -75,11 +75,15 @@ def main(argv: list[str] | None = None) -> int:
             reservation_ttl_s=args.reservation_ttl,
         )  # fmt: skip
         transfer = TransferConfig(node=args.node, listen_host=args.host, port=args.transfer_port, shm_dir=args.shm_dir,
-                                  backend=BackendKind(args.backend))  # fmt: skip
+                                  **TransportChoice.from_args(args).model_dump())  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    node = KVStoreNode(config, transfer, make_registry(args.redis_url))
+    try:
+        node = KVStoreNode(config, transfer, make_registry(args.redis_url))
+    except ValueError as e:  # e.g. --backend rdma on a host without an active RDMA port: nothing was started
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     uds = str(Path(args.shm_dir) / f"{args.node.replace('/', '--')}--control.sock")
     try:
         service = start_server(node, args.host, args.port, control_port=args.control_port, control_uds=uds)
@@ -89,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ready = {
         "grpc": f"{args.host}:{service.grpc_port}", "control": f"{args.host}:{service.control.port}", "control_uds": uds,
-        "node": args.node, "segment": node.segment.name, "tcp": node.engine.tcp_addr,
+        "node": args.node, "segment": node.segment.name, "tcp": node.engine.tcp_addr, "transport": node.engine.transport,
         "dram_blocks": dram_blocks, "ssd_blocks": config.ssd_blocks, "adopted_blocks": node.store.adopted,
     }  # fmt: skip
     status = link = None
     if args.metrics_port >= 0:
-        status = start_status_server(args.host, args.metrics_port, store_registry(node.store), lambda: (True, {"node": args.node}))
+        registry = store_registry(node.store)
+        registry.register(TransferCollector(node.engine))  # what its pulls from other nodes moved, and over which transport
+        status = start_status_server(args.host, args.metrics_port, registry, lambda: (True, {"node": args.node}))
         ready["metrics"] = f"{args.host}:{status.server_port}"
     if args.conductor:
         registration = cpb.RegisterRequest(id=args.node, role=cpb.KVSTORE, address=ready["grpc"], node=args.node,

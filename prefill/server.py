@@ -18,7 +18,8 @@ from prefill.stage import read_key
 from prefill.worker import Cancelled, PrefillConfig, PrefillWorker
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
-from transfer import TransferError
+from transfer import TransferError, TransportChoice
+from transfer.metrics import TransferCollector
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +129,14 @@ def main(argv: list[str] | None = None) -> int:
                                num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
                                store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl,
-                               pipeline_stages=stages, stage_addresses=addresses, stage_key=key)  # fmt: skip
+                               pipeline_stages=stages, stage_addresses=addresses, stage_key=key,
+                               transport=TransportChoice.from_args(args))  # fmt: skip
         worker = PrefillWorker(config)
     except (ValueError, KVStoreUnavailable, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     metrics = PrefillMetrics()
+    metrics.registry.register(TransferCollector(worker.transfer))
 
     def load() -> cpb.Load:
         return cpb.Load(queued_requests=worker.num_inflight, queued_s=worker.queued_seconds(),
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                                          capacity=args.max_num_batched_tokens, pipeline_stages=stages,
                                          pipeline_chunk=args.max_num_batched_tokens if stages > 1 else 0),  # fmt: skip
         load=load,
-        ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine,
+        ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine, "transport": worker.transfer.transport,
                **({"stages": worker.group.stages()} if worker.group is not None else {})},
         health=lambda: _health(args.id, worker),
         busy=lambda: worker.num_inflight,

@@ -47,7 +47,7 @@ from mooncake.engine.stage_process import StagePush, StageRequest
 from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import StageGroup
 from protos import worker_pb2 as wpb
-from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError
+from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError, TransportChoice
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class PrefillConfig(BaseModel):
     stage_addresses: list[tuple[str, int]] = Field(default_factory=list, description="a group's stage servers "
                                                    "(python -m prefill.stage), in layer order; empty: spawn the stages here")
     stage_key: bytes | None = Field(None, description="the group's key, which its stage servers hold too")
+    transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
 
 class Cancelled(Exception):
@@ -129,7 +130,7 @@ class PrefillWorker:
                      config.id, leases, reservations, config.kvstore)  # fmt: skip
         stats = self.kv.stats()
         self.node = stats.node
-        self.transfer = TransferEngine(TransferConfig(node=f"{config.id}-xfer", serve=False))
+        self.transfer = TransferEngine(TransferConfig(node=f"{config.id}-xfer", serve=False, **config.transport.model_dump()))
         engine_config = EngineConfig(
             model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,

@@ -17,7 +17,7 @@ DRAM: Tier
 SSD: Tier
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("name", "node", "size", "host", "pid", "shm_path", "tcp_addr")
+    __slots__ = ("name", "node", "size", "host", "pid", "shm_path", "tcp_addr", "rdma", "rdma_rkey", "rdma_addr")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,9 @@ class SegmentInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     TCP_ADDR_FIELD_NUMBER: _ClassVar[int]
+    RDMA_FIELD_NUMBER: _ClassVar[int]
+    RDMA_RKEY_FIELD_NUMBER: _ClassVar[int]
+    RDMA_ADDR_FIELD_NUMBER: _ClassVar[int]
     name: str
     node: str
     size: int
@@ -32,7 +35,10 @@ class SegmentInfo(_message.Message):
     pid: int
     shm_path: str
     tcp_addr: str
-    def __init__(self, name: _Optional[str] = ..., node: _Optional[str] = ..., size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., shm_path: _Optional[str] = ..., tcp_addr: _Optional[str] = ...) -> None: ...
+    rdma: bool
+    rdma_rkey: int
+    rdma_addr: int
+    def __init__(self, name: _Optional[str] = ..., node: _Optional[str] = ..., size: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., shm_path: _Optional[str] = ..., tcp_addr: _Optional[str] = ..., rdma: _Optional[bool] = ..., rdma_rkey: _Optional[int] = ..., rdma_addr: _Optional[int] = ...) -> None: ...
 
 class SlotLocation(_message.Message):
     __slots__ = ("key", "offset", "length")

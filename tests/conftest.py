@@ -344,6 +344,16 @@ def pytest_configure(config):
     os.environ[tls.ENV_DIR] = str(directory)
 
 
+def pytest_collection_modifyitems(config, items):
+    rdma = [item for item in items if item.get_closest_marker("rdma")]
+    if rdma:
+        from kvnodes import rdma_unavailable
+
+        reason = rdma_unavailable()
+        for item in rdma if reason else ():
+            item.add_marker(pytest.mark.skip(reason=f"no RDMA here: {reason}"))
+
+
 def pytest_terminal_summary(terminalreporter):
     if NEAR_TIES:
         terminalreporter.section("greedy near-ties accepted")

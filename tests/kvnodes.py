@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -72,3 +73,15 @@ def start_conductor(*extra: str) -> Node:
         proc.wait(10)
         raise RuntimeError(f"the conductor did not start: {line}{Path(log.name).read_text()[-4000:]}")
     return Node(proc, json.loads(line.split(" ", 1)[1]), args, Path(log.name))
+
+
+@functools.cache
+def rdma_unavailable() -> str | None:
+    """Why this machine cannot run the rdma backend (no pyverbs, no device, no active port), or None when it can."""
+    from transfer.rdma import RdmaUnavailable, probe
+
+    try:
+        probe()
+    except RdmaUnavailable as e:
+        return str(e)
+    return None

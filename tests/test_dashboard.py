@@ -12,6 +12,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "mooncake.json"
 # The files whose Prometheus metrics the dashboard may query.
 METRIC_SOURCES = [
     "mooncake/gateway/metrics.py", "decode/server.py", "prefill/server.py", "kvstore/metrics.py", "conductor/service.py",
+    "transfer/metrics.py",
 ]  # fmt: skip
 
 

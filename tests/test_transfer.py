@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvnodes import start_node
+from kvnodes import rdma_unavailable, start_node
 from kvstore.client import KVStoreClient
 from transfer import (
     BackendKind, MemoryRegistry, RedisRegistry, Segment, Slice, TransferConfig, TransferEngine, TransferError, TransferState,
@@ -24,9 +24,10 @@ def pair(shm_dir):
     owner = TransferEngine(TransferConfig(node="owner", shm_dir=shm_dir), registry)
     owner.allocate("mem", 4 * MIB)
     owner.buffer("owner/mem")[:] = os.urandom(4 * MIB)
+    kinds = ("tcp", "shm") + (("rdma",) if rdma_unavailable() is None else ())  # the rdma tests are skipped elsewhere
     peers = {
         kind: TransferEngine(TransferConfig(node=f"peer-{kind}", backend=kind, shm_dir=shm_dir, tcp_chunk_bytes=64 * 1024), registry)
-        for kind in ("tcp", "shm")
+        for kind in kinds
     }
     yield owner, peers
     for p in peers.values():
@@ -34,7 +35,7 @@ def pair(shm_dir):
     owner.close()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", ["tcp", "shm", pytest.param("rdma", marks=pytest.mark.rdma)])
 def test_batched_read_and_write_move_the_exact_bytes(pair, backend):
     owner, peers = pair
     peer, remote = peers[backend], owner.buffer("owner/mem")
@@ -188,3 +189,20 @@ def test_timed_out_batch_is_cancelled_and_leaves_the_buffer_alone(shm_dir):
     finally:
         node.stop()
         reader.close()
+
+
+def test_metrics_count_bytes_by_the_backend_that_carried_them(pair):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from transfer.metrics import TransferCollector
+
+    owner, peers = pair
+    for kind in ("tcp", "shm"):
+        peers[kind].read(bytearray(3000), [Slice(0, "owner/mem", 0, 1000), Slice(1000, "owner/mem", 9000, 2000)]).wait(10)
+        peers[kind].write(b"x" * 500, [Slice(0, "owner/mem", 0, 500)]).wait(10)
+        assert peers[kind].moved() == {(kind, "read"): (1, 3000), (kind, "write"): (1, 500)}
+    registry = CollectorRegistry()
+    registry.register(TransferCollector(peers["tcp"]))
+    text = generate_latest(registry).decode()
+    assert 'mooncake_transfer_bytes_total{backend="tcp",op="read"} 3000.0' in text
+    assert 'mooncake_transfer_batches_total{backend="tcp",op="write"} 1.0' in text

@@ -26,7 +26,8 @@ QUIESCE_LIMIT_S = 10.0  # after a cancel, how long wait() lets backends resolve 
 class TransferBatch:
     """Handle of one asynchronous batch (what ``TransferEngine.read``/``write`` return)."""
 
-    __slots__ = ("kind", "num_bytes", "_outstanding", "_state", "_error", "_cond", "_cancels", "started_at", "finished_at")
+    __slots__ = ("kind", "num_bytes", "_outstanding", "_state", "_error", "_cond", "_cancels", "_settled", "started_at",
+                 "finished_at")  # fmt: skip
 
     def __init__(self, kind: OpKind, num_jobs: int, num_bytes: int) -> None:
         self.kind = kind
@@ -36,6 +37,7 @@ class TransferBatch:
         self._error: TransferError | None = None
         self._cond = threading.Condition()
         self._cancels: list[Callable[["TransferBatch"], None]] = []
+        self._settled: list[Callable[[], None]] = []
         self.started_at = time.monotonic()
         self.finished_at: float | None = None if num_jobs else self.started_at
 
@@ -82,6 +84,21 @@ class TransferBatch:
         with self._cond:
             self._cancels.append(hook)
 
+    def on_settled(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once every job is resolved, done or failed (at once if that is already so): when no
+        backend touches the local buffer any more (the rdma backend deregisters a buffer's memory region then)."""
+        with self._cond:
+            if self._outstanding:
+                self._settled.append(hook)
+                return
+        hook()
+
+    def _settle_locked(self) -> list[Callable[[], None]]:
+        if self._outstanding or not self._settled:
+            return []
+        hooks, self._settled = self._settled, []
+        return hooks
+
     def job_started(self) -> None:
         if self._state is TransferState.PENDING:
             with self._cond:
@@ -99,6 +116,9 @@ class TransferBatch:
                 self._state = TransferState.DONE
                 self.finished_at = time.monotonic()
             self._cond.notify_all()
+            hooks = self._settle_locked()
+        for hook in hooks:
+            hook()
 
     def job_failed(self, error: BaseException) -> None:
         with self._cond:
@@ -106,6 +126,9 @@ class TransferBatch:
             if not self._state.finished:
                 self._fail_locked(error if isinstance(error, TransferError) else TransferError(str(error)))
             self._cond.notify_all()
+            hooks = self._settle_locked()
+        for hook in hooks:
+            hook()
 
     def _fail_locked(self, error: TransferError) -> None:
         self._error = error

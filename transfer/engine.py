@@ -9,7 +9,10 @@ Each batch is split into jobs (slices contiguous on both sides merged, then cut 
 ``tcp_chunk_bytes`` on tcp, so one large slice is pipelined over several connections),
 grouped by remote segment, and handed to
 the backend chosen for that segment's owner: shm when it lives on this host (and shm is
-allowed), tcp otherwise. Every engine also runs a tcp server for its own segments.
+allowed), then rdma when this engine has an RDMA port and the segment is registered for
+RDMA (transfer/rdma.py), tcp otherwise. Every engine also runs a tcp server for its own
+segments (which also carries the RDMA connection handshake).
+:attr:`TransferEngine.transport` says which remote transport it uses, and why not rdma.
 Segments are resolved through the registry and cached for ``segment_cache_ttl_s``;
 :meth:`add_segment` teaches the engine a segment learnt some other way (a control RPC),
 which it then uses until taught a newer version.
@@ -17,6 +20,7 @@ which it then uses until taught a newer version.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -30,6 +34,8 @@ from transfer.backend import Backend, Job, ShmBackend
 from transfer.batch import TransferBatch
 from transfer.region import SharedRegion
 from transfer.registry import MemoryRegistry, SegmentRegistry
+from transfer.verbs import QPSettings
+from transfer.rdma import DeviceChoice, RdmaBackend, RdmaUnavailable, probe
 from transfer.tcp import Guard, TcpBackend, TcpServer
 from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, host_id
 
@@ -40,7 +46,14 @@ class TransferConfig(BaseModel):
     """Configuration of one node's transfer engine."""
 
     node: str = Field(min_length=1, description="this node's name; segment names are '<node>/<label>'")
-    backend: BackendKind = Field(BackendKind.AUTO, description="auto: shm on the same host, tcp otherwise")
+    backend: BackendKind = Field(BackendKind.AUTO, description="auto: shm on the same host, then rdma where both ends "
+                                 "have an RDMA port, else tcp; rdma: refuse to start without one")
+    rdma_device: str | None = Field(None, description="RDMA device (default: the first with an active port)")
+    rdma_port: int | None = Field(None, ge=1, description="its port (default: its first active one)")
+    rdma_gid_index: int = Field(0, ge=0, description="GID table index (RoCE v2: the entry carrying the IP; see show_gids)")
+    rdma_qp_depth: int = Field(256, ge=1, description="send queue depth of each queue pair (capped by the device)")
+    rdma_signal_every: int = Field(16, ge=1, description="one signalled completion per this many work requests")
+    rdma_queue_pairs: int = Field(1, ge=1, le=16, description="queue pairs per peer")
     shm_dir: str = Field("/dev/shm/mooncake", description="where shared-memory segments live (a tmpfs)")
     listen_host: str = Field("127.0.0.1", description="address the tcp server binds")
     advertise_host: str | None = Field(None, description="address peers dial (default: listen_host)")
@@ -55,13 +68,61 @@ class TransferConfig(BaseModel):
     segment_cache_ttl_s: float = Field(5.0, ge=0)
 
 
+class TransportChoice(BaseModel):
+    """What a process's flags say about how it moves KV to other hosts (the rest of TransferConfig is its own)."""
+
+    backend: BackendKind = BackendKind.AUTO
+    rdma_device: str | None = None
+    rdma_port: int | None = Field(None, ge=1)
+    rdma_gid_index: int = Field(0, ge=0)
+
+    @classmethod
+    def from_args(cls, args) -> "TransportChoice":
+        return cls(backend=BackendKind(args.transfer_backend), rdma_device=args.rdma_device, rdma_port=args.rdma_port,
+                   rdma_gid_index=args.rdma_gid_index)  # fmt: skip
+
+
+def add_transport_args(parser, backend_flag: str = "--transfer-backend") -> None:
+    """The flags of :class:`TransportChoice` (a pool node keeps its older ``--backend`` name for the first)."""
+    parser.add_argument(backend_flag, dest="transfer_backend", choices=[k.value for k in BackendKind], default="auto",
+                        help="how KV moves to other processes: auto (shm on this host, then rdma where both ends have an "
+                        "RDMA port, else tcp), or forced: shm, tcp, rdma (refuses to start without an active RDMA port)")  # fmt: skip
+    parser.add_argument("--rdma-device", help="RDMA device, e.g. mlx5_0 (default: the first with an active port)")
+    parser.add_argument("--rdma-port", type=int, help="its port number (default: its first active port)")
+    parser.add_argument("--rdma-gid-index", type=int, default=0, help="GID index (RoCE v2: the entry with the IP; "
+                        "`show_gids` lists them; default 0)")  # fmt: skip
+
+
+@functools.cache
+def _probe(device: str | None, port: int | None, gid_index: int) -> tuple[DeviceChoice | None, str]:
+    try:
+        return probe(device, port, gid_index), ""
+    except RdmaUnavailable as e:
+        return None, str(e)
+
+
+def _rdma_choice(config: TransferConfig) -> tuple[DeviceChoice | None, str]:
+    """The RDMA port an engine uses (None under shm/tcp, or under auto without one) and why none."""
+    if config.backend not in (BackendKind.AUTO, BackendKind.RDMA):
+        return None, f"backend {config.backend.value}"
+    choice, why_not = _probe(config.rdma_device, config.rdma_port, config.rdma_gid_index)
+    if choice is None and config.backend is BackendKind.RDMA:
+        raise ValueError(f"the rdma backend cannot start: {why_not}")
+    if choice is None and why_not not in _said:
+        _said.add(why_not)
+        log.info("no rdma, tcp between hosts: %s", why_not)
+    return choice, why_not
+
+
+_said: set[str] = set()
+
+
 class TransferEngine:
     """One node's endpoint: owns its segments, its tcp server, and a backend per transport."""
 
     def __init__(self, config: TransferConfig, registry: SegmentRegistry | None = None) -> None:
-        if config.backend is BackendKind.RDMA:
-            raise ValueError("the rdma backend (pyverbs) is not built yet; use auto, shm or tcp")
         self.config = config
+        choice, why_not = _rdma_choice(config)  # before anything starts: a forced rdma without a port fails here
         self.registry = registry if registry is not None else MemoryRegistry()
         self.host = host_id()
         self._local: dict[str, memoryview] = {}
@@ -74,6 +135,16 @@ class TransferEngine:
         self._server = TcpServer(config.listen_host, config.port, self._local.get, self._guards.get) if config.serve else None
         self._shm = ShmBackend(config.shm_threads, self._local.get, config.shm_inline_bytes)
         self._tcp = TcpBackend(config.tcp_connections, config.connect_timeout_s, config.io_timeout_s)
+        self._rdma: RdmaBackend | None = None
+        if choice is not None:
+            self._rdma = RdmaBackend(choice, QPSettings(port_num=choice.port, gid_index=config.rdma_gid_index),
+                                     self._tcp.rdma_handshake, config.rdma_qp_depth, config.rdma_signal_every,
+                                     config.rdma_queue_pairs)  # fmt: skip
+            if self._server is not None:
+                self._server.rdma_accept = self._rdma.accept
+        self.transport = f"rdma: {choice.describe()}" if choice is not None else f"tcp ({why_not})"
+        self._moved: dict[tuple[str, str], list[int]] = {}  # (backend, read|write) -> [batches, bytes] (moved())
+        self._moved_lock = threading.Lock()
         self._closed = False
 
     # -- local segments -------------------------------------------------------------
@@ -118,9 +189,10 @@ class TransferEngine:
         return name
 
     def _publish(self, name: str, view: memoryview, shm_path: str | None) -> Segment:
+        rkey, addr = self._rdma.register(name, view) if self._rdma is not None and self._server is not None else (None, 0)
         segment = Segment(
             name=name, node=self.config.node, size=len(view), host=self.host, pid=os.getpid(),
-            shm_path=shm_path, tcp_addr=self.tcp_addr,
+            shm_path=shm_path, tcp_addr=self.tcp_addr, rdma_rkey=rkey, rdma_addr=addr,
         )  # fmt: skip
         with self._lock:
             self._local[name] = view
@@ -163,6 +235,8 @@ class TransferEngine:
             self._segments.pop(name, None)
             region = self._regions.pop(name, None)
         self.registry.unregister(name)
+        if self._rdma is not None:
+            self._rdma.unregister(name)
         if region is not None:
             region.close()
 
@@ -186,6 +260,8 @@ class TransferEngine:
             if not same_host:
                 raise ValueError(f"segment {segment.name!r} is not on this host; shm cannot reach it")
             return self._shm
+        if mode is BackendKind.RDMA or (self._rdma is not None and segment.rdma_rkey is not None):
+            return self._rdma  # forced: a segment not registered for RDMA fails its jobs with that reason
         return self._tcp
 
     def _submit(self, kind: OpKind, local, slices: Sequence[Slice]) -> TransferBatch:
@@ -228,10 +304,20 @@ class TransferEngine:
             pieces.append((seg, backend, token.encode(), spans))
             num_jobs += len(spans)
         batch = TransferBatch(kind, num_jobs, total)
+        with self._moved_lock:
+            for _, backend, _, spans in pieces:
+                count = self._moved.setdefault((backend.kind.value, kind.value), [0, 0])
+                count[0] += 1
+                count[1] += sum(n for _, _, n in spans)
         for seg, backend, token, spans in pieces:
             jobs = [Job(batch, kind, view[lo : lo + n], seg, ro, n, token) for lo, ro, n in spans]
             backend.submit(seg, jobs)
         return batch
+
+    def moved(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(backend, read|write) -> (batches, bytes) this engine has submitted: which transport carried the KV."""
+        with self._moved_lock:
+            return {k: (v[0], v[1]) for k, v in self._moved.items()}
 
     def close(self) -> None:
         """Fail anything in flight, stop serving, unmap and remove this node's segments."""
@@ -242,6 +328,8 @@ class TransferEngine:
         if self._server is not None:
             self._server.close()
         self._shm.close()
+        if self._rdma is not None:
+            self._rdma.close()
         for name in list(self._segments):
             try:
                 self.registry.unregister(name)

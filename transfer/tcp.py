@@ -14,6 +14,9 @@ registered memory to ``sendmsg`` (header and payload gathered in one call) and r
 ``recv_into`` the destination slice. Each peer gets several connections; the engine cuts
 large slices into chunks that are spread over them.
 
+Op 3 (CONNECT) carries the RDMA handshake instead of data: ``length`` bytes of the
+caller's queue-pair description, answered with the server's (transfer/rdma.py).
+
 ``token`` is the capability the segment's owner issued for those bytes (Slice.token);
 a segment served with a guard (a pool node's DRAM) answers an error, and reads or writes
 nothing, unless its guard accepts the token for exactly that range. Each connection is
@@ -48,6 +51,8 @@ Guard = Callable[[str, bool, int, int], "str | None"]
 REQUEST = struct.Struct("<BHBQQQ")
 RESPONSE = struct.Struct("<QBQ")
 OP_CODES = {OpKind.READ: 1, OpKind.WRITE: 2}
+OP_RDMA_CONNECT = 3  # payload: the caller's half of an RDMA queue pair (JSON); answer: ours (transfer/rdma.py)
+MAX_CONNECT_BYTES = 4096
 STATUS_OK, STATUS_ERROR = 0, 1
 MAX_ERROR_BYTES = 4096
 SEND_BATCH = 64  # requests gathered into one sendmsg (well under IOV_MAX)
@@ -72,6 +77,7 @@ class TcpServer:
                  guard: Callable[[str], Guard | None] = lambda name: None) -> None:  # fmt: skip
         self._lookup = lookup
         self._guard = guard
+        self.rdma_accept: Callable[[bytes], bytes] | None = None  # set by an engine with an RDMA port
         listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.port = listener.getsockname()[1]
         self._server = ConnectionServer([listener], self._serve, "tcp-serve")
@@ -89,6 +95,9 @@ class TcpServer:
             recv_exact(conn, memoryview(name_buf)[: name_len + token_len], None)
             name = name_buf[:name_len].decode("utf-8", "replace")
             token = name_buf[name_len : name_len + token_len].decode("ascii", "replace")
+            if op == OP_RDMA_CONNECT:
+                self._connect(conn, req_id, length)
+                continue
             error = self._check(op, name, offset, length, token)
             if op == OP_CODES[OpKind.WRITE]:
                 if error is None:
@@ -117,6 +126,20 @@ class TcpServer:
             if refused is not None:
                 return f"segment {name!r}: [{offset}, {offset + length}) refused: {refused}"
         return None
+
+    def _connect(self, conn: socket.socket, req_id: int, length: int) -> None:
+        """Answer an RDMA handshake: our queue pair for the caller's (or why not)."""
+        if length > MAX_CONNECT_BYTES:
+            raise ConnectionError(f"an RDMA handshake of {length} bytes")  # not a peer of ours: hang up
+        request = bytearray(length)
+        recv_exact(conn, memoryview(request), None)
+        try:
+            if self.rdma_accept is None:
+                raise RuntimeError("this node has no RDMA port")
+            answer, status = self.rdma_accept(bytes(request)), STATUS_OK
+        except Exception as e:  # the caller falls back to reporting it; this connection carries on
+            answer, status = f"RDMA handshake refused: {e}".encode("utf-8")[:MAX_ERROR_BYTES], STATUS_ERROR
+        send_all(conn, [RESPONSE.pack(req_id, status, len(answer)), answer], None)
 
     @staticmethod
     def _discard(conn: socket.socket, length: int) -> None:
@@ -331,6 +354,22 @@ class TcpBackend(Backend):
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+
+    def rdma_handshake(self, addr: str, request: bytes) -> bytes:
+        """Send an RDMA CONNECT to the transfer server at ``addr`` on a connection of its own; return its answer."""
+        with tls.create_connection(parse_addr(addr), self._connect_timeout) as sock:
+            sock.settimeout(self._io_timeout)
+            sock.sendall(REQUEST.pack(OP_RDMA_CONNECT, 0, 0, 0, 0, len(request)) + request)
+            header = bytearray(RESPONSE.size)
+            recv_exact(sock, memoryview(header), deadline_after(self._io_timeout))
+            _, status, length = RESPONSE.unpack(header)
+            if length > MAX_CONNECT_BYTES:
+                raise TransferError(f"{addr}: an RDMA handshake answer of {length} bytes")
+            body = bytearray(length)
+            recv_exact(sock, memoryview(body), deadline_after(self._io_timeout))
+        if status != STATUS_OK:
+            raise TransferError(f"{addr}: {body.decode('utf-8', 'replace')}")
+        return bytes(body)
 
     def _link(self, segment: Segment) -> list[_Connection]:
         if segment.tcp_addr is None:

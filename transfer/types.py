@@ -42,11 +42,9 @@ class TransferState(enum.Enum):
 
 
 class BackendKind(enum.Enum):
-    """How bytes move to a peer. ``auto`` picks shm on the same host, tcp otherwise.
-
-    ``rdma`` (pyverbs) is reserved for the RDMA backend; it is not built yet and
-    selecting it raises ``ValueError``.
-    """
+    """How bytes move to a peer. ``auto`` picks shm on the same host, then rdma where both ends have
+    an RDMA port (transfer/rdma.py), then tcp. ``rdma`` forces it (an engine without a usable
+    RDMA port then refuses to start, saying why)."""
 
     AUTO = "auto"
     SHM = "shm"
@@ -70,6 +68,8 @@ class Segment:
     pid: int
     shm_path: str | None = None
     tcp_addr: str | None = None
+    rdma_rkey: int | None = None  # registered for RDMA (transfer/rdma.py): its memory region's remote key
+    rdma_addr: int = 0  # and the address RDMA requests name (the region's start)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +84,8 @@ class Segment:
             pid=int(data["pid"]),
             shm_path=data.get("shm_path") or None,
             tcp_addr=data.get("tcp_addr") or None,
+            rdma_rkey=None if data.get("rdma_rkey") is None else int(data["rdma_rkey"]),
+            rdma_addr=int(data.get("rdma_addr") or 0),
         )
 
 

@@ -14,6 +14,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from mooncake import tls
+from transfer import add_transport_args
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="native engine: cpu, or cuda[:N] (the KV cache and weights on that GPU; "
                    "KV leaves it through pinned host staging on a side stream). vLLM picks its own device")
+    add_transport_args(p)
     p.add_argument("--log-level", default="INFO")
     return p
 

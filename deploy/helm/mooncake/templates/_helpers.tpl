@@ -157,15 +157,46 @@ when gpus > 0: (dict "resources" .Values.prefill.resources "gpus" .Values.prefil
 */}}
 {{- define "mooncake.workerResources" -}}
 {{- $res := deepCopy (default dict .resources) }}
-{{- if gt (int .gpus) 0 }}
 {{- $req := default dict (get $res "requests") }}
 {{- $lim := default dict (get $res "limits") }}
+{{- if gt (int .gpus) 0 }}
 {{- $_ := set $req "nvidia.com/gpu" (int .gpus) }}
 {{- $_ := set $lim "nvidia.com/gpu" (int .gpus) }}
-{{- $_ := set $res "requests" $req }}
-{{- $_ := set $res "limits" $lim }}
 {{- end }}
+{{- if and .rdma .rdma.enabled }}
+{{- $_ := set $req .rdma.resource (int .rdma.count) }}
+{{- $_ := set $lim .rdma.resource (int .rdma.count) }}
+{{- end }}
+{{- if $req }}{{- $_ := set $res "requests" $req }}{{- end }}
+{{- if $lim }}{{- $_ := set $res "limits" $lim }}{{- end }}
 {{- toYaml $res }}
+{{- end }}
+
+{{/*
+A worker's or pool node's container securityContext: the chart's, plus IPC_LOCK with
+rdma.enabled (registering memory for RDMA pins it; the capability lifts the memlock limit,
+which Kubernetes offers no other way to raise).
+*/}}
+{{- define "mooncake.workerSecurity" -}}
+{{- $sc := deepCopy .Values.securityContext }}
+{{- if .Values.rdma.enabled }}
+{{- $caps := deepCopy (default dict (get $sc "capabilities")) }}
+{{- $_ := set $caps "add" (append (default list (get $caps "add")) "IPC_LOCK") }}
+{{- $_ := set $sc "capabilities" $caps }}
+{{- end }}
+{{- toYaml $sc }}
+{{- end }}
+
+{{/* The transport flags of a worker or pool node with rdma.enabled: (dict "ctx" $ "flag" "--transfer-backend"). */}}
+{{- define "mooncake.rdmaArgs" -}}
+{{- $r := .ctx.Values.rdma }}
+{{- if $r.enabled }}
+- {{ .flag }}=rdma
+{{- with $r.device }}
+- --rdma-device={{ . }}
+{{- end }}
+- --rdma-gid-index={{ $r.gidIndex }}
+{{- end }}
 {{- end }}
 
 {{/* An HTTP probe: (dict "path" "/health" "port" "metrics" "period" 10 "failures" 3). */}}

@@ -1,0 +1,174 @@
+"""The rdma transfer backend (transfer/rdma.py) where there is no RDMA NIC, and over one where there is.
+
+Here (no device, pyverbs installed by `make rdma`): it reports the missing device, a forced
+rdma engine refuses to start and starts nothing, auto falls back to tcp and says so in the
+READY line, segments carry their RDMA registration through Redis and protobuf, and the
+structs it hands to libibverbs (QP attributes, work-request chains) hold exactly what
+transfer/verbs.py decided. The tests marked ``rdma`` run the bytes over a real port and are
+skipped, with the reason, wherever none is active.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from kvnodes import REPO, rdma_unavailable, start_node
+
+from kvstore.client import KVStoreClient
+from kvstore.service import segment_from_pb, segment_to_pb
+from transfer import MemoryRegistry, RedisRegistry, Segment, TransferConfig, TransferEngine
+from transfer.rdma import CONSTANTS, RdmaUnavailable, _pyverbs, probe, qp_attr, send_chain
+from transfer.verbs import PortInfo, QPSettings, rc_transitions
+
+needs_pyverbs = pytest.mark.skipif(
+    "pyverbs cannot be imported" in (rdma_unavailable() or ""), reason="pyverbs is not installed (make rdma)"
+)  # fmt: skip
+no_device = pytest.mark.skipif(rdma_unavailable() is None, reason="this machine has an active RDMA port")
+
+
+def test_without_pyverbs_the_backend_says_where_to_get_it():
+    """pyverbs made unimportable in a fresh interpreter (it is installed here): the reason names the way to install it."""
+    code = ("import sys; sys.modules['pyverbs'] = None\n"
+            "from transfer.rdma import RdmaUnavailable, probe\n"
+            "try:\n    probe()\nexcept RdmaUnavailable as e:\n    print(e)\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "pyverbs cannot be imported" in out.stdout and "make rdma" in out.stdout, out.stdout + out.stderr
+
+
+@needs_pyverbs
+@no_device
+def test_probe_reports_no_rdma_device():
+    with pytest.raises(RdmaUnavailable, match="no RDMA device"):
+        probe()
+
+
+@no_device
+def test_forcing_rdma_without_a_port_fails_with_the_reason_and_starts_nothing(tmp_path):
+    threads = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="the rdma backend cannot start: (no RDMA device|pyverbs)"):
+        TransferEngine(TransferConfig(node="forced", backend="rdma", shm_dir=str(tmp_path)), MemoryRegistry())
+    assert {t.name for t in threading.enumerate()} <= threads  # no server thread left behind
+    assert list(tmp_path.iterdir()) == []  # no segment file
+    # the pool node's command line says the same and exits 2 before it binds anything
+    out = subprocess.run([sys.executable, "-m", "kvstore", "--node", "kvr", "--block-bytes", "4096", "--dram-blocks", "4",
+                          "--shm-dir", str(tmp_path), "--backend", "rdma"], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "the rdma backend cannot start" in out.stderr and "READY" not in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@no_device
+def test_auto_falls_back_to_tcp_between_two_pool_nodes_and_says_so(shm_dir):
+    a = start_node("a", 4096, 8, shm_dir=shm_dir)
+    b = start_node("b", 4096, 8, shm_dir=shm_dir)
+    try:
+        for node in (a, b):
+            assert node.info["transport"].startswith("tcp (no RDMA device") or "pyverbs" in node.info["transport"]
+        keys = [bytes([i]) * 16 for i in range(1, 4)]
+        data = os.urandom(3 * 4096)
+        with KVStoreClient(a.grpc) as ca, KVStoreClient(b.grpc) as cb:
+            ca.put(keys, data)
+            assert cb.pull(a.grpc, keys).pulled == 3  # b copies a's blocks (not over rdma: neither has a port)
+            assert cb.get(keys).data.tobytes() == data
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_segments_carry_their_rdma_registration_through_redis_and_protobuf(redis_url):
+    seg = Segment(name="n/dram", node="n", size=1 << 20, host="h", pid=1, shm_path=None, tcp_addr="10.0.0.1:7000",
+                  rdma_rkey=0, rdma_addr=0x7F00_0000_1000)  # fmt: skip
+    plain = Segment(name="n/landing", node="n", size=4096, host="h", pid=1, tcp_addr="10.0.0.1:7000")
+    registry = RedisRegistry(redis_url)
+    for s in (seg, plain):
+        registry.register(s)
+        assert registry.get(s.name) == s  # rkey 0 is a key like any other, and None stays None
+        assert segment_from_pb(segment_to_pb(s)) == s
+
+
+@needs_pyverbs
+def test_every_libibverbs_constant_the_backend_uses_resolves_in_this_pyverbs():
+    e = _pyverbs()["e"]
+    assert {name: isinstance(getattr(e, name), int) for name in CONSTANTS} == dict.fromkeys(CONSTANTS, True)
+    assert e.IBV_QPS_RTS == 3 and e.IBV_WR_RDMA_READ == 4 and e.IBV_SEND_SIGNALED == 2  # libibverbs' values
+
+
+@needs_pyverbs
+def test_qp_attributes_hold_what_the_transitions_decided():
+    v = _pyverbs()
+    e = v["e"]
+    local = PortInfo(lid=0, gid="fe800000000000000000000000000001", qp_num=11, psn=0x123, mtu=5, roce=True)
+    remote = PortInfo(lid=0, gid="00000000000000000000ffff0a000002", qp_num=22, psn=0x456, mtu=3, roce=True)
+    init, rtr, rts = (qp_attr(v, t) for t in rc_transitions(local, remote, QPSettings(port_num=2, gid_index=3), 8))
+    attr, mask = init
+    assert attr.qp_state == e.IBV_QPS_INIT and attr.port_num == 2
+    assert attr.qp_access_flags == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
+    assert mask == e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX | e.IBV_QP_PORT | e.IBV_QP_ACCESS_FLAGS
+    attr, mask = rtr
+    assert attr.qp_state == e.IBV_QPS_RTR and attr.dest_qp_num == 22 and attr.rq_psn == 0x456 and attr.path_mtu == 3
+    assert attr.max_dest_rd_atomic == 8 and mask & e.IBV_QP_AV and mask & e.IBV_QP_DEST_QPN
+    ah = attr.ah_attr
+    assert ah.is_global == 1 and ah.port_num == 2 and ah.sgid_index == 3 and ah.hop_limit == 64
+    assert ah.dgid.replace(":", "") == remote.gid  # the peer's GID, byte for byte
+    attr, mask = rts
+    assert attr.qp_state == e.IBV_QPS_RTS and attr.sq_psn == 0x123 and attr.max_rd_atomic == 8
+    assert mask & e.IBV_QP_SQ_PSN and mask & e.IBV_QP_MAX_QP_RD_ATOMIC and not mask & e.IBV_QP_AV
+
+
+@needs_pyverbs
+def test_work_request_chains_signal_where_the_plan_says():
+    v = _pyverbs()
+    e = v["e"]
+    reqs = [(7, e.IBV_WR_RDMA_READ, 0x1000 + i * 64, 0xAA, 0x9000 + i * 64, 0xBB, 64) for i in range(4)]
+    chain = send_chain(v, reqs, {1: 41, 3: 42})
+    assert [w.wr_id for w in chain] == [0, 41, 0, 42]
+    assert [w.send_flags for w in chain] == [0, e.IBV_SEND_SIGNALED, 0, e.IBV_SEND_SIGNALED]
+    assert all(w.opcode == e.IBV_WR_RDMA_READ and w.num_sge == 1 for w in chain)
+
+
+# -- over a real port (skipped where there is none) --------------------------------------------
+
+
+@pytest.mark.rdma
+def test_a_pool_node_serves_blocks_over_rdma(shm_dir):
+    node = start_node("kv-rdma", 1 << 20, 16, "--backend", "rdma", shm_dir=shm_dir)
+    engine = TransferEngine(TransferConfig(node="reader", backend="rdma", serve=False), MemoryRegistry())
+    try:
+        assert node.info["transport"].startswith("rdma")
+        keys = [bytes([i]) * 16 for i in range(1, 9)]
+        data = os.urandom(8 << 20)
+        with KVStoreClient(node.grpc, engine=engine) as client:
+            assert client.put(keys, data).stored == 8
+            assert client.get(keys).data.tobytes() == data
+    finally:
+        engine.close()
+        node.stop()
+
+
+
+def test_the_chart_gives_rdma_pods_the_nic_ipc_lock_and_the_flags():
+    from charts import mooncake_containers, render
+
+    for component, c, _ in mooncake_containers(render()):  # off by default: nothing of it
+        assert "IPC_LOCK" not in str(c["securityContext"]) and not any("rdma" in a for a in c["args"]), component
+    docs = render("--set", "rdma.enabled=true", "--set", "rdma.device=mlx5_0", "--set", "rdma.gidIndex=3")
+    movers = {component: c for component, c, _ in mooncake_containers(docs) if component in ("prefill", "kvstore", "decode")}
+    assert set(movers) == {"prefill", "kvstore", "decode"}
+    for component, c in movers.items():
+        flag = "--backend" if component == "kvstore" else "--transfer-backend"
+        assert {f"{flag}=rdma", "--rdma-device=mlx5_0", "--rdma-gid-index=3"} <= set(c["args"]), component
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1, component
+        assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == 1, component
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"], component
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], component
+    # the flags are ones the components accept
+    from kvstore.__main__ import parse_args as kv_args
+    from prefill.server import parse_args as prefill_args
+
+    got = kv_args(["--block-bytes", "4096", "--dram-blocks", "4", "--backend=rdma", "--rdma-device=mlx5_0", "--rdma-gid-index=3"])
+    assert (got.transfer_backend, got.rdma_device, got.rdma_gid_index) == ("rdma", "mlx5_0", 3)
+    got = prefill_args(["--model", "m", "--kvstore", "k:1", "--transfer-backend=rdma", "--rdma-gid-index=3"])
+    assert (got.transfer_backend, got.rdma_gid_index) == ("rdma", 3)

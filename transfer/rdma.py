@@ -1,0 +1,506 @@
+"""The rdma backend: one-sided RDMA READ and WRITE over reliable-connected queue pairs, through pyverbs.
+
+The same batched reads and writes of slices as the shm and tcp backends, with the NIC
+moving the bytes: no copy and no thread on the segment owner's side.
+
+1. **Device.** :func:`probe` picks the device and port (the first active one unless
+   given) and reads what the queue pairs need: LID, GID at ``gid_index``, link layer
+   (InfiniBand or RoCE), active MTU, the largest message and queue depths. Without
+   pyverbs, a device or an active port it raises :class:`RdmaUnavailable` saying which.
+2. **Memory.** Each segment the engine serves is registered once as a memory region
+   (local write, remote read, remote write); its rkey and address travel in the segment's
+   entry (``Segment.rdma_rkey``, ``rdma_addr``: the registry, and the pool's SegmentInfo).
+   A caller's buffer outside every registered segment is registered for its batch and
+   deregistered once the batch has resolved (memory may be freed and reused after that).
+3. **Connections.** The first batch to a peer creates ``queue_pairs`` RC queue pairs and
+   brings each up INIT -> RTR -> RTS (transfer/verbs.py) with the peer's QP number, PSN,
+   LID/GID and MTU, exchanged over the peer's tcp transfer port (op CONNECT, mutual TLS
+   like every tcp request): the peer creates its half and answers with it.
+4. **Work.** A job's span is cut to the port's largest message; requests are posted as
+   linked lists that fit the free send queue, one signalled completion per
+   ``signal_every`` requests; the rest waits for completions to free slots.
+5. **Completions.** One thread sleeps on the completion channel and polls the CQ. A
+   signalled completion finishes every job whose requests it covers; an error completion
+   (or a cancelled batch, which moves the QP to the error state to stop the NIC touching
+   the buffer) fails exactly the jobs still open on that queue pair, naming the peer, and
+   the queue pair is replaced at the next batch.
+
+This module has not run on an RDMA NIC: none of this project's machines has one (see
+README.md, RDMA). transfer/verbs.py holds every decision it makes, tested without one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from transfer.backend import Backend, Job, fail_jobs
+from transfer.types import BackendKind, OpKind, Segment, TransferError
+from transfer.verbs import (
+    MTU_BYTES, CompletionLedger, PortInfo, QPSettings, Transition, post_rounds, rc_transitions, work_requests,
+)  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+PYVERBS_HINT = "pyverbs comes with rdma-core, not PyPI: see README.md, RDMA (`make rdma`)"
+
+
+class RdmaUnavailable(RuntimeError):
+    """No usable RDMA here: pyverbs missing, no device, no active port, or a bad GID index (the message says which)."""
+
+
+class _Enums:
+    """libibverbs' constants by name (``IBV_QPS_ERR``...), wherever this pyverbs keeps them: module level in
+    ``pyverbs.libibverbs_enums`` (or ``pyverbs.enums`` before rdma-core 50), or inside its enum classes."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+        self._cache: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._cache:
+            value = getattr(self._module, name, None)
+            if value is None:
+                for attr in vars(self._module).values():
+                    if isinstance(attr, type) and hasattr(attr, name):
+                        value = getattr(attr, name)
+                        break
+            if value is None:
+                raise RdmaUnavailable(f"this pyverbs has no {name}")
+            self._cache[name] = int(value)
+        return self._cache[name]
+
+
+def _enums_module():
+    try:
+        import pyverbs.libibverbs_enums as module
+    except ImportError:
+        import pyverbs.enums as module
+    return module
+
+
+def _pyverbs():
+    try:
+        import pyverbs.cq as cq
+        import pyverbs.device as device
+        import pyverbs.mr as mr
+        import pyverbs.pd as pd
+        import pyverbs.qp as qp
+        import pyverbs.wr as wr
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+
+        e = _Enums(_enums_module())
+    except ImportError as err:
+        raise RdmaUnavailable(f"pyverbs cannot be imported ({err}); {PYVERBS_HINT}") from None
+    return dict(cq=cq, device=device, e=e, mr=mr, pd=pd, qp=qp, wr=wr, GID=GID, AHAttr=AHAttr, GlobalRoute=GlobalRoute)
+
+
+# every libibverbs constant this backend uses (tests/test_rdma.py resolves each against the installed pyverbs)
+CONSTANTS = (
+    "IBV_QPT_RC", "IBV_SEND_SIGNALED", "IBV_WR_RDMA_READ", "IBV_WR_RDMA_WRITE", "IBV_QPS_INIT", "IBV_QPS_RTR",
+    "IBV_QPS_RTS", "IBV_QPS_ERR", "IBV_QP_STATE", "IBV_QP_PKEY_INDEX", "IBV_QP_PORT", "IBV_QP_ACCESS_FLAGS", "IBV_QP_AV",
+    "IBV_QP_PATH_MTU", "IBV_QP_DEST_QPN", "IBV_QP_RQ_PSN", "IBV_QP_MAX_DEST_RD_ATOMIC", "IBV_QP_MIN_RNR_TIMER",
+    "IBV_QP_TIMEOUT", "IBV_QP_RETRY_CNT", "IBV_QP_RNR_RETRY", "IBV_QP_SQ_PSN", "IBV_QP_MAX_QP_RD_ATOMIC",
+    "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ", "IBV_ACCESS_REMOTE_WRITE", "IBV_PORT_ACTIVE",
+    "IBV_LINK_LAYER_ETHERNET", "IBV_WC_SUCCESS",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChoice:
+    """The device and port this process uses, and what its queue pairs need to know about them."""
+
+    device: str
+    port: int
+    gid_index: int
+    lid: int
+    gid: str  # 32 hex digits
+    roce: bool
+    mtu: int  # ibv_mtu enum value
+    max_msg: int  # the port's largest message, bytes
+    max_qp_wr: int
+    max_rd_atomic: int
+
+    def describe(self) -> str:
+        return f"{self.device} port {self.port} ({'RoCE' if self.roce else 'InfiniBand'}, {MTU_BYTES[self.mtu]}-byte MTU)"
+
+
+def probe(device: str | None = None, port: int | None = None, gid_index: int = 0) -> DeviceChoice:
+    """The device and port to use: ``device``/``port`` if given, else the first active port of any device.
+
+    Raises :class:`RdmaUnavailable` with the reason when there is none (what ``auto``
+    logs and the READY line shows; what a forced ``rdma`` fails with).
+    """
+    v = _pyverbs()
+    try:
+        devices = v["device"].get_device_list()
+    except Exception as err:  # pyverbs raises when the kernel has no RDMA support at all (no /sys/class/infiniband)
+        raise RdmaUnavailable(f"no RDMA device (listing them failed: {err})") from None
+    names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
+    if not names:
+        raise RdmaUnavailable("no RDMA device (ibv_devices lists none)")
+    if device is not None and device not in names:
+        raise RdmaUnavailable(f"no RDMA device {device!r}; this host has {', '.join(names)}")
+    seen = []
+    for name in [device] if device else names:
+        ctx = v["device"].Context(name=name)
+        try:
+            attr = ctx.query_device()
+            for p in [port] if port else range(1, attr.phys_port_cnt + 1):
+                pa = ctx.query_port(p)
+                seen.append(f"{name} port {p}: state {pa.state}")
+                if pa.state != v["e"].IBV_PORT_ACTIVE:
+                    continue
+                roce = pa.link_layer == v["e"].IBV_LINK_LAYER_ETHERNET
+                try:
+                    gid = ctx.query_gid(p, gid_index).gid.replace(":", "").lower()
+                except Exception as err:  # pyverbs raises PyverbsRDMAError for an index past the table
+                    raise RdmaUnavailable(f"{name} port {p} has no GID at index {gid_index}: {err}") from None
+                if roce and int(gid, 16) == 0:
+                    raise RdmaUnavailable(f"{name} port {p} (RoCE) has an empty GID at index {gid_index}: pick another "
+                                          "with --rdma-gid-index (`show_gids` lists them; RoCE v2 entries carry the IP)")  # fmt: skip
+                return DeviceChoice(name, p, gid_index, pa.lid, gid, roce, pa.active_mtu, pa.max_msg_sz, attr.max_qp_wr,
+                                    attr.max_qp_rd_atom)  # fmt: skip
+        finally:
+            ctx.close()
+    raise RdmaUnavailable(f"no active RDMA port ({'; '.join(seen) or 'no ports'})")
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers too, which ctypes will not take)."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+def qp_attr(v: dict, t: Transition):
+    """pyverbs' ``QPAttr`` and attribute mask for one state change (builds structs only: no device needed)."""
+    attr = v["qp"].QPAttr(qp_state=getattr(v["e"], f"IBV_QPS_{t.state.value}"))
+    for key, value in t.attrs.items():
+        if key == "qp_access_flags":
+            value = access_flags(v, value)
+        elif key == "ah_attr":
+            gr = None
+            if "gr" in value:
+                g = value["gr"]
+                dgid = v["GID"](":".join(g["dgid"][i : i + 4] for i in range(0, 32, 4)))
+                gr = v["GlobalRoute"](dgid=dgid, flow_label=g["flow_label"], sgid_index=g["sgid_index"],
+                                      hop_limit=g["hop_limit"], traffic_class=g["traffic_class"])  # fmt: skip
+            value = v["AHAttr"](dlid=value["dlid"], sl=value["sl"], src_path_bits=value["src_path_bits"],
+                                is_global=int(value["is_global"]), port_num=value["port_num"], gr=gr)  # fmt: skip
+        setattr(attr, key, value)
+    mask = 0
+    for name in t.mask:
+        mask |= getattr(v["e"], f"IBV_QP_{name}")
+    return attr, mask
+
+
+def access_flags(v: dict, names: tuple[str, ...]) -> int:
+    flags = 0
+    for name in names:
+        flags |= getattr(v["e"], f"IBV_ACCESS_{name}")
+    return flags
+
+
+def send_chain(v: dict, reqs: list[tuple], wr_ids: dict[int, int]) -> list:
+    """The linked list of RDMA work requests for ``reqs`` ((job, opcode, local addr, lkey, remote addr, rkey, length));
+    position i is signalled with wr_id ``wr_ids[i]`` when it is a key. Returns every request, head first (keep
+    them referenced until posted: each links to the next by pointer)."""
+    chain = []
+    head = None
+    for i in reversed(range(len(reqs))):  # built back to front: each links to the next
+        _, opcode, laddr, lkey, raddr, rkey, n = reqs[i]
+        flags = v["e"].IBV_SEND_SIGNALED if i in wr_ids else 0
+        wr = v["wr"].SendWR(wr_id=wr_ids.get(i, 0), opcode=opcode, num_sge=1, sg=[v["wr"].SGE(laddr, n, lkey)],
+                            send_flags=flags, next_wr=head)  # fmt: skip
+        wr.set_wr_rdma(rkey, raddr)
+        chain.append(wr)
+        head = wr
+    chain.reverse()
+    return chain
+
+
+class _QueuePair:
+    """One RC queue pair to a peer with its ledger and the requests waiting for send-queue slots."""
+
+    def __init__(self, backend: "RdmaBackend", peer: str, node: str) -> None:
+        self.backend, self.peer, self.node = backend, peer, node
+        self.qp = backend._create_qp()
+        self.num = self.qp.qp_num
+        self.ledger = CompletionLedger()
+        self.waiting: deque = deque()  # (job id, opcode, local addr, lkey, remote addr, rkey, length)
+        self.jobs: dict[int, Job] = {}
+        self.broken: TransferError | None = None
+        self.lock = threading.Lock()
+
+    def enqueue(self, items: list[tuple[int, Job, list]]) -> None:
+        """Queue each job's requests and post what fits."""
+        with self.lock:
+            if self.broken is not None:
+                fail_jobs([job for _, job, _ in items], self.broken)
+                return
+            for jid, job, reqs in items:
+                self.jobs[jid] = job
+                self.ledger.expect(jid, len(reqs))
+                self.waiting.extend(reqs)
+            self._pump_locked()
+
+    def _pump_locked(self) -> None:
+        v, b = self.backend.v, self.backend
+        for post in post_rounds(len(self.waiting), b.qp_depth - self.ledger.in_flight, b.signal_every):
+            reqs = [self.waiting.popleft() for _ in range(post.end - post.start)]
+            signalled = tuple(i - post.start for i in post.signalled)
+            wr_ids = dict(zip(signalled, self.ledger.post([r[0] for r in reqs], signalled)))
+            chain = send_chain(v, reqs, wr_ids)
+            for jid in {r[0] for r in reqs}:
+                self.jobs[jid].batch.job_started()
+            try:
+                self.qp.post_send(chain[0])
+            except Exception as err:
+                self._break_locked(TransferError(f"peer {self.node!r} at {self.peer}: posting RDMA work failed: {err}"))
+                return
+
+    def completed(self, wr_id: int) -> None:
+        with self.lock:
+            done, _ = self.ledger.complete(wr_id)
+            jobs = [self.jobs.pop(jid) for jid in done]
+            self._pump_locked()
+        for job in jobs:
+            job.batch.job_done()
+
+    def fail(self, error: TransferError) -> None:
+        with self.lock:
+            self._break_locked(error)
+
+    def _break_locked(self, error: TransferError) -> None:
+        if self.broken is None:
+            self.broken = error
+            try:
+                attr = self.backend.v["qp"].QPAttr(qp_state=self.backend.v["e"].IBV_QPS_ERR)
+                self.qp.modify(attr, self.backend.v["e"].IBV_QP_STATE)  # the NIC stops touching our buffers
+            except Exception:
+                pass
+        open_jobs = [self.jobs.pop(jid) for jid in self.ledger.fail() if jid in self.jobs]
+        waiting_ids = {r[0] for r in self.waiting}
+        self.waiting.clear()
+        open_jobs += [self.jobs.pop(jid) for jid in waiting_ids if jid in self.jobs]
+        fail_jobs(open_jobs, error)
+
+    def cancel(self, batch) -> None:
+        """Stop ``batch``: its requests may be on the NIC, so the queue pair goes to the error state."""
+        with self.lock:
+            if any(job.batch is batch for job in self.jobs.values()):
+                self._break_locked(TransferError(f"peer {self.node!r} at {self.peer}: batch cancelled"))
+
+    def close(self) -> None:
+        self.fail(TransferError(f"peer {self.node!r} at {self.peer}: transfer engine closed"))
+        self.qp.close()
+
+
+class RdmaBackend(Backend):
+    """Client and server side of RDMA for one transfer engine: its memory regions, queue pairs and completion thread.
+
+    ``handshake(tcp_addr, request) -> answer`` carries a CONNECT to a peer's transfer port
+    (the engine's tcp backend does it).
+    """
+
+    kind = BackendKind.RDMA
+
+    def __init__(self, choice: DeviceChoice, settings: QPSettings, handshake, qp_depth: int = 256, signal_every: int = 16,
+                 queue_pairs: int = 1) -> None:  # fmt: skip
+        self.v = v = _pyverbs()
+        self.choice, self.settings, self._handshake = choice, settings, handshake
+        self.qp_depth = min(qp_depth, choice.max_qp_wr)
+        self.signal_every = max(1, min(signal_every, self.qp_depth))
+        self.queue_pairs = queue_pairs
+        self.access = access_flags(v, settings.access)
+        self.ctx = v["device"].Context(name=choice.device)
+        self.pd = v["pd"].PD(self.ctx)
+        self.channel = v["cq"].CompChannel(self.ctx)
+        self.cq = v["cq"].CQ(self.ctx, 4 * self.qp_depth * max(1, queue_pairs) + 64, None, self.channel, 0)
+        self.cq.req_notify()
+        self._mrs: dict[str, tuple[int, int, object]] = {}  # segment -> (address, length, MR)
+        self._links: dict[str, list[_QueuePair]] = {}
+        self._by_num: dict[int, _QueuePair] = {}
+        self._accepted: list = []  # the queue pairs peers connected to (passive; kept alive)
+        self._jids = itertools.count(1)
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._poller = threading.Thread(target=self._poll_loop, name="rdma-cq", daemon=True)
+        self._poller.start()
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def register(self, name: str, view: memoryview) -> tuple[int, int]:
+        """Register a served segment as a memory region; return (rkey, address) for its Segment entry."""
+        addr = buffer_address(view)
+        mr = self.v["mr"].MR(self.pd, len(view), self.access, address=addr)
+        with self._lock:
+            self._mrs[name] = (addr, len(view), mr)
+        return mr.rkey, addr
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            entry = self._mrs.pop(name, None)
+        if entry is not None:
+            entry[2].close()
+
+    def _lkey(self, addr: int, length: int) -> int | None:
+        with self._lock:
+            for start, size, mr in self._mrs.values():
+                if start <= addr and addr + length <= start + size:
+                    return mr.lkey
+        return None
+
+    # -- queue pairs ------------------------------------------------------------------------------
+
+    def _create_qp(self):
+        v = self.v
+        cap = v["qp"].QPCap(max_send_wr=self.qp_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = v["qp"].QPInitAttr(qp_type=v["e"].IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
+        return v["qp"].QP(self.pd, init)
+
+    def _port_info(self, qp) -> PortInfo:
+        c = self.choice
+        return PortInfo(c.lid, c.gid, qp.qp_num, random.randrange(1 << 24), c.mtu, c.roce)
+
+    def _bring_up(self, qp, local: PortInfo, remote: PortInfo) -> None:
+        for t in rc_transitions(local, remote, self.settings, self.choice.max_rd_atomic):
+            qp.modify(*qp_attr(self.v, t))
+
+    def accept(self, request: bytes) -> bytes:
+        """The server side of CONNECT: a queue pair for the peer that sent its half; answer with ours."""
+        remote = PortInfo.from_dict(json.loads(request))
+        qp = self._create_qp()
+        local = self._port_info(qp)
+        try:
+            self._bring_up(qp, local, remote)
+        except Exception:
+            qp.close()
+            raise
+        with self._lock:
+            self._accepted.append(qp)
+        return json.dumps(local.to_dict()).encode()
+
+    def _connect(self, segment: Segment) -> _QueuePair:
+        conn = _QueuePair(self, segment.tcp_addr, segment.node)
+        try:
+            local = self._port_info(conn.qp)
+            answer = self._handshake(segment.tcp_addr, json.dumps(local.to_dict()).encode())
+            self._bring_up(conn.qp, local, PortInfo.from_dict(json.loads(answer)))
+        except Exception as err:
+            conn.qp.close()
+            raise TransferError(f"peer {segment.node!r} at {segment.tcp_addr}: RDMA connection failed: {err}") from err
+        return conn
+
+    def _link(self, segment: Segment) -> list[_QueuePair]:
+        with self._lock:
+            if self._closed:
+                raise TransferError("transfer engine is closed")
+            link = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is None]
+        while len(link) < self.queue_pairs:
+            conn = self._connect(segment)
+            with self._lock:
+                self._by_num[conn.num] = conn
+            link.append(conn)
+        with self._lock:
+            self._links[segment.tcp_addr] = link
+        return link
+
+    # -- transfers ---------------------------------------------------------------------------------
+
+    def submit(self, segment: Segment, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        if segment.rdma_rkey is None or segment.tcp_addr is None:
+            fail_jobs(jobs, TransferError(f"segment {segment.name!r} of node {segment.node!r} is not registered for RDMA"))
+            return
+        try:
+            link = self._link(segment)
+        except TransferError as err:
+            fail_jobs(jobs, err)
+            return
+        batch = jobs[0].batch
+        temp = self._local_region(jobs)
+        if temp is not None:
+            batch.on_settled(temp.close)  # deregistered once no request can touch the buffer
+        opcode = self.v["e"].IBV_WR_RDMA_READ if jobs[0].kind is OpKind.READ else self.v["e"].IBV_WR_RDMA_WRITE
+        per_conn: list[list] = [[] for _ in link]
+        start = next(self._rr)
+        for i, job in enumerate(jobs):
+            laddr = buffer_address(job.local)
+            lkey = self._lkey(laddr, job.length) if temp is None else temp.lkey
+            reqs = work_requests([(laddr, segment.rdma_addr + job.remote_offset, job.length)], self.choice.max_msg)
+            jid = next(self._jids)
+            per_conn[(start + i) % len(link)].append(
+                (jid, job, [(jid, opcode, w.local_addr, lkey, w.remote_addr, segment.rdma_rkey, w.length) for w in reqs]))
+        for conn, items in zip(link, per_conn):
+            if items:
+                batch.on_cancel(conn.cancel)
+                conn.enqueue(items)
+
+    def _local_region(self, jobs: list[Job]):
+        """A memory region for the jobs' local bytes when a registered segment does not hold them all (else None)."""
+        spans = [(buffer_address(j.local), j.length) for j in jobs]
+        if all(self._lkey(a, n) is not None for a, n in spans):
+            return None
+        lo = min(a for a, _ in spans)
+        hi = max(a + n for a, n in spans)
+        return self.v["mr"].MR(self.pd, hi - lo, self.access, address=lo)
+
+    def _poll_loop(self) -> None:
+        while not self._closed:
+            try:
+                self.channel.get_cq_event(self.cq)
+                self.cq.ack_events(1)
+                self.cq.req_notify()
+                while True:
+                    n, wcs = self.cq.poll(32)
+                    for wc in wcs:
+                        self._on_completion(wc)
+                    if n < 32:
+                        break
+            except Exception:
+                if not self._closed:
+                    log.exception("the RDMA completion thread failed")
+                return
+
+    def _on_completion(self, wc) -> None:
+        with self._lock:
+            conn = self._by_num.get(wc.qp_num)
+        if conn is None:
+            return  # a queue pair already closed
+        if wc.status == self.v["e"].IBV_WC_SUCCESS:
+            conn.completed(wc.wr_id)
+            return
+        to_str = getattr(self.v["cq"], "cqe_status_to_str", None)
+        status = to_str(wc.status) if to_str is not None else f"status {wc.status}"
+        conn.fail(TransferError(f"peer {conn.node!r} at {conn.peer}: RDMA work failed ({status}, vendor error "
+                                f"{wc.vendor_err}); the queue pair is replaced at the next batch"))  # fmt: skip
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = [c for link in self._links.values() for c in link]
+            self._links.clear()
+            accepted, self._accepted = self._accepted, []
+            mrs = [mr for _, _, mr in self._mrs.values()]
+            self._mrs.clear()
+        for conn in conns:
+            conn.close()
+        for qp in accepted:
+            qp.close()
+        for mr in mrs:
+            mr.close()
+        self.cq.close()
+        self.channel.close()
+        self.pd.close()
+        self.ctx.close()

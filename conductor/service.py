@@ -419,7 +419,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         if not request.node:
             raise ValueError("node is required: the kvstore node this instance uses (a kvstore node: its own name)")
         inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity,
-                        fingerprint=bytes(request.fingerprint), engine=request.engine,
+                        fingerprint=bytes(request.fingerprint), engine=request.engine, transport=request.transport,
                         pipeline_stages=max(request.pipeline_stages, 1), pipeline_chunk=request.pipeline_chunk,
                         token=new_instance_token())  # fmt: skip
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
@@ -484,7 +484,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                                    capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age, load=load_to_pb(i.load),
                                    indexed_blocks=blocks, dram_blocks=dram, retiring=retiring, engine=i.engine,
                                    pipeline_stages=i.pipeline_stages, pipeline_chunk=i.pipeline_chunk,
-                                   placed_in_prefill=in_prefill, placed_decoding=decoding, landing_held=landing)  # fmt: skip
+                                   placed_in_prefill=in_prefill, placed_decoding=decoding, landing_held=landing,
+                                   transport=i.transport)  # fmt: skip
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks
                 info.reused_blocks, info.fetched_blocks = served.reused_blocks, served.fetched_blocks

@@ -68,6 +68,7 @@ class Instance:
     state: InstanceState = InstanceState.ALIVE
     fingerprint: bytes = b""  # workers: the root of their block keys (model, dtype, engine kind)
     engine: str = ""  # workers: native or vllm
+    transport: str = ""  # how its KV crosses hosts (rdma or tcp, and why), as its transfer engine chose
     last_heartbeat: float = 0.0
     suspect_until: float = 0.0  # SUSPECT: heartbeats before this do not clear it (they may predate the failure)
     load: Load = field(default_factory=Load)

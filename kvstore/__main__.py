@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         ready["metrics"] = f"{args.host}:{status.server_port}"
     if args.conductor:
         registration = cpb.RegisterRequest(id=args.node, role=cpb.KVSTORE, address=ready["grpc"], node=args.node,
-                                           capacity=dram_blocks)  # fmt: skip
+                                           capacity=dram_blocks, transport=node.engine.transport)  # fmt: skip
         link = ConductorLink(args.conductor, registration, cpb.Load).start()
     print_ready(ready)
     wait_for_signal()

@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         registration=cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, node=worker.node, model=args.model,
                                          fingerprint=worker.engine.fingerprint, engine=args.engine,
                                          capacity=args.max_num_batched_tokens, pipeline_stages=stages,
-                                         pipeline_chunk=args.max_num_batched_tokens if stages > 1 else 0),  # fmt: skip
+                                         pipeline_chunk=args.max_num_batched_tokens if stages > 1 else 0,
+                                         transport=worker.transfer.transport),  # fmt: skip
         load=load,
         ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine, "transport": worker.transfer.transport,
                **({"stages": worker.group.stages()} if worker.group is not None else {})},

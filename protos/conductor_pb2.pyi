@@ -52,7 +52,7 @@ class Load(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class RegisterRequest(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -73,7 +74,8 @@ class RegisterRequest(_message.Message):
     engine: str
     pipeline_stages: int
     pipeline_chunk: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "instance_token")
@@ -268,7 +270,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks", "dram_blocks", "decisions", "prompt_blocks", "reused_blocks", "fetched_blocks", "retiring", "engine", "pipeline_stages", "pipeline_chunk", "placed_in_prefill", "placed_decoding", "landing_held")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks", "dram_blocks", "decisions", "prompt_blocks", "reused_blocks", "fetched_blocks", "retiring", "engine", "pipeline_stages", "pipeline_chunk", "placed_in_prefill", "placed_decoding", "landing_held", "transport")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +293,7 @@ class InstanceInfo(_message.Message):
     PLACED_IN_PREFILL_FIELD_NUMBER: _ClassVar[int]
     PLACED_DECODING_FIELD_NUMBER: _ClassVar[int]
     LANDING_HELD_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -313,7 +316,8 @@ class InstanceInfo(_message.Message):
     placed_in_prefill: int
     placed_decoding: int
     landing_held: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., placed_in_prefill: _Optional[int] = ..., placed_decoding: _Optional[int] = ..., landing_held: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., placed_in_prefill: _Optional[int] = ..., placed_decoding: _Optional[int] = ..., landing_held: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port", "admin_open", "insecure")

@@ -65,7 +65,7 @@ def test_the_group_registers_as_one_prefill_instance_with_its_stages(cluster):
 
     console = Console(record=True, width=250)
     console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
-    assert "prefill (native, 2-stage group, 64-token chunks)" in console.export_text()  # what `mooncake status` shows
+    assert "prefill (native, 2-stage group, 64-token chunks, KV over tcp)" in console.export_text()  # `mooncake status`
 
 
 @pytest.mark.parametrize("length", [5, 64, 100, 700])  # under a block, one chunk, two chunks, eleven

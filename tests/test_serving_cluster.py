@@ -199,7 +199,11 @@ def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_
     assert decode.load.landing_blocks == 2 * -(-MAX_LEN // 16)  # its default: two full contexts
     console = Console(record=True, width=200)
     console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
-    assert f" of {decode.load.batch_cap}" in console.export_text()  # `mooncake status` shows the running batch against its cap
+    shown = console.export_text()
+    assert f" of {decode.load.batch_cap}" in shown  # `mooncake status` shows the running batch against its cap
+    # and how each component's KV crosses hosts: tcp on this machine (no RDMA device), the reason in ListInstances
+    assert "decode (native, KV over tcp)" in shown and "kvstore (pool, KV over tcp)" in shown
+    assert instances(cluster)["decode-0"].transport.startswith("tcp (no RDMA device")
     stub = conductor(cluster)
     worker = wpb_grpc.DecodeStub(tls.grpc_channel(decode.address))
     for n in range(decode.load.batch_cap + 2):

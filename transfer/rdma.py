@@ -406,6 +406,11 @@ class RdmaBackend(Backend):
             if self._closed:
                 raise TransferError("transfer engine is closed")
             link = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is None]
+            dead = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is not None]
+            for conn in dead:  # replaced below; its late (flush) completions find no queue pair and are dropped
+                self._by_num.pop(conn.num, None)
+        for conn in dead:
+            conn.qp.close()
         while len(link) < self.queue_pairs:
             conn = self._connect(segment)
             with self._lock:

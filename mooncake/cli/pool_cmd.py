@@ -99,7 +99,8 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
     order = {pb.PREFILL: 0, pb.KVSTORE: 1, pb.DECODE: 2}
     for i in sorted(listing.instances, key=lambda i: (order.get(i.role, 3), i.id)):
         group = f", {i.pipeline_stages}-stage group, {i.pipeline_chunk}-token chunks" if i.pipeline_stages > 1 else ""
-        role = pb.Role.Name(i.role).lower() + (f" ({i.engine}{group})" if i.engine or group else "")
+        kv_over = f", KV over {i.transport.split(' ')[0].rstrip(':')}" if i.transport else ""  # rdma or tcp
+        role = pb.Role.Name(i.role).lower() + (f" ({i.engine or 'pool'}{group}{kv_over})" if i.engine or group or kv_over else "")
         state = pb.InstanceState.Name(i.state).lower() + (" (retiring)" if i.retiring else "")
         kv = "-"
         if i.role in (pb.PREFILL, pb.KVSTORE):

@@ -1,0 +1,268 @@
+"""An in-process RDMA fabric with pyverbs' interface, for running transfer/rdma.py where there is no NIC.
+
+Not a model of a NIC's timing, only of the semantics the backend relies on:
+memory regions with lkeys and rkeys and access flags; RC queue pairs that must be
+brought to RTS before they post and that know their peer; RDMA READ/WRITE executed
+in posting order (a real memmove between the registered addresses); a send queue of
+``max_send_wr`` slots, freed only when a signalled completion covering them is polled
+(posting past it fails, as ibv_post_send does); completions on a CQ, announced on its
+completion channel; and an injectable error: the next request fails with
+``IBV_WC_RETRY_EXC_ERR``, the queue pair goes to the error state, and every later
+signalled request on it completes with ``IBV_WC_WR_FLUSH_ERR``.
+
+Both ends of a connection must live in this process (the fabric is a dict): the tests
+put two transfer engines, or a pool node and its client, in one process.
+
+    fabric = Fabric(max_msg=64 << 10)
+    monkeypatch.setattr("transfer.rdma._pyverbs", fabric.modules)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+E = SimpleNamespace(
+    IBV_QPT_RC=2, IBV_SEND_SIGNALED=2, IBV_WR_RDMA_WRITE=0, IBV_WR_RDMA_READ=4,
+    IBV_QPS_RESET=0, IBV_QPS_INIT=1, IBV_QPS_RTR=2, IBV_QPS_RTS=3, IBV_QPS_ERR=6,
+    IBV_QP_STATE=1, IBV_QP_ACCESS_FLAGS=8, IBV_QP_PKEY_INDEX=16, IBV_QP_PORT=32, IBV_QP_AV=128, IBV_QP_PATH_MTU=256,
+    IBV_QP_TIMEOUT=512, IBV_QP_RETRY_CNT=1024, IBV_QP_RNR_RETRY=2048, IBV_QP_RQ_PSN=4096, IBV_QP_MAX_QP_RD_ATOMIC=8192,
+    IBV_QP_MIN_RNR_TIMER=32768, IBV_QP_SQ_PSN=65536, IBV_QP_MAX_DEST_RD_ATOMIC=131072, IBV_QP_DEST_QPN=1048576,
+    IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2, IBV_ACCESS_REMOTE_READ=4,
+    IBV_PORT_ACTIVE=4, IBV_LINK_LAYER_ETHERNET=2, IBV_WC_SUCCESS=0, IBV_WC_WR_FLUSH_ERR=5, IBV_WC_REM_ACCESS_ERR=10, IBV_WC_RETRY_EXC_ERR=12,
+)  # fmt: skip
+
+
+class VerbsError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Region:
+    addr: int
+    length: int
+    access: int
+    lkey: int
+    rkey: int
+    closed: bool = False
+
+    def covers(self, addr: int, length: int) -> bool:
+        return not self.closed and self.addr <= addr and addr + length <= self.addr + self.length
+
+
+@dataclass
+class Fabric:
+    """Every memory region and queue pair of this process, and what the tests inject or inspect."""
+
+    max_msg: int = 1 << 30
+    max_qp_wr: int = 4096
+    regions: dict[int, _Region] = field(default_factory=dict)  # rkey -> region
+    qps: dict[int, "FakeQP"] = field(default_factory=dict)
+    fail_next: bool = False  # the next request posted fails (and its queue pair with it)
+    posted: int = 0  # requests executed
+    most_outstanding: int = 0  # the deepest any send queue got
+    errors: list[str] = field(default_factory=list)  # requests the fabric refused (bad key, too long), and why
+    _keys: itertools.count = field(default_factory=lambda: itertools.count(0x100))
+    _qpns: itertools.count = field(default_factory=lambda: itertools.count(0x10))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def open_regions(self) -> int:
+        return sum(not r.closed for r in self.regions.values())
+
+    def modules(self) -> dict:
+        fabric = self
+
+        class Context:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def query_device(self):
+                return SimpleNamespace(phys_port_cnt=1, max_qp_wr=fabric.max_qp_wr, max_qp_rd_atom=16)
+
+            def query_port(self, port: int):
+                return SimpleNamespace(state=E.IBV_PORT_ACTIVE, link_layer=E.IBV_LINK_LAYER_ETHERNET, lid=0, active_mtu=5,
+                                       max_msg_sz=fabric.max_msg)  # fmt: skip
+
+            def query_gid(self, port: int, index: int):
+                return SimpleNamespace(gid="fe80:0000:0000:0000:0000:0000:0000:0001")
+
+            def close(self) -> None:
+                pass
+
+        class PD:
+            def __init__(self, ctx) -> None:
+                self.ctx = ctx
+
+            def close(self) -> None:
+                pass
+
+        class MR:
+            def __init__(self, pd, length: int, access: int, address: int) -> None:
+                key = next(fabric._keys)
+                self._region = _Region(address, length, access, key, key)
+                fabric.regions[key] = self._region
+                self.lkey = self.rkey = key
+
+            def close(self) -> None:
+                self._region.closed = True
+
+        class CompChannel:
+            def __init__(self, ctx) -> None:
+                self.events = threading.Semaphore(0)
+                self.closed = False
+
+            def get_cq_event(self, cq) -> None:
+                self.events.acquire()
+                if self.closed:
+                    raise VerbsError("channel closed")
+
+            def close(self) -> None:
+                self.closed = True
+                self.events.release()
+
+        class CQ:
+            def __init__(self, ctx, cqe, cq_context, channel, vector) -> None:
+                self.channel = channel
+                self.entries: list = []
+                self.armed = False
+                self.lock = threading.Lock()
+
+            def req_notify(self) -> None:
+                with self.lock:
+                    self.armed = True
+                    if self.entries:
+                        self.armed = False
+                        self.channel.events.release()
+
+            def push(self, wc) -> None:
+                with self.lock:
+                    self.entries.append(wc)
+                    if self.armed:
+                        self.armed = False
+                        self.channel.events.release()
+
+            def poll(self, n: int = 1):
+                with self.lock:
+                    got, self.entries = self.entries[:n], self.entries[n:]
+                for wc in got:  # polling a signalled completion frees the slots it covers
+                    qp = fabric.qps.get(wc.qp_num)
+                    if qp is not None:
+                        qp.outstanding -= wc.covers
+                return len(got), got
+
+            def ack_events(self, n: int) -> None:
+                pass
+
+            def close(self) -> None:
+                pass
+
+        class QPCap:
+            def __init__(self, max_send_wr: int, max_recv_wr: int, max_send_sge: int, max_recv_sge: int) -> None:
+                self.max_send_wr = max_send_wr
+
+        class QPInitAttr:
+            def __init__(self, qp_type, scq, rcq, cap, sq_sig_all) -> None:
+                self.scq, self.cap = scq, cap
+
+        class QPAttr:
+            def __init__(self, qp_state: int) -> None:
+                self.qp_state = qp_state
+
+        class QP(FakeQP):
+            def __init__(self, pd, init) -> None:
+                super().__init__(fabric, next(fabric._qpns), init.scq, init.cap.max_send_wr)
+
+        class SGE:
+            def __init__(self, addr: int, length: int, lkey: int) -> None:
+                self.addr, self.length, self.lkey = addr, length, lkey
+
+        class SendWR:
+            def __init__(self, wr_id, opcode, num_sge, sg, send_flags, next_wr) -> None:
+                self.wr_id, self.opcode, self.sg, self.send_flags, self.next_wr = wr_id, opcode, sg, send_flags, next_wr
+                self.num_sge = num_sge
+
+            def set_wr_rdma(self, rkey: int, addr: int) -> None:
+                self.rkey, self.remote_addr = rkey, addr
+
+        ns = SimpleNamespace
+        return dict(cq=ns(CompChannel=CompChannel, CQ=CQ), device=ns(get_device_list=lambda: [ns(name=b"fake0")], Context=Context),
+                    e=E, mr=ns(MR=MR), pd=ns(PD=PD), qp=ns(QP=QP, QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr),
+                    wr=ns(SGE=SGE, SendWR=SendWR), GID=lambda s: s, AHAttr=lambda **kw: ns(**kw),
+                    GlobalRoute=lambda **kw: ns(**kw))  # fmt: skip
+
+
+class FakeQP:
+    def __init__(self, fabric: Fabric, num: int, cq, depth: int) -> None:
+        self.fabric, self.qp_num, self.cq, self.depth = fabric, num, cq, depth
+        self.state = E.IBV_QPS_RESET
+        self.dest: int | None = None
+        self.outstanding = 0
+        self.unsignalled = 0  # requests since the last signalled one (covered by the next)
+        fabric.qps[num] = self
+
+    def modify(self, attr, mask: int) -> None:
+        order = [E.IBV_QPS_RESET, E.IBV_QPS_INIT, E.IBV_QPS_RTR, E.IBV_QPS_RTS]
+        if attr.qp_state == E.IBV_QPS_ERR:
+            self.state = E.IBV_QPS_ERR
+            return
+        if order.index(attr.qp_state) != order.index(self.state) + 1:
+            raise VerbsError(f"QP {self.qp_num}: {self.state} -> {attr.qp_state} is not a transition")
+        if attr.qp_state == E.IBV_QPS_RTR:
+            if not mask & E.IBV_QP_DEST_QPN or not mask & E.IBV_QP_AV:
+                raise VerbsError("RTR needs the destination QP and an address vector")
+            self.dest = attr.dest_qp_num
+        self.state = attr.qp_state
+
+    def post_send(self, head) -> None:
+        chain = []
+        while head is not None:
+            chain.append(head)
+            head = head.next_wr
+        if self.outstanding + len(chain) > self.depth:
+            raise VerbsError(f"send queue full: {self.outstanding} outstanding + {len(chain)} > {self.depth}")
+        if self.state not in (E.IBV_QPS_RTS, E.IBV_QPS_ERR):
+            raise VerbsError(f"QP {self.qp_num} posts in state {self.state}")
+        self.outstanding += len(chain)
+        self.fabric.most_outstanding = max(self.fabric.most_outstanding, self.outstanding)
+        for wr in chain:
+            status = E.IBV_WC_SUCCESS
+            if self.state == E.IBV_QPS_ERR:
+                status = E.IBV_WC_WR_FLUSH_ERR
+            elif self.fabric.fail_next:
+                self.fabric.fail_next = False
+                self.state = E.IBV_QPS_ERR
+                status = E.IBV_WC_RETRY_EXC_ERR
+            else:
+                try:
+                    self._execute(wr)
+                except VerbsError as err:  # what a NIC reports as a protection or length error completion
+                    self.fabric.errors.append(str(err))
+                    self.state = E.IBV_QPS_ERR
+                    status = E.IBV_WC_REM_ACCESS_ERR
+            self.unsignalled += 1
+            if wr.send_flags & E.IBV_SEND_SIGNALED or status != E.IBV_WC_SUCCESS:
+                self.cq.push(SimpleNamespace(wr_id=wr.wr_id, status=status, qp_num=self.qp_num, vendor_err=0,
+                                             covers=self.unsignalled))  # fmt: skip
+                self.unsignalled = 0
+
+    def _execute(self, wr) -> None:
+        (sge,) = wr.sg
+        if sge.length > self.fabric.max_msg:
+            raise VerbsError(f"a {sge.length}-byte request past the port's {self.fabric.max_msg}-byte max message")
+        local = self.fabric.regions.get(sge.lkey)
+        remote = self.fabric.regions.get(wr.rkey)
+        if local is None or not local.covers(sge.addr, sge.length):
+            raise VerbsError(f"lkey {sge.lkey} does not cover [{sge.addr:#x}, +{sge.length})")
+        if remote is None or not remote.covers(wr.remote_addr, sge.length):
+            raise VerbsError(f"rkey {wr.rkey} does not cover [{wr.remote_addr:#x}, +{sge.length})")
+        if wr.opcode == E.IBV_WR_RDMA_READ:
+            ctypes.memmove(sge.addr, wr.remote_addr, sge.length)
+        else:
+            ctypes.memmove(wr.remote_addr, sge.addr, sge.length)
+        self.fabric.posted += 1
+
+    def close(self) -> None:
+        self.fabric.qps.pop(self.qp_num, None)

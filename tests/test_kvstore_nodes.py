@@ -46,19 +46,27 @@ def nodes(shm_dir):
         node.stop()
 
 
-def tcp_client(address: str) -> KVStoreClient:
-    engine = TransferEngine(TransferConfig(node=f"client-{uuid.uuid4().hex[:6]}", backend="tcp", serve=False))
-    client = KVStoreClient(address, engine=engine)
-    client._own_engine = True  # closed with the client
-    return client
+def client_over(backend: str):
+    """A function making clients whose engine is forced to ``backend`` (tcp or rdma: what a client on another host uses)."""
+
+    def connect(address: str) -> KVStoreClient:
+        engine = TransferEngine(TransferConfig(node=f"client-{uuid.uuid4().hex[:6]}", backend=backend, serve=False))
+        client = KVStoreClient(address, engine=engine)
+        client._own_engine = True  # closed with the client
+        return client
+
+    return connect
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+tcp_client = client_over("tcp")
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", pytest.param("rdma", marks=pytest.mark.rdma)])
 def test_put_on_one_node_read_on_the_other(nodes, backend):
     a = nodes("a")
     b = nodes("b", "--backend", backend)  # how b reaches a when it pulls
     keys, data = chain(6, seed=1), os.urandom(6 * BB)
-    connect = tcp_client if backend == "tcp" else KVStoreClient
+    connect = KVStoreClient if backend == "shm" else client_over(backend)
     with connect(a.grpc) as ca, connect(b.grpc) as cb:
         assert ca.put(keys, data).stored == 6
         assert cb.lookup(keys).prefix_blocks == 0

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                          capacity=args.max_num_seqs, transport=worker.transfer.transport),  # fmt: skip
         load=load,
         ready={"landing": worker.landing_segment.name, "max_model_len": worker.max_model_len, "engine": args.engine,
-               "transport": worker.transfer.transport},
+               "transport": worker.transfer.transport, "tcp": worker.transfer.tcp_addr},
         health=lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}),
         busy=lambda: worker.loop.num_running + worker.num_in_prefill,
         drain_timeout_s=args.drain_timeout, max_rpc_threads=64,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -191,7 +192,10 @@ class DecodeWorker:
         slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
         self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir,
                                                       **config.transport.model_dump()))  # fmt: skip
-        self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes)
+        # a prefill worker writes landing slots only under the grant made for its Prefill call (_prefill)
+        self._grants: dict[str, frozenset[int]] = {}
+        self._grants_lock = threading.Lock()
+        self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes, guard=self._landing_guard)
         self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.block_shape,
                                    engine_config.torch_dtype)  # fmt: skip
         self.slots = SlotAllocator(slots)
@@ -331,12 +335,35 @@ class DecodeWorker:
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
+    def _landing_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        """The landing segment's capability check (transfer server, every request): bytes of slots granted to one
+        Prefill call, while it runs."""
+        with self._grants_lock:
+            granted = self._grants.get(token)
+        if granted is None:
+            return "no live landing grant with that token (one Prefill call's, while it runs)"
+        first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
+        if not all(slot in granted for slot in range(first, last + 1)):
+            return f"landing slots {first}..{last} are not all granted to that prefill"
+        return None
+
     def _prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, slots: list[int], context) -> FirstToken:
+        token = secrets.token_hex(16)
+        with self._grants_lock:
+            self._grants[token] = frozenset(slots)
+        try:
+            return self._call_prefill(req, sequence, num_outputs, slots, context, token)
+        finally:
+            with self._grants_lock:
+                del self._grants[token]  # a straggling write after the call (a cancelled prefill's) is refused
+
+    def _call_prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, slots: list[int], context,
+                      token: str) -> FirstToken:  # fmt: skip
         """Have the planned prefill worker fill ``slots`` with the KV of ``sequence`` (the prompt and, resuming, the
         ``num_outputs`` tokens streamed so far); return the token after it."""
         placement = req.placement
         landing = wpb.Landing(segment=segment_to_pb(self.landing_segment), offsets=[s * self.block_bytes for s in slots],
-                              block_bytes=self.block_bytes)  # fmt: skip
+                              block_bytes=self.block_bytes, token=token)  # fmt: skip
         call = self._prefill_stub(placement.prefill_address).Prefill.future(
             wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=sequence, sampling=req.sampling,
                                cache_salt=req.cache_salt if req.HasField("cache_salt") else None, plan=placement.plan,

@@ -56,6 +56,7 @@ class PrefillJob:
     pool_slots: dict[int, int] = field(default_factory=dict)  # block index -> reserved slot in this node's pool
     pool_segment: str | None = None  # the pool's segment, written through the transfer engine (None: the bound tensor)
     pool_token: str = ""  # the reservation of pool_slots (Slice.token: the pool node checks it)
+    landing_token: str = ""  # the decode worker's grant of the landing slots (Landing.token)
     pushed: int = 0  # blocks whose every layer is on the decode worker
     issued: int = 0  # blocks whose every layer's push has started (pushed <= issued)
     started_at: float | None = None  # its first engine step
@@ -150,8 +151,8 @@ class PoolConnector(KVConnector):
             for b in range(start, end):
                 block = table[b]
                 remote = job.landing_offsets[b] + layer * self._layer_bytes
-                slices.append(Slice(self._offset(layer, 0, block), job.landing_segment, remote, half))
-                slices.append(Slice(self._offset(layer, 1, block), job.landing_segment, remote + half, half))
+                slices.append(Slice(self._offset(layer, 0, block), job.landing_segment, remote, half, job.landing_token))
+                slices.append(Slice(self._offset(layer, 1, block), job.landing_segment, remote + half, half, job.landing_token))
                 slot = job.pool_slots.get(b)
                 if slot is None:
                     continue
@@ -191,7 +192,7 @@ class PoolConnector(KVConnector):
         """Write ``staged`` [n, 2, bs, Hkv, D] (contiguous, CPU: blocks start..end of one layer) to the landing slots
         and the job's pool slots."""
         size = staged[0].numel() * staged.element_size()
-        slices = [Slice(i * size, job.landing_segment, job.landing_offsets[b] + layer * size, size)
+        slices = [Slice(i * size, job.landing_segment, job.landing_offsets[b] + layer * size, size, job.landing_token)
                   for i, b in enumerate(range(start, end))]  # fmt: skip
         to_pool = [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
         if to_pool and job.pool_segment is None:  # one copy (the GIL let go while it runs), not one per block

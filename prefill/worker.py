@@ -198,7 +198,8 @@ class PrefillWorker:
             raise ValueError(f"landing slots of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}")
         salt = req.cache_salt if req.HasField("cache_salt") else None
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
-        job = PrefillJob(req.request_id, len(prompt), num_blocks, landing.segment.name, list(landing.offsets))
+        job = PrefillJob(req.request_id, len(prompt), num_blocks, landing.segment.name, list(landing.offsets),
+                         landing_token=landing.token)  # fmt: skip
         self.transfer.add_segment(segment_from_pb(landing.segment))
         held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
         try:
@@ -278,7 +279,7 @@ class PrefillWorker:
         n = -(-cached // self.config.block_size)
         push = StagePush(segment_from_pb(req.landing.segment), list(req.landing.offsets), self._pool_segment, job.pool_slots,
                          prefix_slots[:n] if cached else None, self.config.io_timeout_s, pool_token=held.new_reservation or "",
-                         prefix_tokens=prefix_tokens[:n] if cached else None)  # fmt: skip
+                         prefix_tokens=prefix_tokens[:n] if cached else None, landing_token=req.landing.token)  # fmt: skip
         request = StageRequest(req.request_id, prompt, params, self.config.max_num_batched_tokens, num_outputs=num_outputs,
                                num_prefix_tokens=cached, push=push)  # fmt: skip
         try:

@@ -25,7 +25,7 @@ from mooncake import tls
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
 from protos import kvstore_pb2 as kpb
-from transfer import MemoryRegistry, Slice, TransferConfig, TransferEngine, TransferError
+from transfer import MemoryRegistry, Segment, Slice, TransferConfig, TransferEngine, TransferError
 from transfer.tcp import REQUEST as TRANSFER_REQUEST
 
 BLOCK = 4096
@@ -192,7 +192,9 @@ def test_a_pool_node_refuses_strangers_on_grpc_control_and_transfer_ports(node, 
 
 @needs_tls
 def test_a_worker_refuses_a_caller_without_the_certificate(tmp_path, tiny_dir):
-    """A prefill worker's gRPC port: Prefill from a stranger never reaches the engine."""
+    """A prefill worker's gRPC port: Prefill from a stranger never reaches the engine. And a decode worker's
+    landing slots take writes only under the grant of a running Prefill call, even from a holder of the
+    certificate (this test process)."""
     from clusters import instances, start_cluster
 
     from protos import worker_pb2 as wpb
@@ -206,6 +208,16 @@ def test_a_worker_refuses_a_caller_without_the_certificate(tmp_path, tiny_dir):
         with pytest.raises(grpc.RpcError) as e:
             call(wpb.PrefillRequest(request_id="stranger"), timeout=5)
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+        decode = cluster.components["decode-0"].info
+        landing = Segment(name=decode["landing"], node="decode-0", size=BLOCK, host="elsewhere", pid=0, tcp_addr=decode["tcp"])
+        engine = TransferEngine(TransferConfig(node="writer", backend="tcp", serve=False), MemoryRegistry())
+        try:
+            engine.add_segment(landing)
+            for token in ("", "0" * 32):
+                with pytest.raises(TransferError, match="no live landing grant"):
+                    engine.write(bytes(BLOCK), [Slice(0, landing.name, 0, BLOCK, token)]).wait(10)
+        finally:
+            engine.close()
     finally:
         cluster.stop()
 

@@ -279,3 +279,16 @@ def test_an_insecure_conductor_says_so_in_its_log_and_in_mooncake_status(monkeyp
     finally:
         node.stop()
     assert "INSECURE" in node.log.read_text()
+
+
+def test_a_stage_inbox_takes_writes_only_with_its_groups_token():
+    """What a pipelined group's stage server checks on every write into its inbox (the tcp path between stage
+    hosts; tests/test_cpp_hosts.py runs the group across hosts with it)."""
+    from mooncake.engine.stage_process import _inbox_guard, inbox_token
+
+    key, other = os.urandom(16), os.urandom(16)
+    guard = _inbox_guard(inbox_token(key))
+    assert guard(inbox_token(key), True, 0, 4096) is None
+    good = inbox_token(key)
+    for token in ("", inbox_token(other), good[:-1] + ("1" if good[-1] == "0" else "0")):
+        assert guard(token, True, 0, 4096) == "not a stage of this group"

@@ -31,6 +31,8 @@ the pipeline serves the next one. A stage that raises or dies fails the pipeline
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import multiprocessing as mp
 import os
 import time
@@ -311,7 +313,7 @@ class StageRuntime:
         self.connector = PoolConnector(self.engine, None, spec.block_size, io_timeout_s=30.0)
         self.connector.bind(self.stage.kv_cache, first_layer=self.stage.layers.start, num_layers=args.num_layers)
         self.slot_bytes = spec.max_chunk * args.hidden_size * self.stage.kv_cache.element_size()
-        self.inbox = self.engine.allocate("inbox", self.slot_bytes * SLOTS)
+        self.inbox = self.engine.allocate("inbox", self.slot_bytes * SLOTS, guard=_inbox_guard(inbox_token(authkey)))
         self.links = Listener((spec.host, 0), authkey=authkey)
 
     def session(self, driver, expected: tuple[int, int] | None = None) -> None:
@@ -341,7 +343,8 @@ class StageRuntime:
             except OSError:
                 pass
             return
-        link = _Link(index, self.engine, self.slot_bytes, prev, nxt, next_inbox, self.engine.buffer("inbox"))
+        link = _Link(index, self.engine, self.slot_bytes, prev, nxt, next_inbox, self.engine.buffer("inbox"),
+                     inbox_token(self.authkey))  # fmt: skip
         try:
             self._serve(driver, link, index == num_stages - 1)
         finally:
@@ -382,14 +385,28 @@ def _close_all(*conns) -> None:
             conn.close()
 
 
+def inbox_token(authkey: bytes) -> str:
+    """The capability a group's stages write each other's inboxes with: derived from the group's key, which only
+    its worker and its stages hold."""
+    return hmac.new(authkey, b"mooncake stage inbox", hashlib.sha256).hexdigest()[:32]
+
+
+def _inbox_guard(expected: str):
+    def guard(token: str, write: bool, offset: int, length: int) -> str | None:
+        return None if hmac.compare_digest(token.encode(), expected.encode()) else "not a stage of this group"
+
+    return guard
+
+
 class _Link:
     """A stage's ends of the pipeline: ``prev`` brings chunk notices from the previous stage (whose writes land in this
     stage's inbox) and takes back "slot s is free"; ``next`` takes this stage's chunk notices to the next stage (after
     the hidden states were written into its inbox, ``SLOTS`` slots, each reused once freed)."""
 
-    def __init__(self, index, engine, slot_bytes, prev, next_, next_inbox, inbox) -> None:
+    def __init__(self, index, engine, slot_bytes, prev, next_, next_inbox, inbox, token: str) -> None:
         self.index, self.engine, self.slot_bytes = index, engine, slot_bytes
         self.prev, self.next, self.next_inbox, self.inbox = prev, next_, next_inbox, inbox
+        self.token = token  # the group's: the next stage's transfer server takes inbox writes only with it
         self.free: list[int] = []
 
     def start(self) -> None:
@@ -414,7 +431,7 @@ class _Link:
         slot = self.free.pop(0)
         data = hidden.contiguous().cpu()
         size = data.numel() * data.element_size()
-        self.engine.write(tensor_bytes(data), [Slice(0, self.next_inbox.name, slot * self.slot_bytes, size)]).wait(timeout=60)
+        self.engine.write(tensor_bytes(data), [Slice(0, self.next_inbox.name, slot * self.slot_bytes, size, self.token)]).wait(timeout=60)
         self.next.send(("chunk", k, slot))
 
     def drain(self) -> None:

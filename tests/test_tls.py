@@ -292,3 +292,15 @@ def test_a_stage_inbox_takes_writes_only_with_its_groups_token():
     good = inbox_token(key)
     for token in ("", inbox_token(other), good[:-1] + ("1" if good[-1] == "0" else "0")):
         assert guard(token, True, 0, 4096) == "not a stage of this group"
+
+
+@needs_tls
+def test_refused_peers_are_logged_once_a_minute_not_once_a_connection(shm_dir):
+    n = start_node("kv-noisy", BLOCK, 4, shm_dir=shm_dir)
+    try:
+        for _ in range(5):  # a scanner knocking
+            _plain_exchange(_control_target(n), _stats_frame())
+    finally:
+        n.stop()
+    log = n.proc.stderr.read()
+    assert log.count("refused a connection") == 1, log

@@ -25,6 +25,7 @@ from mooncake import tls
 log = logging.getLogger(__name__)
 
 SPIN_S = 100e-6
+REFUSAL_LOG_S = 60.0
 
 
 def wait_ready(sock: socket.socket, event: int, deadline: float | None) -> None:
@@ -116,6 +117,7 @@ class ConnectionServer:
         self._handle = handle
         self._name = name
         self._conns: set[socket.socket] = set()
+        self._warned: dict[str, float] = {}  # peer address -> when a refusal of it was last logged as a warning
         self._lock = threading.Lock()
         self.closed = False
         for listener in listeners:
@@ -158,7 +160,7 @@ class ConnectionServer:
         except (ssl.SSLError, OSError) as e:
             conn.close()
             if not self.closed:
-                log.warning("%s refused a connection from %s: %s", self._name, addr or "a local socket", e)
+                self._refused(addr, e)
             return None
         plain.setblocking(False)
         with self._lock:
@@ -167,6 +169,16 @@ class ConnectionServer:
                 return None
             self._conns.add(plain)
         return plain
+
+    def _refused(self, addr, error: BaseException) -> None:
+        """Log a refused peer: a warning at most once a minute per address (a scanner must not flood the log)."""
+        who = addr[0] if isinstance(addr, tuple) and addr else "a local socket"
+        now = time.monotonic()
+        with self._lock:
+            quiet = now - self._warned.get(who, -REFUSAL_LOG_S) < REFUSAL_LOG_S
+            if not quiet:
+                self._warned[who] = now
+        (log.debug if quiet else log.warning)("%s refused a connection from %s: %s", self._name, addr or who, error)
 
     def close(self) -> None:
         self.closed = True

@@ -224,7 +224,6 @@ class ControlAddress:
         host, _, port = self.target.rpartition(":")
         sock = tls.create_connection((host.strip("[]"), int(port)), timeout)  # authenticated (mooncake.tls)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(timeout)
         return sock
 
 

@@ -64,17 +64,17 @@ def _tcp_target(node) -> tuple[str, int]:
 
 
 def _plain_exchange(address: tuple[str, int], payload: bytes) -> bytes:
-    """Send ``payload`` on a plain tcp connection and return whatever comes back before the peer closes."""
+    """Send ``payload`` on a plain tcp connection and return whatever comes back before the peer hangs up."""
+    chunks = []
     with socket.create_connection(address, timeout=5) as s:
         s.settimeout(10)
         try:
             s.sendall(payload)
-            chunks = []
             while chunk := s.recv(65536):
                 chunks.append(chunk)
         except (ConnectionResetError, BrokenPipeError):
-            return b"".join(chunks) if "chunks" in locals() else b""
-        return b"".join(chunks)
+            pass  # refused: the server closed on us
+    return b"".join(chunks)
 
 
 def _tls_exchange(address: tuple[str, int], payload: bytes, ctx: ssl.SSLContext) -> bytes:

@@ -434,15 +434,17 @@ class RdmaBackend(Backend):
             fail_jobs(jobs, err)
             return
         batch = jobs[0].batch
-        temp = self._local_region(jobs)
-        if temp is not None:
-            batch.on_settled(temp.close)  # deregistered once no request can touch the buffer
+        addrs = [buffer_address(job.local) for job in jobs]
+        lkeys = [self._lkey(a, job.length) for a, job in zip(addrs, jobs)]
+        if None in lkeys:  # outside every registered segment: a region for this batch, dropped once it settles
+            lo, hi = min(addrs), max(a + job.length for a, job in zip(addrs, jobs))
+            temp = self.v["mr"].MR(self.pd, hi - lo, self.access, address=lo)
+            batch.on_settled(temp.close)  # no request can touch the buffer any more
+            lkeys = [temp.lkey] * len(jobs)
         opcode = self.v["e"].IBV_WR_RDMA_READ if jobs[0].kind is OpKind.READ else self.v["e"].IBV_WR_RDMA_WRITE
         per_conn: list[list] = [[] for _ in link]
         start = next(self._rr)
-        for i, job in enumerate(jobs):
-            laddr = buffer_address(job.local)
-            lkey = self._lkey(laddr, job.length) if temp is None else temp.lkey
+        for i, (job, laddr, lkey) in enumerate(zip(jobs, addrs, lkeys)):
             reqs = work_requests([(laddr, segment.rdma_addr + job.remote_offset, job.length)], self.choice.max_msg)
             jid = next(self._jids)
             per_conn[(start + i) % len(link)].append(
@@ -451,15 +453,6 @@ class RdmaBackend(Backend):
             if items:
                 batch.on_cancel(conn.cancel)
                 conn.enqueue(items)
-
-    def _local_region(self, jobs: list[Job]):
-        """A memory region for the jobs' local bytes when a registered segment does not hold them all (else None)."""
-        spans = [(buffer_address(j.local), j.length) for j in jobs]
-        if all(self._lkey(a, n) is not None for a, n in spans):
-            return None
-        lo = min(a for a, _ in spans)
-        hi = max(a + n for a, n in spans)
-        return self.v["mr"].MR(self.pd, hi - lo, self.access, address=lo)
 
     def _poll_loop(self) -> None:
         while not self._closed:

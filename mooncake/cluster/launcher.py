@@ -136,7 +136,7 @@ class Component:
     info: dict = field(default_factory=dict)  # its READY line
     restarts: int = 0
     stopping: bool = False
-    env: dict[str, str | None] | None = None  # added to this process's environment (None: removed from it)
+    env: dict[str, str] | None = None  # added to this process's environment
     nice: int = 0  # CPU priority below the control plane's (os.nice), for it and every thread it starts
 
     @property
@@ -146,7 +146,7 @@ class Component:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
-        env = {k: v for k, v in {**os.environ, **(self.env or {})}.items() if v is not None}  # None: not inherited
+        env = {**os.environ, **self.env} if self.env else None
         # `nice` execs the command (the pid stays the component's); a preexec_fn would fork this threaded process instead
         argv = ["nice", "-n", str(self.nice), *self.argv] if self.nice and shutil.which("nice") else self.argv
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,

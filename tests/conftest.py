@@ -354,6 +354,43 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"no RDMA here: {reason}"))
 
 
+# -- the transfer and pool suites over each transport ------------------------------------
+
+FAKEVERBS_SITE = Path(__file__).parent / "fakeverbs_site"
+TRANSPORTS = ["auto", pytest.param("fake-rdma", marks=pytest.mark.fakerdma), pytest.param("rdma", marks=pytest.mark.rdma)]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request, monkeypatch):
+    """A test asking for it runs three ways, each set by ``$MOONCAKE_TRANSFER_BACKEND`` for the test process and every
+    process it starts: as configured (``auto``: shm on this host), over the rdma backend on tests/fakeverbs.py's
+    fabric between real processes (``fake-rdma``), and over a real RDMA port (``rdma``, skipped where none is
+    active). Engines and nodes a test makes without naming a backend use it."""
+    way = request.param
+    if way == "auto":
+        yield way
+        return
+    import tempfile
+
+    import transfer.engine
+
+    monkeypatch.setenv(transfer.engine.BACKEND_ENV, "rdma")
+    if way == "fake-rdma":
+        from fakeverbs import Fabric
+
+        shared = Path(tempfile.mkdtemp(prefix="fakeverbs-", dir="/dev/shm"))
+        monkeypatch.setenv("FAKEVERBS_DIR", str(shared))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAKEVERBS_SITE), os.environ.get("PYTHONPATH")])))
+        monkeypatch.setattr("transfer.rdma._pyverbs", Fabric(shared=shared).modules)
+    transfer.engine._probe.cache_clear()
+    yield way
+    transfer.engine._probe.cache_clear()
+    if way == "fake-rdma":
+        import shutil
+
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 def pytest_terminal_summary(terminalreporter):
     if NEAR_TIES:
         terminalreporter.section("greedy near-ties accepted")

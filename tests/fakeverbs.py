@@ -10,19 +10,32 @@ completion channel; and an injectable error: the next request fails with
 ``IBV_WC_RETRY_EXC_ERR``, the queue pair goes to the error state, and every later
 signalled request on it completes with ``IBV_WC_WR_FLUSH_ERR``.
 
-Both ends of a connection must live in this process (the fabric is a dict): the tests
-put two transfer engines, or a pool node and its client, in one process.
+In one process the fabric is a dict: two transfer engines, or a pool node and its
+client, share it.
 
     fabric = Fabric(max_msg=64 << 10)
     monkeypatch.setattr("transfer.rdma._pyverbs", fabric.modules)
+
+Across processes, every process's fabric shares a directory (``shared``): each memory
+region and queue pair is a file there naming its process, keys and queue-pair numbers
+are unique across them, and a request on another process's memory is carried out by
+``process_vm_readv``/``process_vm_writev`` (one-sided, as RDMA is: the owner runs
+nothing). A process imports it as ``pyverbs`` from tests/fakeverbs_site (PYTHONPATH,
+with ``FAKEVERBS_DIR``); the tests' ``fake-rdma`` group runs the transfer and pool suites
+that way (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
+import json
+import os
+import random
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 E = SimpleNamespace(
@@ -48,6 +61,7 @@ class _Region:
     lkey: int
     rkey: int
     closed: bool = False
+    pid: int = field(default_factory=os.getpid)
 
     def covers(self, addr: int, length: int) -> bool:
         return not self.closed and self.addr <= addr and addr + length <= self.addr + self.length
@@ -59,6 +73,7 @@ class Fabric:
 
     max_msg: int = 1 << 30
     max_qp_wr: int = 4096
+    shared: Path | None = None  # the directory every process's fabric shares (None: this process only)
     regions: dict[int, _Region] = field(default_factory=dict)  # rkey -> region
     qps: dict[int, "FakeQP"] = field(default_factory=dict)
     fail_next: bool = False  # the next request posted fails (and its queue pair with it)
@@ -71,6 +86,47 @@ class Fabric:
 
     def open_regions(self) -> int:
         return sum(not r.closed for r in self.regions.values())
+
+    def _unique(self, kind: str, counter: itertools.count, bits: int, record: dict) -> int:
+        """A new key or queue-pair number; across processes, one no other process holds (its file made exclusively)."""
+        if self.shared is None:
+            return next(counter)
+        while True:
+            value = random.randrange(1, 1 << bits)
+            try:
+                fd = os.open(self.shared / f"{kind}-{value:x}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            return value
+
+    def _forget(self, kind: str, value: int) -> None:
+        if self.shared is not None:
+            (self.shared / f"{kind}-{value:x}").unlink(missing_ok=True)
+
+    def remote_region(self, rkey: int) -> _Region | None:
+        """The region an rkey names: this process's, or (shared) another's, read from its file each time (a
+        deregistered region's file is gone, so its key stops working at once, as on a NIC)."""
+        region = self.regions.get(rkey)
+        if region is not None or self.shared is None:
+            return region
+        try:
+            r = json.loads((self.shared / f"mr-{rkey:x}").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return _Region(r["addr"], r["length"], r["access"], rkey, rkey, pid=r["pid"])
+
+    def qp_owner(self, num: int) -> int | None:
+        """The process holding queue pair ``num`` (None: there is none)."""
+        if num in self.qps:
+            return os.getpid()
+        if self.shared is None:
+            return None
+        try:
+            return json.loads((self.shared / f"qp-{num:x}").read_text())["pid"]
+        except (FileNotFoundError, ValueError):
+            return None
 
     def modules(self) -> dict:
         fabric = self
@@ -101,13 +157,15 @@ class Fabric:
 
         class MR:
             def __init__(self, pd, length: int, access: int, address: int) -> None:
-                key = next(fabric._keys)
+                record = dict(pid=os.getpid(), addr=address, length=length, access=access)
+                key = fabric._unique("mr", fabric._keys, 32, record)
                 self._region = _Region(address, length, access, key, key)
                 fabric.regions[key] = self._region
                 self.lkey = self.rkey = key
 
             def close(self) -> None:
                 self._region.closed = True
+                fabric._forget("mr", self.rkey)
 
         class CompChannel:
             def __init__(self, ctx) -> None:
@@ -173,7 +231,8 @@ class Fabric:
 
         class QP(FakeQP):
             def __init__(self, pd, init) -> None:
-                super().__init__(fabric, next(fabric._qpns), init.scq, init.cap.max_send_wr)
+                num = fabric._unique("qp", fabric._qpns, 24, dict(pid=os.getpid()))
+                super().__init__(fabric, num, init.scq, init.cap.max_send_wr)
 
         class SGE:
             def __init__(self, addr: int, length: int, lkey: int) -> None:
@@ -253,16 +312,46 @@ class FakeQP:
         if sge.length > self.fabric.max_msg:
             raise VerbsError(f"a {sge.length}-byte request past the port's {self.fabric.max_msg}-byte max message")
         local = self.fabric.regions.get(sge.lkey)
-        remote = self.fabric.regions.get(wr.rkey)
+        remote = self.fabric.remote_region(wr.rkey)
+        read = wr.opcode == E.IBV_WR_RDMA_READ
         if local is None or not local.covers(sge.addr, sge.length):
             raise VerbsError(f"lkey {sge.lkey} does not cover [{sge.addr:#x}, +{sge.length})")
         if remote is None or not remote.covers(wr.remote_addr, sge.length):
             raise VerbsError(f"rkey {wr.rkey} does not cover [{wr.remote_addr:#x}, +{sge.length})")
-        if wr.opcode == E.IBV_WR_RDMA_READ:
-            ctypes.memmove(sge.addr, wr.remote_addr, sge.length)
+        if not remote.access & (E.IBV_ACCESS_REMOTE_READ if read else E.IBV_ACCESS_REMOTE_WRITE):
+            raise VerbsError(f"rkey {wr.rkey} does not allow remote {'reads' if read else 'writes'}")
+        if self.fabric.qp_owner(self.dest) != remote.pid:  # an rkey works only on its own PD, through a QP to it
+            raise VerbsError(f"rkey {wr.rkey} belongs to pid {remote.pid}, not to the peer of QP {self.qp_num}")
+        if remote.pid == os.getpid():
+            ctypes.memmove(sge.addr, wr.remote_addr, sge.length) if read else ctypes.memmove(wr.remote_addr, sge.addr, sge.length)
         else:
-            ctypes.memmove(wr.remote_addr, sge.addr, sge.length)
+            _copy_between_processes(remote.pid, sge.addr, wr.remote_addr, sge.length, read)
         self.fabric.posted += 1
 
     def close(self) -> None:
         self.fabric.qps.pop(self.qp_num, None)
+        self.fabric._forget("qp", self.qp_num)
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+for _name in ("process_vm_readv", "process_vm_writev"):
+    getattr(_libc, _name).argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.POINTER(_IOVec),
+                                      ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
+    getattr(_libc, _name).restype = ctypes.c_ssize_t
+
+
+def _copy_between_processes(pid: int, local: int, remote: int, length: int, read: bool) -> None:
+    """Move ``length`` bytes between our ``local`` address and ``remote`` in process ``pid`` (the owner runs nothing)."""
+    done = 0
+    while done < length:
+        here, there = _IOVec(local + done, length - done), _IOVec(remote + done, length - done)
+        call = _libc.process_vm_readv if read else _libc.process_vm_writev
+        n = call(pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0)
+        if n <= 0:
+            err = ctypes.get_errno()
+            raise VerbsError(f"pid {pid} {'gone' if err == errno.ESRCH else 'refused'}: {os.strerror(err)}")
+        done += n

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import threading
+import urllib.request
 import uuid
 
 import pytest
@@ -33,7 +34,8 @@ def chain(n: int, seed: int) -> list[bytes]:
 
 
 @pytest.fixture
-def nodes(shm_dir):
+def nodes(shm_dir, transport):
+    """Start pool nodes; every test using them runs over each transport (tests/conftest.py ``transport``)."""
     started = []
 
     def start(name, *extra, dram_blocks=32):
@@ -47,7 +49,8 @@ def nodes(shm_dir):
 
 
 def client_over(backend: str):
-    """A function making clients whose engine is forced to ``backend`` (tcp or rdma: what a client on another host uses)."""
+    """A function making clients whose engine is forced to ``backend`` (tcp or rdma: what a client on another host
+    uses; shm: one on this host)."""
 
     def connect(address: str) -> KVStoreClient:
         engine = TransferEngine(TransferConfig(node=f"client-{uuid.uuid4().hex[:6]}", backend=backend, serve=False))
@@ -61,12 +64,14 @@ def client_over(backend: str):
 tcp_client = client_over("tcp")
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", pytest.param("rdma", marks=pytest.mark.rdma)])
-def test_put_on_one_node_read_on_the_other(nodes, backend):
+@pytest.mark.parametrize("backend", ["tcp", "shm", None], ids=["tcp", "shm", "as-configured"])
+def test_put_on_one_node_read_on_the_other(nodes, backend, transport):
+    """b pulls a's blocks over ``backend`` (as configured: shm here, rdma in the transport's rdma ways)."""
     a = nodes("a")
-    b = nodes("b", "--backend", backend)  # how b reaches a when it pulls
+    b = nodes("b", "--metrics-port", "0", *(["--backend", backend] if backend else []))  # how b reaches a when it pulls
+    carrier = backend or ("shm" if transport == "auto" else "rdma")
     keys, data = chain(6, seed=1), os.urandom(6 * BB)
-    connect = KVStoreClient if backend == "shm" else client_over(backend)
+    connect = client_over(backend) if backend else KVStoreClient
     with connect(a.grpc) as ca, connect(b.grpc) as cb:
         assert ca.put(keys, data).stored == 6
         assert cb.lookup(keys).prefix_blocks == 0
@@ -77,6 +82,13 @@ def test_put_on_one_node_read_on_the_other(nodes, backend):
         assert cb.stats().dram.used_blocks == 4
         assert cb.pull(a.grpc, keys).pulled == 2  # only what b lacks moves
         assert bytes(cb.get(keys).data) == data
+        assert ca.engine.moved()[(carrier, "write")] == (1, 6 * BB) and cb.engine.moved()[(carrier, "read")][1] == 10 * BB
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{b.info['metrics']}/metrics", timeout=10).read().decode()
+    pulled_bytes = {tuple(s.labels.values()): s.value for f in text_string_to_metric_families(text)
+                    for s in f.samples if s.name == "mooncake_transfer_bytes_total"}  # fmt: skip
+    assert pulled_bytes == {(carrier, "read"): 6 * BB}  # b's pulls, all over the carrier
 
 
 def test_client_errors_are_clear(nodes):
@@ -239,7 +251,7 @@ def test_nodes_publish_segments_in_redis(nodes, redis_url):
     assert {s.name for s in registry.list()} == {"a/dram", "b/dram"}
     assert registry.get("a/dram").tcp_addr == a.info["tcp"]
     keys, data = chain(2, seed=7), os.urandom(2 * BB)
-    with KVStoreClient(a.grpc) as ca, KVStoreClient(b.grpc) as cb:
+    with KVStoreClient(a.grpc) as ca, tcp_client(b.grpc) as cb:
         ca.put(keys, data)
         assert cb.pull(a.grpc, keys).pulled == 2
         assert bytes(cb.get(keys).data) == data

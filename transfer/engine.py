@@ -41,13 +41,25 @@ from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, h
 
 log = logging.getLogger(__name__)
 
+BACKEND_ENV = "MOONCAKE_TRANSFER_BACKEND"  # the default backend where a config or flag names none (auto unset)
+
+
+def default_backend() -> BackendKind:
+    """``$MOONCAKE_TRANSFER_BACKEND`` (auto when unset): one switch for every engine of a process and its children."""
+    value = os.environ.get(BACKEND_ENV, "auto")
+    try:
+        return BackendKind(value)
+    except ValueError:
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {', '.join(k.value for k in BackendKind)}") from None
+
 
 class TransferConfig(BaseModel):
     """Configuration of one node's transfer engine."""
 
     node: str = Field(min_length=1, description="this node's name; segment names are '<node>/<label>'")
-    backend: BackendKind = Field(BackendKind.AUTO, description="auto: shm on the same host, then rdma where both ends "
-                                 "have an RDMA port, else tcp; rdma: refuse to start without one")
+    backend: BackendKind = Field(default_factory=default_backend, description="auto: shm on the same host, then rdma "
+                                 "where both ends have an RDMA port, else tcp; rdma: refuse to start without one "
+                                 f"(default: ${BACKEND_ENV}, else auto)")
     rdma_device: str | None = Field(None, description="RDMA device (default: the first with an active port)")
     rdma_port: int | None = Field(None, ge=1, description="its port (default: its first active one)")
     rdma_gid_index: int = Field(0, ge=0, description="GID table index (RoCE v2: the entry carrying the IP; see show_gids)")
@@ -71,7 +83,7 @@ class TransferConfig(BaseModel):
 class TransportChoice(BaseModel):
     """What a process's flags say about how it moves KV to other hosts (the rest of TransferConfig is its own)."""
 
-    backend: BackendKind = BackendKind.AUTO
+    backend: BackendKind = Field(default_factory=default_backend)
     rdma_device: str | None = None
     rdma_port: int | None = Field(None, ge=1)
     rdma_gid_index: int = Field(0, ge=0)
@@ -84,9 +96,10 @@ class TransportChoice(BaseModel):
 
 def add_transport_args(parser, backend_flag: str = "--transfer-backend") -> None:
     """The flags of :class:`TransportChoice` (a pool node keeps its older ``--backend`` name for the first)."""
-    parser.add_argument(backend_flag, dest="transfer_backend", choices=[k.value for k in BackendKind], default="auto",
-                        help="how KV moves to other processes: auto (shm on this host, then rdma where both ends have an "
-                        "RDMA port, else tcp), or forced: shm, tcp, rdma (refuses to start without an active RDMA port)")  # fmt: skip
+    parser.add_argument(backend_flag, dest="transfer_backend", choices=[k.value for k in BackendKind],
+                        default=default_backend().value, help="how KV moves to other processes: auto (shm on this host, "
+                        "then rdma where both ends have an RDMA port, else tcp), or forced: shm, tcp, rdma (refuses to "
+                        f"start without an active RDMA port); default ${BACKEND_ENV}, else auto")  # fmt: skip
     parser.add_argument("--rdma-device", help="RDMA device, e.g. mlx5_0 (default: the first with an active port)")
     parser.add_argument("--rdma-port", type=int, help="its port number (default: its first active port)")
     parser.add_argument("--rdma-gid-index", type=int, default=0, help="GID index (RoCE v2: the entry with the IP; "

@@ -1,0 +1,5 @@
+"""pyverbs.cq of the fake fabric (see __init__)."""
+
+from pyverbs import MODULES
+
+globals().update(vars(MODULES["cq"]))

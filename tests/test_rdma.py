@@ -269,3 +269,50 @@ def test_a_pool_node_serves_puts_and_gets_over_rdma_in_process(fabric, shm_dir):
         engine.close()
         service.stop()
         node.close()
+
+
+# -- a serving cluster whose KV moves over rdma ------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["fake-rdma", pytest.param("rdma", marks=pytest.mark.rdma)], indirect=True)
+def test_a_cluster_whose_kv_moves_over_rdma_serves_one_engines_tokens(transport, tiny_dir, tmp_path):
+    """Every component forced to rdma ($MOONCAKE_TRANSFER_BACKEND): a prefill worker writes each request's KV into the
+    decode worker's landing slots and into its pool node over queue pairs; the other prefill worker reads that
+    prefix from the first one's pool node over them; every answer is one engine's tokens."""
+    import random
+
+    import httpx
+    from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from protos import conductor_pb2 as cpb
+
+    cluster = start_cluster(tiny_dir, tmp_path / "run", prefill=2, decode=1)
+    try:
+        for name in ("prefill-0", "prefill-1", "decode-0", "kv0", "kv1"):
+            assert cluster.components[name].info["transport"].startswith("rdma: "), name  # what each READY line says
+        rng = random.Random(22)
+        shared = [rng.randrange(10, 290) for _ in range(160)]  # 10 blocks of 16
+        stub, listed, be = conductor(cluster), instances(cluster), backend(cluster)
+        got = {}
+        for i, (draining, tail) in enumerate((("prefill-1", [5, 6, 7]), ("prefill-0", [8, 9, 10, 11]))):
+            stub.Drain(cpb.DrainRequest(id=draining), timeout=5)  # the request goes to the other prefill worker
+            got[i] = generate(be, f"rdma-{i}", shared + tail, 12, temperature=0.0, ignore_eos=True)
+            assert tokens(got[i]) == reference_tokens(tiny_dir, shared + tail, 12)
+            w = listed[draining]  # a drained worker comes back by registering again
+            stub.Register(cpb.RegisterRequest(id=w.id, role=w.role, address=w.address, node=w.node, model=w.model,
+                                              capacity=w.capacity), timeout=5)  # fmt: skip
+        assert got[1][-1].cached_tokens_by_tier == {"remote": 160}  # prefill-1 read prefill-0's blocks from kv0
+
+        def moved(component: str) -> dict:
+            text = httpx.get(f"http://{cluster.components[component].info['metrics']}/metrics", timeout=5).text
+            return {tuple(s.labels.values()): s.value for f in text_string_to_metric_families(text)
+                    for s in f.samples if s.name == "mooncake_transfer_bytes_total"}  # fmt: skip
+
+        first, second = moved("prefill-0"), moved("prefill-1")
+        assert {b for b, _ in first} | {b for b, _ in second} == {"rdma"}  # nothing went over tcp or shm
+        block = cluster.components["prefill-0"].info["block_bytes"]
+        assert second[("rdma", "read")] == 10 * block  # the prefix, over queue pairs
+        assert first[("rdma", "write")] > 0 and second[("rdma", "write")] > 0  # each request's KV to the decode worker
+    finally:
+        cluster.stop()

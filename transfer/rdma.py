@@ -15,7 +15,10 @@ moving the bytes: no copy and no thread on the segment owner's side.
 3. **Connections.** The first batch to a peer creates ``queue_pairs`` RC queue pairs and
    brings each up INIT -> RTR -> RTS (transfer/verbs.py) with the peer's QP number, PSN,
    LID/GID and MTU, exchanged over the peer's tcp transfer port (op CONNECT, mutual TLS
-   like every tcp request): the peer creates its half and answers with it.
+   like every tcp request): the peer creates its half and answers with it. That tcp
+   connection stays open (with keepalive) while the pair is used: when it ends (the pair
+   replaced or closed, the process dead, its host silent for about a minute) the peer
+   frees its half, so a long-lived pool node holds queue pairs only for live peers.
 4. **Work.** A job's span is cut to the port's largest message; requests are posted as
    linked lists that fit the free send queue, one signalled completion per
    ``signal_every`` requests; the rest waits for completions to free slots.
@@ -232,6 +235,7 @@ class _QueuePair:
 
     def __init__(self, backend: "RdmaBackend", peer: str, node: str) -> None:
         self.backend, self.peer, self.node = backend, peer, node
+        self.session = None  # the handshake's tcp connection, open while the pair is in use (closing it frees the peer's)
         self.qp = backend._create_qp()
         self.num = self.qp.qp_num
         self.ledger = CompletionLedger()
@@ -301,14 +305,21 @@ class _QueuePair:
 
     def close(self) -> None:
         self.fail(TransferError(f"peer {self.node!r} at {self.peer}: transfer engine closed"))
+        self.release()
+
+    def release(self) -> None:
+        """Free the queue pair, and the peer's half with it (its end of the session closes)."""
         self.qp.close()
+        if self.session is not None:
+            self.session.close()
 
 
 class RdmaBackend(Backend):
     """Client and server side of RDMA for one transfer engine: its memory regions, queue pairs and completion thread.
 
-    ``handshake(tcp_addr, request) -> answer`` carries a CONNECT to a peer's transfer port
-    (the engine's tcp backend does it).
+    ``handshake(tcp_addr, request) -> (answer, session)`` carries a CONNECT to a peer's
+    transfer port (the engine's tcp backend does it); the session is a connection kept open
+    while the queue pair is used, whose end frees the peer's half (:meth:`accept`).
     """
 
     kind = BackendKind.RDMA
@@ -329,7 +340,7 @@ class RdmaBackend(Backend):
         self._mrs: dict[str, tuple[int, int, object]] = {}  # segment -> (address, length, MR)
         self._links: dict[str, list[_QueuePair]] = {}
         self._by_num: dict[int, _QueuePair] = {}
-        self._accepted: list = []  # the queue pairs peers connected to (passive; kept alive)
+        self._accepted: dict[int, object] = {}  # qp number -> a queue pair a peer connected to, while its session lasts
         self._jids = itertools.count(1)
         self._rr = itertools.count()
         self._lock = threading.Lock()
@@ -376,8 +387,9 @@ class RdmaBackend(Backend):
         for t in rc_transitions(local, remote, self.settings, self.choice.max_rd_atomic):
             qp.modify(*qp_attr(self.v, t))
 
-    def accept(self, request: bytes) -> bytes:
-        """The server side of CONNECT: a queue pair for the peer that sent its half; answer with ours."""
+    def accept(self, request: bytes) -> tuple[bytes, object]:
+        """The server side of CONNECT: a queue pair for the peer that sent its half. Returns our half for the answer
+        and a callable that frees the pair (the tcp server calls it when the peer's session ends)."""
         remote = PortInfo.from_dict(json.loads(request))
         qp = self._create_qp()
         local = self._port_info(qp)
@@ -387,17 +399,24 @@ class RdmaBackend(Backend):
             qp.close()
             raise
         with self._lock:
-            self._accepted.append(qp)
-        return json.dumps(local.to_dict()).encode()
+            self._accepted[qp.qp_num] = qp
+
+        def release() -> None:
+            with self._lock:  # not while close() frees everything (it sets _closed first)
+                mine = None if self._closed else self._accepted.pop(qp.qp_num, None)
+                if mine is not None:
+                    mine.close()
+
+        return json.dumps(local.to_dict()).encode(), release
 
     def _connect(self, segment: Segment) -> _QueuePair:
         conn = _QueuePair(self, segment.tcp_addr, segment.node)
         try:
             local = self._port_info(conn.qp)
-            answer = self._handshake(segment.tcp_addr, json.dumps(local.to_dict()).encode())
+            answer, conn.session = self._handshake(segment.tcp_addr, json.dumps(local.to_dict()).encode())
             self._bring_up(conn.qp, local, PortInfo.from_dict(json.loads(answer)))
         except Exception as err:
-            conn.qp.close()
+            conn.release()
             raise TransferError(f"peer {segment.node!r} at {segment.tcp_addr}: RDMA connection failed: {err}") from err
         return conn
 
@@ -410,7 +429,7 @@ class RdmaBackend(Backend):
             for conn in dead:  # replaced below; its late (flush) completions find no queue pair and are dropped
                 self._by_num.pop(conn.num, None)
         for conn in dead:
-            conn.qp.close()
+            conn.release()
         while len(link) < self.queue_pairs:
             conn = self._connect(segment)
             with self._lock:
@@ -489,7 +508,7 @@ class RdmaBackend(Backend):
             self._closed = True
             conns = [c for link in self._links.values() for c in link]
             self._links.clear()
-            accepted, self._accepted = self._accepted, []
+            accepted, self._accepted = list(self._accepted.values()), {}
             mrs = [mr for _, _, mr in self._mrs.values()]
             self._mrs.clear()
         for conn in conns:

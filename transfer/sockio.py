@@ -103,6 +103,21 @@ def deadline_after(seconds: float | None) -> float | None:
     return None if seconds is None else time.monotonic() + seconds
 
 
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
+
+
+def keepalive(sock: socket.socket) -> None:
+    """Probe an idle tcp connection so a peer that vanished (host down, cable out) ends it in about a minute, not the
+    kernel's default two hours: what holds an RDMA queue pair open (transfer/tcp.py, CONNECT)."""
+    if sock.family == socket.AF_UNIX:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):  # fmt: skip
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class ConnectionServer:
     """Accepts on ``listeners``; each connection gets a daemon thread running ``handle(conn)``.
 

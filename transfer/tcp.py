@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from mooncake import tls
 from transfer.backend import Backend, Job, fail_jobs
-from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, recv_exact, recv_some, send_all
+from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, keepalive, recv_exact, recv_some, send_all
 from transfer.types import BackendKind, OpKind, Segment, TransferError
 
 log = logging.getLogger(__name__)
@@ -77,12 +77,21 @@ class TcpServer:
                  guard: Callable[[str], Guard | None] = lambda name: None) -> None:  # fmt: skip
         self._lookup = lookup
         self._guard = guard
-        self.rdma_accept: Callable[[bytes], bytes] | None = None  # set by an engine with an RDMA port
+        # set by an engine with an RDMA port: the caller's half of a queue pair -> (our half, a callable freeing ours)
+        self.rdma_accept: Callable[[bytes], tuple[bytes, Callable[[], None]]] | None = None
         listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.port = listener.getsockname()[1]
         self._server = ConnectionServer([listener], self._serve, "tcp-serve")
 
     def _serve(self, conn: socket.socket) -> None:
+        releases: list[Callable[[], None]] = []  # the queue pairs accepted on this connection: they live as long as it
+        try:
+            self._serve_requests(conn, releases)
+        finally:
+            for release in releases:
+                release()
+
+    def _serve_requests(self, conn: socket.socket, releases: list[Callable[[], None]]) -> None:
         header = bytearray(REQUEST.size)
         hview = memoryview(header)
         name_buf = bytearray((1 << 16) + 256)
@@ -96,7 +105,7 @@ class TcpServer:
             name = name_buf[:name_len].decode("utf-8", "replace")
             token = name_buf[name_len : name_len + token_len].decode("ascii", "replace")
             if op == OP_RDMA_CONNECT:
-                self._connect(conn, req_id, length)
+                self._connect(conn, req_id, length, releases)
                 continue
             error = self._check(op, name, offset, length, token)
             if op == OP_CODES[OpKind.WRITE]:
@@ -127,8 +136,10 @@ class TcpServer:
                 return f"segment {name!r}: [{offset}, {offset + length}) refused: {refused}"
         return None
 
-    def _connect(self, conn: socket.socket, req_id: int, length: int) -> None:
-        """Answer an RDMA handshake: our queue pair for the caller's (or why not)."""
+    def _connect(self, conn: socket.socket, req_id: int, length: int, releases: list[Callable[[], None]]) -> None:
+        """Answer an RDMA handshake: our queue pair for the caller's (or why not). Ours lives until this connection
+        ends: the caller holds it open while it uses the pair, and a caller that dies or goes silent (keepalive)
+        takes it down with it."""
         if length > MAX_CONNECT_BYTES:
             raise ConnectionError(f"an RDMA handshake of {length} bytes")  # not a peer of ours: hang up
         request = bytearray(length)
@@ -136,7 +147,10 @@ class TcpServer:
         try:
             if self.rdma_accept is None:
                 raise RuntimeError("this node has no RDMA port")
-            answer, status = self.rdma_accept(bytes(request)), STATUS_OK
+            answer, release = self.rdma_accept(bytes(request))
+            releases.append(release)
+            status = STATUS_OK
+            keepalive(conn)
         except Exception as e:  # the caller falls back to reporting it; this connection carries on
             answer, status = f"RDMA handshake refused: {e}".encode("utf-8")[:MAX_ERROR_BYTES], STATUS_ERROR
         send_all(conn, [RESPONSE.pack(req_id, status, len(answer)), answer], None)
@@ -355,9 +369,12 @@ class TcpBackend(Backend):
         self._lock = threading.Lock()
         self._closed = False
 
-    def rdma_handshake(self, addr: str, request: bytes) -> bytes:
-        """Send an RDMA CONNECT to the transfer server at ``addr`` on a connection of its own; return its answer."""
-        with tls.create_connection(parse_addr(addr), self._connect_timeout) as sock:
+    def rdma_handshake(self, addr: str, request: bytes) -> tuple[bytes, socket.socket]:
+        """Send an RDMA CONNECT to the transfer server at ``addr`` on a connection of its own; return its answer and
+        the connection, which the caller keeps open exactly as long as it uses the queue pair (closing it frees the
+        server's half)."""
+        sock = tls.create_connection(parse_addr(addr), self._connect_timeout)
+        try:
             sock.settimeout(self._io_timeout)
             sock.sendall(REQUEST.pack(OP_RDMA_CONNECT, 0, 0, 0, 0, len(request)) + request)
             header = bytearray(RESPONSE.size)
@@ -367,9 +384,13 @@ class TcpBackend(Backend):
                 raise TransferError(f"{addr}: an RDMA handshake answer of {length} bytes")
             body = bytearray(length)
             recv_exact(sock, memoryview(body), deadline_after(self._io_timeout))
-        if status != STATUS_OK:
-            raise TransferError(f"{addr}: {body.decode('utf-8', 'replace')}")
-        return bytes(body)
+            if status != STATUS_OK:
+                raise TransferError(f"{addr}: {body.decode('utf-8', 'replace')}")
+        except BaseException:
+            sock.close()
+            raise
+        keepalive(sock)
+        return bytes(body), sock
 
     def _link(self, segment: Segment) -> list[_Connection]:
         if segment.tcp_addr is None:

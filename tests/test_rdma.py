@@ -4,12 +4,16 @@ Here (no device, pyverbs installed by `make rdma`): it reports the missing devic
 rdma engine refuses to start and starts nothing, auto falls back to tcp and says so in the
 READY line, segments carry their RDMA registration through Redis and protobuf, and the
 structs it hands to libibverbs (QP attributes, work-request chains) hold exactly what
-transfer/verbs.py decided. Then the whole backend (queue pairs brought up over the real tcp
-handshake, posting under the queue depth, the completion thread, an error and the
-reconnect, a pool node's puts and gets) runs on an in-process fabric with pyverbs'
-interface (tests/fakeverbs.py), which moves the bytes with memmove where a NIC would
-DMA them. The tests marked ``rdma`` run the bytes over a real port and are skipped, with
-the reason, wherever none is active.
+transfer/verbs.py decided.
+
+Then the whole backend runs on tests/fakeverbs.py's fabric, which has pyverbs' interface
+and moves the bytes where a NIC would DMA them: in one process (queue pairs brought up
+over the real tcp handshake, posting under the queue depth, the completion thread, an
+error and the reconnect, the peer's half freed), and across real processes
+(``fake-rdma``: a pool node that serves while stopped and fails by name once killed, the
+transfer benchmark, and a serving cluster whose KV moves only over rdma with one engine's
+tokens). The ``rdma`` variants run the same over a real port and are skipped, with the
+reason, wherever none is active.
 """
 
 from __future__ import annotations
@@ -284,6 +288,60 @@ def test_a_pool_node_serves_puts_and_gets_over_rdma_in_process(fabric, shm_dir):
         engine.close()
         service.stop()
         node.close()
+
+
+# -- a pool node in its own process, over rdma ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["fake-rdma", pytest.param("rdma", marks=pytest.mark.rdma)], indirect=True)
+def test_a_stopped_pool_node_still_serves_over_rdma_and_a_killed_one_fails_naming_it(transport, shm_dir):
+    """One-sided: the owner's CPU takes no part, so a node stopped with SIGSTOP still serves a read (over tcp the
+    same read stalls: test_transfer.py). Killed, its queue pair fails the batch with its name, and so does the
+    next batch's reconnect."""
+    import signal
+
+    from transfer import Slice, TransferError
+
+    mib = 1 << 20
+    node = start_node("victim", mib, 16, shm_dir=shm_dir)
+    reader = TransferEngine(TransferConfig(node="reader", serve=False), MemoryRegistry())
+    try:
+        with KVStoreClient(node.grpc) as kv:
+            keys = [i.to_bytes(16, "little") for i in range(1, 9)]
+            kv.put(keys, bytes(range(256)) * (8 * mib // 256))
+            got = kv.get_locations(keys)
+        reader.add_segment(segment_from_pb(got.segment))
+        slices = [Slice(i * mib, got.segment.name, s.offset, mib, got.lease_id) for i, s in enumerate(got.slots)]
+        out = bytearray(8 * mib)
+        reader.read(out, slices[:1]).wait(30)  # connected first (the handshake needs the node's CPU)
+        node.kill(signal.SIGSTOP)
+        reader.read(out, slices).wait(30)
+        assert out == bytes(range(256)) * (8 * mib // 256) and reader.moved()[("rdma", "read")] == (2, 9 * mib)
+        node.kill(signal.SIGKILL)
+        with pytest.raises(TransferError, match="peer 'victim' at .*RDMA work failed"):
+            reader.read(out, slices[:1]).wait(30)
+        with pytest.raises(TransferError, match="peer 'victim' at .*RDMA connection failed"):
+            reader.read(out, slices[:1]).wait(30)
+    finally:
+        node.stop()
+        reader.close()
+
+
+@pytest.mark.parametrize("transport", ["fake-rdma", pytest.param("rdma", marks=pytest.mark.rdma)], indirect=True)
+def test_the_transfer_benchmark_measures_rdma(transport, tmp_path):
+    """``benchmarks/transfer_bench.py --backend rdma`` end to end, briefly: its owner process registers the segment,
+    and rdma reads and writes are measured without error (on the fake fabric, the figures are process_vm_readv's,
+    not a NIC's)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "benchmarks/transfer_bench.py", "--backend", "rdma", "--no-tune", "--seconds",
+                          "0.1", "--rounds", "1", "--sizes", "64KiB", "--batch-slices", "0", "--no-progress", "--json",
+                          str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cells = [c for c in json.loads(out.read_text())["cells"] if c["system"] == "rdma"]
+    assert {c["op"] for c in cells} == {"read", "write"}
+    assert all(c["error"] is None and c["ops"] > 0 for c in cells), cells
 
 
 # -- a serving cluster whose KV moves over rdma ------------------------------------------------------

@@ -8,7 +8,8 @@ in posting order (a real memmove between the registered addresses); a send queue
 (posting past it fails, as ibv_post_send does); completions on a CQ, announced on its
 completion channel; and an injectable error: the next request fails with
 ``IBV_WC_RETRY_EXC_ERR``, the queue pair goes to the error state, and every later
-signalled request on it completes with ``IBV_WC_WR_FLUSH_ERR``.
+request on it, signalled or not, completes with ``IBV_WC_WR_FLUSH_ERR``. A CQ holds as many
+completions as it was created for; one more is an overflow (``errors``).
 
 In one process the fabric is a dict: two transfer engines, or a pool node and its
 client, share it.
@@ -34,6 +35,8 @@ import json
 import os
 import random
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,6 +80,7 @@ class Fabric:
     regions: dict[int, _Region] = field(default_factory=dict)  # rkey -> region
     qps: dict[int, "FakeQP"] = field(default_factory=dict)
     fail_next: bool = False  # the next request posted fails (and its queue pair with it)
+    completion_delay_s: float = 0.0  # completions reach the CQ this long after the post, in order (a NIC's latency)
     posted: int = 0  # requests executed
     most_outstanding: int = 0  # the deepest any send queue got
     errors: list[str] = field(default_factory=list)  # requests the fabric refused (bad key, too long), and why
@@ -183,7 +187,7 @@ class Fabric:
 
         class CQ:
             def __init__(self, ctx, cqe, cq_context, channel, vector) -> None:
-                self.channel = channel
+                self.channel, self.capacity = channel, cqe
                 self.entries: list = []
                 self.armed = False
                 self.lock = threading.Lock()
@@ -197,6 +201,9 @@ class Fabric:
 
             def push(self, wc) -> None:
                 with self.lock:
+                    if len(self.entries) >= self.capacity:  # a NIC raises an async CQ error: every QP on it is lost
+                        fabric.errors.append(f"CQ overflow: {self.capacity} entries")
+                        return
                     self.entries.append(wc)
                     if self.armed:
                         self.armed = False
@@ -260,6 +267,8 @@ class FakeQP:
         self.dest: int | None = None
         self.outstanding = 0
         self.unsignalled = 0  # requests since the last signalled one (covered by the next)
+        self._due: deque = deque()  # (time due, completion), in posting order (completion_delay_s)
+        self._delivering = False
         fabric.qps[num] = self
 
     def modify(self, attr, mask: int) -> None:
@@ -303,9 +312,30 @@ class FakeQP:
                     status = E.IBV_WC_REM_ACCESS_ERR
             self.unsignalled += 1
             if wr.send_flags & E.IBV_SEND_SIGNALED or status != E.IBV_WC_SUCCESS:
-                self.cq.push(SimpleNamespace(wr_id=wr.wr_id, status=status, qp_num=self.qp_num, vendor_err=0,
+                self._complete(SimpleNamespace(wr_id=wr.wr_id, status=status, qp_num=self.qp_num, vendor_err=0,
                                              covers=self.unsignalled))  # fmt: skip
                 self.unsignalled = 0
+
+    def _complete(self, wc) -> None:
+        if not self.fabric.completion_delay_s:
+            self.cq.push(wc)
+            return
+        with self.fabric.lock:
+            self._due.append((time.monotonic() + self.fabric.completion_delay_s, wc))
+            start, self._delivering = not self._delivering, True
+        if start:
+            threading.Thread(target=self._deliver, daemon=True).start()
+
+    def _deliver(self) -> None:
+        """Push each due completion in posting order (one deliverer per queue pair at a time)."""
+        while True:
+            with self.fabric.lock:
+                if not self._due:
+                    self._delivering = False
+                    return
+                due, wc = self._due.popleft()
+            time.sleep(max(0.0, due - time.monotonic()))
+            self.cq.push(wc)
 
     def _execute(self, wr) -> None:
         (sge,) = wr.sg

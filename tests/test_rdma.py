@@ -252,6 +252,30 @@ def test_an_error_fails_exactly_the_batch_on_that_queue_pair_names_the_peer_and_
     assert wait_for(lambda: len(owner._rdma._accepted) == 1) and len(fabric.qps) == 2
     peer.close()
     assert wait_for(lambda: not owner._rdma._accepted) and not fabric.qps
+    assert not peer._rdma._poller.is_alive()  # its completion thread ended with it
+
+
+def test_a_timed_out_batch_stops_its_queue_pair_and_the_next_batch_gets_a_new_one(rdma_pair, fabric):
+    """Completions 0.3 s late (a NIC's latency, much magnified): a batch waited on for 50 ms fails as timed out, its
+    queue pair goes to the error state (the NIC may no longer touch the buffer), the late completions change
+    nothing, and the next batch reads the right bytes over a new pair."""
+    import time
+
+    from transfer import Slice, TransferError, TransferState
+
+    owner, peer = rdma_pair
+    peer.read(bytearray(4096), [Slice(0, "owner/mem", 0, 4096)]).wait(10)  # connected
+    qps_before = set(fabric.qps)
+    fabric.completion_delay_s = 0.3
+    batch = peer.read(bytearray(1 << 20), [Slice(0, "owner/mem", 0, 1 << 20)])
+    with pytest.raises(TransferError, match="timed out"):
+        batch.wait(0.05)
+    assert batch.state is TransferState.FAILED
+    time.sleep(0.5)  # every late completion is in by now
+    fresh = bytearray(1 << 20)
+    peer.read(fresh, [Slice(0, "owner/mem", 4096, 1 << 20)]).wait(10)  # waits out the delay: the thread polls on
+    assert bytes(fresh) == bytes(owner.buffer("owner/mem")[4096 : 4096 + (1 << 20)])
+    assert set(fabric.qps) - qps_before and fabric.errors == []
 
 
 def wait_for(condition, timeout_s: float = 5.0) -> bool:

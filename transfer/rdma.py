@@ -22,11 +22,15 @@ moving the bytes: no copy and no thread on the segment owner's side.
 4. **Work.** A job's span is cut to the port's largest message; requests are posted as
    linked lists that fit the free send queue, one signalled completion per
    ``signal_every`` requests; the rest waits for completions to free slots.
-5. **Completions.** One thread sleeps on the completion channel and polls the CQ. A
-   signalled completion finishes every job whose requests it covers; an error completion
-   (or a cancelled batch, which moves the QP to the error state to stop the NIC touching
-   the buffer) fails exactly the jobs still open on that queue pair, naming the peer, and
-   the queue pair is replaced at the next batch.
+5. **Completions.** Each queue pair has a completion queue of its own, deep enough for
+   every request its send queue holds (a queue pair in error flushes each one, signalled
+   or not, so a shared CQ could overflow and break every pair on it). One thread polls the
+   CQs of the pairs with requests in flight, busy for ``SPIN_S`` after the last completion
+   and then napping up to ``NAP_S``, and sleeps on an event when none has any (a channel
+   wait could not be woken to close). A signalled completion finishes every job whose
+   requests it covers; an error completion (or a cancelled batch, which moves the QP to
+   the error state to stop the NIC touching the buffer) fails exactly the jobs still open
+   on that queue pair, naming the peer, and the queue pair is replaced at the next batch.
 
 This module has not run on an RDMA NIC: none of this project's machines has one (see
 README.md, RDMA). transfer/verbs.py holds every decision it makes, tested without one.
@@ -39,6 +43,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,6 +58,8 @@ from transfer.verbs import (
 log = logging.getLogger(__name__)
 
 PYVERBS_HINT = "pyverbs comes with rdma-core, not PyPI: see README.md, RDMA (`make rdma`)"
+SPIN_S = 200e-6  # the completion thread polls without pause this long after the last completion...
+NAP_S = 50e-6  # ...then sleeps this long between polls while requests are in flight
 
 
 class RdmaUnavailable(RuntimeError):
@@ -236,8 +243,10 @@ class _QueuePair:
     def __init__(self, backend: "RdmaBackend", peer: str, node: str) -> None:
         self.backend, self.peer, self.node = backend, peer, node
         self.session = None  # the handshake's tcp connection, open while the pair is in use (closing it frees the peer's)
-        self.qp = backend._create_qp()
+        self.cq = backend.v["cq"].CQ(backend.ctx, backend.qp_depth + 16, None, None, 0)  # every request, flushed
+        self.qp = backend._create_qp(self.cq)
         self.num = self.qp.qp_num
+        self.released = False
         self.ledger = CompletionLedger()
         self.waiting: deque = deque()  # (job id, opcode, local addr, lkey, remote addr, rkey, length)
         self.jobs: dict[int, Job] = {}
@@ -270,9 +279,22 @@ class _QueuePair:
             except Exception as err:
                 self._break_locked(TransferError(f"peer {self.node!r} at {self.peer}: posting RDMA work failed: {err}"))
                 return
+            self.backend.wake.set()  # the completion thread polls our CQ now
+
+    def poll(self) -> int:
+        """Take the completions waiting on this pair's CQ and act on them; return how many there were."""
+        with self.lock:  # not while release() destroys the CQ
+            if self.released:
+                return 0
+            n, wcs = self.cq.poll(32)
+        for wc in wcs:
+            self.backend._on_completion(self, wc)
+        return n
 
     def completed(self, wr_id: int) -> None:
         with self.lock:
+            if self.broken is not None:  # its jobs were failed already; a late success changes nothing
+                return
             done, _ = self.ledger.complete(wr_id)
             jobs = [self.jobs.pop(jid) for jid in done]
             self._pump_locked()
@@ -308,8 +330,12 @@ class _QueuePair:
         self.release()
 
     def release(self) -> None:
-        """Free the queue pair, and the peer's half with it (its end of the session closes)."""
-        self.qp.close()
+        """Free the queue pair and its CQ, and the peer's half with them (its end of the session closes)."""
+        with self.lock:
+            if not self.released:
+                self.released = True
+                self.qp.close()  # the queue pair before the CQ it completes on
+                self.cq.close()
         if self.session is not None:
             self.session.close()
 
@@ -334,12 +360,10 @@ class RdmaBackend(Backend):
         self.access = access_flags(v, settings.access)
         self.ctx = v["device"].Context(name=choice.device)
         self.pd = v["pd"].PD(self.ctx)
-        self.channel = v["cq"].CompChannel(self.ctx)
-        self.cq = v["cq"].CQ(self.ctx, 4 * self.qp_depth * max(1, queue_pairs) + 64, None, self.channel, 0)
-        self.cq.req_notify()
+        self._passive_cq = v["cq"].CQ(self.ctx, 16, None, None, 0)  # for the pairs peers connect to: they post nothing
+        self.wake = threading.Event()  # set when a pair posts, and to close
         self._mrs: dict[str, tuple[int, int, object]] = {}  # segment -> (address, length, MR)
         self._links: dict[str, list[_QueuePair]] = {}
-        self._by_num: dict[int, _QueuePair] = {}
         self._accepted: dict[int, object] = {}  # qp number -> a queue pair a peer connected to, while its session lasts
         self._jids = itertools.count(1)
         self._rr = itertools.count()
@@ -373,10 +397,10 @@ class RdmaBackend(Backend):
 
     # -- queue pairs ------------------------------------------------------------------------------
 
-    def _create_qp(self):
+    def _create_qp(self, cq):
         v = self.v
         cap = v["qp"].QPCap(max_send_wr=self.qp_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = v["qp"].QPInitAttr(qp_type=v["e"].IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
+        init = v["qp"].QPInitAttr(qp_type=v["e"].IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
         return v["qp"].QP(self.pd, init)
 
     def _port_info(self, qp) -> PortInfo:
@@ -391,7 +415,7 @@ class RdmaBackend(Backend):
         """The server side of CONNECT: a queue pair for the peer that sent its half. Returns our half for the answer
         and a callable that frees the pair (the tcp server calls it when the peer's session ends)."""
         remote = PortInfo.from_dict(json.loads(request))
-        qp = self._create_qp()
+        qp = self._create_qp(self._passive_cq)
         local = self._port_info(qp)
         try:
             self._bring_up(qp, local, remote)
@@ -426,15 +450,10 @@ class RdmaBackend(Backend):
                 raise TransferError("transfer engine is closed")
             link = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is None]
             dead = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is not None]
-            for conn in dead:  # replaced below; its late (flush) completions find no queue pair and are dropped
-                self._by_num.pop(conn.num, None)
-        for conn in dead:
+        for conn in dead:  # replaced below; its late (flush) completions go with its CQ
             conn.release()
         while len(link) < self.queue_pairs:
-            conn = self._connect(segment)
-            with self._lock:
-                self._by_num[conn.num] = conn
-            link.append(conn)
+            link.append(self._connect(segment))
         with self._lock:
             self._links[segment.tcp_addr] = link
         return link
@@ -474,27 +493,30 @@ class RdmaBackend(Backend):
                 conn.enqueue(items)
 
     def _poll_loop(self) -> None:
+        last = time.monotonic()
         while not self._closed:
+            self.wake.clear()  # before looking: a post after the look sets it again
+            with self._lock:
+                busy = [c for link in self._links.values() for c in link if c.ledger.in_flight]
+            if not busy:
+                self.wake.wait()
+                last = time.monotonic()
+                continue
             try:
-                self.channel.get_cq_event(self.cq)
-                self.cq.ack_events(1)
-                self.cq.req_notify()
-                while True:
-                    n, wcs = self.cq.poll(32)
-                    for wc in wcs:
-                        self._on_completion(wc)
-                    if n < 32:
-                        break
+                got = sum(conn.poll() for conn in busy)
             except Exception:
                 if not self._closed:
                     log.exception("the RDMA completion thread failed")
                 return
+            now = time.monotonic()
+            if got:
+                last = now
+            elif now - last > SPIN_S:
+                time.sleep(NAP_S)
 
-    def _on_completion(self, wc) -> None:
-        with self._lock:
-            conn = self._by_num.get(wc.qp_num)
-        if conn is None:
-            return  # a queue pair already closed
+    def _on_completion(self, conn: _QueuePair, wc) -> None:
+        if conn.broken is not None:
+            return  # its jobs were failed when it broke: flushed requests and late successes change nothing
         if wc.status == self.v["e"].IBV_WC_SUCCESS:
             conn.completed(wc.wr_id)
             return
@@ -511,13 +533,14 @@ class RdmaBackend(Backend):
             accepted, self._accepted = list(self._accepted.values()), {}
             mrs = [mr for _, _, mr in self._mrs.values()]
             self._mrs.clear()
+        self.wake.set()
+        self._poller.join(5)
         for conn in conns:
             conn.close()
         for qp in accepted:
             qp.close()
         for mr in mrs:
             mr.close()
-        self.cq.close()
-        self.channel.close()
+        self._passive_cq.close()
         self.pd.close()
         self.ctx.close()

@@ -110,6 +110,7 @@ class PoolConnector(KVConnector):
             raise ValueError("a cache on the GPU is pushed through host staging")
         else:
             self._bytes = tensor_bytes(kv_cache)
+            self.transfer.pin(self._bytes)  # every push reads it: registered with an RDMA device once, not per push
         layers, _, num_blocks = kv_cache.shape[:3]
         self._half = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # K (or V) of one block and layer
         self._num_blocks = num_blocks

@@ -165,6 +165,7 @@ class PrefillWorker:
         self.block_bytes = stats.block_bytes
         self.layer_bytes = self.block_bytes // self.block_shape[0]
         self._pool_bytes = memoryview(self._region.buffer).cast("B")
+        self.transfer.pin(self._pool_bytes)  # fetches land in it: registered with an RDMA device once, not per fetch
         if self.group is None:
             self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._remote: dict[str, KVStoreClient] = {}

@@ -234,6 +234,26 @@ def test_reads_and_writes_move_the_exact_bytes_over_queue_pairs(rdma_pair, fabri
     assert fabric.open_regions() == 1  # the caller's buffers were registered per batch, and deregistered after it
 
 
+def test_a_pinned_buffer_is_registered_once_for_every_batch(rdma_pair, fabric):
+    """A worker's KV cache or mapped pool segment: registered once, not per batch (pinning a large buffer each time
+    is slow on a NIC); an unpinned buffer is registered for its batch alone."""
+    from transfer import Slice
+
+    owner, peer = rdma_pair
+    cache = bytearray(8 << 20)
+    peer.pin(cache)
+    registered = len(fabric.regions)
+    for i in range(4):
+        peer.read(cache, [Slice(i << 20, "owner/mem", i * 4096, 1 << 20)]).wait(10)
+        peer.write(cache, [Slice(i << 20, "owner/mem", (2 << 20) + i * 8192, 4096)]).wait(10)
+    assert len(fabric.regions) == registered  # no region per batch
+    assert bytes(cache[3 << 20 : 4 << 20]) == bytes(owner.buffer("owner/mem")[3 * 4096 : 3 * 4096 + (1 << 20)])
+    peer.unpin(cache)
+    assert fabric.open_regions() == registered - 1
+    peer.read(cache, [Slice(0, "owner/mem", 0, 4096)]).wait(10)  # unpinned: a region for the batch, dropped after
+    assert len(fabric.regions) == registered + 1 and fabric.open_regions() == registered - 1
+
+
 def test_an_error_fails_exactly_the_batch_on_that_queue_pair_names_the_peer_and_the_next_batch_reconnects(rdma_pair, fabric):
     from transfer import Slice, TransferError
 

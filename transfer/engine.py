@@ -130,6 +130,12 @@ def _rdma_choice(config: TransferConfig) -> tuple[DeviceChoice | None, str]:
 _said: set[str] = set()
 
 
+def _pin_name(view: memoryview) -> str:
+    from transfer.rdma import buffer_address
+
+    return f"pinned@{buffer_address(view):x}+{len(view)}"  # no segment name has an '@'
+
+
 class TransferEngine:
     """One node's endpoint: owns its segments, its tcp server, and a backend per transport."""
 
@@ -192,6 +198,22 @@ class TransferEngine:
         if view.readonly:
             raise ValueError("a registered buffer must be writable")
         return self._publish(self._name(label), view, None)
+
+    def pin(self, buffer) -> None:
+        """Register a long-lived local buffer (a worker's KV cache, a mapped pool segment) with the RDMA device once.
+
+        Batches reading into it or writing from it then use that registration; any other
+        local buffer is registered for its batch alone, which pins its pages every time
+        (slow for a large buffer). It must stay allocated until :meth:`unpin` or
+        :meth:`close`. Without an RDMA port it does nothing.
+        """
+        if self._rdma is not None:
+            view = memoryview(buffer).cast("B")
+            self._rdma.register(_pin_name(view), view)
+
+    def unpin(self, buffer) -> None:
+        if self._rdma is not None:
+            self._rdma.unregister(_pin_name(memoryview(buffer).cast("B")))
 
     def _name(self, label: str) -> str:
         if not label or "/" in label:

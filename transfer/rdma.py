@@ -377,7 +377,12 @@ class RdmaBackend(Backend):
     def register(self, name: str, view: memoryview) -> tuple[int, int]:
         """Register a served segment as a memory region; return (rkey, address) for its Segment entry."""
         addr = buffer_address(view)
-        mr = self.v["mr"].MR(self.pd, len(view), self.access, address=addr)
+        try:
+            mr = self.v["mr"].MR(self.pd, len(view), self.access, address=addr)
+        except Exception as err:  # most often the memlock limit: registering pins the pages
+            raise RdmaUnavailable(f"registering {name} ({len(view)} bytes) with {self.choice.device} failed: {err}. "
+                                  "Registration pins memory: raise the memlock limit (`ulimit -l unlimited`; in a "
+                                  "container the IPC_LOCK capability, which the chart's rdma.enabled adds)") from None  # fmt: skip
         with self._lock:
             self._mrs[name] = (addr, len(view), mr)
         return mr.rkey, addr

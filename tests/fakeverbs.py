@@ -1,12 +1,12 @@
-"""An in-process RDMA fabric with pyverbs' interface, for running transfer/rdma.py where there is no NIC.
+"""An RDMA fabric with pyverbs' interface, for running transfer/rdma.py where there is no NIC.
 
 Not a model of a NIC's timing, only of the semantics the backend relies on:
 memory regions with lkeys and rkeys and access flags; RC queue pairs that must be
 brought to RTS before they post and that know their peer; RDMA READ/WRITE executed
 in posting order (a real memmove between the registered addresses); a send queue of
 ``max_send_wr`` slots, freed only when a signalled completion covering them is polled
-(posting past it fails, as ibv_post_send does); completions on a CQ, announced on its
-completion channel; and an injectable error: the next request fails with
+(posting past it fails, as ibv_post_send does); completions on a CQ, polled; and an
+injectable error: the next request fails with
 ``IBV_WC_RETRY_EXC_ERR``, the queue pair goes to the error state, and every later
 request on it, signalled or not, completes with ``IBV_WC_WR_FLUSH_ERR``. A CQ holds as many
 completions as it was created for; one more is an overflow (``errors``).
@@ -171,33 +171,11 @@ class Fabric:
                 self._region.closed = True
                 fabric._forget("mr", self.rkey)
 
-        class CompChannel:
-            def __init__(self, ctx) -> None:
-                self.events = threading.Semaphore(0)
-                self.closed = False
-
-            def get_cq_event(self, cq) -> None:
-                self.events.acquire()
-                if self.closed:
-                    raise VerbsError("channel closed")
-
-            def close(self) -> None:
-                self.closed = True
-                self.events.release()
-
         class CQ:
             def __init__(self, ctx, cqe, cq_context, channel, vector) -> None:
-                self.channel, self.capacity = channel, cqe
+                self.capacity = cqe
                 self.entries: list = []
-                self.armed = False
                 self.lock = threading.Lock()
-
-            def req_notify(self) -> None:
-                with self.lock:
-                    self.armed = True
-                    if self.entries:
-                        self.armed = False
-                        self.channel.events.release()
 
             def push(self, wc) -> None:
                 with self.lock:
@@ -205,9 +183,6 @@ class Fabric:
                         fabric.errors.append(f"CQ overflow: {self.capacity} entries")
                         return
                     self.entries.append(wc)
-                    if self.armed:
-                        self.armed = False
-                        self.channel.events.release()
 
             def poll(self, n: int = 1):
                 with self.lock:
@@ -217,9 +192,6 @@ class Fabric:
                     if qp is not None:
                         qp.outstanding -= wc.covers
                 return len(got), got
-
-            def ack_events(self, n: int) -> None:
-                pass
 
             def close(self) -> None:
                 pass
@@ -254,7 +226,7 @@ class Fabric:
                 self.rkey, self.remote_addr = rkey, addr
 
         ns = SimpleNamespace
-        return dict(cq=ns(CompChannel=CompChannel, CQ=CQ), device=ns(get_device_list=lambda: [ns(name=b"fake0")], Context=Context),
+        return dict(cq=ns(CQ=CQ), device=ns(get_device_list=lambda: [ns(name=b"fake0")], Context=Context),
                     e=E, mr=ns(MR=MR), pd=ns(PD=PD), qp=ns(QP=QP, QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr),
                     wr=ns(SGE=SGE, SendWR=SendWR), GID=lambda s: s, AHAttr=lambda **kw: ns(**kw),
                     GlobalRoute=lambda **kw: ns(**kw))  # fmt: skip

@@ -75,6 +75,16 @@ def start_conductor(*extra: str) -> Node:
     return Node(proc, json.loads(line.split(" ", 1)[1]), args, Path(log.name))
 
 
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 @functools.cache
 def rdma_unavailable() -> str | None:
     """Why this machine cannot run the rdma backend (no pyverbs, no device, no active port), or None when it can."""

@@ -11,19 +11,13 @@ import redis
 from conductor.leader import LEADER_KEY, LeaderLease
 from mooncake.localproc import free_port
 from charts import REPO, container, flags, pod_spec, render
+from kvnodes import wait_for
 
 LEASE_S = 0.3
 
 
 def lease(url: str, holder: str, log: list[tuple[str, bool]]) -> LeaderLease:
     return LeaderLease(redis.Redis.from_url(url), holder, LEASE_S, lambda leading: log.append((holder, leading)))
-
-
-def wait_for(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_one_conductor_leads_and_a_standby_takes_over_within_the_lease_when_it_dies(redis_url):

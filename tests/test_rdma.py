@@ -24,7 +24,7 @@ import sys
 import threading
 
 import pytest
-from kvnodes import REPO, rdma_unavailable, start_node
+from kvnodes import REPO, rdma_unavailable, start_node, wait_for
 
 from kvstore.client import KVStoreClient
 from kvstore.service import segment_from_pb, segment_to_pb
@@ -269,9 +269,11 @@ def test_an_error_fails_exactly_the_batch_on_that_queue_pair_names_the_peer_and_
     assert bytes(fresh) == bytes(owner.buffer("owner/mem")[4096 : 4096 + (1 << 20)])
     assert set(fabric.qps) - qps_before  # the broken one was replaced
     # the owner frees its half of the broken pair (its session ended), and of the live one once the peer is gone
-    assert wait_for(lambda: len(owner._rdma._accepted) == 1) and len(fabric.qps) == 2
+    wait_for(lambda: len(owner._rdma._accepted) == 1)
+    assert len(fabric.qps) == 2
     peer.close()
-    assert wait_for(lambda: not owner._rdma._accepted) and not fabric.qps
+    wait_for(lambda: not owner._rdma._accepted)
+    assert not fabric.qps
     assert not peer._rdma._poller.is_alive()  # its completion thread ended with it
 
 
@@ -296,17 +298,6 @@ def test_a_timed_out_batch_stops_its_queue_pair_and_the_next_batch_gets_a_new_on
     peer.read(fresh, [Slice(0, "owner/mem", 4096, 1 << 20)]).wait(10)  # waits out the delay: the thread polls on
     assert bytes(fresh) == bytes(owner.buffer("owner/mem")[4096 : 4096 + (1 << 20)])
     assert set(fabric.qps) - qps_before and fabric.errors == []
-
-
-def wait_for(condition, timeout_s: float = 5.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_pool_node_serves_puts_and_gets_over_rdma_in_process(fabric, shm_dir):

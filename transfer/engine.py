@@ -35,7 +35,7 @@ from transfer.batch import TransferBatch
 from transfer.region import SharedRegion
 from transfer.registry import MemoryRegistry, SegmentRegistry
 from transfer.verbs import QPSettings
-from transfer.rdma import DeviceChoice, RdmaBackend, RdmaUnavailable, probe
+from transfer.rdma import DeviceChoice, RdmaBackend, RdmaUnavailable, buffer_address, probe
 from transfer.tcp import Guard, TcpBackend, TcpServer
 from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, host_id
 
@@ -131,8 +131,6 @@ _said: set[str] = set()
 
 
 def _pin_name(view: memoryview) -> str:
-    from transfer.rdma import buffer_address
-
     return f"pinned@{buffer_address(view):x}+{len(view)}"  # no segment name has an '@'
 
 

@@ -245,7 +245,6 @@ class _QueuePair:
         self.session = None  # the handshake's tcp connection, open while the pair is in use (closing it frees the peer's)
         self.cq = backend.v["cq"].CQ(backend.ctx, backend.qp_depth + 16, None, None, 0)  # every request, flushed
         self.qp = backend._create_qp(self.cq)
-        self.num = self.qp.qp_num
         self.released = False
         self.ledger = CompletionLedger()
         self.waiting: deque = deque()  # (job id, opcode, local addr, lkey, remote addr, rkey, length)

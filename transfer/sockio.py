@@ -108,7 +108,7 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 
 def keepalive(sock: socket.socket) -> None:
     """Probe an idle tcp connection so a peer that vanished (host down, cable out) ends it in about a minute, not the
-    kernel's default two hours: what holds an RDMA queue pair open (transfer/tcp.py, CONNECT)."""
+    kernel's default two hours (every accepted connection; the client end of an RDMA queue pair's, transfer/tcp.py)."""
     if sock.family == socket.AF_UNIX:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -146,7 +146,7 @@ class ConnectionServer:
                 return
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                keepalive(conn)
             conn.setblocking(False)
             with self._lock:
                 self._conns.add(conn)
@@ -210,4 +210,3 @@ class ConnectionServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-

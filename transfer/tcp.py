@@ -138,8 +138,8 @@ class TcpServer:
 
     def _connect(self, conn: socket.socket, req_id: int, length: int, releases: list[Callable[[], None]]) -> None:
         """Answer an RDMA handshake: our queue pair for the caller's (or why not). Ours lives until this connection
-        ends: the caller holds it open while it uses the pair, and a caller that dies or goes silent (keepalive)
-        takes it down with it."""
+        ends: the caller holds it open while it uses the pair, and a caller that dies or goes silent (every accepted
+        connection has keepalive, transfer/sockio.py) takes it down with it."""
         if length > MAX_CONNECT_BYTES:
             raise ConnectionError(f"an RDMA handshake of {length} bytes")  # not a peer of ours: hang up
         request = bytearray(length)
@@ -150,7 +150,6 @@ class TcpServer:
             answer, release = self.rdma_accept(bytes(request))
             releases.append(release)
             status = STATUS_OK
-            keepalive(conn)
         except Exception as e:  # the caller falls back to reporting it; this connection carries on
             answer, status = f"RDMA handshake refused: {e}".encode("utf-8")[:MAX_ERROR_BYTES], STATUS_ERROR
         send_all(conn, [RESPONSE.pack(req_id, status, len(answer)), answer], None)

@@ -14,6 +14,18 @@ DTYPES = {  # the dtypes an engine runs in, by their names on command lines and 
 }
 
 
+# Per-step token budgets when none is given. On the CPU a step's time grows with its tokens and 512 keeps decode
+# steps beside a prefill chunk short (benchmarks/README.md). On a GPU a step of a few thousand tokens costs about
+# what 512 do, so a 4,096-token prompt is one step (benchmarks/gpu_bench.py measures 512 to 8,192).
+CPU_BATCHED_TOKENS = 512
+CUDA_BATCHED_TOKENS = 4096
+
+
+def default_batched_tokens(device: str) -> int:
+    """The per-step token budget an engine on ``device`` gets when its configuration names none."""
+    return CUDA_BATCHED_TOKENS if device.startswith("cuda") else CPU_BATCHED_TOKENS
+
+
 class EngineConfig(BaseModel):
     """Everything one engine instance needs to know; one config per process.
 
@@ -30,14 +42,20 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_gib: float = Field(1.0, gt=0)
     max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch")
-    max_num_batched_tokens: int = Field(
-        512, ge=1, description="Per-step token budget; a longer prompt is prefilled in chunks"
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Per-step token budget; a longer prompt is prefilled in chunks. Default: "
+        f"{CPU_BATCHED_TOKENS} on the CPU, {CUDA_BATCHED_TOKENS} on CUDA (default_batched_tokens)"
     )
     max_model_len: int | None = Field(None, ge=1, description="Default: the model's max positions")
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
     use_kernels: bool = Field(True, description="Compile and use the CPU paged decode-attention kernel")
+    enforce_eager: bool = Field(False, description="Never capture CUDA graphs: every step runs eagerly")
+    decode_graphs: bool | None = Field(
+        None, description="Run decode steps through static buffers captured as CUDA graphs. Default: on for CUDA "
+        "unless enforce_eager, off on the CPU, where True runs the same graph-ready step uncaptured (tests)"
+    )
     kernel_dir: str = Field("~/.cache/mooncake/kernels", description="Where compiled kernels are cached")
     model_fingerprint: str | None = Field(
         None, description="Identity for block keys; default derived from the model files"
@@ -49,7 +67,18 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda"):
             check_cuda_device(self.device)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_batched_tokens(self.device)
+        if self.decode_graphs is None:
+            self.decode_graphs = self.device.startswith("cuda") and not self.enforce_eager
+        elif self.decode_graphs and self.enforce_eager:
+            raise ValueError("decode_graphs and enforce_eager contradict each other")
         return self
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs (graph-ready steps on CUDA)."""
+        return bool(self.decode_graphs) and self.device.startswith("cuda")
 
     @property
     def torch_dtype(self) -> torch.dtype:

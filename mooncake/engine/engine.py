@@ -23,7 +23,7 @@ from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
-from mooncake.engine.kernels import load_paged_decode
+from mooncake.engine.kernels import load_paged_decode, load_triton_decode
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.request import FinishReason, Request, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
@@ -101,6 +101,8 @@ class LLMEngine:
         kernel = None
         if config.use_kernels and self.device.type == "cpu" and config.torch_dtype == torch.float32:
             kernel = load_paged_decode(config.kernel_dir)
+        elif self.device.type == "cuda":
+            kernel = load_triton_decode()
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -111,6 +113,8 @@ class LLMEngine:
             config.seed,
             decode_kernel=kernel,
         )
+        if config.decode_graphs:
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=config.captures_graphs)
         self.connector = connector or KVConnector()
         self.tokenizer = tokenizer
         self.eos_token_ids = (

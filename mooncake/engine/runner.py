@@ -17,6 +17,7 @@ import torch
 
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
+from mooncake.engine.decode_graph import DecodeGraphs, decode_attention_for
 from mooncake.engine.model import CausalLM
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.request import TokenLogprob
@@ -53,6 +54,13 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.grammars: GrammarBook | None = None  # set by an engine with a tokenizer (constrained decoding)
         self.step_id = 0
+        self.graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Run pure decode steps of up to ``max_num_seqs`` sequences through DecodeGraphs: captured as CUDA graphs
+        (``capture``, CUDA only), or the same static-buffer step run uncaptured. Called once, before any request."""
+        attention = decode_attention_for(self.device, self.kv_cache.shape[4], self.decode_kernel)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_num_seqs, max_model_len, attention, capture)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -120,11 +128,13 @@ class ModelRunner:
                 for layer in range(self.kv_cache.shape[0]):
                     self.import_layer(layer, imp)
             return Sampled({}, {})
-        if imports:  # each layer's imported KV lands just before that layer runs: loading overlaps computing
-            connector = _LayerImports(self, connector, imports)
         # Decodes (one new token) first, then prefill chunks: see attention.py.
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        if self._graph_step(decodes, prefills):
+            return self._execute_graph(decodes, imports, connector)
+        if imports:  # each layer's imported KV lands just before that layer runs: loading overlaps computing
+            connector = _LayerImports(self, connector, imports)
         ordered = decodes + prefills
         input_ids, positions, meta, step, sample_rows = self._prepare(decodes, prefills)
         segments = [(row, s) for row, s in zip(_row_starts(ordered), ordered)
@@ -137,8 +147,43 @@ class ModelRunner:
         rows = [r for r, _ in sample_rows]
         if not rows:
             return Sampled({}, {}, prompt)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        reqs = [ordered[i].request for _, i in sample_rows]
+        return self._sample(hidden[torch.tensor(rows, device=self.device)], [ordered[i].request for _, i in sample_rows],
+                            prompt)  # fmt: skip
+
+    def _graph_step(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> bool:
+        """Whether this step runs through the decode graphs: decodes only, each sampling, within the largest bucket."""
+        graphs = self.graphs
+        return (graphs is not None and bool(decodes) and not prefills and len(decodes) <= graphs.max_num_seqs
+                and all(s.samples for s in decodes))  # fmt: skip
+
+    def _execute_graph(self, decodes: list[ScheduledRequest], imports: list[_Import], connector: KVConnector) -> Sampled:
+        """A decode step through DecodeGraphs. Work that needs Python per layer happens around it: the imports'
+        KV lands for every layer before it, and the connector sees every layer's load before and save after."""
+        layers = list(zip(range(self.kv_cache.shape[0]), self.model.layer_range))  # (index here, the model's)
+        hooks = type(connector) is not KVConnector  # the base connector's hooks do nothing: skip building a step
+        if hooks:
+            slots = torch.tensor([s.request.block_ids[s.num_computed_tokens // self.block_size] * self.block_size
+                                  + s.num_computed_tokens % self.block_size for s in decodes], device=self.device)
+            step = ConnectorStep(self.step_id, [
+                StepRequest(s.request.request_id, s.num_computed_tokens, 1, slots[i : i + 1], list(s.request.block_ids))
+                for i, s in enumerate(decodes)])  # fmt: skip
+            connector.start_step(step)
+            for _, layer in layers:
+                connector.wait_for_layer_load(layer)
+        for imp in imports:
+            for layer, _ in layers:
+                self.import_layer(layer, imp)
+        hidden = self.graphs.run(decodes)
+        if hooks:
+            for here, layer in layers:
+                connector.save_layer(layer, self.kv_cache[here, 0], self.kv_cache[here, 1], step)
+            connector.wait_for_save()
+        self.step_id += 1
+        return self._sample(hidden, [s.request for s in decodes], {})
+
+    def _sample(self, hidden: torch.Tensor, reqs: list, prompt: dict) -> Sampled:
+        """Logits of the sampling rows ``hidden`` [N, hidden] (one per request of ``reqs``), then tokens and logprobs."""
+        logits = self.model.compute_logits(hidden)
         params = [r.sampling_params for r in reqs]
         histories = None
         if any(p.shapes_logits for p in params):

@@ -64,3 +64,13 @@ def load_paged_decode(build_dir: str | Path) -> Callable | None:
         log.warning("paged attention kernel unavailable, using the torch path: %s", e)
     _loaded[build_dir] = fn
     return fn
+
+
+def load_triton_decode() -> Callable | None:
+    """The Triton paged decode attention (triton_decode.paged_decode) for CUDA engines; None without Triton."""
+    try:
+        from mooncake.engine.kernels.triton_decode import paged_decode
+    except ImportError as e:
+        log.warning("Triton is not installed, decode attention on CUDA uses the padded torch path: %s", e)
+        return None
+    return paged_decode

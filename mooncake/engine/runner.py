@@ -240,19 +240,21 @@ class ModelRunner:
             decode_table = decode_table.to(dev)
             ctx = ctx.to(dev)
         segments: list[PrefillSegment] = []
+        pos_parts = [torch.tensor(pos, dtype=torch.long)]  # decodes', then one arange per prefill chunk
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
         for j, s in enumerate(prefills, start=len(decodes)):
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
             start = len(ids)
             ids.extend(req.all_token_ids[c : c + n])
-            pos.extend(range(c, c + n))
             nblk = -(-(c + n) // bs)
             table = torch.tensor(req.block_ids[:nblk], dtype=torch.long)
             p = torch.arange(c, c + n)
-            slots.extend((table[p // bs] * bs + p % bs).tolist())
+            pos_parts.append(p)
+            slot_parts.append(table[p // bs] * bs + p % bs)  # tensor ops: no Python per token
             segments.append(PrefillSegment(start, n, c + n, table.to(dev)))
             if s.samples:
                 sample_rows.append((start + n - 1, j))
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        slot_t = torch.cat(slot_parts).to(dev)
         offset = 0
         for s in decodes + prefills:
             step_reqs.append(
@@ -275,7 +277,7 @@ class ModelRunner:
             decode_kernel=kernel,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        positions = torch.cat(pos_parts).to(dev)
         return input_ids, positions, meta, ConnectorStep(self.step_id, step_reqs), sample_rows
 
 

@@ -77,19 +77,18 @@ def sample(
         if histories is None:
             raise ValueError("penalties, biases and min_tokens need each request's history")
         logits = torch.stack([shape_logits(row, p, h) if p.shapes_logits else row for row, p, h in zip(logits, params, histories)])
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
-    out: list[int] = []
-    greedy = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            out.append(greedy[row])
-            continue
-        x = apply_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = x.softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=gen or default_generator)
-        out.append(int((probs / noise).argmax()))
-    return out
+    picked = logits.argmax(dim=-1)  # [N], on the device: greedy rows keep it
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if drawn:
+        choices = []
+        for row in drawn:  # per row: each request's own generator draws one noise vector over the vocabulary
+            p = params[row]
+            x = apply_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+            probs = x.softmax(-1)
+            noise = torch.empty_like(probs).exponential_(generator=generators[row] or default_generator)
+            choices.append((probs / noise).argmax())
+        picked = picked.index_put((torch.tensor(drawn, device=logits.device),), torch.stack(choices))
+    return picked.tolist()  # the step's one wait on the device
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int | None]) -> list[TokenLogprob | None]:

@@ -288,7 +288,7 @@ def report(r: dict, shape: Shape, rate: float, flops: float) -> list[tuple[str, 
     tput_limit = n / (shape.decode_bytes(n, p + out // 2) / rate)
     o, h = r.get("ours_throughput"), r.get("hf_throughput")
     fmt = lambda x: "-" if x is None else f"{x:,.0f} tok/s"  # noqa: E731
-    rows.append((f"{n} x {p}/{out} output tok/s", fmt(o), "-", fmt(h), "-", fmt(tput_limit), ratio(tput_limit, o) if o else "-",
+    rows.append((f"{n} x {p}/{out} output tok/s", fmt(o), "-", fmt(h), "-", fmt(tput_limit), ratio(o, tput_limit),
                  ratio(o, h), "-"))  # fmt: skip
     limit = shape.prefill_flops(LONG_PROMPT) / flops
     for budget in BUDGETS:
@@ -330,7 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     rate = results.measure("copy_rate_bytes_per_s", lambda: copy_rate(device))
     flops = results.measure("matmul_flops_per_s", lambda: matmul_rate(device, dtype))
 
-    engine = engine_for(model_dir, args.device, args.dtype)
+    try:
+        engine = engine_for(model_dir, args.device, args.dtype)
+    except Exception as e:  # noqa: BLE001 - a failed capture still leaves the eager figures to measure
+        traceback.print_exc()
+        results.errors["engine"] = f"{type(e).__name__}: {e}"
+        engine = engine_for(model_dir, args.device, args.dtype, enforce_eager=True)
     r["default_budget"] = engine.config.max_num_batched_tokens
     r["graphs"] = engine.runner.graphs is not None and bool(engine.runner.graphs.graphs)
     for batch in (1, 32):

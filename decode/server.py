@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         config = DecodeConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
                               host=args.host, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
                               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, detect_s=args.detect_s, num_threads=args.threads,
+                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, enforce_eager=args.enforce_eager, detect_s=args.detect_s, num_threads=args.threads,
                               shm_dir=args.shm_dir, transport=TransportChoice.from_args(args))  # fmt: skip
         worker = DecodeWorker(config)
     except (ValueError, OSError) as e:

@@ -11,6 +11,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.client import KVStoreUnavailable
+from mooncake.engine.config import default_batched_tokens
 from mooncake.faults import StatusTable, message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
@@ -100,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "prompt layer by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
                       "prefill-0", 1024)  # fmt: skip
     p.add_argument("--kvstore", required=True, help="gRPC address of this worker's pool node, on this host")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (longer prompts: chunks)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step, longer prompts in chunks (default: 512 on the CPU, 4096 on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="prefills in the engine at once")
     p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
     p.add_argument("--reservation-ttl", type=float, default=600.0,
@@ -119,6 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or default_batched_tokens(args.device)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s prefill[%(process)d] %(message)s")
     try:
         addresses = [_address(a) for a in args.stage_addresses.split(",") if a.strip()]

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from kvstore.service import segment_from_pb
 from mooncake.blocks import block_keys
-from mooncake.engine.config import EngineConfig, check_cuda_device
+from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
 from mooncake.engine.engine import RequestOutput
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
@@ -69,9 +69,16 @@ class PrefillConfig(BaseModel):
         if device != "cpu":
             check_cuda_device(device)
         return device
+
+    @model_validator(mode="after")
+    def _default_budget(self):
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_batched_tokens(self.device)
+        return self
     block_size: int = Field(16, ge=1, description="tokens per block: the pool's, the engine's and the Conductor's")
     num_kv_blocks: int = Field(1024, ge=1, description="the engine's paged cache, in blocks")
-    max_num_batched_tokens: int = Field(512, ge=1, description="tokens per engine step; longer prompts run in chunks")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step; longer prompts run in "
+                                               "chunks (default: 512 on the CPU, 4096 on CUDA)")
     max_num_seqs: int = Field(8, ge=1, description="prefills in the engine at once")
     max_model_len: int | None = None
     num_threads: int | None = None
@@ -135,7 +142,7 @@ class PrefillWorker:
             model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads, device=config.device,
-            use_kernels=config.use_kernels,
+            use_kernels=config.use_kernels, decode_graphs=False,  # a prefill worker computes prompts: it never decodes
         )  # fmt: skip
         if stats.block_bytes == 0:
             raise ValueError(f"pool node {config.kvstore} reports no block size")

@@ -1,5 +1,4 @@
-"""Native workers on a CUDA GPU: the engine against transformers, the prefill connector's pushes from a CUDA cache
-(pinned host staging on a side stream), and whole clusters whose workers run on the GPU (``--device cuda``), a single
+"""Native workers on a CUDA GPU: the engine against transformers, the prefill connector's pushes from a CUDA cache (pinned host staging on a side stream), and whole clusters whose workers run on the GPU (``--device cuda``), a single
 prefill worker and a pipelined group, against one engine alone on the same GPU.
 
 Skipped where torch sees no GPU (CI, this project's VMs); run on a lent GPU machine with

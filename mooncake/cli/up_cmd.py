@@ -60,6 +60,8 @@ def up(
                                        "(e.g. enforce_eager=true, gpu_memory_utilization=0.85)"),
     device: str = typer.Option("cpu", "--device", help="Native workers' device: cpu, or cuda[:N] (every worker on that "
                                "GPU; a pipelined group's stages spread over the GPUs with plain `cuda`)"),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Native workers on CUDA: run every step eagerly, "
+                                       "without capturing decode steps as CUDA graphs"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block [default: 16 native, 32 vllm]"),
     conductors: int = typer.Option(1, "--conductors", min=1, max=5, help="Conductors; more than one needs --redis-url: "
                                    "one leads, the others stand by and take over when it dies"),
@@ -93,7 +95,7 @@ def up(
             prefill_groups=prefill_groups, group_size=group_size,
             host=host, port=port, api_key=api_key, tenants_file=tenants, redis_url=redis_url, workdir=workdir, pool_dram_mib=pool_dram_mib,
             pool_ssd_mib=pool_ssd_mib, max_model_len=max_model_len, threads=threads, policy=policy, admission=admission,
-            ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size, device=device,
+            ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo, engine=engine, vllm_args=vllm_arg, block_size=block_size, device=device, enforce_eager=enforce_eager,
             conductors=conductors, hold_s=hold, worker_nice=worker_nice, insecure=insecure,
         )  # fmt: skip
     except ValueError as e:  # pydantic's ValidationError is one

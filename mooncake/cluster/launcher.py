@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from conductor.auth import write_token_file
 from mooncake import tls
+from mooncake.engine.config import default_batched_tokens
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
 from mooncake.localproc import free_port
@@ -67,7 +68,9 @@ class ClusterConfig(BaseModel):
     pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node")
     pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (0: none)")
     max_model_len: int | None = None
-    prefill_batched_tokens: int = 512
+    prefill_batched_tokens: int | None = Field(None, ge=1, description="a prefill step's token budget (a group's chunk); "
+                                               "default: 512 on the CPU, 4096 on CUDA")
+    enforce_eager: bool = Field(False, description="native workers on CUDA: no CUDA graphs for decode steps")
     decode_max_seqs: int = 32
     threads: int | None = Field(None, description="torch threads per worker (default: torch's)")
     policy: str = "kvcache_centric"
@@ -254,7 +257,8 @@ class LocalCluster:
     def _engine_flags(self) -> list[str]:
         c = self.config
         device = ["--device", c.device] if c.device != "cpu" else []
-        return ["--engine", c.engine, *device, *(f for a in c.vllm_args for f in ("--vllm-arg", a))]
+        eager = ["--enforce-eager"] if c.enforce_eager else []
+        return ["--engine", c.engine, *device, *eager, *(f for a in c.vllm_args for f in ("--vllm-arg", a))]
 
     def _worker_env(self) -> dict[str, str] | None:
         """A vLLM worker's environment: tcmalloc and Intel OpenMP preloaded where present (vLLM's CPU guide); with
@@ -309,7 +313,7 @@ class LocalCluster:
         prefill = Component(f"prefill-{i}", self._python(
             "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_addresses,
             "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--max-num-batched-tokens", str(c.prefill_batched_tokens), *threads, *max_len, *self._engine_flags(), *group, host=f"p{i}",
+            "--max-num-batched-tokens", str(c.prefill_batched_tokens or default_batched_tokens(c.device)), *threads, *max_len, *self._engine_flags(), *group, host=f"p{i}",
         ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env(), nice=c.worker_nice)  # fmt: skip
         return node, prefill
 
@@ -323,7 +327,7 @@ class LocalCluster:
         comp = Component(name, self._python(
             "prefill.stage", "--model", c.model, "--stage", str(j), "--stages", str(c.group_size), "--host", h, "--port", str(port),
             "--key-file", str(self._stage_key()), "--dtype", c.dtype, "--block-size", str(c.block_size), "--chunk",
-            str(c.prefill_batched_tokens), "--shm-dir", self.shm_dir, *max_len, *device, host=f"p{i}s{j}",
+            str(c.prefill_batched_tokens or default_batched_tokens(c.device)), "--shm-dir", self.shm_dir, *max_len, *device, host=f"p{i}s{j}",
         ), self.run_dir / "logs" / f"{name}.log", nice=c.worker_nice)  # fmt: skip
         return comp, f"{h}:{port}"
 

@@ -62,6 +62,8 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="native engine: cpu, or cuda[:N] (the KV cache and weights on that GPU; "
                    "KV leaves it through pinned host staging on a side stream). vLLM picks its own device")
+    p.add_argument("--enforce-eager", action="store_true", help="native engine on CUDA: run every step eagerly, without "
+                   "capturing decode steps as CUDA graphs (slower decode; for debugging)")
     add_transport_args(p)
     p.add_argument("--log-level", default="INFO")
     return p

@@ -1,0 +1,99 @@
+"""The Triton paged decode attention (mooncake/engine/kernels/triton_decode.py) against attention written out by hand.
+
+On a CUDA GPU it runs compiled; elsewhere under Triton's interpreter (TRITON_INTERPRET=1, set here before Triton is
+first imported), which runs the same kernels on CPU tensors. Skipped where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+_before = os.environ.get("TRITON_INTERPRET")
+if not CUDA:  # Triton reads it when a kernel is defined (and launched: the fixture below)
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton_decode = pytest.importorskip("mooncake.engine.kernels.triton_decode", reason="needs Triton")
+finally:
+    if _before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _before
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpreted(monkeypatch):
+    """Triton checks the flag again when it launches a kernel: set for this module's tests only."""
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def reference(q, k_cache, v_cache, table, ctx_lens, scale):
+    """Each sequence's context gathered from its blocks, softmax attention in float64, head by head."""
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    out = torch.zeros(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(ctx_lens[i])
+        if n == 0:
+            continue
+        k = k_cache[table[i]].flatten(0, 1)[:n].double().cpu()  # [n, Hkv, D]
+        v = v_cache[table[i]].flatten(0, 1)[:n].double().cpu()
+        for head in range(h):
+            kv = head // (h // hkv)
+            w = (q[i, head].double().cpu() @ k[:, kv].T * scale).softmax(-1)
+            out[i, head] = w @ v[:, kv]
+    return out
+
+
+def paged_case(dtype, num_blocks=24, block_size=8, hkv=2, group=3, d=16, ctx=(1, 8, 9, 45, 0, 150), width=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in ctx]).to(DEVICE)  # blocks out of order
+    q = torch.randn(len(ctx), hkv * group, d, generator=g).to(DEVICE, dtype)
+    return q, k_cache, v_cache, table, torch.tensor(ctx, device=DEVICE)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 16])
+def test_each_sequence_attends_to_exactly_its_own_blocks_up_to_its_length(splits):
+    """Contexts of 1 token, one full block, a block and one, many blocks, none (its output is zero) and more blocks
+    than splits x tile; three query heads per KV head (a group that is not a power of two), blocks in any order."""
+    q, k, v, table, ctx = paged_case(torch.float32)
+    out = triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=splits)
+    want = reference(q, k, v, table, ctx, 0.25)
+    assert torch.allclose(out.double().cpu(), want, atol=1e-5)
+    assert out[4].abs().sum() == 0  # no context: nothing attended
+
+
+def test_blocks_past_a_sequences_length_are_never_read():
+    """Garbage (NaN) in the cache beyond each context and in table entries past it changes nothing."""
+    q, k, v, table, ctx = paged_case(torch.float32, ctx=(5, 17))
+    want = triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=2)
+    for i, n in enumerate((5, 17)):
+        last = table[i, (n - 1) // 8]
+        k[last, (n - 1) % 8 + 1 :] = float("nan")  # the rest of its last block
+        v[last, (n - 1) % 8 + 1 :] = float("nan")
+    table[:, 3:] = 10**6  # block ids out of range where no token is
+    got = triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=2)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 on the interpreter is numpy's emulation; checked on CUDA")
+def test_bfloat16_is_float_attention_rounded_once():
+    q, k, v, table, ctx = paged_case(torch.bfloat16, hkv=8, group=4, d=64, block_size=16, width=12, ctx=(1, 100, 191))
+    out = triton_decode.paged_decode(q, k, v, table, ctx, 64**-0.5)
+    want = reference(q, k, v, table, ctx, 64**-0.5)
+    assert torch.allclose(out.double().cpu(), want, atol=2e-2)
+
+
+def test_a_bad_split_count_or_head_grouping_is_a_value_error():
+    q, k, v, table, ctx = paged_case(torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=3)
+    with pytest.raises(ValueError, match="share"):
+        triton_decode.paged_decode(q[:, :5], k, v, table, ctx, 0.25)

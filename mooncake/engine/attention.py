@@ -72,18 +72,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of the step's queries over the paged cache.
 
-    q: [T, H, D]; k, v: [T, Hkv, D] (this step's new K/V, already written to the cache).
-    Returns [T, H, D]. Called once per layer per step.
+    q: [T, H, D] (any strides, the last contiguous); k, v: [T, Hkv, D] (this step's new K/V, already written to the
+    cache). Returns [T, H, D]. Called once per layer per step.
     """
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv
-    out = torch.empty_like(q)
     b = meta.num_decodes
+    if b == t and meta.decode_kernel is not None:  # decodes only: the kernel's output is the step's
+        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b and meta.decode_kernel is not None:
-        out[:b] = meta.decode_kernel(
-            q[:b].contiguous(), k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
-        )
+        out[:b] = meta.decode_kernel(q[:b], k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale)
     elif b:
         qd = q[:b].view(b, hkv, group, d)  # [B, Hkv, G, D]: a decode's G heads share one K/V head
         bt = meta.decode_block_table

@@ -59,7 +59,10 @@ def load_paged_decode(build_dir: str | Path) -> Callable | None:
             mod = cpp_extension.load(
                 name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(target), verbose=False
             )
-        fn = mod.paged_decode_attention
+        compiled = mod.paged_decode_attention
+
+        def fn(q, k_cache, v_cache, block_table, ctx_lens, scale):  # the kernel reads q densely
+            return compiled(q.contiguous(), k_cache, v_cache, block_table, ctx_lens, scale)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("paged attention kernel unavailable, using the torch path: %s", e)
     _loaded[build_dir] = fn

@@ -142,7 +142,7 @@ def paged_decode(
     splits = num_splits or num_splits_for(b, hkv, q.device)
     if splits & (splits - 1) or not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {splits}")
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense, whatever q's strides
     if b == 0:
         return out
     d_p = triton.next_power_of_2(d)

@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 t0=$SECONDS
-timeout "${GRAPH_TESTS_S:-150}" python3 -m pytest -x -q -p no:cacheprovider tests/test_triton_decode.py tests/test_decode_graphs.py \
+timeout "${GRAPH_TESTS_S:-150}" python3 -m pytest -x -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_decode_graphs.py \
     > "$OUT/tests_graphs.log" 2>&1
 echo "== graph and kernel tests rc=$? ($((SECONDS - t0)) s)"; tail -4 "$OUT/tests_graphs.log"
 t0=$SECONDS

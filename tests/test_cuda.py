@@ -105,3 +105,27 @@ def test_a_prefix_from_the_pool_is_loaded_into_the_gpu_cache(gpu_cluster, tiny_d
     got = generate(be, f"cuda-{gpu_cluster.kind}-b", prompt, 16, temperature=0.0, ignore_eos=True)
     assert got[-1].cached_tokens == 256
     assert tokens(got) == reference_tokens(tiny_dir, prompt, 16, device=DEVICE)
+
+
+def test_a_prompt_chunk_over_a_cached_prefix_attends_like_the_masked_reference():
+    """A chunk of 44 queries at the end of a 300-token context whose blocks lie out of order: on CUDA in bfloat16 it goes
+    through torch's flash kernel with lower-right causal alignment, no mask; the reference is the explicit mask in
+    float32."""
+    import torch.nn.functional as F
+
+    from mooncake.engine.attention import AttentionMetadata, PrefillSegment, paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE.startswith("cuda") else torch.float32
+    nb, bs, hkv, h, d, ctx, n = 40, 16, 2, 8, 64, 300, 44
+    kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    blocks = torch.randperm(nb, generator=g)[: -(-ctx // bs)].to(DEVICE)
+    q = torch.randn(n, h, d, generator=g).to(DEVICE, dtype)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long, device=DEVICE), num_decodes=0,
+                             decode_block_table=None, decode_ctx_lens=None, decode_mask=None,
+                             prefills=[PrefillSegment(0, n, ctx, blocks)])  # fmt: skip
+    out = paged_attention(q, q[:, :hkv], q[:, :hkv], kc, vc, meta, d**-0.5)  # [n, H, D]
+    keys, values = (c[blocks].flatten(0, 1)[:ctx].float().transpose(0, 1)[None] for c in (kc, vc))  # [1, Hkv, ctx, D]
+    mask = torch.ones(n, ctx, dtype=torch.bool, device=DEVICE).tril(ctx - n)
+    want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out.float(), want[0].transpose(0, 1), atol=2e-2 if dtype == torch.bfloat16 else 1e-5)

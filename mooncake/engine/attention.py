@@ -10,11 +10,11 @@ A step's tokens are flattened into one [T] batch, decodes first, then prefill ch
     tokens:  | d0 d1 ... d(B-1) | chunk of req p0 ... | chunk of req p1 ... |
              '--- one query each '--- q_len queries at positions ctx-q_len .. ctx-1
 
-Decodes are attended together: by the compiled kernel (kernels/paged_attention.cpp),
-which reads K/V rows in place from their blocks, or else by one padded SDPA call over
-gathered blocks (GQA folded into the query axis, so K/V are never repeated). Each
-prefill chunk is one causal SDPA call whose key range is its whole context (cached
-prefix + the chunk).
+Decodes are attended together: by a kernel that reads K/V rows in place from their blocks
+(kernels/triton_decode.py on CUDA, kernels/paged_attention.cpp on the CPU), or else by one
+padded SDPA call over gathered blocks (GQA folded into the query axis, so K/V are never
+repeated). Each prefill chunk is one causal SDPA call whose key range is its whole context
+(cached prefix + the chunk).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(slots=True)
@@ -102,8 +103,12 @@ def paged_attention(
         else:
             ks = k_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]  # [ctx, Hkv, D]
             vs = v_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]
-            # Query i sits at position ctx-n+i and sees keys 0..ctx-n+i.
-            mask = torch.ones(n, seg.ctx_len, dtype=torch.bool, device=q.device).tril(seg.ctx_len - n)
+            # Query i sits at position ctx-n+i and sees keys 0..ctx-n+i: causal, aligned to the lower right. On CUDA
+            # torch's flash kernel takes that alignment without a mask (a [n, ctx] mask would force a slower kernel).
+            if q.is_cuda:
+                mask = causal_lower_right(n, seg.ctx_len)
+            else:
+                mask = torch.ones(n, seg.ctx_len, dtype=torch.bool, device=q.device).tril(seg.ctx_len - n)
         ks = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
         vs = vs.transpose(0, 1).unsqueeze(0)
         os_ = F.scaled_dot_product_attention(

@@ -11,6 +11,8 @@ the step; attention.py knows which token belongs to whom.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,8 +108,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if x.is_cuda and _cuda_silu_mul() is not None:
+            return self.down_proj(_cuda_silu_mul()(gate_up))  # one kernel instead of two
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+
+
+@functools.cache
+def _cuda_silu_mul():
+    """kernels/triton_mlp.silu_mul, or None where Triton is missing (torch's two kernels then)."""
+    try:
+        from mooncake.engine.kernels.triton_mlp import silu_mul
+    except ImportError:
+        return None
+    return silu_mul
 
 
 class DecoderLayer(nn.Module):

@@ -11,9 +11,11 @@ it: export and import are single indexed copies.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
@@ -23,6 +25,9 @@ from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.request import TokenLogprob
 from mooncake.engine.sampler import History, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+_CUDA_SDPA_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
 class ModelRunner:
@@ -140,7 +145,8 @@ class ModelRunner:
         segments = [(row, s) for row, s in zip(_row_starts(ordered), ordered)
                     if s.request.sampling_params.prompt_logprobs is not None]  # fmt: skip
         connector.start_step(step)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, connector, step)
+        with self._attention_backends():
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, connector, step)
         connector.wait_for_save()
         self.step_id += 1
         prompt = {s.request.request_id: self._prompt_logprobs(hidden, row, s) for row, s in segments}
@@ -149,6 +155,13 @@ class ModelRunner:
             return Sampled({}, {}, prompt)
         return self._sample(hidden[torch.tensor(rows, device=self.device)], [ordered[i].request for _, i in sample_rows],
                             prompt)  # fmt: skip
+
+    def _attention_backends(self):
+        """On CUDA, torch's flash kernel before cuDNN's for the prefill chunks: cuDNN builds a plan for every new
+        (query, key) length, hundreds of ms each, and a server sees a new prompt length with nearly every request."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel(_CUDA_SDPA_ORDER, set_priority=True)
 
     def _graph_step(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> bool:
         """Whether this step runs through the decode graphs: decodes only, each sampling, within the largest bucket."""

@@ -51,7 +51,8 @@ def shape_logits(logits: torch.Tensor, p: SamplingParams, history: History) -> t
             x = logits[seen]
             logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and history.output_token_ids:
-        counts = torch.bincount(torch.tensor(list(history.output_token_ids), dtype=torch.long), minlength=vocab)[:vocab]
+        outputs = torch.tensor(list(history.output_token_ids), dtype=torch.long, device=logits.device)
+        counts = torch.bincount(outputs, minlength=vocab)[:vocab]
         logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
     for token, bias in p.logit_bias:
         if 0 <= token < vocab:
@@ -59,7 +60,7 @@ def shape_logits(logits: torch.Tensor, p: SamplingParams, history: History) -> t
     if len(history.output_token_ids) < p.min_tokens:
         ends = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else history.eos_token_ids)) if 0 <= t < vocab]
         if ends:
-            logits[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+            logits[torch.tensor(ends, dtype=torch.long, device=logits.device)] = float("-inf")
     return logits
 
 

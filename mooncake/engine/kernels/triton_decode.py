@@ -6,7 +6,8 @@ Every shape it needs is fixed by the arguments' sizes, and the context lengths a
 captured in a CUDA graph and replayed with other lengths.
 
 Work split (flash-decoding): program (b, h, s) takes sequence b, KV head h (and the GROUP query heads that share
-it), and the s-th of ``num_splits`` equal slices of the context. With one split it writes the output directly;
+it, padded to 16 rows so both products run on the tensor cores: float32 exactly, ``ieee``), and the s-th of
+``num_splits`` equal slices of the context. With one split it writes the output directly;
 with several, each writes its partial (running max, sum of exponentials, weighted sum of V) and a second kernel
 merges them. Few sequences (the latency-bound case) take many splits, so the GPU's SMs are busy either way.
 
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 MAX_SPLITS = 16  # partial results a sequence's context is cut into, at most
-BLOCK_N = 32  # context tokens per inner iteration
+BLOCK_N = 64  # context tokens per inner iteration
 
 
 @triton.jit
@@ -38,21 +39,20 @@ def _decode_partial(
     stride_tb,
     stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(Ctx + b).to(tl.int32)
-    g = tl.arange(0, GROUP_P)
+    g = tl.arange(0, GROUP_P)  # the group's query heads, padded to 16 rows for the tensor cores
     d = tl.arange(0, HEAD_DIM_P)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g  # [G]
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(tl.float32) * scale  # [G, D]
 
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = ((ctx + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole tiles per split
     lo = split * per_split
     hi = tl.minimum(lo + per_split, ctx)
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
@@ -65,16 +65,16 @@ def _decode_partial(
         row = n % BLOCK_SIZE
         kv_ok = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + block[:, None] * stride_kb + row[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=kv_ok, other=0.0).to(tl.float32)  # [N, D]  # fmt: skip
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+                    mask=kv_ok, other=0.0)  # [N, D]  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N], float32
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])  # [G, N]
         alpha = tl.exp(m - m_new)
         v = tl.load(V + block[:, None] * stride_vb + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=kv_ok, other=0.0).to(tl.float32)  # [N, D]  # fmt: skip
+                    mask=kv_ok, other=0.0)  # [N, D]  # fmt: skip
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     if NUM_SPLITS == 1:
@@ -145,7 +145,7 @@ def paged_decode(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense, whatever q's strides
     if b == 0:
         return out
-    d_p = triton.next_power_of_2(d)
+    d_p = max(16, triton.next_power_of_2(d))
     if splits > 1:
         part_acc = torch.empty(b, h, splits, d_p, dtype=torch.float32, device=q.device)
         part_max = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
@@ -159,8 +159,8 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P=triton.next_power_of_2(group),
-        HEAD_DIM=d, HEAD_DIM_P=d_p, BLOCK_N=BLOCK_N,
+        NUM_SPLITS=splits, BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d, HEAD_DIM_P=d_p, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     if splits > 1:
         _decode_merge[(b, h)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),

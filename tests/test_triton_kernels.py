@@ -1,35 +1,37 @@
-"""The Triton paged decode attention (mooncake/engine/kernels/triton_decode.py) against attention written out by hand.
+"""The Triton kernels of the CUDA engine against torch written out by hand: the paged decode attention
+(mooncake/engine/kernels/triton_decode.py) and the MLP's fused activation (triton_mlp.py).
 
-On a CUDA GPU it runs compiled; elsewhere under Triton's interpreter (TRITON_INTERPRET=1, set here before Triton is
-first imported), which runs the same kernels on CPU tensors. Skipped where Triton is not installed.
+On a CUDA GPU it runs compiled; elsewhere under Triton's interpreter (TRITON_INTERPRET=1, in a child process), which
+runs the same kernels on CPU tensors. Skipped where Triton is not installed.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-_before = os.environ.get("TRITON_INTERPRET")
-if not CUDA:  # Triton reads it when a kernel is defined (and launched: the fixture below)
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton_decode = pytest.importorskip("mooncake.engine.kernels.triton_decode", reason="needs Triton")
-finally:
-    if _before is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _before
+# Triton reads TRITON_INTERPRET when it defines its own library's kernels, at its first import, which torch may make
+# before this module runs: on the CPU this file runs again in a child process that sets it from the start.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
+pytest.importorskip("triton", reason="needs Triton")
+from mooncake.engine.kernels.triton_decode import paged_decode  # noqa: E402
+needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="runs compiled on CUDA, or in the interpreter child")
 
 
-@pytest.fixture(autouse=True)
-def _interpreted(monkeypatch):
-    """Triton checks the flag again when it launches a kernel: set for this module's tests only."""
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_the_kernels_pass_under_the_interpreter_on_a_machine_without_a_gpu():
+    if CUDA or INTERPRETED:
+        pytest.skip("the kernels' tests run directly here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout
 
 
 def reference(q, k_cache, v_cache, table, ctx_lens, scale):
@@ -59,42 +61,55 @@ def paged_case(dtype, num_blocks=24, block_size=8, hkv=2, group=3, d=16, ctx=(1,
     return q, k_cache, v_cache, table, torch.tensor(ctx, device=DEVICE)
 
 
+@needs_kernels
 @pytest.mark.parametrize("splits", [1, 2, 16])
 def test_each_sequence_attends_to_exactly_its_own_blocks_up_to_its_length(splits):
     """Contexts of 1 token, one full block, a block and one, many blocks, none (its output is zero) and more blocks
     than splits x tile; three query heads per KV head (a group that is not a power of two), blocks in any order."""
     q, k, v, table, ctx = paged_case(torch.float32)
     q = torch.cat([q, torch.randn_like(q[:, :2])], dim=1)[:, :6]  # strided like the engine's (q beside k in one tensor)
-    out = triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=splits)
+    out = paged_decode(q, k, v, table, ctx, 0.25, num_splits=splits)
     want = reference(q, k, v, table, ctx, 0.25)
     assert torch.allclose(out.double().cpu(), want, atol=1e-5)
     assert out[4].abs().sum() == 0  # no context: nothing attended
 
 
+@needs_kernels
 def test_blocks_past_a_sequences_length_are_never_read():
     """Garbage (NaN) in the cache beyond each context and in table entries past it changes nothing."""
     q, k, v, table, ctx = paged_case(torch.float32, ctx=(5, 17))
-    want = triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=2)
+    want = paged_decode(q, k, v, table, ctx, 0.25, num_splits=2)
     for i, n in enumerate((5, 17)):
         last = table[i, (n - 1) // 8]
         k[last, (n - 1) % 8 + 1 :] = float("nan")  # the rest of its last block
         v[last, (n - 1) % 8 + 1 :] = float("nan")
     table[:, 3:] = 10**6  # block ids out of range where no token is
-    got = triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=2)
+    got = paged_decode(q, k, v, table, ctx, 0.25, num_splits=2)
     assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(not CUDA, reason="bfloat16 on the interpreter is numpy's emulation; checked on CUDA")
 def test_bfloat16_is_float_attention_rounded_once():
     q, k, v, table, ctx = paged_case(torch.bfloat16, hkv=8, group=4, d=64, block_size=16, width=12, ctx=(1, 100, 191))
-    out = triton_decode.paged_decode(q, k, v, table, ctx, 64**-0.5)
+    out = paged_decode(q, k, v, table, ctx, 64**-0.5)
     want = reference(q, k, v, table, ctx, 64**-0.5)
     assert torch.allclose(out.double().cpu(), want, atol=2e-2)
 
 
+@needs_kernels
 def test_a_bad_split_count_or_head_grouping_is_a_value_error():
     q, k, v, table, ctx = paged_case(torch.float32)
     with pytest.raises(ValueError, match="power of two"):
-        triton_decode.paged_decode(q, k, v, table, ctx, 0.25, num_splits=3)
+        paged_decode(q, k, v, table, ctx, 0.25, num_splits=3)
     with pytest.raises(ValueError, match="share"):
-        triton_decode.paged_decode(q[:, :5], k, v, table, ctx, 0.25)
+        paged_decode(q[:, :5], k, v, table, ctx, 0.25)
+
+
+@needs_kernels
+def test_the_fused_activation_is_silu_then_mul():
+    from mooncake.engine.kernels.triton_mlp import silu_mul
+
+    x = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(DEVICE)  # more than one block a row
+    gate, up = x.split(1500, dim=-1)
+    assert torch.allclose(silu_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6)
+    assert silu_mul(x[:0]).shape == (0, 1500)

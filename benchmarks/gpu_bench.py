@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = results.measure("copy_rate_bytes_per_s", lambda: copy_rate(device))
     flops = results.measure("matmul_flops_per_s", lambda: matmul_rate(device, dtype))
 
+    sdpa_priority = torch._C._get_sdp_priority_order() if device.type == "cuda" else None
     try:
         engine = engine_for(model_dir, args.device, args.dtype)
     except Exception as e:  # noqa: BLE001 - a failed capture still leaves the eager figures to measure
@@ -350,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     for budget in BUDGETS:
         results.measure(f"ours_ttft_{budget}", lambda: ours_ttft(engine, vocab, budget, args.repeats))
     del engine, graphs
+    if device.type == "cuda":  # the baselines must run with torch's own attention choices, as ours found them
+        r["sdpa_priority_before_ours"], r["sdpa_priority_after_ours"] = sdpa_priority, torch._C._get_sdp_priority_order()
+        if sdpa_priority != r["sdpa_priority_after_ours"]:
+            results.errors["sdpa_priority"] = "ours changed torch's process-wide SDPA priority order"
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

@@ -27,7 +27,7 @@ from mooncake.engine.sampler import History, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
-_CUDA_SDPA_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class ModelRunner:
@@ -157,11 +157,13 @@ class ModelRunner:
                             prompt)  # fmt: skip
 
     def _attention_backends(self):
-        """On CUDA, torch's flash kernel before cuDNN's for the prefill chunks: cuDNN builds a plan for every new
-        (query, key) length, hundreds of ms each, and a server sees a new prompt length with nearly every request."""
+        """On CUDA, no cuDNN attention for the prefill chunks (flash takes them): cuDNN builds a plan for every new
+        (query, key) length, hundreds of ms each, and a server sees a new prompt length with nearly every request.
+        Only the backends' on/off flags change, for the forward's duration; their priority order (process-wide, and
+        not restored exactly by torch) is left alone."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        return sdpa_kernel(_CUDA_SDPA_ORDER, set_priority=True)
+        return sdpa_kernel(_CUDA_SDPA_BACKENDS)
 
     def _graph_step(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> bool:
         """Whether this step runs through the decode graphs: decodes only, each sampling, within the largest bucket."""

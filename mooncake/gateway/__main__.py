@@ -55,8 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="--local: the engine's device, cpu or cuda[:N]")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="--local --engine vllm: a vLLM "
                    "EngineArgs keyword, repeatable")
-    p.add_argument("--max-batched-tokens", type=int, default=512, help="--local: the engine's per-step token budget (a longer "
-                   "prompt is prefilled in chunks of this many tokens, inside the decode steps)")
+    p.add_argument("--max-batched-tokens", type=int, default=None, help="--local: the engine's per-step token budget (a longer "
+                   "prompt is prefilled in chunks of this many tokens, inside the decode steps; default: 512 on the CPU, "
+                   "4096 on CUDA)")
     p.add_argument("--hold-s", type=float, default=10.0, help="a request arriving while the Conductor (or every worker "
                    "of a role) is away waits this long before it gets 503 with Retry-After")
     p.add_argument("--retry-budget-s", type=float, default=30.0, help="after a worker fails a request, how long placing it "

@@ -36,13 +36,13 @@ from typing import Any
 
 import grpc
 import torch
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 
 from conductor.predictors import DecodePredictor, PredictorConfig
 from decode.writeback import BlockWriter
 from kvstore.service import segment_to_pb
 from mooncake import tls
-from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
+from mooncake.engine.config import EngineConfig, check_cuda_device
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.channels import client_options
@@ -77,16 +77,11 @@ class DecodeConfig(BaseModel):
         if device != "cpu":
             check_cuda_device(device)
         return device
-
-    @model_validator(mode="after")
-    def _default_budget(self):
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_batched_tokens(self.device)
-        return self
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int = Field(2048, ge=1, description="the engine's paged cache, in blocks")
     max_num_seqs: int = Field(32, ge=1, description="most requests in the running batch")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="default: 512 on the CPU, 4096 on CUDA")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="default: the engine's for its device "
+                                        "(512 on the CPU, 4096 on CUDA)")
     max_model_len: int | None = None
     landing_slots: int | None = Field(None, ge=1, description="landing slots (blocks); default: two full-context prompts")
     tbt_slo_s: float | None = Field(None, gt=0, description="hold the batch where the predicted step stays under "

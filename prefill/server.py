@@ -11,7 +11,6 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.client import KVStoreUnavailable
-from mooncake.engine.config import default_batched_tokens
 from mooncake.faults import StatusTable, message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
@@ -121,7 +120,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.max_num_batched_tokens = args.max_num_batched_tokens or default_batched_tokens(args.device)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s prefill[%(process)d] %(message)s")
     try:
         addresses = [_address(a) for a in args.stage_addresses.split(",") if a.strip()]
@@ -150,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         add_servicer=lambda server: wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server),
         registration=cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, node=worker.node, model=args.model,
                                          fingerprint=worker.engine.fingerprint, engine=args.engine,
-                                         capacity=args.max_num_batched_tokens, pipeline_stages=stages,
-                                         pipeline_chunk=args.max_num_batched_tokens if stages > 1 else 0,
+                                         capacity=config.max_num_batched_tokens, pipeline_stages=stages,
+                                         pipeline_chunk=config.max_num_batched_tokens if stages > 1 else 0,
                                          transport=worker.transfer.transport),  # fmt: skip
         load=load,
         ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine, "transport": worker.transfer.transport,

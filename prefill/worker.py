@@ -69,12 +69,6 @@ class PrefillConfig(BaseModel):
         if device != "cpu":
             check_cuda_device(device)
         return device
-
-    @model_validator(mode="after")
-    def _default_budget(self):
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_batched_tokens(self.device)
-        return self
     block_size: int = Field(16, ge=1, description="tokens per block: the pool's, the engine's and the Conductor's")
     num_kv_blocks: int = Field(1024, ge=1, description="the engine's paged cache, in blocks")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step; longer prompts run in "
@@ -95,6 +89,13 @@ class PrefillConfig(BaseModel):
                                                    "(python -m prefill.stage), in layer order; empty: spawn the stages here")
     stage_key: bytes | None = Field(None, description="the group's key, which its stage servers hold too")
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
+
+    @model_validator(mode="after")
+    def _default_budget(self) -> "PrefillConfig":
+        """The step budget (also the Conductor's capacity and a group's chunk) resolved for the device, as the engine's."""
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_batched_tokens(self.device)
+        return self
 
 
 class Cancelled(Exception):

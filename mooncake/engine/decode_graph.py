@@ -14,9 +14,9 @@ context and blocks): they compute what row 0 computes and write the same K/V to 
 nothing, and their hidden states are never read. Attention is paged_decode (kernels/triton_decode.py), which
 reads the cache in place up to each row's context length, so one graph serves every context length.
 
-Who owns what: the runner owns the object and calls ``run`` from its thread between steps; the graphs, their
+Who owns what: the runner owns the object and calls ``load`` then ``replay`` from its thread, once per step; the graphs, their
 memory pool and the buffers live as long as the runner. The LM head, sampling and the KV connector's hooks run
-outside the graph (the runner calls the hooks for every layer before and after ``run``).
+outside the graph (the runner calls the hooks for every layer between ``load`` and ``replay``, and after it).
 
 On the CPU there is no graph: ``capture=False`` runs the same forward over the same buffers and padding, so the
 tests check on any machine that the graph-ready step gives the eager step's tokens.
@@ -83,6 +83,7 @@ class DecodeGraphs:
         self.hidden = torch.zeros(s, model.args.hidden_size, dtype=dtype, device=self.device)  # [S, hidden]
         self._attention = {b: decode_attention(b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._loaded = 0  # sequences the buffers hold (load), which replay runs
         if capture:
             self._capture()
 
@@ -93,12 +94,11 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"{n} sequences exceed the graphs' {self.max_num_seqs}")
 
-    @torch.inference_mode()
-    def run(self, decodes: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """The hidden states [n, hidden] (normed) of one decode step over ``decodes``, their K/V written to the cache.
+    def load(self, decodes: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Put one decode step's inputs for ``decodes`` into the buffers; return the cache slot [n] each new token's K/V
+        goes to (a device view, valid until the next ``load``). ``replay`` then runs the step.
 
         Host work is O(batch + its block-table entries): the inputs go into the pinned mirror, one copy moves them.
-        The returned view is overwritten by the next ``run``.
         """
         n = len(decodes)
         b = self.bucket(n)
@@ -124,6 +124,15 @@ class DecodeGraphs:
             # Views of one buffer: the ids, positions, slots and lengths lie in [0, 4S), the table rows after.
             end = 4 * s + b * w
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        self._loaded = n
+        return self._slots[:n]
+
+    @torch.inference_mode()
+    def replay(self) -> torch.Tensor:
+        """Run the step ``load`` prepared: the hidden states [n, hidden] (normed), the new K/V written to the cache.
+        The returned view is overwritten by the next replay."""
+        n = self._loaded
+        b = self.bucket(n)
         graph = self.graphs.get(b)
         if graph is not None:
             graph.replay()

@@ -112,11 +112,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if x.is_cuda and _cuda_silu_mul() is not None and (x.shape[0] >= FUSED_MLP_MIN_TOKENS
-                                                            or torch.cuda.is_current_stream_capturing()):
+        fused = _cuda_silu_mul() if x.is_cuda else None
+        if fused is not None and (x.shape[0] >= FUSED_MLP_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
             # One kernel instead of two; launched from Python it costs more host time than torch's two, which only
             # a graph or a step of many tokens repays.
-            return self.down_proj(_cuda_silu_mul()(gate_up))
+            return self.down_proj(fused(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 

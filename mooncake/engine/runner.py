@@ -175,10 +175,9 @@ class ModelRunner:
         """A decode step through DecodeGraphs. Work that needs Python per layer happens around it: the imports'
         KV lands for every layer before it, and the connector sees every layer's load before and save after."""
         layers = list(zip(range(self.kv_cache.shape[0]), self.model.layer_range))  # (index here, the model's)
+        slots = self.graphs.load(decodes)  # [n] on the device
         hooks = type(connector) is not KVConnector  # the base connector's hooks do nothing: skip building a step
         if hooks:
-            slots = torch.tensor([s.request.block_ids[s.num_computed_tokens // self.block_size] * self.block_size
-                                  + s.num_computed_tokens % self.block_size for s in decodes], device=self.device)
             step = ConnectorStep(self.step_id, [
                 StepRequest(s.request.request_id, s.num_computed_tokens, 1, slots[i : i + 1], list(s.request.block_ids))
                 for i, s in enumerate(decodes)])  # fmt: skip
@@ -188,7 +187,7 @@ class ModelRunner:
         for imp in imports:
             for layer, _ in layers:
                 self.import_layer(layer, imp)
-        hidden = self.graphs.run(decodes)
+        hidden = self.graphs.replay()
         if hooks:
             for here, layer in layers:
                 connector.save_layer(layer, self.kv_cache[here, 0], self.kv_cache[here, 1], step)

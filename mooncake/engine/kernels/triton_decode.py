@@ -22,6 +22,8 @@ them on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -109,9 +111,14 @@ def _decode_merge(
     tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits that give about two programs per SM (a power of two, at most MAX_SPLITS): many for few sequences."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _num_sms(device)
     splits = 1
     while splits < MAX_SPLITS and batch * num_kv_heads * splits < 2 * sms:
         splits *= 2

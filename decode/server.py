@@ -83,11 +83,14 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = worker_parser("python -m decode", "A decode worker: reserves landing slots for a prompt's KV, has the planned prefill "
-                      "worker fill them, then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
+    p = worker_parser("python -m decode", "A decode worker: reserves blocks of its engine's cache for a prompt's KV (landing "
+                      "slots for stock vLLM, and for a prefill that cannot reach the cache), has the planned prefill worker "
+                      "write them, then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
                       "decode-0", 2048)  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in the running batch")
     p.add_argument("--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)")
+    p.add_argument("--staged-landing", action="store_true", help="native engine: prompts land in landing slots and are "
+                   "copied into the cache when they join (the path before prefills wrote the cache in place)")
     p.add_argument("--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this")
     p.add_argument("--detect-s", type=float, default=2.0, help="a prefill worker that stops answering keepalive pings this "
                    "long (a host off the network) fails the prefill; the gateway places the request again")
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                               host=args.host, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
                               num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, enforce_eager=args.enforce_eager, detect_s=args.detect_s, num_threads=args.threads,
-                              shm_dir=args.shm_dir, transport=TransportChoice.from_args(args))  # fmt: skip
+                              shm_dir=args.shm_dir, transport=TransportChoice.from_args(args),
+                              direct_landing=not args.staged_landing)  # fmt: skip
         worker = DecodeWorker(config)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

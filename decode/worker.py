@@ -25,6 +25,7 @@ engine's batch while DECODING; ``_Decoding.close`` frees whichever, in one place
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import queue
 import secrets
@@ -47,6 +48,7 @@ from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.channels import client_options
 from mooncake.serving.conductor_link import ConductorLink
+from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
@@ -56,6 +58,7 @@ from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransferConfig, TransferEngine, TransportChoice
+from transfer.types import host_id
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,11 @@ class DecodeConfig(BaseModel):
     num_threads: int | None = None
     use_kernels: bool = True
     enforce_eager: bool = Field(False, description="on CUDA: no CUDA graphs for decode steps")
+    direct_landing: bool = Field(True, description="native engine: prefills write a prompt's KV into the engine's own cache "
+                                 "(shared memory on the CPU, CUDA IPC on a GPU), not into landing slots copied again")  # fmt: skip
+    write_grace_s: float = Field(10.0, gt=0, description="cache blocks of a prefill that did not answer (cancelled, timed "
+                                 "out, unreachable) go back to the engine this much later: a straggling write lands in "
+                                 "nothing another request attends")  # fmt: skip
     shm_dir: str = "/dev/shm/mooncake"
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
@@ -126,40 +134,73 @@ class DecodeState(enum.Enum):
 
 
 class _Decoding:
-    """One request's resources on this worker, by state: who frees what, in one place."""
+    """One request's resources on this worker, by state: who frees what, in one place.
 
-    def __init__(self, worker: "DecodeWorker", request_id: str, slots: list[int]) -> None:
-        self.worker, self.request_id, self.slots = worker, request_id, slots
+    While PREFILLING it holds either landing slots (``slots``) or blocks of the engine's own cache (``blocks``,
+    written in place by the prefill). Blocks of a prefill that did not answer (cancelled, timed out, its worker
+    unreachable) may still see a straggling write: they go back to the engine only ``write_grace_s`` later."""
+
+    def __init__(self, worker: "DecodeWorker", request_id: str, slots: list[int], blocks: list[int]) -> None:
+        self.worker, self.request_id, self.slots, self.blocks = worker, request_id, slots, blocks
         self.state = DecodeState.PREFILLING
+        self.answered = False  # the prefill worker answered (its writes are over, whatever the answer)
+        self._left = False  # counted out of the worker's requests in prefill
         with worker._count_lock:
             worker._in_prefill += 1
 
     def join(self, sink: queue.Queue, prompt: list[int], params: SamplingParams, outputs: list[int], num_landed: int,
              cache_salt: str | None) -> None:  # fmt: skip
-        """PREFILLING -> DECODING: copy the landed KV out of the slots, free them, add the request to the batch."""
+        """PREFILLING -> DECODING: add the request to the batch, its prompt's KV already in its blocks (or copied out of
+        the landing slots, which are freed)."""
         w = self.worker
-        external = w.landing.index_select(0, torch.tensor(self.slots, dtype=torch.long))  # [n, L, 2, bs, Hkv, D]
+        kv: dict[str, Any] = {"kv_block_ids": self.blocks} if self.blocks else {
+            "external_kv": w.landing.index_select(0, torch.tensor(self.slots, dtype=torch.long))}  # [n, L, 2, bs, Hkv, D]
         self._free_slots()
         future = w.loop.submit_nowait(sink.put, prompt_token_ids=prompt, sampling_params=params, request_id=self.request_id,
-                                      external_kv=external, num_external_tokens=num_landed, initial_output_token_ids=outputs,
-                                      cache_salt=cache_salt)  # fmt: skip
+                                      num_external_tokens=num_landed, initial_output_token_ids=outputs, cache_salt=cache_salt,
+                                      **kv)  # fmt: skip
         try:
             future.result()
         except ValueError as e:
-            self.state = DecodeState.DONE
+            self.state = DecodeState.DONE  # the engine did not take the blocks: close() returns them
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self.blocks = []  # the request's now: the engine frees them with it
+        self._leave_prefill()
         self.state = DecodeState.DECODING
+
+    def _leave_prefill(self) -> None:
+        if not self._left:
+            self._left = True
+            with self.worker._count_lock:
+                self.worker._in_prefill -= 1
 
     def _free_slots(self) -> None:
         if self.slots:
             self.worker.slots.free(self.slots)
-            with self.worker._count_lock:
-                self.worker._in_prefill -= 1
         self.slots = []
+
+    def _free_blocks(self) -> None:
+        blocks, self.blocks = self.blocks, []
+        if not blocks:
+            return
+        release = functools.partial(self.worker.release_blocks, blocks)
+        if self.answered:
+            release()
+        else:
+            timer = threading.Timer(self.worker.config.write_grace_s, release)
+            timer.daemon = True
+            timer.start()
+
+    def close_blocks(self) -> None:
+        """Give the cache blocks back now (the prefill answered without writing them: it lands in slots instead)."""
+        self.answered = True
+        self._free_blocks()
 
     def close(self) -> None:
         """However the request ended (finished, failed, the client gone): release what its state holds."""
         self._free_slots()
+        self._free_blocks()
+        self._leave_prefill()
         if self.state is DecodeState.DECODING:
             self.worker.loop.abort(self.request_id)  # a no-op once it finished
         if self.worker.link is not None:
@@ -188,15 +229,27 @@ class DecodeWorker:
             max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads, device=config.device,
             use_kernels=config.use_kernels, enforce_eager=config.enforce_eager,
         )  # fmt: skip
-        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer)
+        self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir,
+                                                      **config.transport.model_dump()))  # fmt: skip
+        # a prefill worker writes landing slots (or cache blocks) only under the grant made for its Prefill call (_prefill)
+        self._grants: dict[str, frozenset[int]] = {}
+        self._grants_lock = threading.Lock()
+        # The engine's own cache is the landing zone (native engine): on the CPU it lives in a shared-memory segment
+        # (prefill workers on this host write it in place, others through the transfer server); on CUDA it is exported
+        # by CUDA IPC to prefill workers on this host. Landing slots remain for the rest.
+        native = config.engine is EngineKind.NATIVE and config.direct_landing
+        self.cache_segment = None
+        self.cuda_ipc = b""
+        place = self._place_cache if native and config.device == "cpu" else None
+        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer,
+                                   kv_cache_buffer=place)  # fmt: skip
+        if native and config.device != "cpu":
+            self.cuda_ipc = export_cuda_tensor(self.engine.runner.kv_cache)
+        self.cache_num_blocks = self.engine.runner.kv_cache.shape[2] if native else 0
+        self._staged_prefills: set[str] = set()  # prefill workers that cannot write this cache (another host, no GPU)
         self.max_model_len = self.engine.max_model_len
         self.block_bytes = self.engine.block_bytes
         slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
-        self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir,
-                                                      **config.transport.model_dump()))  # fmt: skip
-        # a prefill worker writes landing slots only under the grant made for its Prefill call (_prefill)
-        self._grants: dict[str, frozenset[int]] = {}
-        self._grants_lock = threading.Lock()
         self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes, guard=self._landing_guard)
         self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.block_shape,
                                    engine_config.torch_dtype)  # fmt: skip
@@ -211,6 +264,45 @@ class DecodeWorker:
         self._count_lock = threading.Lock()
         self.link = link
         self.draining = False
+
+    def _place_cache(self, nbytes: int):
+        """The engine's cache, in a shared-memory segment served to prefill workers (the engine calls it once)."""
+        self.cache_segment = self.transfer.allocate("kvcache", nbytes, guard=self._cache_guard)
+        return self.transfer.buffer(self.cache_segment.name)
+
+    def _cache_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        """The cache segment's capability check (transfer server): bytes of the cache blocks granted to one Prefill
+        call, while it runs. The cache is [L, 2, blocks, ...]: plane p = (layer, K or V), block p % blocks."""
+        with self._grants_lock:
+            granted = self._grants.get(token)
+        if granted is None:
+            return "no live landing grant with that token (one Prefill call's, while it runs)"
+        half = self.block_bytes // (2 * self.engine.block_shape[0])
+        first, last = offset // half, (offset + length - 1) // half
+        if not all(p % self.cache_num_blocks in granted for p in range(first, last + 1)):
+            return f"cache blocks at bytes {offset}..{offset + length} are not all granted to that prefill"
+        return None
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Give reserved cache blocks back to the engine (a prefill that failed, or was left behind)."""
+        self.loop.call(lambda engine: engine.release_blocks(blocks))
+
+    def _direct(self, prefill_address: str) -> bool:
+        """Does this request's KV land in the engine's cache itself (not in landing slots)?"""
+        return (self.cache_segment is not None or bool(self.cuda_ipc)) and prefill_address not in self._staged_prefills
+
+    def _reserve(self, num_blocks: int, prefill_address: str) -> tuple[list[int], list[int]]:
+        """(landing slots, cache blocks) for a prompt of ``num_blocks`` blocks: one of them is empty. Raises Busy."""
+        if self._direct(prefill_address):
+            blocks = self.loop.call(lambda engine: engine.reserve_blocks(num_blocks)).result()
+            if blocks is None:
+                raise Busy(f"decode worker {self.config.id} has no {num_blocks} free cache blocks", "decode_busy")
+            return [], blocks
+        slots = self.slots.allocate(num_blocks)
+        if slots is None:
+            raise Busy(f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
+                       "decode_busy")  # fmt: skip
+        return slots, []
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -271,17 +363,14 @@ class DecodeWorker:
                 raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the request has no placement (a prefill address from the Conductor)")
             self._admit()
             num_blocks = -(-len(sequence) // self.config.block_size)
-            slots = self.slots.allocate(num_blocks)
-            if slots is None:
-                raise Busy(f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
-                           "decode_busy")  # fmt: skip
+            slots, blocks = self._reserve(num_blocks, req.placement.prefill_address)
         except (Busy, Failed):
             if self.link is not None:  # the Conductor counted it here when it scheduled it
                 self.link.finished(req.request_id)
             raise
-        run = _Decoding(self, req.request_id, slots)
+        run = _Decoding(self, req.request_id, slots, blocks)
         try:
-            first = self._prefill(req, sequence, len(outputs), run.slots, context)
+            first = self._prefill(req, sequence, len(outputs), run, context)
             self._check_late_admission(req, len(sequence))
             stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
             finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
@@ -349,23 +438,47 @@ class DecodeWorker:
             return f"landing slots {first}..{last} are not all granted to that prefill"
         return None
 
-    def _prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, slots: list[int], context) -> FirstToken:
+    def _prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context) -> FirstToken:
+        try:
+            return self._granted_prefill(req, sequence, num_outputs, run, context)
+        except Failed as e:
+            if e.code is not grpc.StatusCode.FAILED_PRECONDITION or not run.blocks:
+                raise
+        # that prefill worker cannot write this engine's CUDA cache (another host, or no GPU): landing slots, from now on
+        log.info("prefill worker at %s cannot write this decode engine's cache: it lands in slots",
+                 req.placement.prefill_address)  # fmt: skip
+        self._staged_prefills.add(req.placement.prefill_address)
+        run.close_blocks()
+        run.slots, _ = self._reserve(-(-len(sequence) // self.config.block_size), req.placement.prefill_address)
+        run.answered = False
+        return self._granted_prefill(req, sequence, num_outputs, run, context)
+
+    def _granted_prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding,
+                         context) -> FirstToken:  # fmt: skip
         token = secrets.token_hex(16)
         with self._grants_lock:
-            self._grants[token] = frozenset(slots)
+            self._grants[token] = frozenset(run.blocks or run.slots)
         try:
-            return self._call_prefill(req, sequence, num_outputs, slots, context, token)
+            return self._call_prefill(req, sequence, num_outputs, run, context, token)
         finally:
             with self._grants_lock:
                 del self._grants[token]  # a straggling write after the call (a cancelled prefill's) is refused
 
-    def _call_prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, slots: list[int], context,
+    def _landing(self, run: _Decoding, token: str) -> wpb.Landing:
+        """Where the prefill writes: the granted cache blocks (in place) or landing slots."""
+        if not run.blocks:
+            return wpb.Landing(segment=segment_to_pb(self.landing_segment), offsets=[s * self.block_bytes for s in run.slots],
+                               block_bytes=self.block_bytes, token=token)  # fmt: skip
+        segment = segment_to_pb(self.cache_segment) if self.cache_segment is not None else None
+        return wpb.Landing(segment=segment, block_bytes=self.block_bytes, token=token, cache_blocks=run.blocks,
+                           cache_num_blocks=self.cache_num_blocks, cuda_ipc=self.cuda_ipc, host=host_id())  # fmt: skip
+
+    def _call_prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context,
                       token: str) -> FirstToken:  # fmt: skip
-        """Have the planned prefill worker fill ``slots`` with the KV of ``sequence`` (the prompt and, resuming, the
-        ``num_outputs`` tokens streamed so far); return the token after it."""
+        """Have the planned prefill worker write the KV of ``sequence`` (the prompt and, resuming, the ``num_outputs``
+        tokens streamed so far) where ``run`` lands it; return the token after it."""
         placement = req.placement
-        landing = wpb.Landing(segment=segment_to_pb(self.landing_segment), offsets=[s * self.block_bytes for s in slots],
-                              block_bytes=self.block_bytes, token=token)  # fmt: skip
+        landing = self._landing(run, token)
         call = self._prefill_stub(placement.prefill_address).Prefill.future(
             wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=sequence, sampling=req.sampling,
                                cache_salt=req.cache_salt if req.HasField("cache_salt") else None, plan=placement.plan,
@@ -379,11 +492,14 @@ class DecodeWorker:
             raise Failed(grpc.StatusCode.CANCELLED, "the client cancelled the request") from None
         except grpc.RpcError as e:
             code = e.code()
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+            run.answered = code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.FAILED_PRECONDITION):  # fmt: skip
                 raise Failed(code, e.details()) from None
             raise Failed(grpc.StatusCode.UNAVAILABLE,
                          f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: {code.name} {e.details()}",
                          failed_instance=placement.prefill_id) from None  # fmt: skip
+        run.answered = True
         by_tier = {}
         if resp.local_tokens:
             by_tier["dram"] = resp.local_tokens - resp.ssd_tokens

@@ -30,6 +30,7 @@ Runs on the engine's thread; jobs are added and removed from request threads.
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 import time
@@ -42,6 +43,8 @@ from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.request import TokenLogprob
 from mooncake.serving.kvlayout import tensor_bytes
 from transfer import Slice, TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -57,6 +60,11 @@ class PrefillJob:
     pool_segment: str | None = None  # the pool's segment, written through the transfer engine (None: the bound tensor)
     pool_token: str = ""  # the reservation of pool_slots (Slice.token: the pool node checks it)
     landing_token: str = ""  # the decode worker's grant of the landing slots (Landing.token)
+    landing_blocks: list[int] | None = None  # set: the destinations are these blocks of the decode engine's cache
+    landing_num_blocks: int = 0  # that cache's blocks (the stride of its layout [L, 2, blocks, bs, Hkv, D])
+    device_cache: torch.Tensor | None = None  # that cache itself, on this GPU by CUDA IPC: written by device copies
+    store_later: bool = False  # pool slots are written after the first token, from blocks the engine keeps meanwhile
+    on_stored: Callable[[bool], None] | None = None  # then called (True: every pool slot written) on the writer thread
     pushed: int = 0  # blocks whose every layer is on the decode worker
     issued: int = 0  # blocks whose every layer's push has started (pushed <= issued)
     started_at: float | None = None  # its first engine step
@@ -65,11 +73,19 @@ class PrefillJob:
     first_logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the sampling asked for prompt_logprobs
     error: BaseException | None = None
+    writing: bool = False  # its new blocks are being written to the pool after the first token (``on_stored`` ends it)
     done: threading.Event = field(default_factory=threading.Event)
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
+
+    def landing_at(self, block: int, layer: int, kv: int, half: int) -> int:
+        """Byte offset in the landing segment of K (kv=0) or V (kv=1) of one layer of prompt block ``block``; ``half``
+        is the size of one (a block's K or V in one layer)."""
+        if self.landing_blocks is None:  # a landing slot, in the pool layout
+            return self.landing_offsets[block] + (layer * 2 + kv) * half
+        return ((layer * 2 + kv) * self.landing_num_blocks + self.landing_blocks[block]) * half
 
 
 Export = Callable[[int, torch.Tensor, list[int]], torch.Tensor]  # (layer, its cache, block ids) -> [n, 2, bs, Hkv, D]
@@ -89,6 +105,8 @@ class PoolConnector(KVConnector):
         self._lock = threading.Lock()  # _batches: the staging thread appends too
         self._staging: HostStaging | None = None
         self._unsettled: set[PrefillJob] = set()  # jobs with pushes started and not yet waited for
+        self._writer: PoolWriter | None = None  # started by the first job that stores later
+        self._released: list[int] = []  # blocks the writer is done with (the engine frees them)
 
     def bind(self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None,
              staged: bool | None = None) -> None:  # fmt: skip
@@ -151,11 +169,11 @@ class PoolConnector(KVConnector):
             slices = []
             for b in range(start, end):
                 block = table[b]
-                remote = job.landing_offsets[b] + layer * self._layer_bytes
-                slices.append(Slice(self._offset(layer, 0, block), job.landing_segment, remote, half, job.landing_token))
-                slices.append(Slice(self._offset(layer, 1, block), job.landing_segment, remote + half, half, job.landing_token))
+                for kv in (0, 1):
+                    slices.append(Slice(self._offset(layer, kv, block), job.landing_segment, job.landing_at(b, layer, kv, half),
+                                        half, job.landing_token))  # fmt: skip
                 slot = job.pool_slots.get(b)
-                if slot is None:
+                if slot is None or job.store_later:
                     continue
                 if job.pool_segment is None:
                     self.pool[slot, layer].copy_(self.kv_cache[layer - self._first_layer, :, block])
@@ -180,8 +198,20 @@ class PoolConnector(KVConnector):
         next layer meanwhile."""
         cache = self.kv_cache[layer - self._first_layer]  # [2, num_blocks, bs, Hkv, D]
         for job, table, start, end in self._active:
-            if job.error is None:
-                self._staging.submit(cache, table[start:end], functools.partial(self._push_or_fail, job, layer, start, end))
+            if job.error is not None:
+                continue
+            if job.device_cache is not None:  # the decode engine's cache on this host: device to device, no host memory
+                self._staging.copy_to(cache, table[start:end], job.device_cache[layer], job.landing_blocks[start:end])
+                if not job.store_later and any(b in job.pool_slots for b in range(start, end)):
+                    self._staging.submit(cache, table[start:end], functools.partial(self._pool_or_fail, job, layer, start, end))
+                continue
+            self._staging.submit(cache, table[start:end], functools.partial(self._push_or_fail, job, layer, start, end))
+
+    def _pool_or_fail(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor) -> None:
+        try:
+            self._push_staged(job, layer, start, end, staged, landing=False)
+        except BaseException as e:  # noqa: BLE001 - on the staging thread: the job fails, the engine does not
+            job.fail(e)
 
     def _push_or_fail(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor) -> None:
         try:
@@ -189,13 +219,15 @@ class PoolConnector(KVConnector):
         except BaseException as e:  # noqa: BLE001 - on the staging thread: the job fails, the engine does not
             job.fail(e)
 
-    def _push_staged(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor) -> None:
-        """Write ``staged`` [n, 2, bs, Hkv, D] (contiguous, CPU: blocks start..end of one layer) to the landing slots
-        and the job's pool slots."""
+    def _push_staged(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor,
+                     landing: bool = True) -> None:  # fmt: skip
+        """Write ``staged`` [n, 2, bs, Hkv, D] (contiguous, CPU: blocks start..end of one layer) to the landing (unless
+        ``landing`` is False) and the job's pool slots (unless the job stores them later)."""
         size = staged[0].numel() * staged.element_size()
-        slices = [Slice(i * size, job.landing_segment, job.landing_offsets[b] + layer * size, size, job.landing_token)
-                  for i, b in enumerate(range(start, end))]  # fmt: skip
-        to_pool = [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
+        half = size // 2
+        slices = [Slice(i * size + kv * half, job.landing_segment, job.landing_at(b, layer, kv, half), half, job.landing_token)
+                  for i, b in enumerate(range(start, end)) for kv in (0, 1)] if landing else []  # fmt: skip
+        to_pool = [] if job.store_later else [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
         if to_pool and job.pool_segment is None:  # one copy (the GIL let go while it runs), not one per block
             rows, slots = (torch.tensor(x, dtype=torch.long) for x in zip(*to_pool))
             self.pool[:, layer].index_copy_(0, slots, staged.index_select(0, rows))
@@ -225,10 +257,37 @@ class PoolConnector(KVConnector):
         if self._staging is None or done:
             self._settle()
 
-    def request_finished(self, request_id: str, block_ids: list[int]) -> None:
-        """A request finished or was aborted: its pushes end before its blocks (and its landing slots) are let go."""
+    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
+        """A request finished or was aborted: its pushes end before its blocks (and its landing slots) are let go.
+
+        A job that stores its new blocks later (``store_later``) and reached its first token keeps its blocks: the pool
+        writer copies them into the reserved pool slots after the answer, then hands them back (``released_blocks``)."""
         if any(job.request_id == request_id for job in self._unsettled):
             self._settle()
+        job = self.jobs.get(request_id)
+        if job is None or not job.store_later or job.error is not None or job.pushed < job.num_blocks:
+            return False
+        pairs = [(block_ids[b], slot) for b, slot in sorted(job.pool_slots.items()) if b < len(block_ids)]
+        if not pairs:
+            return False
+        if self._writer is None:
+            self._writer = PoolWriter(self.kv_cache, self.pool, self._first_layer, self._release)
+        job.writing = True
+        self._writer.submit(job, pairs, block_ids)
+        return True
+
+    def _release(self, block_ids: list[int]) -> None:
+        with self._lock:
+            self._released.extend(block_ids)
+
+    def released_blocks(self) -> list[int]:
+        with self._lock:
+            out, self._released = self._released, []
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every pool write started so far is done (tests, benchmarks, a drain); False on a timeout."""
+        return self._writer is None or self._writer.flush(timeout)
 
     def _settle(self) -> None:
         """Wait for every push started so far; a failed one fails its job."""
@@ -285,6 +344,23 @@ class HostStaging:
             done = self.stream.record_event()
         self._queue.put((done, host, then))
 
+    def copy_to(self, cache: torch.Tensor, block_ids: list[int], dest: torch.Tensor, dest_ids: list[int]) -> None:
+        """Copy blocks ``block_ids`` of one layer's cache [2, num_blocks, bs, Hkv, D] into blocks ``dest_ids`` of another
+        cache's same layer (a decode engine's, mapped by CUDA IPC), device to device on the side stream; ``drain``
+        waits for it too."""
+        if not self.cuda:  # the same path on the CPU (tests): a plain copy
+            src, dst = (torch.tensor(x, dtype=torch.long) for x in (block_ids, dest_ids))
+            dest.index_copy_(1, dst, cache.index_select(1, src))
+            return
+        ready = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            src = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+            dst = torch.tensor(dest_ids, dtype=torch.long).pin_memory().to(dest.device, non_blocking=True)
+            dest.index_copy_(1, dst, cache.index_select(1, src).to(dest.device, non_blocking=True))
+            done = self.stream.record_event()
+        self._queue.put((done, None, None))
+
     def drain(self) -> None:
         self._queue.join()
 
@@ -294,6 +370,72 @@ class HostStaging:
             try:
                 if done is not None:
                     done.synchronize()
-                then(host)  # it fails its own job on an error
+                if then is not None:
+                    then(host)  # it fails its own job on an error
             finally:
                 self._queue.task_done()
+
+
+class PoolWriter:
+    """Writes finished prefills' new blocks into their reserved pool slots after the first token is out, from the
+    engine's cache blocks, which the engine keeps for it meanwhile (``PoolConnector.request_finished``).
+
+        engine thread:  submit(job, [(cache block, pool slot)], the request's blocks)   (a CUDA event marks the KV done)
+        writer thread:  CPU: block by block, cache -> pool slot (shared memory)
+                        CUDA: one gather on a side stream -> pinned host -> pool slots
+                        then hand the blocks back to the engine (release) and tell the job (on_stored)
+
+    A write that fails costs the pool these blocks (``on_stored(False)``: the reservation is aborted), never a request.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, pool: torch.Tensor, first_layer: int, release: Callable[[list[int]], None]) -> None:
+        self.kv_cache, self.pool, self.release = kv_cache, pool, release
+        self.layers = slice(first_layer, first_layer + kv_cache.shape[0])
+        self.cuda = kv_cache.device.type == "cuda"
+        self.stream = torch.cuda.Stream(kv_cache.device) if self.cuda else None
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="kv-pool-writer", daemon=True).start()
+
+    def submit(self, job: PrefillJob, pairs: list[tuple[int, int]], block_ids: list[int]) -> None:
+        ready = torch.cuda.current_stream(self.kv_cache.device).record_event() if self.cuda else None
+        self._queue.put((job, pairs, block_ids, ready))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        q = self._queue
+        with q.all_tasks_done:
+            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            job, pairs, block_ids, ready = self._queue.get()
+            ok = False
+            try:
+                self._write(pairs, ready)
+                ok = True
+            except Exception:  # noqa: BLE001 - a lost cache entry, never a lost request
+                log.exception("writing %d blocks of %s into the pool failed: they are not stored", len(pairs), job.request_id)
+            finally:
+                self.release(block_ids)
+                if job.on_stored is not None:
+                    try:
+                        job.on_stored(ok)
+                    except Exception:  # noqa: BLE001
+                        log.exception("finishing the pool write of %s failed", job.request_id)
+                self._queue.task_done()
+
+    @torch.inference_mode()
+    def _write(self, pairs: list[tuple[int, int]], ready) -> None:
+        if not self.cuda:
+            for block, slot in pairs:
+                self.pool[slot, self.layers].copy_(self.kv_cache[:, :, block])
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            src = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=self.kv_cache.device)
+            gathered = self.kv_cache.index_select(2, src)  # [L, 2, n, bs, Hkv, D]
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            done = self.stream.record_event()
+        done.synchronize()
+        slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
+        self.pool[:, self.layers].index_copy_(0, slots, host.permute(2, 0, 1, 3, 4, 5))

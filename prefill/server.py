@@ -15,7 +15,7 @@ from mooncake.faults import StatusTable, message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
 from prefill.stage import read_key
-from prefill.worker import Cancelled, PrefillConfig, PrefillWorker
+from prefill.worker import Cancelled, PrefillConfig, PrefillWorker, Unreachable
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransferError, TransportChoice
@@ -26,12 +26,14 @@ log = logging.getLogger(__name__)
 
 PREFILL_STATUS = StatusTable(raised=[
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (Unreachable, grpc.StatusCode.FAILED_PRECONDITION),  # a CUDA cache it cannot map: the decode worker sends slots
     (Cancelled, grpc.StatusCode.CANCELLED),  # the decode worker went away
     (KVStoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # a pool node is gone: the gateway places the request again
     (TransferError, grpc.StatusCode.UNAVAILABLE),
     (RuntimeError, grpc.StatusCode.UNAVAILABLE),  # draining, or the engine failed
 ])  # fmt: skip
-OUTCOME = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.UNAVAILABLE: "failed"}
+OUTCOME = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.UNAVAILABLE: "failed",
+           grpc.StatusCode.FAILED_PRECONDITION: "unreachable"}
 
 
 class PrefillMetrics:
@@ -44,6 +46,10 @@ class PrefillMetrics:
                                buckets=(0.001, 0.01, 0.1, 0.3, 1, 3, 10, 30), registry=r)  # fmt: skip
         self.tokens = Counter("mooncake_prefill_prompt_tokens", "prompt tokens by where their KV came from", ["source"], registry=r)
         self.kv_bytes = Counter("mooncake_kv_bytes", "KV bytes moved by this worker", ["direction"], registry=r)
+        self.handoff = Counter("mooncake_prefill_handoff_bytes", "prompt KV bytes handed to decode workers, by path: "
+                               "slots (landing slots, copied again when the request joins), cache (written into the "
+                               "decode engine's cache through its segment), cuda_ipc (device copies into it)", ["path"],
+                               registry=r)  # fmt: skip
         self.inflight = Gauge("mooncake_prefill_inflight", "prefills in this worker (queued or running)", registry=r)
 
 
@@ -73,7 +79,10 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         m.tokens.labels("pool_dram").inc(max(0, resp.local_tokens - resp.ssd_tokens))
         m.tokens.labels("pool_ssd").inc(resp.ssd_tokens)
         m.tokens.labels("remote").inc(resp.fetched_tokens)
-        m.kv_bytes.labels("pushed").inc(len(request.landing.offsets) * self.worker.block_bytes)
+        landing = request.landing
+        pushed = (len(landing.cache_blocks) or len(landing.offsets)) * self.worker.block_bytes
+        m.kv_bytes.labels("pushed").inc(pushed)
+        m.handoff.labels("cuda_ipc" if landing.cuda_ipc else "cache" if landing.cache_blocks else "slots").inc(pushed)
         m.kv_bytes.labels("pulled").inc(resp.fetched_tokens // self.worker.config.block_size * self.worker.block_bytes)
         return resp
 

@@ -22,6 +22,7 @@ restarted under that id hands back, as it starts, what its last run held on its 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
 from mooncake.engine.engine import RequestOutput
 from mooncake.serving.conductor_link import ConductorLink
+from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.engines import EngineKind, build_engine
@@ -48,6 +50,7 @@ from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import StageGroup
 from protos import worker_pb2 as wpb
 from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError, TransportChoice
+from transfer.types import host_id
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,11 @@ class PrefillConfig(BaseModel):
 
 class Cancelled(Exception):
     """The caller (a decode worker) went away."""
+
+
+class Unreachable(Exception):
+    """The landing names a decode engine's CUDA cache this worker cannot write (another host, no GPU here): the
+    decode worker asks again with landing slots (FAILED_PRECONDITION)."""
 
 
 @dataclass(eq=False)
@@ -176,6 +184,7 @@ class PrefillWorker:
         self.transfer.pin(self._pool_bytes)  # fetches land in it: registered with an RDMA device once, not per fetch
         if self.group is None:
             self.loop = EngineLoop(self.engine, name="prefill-engine")
+        self._cuda_caches = CudaCaches()  # decode engines' CUDA caches on this host, mapped once each
         self._remote: dict[str, KVStoreClient] = {}
         self._remote_lock = threading.Lock()
         self.predictor = (PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
@@ -200,17 +209,11 @@ class PrefillWorker:
         if not prompt:
             raise ValueError("the prompt is empty")
         num_blocks = -(-len(prompt) // bs)
-        landing = req.landing
-        if len(landing.offsets) != num_blocks:
-            raise ValueError(f"{len(landing.offsets)} landing slots for a {len(prompt)}-token prompt of {num_blocks} blocks")
-        if landing.block_bytes != self.block_bytes:
-            raise ValueError(f"landing slots of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}")
         salt = req.cache_salt if req.HasField("cache_salt") else None
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
-        job = PrefillJob(req.request_id, len(prompt), num_blocks, landing.segment.name, list(landing.offsets),
-                         landing_token=landing.token)  # fmt: skip
-        self.transfer.add_segment(segment_from_pb(landing.segment))
+        job = self._job(req, num_blocks)
         held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
+        deferred = False  # the pool write goes on after the answer: its end commits and releases ``held``
         try:
             # prompt logprobs need every prompt token computed: nothing is loaded
             plan = type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan
@@ -218,6 +221,8 @@ class PrefillWorker:
             cached_blocks = len(local) + len(fetched)
             cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
             job.pool_slots = self._reserve_new(keys, cached_blocks, held)
+            if job.pool_slots and self.group is None and self.config.engine is EngineKind.NATIVE:
+                job.store_later, job.on_stored = True, functools.partial(self._stored, held)
             external = None
             if cached > 0:
                 external = SlotKV(self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None)
@@ -230,11 +235,14 @@ class PrefillWorker:
                 self._run(req, prompt, salt, external, cached, job, cancelled)
             if job.error is not None:
                 raise job.error
-            self._commit(held)
+            deferred = job.writing
+            if not deferred:
+                self._commit(held)
         finally:
             self.connector.jobs.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
-            self._release(held)
+            if not deferred:
+                self._release(held)
         compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
         self.predictor.observe(len(prompt), cached, max(compute_s, 1e-6))
         if self.link is not None:
@@ -248,6 +256,57 @@ class PrefillWorker:
             first_logprob=logprob_to_pb(job.first_logprob) if job.first_logprob is not None else None,
             prompt_logprobs=[logprob_to_pb(lp) for lp in job.prompt_logprobs],
         )  # fmt: skip
+
+    def _job(self, req: wpb.PrefillRequest, num_blocks: int) -> PrefillJob:
+        """The request's PrefillJob: where its KV lands (landing slots, or the decode engine's cache in place: through
+        its segment, or on this GPU by CUDA IPC). Raises ValueError for a landing that does not fit the prompt and
+        ``Unreachable`` for a CUDA cache this process cannot map."""
+        landing = req.landing
+        direct = len(landing.cache_blocks) > 0
+        have = len(landing.cache_blocks) if direct else len(landing.offsets)
+        if have != num_blocks:
+            raise ValueError(f"{have} landing blocks for a {len(req.prompt_token_ids)}-token prompt of {num_blocks} blocks")
+        if landing.block_bytes != self.block_bytes:
+            raise ValueError(f"landing blocks of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}")
+        job = PrefillJob(req.request_id, len(req.prompt_token_ids), num_blocks, landing.segment.name, list(landing.offsets),
+                         landing_token=landing.token)  # fmt: skip
+        if direct:
+            if landing.cache_num_blocks <= max(landing.cache_blocks):
+                raise ValueError(f"landing block {max(landing.cache_blocks)} outside a cache of {landing.cache_num_blocks} blocks")
+            job.landing_blocks, job.landing_num_blocks = list(landing.cache_blocks), landing.cache_num_blocks
+        if landing.cuda_ipc:
+            job.device_cache = self._device_cache(landing)
+        else:
+            self.transfer.add_segment(segment_from_pb(landing.segment))
+        return job
+
+    def _device_cache(self, landing: wpb.Landing):
+        """The decode engine's CUDA cache, mapped here once per decode worker."""
+        if not self.config.device.startswith("cuda") or self.group is not None or self.config.engine is not EngineKind.NATIVE:
+            raise Unreachable(f"prefill worker {self.config.id} writes no CUDA cache by IPC (device {self.config.device}, "
+                              f"engine {self.config.engine.value}, {self.config.pipeline_stages} stage(s))")  # fmt: skip
+        if landing.host != host_id():
+            raise Unreachable(f"the decode worker's CUDA cache is on another host ({landing.host})")
+        try:
+            cache = self._cuda_caches.open(landing.cuda_ipc)
+        except (ValueError, RuntimeError) as e:
+            raise Unreachable(f"the decode worker's CUDA cache cannot be mapped here: {e}") from None
+        want = (self.block_shape[0], 2, landing.cache_num_blocks, *self.block_shape[2:])
+        if tuple(cache.shape) != want or cache.dtype != self.connector.kv_cache.dtype:
+            raise ValueError(f"the decode worker's cache is {tuple(cache.shape)} {cache.dtype}; this model's would be {want} "
+                             f"{self.connector.kv_cache.dtype}")  # fmt: skip
+        return cache
+
+    def _stored(self, held: "_Held", ok: bool) -> None:
+        """The pool write of a finished prefill ended (on the connector's writer thread): commit what it wrote (or
+        abort it when it failed: the pool lacks these blocks, nobody's request fails), release the leases."""
+        if ok:
+            self._commit(held)
+        self._release(held)
+
+    def flush_pool_writes(self, timeout: float | None = 30.0) -> bool:
+        """Wait until the pool writes of every prefill answered so far are committed (tests, benchmarks, a drain)."""
+        return self.connector.flush(timeout)
 
     def _run(self, req, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
         """Run the request through the engine until its first token (or a failure, or the caller leaves)."""

@@ -66,16 +66,24 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Landing(_message.Message):
-    __slots__ = ("segment", "offsets", "block_bytes", "token")
+    __slots__ = ("segment", "offsets", "block_bytes", "token", "cache_blocks", "cache_num_blocks", "cuda_ipc", "host")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     segment: _kvstore_pb2.SegmentInfo
     offsets: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
     token: str
-    def __init__(self, segment: _Optional[_Union[_kvstore_pb2.SegmentInfo, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+    cache_blocks: _containers.RepeatedScalarFieldContainer[int]
+    cache_num_blocks: int
+    cuda_ipc: bytes
+    host: str
+    def __init__(self, segment: _Optional[_Union[_kvstore_pb2.SegmentInfo, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., token: _Optional[str] = ..., cache_blocks: _Optional[_Iterable[int]] = ..., cache_num_blocks: _Optional[int] = ..., cuda_ipc: _Optional[bytes] = ..., host: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "plan", "landing", "num_output_tokens")

@@ -58,6 +58,14 @@ class KVConnector:
     def wait_for_save(self) -> None:
         """Block until every save of this step is safe to overwrite (end of step)."""
 
-    def request_finished(self, request_id: str, block_ids: list[int]) -> None:
-        """Called when a request finishes or is aborted, before its blocks are freed."""
+    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
+        """Called when a request finishes or is aborted, before its blocks are freed. True: the connector keeps
+        ``block_ids`` (it still reads them, off the engine's critical path) and hands them back through
+        ``released_blocks``; the engine frees them then."""
+        return False
+
+    def released_blocks(self) -> list[int]:
+        """Blocks kept by ``request_finished`` that the connector is done with (the engine frees them before each
+        step). Thread-safe: any thread may finish with them."""
+        return []
 

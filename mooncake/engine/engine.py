@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,7 +66,10 @@ class EngineStats:
 class LLMEngine:
     """Paged-KV continuous-batching engine over one model. See module docstring."""
 
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, tokenizer=None,
+                 kv_cache_buffer: Callable[[int], Any] | None = None):  # fmt: skip
+        """``kv_cache_buffer(nbytes)``, when given (CPU only), returns the writable buffer the paged cache lives in: a
+        decode worker's cache in shared memory, which prefill workers on its host write a prompt's KV into in place."""
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
@@ -112,6 +117,7 @@ class LLMEngine:
             config.torch_dtype,
             config.seed,
             decode_kernel=kernel,
+            kv_buffer=kv_cache_buffer(num_blocks * self.block_bytes) if kv_cache_buffer is not None else None,
         )
         if config.decode_graphs:
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=config.captures_graphs)
@@ -123,6 +129,7 @@ class LLMEngine:
             | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         )
         self._ids = itertools.count()
+        self._reserved: set[int] = set()  # blocks out of the pool for KV written from outside (reserve_blocks)
 
     # -- requests -------------------------------------------------------------------
 
@@ -135,6 +142,7 @@ class LLMEngine:
         external_kv: torch.Tensor | None = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
+        kv_block_ids: list[int] | None = None,
     ) -> str:
         """Queue a request; return its id. Raises ValueError for bad input.
 
@@ -143,6 +151,10 @@ class LLMEngine:
         request is admitted so it starts with ``num_computed_tokens > 0`` (the decode
         worker's path). ``initial_output_token_ids`` are tokens already generated
         elsewhere (the prefill worker's first token); they count toward ``max_tokens``.
+
+        ``kv_block_ids`` (instead of ``external_kv``): blocks from ``reserve_blocks`` that already hold the KV of the
+        first ``num_external_tokens`` tokens (a prefill worker wrote them in place); the request owns them from here
+        and starts with that KV computed, with no copy. Preempted, it recomputes it.
         """
         params = sampling_params or SamplingParams()
         prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None)
@@ -151,6 +163,10 @@ class LLMEngine:
             raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
         if len(outputs) >= params.max_tokens:
             raise ValueError("initial_output_token_ids already reach max_tokens")
+        if kv_block_ids is not None:
+            if external_kv is not None:
+                raise ValueError("external_kv and kv_block_ids are two ways of giving the same KV: give one")
+            self._check_landed(kv_block_ids, num_external_tokens, len(prompt) + len(outputs))
         if external_kv is not None:
             total = len(prompt) + len(outputs)
             if not 0 < num_external_tokens < total:
@@ -171,6 +187,8 @@ class LLMEngine:
             output_token_ids=outputs,
             external_kv=external_kv,
             num_external_tokens=num_external_tokens if external_kv is not None else 0,
+            block_ids=list(kv_block_ids or ()),
+            num_landed_tokens=num_external_tokens if kv_block_ids is not None else 0,
         )
         if params.grammar is not None:
             self._grammars().add(rid, params.grammar, outputs)
@@ -179,9 +197,40 @@ class LLMEngine:
         except ValueError:
             self.runner.drop_request(rid)
             raise
+        if kv_block_ids is not None:
+            self._reserved.difference_update(kv_block_ids)  # the request's now: freed with it
         if params.seed is not None:
             self.runner.add_generator(rid, params.seed, num_sampled=len(outputs))
         return rid
+
+    def _check_landed(self, block_ids: list[int], num_tokens: int, total: int) -> None:
+        if not 0 < num_tokens < total:
+            raise ValueError(f"num_external_tokens must be in [1, {total - 1}], got {num_tokens}")
+        need = -(-num_tokens // self.block_size)
+        if len(block_ids) != need:
+            raise ValueError(f"{len(block_ids)} blocks given for {num_tokens} tokens, which take {need}")
+        if not self._reserved.issuperset(block_ids) or len(set(block_ids)) != len(block_ids):
+            raise ValueError("kv_block_ids are not all blocks reserved by reserve_blocks and not yet given to a request")
+
+    def reserve_blocks(self, n: int) -> list[int] | None:
+        """Take ``n`` free cache blocks out of the pool for KV written from outside (a prefill writing a prompt into
+        this engine's cache), or None when fewer are free. They are the caller's until ``add_request(kv_block_ids=)``
+        or ``release_blocks``. Engine thread only."""
+        if n > self.pool.num_free_blocks:
+            return None
+        ids = [b.block_id for b in self.pool.allocate(n)]
+        self._reserved.update(ids)
+        return ids
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give reserved blocks that never went to a request back to the pool (their prefill failed). Engine thread."""
+        mine = [b for b in block_ids if b in self._reserved]
+        self._reserved.difference_update(mine)
+        self.pool.free(mine)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return len(self._reserved)
 
     def _grammars(self) -> GrammarBook:
         """The engine's constrained requests (built on first use: llguidance reads the tokenizer once, ~0.2 s)."""
@@ -241,15 +290,19 @@ class LLMEngine:
         """Cap the running batch (a decode worker keeps its TBT under the SLO with it)."""
         self.scheduler.max_num_seqs = n
 
-    def _on_finish(self, request: Request) -> None:
-        # Called by the scheduler before a finished or aborted request's blocks are freed.
-        self.connector.request_finished(request.request_id, list(request.block_ids))
+    def _on_finish(self, request: Request) -> bool:
+        # Called by the scheduler before a finished or aborted request's blocks are freed; True: the connector keeps
+        # them (they come back through released_blocks, freed before a later step).
         self.runner.drop_request(request.request_id)
+        return bool(self.connector.request_finished(request.request_id, list(request.block_ids)))
 
     # -- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs for every request that got a token."""
+        released = self.connector.released_blocks()
+        if released:
+            self.pool.free(released)
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out, self.connector)
         for rid, entries in sampled.prompt_logprobs.items():

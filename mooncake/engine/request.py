@@ -165,6 +165,7 @@ class Request:
     num_preemptions: int = 0
     external_kv: Any = None  # KV of leading blocks to import (engine-specific; see engine.py)
     num_external_tokens: int = 0
+    num_landed_tokens: int = 0  # leading tokens whose KV is already in ``block_ids`` (written there by a prefill)
     output_text: str = ""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs asked)
 

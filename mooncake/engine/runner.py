@@ -11,6 +11,8 @@ it: export and import are single indexed copies.
 
 from __future__ import annotations
 
+import math
+
 import contextlib
 from dataclasses import dataclass, field
 
@@ -43,6 +45,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         decode_kernel=None,
+        kv_buffer=None,
     ):
         args = model.args
         self.model = model
@@ -50,9 +53,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = args.vocab_size  # the width of the logits (and of each sampling draw)
-        self.kv_cache = torch.zeros(
-            args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim, dtype=dtype, device=device
-        )
+        shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        if kv_buffer is None:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # memory another process writes too (a decode worker's cache in shared memory): CPU only
+            if device.type != "cpu":
+                raise ValueError("a KV cache in a given buffer lives on the CPU")
+            self.kv_cache = torch.frombuffer(kv_buffer, dtype=dtype, count=math.prod(shape)).view(shape)
         model.rope_tables(max_model_len)
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
@@ -345,8 +352,11 @@ class _LayerImports(KVConnector):
     def wait_for_save(self) -> None:
         self.inner.wait_for_save()
 
-    def request_finished(self, request_id: str, block_ids: list[int]) -> None:
-        self.inner.request_finished(request_id, block_ids)
+    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
+        return self.inner.request_finished(request_id, block_ids)
+
+    def released_blocks(self) -> list[int]:
+        return self.inner.released_blocks()
 
 
 def _row_starts(ordered: list[ScheduledRequest]) -> list[int]:

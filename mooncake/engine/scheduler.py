@@ -67,7 +67,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        on_finish: Callable[[Request], None] | None = None,
+        on_finish: Callable[[Request], bool] | None = None,
     ):
         self.pool = pool
         self.block_size = block_size
@@ -77,7 +77,7 @@ class Scheduler:
         # A sequence stops growing when it would no longer fit the whole pool even alone:
         # past that point it could only preempt itself forever.
         self.max_seq_len = min(max_model_len, pool.num_blocks * block_size)
-        self.on_finish = on_finish  # sees a finished request before its blocks are freed
+        self.on_finish = on_finish  # sees a finished request before its blocks are freed; True: it keeps them
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -148,7 +148,7 @@ class Scheduler:
             req = self.waiting[0]
             hits, num_queried = self._prefix_hits(req)
             num_ext = req.num_external_tokens if req.external_kv is not None else 0
-            num_computed = max(len(hits) * self.block_size, num_ext)
+            num_computed = max(len(hits) * self.block_size, num_ext, req.num_landed_tokens)
             n = min(req.num_tokens - num_computed, budget)
             if not self._allocate(req, num_computed + n, hits):
                 break
@@ -202,7 +202,7 @@ class Scheduler:
 
     def _prefix_hits(self, req: Request) -> tuple[list, int]:
         """Cached leading blocks of ``req`` and how many blocks were looked up."""
-        if not self.pool.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.pool.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None or req.num_landed_tokens:
             return [], 0  # prompt logprobs need the whole prompt computed
         # Leave at least one token to compute: its logits give the next token.
         keys = req.block_keys()[: (req.num_tokens - 1) // self.block_size]
@@ -239,6 +239,7 @@ class Scheduler:
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
+        req.num_landed_tokens = 0  # its landed KV went with its blocks: it is recomputed
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -248,9 +249,9 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, reason: FinishReason) -> None:
         req.status = status
         req.finish_reason = reason
-        if self.on_finish is not None:
-            self.on_finish(req)
-        self.pool.free(req.block_ids)
+        kept = self.on_finish(req) if self.on_finish is not None else False
+        if not kept:
+            self.pool.free(req.block_ids)
         req.block_ids = []
         req.external_kv = None
         self._num_named.pop(req.request_id, None)

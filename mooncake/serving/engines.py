@@ -86,15 +86,16 @@ def engine_fingerprint(kind: EngineKind, model: str, dtype: torch.dtype) -> byte
 
 
 def build_engine(kind: EngineKind, config: EngineConfig, *, vllm_args: dict[str, Any] | None = None, tokenizer=None,
-                 connector=None) -> WorkerEngine:  # fmt: skip
-    """Build the worker's engine. ``connector`` is the prefill worker's PoolConnector (None on decode).
+                 connector=None, kv_cache_buffer=None) -> WorkerEngine:  # fmt: skip
+    """Build the worker's engine. ``connector`` is the prefill worker's PoolConnector (None on decode);
+    ``kv_cache_buffer`` (native, CPU) places the paged cache in the memory it returns (LLMEngine).
 
     Raises ValueError for a configuration the engine refuses.
     """
     if kind is EngineKind.NATIVE:
         from mooncake.engine.engine import LLMEngine
 
-        engine = LLMEngine(config, connector=connector, tokenizer=tokenizer)
+        engine = LLMEngine(config, connector=connector, tokenizer=tokenizer, kv_cache_buffer=kv_cache_buffer)
         if connector is not None:
             connector.bind(engine.runner.kv_cache)
         return engine

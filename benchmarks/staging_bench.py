@@ -5,7 +5,12 @@ a cold prompt run four ways in the same process, alternating:
     stage    every layer's blocks gathered and copied to pinned host memory (CUDA) and handed to the staging
              thread, which drops them: the device side of the path alone
     landing  ... and written to landing slots (a segment of another transfer engine in this process, shm)
-    full     ... and to pool slots too (a shared-memory pool tensor), as a prefill worker does
+    full     ... and to pool slots too (a shared-memory pool tensor), as a prefill worked before its pool write
+             followed the answer
+    cache    into a decode cache's blocks in place (its layout, through the segment: shm here, tcp/rdma across hosts),
+             the pool written after the request ends (timed to its end; the write itself is waited for untimed)
+    device   into a decode cache on the same device by device copies (what CUDA IPC maps on one host; on the CPU a
+             plain copy), the pool written after the request ends as in ``cache``
 
     python benchmarks/staging_bench.py --model DIR --device cuda --dtype bfloat16 --tokens 4096
 
@@ -33,7 +38,7 @@ from mooncake.serving.kvlayout import slot_tensor
 from prefill.connector import PoolConnector, PrefillJob
 from transfer import TransferConfig, TransferEngine
 
-MODES = ("plain", "stage", "landing", "full")
+MODES = ("plain", "stage", "landing", "full", "cache", "device")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     connector.bind(engine.runner.kv_cache, staged=True)  # a CUDA cache always is; on the CPU the same path
     landing = owner.allocate("landing", n * engine.block_bytes)
     sender.add_segment(landing)
+    decode_cache = owner.allocate("kvcache", n * engine.block_bytes)  # a decode engine's cache of n blocks
+    sender.add_segment(decode_cache)
+    device_cache = torch.zeros((engine.block_shape[0], 2, n, *engine.block_shape[2:]), dtype=engine.runner.kv_cache.dtype,
+                               device=args.device)  # fmt: skip
     owner.allocate("pool", n * engine.block_bytes)
     connector.pool = slot_tensor(owner.buffer("pool"), engine.block_shape, engine.runner.kv_cache.dtype)
     push_staged = connector._push_staged
@@ -69,9 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         rid = f"{mode}-{next(counter)}"
         prompt = [rng.randrange(10, vocab - 10) for _ in range(args.tokens)]
         if mode != "plain":
-            pool = {b: b for b in range(args.tokens // bs)} if mode == "full" else {}
-            connector.jobs[rid] = PrefillJob(rid, len(prompt), n, landing.name, [i * engine.block_bytes for i in range(n)],
-                                             pool_slots=pool)  # fmt: skip
+            pool = {b: b for b in range(args.tokens // bs)} if mode in ("full", "cache", "device") else {}
+            into = decode_cache.name if mode == "cache" else landing.name
+            job = connector.jobs[rid] = PrefillJob(rid, len(prompt), n, into, [i * engine.block_bytes for i in range(n)],
+                                                   pool_slots=pool)  # fmt: skip
+            if mode in ("cache", "device"):
+                job.landing_blocks, job.landing_num_blocks, job.store_later = list(range(n)), n, True
+                job.device_cache = device_cache if mode == "device" else None
         connector._push_staged = (lambda *a: None) if mode == "stage" else push_staged
         _sync(args.device)
         t0 = time.perf_counter()
@@ -80,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
         _sync(args.device)
         wall = time.perf_counter() - t0
+        connector.flush(60)  # the pool write after the answer, untimed
+        engine.step()  # gives the blocks the writer kept back to the engine
         job = connector.jobs.pop(rid, None)
         if job is not None and (job.error is not None or job.pushed != n):
             raise RuntimeError(f"{mode}: the job ended with {job.pushed} of {n} blocks pushed ({job.error!r})")

@@ -40,6 +40,9 @@ class DecodeMetrics:
         Gauge("mooncake_decode_in_prefill", "requests waiting for their prefill", registry=r).set_function(lambda: worker.num_in_prefill)
         Gauge("mooncake_decode_batch_cap", "the running batch's current cap", registry=r).set_function(lambda: worker.batch_cap)
         Gauge("mooncake_decode_landing_free_slots", "free landing slots", registry=r).set_function(lambda: worker.slots.num_free)
+        Gauge("mooncake_decode_reserved_cache_blocks", "engine cache blocks reserved for prompts a prefill is writing in place "
+              "(and those of prefills that did not answer, for write_grace_s)", registry=r).set_function(
+            lambda: getattr(worker.engine, "num_reserved_blocks", 0))  # fmt: skip
         Gauge("mooncake_decode_blocks_written", "generated blocks put into the pool (write-behind; written, or there already)", registry=r).set_function(
             lambda: worker.writer.blocks_written if worker.writer is not None else 0)
 

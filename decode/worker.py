@@ -3,12 +3,14 @@
     Generate(request, placement)                                        (a server stream)
       1. admission: the running batch stays under the TBT budget; with a full batch
          already waiting, the request is turned away (RESOURCE_EXHAUSTED, retry later)
-      2. reserve landing slots, one per prompt block, in this worker's landing segment
-         (shared memory, also served over tcp)
+      2. reserve blocks of the engine's own paged cache, one per prompt block (native engine:
+         the cache is a shared-memory segment on the CPU, also served over tcp/rdma, and is
+         exported by CUDA IPC on a GPU); stock vLLM, or a prefill worker that cannot reach the
+         cache, gets landing slots in a separate segment instead
       3. Prefill(plan, landing) on the planned prefill worker: it writes the prompt's KV
-         into the slots layer by layer and answers with the first token
-      4. import the landed KV into the engine's paged cache, free the slots, and add the
-         request to the running batch (the first token counts as generated)
+         into those blocks (or slots) layer by layer and answers with the first token
+      4. add the request to the running batch with its KV already in its blocks (landing
+         slots are copied in first, then freed); the first token counts as generated
       5. stream tokens, text and usage until it finishes, writing each generated block into
          the pool as it fills (write-behind, decode/writeback.py: a stream resumed on another
          decode worker loads it); the client going away (gRPC cancellation) aborts it
@@ -17,9 +19,12 @@
 A resumed stream (its decode worker died; the gateway sends the prompt and the tokens the
 client has) runs the same steps with prompt + those tokens as the sequence to prefill.
 
-Ownership: a request's state (``DecodeState``) says what it holds: landing slots while
-PREFILLING (from step 2 until the import copies them out, or it fails), a place in the
-engine's batch while DECODING; ``_Decoding.close`` frees whichever, in one place.
+Ownership: a request's state (``DecodeState``) says what it holds: cache blocks or landing
+slots while PREFILLING (from step 2 until it joins the batch, or fails: blocks of a prefill
+that never answered return ``write_grace_s`` later, so a straggling write lands in nothing
+anyone attends), a place in the engine's batch while DECODING; ``_Decoding.close`` frees
+whichever, in one place. Writes through the transfer server are refused outside the blocks
+granted to a live Prefill call (``_cache_guard``, ``_landing_guard``).
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ class DecodeConfig(BaseModel):
     enforce_eager: bool = Field(False, description="on CUDA: no CUDA graphs for decode steps")
     direct_landing: bool = Field(True, description="native engine: prefills write a prompt's KV into the engine's own cache "
                                  "(shared memory on the CPU, CUDA IPC on a GPU), not into landing slots copied again")  # fmt: skip
-    write_grace_s: float = Field(10.0, gt=0, description="cache blocks of a prefill that did not answer (cancelled, timed "
+    write_grace_s: float = Field(3.0, gt=0, description="cache blocks of a prefill that did not answer (cancelled, timed "
                                  "out, unreachable) go back to the engine this much later: a straggling write lands in "
                                  "nothing another request attends")  # fmt: skip
     shm_dir: str = "/dev/shm/mooncake"

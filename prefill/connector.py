@@ -1,22 +1,28 @@
-"""PoolConnector: the prefill worker's KV connector. After each layer, new KV goes to decode and to the pool.
+"""PoolConnector: the prefill worker's KV connector. After each layer, new KV goes to the decode worker.
 
 For every request it serves (a ``PrefillJob``), in every engine step that computes
 some of its prompt, after each layer:
 
     blocks completed by this step (the prompt's last, partial block once the prompt is done)
-      layer l of each -> the decode worker's landing slots (transfer engine: shm or tcp)
-                      -> this node's pool slots reserved for it (new full blocks; a copy
-                         into the shared-memory segment)
+      layer l of each -> the decode worker: into the blocks of its engine's own cache granted to
+                         this prefill (``landing_blocks``: through its segment, shared memory on
+                         this host or tcp/rdma from another; or, on one GPU host, by device copies
+                         into the cache mapped by CUDA IPC, ``device_cache``), or into its landing
+                         slots (stock vLLM decode workers, a cache out of reach)
 
 so pushing layer l overlaps computing layer l + 1, and the request's KV is on the decode
-worker when its prefill ends. A stage of a pipelined group (``prefill/group.py``) binds
-the cache of its own layers and pushes them at their global offsets; its pool writes go
-through the transfer engine too (``PrefillJob.pool_segment``), since the pool node is
-another process's memory. Blocks imported from the pool (the reused prefix) are
-pushed to the landing slots the same way, from the engine's cache, in the step that
-imports them. ``wait_for_save`` waits for the step's transfers before the step ends
-(the engine may reuse those cache blocks once the request finishes); pushes through host
-staging (a CUDA cache) read copies, so they run on across steps and are waited for when
+worker when its prefill ends. The prompt's new full blocks go to this node's pool **after**
+the answer (``store_later``): the engine keeps the request's blocks when it finishes
+(``request_finished`` returns True), a ``PoolWriter`` thread copies them into the reserved pool
+slots and hands them back (``released_blocks``), and the worker commits the reservation then;
+a failed write loses a cache entry, never a request. A stage of a pipelined group
+(``prefill/group.py``) binds the cache of its own layers and pushes them at their global
+offsets; its pool writes still go layer by layer through the transfer engine
+(``PrefillJob.pool_segment``), since the pool node is another process's memory. Blocks
+imported from the pool (the reused prefix) are pushed the same way, from the engine's cache,
+in the step that imports them. ``wait_for_save`` waits for the step's transfers before the
+step ends (the engine may reuse those cache blocks once the request finishes); pushes through
+host staging (a CUDA cache) read copies, so they run on across steps and are waited for when
 the job's last blocks are under way.
 
 The native engine's cache is in the pool layout, so its blocks are pushed straight from

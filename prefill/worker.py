@@ -347,7 +347,8 @@ class PrefillWorker:
         n = -(-cached // self.config.block_size)
         push = StagePush(segment_from_pb(req.landing.segment), list(req.landing.offsets), self._pool_segment, job.pool_slots,
                          prefix_slots[:n] if cached else None, self.config.io_timeout_s, pool_token=held.new_reservation or "",
-                         prefix_tokens=prefix_tokens[:n] if cached else None, landing_token=req.landing.token)  # fmt: skip
+                         prefix_tokens=prefix_tokens[:n] if cached else None, landing_token=req.landing.token,
+                         landing_blocks=job.landing_blocks, landing_num_blocks=job.landing_num_blocks)  # fmt: skip
         request = StageRequest(req.request_id, prompt, params, self.config.max_num_batched_tokens, num_outputs=num_outputs,
                                num_prefix_tokens=cached, push=push)  # fmt: skip
         try:

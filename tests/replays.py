@@ -97,7 +97,8 @@ def replay(cluster, victim: str | None = None, strike: Callable = kill, struck: 
 
 
 def idle_counts(cluster) -> dict[str, int]:
-    """What must come back after any run: leases and reservations on each pool node, free landing slots per decode worker."""
+    """What must come back after any run: leases and reservations on each pool node, free landing slots and no reserved
+    cache blocks per decode worker."""
     counts = {}
     for i in range(cluster.config.prefill):
         client = KVStoreClient(cluster.address(f"kv{i}"), control="grpc", timeout_s=5)
@@ -110,7 +111,8 @@ def idle_counts(cluster) -> dict[str, int]:
         status = cluster.component(f"decode-{i}").info["metrics"]
         lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
         for name, metric in (("free slots", "mooncake_decode_landing_free_slots"), ("running", "mooncake_decode_running_requests"),
-                             ("in prefill", "mooncake_decode_in_prefill")):  # fmt: skip
+                             ("in prefill", "mooncake_decode_in_prefill"),
+                             ("reserved cache blocks", "mooncake_decode_reserved_cache_blocks")):  # fmt: skip
             counts[f"decode-{i} {name}"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith(metric))))
     for i in range(cluster.config.prefill):
         status = cluster.component(f"prefill-{i}").info["metrics"]

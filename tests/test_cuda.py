@@ -129,3 +129,44 @@ def test_a_prompt_chunk_over_a_cached_prefix_attends_like_the_masked_reference()
     mask = torch.ones(n, ctx, dtype=torch.bool, device=DEVICE).tril(ctx - n)
     want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
     assert torch.allclose(out.float(), want[0].transpose(0, 1), atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+# -- the hand-off into a decode engine's CUDA cache ------------------------------------------------
+
+
+def _export_and_report(conn) -> None:
+    """A spawned process: export a CUDA tensor by IPC, wait for the other side's writes, send back what it holds."""
+    from mooncake.serving.cuda_ipc import export_cuda_tensor
+
+    cache = torch.zeros(4, 8, device="cuda")
+    conn.send(export_cuda_tensor(cache))
+    conn.recv()
+    torch.cuda.synchronize()
+    conn.send(cache.cpu().tolist())
+
+
+def test_a_cuda_cache_exported_by_ipc_is_written_in_place_by_another_process():
+    """What the decode worker exports (JSON, no pickle) another process maps and writes; the exporter sees the bytes."""
+    if not DEVICE.startswith("cuda"):
+        pytest.skip("CUDA IPC needs a GPU")
+    import multiprocessing
+
+    from mooncake.serving.cuda_ipc import open_cuda_tensor
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_export_and_report, args=(there,))
+    child.start()
+    try:
+        mapped = open_cuda_tensor(here.recv())
+        assert tuple(mapped.shape) == (4, 8)
+        mapped[1].fill_(3.0)
+        torch.cuda.synchronize()
+        here.send("written")
+        assert here.poll(60)
+        got = here.recv()
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    assert got[1] == [3.0] * 8 and got[0] == [0.0] * 8 and got[2] == [0.0] * 8

@@ -76,6 +76,8 @@ class StagePush:
     pool_token: str = ""  # the reservation of pool_slots: the pool node's tcp server checks it (BlockStore.authorize)
     prefix_tokens: list[str] | None = None  # the lease (or fetch reservation) holding each of prefix_slots
     landing_token: str = ""  # the decode worker's grant of the landing slots
+    landing_blocks: list[int] | None = None  # set: blocks of the decode engine's cache (its segment), not slots
+    landing_num_blocks: int = 0  # that cache's blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,7 +469,8 @@ def _serve(stage, request: StageRequest, link: _Link, connector, is_last: bool) 
             link.engine.add_segment(push.pool)
         job = PrefillJob(rid, len(prompt), -(-len(prompt) // stage.block_size), push.landing.name, list(push.landing_offsets),
                          pool_slots=dict(push.pool_slots or {}), pool_segment=push.pool.name if push.pool else None,
-                         pool_token=push.pool_token, landing_token=push.landing_token)  # fmt: skip
+                         pool_token=push.pool_token, landing_token=push.landing_token, landing_blocks=push.landing_blocks,
+                         landing_num_blocks=push.landing_num_blocks)  # fmt: skip
         connector.io_timeout_s = push.io_timeout_s
         connector.jobs[rid] = job
     if request.num_prefix_tokens:

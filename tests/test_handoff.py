@@ -1,0 +1,319 @@
+"""The prefill-to-decode hand-off into the decode engine's own cache, at three levels.
+
+    engine      a second engine reserves blocks, finds a prompt's KV written into them from outside, and decodes
+                from there (``add_request(kv_block_ids=)``): the tokens of one engine alone, with only the new
+                token computed; preempted, it recomputes and still gives them
+    connector   a prefill's PoolConnector writes the prompt's KV straight into those blocks of the other engine's
+                cache (a shared-memory segment): in place, through host staging, and by device copies
+                (``device_cache``; a plain copy on the CPU); the granted blocks equal the prefill's own, byte for
+                byte, the others stay zero; with ``store_later`` the pool slots get the blocks after the answer;
+                over tcp (another host) the decode worker's transfer server lets in only the granted blocks
+    cluster     a real LocalCluster: disaggregated greedy tokens equal one engine's, the hand-off is counted as
+                path="cache" (not "slots"), and the same prompt again is served from the pool
+
+Tiny random-weight llama (conftest), block size 8 in-process and 16 in the cluster, all on the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from clusters import backend, generate, prefill_metric, reference_tokens, start_cluster, tokens
+from conftest import RecordingConnector, make_engine
+from mooncake.engine import EngineConfig, LLMEngine
+from mooncake.engine.request import SamplingParams
+from prefill.connector import PoolConnector, PrefillJob
+from transfer import TransferConfig, TransferEngine
+
+BS = 8  # make_engine's block size
+MAX_TOKENS = 10
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % 280 + 10 for i in range(n)]
+
+
+def blocks_for(n: int) -> int:
+    return -(-n // BS)
+
+
+def alone(model_dir, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy tokens of one engine computing the whole prompt itself (the bar for every hand-off)."""
+    return list(make_engine(model_dir).generate([prompt], greedy(max_tokens))[0].output_token_ids)
+
+
+def prefilled(model_dir, prompt: list[int]) -> tuple[int, torch.Tensor]:
+    """Prefill ``prompt`` on an engine of its own, up to its first token: (that token, the prompt's KV in the pool
+    layout [n, L, 2, bs, Hkv, D], read from the engine's cache blocks while the request still holds them)."""
+    engine = make_engine(model_dir)
+    rid = engine.add_request(prompt, greedy())
+    first = None
+    while first is None:
+        for out in engine.step():
+            first = out.output_token_ids[0]
+    return first, engine.export_kv(engine.request_block_ids(rid)[: blocks_for(len(prompt))])
+
+
+def land(engine: LLMEngine, block_ids: list[int], kv: torch.Tensor) -> None:
+    """Write pool-layout KV [n, L, 2, bs, Hkv, D] into ``block_ids`` of the engine's cache, from outside the engine
+    (as a prefill worker writes a decode worker's cache)."""
+    engine.runner.kv_cache.index_copy_(2, torch.tensor(block_ids), kv.permute(1, 2, 0, 3, 4, 5))
+
+
+# -- the engine: reserved blocks, landed KV ---------------------------------------------------------------------
+
+
+def test_a_request_on_landed_blocks_decodes_one_engines_tokens_computing_only_the_new_token(tiny_llama):
+    prompt = prompt_of(21, seed=1)  # 3 blocks, the last partial
+    reference = alone(tiny_llama.path, prompt)
+    first, kv = prefilled(tiny_llama.path, prompt)
+    assert first == reference[0]
+
+    recorder = RecordingConnector(keep_kv=False)
+    engine = make_engine(tiny_llama.path, connector=recorder)
+    engine.reserve_blocks(2)  # so the landing blocks are not the prefill engine's block ids
+    blocks = engine.reserve_blocks(3)
+    land(engine, blocks, kv)
+    rid = engine.add_request(prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first],
+                             kv_block_ids=blocks)  # fmt: skip
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert final[rid].output_token_ids == reference
+    # its first step computes the one token after the landed prompt, nothing of the prompt
+    assert recorder.tokens_computed(rid)[0] == (len(prompt), 1)
+    assert engine.num_reserved_blocks == 2  # the landing blocks went to the request, and were freed with it
+
+
+def test_garbage_in_the_landed_blocks_shows_in_the_tokens(tiny_llama):
+    """The engine really attends the landed blocks: the same request on zeroed blocks decodes other tokens (so the
+    equality above is not an engine quietly recomputing the prompt)."""
+    prompt = prompt_of(21, seed=1)
+    first, kv = prefilled(tiny_llama.path, prompt)
+    engine = make_engine(tiny_llama.path)
+    blocks = engine.reserve_blocks(3)
+    land(engine, blocks, torch.zeros_like(kv))
+    rid = engine.add_request(prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first],
+                             kv_block_ids=blocks)  # fmt: skip
+    final = {o.request_id: o for _ in range(100) if engine.has_unfinished() for o in engine.step() if o.finished}
+    assert final[rid].output_token_ids != alone(tiny_llama.path, prompt)
+
+
+def test_a_preempted_landed_request_recomputes_its_prompt_and_still_gives_one_engines_tokens(tiny_llama):
+    prompt, other = prompt_of(21, seed=1), prompt_of(21, seed=2)
+    max_tokens = 20  # each grows to 41 tokens, 6 blocks: two do not fit 8 blocks together
+    reference = alone(tiny_llama.path, prompt, max_tokens)
+    first, kv = prefilled(tiny_llama.path, prompt)
+    engine = make_engine(tiny_llama.path, num_kv_blocks=8)
+    blocks = engine.reserve_blocks(3)
+    land(engine, blocks, kv)
+    engine.add_request(other, greedy(max_tokens), request_id="other")  # ahead in the batch: the landed one is preempted
+    engine.add_request(prompt, greedy(max_tokens), request_id="landed", num_external_tokens=len(prompt),
+                       initial_output_token_ids=[first], kv_block_ids=blocks)  # fmt: skip
+    final = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    assert engine.scheduler.num_preemptions > 0
+    assert final["landed"].output_token_ids == reference
+    assert final["other"].output_token_ids == alone(tiny_llama.path, other, max_tokens)
+    assert engine.num_free_blocks == 8 and engine.num_reserved_blocks == 0
+
+
+def test_reserved_blocks_leave_the_free_count_until_released_and_only_reserved_blocks_are_accepted(tiny_llama):
+    engine = make_engine(tiny_llama.path, num_kv_blocks=16)
+    blocks = engine.reserve_blocks(5)
+    assert len(set(blocks)) == 5 and engine.num_free_blocks == 11 and engine.num_reserved_blocks == 5
+    assert engine.reserve_blocks(12) is None  # all or nothing
+    assert engine.num_free_blocks == 11
+
+    prompt = prompt_of(21, seed=3)
+    landed = dict(num_external_tokens=len(prompt), initial_output_token_ids=[5])
+    unreserved = [b for b in range(16) if b not in blocks][:3]
+    with pytest.raises(ValueError):
+        engine.add_request(prompt, greedy(), kv_block_ids=unreserved, **landed)
+    with pytest.raises(ValueError):  # 21 tokens take 3 blocks, not 2
+        engine.add_request(prompt, greedy(), kv_block_ids=blocks[:2], **landed)
+    with pytest.raises(ValueError):  # the same block twice
+        engine.add_request(prompt, greedy(), kv_block_ids=[blocks[0], blocks[0], blocks[1]], **landed)
+    assert engine.num_reserved_blocks == 5 and not engine.has_unfinished()  # a refused request takes nothing
+
+    engine.add_request(prompt, greedy(), kv_block_ids=blocks[:3], **landed)
+    assert engine.num_reserved_blocks == 2
+    engine.release_blocks(blocks[:3])  # the request's now: releasing them again must not free them twice
+    assert engine.num_free_blocks == 11 and engine.num_reserved_blocks == 2
+    with pytest.raises(ValueError):  # given once already
+        engine.add_request(prompt, greedy(), kv_block_ids=blocks[:3], **landed)
+
+    engine.release_blocks(blocks[3:])
+    assert engine.num_free_blocks == 13 and engine.num_reserved_blocks == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_free_blocks == 16
+
+
+# -- the connector: a prefill writing straight into another engine's cache ---------------------------------------
+
+
+class _TableConnector(PoolConnector):
+    """Remembers each request's block table (the engine lets the blocks go when the request ends; they keep their KV)."""
+
+    def start_step(self, step) -> None:
+        super().start_step(step)
+        self.tables = getattr(self, "tables", {}) | {r.request_id: list(r.block_ids) for r in step.requests}
+
+
+@pytest.mark.parametrize("store_later", [False, True], ids=["pool-inline", "pool-later"])
+@pytest.mark.parametrize("path", ["in-place", "staged", "device-copy"])
+def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache(tiny_llama, path, store_later):
+    prompt = prompt_of(37, seed=4)  # 5 blocks, the last partial; 3 engine steps of 16 tokens
+    n = blocks_for(len(prompt))
+    decode_node = TransferEngine(TransferConfig(node=f"decode-{uuid.uuid4().hex[:6]}", serve=False))
+    prefill_node = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", serve=False))
+    segments = []
+
+    def in_shared_memory(nbytes: int):
+        segments.append(decode_node.allocate("kvcache", nbytes))
+        return decode_node.buffer(segments[0].name)
+
+    try:
+        decode = LLMEngine(EngineConfig(model=str(tiny_llama.path), block_size=BS, num_kv_blocks=16, max_num_batched_tokens=32,
+                                        dtype="float32"), kv_cache_buffer=in_shared_memory)  # fmt: skip
+        cache = decode.runner.kv_cache
+        assert cache.data_ptr() == torch.frombuffer(decode_node.buffer(segments[0].name), dtype=torch.uint8).data_ptr()
+        reserved = decode.reserve_blocks(9)
+        landing = [reserved[i] for i in (8, 3, 6, 1, 5)]  # out of order, and not the prefill engine's block ids
+        decode.release_blocks([b for b in reserved if b not in landing])
+        prefill_node.add_segment(segments[0])
+
+        connector = _TableConnector(prefill_node, None, BS, io_timeout_s=30)
+        prefill = make_engine(tiny_llama.path, connector=connector, max_num_batched_tokens=16, num_kv_blocks=32)
+        connector.bind(prefill.runner.kv_cache, staged=path != "in-place")
+        connector.pool = torch.zeros(8, *prefill.block_shape)
+        stored = []
+        job = PrefillJob("r", len(prompt), n, segments[0].name, [], pool_slots={0: 5, 2: 1}, landing_blocks=landing,
+                         landing_num_blocks=cache.shape[2], device_cache=cache if path == "device-copy" else None,
+                         store_later=store_later, on_stored=stored.append)  # fmt: skip
+        connector.jobs["r"] = job
+        prefill.add_request(prompt, greedy(1), request_id="r")
+        first = [o.output_token_ids[0] for _ in range(10) if prefill.has_unfinished() for o in prefill.step()][0]
+        assert job.error is None and job.pushed == n
+        assert connector.flush(10)
+
+        source = prefill.runner.kv_cache[:, :, connector.tables["r"][:n]]  # [L, 2, n, bs, Hkv, D]
+        assert source.abs().sum() > 0
+        assert torch.equal(cache[:, :, landing], source)  # byte for byte, the partial block's zero tail included
+        others = [b for b in range(cache.shape[2]) if b not in landing]
+        assert not cache[:, :, others].any()  # nothing outside the grant was written
+        # the pool slots got the prompt's blocks 0 and 2 (after the answer when stored later), nothing else
+        assert torch.equal(connector.pool[5], source[:, :, 0]) and torch.equal(connector.pool[1], source[:, :, 2])
+        assert not connector.pool[[0, 2, 3, 4, 6, 7]].any()
+        assert stored == ([True] if store_later else [])
+        # blocks kept for the later pool write come back to the prefill engine
+        prefill.add_request(prompt_of(5, seed=9), greedy(1))
+        while prefill.has_unfinished():
+            prefill.step()
+        assert prefill.num_free_blocks == 32
+
+        # the decode engine takes the landed blocks as they are and decodes one engine's tokens
+        rid = decode.add_request(prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first],
+                                 kv_block_ids=landing)  # fmt: skip
+        final = {o.request_id: o for _ in range(100) if decode.has_unfinished() for o in decode.step() if o.finished}
+        assert final[rid].output_token_ids == alone(tiny_llama.path, prompt)
+        assert decode.num_free_blocks == 16
+    finally:
+        prefill_node.close()
+        decode_node.close()
+
+
+def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_dir, shm_dir):
+    """From another host a prefill reaches the decode engine's cache through the decode worker's transfer server,
+    which lets in only the bytes of blocks granted to a live Prefill call's token (``_cache_guard``)."""
+    from decode.worker import DecodeConfig, DecodeWorker
+    from transfer import TransferError
+
+    bs, prompt = 16, prompt_of(37, seed=5)  # 3 blocks, the last partial
+    worker = DecodeWorker(DecodeConfig(id=f"decode-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), block_size=bs, num_kv_blocks=16,
+                                       max_model_len=256, landing_slots=4, write_behind=False, shm_dir=shm_dir))  # fmt: skip
+    sender = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", backend="tcp", serve=False))
+    try:
+        cache = worker.engine.runner.kv_cache
+        assert worker.cache_segment is not None and worker.cache_num_blocks == cache.shape[2] == 16
+        sender.add_segment(worker.cache_segment)
+        reserved = worker.loop.call(lambda engine: engine.reserve_blocks(6)).result()
+        granted, outside = reserved[1:4][::-1], reserved[5]
+        worker._grants["live"] = frozenset(granted)  # as the decode worker grants them for one Prefill call
+
+        connector = _TableConnector(sender, None, bs, io_timeout_s=10)
+        prefill = make_engine(tiny_dir, connector=connector, block_size=bs, max_num_batched_tokens=16)
+        connector.bind(prefill.runner.kv_cache)
+
+        def push(rid: str, blocks: list[int], token: str) -> PrefillJob:
+            job = PrefillJob(rid, len(prompt), 3, worker.cache_segment.name, [], landing_token=token, landing_blocks=blocks,
+                             landing_num_blocks=16)  # fmt: skip
+            connector.jobs[rid] = job
+            prefill.add_request(prompt, greedy(1), request_id=rid)
+            while prefill.has_unfinished():
+                prefill.step()
+            return job
+
+        job = push("granted", granted, "live")
+        assert job.error is None and job.pushed == 3
+        source = prefill.runner.kv_cache[:, :, connector.tables["granted"][:3]]
+        assert source.abs().sum() > 0 and torch.equal(cache[:, :, granted], source)
+
+        assert isinstance(push("one-block-too-far", granted[:2] + [outside], "live").error, TransferError)
+        assert isinstance(push("no-grant", [outside, reserved[0], reserved[4]], "stale").error, TransferError)
+        others = [b for b in range(16) if b not in granted]
+        assert not cache[:, :, others].any()  # refused writes wrote nothing
+    finally:
+        sender.close()
+        worker.close()
+
+
+# -- the cluster ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir, tmp_path_factory):
+    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("handoff"), prefill=1, decode=1, gateway=False)
+    yield c
+    c.stop()
+
+
+def test_a_disaggregated_request_lands_in_the_decode_cache_and_its_prompt_reaches_the_pool(cluster, tiny_dir):
+    import random
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(10, 440) for _ in range(100)]  # 7 blocks of 16, the last partial
+    reference = reference_tokens(tiny_dir, prompt, 12)
+    be = backend(cluster)
+    cold = generate(be, "handoff-cold", prompt, 12, temperature=0.0, ignore_eos=True)
+    assert tokens(cold) == reference and cold[-1].cached_tokens == 0
+    handed = prefill_metric(cluster, 'mooncake_prefill_handoff_bytes_total{path="cache"}')
+    assert handed == 7 * cluster.config.block_bytes()  # the whole prompt, into the decode engine's cache
+    assert prefill_metric(cluster, 'mooncake_prefill_handoff_bytes_total{path="slots"}') == 0
+
+    # the prompt's full blocks reach the pool after the answer (a background write, then a commit)
+    deadline = time.monotonic() + 8
+    for attempt in range(100):
+        warm = generate(be, f"handoff-warm-{attempt}", prompt, 12, temperature=0.0, ignore_eos=True)
+        assert tokens(warm) == reference
+        if warm[-1].cached_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert warm[-1].cached_tokens == 96
+    assert prefill_metric(cluster, 'mooncake_prefill_handoff_bytes_total{path="slots"}') == 0

@@ -241,7 +241,7 @@ class PrefillWorker:
         finally:
             self.connector.jobs.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
-            if not deferred:
+            if not (deferred or job.writing):  # a job cancelled after its last step is still written: _stored releases
                 self._release(held)
         compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
         self.predictor.observe(len(prompt), cached, max(compute_s, 1e-6))

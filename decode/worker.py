@@ -184,27 +184,24 @@ class _Decoding:
             self.worker.slots.free(self.slots)
         self.slots = []
 
-    def _free_blocks(self) -> None:
+    def free_blocks(self, now: bool = False) -> None:
+        """Give the cache blocks back: at once when the prefill answered (or ``now``: it answered without writing
+        them), else ``write_grace_s`` later."""
         blocks, self.blocks = self.blocks, []
         if not blocks:
             return
         release = functools.partial(self.worker.release_blocks, blocks)
-        if self.answered:
+        if now or self.answered:
             release()
         else:
             timer = threading.Timer(self.worker.config.write_grace_s, release)
             timer.daemon = True
             timer.start()
 
-    def close_blocks(self) -> None:
-        """Give the cache blocks back now (the prefill answered without writing them: it lands in slots instead)."""
-        self.answered = True
-        self._free_blocks()
-
     def close(self) -> None:
         """However the request ended (finished, failed, the client gone): release what its state holds."""
         self._free_slots()
-        self._free_blocks()
+        self.free_blocks()
         self._leave_prefill()
         if self.state is DecodeState.DECODING:
             self.worker.loop.abort(self.request_id)  # a no-op once it finished
@@ -277,15 +274,27 @@ class DecodeWorker:
 
     def _cache_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
         """The cache segment's capability check (transfer server): bytes of the cache blocks granted to one Prefill
-        call, while it runs. The cache is [L, 2, blocks, ...]: plane p = (layer, K or V), block p % blocks."""
+        call, while it runs. The cache is [L, 2, blocks, ...] in units of one block's K or V of one layer: unit u is
+        block u % blocks."""
+        half = self.block_bytes // (2 * self.engine.block_shape[0])
+        units = range(offset // half, (offset + length - 1) // half + 1)
+        blocks = (u % self.cache_num_blocks for u in units)
+        return self._check_grant(token, blocks, f"cache blocks at bytes {offset}..{offset + length}")
+
+    def _landing_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        """The landing segment's capability check (transfer server, every request): bytes of slots granted to one
+        Prefill call, while it runs."""
+        first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
+        return self._check_grant(token, range(first, last + 1), f"landing slots {first}..{last}")
+
+    def _check_grant(self, token: str, indices, what: str) -> str | None:
+        """None when every one of ``indices`` (slots or cache blocks) is granted to the live Prefill call ``token``."""
         with self._grants_lock:
             granted = self._grants.get(token)
         if granted is None:
             return "no live landing grant with that token (one Prefill call's, while it runs)"
-        half = self.block_bytes // (2 * self.engine.block_shape[0])
-        first, last = offset // half, (offset + length - 1) // half
-        if not all(p % self.cache_num_blocks in granted for p in range(first, last + 1)):
-            return f"cache blocks at bytes {offset}..{offset + length} are not all granted to that prefill"
+        if not all(i in granted for i in indices):
+            return f"{what} are not all granted to that prefill"
         return None
 
     def release_blocks(self, blocks: list[int]) -> None:
@@ -431,18 +440,6 @@ class DecodeWorker:
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
-    def _landing_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
-        """The landing segment's capability check (transfer server, every request): bytes of slots granted to one
-        Prefill call, while it runs."""
-        with self._grants_lock:
-            granted = self._grants.get(token)
-        if granted is None:
-            return "no live landing grant with that token (one Prefill call's, while it runs)"
-        first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
-        if not all(slot in granted for slot in range(first, last + 1)):
-            return f"landing slots {first}..{last} are not all granted to that prefill"
-        return None
-
     def _prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context) -> FirstToken:
         try:
             return self._granted_prefill(req, sequence, num_outputs, run, context)
@@ -453,9 +450,8 @@ class DecodeWorker:
         log.info("prefill worker at %s cannot write this decode engine's cache: it lands in slots",
                  req.placement.prefill_address)  # fmt: skip
         self._staged_prefills.add(req.placement.prefill_address)
-        run.close_blocks()
+        run.free_blocks(now=True)
         run.slots, _ = self._reserve(-(-len(sequence) // self.config.block_size), req.placement.prefill_address)
-        run.answered = False
         return self._granted_prefill(req, sequence, num_outputs, run, context)
 
     def _granted_prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding,

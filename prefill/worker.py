@@ -213,7 +213,6 @@ class PrefillWorker:
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
         job = self._job(req, num_blocks)
         held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
-        deferred = False  # the pool write goes on after the answer: its end commits and releases ``held``
         try:
             # prompt logprobs need every prompt token computed: nothing is loaded
             plan = type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan
@@ -235,13 +234,12 @@ class PrefillWorker:
                 self._run(req, prompt, salt, external, cached, job, cancelled)
             if job.error is not None:
                 raise job.error
-            deferred = job.writing
-            if not deferred:
+            if not job.writing:  # else the pool write after the answer commits and releases ``held`` (_stored)
                 self._commit(held)
         finally:
             self.connector.jobs.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
-            if not (deferred or job.writing):  # a job cancelled after its last step is still written: _stored releases
+            if not job.writing:  # a job cancelled after its last step is still written: _stored releases ``held``
                 self._release(held)
         compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
         self.predictor.observe(len(prompt), cached, max(compute_s, 1e-6))

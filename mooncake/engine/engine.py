@@ -163,14 +163,15 @@ class LLMEngine:
             raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
         if len(outputs) >= params.max_tokens:
             raise ValueError("initial_output_token_ids already reach max_tokens")
-        if kv_block_ids is not None:
-            if external_kv is not None:
-                raise ValueError("external_kv and kv_block_ids are two ways of giving the same KV: give one")
-            self._check_landed(kv_block_ids, num_external_tokens, len(prompt) + len(outputs))
-        if external_kv is not None:
+        if external_kv is not None and kv_block_ids is not None:
+            raise ValueError("external_kv and kv_block_ids are two ways of giving the same KV: give one")
+        if external_kv is not None or kv_block_ids is not None:
             total = len(prompt) + len(outputs)
             if not 0 < num_external_tokens < total:
                 raise ValueError(f"num_external_tokens must be in [1, {total - 1}], got {num_external_tokens}")
+        if kv_block_ids is not None:
+            self._check_landed(kv_block_ids, num_external_tokens)
+        if external_kv is not None:
             n_blocks = -(-num_external_tokens // self.block_size)
             if tuple(external_kv.shape[1:]) != self.runner.block_shape or external_kv.shape[0] < n_blocks:
                 raise ValueError(
@@ -203,9 +204,7 @@ class LLMEngine:
             self.runner.add_generator(rid, params.seed, num_sampled=len(outputs))
         return rid
 
-    def _check_landed(self, block_ids: list[int], num_tokens: int, total: int) -> None:
-        if not 0 < num_tokens < total:
-            raise ValueError(f"num_external_tokens must be in [1, {total - 1}], got {num_tokens}")
+    def _check_landed(self, block_ids: list[int], num_tokens: int) -> None:
         need = -(-num_tokens // self.block_size)
         if len(block_ids) != need:
             raise ValueError(f"{len(block_ids)} blocks given for {num_tokens} tokens, which take {need}")

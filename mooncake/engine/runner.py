@@ -11,9 +11,8 @@ it: export and import are single indexed copies.
 
 from __future__ import annotations
 
-import math
-
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch

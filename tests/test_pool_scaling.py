@@ -67,7 +67,12 @@ def scale(cluster, role: int, replicas: int, timeout_s: float = 120.0) -> cpb.Sc
 
 
 def decode_served(cluster, name: str) -> float:
-    metrics = httpx.get(f"http://{cluster.component(name).info['metrics']}/metrics").text
+    """Requests ``name`` served; 0 until its READY line is read (a worker registers with the Conductor, and so counts as
+    alive, before it prints READY)."""
+    address = cluster.component(name).info.get("metrics")
+    if address is None:
+        return 0.0
+    metrics = httpx.get(f"http://{address}/metrics").text
     return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith('mooncake_decode_requests_total{outcome="ok"}'))
 
 

@@ -10,7 +10,9 @@ vLLM's TTFT.
 **Serving** (the same prompts, one system at a time so they never share the cores):
 
 - disaggregated: a LocalCluster (Conductor, one pool node, one prefill and one decode
-  worker, the gateway), every component its own process;
+  worker, the gateway), every component its own process, all on one host (the hand-off
+  in shared memory), or with ``--network-hosts`` the prefill worker with its pool node
+  and the decode worker each on a network host of its own (the hand-off over tcp);
 - coupled: ``python -m mooncake.gateway --local``, one engine in one process (prefill
   and decode on the same engine, its own prefix cache, no pool): the baseline.
 
@@ -243,7 +245,8 @@ def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: 
     config = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, prefill=1, decode=1, port=0, workdir=workdir / "cluster",
         pool_dram_mib=max(64, math.ceil(blocks * block_bytes / 2**20)), max_model_len=args.max_model_len, threads=args.threads,
-        ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False, ready_timeout_s=600.0, insecure=args.insecure, **engine,
+        ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False, ready_timeout_s=600.0, insecure=args.insecure,
+        network_hosts=args.network_hosts, **engine,
     )  # fmt: skip
     report.config["cluster"] = config.model_dump(mode="json")
     progress.update(task, description="disaggregated: starting the cluster")
@@ -455,7 +458,8 @@ def render(report: Report, srows: list[dict], orows: list[dict], console: Consol
     ms = lambda v: "" if v is None else f"{v * 1e3:,.1f}"  # noqa: E731
     ratio = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
     if srows and report.samples:
-        table = Table(title=f"Through the gateway: disaggregated (1 prefill + 1 decode) vs coupled (one engine); {report.model}, "
+        hosts = "on two network hosts" if report.config.get("cluster", {}).get("network_hosts") else "on one host"
+        table = Table(title=f"Through the gateway: disaggregated (1 prefill + 1 decode, {hosts}) vs coupled (one engine); {report.model}, "
                             f"{report.max_tokens} output tokens, {report.threads} torch thread(s) per engine, "
                             f"{m['cpu_model']} ({m['logical_cores']} cores)" + (f", {m['gpu']}" if m.get("gpu") else "")
                             + f", median of {report.reps}",
@@ -558,6 +562,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)")
     p.add_argument("--insecure", action="store_true", help="the cluster without TLS between its components (default: "
                    "mutual TLS, as mooncake up; benchmarks/tls_bench.py compares the two)")
+    p.add_argument("--network-hosts", action="store_true", help="the cluster's prefill worker (with its pool node) and "
+                   "decode worker on network hosts of their own (namespaces on a bridge; root only): the hand-off crosses "
+                   "tcp (or rdma) between hosts instead of shared memory on one")  # fmt: skip
     p.add_argument("--no-serving", action="store_true", help="skip the gateway measurements")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    pool_slots=pool)  # fmt: skip
             if mode in ("cache", "device"):
                 job.landing_blocks, job.landing_num_blocks, job.store_later = list(range(n)), n, True
-                job.device_cache = device_cache if mode == "device" else None
+                job.mapped_cache = device_cache if mode == "device" else None
         connector._push_staged = (lambda *a: None) if mode == "stage" else push_staged
         _sync(args.device)
         t0 = time.perf_counter()

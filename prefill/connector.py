@@ -5,10 +5,11 @@ some of its prompt, after each layer:
 
     blocks completed by this step (the prompt's last, partial block once the prompt is done)
       layer l of each -> the decode worker: into the blocks of its engine's own cache granted to
-                         this prefill (``landing_blocks``: through its segment, shared memory on
-                         this host or tcp/rdma from another; or, on one GPU host, by device copies
-                         into the cache mapped by CUDA IPC, ``device_cache``), or into its landing
-                         slots (stock vLLM decode workers, a cache out of reach)
+                         this prefill (``landing_blocks``): on this host, mapped here
+                         (``mapped_cache``: its shared memory, or its GPU memory by CUDA IPC) and
+                         written by tensor copies; from another host, through its segment
+                         (tcp/rdma); or into its landing slots (stock vLLM decode workers, a
+                         cache out of reach)
 
 so pushing layer l overlaps computing layer l + 1, and the request's KV is on the decode
 worker when its prefill ends. The prompt's new full blocks go to this node's pool **after**
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mooncake.engine.blockcopy import block_runs, copy_blocks
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.request import TokenLogprob
 from mooncake.serving.kvlayout import tensor_bytes
@@ -68,7 +70,8 @@ class PrefillJob:
     landing_token: str = ""  # the decode worker's grant of the landing slots (Landing.token)
     landing_blocks: list[int] | None = None  # set: the destinations are these blocks of the decode engine's cache
     landing_num_blocks: int = 0  # that cache's blocks (the stride of its layout [L, 2, blocks, bs, Hkv, D])
-    device_cache: torch.Tensor | None = None  # that cache itself, on this GPU by CUDA IPC: written by device copies
+    mapped_cache: torch.Tensor | None = None  # that cache itself, mapped here (on this GPU by CUDA IPC, or its shared
+    # memory on this host): written by tensor copies, a gather and a scatter per layer, not by transfer-engine slices
     store_later: bool = False  # pool slots are written after the first token, from blocks the engine keeps meanwhile
     on_stored: Callable[[bool], None] | None = None  # then called (True: every pool slot written) on the writer thread
     pushed: int = 0  # blocks whose every layer is on the decode worker
@@ -91,7 +94,11 @@ class PrefillJob:
         is the size of one (a block's K or V in one layer)."""
         if self.landing_blocks is None:  # a landing slot, in the pool layout
             return self.landing_offsets[block] + (layer * 2 + kv) * half
-        return ((layer * 2 + kv) * self.landing_num_blocks + self.landing_blocks[block]) * half
+        return self.cache_at(self.landing_blocks[block], layer, kv, half)
+
+    def cache_at(self, cache_block: int, layer: int, kv: int, half: int) -> int:
+        """Byte offset of K or V of one layer of block ``cache_block`` of the decode engine's cache [L, 2, blocks, ...]."""
+        return ((layer * 2 + kv) * self.landing_num_blocks + cache_block) * half
 
 
 Export = Callable[[int, torch.Tensor, list[int]], torch.Tensor]  # (layer, its cache, block ids) -> [n, 2, bs, Hkv, D]
@@ -142,6 +149,11 @@ class PoolConnector(KVConnector):
         self._first_layer = first_layer
         self._block_bytes = (num_layers or layers) * self._layer_bytes  # a whole block in the pool layout
 
+    @property
+    def staged(self) -> bool:
+        """Pushes go through pinned host staging (a CUDA cache), not straight from the bound cache."""
+        return self._staging is not None
+
     def _offset(self, layer: int, kv: int, block: int) -> int:
         return (((layer - self._first_layer) * 2 + kv) * self._num_blocks + block) * self._half
 
@@ -173,11 +185,24 @@ class PoolConnector(KVConnector):
             if job.error is not None:
                 continue
             slices = []
+            if job.mapped_cache is not None:  # the decode engine's cache, mapped here: one copy of the layer's blocks
+                try:
+                    copy_blocks(job.mapped_cache[layer].transpose(0, 1), job.landing_blocks[start:end],
+                                self.kv_cache[layer - self._first_layer].transpose(0, 1), table[start:end])  # fmt: skip
+                except (RuntimeError, IndexError) as e:
+                    job.fail(TransferError(f"writing the decode engine's cache failed: {e}"))
+                    continue
+            elif job.landing_blocks is not None:  # through its segment: a slice per run of blocks consecutive on both sides
+                for src, dst, k in block_runs(table[start:end], job.landing_blocks[start:end]):
+                    for kv in (0, 1):
+                        slices.append(Slice(self._offset(layer, kv, src), job.landing_segment, job.cache_at(dst, layer, kv, half),
+                                            k * half, job.landing_token))  # fmt: skip
             for b in range(start, end):
                 block = table[b]
-                for kv in (0, 1):
-                    slices.append(Slice(self._offset(layer, kv, block), job.landing_segment, job.landing_at(b, layer, kv, half),
-                                        half, job.landing_token))  # fmt: skip
+                if job.landing_blocks is None:  # landing slots (the pool layout)
+                    for kv in (0, 1):
+                        slices.append(Slice(self._offset(layer, kv, block), job.landing_segment, job.landing_at(b, layer, kv, half),
+                                            half, job.landing_token))  # fmt: skip
                 slot = job.pool_slots.get(b)
                 if slot is None or job.store_later:
                     continue
@@ -187,6 +212,8 @@ class PoolConnector(KVConnector):
                     at = slot * self._block_bytes + layer * self._layer_bytes
                     slices.append(Slice(self._offset(layer, 0, block), job.pool_segment, at, half, job.pool_token))
                     slices.append(Slice(self._offset(layer, 1, block), job.pool_segment, at + half, half, job.pool_token))
+            if not slices:
+                continue
             try:
                 self._batches.append((job, self.transfer.write(self._bytes, slices), None))
             except TransferError as e:
@@ -206,8 +233,8 @@ class PoolConnector(KVConnector):
         for job, table, start, end in self._active:
             if job.error is not None:
                 continue
-            if job.device_cache is not None:  # the decode engine's cache on this host: device to device, no host memory
-                self._staging.copy_to(cache, table[start:end], job.device_cache[layer], job.landing_blocks[start:end])
+            if job.mapped_cache is not None:  # the decode engine's cache on this host: device to device, no host memory
+                self._staging.copy_to(cache, table[start:end], job.mapped_cache[layer], job.landing_blocks[start:end])
                 if not job.store_later and any(b in job.pool_slots for b in range(start, end)):
                     self._staging.submit(cache, table[start:end], functools.partial(self._pool_or_fail, job, layer, start, end))
                 continue
@@ -355,8 +382,7 @@ class HostStaging:
         cache's same layer (a decode engine's, mapped by CUDA IPC), device to device on the side stream; ``drain``
         waits for it too."""
         if not self.cuda:  # the same path on the CPU (tests): a plain copy
-            src, dst = (torch.tensor(x, dtype=torch.long) for x in (block_ids, dest_ids))
-            dest.index_copy_(1, dst, cache.index_select(1, src))
+            copy_blocks(dest.transpose(0, 1), dest_ids, cache.transpose(0, 1), block_ids)
             return
         ready = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):

@@ -24,18 +24,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 
 from typing import Any
 
+import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from kvstore.service import segment_from_pb
 from mooncake.blocks import block_keys
+from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
 from mooncake.engine.engine import RequestOutput
 from mooncake.serving.conductor_link import ConductorLink
@@ -49,7 +53,7 @@ from mooncake.engine.stage_process import StagePush, StageRequest
 from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import StageGroup
 from protos import worker_pb2 as wpb
-from transfer import SharedRegion, Slice, TransferConfig, TransferEngine, TransferError, TransportChoice
+from transfer import Segment, SharedRegion, Slice, TransferConfig, TransferEngine, TransferError, TransportChoice
 from transfer.types import host_id
 
 log = logging.getLogger(__name__)
@@ -185,6 +189,7 @@ class PrefillWorker:
         if self.group is None:
             self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._cuda_caches = CudaCaches()  # decode engines' CUDA caches on this host, mapped once each
+        self._prefix_copier = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefix-copy")  # pool -> decode cache
         self._remote: dict[str, KVStoreClient] = {}
         self._remote_lock = threading.Lock()
         self.predictor = (PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
@@ -213,6 +218,7 @@ class PrefillWorker:
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
         job = self._job(req, num_blocks)
         held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
+        prefix = None
         try:
             # prompt logprobs need every prompt token computed: nothing is loaded
             plan = type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan
@@ -225,6 +231,7 @@ class PrefillWorker:
             external = None
             if cached > 0:
                 external = SlotKV(self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None)
+            prefix = self._copy_prefix(job, local, cached)
             self._inflight[req.request_id] = (len(prompt), cached)
             if self.group is not None:
                 tokens = [held.local_lease or ""] * len(local) + [held.fetch_reservation or ""] * len(fetched)
@@ -232,11 +239,15 @@ class PrefillWorker:
             else:
                 self.connector.jobs[req.request_id] = job
                 self._run(req, prompt, salt, external, cached, job, cancelled)
+            if prefix is not None and prefix.exception() is not None:
+                job.fail(TransferError(f"copying the prefix into the decode engine's cache failed: {prefix.exception()}"))
             if job.error is not None:
                 raise job.error
             if not job.writing:  # else the pool write after the answer commits and releases ``held`` (_stored)
                 self._commit(held)
         finally:
+            if prefix is not None:  # before the leases go and the grant ends: it reads pool slots, writes granted blocks
+                futures.wait([prefix])
             self.connector.jobs.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
             if not job.writing:  # a job cancelled after its last step is still written: _stored releases ``held``
@@ -273,10 +284,46 @@ class PrefillWorker:
                 raise ValueError(f"landing block {max(landing.cache_blocks)} outside a cache of {landing.cache_num_blocks} blocks")
             job.landing_blocks, job.landing_num_blocks = list(landing.cache_blocks), landing.cache_num_blocks
         if landing.cuda_ipc:
-            job.device_cache = self._device_cache(landing)
+            job.mapped_cache = self._device_cache(landing)
         else:
-            self.transfer.add_segment(segment_from_pb(landing.segment))
+            segment = segment_from_pb(landing.segment)
+            self.transfer.add_segment(segment)
+            if direct:
+                job.mapped_cache = self._host_cache(segment, landing.cache_num_blocks)
         return job
+
+    def _host_cache(self, segment: Segment, num_blocks: int) -> torch.Tensor | None:
+        """The decode engine's CPU cache [L, 2, blocks, bs, Hkv, D], mapped here from its shared memory when this worker
+        pushes from a CPU cache and reaches that segment by shared memory; None: it is written through the transfer
+        engine (another host, or a staged push). Each layer's blocks are then two tensor operations, not a slice per
+        block and layer (at 4,096 tokens of SmolLM2, 15,360 slices)."""
+        if self.connector.staged or self.group is not None or self.config.engine is not EngineKind.NATIVE:
+            return None
+        try:
+            view = self.transfer.mapped(segment)
+        except TransferError:
+            return None  # its owner is gone: the push through the transfer engine fails the job the usual way
+        if view is None:
+            return None
+        dtype = self.connector.kv_cache.dtype
+        shape = (self.block_shape[0], 2, num_blocks, *self.block_shape[2:])
+        count = math.prod(shape)
+        if len(view) < count * dtype.itemsize:
+            raise ValueError(f"a cache of {num_blocks} blocks needs {count * dtype.itemsize} bytes; the segment "
+                             f"{segment.name!r} holds {len(view)}")  # fmt: skip
+        return torch.frombuffer(view, dtype=dtype, count=count).view(shape)
+
+    def _copy_prefix(self, job: PrefillJob, local: list[int], cached: int) -> futures.Future | None:
+        """Start copying the prompt's leading blocks found in this node's pool straight into the decode engine's cache
+        (mapped here, on the CPU), beside the engine's own import of them: the engine then pushes only the blocks it
+        computes, and the copy leaves the engine's thread for a core of its own. The blocks the engine writes (the
+        last prompt token's is always computed) stay the engine's to push. None: nothing copied this way."""
+        n = min(len(local), cached // self.config.block_size)
+        if not n or job.mapped_cache is None or job.mapped_cache.device.type != "cpu":
+            return None
+        job.issued = n  # the engine's pushes start after these
+        dst = job.mapped_cache.permute(2, 0, 1, 3, 4, 5)  # [blocks, L, 2, bs, Hkv, D]: the pool's layout
+        return self._prefix_copier.submit(copy_blocks, dst, job.landing_blocks[:n], self.pool, local[:n])
 
     def _device_cache(self, landing: wpb.Landing):
         """The decode engine's CUDA cache, mapped here once per decode worker."""
@@ -485,6 +532,7 @@ class PrefillWorker:
         if self.loop is not None:
             self.loop.close()
         self.engine.close()
+        self._prefix_copier.shutdown(wait=True)
         for client in self._remote.values():
             client.close()
         self.kv.close()

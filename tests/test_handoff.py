@@ -5,7 +5,7 @@
                 token computed; preempted, it recomputes and still gives them
     connector   a prefill's PoolConnector writes the prompt's KV straight into those blocks of the other engine's
                 cache (a shared-memory segment): in place, through host staging, and by device copies
-                (``device_cache``; a plain copy on the CPU); the granted blocks equal the prefill's own, byte for
+                (``mapped_cache``; a plain copy on the CPU); the granted blocks equal the prefill's own, byte for
                 byte, the others stay zero; with ``store_later`` the pool slots get the blocks after the answer;
                 over tcp (another host) the decode worker's transfer server lets in only the granted blocks
     cluster     a real LocalCluster: disaggregated greedy tokens equal one engine's, the hand-off is counted as
@@ -205,7 +205,7 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         connector.pool = torch.zeros(8, *prefill.block_shape)
         stored = []
         job = PrefillJob("r", len(prompt), n, segments[0].name, [], pool_slots={0: 5, 2: 1}, landing_blocks=landing,
-                         landing_num_blocks=cache.shape[2], device_cache=cache if path == "device-copy" else None,
+                         landing_num_blocks=cache.shape[2], mapped_cache=cache if path == "device-copy" else None,
                          store_later=store_later, on_stored=stored.append)  # fmt: skip
         connector.jobs["r"] = job
         prefill.add_request(prompt, greedy(1), request_id="r")
@@ -277,11 +277,88 @@ def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_di
 
         assert isinstance(push("one-block-too-far", granted[:2] + [outside], "live").error, TransferError)
         assert isinstance(push("no-grant", [outside, reserved[0], reserved[4]], "stale").error, TransferError)
+        # blocks consecutive on both sides go as one slice per layer and K or V: one block of it outside the grant
+        # refuses the whole slice
+        assert reserved == list(range(reserved[0], reserved[0] + 6))  # a fresh engine hands out consecutive blocks
+        lengths = []
+        write = sender.write
+        sender.write = lambda local, slices: lengths.extend(s.length for s in slices) or write(local, slices)
+        assert isinstance(push("a-run-one-block-too-far", reserved[2:5], "live").error, TransferError)
+        assert max(lengths) > worker.block_bytes // (2 * cache.shape[0])  # a slice longer than one block's K
         others = [b for b in range(16) if b not in granted]
         assert not cache[:, :, others].any()  # refused writes wrote nothing
+        job = push("a-run", reserved[1:4], "live")
+        assert job.error is None and torch.equal(cache[:, :, reserved[1:4]], source)
     finally:
         sender.close()
         worker.close()
+
+
+def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_pool_straight_into_it(tiny_dir, shm_dir):
+    """A prefill worker on the decode worker's host maps the decode engine's CPU cache (its shared-memory segment) and
+    writes it with tensor copies, no transfer-engine slices; a prefix found in the pool is copied from the pool slots
+    straight into the granted blocks, beside the engine's import, and the engine pushes only the block it computes.
+    The warm prompt's blocks equal the cold prompt's, byte for byte, into consecutive and into scattered blocks."""
+    import threading
+
+    from kvnodes import start_node
+    from kvstore.service import segment_to_pb
+    from prefill.worker import PrefillConfig, PrefillWorker
+    from protos import conductor_pb2 as cpb
+    from protos import worker_pb2 as wpb
+
+    bs, prompt = 16, prompt_of(70, seed=6)  # 5 blocks: 4 full (the pool keeps them), 1 partial
+    probe = make_engine(tiny_dir, block_size=bs)
+    layers, shape, block_bytes = probe.block_shape[0], probe.block_shape[2:], probe.block_bytes
+    node = start_node("kv-mapped", block_bytes, 16, shm_dir=shm_dir)
+    decode_node = TransferEngine(TransferConfig(node=f"decode-{uuid.uuid4().hex[:6]}", shm_dir=shm_dir, serve=False))
+    worker = None
+    try:
+        segment = decode_node.allocate("kvcache", 24 * block_bytes)
+        cache = torch.frombuffer(decode_node.buffer(segment.name), dtype=torch.float32).view(layers, 2, 24, *shape)
+        worker = PrefillWorker(PrefillConfig(id=f"prefill-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), kvstore=node.grpc,
+                                             block_size=bs, num_kv_blocks=32, max_model_len=256))  # fmt: skip
+        copies = []
+        copy_prefix = worker._copy_prefix
+        worker._copy_prefix = lambda job, local, cached: copies.append(len(local)) or copy_prefix(job, local, cached)
+
+        def prefill(rid: str, blocks: list[int], local_blocks: int):
+            req = wpb.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
+                plan=cpb.PrefixPlan(local_blocks=local_blocks),
+                landing=wpb.Landing(segment=segment_to_pb(segment), cache_blocks=blocks, cache_num_blocks=24, block_bytes=block_bytes),
+            )  # fmt: skip
+            resp = worker.prefill(req, threading.Event())
+            assert worker.flush_pool_writes(10)
+            return resp
+
+        cold_blocks = [2, 3, 4, 5, 6]
+        cold = prefill("cold", cold_blocks, 0)
+        assert cold.cached_tokens == 0 and cache[:, :, cold_blocks].abs().sum() > 0
+        reference = prefilled_tokens_kv(tiny_dir, prompt)
+        got = cache[:, :, cold_blocks].flatten(2, 3)[:, :, : len(prompt)]  # [L, 2, tokens, Hkv, D]
+        assert torch.allclose(got, reference, atol=1e-5)
+        for blocks in ([10, 11, 12, 13, 20], [19, 7, 15, 1, 22]):  # one run of four; no run at all
+            warm = prefill(f"warm-{blocks[0]}", blocks, 5)
+            assert warm.cached_tokens == 64 and warm.first_token == cold.first_token
+            assert torch.equal(cache[:, :, blocks[:4]], cache[:, :, cold_blocks[:4]])  # from the pool, byte for byte
+            # the last block: the engine's (its first 5 tokens computed again, from the same prefix)
+            assert torch.allclose(cache[:, :, blocks[4]], cache[:, :, cold_blocks[4]], atol=1e-5)
+        assert copies[-2:] == [4, 4]
+        written = set(cold_blocks) | {10, 11, 12, 13, 20, 19, 7, 15, 1, 22}
+        assert not cache[:, :, [b for b in range(24) if b not in written]].any()  # nothing outside the grants
+        assert ("shm", "write") not in worker.transfer.moved()  # tensor copies only: no slices through the engine
+    finally:
+        if worker is not None:
+            worker.close()
+        decode_node.close()
+        node.stop()
+
+
+def prefilled_tokens_kv(model_dir, prompt: list[int]) -> torch.Tensor:
+    """The prompt's KV computed by one engine alone, token by token: [L, 2, tokens, Hkv, D]."""
+    _, kv = prefilled(model_dir, prompt)  # [n, L, 2, bs, Hkv, D]
+    return kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, : len(prompt)]
 
 
 # -- the cluster ---------------------------------------------------------------------------------------------------

@@ -113,7 +113,9 @@ class ShmBackend(Backend):
         for part in split_by_bytes(jobs, self._threads, total):  # copy threads share the work
             self._pool.submit(self._run, segment, part)
 
-    def _mapping(self, segment: Segment) -> memoryview:
+    def mapping(self, segment: Segment) -> memoryview:
+        """The segment's memory mapped here (this process's own, or its owner's shared-memory file); TransferError when
+        its owner is gone or the file cannot be mapped."""
         own = self._local_buffer(segment.name)
         if own is not None:
             return own
@@ -137,7 +139,7 @@ class ShmBackend(Backend):
 
     def _run(self, segment: Segment, jobs: list[Job]) -> None:
         try:
-            remote = self._mapping(segment)
+            remote = self.mapping(segment)
         except TransferError as e:
             fail_jobs(jobs, e)
             return

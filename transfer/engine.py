@@ -297,6 +297,13 @@ class TransferEngine:
             return self._rdma  # forced: a segment not registered for RDMA fails its jobs with that reason
         return self._tcp
 
+    def mapped(self, segment: Segment) -> memoryview | None:
+        """``segment``'s memory mapped into this process where shared memory reaches it (its owner is on this host), so
+        a caller can copy into it with tensor operations instead of slices; None where only the network reaches it.
+        Raises TransferError when its owner is gone."""
+        backend = self.backend_for(segment)
+        return backend.mapping(segment) if backend is self._shm else None
+
     def _submit(self, kind: OpKind, local, slices: Sequence[Slice]) -> TransferBatch:
         if self._closed:
             raise TransferError("transfer engine is closed")

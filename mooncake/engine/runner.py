@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
+from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
 from mooncake.engine.decode_graph import DecodeGraphs, decode_attention_for
 from mooncake.engine.model import CausalLM
@@ -120,11 +122,10 @@ class ModelRunner:
         n = len(imp.block_ids)
         ext = imp.external_kv
         if isinstance(ext, torch.Tensor):
-            src = ext[imp.first_block : imp.first_block + n, layer]  # [n, 2, bs, Hkv, D]
-        else:  # a lazy source (ExternalKV): reads one layer of its blocks
-            src = ext.layer(layer, imp.first_block, imp.first_block + n)
-        idx = torch.tensor(imp.block_ids, dtype=torch.long, device=self.device)
-        self.kv_cache[layer].index_copy_(1, idx, src.to(device=self.device, dtype=self.kv_cache.dtype).transpose(0, 1))
+            src, ids = ext[:, layer], range(imp.first_block, imp.first_block + n)  # [N, 2, bs, Hkv, D]
+        else:  # a lazy source (ExternalKV): where one layer of its blocks is
+            src, ids = ext.source(layer, imp.first_block, imp.first_block + n)
+        copy_blocks(self.kv_cache[layer].transpose(0, 1), imp.block_ids, src, ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, connector: KVConnector) -> Sampled:
@@ -329,6 +330,11 @@ class ExternalKV:
 
     def layer(self, layer: int, start: int, end: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def source(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, Sequence[int]]:
+        """Layer ``layer`` of blocks ``[start, end)`` as (a tensor [N, 2, block_size, Hkv, D], their indices in it), blocking
+        until those bytes are there: a source that holds them in place (pool slots) saves the import a gather."""
+        return self.layer(layer, start, end), range(end - start)
 
 
 class _LayerImports(KVConnector):

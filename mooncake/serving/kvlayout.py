@@ -83,3 +83,8 @@ class SlotKV(ExternalKV):
         if self._wait_layer is not None:
             self._wait_layer(layer)
         return self._slots[:, layer].index_select(0, self._indices[start:end])  # [n, 2, bs, Hkv, D]
+
+    def source(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, list[int]]:
+        if self._wait_layer is not None:
+            self._wait_layer(layer)
+        return self._slots[:, layer], self._indices[start:end].tolist()

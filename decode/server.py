@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return cpb.Load(queued_requests=worker.num_in_prefill, running_requests=worker.loop.num_running,
                         context_tokens=worker.loop.context_tokens, free_kv_blocks=worker.engine.num_free_blocks,
                         step_s=step.seconds if step is not None and worker.loop.num_running else 0.0, batch_cap=cap,
-                        landing_blocks=worker.slots.num_slots)  # fmt: skip
+                        landing_blocks=worker.landing_room)  # fmt: skip
 
     spec = WorkerProcess(
         name="decode",

@@ -305,6 +305,15 @@ class DecodeWorker:
         """Does this request's KV land in the engine's cache itself (not in landing slots)?"""
         return (self.cache_segment is not None or bool(self.cuda_ipc)) and prefill_address not in self._staged_prefills
 
+    @property
+    def landing_room(self) -> int:
+        """Blocks prompts can land in (``Load.landing_blocks``: the Conductor counts the blocks its requests not yet
+        decoding hold against it): where prefills write the engine's cache itself, its free blocks and those reserved
+        for prefills under way; otherwise the landing slots."""
+        if self.cache_segment is not None or self.cuda_ipc:
+            return self.engine.num_free_blocks + self.engine.num_reserved_blocks
+        return self.slots.num_slots
+
     def _reserve(self, num_blocks: int, prefill_address: str) -> tuple[list[int], list[int]]:
         """(landing slots, cache blocks) for a prompt of ``num_blocks`` blocks: one of them is empty. Raises Busy."""
         if self._direct(prefill_address):

@@ -6,8 +6,9 @@ of another", along one dimension. A gather and a scatter (``index_select`` then
 ``index_copy_``) does any such copy in two tensor operations; on the CPU both are element
 loops, and where the blocks come in runs that are consecutive on both sides (fresh
 allocations mostly are) one ``copy_`` per run is a memcpy instead. Measured on the 2-core VM
-with torch's one thread, 256 blocks of 30 layers of SmolLM2's KV (188 MiB;
-``python benchmarks/blockcopy_bench.py``): 134 ms as gather and scatter, 48 ms as one run.
+with torch's one thread, 256 blocks of 30 layers of SmolLM2's KV (180 MiB;
+``python benchmarks/blockcopy_bench.py``): 104 ms as gather and scatter, 47 ms as one run
+(2.2x); scattered blocks fall back to the gather and scatter (the same 104 ms).
 """
 
 from __future__ import annotations

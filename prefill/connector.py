@@ -254,19 +254,29 @@ class PoolConnector(KVConnector):
 
     def _push_staged(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor,
                      landing: bool = True) -> None:  # fmt: skip
-        """Write ``staged`` [n, 2, bs, Hkv, D] (contiguous, CPU: blocks start..end of one layer) to the landing (unless
-        ``landing`` is False) and the job's pool slots (unless the job stores them later)."""
-        size = staged[0].numel() * staged.element_size()
-        half = size // 2
-        slices = [Slice(i * size + kv * half, job.landing_segment, job.landing_at(b, layer, kv, half), half, job.landing_token)
-                  for i, b in enumerate(range(start, end)) for kv in (0, 1)] if landing else []  # fmt: skip
+        """Write ``staged`` (contiguous, CPU: blocks start..end of one layer; [2, n, bs, Hkv, D] from host staging, or
+        [n, 2, bs, Hkv, D] in the pool layout from ``export``) to the landing (unless ``landing`` is False) and the
+        job's pool slots (unless the job stores them later). Into a decode engine's cache, a run of blocks consecutive
+        there is one slice per K or V."""
+        n = end - start
+        kv_major = self.export is None  # host staging's [2, n, ...]: K of consecutive blocks are contiguous
+        half = staged[0, 0].numel() * staged.element_size()
+        at = (lambda i, kv: (kv * n + i) * half) if kv_major else (lambda i, kv: (i * 2 + kv) * half)  # noqa: E731
+        slices = []
+        if landing and job.landing_blocks is not None and kv_major:
+            slices = [Slice(at(i, kv), job.landing_segment, job.cache_at(d, layer, kv, half), k * half, job.landing_token)
+                      for i, d, k in block_runs(range(n), job.landing_blocks[start:end]) for kv in (0, 1)]  # fmt: skip
+        elif landing:
+            slices = [Slice(at(i, kv), job.landing_segment, job.landing_at(start + i, layer, kv, half), half, job.landing_token)
+                      for i in range(n) for kv in (0, 1)]  # fmt: skip
         to_pool = [] if job.store_later else [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
         if to_pool and job.pool_segment is None:  # one copy (the GIL let go while it runs), not one per block
             rows, slots = (torch.tensor(x, dtype=torch.long) for x in zip(*to_pool))
-            self.pool[:, layer].index_copy_(0, slots, staged.index_select(0, rows))
+            blocks = staged.index_select(1, rows).transpose(0, 1) if kv_major else staged.index_select(0, rows)
+            self.pool[:, layer].index_copy_(0, slots, blocks)
         elif to_pool:
-            slices += [Slice(i * size, job.pool_segment, slot * self._block_bytes + layer * size, size, job.pool_token)
-                       for i, slot in to_pool]  # fmt: skip
+            slices += [Slice(at(i, kv), job.pool_segment, slot * self._block_bytes + layer * 2 * half + kv * half, half, job.pool_token)
+                       for i, slot in to_pool for kv in (0, 1)]  # fmt: skip
         raw = tensor_bytes(staged)
         try:
             batch = self.transfer.write(raw, slices)
@@ -359,11 +369,11 @@ class HostStaging:
         threading.Thread(target=self._run, name="kv-staging", daemon=True).start()
 
     def submit(self, cache: torch.Tensor, block_ids: list[int], then: Callable[[torch.Tensor], None]) -> None:
-        """Copy blocks ``block_ids`` of one layer's cache [2, num_blocks, bs, Hkv, D] to host as [n, 2, bs, Hkv, D];
-        call ``then`` with it (on the staging thread) once it is there."""
+        """Copy blocks ``block_ids`` of one layer's cache [2, num_blocks, bs, Hkv, D] to host as [2, n, bs, Hkv, D] (K
+        of consecutive blocks contiguous, as in a decode engine's cache); call ``then`` with it (on the staging
+        thread) once it is there."""
         if not self.cuda:
-            idx = torch.tensor(block_ids, dtype=torch.long)
-            self._queue.put((None, cache.index_select(1, idx).transpose(0, 1).contiguous(), then))
+            self._queue.put((None, cache.index_select(1, torch.tensor(block_ids, dtype=torch.long)), then))
             return
         ready = torch.cuda.current_stream(self.device).record_event()  # this layer's K/V are written
         with torch.cuda.stream(self.stream):
@@ -371,7 +381,7 @@ class HostStaging:
             # from pinned memory: a copy from pageable memory would first wait for this stream, i.e. for the layer's
             # compute, and the engine thread could no longer queue the next layers ahead of the GPU
             idx = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-            gathered = cache.index_select(1, idx).transpose(0, 1).contiguous()
+            gathered = cache.index_select(1, idx)  # [2, n, bs, Hkv, D], contiguous
             host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             host.copy_(gathered, non_blocking=True)
             done = self.stream.record_event()

@@ -4,10 +4,13 @@
                 from there (``add_request(kv_block_ids=)``): the tokens of one engine alone, with only the new
                 token computed; preempted, it recomputes and still gives them
     connector   a prefill's PoolConnector writes the prompt's KV straight into those blocks of the other engine's
-                cache (a shared-memory segment): in place, through host staging, and by device copies
-                (``mapped_cache``; a plain copy on the CPU); the granted blocks equal the prefill's own, byte for
-                byte, the others stay zero; with ``store_later`` the pool slots get the blocks after the answer;
-                over tcp (another host) the decode worker's transfer server lets in only the granted blocks
+                cache (a shared-memory segment): through the transfer engine (a slice per run of consecutive
+                blocks), mapped (tensor copies), through host staging, and by device copies (``mapped_cache``,
+                a CUDA cache's path run on the CPU); the granted blocks equal the prefill's own, byte for byte,
+                the others stay zero; with ``store_later`` the pool slots get the blocks after the answer; over
+                tcp (another host) the decode worker's transfer server lets in only the granted blocks; a
+                prefill worker on the decode worker's host maps its cache, and a warm prefix goes from the pool
+                slots straight into it
     cluster     a real LocalCluster: disaggregated greedy tokens equal one engine's, the hand-off is counted as
                 path="cache" (not "slots"), and the same prompt again is served from the pool
 
@@ -177,7 +180,7 @@ class _TableConnector(PoolConnector):
 
 
 @pytest.mark.parametrize("store_later", [False, True], ids=["pool-inline", "pool-later"])
-@pytest.mark.parametrize("path", ["in-place", "staged", "device-copy"])
+@pytest.mark.parametrize("path", ["in-place", "mapped", "staged", "staged-runs", "device-copy"])
 def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache(tiny_llama, path, store_later):
     prompt = prompt_of(37, seed=4)  # 5 blocks, the last partial; 3 engine steps of 16 tokens
     n = blocks_for(len(prompt))
@@ -195,23 +198,33 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         cache = decode.runner.kv_cache
         assert cache.data_ptr() == torch.frombuffer(decode_node.buffer(segments[0].name), dtype=torch.uint8).data_ptr()
         reserved = decode.reserve_blocks(9)
-        landing = [reserved[i] for i in (8, 3, 6, 1, 5)]  # out of order, and not the prefill engine's block ids
+        # out of order, and not the prefill engine's block ids; or consecutive (one slice per K or V of a layer)
+        landing = reserved[2:7] if path == "staged-runs" else [reserved[i] for i in (8, 3, 6, 1, 5)]
+        assert path != "staged-runs" or landing == list(range(landing[0], landing[0] + 5))
         decode.release_blocks([b for b in reserved if b not in landing])
         prefill_node.add_segment(segments[0])
 
         connector = _TableConnector(prefill_node, None, BS, io_timeout_s=30)
         prefill = make_engine(tiny_llama.path, connector=connector, max_num_batched_tokens=16, num_kv_blocks=32)
-        connector.bind(prefill.runner.kv_cache, staged=path != "in-place")
+        connector.bind(prefill.runner.kv_cache, staged=path in ("staged", "staged-runs", "device-copy"))
+        lengths = []
+        write = prefill_node.write
+        prefill_node.write = lambda local, slices: lengths.extend(x.length for x in slices) or write(local, slices)
         connector.pool = torch.zeros(8, *prefill.block_shape)
         stored = []
         job = PrefillJob("r", len(prompt), n, segments[0].name, [], pool_slots={0: 5, 2: 1}, landing_blocks=landing,
-                         landing_num_blocks=cache.shape[2], mapped_cache=cache if path == "device-copy" else None,
+                         landing_num_blocks=cache.shape[2], mapped_cache=cache if path in ("mapped", "device-copy") else None,
                          store_later=store_later, on_stored=stored.append)  # fmt: skip
         connector.jobs["r"] = job
         prefill.add_request(prompt, greedy(1), request_id="r")
         first = [o.output_token_ids[0] for _ in range(10) if prefill.has_unfinished() for o in prefill.step()][0]
         assert job.error is None and job.pushed == n
         assert connector.flush(10)
+        half = decode.block_bytes // (2 * decode.block_shape[0])
+        if path in ("mapped", "device-copy"):
+            assert not lengths  # tensor copies: nothing through the transfer engine
+        else:  # a slice per block and K or V; consecutive blocks: a slice per run (3 steps of 2, 2 and 1 blocks)
+            assert max(lengths) == (2 * half if path == "staged-runs" else half)
 
         source = prefill.runner.kv_cache[:, :, connector.tables["r"][:n]]  # [L, 2, n, bs, Hkv, D]
         assert source.abs().sum() > 0

@@ -377,9 +377,16 @@ def prefilled_tokens_kv(model_dir, prompt: list[int]) -> torch.Tensor:
 # -- the cluster ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_dir, tmp_path_factory):
-    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("handoff"), prefill=1, decode=1, gateway=False)
+@pytest.fixture(scope="module", params=["one-host", "two-hosts"])
+def cluster(request, tiny_dir, tmp_path_factory):
+    """The prefill worker (with its pool node) and the decode worker on one host (the decode cache mapped by the
+    prefill) or on two network hosts (written over tcp through the decode worker's segment)."""
+    from mooncake.cluster.netns import VirtualNetwork
+
+    two = request.param == "two-hosts"
+    if two and not VirtualNetwork.available():
+        pytest.skip("network namespaces need root and iproute2")
+    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("handoff"), prefill=1, decode=1, gateway=False, network_hosts=two)
     yield c
     c.stop()
 

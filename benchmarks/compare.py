@@ -365,6 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     rp.add_trace_args(p)
     args = p.parse_args(argv)
+    rp.apply_preset(args)
     args.limit = args.limit or (QUICK["limit"] if args.quick else rp.DEFAULTS["limit"])
     args.speed = args.speed or (QUICK["speed"] if args.quick else rp.DEFAULTS["speed"])
     args.factors = [1.0] if args.quick and not args.sweep else (args.sweep or [1.0])

@@ -86,6 +86,9 @@ TAIL_SHARE = 0.10  # the paper's TBT: the mean of the longest 10% of token gaps
 
 DEFAULTS = dict(block_tokens=16, output_scale=0.0625, max_input=1024, max_output=32, speed=0.25, limit=200,
                 ttft_slo_s=10.0, tbt_slo_s=0.5, effective_target=0.9)  # fmt: skip
+# Output scalings by workload (``--preset``): the conversation trace as compare.py has always scaled it, and a
+# prefill-heavy one (outputs of 1 to 8 tokens: the prefill pool and the Conductor's TTFT predictions are what binds)
+PRESETS = {"conversation": dict(output_scale=0.0625, max_output=32), "prefill-heavy": dict(output_scale=1 / 64, max_output=8)}
 
 
 # -- the trace ----------------------------------------------------------------------------------------
@@ -576,6 +579,13 @@ def factor_list(text: str) -> list[float]:
     return out
 
 
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fill --output-scale and --max-output from --preset where they were not given."""
+    for name, value in PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def add_trace_args(p: argparse.ArgumentParser) -> None:
     """The flags replay.py and compare.py share: scaling, SLOs, rates."""
     d = DEFAULTS
@@ -584,8 +594,11 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", type=factor_list, default=None, help="rate factors (speed x f each); reports the effective request capacity")
     p.add_argument("--block-tokens", type=int, default=d["block_tokens"], help="token ids per trace hash id (lengths scale by this / 512)")
     p.add_argument("--max-input", type=int, default=d["max_input"], help="longest prompt, in tokens (after scaling)")
-    p.add_argument("--output-scale", type=float, default=d["output_scale"], help="output tokens = trace output_length x this")
-    p.add_argument("--max-output", type=int, default=d["max_output"], help="longest output, in tokens")
+    p.add_argument("--preset", choices=list(PRESETS), default="conversation", help="the workload's output scaling: "
+                   + "; ".join(f"{k}: outputs x{v['output_scale']:g} clamped to [1, {v['max_output']}]" for k, v in PRESETS.items())
+                   + " (--output-scale and --max-output override it)")  # fmt: skip
+    p.add_argument("--output-scale", type=float, default=None, help="output tokens = trace output_length x this (default: the preset's)")
+    p.add_argument("--max-output", type=int, default=None, help="longest output, in tokens (default: the preset's)")
     p.add_argument("--limit", type=int, default=None, help=f"use the first N records (default {d['limit']})")
     p.add_argument("--no-spread", action="store_true", help="send the requests of one trace timestamp together (default: spread to the next)")
     p.add_argument("--ttft-slo", type=float, default=d["ttft_slo_s"], help="seconds")
@@ -608,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true", help="skip the one short request (not counted) sent first")
     add_trace_args(p)
     args = p.parse_args(argv)
+    apply_preset(args)
     speed, limit = args.speed or DEFAULTS["speed"], args.limit or DEFAULTS["limit"]
     vocab = vocab_size_of(args.model_dir) if args.model_dir else args.vocab_size
     console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)

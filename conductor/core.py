@@ -336,10 +336,13 @@ class Conductor:
         """The decode instances that would take one more request of ``blocks`` landing blocks now; under the early
         admissions, those whose worker would not refuse it as ``decode.worker.DecodeWorker.generate`` does.
 
-        A worker refuses when the requests it holds in prefill, plus those running past its
-        batch cap (``Load.batch_cap``: what its TBT SLO allows, in every heartbeat), come to a
-        whole batch, or when its landing segment (``Load.landing_blocks``) has no room for the
-        prompt's KV beside theirs. Those requests come from the forecast's bookkeeping
+        A worker refuses when the requests running past its batch cap (``Load.batch_cap``: what
+        its TBT SLO allows, in every heartbeat; they have landed and wait for a place) come to a
+        whole batch, or when its landing room (``Load.landing_blocks``) has no room for the
+        prompt's KV beside that of the requests in prefill there. A request in prefill holds
+        landing room, not a place in the batch: whether the batch has a place for it when it
+        lands is the forecast's question (early_predictive's TBT check), asked at the time its
+        prefill ends. Those requests come from the forecast's bookkeeping
         (scheduled here, their decode start and end reported by the worker), as fresh as the
         last report; what a worker does not report is not checked here. Refused here, such a
         request hears 429 in a fraction of a millisecond instead of after a round trip to a
@@ -351,10 +354,10 @@ class Conductor:
 
     def _refusal(self, inst: Instance, blocks: int) -> str:
         """Why ``inst``'s worker would refuse a request of ``blocks`` landing blocks now ("": it would take it)."""
-        pending, decoding, landing = self.forecast.occupancy(inst.id)
+        _, decoding, landing = self.forecast.occupancy(inst.id)
         cap, room = inst.load.batch_cap, inst.load.landing_blocks
-        if cap and pending + max(0, decoding - cap) >= cap:
-            return f"{inst.id}: {pending + max(0, decoding - cap)} waiting for a batch of {cap}"
+        if cap and decoding - cap >= cap:
+            return f"{inst.id}: {decoding - cap} waiting for a place in a batch of {cap}"
         if room and landing + blocks > room:
             return f"{inst.id}: {landing} of {room} landing blocks held, {blocks} more needed"
         return ""

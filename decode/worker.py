@@ -362,11 +362,14 @@ class DecodeWorker:
     def _admit(self) -> None:
         if self.draining:
             raise Failed(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.config.id} is draining")
+        # Requests still in their prefill hold landing room (``_reserve`` refuses when it runs out), not a place in the
+        # batch: whether the batch has a place when one lands is the Conductor's forecast (early_predictive). Refused
+        # here only: a whole batch of requests already landed and waiting for a place.
         cap = self.batch_cap
-        waiting = self._in_prefill + max(0, self.loop.num_running - cap)
+        waiting = max(0, self.loop.num_running - cap)
         if waiting >= cap:
-            raise Busy(f"decode worker {self.config.id} has a full batch waiting ({waiting} requests for a batch of {cap})",
-                       "decode_busy")  # fmt: skip
+            raise Busy(f"decode worker {self.config.id} has a full batch waiting ({waiting} requests waiting for a place in "
+                       f"a batch of {cap})", "decode_busy")  # fmt: skip
 
     # -- the stream ----------------------------------------------------------------------------
 

@@ -460,27 +460,29 @@ def test_shed_s_covers_a_decode_pool_past_its_tbt_slo_but_not_a_missing_one():
 # -- decode workers with a full batch waiting ----------------------------------------------------
 
 
-def test_a_decode_worker_with_a_full_batch_waiting_gets_nothing_more():
+def test_a_decode_worker_with_a_full_batch_waiting_for_places_gets_nothing_more():
     c = conductor("early", tbt_s=1.0)  # a TBT SLO nothing here comes near: only the batch cap refuses
     cluster(c, decodes=2)
     c.heartbeat("d0", Load(batch_cap=2), 0.0)
     c.heartbeat("d1", Load(batch_cap=1), 0.0)
-    placed = [c.schedule(request(f"r{n}"), 0.0) for n in range(4)]
-    assert [getattr(o, "decode", None) for o in placed] == ["d0", "d1", "d0", None]  # d1 holds 1 of 1, d0 2 of 2 in prefill
-    busy = placed[3]
+    # requests in prefill hold landing room, not places in the batch: twice the batches are taken
+    placed = [c.schedule(request(f"r{n}"), 0.0) for n in range(6)]
+    assert all(isinstance(o, Decision) for o in placed)
+    on = {d: [o.request_id for o in placed if o.decode == d] for d in ("d0", "d1")}
+    assert sorted(map(len, on.values())) == [2, 4] or sorted(map(len, on.values())) == [3, 3]
+    for o in placed:  # every one lands: each worker runs what its cap allows, the rest wait for a place
+        c.decode_started(o.request_id, 0.5)
+    if len(on["d0"]) == 3:  # d0 runs 2 of 3 (one waits, not a batch), d1 1 of 3 (two wait: full)
+        assert c.schedule(request("extra"), 0.5).decode == "d0"
+        c.decode_started("extra", 0.5)
+    busy = c.schedule(request("r6"), 0.5)
     assert isinstance(busy, Rejection) and busy.reason is RejectReason.DECODE_BUSY
-    assert busy.message == "every decode worker is full (d0: 2 waiting for a batch of 2; d1: 1 waiting for a batch of 1)"
+    assert busy.message.startswith("every decode worker is full (d0: 2 waiting for a place in a batch of 2; d1: ")
     assert busy.shed_s == SHED_BUSY_S  # every worker is full: the gateway refuses on its own for a moment
     assert_retry_in_bounds(busy)
-    c.decode_started("r0", 0.5)  # r0 joins d0's batch of 2: one waits there now, one place is free
-    assert c.shed_s(0.6) == 0.0
-    assert isinstance(again := c.schedule(request("r4"), 0.6), Decision) and again.decode == "d0"
-    c.decode_started("r2", 0.7)
-    c.decode_started("r4", 0.7)  # d0 runs 3 for a batch of 2: the one over the cap waits, as one in prefill does
-    assert c.schedule(request("r5"), 0.7).decode == "d0"
-    assert isinstance(c.schedule(request("r6"), 0.7), Rejection)
-    c.finished("r1", 0.8)  # d1 refused r1 or finished it: either way it is reported, and d1 has room again
-    assert c.schedule(request("r7"), 0.8).decode == "d1"
+    c.finished(on["d0"][0], 0.6)  # one of d0's leaves: one waits there now, not a whole batch
+    assert c.shed_s(0.7) == 0.0
+    assert isinstance(again := c.schedule(request("r7"), 0.7), Decision) and again.decode == "d0"
 
 
 def test_the_baseline_and_a_worker_reporting_no_cap_leave_the_batch_check_to_the_worker():
@@ -488,10 +490,38 @@ def test_the_baseline_and_a_worker_reporting_no_cap_leave_the_batch_check_to_the
     cluster(c)
     c.heartbeat("d0", Load(batch_cap=1), 0.0)
     assert all(isinstance(c.schedule(request(f"r{n}"), 0.0), Decision) for n in range(3))  # the worker refuses late
+    c.decode_started("r0", 0.0)
+    c.decode_started("r1", 0.0)  # one runs, one waits for its place: a whole batch of 1
     c.set_admission("early")
     assert isinstance(c.schedule(request("r3"), 0.0), Rejection)
     c.heartbeat("d0", Load(), 0.1)  # an older worker (or the simulator) reports no cap
     assert isinstance(c.schedule(request("r4"), 0.1), Decision)
+
+
+def test_with_slow_prefills_and_short_outputs_no_refusal_names_a_full_batch_that_is_not_full():
+    """Prompts whose prefills take long and whose outputs take a fraction of that: many more requests are in prefill
+    for a decode worker than its batch holds, and they never meet there (each decode ends before the next prefill
+    does). None is refused for a full batch while the batch is below its cap; once it is at its cap with a batch
+    waiting, the refusal says so."""
+    c = conductor("early_predictive", ttft_s=60.0, tbt_s=1.0)
+    cluster(c)
+    c.heartbeat("d0", Load(batch_cap=2), 0.0)
+    now = 0.0
+    for n in range(40):  # measured decodes of 0.1 s teach the forecast that outputs are short
+        c.schedule(request(f"learn{n}"), now)
+        c.decode_started(f"learn{n}", now + 0.05)
+        c.finished(f"learn{n}", now + 0.15)
+        now += 0.2
+    assert c.forecast.t_d < 0.5
+    c.heartbeat("p0", Load(queued_s=20.0), now)  # a long prefill queue: each new prompt waits about 20 s
+    outcomes = [c.schedule(request(f"r{n}"), now) for n in range(8)]  # 8 in prefill for a batch of 2
+    refused = [o for o in outcomes if isinstance(o, Rejection)]
+    assert not [o.message for o in refused if "batch" in o.message or "waiting" in o.message]
+    assert len(outcomes) - len(refused) == 8
+    for o in outcomes[:4]:  # four land at once: two run, two wait for a place (a whole batch of 2)
+        c.decode_started(o.request_id, now + 0.1)
+    full = c.schedule(request("late"), now + 0.1)
+    assert isinstance(full, Rejection) and "waiting for a place in a batch of 2" in full.message
 
 
 def test_early_predictive_refuses_a_request_that_would_wait_for_a_place_in_the_batch():

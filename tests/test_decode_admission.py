@@ -1,0 +1,38 @@
+"""What a decode worker turns away: a request still in its prefill holds landing room, not a place in the batch.
+
+A real DecodeWorker on the tiny model with a batch of one: however many requests are in their prefills, a new one is
+taken; once a whole batch of requests has landed and waits for a place, the next is refused (decode_busy).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from decode.worker import Busy, DecodeConfig, DecodeWorker
+from mooncake.engine.request import SamplingParams
+
+
+def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waiting_is_refused(tiny_dir, shm_dir):
+    worker = DecodeWorker(DecodeConfig(id=f"decode-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), block_size=16, num_kv_blocks=64,
+                                       max_model_len=256, max_num_seqs=1, write_behind=False, shm_dir=shm_dir))  # fmt: skip
+    try:
+        assert worker.batch_cap == 1
+        worker._in_prefill = 5  # five requests between admission and their first token (each holds landing room)
+        worker._admit()  # taken: none of them is in the batch yet
+        worker._in_prefill = 0
+        outputs = []
+        params = SamplingParams(max_tokens=230, temperature=0.0, ignore_eos=True)
+        for n in range(2):  # two land: one runs, one waits for its place (a whole batch of one)
+            worker.loop.submit_nowait(outputs.append, prompt_token_ids=[11 + n] * 20, sampling_params=params,
+                                      request_id=f"landed-{n}").result(10)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while worker.loop.num_running < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(Busy, match="1 requests waiting for a place in a batch of 1"):
+            worker._admit()
+    finally:
+        worker.close()

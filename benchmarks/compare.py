@@ -213,7 +213,8 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
                 s = r["summary"]
                 console.log(f"{run.name:>32} x{r['rate_factor']:<5g} {s['offered_rate_rps']:.2f} req/s: SLO met {s['slo_attainment']:.1%}, "
                             f"TTFT p50 {rp._ms(s['ttft_p50_s'])} ms, TBT p50 {rp._ms(s['tbt_p50_s'])} ms, {s['rejected']} rejected, "
-                            f"{s['errors']} errors, cache hit {rp._share(s['cache_hit_ratio'])}")  # fmt: skip
+                            f"{s['errors']} errors, cache hit {rp._share(s['cache_hit_ratio'])}"
+                            + (f"; {rp.describe_predictions(s)}" if s.get("predicted_requests") else ""))  # fmt: skip
 
             result = rp.sweep(requests, url, MODEL_NAME, args.factors, speed=args.speed, effective_target=args.effective_target,
                               progress=progress, label=run.name, on_run=on_run, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,

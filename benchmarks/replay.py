@@ -83,6 +83,8 @@ TRACE_BLOCK_TOKENS = 512  # tokens behind one hash id in a Mooncake trace
 MIN_TOKEN_ID = 100  # ids under this are left to special tokens
 SMOLLM2_VOCAB = 49152
 TAIL_SHARE = 0.10  # the paper's TBT: the mean of the longest 10% of token gaps
+PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft"  # mooncake.gateway.app's: the Conductor's TTFT prediction, seconds
+PREDICTION_WITHIN = 0.25  # issue 34's bar: predicted TTFT within 25% of the measured one
 
 DEFAULTS = dict(block_tokens=16, output_scale=0.0625, max_input=1024, max_output=32, speed=0.25, limit=200,
                 ttft_slo_s=10.0, tbt_slo_s=0.5, effective_target=0.9)  # fmt: skip
@@ -260,6 +262,7 @@ class RequestResult:
     e2e_s: float | None = None
     completion_tokens: int = 0
     cached_tokens: int | None = None  # None: the server did not say
+    predicted_ttft_s: float | None = None  # a mooncake cluster's Conductor's prediction (response header; None: no such server)
     token_times_s: list[float] = field(default_factory=list)  # every event carrying text
     effective: bool = False
 
@@ -301,6 +304,8 @@ async def _send(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[
     try:
         async with client.stream("POST", f"{url}/completions", content=body, headers=headers) as resp:
             r.http_status = resp.status_code
+            if (predicted := resp.headers.get(PREDICTED_TTFT_HEADER)) is not None:
+                r.predicted_ttft_s = float(predicted)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:300]
                 r.outcome = Outcome.REJECTED if resp.status_code == 429 else Outcome.ERROR
@@ -432,6 +437,21 @@ def summarize(results: list[RequestResult], ttft_slo_s: float, tbt_slo_s: float,
     for q in (50, 90, 99):
         out[f"ttft_p{q}_s"], out[f"tbt_p{q}_s"] = _pct(ttft, q), _pct(tbt, q)
     out["ttft_mean_s"] = float(np.mean(ttft)) if ttft else None
+    out.update(prediction_errors(ok))
+    return out
+
+
+def prediction_errors(ok: list[RequestResult], within: float = PREDICTION_WITHIN) -> dict:
+    """How the server's TTFT predictions (where it gave them) came out against the TTFTs measured here: the signed
+    relative error (predicted - measured) / measured at percentiles (below 0: predicted too short), and the share of
+    requests predicted within ``within`` of their TTFT."""
+    errors = sorted((r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in ok if r.predicted_ttft_s is not None and r.ttft_s)
+    if not errors:
+        return {"predicted_requests": 0}
+    out: dict = {"predicted_requests": len(errors), "prediction_within": within,
+                 "prediction_within_share": sum(abs(e) <= within for e in errors) / len(errors)}  # fmt: skip
+    for q in (10, 50, 90):
+        out[f"prediction_error_p{q}"] = _pct(errors, q)
     return out
 
 
@@ -504,7 +524,7 @@ def render(runs: list[dict], console: Console, title: str, caption: str | None =
     """A table of runs, one row each (labelled by ``label`` or the rate factor)."""
     table = Table(title=title, caption=caption)
     for col in ("run", "req/s", "done", "429", "err", "SLO met", "TTFT p50", "p90", "p99", "TBT p50", "p90", "p99",
-                "cache hit", "out tok/s"):  # fmt: skip
+                "cache hit", "out tok/s", "TTFT pred. ±25%"):  # fmt: skip
         table.add_column(col, justify="left" if col == "run" else "right")
     for run in runs:
         s = run["summary"]
@@ -512,8 +532,20 @@ def render(runs: list[dict], console: Console, title: str, caption: str | None =
         table.add_row(run.get("label") or f"x{run.get('rate_factor', 1):g}", rate, f"{s['completed']}/{s['requests']}",
                       str(s["rejected"]), str(s["errors"]), _share(s["slo_attainment"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p90_s"]),
                       _ms(s["ttft_p99_s"]), _ms(s["tbt_p50_s"]), _ms(s["tbt_p90_s"]), _ms(s["tbt_p99_s"]), _share(s["cache_hit_ratio"]),
-                      "-" if s["output_tok_s"] is None else f"{s['output_tok_s']:.1f}")  # fmt: skip
+                      "-" if s["output_tok_s"] is None else f"{s['output_tok_s']:.1f}", describe_predictions(s, short=True))  # fmt: skip
     console.print(table)
+
+
+def describe_predictions(s: dict, short: bool = False) -> str:
+    """The TTFT predictions of a run's summary: the share within 25% (and, unless ``short``, the error percentiles)."""
+    if not s.get("predicted_requests"):
+        return "-" if short else "no TTFT predictions (not a mooncake cluster)"
+    share = _share(s["prediction_within_share"])
+    if short:
+        return share
+    return (f"TTFT predicted within {s['prediction_within']:.0%} for {share} of {s['predicted_requests']}; error "
+            f"(predicted - measured) / measured p10 {s['prediction_error_p10']:+.0%}, p50 {s['prediction_error_p50']:+.0%}, "
+            f"p90 {s['prediction_error_p90']:+.0%}")
 
 
 def describe_capacity(capacity: dict) -> str:
@@ -645,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                        progress=progress, **common)  # fmt: skip
     title = f"replay of {args.trace.name} against {args.url} ({args.model})"
     render(result["runs"], console, title, caption=scaling.describe(speed) + "; ms; percentiles over completed requests")
+    for run in result["runs"]:
+        if run["summary"].get("predicted_requests"):
+            console.print(f"x{run.get('rate_factor', 1):g}: {describe_predictions(run['summary'])}")
     if args.sweep:
         console.print(describe_capacity(result["capacity"]))
     if args.json:

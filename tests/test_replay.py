@@ -126,6 +126,19 @@ def test_effective_needs_both_slos_and_completion():
     assert rp.summarize([result(0, cached=None)], span_s=1.0, wall_s=1.0, **slo)["cache_hit_ratio"] is None
 
 
+def test_ttft_predictions_are_compared_with_the_measured_ttfts_where_the_server_gave_them():
+    rs = [result(i, ttft=1.0) for i in range(5)] + [result(5, rp.Outcome.REJECTED)]
+    for r, predicted in zip(rs, (1.0, 1.2, 0.8, 0.5, 2.0)):  # exact, +20%, -20%, -50%, +100%
+        r.predicted_ttft_s = predicted
+    rs.append(result(6, ttft=2.0))  # no prediction (a server without the header): not counted
+    s = rp.summarize(rs, ttft_slo_s=10.0, tbt_slo_s=1.0, span_s=1.0, wall_s=1.0)
+    assert s["predicted_requests"] == 5 and s["prediction_within_share"] == pytest.approx(3 / 5)
+    assert s["prediction_error_p50"] == pytest.approx(0.0)
+    assert s["prediction_error_p10"] < -0.2 and s["prediction_error_p90"] > 0.2
+    assert "within 25% for 60.0% of 5" in rp.describe_predictions(s)
+    assert rp.summarize([result(0)], ttft_slo_s=10.0, tbt_slo_s=1.0, span_s=1.0, wall_s=1.0)["predicted_requests"] == 0
+
+
 def test_finish_counts_tokens_from_usage_and_reads_a_missing_cached_count_as_unknown():
     r = rp.RequestResult(0, 0.0, 0.0, 100, 5)
     rp._finish(r, [0.5, 0.6, 0.8], {"completion_tokens": 5, "prompt_tokens": 100}, 1.0)  # two tokens had no text: no event
@@ -193,5 +206,6 @@ def test_replaying_five_trace_requests_against_the_coupled_gateway(tiny_gateway,
         assert r["prompt_tokens"] == q.prompt_tokens
         assert r["scheduled_s"] == pytest.approx(q.arrival_s / 4)  # time compressed by --speed
     assert run["summary"]["cache_hit_ratio"] is not None  # our gateway reports cached tokens
+    assert run["summary"]["predicted_requests"] == 0  # one engine, no Conductor: no TTFT predictions
     assert data["scaling"]["block_tokens"] == 16 and "speed 4" in data["scaling"]["description"]
     assert data["command"]

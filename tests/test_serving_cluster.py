@@ -58,6 +58,22 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 # -- the OpenAI API ---------------------------------------------------------------------------------
 
 
+def test_a_streamed_response_carries_the_conductors_ttft_prediction(cluster):
+    """The header benchmarks/replay.py compares with the TTFT it measures (issue 34): the Conductor's prediction for the
+    request's placement, in seconds, positive and of the order of the prefill it predicts."""
+    body = {"model": "tiny", "prompt": prompt_of(200, seed=34), "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{cluster.endpoint}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200
+        predicted = float(r.headers["x-mooncake-predicted-ttft"])
+        assert any(line.startswith("data: ") and '"text"' in line for line in r.iter_lines())
+    assert 0 < predicted < 60 and time.perf_counter() - t0 < 60
+    whole = httpx.post(f"{cluster.endpoint}/completions", json=body | {"stream": False}, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60)  # fmt: skip
+    assert whole.status_code == 200 and "x-mooncake-predicted-ttft" not in whole.headers  # streamed responses only
+
+
 def test_chat_streaming_and_not_give_the_same_greedy_text_and_usage(client, tok):
     full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
     assert full.choices[0].message.role == "assistant" and full.choices[0].message.content

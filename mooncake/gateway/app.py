@@ -132,6 +132,9 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
 # -- routes' helpers ----------------------------------------------------------------------
 
 
+PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft"  # seconds; on streamed responses of a cluster
+
+
 class _ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
@@ -140,6 +143,8 @@ async def _respond(serving: OpenAIServing, request: Request, prepared: PreparedR
     headers = {"x-request-id": prepared.request_id}
     if prepared.stream:
         stream = await _unless_disconnected(request, serving.open_stream(prepared))
+        if stream.predicted_ttft_s is not None:  # what the Conductor predicted: benchmarks compare it with the TTFT
+            headers[PREDICTED_TTFT_HEADER] = f"{stream.predicted_ttft_s:.4f}"
         return _EventStreamResponse(stream, headers=headers)
     body = await _unless_disconnected(request, serving.complete(prepared))
     return JSONResponse(body, headers=headers)

@@ -132,10 +132,12 @@ class EventStream:
     ends); it closes the backend's streams, which cancels requests still running.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str,
+                 predicted_ttft_s: float | None = None) -> None:  # fmt: skip
         self._events = events
         self._fanout = fanout
         self.request_id = request_id
+        self.predicted_ttft_s = predicted_ttft_s  # the Conductor's, for the first choice (a cluster backend's)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._events
@@ -423,7 +425,8 @@ class OpenAIServing:
         except BaseException:
             await fanout.close()
             raise
-        return EventStream(self._events(prepared, fanout, first), fanout, prepared.request_id)
+        predicted = first[1].predicted_ttft_s if first is not None else None
+        return EventStream(self._events(prepared, fanout, first), fanout, prepared.request_id, predicted)
 
     async def _events(self, prepared: PreparedRequest, fanout: Fanout,
                       first: tuple[int, GenerationChunk] | None) -> AsyncGenerator[str, None]:  # fmt: skip

@@ -152,6 +152,8 @@ class ClusterBackend(GenerationBackend):
             if progress is not None and progress.faults:
                 raise _Fault(Fault.BUSY, rejected)  # it outlived a failure already: wait for room rather than fail it now
             raise rejected
+        if progress is not None and progress.predicted_ttft_s is None and resp.HasField("predicted"):
+            progress.predicted_ttft_s = resp.predicted.ttft_s
         return resp.placement
 
     async def _conductor_call(self, method: str, msg):
@@ -235,6 +237,7 @@ class ClusterBackend(GenerationBackend):
                 progress.placed()
                 first = True
                 async for c in self._stream(request, placement, progress):
+                    head = usage is None  # the request's first chunk
                     if usage is None:
                         usage = (c.cached_tokens, dict(c.cached_tokens_by_tier))
                     elif first and progress.resumed:
@@ -246,7 +249,8 @@ class ClusterBackend(GenerationBackend):
                                           cached_tokens=usage[0], cached_tokens_by_tier=usage[1],
                                           recovery=self._recovery(request, progress) if c.finish_reason else None,
                                           logprobs=[logprob_from_pb(lp) for lp in c.logprobs] if request.logprobs is not None else None,
-                                          prompt_logprobs=[logprob_from_pb(lp) for lp in c.prompt_logprobs] if c.prompt_logprobs else None)  # fmt: skip
+                                          prompt_logprobs=[logprob_from_pb(lp) for lp in c.prompt_logprobs] if c.prompt_logprobs else None,
+                                          predicted_ttft_s=progress.predicted_ttft_s if head else None)  # fmt: skip
                     if c.finish_reason:
                         return
                 raise _Fault(Fault.DECODE, Unavailable(f"decode worker {placement.decode_id} ended the stream without finishing"),

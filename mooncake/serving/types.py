@@ -64,6 +64,7 @@ class GenerationChunk:
     recovery: Recovery | None = None  # last chunk of a request that outlived a failure: what it took
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # the first chunk: prompt tokens 1.., when the request asked
+    predicted_ttft_s: float | None = None  # the first chunk: the Conductor's predicted TTFT (a cluster's; None elsewhere)
 
 
 @dataclass(slots=True)

@@ -77,6 +77,7 @@ class PrefillJob:
     pushed: int = 0  # blocks whose every layer is on the decode worker
     issued: int = 0  # blocks whose every layer's push has started (pushed <= issued)
     started_at: float | None = None  # its first engine step
+    compute_s: float = 0.0  # its share of the steps that computed it (each step's time x its tokens / the step's tokens)
     finished_at: float | None = None
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
@@ -120,6 +121,7 @@ class PoolConnector(KVConnector):
         self._unsettled: set[PrefillJob] = set()  # jobs with pushes started and not yet waited for
         self._writer: PoolWriter | None = None  # started by the first job that stores later
         self._released: list[int] = []  # blocks the writer is done with (the engine frees them)
+        self._step: tuple[float, int, list] = (0.0, 0, [])  # this step's start, its tokens, (job, its tokens) of each job
 
     def bind(self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None,
              staged: bool | None = None) -> None:  # fmt: skip
@@ -162,12 +164,14 @@ class PoolConnector(KVConnector):
     def start_step(self, step: ConnectorStep) -> None:
         self._active = []
         now = time.perf_counter()
+        self._step = (now, sum(r.num_new_tokens for r in step.requests), [])
         for sreq in step.requests:
             job = self.jobs.get(sreq.request_id)
             if job is None:
                 continue
             if job.started_at is None:
                 job.started_at = now
+            self._step[2].append((job, sreq.num_new_tokens))
             done = sreq.num_computed_tokens + sreq.num_new_tokens
             end = job.num_blocks if done >= job.prompt_len else done // self.block_size
             if end > job.issued:
@@ -292,6 +296,13 @@ class PoolConnector(KVConnector):
         while the next steps compute and are waited for once a job's last blocks are under way (its prefill ends
         with this step), or when a request leaves the engine (``request_finished``): a job's KV is whole on the
         decode worker before its first token is returned."""
+        started, tokens, shares = self._step
+        # each job's share of the step: its tokens of the step's (prompts batched together share steps). On the CPU the
+        # step has run by now; a CUDA step has only been queued (its jobs keep their wall time: unmeasured there)
+        if tokens and self._staging is None:
+            seconds = time.perf_counter() - started
+            for job, n in shares:
+                job.compute_s += seconds * n / tokens
         for job, _, _, end in self._active:
             job.issued = end
             self._unsettled.add(job)

@@ -253,9 +253,12 @@ class PrefillWorker:
             if not job.writing:  # a job cancelled after its last step is still written: _stored releases ``held``
                 self._release(held)
         compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
-        self.predictor.observe(len(prompt), cached, max(compute_s, 1e-6))
+        # the predictors learn what a prompt costs alone: with prompts batched together, its share of their steps (the
+        # whole span would count the others' tokens too, and the queue of them again)
+        own_s = job.compute_s or compute_s
+        self.predictor.observe(len(prompt), cached, max(own_s, 1e-6))
         if self.link is not None:
-            self.link.prefill_sample(len(prompt), cached, compute_s)
+            self.link.prefill_sample(len(prompt), cached, own_s)
             if held.fetch_seconds:
                 self.link.transfer_sample(len(fetched) * self.block_bytes, held.fetch_seconds)
         return wpb.PrefillResponse(
@@ -515,8 +518,14 @@ class PrefillWorker:
     # -- load ------------------------------------------------------------------------------------
 
     def queued_seconds(self) -> float:
-        """Predicted seconds of prefill in flight (what the Conductor adds as queueing time)."""
-        return sum(self.predictor.predict(p, c) for p, c in list(self._inflight.values()))
+        """Predicted seconds of prefill still to compute for the prefills in flight (what the Conductor adds as queueing
+        time): each prompt from what it has computed so far, not from its start."""
+        bs, total = self.config.block_size, 0.0
+        for rid, (p, c) in list(self._inflight.items()):
+            job = self.connector.jobs.get(rid)
+            done = max(c, min(p - 1, job.issued * bs)) if job is not None else c
+            total += self.predictor.predict(p, done)
+        return total
 
     @property
     def num_inflight(self) -> int:

@@ -252,6 +252,34 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         decode_node.close()
 
 
+def test_prompts_batched_together_each_count_their_share_of_the_steps(tiny_llama):
+    """What a prefill reports to the TTFT predictors is its own compute: with two prompts in the same steps, each one's
+    share of every step (by its tokens), not the whole span, which would count the other prompt's tokens too."""
+    node = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", serve=False))
+    try:
+        connector = PoolConnector(node, None, BS, io_timeout_s=30)
+        prefill = make_engine(tiny_llama.path, connector=connector, max_num_batched_tokens=48, num_kv_blocks=64)
+        connector.bind(prefill.runner.kv_cache)
+        cache = torch.zeros_like(prefill.runner.kv_cache)  # a decode cache, mapped (no transfers)
+        long, short = prompt_of(120, seed=1), prompt_of(24, seed=2)
+        jobs = {}
+        for rid, prompt, first in (("long", long, 0), ("short", short, 20)):
+            n = blocks_for(len(prompt))
+            jobs[rid] = PrefillJob(rid, len(prompt), n, "unused", [], landing_blocks=list(range(first, first + n)),
+                                   landing_num_blocks=cache.shape[2], mapped_cache=cache)  # fmt: skip
+            connector.jobs[rid] = jobs[rid]
+            prefill.add_request(prompt, greedy(1), request_id=rid)
+        t0 = time.perf_counter()
+        while prefill.has_unfinished():
+            prefill.step()
+        span = time.perf_counter() - t0
+        long_s, short_s = jobs["long"].compute_s, jobs["short"].compute_s
+        assert 0 < short_s < long_s and long_s + short_s <= span  # shares of the steps, never more than they took
+        assert short_s < 0.6 * long_s  # 24 tokens against 120, in the same steps: far less than the whole span
+    finally:
+        node.close()
+
+
 def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_dir, shm_dir):
     """From another host a prefill reaches the decode engine's cache through the decode worker's transfer server,
     which lets in only the bytes of blocks granted to a live Prefill call's token (``_cache_guard``)."""

@@ -1,8 +1,10 @@
 """The decode worker (DESIGN §3): receive a prompt's KV from a prefill worker, then decode in a continuous batch.
 
     Generate(request, placement)                                        (a server stream)
-      1. admission: the running batch stays under the TBT budget; with a full batch
-         already waiting, the request is turned away (RESOURCE_EXHAUSTED, retry later)
+      1. admission: the running batch stays under the TBT budget; with a full batch of
+         landed requests already waiting for places, the request is turned away
+         (RESOURCE_EXHAUSTED, retry later); requests still in prefill hold landing room
+         (step 2), not places
       2. reserve blocks of the engine's own paged cache, one per prompt block (native engine:
          the cache is a shared-memory segment on the CPU, also served over tcp/rdma, and is
          exported by CUDA IPC on a GPU); stock vLLM, or a prefill worker that cannot reach the

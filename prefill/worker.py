@@ -9,9 +9,12 @@
       3. reserve pool slots for the prompt's other full blocks
       4. run the engine: the prefix is imported layer by layer just before each layer runs
          (waiting for that layer of the pull); after each layer the connector pushes the
-         new KV to the decode worker's landing slots and into the reserved pool slots
-      5. commit the reservations (the blocks become visible, and the Conductor's index
-         hears of them), release the leases; answer with the first token
+         new KV into the decode engine's cache (mapped here on one host: tensor copies;
+         through its segment from another; or its landing slots). On one host the local
+         prefix goes from the pool slots straight into that cache, beside the import
+      5. answer with the first token; the prompt's new full blocks are written into the
+         reserved pool slots after the answer, and the reservations are committed then (the
+         blocks become visible, the Conductor's index hears of them); release the leases
 
 Failure is a designed path: blocks evicted since the plan was made, a fetch node that no
 longer has them, or a full pool shrink the plan (more is computed); a decode worker that

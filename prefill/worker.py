@@ -12,8 +12,9 @@
          new KV into the decode engine's cache (mapped here on one host: tensor copies;
          through its segment from another; or its landing slots). On one host the local
          prefix goes from the pool slots straight into that cache, beside the import
-      5. answer with the first token; the prompt's new full blocks are written into the
-         reserved pool slots after the answer, and the reservations are committed then (the
+      5. answer with the first token; the prompt's new full blocks go into the reserved pool
+         slots after the answer (our engine; a pipelined group or vLLM writes them with each
+         layer in step 4), and the reservations are committed once they are there (the
          blocks become visible, the Conductor's index hears of them); release the leases
 
 Failure is a designed path: blocks evicted since the plan was made, a fetch node that no

@@ -389,6 +389,15 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
         written = set(cold_blocks) | {10, 11, 12, 13, 20, 19, 7, 15, 1, 22}
         assert not cache[:, :, [b for b in range(24) if b not in written]].any()  # nothing outside the grants
         assert ("shm", "write") not in worker.transfer.moved()  # tensor copies only: no slices through the engine
+
+        # the queue a prefill worker reports counts what its prefills in flight still have to compute
+        worker._inflight["queued"] = (200, 0)
+        whole = worker.queued_seconds()
+        assert whole == pytest.approx(worker.predictor.predict(200, 0)) and whole > 0
+        worker.connector.jobs["queued"] = PrefillJob("queued", 200, 13, segment.name, [], issued=10)  # 160 tokens done
+        left = worker.queued_seconds()
+        assert left == pytest.approx(worker.predictor.predict(200, 160)) and left < whole
+        del worker._inflight["queued"], worker.connector.jobs["queued"]
     finally:
         if worker is not None:
             worker.close()

@@ -434,7 +434,7 @@ class PoolWriter:
     engine's cache blocks, which the engine keeps for it meanwhile (``PoolConnector.request_finished``).
 
         engine thread:  submit(job, [(cache block, pool slot)], the request's blocks)   (a CUDA event marks the KV done)
-        writer thread:  CPU: block by block, cache -> pool slot (shared memory)
+        writer thread:  CPU: cache -> pool slots (shared memory), a copy per run of consecutive blocks
                         CUDA: one gather on a side stream -> pinned host -> pool slots
                         then hand the blocks back to the engine (release) and tell the job (on_stored)
 
@@ -478,17 +478,17 @@ class PoolWriter:
 
     @torch.inference_mode()
     def _write(self, pairs: list[tuple[int, int]], ready) -> None:
+        blocks, slots = [b for b, _ in pairs], [s for _, s in pairs]
+        pool = self.pool[:, self.layers]  # [slots, L, 2, bs, Hkv, D]
         if not self.cuda:
-            for block, slot in pairs:
-                self.pool[slot, self.layers].copy_(self.kv_cache[:, :, block])
+            copy_blocks(pool, slots, self.kv_cache.permute(2, 0, 1, 3, 4, 5), blocks)
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            src = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=self.kv_cache.device)
+            src = torch.tensor(blocks, dtype=torch.long, device=self.kv_cache.device)
             gathered = self.kv_cache.index_select(2, src)  # [L, 2, n, bs, Hkv, D]
             host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
             host.copy_(gathered, non_blocking=True)
             done = self.stream.record_event()
         done.synchronize()
-        slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
-        self.pool[:, self.layers].index_copy_(0, slots, host.permute(2, 0, 1, 3, 4, 5))
+        copy_blocks(pool, slots, host.permute(2, 0, 1, 3, 4, 5), range(len(pairs)))

@@ -312,13 +312,16 @@ class PrefillWorker:
             return None  # its owner is gone: the push through the transfer engine fails the job the usual way
         if view is None:
             return None
-        dtype = self.connector.kv_cache.dtype
-        shape = (self.block_shape[0], 2, num_blocks, *self.block_shape[2:])
+        dtype, shape = self.connector.kv_cache.dtype, self._cache_shape(num_blocks)
         count = math.prod(shape)
         if len(view) < count * dtype.itemsize:
             raise ValueError(f"a cache of {num_blocks} blocks needs {count * dtype.itemsize} bytes; the segment "
                              f"{segment.name!r} holds {len(view)}")  # fmt: skip
         return torch.frombuffer(view, dtype=dtype, count=count).view(shape)
+
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """A decode engine's cache of ``num_blocks`` blocks of this model: [L, 2, blocks, bs, Hkv, D]."""
+        return (self.block_shape[0], 2, num_blocks, *self.block_shape[2:])
 
     def _copy_prefix(self, job: PrefillJob, local: list[int], cached: int) -> futures.Future | None:
         """Start copying the prompt's leading blocks found in this node's pool straight into the decode engine's cache
@@ -343,7 +346,7 @@ class PrefillWorker:
             cache = self._cuda_caches.open(landing.cuda_ipc)
         except (ValueError, RuntimeError) as e:
             raise Unreachable(f"the decode worker's CUDA cache cannot be mapped here: {e}") from None
-        want = (self.block_shape[0], 2, landing.cache_num_blocks, *self.block_shape[2:])
+        want = self._cache_shape(landing.cache_num_blocks)
         if tuple(cache.shape) != want or cache.dtype != self.connector.kv_cache.dtype:
             raise ValueError(f"the decode worker's cache is {tuple(cache.shape)} {cache.dtype}; this model's would be {want} "
                              f"{self.connector.kv_cache.dtype}")  # fmt: skip

@@ -106,7 +106,7 @@ class Conductor:
         """Add or re-add an instance (a restarted worker re-registers under its id)."""
         if not inst.id or not inst.address:
             raise ValueError("an instance needs an id and an address")
-        inst.state, inst.last_heartbeat = InstanceState.ALIVE, now
+        inst.state, inst.last_heartbeat, inst.queue_at = InstanceState.ALIVE, now, now
         self.instances[inst.id] = inst
         self.retiring.discard(inst.id)
 
@@ -114,7 +114,7 @@ class Conductor:
         inst = self.instances.get(instance_id)
         if inst is None or inst.state is InstanceState.DEAD:
             raise KeyError(f"instance {instance_id!r} is not registered (register again)")
-        inst.load, inst.last_heartbeat = load, now
+        inst.load, inst.last_heartbeat, inst.queue_at = load, now, now
         if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
             inst.state = InstanceState.ALIVE
         if inst.role is Role.DECODE and load.step_s > 0 and load.running_requests > 0:
@@ -208,12 +208,14 @@ class Conductor:
     def alive(self, role: Role) -> list[Instance]:
         return [i for i in self.instances.values() if i.role is role and i.schedulable]
 
-    def _alive_pools(self) -> tuple[list[Instance], list[Instance]]:
-        """(alive prefill instances, alive decode instances), in one pass (every Schedule asks)."""
+    def _alive_pools(self, now: float) -> tuple[list[Instance], list[Instance]]:
+        """(alive prefill instances, alive decode instances), in one pass (every Schedule asks); each prefill
+        instance's queue as it stands at ``now`` (``Instance.drain``)."""
         prefills, decodes = [], []
         for i in self.instances.values():
             if i.role is Role.PREFILL:
                 if i.schedulable:
+                    i.drain(now)
                     prefills.append(i)
             elif i.role is Role.DECODE and i.schedulable:
                 decodes.append(i)
@@ -266,7 +268,7 @@ class Conductor:
         slo = self.slo(req.slo_class)
         for instance_id in req.failed:
             self.suspect(instance_id, now)
-        prefills, decodes = self._alive_pools()
+        prefills, decodes = self._alive_pools(now)
         if not prefills:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
         if not decodes:
@@ -311,7 +313,7 @@ class Conductor:
     def _shed_verdict(self, now: float) -> float:
         if self.admission is AdmissionKind.NONE or not self.config.slo_classes:
             return 0.0
-        prefills, decodes = self._alive_pools()
+        prefills, decodes = self._alive_pools(now)
         if not prefills or not decodes:
             return 0.0  # unavailable, not overloaded: the gateway holds such requests instead
         slo = Slo(ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),

@@ -27,7 +27,8 @@ class PredictorConfig(BaseModel):
     decode_s_per_context_token: float = Field(2e-8, ge=0)
     transfer_bytes_per_s: float = Field(10e9, gt=0, description="default pool bandwidth (bytes/s)")
     transfer_latency_s: float = Field(0.001, ge=0)
-    min_samples: int = Field(8, ge=2, description="samples before a fitted model replaces the default")
+    min_samples: int = Field(3, ge=2, description="samples before a fitted model replaces the default (a prefill worker "
+                             "sends 3 as it starts: prefill.worker's calibrate)")
     window: int = Field(2000, ge=10, description="most recent samples kept for fitting")
 
 

@@ -75,10 +75,20 @@ class Instance:
     pipeline_stages: int = 1  # prefill: nodes of its chunked pipeline (1: a single worker)
     pipeline_chunk: int = 0  # prefill with stages > 1: its chunk of a prompt (tokens)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
+    queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
 
     @property
     def schedulable(self) -> bool:
         return self.state is InstanceState.ALIVE
+
+    def drain(self, now: float) -> None:
+        """Take the time since ``queue_at`` off a prefill instance's queue. Between heartbeats (2.5 s apart by default)
+        the instance computes what it reported and what was placed there since, a second of predicted prefill each
+        second: counted as it stood at the heartbeat, a short prompt placed behind a long one was predicted seconds
+        later than it came. A worker slower than its predictions corrects this at its next heartbeat."""
+        if self.load.queued_s > 0.0 and now > self.queue_at:
+            self.load.queued_s = max(0.0, self.load.queued_s - (now - self.queue_at))
+        self.queue_at = max(self.queue_at, now)
 
 
 @dataclass(frozen=True, slots=True)

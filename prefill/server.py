@@ -124,6 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "order) instead of spawning the stages here; --pipeline-stages defaults to their number")
     p.add_argument("--stage-key-file", help="the group's key, which its stage servers hold too (default: $MOONCAKE_STAGE_KEY)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip the timed prefills of made-up prompts (1/8, 1/2 and 1 step budget long) run before READY, "
+                        "which the Conductor's TTFT predictions start from")
     return p.parse_args(argv)
 
 
@@ -142,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                pipeline_stages=stages, stage_addresses=addresses, stage_key=key,
                                transport=TransportChoice.from_args(args))  # fmt: skip
         worker = PrefillWorker(config)
-    except (ValueError, KVStoreUnavailable, OSError) as e:
+        if not args.no_calibrate:
+            worker.calibrate()
+    except (ValueError, KVStoreUnavailable, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     metrics = PrefillMetrics()

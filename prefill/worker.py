@@ -46,6 +46,7 @@ from mooncake.blocks import block_keys
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
 from mooncake.engine.engine import RequestOutput
+from mooncake.engine.request import SamplingParams
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
@@ -61,6 +62,8 @@ from transfer import Segment, SharedRegion, Slice, TransferConfig, TransferEngin
 from transfer.types import host_id
 
 log = logging.getLogger(__name__)
+
+CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # calibrate's prompts, in step budgets: 64, 256 and 512 tokens on the CPU
 
 
 class PrefillConfig(BaseModel):
@@ -199,8 +202,52 @@ class PrefillWorker:
         self.predictor = (PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
                           if self.group is not None else PrefillPredictor(PredictorConfig()))  # fmt: skip
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
+        self._link: ConductorLink | None = None
+        self.calibration: list[tuple[int, int, float]] = []  # (prompt, cached, seconds) of ``calibrate``'s prefills
         self.link = link  # measurements go to the Conductor through it (set by the server)
         self.draining = False
+
+    @property
+    def link(self) -> ConductorLink | None:
+        return self._link
+
+    @link.setter
+    def link(self, link: ConductorLink | None) -> None:
+        """The calibration's samples go with the first report through a new link."""
+        self._link = link
+        for sample in self.calibration if link is not None else ():
+            link.prefill_sample(*sample)
+
+    def calibrate(self, shares: tuple[float, ...] = CALIBRATION_SHARES) -> list[tuple[int, int, float]]:
+        """Time prefills of made-up prompts, ``shares`` of the step budget long (after one untimed, which pays the
+        first run's costs), and learn from them as from served prompts: this worker's and the Conductor's predictors
+        start from this machine's speed. Without them the first requests were predicted from the default rate (a
+        GPU's): on this CPU at 4% of their TTFT, until enough prompts had been served. Our engine on a single
+        worker only (a pipelined group or vLLM starts from the default)."""
+        if self.loop is None or self.config.engine is not EngineKind.NATIVE:
+            return []
+        vocab = self.engine.args.vocab_size
+        limit = self.config.max_model_len - 1
+        lengths = [min(limit, max(2, round(share * self.config.max_num_batched_tokens))) for share in shares]
+        for i, n in enumerate([16, *lengths]):
+            prompt = [(7 + 31 * (i + t)) % vocab for t in range(n)]
+            done = threading.Event()
+
+            def sink(out: RequestOutput | BaseException, done=done) -> None:
+                if isinstance(out, BaseException) or out.finished:
+                    done.set()
+
+            t0 = time.perf_counter()
+            self.loop.submit_nowait(sink, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                                    request_id=f"calibrate-{i}").result()  # fmt: skip
+            if not done.wait(self.config.prefill_timeout_s):
+                raise RuntimeError(f"the calibration prefill of {n} tokens took over {self.config.prefill_timeout_s} s")
+            if i:
+                self.calibration.append((n, 0, time.perf_counter() - t0))
+        for sample in self.calibration:
+            self.predictor.observe(*sample)
+        log.info("calibrated: %s", ", ".join(f"{n} tokens in {s * 1000:.0f} ms" for n, _, s in self.calibration))
+        return self.calibration
 
     # -- the RPC -------------------------------------------------------------------------------
 

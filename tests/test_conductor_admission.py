@@ -47,6 +47,19 @@ def test_admission_none_rejects_only_when_there_is_no_instance():
     assert c.counters.rejected == {"no_prefill_instance": 1, "no_decode_instance": 1}
 
 
+def test_a_prefill_queue_drains_between_heartbeats():
+    """A prefill instance computes its queue while the Conductor waits for its next heartbeat: a request placed 2 s
+    after a heartbeat that reported 2.5 s of queue waits 0.5 s, and what the Conductor placed there drains too."""
+    c = conductor("none")
+    cluster(c)
+    c.heartbeat("p0", Load(queued_s=2.5), 0.0)
+    assert c.schedule(request("a"), 2.0).predicted.queue_s == pytest.approx(0.5)
+    assert c.schedule(request("b"), 2.5).predicted.queue_s == pytest.approx(0.16)  # 0.5 + a's 0.16 s - 0.5 s
+    assert c.schedule(request("c"), 10.0).predicted.queue_s == 0.0  # long past: empty, never negative
+    c.heartbeat("p0", Load(queued_s=3.0), 10.0)  # a worker slower than predicted says so at its next heartbeat
+    assert c.schedule(request("d"), 10.0).predicted.queue_s == pytest.approx(3.0)
+
+
 def test_baseline_rejects_at_schedule_time_only_for_ttft():
     c = conductor("baseline")
     cluster(c)
@@ -437,7 +450,7 @@ def test_shed_s_is_set_only_when_even_the_cheapest_request_would_be_refused():
     assert isinstance(one_block, Rejection) and one_block.shed_s == SHED_S
     assert c.shed_s(1.1) == SHED_S  # asked again (a gateway's probe): decides and records nothing
     assert c.counters.scheduled == scheduled and c.counters.rejected["ttft_slo"] == rejected["ttft_slo"] + 1
-    assert c.instances["p1"].load.queued_s == 2.5
+    assert c.instances["p1"].load.queued_s == pytest.approx(2.4)  # nothing recorded: only the 0.1 s since computed
     c.heartbeat("p1", Load(queued_s=0.0), 1.2)  # p1 drained: the next probe ends the shedding
     assert c.shed_s(1.2) == 0.0
     c.heartbeat("p1", Load(queued_s=9.0), 1.3)

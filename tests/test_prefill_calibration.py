@@ -1,0 +1,48 @@
+"""A prefill worker times prefills of made-up prompts as it starts, and the predictions start from them."""
+
+from __future__ import annotations
+
+from conductor.predictors import PredictorConfig
+from kvnodes import start_node
+from kvstore.client import KVStoreClient
+from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.weights import load_hf_config
+from prefill.worker import CALIBRATION_SHARES, PrefillConfig, PrefillWorker
+
+
+class Samples:
+    """Where a ConductorLink would queue the samples for its next report."""
+
+    def __init__(self) -> None:
+        self.prefill: list[tuple[int, int, float]] = []
+
+    def prefill_sample(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        self.prefill.append((prompt_tokens, cached_tokens, seconds))
+
+
+def test_calibration_times_prompts_of_the_step_budget_and_the_conductor_hears_of_them(tiny_dir, shm_dir):
+    args = ModelArgs.from_hf_config(load_hf_config(tiny_dir))
+    node = start_node("kv-cal", args.num_layers * 2 * 16 * args.num_kv_heads * args.head_dim * 4, 8, shm_dir=shm_dir)  # float32 blocks
+    worker = None
+    try:
+        worker = PrefillWorker(PrefillConfig(id="prefill-cal", model=str(tiny_dir), kvstore=node.grpc, block_size=16, num_kv_blocks=32,
+                                             max_num_batched_tokens=64, max_model_len=256))  # fmt: skip
+        default = worker.predictor.predict(64, 0)
+        free = worker.engine.num_free_blocks
+        samples = worker.calibrate()
+        assert [n for n, _, _ in samples] == [round(s * 64) for s in CALIBRATION_SHARES] == [8, 32, 64]
+        assert all(cached == 0 and seconds > 0 for _, cached, seconds in samples)
+        assert worker.predictor.num_samples == 3  # the worker's own queue estimate learns from them
+        assert worker.predictor.predict(64, 0) != default
+        assert worker.engine.num_free_blocks == free  # the made-up prompts hold no cache blocks afterwards
+        with KVStoreClient(node.grpc) as kv:
+            stats = kv.stats()
+            assert stats.dram.used_blocks == 0 and stats.reservations == 0  # and wrote nothing into the pool
+        link = Samples()
+        worker.link = link  # the server sets the link after calibrating: the samples go with its first report
+        assert link.prefill == samples
+        assert PredictorConfig().min_samples <= len(samples)  # one worker's calibration fits the Conductor's model
+    finally:
+        if worker is not None:
+            worker.close()
+        node.stop()

@@ -303,6 +303,8 @@ class _Connection:
                     recv_exact(self._sock, memoryview(msg), deadline_after(self._io_timeout))
                     error = TransferError(f"peer {self.node!r} at {self.addr}: {msg.decode('utf-8', 'replace')}")
                 with self._cond:
+                    if self.broken is not None:  # broken meanwhile (a cancel): _break has failed the job
+                        return
                     self._inflight.popleft()
                 if error is None:
                     job.batch.job_done()

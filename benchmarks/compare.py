@@ -385,18 +385,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def fit_context(args, model_dir: Path, console: Console) -> None:
+    """``args.max_input`` within the model's context, and ``args.max_model_len`` the prompt and output rounded up to 512."""
+    config = json.loads((model_dir / "config.json").read_text())
+    max_pos = int(config.get("max_position_embeddings") or 8192)
+    if args.max_input + args.max_output > max_pos:
+        args.max_input = max_pos - args.max_output
+        console.print(f"--max-input lowered to {args.max_input}: the model's context is {max_pos} tokens")
+    args.max_model_len = min(max_pos, -(-(args.max_input + args.max_output) // 512) * 512)
+
+
 def run(args: argparse.Namespace, console: Console) -> dict:
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="replay-compare-"))
     try:
         model_dir, model = resolve_model(args, workdir)
-        config = json.loads((model_dir / "config.json").read_text())
+        fit_context(args, model_dir, console)
         vocab = rp.vocab_size_of(model_dir)
-        max_pos = int(config.get("max_position_embeddings") or 8192)
-        if args.max_input + args.max_output > max_pos:
-            args.max_input = max_pos - args.max_output
-            console.print(f"--max-input lowered to {args.max_input}: the model's context is {max_pos} tokens")
-        args.max_model_len = min(max_pos, -(-(args.max_input + args.max_output) // 512) * 512)
         requests = rp.load_trace(args.trace, args.block_tokens, output_scale=args.output_scale, max_input=args.max_input,
                                  max_output=args.max_output, limit=args.limit, vocab_size=vocab, spread=not args.no_spread)  # fmt: skip
         scaling = rp.Scaling(args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread)

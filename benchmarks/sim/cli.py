@@ -3,7 +3,8 @@
     python -m benchmarks.sim --trace PATH --prefill N --decode M --policy P --admission A --speed S
                              [--cache-blocks C --eviction lru|lfu|length] [--ssd-blocks B] [--tier-aware]
                              [--limit N] [--ttft-slo S] [--tbt-slo S] [--threshold X] [--seed N]
-                             [--json PATH] [--plot PATH] [--no-progress]
+                             [--heartbeat-s S] [--no-calibrate] [--step-budget T] [--json PATH] [--plot PATH]
+                             [--no-progress]
     python -m benchmarks.sim --reproduce [--json PATH] [--plot PATH]    the paper's three experiments
 
 Every scheduling decision is made by ``conductor.core.Conductor`` (the same object the gRPC
@@ -47,7 +48,17 @@ Model and assumptions (sources in benchmarks/sim/model.py, ModelConfig):
   prefill is wasted); under early rejection the decode side takes what it is sent, and
   what the prediction got wrong waits for room (longer TTFT).
 - The Conductor learns: its predictors start from their defaults (PredictorConfig) and are
-  fed the simulated measurements, never the cost models' constants.
+  fed the simulated measurements, never the cost models' constants: first each prefill
+  instance's calibration (a real worker's three timed made-up prompts as it starts, 1/8,
+  1/2 and 1 step budget long: for a node alone ``--step-budget``, 4,096 tokens as a GPU
+  worker's, so 512, 2,048 and 4,096; for a pipeline group its chunk; ``--no-calibrate``:
+  none), then every prefill as it ends.
+- Heartbeats: a prefill instance reports its queue every ``--heartbeat-s`` (2.5 s, a real
+  worker's period), and the Conductor drains it a second each second in between
+  (``Instance.drain``); ``--heartbeat-s 0`` reports it on every change (fresher than real).
+- TTFT predictions: as benchmarks/replay.py scores a real cluster's (``prediction_errors``):
+  (predicted - measured) / measured over the served requests, at p10 / p50 / p90, and the
+  share within 25%; measured = the TTFT above, predicted = the Conductor's at the decision.
 - Hit ratio = reused blocks (own node + fetched) / key blocks, over the requests prefilled.
 - SLO attainment = requests served with TTFT and TBT both under the SLO / all requests
   (rejected ones count as misses); "of served" divides by the served ones.
@@ -66,7 +77,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.sim.cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig
+from benchmarks.replay import describe_predictions, prediction_errors
+from benchmarks.sim.cluster import HEARTBEAT_S, REJECTED_AT_DECODE, STEP_BUDGET_TOKENS, Cluster, Record, SimConfig
 from benchmarks.sim.model import DECODE_PROFILES, load_trace, model_config
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
@@ -107,7 +119,9 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 
 def summarize(cluster: Cluster, records: list[Record], wall_s: float) -> dict:
-    """Every number the table, the JSON and the tests use (plain floats and ints)."""
+    """Every number the table, the JSON and the tests use (plain floats and ints); the TTFT predictions of the served
+    requests scored as replay.py scores a real cluster's (``prediction_errors``: ``prediction_within_share``,
+    ``prediction_error_p10`` / ``p50`` / ``p90``)."""
     cfg = cluster.config
     done = [r for r in records if not math.isnan(r.finish)]
     ttft = np.array([r.ttft_s for r in done])
@@ -146,6 +160,7 @@ def summarize(cluster: Cluster, records: list[Record], wall_s: float) -> dict:
         "decode_peak_batch": max(d.peak_batch for d in cluster.decodes),
         "evictions": sum(c.evictions for c in cluster.caches.values()),
         "simulated_s": end, "events": cluster.events, "wall_s": wall_s,
+        **prediction_errors(done),  # a Record has the predicted_ttft_s and ttft_s it reads
     }  # fmt: skip
 
 
@@ -170,7 +185,8 @@ def records_json(records: list[Record]) -> dict[str, list]:
 
 def config_json(cfg: SimConfig) -> dict:
     d = {k: getattr(cfg, k) for k in ("prefill", "decode", "group_size", "pipeline_groups", "prefill_chunk", "cache_blocks", "ssd_blocks", "eviction", "ttft_slo_s",
-                                      "tbt_slo_s", "tbt_headroom", "threshold", "tier_aware", "seed", "tick_s")}  # fmt: skip
+                                      "tbt_slo_s", "tbt_headroom", "threshold", "tier_aware", "seed", "tick_s", "heartbeat_s", "calibrate",
+                                      "step_budget")}  # fmt: skip
     d["policy"], d["admission"], d["decode_forecast"] = cfg.policy.value, cfg.admission.value, cfg.decode_forecast.value
     d["model"] = {**{k: getattr(cfg.model, k) for k in cfg.model.__dataclass_fields__}, **cfg.model.describe()}
     d["predictor_priors"] = cfg.predictors.model_dump()
@@ -188,6 +204,10 @@ def _s(v: float) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
 
 
+def _pct_signed(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.0%}"
+
+
 def run_table(summary: dict, cfg: SimConfig) -> Table:
     t = Table(title=f"{cfg.policy.value} / {cfg.admission.value}: {cfg.prefill}P + {cfg.decode}D, "
                     f"SLO TTFT {cfg.ttft_slo_s} s, TBT {cfg.tbt_slo_s} s")
@@ -203,8 +223,11 @@ def run_table(summary: dict, cfg: SimConfig) -> Table:
         ("cache hit ratio (reused / key blocks)", f"{summary['hit_ratio']:.1%} ({summary['reused_blocks']} / {summary['key_blocks']})"),
         ("fetched blocks / SSD blocks read", f"{summary['fetched_blocks']} / {summary['ssd_blocks_read']}"),
         ("prefill compute s (utilization)", f"{summary['prefill_compute_s']:.0f} ({summary['prefill_utilization']:.0%})"),
-        ("Conductor's TTFT prediction error (mean, |mean|)",
+        ("Conductor's TTFT prediction error to prefill end (mean, |mean|)",
          f"{summary['ttft_prediction_error_mean_s']:+.2f} s, {summary['ttft_prediction_abs_error_mean_s']:.2f} s"),
+        ("TTFT predicted within 25% (of served; replay.py's figure)", describe_predictions(summary, short=True)),
+        ("TTFT prediction error (predicted - measured) / measured p10 / p50 / p90",
+         " / ".join(_pct_signed(summary.get(f"prediction_error_p{q}")) for q in (10, 50, 90))),
         ("decode steps, mean step, peak batch",
          f"{summary['decode_steps']}, {summary['decode_mean_step_s'] * 1e3:.1f} ms, {summary['decode_peak_batch']}"),
         ("simulated s / wall s", f"{summary['simulated_s']:.0f} / {summary['wall_s']:.1f}"),
@@ -306,6 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "
                         "default: the Conductor's own, 0.02). Keep it under the TBT SLO: a prior over the SLO "
                         "rejects every request and never learns")  # fmt: skip
+    p.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
+                   help="a prefill instance reports its queue to the Conductor this often, as a real worker does "
+                        "(default %(default)s: the Conductor's 10 s heartbeat timeout x 0.25); 0: on every change of its "
+                        "queue (fresher than a real worker)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="no calibration samples at start (a real prefill worker's --no-calibrate); by default each prefill "
+                        "instance sends the compute time of prompts of 1/8, 1/2 and 1 step budget (a pipeline group's: "
+                        "its chunk) before the first request")
+    p.add_argument("--step-budget", type=int, default=STEP_BUDGET_TOKENS,
+                   help="a prefill node's step budget in tokens (a worker's --max-num-batched-tokens); only its calibration "
+                        "prompts follow it, since the cost model computes a prompt in one go (default %(default)s: a "
+                        "worker's on a GPU)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy and of the noise (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write every raw number (and the command) here")
@@ -315,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reproduce", action="store_true",
                    help="run the paper's three experiments (placement policies, admission at 2x, hit ratio by "
                         "capacity) plus the tier-aware variant, and print them beside the paper's numbers "
-                        "(benchmarks/sim/paper.py); --trace, --json, --plot, --limit, --noise, --seed, --jobs and "
-                        "--no-progress apply")  # fmt: skip
+                        "(benchmarks/sim/paper.py); --trace, --json, --plot, --limit, --noise, --seed, --heartbeat-s, "
+                        "--no-calibrate, --step-budget, --jobs and --no-progress apply")  # fmt: skip
     return p
 
 
@@ -328,6 +363,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cache_blocks=args.cache_blocks, ssd_blocks=args.ssd_blocks, eviction=args.eviction, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, threshold=args.threshold, tier_aware=args.tier_aware, seed=args.seed,
         tbt_headroom=args.tbt_headroom, decode_forecast=ForecastKind(args.decode_forecast),
+        heartbeat_s=args.heartbeat_s, calibrate=not args.no_calibrate, step_budget=args.step_budget,
         model=model_config(args.decode_profile, noise=args.noise),
         predictors=PredictorConfig() if args.decode_prior_s is None else PredictorConfig(decode_base_s=args.decode_prior_s),
     )  # fmt: skip

@@ -8,16 +8,30 @@
         Rejection -> counted by reason
 
 What the Conductor hears, and when (all on simulated time):
+- before the first request, unless ``calibrate`` is off, three ``prefill_sample`` of each
+  prefill instance (``Cluster._calibrate``: the timed made-up prompts of 1/8, 1/2 and 1
+  step budget a prefill worker runs as it starts, prefill.worker's ``calibrate``);
 - ``stored`` / ``removed`` for every block entering or leaving a tier of a node (exact index);
-- a prefill instance's heartbeat whenever its queue changes, with ``queued_s`` = the
-  predicted time left on the running prefill plus the predictions of the queued ones;
+- a prefill instance's heartbeat every ``heartbeat_s`` (2.5 s, a real worker's period: the
+  service's heartbeat timeout of 10 s x its HEARTBEAT_INTERVAL_FRACTION of 0.25), the
+  instances' phases spread evenly over the period, with ``queued_s`` = the predicted time
+  left on the running prefill plus the predictions of the queued ones. Between two, the
+  Conductor takes a second of predicted prefill off the reported queue each second
+  (``Instance.drain``). ``heartbeat_s = 0``: a heartbeat whenever the queue changes, and
+  every tick (fresher than a real worker's: the drain then has little to correct);
 - a decode instance's heartbeat when requests join it, when one leaves (with the batch,
   context tokens and time of the step just done: the Conductor's decode predictor learns
   from these), and when it goes idle;
 - ``prefill_sample`` after each prefill (its compute seconds only), ``transfer_sample`` after
   each fetch, ``decode_started`` / ``finished`` for the decode forecast;
-- every ``tick_s`` (0.5 s, the service's expiry period) every instance heartbeats (decode:
-  with its latest completed step) and ``expire`` runs, as the gRPC service would.
+- every ``tick_s`` (0.5 s, the service's expiry period) every decode instance and pool node
+  heartbeats (decode: with its latest completed step; prefill instances too when
+  ``heartbeat_s`` is 0) and ``expire`` runs, as the gRPC service would.
+
+Decode heartbeats stay as fresh as they were (on every join and leave, and every tick):
+the TTFT a decision predicts reads no decode load, and the Conductor has no drain for a
+decode instance's load; what changes between a real decode worker's heartbeats is carried
+by the decode forecast (``decode_started`` / ``finished``, which a real worker sends at once).
 
 Decode steps are simulated a run at a time (DecodeInstance): the result is the same as
 stepping one by one, at a cost per join and leave instead of per step.
@@ -48,7 +62,12 @@ from benchmarks.sim.model import Jitter, ModelConfig, NodeCache, TraceRequest
 from kvstore.events import Tier
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
-_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK = 0, 1, 2, 3
+_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT = 0, 1, 2, 3, 4
+HEARTBEAT_S = 2.5  # a real worker's heartbeat period: ConductorConfig.heartbeat_timeout_s (10 s) x conductor.service's
+# HEARTBEAT_INTERVAL_FRACTION (0.25), which the Conductor hands each worker as it registers
+CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # prefill.worker's calibrate: prompts of these shares of its step budget
+STEP_BUDGET_TOKENS = 4096  # a worker's step budget on a GPU (mooncake.engine.config's CUDA_BATCHED_TOKENS; not imported:
+# that module pulls in torch)
 
 
 @dataclass
@@ -71,6 +90,9 @@ class SimConfig:
     tier_aware: bool = False
     seed: int = 0
     tick_s: float = 0.5
+    heartbeat_s: float = HEARTBEAT_S  # a prefill instance's heartbeat period (0: on every change of its queue, and every tick)
+    calibrate: bool = True  # each prefill instance sends calibration samples before the first request (prefill.worker's)
+    step_budget: int = STEP_BUDGET_TOKENS  # a node alone's step budget: only its calibration prompts follow it (1/8, 1/2, 1)
     model: ModelConfig = field(default_factory=ModelConfig)
     predictors: PredictorConfig = field(default_factory=PredictorConfig)  # the Conductor's priors (its defaults)
 
@@ -80,15 +102,20 @@ class SimConfig:
         grouped = self.prefill if self.pipeline_groups is None else self.pipeline_groups * self.group_size
         if self.group_size < 1 or grouped % self.group_size or not 0 <= grouped <= self.prefill:
             raise ValueError(f"{self.prefill} prefill nodes do not hold {self.pipeline_groups} groups of {self.group_size}")
+        if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
+            raise ValueError("SLOs must be positive")
+        if not 0 < self.tbt_headroom <= 1:
+            raise ValueError(f"tbt_headroom must be in (0, 1], got {self.tbt_headroom}")
+        if self.step_budget < 16:
+            raise ValueError(f"step_budget must be at least 16 tokens, got {self.step_budget}")
+        timeout = ConductorConfig().heartbeat_timeout_s
+        if not 0 <= self.heartbeat_s < timeout:
+            raise ValueError(f"heartbeat_s must be in [0, {timeout}) (the Conductor's heartbeat timeout), got {self.heartbeat_s}")
 
     def prefill_shapes(self) -> list[int]:
         """Each prefill instance's nodes: the groups first, then the nodes alone."""
         groups = self.prefill // self.group_size if self.pipeline_groups is None else self.pipeline_groups
         return [self.group_size] * groups + [1] * (self.prefill - groups * self.group_size)
-        if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
-            raise ValueError("SLOs must be positive")
-        if not 0 < self.tbt_headroom <= 1:
-            raise ValueError(f"tbt_headroom must be in (0, 1], got {self.tbt_headroom}")
 
 
 @dataclass(slots=True)
@@ -233,6 +260,23 @@ class Cluster:
         self._seq = 0
         self.now = 0.0
         self.events = 0
+        if config.calibrate:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Each prefill instance's start, as prefill.worker's ``calibrate``: the compute time of made-up prompts of
+        1/8, 1/2 and 1 step budget (a pipeline group's: its chunk, as a real group's is its step budget; a node
+        alone's: ``step_budget``, 4,096 tokens by default, a GPU worker's) goes to the Conductor as prefill samples,
+        so its predictors fit from the first request instead of predicting from their priors. (A real pipeline group
+        does not calibrate yet; here it does.) The noise is drawn from its own stream, so the requests' draws are
+        the same with and without it. Called once, before the first request."""
+        m, chunk = self.model, self.config.prefill_chunk
+        jitter = Jitter(m.noise, (self.config.seed, 1))
+        for p in self.prefills:
+            x = p.inst.pipeline_stages
+            budget = chunk if x > 1 else self.config.step_budget
+            for n in (max(2, round(share * budget)) for share in CALIBRATION_SHARES):
+                self.conductor.prefill_sample(n, 0, m.pipelined_prefill_s(n, 0, x, chunk) * jitter(), p.inst.id)
 
     def _index_events(self, node: str, events: list[tuple[bool, bytes, Tier, bytes | None]]) -> None:
         """A node's block events, in order, to the Conductor's index.
@@ -274,7 +318,12 @@ class Cluster:
         heap, records = self._heap, self.records
         nxt = 0
         self._push(self.config.tick_s, _TICK, None)
-        while nxt < len(records) or len(heap) > 1:
+        beat_s = self.config.heartbeat_s
+        if beat_s:
+            for i, p in enumerate(self.prefills):  # the workers started at different moments: phases spread evenly
+                self._push((i + 1) * beat_s / len(self.prefills), _BEAT, p)
+        periodic = 1 + (len(self.prefills) if beat_s else 0)  # the tick and the beats: always in the heap
+        while nxt < len(records) or len(heap) > periodic:
             if nxt < len(records) and (not heap or records[nxt].req.arrival_s <= heap[0][0]):
                 rec = records[nxt]
                 nxt += 1
@@ -292,6 +341,8 @@ class Cluster:
                 self._prefill_done(what)
             elif kind == _DECODE_ARRIVE:
                 self._decode_arrive(*what)
+            elif kind == _BEAT:
+                self._beat(what)
             else:
                 self._tick()
         if progress is not None:
@@ -301,12 +352,24 @@ class Cluster:
     def _tick(self) -> None:
         c, now = self.conductor, self.now
         for p in self.prefills:
-            c.heartbeat(p.inst.id, p.load(now), now)
+            if not self.config.heartbeat_s:
+                c.heartbeat(p.inst.id, p.load(now), now)
             c.heartbeat(p.inst.node, Load(), now)
         for d in self.decodes:
             c.heartbeat(d.inst.id, d.load(now), now)
         c.expire(now)
         self._push(now + self.config.tick_s, _TICK, None)
+
+    def _beat(self, p: PrefillInstance) -> None:
+        """A prefill instance's periodic heartbeat (``heartbeat_s`` > 0), and the next one."""
+        self.conductor.heartbeat(p.inst.id, p.load(self.now), self.now)
+        self._push(self.now + self.config.heartbeat_s, _BEAT, p)
+
+    def _queue_changed(self, p: PrefillInstance) -> None:
+        """With ``heartbeat_s`` = 0 the Conductor hears of every change of a prefill queue at once; otherwise at the
+        instance's next beat, as from a real worker."""
+        if not self.config.heartbeat_s:
+            self.conductor.heartbeat(p.inst.id, p.load(self.now), self.now)
 
     # -- arrival and prefill ------------------------------------------------------------------
 
@@ -325,7 +388,7 @@ class Cluster:
         if p.running is None:
             self._start_prefill(p)
         else:
-            self.conductor.heartbeat(p.inst.id, p.load(self.now), self.now)
+            self._queue_changed(p)
 
     def _start_prefill(self, p: PrefillInstance) -> None:
         rec = p.queue.popleft()
@@ -354,7 +417,7 @@ class Cluster:
         self._push(now + rec.load_s + rec.compute_s, _PREFILL_DONE, p)
         if fetched:
             self.conductor.transfer_sample(fetched * m.block_bytes, net_s)
-        self.conductor.heartbeat(p.inst.id, p.load(now), now)
+        self._queue_changed(p)
 
     def _prefill_done(self, p: PrefillInstance) -> None:
         c, now, rec = self.conductor, self.now, p.running
@@ -374,7 +437,7 @@ class Cluster:
         if p.queue:
             self._start_prefill(p)
         else:
-            c.heartbeat(p.inst.id, p.load(now), now)
+            self._queue_changed(p)
 
     # -- decode ------------------------------------------------------------------------------------
 
@@ -406,7 +469,7 @@ class Cluster:
             self._seq += 1
             heapq.heappush(d.finishing, (d.steps + rec.req.output_tokens, self._seq, rec))
             joined.append(rec)
-            self.conductor.decode_started(rec.rid, now)
+            self.conductor.decode_started(rec.rid, now, rec.prefill_end - rec.req.arrival_s)  # as a decode worker: its prefill answered
         if not d.batch:
             d.busy = False
             self.conductor.heartbeat(d.inst.id, d.load(now), now)

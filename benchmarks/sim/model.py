@@ -178,7 +178,7 @@ def model_config(decode_profile: str = "roofline", **overrides) -> ModelConfig:
 class Jitter:
     """Multiplicative log-normal noise with mean 1 (sigma 0: always 1)."""
 
-    def __init__(self, sigma: float, seed: int) -> None:
+    def __init__(self, sigma: float, seed: int | tuple[int, ...]) -> None:  # a tuple: a stream of its own beside seed's
         self.sigma = sigma
         self._rng = np.random.default_rng(seed)
 

@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.sim import cli as sim
-from benchmarks.sim.cluster import SimConfig
+from benchmarks.sim.cluster import HEARTBEAT_S, STEP_BUDGET_TOKENS, SimConfig
 from benchmarks.sim.model import load_trace, model_config
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
@@ -80,8 +80,10 @@ def _bound_label(admission: str, tbt_s: float) -> str:
     return f"{admission} @ {tbt_s * 1e3:g} ms"
 
 
-def plan(noise: float, seed: int) -> list[Run]:
-    base = SimConfig(prefill=NODES, decode=8, seed=seed, model=model_config(noise=noise))
+def plan(noise: float, seed: int, heartbeat_s: float = HEARTBEAT_S, calibrate: bool = True,
+         step_budget: int = STEP_BUDGET_TOKENS) -> list[Run]:  # fmt: skip
+    base = SimConfig(prefill=NODES, decode=8, seed=seed, heartbeat_s=heartbeat_s, calibrate=calibrate, step_budget=step_budget,
+                     model=model_config(noise=noise))  # fmt: skip
     runs = [Run("placement", p, 1.0, replace(base, policy=PolicyKind(p))) for p in PAPER_TTFT]
     for a in ("none", *ADMISSIONS):
         runs.append(Run("admission", a, 2.0, _admission(base, a)))
@@ -290,7 +292,7 @@ def plot(runs: list[Run], path, console: Console) -> None:
 
 def reproduce(args: argparse.Namespace, console: Console) -> int:
     start = time.perf_counter()
-    runs = plan(args.noise, args.seed)
+    runs = plan(args.noise, args.seed, args.heartbeat_s, not args.no_calibrate, args.step_budget)
     console.print(f"{len(runs)} simulations over {args.trace}" + (f" (first {args.limit} requests)" if args.limit else ""))
     execute(runs, args.trace, args.limit, max(1, args.jobs), console, not args.no_progress)
     for t in tables(runs):

@@ -28,6 +28,10 @@ from conductor.types import (
 from kvstore.events import Tier
 
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
+SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or more) moves its instance's slowdown
+SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
+SLOWDOWN_RANGE = (0.5, 8.0)
+MAX_PENDING_TTFTS = 100_000  # predictions awaiting their measured TTFT (a worker that never reports cannot grow it)
 SHED_S = 0.25  # how long a "refuse everything" verdict stands before it is asked again (Conductor.shed_s)
 SHED_TIMES = 8  # when the cheapest request's prefill could end: points from its soonest to the SLO, checked
 SHED_BUSY_S = 0.1  # the same when every decode worker is full: a batch frees sooner than a prefill queue drains
@@ -88,6 +92,8 @@ class Conductor:
         self.last_sent: dict[str, float] = {}  # instance id -> when a request was last placed on it
         self.retiring: set[str] = set()  # drained instances to stop (through the pool provider) once idle
         self._shed: tuple[float, float] = (-float("inf"), 0.0)  # (when, verdict) of the last shed_s
+        # request id -> (prefill instance id, predicted TTFT, of which transfer, its slowdown then): decode_started learns
+        self._ttfts: dict[str, tuple[str, float, float, float]] = {}
 
     # -- configuration at run time -------------------------------------------------------
 
@@ -115,6 +121,8 @@ class Conductor:
         if inst is None or inst.state is InstanceState.DEAD:
             raise KeyError(f"instance {instance_id!r} is not registered (register again)")
         inst.load, inst.last_heartbeat, inst.queue_at = load, now, now
+        if inst.role is Role.PREFILL:
+            load.queued_s *= inst.slowdown  # predicted seconds of prefill as they come out
         if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
             inst.state = InstanceState.ALIVE
         if inst.role is Role.DECODE and load.step_s > 0 and load.running_requests > 0:
@@ -243,11 +251,30 @@ class Conductor:
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
         self.predictors.transfer.observe(num_bytes, seconds)
 
-    def decode_started(self, request_id: str, now: float) -> None:
+    def decode_started(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> None:
+        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known).
+
+        Its prefill instance's ``slowdown`` moves toward what this TTFT implies: its predicted prefill and queue times
+        scale by it. A worker's predictor learns what a prompt's steps cost; what the client waits for also holds the
+        time between steps, the hops, and cores shared with the other workers (on 2 cores, two prefill workers and a
+        decode worker came out at twice their predictions as soon as all were busy). A prediction of well under a
+        second weighs less: its fixed hops are most of it."""
         self.forecast.decode_started(request_id, now)
+        made = self._ttfts.pop(request_id, None)
+        inst = self.instances.get(made[0]) if made is not None else None
+        if inst is None or measured_ttft_s <= 0.0:
+            return
+        _, predicted, transfer, slowdown = made
+        work = predicted - transfer
+        if work <= 0.0:
+            return
+        implied = slowdown * min(max((measured_ttft_s - transfer) / work, SLOWDOWN_STEP[0]), SLOWDOWN_STEP[1])
+        weight = SLOWDOWN_ALPHA * min(1.0, work)
+        inst.slowdown = min(max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
 
     def finished(self, request_id: str, now: float) -> None:
         self.forecast.finished(request_id, now)
+        self._ttfts.pop(request_id, None)
 
     # -- decisions -------------------------------------------------------------------------
 
@@ -459,6 +486,8 @@ class Conductor:
 
     def _record(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float, landing_blocks: int) -> None:
         load = choice.instance.load
+        if len(self._ttfts) < MAX_PENDING_TTFTS:
+            self._ttfts[req.request_id] = (choice.instance.id, choice.ttft_s, choice.transfer_s, choice.instance.slowdown)
         load.queued_s += choice.prefill_s + choice.transfer_s
         load.queued_requests += 1
         self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now,

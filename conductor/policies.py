@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import enum
 import random
+import dataclasses
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
@@ -67,7 +68,7 @@ def estimate(
     reused = local_blocks + fetch_blocks
     cached = min(reused * req.block_tokens, req.prompt_tokens - 1)
     transfer_s = predictors.transfer.predict(fetch_blocks * predictors.block_bytes) + load_s
-    prefill_s = predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk).predict(req.prompt_tokens, cached)
+    prefill_s = predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk).predict(req.prompt_tokens, cached) * inst.slowdown
     plan = PrefixPlan(local_blocks, fetch_node if fetch_blocks else None, fetch_blocks, req.prompt_tokens - cached)
     return PrefillChoice(inst, plan, inst.load.queued_s, transfer_s, prefill_s)
 
@@ -138,17 +139,17 @@ def _cheapest(candidates: list[Instance], key, cost) -> PrefillChoice:
     instances hold none of a given prompt, so a Schedule costs a few predictions, not 64.
     """
     parts: dict = {}
-    best = best_inst = best_part = None
+    best = best_part = None
     for inst in candidates:
         k = key(inst), inst.pipeline_stages, inst.pipeline_chunk  # a pipeline group predicts its own prefill
         c = parts.get(k)
         if c is None:
             c = parts[k] = cost(inst)
-        score = (inst.load.queued_s + c.transfer_s + c.prefill_s, inst.id)
+        prefill_s = c.prefill_s * inst.slowdown / c.instance.slowdown  # ``cost`` scaled it by the first such instance's
+        score = (inst.load.queued_s + c.transfer_s + prefill_s, inst.id)
         if best is None or score < best:
-            best, best_inst, best_part = score, inst, c
-    c = best_part
-    return PrefillChoice(best_inst, c.plan, best_inst.load.queued_s, c.transfer_s, c.prefill_s)
+            best, best_part = score, dataclasses.replace(c, instance=inst, queue_s=inst.load.queued_s, prefill_s=prefill_s)
+    return best_part
 
 
 class CacheAwareLocalPolicy(PrefillPolicy):

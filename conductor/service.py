@@ -285,7 +285,7 @@ class ConductorService:
                 self.conductor.transfer_sample(s.bytes, s.seconds)
             for e in request.requests:
                 if e.kind == pb.RequestEvent.DECODE_STARTED:
-                    self.conductor.decode_started(e.request_id, now)
+                    self.conductor.decode_started(e.request_id, now, e.measured_ttft_s)
                     predicted = self._predicted_ttft.pop(e.request_id, None)
                     if predicted is not None and e.measured_ttft_s > 0:
                         self.metrics.ttft_error.observe(abs(predicted - e.measured_ttft_s))

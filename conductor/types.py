@@ -76,6 +76,7 @@ class Instance:
     pipeline_chunk: int = 0  # prefill with stages > 1: its chunk of a prompt (tokens)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
+    slowdown: float = 1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
 
     @property
     def schedulable(self) -> bool:

@@ -60,6 +60,31 @@ def test_a_prefill_queue_drains_between_heartbeats():
     assert c.schedule(request("d"), 10.0).predicted.queue_s == pytest.approx(3.0)
 
 
+def test_an_instance_whose_ttfts_come_out_slower_than_predicted_is_predicted_slower():
+    """Measured TTFTs twice their predictions (cores shared with the other workers) double what the instance's
+    prefills and reported queue are predicted to take; another instance keeps its own; a TTFT not measured, or of a
+    request that ended without decoding, teaches nothing."""
+    c = conductor("none", ttft_s=100.0)
+    cluster(c, prefills=2)
+    c.heartbeat("p1", Load(queued_s=1000.0), 0.0)  # everything goes to p0
+    alone = c.schedule(request("first", blocks=60), 0.0)
+    assert alone.prefill == "p0" and alone.predicted.prefill_s == pytest.approx(0.96)
+    c.decode_started("first", 1.0)  # no measurement
+    c.schedule(request("gone", blocks=60), 1.0)
+    c.finished("gone", 2.0)
+    for n in range(40):
+        now = 10.0 * (n + 1)
+        c.heartbeat("p0", Load(), now)
+        d = c.schedule(request(f"r{n}", blocks=60), now)
+        assert d.prefill == "p0"
+        c.decode_started(d.request_id, now + 1.0, measured_ttft_s=2.0 * 0.96)  # an empty queue, 0.96 s predicted alone
+    assert c.instances["p0"].slowdown == pytest.approx(2.0, rel=0.05)
+    assert c.instances["p1"].slowdown == 1.0
+    c.heartbeat("p0", Load(queued_s=1.0), 500.0)  # a second of its predictions: two as they come out
+    d = c.schedule(request("after", blocks=60), 500.0)
+    assert d.predicted.queue_s == pytest.approx(2.0, rel=0.05) and d.predicted.prefill_s == pytest.approx(1.92, rel=0.05)
+
+
 def test_baseline_rejects_at_schedule_time_only_for_ttft():
     c = conductor("baseline")
     cluster(c)

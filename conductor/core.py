@@ -121,8 +121,8 @@ class Conductor:
         if inst is None or inst.state is InstanceState.DEAD:
             raise KeyError(f"instance {instance_id!r} is not registered (register again)")
         inst.load, inst.last_heartbeat, inst.queue_at = load, now, now
-        if inst.role is Role.PREFILL:
-            load.queued_s *= inst.slowdown  # predicted seconds of prefill as they come out
+        if inst.role is Role.PREFILL:  # predicted seconds of prefill as they come out, and what is on its way there
+            load.queued_s = load.queued_s * inst.slowdown + inst.in_transit()
         if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
             inst.state = InstanceState.ALIVE
         if inst.role is Role.DECODE and load.step_s > 0 and load.running_requests > 0:
@@ -252,17 +252,29 @@ class Conductor:
         self.predictors.transfer.observe(num_bytes, seconds)
 
     def decode_started(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> None:
-        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known).
-
-        Its prefill instance's ``slowdown`` moves toward what this TTFT implies: its predicted prefill and queue times
-        scale by it. A worker's predictor learns what a prompt's steps cost; what the client waits for also holds the
-        time between steps, the hops, and cores shared with the other workers (on 2 cores, two prefill workers and a
-        decode worker came out at twice their predictions as soon as all were busy). A prediction of well under a
-        second weighs less: its fixed hops are most of it."""
+        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known)."""
         self.forecast.decode_started(request_id, now)
+        self._measured(request_id, measured_ttft_s)
+
+    def finished(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> None:
+        """``request_id`` left its decode worker: done, failed, cancelled, or answered with its first token alone
+        (``measured_ttft_s`` > 0: it got one, without joining a batch)."""
+        self.forecast.finished(request_id, now)
+        self._measured(request_id, measured_ttft_s)
+
+    def _measured(self, request_id: str, measured_ttft_s: float) -> None:
+        """A request's TTFT came out (first report only): its prefill instance's ``slowdown`` moves toward what it
+        implies; its predicted prefill and queue times scale by it. A worker's predictor learns what a prompt's steps
+        cost; what the client waits for also holds the time between steps, the hops, and cores shared with the other
+        workers (on 2 cores, two prefill workers and a decode worker came out at twice their predictions as soon as all
+        were busy). A prediction of well under a second weighs less: its fixed hops are most of it. No TTFT: it ended
+        before its prefill (its decode worker turned it away), so it never reached the instance."""
         made = self._ttfts.pop(request_id, None)
         inst = self.instances.get(made[0]) if made is not None else None
-        if inst is None or measured_ttft_s <= 0.0:
+        if inst is None:
+            return
+        if measured_ttft_s <= 0.0:
+            inst.lose(request_id)
             return
         _, predicted, transfer, slowdown = made
         work = predicted - transfer
@@ -271,10 +283,6 @@ class Conductor:
         implied = slowdown * min(max((measured_ttft_s - transfer) / work, SLOWDOWN_STEP[0]), SLOWDOWN_STEP[1])
         weight = SLOWDOWN_ALPHA * min(1.0, work)
         inst.slowdown = min(max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
-
-    def finished(self, request_id: str, now: float) -> None:
-        self.forecast.finished(request_id, now)
-        self._ttfts.pop(request_id, None)
 
     # -- decisions -------------------------------------------------------------------------
 
@@ -488,7 +496,7 @@ class Conductor:
         load = choice.instance.load
         if len(self._ttfts) < MAX_PENDING_TTFTS:
             self._ttfts[req.request_id] = (choice.instance.id, choice.ttft_s, choice.transfer_s, choice.instance.slowdown)
-        load.queued_s += choice.prefill_s + choice.transfer_s
+        choice.instance.place(req.request_id, choice.prefill_s + choice.transfer_s)
         load.queued_requests += 1
         self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now,
                                 landing_blocks)  # fmt: skip

@@ -290,7 +290,7 @@ class ConductorService:
                     if predicted is not None and e.measured_ttft_s > 0:
                         self.metrics.ttft_error.observe(abs(predicted - e.measured_ttft_s))
                 elif e.kind == pb.RequestEvent.FINISHED:
-                    self.conductor.finished(e.request_id, now)
+                    self.conductor.finished(e.request_id, now, e.measured_ttft_s)
                     self._predicted_ttft.pop(e.request_id, None)
                 else:
                     raise ValueError(f"request event of unknown kind {e.kind} for {e.request_id!r}")
@@ -396,13 +396,13 @@ def _status(fn):
 
 def load_from_pb(msg: pb.Load) -> Load:
     return Load(msg.queued_requests, msg.queued_s, msg.running_requests, msg.context_tokens, msg.free_kv_blocks, msg.step_s, msg.batch_cap,
-                msg.landing_blocks)
+                msg.landing_blocks, msg.received_requests)
 
 
 def load_to_pb(load: Load) -> pb.Load:
     return pb.Load(queued_requests=load.queued_requests, queued_s=load.queued_s, running_requests=load.running_requests,
                    context_tokens=load.context_tokens, free_kv_blocks=load.free_kv_blocks, step_s=load.step_s,
-                   batch_cap=load.batch_cap, landing_blocks=load.landing_blocks)  # fmt: skip
+                   batch_cap=load.batch_cap, landing_blocks=load.landing_blocks, received_requests=load.received_requests)  # fmt: skip
 
 
 class ConductorServicer(pb_grpc.ConductorServicer):

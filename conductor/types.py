@@ -7,8 +7,11 @@ gRPC server and in the cluster simulator (benchmarks/sim/).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+MAX_IN_TRANSIT = 256  # placements an instance remembers for Instance.in_transit
 
 
 class Role(str, enum.Enum):
@@ -49,6 +52,7 @@ class Load:
     step_s: float = 0.0  # decode: the last measured step time (0: not known)
     batch_cap: int = 0  # decode: the most running requests its TBT SLO allows now (0: not reported)
     landing_blocks: int = 0  # decode: blocks its landing segment holds (0: not reported)
+    received_requests: int = 0  # prefill: requests it has received since it started (Instance.in_transit)
 
 
 @dataclass(slots=True)
@@ -77,10 +81,37 @@ class Instance:
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = 1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
+    placed: deque = field(default_factory=deque)  # prefill: (request id, predicted seconds) of its latest placements
+    placed_total: int = 0  # prefill: requests placed here since it registered
+    lost: int = 0  # prefill: of those, ended before they reached it (their decode worker turned them away)
 
     @property
     def schedulable(self) -> bool:
         return self.state is InstanceState.ALIVE
+
+    def place(self, request_id: str, seconds: float) -> None:
+        """A request placed here, predicted to take ``seconds``: its queue grows by them."""
+        self.load.queued_s += seconds
+        self.placed.append((request_id, seconds))
+        self.placed_total += 1
+        if len(self.placed) > MAX_IN_TRANSIT:
+            self.placed.popleft()
+
+    def lose(self, request_id: str) -> None:
+        """``request_id``, placed here, ended without reaching this instance."""
+        for i, (rid, _) in enumerate(self.placed):
+            if rid == request_id:
+                del self.placed[i]
+                self.lost += 1
+                return
+
+    def in_transit(self) -> float:
+        """Predicted seconds of the requests placed here that its last heartbeat had not received: their decode worker
+        reserves their blocks, then calls. Counted as it stood at such a heartbeat, an instance just given a 1,024-token
+        prompt looked idle, and the short prompts placed behind it waited seconds longer than predicted. Requests
+        arrive in the order they were placed; a worker that does not count them (``received_requests`` 0) gets none."""
+        n = min(self.placed_total - self.lost - self.load.received_requests, len(self.placed)) if self.load.received_requests else 0
+        return sum(seconds for _, seconds in list(self.placed)[len(self.placed) - n :]) if n > 0 else 0.0
 
     def drain(self, now: float) -> None:
         """Take the time since ``queue_at`` off a prefill instance's queue. Between heartbeats (2.5 s apart by default)

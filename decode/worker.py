@@ -151,6 +151,7 @@ class _Decoding:
         self.worker, self.request_id, self.slots, self.blocks = worker, request_id, slots, blocks
         self.state = DecodeState.PREFILLING
         self.answered = False  # the prefill worker answered (its writes are over, whatever the answer)
+        self.ttft_s = 0.0  # from the request's arrival here to its first token (0: it never got one)
         self._left = False  # counted out of the worker's requests in prefill
         with worker._count_lock:
             worker._in_prefill += 1
@@ -208,7 +209,7 @@ class _Decoding:
         if self.state is DecodeState.DECODING:
             self.worker.loop.abort(self.request_id)  # a no-op once it finished
         if self.worker.link is not None:
-            self.worker.link.finished(self.request_id)  # out of the Conductor's decode forecast, however it ended
+            self.worker.link.finished(self.request_id, self.ttft_s)  # out of the Conductor's decode forecast, however it ended
         self.state = DecodeState.DONE
 
 
@@ -399,6 +400,7 @@ class DecodeWorker:
         run = _Decoding(self, req.request_id, slots, blocks)
         try:
             first = self._prefill(req, sequence, len(outputs), run, context)
+            run.ttft_s = time.perf_counter() - t0
             self._check_late_admission(req, len(sequence))
             stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
             finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
@@ -413,7 +415,7 @@ class DecodeWorker:
             run.join(outputs_queue, prompt, params, outputs + [first.token], len(sequence), salt)
             written = self.writer.start(req.request_id, req.placement.prefill_node_address, len(sequence)) if self.writer else None
             if self.link is not None:
-                self.link.decode_started(req.request_id, time.perf_counter() - t0)
+                self.link.decode_started(req.request_id, run.ttft_s)
             yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, logprobs=first.logprobs,
                                     prompt_logprobs=first.prompt_logprobs, **usage)  # fmt: skip
             while True:

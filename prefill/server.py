@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics.registry.register(TransferCollector(worker.transfer))
 
     def load() -> cpb.Load:
-        return cpb.Load(queued_requests=worker.num_inflight, queued_s=worker.queued_seconds(),
+        return cpb.Load(queued_requests=worker.num_inflight, queued_s=worker.queued_seconds(), received_requests=worker.received,
                         running_requests=worker.num_running, free_kv_blocks=worker.engine.num_free_blocks)  # fmt: skip
 
     spec = WorkerProcess(

@@ -202,6 +202,7 @@ class PrefillWorker:
         self.predictor = (PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
                           if self.group is not None else PrefillPredictor(PredictorConfig()))  # fmt: skip
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
+        self.received = 0  # Prefill calls since it started
         self._link: ConductorLink | None = None
         self.calibration: list[tuple[int, int, float]] = []  # (prompt, cached, seconds) of ``calibrate``'s prefills
         self.link = link  # measurements go to the Conductor through it (set by the server)
@@ -270,6 +271,9 @@ class PrefillWorker:
         job = self._job(req, num_blocks)
         held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
         prefix = None
+        self.received += 1  # the Conductor counts what it placed beyond this as on its way (Instance.in_transit)
+        # queued from its arrival (the heartbeat reports it), as the plan says until the pool says what it holds
+        self._inflight[req.request_id] = (len(prompt), min((req.plan.local_blocks + req.plan.fetch_blocks) * bs, len(prompt) - 1))
         try:
             # prompt logprobs need every prompt token computed: nothing is loaded
             plan = type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan

@@ -32,7 +32,7 @@ DEAD: InstanceState
 SUSPECT: InstanceState
 
 class Load(_message.Message):
-    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks")
+    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks", "received_requests")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Load(_message.Message):
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_CAP_FIELD_NUMBER: _ClassVar[int]
     LANDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_s: float
     running_requests: int
@@ -49,7 +50,8 @@ class Load(_message.Message):
     step_s: float
     batch_cap: int
     landing_blocks: int
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ...) -> None: ...
+    received_requests: int
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport")

@@ -60,6 +60,25 @@ def test_a_prefill_queue_drains_between_heartbeats():
     assert c.schedule(request("d"), 10.0).predicted.queue_s == pytest.approx(3.0)
 
 
+def test_a_heartbeat_sent_before_a_request_arrived_does_not_lose_it():
+    """Requests placed on an instance that its heartbeat has not received yet (their decode worker reserves blocks,
+    then calls) stay in its queue; those turned away before their prefill (no TTFT) never arrive."""
+    c = conductor("none", ttft_s=100.0)
+    cluster(c)
+    for rid in ("a", "b", "c", "d"):
+        c.schedule(request(rid, prompt=1000), 0.0)  # 1 s each
+    c.heartbeat("p0", Load(queued_s=1.0, received_requests=1), 0.1)  # a arrived (and runs); b, c, d on their way
+    assert c.instances["p0"].load.queued_s == pytest.approx(4.0)
+    c.finished("b", 0.2)  # b's decode worker turned it away: it never arrives
+    c.heartbeat("p0", Load(queued_s=1.5, received_requests=2), 0.5)  # c arrived too; d on its way
+    assert c.instances["p0"].load.queued_s == pytest.approx(2.5)
+    c.decode_started("a", 1.0, measured_ttft_s=1.0)
+    c.heartbeat("p0", Load(queued_s=1.0, received_requests=3), 1.1)  # all there
+    assert c.instances["p0"].load.queued_s == pytest.approx(1.0)
+    c.heartbeat("p0", Load(queued_s=2.0), 1.2)  # a worker that does not count what it received: its report alone
+    assert c.instances["p0"].load.queued_s == pytest.approx(2.0)
+
+
 def test_an_instance_whose_ttfts_come_out_slower_than_predicted_is_predicted_slower():
     """Measured TTFTs twice their predictions (cores shared with the other workers) double what the instance's
     prefills and reported queue are predicted to take; another instance keeps its own; a TTFT not measured, or of a
@@ -287,7 +306,7 @@ def test_a_decision_grows_the_prefill_queue_until_the_next_heartbeat():
     third = c.schedule(request("c", prompt=300), 0.0)
     assert third.prefill == "p0" and third.predicted.queue_s == pytest.approx(0.2)
     assert c.instances["p0"].load.queued_s == pytest.approx(0.5)
-    c.heartbeat("p0", Load(), 0.5)  # the worker's own account replaces the estimate
+    c.heartbeat("p0", Load(), 0.6)  # once what was placed there has arrived, the worker's own account replaces the estimate
     assert c.instances["p0"].load.queued_s == 0.0
     assert c.counters.scheduled == 3 and c.counters.computed_tokens == 700
 

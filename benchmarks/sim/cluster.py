@@ -154,10 +154,12 @@ class PrefillInstance:
         self.running: Record | None = None
         self.running_predicted_end = 0.0
         self.busy_s = 0.0
+        self.received = 0  # requests placed here (they arrive at once: none is ever on its way)
 
     def load(self, now: float) -> Load:
         left = max(0.0, self.running_predicted_end - now) if self.running else 0.0
-        return Load(queued_requests=len(self.queue) + (self.running is not None), queued_s=left + self.queued_predicted_s)
+        return Load(queued_requests=len(self.queue) + (self.running is not None), queued_s=left + self.queued_predicted_s,
+                    received_requests=self.received)  # fmt: skip
 
 
 class DecodeInstance:
@@ -384,6 +386,7 @@ class Cluster:
         rec.predicted_s = out.predicted.transfer_s + out.predicted.prefill_s
         p = self.prefill_of[out.prefill]
         p.queue.append(rec)
+        p.received += 1
         p.queued_predicted_s += rec.predicted_s
         if p.running is None:
             self._start_prefill(p)
@@ -430,7 +433,7 @@ class Cluster:
         late = c.admit_at_decode(rec.decision.decode, now, rec.req.prompt_tokens)
         if late is not None:
             rec.rejected = REJECTED_AT_DECODE
-            c.finished(rec.rid, now)
+            c.finished(rec.rid, now, now - rec.req.arrival_s)  # its prefill answered: a TTFT, as a decode worker reports it
         else:
             push_s = self.model.transfer_s(rec.req.prompt_tokens * self.model.kv_bytes_per_token * self.model.decode_push_fraction)
             self._push(now + push_s, _DECODE_ARRIVE, (self.decode_of[rec.decision.decode], rec))

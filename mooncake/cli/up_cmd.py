@@ -70,7 +70,8 @@ def up(
     worker_nice: int = typer.Option(10, "--worker-nice", min=0, max=19, help="Run the workers and pool nodes this much below "
                                     "the Conductor and the gateway in CPU priority (nice, and the same for the session each runs in, "
                                     "which the kernel's autogroups schedule as one), so refusals and decisions stay fast "
-                                    "however busy the workers are; 0: the same priority"),
+                                    "however busy the workers are; 0: the same priority, for a client on the same cores "
+                                    "(at nice 10, a load generator such as aiperf starves them)"),
     insecure: bool = typer.Option(False, "--insecure", help="No TLS between the components (development only). By default "
                                   "they present certificates from a CA made in the run directory (or $MOONCAKE_TLS_DIR's) "
                                   "and refuse any peer without one"),

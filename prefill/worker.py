@@ -228,7 +228,7 @@ class PrefillWorker:
         if self.loop is None or self.config.engine is not EngineKind.NATIVE:
             return []
         vocab = self.engine.args.vocab_size
-        limit = self.config.max_model_len - 1
+        limit = self.engine.max_model_len - 1  # the config's may be None: the model's context
         lengths = [min(limit, max(2, round(share * self.config.max_num_batched_tokens))) for share in shares]
         for i, n in enumerate([16, *lengths]):
             prompt = [(7 + 31 * (i + t)) % vocab for t in range(n)]

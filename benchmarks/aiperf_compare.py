@@ -49,7 +49,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass
@@ -65,7 +64,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import compare  # noqa: E402
 import replay as rp  # noqa: E402
-from benchutil import describe_machine, resolve_model, run_interruptible, shielded  # noqa: E402
+from benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded  # noqa: E402
 
 DEFAULT_AIPERF = Path("/tmp/aiperf-venv/bin/aiperf")
 DEFAULT_HF_HOME = Path("/tmp/hf")
@@ -414,8 +413,7 @@ def render(runs: list[compare.SystemRun], traces: list[RateTrace], args, scaling
 
 def run(args: argparse.Namespace, console: Console) -> dict:
     started = time.perf_counter()
-    workdir = Path(tempfile.mkdtemp(prefix="aiperf-compare-"))
-    try:
+    with scratch_dir("aiperf-compare-", args.keep_logs, console, "traces, aiperf artifacts and logs") as workdir:
         model_dir, model = resolve_model(args, workdir)
         compare.fit_context(args, model_dir, console)
         hf_cache(args.hf_home, args.tokenizer, model_dir)
@@ -452,12 +450,6 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         }  # fmt: skip
         console.print(f"total wall {report['total_wall_s']:.0f} s; load average {report['machine']['load_average'][0]:.2f}")
         return report
-    finally:
-        with shielded():
-            if args.keep_logs:
-                console.print(f"traces, aiperf artifacts and logs kept in {workdir}")
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -7,9 +7,12 @@ import contextlib
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -95,6 +98,20 @@ def shielded():
             signal.signal(sig, handler)
         if held:
             raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, keep: bool, console, what: str = "logs") -> Iterator[Path]:
+    """A temporary directory for one run: removed at its end however it ends, or with ``keep`` kept and named."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield workdir
+    finally:
+        with shielded():
+            if keep:
+                console.print(f"{what} kept in {workdir}")
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run_interruptible(run, console) -> object | None:

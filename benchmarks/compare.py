@@ -42,11 +42,9 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -60,7 +58,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(REPO))
 
 import replay as rp  # noqa: E402
-from benchutil import describe_machine, resolve_model, run_interruptible, shielded  # noqa: E402
+from benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded  # noqa: E402
 
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
 
@@ -401,8 +399,7 @@ def fit_context(args, model_dir: Path, console: Console) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> dict:
     started = time.perf_counter()
-    workdir = Path(tempfile.mkdtemp(prefix="replay-compare-"))
-    try:
+    with scratch_dir("replay-compare-", args.keep_logs, console, "logs") as workdir:
         model_dir, model = resolve_model(args, workdir)
         fit_context(args, model_dir, console)
         vocab = rp.vocab_size_of(model_dir)
@@ -439,12 +436,6 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             console.print(f"plot written to {args.plot}")
         console.print(f"total wall {report['total_wall_s']:.0f} s; load average {report['machine']['load_average'][0]:.2f}")
         return report
-    finally:
-        with shielded():
-            if args.keep_logs:
-                console.print(f"logs kept in {workdir}")
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

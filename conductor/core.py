@@ -251,38 +251,42 @@ class Conductor:
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
         self.predictors.transfer.observe(num_bytes, seconds)
 
-    def decode_started(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> None:
-        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known)."""
+    def decode_started(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> float | None:
+        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known).
+        Returns the TTFT predicted for it when this measured one is its first (``_measured``)."""
         self.forecast.decode_started(request_id, now)
-        self._measured(request_id, measured_ttft_s)
+        return self._measured(request_id, measured_ttft_s)
 
-    def finished(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> None:
+    def finished(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> float | None:
         """``request_id`` left its decode worker: done, failed, cancelled, or answered with its first token alone
-        (``measured_ttft_s`` > 0: it got one, without joining a batch)."""
+        (``measured_ttft_s`` > 0: it got one, without joining a batch). Returns as ``decode_started`` does."""
         self.forecast.finished(request_id, now)
-        self._measured(request_id, measured_ttft_s)
+        return self._measured(request_id, measured_ttft_s)
 
-    def _measured(self, request_id: str, measured_ttft_s: float) -> None:
+    def _measured(self, request_id: str, measured_ttft_s: float) -> float | None:
         """A request's TTFT came out (first report only): its prefill instance's ``slowdown`` moves toward what it
         implies; its predicted prefill and queue times scale by it. A worker's predictor learns what a prompt's steps
         cost; what the client waits for also holds the time between steps, the hops, and cores shared with the other
         workers (on 2 cores, two prefill workers and a decode worker came out at twice their predictions as soon as all
         were busy). A prediction of well under a second weighs less: its fixed hops are most of it. No TTFT: it ended
-        before its prefill (its decode worker turned it away), so it never reached the instance."""
+        before its prefill (its decode worker turned it away), so it never reached the instance.
+
+        Returns the TTFT predicted for it (None: no prediction is held for it, or no TTFT was measured)."""
         made = self._ttfts.pop(request_id, None)
-        inst = self.instances.get(made[0]) if made is not None else None
-        if inst is None:
-            return
+        if made is None:
+            return None
+        instance_id, predicted, transfer, slowdown = made
+        inst = self.instances.get(instance_id)
         if measured_ttft_s <= 0.0:
-            inst.lose(request_id)
-            return
-        _, predicted, transfer, slowdown = made
+            if inst is not None:
+                inst.lose(request_id)
+            return None
         work = predicted - transfer
-        if work <= 0.0:
-            return
-        implied = slowdown * min(max((measured_ttft_s - transfer) / work, SLOWDOWN_STEP[0]), SLOWDOWN_STEP[1])
-        weight = SLOWDOWN_ALPHA * min(1.0, work)
-        inst.slowdown = min(max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
+        if inst is not None and work > 0.0:
+            implied = slowdown * min(max((measured_ttft_s - transfer) / work, SLOWDOWN_STEP[0]), SLOWDOWN_STEP[1])
+            weight = SLOWDOWN_ALPHA * min(1.0, work)
+            inst.slowdown = min(max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
+        return predicted
 
     # -- decisions -------------------------------------------------------------------------
 

@@ -42,7 +42,6 @@ STATE_TO_PB = {InstanceState.ALIVE: pb.ALIVE, InstanceState.DRAINING: pb.DRAININ
 KV_TIER = {kv_pb.DRAM: Tier.DRAM, kv_pb.SSD: Tier.SSD}
 HEARTBEAT_INTERVAL_FRACTION = 0.25  # workers are told to beat 4 times per timeout
 RESUBSCRIBE_S = 1.0
-MAX_PENDING_PREDICTIONS = 100_000
 
 
 class Metrics:
@@ -108,7 +107,6 @@ class ConductorService:
         self.metrics = Metrics()
         self._lock = threading.Lock()
         self._watchers: dict[str, _Watcher] = {}
-        self._predicted_ttft: dict[str, float] = {}
         self._stop = threading.Event()
         self.leading = threading.Event()
         self.control_port = 0  # where Schedule's fast path listens (conductor/fastpath.py; 0: nowhere), for ListInstances
@@ -249,8 +247,6 @@ class ConductorService:
             outcome = self.conductor.schedule(req, time.monotonic())
             policy = self.conductor.policy.kind.value
             if isinstance(outcome, Decision):
-                if len(self._predicted_ttft) < MAX_PENDING_PREDICTIONS:
-                    self._predicted_ttft[req.request_id] = outcome.predicted.ttft_s
                 addresses = {i.id: i.address for i in self.conductor.instances.values()}
                 nodes = {i.node: i.address for i in self.conductor.instances.values() if i.role is Role.KVSTORE}
                 prefill_node = self.conductor.instances[outcome.prefill].node
@@ -285,15 +281,13 @@ class ConductorService:
                 self.conductor.transfer_sample(s.bytes, s.seconds)
             for e in request.requests:
                 if e.kind == pb.RequestEvent.DECODE_STARTED:
-                    self.conductor.decode_started(e.request_id, now, e.measured_ttft_s)
-                    predicted = self._predicted_ttft.pop(e.request_id, None)
-                    if predicted is not None and e.measured_ttft_s > 0:
-                        self.metrics.ttft_error.observe(abs(predicted - e.measured_ttft_s))
+                    predicted = self.conductor.decode_started(e.request_id, now, e.measured_ttft_s)
                 elif e.kind == pb.RequestEvent.FINISHED:
-                    self.conductor.finished(e.request_id, now, e.measured_ttft_s)
-                    self._predicted_ttft.pop(e.request_id, None)
+                    predicted = self.conductor.finished(e.request_id, now, e.measured_ttft_s)
                 else:
                     raise ValueError(f"request event of unknown kind {e.kind} for {e.request_id!r}")
+                if predicted is not None:  # its first measured TTFT
+                    self.metrics.ttft_error.observe(abs(predicted - e.measured_ttft_s))
 
     def apply_events(self, node: str, batch) -> None:
         """One batch of a kvstore node's event stream (``reset``: a snapshot replaces what the index had)."""

@@ -7,6 +7,7 @@ gRPC server and in the cluster simulator (benchmarks/sim/).
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,8 +83,7 @@ class Instance:
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = 1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
     placed: deque = field(default_factory=deque)  # prefill: (request id, predicted seconds) of its latest placements
-    placed_total: int = 0  # prefill: requests placed here since it registered
-    lost: int = 0  # prefill: of those, ended before they reached it (their decode worker turned them away)
+    bound: int = 0  # prefill: requests placed here since it registered, less those that ended before reaching it
 
     @property
     def schedulable(self) -> bool:
@@ -93,7 +93,7 @@ class Instance:
         """A request placed here, predicted to take ``seconds``: its queue grows by them."""
         self.load.queued_s += seconds
         self.placed.append((request_id, seconds))
-        self.placed_total += 1
+        self.bound += 1
         if len(self.placed) > MAX_IN_TRANSIT:
             self.placed.popleft()
 
@@ -102,7 +102,7 @@ class Instance:
         for i, (rid, _) in enumerate(self.placed):
             if rid == request_id:
                 del self.placed[i]
-                self.lost += 1
+                self.bound -= 1
                 return
 
     def in_transit(self) -> float:
@@ -110,8 +110,8 @@ class Instance:
         reserves their blocks, then calls. Counted as it stood at such a heartbeat, an instance just given a 1,024-token
         prompt looked idle, and the short prompts placed behind it waited seconds longer than predicted. Requests
         arrive in the order they were placed; a worker that does not count them (``received_requests`` 0) gets none."""
-        n = min(self.placed_total - self.lost - self.load.received_requests, len(self.placed)) if self.load.received_requests else 0
-        return sum(seconds for _, seconds in list(self.placed)[len(self.placed) - n :]) if n > 0 else 0.0
+        n = self.bound - self.load.received_requests if self.load.received_requests else 0
+        return sum(seconds for _, seconds in itertools.islice(reversed(self.placed), max(n, 0)))
 
     def drain(self, now: float) -> None:
         """Take the time since ``queue_at`` off a prefill instance's queue. Between heartbeats (2.5 s apart by default)

@@ -88,15 +88,17 @@ def test_an_instance_whose_ttfts_come_out_slower_than_predicted_is_predicted_slo
     c.heartbeat("p1", Load(queued_s=1000.0), 0.0)  # everything goes to p0
     alone = c.schedule(request("first", blocks=60), 0.0)
     assert alone.prefill == "p0" and alone.predicted.prefill_s == pytest.approx(0.96)
-    c.decode_started("first", 1.0)  # no measurement
+    assert c.decode_started("first", 1.0) is None  # no measurement: nothing for the error metric either
     c.schedule(request("gone", blocks=60), 1.0)
-    c.finished("gone", 2.0)
+    assert c.finished("gone", 2.0) is None
     for n in range(40):
         now = 10.0 * (n + 1)
         c.heartbeat("p0", Load(), now)
         d = c.schedule(request(f"r{n}", blocks=60), now)
         assert d.prefill == "p0"
-        c.decode_started(d.request_id, now + 1.0, measured_ttft_s=2.0 * 0.96)  # an empty queue, 0.96 s predicted alone
+        predicted = c.decode_started(d.request_id, now + 1.0, measured_ttft_s=2.0 * 0.96)  # an empty queue, 0.96 s alone
+        assert predicted == pytest.approx(d.predicted.ttft_s)  # what the service's TTFT error metric compares
+        assert c.decode_started(d.request_id, now + 2.0, measured_ttft_s=5.0) is None  # a second report teaches nothing
     assert c.instances["p0"].slowdown == pytest.approx(2.0, rel=0.05)
     assert c.instances["p1"].slowdown == 1.0
     c.heartbeat("p0", Load(queued_s=1.0), 500.0)  # a second of its predictions: two as they come out

@@ -125,8 +125,10 @@ class Conductor:
             load.queued_s = load.queued_s * inst.slowdown + inst.in_transit()
         if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
             inst.state = InstanceState.ALIVE
-        if inst.role is Role.DECODE and load.step_s > 0 and load.running_requests > 0:
-            self.predictors.decode.observe(load.running_requests, load.context_tokens, load.step_s)
+        if inst.role is Role.DECODE and load.step_s > 0:  # the steps' own batch where reported (the running one may differ)
+            batch, context = (load.step_batch, load.step_context_tokens) if load.step_batch > 0 else (load.running_requests, load.context_tokens)
+            if batch > 0:
+                self.predictors.decode.observe(batch, context, load.step_s)
 
     def suspect(self, instance_id: str, now: float) -> bool:
         """A caller saw ``instance_id`` fail (a reset stream, an unreachable address): send it nothing new
@@ -488,7 +490,10 @@ class Conductor:
             return ttft_over
         retry_decode = _clamp(self.forecast.t_d / 2)
         if load > 1.0:
-            return RejectReason.OVERLOAD, f"decode load {load:.2f} of the TBT SLO {when_prefill_ends(kind, choice)}", retry_decode
+            batches = ", ".join(f"{i.id}: {n:.1f} requests, {self.predictors.decode.predict(n, tokens):.3f} s a step"
+                                for i in decodes[:4] for n, tokens in [batch_of(i)]) + (", ..." if len(decodes) > 4 else "")
+            return (RejectReason.OVERLOAD, f"decode load {load:.2f} of the TBT SLO {when_prefill_ends(kind, choice)} ({batches})",
+                    retry_decode)
         if tbt == float("inf"):
             cap = decode.load.batch_cap or decode.capacity
             return RejectReason.TBT_SLO, f"decode {decode.id}'s batch of {cap} is full {when_prefill_ends(kind, choice)}", retry_decode

@@ -19,6 +19,11 @@ requests (and how much context) each decode instance will be running. Two kinds:
 
 A request late for its predicted start has not started: it is forecast from now.
 
+``t_d`` starts at ``default_decode_s`` and the first measured duration replaces it (a guess,
+not a sample: it is not averaged in). On a fresh cluster serving 20-token answers in 6 s, a
+10 s default that only an average moved counted every request as running for 10 s, and the
+Conductor refused requests for a decode load that never came.
+
 Storage: one row per flight in numpy columns (rows of finished flights are reused), so the
 forecast for every instance at once is a few vector operations; a Schedule costs tens of
 microseconds here with hundreds of requests in flight.
@@ -41,8 +46,8 @@ class ForecastKind(str, enum.Enum):
 class DecodeForecast:
     """The flights, the measured decode durations, and the forecasts made from them. Pure: time is passed in.
 
-    ``t_d`` starts at ``default_decode_s`` and follows measured durations (EMA). The
-    survival forecast uses the uniform one until ``min_samples`` durations are measured.
+    ``t_d`` starts at ``default_decode_s``, is set by the first measured duration, and follows the later ones (EMA).
+    The survival forecast uses the uniform one until ``min_samples`` durations are measured.
     """
 
     def __init__(self, default_decode_s: float = 10.0, kind: ForecastKind | str = ForecastKind.UNIFORM,
@@ -123,7 +128,7 @@ class DecodeForecast:
         self._drop(request_id)
         if started and now > start:
             duration = now - start
-            self.t_d = (1 - self.alpha) * self.t_d + self.alpha * duration
+            self.t_d = (1 - self.alpha) * self.t_d + self.alpha * duration if self._recent else duration
             self._recent.append(duration)
             bisect.insort(self._sorted, duration)
             if len(self._recent) > self.window:

@@ -390,13 +390,14 @@ def _status(fn):
 
 def load_from_pb(msg: pb.Load) -> Load:
     return Load(msg.queued_requests, msg.queued_s, msg.running_requests, msg.context_tokens, msg.free_kv_blocks, msg.step_s, msg.batch_cap,
-                msg.landing_blocks, msg.received_requests)
+                msg.landing_blocks, msg.received_requests, msg.step_batch, msg.step_context_tokens)
 
 
 def load_to_pb(load: Load) -> pb.Load:
     return pb.Load(queued_requests=load.queued_requests, queued_s=load.queued_s, running_requests=load.running_requests,
                    context_tokens=load.context_tokens, free_kv_blocks=load.free_kv_blocks, step_s=load.step_s,
-                   batch_cap=load.batch_cap, landing_blocks=load.landing_blocks, received_requests=load.received_requests)  # fmt: skip
+                   batch_cap=load.batch_cap, landing_blocks=load.landing_blocks, received_requests=load.received_requests,
+                   step_batch=load.step_batch, step_context_tokens=load.step_context_tokens)  # fmt: skip
 
 
 class ConductorServicer(pb_grpc.ConductorServicer):

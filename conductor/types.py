@@ -50,10 +50,12 @@ class Load:
     running_requests: int = 0
     context_tokens: int = 0  # decode: tokens of context over the running batch
     free_kv_blocks: int = 0
-    step_s: float = 0.0  # decode: the last measured step time (0: not known)
+    step_s: float = 0.0  # decode: the mean step time since the last heartbeat (0: not known)
     batch_cap: int = 0  # decode: the most running requests its TBT SLO allows now (0: not reported)
     landing_blocks: int = 0  # decode: blocks its landing segment holds (0: not reported)
     received_requests: int = 0  # prefill: requests it has received since it started (Instance.in_transit)
+    step_batch: float = 0.0  # decode: the mean batch of the steps step_s is the mean time of (0: not reported)
+    step_context_tokens: float = 0.0  # decode: and their mean context tokens
 
 
 @dataclass(slots=True)

@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> cpb.Load:
         cap = worker.learn_step_times()
-        step = worker.last_step
+        batch, context, seconds = worker.step_mean or (0.0, 0.0, 0.0)
         return cpb.Load(queued_requests=worker.num_in_prefill, running_requests=worker.loop.num_running,
                         context_tokens=worker.loop.context_tokens, free_kv_blocks=worker.engine.num_free_blocks,
-                        step_s=step.seconds if step is not None and worker.loop.num_running else 0.0, batch_cap=cap,
+                        step_s=seconds, step_batch=batch, step_context_tokens=context, batch_cap=cap,
                         landing_blocks=worker.landing_room)  # fmt: skip
 
     spec = WorkerProcess(

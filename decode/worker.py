@@ -262,7 +262,9 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine, name="decode-engine")
         self.writer = BlockWriter(self.loop, self.transfer, config.id, config.block_size) if config.write_behind else None
         self.predictor = DecodePredictor(PredictorConfig())
-        self.last_step = None  # the latest StepSample (heartbeats report its time)
+        self.step_mean: tuple[float, float, float] | None = None  # (batch, context tokens, seconds) of the mean step
+        # between the last two heartbeats (None: no step): one sample of the last step alone swung with whatever else
+        # the cores were doing at that moment
         self._channels: dict[str, wpb_grpc.PrefillStub] = {}
         self._channels_lock = threading.Lock()
         self._in_prefill = 0  # requests between admission and joining the batch
@@ -350,14 +352,16 @@ class DecodeWorker:
         and return it (the heartbeat reports it: the Conductor then refuses what ``_admit`` would).
 
         Called with every heartbeat."""
+        n = batches = contexts = seconds = 0
         while True:
             try:
                 step = self.loop.steps.popleft()
             except IndexError:
                 break
-            self.last_step = step
             if step.batch > 0 and step.seconds > 0:
                 self.predictor.observe(step.batch, step.context_tokens, step.seconds)
+                n, batches, contexts, seconds = n + 1, batches + step.batch, contexts + step.context_tokens, seconds + step.seconds
+        self.step_mean = (batches / n, contexts / n, seconds / n) if n else None
         cap = self.batch_cap
         self.loop.call(lambda engine: engine.set_max_num_seqs(cap))
         return cap

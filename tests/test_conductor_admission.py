@@ -234,14 +234,18 @@ def test_t_d_follows_measured_decode_durations():
     d = c.schedule(request("a"), 0.0)
     assert isinstance(d, Decision) and len(c.forecast) == 1
     c.decode_started("a", 1.0)
-    c.finished("a", 21.0)  # decoded for 20 s
-    assert c.forecast.t_d == pytest.approx(0.9 * 10.0 + 0.1 * 20.0)
+    c.finished("a", 21.0)  # decoded for 20 s: the first measured duration replaces the default (a guess, not a sample)
+    assert c.forecast.t_d == pytest.approx(20.0)
     assert len(c.forecast) == 0
     c.finished("a", 30.0)  # a second report of the same request changes nothing
-    assert c.forecast.t_d == pytest.approx(11.0)
+    assert c.forecast.t_d == pytest.approx(20.0)
     c.schedule(request("b"), 40.0)
     c.finished("b", 41.0)  # never started decoding (cancelled): not a decode duration
-    assert c.forecast.t_d == pytest.approx(11.0)
+    assert c.forecast.t_d == pytest.approx(20.0)
+    c.schedule(request("c"), 50.0)
+    c.decode_started("c", 51.0)
+    c.finished("c", 61.0)  # 10 s: the later ones are averaged in
+    assert c.forecast.t_d == pytest.approx(0.9 * 20.0 + 0.1 * 10.0)
 
 
 def test_early_predictive_counts_the_requests_own_context_in_its_tbt():
@@ -293,6 +297,20 @@ def test_decode_heartbeats_teach_the_tbt_predictor():
     c.heartbeat("d0", Load(running_requests=4, context_tokens=4 * 1500), 20.0)
     outcome = c.schedule(request(prompt=30000), 20.0)
     # 4 running with 6000 context tokens, plus this request's 30000
+    assert outcome.predicted.tbt_s == pytest.approx(decode_formula(5, 4 * 1500 + 30000), rel=0.01)
+
+
+def test_the_tbt_predictor_pairs_each_mean_step_with_the_batch_it_ran():
+    c = conductor("none")
+    cluster(c)
+    rng = random.Random(6)
+    for n, batch in enumerate([1.5, 3.0, 5.5, 9.0, 14.0, 21.0, 33.0, 47.5]):
+        ctx = batch * rng.randint(200, 3000)
+        # the running batch now is another one (some finished since the steps ran): the steps' own mean is what counts
+        c.heartbeat("d0", Load(running_requests=64, context_tokens=10, step_s=decode_formula(batch, ctx), step_batch=batch,
+                               step_context_tokens=ctx), float(n))  # fmt: skip
+    c.heartbeat("d0", Load(running_requests=4, context_tokens=4 * 1500), 20.0)  # no step since the last: no sample
+    outcome = c.schedule(request(prompt=30000), 20.0)
     assert outcome.predicted.tbt_s == pytest.approx(decode_formula(5, 4 * 1500 + 30000), rel=0.01)
 
 

@@ -36,3 +36,33 @@ def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waitin
             worker._admit()
     finally:
         worker.close()
+
+
+def test_the_heartbeat_reports_the_mean_step_since_the_last_one(tiny_dir, shm_dir):
+    """The Conductor's decode predictor learns from one sample per heartbeat: the mean of the steps between two, not
+    the last step alone (which swung with whatever else the cores were doing at that moment)."""
+    worker = DecodeWorker(DecodeConfig(id=f"decode-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), block_size=16, num_kv_blocks=64,
+                                       max_model_len=256, max_num_seqs=4, write_behind=False, shm_dir=shm_dir))  # fmt: skip
+    try:
+        worker.learn_step_times()
+        assert worker.step_mean is None  # no step yet: nothing to report
+        done = []
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for n in range(2):
+            worker.loop.submit_nowait(lambda out: out.finished and done.append(out), prompt_token_ids=[7 + n] * (20 + 30 * n),
+                                      sampling_params=params, request_id=f"r{n}").result(10)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while len(done) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        steps = list(worker.loop.steps)
+        assert len(steps) >= 12 and {s.batch for s in steps} >= {2}
+        worker.learn_step_times()
+        batch, context, seconds = worker.step_mean
+        assert batch == pytest.approx(sum(s.batch for s in steps) / len(steps))
+        assert context == pytest.approx(sum(s.context_tokens for s in steps) / len(steps))
+        assert seconds == pytest.approx(sum(s.seconds for s in steps) / len(steps))
+        worker.learn_step_times()
+        assert worker.step_mean is None  # the next heartbeat: no step since
+    finally:
+        worker.close()

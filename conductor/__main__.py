@@ -21,6 +21,7 @@ from prometheus_client import start_http_server
 SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this soon (Python's default: 5 ms)
 
 from conductor.admission import AdmissionKind
+from conductor.local import LocalPrefill
 from conductor.auth import TOKEN_FILE_ENV, read_token_file
 from conductor.forecast import ForecastKind
 from conductor.core import ConductorConfig
@@ -55,6 +56,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="prefill placement policy (a value persisted in Redis wins)")
     p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
                    help="admission (early rejection) policy (a value persisted in Redis wins)")
+    p.add_argument("--local-prefill", choices=[m.value for m in LocalPrefill], default=LocalPrefill.NEVER.value,
+                   help="where prompts are computed: never (a prefill worker; the paper's disaggregation), auto (a prefill "
+                        "worker or the decode worker itself, whichever is predicted to reach the first token sooner with its "
+                        "steps within the TBT SLO: a short prompt, or a short new part of a prompt whose prefix is in the pool, "
+                        "skips the hand-off) or always (the decode worker, where it runs our engine)")
+    p.add_argument("--local-chunk-tokens", type=int, default=512,
+                   help="a decode worker's token budget per step (its --max-num-batched-tokens): the chunk of a prompt it "
+                        "computes itself that rides on each decode step")
     p.add_argument("--decode-forecast", choices=[k.value for k in ForecastKind], default=ForecastKind.SURVIVAL.value,
                    help="early_predictive's decode forecast: survival (measured decode durations, each request weighed by "
                         "how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every "
@@ -101,6 +110,7 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
     return ConductorConfig(
         policy=args.policy, admission=args.admission, slo_classes=classes, block_bytes=args.block_bytes,
         heartbeat_timeout_s=args.heartbeat_timeout, suspect_hold_s=args.suspect_hold, decode_forecast=args.decode_forecast, tbt_headroom=args.tbt_headroom,
+        local_prefill=args.local_prefill, local_chunk_tokens=args.local_chunk_tokens,
         predictors=PredictorConfig(prefill_tokens_per_s=args.prefill_tokens_per_s),
         policy_config=PolicyConfig(kvcache_balancing_threshold=args.balancing_threshold, tier_aware=args.tier_aware),
     )  # fmt: skip

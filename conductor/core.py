@@ -19,7 +19,8 @@ from pydantic import BaseModel, Field
 
 from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode
 from conductor.forecast import DecodeForecast, ForecastKind
-from conductor.index import KVIndex
+from conductor.index import KVIndex, PrefixMatch
+from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local
 from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, estimate, make_policy
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import (
@@ -28,6 +29,7 @@ from conductor.types import (
 from kvstore.events import Tier
 
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
+HANDOFF_ALPHA = 0.1  # how far one measured hand-off moves the learnt one
 SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or more) moves its instance's slowdown
 SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
 SLOWDOWN_RANGE = (0.5, 8.0)
@@ -49,6 +51,13 @@ class ConductorConfig(BaseModel):
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
     decode_forecast: ForecastKind = Field(ForecastKind.SURVIVAL, description="early_predictive's decode forecast: "
                                           "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)")
+    local_prefill: LocalPrefill = Field(LocalPrefill.NEVER, description="where prompts are computed: auto (a prefill worker or "
+                                        "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
+                                        "never (a prefill worker) or always (the decode worker, where it runs our engine)")
+    local_chunk_tokens: int = Field(512, ge=1, description="a decode worker's token budget per step: the chunk a prompt it "
+                                    "computes itself rides on each decode step with")
+    default_handoff_s: float = Field(0.0, ge=0, description="what handing a prompt's KV from a prefill worker to a decode "
+                                     "worker costs before any is measured (decode workers report each; the first replaces this)")
     tbt_headroom: float = Field(1.0, gt=0, le=1.0, description="admit while the predicted mean step stays under this share "
                                 "of the TBT SLO (the SLO is on a request's slowest gaps, not its mean)")
     predictors: PredictorConfig = Field(default_factory=PredictorConfig)
@@ -76,6 +85,7 @@ class Counters:
     reused_blocks: int = 0
     fetched_blocks: int = 0
     computed_tokens: int = 0
+    local: int = 0  # of the scheduled, computed on their decode worker (conductor.local)
 
 
 class Conductor:
@@ -87,6 +97,9 @@ class Conductor:
         self.forecast = DecodeForecast(self.config.default_decode_s, kind=self.config.decode_forecast)
         self.policy = make_policy(self.config.policy, self.config.policy_config)
         self.admission = self.config.admission
+        self.local_prefill = self.config.local_prefill
+        self.handoff_s = self.config.default_handoff_s  # learnt from decode workers' reports (handoff_sample)
+        self._handoffs = 0
         self.counters = Counters()
         self.served: dict[str, Served] = {}  # prefill instance id -> what it was given
         self.last_sent: dict[str, float] = {}  # instance id -> when a request was last placed on it
@@ -99,6 +112,12 @@ class Conductor:
 
     def set_policy(self, kind: PolicyKind | str) -> None:
         self.policy = make_policy(kind, self.config.policy_config)
+
+    def set_local_prefill(self, mode: LocalPrefill | str) -> None:
+        try:
+            self.local_prefill = LocalPrefill(mode)
+        except ValueError:
+            raise ValueError(f"unknown local prefill mode {mode!r}; choose from {', '.join(m.value for m in LocalPrefill)}") from None
 
     def set_admission(self, kind: AdmissionKind | str) -> None:
         try:
@@ -228,6 +247,7 @@ class Conductor:
                     i.drain(now)
                     prefills.append(i)
             elif i.role is Role.DECODE and i.schedulable:
+                i.drain_local(now)
                 decodes.append(i)
         return prefills, decodes
 
@@ -264,6 +284,14 @@ class Conductor:
         (``measured_ttft_s`` > 0: it got one, without joining a batch). Returns as ``decode_started`` does."""
         self.forecast.finished(request_id, now)
         return self._measured(request_id, measured_ttft_s)
+
+    def handoff_sample(self, seconds: float) -> None:
+        """A decode worker measured one hand-off: its TTFT less the prefill worker's own queue and prefill. The first
+        replaces the default; the later ones are averaged in."""
+        if seconds < 0:
+            raise ValueError(f"bad hand-off sample: {seconds} s")
+        self.handoff_s = seconds if not self._handoffs else (1 - HANDOFF_ALPHA) * self.handoff_s + HANDOFF_ALPHA * seconds
+        self._handoffs += 1
 
     def _measured(self, request_id: str, measured_ttft_s: float) -> float | None:
         """A request's TTFT came out (first report only): its prefill instance's ``slowdown`` moves toward what it
@@ -319,17 +347,46 @@ class Conductor:
         if not takers:
             return dataclasses.replace(self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes, blocks), MIN_RETRY_S),
                                        shed_s=self.shed_s(now))  # fmt: skip
-        choice = self.policy.choose(req, prefills, self.index.match(req.keys), self.predictors)
+        match = self.index.match(req.keys)
+        choice = self.policy.choose(req, prefills, match, self.predictors)
+        if self.handoff_s:  # the KV's way to the decode worker: a fixed cost, like the prefix's transfer
+            choice = dataclasses.replace(choice, transfer_s=choice.transfer_s + self.handoff_s)
         batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
         later_of = self._later(now + choice.ttft_s, now, len(decodes), slo)
         decode, tbt = select_decode(req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of)
+        local = self._local(req, choice, decode, match, now, len(decodes), slo)
+        remote = choice
+        if local is not None:  # its decode worker computes it: judged by the batch it meets when it would start decoding
+            choice, tbt = local, max(tbt, local.tbt_s)
+            batch_of = self._batch_at(now + local.ttft_s, now, len(decodes))
         predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
         verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:
             reason, message, retry = verdict
             return dataclasses.replace(self._reject(req, reason, message, retry, predicted), shed_s=self.shed_s(now))
+        if local is not None:
+            self._record_local(req, local, now)
+            # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
+            return Decision(req.request_id, "", decode.id, local.plan, predicted, self.policy.kind.value,
+                            local.node or remote.instance.node, local=True)  # fmt: skip
         self._record(req, choice, decode, now, blocks)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
+
+    def _local(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, match: PrefixMatch, now: float,
+               num_decodes: int, slo: Slo) -> LocalChoice | None:  # fmt: skip
+        """Where ``decode`` should compute ``req``'s prompt itself (conductor.local), its costs; None: a prefill worker.
+
+        ``auto``: when that is predicted sooner than the prefill worker's TTFT (with the hand-off), and the decode
+        batch's steps with the prompt's chunks in them stay within the TBT SLO."""
+        if self.local_prefill is LocalPrefill.NEVER or not can_prefill(decode):
+            return None
+        batch = self._batch_at(now, now, num_decodes)(decode)
+        local = estimate_local(req, decode, batch, match, self.predictors, self.config.local_chunk_tokens)
+        if self.local_prefill is LocalPrefill.ALWAYS:
+            return local
+        if local.tbt_s <= slo.tbt_s * self.config.tbt_headroom and local.ttft_s < choice.ttft_s:
+            return local
+        return None
 
     def shed_s(self, now: float) -> float:
         """How long every request will be refused: SHED_S if even the cheapest request would be now, else 0.
@@ -520,6 +577,25 @@ class Conductor:
         c.reused_blocks += choice.plan.reused_blocks
         c.fetched_blocks += choice.plan.fetch_blocks
         c.computed_tokens += choice.plan.compute_tokens
+
+    def _record_local(self, req: ScheduleRequest, local: LocalChoice, now: float) -> None:
+        d = local.decode
+        if len(self._ttfts) < MAX_PENDING_TTFTS:
+            self._ttfts[req.request_id] = (d.id, local.ttft_s, local.transfer_s, d.slowdown)
+        d.local_queue_s += local.transfer_s + local.prefill_s
+        self.forecast.scheduled(req.request_id, d.id, now + local.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now)
+        self.last_sent[d.id] = now
+        served = self.served.setdefault(d.id, Served())  # a decode instance's: the prompts it computed itself
+        served.decisions += 1
+        served.prompt_blocks += len(req.keys)
+        served.reused_blocks += local.plan.reused_blocks
+        served.fetched_blocks += local.plan.fetch_blocks
+        c = self.counters
+        c.scheduled += 1
+        c.local += 1
+        c.reused_blocks += local.plan.reused_blocks
+        c.fetched_blocks += local.plan.fetch_blocks
+        c.computed_tokens += local.plan.compute_tokens
 
     def _reject(self, req: ScheduleRequest, reason: RejectReason, message: str, retry: float, predicted: Prediction | None = None) -> Rejection:
         self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1

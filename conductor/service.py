@@ -249,8 +249,10 @@ class ConductorService:
             if isinstance(outcome, Decision):
                 addresses = {i.id: i.address for i in self.conductor.instances.values()}
                 nodes = {i.node: i.address for i in self.conductor.instances.values() if i.role is Role.KVSTORE}
-                prefill_node = self.conductor.instances[outcome.prefill].node
-                outcome_info = (addresses[outcome.prefill], addresses[outcome.decode], nodes.get(outcome.plan.fetch_node or "", ""),
+                # local: no prefill worker; the decode worker writes the prompt's blocks to the node it reads the prefix
+                # from (its chain continues there), else to the node of the prefill worker the policy would have used
+                prefill_node = (outcome.node or "") if outcome.local else self.conductor.instances[outcome.prefill].node
+                outcome_info = (addresses.get(outcome.prefill, ""), addresses[outcome.decode], nodes.get(outcome.plan.fetch_node or "", ""),
                                 prefill_node, nodes.get(prefill_node, ""))  # fmt: skip
             else:
                 outcome_info = None
@@ -280,6 +282,8 @@ class ConductorService:
             for s in request.transfer:
                 self.conductor.transfer_sample(s.bytes, s.seconds)
             for e in request.requests:
+                if e.handoff_s > 0:
+                    self.conductor.handoff_sample(e.handoff_s)
                 if e.kind == pb.RequestEvent.DECODE_STARTED:
                     predicted = self.conductor.decode_started(e.request_id, now, e.measured_ttft_s)
                 elif e.kind == pb.RequestEvent.FINISHED:
@@ -453,7 +457,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             placement=pb.Placement(
                 prefill_id=outcome.prefill, prefill_address=prefill_address, prefill_node=prefill_node,
                 prefill_node_address=prefill_node_address,
-                decode_id=outcome.decode, decode_address=decode_address, policy=outcome.policy,
+                decode_id=outcome.decode, decode_address=decode_address, policy=outcome.policy, local_prefill=outcome.local,
                 plan=pb.PrefixPlan(local_blocks=plan.local_blocks, fetch_node=plan.fetch_node or "", fetch_address=fetch_address,
                                    fetch_blocks=plan.fetch_blocks, compute_tokens=plan.compute_tokens, keep_fetched=plan.keep_fetched),
             ),

@@ -86,6 +86,8 @@ class Instance:
     slowdown: float = 1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
     placed: deque = field(default_factory=deque)  # prefill: (request id, predicted seconds) of its latest placements
     bound: int = 0  # prefill: requests placed here since it registered, less those that ended before reaching it
+    local_queue_s: float = 0.0  # decode: predicted seconds of the prompts it computes itself (conductor.local), as at local_at
+    local_at: float = 0.0
 
     @property
     def schedulable(self) -> bool:
@@ -123,6 +125,12 @@ class Instance:
         if self.load.queued_s > 0.0 and now > self.queue_at:
             self.load.queued_s = max(0.0, self.load.queued_s - (now - self.queue_at))
         self.queue_at = max(self.queue_at, now)
+
+    def drain_local(self, now: float) -> None:
+        """The same for a decode instance's own prefills: a second of them computed each second since placed."""
+        if self.local_queue_s > 0.0 and now > self.local_at:
+            self.local_queue_s = max(0.0, self.local_queue_s - (now - self.local_at))
+        self.local_at = max(self.local_at, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +244,8 @@ class Decision:
     plan: PrefixPlan
     predicted: Prediction
     policy: str
+    node: str | None = None  # local: the pool node its decode worker reads the prefix from and writes to
+    local: bool = False  # its decode worker computes the prompt itself (conductor.local); ``prefill`` is then ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,8 +48,10 @@ from pydantic import BaseModel, Field, field_validator
 
 from conductor.predictors import DecodePredictor, PredictorConfig
 from decode.writeback import BlockWriter
+from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.service import segment_to_pb
 from mooncake import tls
+from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig, check_cuda_device
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
@@ -65,7 +67,7 @@ from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransferConfig, TransferEngine, TransportChoice
-from transfer.types import host_id
+from transfer.types import TransferError, host_id
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,8 @@ class _Decoding:
         self.state = DecodeState.PREFILLING
         self.answered = False  # the prefill worker answered (its writes are over, whatever the answer)
         self.ttft_s = 0.0  # from the request's arrival here to its first token (0: it never got one)
+        self.handoff_s = 0.0  # of it, all but the prefill worker's own queue and prefill (0: not measured, or reported)
+        self.written = None  # its write-behind (decode.writeback.Written), once it has one
         self._left = False  # counted out of the worker's requests in prefill
         with worker._count_lock:
             worker._in_prefill += 1
@@ -209,7 +213,7 @@ class _Decoding:
         if self.state is DecodeState.DECODING:
             self.worker.loop.abort(self.request_id)  # a no-op once it finished
         if self.worker.link is not None:
-            self.worker.link.finished(self.request_id, self.ttft_s)  # out of the Conductor's decode forecast, however it ended
+            self.worker.link.finished(self.request_id, self.ttft_s, self.handoff_s)  # out of the Conductor's decode forecast
         self.state = DecodeState.DONE
 
 
@@ -220,6 +224,7 @@ class FirstToken:
     by_tier: dict[str, int]
     logprobs: list  # [wpb.TokenLogprob] of the token, when the sampling asked
     prompt_logprobs: list  # [wpb.TokenLogprob] of prompt tokens 1.., when the sampling asked
+    worker_s: float = 0.0  # the prefill worker's own queue and prefill
 
 
 class DecodeWorker:
@@ -256,8 +261,8 @@ class DecodeWorker:
         self.block_bytes = self.engine.block_bytes
         slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
         self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes, guard=self._landing_guard)
-        self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.block_shape,
-                                   engine_config.torch_dtype)  # fmt: skip
+        self.engine_dtype = engine_config.torch_dtype
+        self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.block_shape, self.engine_dtype)
         self.slots = SlotAllocator(slots)
         self.loop = EngineLoop(self.engine, name="decode-engine")
         self.writer = BlockWriter(self.loop, self.transfer, config.id, config.block_size) if config.write_behind else None
@@ -267,6 +272,7 @@ class DecodeWorker:
         # the cores were doing at that moment
         self._channels: dict[str, wpb_grpc.PrefillStub] = {}
         self._channels_lock = threading.Lock()
+        self._pool: dict[str, KVStoreClient] = {}  # pool node address -> client (prefixes of prompts computed here)
         self._in_prefill = 0  # requests between admission and joining the batch
         self._count_lock = threading.Lock()
         self.link = link
@@ -390,21 +396,34 @@ class DecodeWorker:
         t0 = time.perf_counter()
         prompt, outputs = list(req.prompt_token_ids), list(req.output_token_ids)
         sequence = prompt + outputs  # what the prefill computes (its KV lands here)
+        local = req.placement.local_prefill
         try:
-            params = self._params(req, prompt, len(outputs))
-            if not req.placement.prefill_address:
+            params = self._params(req, prompt, len(outputs), local)
+            if not local and not req.placement.prefill_address:
                 raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the request has no placement (a prefill address from the Conductor)")
+            if local and self.config.engine is not EngineKind.NATIVE:
+                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, f"decode worker {self.config.id} runs {self.config.engine.value}: "
+                             "it cannot compute a prompt itself")  # fmt: skip
             self._admit()
-            num_blocks = -(-len(sequence) // self.config.block_size)
-            slots, blocks = self._reserve(num_blocks, req.placement.prefill_address)
+            if local:
+                slots, blocks = [], []  # the engine gives it blocks as it computes
+            else:
+                slots, blocks = self._reserve(-(-len(sequence) // self.config.block_size), req.placement.prefill_address)
         except (Busy, Failed):
             if self.link is not None:  # the Conductor counted it here when it scheduled it
                 self.link.finished(req.request_id)
             raise
         run = _Decoding(self, req.request_id, slots, blocks)
+        if local:
+            try:
+                yield from self._local(req, prompt, outputs, params, run, context, t0)
+            finally:
+                run.close()
+            return
         try:
             first = self._prefill(req, sequence, len(outputs), run, context)
             run.ttft_s = time.perf_counter() - t0
+            run.handoff_s = max(0.0, run.ttft_s - first.worker_s)
             self._check_late_admission(req, len(sequence))
             stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
             finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
@@ -417,35 +436,105 @@ class DecodeWorker:
             outputs_queue: queue.Queue = queue.Queue()
             salt = req.cache_salt if req.HasField("cache_salt") else None
             run.join(outputs_queue, prompt, params, outputs + [first.token], len(sequence), salt)
-            written = self.writer.start(req.request_id, req.placement.prefill_node_address, len(sequence)) if self.writer else None
+            run.written = self.writer.start(req.request_id, req.placement.prefill_node_address, len(sequence)) if self.writer else None
             if self.link is not None:
-                self.link.decode_started(req.request_id, run.ttft_s)
+                self.link.decode_started(req.request_id, run.ttft_s, run.handoff_s)
+                run.handoff_s = 0.0  # reported
             yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, logprobs=first.logprobs,
                                     prompt_logprobs=first.prompt_logprobs, **usage)  # fmt: skip
-            while True:
-                try:
-                    out = outputs_queue.get(timeout=0.1)
-                except queue.Empty:
-                    if not context.is_active():
-                        return
-                    continue
-                if isinstance(out, BaseException):
-                    raise Failed(grpc.StatusCode.UNAVAILABLE, f"the decode engine failed: {out}")
-                # a finished output's text is the engine's, cut before a stop string the new token completed
-                text = stream.finish(out.text) if out.finished else stream.push(out.new_token_ids)
-                yield wpb.GenerateChunk(token_ids=list(out.new_token_ids), text=text,
-                                        finish_reason=out.finish_reason.value if out.finished else "",
-                                        completion_tokens=len(out.output_token_ids),
-                                        logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs or ()], **usage)  # fmt: skip
-                if out.finished:
-                    run.state = DecodeState.DONE
-                    return
-                if written is not None:  # the newest token's KV is computed by the next step
-                    self.writer.progress(written, len(prompt) + len(out.output_token_ids) - 1)
+            yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context)
         finally:
             run.close()
 
-    def _params(self, req: wpb.GenerateRequest, prompt: list[int], num_outputs: int) -> SamplingParams:
+    def _stream(self, run: _Decoding, outputs_queue: queue.Queue, stream: TextStream, usage: dict, num_prompt: int, context,
+                first=None) -> Iterator[wpb.GenerateChunk]:  # fmt: skip
+        """The engine's outputs for ``run``, as chunks, until it finishes or the client leaves; ``first(out)``, when
+        given, is called with the first output (and may add to its chunk: a dict of fields)."""
+        while True:
+            try:
+                out = outputs_queue.get(timeout=0.1)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if isinstance(out, BaseException):
+                raise Failed(grpc.StatusCode.UNAVAILABLE, f"the decode engine failed: {out}")
+            extra = first(out) if first is not None else {}
+            first = None
+            # a finished output's text is the engine's, cut before a stop string the new token completed
+            text = stream.finish(out.text) if out.finished else stream.push(out.new_token_ids)
+            yield wpb.GenerateChunk(token_ids=list(out.new_token_ids), text=text,
+                                    finish_reason=out.finish_reason.value if out.finished else "",
+                                    completion_tokens=len(out.output_token_ids),
+                                    logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs or ()], **usage, **extra)  # fmt: skip
+            if out.finished:
+                run.state = DecodeState.DONE
+                return
+            if run.written is not None:  # the newest token's KV is computed by the next step
+                self.writer.progress(run.written, num_prompt + len(out.output_token_ids) - 1)
+
+    def _local(self, req: wpb.GenerateRequest, prompt: list[int], outputs: list[int], params: SamplingParams, run: _Decoding,
+               context, t0: float) -> Iterator[wpb.GenerateChunk]:  # fmt: skip
+        """Compute the prompt here (the Conductor's local placement, conductor.local): read the planned prefix from
+        the pool node, run the rest through this engine (in chunks of its token budget, between the batch's decode
+        steps), stream as a handed-over request streams; the prompt's new blocks go into the pool as they fill, as
+        generated ones do (write-behind), so the next turn finds them there."""
+        rid, plan = req.request_id, req.placement.plan
+        salt = req.cache_salt if req.HasField("cache_salt") else None
+        sequence = prompt + outputs
+        external, cached = None, 0
+        if plan.fetch_blocks and plan.fetch_address:
+            external, cached = self._read_prefix(plan.fetch_address, sequence, salt, plan.fetch_blocks)
+        outputs_queue: queue.Queue = queue.Queue()
+        future = self.loop.submit_nowait(outputs_queue.put, prompt_token_ids=prompt, sampling_params=params, request_id=rid,
+                                         initial_output_token_ids=outputs, cache_salt=salt, external_kv=external,
+                                         num_external_tokens=cached)  # fmt: skip
+        try:
+            future.result()
+        except ValueError as e:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        run.state = DecodeState.DECODING
+        context.add_callback(lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
+        usage = dict(prompt_tokens=len(prompt), cached_tokens=cached, cached_tokens_by_tier={"remote": cached} if cached else {})
+
+        def first(out) -> dict:
+            run.ttft_s = time.perf_counter() - t0
+            run._leave_prefill()
+            if self.writer is not None:  # from the first block not read from the pool: the prompt's own, then generated
+                run.written = self.writer.start(rid, req.placement.prefill_node_address, cached)
+            if self.link is not None and not out.finished:
+                self.link.decode_started(rid, run.ttft_s)
+            return {"prompt_logprobs": [logprob_to_pb(lp) for lp in out.prompt_logprobs or ()]}
+
+        stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
+        yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context, first)
+
+    def _read_prefix(self, address: str, sequence: list[int], salt: str | None, planned: int) -> tuple[torch.Tensor | None, int]:
+        """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine imports
+        them ([blocks, *block_shape]), and the tokens they hold. Fewer when the node has fewer by now (evicted), none
+        when it cannot be read: the engine computes the rest."""
+        bs = self.config.block_size
+        keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[: min(planned, (len(sequence) - 1) // bs)]
+        if not keys:
+            return None, 0
+        try:
+            got = self._pool_client(address).get(keys)
+        except (KVStoreUnavailable, TransferError, TimeoutError, KeyError, grpc.RpcError) as e:
+            log.info("prefix of %d blocks from %s unreadable (%s): computed here instead", len(keys), address, e)
+            return None, 0
+        if not got.num_blocks:
+            return None, 0
+        kv = slot_tensor(got.data, self.engine.block_shape, self.engine_dtype)
+        return kv, got.num_blocks * bs
+
+    def _pool_client(self, address: str) -> KVStoreClient:
+        with self._channels_lock:
+            client = self._pool.get(address)
+            if client is None:
+                client = self._pool[address] = KVStoreClient(address, engine=self.transfer, owner=self.config.id)
+            return client
+
+    def _params(self, req: wpb.GenerateRequest, prompt: list[int], num_outputs: int, local: bool = False) -> SamplingParams:
         s = req.sampling
         if not prompt:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
@@ -456,7 +545,7 @@ class DecodeWorker:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}")  # fmt: skip
         try:
-            return params_from_pb(s, prompt_logprobs=None)  # the prefill worker computes those
+            return params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)  # a prefill worker computes those
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
@@ -530,7 +619,7 @@ class DecodeWorker:
             by_tier["remote"] = resp.fetched_tokens
         logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
         return FirstToken(resp.first_token, resp.cached_tokens, {k: v for k, v in by_tier.items() if v}, logprobs,
-                          list(resp.prompt_logprobs))  # fmt: skip
+                          list(resp.prompt_logprobs), resp.queue_s + resp.prefill_s)  # fmt: skip
 
     def _check_late_admission(self, req: wpb.GenerateRequest, context_tokens: int) -> None:
         """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted)."""

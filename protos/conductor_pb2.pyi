@@ -126,7 +126,7 @@ class TransferSample(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class RequestEvent(_message.Message):
-    __slots__ = ("request_id", "kind", "measured_ttft_s")
+    __slots__ = ("request_id", "kind", "measured_ttft_s", "handoff_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RequestEvent.Kind]
@@ -138,10 +138,12 @@ class RequestEvent(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MEASURED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: RequestEvent.Kind
     measured_ttft_s: float
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ...) -> None: ...
+    handoff_s: float
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("id", "prefill", "transfer", "requests")
@@ -212,7 +214,7 @@ class Prediction(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address")
+    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address", "local_prefill")
     PREFILL_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +223,7 @@ class Placement(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     prefill_id: str
     prefill_address: str
     prefill_node: str
@@ -229,7 +232,8 @@ class Placement(_message.Message):
     plan: PrefixPlan
     policy: str
     prefill_node_address: str
-    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("reason", "message", "retry_after_s")

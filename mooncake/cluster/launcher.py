@@ -75,6 +75,8 @@ class ClusterConfig(BaseModel):
     threads: int | None = Field(None, description="torch threads per worker (default: torch's)")
     policy: str = "kvcache_centric"
     admission: str = "early_predictive"
+    local_prefill: str = Field("never", description="where prompts are computed: never (a prefill worker), auto or always "
+                               "(the decode worker itself, conductor.local)")
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.5
     gateway: bool = True
@@ -289,7 +291,7 @@ class LocalCluster:
         provider = ["--pool-provider", "local", "--pool-control", f"{scheme}://{h}:{self.ports['control']}"] if self._control else []
         return Component(name, self._python(
             "conductor", "--host", h, "--port", str(self.ports[name]), "--metrics-port", "0", "--policy", c.policy,
-            "--admission", c.admission, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis, *provider,
+            "--admission", c.admission, "--local-prefill", c.local_prefill, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis, *provider,
             "--operator-token-file", str(self.operator_token_file),
         ), self.run_dir / "logs" / f"{name}.log")  # fmt: skip
 

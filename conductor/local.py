@@ -1,0 +1,82 @@
+"""Prefill on the decode worker: when the hand-off to a decode worker costs more than it saves (issue 35).
+
+A request's prompt can be computed in two places:
+
+    remote   a prefill worker (the policy's choice) computes it and hands the KV over: its queue, the prefix
+             transfer, its prefill, and the hand-off (the hops, the reservation, the join), which a long prompt
+             hides and a short one does not
+    local    the decode worker itself loads the reusable prefix from the pool node holding the longest one
+             and computes the rest in its own engine, in chunks between its decode steps: no hand-off, but
+             each of those steps is longer by a chunk, for every request in its batch
+
+``estimate_local`` prices the local one on a decode instance; ``Conductor.schedule`` takes the lower
+predicted TTFT of the two whose TBT stays within the SLO (``LocalPrefill.AUTO``), or one of them always.
+
+Local prefill costs, on decode instance ``d`` with batch ``(n, context)`` when it starts:
+
+    queue_s     the local prefills already placed on ``d`` (they share its steps; drained a second a second)
+    transfer_s  the prefix blocks read from the pool node (the transfer predictor)
+    prefill_s   the uncached tokens at the prefill predictor's rate (scaled by ``d``'s slowdown), plus one
+                decode step of the batch per chunk (each chunk rides on a step of the batch)
+    tbt_s       a step of the batch with the costliest chunk in it (the last: it attends to the most context)
+
+Pure: no I/O, time passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from conductor.admission import Batch
+from conductor.index import PrefixMatch
+from conductor.predictors import Predictors
+from conductor.types import Instance, PrefixPlan, ScheduleRequest
+
+
+class LocalPrefill(str, enum.Enum):
+    AUTO = "auto"  # the lower predicted TTFT of the two, within the TBT SLO
+    NEVER = "never"  # always a prefill worker (the paper's disaggregation)
+    ALWAYS = "always"  # always the decode worker (where it runs our engine)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalChoice:
+    decode: Instance
+    node: str | None  # the pool node the prefix is read from and the new blocks are written to (None: no prefix)
+    plan: PrefixPlan  # fetch_blocks from ``node``; compute_tokens in the decode engine
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    tbt_s: float  # a step of the decode batch while the prompt's chunks ride on it
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.transfer_s + self.prefill_s
+
+
+def can_prefill(inst: Instance) -> bool:
+    """Whether a decode instance can compute a prompt itself: our engine (stock vLLM's decode workers cannot load a
+    pool prefix into their own cache)."""
+    return inst.engine in ("", "native")
+
+
+def estimate_local(req: ScheduleRequest, decode: Instance, batch: Batch, match: PrefixMatch, predictors: Predictors,
+                   chunk_tokens: int) -> LocalChoice:  # fmt: skip
+    """The predicted costs of computing ``req``'s prompt on ``decode`` (see the module docstring); ``batch`` is the
+    decode batch it will ride on, ``chunk_tokens`` the decode engine's token budget per step."""
+    node, blocks = match.best()
+    cached = min(blocks * req.block_tokens, req.prompt_tokens - 1)  # the last prompt token is always computed
+    blocks = cached // req.block_tokens
+    new = req.prompt_tokens - cached
+    chunks = math.ceil(new / chunk_tokens)
+    n, context = batch
+    step_s = predictors.decode.predict(n, context)  # 0 for an empty batch
+    prefill = predictors.prefill
+    prefill_s = prefill.predict(req.prompt_tokens, cached) * decode.slowdown + chunks * step_s
+    last = min(chunk_tokens, new)
+    tbt_s = step_s + prefill.predict(req.prompt_tokens, req.prompt_tokens - last) * decode.slowdown
+    transfer_s = predictors.transfer.predict(blocks * predictors.block_bytes)
+    plan = PrefixPlan(0, node if blocks else None, blocks, new, keep_fetched=False)
+    return LocalChoice(decode, node if blocks else None, plan, decode.local_queue_s, transfer_s, prefill_s, tbt_s)

@@ -1,0 +1,58 @@
+"""Prefill on the decode worker (issue 35, conductor.local): a real cluster whose Conductor places every prompt on its
+decode worker (``--local-prefill always``) serves the tokens one engine alone serves, cold and with a prefix from the
+pool, and no prefill worker computes anything."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir, tmp_path_factory):
+    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("run"), prefill=1, decode=1, local_prefill="always")
+    yield c
+    c.stop()
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 440) for _ in range(n)]  # the tiny vocabulary
+
+
+@pytest.mark.parametrize("length", [5, 100, 700])  # under a block, several, more than one step's token budget (512)
+def test_a_prompt_computed_on_the_decode_worker_gives_one_engines_greedy_tokens(cluster, tiny_dir, length):
+    before = instances(cluster)
+    prompt = prompt_of(length, seed=length)
+    got = generate(backend(cluster), f"local-{length}", prompt, 20, temperature=0.0, ignore_eos=True)
+    assert tokens(got) == reference_tokens(tiny_dir, prompt, 20)
+    assert got[-1].prompt_tokens == length and got[-1].completion_tokens == 20 and got[-1].finish_reason == "length"
+    after = instances(cluster)
+    assert after["decode-0"].decisions == before["decode-0"].decisions + 1  # computed there
+    assert after["prefill-0"].decisions == before["prefill-0"].decisions == 0  # no prefill worker touched it
+
+
+def test_a_one_token_answer_computed_on_the_decode_worker(cluster, tiny_dir):
+    prompt = prompt_of(40, seed=7)
+    got = generate(backend(cluster), "local-one", prompt, 1, temperature=0.0, ignore_eos=True)
+    assert tokens(got) == reference_tokens(tiny_dir, prompt, 1)
+    assert got[-1].finish_reason == "length" and got[-1].completion_tokens == 1
+
+
+def test_the_prompts_blocks_reach_the_pool_and_the_next_turn_reads_its_prefix_from_there(cluster, tiny_dir):
+    shared = prompt_of(320, seed=99)  # 20 blocks of 16
+    be = backend(cluster)
+    first = generate(be, "turn-1", shared + prompt_of(10, seed=1), 8, temperature=0.0, ignore_eos=True)
+    assert first[-1].cached_tokens == 0
+    deadline = time.monotonic() + 10  # written behind by the decode worker; the Conductor's index hears of it
+    while instances(cluster)["kv0"].indexed_blocks < 20:
+        assert time.monotonic() < deadline, "the decode worker did not write the prompt's blocks to the pool"
+        time.sleep(0.1)
+    prompt = shared + prompt_of(30, seed=2)
+    got = generate(be, "turn-2", prompt, 16, temperature=0.0, ignore_eos=True)
+    assert got[-1].cached_tokens == 320 and got[-1].cached_tokens_by_tier == {"remote": 320}
+    assert tokens(got) == reference_tokens(tiny_dir, prompt, 16)

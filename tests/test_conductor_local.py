@@ -1,0 +1,100 @@
+"""The Conductor's choice between a prefill worker and the decode worker itself (issue 35, conductor.local), by hand.
+
+Round numbers (tests/conductor_helpers.py): prefill 1 ms a token, transfer 1 ms a block, a decode step 10 ms + 10 ms
+a running request; TBT SLO 100 ms; a decode worker's chunk here is 64 tokens; the hand-off is learnt as 50 ms.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conductor_helpers import KEYS, PARENTS, cluster, conductor, decode, prefill, request
+from conductor.types import Decision, Load, Rejection
+from kvstore.events import Tier
+
+
+def local_conductor(mode: str = "auto", running: int = 2, queued_s: float = 0.5, prefix_blocks: int = 0):
+    c = conductor("early", local_prefill=mode, local_chunk_tokens=64)
+    cluster(c)
+    c.heartbeat("p0", Load(queued_s=queued_s), 0.0)
+    c.heartbeat("d0", Load(running_requests=running), 0.0)
+    for i in range(prefix_blocks):  # a prefix in kv0's DRAM
+        c.stored("kv0", KEYS[i], Tier.DRAM, PARENTS[i])
+    c.handoff_sample(0.05)
+    return c
+
+
+def test_a_short_new_part_after_a_pooled_prefix_is_computed_on_the_decode_worker():
+    c = local_conductor(prefix_blocks=40)
+    d = c.schedule(request("chat-turn", blocks=41, prompt=660), 0.0)
+    # prefill worker: 0.5 s queue + 20 tokens (40 blocks of its own node reused) + 50 ms hand-off = 0.57 s
+    # decode worker: 40 blocks read (0.04 s) + 20 tokens (0.02 s) riding on one step of its batch of 2 (0.03 s) = 0.09 s
+    assert isinstance(d, Decision) and d.local and d.prefill == "" and d.decode == "d0"
+    assert d.predicted.ttft_s == pytest.approx(0.09)
+    assert d.predicted.tbt_s == pytest.approx(0.05)  # that step: 0.03 s, and the 20-token chunk 0.02 s
+    assert d.node == "kv0" and (d.plan.fetch_node, d.plan.fetch_blocks, d.plan.compute_tokens) == ("kv0", 40, 20)
+    assert c.counters.local == 1 and c.served["d0"].decisions == 1
+    assert c.instances["d0"].local_queue_s == pytest.approx(0.09)  # the next one it computes waits for this one
+
+
+def test_a_long_prompt_goes_to_a_prefill_worker():
+    c = local_conductor(queued_s=0.0)
+    d = c.schedule(request("long", blocks=50, prompt=800), 0.0)
+    # prefill worker: 0.8 s + 50 ms hand-off = 0.85 s; decode worker: 0.8 s + 13 chunks x a 0.03 s step = 1.19 s
+    assert isinstance(d, Decision) and not d.local and d.prefill == "p0"
+    assert d.predicted.ttft_s == pytest.approx(0.85)
+    assert d.predicted.transfer_s == pytest.approx(0.05)  # the hand-off counts with the transfers: fixed, not scaled
+
+
+def test_a_decode_batch_at_its_tbt_limit_sends_even_a_short_prompt_to_a_prefill_worker():
+    c = local_conductor(running=7)
+    d = c.schedule(request("short", blocks=2, prompt=40), 0.0)
+    # decode worker: 0.04 s + one 0.08 s step = 0.12 s, far sooner than 0.59 s; but that step would take
+    # 0.08 s + 0.04 s = 0.12 s, over the 0.1 s TBT SLO for the 7 requests decoding there
+    assert isinstance(d, Decision) and not d.local and d.prefill == "p0"
+    assert d.predicted.ttft_s == pytest.approx(0.59)
+
+
+def test_never_and_always_keep_the_other_two_behaviours():
+    never = local_conductor("never", prefix_blocks=40).schedule(request("a", blocks=41, prompt=660), 0.0)
+    assert isinstance(never, Decision) and not never.local
+    always = local_conductor("always", queued_s=0.0).schedule(request("b", blocks=50, prompt=800), 0.0)
+    assert isinstance(always, Decision) and always.local and always.predicted.ttft_s == pytest.approx(1.19)
+
+
+def test_a_decode_worker_running_stock_vllm_never_computes_a_prompt():
+    c = conductor("early", local_prefill="always")
+    c.register(prefill(0), 0.0)
+    inst = decode(0)
+    inst.engine = "vllm"
+    c.register(inst, 0.0)
+    d = c.schedule(request("v"), 0.0)
+    assert isinstance(d, Decision) and not d.local
+
+
+def test_local_prompts_queue_behind_each_other_and_the_queue_drains():
+    c = local_conductor("always", running=0)
+    first = c.schedule(request("x", blocks=10, prompt=160), 0.0)  # 0.16 s (an empty batch: no step to ride on)
+    second = c.schedule(request("y", blocks=10, prompt=160), 0.0)
+    assert first.predicted.ttft_s == pytest.approx(0.16)
+    # behind the first (0.16 s), and its 3 chunks ride on steps of a batch of one (the first): 0.16 s + 3 x 0.02 s
+    assert second.predicted.queue_s == pytest.approx(0.16) and second.predicted.ttft_s == pytest.approx(0.38)
+    third = c.schedule(request("z", blocks=10, prompt=160), 0.30)  # 0.3 s later: 0.08 s of the two (0.38 s) is left
+    assert third.predicted.queue_s == pytest.approx(0.08)
+
+
+def test_the_hand_off_is_learnt_from_what_decode_workers_measure():
+    c = conductor("early")
+    assert c.handoff_s == 0.0  # nothing measured: none assumed
+    c.handoff_sample(0.2)
+    assert c.handoff_s == pytest.approx(0.2)  # the first replaces the default
+    c.handoff_sample(0.1)
+    assert c.handoff_s == pytest.approx(0.9 * 0.2 + 0.1 * 0.1)
+    with pytest.raises(ValueError):
+        c.handoff_sample(-1.0)
+
+
+def test_a_local_prompt_whose_ttft_is_over_the_slo_is_refused_up_front():
+    c = local_conductor("always", queued_s=0.0)
+    out = c.schedule(request("huge", blocks=64, prompt=3000), 0.0)  # 3 s + 47 chunks x 0.03 s, over the 2 s TTFT SLO
+    assert isinstance(out, Rejection) and out.reason.value == "ttft_slo"

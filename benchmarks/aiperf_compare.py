@@ -81,7 +81,7 @@ NOT_HERE = ("--sweep", "--policies", "--quick", "--vllm", "--coupled-threads", "
 
 PASSED_ON = """\
 Every other flag is compare.py's (`compare.py --help` lists them) and means what it means there:
---model, --prefill 2, --decode 1, --worker-threads 1, --worker-nice 10, --admission early_predictive,
+--model, --prefill 2, --decode 1, --worker-threads 1, --worker-nice 10, --admission early_predictive, --local-prefill never,
 --ttft-slo 10, --tbt-slo 0.5, --speed 0.25, --trace, --block-tokens, --max-input, --output-scale, --max-output, --no-spread,
 --vllm-python, --vllm-args, --vllm-timeout, --timeout (seconds a request may take: aiperf's
 --request-timeout-seconds), --keep-logs (keep the traces, aiperf's artifact directories and the

@@ -126,7 +126,7 @@ def cluster_server(args, model_dir: Path, workdir: Path, policy: str, run: Syste
     vllm = dict(engine="vllm", vllm_args=args.cluster_vllm_arg) if engine == "vllm" else {}
     config = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode, port=0, policy=policy,
-        admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, workdir=workdir / f"cluster-{engine}-{policy}",
+        admission=args.admission, local_prefill=args.local_prefill, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, workdir=workdir / f"cluster-{engine}-{policy}",
         max_model_len=args.max_model_len, threads=args.worker_threads, restart=False, ready_timeout_s=args.vllm_timeout if vllm else 300.0,
         worker_nice=args.worker_nice, **vllm,
     )  # fmt: skip
@@ -352,6 +352,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)")
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
     p.add_argument("--admission", default="early_predictive", help="the Conductor's admission policy")
+    p.add_argument("--local-prefill", choices=("never", "auto", "always"), default="never",
+                   help="where the cluster computes prompts: a prefill worker (never), the decode worker itself (always) or "
+                        "whichever the Conductor predicts sooner (auto; conductor.local)")
     p.add_argument("--worker-threads", type=int, default=1,
                    help="torch threads of each cluster worker (default 1: one core each, however many workers share the machine)")
     p.add_argument("--worker-nice", type=int, default=10,

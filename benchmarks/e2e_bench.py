@@ -246,7 +246,7 @@ def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: 
         model=str(model_dir), model_name=MODEL_NAME, prefill=1, decode=1, port=0, workdir=workdir / "cluster",
         pool_dram_mib=max(64, math.ceil(blocks * block_bytes / 2**20)), max_model_len=args.max_model_len, threads=args.threads,
         ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False, ready_timeout_s=600.0, insecure=args.insecure,
-        network_hosts=args.network_hosts, **engine,
+        network_hosts=args.network_hosts, local_prefill=args.local_prefill, **engine,
     )  # fmt: skip
     report.config["cluster"] = config.model_dump(mode="json")
     progress.update(task, description="disaggregated: starting the cluster")
@@ -560,6 +560,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="every engine's dtype")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: a vLLM "
                    "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)")
+    p.add_argument("--local-prefill", choices=("never", "auto", "always"), default="never",
+                   help="where the cluster computes prompts: its prefill worker (never), its decode worker (always) or "
+                        "whichever the Conductor predicts sooner (auto; conductor.local)")
     p.add_argument("--insecure", action="store_true", help="the cluster without TLS between its components (default: "
                    "mutual TLS, as mooncake up; benchmarks/tls_bench.py compares the two)")
     p.add_argument("--network-hosts", action="store_true", help="the cluster's prefill worker (with its pool node) and "

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if fast is not None:
         service.control_port = fast.port
     ready = {"grpc": f"{args.host}:{port}", "control": f"{args.host}:{fast.port}" if fast else None, "metrics": metrics, "policy": c.policy.kind.value, "admission": c.admission.value,
+             "local_prefill": c.local_prefill.value,
              "recovered_instances": len(c.instances), "leading": service.leading.is_set()}  # fmt: skip
     gc.freeze()  # what start-up made stays out of every full collection (a pause there delays every decision)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    n = c.counters
+    log.info("stopping: %d placed (%d computed on their decode worker), %d refused; hand-off learnt %.3f s", n.scheduled, n.local,
+             sum(n.rejected.values()), c.handoff_s)  # fmt: skip
     if lease is not None:
         lease.close()  # hand the lease over at once
     server.stop(grace=2).wait()

@@ -562,7 +562,7 @@ class Conductor:
         load = choice.instance.load
         if len(self._ttfts) < MAX_PENDING_TTFTS:
             self._ttfts[req.request_id] = (choice.instance.id, choice.ttft_s, choice.transfer_s, choice.instance.slowdown)
-        choice.instance.place(req.request_id, choice.prefill_s + choice.transfer_s)
+        choice.instance.place(req.request_id, choice.prefill_s + choice.transfer_s - self.handoff_s)  # its part: not the hand-off
         load.queued_requests += 1
         self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now,
                                 landing_blocks)  # fmt: skip

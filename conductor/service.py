@@ -59,6 +59,10 @@ class Metrics:
                                       registry=r, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096))  # fmt: skip
         self.index_blocks = Gauge("mooncake_conductor_index_blocks", "Distinct blocks in the global KV index", registry=r)
         self.instances = Gauge("mooncake_conductor_instances", "Registered instances", ["role", "state"], registry=r)
+        self.placements = Counter("mooncake_conductor_placements", "Placements by where the prompt is computed: prefill_worker "
+                                  "or decode_worker (conductor.local)", ["kind"], registry=r)  # fmt: skip
+        self.handoff = Gauge("mooncake_conductor_handoff_seconds", "The hand-off from a prefill worker to a decode worker, as "
+                             "the Conductor has learnt it (decode workers report each)", registry=r)  # fmt: skip
 
 
 class _Watcher:
@@ -260,6 +264,7 @@ class ConductorService:
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if isinstance(outcome, Decision):
             self.metrics.decisions.labels(policy, "scheduled").inc()
+            self.metrics.placements.labels("decode_worker" if outcome.local else "prefill_worker").inc()
             self.metrics.match_blocks.observe(outcome.plan.reused_blocks)
         else:
             self.metrics.decisions.labels(policy, outcome.reason.value).inc()
@@ -284,6 +289,7 @@ class ConductorService:
             for e in request.requests:
                 if e.handoff_s > 0:
                     self.conductor.handoff_sample(e.handoff_s)
+                    self.metrics.handoff.set(self.conductor.handoff_s)
                 if e.kind == pb.RequestEvent.DECODE_STARTED:
                     predicted = self.conductor.decode_started(e.request_id, now, e.measured_ttft_s)
                 elif e.kind == pb.RequestEvent.FINISHED:

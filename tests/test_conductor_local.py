@@ -44,6 +44,7 @@ def test_a_long_prompt_goes_to_a_prefill_worker():
     assert isinstance(d, Decision) and not d.local and d.prefill == "p0"
     assert d.predicted.ttft_s == pytest.approx(0.85)
     assert d.predicted.transfer_s == pytest.approx(0.05)  # the hand-off counts with the transfers: fixed, not scaled
+    assert c.instances["p0"].load.queued_s == pytest.approx(0.8)  # the prefill worker's queue grows by its own part
 
 
 def test_a_decode_batch_at_its_tbt_limit_sends_even_a_short_prompt_to_a_prefill_worker():

@@ -67,8 +67,8 @@ def estimate_local(req: ScheduleRequest, decode: Instance, batch: Batch, match: 
     """The predicted costs of computing ``req``'s prompt on ``decode`` (see the module docstring); ``batch`` is the
     decode batch it will ride on, ``chunk_tokens`` the decode engine's token budget per step."""
     node, blocks = match.best()
+    blocks = min(blocks, req.prompt_tokens // req.block_tokens)
     cached = min(blocks * req.block_tokens, req.prompt_tokens - 1)  # the last prompt token is always computed
-    blocks = cached // req.block_tokens
     new = req.prompt_tokens - cached
     chunks = math.ceil(new / chunk_tokens)
     n, context = batch

@@ -511,10 +511,10 @@ class DecodeWorker:
 
     def _read_prefix(self, address: str, sequence: list[int], salt: str | None, planned: int) -> tuple[torch.Tensor | None, int]:
         """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine imports
-        them ([blocks, *block_shape]), and the tokens they hold. Fewer when the node has fewer by now (evicted), none
-        when it cannot be read: the engine computes the rest."""
+        them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last token).
+        Fewer when the node has fewer by now (evicted), none when it cannot be read: the engine computes the rest."""
         bs = self.config.block_size
-        keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[: min(planned, (len(sequence) - 1) // bs)]
+        keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[:planned]
         if not keys:
             return None, 0
         try:
@@ -525,7 +525,7 @@ class DecodeWorker:
         if not got.num_blocks:
             return None, 0
         kv = slot_tensor(got.data, self.engine.block_shape, self.engine_dtype)
-        return kv, got.num_blocks * bs
+        return kv, min(got.num_blocks * bs, len(sequence) - 1)  # its last token is computed here (the first output needs it)
 
     def _pool_client(self, address: str) -> KVStoreClient:
         with self._channels_lock:

@@ -8,8 +8,11 @@ import random
 import time
 
 import pytest
+from rich.console import Console
 
-from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
+from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+from mooncake.cli.pool_cmd import status_table
+from protos import conductor_pb2 as cpb
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +59,14 @@ def test_the_prompts_blocks_reach_the_pool_and_the_next_turn_reads_its_prefix_fr
     got = generate(be, "turn-2", prompt, 16, temperature=0.0, ignore_eos=True)
     assert got[-1].cached_tokens == 320 and got[-1].cached_tokens_by_tier == {"remote": 320}
     assert tokens(got) == reference_tokens(tiny_dir, prompt, 16)
+    again = generate(be, "turn-2-again", shared, 16, temperature=0.0, ignore_eos=True)  # every block in the pool
+    assert again[-1].cached_tokens == 319  # all but the last token, which gives the first output
+    assert tokens(again) == reference_tokens(tiny_dir, shared, 16)
+
+
+def test_mooncake_status_shows_the_prompts_each_decode_worker_computed(cluster):
+    console = Console(width=250, record=True)
+    console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
+    row = next(line for line in console.export_text().splitlines() if "decode-0" in line)
+    n = instances(cluster)["decode-0"].decisions
+    assert n >= 1 and f"of {n} computed here" in row

@@ -114,7 +114,8 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             load = f"{i.load.queued_requests} in prefill"
             running = str(i.load.running_requests) + (f" of {i.load.batch_cap}" if i.load.batch_cap else "")
             running += f" ({i.load.step_s * 1e3:.0f} ms/step)" if i.load.step_s else ""
-            hit = "-"
+            # the prompts it computed itself (the Conductor's local placement), and how much of them came from the pool
+            hit = f"{_ratio(i.reused_blocks, i.prompt_blocks)} of {i.decisions} computed here" if i.decisions else "-"
         else:
             load = running = hit = "-"
         t.add_row(i.id, role, i.address, state, load, running, kv, hit, f"{i.heartbeat_age_s:.1f} s ago")

@@ -368,7 +368,7 @@ class Conductor:
             self._record_local(req, local, now)
             # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
             return Decision(req.request_id, "", decode.id, local.plan, predicted, self.policy.kind.value,
-                            local.node or remote.instance.node, local=True)  # fmt: skip
+                            local.node or remote.instance.node, local=True, chunk_tokens=local.chunk_tokens)  # fmt: skip
         self._record(req, choice, decode, now, blocks)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
 
@@ -381,10 +381,11 @@ class Conductor:
         if self.local_prefill is LocalPrefill.NEVER or not can_prefill(decode):
             return None
         batch = self._batch_at(now, now, num_decodes)(decode)
-        local = estimate_local(req, decode, batch, match, self.predictors, self.config.local_chunk_tokens)
+        limit = slo.tbt_s * self.config.tbt_headroom
+        local = estimate_local(req, decode, batch, match, self.predictors, self.config.local_chunk_tokens, limit)
         if self.local_prefill is LocalPrefill.ALWAYS:
             return local
-        if local.tbt_s <= slo.tbt_s * self.config.tbt_headroom and local.ttft_s < choice.ttft_s:
+        if local.tbt_s <= limit and local.ttft_s < choice.ttft_s:
             return local
         return None
 

@@ -14,11 +14,14 @@ predicted TTFT of the two whose TBT stays within the SLO (``LocalPrefill.AUTO``)
 
 Local prefill costs, on decode instance ``d`` with batch ``(n, context)`` when it starts:
 
+    chunk       the most tokens of the prompt one step computes: as many as keep a step of the batch with the
+                costliest chunk in it (the last: it attends to the most context) within the TBT budget, at most
+                the decode worker's step budget; the decode worker's engine holds the prompt to it
     queue_s     the local prefills already placed on ``d`` (they share its steps; drained a second a second)
     transfer_s  the prefix blocks read from the pool node (the transfer predictor)
     prefill_s   the uncached tokens at the prefill predictor's rate (scaled by ``d``'s slowdown), plus one
                 decode step of the batch per chunk (each chunk rides on a step of the batch)
-    tbt_s       a step of the batch with the costliest chunk in it (the last: it attends to the most context)
+    tbt_s       that step with the costliest chunk (over the budget only when a chunk of one token is)
 
 Pure: no I/O, time passed in.
 """
@@ -46,6 +49,7 @@ class LocalChoice:
     decode: Instance
     node: str | None  # the pool node the prefix is read from and the new blocks are written to (None: no prefix)
     plan: PrefixPlan  # fetch_blocks from ``node``; compute_tokens in the decode engine
+    chunk_tokens: int  # the most of them one step computes
     queue_s: float
     transfer_s: float
     prefill_s: float
@@ -63,20 +67,29 @@ def can_prefill(inst: Instance) -> bool:
 
 
 def estimate_local(req: ScheduleRequest, decode: Instance, batch: Batch, match: PrefixMatch, predictors: Predictors,
-                   chunk_tokens: int) -> LocalChoice:  # fmt: skip
+                   chunk_tokens: int, tbt_budget_s: float) -> LocalChoice:  # fmt: skip
     """The predicted costs of computing ``req``'s prompt on ``decode`` (see the module docstring); ``batch`` is the
-    decode batch it will ride on, ``chunk_tokens`` the decode engine's token budget per step."""
+    decode batch it will ride on, ``chunk_tokens`` the decode engine's token budget per step, ``tbt_budget_s`` what a
+    step of that batch may take."""
     node, blocks = match.best()
     blocks = min(blocks, req.prompt_tokens // req.block_tokens)
     cached = min(blocks * req.block_tokens, req.prompt_tokens - 1)  # the last prompt token is always computed
     new = req.prompt_tokens - cached
-    chunks = math.ceil(new / chunk_tokens)
     n, context = batch
     step_s = predictors.decode.predict(n, context)  # 0 for an empty batch
     prefill = predictors.prefill
+
+    def step_with(chunk: int) -> float:  # a step of the batch with the prompt's last chunk of ``chunk`` tokens
+        return step_s + prefill.predict(req.prompt_tokens, req.prompt_tokens - chunk) * decode.slowdown
+
+    low, high = 1, max(1, min(chunk_tokens, new))  # the largest chunk within the budget (1 when none is)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if step_with(mid) <= tbt_budget_s else (low, mid - 1)
+    chunk = low
+    chunks = math.ceil(new / chunk)
     prefill_s = prefill.predict(req.prompt_tokens, cached) * decode.slowdown + chunks * step_s
-    last = min(chunk_tokens, new)
-    tbt_s = step_s + prefill.predict(req.prompt_tokens, req.prompt_tokens - last) * decode.slowdown
     transfer_s = predictors.transfer.predict(blocks * predictors.block_bytes)
     plan = PrefixPlan(0, node if blocks else None, blocks, new, keep_fetched=False)
-    return LocalChoice(decode, node if blocks else None, plan, decode.local_queue_s, transfer_s, prefill_s, tbt_s)
+    return LocalChoice(decode, node if blocks else None, plan, chunk, decode.local_queue_s, transfer_s, prefill_s,
+                       step_with(chunk))  # fmt: skip

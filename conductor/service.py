@@ -464,6 +464,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 prefill_id=outcome.prefill, prefill_address=prefill_address, prefill_node=prefill_node,
                 prefill_node_address=prefill_node_address,
                 decode_id=outcome.decode, decode_address=decode_address, policy=outcome.policy, local_prefill=outcome.local,
+                local_chunk_tokens=outcome.chunk_tokens,
                 plan=pb.PrefixPlan(local_blocks=plan.local_blocks, fetch_node=plan.fetch_node or "", fetch_address=fetch_address,
                                    fetch_blocks=plan.fetch_blocks, compute_tokens=plan.compute_tokens, keep_fetched=plan.keep_fetched),
             ),

@@ -246,6 +246,7 @@ class Decision:
     policy: str
     node: str | None = None  # local: the pool node its decode worker reads the prefix from and writes to
     local: bool = False  # its decode worker computes the prompt itself (conductor.local); ``prefill`` is then ""
+    chunk_tokens: int = 0  # local: the most of the prompt's tokens one of its steps computes (the TBT SLO's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -483,12 +483,12 @@ class DecodeWorker:
         salt = req.cache_salt if req.HasField("cache_salt") else None
         sequence = prompt + outputs
         external, cached = None, 0
-        if plan.fetch_blocks and plan.fetch_address:
+        if plan.fetch_blocks and plan.fetch_address and params.prompt_logprobs is None:  # (those need the whole prompt here)
             external, cached = self._read_prefix(plan.fetch_address, sequence, salt, plan.fetch_blocks)
         outputs_queue: queue.Queue = queue.Queue()
         future = self.loop.submit_nowait(outputs_queue.put, prompt_token_ids=prompt, sampling_params=params, request_id=rid,
                                          initial_output_token_ids=outputs, cache_salt=salt, external_kv=external,
-                                         num_external_tokens=cached)  # fmt: skip
+                                         num_external_tokens=cached, chunk_tokens=req.placement.local_chunk_tokens)  # fmt: skip
         try:
             future.result()
         except ValueError as e:

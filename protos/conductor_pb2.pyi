@@ -214,7 +214,7 @@ class Prediction(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address", "local_prefill")
+    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address", "local_prefill", "local_chunk_tokens")
     PREFILL_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class Placement(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefill_id: str
     prefill_address: str
     prefill_node: str
@@ -233,7 +234,8 @@ class Placement(_message.Message):
     policy: str
     prefill_node_address: str
     local_prefill: bool
-    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    local_chunk_tokens: int
+    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., local_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("reason", "message", "retry_after_s")

@@ -47,13 +47,22 @@ def test_a_long_prompt_goes_to_a_prefill_worker():
     assert c.instances["p0"].load.queued_s == pytest.approx(0.8)  # the prefill worker's queue grows by its own part
 
 
-def test_a_decode_batch_at_its_tbt_limit_sends_even_a_short_prompt_to_a_prefill_worker():
-    c = local_conductor(running=7)
-    d = c.schedule(request("short", blocks=2, prompt=40), 0.0)
-    # decode worker: 0.04 s + one 0.08 s step = 0.12 s, far sooner than 0.59 s; but that step would take
-    # 0.08 s + 0.04 s = 0.12 s, over the 0.1 s TBT SLO for the 7 requests decoding there
+def test_a_decode_batch_near_its_tbt_limit_sends_the_prompt_to_a_prefill_worker():
+    c = local_conductor(running=8)
+    d = c.schedule(request("short", blocks=10, prompt=160), 0.0)
+    # the batch's step takes 0.09 s of the 0.1 s TBT SLO: a step may carry at most 10 tokens of the prompt, so it
+    # would take 16 or more steps (over 1.6 s); a prefill worker: 0.5 s queue + 0.16 s + 0.05 s hand-off
     assert isinstance(d, Decision) and not d.local and d.prefill == "p0"
-    assert d.predicted.ttft_s == pytest.approx(0.59)
+    assert d.predicted.ttft_s == pytest.approx(0.71)
+
+
+def test_a_decode_worker_holds_its_prompts_chunks_to_what_its_batch_can_carry():
+    c = local_conductor("always", running=5)
+    d = c.schedule(request("chunked", blocks=10, prompt=160), 0.0)
+    # a step of the batch of 5 takes 0.06 s: 40 tokens (0.04 s) fit beside it in the 0.1 s SLO, so 4 chunks
+    assert isinstance(d, Decision) and d.local and d.chunk_tokens == 40
+    assert d.predicted.ttft_s == pytest.approx(0.16 + 4 * 0.06)
+    assert d.predicted.tbt_s == pytest.approx(0.1)
 
 
 def test_never_and_always_keep_the_other_two_behaviours():

@@ -201,3 +201,20 @@ def test_prompt_larger_than_the_cache_is_refused():
     sched.add_request(make_request("fits", range(15)))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("fits", range(3)))
+
+
+def test_a_prompt_with_a_chunk_cap_takes_at_most_that_many_tokens_a_step_beside_the_decodes():
+    """A decode worker computing a prompt itself holds it to the chunk the Conductor chose (conductor.local), so each
+    step of the batch decoding beside it stays within the TBT SLO; the step's budget would allow more."""
+    sched = make_scheduler(budget=64)
+    sched.add_request(make_request("decoding", range(1, 5)))
+    step(sched)  # its prompt: from now on it decodes a token a step
+    sched.add_request(make_request("local", range(100, 140), chunk_tokens=12))
+    plans = []
+    while True:
+        out, _, sampled = step(sched)
+        plans.append(plan(out))
+        if "local" in sampled:
+            break
+    # 40 tokens in chunks of 12, each step beside the decoding request's one token; the last chunk gives its first token
+    assert plans == [[("decoding", 1), ("local", 12)]] * 3 + [[("decoding", 1), ("local", 4)]]

@@ -17,6 +17,7 @@ from benchmarks.sim.cluster import Cluster, SimConfig
 from benchmarks.sim.model import ModelConfig, NodeCache, TraceRequest, block_key, load_trace, model_config
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
+from conductor.local import LocalPrefill
 from conductor.policies import PolicyKind
 from conductor.types import KeyChain
 from kvstore.events import Tier
@@ -282,3 +283,17 @@ def test_four_groups_of_two_serve_the_trace_slice_with_every_request_prefilled_o
     assert groups["requests"] == singles["requests"] == groups["served"] == singles["served"]
     # the prompts' prefill time (instance-seconds): a group of two computes long prompts in about half
     assert groups["prefill_compute_s"] < 0.75 * singles["prefill_compute_s"]
+
+
+def test_prompts_placed_on_decode_instances_are_computed_there_and_served(requests):
+    """conductor.local in the simulator: ``always`` computes every prompt on a decode instance (the prefill instances
+    stay idle), ``auto`` some of them, ``never`` none; each serves every request it admits."""
+    out = {m: run(requests[:400], prefill=2, decode=2, admission=AdmissionKind.EARLY_PREDICTIVE, local_prefill=LocalPrefill(m))
+           for m in ("never", "always", "auto")}  # fmt: skip
+    assert out["never"]["local_prefills"] == 0 and out["never"]["prefill_utilization"] > 0
+    always = out["always"]
+    assert always["local_prefills"] == 400 - always["rejected"] and always["prefill_utilization"] == 0
+    assert 0 < out["auto"]["local_prefills"] < 400 - out["auto"]["rejected"]
+    for s in out.values():
+        assert s["served"] + s["rejected"] == 400
+        assert s["hit_ratio"] > 0  # prefixes reused whichever kind of instance computes the prompt

@@ -82,6 +82,7 @@ from benchmarks.sim.cluster import HEARTBEAT_S, REJECTED_AT_DECODE, STEP_BUDGET_
 from benchmarks.sim.model import DECODE_PROFILES, load_trace, model_config
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
+from conductor.local import LocalPrefill
 from conductor.policies import PolicyKind
 from conductor.predictors import PredictorConfig
 
@@ -158,6 +159,7 @@ def summarize(cluster: Cluster, records: list[Record], wall_s: float) -> dict:
         "decode_steps": steps,
         "decode_mean_step_s": float(sum(d.durations[: d.steps].sum() for d in cluster.decodes) / steps) if steps else 0.0,
         "decode_peak_batch": max(d.peak_batch for d in cluster.decodes),
+        "local_prefills": sum(1 for r in records if r.decision is not None and r.decision.local),
         "evictions": sum(c.evictions for c in cluster.caches.values()),
         "simulated_s": end, "events": cluster.events, "wall_s": wall_s,
         **prediction_errors(done),  # a Record has the predicted_ttft_s and ttft_s it reads
@@ -186,8 +188,9 @@ def records_json(records: list[Record]) -> dict[str, list]:
 def config_json(cfg: SimConfig) -> dict:
     d = {k: getattr(cfg, k) for k in ("prefill", "decode", "group_size", "pipeline_groups", "prefill_chunk", "cache_blocks", "ssd_blocks", "eviction", "ttft_slo_s",
                                       "tbt_slo_s", "tbt_headroom", "threshold", "tier_aware", "seed", "tick_s", "heartbeat_s", "calibrate",
-                                      "step_budget")}  # fmt: skip
+                                      "step_budget", "local_chunk")}  # fmt: skip
     d["policy"], d["admission"], d["decode_forecast"] = cfg.policy.value, cfg.admission.value, cfg.decode_forecast.value
+    d["local_prefill"] = cfg.local_prefill.value
     d["model"] = {**{k: getattr(cfg.model, k) for k in cfg.model.__dataclass_fields__}, **cfg.model.describe()}
     d["predictor_priors"] = cfg.predictors.model_dump()
     return d
@@ -324,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="early_predictive's decode forecast: survival (ours, the Conductor's default: measured "
                         "durations by how long each request has run, and the joins to come) or uniform (the paper's: "
                         "every decode lasts t_d) (default survival)")
+    p.add_argument("--local-prefill", default="never", choices=[m.value for m in LocalPrefill],
+                   help="where prompts are computed: a prefill instance (never, default), the decode instance itself (always), "
+                        "or whichever the Conductor predicts sooner within the TBT SLO (auto; conductor.local)")
+    p.add_argument("--local-chunk", type=int, default=STEP_BUDGET_TOKENS,
+                   help=f"a decode instance's step budget: the chunk of a prompt it computes itself (default {STEP_BUDGET_TOKENS})")
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)")
     p.add_argument("--decode-prior-s", type=float, default=None,
                    help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "
@@ -364,6 +372,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tbt_slo_s=args.tbt_slo, threshold=args.threshold, tier_aware=args.tier_aware, seed=args.seed,
         tbt_headroom=args.tbt_headroom, decode_forecast=ForecastKind(args.decode_forecast),
         heartbeat_s=args.heartbeat_s, calibrate=not args.no_calibrate, step_budget=args.step_budget,
+        local_prefill=LocalPrefill(args.local_prefill), local_chunk=args.local_chunk,
         model=model_config(args.decode_profile, noise=args.noise),
         predictors=PredictorConfig() if args.decode_prior_s is None else PredictorConfig(decode_base_s=args.decode_prior_s),
     )  # fmt: skip

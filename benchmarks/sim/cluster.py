@@ -54,6 +54,7 @@ import numpy as np
 
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
+from conductor.local import LocalPrefill
 from conductor.core import Conductor, ConductorConfig
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
@@ -86,6 +87,8 @@ class SimConfig:
     tbt_slo_s: float = 0.1
     tbt_headroom: float = 0.9  # the Conductor's and each decode instance's: mean step held under this share of the TBT SLO
     decode_forecast: ForecastKind = ForecastKind.SURVIVAL
+    local_prefill: LocalPrefill = LocalPrefill.NEVER  # where prompts are computed (conductor.local)
+    local_chunk: int = STEP_BUDGET_TOKENS  # a decode instance's step budget: the chunk of a prompt it computes itself
     threshold: float = 1.5  # kvcache_balancing_threshold
     tier_aware: bool = False
     seed: int = 0
@@ -188,6 +191,10 @@ class DecodeInstance:
         self.version = 0  # the live run's number: an end event of an older one is ignored
         self.peak_batch = 0
         self.last_heartbeat = -math.inf
+        self.locals: deque[Record] = deque()  # prompts it computes itself (conductor.local), first come first served
+        self.local: Record | None = None  # the one computing: its chunks ride on steps [local_from, local_end)
+        self.local_from = self.local_end = 0
+        self.local_chunk_s = 0.0  # what each of its chunks adds to a step (its first also carries its prefix's load)
 
     def reserve(self, n: int) -> None:
         while self.steps + n > len(self.durations):
@@ -204,7 +211,7 @@ class DecodeInstance:
         done = self.progress(now)
         load = Load(queued_requests=len(self.waiting), running_requests=self.batch,
                     context_tokens=self.context + done * self.batch, free_kv_blocks=(self.kv_tokens - self.kv_used) // 512)  # fmt: skip
-        if done:
+        if done and self.local is None and self.batch:  # (a step a prompt's chunk rode on is no decode step)
             load.context_tokens -= self.batch  # the completed step's context, to go with its time
             load.step_s = float(self.durations[self.steps + done - 1])
         return load
@@ -230,6 +237,7 @@ class Cluster:
             policy=config.policy, admission=config.admission,
             slo_classes={"default": Slo(ttft_s=config.ttft_slo_s, tbt_s=config.tbt_slo_s)},
             tbt_headroom=config.tbt_headroom, decode_forecast=config.decode_forecast,
+            local_prefill=config.local_prefill, local_chunk_tokens=config.local_chunk,
             block_bytes=m.block_bytes, predictors=config.predictors,
             policy_config=PolicyConfig(kvcache_balancing_threshold=config.threshold, tier_aware=config.tier_aware,
                                        ssd_bytes_per_s=m.ssd_bytes_per_s, seed=config.seed),
@@ -384,6 +392,14 @@ class Cluster:
         rec.decision = out
         rec.predicted_ttft_s = out.predicted.ttft_s
         rec.predicted_s = out.predicted.transfer_s + out.predicted.prefill_s
+        if out.local:  # its decode instance computes it, its chunks riding on that instance's steps
+            d = self.decode_of[out.decode]
+            d.locals.append(rec)
+            if d.busy:
+                self._cut_run(d)
+            else:
+                self._start_run(d)
+            return
         p = self.prefill_of[out.prefill]
         p.queue.append(rec)
         p.received += 1
@@ -449,6 +465,10 @@ class Cluster:
         if not d.busy:
             self._start_run(d)
             return
+        self._cut_run(d)
+
+    def _cut_run(self, d: DecodeInstance) -> None:
+        """Something arrived at a busy instance: its run ends at the first step boundary from now."""
         cut = int(np.searchsorted(d.run_ends, self.now - d.run_start, side="left")) + 1  # it joins after this many steps
         if cut < d.run_steps:
             d.run_steps = cut
@@ -468,30 +488,77 @@ class Cluster:
             d.kv_used += need
             d.batch += 1
             d.context += rec.req.prompt_tokens
-            rec.join_step = d.steps
+            if not rec.decision.local:  # (one computed here joined with _local_done's join_step: its first token is out)
+                rec.join_step = d.steps
             self._seq += 1
-            heapq.heappush(d.finishing, (d.steps + rec.req.output_tokens, self._seq, rec))
+            heapq.heappush(d.finishing, (rec.join_step + rec.req.output_tokens, self._seq, rec))
             joined.append(rec)
             self.conductor.decode_started(rec.rid, now, rec.prefill_end - rec.req.arrival_s)  # as a decode worker: its prefill answered
-        if not d.batch:
+        if d.local is None and d.locals:
+            self._start_local(d)
+        if not d.batch and d.local is None:
             d.busy = False
             self.conductor.heartbeat(d.inst.id, d.load(now), now)
             return
         d.busy = True
         d.peak_batch = max(d.peak_batch, d.batch)
-        n = d.finishing[0][0] - d.steps  # steps until the next request leaves
+        n = d.finishing[0][0] - d.steps if d.batch else d.local_end - d.steps  # steps until the next request leaves
+        if d.local is not None:  # or the prompt computed here is done
+            n = min(n, d.local_end - d.steps)
         context = d.context + d.batch * np.arange(n)
         step_s = (m.decode_base_s + m.decode_per_request_s * d.batch + m.decode_s_per_context_token * context) * self.jitter.many(n)
+        if not d.batch:
+            step_s[:] = 0.0
+        if d.local is not None:  # a chunk of it rides on every step of this run; its prefix loads before the first
+            step_s += d.local_chunk_s
+            if d.steps == d.local_from:
+                step_s[0] += d.local.load_s
         d.reserve(n)
         d.durations[d.steps : d.steps + n] = step_s
         d.run_ends = np.cumsum(step_s)
         d.run_start, d.run_steps = now, n
         d.version += 1
         for rec in joined:  # a run always completes its first step: a join only cuts it after that
-            rec.first_token = now + float(d.run_ends[0])
+            if not rec.decision.local:  # (one computed here had its first token from its last chunk's step)
+                rec.first_token = now + float(d.run_ends[0])
         self._push(now + float(d.run_ends[-1]), _STEP_END, (d, d.version))
         if joined:
             self.conductor.heartbeat(d.inst.id, d.load(now), now)
+
+    def _start_local(self, d: DecodeInstance) -> None:
+        """The next prompt ``d`` computes itself: its prefix read from the node the plan names, the rest in chunks of
+        ``local_chunk`` tokens, one on each of its steps (conductor.local)."""
+        rec = d.locals.popleft()
+        m, keys, plan = self.model, rec.req.keys, rec.decision.plan
+        src = self.caches.get(plan.fetch_node) if plan.fetch_blocks else None
+        fetched = src.leading(keys, 0, plan.fetch_blocks) if src is not None else 0
+        ssd = src.read(keys[:fetched]) if fetched else 0
+        prompt = rec.req.prompt_tokens
+        cached = min(fetched * m.block_tokens, prompt - 1)  # the last token is always computed
+        rec.fetched_blocks, rec.ssd_blocks, rec.cached_tokens = fetched, ssd, cached
+        net_s = m.transfer_s(fetched * m.block_bytes) if fetched else 0.0
+        rec.load_s = m.ssd_s(ssd) + net_s
+        rec.compute_s = m.prefill_s(prompt, cached) * self.jitter()
+        rec.prefill_start = self.now
+        chunks = -(-(prompt - cached) // (rec.decision.chunk_tokens or self.config.local_chunk))
+        d.local, d.local_from, d.local_end = rec, d.steps, d.steps + chunks
+        d.local_chunk_s = rec.compute_s / chunks
+        if fetched:
+            self.conductor.transfer_sample(fetched * m.block_bytes, net_s)
+
+    def _local_done(self, d: DecodeInstance) -> None:
+        """Its last chunk's step gave the first token: the prompt's blocks go to the pool node the Conductor named (the
+        decode worker writes them behind), and it joins the batch."""
+        rec, d.local = d.local, None
+        rec.prefill_end = rec.first_token = self.now
+        rec.join_step = d.steps - 1  # its first token came with that step: the next one comes a step later
+        if rec.decision.node in self.caches:
+            self.caches[rec.decision.node].put(rec.req.keys)
+        if rec.req.output_tokens <= 1:  # a one-token answer: done
+            rec.finish, rec.tbt_s = self.now, 0.0
+            self.conductor.finished(rec.rid, self.now, rec.prefill_end - rec.req.arrival_s)
+            return
+        d.waiting.appendleft(rec)
 
     def _step_end(self, d: DecodeInstance, version: int) -> None:
         if version != d.version:
@@ -499,11 +566,15 @@ class Cluster:
         now, c = self.now, self.conductor
         n = d.run_steps
         # the decode predictor's sample: the run's mean step, as a decode worker's heartbeat reports the mean since the last
+        # (none from steps a prompt's chunks rode on: they are not decode steps)
+        mixed = d.local is not None or not d.batch
         load = Load(queued_requests=len(d.waiting), running_requests=d.batch, context_tokens=d.context + (n - 1) * d.batch,
-                    step_s=float(d.durations[d.steps : d.steps + n].mean()), step_batch=d.batch,
+                    step_s=0.0 if mixed else float(d.durations[d.steps : d.steps + n].mean()), step_batch=d.batch,
                     step_context_tokens=d.context + (n - 1) / 2 * d.batch)  # fmt: skip
         d.steps += n
         d.context += n * d.batch
+        if d.local is not None and d.steps >= d.local_end:
+            self._local_done(d)
         while d.finishing and d.finishing[0][0] <= d.steps:
             _, _, rec = heapq.heappop(d.finishing)
             rec.finish = now

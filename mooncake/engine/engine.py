@@ -143,6 +143,7 @@ class LLMEngine:
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
         kv_block_ids: list[int] | None = None,
+        chunk_tokens: int = 0,
     ) -> str:
         """Queue a request; return its id. Raises ValueError for bad input.
 
@@ -155,6 +156,8 @@ class LLMEngine:
         ``kv_block_ids`` (instead of ``external_kv``): blocks from ``reserve_blocks`` that already hold the KV of the
         first ``num_external_tokens`` tokens (a prefill worker wrote them in place); the request owns them from here
         and starts with that KV computed, with no copy. Preempted, it recomputes it.
+
+        ``chunk_tokens``: the most of its tokens one step computes (0: as many as the step's budget leaves).
         """
         params = sampling_params or SamplingParams()
         prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None)
@@ -190,6 +193,7 @@ class LLMEngine:
             num_external_tokens=num_external_tokens if external_kv is not None else 0,
             block_ids=list(kv_block_ids or ()),
             num_landed_tokens=num_external_tokens if kv_block_ids is not None else 0,
+            chunk_tokens=max(0, chunk_tokens),
         )
         if params.grammar is not None:
             self._grammars().add(rid, params.grammar, outputs)

@@ -166,6 +166,8 @@ class Request:
     external_kv: Any = None  # KV of leading blocks to import (engine-specific; see engine.py)
     num_external_tokens: int = 0
     num_landed_tokens: int = 0  # leading tokens whose KV is already in ``block_ids`` (written there by a prefill)
+    chunk_tokens: int = 0  # the most of its tokens one step computes (0: the step's budget): a decode worker computing a
+    # prompt keeps each step of its batch within the TBT SLO (conductor.local)
     output_text: str = ""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs asked)
 

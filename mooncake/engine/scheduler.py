@@ -130,7 +130,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, req.chunk_tokens or budget)
             while not self._allocate(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -149,7 +149,7 @@ class Scheduler:
             hits, num_queried = self._prefix_hits(req)
             num_ext = req.num_external_tokens if req.external_kv is not None else 0
             num_computed = max(len(hits) * self.block_size, num_ext, req.num_landed_tokens)
-            n = min(req.num_tokens - num_computed, budget)
+            n = min(req.num_tokens - num_computed, budget, req.chunk_tokens or budget)
             if not self._allocate(req, num_computed + n, hits):
                 break
             self.pool.record_lookup(num_queried, len(hits))

@@ -36,6 +36,15 @@ by the decode forecast (``decode_started`` / ``finished``, which a real worker s
 Decode steps are simulated a run at a time (DecodeInstance): the result is the same as
 stepping one by one, at a cost per join and leave instead of per step.
 
+A prompt the Conductor places on its decode instance (``Decision.local``, conductor.local) is
+computed there, one at a time in arrival order: its prefix is read from the plan's node (the
+network and SSD time added to its first step), then its uncached tokens ride in chunks of the
+decision's ``chunk_tokens`` on the instance's steps (each step longer by a chunk's share of the
+prompt's prefill time; with no batch, the chunks run alone). The step of its last chunk gives
+its first token; its blocks go to the decision's node (a decode worker writes them behind), and
+it joins the batch like a handed-over request, its first gap a step later (a wait for a place
+in the batch is not counted among its gaps). Steps with chunks in them are not decode samples.
+
 A prefill instance follows its plan as made: it reuses its own blocks ``[0, local_blocks)``
 (fewer if some were evicted since), fetches ``[local_blocks, local_blocks + fetch_blocks)``
 from ``fetch_node`` while that node still holds them, and computes the rest; blocks that
@@ -488,8 +497,9 @@ class Cluster:
             d.kv_used += need
             d.batch += 1
             d.context += rec.req.prompt_tokens
-            if not rec.decision.local:  # (one computed here joined with _local_done's join_step: its first token is out)
-                rec.join_step = d.steps
+            # one computed here has its first token out already (its last chunk's step): the next comes a step from now
+            # (a wait for a place in the batch is not counted among its gaps)
+            rec.join_step = d.steps - 1 if rec.decision.local else d.steps
             self._seq += 1
             heapq.heappush(d.finishing, (rec.join_step + rec.req.output_tokens, self._seq, rec))
             joined.append(rec)
@@ -551,7 +561,6 @@ class Cluster:
         decode worker writes them behind), and it joins the batch."""
         rec, d.local = d.local, None
         rec.prefill_end = rec.first_token = self.now
-        rec.join_step = d.steps - 1  # its first token came with that step: the next one comes a step later
         if rec.decision.node in self.caches:
             self.caches[rec.decision.node].put(rec.req.keys)
         if rec.req.output_tokens <= 1:  # a one-token answer: done

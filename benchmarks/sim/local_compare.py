@@ -1,0 +1,53 @@
+"""Prefill on the decode instance in the simulator (issue 35): ``--local-prefill`` never / always / auto, side by side.
+
+The paper's decode-bound setting (8P + 8D, the ``slow`` decode profile, speed 2, early_predictive with the survival
+forecast) at TBT SLOs of 50, 60 and 70 ms, and at speed 1 with a 100 ms TBT SLO (for mean TTFT); the whole
+conversation trace. One JSON line a run as it ends, then ``--json`` holds them all.
+
+    python -m benchmarks.sim.local_compare --json benchmarks/results/sim_local_prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.sim.cli import DEFAULT_TRACE, simulate
+from benchmarks.sim.cluster import SimConfig
+from benchmarks.sim.model import load_trace, model_config
+from conductor.admission import AdmissionKind
+from conductor.local import LocalPrefill
+
+FIGURES = ("requests", "served", "rejected", "slo_ok", "local_prefills", "ttft_mean_s", "ttft_p90_s", "tbt_p90_s", "tbt_p99_s")
+SETTINGS = ((2.0, "slow", (0.05, 0.06, 0.07)), (1.0, "slow", (0.1,)))  # (speed, decode profile, TBT SLOs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    args = p.parse_args(argv)
+    out = {"command": ["python", "-m", "benchmarks.sim.local_compare", *(sys.argv[1:] if argv is None else argv)], "rows": []}
+    for speed, profile, tbts in SETTINGS:
+        base = SimConfig(prefill=8, decode=8, admission=AdmissionKind.EARLY_PREDICTIVE, model=model_config(profile, noise=0.05))
+        requests = load_trace(args.trace, speed, None)
+        for tbt in tbts:
+            for mode in LocalPrefill:
+                t0 = time.perf_counter()
+                s = simulate(replace(base, tbt_slo_s=tbt, local_prefill=mode), requests=requests)
+                row = dict(speed=speed, profile=profile, tbt_slo_s=tbt, mode=mode.value, **{k: s[k] for k in FIGURES},
+                           wall_s=time.perf_counter() - t0)  # fmt: skip
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -364,7 +364,7 @@ class DecodeWorker:
                 step = self.loop.steps.popleft()
             except IndexError:
                 break
-            if step.batch > 0 and step.seconds > 0:
+            if step.batch > 0 and step.seconds > 0 and step.new_tokens <= step.batch:  # (a prompt's chunk in it: not a decode step)
                 self.predictor.observe(step.batch, step.context_tokens, step.seconds)
                 n, batches, contexts, seconds = n + 1, batches + step.batch, contexts + step.context_tokens, seconds + step.seconds
         self.step_mean = (batches / n, contexts / n, seconds / n) if n else None

@@ -123,6 +123,7 @@ class LLMEngine:
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=config.captures_graphs)
         self.connector = connector or KVConnector()
         self.tokenizer = tokenizer
+        self.last_step_tokens = 0  # tokens the last step computed
         self.eos_token_ids = (
             frozenset(args.eos_token_ids)
             | generation_eos_ids(config.model)
@@ -307,6 +308,7 @@ class LLMEngine:
         if released:
             self.pool.free(released)
         out = self.scheduler.schedule()
+        self.last_step_tokens = sum(s.num_new_tokens for s in out.scheduled)  # what the step computed (EngineLoop's samples)
         sampled = self.runner.execute(out, self.connector)
         for rid, entries in sampled.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)

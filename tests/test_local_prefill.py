@@ -13,6 +13,7 @@ from rich.console import Console
 from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 from mooncake.cli.pool_cmd import status_table
 from protos import conductor_pb2 as cpb
+from replays import replay, undisturbed_run, wait_idle, wait_restarted
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,25 @@ def test_mooncake_status_shows_the_prompts_each_decode_worker_computed(cluster):
     row = next(line for line in console.export_text().splitlines() if "decode-0" in line)
     n = instances(cluster)["decode-0"].decisions
     assert n >= 1 and f"of {n} computed here" in row
+
+
+@pytest.fixture(scope="module")
+def two_decoders(tiny_dir, tmp_path_factory):
+    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("local-chaos"), prefill=1, decode=2, max_model_len=512, hold_s=30.0,
+                      local_prefill="always")  # fmt: skip
+    yield c
+    c.stop()
+
+
+def test_a_decode_worker_killed_while_computing_and_streaming_prompts_loses_no_request(two_decoders):
+    """tests/test_chaos.py's replay (60 streamed greedy requests, 6 at a time) with every prompt computed on its
+    decode worker, decode-0 SIGKILLed mid-run: every request completes with the undisturbed run's tokens (resumed on
+    decode-1, which computes prompt + streamed tokens itself), and the pool comes back to idle."""
+    expected, idle = undisturbed_run(two_decoders)
+    assert instances(two_decoders)["prefill-0"].decisions == 0  # no prefill worker was used
+    outputs, errors, recoveries = replay(two_decoders, "decode-0")
+    assert errors == {}, f"{len(errors)} requests failed after decode-0 was killed"
+    assert outputs == expected
+    assert any(r.resumes for r in recoveries), recoveries
+    wait_restarted(two_decoders, "decode-0")
+    assert wait_idle(two_decoders, idle, 40) == idle

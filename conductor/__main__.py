@@ -62,8 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "steps within the TBT SLO: a short prompt, or a short new part of a prompt whose prefix is in the pool, "
                         "skips the hand-off) or always (the decode worker, where it runs our engine)")
     p.add_argument("--local-chunk-tokens", type=int, default=512,
-                   help="a decode worker's token budget per step (its --max-num-batched-tokens): the chunk of a prompt it "
-                        "computes itself that rides on each decode step")
+                   help="a decode worker's token budget per step where it does not register its own (ours do: their "
+                        "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes")
     p.add_argument("--decode-forecast", choices=[k.value for k in ForecastKind], default=ForecastKind.SURVIVAL.value,
                    help="early_predictive's decode forecast: survival (measured decode durations, each request weighed by "
                         "how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every "

@@ -54,8 +54,8 @@ class ConductorConfig(BaseModel):
     local_prefill: LocalPrefill = Field(LocalPrefill.NEVER, description="where prompts are computed: auto (a prefill worker or "
                                         "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
                                         "never (a prefill worker) or always (the decode worker, where it runs our engine)")
-    local_chunk_tokens: int = Field(512, ge=1, description="a decode worker's token budget per step: the chunk a prompt it "
-                                    "computes itself rides on each decode step with")
+    local_chunk_tokens: int = Field(512, ge=1, description="a decode worker's token budget per step where it does not say "
+                                    "its own as it registers: the most of a prompt it computes itself that one step takes")
     default_handoff_s: float = Field(0.0, ge=0, description="what handing a prompt's KV from a prefill worker to a decode "
                                      "worker costs before any is measured (decode workers report each; the first replaces this)")
     tbt_headroom: float = Field(1.0, gt=0, le=1.0, description="admit while the predicted mean step stays under this share "
@@ -382,7 +382,8 @@ class Conductor:
             return None
         batch = self._batch_at(now, now, num_decodes)(decode)
         limit = slo.tbt_s * self.config.tbt_headroom
-        local = estimate_local(req, decode, batch, match, self.predictors, self.config.local_chunk_tokens, limit)
+        chunk = decode.step_tokens or self.config.local_chunk_tokens  # what its engine takes a step, as it registered
+        local = estimate_local(req, decode, batch, match, self.predictors, chunk, limit)
         if self.local_prefill is LocalPrefill.ALWAYS:
             return local
         if local.tbt_s <= limit and local.ttft_s < choice.ttft_s:

@@ -426,7 +426,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity,
                         fingerprint=bytes(request.fingerprint), engine=request.engine, transport=request.transport,
                         pipeline_stages=max(request.pipeline_stages, 1), pipeline_chunk=request.pipeline_chunk,
-                        token=new_instance_token())  # fmt: skip
+                        step_tokens=request.step_tokens, token=new_instance_token())  # fmt: skip
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
         timeout = self.service.conductor.config.heartbeat_timeout_s
         return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout,

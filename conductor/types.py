@@ -81,6 +81,7 @@ class Instance:
     load: Load = field(default_factory=Load)
     pipeline_stages: int = 1  # prefill: nodes of its chunked pipeline (1: a single worker)
     pipeline_chunk: int = 0  # prefill with stages > 1: its chunk of a prompt (tokens)
+    step_tokens: int = 0  # decode: its engine's token budget per step (0: not said)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = 1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         add_servicer=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, metrics), server),
         registration=cpb.RegisterRequest(id=args.id, role=cpb.DECODE, node=args.id, model=args.model,
                                          fingerprint=worker.engine.fingerprint, engine=args.engine,
-                                         capacity=args.max_num_seqs, transport=worker.transfer.transport),  # fmt: skip
+                                         capacity=args.max_num_seqs, transport=worker.transfer.transport,
+                                         step_tokens=worker.step_tokens),  # fmt: skip
         load=load,
         ready={"landing": worker.landing_segment.name, "max_model_len": worker.max_model_len, "engine": args.engine,
                "transport": worker.transfer.transport, "tcp": worker.transfer.tcp_addr},

@@ -353,6 +353,11 @@ class DecodeWorker:
             cap -= 1
         return cap
 
+    @property
+    def step_tokens(self) -> int:
+        """Its engine's token budget per step (0: an engine that does not say): it registers it with the Conductor."""
+        return int(getattr(getattr(self.engine, "scheduler", None), "max_num_batched_tokens", 0) or 0)
+
     def learn_step_times(self) -> int:
         """Feed the steps measured since the last call to the TBT predictor; apply the batch cap to the engine
         and return it (the heartbeat reports it: the Conductor then refuses what ``_admit`` would).

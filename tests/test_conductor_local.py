@@ -108,3 +108,13 @@ def test_a_local_prompt_whose_ttft_is_over_the_slo_is_refused_up_front():
     c = local_conductor("always", queued_s=0.0)
     out = c.schedule(request("huge", blocks=64, prompt=3000), 0.0)  # 3 s + 47 chunks x 0.03 s, over the 2 s TTFT SLO
     assert isinstance(out, Rejection) and out.reason.value == "ttft_slo"
+
+
+def test_a_decode_workers_own_step_budget_bounds_its_chunks():
+    c = conductor("early", local_prefill="always", local_chunk_tokens=64)
+    c.register(prefill(0), 0.0)
+    inst = decode(0)
+    inst.step_tokens = 16  # as it registered: its engine takes 16 tokens a step (the Conductor's 64 is for workers that do not say)
+    c.register(inst, 0.0)
+    d = c.schedule(request("budget", blocks=10, prompt=160), 0.0)
+    assert isinstance(d, Decision) and d.local and d.chunk_tokens == 16

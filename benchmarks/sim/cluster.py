@@ -37,8 +37,9 @@ Decode steps are simulated a run at a time (DecodeInstance): the result is the s
 stepping one by one, at a cost per join and leave instead of per step.
 
 A prompt the Conductor places on its decode instance (``Decision.local``, conductor.local) is
-computed there, one at a time in arrival order: its prefix is read from the plan's node (the
-network and SSD time added to its first step), then its uncached tokens ride in chunks of the
+computed there, one at a time in the order their prefixes are in: its prefix is read from the
+plan's node first (the network and SSD time, while the batch's steps go on, as a decode worker
+reads it before the prompt enters its engine), then its uncached tokens ride in chunks of the
 decision's ``chunk_tokens`` on the instance's steps (each step longer by a chunk's share of the
 prompt's prefill time; with no batch, the chunks run alone). The step of its last chunk gives
 its first token; its blocks go to the decision's node (a decode worker writes them behind), and
@@ -72,7 +73,7 @@ from benchmarks.sim.model import Jitter, ModelConfig, NodeCache, TraceRequest
 from kvstore.events import Tier
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
-_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT = 0, 1, 2, 3, 4
+_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT, _LOCAL_READY = 0, 1, 2, 3, 4, 5
 HEARTBEAT_S = 2.5  # a real worker's heartbeat period: ConductorConfig.heartbeat_timeout_s (10 s) x conductor.service's
 # HEARTBEAT_INTERVAL_FRACTION (0.25), which the Conductor hands each worker as it registers
 CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # prefill.worker's calibrate: prompts of these shares of its step budget
@@ -362,6 +363,8 @@ class Cluster:
                 self._decode_arrive(*what)
             elif kind == _BEAT:
                 self._beat(what)
+            elif kind == _LOCAL_READY:
+                self._local_ready(*what)
             else:
                 self._tick()
         if progress is not None:
@@ -401,13 +404,9 @@ class Cluster:
         rec.decision = out
         rec.predicted_ttft_s = out.predicted.ttft_s
         rec.predicted_s = out.predicted.transfer_s + out.predicted.prefill_s
-        if out.local:  # its decode instance computes it, its chunks riding on that instance's steps
-            d = self.decode_of[out.decode]
-            d.locals.append(rec)
-            if d.busy:
-                self._cut_run(d)
-            else:
-                self._start_run(d)
+        if out.local:  # its decode instance reads its prefix (off its steps), then computes the rest on them
+            self._read_local_prefix(rec)
+            self._push(self.now + rec.load_s, _LOCAL_READY, (self.decode_of[out.decode], rec))
             return
         p = self.prefill_of[out.prefill]
         p.queue.append(rec)
@@ -519,10 +518,8 @@ class Cluster:
         step_s = (m.decode_base_s + m.decode_per_request_s * d.batch + m.decode_s_per_context_token * context) * self.jitter.many(n)
         if not d.batch:
             step_s[:] = 0.0
-        if d.local is not None:  # a chunk of it rides on every step of this run; its prefix loads before the first
+        if d.local is not None:  # a chunk of it rides on every step of this run
             step_s += d.local_chunk_s
-            if d.steps == d.local_from:
-                step_s[0] += d.local.load_s
         d.reserve(n)
         d.durations[d.steps : d.steps + n] = step_s
         d.run_ends = np.cumsum(step_s)
@@ -535,26 +532,38 @@ class Cluster:
         if joined:
             self.conductor.heartbeat(d.inst.id, d.load(now), now)
 
-    def _start_local(self, d: DecodeInstance) -> None:
-        """The next prompt ``d`` computes itself: its prefix read from the node the plan names, the rest in chunks of
-        ``local_chunk`` tokens, one on each of its steps (conductor.local)."""
-        rec = d.locals.popleft()
+    def _read_local_prefix(self, rec: Record) -> None:
+        """A prompt placed on its decode instance: its prefix read from the node the plan names, as the decode worker
+        reads it before the prompt enters its engine (the batch's steps go on meanwhile)."""
         m, keys, plan = self.model, rec.req.keys, rec.decision.plan
         src = self.caches.get(plan.fetch_node) if plan.fetch_blocks else None
         fetched = src.leading(keys, 0, plan.fetch_blocks) if src is not None else 0
         ssd = src.read(keys[:fetched]) if fetched else 0
-        prompt = rec.req.prompt_tokens
-        cached = min(fetched * m.block_tokens, prompt - 1)  # the last token is always computed
-        rec.fetched_blocks, rec.ssd_blocks, rec.cached_tokens = fetched, ssd, cached
+        rec.fetched_blocks, rec.ssd_blocks = fetched, ssd
+        rec.cached_tokens = min(fetched * m.block_tokens, rec.req.prompt_tokens - 1)  # the last token is always computed
         net_s = m.transfer_s(fetched * m.block_bytes) if fetched else 0.0
         rec.load_s = m.ssd_s(ssd) + net_s
-        rec.compute_s = m.prefill_s(prompt, cached) * self.jitter()
         rec.prefill_start = self.now
-        chunks = -(-(prompt - cached) // (rec.decision.chunk_tokens or self.config.local_chunk))
-        d.local, d.local_from, d.local_end = rec, d.steps, d.steps + chunks
-        d.local_chunk_s = rec.compute_s / chunks
         if fetched:
             self.conductor.transfer_sample(fetched * m.block_bytes, net_s)
+
+    def _local_ready(self, d: DecodeInstance, rec: Record) -> None:
+        """Its prefix is in: it waits for the instance's prompts before it, then rides on the steps."""
+        d.locals.append(rec)
+        if d.busy:
+            self._cut_run(d)
+        else:
+            self._start_run(d)
+
+    def _start_local(self, d: DecodeInstance) -> None:
+        """The next prompt ``d`` computes itself: its uncached tokens in chunks of the decision's size, one on each of
+        its steps (conductor.local)."""
+        rec = d.locals.popleft()
+        m, prompt = self.model, rec.req.prompt_tokens
+        rec.compute_s = m.prefill_s(prompt, rec.cached_tokens) * self.jitter()
+        chunks = -(-(prompt - rec.cached_tokens) // (rec.decision.chunk_tokens or self.config.local_chunk))
+        d.local, d.local_from, d.local_end = rec, d.steps, d.steps + chunks
+        d.local_chunk_s = rec.compute_s / chunks
 
     def _local_done(self, d: DecodeInstance) -> None:
         """Its last chunk's step gave the first token: the prompt's blocks go to the pool node the Conductor named (the

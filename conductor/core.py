@@ -24,7 +24,7 @@ from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_loc
 from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, estimate, make_policy
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import (
-    Decision, Instance, InstanceState, Load, Prediction, Rejection, RejectReason, Role, ScheduleRequest, Slo,
+    Decision, Instance, InstanceState, Load, Prediction, PrefixPlan, Rejection, RejectReason, Role, ScheduleRequest, Slo,
 )  # fmt: skip
 from kvstore.events import Tier
 
@@ -368,7 +368,7 @@ class Conductor:
             self._record_local(req, local, now)
             # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
             return Decision(req.request_id, "", decode.id, local.plan, predicted, self.policy.kind.value,
-                            local.node or remote.instance.node, local=True, chunk_tokens=local.chunk_tokens)  # fmt: skip
+                            local.plan.fetch_node or remote.instance.node, local=True, chunk_tokens=local.chunk_tokens)  # fmt: skip
         self._record(req, choice, decode, now, blocks)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
 
@@ -569,16 +569,7 @@ class Conductor:
         self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now,
                                 landing_blocks)  # fmt: skip
         self.last_sent[choice.instance.id] = self.last_sent[decode.id] = now
-        served = self.served.setdefault(choice.instance.id, Served())
-        served.decisions += 1
-        served.prompt_blocks += len(req.keys)
-        served.reused_blocks += choice.plan.reused_blocks
-        served.fetched_blocks += choice.plan.fetch_blocks
-        c = self.counters
-        c.scheduled += 1
-        c.reused_blocks += choice.plan.reused_blocks
-        c.fetched_blocks += choice.plan.fetch_blocks
-        c.computed_tokens += choice.plan.compute_tokens
+        self._count(choice.instance.id, req, choice.plan)
 
     def _record_local(self, req: ScheduleRequest, local: LocalChoice, now: float) -> None:
         d = local.decode
@@ -587,17 +578,21 @@ class Conductor:
         d.local_queue_s += local.transfer_s + local.prefill_s
         self.forecast.scheduled(req.request_id, d.id, now + local.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now)
         self.last_sent[d.id] = now
-        served = self.served.setdefault(d.id, Served())  # a decode instance's: the prompts it computed itself
+        self._count(d.id, req, local.plan)  # a decode instance's figures: the prompts it computed itself
+        self.counters.local += 1
+
+    def _count(self, instance_id: str, req: ScheduleRequest, plan: PrefixPlan) -> None:
+        """A placement into the counters and ``instance_id``'s figures (the instance that computes the prompt)."""
+        served = self.served.setdefault(instance_id, Served())
         served.decisions += 1
         served.prompt_blocks += len(req.keys)
-        served.reused_blocks += local.plan.reused_blocks
-        served.fetched_blocks += local.plan.fetch_blocks
+        served.reused_blocks += plan.reused_blocks
+        served.fetched_blocks += plan.fetch_blocks
         c = self.counters
         c.scheduled += 1
-        c.local += 1
-        c.reused_blocks += local.plan.reused_blocks
-        c.fetched_blocks += local.plan.fetch_blocks
-        c.computed_tokens += local.plan.compute_tokens
+        c.reused_blocks += plan.reused_blocks
+        c.fetched_blocks += plan.fetch_blocks
+        c.computed_tokens += plan.compute_tokens
 
     def _reject(self, req: ScheduleRequest, reason: RejectReason, message: str, retry: float, predicted: Prediction | None = None) -> Rejection:
         self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1

@@ -47,8 +47,7 @@ class LocalPrefill(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class LocalChoice:
     decode: Instance
-    node: str | None  # the pool node the prefix is read from and the new blocks are written to (None: no prefix)
-    plan: PrefixPlan  # fetch_blocks from ``node``; compute_tokens in the decode engine
+    plan: PrefixPlan  # fetch_blocks from fetch_node (the node holding the longest prefix); compute_tokens in the decode engine
     chunk_tokens: int  # the most of them one step computes
     queue_s: float
     transfer_s: float
@@ -91,5 +90,4 @@ def estimate_local(req: ScheduleRequest, decode: Instance, batch: Batch, match: 
     prefill_s = prefill.predict(req.prompt_tokens, cached) * decode.slowdown + chunks * step_s
     transfer_s = predictors.transfer.predict(blocks * predictors.block_bytes)
     plan = PrefixPlan(0, node if blocks else None, blocks, new, keep_fetched=False)
-    return LocalChoice(decode, node if blocks else None, plan, chunk, decode.local_queue_s, transfer_s, prefill_s,
-                       step_with(chunk))  # fmt: skip
+    return LocalChoice(decode, plan, chunk, decode.local_queue_s, transfer_s, prefill_s, step_with(chunk))

@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "worker or the decode worker itself, whichever is predicted to reach the first token sooner with its "
                         "steps within the TBT SLO: a short prompt, or a short new part of a prompt whose prefix is in the pool, "
                         "skips the hand-off) or always (the decode worker, where it runs our engine)")
+    p.add_argument("--local-max-load", type=float, default=0.5,
+                   help="auto: a decode worker computes prompts only while its batch's predicted step is at most this share "
+                        "of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "
+                        "request's step)")
     p.add_argument("--local-chunk-tokens", type=int, default=512,
                    help="a decode worker's token budget per step where it does not register its own (ours do: their "
                         "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes")
@@ -110,7 +114,7 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
     return ConductorConfig(
         policy=args.policy, admission=args.admission, slo_classes=classes, block_bytes=args.block_bytes,
         heartbeat_timeout_s=args.heartbeat_timeout, suspect_hold_s=args.suspect_hold, decode_forecast=args.decode_forecast, tbt_headroom=args.tbt_headroom,
-        local_prefill=args.local_prefill, local_chunk_tokens=args.local_chunk_tokens,
+        local_prefill=args.local_prefill, local_chunk_tokens=args.local_chunk_tokens, local_max_load=args.local_max_load,
         predictors=PredictorConfig(prefill_tokens_per_s=args.prefill_tokens_per_s),
         policy_config=PolicyConfig(kvcache_balancing_threshold=args.balancing_threshold, tier_aware=args.tier_aware),
     )  # fmt: skip

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode
 from conductor.forecast import DecodeForecast, ForecastKind
 from conductor.index import KVIndex, PrefixMatch
-from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local
+from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local, step_at_cap
 from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, estimate, make_policy
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import (
@@ -54,6 +54,9 @@ class ConductorConfig(BaseModel):
     local_prefill: LocalPrefill = Field(LocalPrefill.NEVER, description="where prompts are computed: auto (a prefill worker or "
                                         "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
                                         "never (a prefill worker) or always (the decode worker, where it runs our engine)")
+    local_max_load: float = Field(0.5, gt=0, le=1.0, description="auto: a decode worker computes prompts only while its "
+                                  "batch's predicted step is at most this share of the TBT limit (a busier one has no time to spare: "
+                                  "every chunk lengthens every running request's step)")
     local_chunk_tokens: int = Field(512, ge=1, description="a decode worker's token budget per step where it does not say "
                                     "its own as it registers: the most of a prompt it computes itself that one step takes")
     default_handoff_s: float = Field(0.0, ge=0, description="what handing a prompt's KV from a prefill worker to a decode "
@@ -355,20 +358,22 @@ class Conductor:
         later_of = self._later(now + choice.ttft_s, now, len(decodes), slo)
         decode, tbt = select_decode(req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of)
         local = self._local(req, choice, decode, match, now, len(decodes), slo)
-        remote = choice
         if local is not None:  # its decode worker computes it: judged by the batch it meets when it would start decoding
-            choice, tbt = local, max(tbt, local.tbt_s)
-            batch_of = self._batch_at(now + local.ttft_s, now, len(decodes))
-        predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
-        verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
+            # (a step a chunk rides on was held to the SLO itself: a gap, not the mean step the headroom is for)
+            local_tbt = tbt if local.tbt_s <= slo.tbt_s else max(tbt, local.tbt_s)
+            predicted = Prediction(local.ttft_s, local_tbt, local.queue_s, local.transfer_s, local.prefill_s)
+            verdict = self._admit(req, local, decode, local_tbt, decodes, self._batch_at(now + local.ttft_s, now, len(decodes)), slo)
+            if verdict is None:
+                self._record_local(req, local, now)
+                # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
+                return Decision(req.request_id, "", decode.id, local.plan, predicted, self.policy.kind.value,
+                                local.plan.fetch_node or choice.instance.node, local=True, chunk_tokens=local.chunk_tokens)  # fmt: skip
+        if local is None or self.local_prefill is not LocalPrefill.ALWAYS:  # auto: refused there, a prefill worker may do
+            predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
+            verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:
             reason, message, retry = verdict
             return dataclasses.replace(self._reject(req, reason, message, retry, predicted), shed_s=self.shed_s(now))
-        if local is not None:
-            self._record_local(req, local, now)
-            # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
-            return Decision(req.request_id, "", decode.id, local.plan, predicted, self.policy.kind.value,
-                            local.plan.fetch_node or remote.instance.node, local=True, chunk_tokens=local.chunk_tokens)  # fmt: skip
         self._record(req, choice, decode, now, blocks)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
 
@@ -376,17 +381,21 @@ class Conductor:
                num_decodes: int, slo: Slo) -> LocalChoice | None:  # fmt: skip
         """Where ``decode`` should compute ``req``'s prompt itself (conductor.local), its costs; None: a prefill worker.
 
-        ``auto``: when that is predicted sooner than the prefill worker's TTFT (with the hand-off), and the decode
-        batch's steps with the prompt's chunks in them stay within the TBT SLO."""
+        ``auto``: when its batch's step is at most ``local_max_load`` of the TBT limit, the prompt is predicted sooner
+        there than the prefill worker's TTFT (with the hand-off), and the steps its chunks ride on stay within the TBT
+        SLO with the batch grown to its cap. ``schedule`` falls back to the prefill worker when admission refuses it."""
         if self.local_prefill is LocalPrefill.NEVER or not can_prefill(decode):
             return None
         batch = self._batch_at(now, now, num_decodes)(decode)
         limit = slo.tbt_s * self.config.tbt_headroom
+        if self.local_prefill is LocalPrefill.AUTO and self.predictors.decode.predict(*batch) > limit * self.config.local_max_load:
+            return None  # a busy decode worker has no time to spare for prompts (conductor.local)
         chunk = decode.step_tokens or self.config.local_chunk_tokens  # what its engine takes a step, as it registered
-        local = estimate_local(req, decode, batch, match, self.predictors, chunk, limit)
+        grown = step_at_cap(decode, batch, req, self.predictors, limit)
+        local = estimate_local(req, decode, batch, match, self.predictors, chunk, grown, slo.tbt_s)
         if self.local_prefill is LocalPrefill.ALWAYS:
             return local
-        if local.tbt_s <= limit and local.ttft_s < choice.ttft_s:
+        if local.tbt_s <= slo.tbt_s and local.ttft_s < choice.ttft_s:
             return local
         return None
 

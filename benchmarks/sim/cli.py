@@ -188,7 +188,7 @@ def records_json(records: list[Record]) -> dict[str, list]:
 def config_json(cfg: SimConfig) -> dict:
     d = {k: getattr(cfg, k) for k in ("prefill", "decode", "group_size", "pipeline_groups", "prefill_chunk", "cache_blocks", "ssd_blocks", "eviction", "ttft_slo_s",
                                       "tbt_slo_s", "tbt_headroom", "threshold", "tier_aware", "seed", "tick_s", "heartbeat_s", "calibrate",
-                                      "step_budget", "local_chunk")}  # fmt: skip
+                                      "step_budget", "local_chunk", "local_max_load")}  # fmt: skip
     d["policy"], d["admission"], d["decode_forecast"] = cfg.policy.value, cfg.admission.value, cfg.decode_forecast.value
     d["local_prefill"] = cfg.local_prefill.value
     d["model"] = {**{k: getattr(cfg.model, k) for k in cfg.model.__dataclass_fields__}, **cfg.model.describe()}
@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or whichever the Conductor predicts sooner within the TBT SLO (auto; conductor.local)")
     p.add_argument("--local-chunk", type=int, default=STEP_BUDGET_TOKENS,
                    help=f"a decode instance's step budget: the chunk of a prompt it computes itself (default {STEP_BUDGET_TOKENS})")
+    p.add_argument("--local-max-load", type=float, default=0.5,
+                   help="auto: a decode instance computes prompts only while its predicted step is at most this share of the "
+                        "TBT limit (default 0.5)")
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)")
     p.add_argument("--decode-prior-s", type=float, default=None,
                    help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "
@@ -372,7 +375,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tbt_slo_s=args.tbt_slo, threshold=args.threshold, tier_aware=args.tier_aware, seed=args.seed,
         tbt_headroom=args.tbt_headroom, decode_forecast=ForecastKind(args.decode_forecast),
         heartbeat_s=args.heartbeat_s, calibrate=not args.no_calibrate, step_budget=args.step_budget,
-        local_prefill=LocalPrefill(args.local_prefill), local_chunk=args.local_chunk,
+        local_prefill=LocalPrefill(args.local_prefill), local_chunk=args.local_chunk, local_max_load=args.local_max_load,
         model=model_config(args.decode_profile, noise=args.noise),
         predictors=PredictorConfig() if args.decode_prior_s is None else PredictorConfig(decode_base_s=args.decode_prior_s),
     )  # fmt: skip

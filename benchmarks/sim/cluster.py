@@ -99,6 +99,7 @@ class SimConfig:
     decode_forecast: ForecastKind = ForecastKind.SURVIVAL
     local_prefill: LocalPrefill = LocalPrefill.NEVER  # where prompts are computed (conductor.local)
     local_chunk: int = STEP_BUDGET_TOKENS  # a decode instance's step budget: the chunk of a prompt it computes itself
+    local_max_load: float = 0.5  # auto: a decode instance computes prompts while its step is at most this share of the TBT limit
     threshold: float = 1.5  # kvcache_balancing_threshold
     tier_aware: bool = False
     seed: int = 0
@@ -247,7 +248,7 @@ class Cluster:
             policy=config.policy, admission=config.admission,
             slo_classes={"default": Slo(ttft_s=config.ttft_slo_s, tbt_s=config.tbt_slo_s)},
             tbt_headroom=config.tbt_headroom, decode_forecast=config.decode_forecast,
-            local_prefill=config.local_prefill, local_chunk_tokens=config.local_chunk,
+            local_prefill=config.local_prefill, local_chunk_tokens=config.local_chunk, local_max_load=config.local_max_load,
             block_bytes=m.block_bytes, predictors=config.predictors,
             policy_config=PolicyConfig(kvcache_balancing_threshold=config.threshold, tier_aware=config.tier_aware,
                                        ssd_bytes_per_s=m.ssd_bytes_per_s, seed=config.seed),
@@ -560,7 +561,8 @@ class Cluster:
         its steps (conductor.local)."""
         rec = d.locals.popleft()
         m, prompt = self.model, rec.req.prompt_tokens
-        rec.compute_s = m.prefill_s(prompt, rec.cached_tokens) * self.jitter()
+        # its chunks ride on steps that pay the launches already: no prefill's own overhead
+        rec.compute_s = (m.prefill_s(prompt, rec.cached_tokens) - m.prefill_overhead_s) * self.jitter()
         chunks = -(-(prompt - rec.cached_tokens) // (rec.decision.chunk_tokens or self.config.local_chunk))
         d.local, d.local_from, d.local_end = rec, d.steps, d.steps + chunks
         d.local_chunk_s = rec.compute_s / chunks

@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="prefill placement policy (a value persisted in Redis wins)")
     p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
                    help="admission (early rejection) policy (a value persisted in Redis wins)")
-    p.add_argument("--local-prefill", choices=[m.value for m in LocalPrefill], default=LocalPrefill.NEVER.value,
+    p.add_argument("--local-prefill", choices=[m.value for m in LocalPrefill], default=LocalPrefill.AUTO.value,
                    help="where prompts are computed: never (a prefill worker; the paper's disaggregation), auto (a prefill "
                         "worker or the decode worker itself, whichever is predicted to reach the first token sooner with its "
                         "steps within the TBT SLO: a short prompt, or a short new part of a prompt whose prefix is in the pool, "

@@ -51,7 +51,7 @@ class ConductorConfig(BaseModel):
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
     decode_forecast: ForecastKind = Field(ForecastKind.SURVIVAL, description="early_predictive's decode forecast: "
                                           "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)")
-    local_prefill: LocalPrefill = Field(LocalPrefill.NEVER, description="where prompts are computed: auto (a prefill worker or "
+    local_prefill: LocalPrefill = Field(LocalPrefill.AUTO, description="where prompts are computed: auto (a prefill worker or "
                                         "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
                                         "never (a prefill worker) or always (the decode worker, where it runs our engine)")
     local_max_load: float = Field(0.5, gt=0, le=1.0, description="auto: a decode worker computes prompts only while its "
@@ -432,6 +432,15 @@ class Conductor:
             return SHED_BUSY_S
         probe = ScheduleRequest("shed-probe", (), 1, 1)
         choice = min((estimate(i, probe, 0, None, 0, self.predictors) for i in prefills), key=lambda c: (c.ttft_s, c.instance.id))
+        if self.local_prefill is not LocalPrefill.NEVER:  # or computed on a decode worker, which schedule would do
+            match = self.index.match(())
+            for decode in takers:
+                local = self._local(probe, choice, decode, match, now, len(decodes), slo)
+                if local is not None:
+                    batch_of = self._batch_at(now + local.ttft_s, now, len(decodes))
+                    _, tbt = select_decode(probe, [decode], self.predictors.decode, batch_of)
+                    if self._admit(probe, local, decode, tbt, decodes, batch_of, slo) is None:
+                        return 0.0
         times = [choice.ttft_s]
         if self.admission is AdmissionKind.EARLY_PREDICTIVE and slo.ttft_s > choice.ttft_s:
             times = [choice.ttft_s + (slo.ttft_s - choice.ttft_s) * k / (SHED_TIMES - 1) for k in range(SHED_TIMES)]

@@ -62,6 +62,7 @@ def decode(i: int, running: int = 0, capacity: int = 0) -> Instance:
 def conductor(
     admission: str, policy: str = "kvcache_centric", ttft_s: float = 2.0, tbt_s: float = 0.1, predictors: PredictorConfig = ROUND, **kw
 ) -> Conductor:
+    kw.setdefault("local_prefill", "never")  # the numbers worked by hand are a prefill worker's (test_conductor_local: the decode worker's)
     config = ConductorConfig(
         policy=policy, admission=admission, slo_classes={"default": Slo(ttft_s=ttft_s, tbt_s=tbt_s)},
         block_bytes=BLOCK_BYTES, predictors=predictors, **kw,

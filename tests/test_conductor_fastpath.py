@@ -29,7 +29,7 @@ FP = model_fingerprint("fastpath-test")
 
 @pytest.fixture
 def conductor():
-    node = start_conductor("--heartbeat-timeout", "60")
+    node = start_conductor("--heartbeat-timeout", "60", "--local-prefill", "never")  # predictions that do not move with the batch
     channel = tls.grpc_channel(node.info["grpc"])
     stub = pb_grpc.ConductorStub(channel)
     stub.Register(pb.RegisterRequest(id="kv0", role=pb.KVSTORE, address="127.0.0.1:1", node="kv0"))
@@ -117,7 +117,8 @@ def test_the_gateway_schedules_over_the_fast_path_when_the_conductor_has_one(fas
 
 
 def test_a_gateway_sheds_while_the_conductor_refuses_everything_and_stops_when_it_drains():
-    node = start_conductor("--heartbeat-timeout", "60", "--ttft-slo", "2")
+    # prompts on prefill workers only: under auto the idle decode worker would take them (test_conductor_local)
+    node = start_conductor("--heartbeat-timeout", "60", "--ttft-slo", "2", "--local-prefill", "never")
     try:
         stub = pb_grpc.ConductorStub(tls.grpc_channel(node.info["grpc"]))
         stub.Register(pb.RegisterRequest(id="p0", role=pb.PREFILL, address="127.0.0.1:2", node="kv0"))

@@ -136,3 +136,12 @@ def test_a_decode_workers_own_step_budget_bounds_its_chunks():
     c.register(inst, 0.0)
     d = c.schedule(request("budget", blocks=10, prompt=160), 0.0)
     assert isinstance(d, Decision) and d.local and d.chunk_tokens == 16
+
+
+def test_with_the_prefill_workers_queued_past_the_slo_a_decode_worker_with_time_to_spare_serves_and_nothing_is_shed():
+    c = local_conductor(queued_s=100.0, running=0)
+    assert c.shed_s(0.0) == 0.0  # the gateway keeps asking: a short prompt can still be served
+    d = c.schedule(request("short", blocks=1, prompt=30), 0.0)
+    assert isinstance(d, Decision) and d.local and d.predicted.ttft_s == pytest.approx(0.03)
+    never = local_conductor("never", queued_s=100.0, running=0)
+    assert never.shed_s(0.0) > 0.0 and isinstance(never.schedule(request("short", blocks=1, prompt=30), 0.0), Rejection)

@@ -75,7 +75,7 @@ class ClusterConfig(BaseModel):
     threads: int | None = Field(None, description="torch threads per worker (default: torch's)")
     policy: str = "kvcache_centric"
     admission: str = "early_predictive"
-    local_prefill: str = Field("never", description="where prompts are computed: never (a prefill worker), auto or always "
+    local_prefill: str = Field("auto", description="where prompts are computed: never (a prefill worker), auto or always "
                                "(the decode worker itself, conductor.local)")
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.5

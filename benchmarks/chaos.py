@@ -546,6 +546,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         requests = workload(args.requests, args.max_tokens, vocab)
         longest = max(len(r.prompt_token_ids) for r in requests) + args.max_tokens
         base = {"model": str(model_dir), "model_name": MODEL_NAME, "prefill": args.prefill, "decode": args.decode, "port": 0,
+                "local_prefill": "never",  # every prompt through a prefill worker: the kills hit the hand-off paths
                 # max_model_len in 512s, as the tests: a decode worker's landing slots are two full contexts
                 "threads": args.threads, "workdir": workdir / "cluster", "max_model_len": -(-longest // 512) * 512,
                 "ttft_slo_s": 300.0, "tbt_slo_s": 10.0, "hold_s": args.hold_s, "ready_timeout_s": 600.0}  # fmt: skip

@@ -160,10 +160,12 @@ def _cluster_bench(args, model_dir: Path, model_name: str, num_layers: int, voca
         args.long = limit - 2
     with tempfile.TemporaryDirectory() as work:
         for x in [1, *[x for x in args.stages if x <= num_layers]]:
+            # every prompt through the prefill group (local_prefill never): it is what is measured
             config = ClusterConfig(model=str(model_dir), model_name="m", workdir=Path(work) / f"x{x}", port=0, threads=1,
                                    prefill=1, prefill_groups=1 if x > 1 else 0, group_size=max(x, 2), decode=1,
                                    max_model_len=min(args.long + 64, limit), prefill_batched_tokens=args.chunk,
-                                   pool_dram_mib=max(64, 2 * args.long // 16 + 64), ready_timeout_s=600, ttft_slo_s=3600)  # fmt: skip
+                                   pool_dram_mib=max(64, 2 * args.long // 16 + 64), ready_timeout_s=600, ttft_slo_s=3600,
+                                   local_prefill="never")  # fmt: skip
             cluster = LocalCluster(config).start()
             try:
                 first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(16)])  # warm: the first request

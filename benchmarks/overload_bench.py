@@ -264,7 +264,8 @@ def local_cluster(args, console: Console):
 
     workdir = Path(tempfile.mkdtemp(prefix="overload-bench-"))
     model_dir, args.model_label = resolve_model(args, workdir)
-    config = ClusterConfig(model=str(model_dir), model_name=args.model_name, port=0, restart=False, workdir=workdir)
+    config = ClusterConfig(model=str(model_dir), model_name=args.model_name, port=0, restart=False, workdir=workdir,
+                           local_prefill="never")  # as recorded in benchmarks/README.md
     cluster = LocalCluster(config, lambda msg: console.log(msg))
     try:
         cluster.start()

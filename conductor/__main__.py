@@ -57,10 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
                    help="admission (early rejection) policy (a value persisted in Redis wins)")
     p.add_argument("--local-prefill", choices=[m.value for m in LocalPrefill], default=LocalPrefill.AUTO.value,
-                   help="where prompts are computed: never (a prefill worker; the paper's disaggregation), auto (a prefill "
-                        "worker or the decode worker itself, whichever is predicted to reach the first token sooner with its "
-                        "steps within the TBT SLO: a short prompt, or a short new part of a prompt whose prefix is in the pool, "
-                        "skips the hand-off) or always (the decode worker, where it runs our engine)")
+                   help="where prompts are computed: auto (default: a prefill worker or the decode worker itself, whichever is "
+                        "predicted to reach the first token sooner with its steps within the TBT SLO, the decode worker only "
+                        "while it has time to spare (--local-max-load): a short prompt, or a short new part of a prompt whose "
+                        "prefix is in the pool, skips the hand-off), never (a prefill worker; the paper's disaggregation) or "
+                        "always (the decode worker, where it runs our engine)")
     p.add_argument("--local-max-load", type=float, default=0.5,
                    help="auto: a decode worker computes prompts only while its batch's predicted step is at most this share "
                         "of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "

@@ -51,7 +51,7 @@ class ConductorConfig(BaseModel):
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
     decode_forecast: ForecastKind = Field(ForecastKind.SURVIVAL, description="early_predictive's decode forecast: "
                                           "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)")
-    local_prefill: LocalPrefill = Field(LocalPrefill.AUTO, description="where prompts are computed: auto (a prefill worker or "
+    local_prefill: LocalPrefill = Field(LocalPrefill.AUTO, description="where prompts are computed: auto (default: a prefill worker or "
                                         "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
                                         "never (a prefill worker) or always (the decode worker, where it runs our engine)")
     local_max_load: float = Field(0.5, gt=0, le=1.0, description="auto: a decode worker computes prompts only while its "

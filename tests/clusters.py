@@ -26,9 +26,10 @@ MAX_LEN = 1024
 
 
 def start_cluster(model_dir: Path, workdir: Path, **overrides) -> LocalCluster:
-    # generous SLOs: a loaded test machine must not turn requests away (test_serving_cluster tests rejection on its own)
+    # generous SLOs: a loaded test machine must not turn requests away (test_serving_cluster tests rejection on its own);
+    # every prompt on a prefill worker, the paths these clusters test (test_local_prefill: the decode worker's, and auto)
     config = dict(model=str(model_dir), model_name="tiny", workdir=workdir, pool_dram_mib=64, max_model_len=MAX_LEN, port=0,
-                  ready_timeout_s=300.0, ttft_slo_s=300.0, tbt_slo_s=10.0)  # fmt: skip
+                  ready_timeout_s=300.0, ttft_slo_s=300.0, tbt_slo_s=10.0, local_prefill="never")  # fmt: skip
     config.update(overrides)
     return LocalCluster(ClusterConfig(**config)).start()
 

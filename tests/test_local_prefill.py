@@ -1,6 +1,7 @@
 """Prefill on the decode worker (issue 35, conductor.local): a real cluster whose Conductor places every prompt on its
 decode worker (``--local-prefill always``) serves the tokens one engine alone serves, cold and with a prefix from the
-pool, and no prefill worker computes anything."""
+pool, and no prefill worker computes anything; under ``auto`` (the default) short turns on an idle cluster skip the
+hand-off once the Conductor has learnt what it costs, with the same tokens."""
 
 from __future__ import annotations
 
@@ -93,3 +94,16 @@ def test_a_decode_worker_killed_while_computing_and_streaming_prompts_loses_no_r
     assert any(r.resumes for r in recoveries), recoveries
     wait_restarted(two_decoders, "decode-0")
     assert wait_idle(two_decoders, idle, 40) == idle
+
+
+def test_under_auto_an_idle_cluster_computes_short_turns_on_the_decode_worker_with_one_engines_tokens(tiny_dir, tmp_path):
+    c = start_cluster(tiny_dir, tmp_path, prefill=1, decode=1, local_prefill="auto")
+    try:
+        be = backend(c)
+        for i in range(4):  # (the first goes through the prefill worker: no hand-off is measured yet, so nothing to save)
+            prompt = prompt_of(24, seed=200 + i)
+            got = generate(be, f"auto-{i}", prompt, 8, temperature=0.0, ignore_eos=True)
+            assert tokens(got) == reference_tokens(tiny_dir, prompt, 8)
+        assert instances(c)["decode-0"].decisions >= 1, "auto never computed a short prompt on the idle decode worker"
+    finally:
+        c.stop()

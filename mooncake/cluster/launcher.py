@@ -75,8 +75,8 @@ class ClusterConfig(BaseModel):
     threads: int | None = Field(None, description="torch threads per worker (default: torch's)")
     policy: str = "kvcache_centric"
     admission: str = "early_predictive"
-    local_prefill: str = Field("auto", description="where prompts are computed: never (a prefill worker), auto or always "
-                               "(the decode worker itself, conductor.local)")
+    local_prefill: str = Field("auto", description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
+                               "never (a prefill worker) or always (the decode worker itself)")
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.5
     gateway: bool = True

@@ -49,6 +49,7 @@ import grpc  # noqa: E402
 import redis  # noqa: E402
 from benchutil import describe_machine, human, parse_size, timed_loop  # noqa: E402
 from mooncake.localproc import RedisServer  # noqa: E402
+from mooncake.serving.process import parse_ready  # noqa: E402
 
 from kvstore.client import KVStoreClient  # noqa: E402
 from transfer import BackendKind, TransferConfig, TransferEngine  # noqa: E402
@@ -95,12 +96,12 @@ class Node:
         ]  # fmt: skip
         self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
-        if not line.startswith("READY "):
+        if (info := parse_ready(line)) is None:
             self.proc.kill()
             err = self.proc.communicate(timeout=10)[1]
             shutil.rmtree(self.shm_dir, ignore_errors=True)
             raise RuntimeError(f"kvstore node did not start: {line.strip()} {err.strip()}")
-        self.info = json.loads(line[len("READY ") :])
+        self.info = info
 
     @property
     def grpc(self) -> str:

@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchutil import describe_machine, human, p50_us, parse_size, size_list, timed_loop  # noqa: E402
+from mooncake.serving.process import parse_ready  # noqa: E402
 from transfer import BackendKind, Segment, Slice, TransferConfig, TransferEngine
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -430,11 +431,10 @@ def bench_mooncake(
         )  # fmt: skip
         try:
             line = owner.stdout.readline()
-            if not line.startswith("READY "):
+            if (info := parse_ready(line)) is None:
                 owner.kill()
                 err = owner.communicate(timeout=10)[1]
                 return [], f"Mooncake owner did not start: {line.strip()} {tail(err)}"
-            info = json.loads(line[len("READY ") :])
             args = {"target": f"127.0.0.1:{info['port']}", "addr": info["addr"], "seg_bytes": seg_bytes,
                     "shapes": shapes, "seconds": seconds, "rounds": rounds}  # fmt: skip
             timeout = 60 + 4 * rounds * len(shapes) * (seconds + 2)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import signal
@@ -33,6 +32,7 @@ from conductor.predictors import PredictorConfig
 from conductor.fastpath import start_fast_path
 from conductor.service import ConductorService, ConductorServicer, start_server
 from conductor.types import Role, Slo
+from mooncake.serving.process import print_ready
 
 log = logging.getLogger("conductor")
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
              "recovered_instances": len(c.instances), "leading": service.leading.is_set()}  # fmt: skip
     gc.freeze()  # what start-up made stays out of every full collection (a pause there delays every decision)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    print("READY " + json.dumps(ready), flush=True)
+    print_ready(ready)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

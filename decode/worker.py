@@ -55,7 +55,7 @@ from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig, check_cuda_device
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.serving.channels import client_options
+from mooncake.serving.channels import ByAddress, client_options
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
@@ -270,9 +270,9 @@ class DecodeWorker:
         self.step_mean: tuple[float, float, float] | None = None  # (batch, context tokens, seconds) of the mean step
         # between the last two heartbeats (None: no step): one sample of the last step alone swung with whatever else
         # the cores were doing at that moment
-        self._channels: dict[str, wpb_grpc.PrefillStub] = {}
-        self._channels_lock = threading.Lock()
-        self._pool: dict[str, KVStoreClient] = {}  # pool node address -> client (prefixes of prompts computed here)
+        options = client_options(config.detect_s)
+        self._prefills = ByAddress(lambda address: wpb_grpc.PrefillStub(tls.grpc_channel(address, options=options)))
+        self._pool = ByAddress(lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id))  # prefixes read here
         self._in_prefill = 0  # requests between admission and joining the batch
         self._count_lock = threading.Lock()
         self.link = link
@@ -523,7 +523,7 @@ class DecodeWorker:
         if not keys:
             return None, 0
         try:
-            got = self._pool_client(address).get(keys)
+            got = self._pool.get(address).get(keys)
         except (KVStoreUnavailable, TransferError, TimeoutError, KeyError, grpc.RpcError) as e:
             log.info("prefix of %d blocks from %s unreadable (%s): computed here instead", len(keys), address, e)
             return None, 0
@@ -531,13 +531,6 @@ class DecodeWorker:
             return None, 0
         kv = slot_tensor(got.data, self.engine.block_shape, self.engine_dtype)
         return kv, min(got.num_blocks * bs, len(sequence) - 1)  # its last token is computed here (the first output needs it)
-
-    def _pool_client(self, address: str) -> KVStoreClient:
-        with self._channels_lock:
-            client = self._pool.get(address)
-            if client is None:
-                client = self._pool[address] = KVStoreClient(address, engine=self.transfer, owner=self.config.id)
-            return client
 
     def _params(self, req: wpb.GenerateRequest, prompt: list[int], num_outputs: int, local: bool = False) -> SamplingParams:
         s = req.sampling
@@ -594,7 +587,7 @@ class DecodeWorker:
         tokens streamed so far) where ``run`` lands it; return the token after it."""
         placement = req.placement
         landing = self._landing(run, token)
-        call = self._prefill_stub(placement.prefill_address).Prefill.future(
+        call = self._prefills.get(placement.prefill_address).Prefill.future(
             wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=sequence, sampling=req.sampling,
                                cache_salt=req.cache_salt if req.HasField("cache_salt") else None, plan=placement.plan,
                                landing=landing, num_output_tokens=num_outputs),
@@ -652,13 +645,6 @@ class DecodeWorker:
             return "length", stream.finish()
         return None, stream.reveal()
 
-    def _prefill_stub(self, address: str) -> wpb_grpc.PrefillStub:
-        with self._channels_lock:
-            stub = self._channels.get(address)
-            if stub is None:
-                stub = self._channels[address] = wpb_grpc.PrefillStub(tls.grpc_channel(address, options=client_options(self.config.detect_s)))
-            return stub
-
     @property
     def num_in_prefill(self) -> int:
         return self._in_prefill
@@ -666,6 +652,7 @@ class DecodeWorker:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        self._pool.close()
         self.loop.close()
         self.engine.close()
         self.transfer.close()

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
+from mooncake.serving.channels import ByAddress
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import tensor_bytes
 from transfer import TransferEngine, TransferError
@@ -47,7 +48,7 @@ class BlockWriter:
     def __init__(self, loop: EngineLoop, transfer: TransferEngine, owner: str, block_size: int) -> None:
         self.loop, self.transfer, self.owner, self.block_size = loop, transfer, owner, block_size
         self._queue: queue.Queue[tuple[Written, int, Future] | None] = queue.Queue()
-        self._clients: dict[str, KVStoreClient] = {}
+        self._clients = ByAddress(lambda address: KVStoreClient(address, engine=transfer, owner=owner))  # pool nodes
         self.blocks_written = 0  # blocks now in the pool through the write-behind (written, or found there already)
         self._thread = threading.Thread(target=self._run, name="decode-writeback", daemon=True)
         self._thread.start()
@@ -75,7 +76,7 @@ class BlockWriter:
                 keys, kv, parent = future.result(timeout=EXPORT_TIMEOUT_S)
                 if keys:
                     data = tensor_bytes(kv)
-                    result = self._client(written.node_address).put(keys, data, positions=list(range(first, first + len(keys))),
+                    result = self._clients.get(written.node_address).put(keys, data, positions=list(range(first, first + len(keys))),
                                                                     parent=parent)  # fmt: skip
                     self.blocks_written += result.stored + result.existing
             except (KVStoreUnavailable, StoreFull, TransferError, KeyError, ValueError, TimeoutError) as e:
@@ -84,14 +85,7 @@ class BlockWriter:
             except Exception:
                 log.exception("write-behind of %s failed", written.request_id)
 
-    def _client(self, address: str) -> KVStoreClient:
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = KVStoreClient(address, engine=self.transfer, owner=self.owner)
-        return client
-
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
-        for client in self._clients.values():
-            client.close()
+        self._clients.close()

@@ -47,10 +47,11 @@ from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.request import SamplingParams
+from mooncake.serving.channels import ByAddress
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.engine.tokenizer import Tokenizer
+from mooncake.engine.tokenizer import tokenizer_or_none
 from mooncake.serving.engines import EngineKind, build_engine
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
@@ -182,7 +183,7 @@ class PrefillWorker:
                 device=config.device, stage_addresses=config.stage_addresses or None, authkey=config.stage_key)  # fmt: skip
         else:
             self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector,
-                                       tokenizer=_tokenizer(config.model))  # fmt: skip
+                                       tokenizer=tokenizer_or_none(config.model))  # fmt: skip
         if self.engine.block_bytes != stats.block_bytes:
             raise ValueError(f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
                              f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})")  # fmt: skip
@@ -197,8 +198,7 @@ class PrefillWorker:
             self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._cuda_caches = CudaCaches()  # decode engines' CUDA caches on this host, mapped once each
         self._prefix_copier = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefix-copy")  # pool -> decode cache
-        self._remote: dict[str, KVStoreClient] = {}
-        self._remote_lock = threading.Lock()
+        self._remote = ByAddress(lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id))  # pool nodes
         self.predictor = (PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
                           if self.group is not None else PrefillPredictor(PredictorConfig()))  # fmt: skip
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
@@ -488,7 +488,7 @@ class PrefillWorker:
         return local, ssd_hits, fetched
 
     def _start_fetch(self, address: str, keys: list[bytes], first: int, held: _Held, parent: bytes | None) -> list[int]:
-        remote = self._remote_client(address)
+        remote = self._remote.get(address)
         got = remote.get_locations(keys)
         held.remote = (remote, got.lease_id)
         n = len(got.slots)
@@ -566,13 +566,6 @@ class PrefillWorker:
             _quietly(client.release, lease, False)
             held.remote = None
 
-    def _remote_client(self, address: str) -> KVStoreClient:
-        with self._remote_lock:
-            client = self._remote.get(address)
-            if client is None:
-                client = self._remote[address] = KVStoreClient(address, engine=self.transfer, owner=self.config.id)
-            return client
-
     # -- load ------------------------------------------------------------------------------------
 
     def queued_seconds(self) -> float:
@@ -600,8 +593,7 @@ class PrefillWorker:
             self.loop.close()
         self.engine.close()
         self._prefix_copier.shutdown(wait=True)
-        for client in self._remote.values():
-            client.close()
+        self._remote.close()
         self.kv.close()
         self.transfer.close()
         self._region.close()
@@ -629,12 +621,3 @@ def _quietly(fn, *args) -> None:
         fn(*args)
     except (KeyError, KVStoreUnavailable):
         pass  # expired or the node is gone: nothing left to free
-
-
-def _tokenizer(model: str) -> Tokenizer | None:
-    """The model's tokenizer (a grammar's first token is sampled here), or None for a model shipped without one."""
-    try:
-        return Tokenizer.from_dir(model)
-    except (OSError, ValueError) as e:
-        log.info("no tokenizer for %s (%s): structured output will be refused", model, e)
-        return None

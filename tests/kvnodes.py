@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mooncake.localproc import RedisServer, free_port  # noqa: F401  (the tests' fixtures use both)
+from mooncake.serving.process import parse_ready
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,11 +53,11 @@ def start_node(node: str, block_bytes: int, dram_blocks: int, *extra: str, shm_d
             "--dram-blocks", str(dram_blocks), "--shm-dir", shm_dir, "--log-level", "WARNING", *extra]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     line = proc.stdout.readline()
-    if not line.startswith("READY "):
+    if (info := parse_ready(line)) is None:
         proc.kill()
         _, err = proc.communicate(timeout=10)
         raise RuntimeError(f"kvstore node {node} did not start: {line}{err}")
-    return Node(proc, json.loads(line.split(" ", 1)[1]), args)
+    return Node(proc, info, args)
 
 
 def start_conductor(*extra: str) -> Node:
@@ -68,11 +68,11 @@ def start_conductor(*extra: str) -> Node:
     args = [sys.executable, "-m", "conductor", "--log-level", "INFO", *extra]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
     line = proc.stdout.readline()
-    if not line.startswith("READY "):
+    if (info := parse_ready(line)) is None:
         proc.kill()
         proc.wait(10)
         raise RuntimeError(f"the conductor did not start: {line}{Path(log.name).read_text()[-4000:]}")
-    return Node(proc, json.loads(line.split(" ", 1)[1]), args, Path(log.name))
+    return Node(proc, info, args, Path(log.name))
 
 
 def wait_for(condition, timeout_s: float = 5.0) -> None:

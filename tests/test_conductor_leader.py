@@ -10,6 +10,7 @@ import redis
 
 from conductor.leader import LEADER_KEY, LeaderLease
 from mooncake.localproc import free_port
+from mooncake.serving.process import parse_ready
 from charts import REPO, container, flags, pod_spec, render
 from kvnodes import wait_for
 
@@ -85,7 +86,7 @@ def test_the_conductor_probe_says_ready_only_for_a_leader(redis_url):
             procs.append(subprocess.Popen([sys.executable, "-m", "conductor", "--port", str(port), "--metrics-port", "-1",
                                            "--redis-url", redis_url, "--leader-lease", "1"], cwd=REPO,
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))  # fmt: skip
-            assert procs[-1].stdout.readline().startswith("READY")
+            assert parse_ready(procs[-1].stdout.readline()) is not None
             ports.append(port)
 
         def probe(port: int) -> int:

@@ -37,6 +37,7 @@ import pytest
 from charts import (
     CHART, VLLM_GPU, RELEASE, NAMESPACE, PREFIX, VALUE_SETS, helm, kubernetes_validate, run, render_text, render, merged_values, find, kinds, pod_spec, container, flags, port_number, expanded_args, mooncake_containers,
 )  # fmt: skip
+from mooncake.serving.process import parse_ready
 
 
 # -- lint, render, validate ------------------------------------------------------------
@@ -489,7 +490,7 @@ class PodProcesses:
                                     stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **env})  # fmt: skip
             self.running.append((c["name"], proc, spec.get("terminationGracePeriodSeconds", 30)))
             deadline = time.monotonic() + timeout_s
-            while not (line := proc.stdout.readline()).startswith("READY"):
+            while parse_ready(line := proc.stdout.readline()) is None:
                 if (not line and proc.poll() is not None) or time.monotonic() > deadline:
                     pytest.fail(f"{c['name']} did not start: {(self.logs / (c['name'] + '.log')).read_text()[-3000:]}")
 

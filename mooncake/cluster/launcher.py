@@ -17,7 +17,6 @@ whatever is still there after the grace period.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ from mooncake.engine.config import default_batched_tokens
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
 from mooncake.localproc import free_port
+from mooncake.serving.process import parse_ready
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +166,8 @@ class Component:
 
         def read() -> None:
             for raw in self.proc.stdout:
-                line = raw.decode(errors="replace")
-                if line.startswith("READY "):
-                    result.append(line)
+                if (info := parse_ready(raw)) is not None:
+                    result.append(info)
                     return
 
         reader = threading.Thread(target=read, daemon=True)
@@ -178,7 +177,7 @@ class Component:
             why = "exited" if self.proc.poll() is not None else f"was not ready after {timeout_s:.0f} s"
             self.kill()
             raise RuntimeError(f"{self.name} {why}; the end of {self.log_path}:\n{tail(self.log_path)}")
-        self.info = json.loads(result[0].split(" ", 1)[1])
+        self.info = result[0]
         threading.Thread(target=self._drain_stdout, daemon=True).start()
         return self.info
 

@@ -304,9 +304,9 @@ class StageRuntime:
         args = ModelArgs.from_hf_config(load_hf_config(spec.model_dir))
         tokenizer = None
         if spec.layers.stop == args.num_layers:  # the last stage samples: a grammar needs the tokenizer
-            from prefill.worker import _tokenizer
+            from mooncake.engine.tokenizer import tokenizer_or_none
 
-            tokenizer = _tokenizer(spec.model_dir)
+            tokenizer = tokenizer_or_none(spec.model_dir)
         self.stage = PipelineStage(spec.model_dir, spec.layers, num_blocks=spec.num_blocks, block_size=spec.block_size,
                                    max_model_len=spec.max_model_len, tokenizer=tokenizer, device=spec.device,
                                    dtype=spec.dtype)  # fmt: skip

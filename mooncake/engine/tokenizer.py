@@ -13,6 +13,7 @@ pieces whose concatenation equals ``decode()`` of all ids (after ``flush()``).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -237,6 +238,16 @@ class Tokenizer:
         """
         text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def tokenizer_or_none(model_dir: str | Path) -> Tokenizer | None:
+    """The model's tokenizer, or None for a model shipped without one (a worker that samples a grammar's first token
+    then refuses structured output)."""
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except (OSError, ValueError) as e:
+        logging.getLogger(__name__).info("no tokenizer for %s (%s): structured output will be refused", model_dir, e)
+        return None
 
 
 class IncrementalDetokenizer:

@@ -14,6 +14,12 @@ Servers must accept pings that often (``SERVER_OPTIONS``), or they answer them w
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
 RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -42,3 +48,29 @@ def client_options(detect_s: float = DETECT_S) -> tuple[tuple[str, int], ...]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     )
+
+
+class ByAddress(Generic[T]):
+    """One client (a gRPC stub, a pool node's KVStoreClient) per peer address, made on first use; thread-safe.
+
+    ``close`` closes those that have a ``close`` (a stub's channel lives as long as the process)."""
+
+    def __init__(self, make: Callable[[str], T]) -> None:
+        self._make = make
+        self._clients: dict[str, T] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> T:
+        with self._lock:
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = self._make(address)
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            close = getattr(client, "close", None)
+            if close is not None:
+                close()

@@ -19,9 +19,21 @@ from transfer import add_transport_args
 log = logging.getLogger(__name__)
 
 
+READY = "READY "  # a component's first line on stdout once it serves: READY and a JSON object (its addresses, ...)
+
+
 def print_ready(info: dict) -> None:
     """The line ``mooncake up`` (and tests) wait for: ``READY {json}`` on stdout."""
-    print("READY " + json.dumps(info), flush=True)
+    print(READY + json.dumps(info), flush=True)
+
+
+def parse_ready(line: str | bytes) -> dict | None:
+    """What a READY line (``print_ready``) says; None for any other line."""
+    if isinstance(line, bytes):
+        line = line.decode(errors="replace")
+    if not line.startswith(READY):
+        return None
+    return json.loads(line[len(READY) :])
 
 
 def wait_for_signal() -> str:

@@ -1,0 +1,52 @@
+"""mooncake.serving.channels.ByAddress: the one cache of clients by peer address (prefill and decode workers, the
+write-behind)."""
+
+from __future__ import annotations
+
+import threading
+
+from mooncake.serving.channels import ByAddress
+
+
+class Client:
+    def __init__(self, address: str) -> None:
+        self.address, self.closed = address, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_one_client_per_address_made_once_even_when_threads_race_for_it():
+    made: list[str] = []
+
+    def make(address: str) -> Client:
+        made.append(address)
+        return Client(address)
+
+    cache = ByAddress(make)
+    start = threading.Barrier(8)
+    got: list[Client] = []
+
+    def worker() -> None:
+        start.wait()
+        got.append(cache.get("10.0.0.1:7000"))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == ["10.0.0.1:7000"] and all(c is got[0] for c in got)
+    assert cache.get("10.0.0.2:7000") is not got[0] and made == ["10.0.0.1:7000", "10.0.0.2:7000"]
+
+
+def test_close_closes_every_client_that_can_be_closed_and_a_later_get_makes_a_new_one():
+    cache = ByAddress(Client)
+    a, b = cache.get("a"), cache.get("b")
+    stubs = ByAddress(lambda address: object())  # a gRPC stub has no close
+    stubs.get("c")
+    cache.close()
+    stubs.close()
+    assert a.closed and b.closed
+    again = cache.get("a")
+    assert again is not a and not again.closed

@@ -62,10 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "while it has time to spare (--local-max-load): a short prompt, or a short new part of a prompt whose "
                         "prefix is in the pool, skips the hand-off), never (a prefill worker; the paper's disaggregation) or "
                         "always (the decode worker, where it runs our engine)")
-    p.add_argument("--local-max-load", type=float, default=0.5,
+    p.add_argument("--local-max-load", type=float, default=ConductorConfig.model_fields["local_max_load"].default,
                    help="auto: a decode worker computes prompts only while its batch's predicted step is at most this share "
                         "of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "
-                        "request's step)")
+                        "request's step; default %(default)s)")
     p.add_argument("--local-chunk-tokens", type=int, default=512,
                    help="a decode worker's token budget per step where it does not register its own (ours do: their "
                         "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes")

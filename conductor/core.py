@@ -358,11 +358,8 @@ class Conductor:
         later_of = self._later(now + choice.ttft_s, now, len(decodes), slo)
         decode, tbt = select_decode(req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of)
         local = self._local(req, choice, decode, match, now, len(decodes), slo)
-        if local is not None:  # its decode worker computes it: judged by the batch it meets when it would start decoding
-            # (a step a chunk rides on was held to the SLO itself: a gap, not the mean step the headroom is for)
-            local_tbt = tbt if local.tbt_s <= slo.tbt_s else max(tbt, local.tbt_s)
-            predicted = Prediction(local.ttft_s, local_tbt, local.queue_s, local.transfer_s, local.prefill_s)
-            verdict = self._admit(req, local, decode, local_tbt, decodes, self._batch_at(now + local.ttft_s, now, len(decodes)), slo)
+        if local is not None:  # its decode worker computes it
+            predicted, verdict = self._admit_local(req, local, tbt, decodes, now, slo)
             if verdict is None:
                 self._record_local(req, local, now)
                 # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
@@ -398,6 +395,15 @@ class Conductor:
         if local.tbt_s <= slo.tbt_s and local.ttft_s < choice.ttft_s:
             return local
         return None
+
+    def _admit_local(self, req: ScheduleRequest, local: LocalChoice, tbt: float, decodes: list[Instance], now: float,
+                     slo: Slo) -> tuple[Prediction, tuple[RejectReason, str, float] | None]:  # fmt: skip
+        """``_admit`` for a prompt its decode worker computes (``tbt``: that worker's with ``req`` in its batch), judged by
+        the batch it meets when it would start decoding; its prediction and the verdict."""
+        # a step a chunk rides on was held to the SLO itself (a gap, not the mean step the headroom is for)
+        tbt = tbt if local.tbt_s <= slo.tbt_s else max(tbt, local.tbt_s)
+        predicted = Prediction(local.ttft_s, tbt, local.queue_s, local.transfer_s, local.prefill_s)
+        return predicted, self._admit(req, local, local.decode, tbt, decodes, self._batch_at(now + local.ttft_s, now, len(decodes)), slo)
 
     def shed_s(self, now: float) -> float:
         """How long every request will be refused: SHED_S if even the cheapest request would be now, else 0.
@@ -437,9 +443,8 @@ class Conductor:
             for decode in takers:
                 local = self._local(probe, choice, decode, match, now, len(decodes), slo)
                 if local is not None:
-                    batch_of = self._batch_at(now + local.ttft_s, now, len(decodes))
-                    _, tbt = select_decode(probe, [decode], self.predictors.decode, batch_of)
-                    if self._admit(probe, local, decode, tbt, decodes, batch_of, slo) is None:
+                    _, tbt = select_decode(probe, [decode], self.predictors.decode, self._batch_at(now + local.ttft_s, now, len(decodes)))
+                    if self._admit_local(probe, local, tbt, decodes, now, slo)[1] is None:
                         return 0.0
         times = [choice.ttft_s]
         if self.admission is AdmissionKind.EARLY_PREDICTIVE and slo.ttft_s > choice.ttft_s:

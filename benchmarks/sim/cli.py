@@ -332,9 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or whichever the Conductor predicts sooner within the TBT SLO (auto; conductor.local)")
     p.add_argument("--local-chunk", type=int, default=STEP_BUDGET_TOKENS,
                    help=f"a decode instance's step budget: the chunk of a prompt it computes itself (default {STEP_BUDGET_TOKENS})")
-    p.add_argument("--local-max-load", type=float, default=0.5,
+    p.add_argument("--local-max-load", type=float, default=SimConfig.local_max_load,
                    help="auto: a decode instance computes prompts only while its predicted step is at most this share of the "
-                        "TBT limit (default 0.5)")
+                        f"TBT limit (default {SimConfig.local_max_load})")
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)")
     p.add_argument("--decode-prior-s", type=float, default=None,
                    help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "

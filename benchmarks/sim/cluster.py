@@ -99,7 +99,8 @@ class SimConfig:
     decode_forecast: ForecastKind = ForecastKind.SURVIVAL
     local_prefill: LocalPrefill = LocalPrefill.NEVER  # where prompts are computed (conductor.local)
     local_chunk: int = STEP_BUDGET_TOKENS  # a decode instance's step budget: the chunk of a prompt it computes itself
-    local_max_load: float = 0.5  # auto: a decode instance computes prompts while its step is at most this share of the TBT limit
+    local_max_load: float = ConductorConfig.model_fields["local_max_load"].default  # auto: a decode instance computes prompts
+    # while its step is at most this share of the TBT limit
     threshold: float = 1.5  # kvcache_balancing_threshold
     tier_aware: bool = False
     seed: int = 0

@@ -308,7 +308,7 @@ class LLMEngine:
         if released:
             self.pool.free(released)
         out = self.scheduler.schedule()
-        self.last_step_tokens = sum(s.num_new_tokens for s in out.scheduled)  # what the step computed (EngineLoop's samples)
+        self.last_step_tokens = out.num_batched_tokens  # what the step computed (EngineLoop's samples)
         sampled = self.runner.execute(out, self.connector)
         for rid, entries in sampled.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)

@@ -49,7 +49,7 @@ from pydantic import BaseModel, Field, field_validator
 from conductor.predictors import DecodePredictor, PredictorConfig
 from decode.writeback import BlockWriter
 from kvstore.client import KVStoreClient, KVStoreUnavailable
-from kvstore.service import segment_to_pb
+from kvstore.wire import segment_to_pb
 from mooncake import tls
 from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig, check_cuda_device
@@ -59,7 +59,8 @@ from mooncake.serving.channels import ByAddress, client_options
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.serving.engines import EngineKind, build_engine
+from mooncake.serving.build import build_engine
+from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from mooncake.serving.text import TextStream

@@ -27,16 +27,13 @@ import grpc
 
 from kvstore.errors import KVSTORE_STATUS, KVStoreUnavailable
 from kvstore.control import METHOD_IDS, ControlAddress, ControlChannel, ControlError
-from kvstore.events import Tier
-from kvstore.service import GRPC_OPTIONS, segment_from_pb
 from kvstore.store import LookupResult, StoreFull
+from kvstore.wire import GRPC_OPTIONS, PB_TO_TIER, segment_from_pb
 from mooncake import tls
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from transfer import Segment, Slice, TransferConfig, TransferEngine, TransferError
 from transfer.types import host_id
-
-PB_TO_TIER = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
 
 
 @dataclass(frozen=True, slots=True)

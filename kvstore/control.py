@@ -165,7 +165,7 @@ class ControlServer:
             uds.bind(uds_path)
             uds.listen(128)
             listeners.append(uds)
-        self._server = ConnectionServer(listeners, self._serve, name)
+        self._server = ConnectionServer(listeners, self._serve, name, tls.identity())
 
     def _serve(self, conn: socket.socket) -> None:
         context = _Context()

@@ -23,34 +23,17 @@ import grpc
 from kvstore.config import StoreConfig
 from kvstore.control import ControlServer
 from kvstore.errors import KVSTORE_STATUS
-from kvstore.events import EventKind, Tier
 from kvstore.ssd import SsdTier
 from kvstore.store import BlockStore
+from kvstore.wire import GRPC_OPTIONS, KIND_TO_PB, TIER_TO_PB, segment_from_pb, segment_to_pb
 from mooncake import tls
 from mooncake.serving.channels import SERVER_OPTIONS
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
-from transfer import Segment, Slice, TransferConfig, TransferEngine
+from transfer import Slice, TransferConfig, TransferEngine
 from transfer.registry import SegmentRegistry
 
 log = logging.getLogger(__name__)
-
-TIER_TO_PB = {Tier.DRAM: pb.DRAM, Tier.SSD: pb.SSD}
-KIND_TO_PB = {EventKind.STORED: pb.Event.STORED, EventKind.REMOVED: pb.Event.REMOVED}
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-
-
-def segment_to_pb(seg: Segment) -> pb.SegmentInfo:
-    return pb.SegmentInfo(name=seg.name, node=seg.node, size=seg.size, host=seg.host, pid=seg.pid,
-                          shm_path=seg.shm_path or "", tcp_addr=seg.tcp_addr or "", rdma=seg.rdma_rkey is not None,
-                          rdma_rkey=seg.rdma_rkey or 0, rdma_addr=seg.rdma_addr)  # fmt: skip
-
-
-def segment_from_pb(msg: pb.SegmentInfo) -> Segment:
-    return Segment(name=msg.name, node=msg.node, size=msg.size, host=msg.host, pid=msg.pid,
-                   shm_path=msg.shm_path or None, tcp_addr=msg.tcp_addr or None,
-                   rdma_rkey=msg.rdma_rkey if msg.rdma else None, rdma_addr=msg.rdma_addr)  # fmt: skip
-
 
 class KVStoreNode:
     """A running pool node: store + DRAM segment + housekeeping. Call :meth:`close` to stop."""

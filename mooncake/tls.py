@@ -34,72 +34,18 @@ cluster, not the role).
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 import socket
-import ssl
-from dataclasses import dataclass
 from pathlib import Path
+
+from transfer import handshake
+from transfer.handshake import FILES, HANDSHAKE_TIMEOUT_S, SERVER_NAME, Identity, load_identity
 
 log = logging.getLogger(__name__)
 
 ENV_DIR = "MOONCAKE_TLS_DIR"
-SERVER_NAME = "mooncake"  # every certificate's subject alternative name; what each peer checks
-FILES = ("ca.crt", "tls.crt", "tls.key")
-HANDSHAKE_TIMEOUT_S = 10.0
 VALID_DAYS = 365
-
-
-@dataclass(frozen=True)
-class Identity:
-    """One directory's CA, certificate and key (PEM bytes), and the TLS contexts built from them."""
-
-    directory: Path
-    ca: bytes
-    cert: bytes
-    key: bytes
-
-    @classmethod
-    def load(cls, directory: str | Path) -> "Identity":
-        """Read ``ca.crt``, ``tls.crt`` and ``tls.key`` from ``directory``; ValueError naming what is missing."""
-        directory = Path(directory)
-        missing = [f for f in FILES if not (directory / f).is_file()]
-        if missing:
-            raise ValueError(f"{directory} has no {', '.join(missing)}: a TLS directory needs {', '.join(FILES)} "
-                             f"(mooncake up writes one into its run directory; see deploy/README.md)")  # fmt: skip
-        ca, cert, key = ((directory / f).read_bytes() for f in FILES)
-        return cls(directory, ca, cert, key)
-
-    @functools.cached_property
-    def server_context(self) -> ssl.SSLContext:
-        ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
-        ctx.num_tickets = 0  # no session tickets: nothing follows the handshake but the close (see unwrap in _handshake)
-        return ctx
-
-    @functools.cached_property
-    def client_context(self) -> ssl.SSLContext:
-        return self._context(ssl.PROTOCOL_TLS_CLIENT)
-
-    @functools.cached_property
-    def https_context(self) -> ssl.SSLContext:
-        """For an https URL by address (the launcher's control endpoint): the chain is checked, the name cannot be."""
-        ctx = self._context(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        return ctx
-
-    def _context(self, protocol: int) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(protocol)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-        ctx.load_cert_chain(self.directory / "tls.crt", self.directory / "tls.key")
-        ctx.load_verify_locations(cadata=self.ca.decode())
-        ctx.verify_mode = ssl.CERT_REQUIRED  # the server requires the client's certificate too
-        return ctx
-
-
-@functools.cache
-def _load(directory: str) -> Identity:
-    return Identity.load(directory)
 
 
 _warned = False
@@ -114,7 +60,7 @@ def identity() -> Identity | None:
     global _warned
     directory = os.environ.get(ENV_DIR)
     if directory:
-        return _load(directory)
+        return load_identity(directory)
     if not _warned:
         _warned = True
         log.warning("INSECURE: %s is not set, so this process neither presents nor asks for a certificate: "
@@ -168,55 +114,19 @@ def grpc_add_port(server, address: str) -> int:
 # -- framed sockets: authenticate, then carry on in the clear ------------------------------
 
 
-def _handshake(sock: socket.socket, ctx: ssl.SSLContext, server_side: bool, timeout: float) -> socket.socket:
-    """Run a TLS 1.3 handshake with both certificates on ``sock``, then take TLS off again; return the plain socket.
-
-    ``unwrap`` exchanges close_notify both ways; OpenSSL reads no further than that alert,
-    so the peer's first frame stays in the kernel's buffer for the plain socket.
-    Raises ``ssl.SSLError`` (a peer without the cluster's certificate) or ``OSError``.
-    """
-    before = sock.gettimeout()  # None: blocking; 0.0: non-blocking; else a timeout
-    kw = {} if server_side else {"server_hostname": SERVER_NAME}
-    tls = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False, **kw)
-    try:
-        tls.settimeout(timeout)
-        tls.do_handshake()
-        tls.unwrap()
-        plain = socket.socket(tls.family, tls.type, tls.proto, fileno=tls.detach())
-    except BaseException:
-        tls.close()
-        raise
-    plain.settimeout(before)
-    return plain
-
-
 def accept(sock: socket.socket, timeout: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
-    """The server side of a tcp connection just accepted: authenticated (when this process has an identity) or as is.
-
-    Unix sockets pass as they are (the socket file's permissions guard them).
-    """
-    ident = identity()
-    if ident is None or sock.family == socket.AF_UNIX:
-        return sock
-    return _handshake(sock, ident.server_context, True, timeout)
+    """The server side of a tcp connection just accepted, with this process's identity (:func:`transfer.handshake.accept`)."""
+    return handshake.accept(sock, identity(), timeout)
 
 
 def connect(sock: socket.socket, timeout: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
     """The client side of :func:`accept`, on a socket just connected."""
-    ident = identity()
-    if ident is None or sock.family == socket.AF_UNIX:
-        return sock
-    return _handshake(sock, ident.client_context, False, timeout)
+    return handshake.connect(sock, identity(), timeout)
 
 
 def create_connection(address: tuple[str, int], timeout: float) -> socket.socket:
     """``socket.create_connection`` followed by :func:`connect`; closes the socket if the handshake fails."""
-    sock = socket.create_connection(address, timeout=timeout)
-    try:
-        return connect(sock, timeout)
-    except BaseException:
-        sock.close()
-        raise
+    return handshake.create_connection(address, timeout, identity())
 
 
 # -- a cluster's CA and certificate ---------------------------------------------------------
@@ -271,5 +181,5 @@ def generate(directory: str | Path, days: int = VALID_DAYS) -> Identity:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, directory / name)
-    _load.cache_clear()
+    load_identity.cache_clear()
     return Identity.load(directory)

@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
-from kvstore.service import segment_from_pb
+from kvstore.wire import segment_from_pb
 from mooncake.blocks import block_keys
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
@@ -52,7 +52,8 @@ from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.engine.tokenizer import tokenizer_or_none
-from mooncake.serving.engines import EngineKind, build_engine
+from mooncake.serving.build import build_engine
+from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from mooncake.engine.stage_process import StagePush, StageRequest

@@ -109,6 +109,7 @@ def test_every_component_speaks_mutual_tls_with_the_certificates_the_chart_makes
     import threading
 
     from mooncake import tls
+    from transfer.handshake import handshake as transfer_handshake
 
     docs = render()
     containers = mooncake_containers(docs)
@@ -131,7 +132,7 @@ def test_every_component_speaks_mutual_tls_with_the_certificates_the_chart_makes
         def serve() -> None:
             conn, _ = listener.accept()
             try:
-                tls._handshake(conn, tls.Identity.load(server_dir).server_context, True, 5).close()
+                transfer_handshake(conn, tls.Identity.load(server_dir).server_context, True, 5).close()
             except OSError as e:
                 errors.append(e)
 
@@ -139,7 +140,7 @@ def test_every_component_speaks_mutual_tls_with_the_certificates_the_chart_makes
         t.start()
         try:
             client = socket.create_connection(listener.getsockname(), timeout=5)
-            tls._handshake(client, tls.Identity.load(client_dir).client_context, False, 5).close()
+            transfer_handshake(client, tls.Identity.load(client_dir).client_context, False, 5).close()
         finally:
             t.join(10)
             listener.close()

@@ -343,7 +343,7 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
     import threading
 
     from kvnodes import start_node
-    from kvstore.service import segment_to_pb
+    from kvstore.wire import segment_to_pb
     from prefill.worker import PrefillConfig, PrefillWorker
     from protos import conductor_pb2 as cpb
     from protos import worker_pb2 as wpb

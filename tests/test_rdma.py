@@ -27,7 +27,7 @@ import pytest
 from kvnodes import REPO, rdma_unavailable, start_node, wait_for
 
 from kvstore.client import KVStoreClient
-from kvstore.service import segment_from_pb, segment_to_pb
+from kvstore.wire import segment_from_pb, segment_to_pb
 from transfer import MemoryRegistry, RedisRegistry, Segment, TransferConfig, TransferEngine
 from transfer.rdma import CONSTANTS, RdmaUnavailable, _pyverbs, probe, qp_attr, send_chain
 from transfer.verbs import PortInfo, QPSettings, rc_transitions
@@ -364,13 +364,13 @@ def test_a_stopped_pool_node_still_serves_over_rdma_and_a_killed_one_fails_namin
 
 @pytest.mark.parametrize("transport", ["fake-rdma", pytest.param("rdma", marks=pytest.mark.rdma)], indirect=True)
 def test_the_transfer_benchmark_measures_rdma(transport, tmp_path):
-    """``benchmarks/transfer_bench.py --backend rdma`` end to end, briefly: its owner process registers the segment,
+    """``python -m benchmarks.transfer_bench --backend rdma`` end to end, briefly: its owner process registers the segment,
     and rdma reads and writes are measured without error (on the fake fabric, the figures are process_vm_readv's,
     not a NIC's)."""
     import json
 
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "benchmarks/transfer_bench.py", "--backend", "rdma", "--no-tune", "--seconds",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.transfer_bench", "--backend", "rdma", "--no-tune", "--seconds",
                           "0.1", "--rounds", "1", "--sizes", "64KiB", "--batch-slices", "0", "--no-progress", "--json",
                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -72,7 +72,8 @@ def _layout(args: dict) -> str:
 
     from mooncake.engine.config import EngineConfig
     from mooncake.engine.request import SamplingParams
-    from mooncake.serving.engines import EngineKind, build_engine
+    from mooncake.serving.build import build_engine
+    from mooncake.serving.engines import EngineKind
 
     class Capture:
         """Stands where the prefill worker's PoolConnector does: keeps each layer of the prompt's blocks."""

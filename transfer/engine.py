@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 
 from transfer.backend import Backend, Job, ShmBackend
 from transfer.batch import TransferBatch
+from transfer.handshake import load_identity
 from transfer.region import SharedRegion
 from transfer.registry import MemoryRegistry, SegmentRegistry
 from transfer.verbs import QPSettings
@@ -42,6 +43,7 @@ from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, h
 log = logging.getLogger(__name__)
 
 BACKEND_ENV = "MOONCAKE_TRANSFER_BACKEND"  # the default backend where a config or flag names none (auto unset)
+TLS_ENV = "MOONCAKE_TLS_DIR"  # the default certificate directory (mooncake.tls: the whole cluster's identity)
 
 
 def default_backend() -> BackendKind:
@@ -78,6 +80,10 @@ class TransferConfig(BaseModel):
     shm_threads: int = Field(2, ge=1, le=64, description="threads that copy large shm batches")
     shm_inline_bytes: int = Field(4 << 20, ge=0, description="shm batches up to this size are copied by the caller, before read/write returns")
     segment_cache_ttl_s: float = Field(5.0, ge=0)
+    tls_dir: str | None = Field(default_factory=lambda: os.environ.get(TLS_ENV) or None, description="the cluster's "
+                                "certificate directory (ca.crt, tls.crt, tls.key): every tcp connection, made or "
+                                f"accepted, shows it and asks the peer for one from the same CA (default: ${TLS_ENV}, "
+                                "else none: unauthenticated)")  # fmt: skip
 
 
 class TransportChoice(BaseModel):
@@ -149,9 +155,11 @@ class TransferEngine:
         self._cache: dict[str, tuple[float, Segment]] = {}  # from the registry, for segment_cache_ttl_s
         self._taught: dict[str, Segment] = {}  # from add_segment
         self._lock = threading.Lock()
-        self._server = TcpServer(config.listen_host, config.port, self._local.get, self._guards.get) if config.serve else None
+        identity = load_identity(config.tls_dir) if config.tls_dir else None
+        self._server = (TcpServer(config.listen_host, config.port, self._local.get, self._guards.get, identity)
+                        if config.serve else None)  # fmt: skip
         self._shm = ShmBackend(config.shm_threads, self._local.get, config.shm_inline_bytes)
-        self._tcp = TcpBackend(config.tcp_connections, config.connect_timeout_s, config.io_timeout_s)
+        self._tcp = TcpBackend(config.tcp_connections, config.connect_timeout_s, config.io_timeout_s, identity)
         self._rdma: RdmaBackend | None = None
         if choice is not None:
             self._rdma = RdmaBackend(choice, QPSettings(port_num=choice.port, gid_index=config.rdma_gid_index),

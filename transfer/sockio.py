@@ -20,7 +20,7 @@ import ssl
 import threading
 import time
 
-from mooncake import tls
+from transfer import handshake
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,10 @@ class ConnectionServer:
     and shuts every open connection down, which ends their handlers.
     """
 
-    def __init__(self, listeners: list[socket.socket], handle, name: str) -> None:
+    def __init__(self, listeners: list[socket.socket], handle, name: str,
+                 identity: handshake.Identity | None = None) -> None:  # fmt: skip
         self._listeners = listeners
+        self._identity = identity  # None: every peer is let in (transfer.handshake)
         self._handle = handle
         self._name = name
         self._conns: set[socket.socket] = set()
@@ -167,11 +169,11 @@ class ConnectionServer:
                 conn.close()
 
     def _authenticate(self, conn: socket.socket, addr) -> socket.socket | None:
-        """The connection once its peer has shown the cluster's certificate (mooncake.tls); None if it has not."""
+        """The connection once its peer has shown the cluster's certificate (transfer.handshake); None if it has not."""
         with self._lock:
             self._conns.discard(conn)
         try:
-            plain = tls.accept(conn)
+            plain = handshake.accept(conn, self._identity)
         except (ssl.SSLError, OSError) as e:
             conn.close()
             if not self.closed:

@@ -20,7 +20,7 @@ caller's queue-pair description, answered with the server's (transfer/rdma.py).
 ``token`` is the capability the segment's owner issued for those bytes (Slice.token);
 a segment served with a guard (a pool node's DRAM) answers an error, and reads or writes
 nothing, unless its guard accepts the token for exactly that range. Each connection is
-authenticated first (mooncake.tls).
+authenticated first (transfer.handshake).
 
 A connection that breaks (peer killed, reset, or silent past ``io_timeout_s`` while an
 answer is due) fails every job queued or in flight on it at once, with the peer named
@@ -38,7 +38,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from mooncake import tls
+from transfer import handshake
+from transfer.handshake import Identity
 from transfer.backend import Backend, Job, fail_jobs
 from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, keepalive, recv_exact, recv_some, send_all
 from transfer.types import BackendKind, OpKind, Segment, TransferError
@@ -74,14 +75,14 @@ class TcpServer:
     """
 
     def __init__(self, host: str, port: int, lookup: Callable[[str], memoryview | None],
-                 guard: Callable[[str], Guard | None] = lambda name: None) -> None:  # fmt: skip
+                 guard: Callable[[str], Guard | None] = lambda name: None, identity: Identity | None = None) -> None:  # fmt: skip
         self._lookup = lookup
         self._guard = guard
         # set by an engine with an RDMA port: the caller's half of a queue pair -> (our half, a callable freeing ours)
         self.rdma_accept: Callable[[bytes], tuple[bytes, Callable[[], None]]] | None = None
         listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.port = listener.getsockname()[1]
-        self._server = ConnectionServer([listener], self._serve, "tcp-serve")
+        self._server = ConnectionServer([listener], self._serve, "tcp-serve", identity)
 
     def _serve(self, conn: socket.socket) -> None:
         releases: list[Callable[[], None]] = []  # the queue pairs accepted on this connection: they live as long as it
@@ -172,10 +173,10 @@ class _Connection:
 
     _ids = itertools.count(1)
 
-    def __init__(self, addr: str, node: str, connect_timeout: float, io_timeout: float) -> None:
+    def __init__(self, addr: str, node: str, connect_timeout: float, io_timeout: float, identity: Identity | None) -> None:
         self.addr, self.node = addr, node
         try:
-            self._sock = tls.create_connection(parse_addr(addr), connect_timeout)  # authenticated (mooncake.tls)
+            self._sock = handshake.create_connection(parse_addr(addr), connect_timeout, identity)  # authenticated
         except OSError as e:
             raise TransferError(f"peer {node!r} at {addr}: cannot connect: {e}") from e
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -359,12 +360,13 @@ class TcpBackend(Backend):
 
     kind = BackendKind.TCP
 
-    def __init__(self, connections: int, connect_timeout: float, io_timeout: float) -> None:
+    def __init__(self, connections: int, connect_timeout: float, io_timeout: float, identity: Identity | None = None) -> None:
         if connections < 1:
             raise ValueError(f"tcp connections per peer must be at least 1, got {connections}")
         self._n = connections
         self._connect_timeout = connect_timeout
         self._io_timeout = io_timeout
+        self._identity = identity
         self._links: dict[str, list[_Connection]] = {}
         self._rr = itertools.count()
         self._lock = threading.Lock()
@@ -374,7 +376,7 @@ class TcpBackend(Backend):
         """Send an RDMA CONNECT to the transfer server at ``addr`` on a connection of its own; return its answer and
         the connection, which the caller keeps open exactly as long as it uses the queue pair (closing it frees the
         server's half)."""
-        sock = tls.create_connection(parse_addr(addr), self._connect_timeout)
+        sock = handshake.create_connection(parse_addr(addr), self._connect_timeout, self._identity)
         try:
             sock.settimeout(self._io_timeout)
             sock.sendall(REQUEST.pack(OP_RDMA_CONNECT, 0, 0, 0, 0, len(request)) + request)
@@ -401,7 +403,7 @@ class TcpBackend(Backend):
                 raise TransferError("transfer engine is closed")
             link = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is None]
             while len(link) < self._n:
-                link.append(_Connection(segment.tcp_addr, segment.node, self._connect_timeout, self._io_timeout))
+                link.append(_Connection(segment.tcp_addr, segment.node, self._connect_timeout, self._io_timeout, self._identity))
             self._links[segment.tcp_addr] = link
             return link
 

@@ -16,7 +16,8 @@ worker's ``PoolConnector``, which each engine calls after every layer of a step.
 
 ``--engine native`` (the default) is ``mooncake.engine.LLMEngine``; ``--engine vllm`` is
 ``mooncake.vllm_engine.VllmEngine``, which imports vLLM only when chosen. A third engine
-is one more class with these members and one more branch in ``build_engine``.
+is one more class with these members and one more branch in ``mooncake.serving.build``'s
+``build_engine``: this module is the interface the engines implement, and imports none of them.
 
 The engine kind is part of the model fingerprint, so a native worker and a vLLM worker
 never share pool blocks (their KV differs in the last bits) and a gateway that computed
@@ -33,7 +34,6 @@ from typing import Any, Protocol
 import torch
 
 from mooncake.blocks import model_fingerprint
-from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.loader import model_identity
 from mooncake.engine.request import SamplingParams
@@ -83,27 +83,6 @@ def engine_fingerprint(kind: EngineKind, model: str, dtype: torch.dtype) -> byte
     """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model``."""
     identity = model_identity(model, dtype)
     return model_fingerprint(identity if kind is EngineKind.NATIVE else f"{kind.value}:{identity}")
-
-
-def build_engine(kind: EngineKind, config: EngineConfig, *, vllm_args: dict[str, Any] | None = None, tokenizer=None,
-                 connector=None, kv_cache_buffer=None) -> WorkerEngine:  # fmt: skip
-    """Build the worker's engine. ``connector`` is the prefill worker's PoolConnector (None on decode);
-    ``kv_cache_buffer`` (native, CPU) places the paged cache in the memory it returns (LLMEngine).
-
-    Raises ValueError for a configuration the engine refuses.
-    """
-    if kind is EngineKind.NATIVE:
-        from mooncake.engine.engine import LLMEngine
-
-        engine = LLMEngine(config, connector=connector, tokenizer=tokenizer, kv_cache_buffer=kv_cache_buffer)
-        if connector is not None:
-            connector.bind(engine.runner.kv_cache)
-        return engine
-    if kind is EngineKind.VLLM:
-        from mooncake.vllm_engine.engine import VllmEngine
-
-        return VllmEngine(config, vllm_args or {}, tokenizer=tokenizer, pusher=connector)
-    raise ValueError(f"unknown engine {kind!r}")
 
 
 def parse_vllm_args(pairs: Sequence[str]) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.serving.engines import EngineKind, build_engine
+from mooncake.serving.build import build_engine
+from mooncake.serving.engines import EngineKind
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.text import TextStream
 from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Unavailable

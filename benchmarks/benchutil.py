@@ -1,4 +1,5 @@
-"""Helpers the benchmarks share: sizes, timing loops, the machine's description, a cleanup Ctrl-C cannot cut short."""
+"""Helpers the benchmarks share: sizes, timing loops, percentiles, the machine's description, a cleanup Ctrl-C cannot
+cut short."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Literal
+
+import numpy as np
 
 
 def resolve_model(args, workdir: Path) -> tuple[Path, str]:
@@ -65,6 +69,26 @@ def timed_loop(op, seconds: float, min_ops: int = 5) -> tuple[list[float], float
 
 def p50_us(durations: list[float]) -> float:
     return statistics.median(durations) * 1e6 if durations else 0.0
+
+
+def percentile(
+    values: Sequence[float] | np.ndarray, q: float, method: Literal["linear", "rank"] = "linear", empty: float | None = None
+) -> float | None:
+    """The ``q``-th percentile (0 to 100) of ``values``, or ``empty`` when there are none; called once a figure.
+
+    ``method``: ``"linear"``, numpy's default, interpolates between the two closest ranks (replay.py, the simulator,
+    chaos.py); ``"rank"`` takes the sorted values' element at index ``floor(q / 100 * n)``, no interpolation
+    (overload_bench.py, conductor_bench.py). The two give different numbers on the same values, so each benchmark
+    keeps the one its recorded results were computed with.
+    """
+    if not len(values):
+        return empty
+    if method == "linear":
+        return float(np.percentile(values, q))
+    if method == "rank":
+        ordered = sorted(values)
+        return float(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))])
+    raise ValueError(f"unknown percentile method {method!r}; use linear or rank")
 
 
 def describe_machine(**versions: str) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """Copying KV blocks on the CPU: a gather and a scatter (``index_select`` + ``index_copy_``, what every hand-off did)
 against ``mooncake.engine.blockcopy.copy_blocks`` (one ``copy_`` per run of blocks consecutive on both sides).
 
-    python benchmarks/blockcopy_bench.py [--blocks 256] [--layers 30] [--threads 1]
+    python -m benchmarks.blockcopy_bench [--blocks 256] [--layers 30] [--threads 1]
 
 The default shape is SmolLM2-135M's KV (30 layers, 3 KV heads of 64, float32, 16-token blocks) for a 4,096-token
 prompt: 188 MiB. Three copies, each timed both ways in the same run (median of ``--reps``):
@@ -20,12 +20,10 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mooncake.engine.blockcopy import copy_blocks  # noqa: E402
+from mooncake.engine.blockcopy import copy_blocks
 
 
 def timed(fn, reps: int) -> float:

@@ -1,6 +1,6 @@
 """Chaos: the same replay with a component SIGKILLed mid-run; what each kind of failure costs a request.
 
-    python benchmarks/chaos.py [--json PATH] [--model smollm2-135m|DIR] [--quick] [--victims prefill-0,decode-0,conductor,kv1]
+    python -m benchmarks.chaos [--json PATH] [--model smollm2-135m|DIR] [--quick] [--victims prefill-0,decode-0,conductor,kv1]
 
 1. A LocalCluster starts (the Conductor, ``--prefill`` prefill workers each with its pool
    node ``kv{i}``, ``--decode`` decode workers; every component its own process, one torch
@@ -57,6 +57,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import grpc
+import torch
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import (
@@ -69,14 +70,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(REPO))
-
-import torch
-from benchutil import describe_machine, resolve_model, run_interruptible, shielded
-
-from mooncake import tls  # noqa: E402
+from benchmarks.benchutil import describe_machine, percentile, resolve_model, run_interruptible, shielded
+from mooncake import tls
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.launcher import ClusterConfig, LocalCluster
 from mooncake.engine.loader import model_identity
@@ -87,6 +82,7 @@ from mooncake.serving.types import BackendError, GenerationRequest
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
 
+REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("chaos")
 
 GOAL_RECOMPUTED_BLOCKS = 1  # a resumed stream recomputes at most this many blocks
@@ -406,16 +402,6 @@ def code_mtimes() -> dict[str, float]:
 
 
 # -- the numbers -----------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between the closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def fault_kinds(rec: RequestRecord) -> list[str]:

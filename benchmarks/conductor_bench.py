@@ -1,6 +1,6 @@
 """Conductor benchmark: decision latency and rate for a 100k-token prompt, in process, over gRPC and over the fast path.
 
-    python benchmarks/conductor_bench.py [--json PATH] [--prefill 64] [--decode 8] [--blocks 1000000]
+    python -m benchmarks.conductor_bench [--json PATH] [--prefill 64] [--decode 8] [--blocks 1000000]
                                          [--prompt-tokens 100000] [--decisions 2000] [--seconds 5]
 
 The cluster: ``--prefill`` prefill instances, each on its own kvstore node, ``--decode``
@@ -38,20 +38,17 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from benchutil import describe_machine  # noqa: E402
-from conductor.core import Conductor, ConductorConfig  # noqa: E402
-from conductor.index import ROOT, chain_parents  # noqa: E402
-from conductor.fastpath import start_fast_path  # noqa: E402
-from conductor.service import ConductorService, ConductorServicer, start_server  # noqa: E402
-from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest  # noqa: E402
-from kvstore.events import Tier  # noqa: E402
-from mooncake import tls  # noqa: E402
+from benchmarks.benchutil import describe_machine, percentile
+from conductor.core import Conductor, ConductorConfig
+from conductor.index import ROOT, chain_parents
+from conductor.fastpath import start_fast_path
+from conductor.service import ConductorService, ConductorServicer, start_server
+from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest
+from kvstore.events import Tier
+from mooncake import tls
 
 BLOCK_TOKENS = 16
 NUM_CHAINS = 16
@@ -119,7 +116,7 @@ def in_process(conductor: Conductor, chains, args, rng) -> dict:
             conductor.finished(placed.pop(0), now)
         now += 0.01
     durations.sort()
-    return {"p50_ms": durations[len(durations) // 2] * 1e3, "p99_ms": durations[int(len(durations) * 0.99)] * 1e3,
+    return {"p50_ms": percentile(durations, 50, "rank") * 1e3, "p99_ms": percentile(durations, 99, "rank") * 1e3,
             "mean_ms": statistics.fmean(durations) * 1e3, "rate": len(durations) / sum(durations),
             "decisions": len(durations), "counters": vars(conductor.counters)}  # fmt: skip
 
@@ -227,11 +224,11 @@ def over_the_wire(service: ConductorService, chains, args) -> dict:
                     runs = [queue.get(timeout=args.seconds + 120) for _ in procs]
                     for p in procs:
                         p.join(30)
-                    all_d = sorted(d for run in runs for d in run)
+                    all_d = [d for run in runs for d in run]
                     rate = sum(len(run) / sum(run) for run in runs)
                     results[f"{method} x{clients}, {transport}"] = {
                         "transport": transport, "method": method, "clients": clients, "calls": len(all_d), "rate": rate,
-                        "p50_ms": all_d[len(all_d) // 2] * 1e3, "p99_ms": all_d[int(len(all_d) * 0.99)] * 1e3}  # fmt: skip
+                        "p50_ms": percentile(all_d, 50, "rank") * 1e3, "p99_ms": percentile(all_d, 99, "rank") * 1e3}  # fmt: skip
                     with service._lock:  # keep the cluster in a steady state between runs
                         heartbeat_all(service.conductor, time.monotonic(), random.Random(clients))
                         service.conductor.forecast.expire(time.monotonic() + 1e6)

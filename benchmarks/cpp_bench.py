@@ -1,13 +1,13 @@
 """Chunked pipeline parallelism: TTFT of one long prompt through X pipeline stages against one stage, same run.
 
-    python benchmarks/cpp_bench.py [--quick] [--model NAME|DIR] [--long 8192] [--short 256] [--chunk 512]
+    python -m benchmarks.cpp_bench [--quick] [--model NAME|DIR] [--long 8192] [--short 256] [--chunk 512]
                                    [--stages 2 3] [--processes | --cluster] [--json PATH]
 
 Each stage computes with one thread (``torch.set_num_threads(1)``), so X stages use X
 cores; the baseline is the same code with one stage holding every layer, on one core.
 Stages run as threads of this process (mooncake/engine/pipeline.py: torch releases the
 GIL inside its kernels; the hidden states of a chunk pass in memory), or with
-``--processes`` as processes (mooncake/engine/stage_process.py: a chunk's hidden states
+``--processes`` as processes (prefill/stage_process.py: a chunk's hidden states
 through the transfer engine, shm here), the baseline then a single stage process too.
 TTFT here is the prefill alone (from the first chunk to the first token), the median
 of ``--repeats`` runs (``--long-repeats`` for the long prompt). With ``--cluster`` it is
@@ -24,24 +24,19 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchutil import describe_machine, resolve_model  # noqa: E402
-
-from mooncake.engine.model_args import ModelArgs  # noqa: E402
-from mooncake.engine.pipeline import LocalPipeline  # noqa: E402
-from mooncake.engine.request import SamplingParams  # noqa: E402
-from mooncake.engine.stage import PipelineStage, split_layers  # noqa: E402
-from mooncake.engine.stage_process import ProcessPipeline, StageRequest, StageSpec  # noqa: E402
-from mooncake.engine.weights import load_hf_config  # noqa: E402
+from benchmarks.benchutil import describe_machine, resolve_model
+from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.pipeline import LocalPipeline
+from mooncake.engine.request import SamplingParams
+from mooncake.engine.stage import PipelineStage, split_layers
+from mooncake.engine.weights import load_hf_config
+from prefill.stage_process import ProcessPipeline, StageRequest, StageSpec
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

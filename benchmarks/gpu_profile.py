@@ -1,7 +1,7 @@
 """Where a GPU engine's time goes: per-step times of gpu_bench.py's throughput workload, and one 4,096-token prefill
 under torch's profiler.
 
-    python benchmarks/gpu_profile.py        # on a CUDA machine; prints, writes nothing
+    python -m benchmarks.gpu_profile        # on a CUDA machine; prints, writes nothing
 
 Makes gpu_bench.py's random-weight llama-1b, runs its 64 x 512/128 workload stepping the engine by hand and timing
 each step (split into steps that mix prefill chunks with decodes and pure decode steps, by batch size), then a
@@ -21,12 +21,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_bench import SHAPES, engine_for, ours_decode_step, ours_ttft, prompts  # noqa: E402
-from mooncake.engine import SamplingParams  # noqa: E402
-from mooncake.engine.tiny import make_tiny  # noqa: E402
+from benchmarks.gpu_bench import SHAPES, engine_for, ours_decode_step, ours_ttft, prompts
+from mooncake.engine import SamplingParams
+from mooncake.engine.tiny import make_tiny
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """KV store benchmark: put and get through a kvstore node process, against Redis SET and GET.
 
-    python benchmarks/kvstore_bench.py [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB]
+    python -m benchmarks.kvstore_bench [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB]
 
 For each block size a node is started as its own process (``python -m kvstore``, a
 ``--dram-mib`` DRAM tier) and filled once, so its shared memory is touched before
@@ -36,23 +36,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
+import redis
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchmarks.benchutil import describe_machine, human, parse_size, timed_loop
+from kvstore.client import KVStoreClient
+from mooncake.localproc import RedisServer
+from mooncake.serving.process import parse_ready
+from transfer import BackendKind, TransferConfig, TransferEngine
+
 REPO = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(REPO))
-
-import grpc  # noqa: E402
-import redis  # noqa: E402
-from benchutil import describe_machine, human, parse_size, timed_loop  # noqa: E402
-from mooncake.localproc import RedisServer  # noqa: E402
-from mooncake.serving.process import parse_ready  # noqa: E402
-
-from kvstore.client import KVStoreClient  # noqa: E402
-from transfer import BackendKind, TransferConfig, TransferEngine  # noqa: E402
 
 MIB = 1 << 20
 GOAL_GET_VS_REDIS = 3.0  # store get vs Redis GET, at GOAL_SIZE

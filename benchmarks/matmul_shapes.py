@@ -1,6 +1,6 @@
 """fp32 matmul speed on the shapes of a decode step, in both operand orders.
 
-    python benchmarks/matmul_shapes.py [--rows 32] [--model-dir DIR]
+    python -m benchmarks.matmul_shapes [--rows 32] [--model-dir DIR]
 
 For each weight of the model (fused qkv, o_proj, fused gate/up, down, LM head) it times
 ``h @ W^T`` (``F.linear``) and ``W @ h^T`` at ``--rows`` rows and prints GFLOP/s and

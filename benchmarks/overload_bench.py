@@ -1,6 +1,6 @@
 """Overload: how fast a refused request hears 429, and whether the accepted ones still meet the SLOs.
 
-    python benchmarks/overload_bench.py [--url URL] [--model smollm2-135m | --quick] [--factor 10] [--open-s 30]
+    python -m benchmarks.overload_bench [--url URL] [--model smollm2-135m | --quick] [--factor 10] [--open-s 30]
                                         [--burst 300] [--capacity-s 20] [--concurrency 4] [--json PATH]
 
 Without ``--url`` it starts the cluster ``mooncake up`` starts (one prefill worker with its
@@ -37,13 +37,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "benchmarks"))
-
-from benchutil import describe_machine, resolve_model, shielded  # noqa: E402
-from replay import Outcome, RequestResult, tail_tbt  # noqa: E402
+from benchmarks.benchutil import describe_machine, percentile, resolve_model, shielded
+from benchmarks.replay import Outcome, RequestResult, tail_tbt
 
 GOAL_OPEN_P99_S = 0.050
 GOAL_BURST_P99_S = 1.0
@@ -194,13 +189,6 @@ async def burst(url: str, n: int, args, rng: random.Random) -> list[RequestResul
     return results
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
-
-
 def summarize(results: list[RequestResult], span_s: float, ttft_slo_s: float, tbt_slo_s: float) -> dict:
     ok = [r for r in results if r.outcome is Outcome.OK]
     refused = [r.e2e_s for r in results if r.outcome is Outcome.REJECTED]
@@ -210,15 +198,15 @@ def summarize(results: list[RequestResult], span_s: float, ttft_slo_s: float, tb
         if r.outcome is Outcome.REJECTED:
             by_reason.setdefault(str(r.error), []).append(r.e2e_s)
     reasons = {k: len(v) for k, v in by_reason.items()}
-    reason_p99_s = {k: _pct(v, 99) for k, v in by_reason.items()}
+    reason_p99_s = {k: percentile(v, 99, "rank") for k, v in by_reason.items()}
     within = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tbt_s or 0.0) <= tbt_slo_s]
     out = {"offered": len(results), "offered_rate_rps": len(results) / span_s if span_s else None, "accepted": len(ok),
            "rejected": len(refused), "reasons": reasons, "reject_p99_s_by_reason": reason_p99_s, "errors": len(errors), "first_errors": errors[:3],
            "accepted_within_slo": len(within), "accepted_within_slo_share": len(within) / len(ok) if ok else None}  # fmt: skip
     for q in (50, 90, 99, 100):
-        out[f"reject_p{q}_s"] = _pct(refused, q)
-        out[f"ttft_p{q}_s"] = _pct([r.ttft_s for r in ok], q)
-        out[f"tbt_p{q}_s"] = _pct([r.tbt_s or 0.0 for r in ok], q)
+        out[f"reject_p{q}_s"] = percentile(refused, q, "rank")
+        out[f"ttft_p{q}_s"] = percentile([r.ttft_s for r in ok], q, "rank")
+        out[f"tbt_p{q}_s"] = percentile([r.tbt_s or 0.0 for r in ok], q, "rank")
     return out
 
 

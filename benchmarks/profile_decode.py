@@ -1,6 +1,6 @@
 """Where a steady-state decode step spends its time: step timings plus a torch profile.
 
-    python benchmarks/profile_decode.py [--batch 32] [--prompt-len 512] [--model-dir DIR]
+    python -m benchmarks.profile_decode [--batch 32] [--prompt-len 512] [--model-dir DIR]
 
 Prefills ``--batch`` random prompts, then times 15 pure-decode steps (min and median)
 and profiles 5 more with torch.profiler (aten ops only: the compiled attention kernel

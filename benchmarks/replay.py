@@ -1,6 +1,6 @@
 """Replay a Mooncake-format trace against any OpenAI-compatible endpoint and measure the paper's SLO metrics.
 
-    python benchmarks/replay.py --trace PATH --url URL --model NAME [--speed S] [--sweep 0.5,1,2,4]
+    python -m benchmarks.replay --trace PATH --url URL --model NAME [--speed S] [--sweep 0.5,1,2,4]
         [--block-tokens B] [--max-input T] [--output-scale X] [--max-output N] [--limit N]
         [--ttft-slo s] [--tbt-slo s] [--json PATH] [--plot PATH]
 
@@ -76,6 +76,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from benchmarks.benchutil import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -411,10 +413,6 @@ def replay(requests: list[TraceRequest], url: str, model: str, *, speed: float =
             "requests": [asdict(r) for r in results]}  # fmt: skip
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def summarize(results: list[RequestResult], ttft_slo_s: float, tbt_slo_s: float, span_s: float, wall_s: float) -> dict:
     """Counts, percentiles (over completed requests), SLO attainment (effective / all), cache hits, rates."""
     ok = [r for r in results if r.outcome is Outcome.OK]
@@ -435,7 +433,7 @@ def summarize(results: list[RequestResult], ttft_slo_s: float, tbt_slo_s: float,
         "first_error": next((r.error for r in results if r.outcome is Outcome.ERROR), None),
     }  # fmt: skip
     for q in (50, 90, 99):
-        out[f"ttft_p{q}_s"], out[f"tbt_p{q}_s"] = _pct(ttft, q), _pct(tbt, q)
+        out[f"ttft_p{q}_s"], out[f"tbt_p{q}_s"] = percentile(ttft, q), percentile(tbt, q)
     out["ttft_mean_s"] = float(np.mean(ttft)) if ttft else None
     out.update(prediction_errors(ok))
     return out
@@ -451,7 +449,7 @@ def prediction_errors(ok: list[RequestResult], within: float = PREDICTION_WITHIN
     out: dict = {"predicted_requests": len(errors), "prediction_within": within,
                  "prediction_within_share": sum(abs(e) <= within for e in errors) / len(errors)}  # fmt: skip
     for q in (10, 50, 90):
-        out[f"prediction_error_p{q}"] = _pct(errors, q)
+        out[f"prediction_error_p{q}"] = percentile(errors, q)
     return out
 
 

@@ -2,7 +2,7 @@
 (posix_fallocate) and populating (MAP_POPULATE) the region at creation change: why transfer.region commits regions up
 front.
 
-    python benchmarks/shm_fault_bench.py [--mib 256]
+    python -m benchmarks.shm_fault_bench [--mib 256]
 
 Prints, for each way of making the region, the time to map it and to write it twice (numpy copies, as the shm
 transfer backend does).

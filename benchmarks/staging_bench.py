@@ -12,7 +12,7 @@ a cold prompt run four ways in the same process, alternating:
     device   into a decode cache on the same device by device copies (what CUDA IPC maps on one host; on the CPU a
              plain copy), the pool written after the request ends as in ``cache``
 
-    python benchmarks/staging_bench.py --model DIR --device cuda --dtype bfloat16 --tokens 4096
+    python -m benchmarks.staging_bench --model DIR --device cuda --dtype bfloat16 --tokens 4096
 
 Prints each mode's median prefill time and its ratio to plain. The e2e_bench overlap measures the same through a
 prefill worker; this one takes the worker, the pool node and gRPC away, to tell the parts apart.

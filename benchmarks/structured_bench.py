@@ -1,6 +1,6 @@
 """What constrained decoding costs: decode throughput of our engine with a JSON schema against without, same run.
 
-    python benchmarks/structured_bench.py [--quick] [--model NAME|DIR] [--requests 8] [--items 40] [--repeats 3]
+    python -m benchmarks.structured_bench [--quick] [--model NAME|DIR] [--requests 8] [--items 40] [--repeats 3]
 
 N concurrent requests (sampled at temperature 1, seeded) are constrained to a JSON array
 of exactly ``--items`` integers in [0, 999] (llguidance, mooncake/engine/grammar.py), so
@@ -16,20 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchutil import describe_machine, resolve_model  # noqa: E402
-
-from mooncake.engine import EngineConfig, LLMEngine  # noqa: E402
-from mooncake.engine.grammar import GrammarBook, grammar_for  # noqa: E402
-from mooncake.engine.request import SamplingParams  # noqa: E402
-from mooncake.engine.tokenizer import Tokenizer  # noqa: E402
+from benchmarks.benchutil import describe_machine, resolve_model
+from mooncake.engine import EngineConfig, LLMEngine
+from mooncake.engine.grammar import GrammarBook, grammar_for
+from mooncake.engine.request import SamplingParams
+from mooncake.engine.tokenizer import Tokenizer
 
 
 class TimedBook(GrammarBook):

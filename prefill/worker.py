@@ -56,7 +56,7 @@ from mooncake.serving.build import build_engine
 from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
-from mooncake.engine.stage_process import StagePush, StageRequest
+from prefill.stage_process import StagePush, StageRequest
 from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import StageGroup
 from protos import worker_pb2 as wpb

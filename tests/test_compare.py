@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import compare  # noqa: E402
+from benchmarks import compare
 
 
 def measured(name: str, kind: str, shares: dict[float, float], rate_at_x1: float = 0.7) -> compare.SystemRun:

@@ -2,7 +2,7 @@
 prefill worker and a pipelined group, against one engine alone on the same GPU.
 
 Skipped where torch sees no GPU (CI, this project's VMs); run on a lent GPU machine with
-``pytest tests/test_cuda.py`` (benchmarks/README.md, "Native workers on CUDA", gives the command used and its results).
+``pytest tests/test_cuda.py`` (benchmarks/results/2026-11-26-native-workers-h200.md gives the command used and its results).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.pipeline import LocalPipeline, chunk_bounds
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.stage import PipelineStage, split_layers
-from mooncake.engine.stage_process import StageRequest
+from prefill.stage_process import StageRequest
 
 BLOCK = 16
 MAX_LEN = 1024
@@ -132,7 +132,7 @@ def test_smollm2_3000_token_prompt_through_2_stages_equals_one_engine(smollm2_di
 
 
 def process_pipeline(model_dir, n: int, max_chunk: int = 64):
-    from mooncake.engine.stage_process import ProcessPipeline, StageSpec
+    from prefill.stage_process import ProcessPipeline, StageSpec
 
     num_layers = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=4, max_model_len=64)).args.num_layers
     return ProcessPipeline([StageSpec(str(model_dir), layers, num_blocks=128, block_size=BLOCK, max_model_len=MAX_LEN,

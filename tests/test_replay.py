@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from benchmarks import replay as rp
+from mooncake.cluster.launcher import Component
 
-import replay as rp  # noqa: E402
-
-from mooncake.cluster.launcher import Component  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 B = 16  # tokens a hash id in these tests
 
@@ -52,8 +50,8 @@ def test_prompts_are_deterministic_across_processes_and_in_the_vocabulary(tmp_pa
     ids = rp.block_token_ids(123, B, 500)
     assert ids == rp.block_token_ids(123, B, 500) and len(ids) == B
     assert all(rp.MIN_TOKEN_ID <= t < 500 for t in ids)
-    code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); import replay; print(list(replay.block_token_ids(123, {B}, 500)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+    code = f"from benchmarks import replay; print(list(replay.block_token_ids(123, {B}, 500)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60,
                          env=os.environ | {"PYTHONHASHSEED": "12345"})  # fmt: skip
     assert json.loads(out.stdout) == list(ids)
     # a salt (a sweep's later rates) gives other tokens for the same id, the same each time

@@ -284,7 +284,7 @@ def test_an_insecure_conductor_says_so_in_its_log_and_in_mooncake_status(monkeyp
 def test_a_stage_inbox_takes_writes_only_with_its_groups_token():
     """What a pipelined group's stage server checks on every write into its inbox (the tcp path between stage
     hosts; tests/test_cpp_hosts.py runs the group across hosts with it)."""
-    from mooncake.engine.stage_process import _inbox_guard, inbox_token
+    from prefill.stage_process import _inbox_guard, inbox_token
 
     key, other = os.urandom(16), os.urandom(16)
     guard = _inbox_guard(inbox_token(key))

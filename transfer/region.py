@@ -9,7 +9,7 @@ tmpfs too small for it fails at start with a clear error, not with SIGBUS at som
 write), and every process maps it populated (``MAP_POPULATE``), paying for its page tables
 once instead of a page fault on each first touch in the middle of a transfer: on this
 project's 2-core VMs a first write into a fresh 256 MiB mapping ran at 1.4 GB/s, into a
-reserved and populated one at 11.1 GB/s (``python benchmarks/shm_fault_bench.py``, 2026-11-26).
+reserved and populated one at 11.1 GB/s (``python -m benchmarks.shm_fault_bench``, 2026-11-26).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.sim.cli import DEFAULT_TRACE, simulate
+from benchmarks.sim.run import DEFAULT_TRACE, simulate
 from benchmarks.sim.cluster import SimConfig
 from benchmarks.sim.model import load_trace, model_config
 from conductor.admission import AdmissionKind

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.sim import cli as sim
+from benchmarks.sim import run as sim
 from benchmarks.sim.cluster import HEARTBEAT_S, STEP_BUDGET_TOKENS, SimConfig
 from benchmarks.sim.model import load_trace, model_config
 from conductor.admission import AdmissionKind

@@ -7,7 +7,7 @@ of another", along one dimension. A gather and a scatter (``index_select`` then
 loops, and where the blocks come in runs that are consecutive on both sides (fresh
 allocations mostly are) one ``copy_`` per run is a memcpy instead. Measured on the 2-core VM
 with torch's one thread, 256 blocks of 30 layers of SmolLM2's KV (180 MiB;
-``python benchmarks/blockcopy_bench.py``): 104 ms as gather and scatter, 47 ms as one run
+``python -m benchmarks.blockcopy_bench``): 104 ms as gather and scatter, 47 ms as one run
 (2.2x); scattered blocks fall back to the gather and scatter (the same 104 ms).
 """
 

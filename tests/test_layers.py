@@ -1,0 +1,128 @@
+"""The code's layers point one way: no module imports, directly or through others, a module that imports it.
+
+Read from the source (every ``import``, at the top or inside a function, except under
+``if TYPE_CHECKING:``), so a cycle shows here before it shows as a half-initialised module
+at run time, and an import moved into a function to hide one still counts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("mooncake", "conductor", "prefill", "decode", "kvstore", "transfer", "protos", "benchmarks")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The project's modules that ``name`` imports (a package's submodule when ``from package import submodule``)."""
+
+    def ours(dotted: str) -> str | None:
+        while dotted and dotted not in mods:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    tree = ast.parse(path.read_text())
+    hidden = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        else:
+            continue
+        out.update(m for m in map(ours, targets) if m is not None and m != name)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_reader_sees_the_imports_it_must_see():
+    graph = _graph()
+    assert "kvstore.wire" in graph["kvstore.client"]  # from kvstore.wire import ...
+    assert "mooncake.tls" in graph["conductor.pool"]  # from mooncake import tls (a submodule by name)
+    assert "mooncake.vllm_engine.engine" in graph["mooncake.serving.build"]  # imported inside a function
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = _cycles(_graph())
+    assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_transfer_engine_and_the_wire_types_stand_alone():
+    """transfer/ is the bottom layer (the pool, the workers and the Conductor's fast path sit on it): it imports
+    nothing of the project outside itself; protos/ (generated) imports only protos/."""
+    graph = _graph()
+    for package in ("transfer", "protos"):
+        outside = {f"{m} -> {d}" for m, deps in graph.items() if m.split(".")[0] == package
+                   for d in deps if d.split(".")[0] != package}  # fmt: skip
+        assert outside == set(), f"{package}/ reaches out: {sorted(outside)}"

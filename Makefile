@@ -9,7 +9,7 @@ MOONCAKE := $(VENV)/bin/mooncake
 MODEL ?= smollm2-135m
 PYTEST_ARGS ?=
 
-.PHONY: up test install dev vllm model redis helm kernel rdma protos clean
+.PHONY: up test lint format install dev vllm model redis helm kernel rdma protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -74,8 +74,18 @@ kernel: $(VENV)/.installed
 	$(PY) -c "import logging; logging.basicConfig(level=logging.INFO); from mooncake.engine.kernels import load_paged_decode; \
 	          print('kernel:', 'built' if load_paged_decode('~/.cache/mooncake/kernels') else 'unavailable (the torch path is used)')"
 
-test: dev vllm model redis helm kernel rdma
+test: dev vllm model redis helm kernel rdma lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff (pyproject.toml [tool.ruff]): the layout is ruff format's, and unused or undefined names, import order and
+# stray whitespace fail the build. `make format` rewrites the tree.
+lint: dev
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: dev
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 # The generated gRPC modules are committed; regenerate them after editing protos/*.proto.
 protos: $(VENV)/.dev

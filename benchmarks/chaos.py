@@ -134,7 +134,9 @@ class Replay:
     load_average: float = 0.0  # 1-minute, at the end
     cpu_machine_s: float = 0.0  # CPU time every process of the machine used during the replay
     cpu_cluster_s: float = 0.0  # of which the cluster's components and this process
-    decode_ok: dict[str, int | None] = field(default_factory=dict)  # requests each decode worker finished (a restarted one: since its restart)
+    decode_ok: dict[str, int | None] = field(
+        default_factory=dict
+    )  # requests each decode worker finished (a restarted one: since its restart)
     requests: list[RequestRecord] = field(default_factory=list)
 
 
@@ -165,10 +167,21 @@ class Report:
 def workload(n: int, max_tokens: int, vocab: int) -> list[GenerationRequest]:
     """``n`` greedy requests sharing ``SHARED_PREFIXES`` prefixes; the same for the same arguments in every run."""
     rng = random.Random(f"chaos/{n}")
-    ids = lambda k: [rng.randrange(32, vocab) for _ in range(k)]
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(32, vocab) for _ in range(k)]
+
     prefixes = [ids(PREFIX_TOKENS) for _ in range(SHARED_PREFIXES)]
-    return [GenerationRequest(f"chaos-{i}", prefixes[i % SHARED_PREFIXES] + ids(rng.randint(*SUFFIX_TOKENS)), max_tokens,
-                              temperature=0.0, ignore_eos=True) for i in range(n)]  # fmt: skip
+    return [
+        GenerationRequest(
+            f"chaos-{i}",
+            prefixes[i % SHARED_PREFIXES] + ids(rng.randint(*SUFFIX_TOKENS)),
+            max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
 
 
 def make_backend(cluster: LocalCluster) -> ClusterBackend:
@@ -176,11 +189,21 @@ def make_backend(cluster: LocalCluster) -> ClusterBackend:
     c = cluster.config
     recovery = RecoveryConfig(hold_s=c.hold_s, retry_budget_s=c.ttft_slo_s)
     fingerprint = model_fingerprint(model_identity(c.model, getattr(torch, c.dtype)))
-    return ClusterBackend(cluster.conductor_address, c.model_name, c.max_model_len, c.block_size, fingerprint, recovery=recovery)
+    return ClusterBackend(
+        cluster.conductor_address, c.model_name, c.max_model_len, c.block_size, fingerprint, recovery=recovery
+    )
 
 
-def replay(cluster: LocalCluster, requests: list[GenerationRequest], concurrency: int, result: Replay, events: Events,
-           progress: Progress, task, console: Console) -> None:  # fmt: skip
+def replay(
+    cluster: LocalCluster,
+    requests: list[GenerationRequest],
+    concurrency: int,
+    result: Replay,
+    events: Events,
+    progress: Progress,
+    task,
+    console: Console,
+) -> None:
     """Run every request, ``concurrency`` at a time, into ``result``; kill ``result.victim`` once a third stream.
 
     After a kill, returns only once the victim is back and registered (``wait_recovered``, watched from the kill on,
@@ -238,7 +261,9 @@ def replay(cluster: LocalCluster, requests: list[GenerationRequest], concurrency
         os.kill(pid, signal.SIGKILL)
         killed_at = time.perf_counter()
         result.kill_s, result.killed_pid, result.streaming_at_kill = killed_at - t0, pid, streaming
-        console.log(f"killed {result.victim} (pid {pid}) at {result.kill_s:.1f} s, {streaming} of {len(requests)} requests streaming")
+        console.log(
+            f"killed {result.victim} (pid {pid}) at {result.kill_s:.1f} s, {streaming} of {len(requests)} requests streaming"
+        )
         watcher.append(threading.Thread(target=watch, args=(killed_at,), name="chaos-recovery-watch", daemon=True))
         watcher[0].start()
 
@@ -264,8 +289,10 @@ def replay(cluster: LocalCluster, requests: list[GenerationRequest], concurrency
         watcher[0].join()
         if failures:
             raise failures[0]
-        console.log(f"{result.victim} back {result.back_after_s:.1f} s after the kill, every instance registered "
-                    f"{result.registered_after_s:.1f} s after it")  # fmt: skip
+        console.log(
+            f"{result.victim} back {result.back_after_s:.1f} s after the kill, every instance registered "
+            f"{result.registered_after_s:.1f} s after it"
+        )
     for name, n in decode_ok(cluster).items():
         before = served.get(name)
         restarted = name == result.victim or before is None or (n is not None and n < before)
@@ -302,7 +329,11 @@ def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, killed
         time.sleep(0.05)
     result.back_after_s = back[0] - killed_at
     c = cluster.config
-    want = {f"kv{i}" for i in range(c.prefill)} | {f"prefill-{i}" for i in range(c.prefill)} | {f"decode-{i}" for i in range(c.decode)}
+    want = (
+        {f"kv{i}" for i in range(c.prefill)}
+        | {f"prefill-{i}" for i in range(c.prefill)}
+        | {f"decode-{i}" for i in range(c.decode)}
+    )
     with tls.grpc_channel(cluster.conductor_address) as channel:
         stub = cpb_grpc.ConductorStub(channel)
         while True:
@@ -314,7 +345,9 @@ def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, killed
             if want <= alive:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"after {victim} was killed, the Conductor lists only {sorted(alive)} alive within {timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"after {victim} was killed, the Conductor lists only {sorted(alive)} alive within {timeout_s:.0f} s"
+                )
             time.sleep(0.05)
     result.registered_after_s = time.perf_counter() - killed_at
 
@@ -361,7 +394,9 @@ class CpuMeter:
     def stop(self) -> tuple[float, float]:
         """(machine CPU s, cluster + this process CPU s) since the meter started."""
         now = self._component_cpu()  # the victim's old process, while the launcher has not started it again: gone, 0
-        cluster = sum(cpu - self._pids.get(pid, 0.0) for pid, cpu in now.items() if pid != self._killed_pid) + self._killed
+        cluster = (
+            sum(cpu - self._pids.get(pid, 0.0) for pid, cpu in now.items() if pid != self._killed_pid) + self._killed
+        )
         return _machine_busy_s() - self._machine, cluster + sum(os.times()[:2]) - self._own
 
 
@@ -375,7 +410,13 @@ def decode_ok(cluster: LocalCluster) -> dict[str, int | None]:
             continue
         try:
             text = httpx.get(f"http://{comp.info['metrics']}/metrics", timeout=5).text
-            out[name] = int(sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith('mooncake_decode_requests_total{outcome="ok"}')))
+            out[name] = int(
+                sum(
+                    float(ln.split()[-1])
+                    for ln in text.splitlines()
+                    if ln.startswith('mooncake_decode_requests_total{outcome="ok"}')
+                )
+            )
         except (httpx.HTTPError, KeyError, ValueError):
             out[name] = None
     return out
@@ -384,9 +425,15 @@ def decode_ok(cluster: LocalCluster) -> dict[str, int | None]:
 def git_state() -> str:
     """The commit checked out, with " + changes" when tracked files differ from it ("unknown" outside a git checkout)."""
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                               check=True)  # fmt: skip
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "")
@@ -427,30 +474,65 @@ def summarize(report: Report) -> tuple[list[dict], list[dict], dict]:
         recomputed = [r.recovery["recomputed_tokens"] for r in resumed]
         gaps = [r.max_gap_s() for r in resumed if r.max_gap_s() is not None]
         differ = [r.request_id for r in ok if base[r.request_id].ok and r.token_ids != base[r.request_id].token_ids]
-        rows.append({
-            "replay": rep.name, "victim": rep.victim, "ok": len(ok), "failed": len(rep.requests) - len(ok),
-            "failed_ids": [r.request_id for r in rep.requests if not r.ok], "outlived": len(outlived),
-            "faults": dict(Counter(f for r in outlived for f in r.recovery["faults"])),
-            "extra_latency_s": extra, "extra_p50_s": percentile(list(extra.values()), 50),
-            "extra_p99_s": percentile(list(extra.values()), 99), "resumed": len(resumed),
-            "recomputed_tokens": sum(recomputed), "loaded_tokens": sum(r.recovery["loaded_tokens"] for r in resumed),
-            "max_recomputed_tokens": max(recomputed, default=None),
-            "max_recomputed_blocks": math.ceil(max(recomputed) / bs) if recomputed else None,
-            "gap_p50_s": percentile(gaps, 50), "gap_max_s": max(gaps, default=None),
-            "differ_from_baseline": differ, "e2e_p50_s": percentile([r.e2e_s for r in ok], 50), "wall_s": rep.wall_s,
-            "kill_s": rep.kill_s, "streaming_at_kill": rep.streaming_at_kill, "back_after_s": rep.back_after_s,
-            "registered_after_s": rep.registered_after_s, "decode_ok": rep.decode_ok, "load_average": rep.load_average,
-            "cpu_machine_s": rep.cpu_machine_s, "cpu_others_s": rep.cpu_machine_s - rep.cpu_cluster_s,
-        })  # fmt: skip
+        rows.append(
+            {
+                "replay": rep.name,
+                "victim": rep.victim,
+                "ok": len(ok),
+                "failed": len(rep.requests) - len(ok),
+                "failed_ids": [r.request_id for r in rep.requests if not r.ok],
+                "outlived": len(outlived),
+                "faults": dict(Counter(f for r in outlived for f in r.recovery["faults"])),
+                "extra_latency_s": extra,
+                "extra_p50_s": percentile(list(extra.values()), 50),
+                "extra_p99_s": percentile(list(extra.values()), 99),
+                "resumed": len(resumed),
+                "recomputed_tokens": sum(recomputed),
+                "loaded_tokens": sum(r.recovery["loaded_tokens"] for r in resumed),
+                "max_recomputed_tokens": max(recomputed, default=None),
+                "max_recomputed_blocks": math.ceil(max(recomputed) / bs) if recomputed else None,
+                "gap_p50_s": percentile(gaps, 50),
+                "gap_max_s": max(gaps, default=None),
+                "differ_from_baseline": differ,
+                "e2e_p50_s": percentile([r.e2e_s for r in ok], 50),
+                "wall_s": rep.wall_s,
+                "kill_s": rep.kill_s,
+                "streaming_at_kill": rep.streaming_at_kill,
+                "back_after_s": rep.back_after_s,
+                "registered_after_s": rep.registered_after_s,
+                "decode_ok": rep.decode_ok,
+                "load_average": rep.load_average,
+                "cpu_machine_s": rep.cpu_machine_s,
+                "cpu_others_s": rep.cpu_machine_s - rep.cpu_cluster_s,
+            }
+        )
         for kind in sorted({k for r in outlived for k in fault_kinds(r)}):
             got = [extra[r.request_id] for r in outlived if kind in fault_kinds(r) and r.request_id in extra]
-            instances = sorted({f.split(":", 1)[1] for r in outlived for f in r.recovery["faults"] if f.startswith(f"{kind}:")})
-            kind_rows.append({"victim": rep.victim, "kind": kind, "instances": instances, "requests": len(got),
-                              "extra_p50_s": percentile(got, 50), "extra_p99_s": percentile(got, 99)})  # fmt: skip
+            instances = sorted(
+                {f.split(":", 1)[1] for r in outlived for f in r.recovery["faults"] if f.startswith(f"{kind}:")}
+            )
+            kind_rows.append(
+                {
+                    "victim": rep.victim,
+                    "kind": kind,
+                    "instances": instances,
+                    "requests": len(got),
+                    "extra_p50_s": percentile(got, 50),
+                    "extra_p99_s": percentile(got, 99),
+                }
+            )
     recomputed = [r.recovery["recomputed_tokens"] for r in resumed_all]
     gaps = [g for r in resumed_all if (g := r.max_gap_s()) is not None]
     warm = next((r for r in report.replays if r.name == "warm-up"), None)
-    unstable = [r.request_id for r in warm.requests if r.ok and base[r.request_id].ok and r.token_ids != base[r.request_id].token_ids] if warm else None
+    unstable = (
+        [
+            r.request_id
+            for r in warm.requests
+            if r.ok and base[r.request_id].ok and r.token_ids != base[r.request_id].token_ids
+        ]
+        if warm
+        else None
+    )
     goals = {
         "resumed_streams": len(resumed_all),
         "max_recomputed_tokens": max(recomputed, default=None),
@@ -466,56 +548,124 @@ def summarize(report: Report) -> tuple[list[dict], list[dict], dict]:
 
 def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict, console: Console) -> None:
     m = report.machine
-    s = lambda v: "" if v is None else f"{v:.2f}"
-    table = Table(title=f"Chaos: one component SIGKILLed once a third of {report.requests} requests stream; {report.model}, "
-                        f"{report.concurrency} at a time, {report.max_tokens} output tokens, block size {report.block_size}, "
-                        f"{m['cpu_model']} ({m['logical_cores']} cores)",
-                  caption="extra = e2e latency minus the same request's in the baseline (requests that outlived a fault), s; "
-                          "recomputed / loaded: resumed streams' tokens computed again / loaded from the pool; gap: the "
-                          "largest gap between two tokens of a resumed stream, s; back / registered: kill -> the victim "
-                          "READY again / the Conductor lists every instance alive, s; e2e p50 over all requests of the "
-                          "replay, s; others' CPU: CPU s other processes of the machine used during the replay / CPU s "
-                          "used by all")  # fmt: skip
-    for col in ("victim", "ok", "failed", "outlived", "extra p50", "extra p99", "resumed", "recomputed / loaded",
-                "max recomputed", "gap p50", "gap max", "= baseline", "back / registered", "e2e p50", "others' CPU"):  # fmt: skip
+
+    def s(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}"
+
+    table = Table(
+        title=f"Chaos: one component SIGKILLed once a third of {report.requests} requests stream; {report.model}, "
+        f"{report.concurrency} at a time, {report.max_tokens} output tokens, block size {report.block_size}, "
+        f"{m['cpu_model']} ({m['logical_cores']} cores)",
+        caption="extra = e2e latency minus the same request's in the baseline (requests that outlived a fault), s; "
+        "recomputed / loaded: resumed streams' tokens computed again / loaded from the pool; gap: the "
+        "largest gap between two tokens of a resumed stream, s; back / registered: kill -> the victim "
+        "READY again / the Conductor lists every instance alive, s; e2e p50 over all requests of the "
+        "replay, s; others' CPU: CPU s other processes of the machine used during the replay / CPU s "
+        "used by all",
+    )
+    for col in (
+        "victim",
+        "ok",
+        "failed",
+        "outlived",
+        "extra p50",
+        "extra p99",
+        "resumed",
+        "recomputed / loaded",
+        "max recomputed",
+        "gap p50",
+        "gap max",
+        "= baseline",
+        "back / registered",
+        "e2e p50",
+        "others' CPU",
+    ):
         table.add_column(col, justify="left" if col == "victim" else "right")
     for r in rows:
         same = "" if r["victim"] is None else (f"{r['ok'] - len(r['differ_from_baseline'])}/{r['ok']}")
-        most = "" if r["max_recomputed_tokens"] is None else f"{r['max_recomputed_tokens']} ({r['max_recomputed_blocks']} blk)"
+        most = (
+            ""
+            if r["max_recomputed_tokens"] is None
+            else f"{r['max_recomputed_tokens']} ({r['max_recomputed_blocks']} blk)"
+        )
         rl = f"{r['recomputed_tokens']} / {r['loaded_tokens']}" if r["resumed"] else ""
         back = f"{s(r['back_after_s'])} / {s(r['registered_after_s'])}" if r["back_after_s"] is not None else ""
         failed = f"[red]{r['failed']}[/]" if r["failed"] else "0"
-        table.add_row(r["victim"] or "baseline", str(r["ok"]), failed, str(r["outlived"]) if r["victim"] else "",
-                      s(r["extra_p50_s"]), s(r["extra_p99_s"]), str(r["resumed"]) if r["victim"] else "", rl, most,
-                      s(r["gap_p50_s"]), s(r["gap_max_s"]), same, back, s(r["e2e_p50_s"]),
-                      f"{r['cpu_others_s']:.0f} / {r['cpu_machine_s']:.0f}")  # fmt: skip
+        table.add_row(
+            r["victim"] or "baseline",
+            str(r["ok"]),
+            failed,
+            str(r["outlived"]) if r["victim"] else "",
+            s(r["extra_p50_s"]),
+            s(r["extra_p99_s"]),
+            str(r["resumed"]) if r["victim"] else "",
+            rl,
+            most,
+            s(r["gap_p50_s"]),
+            s(r["gap_max_s"]),
+            same,
+            back,
+            s(r["e2e_p50_s"]),
+            f"{r['cpu_others_s']:.0f} / {r['cpu_machine_s']:.0f}",
+        )
     console.print(table)
     if kind_rows:
         kinds = Table(title="Extra latency by kind of fault outlived (s; a request outliving two kinds counts in both)")
         for col in ("victim", "fault", "failed instance", "requests", "extra p50", "extra p99"):
             kinds.add_column(col, justify="left" if col in ("victim", "fault", "failed instance") else "right")
         for k in kind_rows:
-            kinds.add_row(k["victim"], k["kind"], ", ".join(k["instances"]), str(k["requests"]), s(k["extra_p50_s"]), s(k["extra_p99_s"]))
+            kinds.add_row(
+                k["victim"],
+                k["kind"],
+                ", ".join(k["instances"]),
+                str(k["requests"]),
+                s(k["extra_p50_s"]),
+                s(k["extra_p99_s"]),
+            )
         console.print(kinds)
-    mark = lambda met: "[yellow]not measured[/] (no resumed stream)" if met is None else ("[green]PASS[/]" if met else "[red]FAIL[/]")
+
+    def mark(met: bool | None) -> str:
+        return (
+            "[yellow]not measured[/] (no resumed stream)"
+            if met is None
+            else ("[green]PASS[/]" if met else "[red]FAIL[/]")
+        )
+
     n = goals["resumed_streams"]
     most = goals["max_recomputed_tokens"]
-    console.print(f"goal: a resumed stream recomputes at most {GOAL_RECOMPUTED_BLOCKS} block ({goals['recompute_goal_tokens']} tokens): "
-                  + (f"at most {most} tokens ({math.ceil(most / report.block_size)} block(s)) over {n} resumed streams " if n else "")
-                  + mark(goals["recompute_met"]))  # fmt: skip
-    console.print(f"goal: gap across the failure < {GOAL_GAP_S:g} s: "
-                  + (f"largest {goals['max_gap_s']:.2f} s over {n} resumed streams " if n else "") + mark(goals["gap_met"]))  # fmt: skip
+    console.print(
+        f"goal: a resumed stream recomputes at most {GOAL_RECOMPUTED_BLOCKS} block ({goals['recompute_goal_tokens']} tokens): "
+        + (
+            f"at most {most} tokens ({math.ceil(most / report.block_size)} block(s)) over {n} resumed streams "
+            if n
+            else ""
+        )
+        + mark(goals["recompute_met"])
+    )
+    console.print(
+        f"goal: gap across the failure < {GOAL_GAP_S:g} s: "
+        + (f"largest {goals['max_gap_s']:.2f} s over {n} resumed streams " if n else "")
+        + mark(goals["gap_met"])
+    )
     if goals["warmup_differs_from_baseline"]:
-        console.print(f"[yellow]note[/]: the two undisturbed replays differ on {len(goals['warmup_differs_from_baseline'])} requests "
-                      f"({', '.join(goals['warmup_differs_from_baseline'][:8])}): outputs are not stable even without faults")  # fmt: skip
+        console.print(
+            f"[yellow]note[/]: the two undisturbed replays differ on {len(goals['warmup_differs_from_baseline'])} requests "
+            f"({', '.join(goals['warmup_differs_from_baseline'][:8])}): outputs are not stable even without faults"
+        )
     if report.code_changed:
-        console.print(f"[red]warning[/]: {len(report.code_changed)} files the components import changed during the run "
-                      f"({', '.join(report.code_changed[:10])}): a component restarted after that runs other code")  # fmt: skip
+        console.print(
+            f"[red]warning[/]: {len(report.code_changed)} files the components import changed during the run "
+            f"({', '.join(report.code_changed[:10])}): a component restarted after that runs other code"
+        )
     for r in rows:
         if r["failed_ids"] or r["differ_from_baseline"]:
-            console.print(f"[red]{r['replay']}[/]: failed {r['failed_ids']}, outputs differing from the baseline {r['differ_from_baseline']}")
-    console.print(f"code {report.git}; cluster start-up (not counted) {report.startup_s:.1f} s; load average {m['load_average'][0]:.2f}; "
-                  f"total wall {report.total_wall_s:.0f} s")  # fmt: skip
+            console.print(
+                f"[red]{r['replay']}[/]: failed {r['failed_ids']}, outputs differing from the baseline {r['differ_from_baseline']}"
+            )
+    console.print(
+        f"code {report.git}; cluster start-up (not counted) {report.startup_s:.1f} s; load average {m['load_average'][0]:.2f}; "
+        f"total wall {report.total_wall_s:.0f} s"
+    )
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -531,47 +681,84 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         vocab = Tokenizer.from_dir(str(model_dir)).vocab_size
         requests = workload(args.requests, args.max_tokens, vocab)
         longest = max(len(r.prompt_token_ids) for r in requests) + args.max_tokens
-        base = {"model": str(model_dir), "model_name": MODEL_NAME, "prefill": args.prefill, "decode": args.decode, "port": 0,
-                "local_prefill": "never",  # every prompt through a prefill worker: the kills hit the hand-off paths
-                # max_model_len in 512s, as the tests: a decode worker's landing slots are two full contexts
-                "threads": args.threads, "workdir": workdir / "cluster", "max_model_len": -(-longest // 512) * 512,
-                "ttft_slo_s": 300.0, "tbt_slo_s": 10.0, "hold_s": args.hold_s, "ready_timeout_s": 600.0}  # fmt: skip
+        base = {
+            "model": str(model_dir),
+            "model_name": MODEL_NAME,
+            "prefill": args.prefill,
+            "decode": args.decode,
+            "port": 0,
+            "local_prefill": "never",  # every prompt through a prefill worker: the kills hit the hand-off paths
+            # max_model_len in 512s, as the tests: a decode worker's landing slots are two full contexts
+            "threads": args.threads,
+            "workdir": workdir / "cluster",
+            "max_model_len": -(-longest // 512) * 512,
+            "ttft_slo_s": 300.0,
+            "tbt_slo_s": 10.0,
+            "hold_s": args.hold_s,
+            "ready_timeout_s": 600.0,
+        }
         block_size = ClusterConfig(**base).block_size
         blocks = sum(-(-(len(r.prompt_token_ids) + args.max_tokens) // block_size) for r in requests) + 64
-        config = ClusterConfig(**base, pool_dram_mib=max(64, math.ceil(blocks * ClusterConfig(**base).block_bytes() / 2**20)))
+        config = ClusterConfig(
+            **base, pool_dram_mib=max(64, math.ceil(blocks * ClusterConfig(**base).block_bytes() / 2**20))
+        )
         report = Report(
-            command=shlex.join([sys.executable, *sys.argv]), started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            machine=describe_machine(torch=torch.__version__, grpc=grpc.__version__), model=model, quick=args.quick, git=git_state(),
-            requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens, block_size=block_size,
-            victims=list(args.victims), config={"cluster": config.model_dump(mode="json")},
-        )  # fmt: skip
-        console.print(f"model {model} ({model_dir}); {args.prefill} prefill + {args.decode} decode workers, {args.threads} torch "
-                      f"thread(s) each; {args.requests} requests, {args.concurrency} at a time; victims {', '.join(args.victims)}")  # fmt: skip
+            command=shlex.join([sys.executable, *sys.argv]),
+            started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            machine=describe_machine(torch=torch.__version__, grpc=grpc.__version__),
+            model=model,
+            quick=args.quick,
+            git=git_state(),
+            requests=args.requests,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            block_size=block_size,
+            victims=list(args.victims),
+            config={"cluster": config.model_dump(mode="json")},
+        )
+        console.print(
+            f"model {model} ({model_dir}); {args.prefill} prefill + {args.decode} decode workers, {args.threads} torch "
+            f"thread(s) each; {args.requests} requests, {args.concurrency} at a time; victims {', '.join(args.victims)}"
+        )
         progress = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=True, disable=args.no_progress,
-        )  # fmt: skip
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=args.no_progress,
+        )
         with progress:
             task = progress.add_task("starting the cluster", total=args.requests * (2 + len(args.victims)))
             t0 = time.perf_counter()
             events = Events(console)
             code = code_mtimes()
-            cluster = LocalCluster(config, lambda msg: (events.on_event(msg), progress.update(task, description=f"cluster: {msg}")))
+            cluster = LocalCluster(
+                config, lambda msg: (events.on_event(msg), progress.update(task, description=f"cluster: {msg}"))
+            )
             cluster.start()
             report.startup_s = time.perf_counter() - t0
             unknown = [v for v in args.victims if v not in cluster.components]
             if unknown:
-                raise ValueError(f"no component {', '.join(unknown)} in this cluster; it has {', '.join(cluster.components)}")
+                raise ValueError(
+                    f"no component {', '.join(unknown)} in this cluster; it has {', '.join(cluster.components)}"
+                )
             for name, victim in [("warm-up", None), ("baseline", None), *((v, v) for v in args.victims)]:
-                progress.update(task, description=f"{name}: {args.requests} requests" + (f", killing {victim}" if victim else ""))
+                progress.update(
+                    task, description=f"{name}: {args.requests} requests" + (f", killing {victim}" if victim else "")
+                )
                 result = Replay(name, victim)
                 replay(cluster, requests, args.concurrency, result, events, progress, task, console)
                 report.replays.append(result)
                 failed = sum(not r.ok for r in result.requests)
                 served = ", ".join(f"{k} {'?' if v is None else v}" for k, v in sorted(result.decode_ok.items()))
-                console.log(f"{name}: {args.requests - failed} ok, {failed} failed, {sum(r.recovery is not None for r in result.requests)} "
-                            f"outlived a fault, {result.wall_s:.1f} s; requests per decode worker: {served}; CPU used by other "
-                            f"processes {result.cpu_machine_s - result.cpu_cluster_s:.0f} s of {result.cpu_machine_s:.0f} s")  # fmt: skip
+                console.log(
+                    f"{name}: {args.requests - failed} ok, {failed} failed, {sum(r.recovery is not None for r in result.requests)} "
+                    f"outlived a fault, {result.wall_s:.1f} s; requests per decode worker: {served}; CPU used by other "
+                    f"processes {result.cpu_machine_s - result.cpu_cluster_s:.0f} s of {result.cpu_machine_s:.0f} s"
+                )
             report.events = [(when - t0, msg) for when, msg in events.seen]
             report.code_changed = sorted(f for f, m in code_mtimes().items() if code.get(f) != m)
         report.total_wall_s = time.perf_counter() - started
@@ -590,18 +777,34 @@ def run(args: argparse.Namespace, console: Console) -> Report:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="write every raw number (and the command line) to this file")
-    p.add_argument("--model", default=None, help="a model pulled into the cache (smollm2-135m, the default) or a model directory")
-    p.add_argument("--quick", action="store_true", help="a smoke run: the tiny random model (unless --model) and fewer requests")
-    p.add_argument("--requests", type=int, help=f"requests per replay (default {FULL['requests']}, quick {QUICK['requests']})")
+    p.add_argument(
+        "--model", default=None, help="a model pulled into the cache (smollm2-135m, the default) or a model directory"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: the tiny random model (unless --model) and fewer requests"
+    )
+    p.add_argument(
+        "--requests", type=int, help=f"requests per replay (default {FULL['requests']}, quick {QUICK['requests']})"
+    )
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight at once (default 6)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
-    p.add_argument("--victims", default=DEFAULT_VICTIMS, help=f"components to kill, comma-separated, one replay each (default {DEFAULT_VICTIMS}; any of "
-                   "conductor, kv<i>, prefill-<i>, decode-<i>; the gateway is not on the requests' path here)")  # fmt: skip
+    p.add_argument(
+        "--victims",
+        default=DEFAULT_VICTIMS,
+        help=f"components to kill, comma-separated, one replay each (default {DEFAULT_VICTIMS}; any of "
+        "conductor, kv<i>, prefill-<i>, decode-<i>; the gateway is not on the requests' path here)",
+    )
     p.add_argument("--prefill", type=int, default=2, help="prefill workers, each with its pool node (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--hold-s", type=float, default=30.0, help="how long a request waits while the Conductor is away (default 30)")
-    p.add_argument("--log-level", default="WARNING", help="this process's log level (the ClusterBackend logs each fault at WARNING)")
+    p.add_argument(
+        "--hold-s", type=float, default=30.0, help="how long a request waits while the Conductor is away (default 30)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        help="this process's log level (the ClusterBackend logs each fault at WARNING)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     p.add_argument("--keep-logs-on-failure", action="store_true", help="keep the components' logs when the run fails")
@@ -609,7 +812,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.requests is None:
         args.requests = (QUICK if args.quick else FULL)["requests"]
     args.victims = [v.strip() for v in args.victims.split(",") if v.strip()]
-    if args.requests < 3 or args.concurrency < 1 or args.max_tokens < 2 or args.threads < 1 or args.prefill < 1 or args.decode < 1:
+    if (
+        args.requests < 3
+        or args.concurrency < 1
+        or args.max_tokens < 2
+        or args.threads < 1
+        or args.prefill < 1
+        or args.decode < 1
+    ):
         p.error("--requests must be >= 3, --max-tokens >= 2, --concurrency, --threads, --prefill and --decode >= 1")
     return args
 
@@ -617,8 +827,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
-    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s",
-                        handlers=[RichHandler(console=console, show_path=False)])  # fmt: skip
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+    )
     report = run_interruptible(lambda: run(args, console), console)
     if report is None:
         return 130

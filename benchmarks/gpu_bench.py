@@ -40,12 +40,29 @@ from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
 from mooncake.engine.tiny import make_tiny
 
 SHAPES = {
-    "llama-1b": dict(vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=8192,
-                     rope_theta=500_000.0, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                 head_dim=32, max_position_embeddings=8192, tie_word_embeddings=True),
-}  # fmt: skip
+    "llama-1b": dict(
+        vocab_size=128_256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=500_000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+}
 PROMPT_LEN = 512
 THROUGHPUT = (64, 512, 128)  # requests, prompt tokens, output tokens
 LONG_PROMPT = 4096
@@ -101,8 +118,12 @@ class Shape:
     def __init__(self, config: dict, dtype: torch.dtype):
         c = config
         self.elem = torch.tensor([], dtype=dtype).element_size()
-        self.layers, self.heads, self.kv_heads, self.head_dim = (c["num_hidden_layers"], c["num_attention_heads"],
-                                                                 c["num_key_value_heads"], c["head_dim"])  # fmt: skip
+        self.layers, self.heads, self.kv_heads, self.head_dim = (
+            c["num_hidden_layers"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c["head_dim"],
+        )
         h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         per_layer = h * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * h + 3 * h * i
         self.body = self.layers * per_layer  # non-embedding parameters
@@ -121,8 +142,14 @@ class Shape:
 
 
 def engine_for(model_dir: Path, device: str, dtype: str, **overrides) -> LLMEngine:
-    cfg = dict(model=str(model_dir), device=device, dtype=dtype, kv_cache_memory_gib=8 if device.startswith("cuda") else 1,
-               max_num_seqs=64, enable_prefix_caching=False)  # fmt: skip
+    cfg = dict(
+        model=str(model_dir),
+        device=device,
+        dtype=dtype,
+        kv_cache_memory_gib=8 if device.startswith("cuda") else 1,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+    )
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg))
 
@@ -206,8 +233,14 @@ def hf_compiled_decode_step(model, batch: int, vocab: int, steps: int, device: t
     nxt = logits[:, -1].argmax(-1, keepdim=True)
 
     def one(token, position):
-        out = model(token, past_key_values=cache, cache_position=position, position_ids=position[None].expand(batch, 1),
-                    use_cache=True, return_dict=False)[0]  # fmt: skip
+        out = model(
+            token,
+            past_key_values=cache,
+            cache_position=position,
+            position_ids=position[None].expand(batch, 1),
+            use_cache=True,
+            return_dict=False,
+        )[0]
         return out[:, -1].argmax(-1, keepdim=True)
 
     step = torch.compile(one, mode="reduce-overhead", fullgraph=True)
@@ -275,32 +308,89 @@ def report(r: dict, shape: Shape, rate: float, flops: float) -> list[tuple[str, 
     def ratio(a, b):
         return "-" if a is None or b is None else f"{a / b:.2f}x"
 
-    rows = [("figure", "ours", "ours eager", "HF eager", "HF compiled", "limit", "ours/limit", "HF eager/ours",
-             "HF compiled/ours")]  # fmt: skip
+    rows = [
+        (
+            "figure",
+            "ours",
+            "ours eager",
+            "HF eager",
+            "HF compiled",
+            "limit",
+            "ours/limit",
+            "HF eager/ours",
+            "HF compiled/ours",
+        )
+    ]
     for batch in (1, 32):
         limit = shape.decode_bytes(batch, PROMPT_LEN + 10) / rate
         o, e, h, c = (r.get(f"{k}_decode_{batch}") for k in ("ours", "ours_eager", "hf", "hf_compiled"))
-        rows.append((f"decode step, {batch} running", ms(o), ms(e), ms(h), ms(c), ms(limit), ratio(o, limit), ratio(h, o),
-                     ratio(c, o)))  # fmt: skip
+        rows.append(
+            (
+                f"decode step, {batch} running",
+                ms(o),
+                ms(e),
+                ms(h),
+                ms(c),
+                ms(limit),
+                ratio(o, limit),
+                ratio(h, o),
+                ratio(c, o),
+            )
+        )
     n, p, out = THROUGHPUT
     tput_limit = n / (shape.decode_bytes(n, p + out // 2) / rate)
     o, h = r.get("ours_throughput"), r.get("hf_throughput")
-    fmt = lambda x: "-" if x is None else f"{x:,.0f} tok/s"  # noqa: E731
-    rows.append((f"{n} x {p}/{out} output tok/s", fmt(o), "-", fmt(h), "-", fmt(tput_limit), ratio(o, tput_limit),
-                 ratio(o, h), "-"))  # fmt: skip
+    fmt = lambda x: "-" if x is None else f"{x:,.0f} tok/s"
+    rows.append(
+        (
+            f"{n} x {p}/{out} output tok/s",
+            fmt(o),
+            "-",
+            fmt(h),
+            "-",
+            fmt(tput_limit),
+            ratio(o, tput_limit),
+            ratio(o, h),
+            "-",
+        )
+    )
     limit = shape.prefill_flops(LONG_PROMPT) / flops
     for budget in BUDGETS:
         o = r.get(f"ours_ttft_{budget}")
-        rows.append((f"{LONG_PROMPT}-token prompt, {budget}-token steps", ms(o), "-", ms(r.get("hf_prefill")), "-",
-                     ms(limit), ratio(o, limit), ratio(r.get("hf_prefill"), o), "-"))  # fmt: skip
+        rows.append(
+            (
+                f"{LONG_PROMPT}-token prompt, {budget}-token steps",
+                ms(o),
+                "-",
+                ms(r.get("hf_prefill")),
+                "-",
+                ms(limit),
+                ratio(o, limit),
+                ratio(r.get("hf_prefill"), o),
+                "-",
+            )
+        )
     o = r.get("ours_ttft_default")
-    rows.append((f"{LONG_PROMPT}-token prompt, default steps", ms(o), "-", ms(r.get("hf_prefill")), "-", ms(limit),
-                 ratio(o, limit), ratio(r.get("hf_prefill"), o), "-"))  # fmt: skip
+    rows.append(
+        (
+            f"{LONG_PROMPT}-token prompt, default steps",
+            ms(o),
+            "-",
+            ms(r.get("hf_prefill")),
+            "-",
+            ms(limit),
+            ratio(o, limit),
+            ratio(r.get("hf_prefill"), o),
+            "-",
+        )
+    )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     ap.add_argument("--device", default="cuda", help="cuda[:N], or cpu for a dry run of the script")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -354,7 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         results.measure(f"ours_ttft_{budget}", lambda: ours_ttft(engine, vocab, budget, args.repeats))
     engine = graphs = None  # freed before the baselines load their copy of the model
     if device.type == "cuda":  # the baselines must run with torch's own attention choices, as ours found them
-        r["sdpa_priority_before_ours"], r["sdpa_priority_after_ours"] = sdpa_priority, torch._C._get_sdp_priority_order()
+        r["sdpa_priority_before_ours"], r["sdpa_priority_after_ours"] = (
+            sdpa_priority,
+            torch._C._get_sdp_priority_order(),
+        )
         if sdpa_priority != r["sdpa_priority_after_ours"]:
             results.errors["sdpa_priority"] = "ours changed torch's process-wide SDPA priority order"
     if device.type == "cuda":
@@ -373,15 +466,19 @@ def main(argv: list[str] | None = None) -> int:
             results.measure("hf_throughput", lambda: hf_throughput(model, vocab, device))
             if not args.no_compiled:
                 for batch in (1, 32):
-                    results.measure(f"hf_compiled_decode_{batch}",
-                                    lambda: hf_compiled_decode_step(model, batch, vocab, args.steps, device))  # fmt: skip
+                    results.measure(
+                        f"hf_compiled_decode_{batch}",
+                        lambda: hf_compiled_decode_step(model, batch, vocab, args.steps, device),
+                    )
     rows = report(r, shape, rate or float("nan"), flops or float("nan"))
     r["table"] = rows
     results.save()
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    print(f"\n{name}, torch {torch.__version__}, {args.shape} ({shape.params / 1e9:.3f} B parameters, {args.dtype}); "
-          f"copy rate {(rate or 0) / 1e12:.2f} TB/s, matmul {(flops or 0) / 1e12:.0f} TFLOP/s; ours' default step budget "
-          f"{r['default_budget']}, graphs {'on' if r['graphs'] else 'off'}")  # fmt: skip
+    print(
+        f"\n{name}, torch {torch.__version__}, {args.shape} ({shape.params / 1e9:.3f} B parameters, {args.dtype}); "
+        f"copy rate {(rate or 0) / 1e12:.2f} TB/s, matmul {(flops or 0) / 1e12:.0f} TFLOP/s; ours' default step budget "
+        f"{r['default_budget']}, graphs {'on' if r['graphs'] else 'off'}"
+    )
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
     if results.errors:

@@ -63,13 +63,19 @@ def main() -> int:
     mixed = [x for x in steps if x[1]]
     pure = [x for x in steps if not x[1]]
     for name, group in (("mixed/prefill", mixed), ("decode-only", pure)):
-        print(f"  {name} steps: {len(group)}, execute {sum(x[2] for x in group):.3f} s, step {sum(x[3] for x in group):.3f} s")
+        print(
+            f"  {name} steps: {len(group)}, execute {sum(x[2] for x in group):.3f} s, step {sum(x[3] for x in group):.3f} s"
+        )
     for b in sorted({x[0] for x in pure}, reverse=True)[:6]:
         xs = [x for x in pure if x[0] == b]
-        print(f"    batch {b}: {len(xs)} steps, execute median {statistics.median(x[2] for x in xs) * 1e3:.2f} ms, "
-              f"step median {statistics.median(x[3] for x in xs) * 1e3:.2f} ms")  # fmt: skip
-    print("  first 12 steps (decodes, prefill tokens, execute ms, step ms):",
-          [(a, b, round(c * 1e3, 1), round(d * 1e3, 1)) for a, b, c, d in steps[:12]])  # fmt: skip
+        print(
+            f"    batch {b}: {len(xs)} steps, execute median {statistics.median(x[2] for x in xs) * 1e3:.2f} ms, "
+            f"step median {statistics.median(x[3] for x in xs) * 1e3:.2f} ms"
+        )
+    print(
+        "  first 12 steps (decodes, prefill tokens, execute ms, step ms):",
+        [(a, b, round(c * 1e3, 1), round(d * 1e3, 1)) for a, b, c, d in steps[:12]],
+    )
     for b in (1, 32, 64):
         print(f"decode step at {b}: {ours_decode_step(engine, b, vocab, 30) * 1e3:.2f} ms")
     for budget in (512, 4096):

@@ -88,9 +88,20 @@ class Node:
     def __init__(self, block_bytes: int, dram_mib: int) -> None:
         self.shm_dir = tempfile.mkdtemp(prefix="kvstore-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.args = [
-            sys.executable, "-m", "kvstore", "--node", "bench-kv", "--block-bytes", str(block_bytes),
-            "--dram-mib", str(dram_mib), "--shm-dir", self.shm_dir, "--log-level", "WARNING",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "kvstore",
+            "--node",
+            "bench-kv",
+            "--block-bytes",
+            str(block_bytes),
+            "--dram-mib",
+            str(dram_mib),
+            "--shm-dir",
+            self.shm_dir,
+            "--log-level",
+            "WARNING",
+        ]
         self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if (info := parse_ready(line)) is None:
@@ -137,15 +148,24 @@ class Keys:
         keys = [struct.pack(">QQ", self._tag, call * n + i) for i in range(n)]
         self.recent.append(keys)
         if len(self.recent) > 4 * MAX_WORKING_SET:
-            del self.recent[: -MAX_WORKING_SET]
+            del self.recent[:-MAX_WORKING_SET]
         return keys
 
     def working_set(self, num_batches: int) -> list[list[bytes]]:
         return self.recent[-num_batches:]
 
 
-def store_cells(client: KVStoreClient, system: str, keys: Keys, value: np.ndarray, bb: int, blocks: int,
-                working_batches: int, seconds: float, rnd: int) -> list[Cell]:  # fmt: skip
+def store_cells(
+    client: KVStoreClient,
+    system: str,
+    keys: Keys,
+    value: np.ndarray,
+    bb: int,
+    blocks: int,
+    working_batches: int,
+    seconds: float,
+    rnd: int,
+) -> list[Cell]:
     """Put fresh keys for ``seconds``, then get the batches stored last for ``seconds``."""
     data = value[: bb * blocks]
     out = np.empty(bb * blocks, dtype=np.uint8)
@@ -172,7 +192,9 @@ def store_cells(client: KVStoreClient, system: str, keys: Keys, value: np.ndarra
     return cells
 
 
-def redis_cells(r: redis.Redis, keys: Keys, value: bytes, bb: int, blocks: int, working_batches: int, seconds: float, rnd: int) -> list[Cell]:
+def redis_cells(
+    r: redis.Redis, keys: Keys, value: bytes, bb: int, blocks: int, working_batches: int, seconds: float, rnd: int
+) -> list[Cell]:
     """SET (MSET) ``keys`` for ``seconds``, then GET (MGET) the keys set last; one block = one value.
 
     ``keys`` is a ring, so a SET replaces a value set earlier (Redis frees the old one)
@@ -246,15 +268,26 @@ def shapes_for(sizes: list[int], batch_blocks: int) -> list[tuple[int, int]]:
 
 def run(args: argparse.Namespace, console: Console) -> Report:
     report = Report(
-        command=shlex.join([sys.executable, *sys.argv]), started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        machine=describe_machine(redis_py=redis.__version__, grpcio=grpc.__version__), sizes=args.sizes, batch_blocks=args.batch_blocks, dram_mib=args.dram_mib,
-        seconds=args.seconds, rounds=args.rounds,
-    )  # fmt: skip
+        command=shlex.join([sys.executable, *sys.argv]),
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        machine=describe_machine(redis_py=redis.__version__, grpcio=grpc.__version__),
+        sizes=args.sizes,
+        batch_blocks=args.batch_blocks,
+        dram_mib=args.dram_mib,
+        seconds=args.seconds,
+        rounds=args.rounds,
+    )
     shapes = shapes_for(args.sizes, args.batch_blocks)
     progress = Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=args.no_progress,
-    )  # fmt: skip
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=args.no_progress,
+    )
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="kvstore-bench-redis-")
     server = RedisServer(workdir)
@@ -267,10 +300,15 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                 progress.update(task, description=f"{human(size)}: starting a node and filling {args.dram_mib} MiB")
                 node = Node(size, args.dram_mib)
                 tcp_engine = TransferEngine(TransferConfig(node="bench-client", serve=False, backend=BackendKind.TCP))
-                clients = {"store-shm": KVStoreClient(node.grpc), "store-tcp": KVStoreClient(node.grpc, engine=tcp_engine, control="tcp")}
+                clients = {
+                    "store-shm": KVStoreClient(node.grpc),
+                    "store-tcp": KVStoreClient(node.grpc, engine=tcp_engine, control="tcp"),
+                }
                 try:
                     dram_blocks = int(node.info["dram_blocks"])
-                    value = np.random.default_rng(size).integers(0, 256, size * max(n for s, n in shapes if s == size), dtype=np.uint8)
+                    value = np.random.default_rng(size).integers(
+                        0, 256, size * max(n for s, n in shapes if s == size), dtype=np.uint8
+                    )
                     report.fill_s[human(size)] = fill(clients["store-shm"], Keys(0), value, size, dram_blocks)
                     for rnd in range(args.rounds):
                         for blocks in [n for s, n in shapes if s == size]:
@@ -278,12 +316,26 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                             working = max(1, min(MAX_WORKING_SET, dram_blocks // (2 * blocks)))
                             for name, client in clients.items():
                                 progress.update(task, description=f"round {rnd + 1}: {name} {human(size)} x {blocks}")
-                                cells = store_cells(client, name, Keys(1 + len(report.runs)), value, size, blocks, working, args.seconds, rnd)
+                                cells = store_cells(
+                                    client,
+                                    name,
+                                    Keys(1 + len(report.runs)),
+                                    value,
+                                    size,
+                                    blocks,
+                                    working,
+                                    args.seconds,
+                                    rnd,
+                                )
                                 record(report, cells, console)
                                 progress.advance(task)
                             progress.update(task, description=f"round {rnd + 1}: redis {human(size)} x {blocks}")
-                            ring = Keys(1 + len(report.runs), ring=working)  # Redis overwrites: its memory stays bounded
-                            cells = redis_cells(redis_client, ring, value[:size].tobytes(), size, blocks, working, args.seconds, rnd)
+                            ring = Keys(
+                                1 + len(report.runs), ring=working
+                            )  # Redis overwrites: its memory stays bounded
+                            cells = redis_cells(
+                                redis_client, ring, value[:size].tobytes(), size, blocks, working, args.seconds, rnd
+                            )
                             record(report, cells, console)
                             progress.advance(task)
                     for name, client in clients.items():
@@ -313,7 +365,9 @@ def record(report: Report, cells: list[Cell], console: Console) -> None:
     for c in cells:
         report.runs.append(c)
         shape = human(c.block_bytes) + (f" x {c.blocks}" if c.blocks > 1 else "")
-        console.log(f"{shape:>12} {c.op:>4} {c.system:<10} {c.ops_per_s:9,.0f} ops/s {c.gbps:6.2f} GB/s  p50 {c.p50_us:9.1f} us")
+        console.log(
+            f"{shape:>12} {c.op:>4} {c.system:<10} {c.ops_per_s:9,.0f} ops/s {c.gbps:6.2f} GB/s  p50 {c.p50_us:9.1f} us"
+        )
 
 
 def best_of(runs: list[Cell]) -> list[Cell]:
@@ -336,12 +390,25 @@ def compare(report: Report) -> list[dict]:
     for c in report.cells:
         base = redis_of.get((c.op, c.block_bytes, c.blocks))
         ratio = c.gbps / base.gbps if base is not None and c.system != "redis" and base.gbps > 0 else None
-        goal = GOAL_GET_VS_REDIS if c.system != "redis" and c.op == "get" and c.block_bytes == GOAL_SIZE and c.blocks == 1 else None
-        rows.append({
-            "system": c.system, "op": c.op, "block_bytes": c.block_bytes, "blocks": c.blocks, "ops_per_s": c.ops_per_s,
-            "gbps": c.gbps, "p50_us": c.p50_us, "vs_redis": ratio, "goal": goal,
-            "met": None if goal is None or ratio is None else ratio >= goal,
-        })  # fmt: skip
+        goal = (
+            GOAL_GET_VS_REDIS
+            if c.system != "redis" and c.op == "get" and c.block_bytes == GOAL_SIZE and c.blocks == 1
+            else None
+        )
+        rows.append(
+            {
+                "system": c.system,
+                "op": c.op,
+                "block_bytes": c.block_bytes,
+                "blocks": c.blocks,
+                "ops_per_s": c.ops_per_s,
+                "gbps": c.gbps,
+                "p50_us": c.p50_us,
+                "vs_redis": ratio,
+                "goal": goal,
+                "met": None if goal is None or ratio is None else ratio >= goal,
+            }
+        )
     order = {"store-shm": 0, "store-tcp": 1, "redis": 2}
     rows.sort(key=lambda r: (r["blocks"], r["block_bytes"], r["op"] != "put", order.get(r["system"], 9)))
     return rows
@@ -349,8 +416,10 @@ def compare(report: Report) -> list[dict]:
 
 def render(report: Report, rows: list[dict], console: Console) -> None:
     m = report.machine
-    title = (f"KV store benchmark: a kvstore node process ({report.dram_mib} MiB DRAM) vs redis-server {report.redis_version}, "
-             f"loopback, {m['cpu_model']} ({m['logical_cores']} cores), best of {report.rounds} rounds")  # fmt: skip
+    title = (
+        f"KV store benchmark: a kvstore node process ({report.dram_mib} MiB DRAM) vs redis-server {report.redis_version}, "
+        f"loopback, {m['cpu_model']} ({m['logical_cores']} cores), best of {report.rounds} rounds"
+    )
     caption = "put = reserve + write + commit (Redis SET / MSET); get = lease + read + release (Redis GET / MGET)"
     table = Table(title=title, caption=caption)
     for col in ("block", "blocks/call", "op", "system", "ops/s", "GB/s", "p50 us", "vs redis", "goal"):
@@ -365,14 +434,23 @@ def render(report: Report, rows: list[dict], console: Console) -> None:
             goal = f">= {r['goal']:g}x " + ("[green]PASS[/]" if r["met"] else "[red]MISS[/]")
         system = r["system"] + (f" ({report.transports[r['system']]})" if r["system"] in report.transports else "")
         table.add_row(
-            human(r["block_bytes"]), str(r["blocks"]), r["op"], system, f"{r['ops_per_s']:,.0f}", f"{r['gbps']:.2f}",
-            f"{r['p50_us']:,.1f}", "" if r["vs_redis"] is None else f"{r['vs_redis']:.2f}x", goal,
-        )  # fmt: skip
+            human(r["block_bytes"]),
+            str(r["blocks"]),
+            r["op"],
+            system,
+            f"{r['ops_per_s']:,.0f}",
+            f"{r['gbps']:.2f}",
+            f"{r['p50_us']:,.1f}",
+            "" if r["vs_redis"] is None else f"{r['vs_redis']:.2f}x",
+            goal,
+        )
     console.print(table)
     fills = ", ".join(f"{k} {v:.1f} s" for k, v in report.fill_s.items())
     goals = [r for r in rows if r["goal"] is not None]
     console.print(f"fill (not counted): {fills}")
-    console.print(f"goals: {sum(1 for r in goals if r['met'])}/{len(goals)} met; total wall {report.total_wall_s:.0f} s")
+    console.print(
+        f"goals: {sum(1 for r in goals if r['met'])}/{len(goals)} met; total wall {report.total_wall_s:.0f} s"
+    )
 
 
 def to_json(report: Report, rows: list[dict]) -> dict:
@@ -389,9 +467,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every raw number to this file")
     p.add_argument("--seconds", type=float, default=1.0, help="seconds per measured loop (default: 1)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of every measurement; the best counts (default: 2)")
-    p.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",") if x.strip()],
-                   default=[64 << 10, MIB, 16 * MIB], help="block sizes (default: 64KiB,1MiB,16MiB)")  # fmt: skip
-    p.add_argument("--batch-blocks", type=int, default=16, help="blocks per call in the batched rows, for blocks under 1 MiB (0: none)")
+    p.add_argument(
+        "--sizes",
+        type=lambda s: [parse_size(x) for x in s.split(",") if x.strip()],
+        default=[64 << 10, MIB, 16 * MIB],
+        help="block sizes (default: 64KiB,1MiB,16MiB)",
+    )
+    p.add_argument(
+        "--batch-blocks",
+        type=int,
+        default=16,
+        help="blocks per call in the batched rows, for blocks under 1 MiB (0: none)",
+    )
     p.add_argument("--dram-mib", type=int, default=1024, help="the node's DRAM tier, MiB (default: 1024)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

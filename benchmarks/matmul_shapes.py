@@ -56,7 +56,9 @@ def main() -> None:
         flop = 2 * args.rows * n * k
         a = best_ms(lambda: F.linear(h, w))
         b = best_ms(lambda: w @ h.t())
-        print(f"{name:<14}{f'{n} x {k}':>14}{a:>12.2f}{flop / a / 1e6:>9.0f}{b:>12.2f}{flop / b / 1e6:>9.0f}{a / b:>7.2f}")
+        print(
+            f"{name:<14}{f'{n} x {k}':>14}{a:>12.2f}{flop / a / 1e6:>9.0f}{b:>12.2f}{flop / b / 1e6:>9.0f}{a / b:>7.2f}"
+        )
 
 
 if __name__ == "__main__":

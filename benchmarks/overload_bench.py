@@ -43,16 +43,25 @@ from benchmarks.replay import Outcome, RequestResult, tail_tbt
 GOAL_OPEN_P99_S = 0.050
 GOAL_BURST_P99_S = 1.0
 RETRY_PAUSE_S = 0.2
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in old "
-         "towns near rivers and mountains where bright stars shine above calm lakes").split()  # fmt: skip
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in old "
+    "towns near rivers and mountains where bright stars shine above calm lakes"
+).split()
 
 
 def chat_body(model: str, words: int, max_tokens: int, rng: random.Random) -> bytes:
     text = f"Request {rng.getrandbits(48):x}: " + " ".join(rng.choice(WORDS) for _ in range(words))
-    return json.dumps({
-        "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-    }).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+    ).encode()
 
 
 async def send(url: str, body: bytes, r: RequestResult, clock0: float) -> None:
@@ -68,8 +77,11 @@ async def send(url: str, body: bytes, r: RequestResult, clock0: float) -> None:
     writer = None
     try:
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(f"POST {path}/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)  # fmt: skip
+        writer.write(
+            f"POST {path}/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
         status = int((await reader.readline()).split()[1])
         headers = {}
         while (line := await reader.readline()) not in (b"\r\n", b""):
@@ -176,7 +188,11 @@ async def open_loop(url: str, rate: float, seconds: float, args, rng: random.Ran
         await asyncio.sleep(max(0.0, clock0 + t - time.perf_counter()))
         r = RequestResult(len(results), t, 0.0, args.prompt_words, args.max_tokens)
         results.append(r)
-        tasks.append(asyncio.create_task(send(url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)))
+        tasks.append(
+            asyncio.create_task(
+                send(url, chat_body(args.model_name, args.prompt_words, args.max_tokens, rng), r, clock0)
+            )
+        )
     await asyncio.gather(*tasks)
     return results
 
@@ -200,9 +216,18 @@ def summarize(results: list[RequestResult], span_s: float, ttft_slo_s: float, tb
     reasons = {k: len(v) for k, v in by_reason.items()}
     reason_p99_s = {k: percentile(v, 99, "rank") for k, v in by_reason.items()}
     within = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tbt_s or 0.0) <= tbt_slo_s]
-    out = {"offered": len(results), "offered_rate_rps": len(results) / span_s if span_s else None, "accepted": len(ok),
-           "rejected": len(refused), "reasons": reasons, "reject_p99_s_by_reason": reason_p99_s, "errors": len(errors), "first_errors": errors[:3],
-           "accepted_within_slo": len(within), "accepted_within_slo_share": len(within) / len(ok) if ok else None}  # fmt: skip
+    out = {
+        "offered": len(results),
+        "offered_rate_rps": len(results) / span_s if span_s else None,
+        "accepted": len(ok),
+        "rejected": len(refused),
+        "reasons": reasons,
+        "reject_p99_s_by_reason": reason_p99_s,
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "accepted_within_slo": len(within),
+        "accepted_within_slo_share": len(within) / len(ok) if ok else None,
+    }
     for q in (50, 90, 99, 100):
         out[f"reject_p{q}_s"] = percentile(refused, q, "rank")
         out[f"ttft_p{q}_s"] = percentile([r.ttft_s for r in ok], q, "rank")
@@ -215,30 +240,68 @@ def _ms(v: float | None) -> str:
 
 
 def render(phases: dict[str, dict], capacity_rps: float, args, console: Console) -> list[dict]:
-    table = Table(title=f"Overload: capacity {capacity_rps:.2f} requests/s ({args.prompt_words}-word chats, {args.max_tokens} tokens out)")
-    for col in ("phase", "offered", "rate/s", "200", "429", "err", "429 p50 ms", "429 p90 ms", "429 p99 ms", "429 max ms",
-                "TTFT p50 ms", "TTFT p99 ms", "TBT p99 ms", "within SLO"):  # fmt: skip
+    table = Table(
+        title=f"Overload: capacity {capacity_rps:.2f} requests/s ({args.prompt_words}-word chats, {args.max_tokens} tokens out)"
+    )
+    for col in (
+        "phase",
+        "offered",
+        "rate/s",
+        "200",
+        "429",
+        "err",
+        "429 p50 ms",
+        "429 p90 ms",
+        "429 p99 ms",
+        "429 max ms",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TBT p99 ms",
+        "within SLO",
+    ):
         table.add_column(col, justify="left" if col == "phase" else "right")
     for name, s in phases.items():
         share = s["accepted_within_slo_share"]
-        table.add_row(name, str(s["offered"]), f"{s['offered_rate_rps']:.1f}" if s["offered_rate_rps"] else "-", str(s["accepted"]),
-                      str(s["rejected"]), str(s["errors"]), _ms(s["reject_p50_s"]), _ms(s["reject_p90_s"]), _ms(s["reject_p99_s"]),
-                      _ms(s["reject_p100_s"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p99_s"]), _ms(s["tbt_p99_s"]),
-                      "-" if share is None else f"{share:.0%}")  # fmt: skip
+        table.add_row(
+            name,
+            str(s["offered"]),
+            f"{s['offered_rate_rps']:.1f}" if s["offered_rate_rps"] else "-",
+            str(s["accepted"]),
+            str(s["rejected"]),
+            str(s["errors"]),
+            _ms(s["reject_p50_s"]),
+            _ms(s["reject_p90_s"]),
+            _ms(s["reject_p99_s"]),
+            _ms(s["reject_p100_s"]),
+            _ms(s["ttft_p50_s"]),
+            _ms(s["ttft_p99_s"]),
+            _ms(s["tbt_p99_s"]),
+            "-" if share is None else f"{share:.0%}",
+        )
     console.print(table)
     for name, s in phases.items():
         if s["reasons"]:
-            console.print(f"{name}: 429s by reason (count, p99 ms): " + ", ".join(
-                f"{k} {v} ({_ms(s['reject_p99_s_by_reason'][k])})" for k, v in sorted(s["reasons"].items())))
+            console.print(
+                f"{name}: 429s by reason (count, p99 ms): "
+                + ", ".join(f"{k} {v} ({_ms(s['reject_p99_s_by_reason'][k])})" for k, v in sorted(s["reasons"].items()))
+            )
     goals = []
     for phase, limit in (("open loop", GOAL_OPEN_P99_S), ("burst", GOAL_BURST_P99_S)):
         s = phases.get(phase)
         if s is None:
             continue
         p99 = s["reject_p99_s"]
-        goals.append({"goal": f"{phase}: 429 p99 under {limit * 1e3:.0f} ms", "value_s": p99, "pass": p99 is not None and p99 < limit})
+        goals.append(
+            {
+                "goal": f"{phase}: 429 p99 under {limit * 1e3:.0f} ms",
+                "value_s": p99,
+                "pass": p99 is not None and p99 < limit,
+            }
+        )
         share = s["accepted_within_slo_share"]
-        goals.append({"goal": f"{phase}: every accepted request within the SLOs", "value": share, "pass": share in (None, 1.0)})
+        goals.append(
+            {"goal": f"{phase}: every accepted request within the SLOs", "value": share, "pass": share in (None, 1.0)}
+        )
     for g in goals:
         value = _ms(g["value_s"]) + " ms" if "value_s" in g else ("-" if g["value"] is None else f"{g['value']:.0%}")
         console.print(f"{'PASS' if g['pass'] else 'MISS'}  {g['goal']}: {value}")
@@ -252,8 +315,9 @@ def local_cluster(args, console: Console):
 
     workdir = Path(tempfile.mkdtemp(prefix="overload-bench-"))
     model_dir, args.model_label = resolve_model(args, workdir)
-    config = ClusterConfig(model=str(model_dir), model_name=args.model_name, port=0, restart=False, workdir=workdir,
-                           local_prefill="never")  # as recorded in benchmarks/README.md
+    config = ClusterConfig(
+        model=str(model_dir), model_name=args.model_name, port=0, restart=False, workdir=workdir, local_prefill="never"
+    )  # as recorded in benchmarks/README.md
     cluster = LocalCluster(config, lambda msg: console.log(msg))
     try:
         cluster.start()
@@ -277,7 +341,9 @@ async def run_phases(url: str, ttft_slo_s: float, tbt_slo_s: float, args, consol
         phases["capacity"] = summarize(cap_results, args.capacity_s, ttft_slo_s, tbt_slo_s)
         rate = args.factor * cap
     console.log(f"open loop: {rate:.1f} requests/s ({args.factor:g} x {cap:.2f}) for {args.open_s:.0f} s")
-    phases["open loop"] = summarize(await open_loop(url, rate, args.open_s, args, rng), args.open_s, ttft_slo_s, tbt_slo_s)
+    phases["open loop"] = summarize(
+        await open_loop(url, rate, args.open_s, args, rng), args.open_s, ttft_slo_s, tbt_slo_s
+    )
     if args.burst:
         await asyncio.sleep(args.settle_s)
         console.log(f"burst: {args.burst} requests at once")
@@ -316,8 +382,20 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run_phases(url, ttft_slo_s, tbt_slo_s, args, console))
     goals = render(result["phases"], result["capacity_rps"], args, console)
     if args.json:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "machine": describe_machine(), **result, "goals": goals}, indent=2, default=str) + "\n")  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": " ".join(sys.argv),
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "machine": describe_machine(),
+                    **result,
+                    "goals": goals,
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
         console.print(f"raw numbers written to {args.json}")
     return 0
 

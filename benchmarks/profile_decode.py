@@ -31,8 +31,11 @@ def main() -> None:
     model_dir = args.model_dir or pull("smollm2-135m", default_cache_dir())
     engine = LLMEngine(
         EngineConfig(
-            model=str(model_dir), kv_cache_memory_gib=2, max_num_batched_tokens=2048,
-            enable_prefix_caching=False, use_kernels=not args.no_kernel,
+            model=str(model_dir),
+            kv_cache_memory_gib=2,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=False,
+            use_kernels=not args.no_kernel,
         )
     )
     gen = torch.Generator().manual_seed(0)

@@ -88,11 +88,23 @@ TAIL_SHARE = 0.10  # the paper's TBT: the mean of the longest 10% of token gaps
 PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft"  # mooncake.gateway.app's: the Conductor's TTFT prediction, seconds
 PREDICTION_WITHIN = 0.25  # issue 34's bar: predicted TTFT within 25% of the measured one
 
-DEFAULTS = dict(block_tokens=16, output_scale=0.0625, max_input=1024, max_output=32, speed=0.25, limit=200,
-                ttft_slo_s=10.0, tbt_slo_s=0.5, effective_target=0.9)  # fmt: skip
+DEFAULTS = dict(
+    block_tokens=16,
+    output_scale=0.0625,
+    max_input=1024,
+    max_output=32,
+    speed=0.25,
+    limit=200,
+    ttft_slo_s=10.0,
+    tbt_slo_s=0.5,
+    effective_target=0.9,
+)
 # Output scalings by workload (``--preset``): the conversation trace as compare.py has always scaled it, and a
 # prefill-heavy one (outputs of 1 to 8 tokens: the prefill pool and the Conductor's TTFT predictions are what binds)
-PRESETS = {"conversation": dict(output_scale=0.0625, max_output=32), "prefill-heavy": dict(output_scale=1 / 64, max_output=8)}
+PRESETS = {
+    "conversation": dict(output_scale=0.0625, max_output=32),
+    "prefill-heavy": dict(output_scale=1 / 64, max_output=8),
+}
 
 
 # -- the trace ----------------------------------------------------------------------------------------
@@ -114,7 +126,9 @@ class Scaling:
         if self.block_tokens < 1 or self.max_input < 1 or self.max_output < 1 or self.output_scale <= 0:
             raise ValueError(f"block_tokens, max_input and max_output must be >= 1 and output_scale > 0: {self}")
         if self.vocab_size <= MIN_TOKEN_ID + 1:
-            raise ValueError(f"vocab_size must be above {MIN_TOKEN_ID + 1} (ids under {MIN_TOKEN_ID} are avoided), got {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size must be above {MIN_TOKEN_ID + 1} (ids under {MIN_TOKEN_ID} are avoided), got {self.vocab_size}"
+            )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be positive, got {self.limit}")
 
@@ -131,11 +145,15 @@ class Scaling:
     def describe(self, speed: float | None = None) -> str:
         """One line saying exactly how the trace was scaled."""
         time_part = f"; time x{1 / speed:g} (speed {speed:g})" if speed else ""
-        time_part += "; arrivals spread within each 3-s timestamp step" if self.spread else "; arrivals as stamped (no spread)"
-        return (f"trace scaled: {self.block_tokens} tokens a hash id (lengths x{self.length_factor:g} = {self.block_tokens}/512), "
-                f"prompt <= {self.max_input} tokens, output x{self.output_scale:g} clamped to [1, {self.max_output}], "
-                f"token ids in [{MIN_TOKEN_ID}, {self.vocab_size}){time_part}; "
-                f"{'all records' if self.limit is None else f'first {self.limit} records'}")  # fmt: skip
+        time_part += (
+            "; arrivals spread within each 3-s timestamp step" if self.spread else "; arrivals as stamped (no spread)"
+        )
+        return (
+            f"trace scaled: {self.block_tokens} tokens a hash id (lengths x{self.length_factor:g} = {self.block_tokens}/512), "
+            f"prompt <= {self.max_input} tokens, output x{self.output_scale:g} clamped to [1, {self.max_output}], "
+            f"token ids in [{MIN_TOKEN_ID}, {self.vocab_size}){time_part}; "
+            f"{'all records' if self.limit is None else f'first {self.limit} records'}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +177,15 @@ class TraceRequest:
 @functools.lru_cache(maxsize=1 << 16)
 def block_token_ids(hash_id: int, block_tokens: int, vocab_size: int, salt: int = 0) -> tuple[int, ...]:
     """The fixed token ids standing for trace block ``hash_id``: the same arguments, the same ids, in every process."""
-    rng = random.Random(f"trace-block/{salt}/{hash_id}")  # a str seed hashes with SHA-512: stable across runs and machines
+    rng = random.Random(
+        f"trace-block/{salt}/{hash_id}"
+    )  # a str seed hashes with SHA-512: stable across runs and machines
     return tuple(rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(block_tokens))
 
 
-def build_prompt(hash_ids: tuple[int, ...] | list[int], num_tokens: int, block_tokens: int, vocab_size: int, salt: int = 0) -> list[int]:
+def build_prompt(
+    hash_ids: tuple[int, ...] | list[int], num_tokens: int, block_tokens: int, vocab_size: int, salt: int = 0
+) -> list[int]:
     """The blocks of ``hash_ids`` concatenated, cut to ``num_tokens`` (never more than the blocks hold)."""
     out: list[int] = []
     for h in hash_ids:
@@ -173,9 +195,17 @@ def build_prompt(hash_ids: tuple[int, ...] | list[int], num_tokens: int, block_t
     return out[:num_tokens]
 
 
-def load_trace(path: Path | str, block_tokens: int = DEFAULTS["block_tokens"], *, output_scale: float = DEFAULTS["output_scale"],
-               max_input: int = DEFAULTS["max_input"], max_output: int = DEFAULTS["max_output"], limit: int | None = None,
-               vocab_size: int = SMOLLM2_VOCAB, spread: bool = True) -> list[TraceRequest]:  # fmt: skip
+def load_trace(
+    path: Path | str,
+    block_tokens: int = DEFAULTS["block_tokens"],
+    *,
+    output_scale: float = DEFAULTS["output_scale"],
+    max_input: int = DEFAULTS["max_input"],
+    max_output: int = DEFAULTS["max_output"],
+    limit: int | None = None,
+    vocab_size: int = SMOLLM2_VOCAB,
+    spread: bool = True,
+) -> list[TraceRequest]:
     """Read a Mooncake trace (JSON lines) and scale its first ``limit`` records (see ``Scaling``).
 
     ``spread``: the trace's timestamps come in steps of about 3 s, ~10 requests a step;
@@ -199,15 +229,28 @@ def load_trace(path: Path | str, block_tokens: int = DEFAULTS["block_tokens"], *
             records.append(rec)
     if not records:
         raise ValueError(f"{path}: no trace records")
-    arrivals = _spread_arrivals([r["timestamp"] for r in records], next_ts) if spread else [r["timestamp"] for r in records]
+    arrivals = (
+        _spread_arrivals([r["timestamp"] for r in records], next_ts) if spread else [r["timestamp"] for r in records]
+    )
     out: list[TraceRequest] = []
     for rec, arrival_ms in zip(records[:limit], arrivals):
         ids = tuple(int(h) for h in rec["hash_ids"])
         if not ids:
             raise ValueError(f"{path}: record {len(out)} has no hash_ids")
         tokens = min(scaling.input_tokens(int(rec["input_length"])), len(ids) * block_tokens)
-        out.append(TraceRequest(len(out), arrival_ms / 1000.0, ids, int(rec["input_length"]), int(rec["output_length"]), tokens,
-                                scaling.output_tokens(int(rec["output_length"])), block_tokens, vocab_size))  # fmt: skip
+        out.append(
+            TraceRequest(
+                len(out),
+                arrival_ms / 1000.0,
+                ids,
+                int(rec["input_length"]),
+                int(rec["output_length"]),
+                tokens,
+                scaling.output_tokens(int(rec["output_length"])),
+                block_tokens,
+                vocab_size,
+            )
+        )
     return out
 
 
@@ -264,7 +307,9 @@ class RequestResult:
     e2e_s: float | None = None
     completion_tokens: int = 0
     cached_tokens: int | None = None  # None: the server did not say
-    predicted_ttft_s: float | None = None  # a mooncake cluster's Conductor's prediction (response header; None: no such server)
+    predicted_ttft_s: float | None = (
+        None  # a mooncake cluster's Conductor's prediction (response header; None: no such server)
+    )
     token_times_s: list[float] = field(default_factory=list)  # every event carrying text
     effective: bool = False
 
@@ -297,7 +342,9 @@ def _finish(r: RequestResult, times: list[float], usage: dict, end_s: float) -> 
     r.tbt_mean_s = (times[-1] - times[0]) / (r.completion_tokens - 1) if r.completion_tokens > 1 else 0.0
 
 
-async def _send(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str], r: RequestResult, clock0: float) -> None:
+async def _send(
+    client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str], r: RequestResult, clock0: float
+) -> None:
     """Stream one completion into ``r``; never raises for the server's or the network's failures."""
     t0 = time.perf_counter()
     r.sent_s = t0 - clock0
@@ -345,23 +392,41 @@ def _base_url(url: str) -> str:
 
 
 def _body(model: str, prompt: list[int], max_tokens: int) -> bytes:
-    return json.dumps({
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"content-type": "application/json", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
-async def _replay(requests: list[TraceRequest], prompts: list[list[int]], url: str, model: str, speed: float,
-                  concurrency_limit: int | None, api_key: str | None, timeout_s: float, on_done) -> tuple[list[RequestResult], float]:  # fmt: skip
+async def _replay(
+    requests: list[TraceRequest],
+    prompts: list[list[int]],
+    url: str,
+    model: str,
+    speed: float,
+    concurrency_limit: int | None,
+    api_key: str | None,
+    timeout_s: float,
+    on_done,
+) -> tuple[list[RequestResult], float]:
     headers = _headers(api_key)
     gate = asyncio.Semaphore(concurrency_limit) if concurrency_limit else None
     first = requests[0].arrival_s
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False
+    ) as client:
         clock0 = time.perf_counter() + 0.05  # every request is scheduled before the first is due
 
         async def one(req: TraceRequest, prompt: list[int]) -> RequestResult:
@@ -381,10 +446,21 @@ async def _replay(requests: list[TraceRequest], prompts: list[list[int]], url: s
     return list(results), time.perf_counter() - clock0
 
 
-def replay(requests: list[TraceRequest], url: str, model: str, *, speed: float = 1.0, salt: int = 0,
-           ttft_slo_s: float = DEFAULTS["ttft_slo_s"], tbt_slo_s: float = DEFAULTS["tbt_slo_s"],
-           concurrency_limit: int | None = None, api_key: str | None = None, timeout_s: float = 900.0,
-           progress: Progress | None = None, label: str = "replay") -> dict:  # fmt: skip
+def replay(
+    requests: list[TraceRequest],
+    url: str,
+    model: str,
+    *,
+    speed: float = 1.0,
+    salt: int = 0,
+    ttft_slo_s: float = DEFAULTS["ttft_slo_s"],
+    tbt_slo_s: float = DEFAULTS["tbt_slo_s"],
+    concurrency_limit: int | None = None,
+    api_key: str | None = None,
+    timeout_s: float = 900.0,
+    progress: Progress | None = None,
+    label: str = "replay",
+) -> dict:
     """Replay ``requests`` open loop at ``speed`` against ``url`` (an OpenAI base URL; ``/v1`` is added if missing).
 
     Blocks until every request has finished. Returns a JSON-ready dict: ``speed``,
@@ -403,14 +479,24 @@ def replay(requests: list[TraceRequest], url: str, model: str, *, speed: float =
         r.effective = is_effective(r, ttft_slo_s, tbt_slo_s)
         counts[r.outcome.value] += 1
         if progress is not None:
-            progress.update(task, advance=1, description=f"{label}: {counts['ok']} ok, {counts['rejected']} rejected, {counts['error']} errors")
+            progress.update(
+                task,
+                advance=1,
+                description=f"{label}: {counts['ok']} ok, {counts['rejected']} rejected, {counts['error']} errors",
+            )
 
-    results, wall = asyncio.run(_replay(requests, prompts, _base_url(url), model, speed, concurrency_limit, api_key, timeout_s, on_done))
+    results, wall = asyncio.run(
+        _replay(requests, prompts, _base_url(url), model, speed, concurrency_limit, api_key, timeout_s, on_done)
+    )
     if progress is not None:
         progress.remove_task(task)
     span = (requests[-1].arrival_s - requests[0].arrival_s) / speed
-    return {"speed": speed, "salt": salt, "summary": summarize(results, ttft_slo_s, tbt_slo_s, span, wall),
-            "requests": [asdict(r) for r in results]}  # fmt: skip
+    return {
+        "speed": speed,
+        "salt": salt,
+        "summary": summarize(results, ttft_slo_s, tbt_slo_s, span, wall),
+        "requests": [asdict(r) for r in results],
+    }
 
 
 def summarize(results: list[RequestResult], ttft_slo_s: float, tbt_slo_s: float, span_s: float, wall_s: float) -> dict:
@@ -420,18 +506,28 @@ def summarize(results: list[RequestResult], ttft_slo_s: float, tbt_slo_s: float,
     known = [r for r in ok if r.cached_tokens is not None]
     ttft, tbt = [r.ttft_s for r in ok], [r.tbt_s for r in ok]
     out = {
-        "requests": len(results), "completed": len(ok), "rejected": sum(r.outcome is Outcome.REJECTED for r in results),
-        "errors": sum(r.outcome is Outcome.ERROR for r in results), "effective": effective,
-        "slo_attainment": effective / len(results) if results else 0.0, "ttft_slo_s": ttft_slo_s, "tbt_slo_s": tbt_slo_s,
-        "prompt_tokens": sum(r.prompt_tokens for r in ok), "cached_tokens": sum(r.cached_tokens for r in known) if known else None,
-        "cache_hit_ratio": sum(r.cached_tokens for r in known) / max(1, sum(r.prompt_tokens for r in known)) if known else None,
-        "output_tokens": sum(r.completion_tokens for r in ok), "span_s": span_s, "wall_s": wall_s,
+        "requests": len(results),
+        "completed": len(ok),
+        "rejected": sum(r.outcome is Outcome.REJECTED for r in results),
+        "errors": sum(r.outcome is Outcome.ERROR for r in results),
+        "effective": effective,
+        "slo_attainment": effective / len(results) if results else 0.0,
+        "ttft_slo_s": ttft_slo_s,
+        "tbt_slo_s": tbt_slo_s,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(r.cached_tokens for r in known) if known else None,
+        "cache_hit_ratio": sum(r.cached_tokens for r in known) / max(1, sum(r.prompt_tokens for r in known))
+        if known
+        else None,
+        "output_tokens": sum(r.completion_tokens for r in ok),
+        "span_s": span_s,
+        "wall_s": wall_s,
         "offered_rate_rps": len(results) / span_s if span_s > 0 else None,
         "throughput_rps": len(ok) / wall_s if wall_s > 0 else None,
         "output_tok_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s > 0 else None,
         "send_lateness_max_s": max((r.sent_s - r.scheduled_s for r in results), default=0.0),
         "first_error": next((r.error for r in results if r.outcome is Outcome.ERROR), None),
-    }  # fmt: skip
+    }
     for q in (50, 90, 99):
         out[f"ttft_p{q}_s"], out[f"tbt_p{q}_s"] = percentile(ttft, q), percentile(tbt, q)
     out["ttft_mean_s"] = float(np.mean(ttft)) if ttft else None
@@ -443,11 +539,16 @@ def prediction_errors(ok: list[RequestResult], within: float = PREDICTION_WITHIN
     """How the server's TTFT predictions (where it gave them) came out against the TTFTs measured here: the signed
     relative error (predicted - measured) / measured at percentiles (below 0: predicted too short), and the share of
     requests predicted within ``within`` of their TTFT."""
-    errors = sorted((r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in ok if r.predicted_ttft_s is not None and r.ttft_s)
+    errors = sorted(
+        (r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in ok if r.predicted_ttft_s is not None and r.ttft_s
+    )
     if not errors:
         return {"predicted_requests": 0}
-    out: dict = {"predicted_requests": len(errors), "prediction_within": within,
-                 "prediction_within_share": sum(abs(e) <= within for e in errors) / len(errors)}  # fmt: skip
+    out: dict = {
+        "predicted_requests": len(errors),
+        "prediction_within": within,
+        "prediction_within_share": sum(abs(e) <= within for e in errors) / len(errors),
+    }
     for q in (10, 50, 90):
         out[f"prediction_error_p{q}"] = percentile(errors, q)
     return out
@@ -467,14 +568,27 @@ def effective_capacity(points: list[dict], target: float = DEFAULTS["effective_t
         if p["summary"]["slo_attainment"] < target:
             break
         best = p
-    return {"target": target, "rate_factor": best["rate_factor"] if best else None,
-            "rate_rps": best["summary"]["offered_rate_rps"] if best else None,
-            "saturated": best is not None and best is ordered[-1]}  # fmt: skip
+    return {
+        "target": target,
+        "rate_factor": best["rate_factor"] if best else None,
+        "rate_rps": best["summary"]["offered_rate_rps"] if best else None,
+        "saturated": best is not None and best is ordered[-1],
+    }
 
 
-def sweep(requests: list[TraceRequest], url: str, model: str, factors: list[float], *, speed: float = 1.0,
-          effective_target: float = DEFAULTS["effective_target"], progress: Progress | None = None, label: str = "replay",
-          on_run=None, **kwargs) -> dict:  # fmt: skip
+def sweep(
+    requests: list[TraceRequest],
+    url: str,
+    model: str,
+    factors: list[float],
+    *,
+    speed: float = 1.0,
+    effective_target: float = DEFAULTS["effective_target"],
+    progress: Progress | None = None,
+    label: str = "replay",
+    on_run=None,
+    **kwargs,
+) -> dict:
     """One ``replay`` per rate factor (speed * f, factor k in increasing order salted with k); ``runs`` and ``capacity``.
 
     ``on_run(run)`` is called after each rate (to log it); ``kwargs`` go to ``replay``.
@@ -483,7 +597,9 @@ def sweep(requests: list[TraceRequest], url: str, model: str, factors: list[floa
         raise ValueError(f"rate factors must be positive, got {factors}")
     runs = []
     for k, f in enumerate(sorted(factors)):
-        run = replay(requests, url, model, speed=speed * f, salt=k, progress=progress, label=f"{label} x{f:g}", **kwargs)
+        run = replay(
+            requests, url, model, speed=speed * f, salt=k, progress=progress, label=f"{label} x{f:g}", **kwargs
+        )
         run["rate_factor"] = f
         runs.append(run)
         if on_run is not None:
@@ -521,16 +637,44 @@ def _share(v: float | None) -> str:
 def render(runs: list[dict], console: Console, title: str, caption: str | None = None) -> None:
     """A table of runs, one row each (labelled by ``label`` or the rate factor)."""
     table = Table(title=title, caption=caption)
-    for col in ("run", "req/s", "done", "429", "err", "SLO met", "TTFT p50", "p90", "p99", "TBT p50", "p90", "p99",
-                "cache hit", "out tok/s", "TTFT pred. ±25%"):  # fmt: skip
+    for col in (
+        "run",
+        "req/s",
+        "done",
+        "429",
+        "err",
+        "SLO met",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "TBT p50",
+        "p90",
+        "p99",
+        "cache hit",
+        "out tok/s",
+        "TTFT pred. ±25%",
+    ):
         table.add_column(col, justify="left" if col == "run" else "right")
     for run in runs:
         s = run["summary"]
         rate = "-" if s["offered_rate_rps"] is None else f"{s['offered_rate_rps']:.2f}"
-        table.add_row(run.get("label") or f"x{run.get('rate_factor', 1):g}", rate, f"{s['completed']}/{s['requests']}",
-                      str(s["rejected"]), str(s["errors"]), _share(s["slo_attainment"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p90_s"]),
-                      _ms(s["ttft_p99_s"]), _ms(s["tbt_p50_s"]), _ms(s["tbt_p90_s"]), _ms(s["tbt_p99_s"]), _share(s["cache_hit_ratio"]),
-                      "-" if s["output_tok_s"] is None else f"{s['output_tok_s']:.1f}", describe_predictions(s, short=True))  # fmt: skip
+        table.add_row(
+            run.get("label") or f"x{run.get('rate_factor', 1):g}",
+            rate,
+            f"{s['completed']}/{s['requests']}",
+            str(s["rejected"]),
+            str(s["errors"]),
+            _share(s["slo_attainment"]),
+            _ms(s["ttft_p50_s"]),
+            _ms(s["ttft_p90_s"]),
+            _ms(s["ttft_p99_s"]),
+            _ms(s["tbt_p50_s"]),
+            _ms(s["tbt_p90_s"]),
+            _ms(s["tbt_p99_s"]),
+            _share(s["cache_hit_ratio"]),
+            "-" if s["output_tok_s"] is None else f"{s['output_tok_s']:.1f}",
+            describe_predictions(s, short=True),
+        )
     console.print(table)
 
 
@@ -541,21 +685,32 @@ def describe_predictions(s: dict, short: bool = False) -> str:
     share = _share(s["prediction_within_share"])
     if short:
         return share
-    return (f"TTFT predicted within {s['prediction_within']:.0%} for {share} of {s['predicted_requests']}; error "
-            f"(predicted - measured) / measured p10 {s['prediction_error_p10']:+.0%}, p50 {s['prediction_error_p50']:+.0%}, "
-            f"p90 {s['prediction_error_p90']:+.0%}")
+    return (
+        f"TTFT predicted within {s['prediction_within']:.0%} for {share} of {s['predicted_requests']}; error "
+        f"(predicted - measured) / measured p10 {s['prediction_error_p10']:+.0%}, p50 {s['prediction_error_p50']:+.0%}, "
+        f"p90 {s['prediction_error_p90']:+.0%}"
+    )
 
 
 def describe_capacity(capacity: dict) -> str:
     if capacity["rate_factor"] is None:
         return f"effective request capacity: below the lowest rate tried (< {capacity['target']:.0%} effective there)"
     more = " (every rate met the target: the capacity is at least this)" if capacity["saturated"] else ""
-    return (f"effective request capacity: rate x{capacity['rate_factor']:g} = {capacity['rate_rps']:.2f} req/s "
-            f"(>= {capacity['target']:.0%} effective){more}")
+    return (
+        f"effective request capacity: rate x{capacity['rate_factor']:g} = {capacity['rate_rps']:.2f} req/s "
+        f"(>= {capacity['target']:.0%} effective){more}"
+    )
 
 
-def plot(path: Path, cdf_runs: dict[str, dict], sweeps: dict[str, list[dict]], ttft_slo_s: float, tbt_slo_s: float,
-         target: float, title: str) -> None:  # fmt: skip
+def plot(
+    path: Path,
+    cdf_runs: dict[str, dict],
+    sweeps: dict[str, list[dict]],
+    ttft_slo_s: float,
+    tbt_slo_s: float,
+    target: float,
+    title: str,
+) -> None:
     """A PNG: TTFT and TBT CDFs (one line per ``cdf_runs`` entry) and, if any sweep has 2+ rates, effective share vs rate."""
     import matplotlib
 
@@ -564,7 +719,10 @@ def plot(path: Path, cdf_runs: dict[str, dict], sweeps: dict[str, list[dict]], t
 
     with_sweep = any(len(runs) > 1 for runs in sweeps.values())
     fig, axes = plt.subplots(1, 3 if with_sweep else 2, figsize=(16 if with_sweep else 11, 4.5))
-    panels = ((axes[0], "ttft_s", ttft_slo_s, "TTFT (s)"), (axes[1], "tbt_s", tbt_slo_s, "TBT: mean of the longest 10% of gaps (s)"))
+    panels = (
+        (axes[0], "ttft_s", ttft_slo_s, "TTFT (s)"),
+        (axes[1], "tbt_s", tbt_slo_s, "TBT: mean of the longest 10% of gaps (s)"),
+    )
     for ax, key, slo, name in panels:
         for label, run in cdf_runs.items():
             values = sorted(r[key] for r in run["requests"] if r["outcome"] == Outcome.OK.value and r[key] is not None)
@@ -595,8 +753,16 @@ def plot(path: Path, cdf_runs: dict[str, dict], sweeps: dict[str, list[dict]], t
 
 
 def make_progress(console: Console, disable: bool = False) -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=disable)  # fmt: skip
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=disable,
+    )
 
 
 def factor_list(text: str) -> list[float]:
@@ -620,30 +786,82 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     """The flags replay.py and compare.py share: scaling, SLOs, rates."""
     d = DEFAULTS
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="a Mooncake-format trace (JSON lines)")
-    p.add_argument("--speed", type=float, default=None, help=f"time compression: arrival = timestamp / speed (default {d['speed']})")
-    p.add_argument("--sweep", type=factor_list, default=None, help="rate factors (speed x f each); reports the effective request capacity")
-    p.add_argument("--block-tokens", type=int, default=d["block_tokens"], help="token ids per trace hash id (lengths scale by this / 512)")
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        help=f"time compression: arrival = timestamp / speed (default {d['speed']})",
+    )
+    p.add_argument(
+        "--sweep",
+        type=factor_list,
+        default=None,
+        help="rate factors (speed x f each); reports the effective request capacity",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=d["block_tokens"],
+        help="token ids per trace hash id (lengths scale by this / 512)",
+    )
     p.add_argument("--max-input", type=int, default=d["max_input"], help="longest prompt, in tokens (after scaling)")
-    p.add_argument("--preset", choices=list(PRESETS), default="conversation", help="the workload's output scaling: "
-                   + "; ".join(f"{k}: outputs x{v['output_scale']:g} clamped to [1, {v['max_output']}]" for k, v in PRESETS.items())
-                   + " (--output-scale and --max-output override it)")  # fmt: skip
-    p.add_argument("--output-scale", type=float, default=None, help="output tokens = trace output_length x this (default: the preset's)")
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default="conversation",
+        help="the workload's output scaling: "
+        + "; ".join(
+            f"{k}: outputs x{v['output_scale']:g} clamped to [1, {v['max_output']}]" for k, v in PRESETS.items()
+        )
+        + " (--output-scale and --max-output override it)",
+    )
+    p.add_argument(
+        "--output-scale",
+        type=float,
+        default=None,
+        help="output tokens = trace output_length x this (default: the preset's)",
+    )
     p.add_argument("--max-output", type=int, default=None, help="longest output, in tokens (default: the preset's)")
     p.add_argument("--limit", type=int, default=None, help=f"use the first N records (default {d['limit']})")
-    p.add_argument("--no-spread", action="store_true", help="send the requests of one trace timestamp together (default: spread to the next)")
+    p.add_argument(
+        "--no-spread",
+        action="store_true",
+        help="send the requests of one trace timestamp together (default: spread to the next)",
+    )
     p.add_argument("--ttft-slo", type=float, default=d["ttft_slo_s"], help="seconds")
-    p.add_argument("--tbt-slo", type=float, default=d["tbt_slo_s"], help="seconds (the paper's TBT: mean of the longest 10%% of gaps)")
-    p.add_argument("--effective-target", type=float, default=d["effective_target"], help="share of effective requests the capacity needs")
-    p.add_argument("--concurrency-limit", type=int, default=None, help="at most N requests in flight (the rest wait: no longer open loop)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds a request may take before it counts as an error")
+    p.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=d["tbt_slo_s"],
+        help="seconds (the paper's TBT: mean of the longest 10%% of gaps)",
+    )
+    p.add_argument(
+        "--effective-target",
+        type=float,
+        default=d["effective_target"],
+        help="share of effective requests the capacity needs",
+    )
+    p.add_argument(
+        "--concurrency-limit",
+        type=int,
+        default=None,
+        help="at most N requests in flight (the rest wait: no longer open loop)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds a request may take before it counts as an error"
+    )
     p.add_argument("--json", type=Path, help="write every per-request number and the command line to this file")
     p.add_argument("--plot", type=Path, help="write a PNG: TTFT/TBT CDFs and, with --sweep, effective share vs rate")
     p.add_argument("--no-progress", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring and benchmarks/README.md.")
-    p.add_argument("--url", required=True, help="the server's OpenAI base URL (http://host:port or http://host:port/v1)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="See the module docstring and benchmarks/README.md."
+    )
+    p.add_argument(
+        "--url", required=True, help="the server's OpenAI base URL (http://host:port or http://host:port/v1)"
+    )
     p.add_argument("--model", required=True, help="the model name the server expects")
     p.add_argument("--model-dir", type=Path, help="the model directory: its config.json gives the vocabulary size")
     p.add_argument("--vocab-size", type=int, default=SMOLLM2_VOCAB, help="without --model-dir (default: SmolLM2's)")
@@ -656,39 +874,79 @@ def main(argv: list[str] | None = None) -> int:
     vocab = vocab_size_of(args.model_dir) if args.model_dir else args.vocab_size
     console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
     try:
-        requests = load_trace(args.trace, args.block_tokens, output_scale=args.output_scale, max_input=args.max_input,
-                              max_output=args.max_output, limit=limit, vocab_size=vocab, spread=not args.no_spread)  # fmt: skip
+        requests = load_trace(
+            args.trace,
+            args.block_tokens,
+            output_scale=args.output_scale,
+            max_input=args.max_input,
+            max_output=args.max_output,
+            limit=limit,
+            vocab_size=vocab,
+            spread=not args.no_spread,
+        )
     except (OSError, ValueError, KeyError) as e:
         p.error(f"cannot read the trace: {e}")
-    scaling = Scaling(args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, limit, not args.no_spread)
-    console.print(f"{len(requests)} requests; {scaling.describe(speed)}; SLOs TTFT {args.ttft_slo} s, TBT {args.tbt_slo} s")
+    scaling = Scaling(
+        args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, limit, not args.no_spread
+    )
+    console.print(
+        f"{len(requests)} requests; {scaling.describe(speed)}; SLOs TTFT {args.ttft_slo} s, TBT {args.tbt_slo} s"
+    )
     if not args.no_warmup:
         try:
             warm_up(args.url, args.model, vocab, args.api_key)
         except RuntimeError as e:
             console.print(f"[red]{e}[/] (is the server at {args.url} up, serving {args.model!r}?)")
             return 2
-    common = dict(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, concurrency_limit=args.concurrency_limit, api_key=args.api_key,
-                  timeout_s=args.timeout)  # fmt: skip
+    common = dict(
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        concurrency_limit=args.concurrency_limit,
+        api_key=args.api_key,
+        timeout_s=args.timeout,
+    )
     with make_progress(console, args.no_progress) as progress:
-        result = sweep(requests, args.url, args.model, args.sweep or [1.0], speed=speed, effective_target=args.effective_target,
-                       progress=progress, **common)  # fmt: skip
+        result = sweep(
+            requests,
+            args.url,
+            args.model,
+            args.sweep or [1.0],
+            speed=speed,
+            effective_target=args.effective_target,
+            progress=progress,
+            **common,
+        )
     title = f"replay of {args.trace.name} against {args.url} ({args.model})"
-    render(result["runs"], console, title, caption=scaling.describe(speed) + "; ms; percentiles over completed requests")
+    render(
+        result["runs"], console, title, caption=scaling.describe(speed) + "; ms; percentiles over completed requests"
+    )
     for run in result["runs"]:
         if run["summary"].get("predicted_requests"):
             console.print(f"x{run.get('rate_factor', 1):g}: {describe_predictions(run['summary'])}")
     if args.sweep:
         console.print(describe_capacity(result["capacity"]))
     if args.json:
-        data = {"command": shlex.join([sys.executable, *sys.argv]), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "url": args.url, "model": args.model, "scaling": asdict(scaling) | {"speed": speed, "length_factor": scaling.length_factor,
-                "description": scaling.describe(speed)}, **result}  # fmt: skip
+        data = {
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "url": args.url,
+            "model": args.model,
+            "scaling": asdict(scaling)
+            | {"speed": speed, "length_factor": scaling.length_factor, "description": scaling.describe(speed)},
+            **result,
+        }
         args.json.write_text(json.dumps(data, indent=1) + "\n")
         console.print(f"per-request numbers written to {args.json}")
     if args.plot:
-        plot(args.plot, {f"x{r['rate_factor']:g}": r for r in result["runs"]}, {"replay": result["runs"]}, args.ttft_slo,
-             args.tbt_slo, args.effective_target, title + "\n" + scaling.describe(speed))  # fmt: skip
+        plot(
+            args.plot,
+            {f"x{r['rate_factor']:g}": r for r in result["runs"]},
+            {"replay": result["runs"]},
+            args.ttft_slo,
+            args.tbt_slo,
+            args.effective_target,
+            title + "\n" + scaling.describe(speed),
+        )
         console.print(f"plot written to {args.plot}")
     return 0
 

@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             np.copyto(dst, src)
             writes.append(time.perf_counter() - t)
-        print(f"{label:<26} map {t_map * 1e3:7.1f} ms   first write {writes[0] * 1e3:7.1f} ms ({size / writes[0] / 1e9:5.1f} GB/s)"
-              f"   second {writes[1] * 1e3:7.1f} ms ({size / writes[1] / 1e9:5.1f} GB/s)")  # fmt: skip
+        print(
+            f"{label:<26} map {t_map * 1e3:7.1f} ms   first write {writes[0] * 1e3:7.1f} ms ({size / writes[0] / 1e9:5.1f} GB/s)"
+            f"   second {writes[1] * 1e3:7.1f} ms ({size / writes[1] / 1e9:5.1f} GB/s)"
+        )
         del dst
         mm.close()
     return 0

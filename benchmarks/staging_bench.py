@@ -57,16 +57,27 @@ def main(argv: list[str] | None = None) -> int:
     owner = TransferEngine(TransferConfig(node=f"bench-land-{uuid.uuid4().hex[:6]}", serve=False))
     sender = TransferEngine(TransferConfig(node=f"bench-push-{uuid.uuid4().hex[:6]}", serve=False))
     connector = PoolConnector(sender, None, bs, io_timeout_s=60)
-    engine = LLMEngine(EngineConfig(model=args.model, block_size=bs, num_kv_blocks=2 * n + 16, max_model_len=args.tokens + bs,
-                                    max_num_batched_tokens=args.chunk, device=args.device, dtype=args.dtype,
-                                    enable_prefix_caching=False), connector=connector)  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            block_size=bs,
+            num_kv_blocks=2 * n + 16,
+            max_model_len=args.tokens + bs,
+            max_num_batched_tokens=args.chunk,
+            device=args.device,
+            dtype=args.dtype,
+            enable_prefix_caching=False,
+        ),
+        connector=connector,
+    )
     connector.bind(engine.runner.kv_cache, staged=True)  # a CUDA cache always is; on the CPU the same path
     landing = owner.allocate("landing", n * engine.block_bytes)
     sender.add_segment(landing)
     decode_cache = owner.allocate("kvcache", n * engine.block_bytes)  # a decode engine's cache of n blocks
     sender.add_segment(decode_cache)
-    device_cache = torch.zeros((engine.block_shape[0], 2, n, *engine.block_shape[2:]), dtype=engine.runner.kv_cache.dtype,
-                               device=args.device)  # fmt: skip
+    device_cache = torch.zeros(
+        (engine.block_shape[0], 2, n, *engine.block_shape[2:]), dtype=engine.runner.kv_cache.dtype, device=args.device
+    )
     owner.allocate("pool", n * engine.block_bytes)
     connector.pool = slot_tensor(owner.buffer("pool"), engine.block_shape, engine.runner.kv_cache.dtype)
     push_staged = connector._push_staged
@@ -80,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         if mode != "plain":
             pool = {b: b for b in range(args.tokens // bs)} if mode in ("full", "cache", "device") else {}
             into = decode_cache.name if mode == "cache" else landing.name
-            job = connector.jobs[rid] = PrefillJob(rid, len(prompt), n, into, [i * engine.block_bytes for i in range(n)],
-                                                   pool_slots=pool)  # fmt: skip
+            job = connector.jobs[rid] = PrefillJob(
+                rid, len(prompt), n, into, [i * engine.block_bytes for i in range(n)], pool_slots=pool
+            )
             if mode in ("cache", "device"):
                 job.landing_blocks, job.landing_num_blocks, job.store_later = list(range(n)), n, True
                 job.mapped_cache = device_cache if mode == "device" else None
@@ -108,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             times[m].append(run(m))
     base = statistics.median(times["plain"])
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
-    print(f"{args.tokens} tokens in steps of {args.chunk}, {args.dtype} on {args.device} ({gpu}); "
-          f"{engine.block_bytes * n / 2**20:,.0f} MiB of KV; median of {args.reps}")  # fmt: skip
+    print(
+        f"{args.tokens} tokens in steps of {args.chunk}, {args.dtype} on {args.device} ({gpu}); "
+        f"{engine.block_bytes * n / 2**20:,.0f} MiB of KV; median of {args.reps}"
+    )
     rows = []
     for m in MODES:
         med = statistics.median(times[m])

@@ -64,17 +64,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, model_name = resolve_model(args, Path(tmp))
         tok = Tokenizer.from_dir(model_dir)
-        engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=1024, max_model_len=2048), tokenizer=tok)
+        engine = LLMEngine(
+            EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=1024, max_model_len=2048), tokenizer=tok
+        )
         engine.runner.grammars = book = TimedBook(tok.backend.to_str(), engine.runner.vocab_size, engine.eos_token_ids)
-        schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": items, "maxItems": items}
+        schema = {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "minItems": items,
+            "maxItems": items,
+        }
         grammar = grammar_for(json_schema=schema)
         prompts = [tok.encode(f"List {items} numbers as a JSON array ({i}):") for i in range(args.requests)]
         run(engine, prompts[:1], [SamplingParams(max_tokens=8)])  # warm-up
         constrained_s, baseline_s, grammar_s, tokens, valid = [], [], [], 0, 0
         for r in range(args.repeats):
             book.seconds = 0.0
-            params = [SamplingParams(max_tokens=16 * items, temperature=1.0, seed=1000 * r + i, grammar=grammar)
-                      for i in range(args.requests)]  # fmt: skip
+            params = [
+                SamplingParams(max_tokens=16 * items, temperature=1.0, seed=1000 * r + i, grammar=grammar)
+                for i in range(args.requests)
+            ]
             outs, seconds = run(engine, prompts, params)
             constrained_s.append(seconds)
             grammar_s.append(book.seconds)
@@ -85,19 +94,30 @@ def main() -> None:
                     valid += isinstance(value, list) and len(value) == items and all(isinstance(v, int) for v in value)
                 except json.JSONDecodeError:
                     pass
-            base = [SamplingParams(max_tokens=len(o), temperature=1.0, seed=1000 * r + i, ignore_eos=True) for i, o in enumerate(outs)]
+            base = [
+                SamplingParams(max_tokens=len(o), temperature=1.0, seed=1000 * r + i, ignore_eos=True)
+                for i, o in enumerate(outs)
+            ]
             _, seconds = run(engine, prompts, base)
             baseline_s.append(seconds)
         c, b, g = statistics.median(constrained_s), statistics.median(baseline_s), statistics.median(grammar_s)
         result = {
-            "model": model_name, "requests": args.requests, "items": items, "output_tokens": tokens,
-            "constrained_tok_s": round(tokens / c, 1), "baseline_tok_s": round(tokens / b, 1), "ratio": round(b / c, 3),
-            "grammar_us_per_token": round(1e6 * g / tokens, 1), "valid": f"{valid}/{args.requests * args.repeats}",
+            "model": model_name,
+            "requests": args.requests,
+            "items": items,
+            "output_tokens": tokens,
+            "constrained_tok_s": round(tokens / c, 1),
+            "baseline_tok_s": round(tokens / b, 1),
+            "ratio": round(b / c, 3),
+            "grammar_us_per_token": round(1e6 * g / tokens, 1),
+            "valid": f"{valid}/{args.requests * args.repeats}",
             "machine": describe_machine(),
-        }  # fmt: skip
+        }
     print(json.dumps(result, indent=2))
-    print(f"\nconstrained {result['constrained_tok_s']} tok/s vs unconstrained {result['baseline_tok_s']} tok/s: "
-          f"ratio {result['ratio']} (1.0 = free); grammar {result['grammar_us_per_token']} us/token; valid {result['valid']}")  # fmt: skip
+    print(
+        f"\nconstrained {result['constrained_tok_s']} tok/s vs unconstrained {result['baseline_tok_s']} tok/s: "
+        f"ratio {result['ratio']} (1.0 = free); grammar {result['grammar_us_per_token']} us/token; valid {result['valid']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -117,14 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-mib", type=int, default=2048, help="MiB streamed in the plain/TLS socket comparison")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end TTFT comparison")
     p.add_argument("--only-e2e", action="store_true", help="only the end-to-end TTFT comparison (part 3)")
-    p.add_argument("--e2e-args", default="", help="more arguments for e2e_bench.py (e.g. \"--quick\")")
+    p.add_argument("--e2e-args", default="", help='more arguments for e2e_bench.py (e.g. "--quick")')
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="tls-bench-"))
     ident = tls.generate(work / "tls")
     log = work / "runs.log"
-    report: dict = {"command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-                    "machine": describe_machine(), "log": str(log)}  # fmt: skip
+    report: dict = {
+        "command": shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "machine": describe_machine(),
+        "log": str(log),
+    }
     t0 = time.perf_counter()
 
     if args.only_e2e:
@@ -147,9 +150,10 @@ def stream_part(args, ident: tls.Identity, report: dict) -> None:
     plain = max(stream_gbps(args.stream_mib, None) for _ in range(2))
     encrypted = max(stream_gbps(args.stream_mib, ident) for _ in range(2))
     report["stream"] = {"plain_gbps": plain, "tls_gbps": encrypted, "ratio": encrypted / plain}
-    console.print(f"  plain {plain:.2f} GB/s, TLS {encrypted:.2f} GB/s: {encrypted / plain:.2f}x "
-                  "(why the transfer path is authenticated per connection, not encrypted)")  # fmt: skip
-
+    console.print(
+        f"  plain {plain:.2f} GB/s, TLS {encrypted:.2f} GB/s: {encrypted / plain:.2f}x "
+        "(why the transfer path is authenticated per connection, not encrypted)"
+    )
 
 
 def benches_part(args, ident: tls.Identity, work: Path, log: Path, report: dict) -> None:
@@ -162,10 +166,18 @@ def benches_part(args, ident: tls.Identity, work: Path, log: Path, report: dict)
         label = "TLS" if with_tls else "plain"
         console.print(f"[bold]2. run {i + 1}/{len(order)} ({label})[/bold]: transfer_bench, kvstore_bench")
         tls_dir = ident.directory if with_tls else None
-        runs["transfer"][with_tls].append(run_bench("benchmarks.transfer_bench", [*sub, "--no-tune", "--rounds", "1"], tls_dir,
-                                                    work / f"transfer-{i}.json", log))  # fmt: skip
-        runs["pool"][with_tls].append(run_bench("benchmarks.kvstore_bench", [*sub, "--rounds", "1"], tls_dir,
-                                                work / f"pool-{i}.json", log))  # fmt: skip
+        runs["transfer"][with_tls].append(
+            run_bench(
+                "benchmarks.transfer_bench",
+                [*sub, "--no-tune", "--rounds", "1"],
+                tls_dir,
+                work / f"transfer-{i}.json",
+                log,
+            )
+        )
+        runs["pool"][with_tls].append(
+            run_bench("benchmarks.kvstore_bench", [*sub, "--rounds", "1"], tls_dir, work / f"pool-{i}.json", log)
+        )
     report["runs"] = runs
 
     rows = []
@@ -181,13 +193,32 @@ def benches_part(args, ident: tls.Identity, work: Path, log: Path, report: dict)
                 continue  # the baselines (raw sockets, memcpy, Redis) do not change with TLS
             ratio = on[key] / off[key] if off[key] else None
             goal = GOAL_TRANSFER if bench == "transfer" and key[2] >= MIB else None
-            rows.append({"bench": bench, "system": system, "op": key[1], "size": key[2], "batch": key[3], "plain_gbps": off[key],
-                         "tls_gbps": on[key], "ratio": ratio, "goal": goal, "met": None if goal is None else ratio >= goal})  # fmt: skip
-            table.add_row(bench, system, key[1], f"{human(key[2])} x{key[3]}", f"{off[key]:.3f}", f"{on[key]:.3f}",
-                          f"{ratio:.2f}" if ratio else "-", f">= {goal}" if goal else "")  # fmt: skip
+            rows.append(
+                {
+                    "bench": bench,
+                    "system": system,
+                    "op": key[1],
+                    "size": key[2],
+                    "batch": key[3],
+                    "plain_gbps": off[key],
+                    "tls_gbps": on[key],
+                    "ratio": ratio,
+                    "goal": goal,
+                    "met": None if goal is None else ratio >= goal,
+                }
+            )
+            table.add_row(
+                bench,
+                system,
+                key[1],
+                f"{human(key[2])} x{key[3]}",
+                f"{off[key]:.3f}",
+                f"{on[key]:.3f}",
+                f"{ratio:.2f}" if ratio else "-",
+                f">= {goal}" if goal else "",
+            )
     report["comparison"] = rows
     console.print(table)
-
 
 
 def e2e_part(args, work: Path, log: Path, report: dict) -> None:
@@ -205,11 +236,26 @@ def e2e_part(args, work: Path, log: Path, report: dict) -> None:
     e2e_rows = []
     for a, b in zip(e2e[False][0]["serving"], e2e[True][0]["serving"]):
         ratio = b["disaggregated_ttft_s"] / a["disaggregated_ttft_s"]
-        e2e_rows.append({"prompt_tokens": a["prompt_tokens"], "cache": a["cache"], "plain_ttft_s": a["disaggregated_ttft_s"],
-                         "tls_ttft_s": b["disaggregated_ttft_s"], "ratio": ratio,
-                         "coupled_plain_s": a["coupled_ttft_s"], "coupled_tls_s": b["coupled_ttft_s"]})  # fmt: skip
-        t.add_row(str(a["prompt_tokens"]), a["cache"], f"{a['disaggregated_ttft_s']:.3f}", f"{b['disaggregated_ttft_s']:.3f}",
-                  f"{ratio:.2f}", f"{a['coupled_ttft_s']:.3f}", f"{b['coupled_ttft_s']:.3f}")  # fmt: skip
+        e2e_rows.append(
+            {
+                "prompt_tokens": a["prompt_tokens"],
+                "cache": a["cache"],
+                "plain_ttft_s": a["disaggregated_ttft_s"],
+                "tls_ttft_s": b["disaggregated_ttft_s"],
+                "ratio": ratio,
+                "coupled_plain_s": a["coupled_ttft_s"],
+                "coupled_tls_s": b["coupled_ttft_s"],
+            }
+        )
+        t.add_row(
+            str(a["prompt_tokens"]),
+            a["cache"],
+            f"{a['disaggregated_ttft_s']:.3f}",
+            f"{b['disaggregated_ttft_s']:.3f}",
+            f"{ratio:.2f}",
+            f"{a['coupled_ttft_s']:.3f}",
+            f"{b['coupled_ttft_s']:.3f}",
+        )
     report["e2e"] = e2e_rows
     console.print(t)
 

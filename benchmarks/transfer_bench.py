@@ -49,7 +49,9 @@ GOAL_TCP_VS_RAW = 0.8  # at slices of GOAL_TCP_MIN_SIZE and more
 GOAL_TCP_MIN_SIZE = MIB
 GOAL_SHM_VS_MEMCPY = 0.5
 DEFAULTS = TransferConfig(node="defaults")  # the configuration the main tcp rows use
-DEFAULT_MOONCAKE_PATH = Path.home() / ".cache" / "mooncake" / "mooncake-te"  # pip install --target of mooncake-transfer-engine-non-cuda
+DEFAULT_MOONCAKE_PATH = (
+    Path.home() / ".cache" / "mooncake" / "mooncake-te"
+)  # pip install --target of mooncake-transfer-engine-non-cuda
 MOONCAKE_RESULT_PREFIX = "TRANSFER_BENCH_MOONCAKE "
 WAIT_TIMEOUT_S = 60.0
 
@@ -125,9 +127,12 @@ class Owner:
 
 def client_engine(backend: str, connections: int | None = None, chunk: int | None = None) -> TransferEngine:
     config = TransferConfig(
-        node=f"bench-client-{backend}", serve=False, backend=BackendKind(backend),
-        tcp_connections=connections or DEFAULTS.tcp_connections, tcp_chunk_bytes=chunk or DEFAULTS.tcp_chunk_bytes,
-    )  # fmt: skip
+        node=f"bench-client-{backend}",
+        serve=False,
+        backend=BackendKind(backend),
+        tcp_connections=connections or DEFAULTS.tcp_connections,
+        tcp_chunk_bytes=chunk or DEFAULTS.tcp_chunk_bytes,
+    )
     return TransferEngine(config)
 
 
@@ -140,10 +145,14 @@ def check_engine(engine: TransferEngine, segment: Segment, size: int, write: boo
         engine.write(expected, [Slice(0, segment.name, 0, size)]).wait(WAIT_TIMEOUT_S)
     engine.read(local, [Slice(0, segment.name, 0, size)]).wait(WAIT_TIMEOUT_S)
     if not np.array_equal(local, expected):
-        raise RuntimeError(f"{engine.config.backend.value}: {'write' if write else 'read'} of {size} bytes: wrong bytes read back")
+        raise RuntimeError(
+            f"{engine.config.backend.value}: {'write' if write else 'read'} of {size} bytes: wrong bytes read back"
+        )
 
 
-def measure_engine(engine: TransferEngine, system: str, op: str, segment: Segment, size: int, slices: int, seconds: float) -> Cell:
+def measure_engine(
+    engine: TransferEngine, system: str, op: str, segment: Segment, size: int, slices: int, seconds: float
+) -> Cell:
     """Time one-at-a-time batches of ``slices`` slices of ``size`` bytes against the owner's segment."""
     local = np.ones(size * slices, dtype=np.uint8)  # touched, so no page faults in the loop
     batch = [Slice(i * size, segment.name, i * size, size) for i in range(slices)]
@@ -412,33 +421,58 @@ def bench_mooncake(
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if path is not None:
         if not path.is_dir():
-            return [], f"no Mooncake install at {path} (pip install --target {path} mooncake-transfer-engine-non-cuda==0.3.13.post1)"
+            return (
+                [],
+                f"no Mooncake install at {path} (pip install --target {path} mooncake-transfer-engine-non-cuda==0.3.13.post1)",
+            )
         env["PYTHONPATH"] = str(path)
     env.setdefault("GLOG_minloglevel", "2")
     with tempfile.TemporaryDirectory(prefix="transfer-bench-mooncake-") as cwd:
         probe = subprocess.run(
             [python, "-c", "import mooncake.engine as m; m.TransferEngine; print(m.__file__)"],
-            cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if probe.returncode != 0:
-            return [], "mooncake.engine.TransferEngine does not import: " + (probe.stderr.strip().splitlines() or ["?"])[-1]
+            return [], "mooncake.engine.TransferEngine does not import: " + (
+                probe.stderr.strip().splitlines() or ["?"]
+            )[-1]
         owner = subprocess.Popen(
-            [python, "-c", MOONCAKE_OWNER, str(seg_bytes)], cwd=cwd, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [python, "-c", MOONCAKE_OWNER, str(seg_bytes)],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             line = owner.stdout.readline()
             if (info := parse_ready(line)) is None:
                 owner.kill()
                 err = owner.communicate(timeout=10)[1]
                 return [], f"Mooncake owner did not start: {line.strip()} {tail(err)}"
-            args = {"target": f"127.0.0.1:{info['port']}", "addr": info["addr"], "seg_bytes": seg_bytes,
-                    "shapes": shapes, "seconds": seconds, "rounds": rounds}  # fmt: skip
+            args = {
+                "target": f"127.0.0.1:{info['port']}",
+                "addr": info["addr"],
+                "seg_bytes": seg_bytes,
+                "shapes": shapes,
+                "seconds": seconds,
+                "rounds": rounds,
+            }
             timeout = 60 + 4 * rounds * len(shapes) * (seconds + 2)
             try:
                 client = subprocess.run(
-                    [python, "-c", MOONCAKE_CLIENT, json.dumps(args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-                )  # fmt: skip
+                    [python, "-c", MOONCAKE_CLIENT, json.dumps(args)],
+                    cwd=cwd,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
             except subprocess.TimeoutExpired:
                 return [], f"Mooncake client did not finish within {timeout:.0f} s"
         finally:
@@ -453,7 +487,16 @@ def bench_mooncake(
     if client.returncode != 0 or not lines:
         return [], f"Mooncake client exited with status {client.returncode}: {tail(client.stderr)}"
     cells = [
-        Cell("mooncake-tcp", r["op"], r["size"], r["slices"], r["ops"], r["seconds"], r["p50_us"], {"protocol": "tcp", "round": r["round"]})
+        Cell(
+            "mooncake-tcp",
+            r["op"],
+            r["size"],
+            r["slices"],
+            r["ops"],
+            r["seconds"],
+            r["p50_us"],
+            {"protocol": "tcp", "round": r["round"]},
+        )
         for r in json.loads(lines[-1][len(MOONCAKE_RESULT_PREFIX) :])
     ]
     return cells, None
@@ -493,21 +536,36 @@ def shapes_for(sizes: list[int], batch_slices: int) -> list[tuple[int, int]]:
 
 def run(args: argparse.Namespace, console: Console) -> Report:
     report = Report(
-        command=shlex.join([sys.executable, *sys.argv]), started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        machine=describe_machine(numpy=np.__version__), sizes=args.sizes, batch_slices=args.batch_slices, seconds=args.seconds, rounds=args.rounds,
+        command=shlex.join([sys.executable, *sys.argv]),
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        machine=describe_machine(numpy=np.__version__),
+        sizes=args.sizes,
+        batch_slices=args.batch_slices,
+        seconds=args.seconds,
+        rounds=args.rounds,
         defaults={"tcp_connections": DEFAULTS.tcp_connections, "tcp_chunk_bytes": DEFAULTS.tcp_chunk_bytes},
-    )  # fmt: skip
+    )
     shapes = shapes_for(args.sizes, args.batch_slices)
     tune = [(c, k) for c in args.tune_connections for k in args.tune_chunks] if not args.no_tune else []
     if tune and (DEFAULTS.tcp_connections, DEFAULTS.tcp_chunk_bytes) not in tune:
         tune.append((DEFAULTS.tcp_connections, DEFAULTS.tcp_chunk_bytes))  # the sweep always says how the default does
     seg_bytes = max([s * n for s, n in shapes] + [args.tune_size if tune else 0])
     ctx = mp.get_context("spawn")  # the children start clean: no copies of this process's threads
-    total = (len(args.sizes) * 7 + len(shapes) * 4) * args.rounds + len(tune) * 2 * args.tune_rounds + (1 if args.mooncake else 0)
+    total = (
+        (len(args.sizes) * 7 + len(shapes) * 4) * args.rounds
+        + len(tune) * 2 * args.tune_rounds
+        + (1 if args.mooncake else 0)
+    )
     progress = Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=args.no_progress,
-    )  # fmt: skip
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=args.no_progress,
+    )
     started = time.perf_counter()
     owner = Owner(ctx, seg_bytes, "rdma" if args.backend == "rdma" else "auto")
     raw = RawPeer(ctx)
@@ -527,7 +585,9 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                 into.append(cell)
                 progress.advance(task)
                 shape = human(cell.size) + (f" x {cell.slices}" if cell.slices > 1 else "")
-                console.log(f"{shape:>14} {cell.op:>5} {cell.system:<12} {cell.gbps:7.2f} GB/s  p50 {cell.p50_us:9.1f} us")
+                console.log(
+                    f"{shape:>14} {cell.op:>5} {cell.system:<12} {cell.gbps:7.2f} GB/s  p50 {cell.p50_us:9.1f} us"
+                )
 
             for rnd in range(args.rounds):  # each round puts a size's baselines next to our rows; the best round counts
                 for size in args.sizes:
@@ -540,7 +600,9 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                     for slices in [n for s, n in shapes if s == size]:
                         for backend, engine in engines.items():
                             for op in ("read", "write"):
-                                progress.update(task, description=f"round {rnd + 1}: {backend} {op} {human(size)} x {slices}")
+                                progress.update(
+                                    task, description=f"round {rnd + 1}: {backend} {op} {human(size)} x {slices}"
+                                )
                                 cell = measure_engine(engine, backend, op, owner.segment, size, slices, args.seconds)
                                 record(cell, report.runs, rnd)
             for rnd in range(args.tune_rounds):  # rounds interleave the configurations, so noise hits them alike
@@ -549,8 +611,12 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                     engine.add_segment(owner.segment)
                     try:
                         for op in ("read", "write"):
-                            progress.update(task, description=f"tuning: {conns} connections, {human(chunk)} chunks, {op}")
-                            cell = measure_engine(engine, "tcp", op, owner.segment, args.tune_size, 1, args.tune_seconds)
+                            progress.update(
+                                task, description=f"tuning: {conns} connections, {human(chunk)} chunks, {op}"
+                            )
+                            cell = measure_engine(
+                                engine, "tcp", op, owner.segment, args.tune_size, 1, args.tune_seconds
+                            )
                             record(cell, report.tuning, rnd)
                     finally:
                         engine.close()
@@ -558,10 +624,12 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                 progress.update(task, description="Mooncake transfer engine (its own processes)")
                 cells, report.mooncake_error = bench_mooncake(
                     args.mooncake_path, args.mooncake_python, shapes, seg_bytes, args.seconds, args.rounds
-                )  # fmt: skip
+                )
                 for cell in cells:
                     report.runs.append(cell)
-                    console.log(f"{human(cell.size):>9} x {cell.slices:<3} {cell.op:>5} {cell.system:<12} {cell.gbps:7.2f} GB/s")
+                    console.log(
+                        f"{human(cell.size):>9} x {cell.slices:<3} {cell.op:>5} {cell.system:<12} {cell.gbps:7.2f} GB/s"
+                    )
                 progress.advance(task)
     finally:
         for engine in engines.values():
@@ -610,13 +678,23 @@ def compare(report: Report) -> list[dict]:
         ratio = c.gbps / base.gbps if base is not None and base.gbps > 0 else None
         ours = find(report.cells, "tcp", c.op, c.size, c.slices) if c.system == "mooncake-tcp" else None
         rpc = find(report.cells, "raw-rpc", c.op, c.size) if c.system != "shm" and c.slices == 1 else None
-        rows.append({
-            "system": c.system, "op": c.op, "size": c.size, "slices": c.slices, "gbps": c.gbps, "p50_us": c.p50_us,
-            "baseline": base.system if base else None, "baseline_gbps": base.gbps if base else None, "ratio": ratio,
-            "goal": goal, "met": None if goal is None or ratio is None else ratio >= goal,
-            "vs_raw_rpc": c.gbps / rpc.gbps if rpc and rpc.gbps > 0 else None,
-            "ours_tcp_vs_mooncake": ours.gbps / c.gbps if ours and c.gbps > 0 else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "system": c.system,
+                "op": c.op,
+                "size": c.size,
+                "slices": c.slices,
+                "gbps": c.gbps,
+                "p50_us": c.p50_us,
+                "baseline": base.system if base else None,
+                "baseline_gbps": base.gbps if base else None,
+                "ratio": ratio,
+                "goal": goal,
+                "met": None if goal is None or ratio is None else ratio >= goal,
+                "vs_raw_rpc": c.gbps / rpc.gbps if rpc and rpc.gbps > 0 else None,
+                "ours_tcp_vs_mooncake": ours.gbps / c.gbps if ours and c.gbps > 0 else None,
+            }
+        )
     return rows
 
 
@@ -625,7 +703,9 @@ def tuning_summary(report: Report) -> list[dict]:
     configs: dict[tuple[int, int], dict] = {}
     for c in report.tuning:
         key = (c.config["tcp_connections"], c.config["tcp_chunk_bytes"])
-        entry = configs.setdefault(key, {"tcp_connections": key[0], "tcp_chunk_bytes": key[1], "read": 0.0, "write": 0.0})
+        entry = configs.setdefault(
+            key, {"tcp_connections": key[0], "tcp_chunk_bytes": key[1], "read": 0.0, "write": 0.0}
+        )
         entry[c.op] = max(entry[c.op], c.gbps)
     rows = sorted(configs.values(), key=lambda r: (r["tcp_connections"], r["tcp_chunk_bytes"]))
     for r in rows:
@@ -636,22 +716,59 @@ def tuning_summary(report: Report) -> list[dict]:
 def render(report: Report, rows: list[dict], tuning: list[dict], console: Console) -> None:
     m = report.machine
     title = f"Transfer benchmark: owner in another process on loopback, {m['cpu_model']} ({m['logical_cores']} cores)"
-    table = Table(title=title, caption="GB/s = 1e9 bytes/s; p50 = median time of one op (raw-Nconn: of one message in the stream); "
-                  "ratio = GB/s / baseline (tcp: the better raw stream, shm: memcpy); raw-rpc = one request at a time")
-    for col, justify in (("slice", "right"), ("slices/op", "right"), ("op", "left"), ("system", "left"),
-                         ("GB/s", "right"), ("p50 us", "right"), ("baseline", "left"), ("baseline GB/s", "right"),
-                         ("ratio", "right"), ("goal", "right"), ("vs raw-rpc", "right")):  # fmt: skip
+    table = Table(
+        title=title,
+        caption="GB/s = 1e9 bytes/s; p50 = median time of one op (raw-Nconn: of one message in the stream); "
+        "ratio = GB/s / baseline (tcp: the better raw stream, shm: memcpy); raw-rpc = one request at a time",
+    )
+    for col, justify in (
+        ("slice", "right"),
+        ("slices/op", "right"),
+        ("op", "left"),
+        ("system", "left"),
+        ("GB/s", "right"),
+        ("p50 us", "right"),
+        ("baseline", "left"),
+        ("baseline GB/s", "right"),
+        ("ratio", "right"),
+        ("goal", "right"),
+        ("vs raw-rpc", "right"),
+    ):
         table.add_column(col, justify=justify)
     shapes = shapes_for(report.sizes, report.batch_slices)
     for size, slices in shapes:
         if slices == 1:
             memcpy = find(report.cells, "memcpy", "copy", size)
             if memcpy:
-                table.add_row(human(size), "1", "copy", "memcpy", f"{memcpy.gbps:.2f}", f"{memcpy.p50_us:,.1f}", "", "", "", "", "")
+                table.add_row(
+                    human(size),
+                    "1",
+                    "copy",
+                    "memcpy",
+                    f"{memcpy.gbps:.2f}",
+                    f"{memcpy.p50_us:,.1f}",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                )
             for op in ("read", "write"):
                 for c in [x for x in report.cells if x.system.startswith("raw-") and x.op == op and x.size == size]:
                     best = best_raw(report.cells, op, size) is c
-                    table.add_row(human(size), "1", op, c.system + (" (best)" if best else ""), f"{c.gbps:.2f}", f"{c.p50_us:,.1f}", "", "", "", "", "")
+                    table.add_row(
+                        human(size),
+                        "1",
+                        op,
+                        c.system + (" (best)" if best else ""),
+                        f"{c.gbps:.2f}",
+                        f"{c.p50_us:,.1f}",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                    )
         for r in [r for r in rows if r["size"] == size and r["slices"] == slices]:
             goal = ""
             if r["goal"] is not None:
@@ -659,17 +776,27 @@ def render(report: Report, rows: list[dict], tuning: list[dict], console: Consol
                 goal = f">= {r['goal']:.0%} {verdict}"
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.0%}"
             table.add_row(
-                human(size), str(slices), r["op"], r["system"], f"{r['gbps']:.2f}", f"{r['p50_us']:,.1f}",
-                r["baseline"] or "-", "-" if r["baseline_gbps"] is None else f"{r['baseline_gbps']:.2f}", ratio, goal,
+                human(size),
+                str(slices),
+                r["op"],
+                r["system"],
+                f"{r['gbps']:.2f}",
+                f"{r['p50_us']:,.1f}",
+                r["baseline"] or "-",
+                "-" if r["baseline_gbps"] is None else f"{r['baseline_gbps']:.2f}",
+                ratio,
+                goal,
                 "" if r["vs_raw_rpc"] is None else f"{r['vs_raw_rpc']:.0%}",
-            )  # fmt: skip
+            )
         table.add_section()
     console.print(table)
 
     if tuning:
         default = (report.defaults["tcp_connections"], report.defaults["tcp_chunk_bytes"])
         best = max(tuning, key=lambda r: r["mean"])
-        t = Table(title=f"tcp tuning at {human(report.tuning[0].size)} (best of {max(c.config['round'] for c in report.tuning) + 1} rounds)")
+        t = Table(
+            title=f"tcp tuning at {human(report.tuning[0].size)} (best of {max(c.config['round'] for c in report.tuning) + 1} rounds)"
+        )
         for col in ("connections", "chunk", "read GB/s", "write GB/s", "mean GB/s", "vs default"):
             t.add_column(col, justify="right")
         base = next((r["mean"] for r in tuning if (r["tcp_connections"], r["tcp_chunk_bytes"]) == default), None)
@@ -677,8 +804,14 @@ def render(report: Report, rows: list[dict], tuning: list[dict], console: Consol
             key = (r["tcp_connections"], r["tcp_chunk_bytes"])
             mark = " (default)" if key == default else ""
             mark += " [bold](best)[/]" if r is best else ""
-            t.add_row(str(r["tcp_connections"]), human(r["tcp_chunk_bytes"]) + mark, f"{r['read']:.2f}", f"{r['write']:.2f}",
-                      f"{r['mean']:.2f}", "-" if not base else f"{r['mean'] / base:.2f}x")  # fmt: skip
+            t.add_row(
+                str(r["tcp_connections"]),
+                human(r["tcp_chunk_bytes"]) + mark,
+                f"{r['read']:.2f}",
+                f"{r['write']:.2f}",
+                f"{r['mean']:.2f}",
+                "-" if not base else f"{r['mean'] / base:.2f}x",
+            )
         console.print(t)
         if base:
             gain = best["mean"] / base
@@ -714,20 +847,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every raw number to this file")
     p.add_argument("--seconds", type=float, default=1.0, help="seconds per measured loop (default: 1)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of every measurement; the best counts (default: 2)")
-    p.add_argument("--sizes", type=size_list, default=size_list("64KiB,1MiB,16MiB"), help="slice sizes (default: 64KiB,1MiB,16MiB)")
-    p.add_argument("--batch-slices", type=int, default=16, help="slices per op in the batched rows, for sizes under 16 MiB (0: none)")
+    p.add_argument(
+        "--sizes", type=size_list, default=size_list("64KiB,1MiB,16MiB"), help="slice sizes (default: 64KiB,1MiB,16MiB)"
+    )
+    p.add_argument(
+        "--batch-slices",
+        type=int,
+        default=16,
+        help="slices per op in the batched rows, for sizes under 16 MiB (0: none)",
+    )
     p.add_argument("--mooncake", action="store_true", help="also measure Mooncake's transfer engine (tcp)")
-    p.add_argument("--mooncake-path", type=Path, default=DEFAULT_MOONCAKE_PATH if DEFAULT_MOONCAKE_PATH.is_dir() else None,
-                   help=f"directory holding the Mooncake wheel's packages, put on PYTHONPATH (default: {DEFAULT_MOONCAKE_PATH} if it exists)")
+    p.add_argument(
+        "--mooncake-path",
+        type=Path,
+        default=DEFAULT_MOONCAKE_PATH if DEFAULT_MOONCAKE_PATH.is_dir() else None,
+        help=f"directory holding the Mooncake wheel's packages, put on PYTHONPATH (default: {DEFAULT_MOONCAKE_PATH} if it exists)",
+    )
     p.add_argument("--mooncake-python", default=sys.executable, help="interpreter for the Mooncake processes")
     p.add_argument("--no-tune", action="store_true", help="skip the tcp tuning sweep")
-    p.add_argument("--tune-size", type=parse_size, default=16 * MIB, help="slice size of the tuning sweep (default: 16MiB)")
+    p.add_argument(
+        "--tune-size", type=parse_size, default=16 * MIB, help="slice size of the tuning sweep (default: 16MiB)"
+    )
     p.add_argument("--tune-connections", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     p.add_argument("--tune-chunks", type=size_list, default=size_list("1MiB,2MiB,4MiB"))
-    p.add_argument("--tune-rounds", type=int, default=2, help="rounds over every tuning config; the best counts (default: 2)")
+    p.add_argument(
+        "--tune-rounds", type=int, default=2, help="rounds over every tuning config; the best counts (default: 2)"
+    )
     p.add_argument("--tune-seconds", type=float, default=None, help="seconds per tuning loop (default: --seconds / 2)")
-    p.add_argument("--backend", choices=["tcp", "rdma"], default="tcp", help="the between-hosts backend measured beside "
-                   "shm (rdma: over an active RDMA port, which the owner's segment is registered on; exits 2 without one)")
+    p.add_argument(
+        "--backend",
+        choices=["tcp", "rdma"],
+        default="tcp",
+        help="the between-hosts backend measured beside "
+        "shm (rdma: over an active RDMA port, which the owner's segment is registered on; exits 2 without one)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if not args.sizes or any(s <= 0 for s in args.sizes):

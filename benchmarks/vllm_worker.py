@@ -5,11 +5,11 @@ prefix (``VLLM_RESULT_PREFIX``, which engine_bench.py reads back) followed by JS
 drives the engine step by step, like ours: prefill everything, then count tokens.
 """
 
-VLLM_RESULT_PREFIX = "ENGINE_BENCH_VLLM_RESULT "
-
 import json
 import sys
 import time
+
+VLLM_RESULT_PREFIX = "ENGINE_BENCH_VLLM_RESULT "
 
 
 def main() -> None:
@@ -17,18 +17,30 @@ def main() -> None:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
     def params(n):
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+
     def prompts(rows):
         return [TokensPrompt(prompt_token_ids=r) for r in rows]
+
     t0 = time.perf_counter()
-    llm = LLM(model=args["model"], dtype="float32", max_model_len=4096, enable_prefix_caching=False,
-              seed=0, max_num_seqs=args["max_num_seqs"])
+    llm = LLM(
+        model=args["model"],
+        dtype="float32",
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        seed=0,
+        max_num_seqs=args["max_num_seqs"],
+    )
     llm.generate(prompts(args["warmup"]), params(4), use_tqdm=False)
     sched = llm.llm_engine.vllm_config.scheduler_config
-    out = {"startup_s": time.perf_counter() - t0, "version": vllm.__version__,
-           "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
-           "chunked_prefill": getattr(sched, "enable_chunked_prefill", None)}
+    out = {
+        "startup_s": time.perf_counter() - t0,
+        "version": vllm.__version__,
+        "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+        "chunked_prefill": getattr(sched, "enable_chunked_prefill", None),
+    }
     t0 = time.perf_counter()
     res = llm.generate(prompts(args["throughput"]), params(args["output_len"]), use_tqdm=False)
     out["throughput_wall_s"] = time.perf_counter() - t0
@@ -45,10 +57,12 @@ def main() -> None:
         for rid, p in zip(ids, prompts(args["tbt"][:batch])):
             engine.add_request(rid, p, params(4 * args["tbt_steps"] + 64))
         counts = dict.fromkeys(ids, 0)
+
         def step():
             for o in engine.step():
                 if o.request_id in counts:
                     counts[o.request_id] = len(o.outputs[0].token_ids)
+
         while min(counts.values()) == 0:
             step()
         before = dict(counts)

@@ -17,22 +17,22 @@ import threading
 
 from prometheus_client import start_http_server
 
-SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this soon (Python's default: 5 ms)
-
 from conductor.admission import AdmissionKind
-from conductor.local import LocalPrefill
 from conductor.auth import TOKEN_FILE_ENV, read_token_file
-from conductor.forecast import ForecastKind
 from conductor.core import ConductorConfig
-from conductor.leader import LeaderLease
-from conductor.persistence import RedisStore, make_store
-from conductor.pool import make_provider
-from conductor.policies import PolicyConfig, PolicyKind
-from conductor.predictors import PredictorConfig
 from conductor.fastpath import start_fast_path
+from conductor.forecast import ForecastKind
+from conductor.leader import LeaderLease
+from conductor.local import LocalPrefill
+from conductor.persistence import RedisStore, make_store
+from conductor.policies import PolicyConfig, PolicyKind
+from conductor.pool import make_provider
+from conductor.predictors import PredictorConfig
 from conductor.service import ConductorService, ConductorServicer, start_server
 from conductor.types import Role, Slo
 from mooncake.serving.process import print_ready
+
+SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this soon (Python's default: 5 ms)
 
 log = logging.getLogger("conductor")
 
@@ -46,57 +46,126 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port, printed in the READY line)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free port; -1: none)")
-    p.add_argument("--control-port", type=int, default=0, help="Schedule's fast path, framed protobuf without gRPC (what "
-                   "gateways use; conductor/fastpath.py): tcp port (0: any free port; -1: none, gRPC only)")
-    p.add_argument("--redis-url", help="persist the registry and settings here, and recover them at start; several "
-                   "Conductors on one Redis elect a leader (the others stand by and take over when its lease lapses)")
-    p.add_argument("--leader-lease", type=float, default=3.0, help="with --redis-url: seconds a leader's lease lasts "
-                   "unrenewed (a standby takes over within about 4/3 of it)")
-    p.add_argument("--policy", choices=[k.value for k in PolicyKind], default=PolicyKind.KVCACHE_CENTRIC.value,
-                   help="prefill placement policy (a value persisted in Redis wins)")
-    p.add_argument("--admission", choices=[k.value for k in AdmissionKind], default=AdmissionKind.EARLY_PREDICTIVE.value,
-                   help="admission (early rejection) policy (a value persisted in Redis wins)")
-    p.add_argument("--local-prefill", choices=[m.value for m in LocalPrefill], default=LocalPrefill.AUTO.value,
-                   help="where prompts are computed: auto (default: a prefill worker or the decode worker itself, whichever is "
-                        "predicted to reach the first token sooner with its steps within the TBT SLO, the decode worker only "
-                        "while it has time to spare (--local-max-load): a short prompt, or a short new part of a prompt whose "
-                        "prefix is in the pool, skips the hand-off), never (a prefill worker; the paper's disaggregation) or "
-                        "always (the decode worker, where it runs our engine)")
-    p.add_argument("--local-max-load", type=float, default=ConductorConfig.model_fields["local_max_load"].default,
-                   help="auto: a decode worker computes prompts only while its batch's predicted step is at most this share "
-                        "of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "
-                        "request's step; default %(default)s)")
-    p.add_argument("--local-chunk-tokens", type=int, default=512,
-                   help="a decode worker's token budget per step where it does not register its own (ours do: their "
-                        "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes")
-    p.add_argument("--decode-forecast", choices=[k.value for k in ForecastKind], default=ForecastKind.SURVIVAL.value,
-                   help="early_predictive's decode forecast: survival (measured decode durations, each request weighed by "
-                        "how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every "
-                        "decode lasts t_d)")
-    p.add_argument("--tbt-headroom", type=float, default=1.0,
-                   help="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1)")
+    p.add_argument(
+        "--control-port",
+        type=int,
+        default=0,
+        help="Schedule's fast path, framed protobuf without gRPC (what "
+        "gateways use; conductor/fastpath.py): tcp port (0: any free port; -1: none, gRPC only)",
+    )
+    p.add_argument(
+        "--redis-url",
+        help="persist the registry and settings here, and recover them at start; several "
+        "Conductors on one Redis elect a leader (the others stand by and take over when its lease lapses)",
+    )
+    p.add_argument(
+        "--leader-lease",
+        type=float,
+        default=3.0,
+        help="with --redis-url: seconds a leader's lease lasts unrenewed (a standby takes over within about 4/3 of it)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=[k.value for k in PolicyKind],
+        default=PolicyKind.KVCACHE_CENTRIC.value,
+        help="prefill placement policy (a value persisted in Redis wins)",
+    )
+    p.add_argument(
+        "--admission",
+        choices=[k.value for k in AdmissionKind],
+        default=AdmissionKind.EARLY_PREDICTIVE.value,
+        help="admission (early rejection) policy (a value persisted in Redis wins)",
+    )
+    p.add_argument(
+        "--local-prefill",
+        choices=[m.value for m in LocalPrefill],
+        default=LocalPrefill.AUTO.value,
+        help="where prompts are computed: auto (default: a prefill worker or the decode worker itself, whichever is "
+        "predicted to reach the first token sooner with its steps within the TBT SLO, the decode worker only "
+        "while it has time to spare (--local-max-load): a short prompt, or a short new part of a prompt whose "
+        "prefix is in the pool, skips the hand-off), never (a prefill worker; the paper's disaggregation) or "
+        "always (the decode worker, where it runs our engine)",
+    )
+    p.add_argument(
+        "--local-max-load",
+        type=float,
+        default=ConductorConfig.model_fields["local_max_load"].default,
+        help="auto: a decode worker computes prompts only while its batch's predicted step is at most this share "
+        "of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "
+        "request's step; default %(default)s)",
+    )
+    p.add_argument(
+        "--local-chunk-tokens",
+        type=int,
+        default=512,
+        help="a decode worker's token budget per step where it does not register its own (ours do: their "
+        "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes",
+    )
+    p.add_argument(
+        "--decode-forecast",
+        choices=[k.value for k in ForecastKind],
+        default=ForecastKind.SURVIVAL.value,
+        help="early_predictive's decode forecast: survival (measured decode durations, each request weighed by "
+        "how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every "
+        "decode lasts t_d)",
+    )
+    p.add_argument(
+        "--tbt-headroom",
+        type=float,
+        default=1.0,
+        help="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1)",
+    )
     p.add_argument("--ttft-slo", type=float, default=30.0, help="the default SLO class's time to first token, seconds")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="the default SLO class's time between tokens, seconds")
-    p.add_argument("--slo-class", action="append", default=[], metavar="NAME=TTFT,TBT",
-                   help="another SLO class, e.g. batch=120,0.5 (repeatable)")
-    p.add_argument("--block-bytes", type=int, default=320 * 1024 * 16, help="bytes of one KV block (transfer estimates)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before an instance is dead")
-    p.add_argument("--suspect-hold", type=float, default=1.0, help="an instance a gateway reports failing gets nothing new "
-                   "until it heartbeats this many seconds after the report")
-    p.add_argument("--balancing-threshold", type=float, default=1.5, help="kvcache_centric: fetch a prefix this many times the local one")
+    p.add_argument(
+        "--slo-class",
+        action="append",
+        default=[],
+        metavar="NAME=TTFT,TBT",
+        help="another SLO class, e.g. batch=120,0.5 (repeatable)",
+    )
+    p.add_argument(
+        "--block-bytes", type=int, default=320 * 1024 * 16, help="bytes of one KV block (transfer estimates)"
+    )
+    p.add_argument(
+        "--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before an instance is dead"
+    )
+    p.add_argument(
+        "--suspect-hold",
+        type=float,
+        default=1.0,
+        help="an instance a gateway reports failing gets nothing new "
+        "until it heartbeats this many seconds after the report",
+    )
+    p.add_argument(
+        "--balancing-threshold",
+        type=float,
+        default=1.5,
+        help="kvcache_centric: fetch a prefix this many times the local one",
+    )
     p.add_argument("--tier-aware", action="store_true", help="price SSD-resident prefix blocks by their load time")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate assumed until samples arrive")
-    p.add_argument("--pool-provider", choices=["none", "local", "kubernetes"], default="none",
-                   help="how `mooncake pool scale` adds and removes workers: local (the processes of `mooncake up`), "
-                        "kubernetes (the pools' Deployments), none (refused)")
+    p.add_argument(
+        "--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate assumed until samples arrive"
+    )
+    p.add_argument(
+        "--pool-provider",
+        choices=["none", "local", "kubernetes"],
+        default="none",
+        help="how `mooncake pool scale` adds and removes workers: local (the processes of `mooncake up`), "
+        "kubernetes (the pools' Deployments), none (refused)",
+    )
     p.add_argument("--pool-control", help="local: the launcher's control URL")
     p.add_argument("--namespace", default="default", help="kubernetes: the pools' namespace")
     p.add_argument("--prefill-deployment", default="mooncake-prefill", help="kubernetes: the prefill pool's Deployment")
     p.add_argument("--decode-deployment", default="mooncake-decode", help="kubernetes: the decode pool's Deployment")
-    p.add_argument("--operator-token-file", default=os.environ.get(TOKEN_FILE_ENV), metavar="FILE",
-                   help="the admin calls (Drain, SetPolicy, ScalePool, Deregister of another instance) need this file's token "
-                        f"as 'authorization: Bearer <token>' (default ${TOKEN_FILE_ENV}); without one they are open to "
-                        "anyone who reaches the port")  # fmt: skip
+    p.add_argument(
+        "--operator-token-file",
+        default=os.environ.get(TOKEN_FILE_ENV),
+        metavar="FILE",
+        help="the admin calls (Drain, SetPolicy, ScalePool, Deregister of another instance) need this file's token "
+        f"as 'authorization: Bearer <token>' (default ${TOKEN_FILE_ENV}); without one they are open to "
+        "anyone who reaches the port",
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -113,12 +182,20 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
             raise ValueError(f"bad --slo-class {spec!r}: a name and two positive numbers")
         classes[name] = Slo(ttft, tbt)
     return ConductorConfig(
-        policy=args.policy, admission=args.admission, slo_classes=classes, block_bytes=args.block_bytes,
-        heartbeat_timeout_s=args.heartbeat_timeout, suspect_hold_s=args.suspect_hold, decode_forecast=args.decode_forecast, tbt_headroom=args.tbt_headroom,
-        local_prefill=args.local_prefill, local_chunk_tokens=args.local_chunk_tokens, local_max_load=args.local_max_load,
+        policy=args.policy,
+        admission=args.admission,
+        slo_classes=classes,
+        block_bytes=args.block_bytes,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        suspect_hold_s=args.suspect_hold,
+        decode_forecast=args.decode_forecast,
+        tbt_headroom=args.tbt_headroom,
+        local_prefill=args.local_prefill,
+        local_chunk_tokens=args.local_chunk_tokens,
+        local_max_load=args.local_max_load,
         predictors=PredictorConfig(prefill_tokens_per_s=args.prefill_tokens_per_s),
         policy_config=PolicyConfig(kvcache_balancing_threshold=args.balancing_threshold, tier_aware=args.tier_aware),
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         config = build_config(args)
         operator_token = read_token_file(args.operator_token_file) if args.operator_token_file else None
         store = make_store(args.redis_url)
-        provider = make_provider(args.pool_provider, args.pool_control, args.namespace,
-                                 {Role.PREFILL: args.prefill_deployment, Role.DECODE: args.decode_deployment})  # fmt: skip
+        provider = make_provider(
+            args.pool_provider,
+            args.pool_control,
+            args.namespace,
+            {Role.PREFILL: args.prefill_deployment, Role.DECODE: args.decode_deployment},
+        )
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -137,13 +218,21 @@ def main(argv: list[str] | None = None) -> int:
     service = ConductorService(config, store, provider=provider, standby=elected)
     try:
         server, port = start_server(service, args.host, args.port, operator_token=operator_token)
-        fast = start_fast_path(ConductorServicer(service), args.host, args.control_port) if args.control_port >= 0 else None
+        fast = (
+            start_fast_path(ConductorServicer(service), args.host, args.control_port)
+            if args.control_port >= 0
+            else None
+        )
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if operator_token is None:
-        log.warning("no operator token (--operator-token-file): Drain, SetPolicy, ScalePool and Deregister are open to "
-                    "anyone who reaches %s:%d", args.host, port)  # fmt: skip
+        log.warning(
+            "no operator token (--operator-token-file): Drain, SetPolicy, ScalePool and Deregister are open to "
+            "anyone who reaches %s:%d",
+            args.host,
+            port,
+        )
     lease = None
     if elected:
         lease = LeaderLease(store.client, f"{args.host}:{port}", args.leader_lease, service.on_leadership).start()
@@ -156,9 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     c = service.conductor
     if fast is not None:
         service.control_port = fast.port
-    ready = {"grpc": f"{args.host}:{port}", "control": f"{args.host}:{fast.port}" if fast else None, "metrics": metrics, "policy": c.policy.kind.value, "admission": c.admission.value,
-             "local_prefill": c.local_prefill.value,
-             "recovered_instances": len(c.instances), "leading": service.leading.is_set()}  # fmt: skip
+    ready = {
+        "grpc": f"{args.host}:{port}",
+        "control": f"{args.host}:{fast.port}" if fast else None,
+        "metrics": metrics,
+        "policy": c.policy.kind.value,
+        "admission": c.admission.value,
+        "local_prefill": c.local_prefill.value,
+        "recovered_instances": len(c.instances),
+        "leading": service.leading.is_set(),
+    }
     gc.freeze()  # what start-up made stays out of every full collection (a pause there delays every decision)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     print_ready(ready)
@@ -167,8 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     n = c.counters
-    log.info("stopping: %d placed (%d computed on their decode worker), %d refused; hand-off learnt %.3f s", n.scheduled, n.local,
-             sum(n.rejected.values()), c.handoff_s)  # fmt: skip
+    log.info(
+        "stopping: %d placed (%d computed on their decode worker), %d refused; hand-off learnt %.3f s",
+        n.scheduled,
+        n.local,
+        sum(n.rejected.values()),
+        c.handoff_s,
+    )
     if lease is not None:
         lease.close()  # hand the lease over at once
     server.stop(grace=2).wait()

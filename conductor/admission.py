@@ -37,8 +37,13 @@ def reported_batch(inst: Instance) -> Batch:
     return inst.load.running_requests, inst.load.context_tokens
 
 
-def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: DecodePredictor,
-             later: Callable[[], Batch] | None = None) -> float:  # fmt: skip
+def join_tbt(
+    inst: Instance,
+    batch: Batch,
+    context_tokens: int,
+    predictor: DecodePredictor,
+    later: Callable[[], Batch] | None = None,
+) -> float:
     """Predicted TBT on ``inst`` once a request of ``context_tokens`` joins ``batch`` (inf: no free slot).
 
     A slot is free below the batch cap the instance last reported (what its TBT SLO allows
@@ -54,9 +59,14 @@ def join_tbt(inst: Instance, batch: Batch, context_tokens: int, predictor: Decod
     return predictor.predict(min(n + 1, cap) if cap else n + 1, tokens + context_tokens)
 
 
-def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: DecodePredictor, batch_of: Callable[[Instance], Batch],
-                  assigned: Callable[[Instance], int] | None = None,
-                  later_of: Callable[[Instance], Batch] | None = None) -> tuple[Instance, float]:  # fmt: skip
+def select_decode(
+    req: ScheduleRequest,
+    decodes: list[Instance],
+    predictor: DecodePredictor,
+    batch_of: Callable[[Instance], Batch],
+    assigned: Callable[[Instance], int] | None = None,
+    later_of: Callable[[Instance], Batch] | None = None,
+) -> tuple[Instance, float]:
     """The decode instance with the lowest predicted TBT once ``req`` joins the batch ``batch_of`` says it will find
     (``later_of``: the batch one TBT budget after that, for an instance then at its cap; see join_tbt).
 
@@ -75,7 +85,9 @@ def select_decode(req: ScheduleRequest, decodes: list[Instance], predictor: Deco
     return best, best_key[0]
 
 
-def decode_load(decodes: list[Instance], predictor: DecodePredictor, batch_of: Callable[[Instance], Batch], tbt_limit: float) -> float:
+def decode_load(
+    decodes: list[Instance], predictor: DecodePredictor, batch_of: Callable[[Instance], Batch], tbt_limit: float
+) -> float:
     """Mean over decode instances of the predicted TBT of the batch ``batch_of`` gives each, over ``tbt_limit``."""
     if not decodes:
         return float("inf")

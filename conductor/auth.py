@@ -100,6 +100,9 @@ class OperatorCheck:
         if self.holds(context):
             return
         if self.presented(context) is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what} needs the operator credential: metadata "
-                          f"'authorization: Bearer <token>' (the CLI reads --operator-token-file or ${TOKEN_FILE_ENV})")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{what} needs the operator credential: metadata "
+                f"'authorization: Bearer <token>' (the CLI reads --operator-token-file or ${TOKEN_FILE_ENV})",
+            )
         context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{what}: the operator credential is not this Conductor's")

@@ -24,8 +24,18 @@ from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_loc
 from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, estimate, make_policy
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import (
-    Decision, Instance, InstanceState, Load, Prediction, PrefixPlan, Rejection, RejectReason, Role, ScheduleRequest, Slo,
-)  # fmt: skip
+    Decision,
+    Instance,
+    InstanceState,
+    Load,
+    Prediction,
+    PrefixPlan,
+    Rejection,
+    RejectReason,
+    Role,
+    ScheduleRequest,
+    Slo,
+)
 from kvstore.events import Tier
 
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
@@ -46,23 +56,51 @@ class ConductorConfig(BaseModel):
     slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": Slo(ttft_s=30.0, tbt_s=0.1)})
     block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is dead")
-    suspect_hold_s: float = Field(1.0, ge=0, description="an instance reported failing gets nothing new until a heartbeat "
-                                  "sent this long after the report (a dead one sends none, and is dead after heartbeat_timeout_s)")
+    suspect_hold_s: float = Field(
+        1.0,
+        ge=0,
+        description="an instance reported failing gets nothing new until a heartbeat "
+        "sent this long after the report (a dead one sends none, and is dead after heartbeat_timeout_s)",
+    )
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
-    decode_forecast: ForecastKind = Field(ForecastKind.SURVIVAL, description="early_predictive's decode forecast: "
-                                          "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)")
-    local_prefill: LocalPrefill = Field(LocalPrefill.AUTO, description="where prompts are computed: auto (default: a prefill worker or "
-                                        "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
-                                        "never (a prefill worker) or always (the decode worker, where it runs our engine)")
-    local_max_load: float = Field(0.5, gt=0, le=1.0, description="auto: a decode worker computes prompts only while its "
-                                  "batch's predicted step is at most this share of the TBT limit (a busier one has no time to spare: "
-                                  "every chunk lengthens every running request's step)")
-    local_chunk_tokens: int = Field(512, ge=1, description="a decode worker's token budget per step where it does not say "
-                                    "its own as it registers: the most of a prompt it computes itself that one step takes")
-    default_handoff_s: float = Field(0.0, ge=0, description="what handing a prompt's KV from a prefill worker to a decode "
-                                     "worker costs before any is measured (decode workers report each; the first replaces this)")
-    tbt_headroom: float = Field(1.0, gt=0, le=1.0, description="admit while the predicted mean step stays under this share "
-                                "of the TBT SLO (the SLO is on a request's slowest gaps, not its mean)")
+    decode_forecast: ForecastKind = Field(
+        ForecastKind.SURVIVAL,
+        description="early_predictive's decode forecast: "
+        "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)",
+    )
+    local_prefill: LocalPrefill = Field(
+        LocalPrefill.AUTO,
+        description="where prompts are computed: auto (default: a prefill worker or "
+        "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
+        "never (a prefill worker) or always (the decode worker, where it runs our engine)",
+    )
+    local_max_load: float = Field(
+        0.5,
+        gt=0,
+        le=1.0,
+        description="auto: a decode worker computes prompts only while its "
+        "batch's predicted step is at most this share of the TBT limit (a busier one has no time to spare: "
+        "every chunk lengthens every running request's step)",
+    )
+    local_chunk_tokens: int = Field(
+        512,
+        ge=1,
+        description="a decode worker's token budget per step where it does not say "
+        "its own as it registers: the most of a prompt it computes itself that one step takes",
+    )
+    default_handoff_s: float = Field(
+        0.0,
+        ge=0,
+        description="what handing a prompt's KV from a prefill worker to a decode "
+        "worker costs before any is measured (decode workers report each; the first replaces this)",
+    )
+    tbt_headroom: float = Field(
+        1.0,
+        gt=0,
+        le=1.0,
+        description="admit while the predicted mean step stays under this share "
+        "of the TBT SLO (the SLO is on a request's slowest gaps, not its mean)",
+    )
     predictors: PredictorConfig = Field(default_factory=PredictorConfig)
     policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
 
@@ -120,13 +158,17 @@ class Conductor:
         try:
             self.local_prefill = LocalPrefill(mode)
         except ValueError:
-            raise ValueError(f"unknown local prefill mode {mode!r}; choose from {', '.join(m.value for m in LocalPrefill)}") from None
+            raise ValueError(
+                f"unknown local prefill mode {mode!r}; choose from {', '.join(m.value for m in LocalPrefill)}"
+            ) from None
 
     def set_admission(self, kind: AdmissionKind | str) -> None:
         try:
             self.admission = AdmissionKind(kind)
         except ValueError:
-            raise ValueError(f"unknown admission {kind!r}; choose from {', '.join(k.value for k in AdmissionKind)}") from None
+            raise ValueError(
+                f"unknown admission {kind!r}; choose from {', '.join(k.value for k in AdmissionKind)}"
+            ) from None
 
     # -- registry --------------------------------------------------------------------------
 
@@ -147,8 +189,14 @@ class Conductor:
             load.queued_s = load.queued_s * inst.slowdown + inst.in_transit()
         if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
             inst.state = InstanceState.ALIVE
-        if inst.role is Role.DECODE and load.step_s > 0:  # the steps' own batch where reported (the running one may differ)
-            batch, context = (load.step_batch, load.step_context_tokens) if load.step_batch > 0 else (load.running_requests, load.context_tokens)
+        if (
+            inst.role is Role.DECODE and load.step_s > 0
+        ):  # the steps' own batch where reported (the running one may differ)
+            batch, context = (
+                (load.step_batch, load.step_context_tokens)
+                if load.step_batch > 0
+                else (load.running_requests, load.context_tokens)
+            )
             if batch > 0:
                 self.predictors.decode.observe(batch, context, load.step_s)
 
@@ -203,7 +251,11 @@ class Conductor:
             busy = load.queued_requests or load.running_requests
             if inst.role is Role.DECODE:
                 busy = busy or self.forecast.count(iid)
-            if not busy and now - self.last_sent.get(iid, -float("inf")) >= quiet_s and inst.last_heartbeat > self.last_sent.get(iid, -float("inf")):
+            if (
+                not busy
+                and now - self.last_sent.get(iid, -float("inf")) >= quiet_s
+                and inst.last_heartbeat > self.last_sent.get(iid, -float("inf"))
+            ):
                 out.append(inst)
         return out
 
@@ -267,10 +319,16 @@ class Conductor:
 
     # -- measurements ----------------------------------------------------------------------
 
-    def prefill_sample(self, prompt_tokens: int, cached_tokens: int, seconds: float, instance: str | None = None) -> None:
+    def prefill_sample(
+        self, prompt_tokens: int, cached_tokens: int, seconds: float, instance: str | None = None
+    ) -> None:
         """One measured prefill; ``instance`` (its id) says whose: a pipeline group's samples fit its own predictor."""
         inst = self.instances.get(instance) if instance is not None else None
-        predictor = self.predictors.prefill if inst is None else self.predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk)
+        predictor = (
+            self.predictors.prefill
+            if inst is None
+            else self.predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk)
+        )
         predictor.observe(prompt_tokens, cached_tokens, seconds)
 
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
@@ -293,7 +351,9 @@ class Conductor:
         replaces the default; the later ones are averaged in."""
         if seconds < 0:
             raise ValueError(f"bad hand-off sample: {seconds} s")
-        self.handoff_s = seconds if not self._handoffs else (1 - HANDOFF_ALPHA) * self.handoff_s + HANDOFF_ALPHA * seconds
+        self.handoff_s = (
+            seconds if not self._handoffs else (1 - HANDOFF_ALPHA) * self.handoff_s + HANDOFF_ALPHA * seconds
+        )
         self._handoffs += 1
 
     def _measured(self, request_id: str, measured_ttft_s: float) -> float | None:
@@ -318,7 +378,9 @@ class Conductor:
         if inst is not None and work > 0.0:
             implied = slowdown * min(max((measured_ttft_s - transfer) / work, SLOWDOWN_STEP[0]), SLOWDOWN_STEP[1])
             weight = SLOWDOWN_ALPHA * min(1.0, work)
-            inst.slowdown = min(max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1])
+            inst.slowdown = min(
+                max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1]
+            )
         return predicted
 
     # -- decisions -------------------------------------------------------------------------
@@ -326,7 +388,9 @@ class Conductor:
     def slo(self, slo_class: str) -> Slo:
         slo = self.config.slo_classes.get(slo_class)
         if slo is None:
-            raise ValueError(f"unknown SLO class {slo_class!r}; configured: {', '.join(sorted(self.config.slo_classes))}")
+            raise ValueError(
+                f"unknown SLO class {slo_class!r}; configured: {', '.join(sorted(self.config.slo_classes))}"
+            )
         return slo
 
     def schedule(self, req: ScheduleRequest, now: float) -> Decision | Rejection:
@@ -345,27 +409,44 @@ class Conductor:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
         if not decodes:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
-        blocks = -(-req.prompt_tokens // req.block_tokens)  # what its prompt's KV takes of a decode worker's landing slots
+        blocks = -(
+            -req.prompt_tokens // req.block_tokens
+        )  # what its prompt's KV takes of a decode worker's landing slots
         takers = self._takers(decodes, blocks)
         if not takers:
-            return dataclasses.replace(self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes, blocks), MIN_RETRY_S),
-                                       shed_s=self.shed_s(now))  # fmt: skip
+            return dataclasses.replace(
+                self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes, blocks), MIN_RETRY_S),
+                shed_s=self.shed_s(now),
+            )
         match = self.index.match(req.keys)
         choice = self.policy.choose(req, prefills, match, self.predictors)
         if self.handoff_s:  # the KV's way to the decode worker: a fixed cost, like the prefix's transfer
             choice = dataclasses.replace(choice, transfer_s=choice.transfer_s + self.handoff_s)
         batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
         later_of = self._later(now + choice.ttft_s, now, len(decodes), slo)
-        decode, tbt = select_decode(req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of)
+        decode, tbt = select_decode(
+            req, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of
+        )
         local = self._local(req, choice, decode, match, now, len(decodes), slo)
         if local is not None:  # its decode worker computes it
             predicted, verdict = self._admit_local(req, local, tbt, decodes, now, slo)
             if verdict is None:
                 self._record_local(req, local, now)
                 # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
-                return Decision(req.request_id, "", decode.id, local.plan, predicted, self.policy.kind.value,
-                                local.plan.fetch_node or choice.instance.node, local=True, chunk_tokens=local.chunk_tokens)  # fmt: skip
-        if local is None or self.local_prefill is not LocalPrefill.ALWAYS:  # auto: refused there, a prefill worker may do
+                return Decision(
+                    req.request_id,
+                    "",
+                    decode.id,
+                    local.plan,
+                    predicted,
+                    self.policy.kind.value,
+                    local.plan.fetch_node or choice.instance.node,
+                    local=True,
+                    chunk_tokens=local.chunk_tokens,
+                )
+        if (
+            local is None or self.local_prefill is not LocalPrefill.ALWAYS
+        ):  # auto: refused there, a prefill worker may do
             predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
             verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
         if verdict is not None:
@@ -374,8 +455,16 @@ class Conductor:
         self._record(req, choice, decode, now, blocks)
         return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
 
-    def _local(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, match: PrefixMatch, now: float,
-               num_decodes: int, slo: Slo) -> LocalChoice | None:  # fmt: skip
+    def _local(
+        self,
+        req: ScheduleRequest,
+        choice: PrefillChoice,
+        decode: Instance,
+        match: PrefixMatch,
+        now: float,
+        num_decodes: int,
+        slo: Slo,
+    ) -> LocalChoice | None:
         """Where ``decode`` should compute ``req``'s prompt itself (conductor.local), its costs; None: a prefill worker.
 
         ``auto``: when its batch's step is at most ``local_max_load`` of the TBT limit, the prompt is predicted sooner
@@ -385,7 +474,10 @@ class Conductor:
             return None
         batch = self._batch_at(now, now, num_decodes)(decode)
         limit = slo.tbt_s * self.config.tbt_headroom
-        if self.local_prefill is LocalPrefill.AUTO and self.predictors.decode.predict(*batch) > limit * self.config.local_max_load:
+        if (
+            self.local_prefill is LocalPrefill.AUTO
+            and self.predictors.decode.predict(*batch) > limit * self.config.local_max_load
+        ):
             return None  # a busy decode worker has no time to spare for prompts (conductor.local)
         chunk = decode.step_tokens or self.config.local_chunk_tokens  # what its engine takes a step, as it registered
         grown = step_at_cap(decode, batch, req, self.predictors, limit)
@@ -396,14 +488,17 @@ class Conductor:
             return local
         return None
 
-    def _admit_local(self, req: ScheduleRequest, local: LocalChoice, tbt: float, decodes: list[Instance], now: float,
-                     slo: Slo) -> tuple[Prediction, tuple[RejectReason, str, float] | None]:  # fmt: skip
+    def _admit_local(
+        self, req: ScheduleRequest, local: LocalChoice, tbt: float, decodes: list[Instance], now: float, slo: Slo
+    ) -> tuple[Prediction, tuple[RejectReason, str, float] | None]:
         """``_admit`` for a prompt its decode worker computes (``tbt``: that worker's with ``req`` in its batch), judged by
         the batch it meets when it would start decoding; its prediction and the verdict."""
         # a step a chunk rides on was held to the SLO itself (a gap, not the mean step the headroom is for)
         tbt = tbt if local.tbt_s <= slo.tbt_s else max(tbt, local.tbt_s)
         predicted = Prediction(local.ttft_s, tbt, local.queue_s, local.transfer_s, local.prefill_s)
-        return predicted, self._admit(req, local, local.decode, tbt, decodes, self._batch_at(now + local.ttft_s, now, len(decodes)), slo)
+        return predicted, self._admit(
+            req, local, local.decode, tbt, decodes, self._batch_at(now + local.ttft_s, now, len(decodes)), slo
+        )
 
     def shed_s(self, now: float) -> float:
         """How long every request will be refused: SHED_S if even the cheapest request would be now, else 0.
@@ -431,19 +526,25 @@ class Conductor:
         prefills, decodes = self._alive_pools(now)
         if not prefills or not decodes:
             return 0.0  # unavailable, not overloaded: the gateway holds such requests instead
-        slo = Slo(ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),
-                  tbt_s=max(s.tbt_s for s in self.config.slo_classes.values()))  # fmt: skip
+        slo = Slo(
+            ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),
+            tbt_s=max(s.tbt_s for s in self.config.slo_classes.values()),
+        )
         takers = self._takers(decodes, 1)
         if not takers:
             return SHED_BUSY_S
         probe = ScheduleRequest("shed-probe", (), 1, 1)
-        choice = min((estimate(i, probe, 0, None, 0, self.predictors) for i in prefills), key=lambda c: (c.ttft_s, c.instance.id))
+        choice = min(
+            (estimate(i, probe, 0, None, 0, self.predictors) for i in prefills), key=lambda c: (c.ttft_s, c.instance.id)
+        )
         if self.local_prefill is not LocalPrefill.NEVER:  # or computed on a decode worker, which schedule would do
             match = self.index.match(())
             for decode in takers:
                 local = self._local(probe, choice, decode, match, now, len(decodes), slo)
                 if local is not None:
-                    _, tbt = select_decode(probe, [decode], self.predictors.decode, self._batch_at(now + local.ttft_s, now, len(decodes)))
+                    _, tbt = select_decode(
+                        probe, [decode], self.predictors.decode, self._batch_at(now + local.ttft_s, now, len(decodes))
+                    )
                     if self._admit_local(probe, local, tbt, decodes, now, slo)[1] is None:
                         return 0.0
         times = [choice.ttft_s]
@@ -452,7 +553,9 @@ class Conductor:
         for t in times:
             batch_of = self._batch_at(now + t, now, len(decodes))
             later_of = self._later(now + t, now, len(decodes), slo)
-            decode, tbt = select_decode(probe, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of)
+            decode, tbt = select_decode(
+                probe, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of
+            )
             if self._admit(probe, choice, decode, tbt, decodes, batch_of, slo) is None:
                 return 0.0
         return SHED_S
@@ -505,8 +608,12 @@ class Conductor:
         tbt = join_tbt(inst, reported_batch(inst), context_tokens, self.predictors.decode)
         if tbt <= tbt_slo * self.config.tbt_headroom:
             return None
-        return Rejection("", RejectReason.TBT_SLO, f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",
-                         _clamp(self.forecast.t_d / 2))  # fmt: skip
+        return Rejection(
+            "",
+            RejectReason.TBT_SLO,
+            f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",
+            _clamp(self.forecast.t_d / 2),
+        )
 
     def _batch_at(self, t: float, now: float, num_decodes: int) -> Callable[[Instance], Batch]:
         """The batch a request joining a decode instance at ``t`` would find there, as this admission sees it.
@@ -547,8 +654,16 @@ class Conductor:
 
         return later_of
 
-    def _admit(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, tbt: float, decodes: list[Instance],
-               batch_of: Callable[[Instance], Batch], slo: Slo) -> tuple[RejectReason, str, float] | None:  # fmt: skip
+    def _admit(
+        self,
+        req: ScheduleRequest,
+        choice: PrefillChoice,
+        decode: Instance,
+        tbt: float,
+        decodes: list[Instance],
+        batch_of: Callable[[Instance], Batch],
+        slo: Slo,
+    ) -> tuple[RejectReason, str, float] | None:
         """Why ``req`` must be turned away now (reason, message, retry-after), or None to serve it.
 
         ``tbt`` is the predicted TBT on ``decode`` with ``req`` in the batch ``batch_of``
@@ -559,38 +674,72 @@ class Conductor:
         kind = self.admission
         if kind is AdmissionKind.NONE:
             return None
-        ttft_over = (RejectReason.TTFT_SLO, f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO", _clamp(choice.queue_s))
+        ttft_over = (
+            RejectReason.TTFT_SLO,
+            f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO",
+            _clamp(choice.queue_s),
+        )
         if kind is AdmissionKind.BASELINE:
             return ttft_over if choice.ttft_s > slo.ttft_s else None
         limit = slo.tbt_s * self.config.tbt_headroom
         if kind is AdmissionKind.EARLY:
             batch_of = reported_batch
-            tbt = join_tbt(decode, reported_batch(decode), req.prompt_tokens + req.expected_output_tokens // 2, self.predictors.decode)
+            tbt = join_tbt(
+                decode,
+                reported_batch(decode),
+                req.prompt_tokens + req.expected_output_tokens // 2,
+                self.predictors.decode,
+            )
         prefill_load = choice.ttft_s / slo.ttft_s
         load = decode_load(decodes, self.predictors.decode, batch_of, limit)
         if prefill_load > 1.0 and prefill_load >= load:
             return ttft_over
         retry_decode = _clamp(self.forecast.t_d / 2)
         if load > 1.0:
-            batches = ", ".join(f"{i.id}: {n:.1f} requests, {self.predictors.decode.predict(n, tokens):.3f} s a step"
-                                for i in decodes[:4] for n, tokens in [batch_of(i)]) + (", ..." if len(decodes) > 4 else "")
-            return (RejectReason.OVERLOAD, f"decode load {load:.2f} of the TBT SLO {when_prefill_ends(kind, choice)} ({batches})",
-                    retry_decode)
+            batches = ", ".join(
+                f"{i.id}: {n:.1f} requests, {self.predictors.decode.predict(n, tokens):.3f} s a step"
+                for i in decodes[:4]
+                for n, tokens in [batch_of(i)]
+            ) + (", ..." if len(decodes) > 4 else "")
+            return (
+                RejectReason.OVERLOAD,
+                f"decode load {load:.2f} of the TBT SLO {when_prefill_ends(kind, choice)} ({batches})",
+                retry_decode,
+            )
         if tbt == float("inf"):
             cap = decode.load.batch_cap or decode.capacity
-            return RejectReason.TBT_SLO, f"decode {decode.id}'s batch of {cap} is full {when_prefill_ends(kind, choice)}", retry_decode
+            return (
+                RejectReason.TBT_SLO,
+                f"decode {decode.id}'s batch of {cap} is full {when_prefill_ends(kind, choice)}",
+                retry_decode,
+            )
         if tbt > limit:
             return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", retry_decode
         return None
 
-    def _record(self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float, landing_blocks: int) -> None:
+    def _record(
+        self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float, landing_blocks: int
+    ) -> None:
         load = choice.instance.load
         if len(self._ttfts) < MAX_PENDING_TTFTS:
-            self._ttfts[req.request_id] = (choice.instance.id, choice.ttft_s, choice.transfer_s, choice.instance.slowdown)
-        choice.instance.place(req.request_id, choice.prefill_s + choice.transfer_s - self.handoff_s)  # its part: not the hand-off
+            self._ttfts[req.request_id] = (
+                choice.instance.id,
+                choice.ttft_s,
+                choice.transfer_s,
+                choice.instance.slowdown,
+            )
+        choice.instance.place(
+            req.request_id, choice.prefill_s + choice.transfer_s - self.handoff_s
+        )  # its part: not the hand-off
         load.queued_requests += 1
-        self.forecast.scheduled(req.request_id, decode.id, now + choice.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now,
-                                landing_blocks)  # fmt: skip
+        self.forecast.scheduled(
+            req.request_id,
+            decode.id,
+            now + choice.ttft_s,
+            req.prompt_tokens + req.expected_output_tokens // 2,
+            now,
+            landing_blocks,
+        )
         self.last_sent[choice.instance.id] = self.last_sent[decode.id] = now
         self._count(choice.instance.id, req, choice.plan)
 
@@ -599,7 +748,9 @@ class Conductor:
         if len(self._ttfts) < MAX_PENDING_TTFTS:
             self._ttfts[req.request_id] = (d.id, local.ttft_s, local.transfer_s, d.slowdown)
         d.local_queue_s += local.transfer_s + local.prefill_s
-        self.forecast.scheduled(req.request_id, d.id, now + local.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now)
+        self.forecast.scheduled(
+            req.request_id, d.id, now + local.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now
+        )
         self.last_sent[d.id] = now
         self._count(d.id, req, local.plan)  # a decode instance's figures: the prompts it computed itself
         self.counters.local += 1
@@ -617,7 +768,14 @@ class Conductor:
         c.fetched_blocks += plan.fetch_blocks
         c.computed_tokens += plan.compute_tokens
 
-    def _reject(self, req: ScheduleRequest, reason: RejectReason, message: str, retry: float, predicted: Prediction | None = None) -> Rejection:
+    def _reject(
+        self,
+        req: ScheduleRequest,
+        reason: RejectReason,
+        message: str,
+        retry: float,
+        predicted: Prediction | None = None,
+    ) -> Rejection:
         self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1
         return Rejection(req.request_id, reason, message, retry, predicted)
 

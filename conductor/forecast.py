@@ -50,8 +50,14 @@ class DecodeForecast:
     The survival forecast uses the uniform one until ``min_samples`` durations are measured.
     """
 
-    def __init__(self, default_decode_s: float = 10.0, kind: ForecastKind | str = ForecastKind.UNIFORM,
-                 alpha: float = 0.1, window: int = 1000, min_samples: int = 20) -> None:  # fmt: skip
+    def __init__(
+        self,
+        default_decode_s: float = 10.0,
+        kind: ForecastKind | str = ForecastKind.UNIFORM,
+        alpha: float = 0.1,
+        window: int = 1000,
+        min_samples: int = 20,
+    ) -> None:
         self.kind = ForecastKind(kind)
         self.t_d = default_decode_s
         self.alpha, self.window, self.min_samples = alpha, window, min_samples
@@ -81,8 +87,15 @@ class DecodeForecast:
 
     # -- what happens to requests ------------------------------------------------------------
 
-    def scheduled(self, request_id: str, decode: str, prefill_done_at: float, context_tokens: int, now: float | None = None,
-                  landing_blocks: int = 0) -> None:  # fmt: skip
+    def scheduled(
+        self,
+        request_id: str,
+        decode: str,
+        prefill_done_at: float,
+        context_tokens: int,
+        now: float | None = None,
+        landing_blocks: int = 0,
+    ) -> None:
         """A request was sent to ``decode``; its prefill should end at ``prefill_done_at`` (scheduled at ``now``), and
         its prompt's KV takes ``landing_blocks`` of the decode worker's landing segment until its decode starts."""
         if now is not None:
@@ -247,7 +260,11 @@ class DecodeForecast:
         all ``rate * integral of S over [0, t - now - horizon_s]``, and the integral is the
         mean of ``min(duration, t - now - horizon_s)``.
         """
-        if self.kind is ForecastKind.UNIFORM or len(self._sorted) < self.min_samples or len(self._starts) < self.min_samples:
+        if (
+            self.kind is ForecastKind.UNIFORM
+            or len(self._sorted) < self.min_samples
+            or len(self._starts) < self.min_samples
+        ):
             return 0.0, 0.0
         first, last = self._starts[0][0], self._starts[-1][0]
         horizon = t - now - self.horizon_s

@@ -85,7 +85,9 @@ class KVIndex:
     """Exact map of blocks to the nodes (and tiers) that hold them. Not thread-safe: one owner."""
 
     def __init__(self) -> None:
-        self._flags: dict[bytes, int] = {}  # key -> bit 2b: counts for node b; bit 2b + 1: and in DRAM down to it (never 0)
+        self._flags: dict[
+            bytes, int
+        ] = {}  # key -> bit 2b: counts for node b; bit 2b + 1: and in DRAM down to it (never 0)
         self._refs: dict[bytes, int] = {}  # key -> nodes holding it, whether it counts for them or not
         # tuples, not lists: a tuple of ints and bytes drops out of the garbage collector's sight, so a million
         # records do not make every full collection walk them

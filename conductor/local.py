@@ -73,8 +73,16 @@ def can_prefill(inst: Instance) -> bool:
     return inst.engine in ("", "native")
 
 
-def estimate_local(req: ScheduleRequest, decode: Instance, batch: Batch, match: PrefixMatch, predictors: Predictors,
-                   chunk_tokens: int, grown_step_s: float, tbt_slo_s: float) -> LocalChoice:  # fmt: skip
+def estimate_local(
+    req: ScheduleRequest,
+    decode: Instance,
+    batch: Batch,
+    match: PrefixMatch,
+    predictors: Predictors,
+    chunk_tokens: int,
+    grown_step_s: float,
+    tbt_slo_s: float,
+) -> LocalChoice:
     """The predicted costs of computing ``req``'s prompt on ``decode`` (see the module docstring); ``batch`` is the
     decode batch it will ride on, ``chunk_tokens`` the decode engine's token budget per step, ``grown_step_s`` the step
     that batch may grow to while the chunks ride (``step_at_cap``), ``tbt_slo_s`` what a step with a chunk in it may

@@ -23,18 +23,36 @@ SETTINGS_KEY = "mooncake:conductor:settings"
 
 
 def instance_to_json(inst: Instance) -> str:
-    return json.dumps({
-        "id": inst.id, "role": inst.role.value, "address": inst.address, "node": inst.node, "model": inst.model,
-        "capacity": inst.capacity, "state": inst.state.value, "fingerprint": inst.fingerprint.hex(), "engine": inst.engine,
-        "token": inst.token.hex(),
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "id": inst.id,
+            "role": inst.role.value,
+            "address": inst.address,
+            "node": inst.node,
+            "model": inst.model,
+            "capacity": inst.capacity,
+            "state": inst.state.value,
+            "fingerprint": inst.fingerprint.hex(),
+            "engine": inst.engine,
+            "token": inst.token.hex(),
+        }
+    )
 
 
 def instance_from_json(text: str | bytes) -> Instance:
     d = json.loads(text)
-    return Instance(d["id"], Role(d["role"]), d["address"], d["node"], d.get("model", ""), int(d.get("capacity", 0)),
-                    InstanceState(d.get("state", "alive")), fingerprint=bytes.fromhex(d.get("fingerprint", "")),
-                    engine=d.get("engine", ""), token=bytes.fromhex(d.get("token", "")))  # fmt: skip
+    return Instance(
+        d["id"],
+        Role(d["role"]),
+        d["address"],
+        d["node"],
+        d.get("model", ""),
+        int(d.get("capacity", 0)),
+        InstanceState(d.get("state", "alive")),
+        fingerprint=bytes.fromhex(d.get("fingerprint", "")),
+        engine=d.get("engine", ""),
+        token=bytes.fromhex(d.get("token", "")),
+    )
 
 
 class MemoryStore:

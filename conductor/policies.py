@@ -16,9 +16,9 @@ instance stops its prefix where loading the rest would cost more than recomputin
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import random
-import dataclasses
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
@@ -37,8 +37,12 @@ class PolicyKind(str, enum.Enum):
 
 
 class PolicyConfig(BaseModel):
-    kvcache_balancing_threshold: float = Field(1.5, ge=1.0, description="fetch the best prefix when it is this many times the local one")
-    tier_aware: bool = Field(False, description="price SSD-resident prefix blocks by their load time (kvcache_centric, cache_aware_local)")
+    kvcache_balancing_threshold: float = Field(
+        1.5, ge=1.0, description="fetch the best prefix when it is this many times the local one"
+    )
+    tier_aware: bool = Field(
+        False, description="price SSD-resident prefix blocks by their load time (kvcache_centric, cache_aware_local)"
+    )
     ssd_bytes_per_s: float = Field(2e9, gt=0, description="SSD read bandwidth, for tier_aware")
     seed: int = 0
 
@@ -57,9 +61,14 @@ class PrefillChoice:
 
 
 def estimate(
-    inst: Instance, req: ScheduleRequest, local_blocks: int, fetch_node: str | None, fetch_blocks: int,
-    predictors: Predictors, load_s: float = 0.0,
-) -> PrefillChoice:  # fmt: skip
+    inst: Instance,
+    req: ScheduleRequest,
+    local_blocks: int,
+    fetch_node: str | None,
+    fetch_blocks: int,
+    predictors: Predictors,
+    load_s: float = 0.0,
+) -> PrefillChoice:
     """The TTFT parts for ``inst`` reusing ``local_blocks`` and fetching ``fetch_blocks`` from ``fetch_node``.
 
     At least one token is always computed (the first output token needs the last prompt
@@ -68,7 +77,10 @@ def estimate(
     reused = local_blocks + fetch_blocks
     cached = min(reused * req.block_tokens, req.prompt_tokens - 1)
     transfer_s = predictors.transfer.predict(fetch_blocks * predictors.block_bytes) + load_s
-    prefill_s = predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk).predict(req.prompt_tokens, cached) * inst.slowdown
+    prefill_s = (
+        predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk).predict(req.prompt_tokens, cached)
+        * inst.slowdown
+    )
     plan = PrefixPlan(local_blocks, fetch_node if fetch_blocks else None, fetch_blocks, req.prompt_tokens - cached)
     return PrefillChoice(inst, plan, inst.load.queued_s, transfer_s, prefill_s)
 
@@ -80,7 +92,9 @@ class PrefillPolicy(abc.ABC):
         self.config = config
 
     @abc.abstractmethod
-    def choose(self, req: ScheduleRequest, candidates: list[Instance], match: PrefixMatch, predictors: Predictors) -> PrefillChoice:
+    def choose(
+        self, req: ScheduleRequest, candidates: list[Instance], match: PrefixMatch, predictors: Predictors
+    ) -> PrefillChoice:
         """Pick one of ``candidates`` (non-empty, all alive prefill instances) and its prefix plan."""
 
     def _local(self, inst: Instance, req: ScheduleRequest, match: PrefixMatch, predictors: Predictors) -> PrefillChoice:
@@ -148,7 +162,10 @@ def _cheapest(candidates: list[Instance], key, cost) -> PrefillChoice:
         prefill_s = c.prefill_s * inst.slowdown / c.instance.slowdown  # ``cost`` scaled it by the first such instance's
         score = (inst.load.queued_s + c.transfer_s + prefill_s, inst.id)
         if best is None or score < best:
-            best, best_part = score, dataclasses.replace(c, instance=inst, queue_s=inst.load.queued_s, prefill_s=prefill_s)
+            best, best_part = (
+                score,
+                dataclasses.replace(c, instance=inst, queue_s=inst.load.queued_s, prefill_s=prefill_s),
+            )
     return best_part
 
 
@@ -157,9 +174,9 @@ class CacheAwareLocalPolicy(PrefillPolicy):
 
     def choose(self, req, candidates, match, predictors):
         if self.config.tier_aware:  # prices depend on where inside a prefix the SSD blocks are: one per instance
-            key = lambda i: i.node  # noqa: E731
+            key = lambda i: i.node
         else:
-            key = lambda i: (match.blocks(i.node), match.dram_blocks(i.node))  # noqa: E731
+            key = lambda i: (match.blocks(i.node), match.dram_blocks(i.node))
         return _cheapest(candidates, key, lambda i: self._local(i, req, match, predictors))
 
 
@@ -187,7 +204,12 @@ class KVCacheCentricPolicy(PrefillPolicy):
             if tier_aware:
                 return self._tier_aware_cost(inst, req, match, predictors, local, *source(inst))
             own = local.plan.local_blocks
-            fetch = top_node is not None and top_node != inst.node and top_len > own and (own == 0 or top_len / own > threshold)
+            fetch = (
+                top_node is not None
+                and top_node != inst.node
+                and top_len > own
+                and (own == 0 or top_len / own > threshold)
+            )
             if not fetch:
                 return local
             return estimate(inst, req, own, top_node, top_len - own, predictors)
@@ -197,7 +219,9 @@ class KVCacheCentricPolicy(PrefillPolicy):
         held, dram = match.any_tier.get, match.dram.get  # plain dict lookups: this runs for every instance
         return _cheapest(candidates, lambda i: (held(i.node, 0), dram(i.node, 0), i.node == top_node), cost)
 
-    def _tier_aware_cost(self, inst, req, match, predictors, local: PrefillChoice, src: str | None, src_len: int) -> PrefillChoice:
+    def _tier_aware_cost(
+        self, inst, req, match, predictors, local: PrefillChoice, src: str | None, src_len: int
+    ) -> PrefillChoice:
         """The cheapest of: the local plan, or fetching from ``src`` whatever this node lacks, or also what it has only on SSD."""
         options = [local]
         if src is None or src == inst.node:
@@ -208,7 +232,17 @@ class KVCacheCentricPolicy(PrefillPolicy):
                 continue
             own_ssd = start - match.dram_count(inst.node, 0, start)  # read from this node's SSD
             src_ssd = (src_len - start) - match.dram_count(src, start, src_len)  # read from the holder's SSD, then sent
-            options.append(estimate(inst, req, start, src, src_len - start, predictors, load_s=self._ssd_s(own_ssd + src_ssd, predictors)))
+            options.append(
+                estimate(
+                    inst,
+                    req,
+                    start,
+                    src,
+                    src_len - start,
+                    predictors,
+                    load_s=self._ssd_s(own_ssd + src_ssd, predictors),
+                )
+            )
         return min(options, key=lambda c: c.ttft_s)
 
 

@@ -66,8 +66,12 @@ class LocalProvider(PoolProvider):
         self.timeout_s = timeout_s
 
     def _post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(f"{self.control_url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+        req = urllib.request.Request(
+            f"{self.control_url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             ident = tls.identity()
             context = ident.https_context if ident is not None and self.control_url.startswith("https:") else None
@@ -100,14 +104,18 @@ class KubernetesProvider(PoolProvider):
             try:
                 from kubernetes import client, config
             except ImportError:
-                raise RuntimeError("the kubernetes provider needs the `kubernetes` package (pip install kubernetes)") from None
+                raise RuntimeError(
+                    "the kubernetes provider needs the `kubernetes` package (pip install kubernetes)"
+                ) from None
             try:
                 config.load_incluster_config()
             except config.ConfigException:
                 try:
                     config.load_kube_config()
                 except (config.ConfigException, OSError) as e:
-                    raise RuntimeError(f"no Kubernetes API to scale with (neither in-cluster config nor a kubeconfig): {e}") from None
+                    raise RuntimeError(
+                        f"no Kubernetes API to scale with (neither in-cluster config nor a kubeconfig): {e}"
+                    ) from None
             self._api = (client.AppsV1Api(), client.CoreV1Api())
         return self._api
 
@@ -140,14 +148,17 @@ class KubernetesProvider(PoolProvider):
     def remove(self, inst: Instance) -> None:
         def remove() -> None:
             _, core = self._clients()
-            core.patch_namespaced_pod(inst.id, self.namespace, {"metadata": {"annotations": {DELETION_COST: "-1000000"}}})
+            core.patch_namespaced_pod(
+                inst.id, self.namespace, {"metadata": {"annotations": {DELETION_COST: "-1000000"}}}
+            )
             self._scale_by(inst.role, -1)
 
         self._guarded(f"removing {inst.id}", remove)
 
 
-def make_provider(kind: str, control_url: str | None = None, namespace: str = "default",
-                  deployments: dict[Role, str] | None = None) -> PoolProvider:  # fmt: skip
+def make_provider(
+    kind: str, control_url: str | None = None, namespace: str = "default", deployments: dict[Role, str] | None = None
+) -> PoolProvider:
     if kind == "none":
         return NoProvider()
     if kind == "local":

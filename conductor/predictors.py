@@ -20,15 +20,21 @@ class PredictorConfig(BaseModel):
     """Defaults used until enough samples arrive (a LLaMA3-70B-like model on 8 GPUs is about 0.5 s per 4k tokens)."""
 
     prefill_tokens_per_s: float = Field(8000.0, gt=0, description="default prefill rate for uncached tokens")
-    prefill_attention_s_per_token2: float = Field(0.0, ge=0, description="default quadratic term: seconds per (new x context) token pair")
+    prefill_attention_s_per_token2: float = Field(
+        0.0, ge=0, description="default quadratic term: seconds per (new x context) token pair"
+    )
     prefill_overhead_s: float = Field(0.01, ge=0)
     decode_base_s: float = Field(0.02, ge=0, description="default decode step time of a batch of one")
     decode_s_per_request: float = Field(0.0005, ge=0)
     decode_s_per_context_token: float = Field(2e-8, ge=0)
     transfer_bytes_per_s: float = Field(10e9, gt=0, description="default pool bandwidth (bytes/s)")
     transfer_latency_s: float = Field(0.001, ge=0)
-    min_samples: int = Field(3, ge=2, description="samples before a fitted model replaces the default (a prefill worker "
-                             "sends 3 as it starts: prefill.worker's calibrate)")
+    min_samples: int = Field(
+        3,
+        ge=2,
+        description="samples before a fitted model replaces the default (a prefill worker "
+        "sends 3 as it starts: prefill.worker's calibrate)",
+    )
     window: int = Field(2000, ge=10, description="most recent samples kept for fitting")
 
 
@@ -80,7 +86,9 @@ class PrefillPredictor:
         self.config = config
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=config.window)
         self._since_fit = 0
-        self._prior = np.array([config.prefill_overhead_s, 1.0 / config.prefill_tokens_per_s, config.prefill_attention_s_per_token2])
+        self._prior = np.array(
+            [config.prefill_overhead_s, 1.0 / config.prefill_tokens_per_s, config.prefill_attention_s_per_token2]
+        )
         self.coef = self._prior
         self.fitted = False
 
@@ -93,7 +101,9 @@ class PrefillPredictor:
             raise ValueError(f"bad prefill sample: {prompt_tokens} prompt, {cached_tokens} cached tokens, {seconds} s")
         self._samples.append((prompt_tokens, cached_tokens, seconds))
         self._since_fit += 1
-        if len(self._samples) >= self.config.min_samples and (not self.fitted or self._since_fit >= max(1, len(self._samples) // 20)):
+        if len(self._samples) >= self.config.min_samples and (
+            not self.fitted or self._since_fit >= max(1, len(self._samples) // 20)
+        ):
             self._fit()
 
     def _fit(self) -> None:
@@ -134,7 +144,9 @@ class PipelinePrefillPredictor(PrefillPredictor):
 
     def __init__(self, config: PredictorConfig, stages: int, chunk: int) -> None:
         if stages < 2 or chunk < 1:
-            raise ValueError(f"a pipeline needs at least 2 stages and a chunk of at least 1 token, got {stages}, {chunk}")
+            raise ValueError(
+                f"a pipeline needs at least 2 stages and a chunk of at least 1 token, got {stages}, {chunk}"
+            )
         super().__init__(config)
         self.stages, self.chunk = stages, chunk
         self._prior = np.array([self._prior[0] * stages, self._prior[1] / stages, self._prior[2] / stages])
@@ -180,7 +192,9 @@ class DecodePredictor:
             raise ValueError(f"bad decode sample: batch {batch}, {context_tokens} context tokens, {step_s} s")
         self._samples.append((batch, context_tokens, step_s))
         self._since_fit += 1
-        if len(self._samples) >= self.config.min_samples and (not self.fitted or self._since_fit >= max(1, len(self._samples) // 20)):
+        if len(self._samples) >= self.config.min_samples and (
+            not self.fitted or self._since_fit >= max(1, len(self._samples) // 20)
+        ):
             data = np.array(self._samples, dtype=np.float64)
             x = np.stack([np.ones(len(data)), data[:, 0], data[:, 1]], axis=-1)
             self.coef = fit_toward(x, data[:, 2], self._prior)

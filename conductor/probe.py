@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             pb_grpc.ConductorStub(channel).ListInstances(pb.ListInstancesRequest(), timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"the Conductor at {args.address} does not serve: {e.code().name} {e.details() or ''}", file=sys.stderr)
+            print(
+                f"the Conductor at {args.address} does not serve: {e.code().name} {e.details() or ''}", file=sys.stderr
+            )
             return 1
     return 0
 

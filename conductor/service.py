@@ -1,11 +1,11 @@
 """The Conductor as a service: the pure :class:`~conductor.core.Conductor` behind a lock, fed by I/O threads.
 
-    ConductorService  owns the Conductor, persistence (Redis or nothing), Prometheus
-                      metrics, one event watcher per kvstore node (its Subscribe stream
-                      applied to the index; a resync snapshot on every (re)connect),
-                      and the expiry thread that marks silent instances dead
-    ConductorServicer the gRPC adapter (protos/conductor.proto): messages in and out,
-                      ValueError -> INVALID_ARGUMENT, KeyError -> NOT_FOUND
+ConductorService  owns the Conductor, persistence (Redis or nothing), Prometheus
+                  metrics, one event watcher per kvstore node (its Subscribe stream
+                  applied to the index; a resync snapshot on every (re)connect),
+                  and the expiry thread that marks silent instances dead
+ConductorServicer the gRPC adapter (protos/conductor.proto): messages in and out,
+                  ValueError -> INVALID_ARGUMENT, KeyError -> NOT_FOUND
 """
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ log = logging.getLogger(__name__)
 
 ROLE_TO_PB = {Role.PREFILL: pb.PREFILL, Role.DECODE: pb.DECODE, Role.KVSTORE: pb.KVSTORE}
 PB_TO_ROLE = {v: k for k, v in ROLE_TO_PB.items()}
-STATE_TO_PB = {InstanceState.ALIVE: pb.ALIVE, InstanceState.DRAINING: pb.DRAINING, InstanceState.DEAD: pb.DEAD,
-               InstanceState.SUSPECT: pb.SUSPECT}
+STATE_TO_PB = {
+    InstanceState.ALIVE: pb.ALIVE,
+    InstanceState.DRAINING: pb.DRAINING,
+    InstanceState.DEAD: pb.DEAD,
+    InstanceState.SUSPECT: pb.SUSPECT,
+}
 KV_TIER = {kv_pb.DRAM: Tier.DRAM, kv_pb.SSD: Tier.SSD}
 HEARTBEAT_INTERVAL_FRACTION = 0.25  # workers are told to beat 4 times per timeout
 RESUBSCRIBE_S = 1.0
@@ -51,18 +55,40 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter("mooncake_conductor_decisions", "Schedule outcomes", ["policy", "outcome"], registry=r)
-        self.decision_seconds = Histogram("mooncake_conductor_decision_seconds", "Time to decide one Schedule", registry=r,
-                                          buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))  # fmt: skip
-        self.ttft_error = Histogram("mooncake_conductor_ttft_abs_error_seconds", "|predicted - measured| TTFT", registry=r,
-                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
-        self.match_blocks = Histogram("mooncake_conductor_reused_blocks", "Prefix blocks reused (local + fetched) per placement",
-                                      registry=r, buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096))  # fmt: skip
-        self.index_blocks = Gauge("mooncake_conductor_index_blocks", "Distinct blocks in the global KV index", registry=r)
+        self.decision_seconds = Histogram(
+            "mooncake_conductor_decision_seconds",
+            "Time to decide one Schedule",
+            registry=r,
+            buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+        )
+        self.ttft_error = Histogram(
+            "mooncake_conductor_ttft_abs_error_seconds",
+            "|predicted - measured| TTFT",
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.match_blocks = Histogram(
+            "mooncake_conductor_reused_blocks",
+            "Prefix blocks reused (local + fetched) per placement",
+            registry=r,
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096),
+        )
+        self.index_blocks = Gauge(
+            "mooncake_conductor_index_blocks", "Distinct blocks in the global KV index", registry=r
+        )
         self.instances = Gauge("mooncake_conductor_instances", "Registered instances", ["role", "state"], registry=r)
-        self.placements = Counter("mooncake_conductor_placements", "Placements by where the prompt is computed: prefill_worker "
-                                  "or decode_worker (conductor.local)", ["kind"], registry=r)  # fmt: skip
-        self.handoff = Gauge("mooncake_conductor_handoff_seconds", "The hand-off from a prefill worker to a decode worker, as "
-                             "the Conductor has learnt it (decode workers report each)", registry=r)  # fmt: skip
+        self.placements = Counter(
+            "mooncake_conductor_placements",
+            "Placements by where the prompt is computed: prefill_worker or decode_worker (conductor.local)",
+            ["kind"],
+            registry=r,
+        )
+        self.handoff = Gauge(
+            "mooncake_conductor_handoff_seconds",
+            "The hand-off from a prefill worker to a decode worker, as "
+            "the Conductor has learnt it (decode workers report each)",
+            registry=r,
+        )
 
 
 class _Watcher:
@@ -99,8 +125,15 @@ class _Watcher:
 class ConductorService:
     """The Conductor, its persistence, metrics and background threads. Thread-safe."""
 
-    def __init__(self, config: ConductorConfig, store: MemoryStore | None = None, expire_every_s: float = 0.5,
-                 provider: PoolProvider | None = None, retire_quiet_s: float = 3.0, standby: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ConductorConfig,
+        store: MemoryStore | None = None,
+        expire_every_s: float = 0.5,
+        provider: PoolProvider | None = None,
+        retire_quiet_s: float = 3.0,
+        standby: bool = False,
+    ) -> None:
         """``standby``: start without serving (another Conductor leads); ``take_over`` makes it the leader."""
         self.config = config
         self.conductor = Conductor(config)
@@ -113,10 +146,14 @@ class ConductorService:
         self._watchers: dict[str, _Watcher] = {}
         self._stop = threading.Event()
         self.leading = threading.Event()
-        self.control_port = 0  # where Schedule's fast path listens (conductor/fastpath.py; 0: nowhere), for ListInstances
+        self.control_port = (
+            0  # where Schedule's fast path listens (conductor/fastpath.py; 0: nowhere), for ListInstances
+        )
         if not standby:
             self.take_over()
-        self._expirer = threading.Thread(target=self._expire_loop, args=(expire_every_s,), name="conductor-expire", daemon=True)
+        self._expirer = threading.Thread(
+            target=self._expire_loop, args=(expire_every_s,), name="conductor-expire", daemon=True
+        )
         self._expirer.start()
 
     # -- leadership (conductor/leader.py) -------------------------------------------------
@@ -155,8 +192,12 @@ class ConductorService:
             if inst.role is Role.KVSTORE and state is not InstanceState.DEAD:
                 self._watch(inst)
         if instances:
-            log.info("recovered %d instances (policy %s, admission %s)", len(instances), self.conductor.policy.kind.value,
-                     self.conductor.admission.value)  # fmt: skip
+            log.info(
+                "recovered %d instances (policy %s, admission %s)",
+                len(instances),
+                self.conductor.policy.kind.value,
+                self.conductor.admission.value,
+            )
 
     def _watch(self, inst: Instance) -> None:
         old = self._watchers.pop(inst.id, None)
@@ -187,14 +228,19 @@ class ConductorService:
         if inst.role is Role.KVSTORE or not inst.fingerprint:
             return
         for other in self.conductor.instances.values():
-            if (other.id != inst.id and other.role is not Role.KVSTORE and other.fingerprint
-                    and other.state is not InstanceState.DEAD and other.fingerprint != inst.fingerprint):  # fmt: skip
+            if (
+                other.id != inst.id
+                and other.role is not Role.KVSTORE
+                and other.fingerprint
+                and other.state is not InstanceState.DEAD
+                and other.fingerprint != inst.fingerprint
+            ):
                 raise Mismatch(
                     f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: {other.id} runs the "
                     f"{other.engine or 'unknown'} engine on {other.model}, and their KV caches differ (block-key "
                     f"fingerprints {inst.fingerprint.hex()[:12]} and {other.fingerprint.hex()[:12]}). A cluster's prefill and "
                     "decode workers run one engine on one model and dtype."
-                )  # fmt: skip
+                )
 
     def heartbeat(self, instance_id: str, load: Load) -> bool:
         with self._lock:
@@ -212,8 +258,10 @@ class ConductorService:
 
     def drain(self, instance_id: str, remove: bool = False) -> InstanceState:
         if remove and isinstance(self.provider, NoProvider):
-            raise ValueError("this Conductor has no pool provider to stop the instance: drain without --remove, "
-                             "or start the Conductor with --pool-provider local or kubernetes")  # fmt: skip
+            raise ValueError(
+                "this Conductor has no pool provider to stop the instance: drain without --remove, "
+                "or start the Conductor with --pool-provider local or kubernetes"
+            )
         with self._lock:
             self.conductor.drain(instance_id, remove)
             inst = self.conductor.instances[instance_id]
@@ -226,7 +274,9 @@ class ConductorService:
             alive = len(self.conductor.alive(role))
             add, drain = self.conductor.scale_plan(role, replicas)
             if drain and isinstance(self.provider, NoProvider):
-                raise ValueError("this Conductor has no pool provider: start it with --pool-provider local or kubernetes")
+                raise ValueError(
+                    "this Conductor has no pool provider: start it with --pool-provider local or kubernetes"
+                )
             for iid in drain:
                 self.conductor.drain(iid, remove=True)
                 self.store.save_instance(self.conductor.instances[iid])
@@ -256,8 +306,13 @@ class ConductorService:
                 # local: no prefill worker; the decode worker writes the prompt's blocks to the node it reads the prefix
                 # from (its chain continues there), else to the node of the prefill worker the policy would have used
                 prefill_node = (outcome.node or "") if outcome.local else self.conductor.instances[outcome.prefill].node
-                outcome_info = (addresses.get(outcome.prefill, ""), addresses[outcome.decode], nodes.get(outcome.plan.fetch_node or "", ""),
-                                prefill_node, nodes.get(prefill_node, ""))  # fmt: skip
+                outcome_info = (
+                    addresses.get(outcome.prefill, ""),
+                    addresses[outcome.decode],
+                    nodes.get(outcome.plan.fetch_node or "", ""),
+                    prefill_node,
+                    nodes.get(prefill_node, ""),
+                )
             else:
                 outcome_info = None
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
@@ -312,15 +367,27 @@ class ConductorService:
                         self.conductor.removed(node, bytes(e.key), KV_TIER[e.tier])
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
 
-    def snapshot_instances(self, role: Role | None = None) -> list[tuple[Instance, float, int, int, object, bool, tuple]]:
+    def snapshot_instances(
+        self, role: Role | None = None
+    ) -> list[tuple[Instance, float, int, int, object, bool, tuple]]:
         """(instance, seconds since its heartbeat, blocks the index has on its node, of those in DRAM, what it was
         served (prefill), retiring, what the forecast counts there (decode)) for the admin API."""
         now = time.monotonic()
         c = self.conductor
         with self._lock:
-            return [(i, now - i.last_heartbeat, c.index.node_blocks(i.node), c.index.node_dram_blocks(i.node),
-                     c.served.get(i.id), i.id in c.retiring, c.forecast.occupancy(i.id))
-                    for i in c.instances.values() if role is None or i.role is role]  # fmt: skip
+            return [
+                (
+                    i,
+                    now - i.last_heartbeat,
+                    c.index.node_blocks(i.node),
+                    c.index.node_dram_blocks(i.node),
+                    c.served.get(i.id),
+                    i.id in c.retiring,
+                    c.forecast.occupancy(i.id),
+                )
+                for i in c.instances.values()
+                if role is None or i.role is role
+            ]
 
     # -- background ---------------------------------------------------------------------------
 
@@ -336,7 +403,9 @@ class ConductorService:
                         counts[(i.role.value, i.state.value)] = counts.get((i.role.value, i.state.value), 0) + 1
                 for role in Role:
                     for state in InstanceState:
-                        self.metrics.instances.labels(role.value, state.value).set(counts.get((role.value, state.value), 0))
+                        self.metrics.instances.labels(role.value, state.value).set(
+                            counts.get((role.value, state.value), 0)
+                        )
                 for instance_id in dead:
                     log.warning("instance %s missed its heartbeats: marked dead", instance_id)
                     self._unwatch(instance_id)
@@ -347,7 +416,11 @@ class ConductorService:
     def _retire_idle(self) -> None:
         """Hand drained instances that finished their work to the provider (each on a thread: stopping takes a while)."""
         with self._lock:
-            idle = [i for i in self.conductor.idle_to_remove(time.monotonic(), self.retire_quiet_s) if i.id not in self._removing]
+            idle = [
+                i
+                for i in self.conductor.idle_to_remove(time.monotonic(), self.retire_quiet_s)
+                if i.id not in self._removing
+            ]
             self._removing.update(i.id for i in idle)
         for inst in idle:
             threading.Thread(target=self._remove, args=(inst,), name=f"conductor-remove-{inst.id}", daemon=True).start()
@@ -380,11 +453,15 @@ class Mismatch(Exception):
     """A worker that cannot join this cluster (FAILED_PRECONDITION)."""
 
 
-CONDUCTOR_STATUS = StatusTable(raised=[
-    (Mismatch, grpc.StatusCode.FAILED_PRECONDITION),  # a worker whose KV the cluster cannot use: it stops trying
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (KeyError, grpc.StatusCode.NOT_FOUND),
-])  # fmt: skip
+CONDUCTOR_STATUS = StatusTable(
+    raised=[
+        (Mismatch, grpc.StatusCode.FAILED_PRECONDITION),  # a worker whose KV the cluster cannot use: it stops trying
+        (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+        (KeyError, grpc.StatusCode.NOT_FOUND),
+    ]
+)
+
+
 def _status(fn):
     """Answer through CONDUCTOR_STATUS; a standby answers everything UNAVAILABLE (callers move to the next Conductor)."""
     answered = CONDUCTOR_STATUS.servicer(fn)
@@ -392,22 +469,44 @@ def _status(fn):
     @functools.wraps(fn)
     def wrapper(self, request, context):
         if not self.service.leading.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "this Conductor is a standby: another one holds the leader lease")
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE, "this Conductor is a standby: another one holds the leader lease"
+            )
         return answered(self, request, context)
 
     return wrapper
 
 
 def load_from_pb(msg: pb.Load) -> Load:
-    return Load(msg.queued_requests, msg.queued_s, msg.running_requests, msg.context_tokens, msg.free_kv_blocks, msg.step_s, msg.batch_cap,
-                msg.landing_blocks, msg.received_requests, msg.step_batch, msg.step_context_tokens)
+    return Load(
+        msg.queued_requests,
+        msg.queued_s,
+        msg.running_requests,
+        msg.context_tokens,
+        msg.free_kv_blocks,
+        msg.step_s,
+        msg.batch_cap,
+        msg.landing_blocks,
+        msg.received_requests,
+        msg.step_batch,
+        msg.step_context_tokens,
+    )
 
 
 def load_to_pb(load: Load) -> pb.Load:
-    return pb.Load(queued_requests=load.queued_requests, queued_s=load.queued_s, running_requests=load.running_requests,
-                   context_tokens=load.context_tokens, free_kv_blocks=load.free_kv_blocks, step_s=load.step_s,
-                   batch_cap=load.batch_cap, landing_blocks=load.landing_blocks, received_requests=load.received_requests,
-                   step_batch=load.step_batch, step_context_tokens=load.step_context_tokens)  # fmt: skip
+    return pb.Load(
+        queued_requests=load.queued_requests,
+        queued_s=load.queued_s,
+        running_requests=load.running_requests,
+        context_tokens=load.context_tokens,
+        free_kv_blocks=load.free_kv_blocks,
+        step_s=load.step_s,
+        batch_cap=load.batch_cap,
+        landing_blocks=load.landing_blocks,
+        received_requests=load.received_requests,
+        step_batch=load.step_batch,
+        step_context_tokens=load.step_context_tokens,
+    )
 
 
 class ConductorServicer(pb_grpc.ConductorServicer):
@@ -423,14 +522,28 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             raise ValueError("role must be PREFILL, DECODE or KVSTORE")
         if not request.node:
             raise ValueError("node is required: the kvstore node this instance uses (a kvstore node: its own name)")
-        inst = Instance(request.id, PB_TO_ROLE[request.role], request.address, request.node, request.model, request.capacity,
-                        fingerprint=bytes(request.fingerprint), engine=request.engine, transport=request.transport,
-                        pipeline_stages=max(request.pipeline_stages, 1), pipeline_chunk=request.pipeline_chunk,
-                        step_tokens=request.step_tokens, token=new_instance_token())  # fmt: skip
+        inst = Instance(
+            request.id,
+            PB_TO_ROLE[request.role],
+            request.address,
+            request.node,
+            request.model,
+            request.capacity,
+            fingerprint=bytes(request.fingerprint),
+            engine=request.engine,
+            transport=request.transport,
+            pipeline_stages=max(request.pipeline_stages, 1),
+            pipeline_chunk=request.pipeline_chunk,
+            step_tokens=request.step_tokens,
+            token=new_instance_token(),
+        )
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
         timeout = self.service.conductor.config.heartbeat_timeout_s
-        return pb.RegisterResponse(heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION, heartbeat_timeout_s=timeout,
-                                   instance_token=inst.token)  # fmt: skip
+        return pb.RegisterResponse(
+            heartbeat_interval_s=timeout * HEARTBEAT_INTERVAL_FRACTION,
+            heartbeat_timeout_s=timeout,
+            instance_token=inst.token,
+        )
 
     @_status
     def Heartbeat(self, request, context):
@@ -448,36 +561,65 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         if request.key_chain and request.keys:
             raise ValueError("send the block keys as keys or as key_chain, not both")
         keys = KeyChain(request.key_chain) if request.key_chain else [bytes(k) for k in request.keys]
-        req = ScheduleRequest(request.request_id, keys, request.prompt_tokens, request.block_tokens,
-                              request.expected_output_tokens, request.slo_class or "default", tuple(request.failed))  # fmt: skip
+        req = ScheduleRequest(
+            request.request_id,
+            keys,
+            request.prompt_tokens,
+            request.block_tokens,
+            request.expected_output_tokens,
+            request.slo_class or "default",
+            tuple(request.failed),
+        )
         outcome, info = self.service.schedule(req)
         p = outcome.predicted
-        predicted = None if p is None else pb.Prediction(ttft_s=p.ttft_s, tbt_s=p.tbt_s, queue_s=p.queue_s, transfer_s=p.transfer_s,
-                                                         prefill_s=p.prefill_s)  # fmt: skip
+        predicted = (
+            None
+            if p is None
+            else pb.Prediction(
+                ttft_s=p.ttft_s, tbt_s=p.tbt_s, queue_s=p.queue_s, transfer_s=p.transfer_s, prefill_s=p.prefill_s
+            )
+        )
         if not isinstance(outcome, Decision):
-            rejection = pb.Rejection(reason=outcome.reason.value, message=outcome.message, retry_after_s=outcome.retry_after_s)
+            rejection = pb.Rejection(
+                reason=outcome.reason.value, message=outcome.message, retry_after_s=outcome.retry_after_s
+            )
             return pb.ScheduleResponse(rejection=rejection, predicted=predicted, shed_s=outcome.shed_s)
         prefill_address, decode_address, fetch_address, prefill_node, prefill_node_address = info
         plan = outcome.plan
         return pb.ScheduleResponse(
             placement=pb.Placement(
-                prefill_id=outcome.prefill, prefill_address=prefill_address, prefill_node=prefill_node,
+                prefill_id=outcome.prefill,
+                prefill_address=prefill_address,
+                prefill_node=prefill_node,
                 prefill_node_address=prefill_node_address,
-                decode_id=outcome.decode, decode_address=decode_address, policy=outcome.policy, local_prefill=outcome.local,
+                decode_id=outcome.decode,
+                decode_address=decode_address,
+                policy=outcome.policy,
+                local_prefill=outcome.local,
                 local_chunk_tokens=outcome.chunk_tokens,
-                plan=pb.PrefixPlan(local_blocks=plan.local_blocks, fetch_node=plan.fetch_node or "", fetch_address=fetch_address,
-                                   fetch_blocks=plan.fetch_blocks, compute_tokens=plan.compute_tokens, keep_fetched=plan.keep_fetched),
+                plan=pb.PrefixPlan(
+                    local_blocks=plan.local_blocks,
+                    fetch_node=plan.fetch_node or "",
+                    fetch_address=fetch_address,
+                    fetch_blocks=plan.fetch_blocks,
+                    compute_tokens=plan.compute_tokens,
+                    keep_fetched=plan.keep_fetched,
+                ),
             ),
             predicted=predicted,
-        )  # fmt: skip
+        )
 
     @_status
     def AdmitAtDecode(self, request, context):
         rejection = self.service.admit_at_decode(request.decode_id, max(0, request.context_tokens))
         if rejection is None:
             return pb.AdmitAtDecodeResponse(admit=True)
-        return pb.AdmitAtDecodeResponse(admit=False, rejection=pb.Rejection(
-            reason=rejection.reason.value, message=rejection.message, retry_after_s=rejection.retry_after_s))  # fmt: skip
+        return pb.AdmitAtDecodeResponse(
+            admit=False,
+            rejection=pb.Rejection(
+                reason=rejection.reason.value, message=rejection.message, retry_after_s=rejection.retry_after_s
+            ),
+        )
 
     @_status
     def ListInstances(self, request, context):
@@ -486,23 +628,42 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         c = self.service.conductor
         infos = []
         for i, age, blocks, dram, served, retiring, (in_prefill, decoding, landing) in rows:
-            info = pb.InstanceInfo(id=i.id, role=ROLE_TO_PB[i.role], address=i.address, node=i.node, model=i.model,
-                                   capacity=i.capacity, state=STATE_TO_PB[i.state], heartbeat_age_s=age, load=load_to_pb(i.load),
-                                   indexed_blocks=blocks, dram_blocks=dram, retiring=retiring, engine=i.engine,
-                                   pipeline_stages=i.pipeline_stages, pipeline_chunk=i.pipeline_chunk,
-                                   placed_in_prefill=in_prefill, placed_decoding=decoding, landing_held=landing,
-                                   transport=i.transport)  # fmt: skip
+            info = pb.InstanceInfo(
+                id=i.id,
+                role=ROLE_TO_PB[i.role],
+                address=i.address,
+                node=i.node,
+                model=i.model,
+                capacity=i.capacity,
+                state=STATE_TO_PB[i.state],
+                heartbeat_age_s=age,
+                load=load_to_pb(i.load),
+                indexed_blocks=blocks,
+                dram_blocks=dram,
+                retiring=retiring,
+                engine=i.engine,
+                pipeline_stages=i.pipeline_stages,
+                pipeline_chunk=i.pipeline_chunk,
+                placed_in_prefill=in_prefill,
+                placed_decoding=decoding,
+                landing_held=landing,
+                transport=i.transport,
+            )
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks
                 info.reused_blocks, info.fetched_blocks = served.reused_blocks, served.fetched_blocks
             infos.append(info)
         return pb.ListInstancesResponse(
             instances=infos,
-            policy=c.policy.kind.value, admission=c.admission.value, index_blocks=c.index.num_blocks,
-            scheduled=c.counters.scheduled, rejected=c.counters.rejected, control_port=self.service.control_port,
+            policy=c.policy.kind.value,
+            admission=c.admission.value,
+            index_blocks=c.index.num_blocks,
+            scheduled=c.counters.scheduled,
+            rejected=c.counters.rejected,
+            control_port=self.service.control_port,
             admin_open=self.operator.open,
             insecure=tls.identity() is None,
-        )  # fmt: skip
+        )
 
     @_status
     def Drain(self, request, context):
@@ -518,7 +679,9 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             alive, started, draining = self.service.scale(PB_TO_ROLE[request.role], request.replicas)
         except RuntimeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.ScalePoolResponse(provider=self.service.provider.kind, alive=alive, started=started, draining=draining)
+        return pb.ScalePoolResponse(
+            provider=self.service.provider.kind, alive=alive, started=started, draining=draining
+        )
 
     @_status
     def Deregister(self, request, context):
@@ -535,9 +698,16 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         return pb.SetPolicyResponse(policy=policy, admission=admission)
 
 
-def start_server(service: ConductorService, host: str = "127.0.0.1", port: int = 0, workers: int = 16,
-                 operator_token: str | None = None) -> tuple[grpc.Server, int]:  # fmt: skip
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conductor-rpc"), options=SERVER_OPTIONS)
+def start_server(
+    service: ConductorService,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    workers: int = 16,
+    operator_token: str | None = None,
+) -> tuple[grpc.Server, int]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conductor-rpc"), options=SERVER_OPTIONS
+    )
     pb_grpc.add_ConductorServicer_to_server(ConductorServicer(service, OperatorCheck(operator_token)), server)
     bound = tls.grpc_add_port(server, f"{host}:{port}")
     if bound == 0:

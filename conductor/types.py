@@ -84,10 +84,14 @@ class Instance:
     step_tokens: int = 0  # decode: its engine's token budget per step (0: not said)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
-    slowdown: float = 1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
+    slowdown: float = (
+        1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
+    )
     placed: deque = field(default_factory=deque)  # prefill: (request id, predicted seconds) of its latest placements
     bound: int = 0  # prefill: requests placed here since it registered, less those that ended before reaching it
-    local_queue_s: float = 0.0  # decode: predicted seconds of the prompts it computes itself (conductor.local), as at local_at
+    local_queue_s: float = (
+        0.0  # decode: predicted seconds of the prompts it computes itself (conductor.local), as at local_at
+    )
     local_at: float = 0.0
 
     @property
@@ -203,7 +207,9 @@ class ScheduleRequest:
                 f"{self.prompt_tokens // self.block_tokens} full {self.block_tokens}-token blocks (mooncake.blocks.block_keys)"
             )
         if len(self.keys) * self.block_tokens > self.prompt_tokens:
-            raise ValueError(f"{len(self.keys)} keys of {self.block_tokens} tokens are more than the prompt's {self.prompt_tokens} tokens")
+            raise ValueError(
+                f"{len(self.keys)} keys of {self.block_tokens} tokens are more than the prompt's {self.prompt_tokens} tokens"
+            )
         self.keys = KeyChain.of(self.keys)  # checks every key is 16 bytes
 
 

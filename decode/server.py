@@ -28,23 +28,48 @@ class DecodeMetrics:
     def __init__(self, worker: DecodeWorker) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("mooncake_decode_requests", "requests by outcome", ["outcome"], registry=r)
-        self.rejections = Counter("mooncake_decode_rejections", "requests turned away, by reason", ["reason"], registry=r)
-        self.ttft = Histogram("mooncake_decode_ttft_seconds", "Generate call to first token (prefill included)",
-                              buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100), registry=r)  # fmt: skip
-        self.tbt = Histogram("mooncake_decode_tbt_seconds", "time between a request's streamed chunks",
-                             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)  # fmt: skip
+        self.rejections = Counter(
+            "mooncake_decode_rejections", "requests turned away, by reason", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "mooncake_decode_ttft_seconds",
+            "Generate call to first token (prefill included)",
+            buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100),
+            registry=r,
+        )
+        self.tbt = Histogram(
+            "mooncake_decode_tbt_seconds",
+            "time between a request's streamed chunks",
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+            registry=r,
+        )
         self.kv_bytes = Counter("mooncake_kv_bytes", "KV bytes moved by this worker", ["direction"], registry=r)
-        self.cached = Counter("mooncake_decode_cached_prompt_tokens", "prompt tokens whose KV was reused, by tier", ["tier"], registry=r)
-        Gauge("mooncake_decode_running_requests", "requests in the engine (running or waiting)", registry=r).set_function(
-            lambda: worker.loop.num_running)
-        Gauge("mooncake_decode_in_prefill", "requests waiting for their prefill", registry=r).set_function(lambda: worker.num_in_prefill)
-        Gauge("mooncake_decode_batch_cap", "the running batch's current cap", registry=r).set_function(lambda: worker.batch_cap)
-        Gauge("mooncake_decode_landing_free_slots", "free landing slots", registry=r).set_function(lambda: worker.slots.num_free)
-        Gauge("mooncake_decode_reserved_cache_blocks", "engine cache blocks reserved for prompts a prefill is writing in place "
-              "(and those of prefills that did not answer, for write_grace_s)", registry=r).set_function(
-            lambda: getattr(worker.engine, "num_reserved_blocks", 0))  # fmt: skip
-        Gauge("mooncake_decode_blocks_written", "generated blocks put into the pool (write-behind; written, or there already)", registry=r).set_function(
-            lambda: worker.writer.blocks_written if worker.writer is not None else 0)
+        self.cached = Counter(
+            "mooncake_decode_cached_prompt_tokens", "prompt tokens whose KV was reused, by tier", ["tier"], registry=r
+        )
+        Gauge(
+            "mooncake_decode_running_requests", "requests in the engine (running or waiting)", registry=r
+        ).set_function(lambda: worker.loop.num_running)
+        Gauge("mooncake_decode_in_prefill", "requests waiting for their prefill", registry=r).set_function(
+            lambda: worker.num_in_prefill
+        )
+        Gauge("mooncake_decode_batch_cap", "the running batch's current cap", registry=r).set_function(
+            lambda: worker.batch_cap
+        )
+        Gauge("mooncake_decode_landing_free_slots", "free landing slots", registry=r).set_function(
+            lambda: worker.slots.num_free
+        )
+        Gauge(
+            "mooncake_decode_reserved_cache_blocks",
+            "engine cache blocks reserved for prompts a prefill is writing in place "
+            "(and those of prefills that did not answer, for write_grace_s)",
+            registry=r,
+        ).set_function(lambda: getattr(worker.engine, "num_reserved_blocks", 0))
+        Gauge(
+            "mooncake_decode_blocks_written",
+            "generated blocks put into the pool (write-behind; written, or there already)",
+            registry=r,
+        ).set_function(lambda: worker.writer.blocks_written if worker.writer is not None else 0)
 
 
 class DecodeServicer(wpb_grpc.DecodeServicer):
@@ -63,8 +88,13 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                     m.ttft.observe(now - start)
                     for tier, n in chunk.cached_tokens_by_tier.items():
                         m.cached.labels(tier).inc(n)
-                    m.kv_bytes.labels("landed").inc(-(-(len(request.prompt_token_ids) + len(request.output_token_ids)) // self.worker.config.block_size)
-                                                    * self.worker.block_bytes)  # fmt: skip
+                    m.kv_bytes.labels("landed").inc(
+                        -(
+                            -(len(request.prompt_token_ids) + len(request.output_token_ids))
+                            // self.worker.config.block_size
+                        )
+                        * self.worker.block_bytes
+                    )
                     first = False
                 else:
                     m.tbt.observe(now - last)
@@ -86,19 +116,38 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = worker_parser("python -m decode", "A decode worker: reserves blocks of its engine's cache for a prompt's KV (landing "
-                      "slots for stock vLLM, and for a prefill that cannot reach the cache), has the planned prefill worker "
-                      "write them, then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
-                      "decode-0", 2048)  # fmt: skip
+    p = worker_parser(
+        "python -m decode",
+        "A decode worker: reserves blocks of its engine's cache for a prompt's KV (landing "
+        "slots for stock vLLM, and for a prefill that cannot reach the cache), has the planned prefill worker "
+        "write them, then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
+        "decode-0",
+        2048,
+    )
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in the running batch")
-    p.add_argument("--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)")
-    p.add_argument("--staged-landing", action="store_true", help="native engine: prompts land in landing slots and are "
-                   "copied into the cache when they join (the path before prefills wrote the cache in place)")
-    p.add_argument("--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this")
-    p.add_argument("--detect-s", type=float, default=2.0, help="a prefill worker that stops answering keepalive pings this "
-                   "long (a host off the network) fails the prefill; the gateway places the request again")
+    p.add_argument(
+        "--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)"
+    )
+    p.add_argument(
+        "--staged-landing",
+        action="store_true",
+        help="native engine: prompts land in landing slots and are "
+        "copied into the cache when they join (the path before prefills wrote the cache in place)",
+    )
+    p.add_argument(
+        "--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this"
+    )
+    p.add_argument(
+        "--detect-s",
+        type=float,
+        default=2.0,
+        help="a prefill worker that stops answering keepalive pings this "
+        "long (a host off the network) fails the prefill; the gateway places the request again",
+    )
     p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory of the landing segment")
-    p.add_argument("--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish")
+    p.add_argument(
+        "--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish"
+    )
     return p.parse_args(argv)
 
 
@@ -106,12 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s decode[%(process)d] %(message)s")
     try:
-        config = DecodeConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
-                              host=args.host, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
-                              num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              landing_slots=args.landing_slots, tbt_slo_s=args.tbt_slo, enforce_eager=args.enforce_eager, detect_s=args.detect_s, num_threads=args.threads,
-                              shm_dir=args.shm_dir, transport=TransportChoice.from_args(args),
-                              direct_landing=not args.staged_landing)  # fmt: skip
+        config = DecodeConfig(
+            id=args.id,
+            model=args.model,
+            engine=args.engine,
+            vllm_args=parse_vllm_args(args.vllm_arg),
+            host=args.host,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size or default_block_size(args.engine),
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            landing_slots=args.landing_slots,
+            tbt_slo_s=args.tbt_slo,
+            enforce_eager=args.enforce_eager,
+            detect_s=args.detect_s,
+            num_threads=args.threads,
+            shm_dir=args.shm_dir,
+            transport=TransportChoice.from_args(args),
+            direct_landing=not args.staged_landing,
+        )
         worker = DecodeWorker(config)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -122,23 +186,43 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> cpb.Load:
         cap = worker.learn_step_times()
         batch, context, seconds = worker.step_mean or (0.0, 0.0, 0.0)
-        return cpb.Load(queued_requests=worker.num_in_prefill, running_requests=worker.loop.num_running,
-                        context_tokens=worker.loop.context_tokens, free_kv_blocks=worker.engine.num_free_blocks,
-                        step_s=seconds, step_batch=batch, step_context_tokens=context, batch_cap=cap,
-                        landing_blocks=worker.landing_room)  # fmt: skip
+        return cpb.Load(
+            queued_requests=worker.num_in_prefill,
+            running_requests=worker.loop.num_running,
+            context_tokens=worker.loop.context_tokens,
+            free_kv_blocks=worker.engine.num_free_blocks,
+            step_s=seconds,
+            step_batch=batch,
+            step_context_tokens=context,
+            batch_cap=cap,
+            landing_blocks=worker.landing_room,
+        )
 
     spec = WorkerProcess(
         name="decode",
         add_servicer=lambda server: wpb_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, metrics), server),
-        registration=cpb.RegisterRequest(id=args.id, role=cpb.DECODE, node=args.id, model=args.model,
-                                         fingerprint=worker.engine.fingerprint, engine=args.engine,
-                                         capacity=args.max_num_seqs, transport=worker.transfer.transport,
-                                         step_tokens=worker.step_tokens),  # fmt: skip
+        registration=cpb.RegisterRequest(
+            id=args.id,
+            role=cpb.DECODE,
+            node=args.id,
+            model=args.model,
+            fingerprint=worker.engine.fingerprint,
+            engine=args.engine,
+            capacity=args.max_num_seqs,
+            transport=worker.transfer.transport,
+            step_tokens=worker.step_tokens,
+        ),
         load=load,
-        ready={"landing": worker.landing_segment.name, "max_model_len": worker.max_model_len, "engine": args.engine,
-               "transport": worker.transfer.transport, "tcp": worker.transfer.tcp_addr},
+        ready={
+            "landing": worker.landing_segment.name,
+            "max_model_len": worker.max_model_len,
+            "engine": args.engine,
+            "transport": worker.transfer.transport,
+            "tcp": worker.transfer.tcp_addr,
+        },
         health=lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}),
         busy=lambda: worker.loop.num_running + worker.num_in_prefill,
-        drain_timeout_s=args.drain_timeout, max_rpc_threads=64,
-    )  # fmt: skip
+        drain_timeout_s=args.drain_timeout,
+        max_rpc_threads=64,
+    )
     return run_worker(args, worker, spec, metrics.registry)

@@ -55,11 +55,11 @@ from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig, check_cuda_device
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
+from mooncake.serving.build import build_engine
 from mooncake.serving.channels import ByAddress, client_options
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.serving.build import build_engine
 from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
@@ -82,7 +82,9 @@ class DecodeConfig(BaseModel):
     vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     host: str = Field("127.0.0.1", description="address of its transfer server (landing slots over tcp)")
     dtype: str = "float32"
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]")
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]"
+    )
 
     @field_validator("device")
     @classmethod
@@ -90,29 +92,51 @@ class DecodeConfig(BaseModel):
         if device != "cpu":
             check_cuda_device(device)
         return device
+
     block_size: int = Field(16, ge=1)
     num_kv_blocks: int = Field(2048, ge=1, description="the engine's paged cache, in blocks")
     max_num_seqs: int = Field(32, ge=1, description="most requests in the running batch")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="default: the engine's for its device "
-                                        "(512 on the CPU, 4096 on CUDA)")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="default: the engine's for its device (512 on the CPU, 4096 on CUDA)"
+    )
     max_model_len: int | None = None
-    landing_slots: int | None = Field(None, ge=1, description="landing slots (blocks); default: two full-context prompts")
-    tbt_slo_s: float | None = Field(None, gt=0, description="hold the batch where the predicted step stays under "
-                                    "tbt_headroom x this (None: only max_num_seqs caps it)")
+    landing_slots: int | None = Field(
+        None, ge=1, description="landing slots (blocks); default: two full-context prompts"
+    )
+    tbt_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="hold the batch where the predicted step stays under "
+        "tbt_headroom x this (None: only max_num_seqs caps it)",
+    )
     tbt_headroom: float = Field(0.9, gt=0, le=1)
     prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
-    detect_s: float = Field(2.0, gt=0, description="a prefill worker silent this long (a host off the network) fails "
-                            "the request's prefill, about a second later; the gateway places it again")  # fmt: skip
-    write_behind: bool = Field(True, description="write each generated block into the pool as it fills, on the prefill's "
-                               "node (a stream resumed elsewhere then loads it instead of recomputing it)")  # fmt: skip
+    detect_s: float = Field(
+        2.0,
+        gt=0,
+        description="a prefill worker silent this long (a host off the network) fails "
+        "the request's prefill, about a second later; the gateway places it again",
+    )
+    write_behind: bool = Field(
+        True,
+        description="write each generated block into the pool as it fills, on the prefill's "
+        "node (a stream resumed elsewhere then loads it instead of recomputing it)",
+    )
     num_threads: int | None = None
     use_kernels: bool = True
     enforce_eager: bool = Field(False, description="on CUDA: no CUDA graphs for decode steps")
-    direct_landing: bool = Field(True, description="native engine: prefills write a prompt's KV into the engine's own cache "
-                                 "(shared memory on the CPU, CUDA IPC on a GPU), not into landing slots copied again")  # fmt: skip
-    write_grace_s: float = Field(3.0, gt=0, description="cache blocks of a prefill that did not answer (cancelled, timed "
-                                 "out, unreachable) go back to the engine this much later: a straggling write lands in "
-                                 "nothing another request attends")  # fmt: skip
+    direct_landing: bool = Field(
+        True,
+        description="native engine: prefills write a prompt's KV into the engine's own cache "
+        "(shared memory on the CPU, CUDA IPC on a GPU), not into landing slots copied again",
+    )
+    write_grace_s: float = Field(
+        3.0,
+        gt=0,
+        description="cache blocks of a prefill that did not answer (cancelled, timed "
+        "out, unreachable) go back to the engine this much later: a straggling write lands in "
+        "nothing another request attends",
+    )
     shm_dir: str = "/dev/shm/mooncake"
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
@@ -161,17 +185,34 @@ class _Decoding:
         with worker._count_lock:
             worker._in_prefill += 1
 
-    def join(self, sink: queue.Queue, prompt: list[int], params: SamplingParams, outputs: list[int], num_landed: int,
-             cache_salt: str | None) -> None:  # fmt: skip
+    def join(
+        self,
+        sink: queue.Queue,
+        prompt: list[int],
+        params: SamplingParams,
+        outputs: list[int],
+        num_landed: int,
+        cache_salt: str | None,
+    ) -> None:
         """PREFILLING -> DECODING: add the request to the batch, its prompt's KV already in its blocks (or copied out of
         the landing slots, which are freed)."""
         w = self.worker
-        kv: dict[str, Any] = {"kv_block_ids": self.blocks} if self.blocks else {
-            "external_kv": w.landing.index_select(0, torch.tensor(self.slots, dtype=torch.long))}  # [n, L, 2, bs, Hkv, D]
+        kv: dict[str, Any] = (
+            {"kv_block_ids": self.blocks}
+            if self.blocks
+            else {"external_kv": w.landing.index_select(0, torch.tensor(self.slots, dtype=torch.long))}
+        )  # [n, L, 2, bs, Hkv, D]
         self._free_slots()
-        future = w.loop.submit_nowait(sink.put, prompt_token_ids=prompt, sampling_params=params, request_id=self.request_id,
-                                      num_external_tokens=num_landed, initial_output_token_ids=outputs, cache_salt=cache_salt,
-                                      **kv)  # fmt: skip
+        future = w.loop.submit_nowait(
+            sink.put,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            request_id=self.request_id,
+            num_external_tokens=num_landed,
+            initial_output_token_ids=outputs,
+            cache_salt=cache_salt,
+            **kv,
+        )
         try:
             future.result()
         except ValueError as e:
@@ -214,7 +255,9 @@ class _Decoding:
         if self.state is DecodeState.DECODING:
             self.worker.loop.abort(self.request_id)  # a no-op once it finished
         if self.worker.link is not None:
-            self.worker.link.finished(self.request_id, self.ttft_s, self.handoff_s)  # out of the Conductor's decode forecast
+            self.worker.link.finished(
+                self.request_id, self.ttft_s, self.handoff_s
+            )  # out of the Conductor's decode forecast
         self.state = DecodeState.DONE
 
 
@@ -235,13 +278,24 @@ class DecodeWorker:
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.model)
         engine_config = EngineConfig(
-            model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads, device=config.device,
-            use_kernels=config.use_kernels, enforce_eager=config.enforce_eager,
-        )  # fmt: skip
-        self.transfer = TransferEngine(TransferConfig(node=config.id, listen_host=config.host, shm_dir=config.shm_dir,
-                                                      **config.transport.model_dump()))  # fmt: skip
+            model=config.model,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=False,
+            num_threads=config.num_threads,
+            device=config.device,
+            use_kernels=config.use_kernels,
+            enforce_eager=config.enforce_eager,
+        )
+        self.transfer = TransferEngine(
+            TransferConfig(
+                node=config.id, listen_host=config.host, shm_dir=config.shm_dir, **config.transport.model_dump()
+            )
+        )
         # a prefill worker writes landing slots (or cache blocks) only under the grant made for its Prefill call (_prefill)
         self._grants: dict[str, frozenset[int]] = {}
         self._grants_lock = threading.Lock()
@@ -252,8 +306,9 @@ class DecodeWorker:
         self.cache_segment = None
         self.cuda_ipc = b""
         place = self._place_cache if native and config.device == "cpu" else None
-        self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer,
-                                   kv_cache_buffer=place)  # fmt: skip
+        self.engine = build_engine(
+            config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer, kv_cache_buffer=place
+        )
         if native and config.device != "cpu":
             self.cuda_ipc = export_cuda_tensor(self.engine.runner.kv_cache)
         self.cache_num_blocks = self.engine.runner.kv_cache.shape[2] if native else 0
@@ -263,17 +318,23 @@ class DecodeWorker:
         slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
         self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes, guard=self._landing_guard)
         self.engine_dtype = engine_config.torch_dtype
-        self.landing = slot_tensor(self.transfer.buffer(self.landing_segment.name), self.engine.block_shape, self.engine_dtype)
+        self.landing = slot_tensor(
+            self.transfer.buffer(self.landing_segment.name), self.engine.block_shape, self.engine_dtype
+        )
         self.slots = SlotAllocator(slots)
         self.loop = EngineLoop(self.engine, name="decode-engine")
-        self.writer = BlockWriter(self.loop, self.transfer, config.id, config.block_size) if config.write_behind else None
+        self.writer = (
+            BlockWriter(self.loop, self.transfer, config.id, config.block_size) if config.write_behind else None
+        )
         self.predictor = DecodePredictor(PredictorConfig())
         self.step_mean: tuple[float, float, float] | None = None  # (batch, context tokens, seconds) of the mean step
         # between the last two heartbeats (None: no step): one sample of the last step alone swung with whatever else
         # the cores were doing at that moment
         options = client_options(config.detect_s)
         self._prefills = ByAddress(lambda address: wpb_grpc.PrefillStub(tls.grpc_channel(address, options=options)))
-        self._pool = ByAddress(lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id))  # prefixes read here
+        self._pool = ByAddress(
+            lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id)
+        )  # prefixes read here
         self._in_prefill = 0  # requests between admission and joining the batch
         self._count_lock = threading.Lock()
         self.link = link
@@ -335,8 +396,10 @@ class DecodeWorker:
             return [], blocks
         slots = self.slots.allocate(num_blocks)
         if slots is None:
-            raise Busy(f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
-                       "decode_busy")  # fmt: skip
+            raise Busy(
+                f"decode worker {self.config.id} has no {num_blocks} free landing slots ({self.slots.num_free} free)",
+                "decode_busy",
+            )
         return slots, []
 
     # -- admission ----------------------------------------------------------------------------
@@ -370,9 +433,16 @@ class DecodeWorker:
                 step = self.loop.steps.popleft()
             except IndexError:
                 break
-            if step.batch > 0 and step.seconds > 0 and step.new_tokens <= step.batch:  # (a prompt's chunk in it: not a decode step)
+            if (
+                step.batch > 0 and step.seconds > 0 and step.new_tokens <= step.batch
+            ):  # (a prompt's chunk in it: not a decode step)
                 self.predictor.observe(step.batch, step.context_tokens, step.seconds)
-                n, batches, contexts, seconds = n + 1, batches + step.batch, contexts + step.context_tokens, seconds + step.seconds
+                n, batches, contexts, seconds = (
+                    n + 1,
+                    batches + step.batch,
+                    contexts + step.context_tokens,
+                    seconds + step.seconds,
+                )
         self.step_mean = (batches / n, contexts / n, seconds / n) if n else None
         cap = self.batch_cap
         self.loop.call(lambda engine: engine.set_max_num_seqs(cap))
@@ -387,8 +457,11 @@ class DecodeWorker:
         cap = self.batch_cap
         waiting = max(0, self.loop.num_running - cap)
         if waiting >= cap:
-            raise Busy(f"decode worker {self.config.id} has a full batch waiting ({waiting} requests waiting for a place in "
-                       f"a batch of {cap})", "decode_busy")  # fmt: skip
+            raise Busy(
+                f"decode worker {self.config.id} has a full batch waiting ({waiting} requests waiting for a place in "
+                f"a batch of {cap})",
+                "decode_busy",
+            )
 
     # -- the stream ----------------------------------------------------------------------------
 
@@ -406,15 +479,23 @@ class DecodeWorker:
         try:
             params = self._params(req, prompt, len(outputs), local)
             if not local and not req.placement.prefill_address:
-                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the request has no placement (a prefill address from the Conductor)")
+                raise Failed(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "the request has no placement (a prefill address from the Conductor)",
+                )
             if local and self.config.engine is not EngineKind.NATIVE:
-                raise Failed(grpc.StatusCode.INVALID_ARGUMENT, f"decode worker {self.config.id} runs {self.config.engine.value}: "
-                             "it cannot compute a prompt itself")  # fmt: skip
+                raise Failed(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"decode worker {self.config.id} runs {self.config.engine.value}: "
+                    "it cannot compute a prompt itself",
+                )
             self._admit()
             if local:
                 slots, blocks = [], []  # the engine gives it blocks as it computes
             else:
-                slots, blocks = self._reserve(-(-len(sequence) // self.config.block_size), req.placement.prefill_address)
+                slots, blocks = self._reserve(
+                    -(-len(sequence) // self.config.block_size), req.placement.prefill_address
+                )
         except (Busy, Failed):
             if self.link is not None:  # the Conductor counted it here when it scheduled it
                 self.link.finished(req.request_id)
@@ -433,27 +514,54 @@ class DecodeWorker:
             self._check_late_admission(req, len(sequence))
             stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
             finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
-            usage = dict(prompt_tokens=len(prompt), cached_tokens=first.cached_tokens, cached_tokens_by_tier=first.by_tier)
+            usage = dict(
+                prompt_tokens=len(prompt), cached_tokens=first.cached_tokens, cached_tokens_by_tier=first.by_tier
+            )
             if finish is not None:
                 run.state = DecodeState.DONE
-                yield wpb.GenerateChunk(token_ids=[first.token], text=text, finish_reason=finish, completion_tokens=len(outputs) + 1,
-                                        logprobs=first.logprobs, prompt_logprobs=first.prompt_logprobs, **usage)  # fmt: skip
+                yield wpb.GenerateChunk(
+                    token_ids=[first.token],
+                    text=text,
+                    finish_reason=finish,
+                    completion_tokens=len(outputs) + 1,
+                    logprobs=first.logprobs,
+                    prompt_logprobs=first.prompt_logprobs,
+                    **usage,
+                )
                 return
             outputs_queue: queue.Queue = queue.Queue()
             salt = req.cache_salt if req.HasField("cache_salt") else None
             run.join(outputs_queue, prompt, params, outputs + [first.token], len(sequence), salt)
-            run.written = self.writer.start(req.request_id, req.placement.prefill_node_address, len(sequence)) if self.writer else None
+            run.written = (
+                self.writer.start(req.request_id, req.placement.prefill_node_address, len(sequence))
+                if self.writer
+                else None
+            )
             if self.link is not None:
                 self.link.decode_started(req.request_id, run.ttft_s, run.handoff_s)
                 run.handoff_s = 0.0  # reported
-            yield wpb.GenerateChunk(token_ids=[first.token], text=text, completion_tokens=len(outputs) + 1, logprobs=first.logprobs,
-                                    prompt_logprobs=first.prompt_logprobs, **usage)  # fmt: skip
+            yield wpb.GenerateChunk(
+                token_ids=[first.token],
+                text=text,
+                completion_tokens=len(outputs) + 1,
+                logprobs=first.logprobs,
+                prompt_logprobs=first.prompt_logprobs,
+                **usage,
+            )
             yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context)
         finally:
             run.close()
 
-    def _stream(self, run: _Decoding, outputs_queue: queue.Queue, stream: TextStream, usage: dict, num_prompt: int, context,
-                first=None) -> Iterator[wpb.GenerateChunk]:  # fmt: skip
+    def _stream(
+        self,
+        run: _Decoding,
+        outputs_queue: queue.Queue,
+        stream: TextStream,
+        usage: dict,
+        num_prompt: int,
+        context,
+        first=None,
+    ) -> Iterator[wpb.GenerateChunk]:
         """The engine's outputs for ``run``, as chunks, until it finishes or the client leaves; ``first(out)``, when
         given, is called with the first output (and may add to its chunk: a dict of fields)."""
         while True:
@@ -469,18 +577,31 @@ class DecodeWorker:
             first = None
             # a finished output's text is the engine's, cut before a stop string the new token completed
             text = stream.finish(out.text) if out.finished else stream.push(out.new_token_ids)
-            yield wpb.GenerateChunk(token_ids=list(out.new_token_ids), text=text,
-                                    finish_reason=out.finish_reason.value if out.finished else "",
-                                    completion_tokens=len(out.output_token_ids),
-                                    logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs or ()], **usage, **extra)  # fmt: skip
+            yield wpb.GenerateChunk(
+                token_ids=list(out.new_token_ids),
+                text=text,
+                finish_reason=out.finish_reason.value if out.finished else "",
+                completion_tokens=len(out.output_token_ids),
+                logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs or ()],
+                **usage,
+                **extra,
+            )
             if out.finished:
                 run.state = DecodeState.DONE
                 return
             if run.written is not None:  # the newest token's KV is computed by the next step
                 self.writer.progress(run.written, num_prompt + len(out.output_token_ids) - 1)
 
-    def _local(self, req: wpb.GenerateRequest, prompt: list[int], outputs: list[int], params: SamplingParams, run: _Decoding,
-               context, t0: float) -> Iterator[wpb.GenerateChunk]:  # fmt: skip
+    def _local(
+        self,
+        req: wpb.GenerateRequest,
+        prompt: list[int],
+        outputs: list[int],
+        params: SamplingParams,
+        run: _Decoding,
+        context,
+        t0: float,
+    ) -> Iterator[wpb.GenerateChunk]:
         """Compute the prompt here (the Conductor's local placement, conductor.local): read the planned prefix from
         the pool node, run the rest through this engine (in chunks of its token budget, between the batch's decode
         steps), stream as a handed-over request streams; the prompt's new blocks go into the pool as they fill, as
@@ -489,19 +610,31 @@ class DecodeWorker:
         salt = req.cache_salt if req.HasField("cache_salt") else None
         sequence = prompt + outputs
         external, cached = None, 0
-        if plan.fetch_blocks and plan.fetch_address and params.prompt_logprobs is None:  # (those need the whole prompt here)
+        if (
+            plan.fetch_blocks and plan.fetch_address and params.prompt_logprobs is None
+        ):  # (those need the whole prompt here)
             external, cached = self._read_prefix(plan.fetch_address, sequence, salt, plan.fetch_blocks)
         outputs_queue: queue.Queue = queue.Queue()
-        future = self.loop.submit_nowait(outputs_queue.put, prompt_token_ids=prompt, sampling_params=params, request_id=rid,
-                                         initial_output_token_ids=outputs, cache_salt=salt, external_kv=external,
-                                         num_external_tokens=cached, chunk_tokens=req.placement.local_chunk_tokens)  # fmt: skip
+        future = self.loop.submit_nowait(
+            outputs_queue.put,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            request_id=rid,
+            initial_output_token_ids=outputs,
+            cache_salt=salt,
+            external_kv=external,
+            num_external_tokens=cached,
+            chunk_tokens=req.placement.local_chunk_tokens,
+        )
         try:
             future.result()
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         run.state = DecodeState.DECODING
         context.add_callback(lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
-        usage = dict(prompt_tokens=len(prompt), cached_tokens=cached, cached_tokens_by_tier={"remote": cached} if cached else {})
+        usage = dict(
+            prompt_tokens=len(prompt), cached_tokens=cached, cached_tokens_by_tier={"remote": cached} if cached else {}
+        )
 
         def first(out) -> dict:
             run.ttft_s = time.perf_counter() - t0
@@ -515,7 +648,9 @@ class DecodeWorker:
         stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
         yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context, first)
 
-    def _read_prefix(self, address: str, sequence: list[int], salt: str | None, planned: int) -> tuple[torch.Tensor | None, int]:
+    def _read_prefix(
+        self, address: str, sequence: list[int], salt: str | None, planned: int
+    ) -> tuple[torch.Tensor | None, int]:
         """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine imports
         them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last token).
         Fewer when the node has fewer by now (evicted), none when it cannot be read: the engine computes the rest."""
@@ -531,39 +666,54 @@ class DecodeWorker:
         if not got.num_blocks:
             return None, 0
         kv = slot_tensor(got.data, self.engine.block_shape, self.engine_dtype)
-        return kv, min(got.num_blocks * bs, len(sequence) - 1)  # its last token is computed here (the first output needs it)
+        return kv, min(
+            got.num_blocks * bs, len(sequence) - 1
+        )  # its last token is computed here (the first output needs it)
 
-    def _params(self, req: wpb.GenerateRequest, prompt: list[int], num_outputs: int, local: bool = False) -> SamplingParams:
+    def _params(
+        self, req: wpb.GenerateRequest, prompt: list[int], num_outputs: int, local: bool = False
+    ) -> SamplingParams:
         s = req.sampling
         if not prompt:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         if num_outputs >= s.max_tokens:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, f"a resumed stream with {num_outputs} tokens already has its "
-                         f"max_tokens ({s.max_tokens})")  # fmt: skip
+            raise Failed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a resumed stream with {num_outputs} tokens already has its max_tokens ({s.max_tokens})",
+            )
         if len(prompt) + s.max_tokens > self.max_model_len:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}")  # fmt: skip
+            raise Failed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}",
+            )
         try:
-            return params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)  # a prefill worker computes those
+            return (
+                params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)
+            )  # a prefill worker computes those
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
-    def _prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context) -> FirstToken:
+    def _prefill(
+        self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context
+    ) -> FirstToken:
         try:
             return self._granted_prefill(req, sequence, num_outputs, run, context)
         except Failed as e:
             if e.code is not grpc.StatusCode.FAILED_PRECONDITION or not run.blocks:
                 raise
         # that prefill worker cannot write this engine's CUDA cache (another host, or no GPU): landing slots, from now on
-        log.info("prefill worker at %s cannot write this decode engine's cache: it lands in slots",
-                 req.placement.prefill_address)  # fmt: skip
+        log.info(
+            "prefill worker at %s cannot write this decode engine's cache: it lands in slots",
+            req.placement.prefill_address,
+        )
         self._staged_prefills.add(req.placement.prefill_address)
         run.free_blocks(now=True)
         run.slots, _ = self._reserve(-(-len(sequence) // self.config.block_size), req.placement.prefill_address)
         return self._granted_prefill(req, sequence, num_outputs, run, context)
 
-    def _granted_prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding,
-                         context) -> FirstToken:  # fmt: skip
+    def _granted_prefill(
+        self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context
+    ) -> FirstToken:
         token = secrets.token_hex(16)
         with self._grants_lock:
             self._grants[token] = frozenset(run.blocks or run.slots)
@@ -576,24 +726,42 @@ class DecodeWorker:
     def _landing(self, run: _Decoding, token: str) -> wpb.Landing:
         """Where the prefill writes: the granted cache blocks (in place) or landing slots."""
         if not run.blocks:
-            return wpb.Landing(segment=segment_to_pb(self.landing_segment), offsets=[s * self.block_bytes for s in run.slots],
-                               block_bytes=self.block_bytes, token=token)  # fmt: skip
+            return wpb.Landing(
+                segment=segment_to_pb(self.landing_segment),
+                offsets=[s * self.block_bytes for s in run.slots],
+                block_bytes=self.block_bytes,
+                token=token,
+            )
         segment = segment_to_pb(self.cache_segment) if self.cache_segment is not None else None
-        return wpb.Landing(segment=segment, block_bytes=self.block_bytes, token=token, cache_blocks=run.blocks,
-                           cache_num_blocks=self.cache_num_blocks, cuda_ipc=self.cuda_ipc, host=host_id())  # fmt: skip
+        return wpb.Landing(
+            segment=segment,
+            block_bytes=self.block_bytes,
+            token=token,
+            cache_blocks=run.blocks,
+            cache_num_blocks=self.cache_num_blocks,
+            cuda_ipc=self.cuda_ipc,
+            host=host_id(),
+        )
 
-    def _call_prefill(self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context,
-                      token: str) -> FirstToken:  # fmt: skip
+    def _call_prefill(
+        self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context, token: str
+    ) -> FirstToken:
         """Have the planned prefill worker write the KV of ``sequence`` (the prompt and, resuming, the ``num_outputs``
         tokens streamed so far) where ``run`` lands it; return the token after it."""
         placement = req.placement
         landing = self._landing(run, token)
         call = self._prefills.get(placement.prefill_address).Prefill.future(
-            wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=sequence, sampling=req.sampling,
-                               cache_salt=req.cache_salt if req.HasField("cache_salt") else None, plan=placement.plan,
-                               landing=landing, num_output_tokens=num_outputs),
+            wpb.PrefillRequest(
+                request_id=req.request_id,
+                prompt_token_ids=sequence,
+                sampling=req.sampling,
+                cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
+                plan=placement.plan,
+                landing=landing,
+                num_output_tokens=num_outputs,
+            ),
             timeout=self.config.prefill_timeout_s,
-        )  # fmt: skip
+        )
         context.add_callback(call.cancel)  # the client went away: so does the prefill
         try:
             resp = call.result()
@@ -601,13 +769,23 @@ class DecodeWorker:
             raise Failed(grpc.StatusCode.CANCELLED, "the client cancelled the request") from None
         except grpc.RpcError as e:
             code = e.code()
-            run.answered = code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
-                        grpc.StatusCode.FAILED_PRECONDITION):  # fmt: skip
+            run.answered = code not in (
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAVAILABLE,
+            )
+            if code in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ):
                 raise Failed(code, e.details()) from None
-            raise Failed(grpc.StatusCode.UNAVAILABLE,
-                         f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: {code.name} {e.details()}",
-                         failed_instance=placement.prefill_id) from None  # fmt: skip
+            raise Failed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: {code.name} {e.details()}",
+                failed_instance=placement.prefill_id,
+            ) from None
         run.answered = True
         by_tier = {}
         if resp.local_tokens:
@@ -617,22 +795,31 @@ class DecodeWorker:
         if resp.fetched_tokens:
             by_tier["remote"] = resp.fetched_tokens
         logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
-        return FirstToken(resp.first_token, resp.cached_tokens, {k: v for k, v in by_tier.items() if v}, logprobs,
-                          list(resp.prompt_logprobs), resp.queue_s + resp.prefill_s)  # fmt: skip
+        return FirstToken(
+            resp.first_token,
+            resp.cached_tokens,
+            {k: v for k, v in by_tier.items() if v},
+            logprobs,
+            list(resp.prompt_logprobs),
+            resp.queue_s + resp.prefill_s,
+        )
 
     def _check_late_admission(self, req: wpb.GenerateRequest, context_tokens: int) -> None:
         """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted)."""
         if self.link is None or not self.link.registered.is_set():
             return
         try:
-            verdict = self.link.stub.AdmitAtDecode(cpb.AdmitAtDecodeRequest(decode_id=self.config.id, context_tokens=context_tokens),
-                                                   timeout=2.0)  # fmt: skip
+            verdict = self.link.stub.AdmitAtDecode(
+                cpb.AdmitAtDecodeRequest(decode_id=self.config.id, context_tokens=context_tokens), timeout=2.0
+            )
         except grpc.RpcError:
             return  # the Conductor is away: serve
         if not verdict.admit:
             raise Busy(verdict.rejection.message, verdict.rejection.reason, verdict.rejection.retry_after_s)
 
-    def _first_token_finish(self, token: int, params: SamplingParams, stream: TextStream, num_outputs: int) -> tuple[str | None, str]:
+    def _first_token_finish(
+        self, token: int, params: SamplingParams, stream: TextStream, num_outputs: int
+    ) -> tuple[str | None, str]:
         """Does the prefill's token already end the request? (finish reason or None, the text to show now)."""
         previous = stream.text
         stream.add([token])

@@ -76,12 +76,18 @@ class BlockWriter:
                 keys, kv, parent = future.result(timeout=EXPORT_TIMEOUT_S)
                 if keys:
                     data = tensor_bytes(kv)
-                    result = self._clients.get(written.node_address).put(keys, data, positions=list(range(first, first + len(keys))),
-                                                                    parent=parent)  # fmt: skip
+                    result = self._clients.get(written.node_address).put(
+                        keys, data, positions=list(range(first, first + len(keys))), parent=parent
+                    )
                     self.blocks_written += result.stored + result.existing
             except (KVStoreUnavailable, StoreFull, TransferError, KeyError, ValueError, TimeoutError) as e:
-                log.info("write-behind of %s blocks %d.. to %s failed (%s): a resume recomputes them", written.request_id,
-                         first, written.node_address, e)  # fmt: skip
+                log.info(
+                    "write-behind of %s blocks %d.. to %s failed (%s): a resume recomputes them",
+                    written.request_id,
+                    first,
+                    written.node_address,
+                    e,
+                )
             except Exception:
                 log.exception("write-behind of %s failed", written.request_id)
 

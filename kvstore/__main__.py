@@ -34,11 +34,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node", default="kv0", help="node name, unique in the cluster (default: kv0)")
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC service and the transfer server bind")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port, printed in the READY line)")
-    p.add_argument("--control-port", type=int, default=0,
-                   help="port of the control fast path (the hot calls without gRPC; default: any free port)")
+    p.add_argument(
+        "--control-port",
+        type=int,
+        default=0,
+        help="port of the control fast path (the hot calls without gRPC; default: any free port)",
+    )
     p.add_argument("--transfer-port", type=int, default=0, help="transfer (tcp) server port (default: any free port)")
-    p.add_argument("--block-bytes", type=int, required=True,
-                   help="bytes of one block's KV: layers * 2 * block_size * kv_heads * head_dim * dtype bytes")
+    p.add_argument(
+        "--block-bytes",
+        type=int,
+        required=True,
+        help="bytes of one block's KV: layers * 2 * block_size * kv_heads * head_dim * dtype bytes",
+    )
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--dram-blocks", type=int, help="DRAM tier size in blocks")
     size.add_argument("--dram-mib", type=int, help="DRAM tier size in MiB (rounded down to whole blocks)")
@@ -46,17 +54,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier size in blocks")
     p.add_argument("--ssd-mib", type=int, default=0, help="SSD tier size in MiB (instead of --ssd-blocks)")
     p.add_argument("--ssd-fsync", action="store_true", help="fsync every SSD write (survive power loss; slower)")
-    p.add_argument("--eviction", choices=[e.value for e in EvictionKind], default="lru", help="eviction policy (default: lru)")
+    p.add_argument(
+        "--eviction", choices=[e.value for e in EvictionKind], default="lru", help="eviction policy (default: lru)"
+    )
     p.add_argument("--high-watermark", type=float, default=0.95, help="DRAM use that starts eviction (default: 0.95)")
     p.add_argument("--low-watermark", type=float, default=0.85, help="DRAM use eviction stops at (default: 0.85)")
-    p.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unless released (default: 30)")
+    p.add_argument(
+        "--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unless released (default: 30)"
+    )
     p.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds an uncommitted put lives (default: 30)")
     p.add_argument("--redis-url", help="publish the DRAM segment in this Redis (default: in-process registry)")
     p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory for the DRAM segment")
     add_transport_args(p, "--backend")
-    p.add_argument("--conductor", help="the Conductor's gRPC address: register this node and heartbeat (its blocks "
-                   "enter the Conductor's index); none: standalone")
-    p.add_argument("--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; default -1: none)")
+    p.add_argument(
+        "--conductor",
+        help="the Conductor's gRPC address: register this node and heartbeat (its blocks "
+        "enter the Conductor's index); none: standalone",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; default -1: none)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -69,13 +86,25 @@ def main(argv: list[str] | None = None) -> int:
         dram_blocks = args.dram_blocks or (args.dram_mib * MIB) // bb
         ssd_blocks = args.ssd_blocks or (args.ssd_mib * MIB) // bb
         config = StoreConfig(
-            node=args.node, block_bytes=bb, dram_blocks=dram_blocks, ssd_dir=args.ssd_dir if ssd_blocks else None,
-            ssd_blocks=ssd_blocks if args.ssd_dir else 0, ssd_fsync=args.ssd_fsync, eviction=args.eviction,
-            high_watermark=args.high_watermark, low_watermark=args.low_watermark, lease_ttl_s=args.lease_ttl,
+            node=args.node,
+            block_bytes=bb,
+            dram_blocks=dram_blocks,
+            ssd_dir=args.ssd_dir if ssd_blocks else None,
+            ssd_blocks=ssd_blocks if args.ssd_dir else 0,
+            ssd_fsync=args.ssd_fsync,
+            eviction=args.eviction,
+            high_watermark=args.high_watermark,
+            low_watermark=args.low_watermark,
+            lease_ttl_s=args.lease_ttl,
             reservation_ttl_s=args.reservation_ttl,
-        )  # fmt: skip
-        transfer = TransferConfig(node=args.node, listen_host=args.host, port=args.transfer_port, shm_dir=args.shm_dir,
-                                  **TransportChoice.from_args(args).model_dump())  # fmt: skip
+        )
+        transfer = TransferConfig(
+            node=args.node,
+            listen_host=args.host,
+            port=args.transfer_port,
+            shm_dir=args.shm_dir,
+            **TransportChoice.from_args(args).model_dump(),
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,19 +121,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ready = {
-        "grpc": f"{args.host}:{service.grpc_port}", "control": f"{args.host}:{service.control.port}", "control_uds": uds,
-        "node": args.node, "segment": node.segment.name, "tcp": node.engine.tcp_addr, "transport": node.engine.transport,
-        "dram_blocks": dram_blocks, "ssd_blocks": config.ssd_blocks, "adopted_blocks": node.store.adopted,
-    }  # fmt: skip
+        "grpc": f"{args.host}:{service.grpc_port}",
+        "control": f"{args.host}:{service.control.port}",
+        "control_uds": uds,
+        "node": args.node,
+        "segment": node.segment.name,
+        "tcp": node.engine.tcp_addr,
+        "transport": node.engine.transport,
+        "dram_blocks": dram_blocks,
+        "ssd_blocks": config.ssd_blocks,
+        "adopted_blocks": node.store.adopted,
+    }
     status = link = None
     if args.metrics_port >= 0:
         registry = store_registry(node.store)
-        registry.register(TransferCollector(node.engine))  # what its pulls from other nodes moved, and over which transport
+        registry.register(
+            TransferCollector(node.engine)
+        )  # what its pulls from other nodes moved, and over which transport
         status = start_status_server(args.host, args.metrics_port, registry, lambda: (True, {"node": args.node}))
         ready["metrics"] = f"{args.host}:{status.server_port}"
     if args.conductor:
-        registration = cpb.RegisterRequest(id=args.node, role=cpb.KVSTORE, address=ready["grpc"], node=args.node,
-                                           capacity=dram_blocks, transport=node.engine.transport)  # fmt: skip
+        registration = cpb.RegisterRequest(
+            id=args.node,
+            role=cpb.KVSTORE,
+            address=ready["grpc"],
+            node=args.node,
+            capacity=dram_blocks,
+            transport=node.engine.transport,
+        )
         link = ConductorLink(args.conductor, registration, cpb.Load).start()
     print_ready(ready)
     wait_for_signal()

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvstore.errors import KVSTORE_STATUS, KVStoreUnavailable
 from kvstore.control import METHOD_IDS, ControlAddress, ControlChannel, ControlError
+from kvstore.errors import KVSTORE_STATUS, KVStoreUnavailable
 from kvstore.store import LookupResult, StoreFull
 from kvstore.wire import GRPC_OPTIONS, PB_TO_TIER, segment_from_pb
 from mooncake import tls
@@ -69,7 +69,12 @@ class KVStoreClient:
     """
 
     def __init__(
-        self, address: str, engine: TransferEngine | None = None, timeout_s: float = 10.0, control: str = "auto", owner: str = ""
+        self,
+        address: str,
+        engine: TransferEngine | None = None,
+        timeout_s: float = 10.0,
+        control: str = "auto",
+        owner: str = "",
     ) -> None:
         if control not in ("auto", "tcp", "grpc"):
             raise ValueError(f"control must be auto, tcp or grpc, not {control!r}")
@@ -79,7 +84,9 @@ class KVStoreClient:
         self._channel = tls.grpc_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._own_engine = engine is None
-        self.engine = engine or TransferEngine(TransferConfig(node=f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}", serve=False))
+        self.engine = engine or TransferEngine(
+            TransferConfig(node=f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}", serve=False)
+        )
         self._control_mode = control
         self._control: ControlChannel | None = None
         self._block_bytes: int | None = None
@@ -122,12 +129,23 @@ class KVStoreClient:
     def stats(self) -> pb.StatsResponse:
         return self._call("Stats", pb.StatsRequest())
 
-    def reserve(self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float = 0,
-                parent: bytes | None = None) -> pb.ReserveResponse:  # fmt: skip
+    def reserve(
+        self,
+        keys: Sequence[bytes],
+        positions: Sequence[int] | None = None,
+        ttl_s: float = 0,
+        parent: bytes | None = None,
+    ) -> pb.ReserveResponse:
         """Reserve slots for ``keys`` (``positions``: their indices in their chain; ``parent``: the key before
         ``keys[0]`` when that is not the chain's first block, so the Conductor's index can count them)."""
-        request = pb.ReserveRequest(keys=keys, positions=positions or [], block_bytes=self.block_bytes, ttl_s=ttl_s, owner=self.owner,
-                                    parent=parent or b"")  # fmt: skip
+        request = pb.ReserveRequest(
+            keys=keys,
+            positions=positions or [],
+            block_bytes=self.block_bytes,
+            ttl_s=ttl_s,
+            owner=self.owner,
+            parent=parent or b"",
+        )
         return self._call("Reserve", request)
 
     def commit(self, reservation_id: str) -> pb.CommitResponse:
@@ -142,7 +160,9 @@ class KVStoreClient:
 
     def get_locations(self, keys: Sequence[bytes], lease_ttl_s: float = 0) -> pb.GetResponse:
         """Lease the longest stored prefix and return where its bytes are. Release the lease after reading."""
-        return self._call("Get", pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes, owner=self.owner))
+        return self._call(
+            "Get", pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes, owner=self.owner)
+        )
 
     def release(self, lease_id: str, wait: bool = True) -> None:
         """End a lease. ``wait=False`` does not wait for the answer on the fast path (an unknown lease is then not reported)."""
@@ -183,7 +203,9 @@ class KVStoreClient:
             self.engine.add_segment(seg)
         return seg
 
-    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None, parent: bytes | None = None) -> PutResult:
+    def put(
+        self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None, parent: bytes | None = None
+    ) -> PutResult:
         """Store ``len(keys)`` blocks from ``data`` (block i at ``i * block_bytes``)."""
         view = memoryview(data).cast("B")
         bb = self.block_bytes

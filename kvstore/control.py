@@ -134,7 +134,9 @@ class FramedSocket:
         while self._end - self._start < need:
             n = recv_some(self.sock, view[self._end :], deadline, self.spin_s)
             if n == 0:
-                raise (StaleConnection if first and self._end == self._start else ConnectionError)("connection closed by peer")
+                raise (StaleConnection if first and self._end == self._start else ConnectionError)(
+                    "connection closed by peer"
+                )
             self._end += n
 
     def send(self, data: bytes, timeout: float | None) -> None:
@@ -148,13 +150,21 @@ class ControlServer:
     """Answers framed calls with ``servicer``'s methods (``methods``: id -> (name, request type, response type))
     on a tcp port and, optionally, a Unix socket."""
 
-    def __init__(self, servicer, host: str, port: int = 0, uds_path: str | None = None, spin_s: float = SPIN_S,
-                 methods: dict[int, tuple[str, type, type]] = METHODS, name: str = "kvstore-control") -> None:  # fmt: skip
+    def __init__(
+        self,
+        servicer,
+        host: str,
+        port: int = 0,
+        uds_path: str | None = None,
+        spin_s: float = SPIN_S,
+        methods: dict[int, tuple[str, type, type]] = METHODS,
+        name: str = "kvstore-control",
+    ) -> None:
         self._servicer = servicer
         self._spin_s = spin_s
         self._handlers: dict[int, tuple[Callable, type]] = {
             mid: (getattr(servicer, method), req_type) for mid, (method, req_type, _) in methods.items()
-        }  # fmt: skip
+        }
         listeners = [socket.create_server((host, port), backlog=128)]
         self.port = listeners[0].getsockname()[1]
         self.uds_path = uds_path
@@ -230,7 +240,9 @@ class ControlAddress:
 class ControlChannel:
     """Client side: a pool of connections, each used by one calling thread at a time."""
 
-    def __init__(self, address: ControlAddress, spin_s: float = SPIN_S, methods: dict[int, tuple[str, type, type]] = METHODS) -> None:
+    def __init__(
+        self, address: ControlAddress, spin_s: float = SPIN_S, methods: dict[int, tuple[str, type, type]] = METHODS
+    ) -> None:
         self.address = address
         self.spin_s = spin_s
         self._methods = methods

@@ -18,7 +18,9 @@ class StoreCollector:
         s = self.store.stats()
         used = GaugeMetricFamily("mooncake_pool_used_blocks", "blocks stored, by tier", labels=["node", "tier"])
         capacity = GaugeMetricFamily("mooncake_pool_capacity_blocks", "tier size in blocks", labels=["node", "tier"])
-        reserved = GaugeMetricFamily("mooncake_pool_reserved_blocks", "slots reserved by uncommitted puts", labels=["node", "tier"])
+        reserved = GaugeMetricFamily(
+            "mooncake_pool_reserved_blocks", "slots reserved by uncommitted puts", labels=["node", "tier"]
+        )
         hits = CounterMetricFamily("mooncake_pool_hits", "blocks read, by tier", labels=["node", "tier"])
         evictions = CounterMetricFamily("mooncake_pool_evictions", "blocks evicted, by tier", labels=["node", "tier"])
         for name, t in (("dram", s.dram), ("ssd", s.ssd)):
@@ -29,7 +31,9 @@ class StoreCollector:
             evictions.add_metric([s.node, name], t.evictions)
         leases = GaugeMetricFamily("mooncake_pool_leases", "read leases held", labels=["node"])
         leases.add_metric([s.node], s.leases)
-        corrupt = CounterMetricFamily("mooncake_pool_corrupt_blocks", "blocks that failed their checksum", labels=["node"])
+        corrupt = CounterMetricFamily(
+            "mooncake_pool_corrupt_blocks", "blocks that failed their checksum", labels=["node"]
+        )
         corrupt.add_metric([s.node], s.corrupt_blocks)
         block = GaugeMetricFamily("mooncake_pool_block_bytes", "bytes of one block", labels=["node"])
         block.add_metric([s.node], s.block_bytes)

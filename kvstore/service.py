@@ -35,6 +35,7 @@ from transfer.registry import SegmentRegistry
 
 log = logging.getLogger(__name__)
 
+
 class KVStoreNode:
     """A running pool node: store + DRAM segment + housekeeping. Call :meth:`close` to stop."""
 
@@ -46,7 +47,9 @@ class KVStoreNode:
         self.segment = self.engine.allocate("dram", config.dram_blocks * config.block_bytes, guard=self._authorize)
         ssd = None
         if config.ssd_dir:
-            ssd = SsdTier(config.ssd_dir, config.block_bytes, config.ssd_blocks, config.ssd_file_blocks, config.ssd_fsync)
+            ssd = SsdTier(
+                config.ssd_dir, config.block_bytes, config.ssd_blocks, config.ssd_file_blocks, config.ssd_fsync
+            )
         self.store = BlockStore(config, self.engine.buffer(self.segment.name), ssd)
         self._stop = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeep, name="kvstore-expire", daemon=True)
@@ -78,7 +81,9 @@ class KVStoreNode:
                 try:
                     where = {s.key: s for s in got.slots}
                     bb = self.config.block_bytes
-                    slices = [Slice(slot * bb, remote.name, where[key].offset, bb, got.lease_id) for key, slot in res.slots]
+                    slices = [
+                        Slice(slot * bb, remote.name, where[key].offset, bb, got.lease_id) for key, slot in res.slots
+                    ]
                     self.engine.read(self.segment.name, slices).wait(self.engine.config.io_timeout_s)
                 except BaseException:
                     self.store.abort(res.reservation_id)
@@ -128,9 +133,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_status
     def Reserve(self, request, context):
         self.store.check_block_bytes(request.block_bytes)
-        res = self.store.reserve(list(request.keys), list(request.positions) or None, request.ttl_s or None, request.owner,
-                                 bytes(request.parent) or None)  # fmt: skip
-        return pb.ReserveResponse(reservation_id=res.reservation_id, segment=self.seg, slots=self._slots(res.slots), existing=res.existing)
+        res = self.store.reserve(
+            list(request.keys),
+            list(request.positions) or None,
+            request.ttl_s or None,
+            request.owner,
+            bytes(request.parent) or None,
+        )
+        return pb.ReserveResponse(
+            reservation_id=res.reservation_id, segment=self.seg, slots=self._slots(res.slots), existing=res.existing
+        )
 
     @_status
     def Commit(self, request, context):
@@ -151,8 +163,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Get(self, request, context):
         self.store.check_block_bytes(request.block_bytes)
         res = self.store.get(list(request.keys), request.lease_ttl_s or None, request.owner)
-        return pb.GetResponse(lease_id=res.lease_id, segment=self.seg, slots=self._slots(res.slots), corrupt=res.corrupt,
-                              dram_hits=res.dram_hits, ssd_hits=res.ssd_hits)  # fmt: skip
+        return pb.GetResponse(
+            lease_id=res.lease_id,
+            segment=self.seg,
+            slots=self._slots(res.slots),
+            corrupt=res.corrupt,
+            dram_hits=res.dram_hits,
+            ssd_hits=res.ssd_hits,
+        )
 
     @_status
     def Release(self, request, context):
@@ -178,12 +196,31 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_status
     def Stats(self, request, context):
         s = self.store.stats()
-        tier = lambda t: pb.TierStats(capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,  # noqa: E731
-                                      reserved_blocks=t.reserved_blocks, hits=t.hits, evictions=t.evictions)
-        return pb.StatsResponse(node=s.node, block_bytes=s.block_bytes, eviction=s.eviction, dram=tier(s.dram), ssd=tier(s.ssd),
-                                leases=s.leases, reservations=s.reservations, corrupt_blocks=s.corrupt_blocks,
-                                adopted_blocks=s.adopted_blocks, event_seq=s.event_seq, segment=self.seg,
-                                control_port=self.control_port, control_uds=self.control_uds)  # fmt: skip
+
+        def tier(t):
+            return pb.TierStats(
+                capacity_blocks=t.capacity_blocks,
+                used_blocks=t.used_blocks,
+                reserved_blocks=t.reserved_blocks,
+                hits=t.hits,
+                evictions=t.evictions,
+            )
+
+        return pb.StatsResponse(
+            node=s.node,
+            block_bytes=s.block_bytes,
+            eviction=s.eviction,
+            dram=tier(s.dram),
+            ssd=tier(s.ssd),
+            leases=s.leases,
+            reservations=s.reservations,
+            corrupt_blocks=s.corrupt_blocks,
+            adopted_blocks=s.adopted_blocks,
+            event_seq=s.event_seq,
+            segment=self.seg,
+            control_port=self.control_port,
+            control_uds=self.control_uds,
+        )
 
     def Subscribe(self, request, context):
         node = self.node.config.node
@@ -193,19 +230,43 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             events, lost = self.store.events.read(seq, timeout=0.5)
             if (first and request.snapshot) or lost:
                 blocks, seq = self.store.snapshot()
-                yield pb.EventBatch(node=node, reset=True, next_seq=seq, events=[
-                    pb.Event(seq=0, kind=pb.Event.STORED, key=k, tier=TIER_TO_PB[t], parent=p or b"", parent_known=p is not None)
-                    for k, t, p in blocks
-                ])  # fmt: skip
+                yield pb.EventBatch(
+                    node=node,
+                    reset=True,
+                    next_seq=seq,
+                    events=[
+                        pb.Event(
+                            seq=0,
+                            kind=pb.Event.STORED,
+                            key=k,
+                            tier=TIER_TO_PB[t],
+                            parent=p or b"",
+                            parent_known=p is not None,
+                        )
+                        for k, t, p in blocks
+                    ],
+                )
                 first = False
                 continue
             first = False
             if events:
                 seq = events[-1].seq + 1
-                yield pb.EventBatch(node=node, next_seq=seq, events=[
-                    pb.Event(seq=e.seq, kind=KIND_TO_PB[e.kind], key=e.key, tier=TIER_TO_PB[e.tier], time=e.time,
-                             parent=e.parent or b"", parent_known=e.parent is not None) for e in events
-                ])  # fmt: skip
+                yield pb.EventBatch(
+                    node=node,
+                    next_seq=seq,
+                    events=[
+                        pb.Event(
+                            seq=e.seq,
+                            kind=KIND_TO_PB[e.kind],
+                            key=e.key,
+                            tier=TIER_TO_PB[e.tier],
+                            time=e.time,
+                            parent=e.parent or b"",
+                            parent_known=e.parent is not None,
+                        )
+                        for e in events
+                    ],
+                )
 
 
 @dataclass
@@ -222,13 +283,21 @@ class Service:
 
 
 def start_server(
-    node: KVStoreNode, host: str = "127.0.0.1", port: int = 0, workers: int = 32, control_port: int = 0, control_uds: str | None = None
+    node: KVStoreNode,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    workers: int = 32,
+    control_port: int = 0,
+    control_uds: str | None = None,
 ) -> Service:
     """Start the gRPC service and the control fast path (tcp ``control_port``, Unix socket ``control_uds``) for ``node``."""
     servicer = KVStoreServicer(node)
     control = ControlServer(servicer, host, control_port, control_uds)
     servicer.control_port, servicer.control_uds = control.port, control_uds or ""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"), options=GRPC_OPTIONS + list(SERVER_OPTIONS))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),
+        options=GRPC_OPTIONS + list(SERVER_OPTIONS),
+    )
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     bound = tls.grpc_add_port(server, f"{host}:{port}")
     if bound == 0:

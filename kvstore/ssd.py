@@ -62,7 +62,9 @@ def _round_up(n: int, to: int) -> int:
 class SsdTier:
     """Block slots in pre-allocated files under ``directory``. Not thread-safe: the store serialises calls."""
 
-    def __init__(self, directory: str | os.PathLike, block_bytes: int, num_blocks: int, file_blocks: int, fsync: bool = False) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, block_bytes: int, num_blocks: int, file_blocks: int, fsync: bool = False
+    ) -> None:
         if block_bytes <= 0 or num_blocks <= 0 or file_blocks <= 0:
             raise ValueError("block_bytes, num_blocks and file_blocks must be positive")
         self.dir = Path(directory)
@@ -110,7 +112,9 @@ class SsdTier:
     @staticmethod
     def _pack(key: bytes, length: int, checksum: int, seq: int, parent: bytes | None, position: int) -> bytes:
         flags = PARENT_KNOWN if parent is not None else 0
-        head = HEADER.pack(MAGIC, HEADER_VERSION, flags, key, length, checksum, seq, (parent or b"").ljust(16, b"\0"), position)
+        head = HEADER.pack(
+            MAGIC, HEADER_VERSION, flags, key, length, checksum, seq, (parent or b"").ljust(16, b"\0"), position
+        )
         return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
     def write(self, slot: int, key: bytes, data: memoryview, parent: bytes | None = None, position: int = 0) -> None:

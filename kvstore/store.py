@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.config import StoreConfig
-from kvstore.eviction import EvictionPolicy, make_policy
 from kvstore.events import EventKind, EventLog, Tier
+from kvstore.eviction import EvictionPolicy, make_policy
 from kvstore.ssd import CorruptBlock, SsdTier
 from mooncake.blocks import KEY_BYTES
 
@@ -156,7 +156,9 @@ class BlockStore:
     def __init__(self, config: StoreConfig, dram: memoryview, ssd: SsdTier | None = None) -> None:
         view = memoryview(dram).cast("B")
         if len(view) < config.dram_blocks * config.block_bytes:
-            raise ValueError(f"DRAM buffer is {len(view)} bytes; {config.dram_blocks} blocks need {config.dram_blocks * config.block_bytes}")
+            raise ValueError(
+                f"DRAM buffer is {len(view)} bytes; {config.dram_blocks} blocks need {config.dram_blocks * config.block_bytes}"
+            )
         self.config = config
         self.block_bytes = config.block_bytes
         self.dram = view
@@ -221,7 +223,9 @@ class BlockStore:
 
         return self._dram_policy.victims(count, evictable)
 
-    def _evict_dram(self, count: int, protect: frozenset[bytes] = frozenset(), victims: list[bytes] | None = None) -> int:
+    def _evict_dram(
+        self, count: int, protect: frozenset[bytes] = frozenset(), victims: list[bytes] | None = None
+    ) -> int:
         """Demote up to ``count`` DRAM blocks (to SSD when there is one); return how many left DRAM."""
         if victims is None:
             victims = self._dram_victims(count, protect)
@@ -289,7 +293,11 @@ class BlockStore:
     # -- two-phase put --------------------------------------------------------------
 
     def reserve(
-        self, keys: Sequence[bytes], positions: Sequence[int] | None = None, ttl_s: float | None = None, owner: str = "",
+        self,
+        keys: Sequence[bytes],
+        positions: Sequence[int] | None = None,
+        ttl_s: float | None = None,
+        owner: str = "",
         parent: bytes | None = None,
     ) -> ReserveResult:
         """Reserve DRAM slots for the keys not yet stored; the caller writes them, then commits.
@@ -311,8 +319,10 @@ class BlockStore:
             raise ValueError(f"{len(pos)} positions for {len(keys)} keys")
         if parent is not None and len(parent) != 16:
             raise ValueError(f"parent must be a 16-byte block key, not {len(parent)} bytes")
-        parents = [b"" if p == 0 else keys[i - 1] if i and pos[i - 1] == p - 1 else parent if i == 0 else None
-                   for i, p in enumerate(pos)]  # fmt: skip
+        parents = [
+            b"" if p == 0 else keys[i - 1] if i and pos[i - 1] == p - 1 else parent if i == 0 else None
+            for i, p in enumerate(pos)
+        ]
         with self._lock:
             existing = [k for k in keys if k in self._entries]
             for key, position, parent_of in zip(keys, pos, parents):
@@ -323,8 +333,9 @@ class BlockStore:
             slots = self._take_dram(len(todo))
             rid = uuid.uuid4().hex
             deadline = time.monotonic() + (ttl_s or self.config.reservation_ttl_s)
-            self._reservations[rid] = Reservation(rid, dict(zip(todo, slots)), dict(zip(keys, zip(pos, parents))), deadline, owner,
-                                                  frozenset(slots))  # fmt: skip
+            self._reservations[rid] = Reservation(
+                rid, dict(zip(todo, slots)), dict(zip(keys, zip(pos, parents))), deadline, owner, frozenset(slots)
+            )
             self._reserved_slots += len(slots)
             return ReserveResult(rid, list(zip(todo, slots)), existing)
 
@@ -339,7 +350,9 @@ class BlockStore:
     def _pop_reservation(self, reservation_id: str) -> Reservation:
         res = self._reservations.pop(reservation_id, None)
         if res is None:
-            raise KeyError(f"no reservation {reservation_id!r} (never made, already committed or aborted, or timed out)")
+            raise KeyError(
+                f"no reservation {reservation_id!r} (never made, already committed or aborted, or timed out)"
+            )
         self._reserved_slots -= len(res.slots)
         return res
 
@@ -373,7 +386,9 @@ class BlockStore:
             for slot in res.slots.values():
                 self._dram_free.give(slot)
 
-    def put(self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None, parent: bytes | None = None) -> tuple[int, int]:
+    def put(
+        self, keys: Sequence[bytes], data, positions: Sequence[int] | None = None, parent: bytes | None = None
+    ) -> tuple[int, int]:
         """Store blocks from this process's memory (reserve, copy, commit). Returns (stored, already there)."""
         view = memoryview(data).cast("B")
         if len(view) != len(keys) * self.block_bytes:
@@ -451,7 +466,9 @@ class BlockStore:
             self._ssd_count.hits += ssd_hits
             lid = uuid.uuid4().hex
             deadline = time.monotonic() + (lease_ttl_s or self.config.lease_ttl_s)
-            self._leases[lid] = Lease(lid, [e.key for e in prefix], deadline, owner, frozenset(e.dram_slot for e in prefix))
+            self._leases[lid] = Lease(
+                lid, [e.key for e in prefix], deadline, owner, frozenset(e.dram_slot for e in prefix)
+            )
             return GetResult(lid, [(e.key, e.dram_slot) for e in prefix], corrupt, len(prefix) - ssd_hits, ssd_hits)
 
     def authorize(self, token: str, write: bool, offset: int, length: int) -> str | None:
@@ -470,7 +487,9 @@ class BlockStore:
         bb = self.block_bytes
         first, last = offset // bb, (offset + length - 1) // bb
         with self._lock:
-            grant = self._reservations.get(token) if write else (self._leases.get(token) or self._reservations.get(token))
+            grant = (
+                self._reservations.get(token) if write else (self._leases.get(token) or self._reservations.get(token))
+            )
             if grant is None:
                 what = "reservation" if write else "lease"
                 return f"no live {what} with that token (a {what} id this node issued, not yet ended, is needed)"
@@ -514,7 +533,9 @@ class BlockStore:
         everyone's anonymous holdings.
         """
         if not owner:
-            raise ValueError("release_owner needs an owner (an empty one would release every anonymous lease and reservation)")
+            raise ValueError(
+                "release_owner needs an owner (an empty one would release every anonymous lease and reservation)"
+            )
         with self._lock:
             leases = [l for l in self._leases.values() if l.owner == owner]
             for lease in leases:
@@ -593,15 +614,22 @@ class BlockStore:
                 node=self.config.node,
                 block_bytes=self.block_bytes,
                 eviction=self.config.eviction.value,
-                dram=TierStats(self.config.dram_blocks, dram_used - self._reserved_slots, self._reserved_slots,
-                               self._dram_count.hits, self._dram_count.evictions),
-                ssd=TierStats(ssd_cap, ssd_cap - len(self._ssd_free.free), 0, self._ssd_count.hits, self._ssd_count.evictions),
+                dram=TierStats(
+                    self.config.dram_blocks,
+                    dram_used - self._reserved_slots,
+                    self._reserved_slots,
+                    self._dram_count.hits,
+                    self._dram_count.evictions,
+                ),
+                ssd=TierStats(
+                    ssd_cap, ssd_cap - len(self._ssd_free.free), 0, self._ssd_count.hits, self._ssd_count.evictions
+                ),
                 leases=len(self._leases),
                 reservations=len(self._reservations),
                 corrupt_blocks=self._corrupt,
                 adopted_blocks=self.adopted,
                 event_seq=self.events.next_seq - 1,
-            )  # fmt: skip
+            )
 
     def close(self) -> None:
         self.events.wake()

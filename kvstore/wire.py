@@ -19,12 +19,29 @@ KIND_TO_PB = {EventKind.STORED: pb.Event.STORED, EventKind.REMOVED: pb.Event.REM
 
 
 def segment_to_pb(seg: Segment) -> pb.SegmentInfo:
-    return pb.SegmentInfo(name=seg.name, node=seg.node, size=seg.size, host=seg.host, pid=seg.pid,
-                          shm_path=seg.shm_path or "", tcp_addr=seg.tcp_addr or "", rdma=seg.rdma_rkey is not None,
-                          rdma_rkey=seg.rdma_rkey or 0, rdma_addr=seg.rdma_addr)  # fmt: skip
+    return pb.SegmentInfo(
+        name=seg.name,
+        node=seg.node,
+        size=seg.size,
+        host=seg.host,
+        pid=seg.pid,
+        shm_path=seg.shm_path or "",
+        tcp_addr=seg.tcp_addr or "",
+        rdma=seg.rdma_rkey is not None,
+        rdma_rkey=seg.rdma_rkey or 0,
+        rdma_addr=seg.rdma_addr,
+    )
 
 
 def segment_from_pb(msg: pb.SegmentInfo) -> Segment:
-    return Segment(name=msg.name, node=msg.node, size=msg.size, host=msg.host, pid=msg.pid,
-                   shm_path=msg.shm_path or None, tcp_addr=msg.tcp_addr or None,
-                   rdma_rkey=msg.rdma_rkey if msg.rdma else None, rdma_addr=msg.rdma_addr)  # fmt: skip
+    return Segment(
+        name=msg.name,
+        node=msg.node,
+        size=msg.size,
+        host=msg.host,
+        pid=msg.pid,
+        shm_path=msg.shm_path or None,
+        tcp_addr=msg.tcp_addr or None,
+        rdma_rkey=msg.rdma_rkey if msg.rdma else None,
+        rdma_addr=msg.rdma_addr,
+    )

@@ -13,7 +13,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 _HANDED_OUT: set[int] = set()
 
 
@@ -61,9 +60,22 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed: run `make redis` (apt-get install -y redis-server)")
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.url = f"redis://127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + start_timeout_s
         while True:

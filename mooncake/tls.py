@@ -63,8 +63,11 @@ def identity() -> Identity | None:
         return load_identity(directory)
     if not _warned:
         _warned = True
-        log.warning("INSECURE: %s is not set, so this process neither presents nor asks for a certificate: "
-                    "anyone who can reach its ports can call them (development only)", ENV_DIR)  # fmt: skip
+        log.warning(
+            "INSECURE: %s is not set, so this process neither presents nor asks for a certificate: "
+            "anyone who can reach its ports can call them (development only)",
+            ENV_DIR,
+        )
     return None
 
 
@@ -74,7 +77,9 @@ def identity() -> Identity | None:
 def _channel_args(ident: Identity, options) -> tuple:
     import grpc
 
-    creds = grpc.ssl_channel_credentials(root_certificates=ident.ca, private_key=ident.key, certificate_chain=ident.cert)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ident.ca, private_key=ident.key, certificate_chain=ident.cert
+    )
     return creds, [*(options or ()), ("grpc.ssl_target_name_override", SERVER_NAME)]
 
 
@@ -152,30 +157,58 @@ def generate(directory: str | Path, days: int = VALID_DAYS) -> Identity:
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mooncake cluster CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SERVER_NAME)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
 
     def private(k) -> bytes:
         return k.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
-    for name, data, mode in (("ca.key", private(ca_key), 0o600), ("tls.key", private(key), 0o600),
-                             ("ca.crt", ca.public_bytes(pem), 0o644), ("tls.crt", cert.public_bytes(pem), 0o644)):  # fmt: skip
+    for name, data, mode in (
+        ("ca.key", private(ca_key), 0o600),
+        ("tls.key", private(key), 0o600),
+        ("ca.crt", ca.public_bytes(pem), 0o644),
+        ("tls.crt", cert.public_bytes(pem), 0o644),
+    ):
         tmp = directory / f".{name}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "wb") as f:

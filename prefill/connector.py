@@ -77,7 +77,9 @@ class PrefillJob:
     pushed: int = 0  # blocks whose every layer is on the decode worker
     issued: int = 0  # blocks whose every layer's push has started (pushed <= issued)
     started_at: float | None = None  # its first engine step
-    compute_s: float = 0.0  # its share of the steps that computed it (each step's time x its tokens / the step's tokens)
+    compute_s: float = (
+        0.0  # its share of the steps that computed it (each step's time x its tokens / the step's tokens)
+    )
     finished_at: float | None = None
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
@@ -106,8 +108,14 @@ Export = Callable[[int, torch.Tensor, list[int]], torch.Tensor]  # (layer, its c
 
 
 class PoolConnector(KVConnector):
-    def __init__(self, transfer: TransferEngine, pool: torch.Tensor | None, block_size: int, io_timeout_s: float,
-                 export: Export | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        transfer: TransferEngine,
+        pool: torch.Tensor | None,
+        block_size: int,
+        io_timeout_s: float,
+        export: Export | None = None,
+    ) -> None:
         self.transfer = transfer
         self.pool = pool  # [slots, L, 2, bs, Hkv, D]: this node's DRAM tier
         self.block_size = block_size
@@ -121,10 +129,15 @@ class PoolConnector(KVConnector):
         self._unsettled: set[PrefillJob] = set()  # jobs with pushes started and not yet waited for
         self._writer: PoolWriter | None = None  # started by the first job that stores later
         self._released: list[int] = []  # blocks the writer is done with (the engine frees them)
-        self._step: tuple[float, int, list] = (0.0, 0, [])  # this step's start, its tokens, (job, its tokens) of each job
+        self._step: tuple[float, int, list] = (
+            0.0,
+            0,
+            [],
+        )  # this step's start, its tokens, (job, its tokens) of each job
 
-    def bind(self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None,
-             staged: bool | None = None) -> None:  # fmt: skip
+    def bind(
+        self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None, staged: bool | None = None
+    ) -> None:
         """The engine's cache, [L, 2, num_blocks, bs, Hkv, D] (contiguous): the source of every push.
 
         A CPU cache is pushed from in place. A CUDA cache (or, with ``staged``, a CPU one: the same path, tested
@@ -191,22 +204,42 @@ class PoolConnector(KVConnector):
             slices = []
             if job.mapped_cache is not None:  # the decode engine's cache, mapped here: one copy of the layer's blocks
                 try:
-                    copy_blocks(job.mapped_cache[layer].transpose(0, 1), job.landing_blocks[start:end],
-                                self.kv_cache[layer - self._first_layer].transpose(0, 1), table[start:end])  # fmt: skip
+                    copy_blocks(
+                        job.mapped_cache[layer].transpose(0, 1),
+                        job.landing_blocks[start:end],
+                        self.kv_cache[layer - self._first_layer].transpose(0, 1),
+                        table[start:end],
+                    )
                 except (RuntimeError, IndexError) as e:
                     job.fail(TransferError(f"writing the decode engine's cache failed: {e}"))
                     continue
-            elif job.landing_blocks is not None:  # through its segment: a slice per run of blocks consecutive on both sides
+            elif (
+                job.landing_blocks is not None
+            ):  # through its segment: a slice per run of blocks consecutive on both sides
                 for src, dst, k in block_runs(table[start:end], job.landing_blocks[start:end]):
                     for kv in (0, 1):
-                        slices.append(Slice(self._offset(layer, kv, src), job.landing_segment, job.cache_at(dst, layer, kv, half),
-                                            k * half, job.landing_token))  # fmt: skip
+                        slices.append(
+                            Slice(
+                                self._offset(layer, kv, src),
+                                job.landing_segment,
+                                job.cache_at(dst, layer, kv, half),
+                                k * half,
+                                job.landing_token,
+                            )
+                        )
             for b in range(start, end):
                 block = table[b]
                 if job.landing_blocks is None:  # landing slots (the pool layout)
                     for kv in (0, 1):
-                        slices.append(Slice(self._offset(layer, kv, block), job.landing_segment, job.landing_at(b, layer, kv, half),
-                                            half, job.landing_token))  # fmt: skip
+                        slices.append(
+                            Slice(
+                                self._offset(layer, kv, block),
+                                job.landing_segment,
+                                job.landing_at(b, layer, kv, half),
+                                half,
+                                job.landing_token,
+                            )
+                        )
                 slot = job.pool_slots.get(b)
                 if slot is None or job.store_later:
                     continue
@@ -215,7 +248,9 @@ class PoolConnector(KVConnector):
                 else:
                     at = slot * self._block_bytes + layer * self._layer_bytes
                     slices.append(Slice(self._offset(layer, 0, block), job.pool_segment, at, half, job.pool_token))
-                    slices.append(Slice(self._offset(layer, 1, block), job.pool_segment, at + half, half, job.pool_token))
+                    slices.append(
+                        Slice(self._offset(layer, 1, block), job.pool_segment, at + half, half, job.pool_token)
+                    )
             if not slices:
                 continue
             try:
@@ -240,7 +275,9 @@ class PoolConnector(KVConnector):
             if job.mapped_cache is not None:  # the decode engine's cache on this host: device to device, no host memory
                 self._staging.copy_to(cache, table[start:end], job.mapped_cache[layer], job.landing_blocks[start:end])
                 if not job.store_later and any(b in job.pool_slots for b in range(start, end)):
-                    self._staging.submit(cache, table[start:end], functools.partial(self._pool_or_fail, job, layer, start, end))
+                    self._staging.submit(
+                        cache, table[start:end], functools.partial(self._pool_or_fail, job, layer, start, end)
+                    )
                 continue
             self._staging.submit(cache, table[start:end], functools.partial(self._push_or_fail, job, layer, start, end))
 
@@ -256,8 +293,9 @@ class PoolConnector(KVConnector):
         except BaseException as e:  # noqa: BLE001 - on the staging thread: the job fails, the engine does not
             job.fail(e)
 
-    def _push_staged(self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor,
-                     landing: bool = True) -> None:  # fmt: skip
+    def _push_staged(
+        self, job: PrefillJob, layer: int, start: int, end: int, staged: torch.Tensor, landing: bool = True
+    ) -> None:
         """Write ``staged`` (contiguous, CPU: blocks start..end of one layer; [2, n, bs, Hkv, D] from host staging, or
         [n, 2, bs, Hkv, D] in the pool layout from ``export``) to the landing (unless ``landing`` is False) and the
         job's pool slots (unless the job stores them later). Into a decode engine's cache, a run of blocks consecutive
@@ -265,22 +303,43 @@ class PoolConnector(KVConnector):
         n = end - start
         kv_major = self.export is None  # host staging's [2, n, ...]: K of consecutive blocks are contiguous
         half = staged[0, 0].numel() * staged.element_size()
-        at = (lambda i, kv: (kv * n + i) * half) if kv_major else (lambda i, kv: (i * 2 + kv) * half)  # noqa: E731
+        at = (lambda i, kv: (kv * n + i) * half) if kv_major else (lambda i, kv: (i * 2 + kv) * half)
         slices = []
         if landing and job.landing_blocks is not None and kv_major:
-            slices = [Slice(at(i, kv), job.landing_segment, job.cache_at(d, layer, kv, half), k * half, job.landing_token)
-                      for i, d, k in block_runs(range(n), job.landing_blocks[start:end]) for kv in (0, 1)]  # fmt: skip
+            slices = [
+                Slice(at(i, kv), job.landing_segment, job.cache_at(d, layer, kv, half), k * half, job.landing_token)
+                for i, d, k in block_runs(range(n), job.landing_blocks[start:end])
+                for kv in (0, 1)
+            ]
         elif landing:
-            slices = [Slice(at(i, kv), job.landing_segment, job.landing_at(start + i, layer, kv, half), half, job.landing_token)
-                      for i in range(n) for kv in (0, 1)]  # fmt: skip
-        to_pool = [] if job.store_later else [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
+            slices = [
+                Slice(
+                    at(i, kv), job.landing_segment, job.landing_at(start + i, layer, kv, half), half, job.landing_token
+                )
+                for i in range(n)
+                for kv in (0, 1)
+            ]
+        to_pool = (
+            []
+            if job.store_later
+            else [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
+        )
         if to_pool and job.pool_segment is None:  # one copy (the GIL let go while it runs), not one per block
             rows, slots = (torch.tensor(x, dtype=torch.long) for x in zip(*to_pool))
             blocks = staged.index_select(1, rows).transpose(0, 1) if kv_major else staged.index_select(0, rows)
             self.pool[:, layer].index_copy_(0, slots, blocks)
         elif to_pool:
-            slices += [Slice(at(i, kv), job.pool_segment, slot * self._block_bytes + layer * 2 * half + kv * half, half, job.pool_token)
-                       for i, slot in to_pool for kv in (0, 1)]  # fmt: skip
+            slices += [
+                Slice(
+                    at(i, kv),
+                    job.pool_segment,
+                    slot * self._block_bytes + layer * 2 * half + kv * half,
+                    half,
+                    job.pool_token,
+                )
+                for i, slot in to_pool
+                for kv in (0, 1)
+            ]
         raw = tensor_bytes(staged)
         try:
             batch = self.transfer.write(raw, slices)
@@ -441,7 +500,9 @@ class PoolWriter:
     A write that fails costs the pool these blocks (``on_stored(False)``: the reservation is aborted), never a request.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, pool: torch.Tensor, first_layer: int, release: Callable[[list[int]], None]) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, pool: torch.Tensor, first_layer: int, release: Callable[[list[int]], None]
+    ) -> None:
         self.kv_cache, self.pool, self.release = kv_cache, pool, release
         self.layers = slice(first_layer, first_layer + kv_cache.shape[0])
         self.cuda = kv_cache.device.type == "cuda"
@@ -466,7 +527,9 @@ class PoolWriter:
                 self._write(pairs, ready)
                 ok = True
             except Exception:  # noqa: BLE001 - a lost cache entry, never a lost request
-                log.exception("writing %d blocks of %s into the pool failed: they are not stored", len(pairs), job.request_id)
+                log.exception(
+                    "writing %d blocks of %s into the pool failed: they are not stored", len(pairs), job.request_id
+                )
             finally:
                 self.release(block_ids)
                 if job.on_stored is not None:

@@ -38,8 +38,8 @@ from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.pipeline import PipelinePrefill
 from mooncake.engine.stage import split_layers
-from prefill.stage_process import ProcessPipeline, StageRequest, StageSpec
 from mooncake.serving.engines import EngineKind, engine_fingerprint
+from prefill.stage_process import ProcessPipeline, StageRequest, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,21 @@ log = logging.getLogger(__name__)
 class StageGroup:
     """X stage processes of one model, driven one prefill at a time; what PrefillWorker needs of an engine."""
 
-    def __init__(self, model: str, num_stages: int, *, dtype: torch.dtype, block_size: int, num_kv_blocks: int,
-                 max_model_len: int | None, chunk: int, device: str = "cpu", start_timeout_s: float = 600.0,
-                 stage_addresses: list[tuple[str, int]] | None = None, authkey: bytes | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        num_stages: int,
+        *,
+        dtype: torch.dtype,
+        block_size: int,
+        num_kv_blocks: int,
+        max_model_len: int | None,
+        chunk: int,
+        device: str = "cpu",
+        start_timeout_s: float = 600.0,
+        stage_addresses: list[tuple[str, int]] | None = None,
+        authkey: bytes | None = None,
+    ) -> None:
         if stage_addresses and (len(stage_addresses) != num_stages or not authkey):
             raise ValueError(f"a group of {num_stages} stage servers needs {num_stages} addresses and the group's key")
         args = ModelArgs.from_hf_config(load_hf_config(model))
@@ -62,8 +74,19 @@ class StageGroup:
         self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         self.chunk = chunk
         self.num_kv_blocks = num_kv_blocks
-        self._specs = [StageSpec(model, layers, num_blocks=num_kv_blocks, block_size=block_size, max_model_len=self.max_model_len,
-                                 max_chunk=chunk, dtype=dtype, device=stage_device(device, i)) for i, layers in enumerate(self.layers)]  # fmt: skip
+        self._specs = [
+            StageSpec(
+                model,
+                layers,
+                num_blocks=num_kv_blocks,
+                block_size=block_size,
+                max_model_len=self.max_model_len,
+                max_chunk=chunk,
+                dtype=dtype,
+                device=stage_device(device, i),
+            )
+            for i, layers in enumerate(self.layers)
+        ]
         self._start_timeout_s = start_timeout_s
         self._addresses, self._authkey = stage_addresses, authkey
         self._turn = threading.Lock()  # one prefill at a time
@@ -73,14 +96,21 @@ class StageGroup:
         self.pipeline: ProcessPipeline | None = self._new_pipeline()
         threading.Thread(target=self._watch, name="cpp-watch", daemon=True).start()
 
-    def prefill(self, request: StageRequest, cancelled: threading.Event, timeout_s: float,
-                on_start: Callable[[], None] | None = None) -> PipelinePrefill:  # fmt: skip
+    def prefill(
+        self,
+        request: StageRequest,
+        cancelled: threading.Event,
+        timeout_s: float,
+        on_start: Callable[[], None] | None = None,
+    ) -> PipelinePrefill:
         """Run ``request`` through the stages when its turn comes. Raises ValueError (bad request), RuntimeError
         (a stage failed: the group restarts), PushFailed (the KV could not be pushed), TimeoutError."""
         if len(request.prompt) > self.max_model_len:
             raise ValueError(f"{len(request.prompt)} tokens exceed max_model_len {self.max_model_len}")
         if -(-len(request.prompt) // self.block_size) > self.num_kv_blocks:
-            raise ValueError(f"{len(request.prompt)} tokens need more than the {self.num_kv_blocks} KV blocks of each stage")
+            raise ValueError(
+                f"{len(request.prompt)} tokens need more than the {self.num_kv_blocks} KV blocks of each stage"
+            )
         while not self._turn.acquire(timeout=0.05):
             if cancelled.is_set():
                 raise InterruptedError("cancelled while waiting for the pipeline")
@@ -162,8 +192,10 @@ class StageGroup:
         alive = pipeline.alive() if pipeline is not None else [False] * self.num_stages
         pids = pipeline.pids() if pipeline is not None else [None] * self.num_stages
         where = [f"{h}:{p}" for h, p in self._addresses] if self._addresses else ["spawned"] * self.num_stages
-        return [{"stage": i, "layers": [r.start, r.stop], "alive": a, "pid": pid, "at": at}
-                for i, (r, a, pid, at) in enumerate(zip(self.layers, alive, pids, where))]  # fmt: skip
+        return [
+            {"stage": i, "layers": [r.start, r.stop], "alive": a, "pid": pid, "at": at}
+            for i, (r, a, pid, at) in enumerate(zip(self.layers, alive, pids, where))
+        ]
 
     @property
     def num_free_blocks(self) -> int:

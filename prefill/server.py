@@ -24,32 +24,52 @@ from transfer.metrics import TransferCollector
 log = logging.getLogger(__name__)
 
 
-PREFILL_STATUS = StatusTable(raised=[
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (Unreachable, grpc.StatusCode.FAILED_PRECONDITION),  # a CUDA cache it cannot map: the decode worker sends slots
-    (Cancelled, grpc.StatusCode.CANCELLED),  # the decode worker went away
-    (KVStoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # a pool node is gone: the gateway places the request again
-    (TransferError, grpc.StatusCode.UNAVAILABLE),
-    (RuntimeError, grpc.StatusCode.UNAVAILABLE),  # draining, or the engine failed
-])  # fmt: skip
-OUTCOME = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.UNAVAILABLE: "failed",
-           grpc.StatusCode.FAILED_PRECONDITION: "unreachable"}
+PREFILL_STATUS = StatusTable(
+    raised=[
+        (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+        (Unreachable, grpc.StatusCode.FAILED_PRECONDITION),  # a CUDA cache it cannot map: the decode worker sends slots
+        (Cancelled, grpc.StatusCode.CANCELLED),  # the decode worker went away
+        (KVStoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # a pool node is gone: the gateway places the request again
+        (TransferError, grpc.StatusCode.UNAVAILABLE),
+        (RuntimeError, grpc.StatusCode.UNAVAILABLE),  # draining, or the engine failed
+    ]
+)
+OUTCOME = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.UNAVAILABLE: "failed",
+    grpc.StatusCode.FAILED_PRECONDITION: "unreachable",
+}
 
 
 class PrefillMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("mooncake_prefill_requests", "prefills by outcome", ["outcome"], registry=r)
-        self.seconds = Histogram("mooncake_prefill_seconds", "engine time of a prefill (first step to first token)",
-                                 buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100), registry=r)  # fmt: skip
-        self.queue = Histogram("mooncake_prefill_queue_seconds", "time a prefill waited for the engine",
-                               buckets=(0.001, 0.01, 0.1, 0.3, 1, 3, 10, 30), registry=r)  # fmt: skip
-        self.tokens = Counter("mooncake_prefill_prompt_tokens", "prompt tokens by where their KV came from", ["source"], registry=r)
+        self.seconds = Histogram(
+            "mooncake_prefill_seconds",
+            "engine time of a prefill (first step to first token)",
+            buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100),
+            registry=r,
+        )
+        self.queue = Histogram(
+            "mooncake_prefill_queue_seconds",
+            "time a prefill waited for the engine",
+            buckets=(0.001, 0.01, 0.1, 0.3, 1, 3, 10, 30),
+            registry=r,
+        )
+        self.tokens = Counter(
+            "mooncake_prefill_prompt_tokens", "prompt tokens by where their KV came from", ["source"], registry=r
+        )
         self.kv_bytes = Counter("mooncake_kv_bytes", "KV bytes moved by this worker", ["direction"], registry=r)
-        self.handoff = Counter("mooncake_prefill_handoff_bytes", "prompt KV bytes handed to decode workers, by path: "
-                               "slots (landing slots, copied again when the request joins), cache (written into the "
-                               "decode engine's cache through its segment), cuda_ipc (device copies into it)", ["path"],
-                               registry=r)  # fmt: skip
+        self.handoff = Counter(
+            "mooncake_prefill_handoff_bytes",
+            "prompt KV bytes handed to decode workers, by path: "
+            "slots (landing slots, copied again when the request joins), cache (written into the "
+            "decode engine's cache through its segment), cuda_ipc (device copies into it)",
+            ["path"],
+            registry=r,
+        )
         self.inflight = Gauge("mooncake_prefill_inflight", "prefills in this worker (queued or running)", registry=r)
 
 
@@ -105,28 +125,54 @@ def _address(text: str) -> tuple[str, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = worker_parser("python -m prefill", "A prefill worker: loads reusable prefix KV from the pool, computes the rest of each "
-                      "prompt layer by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
-                      "prefill-0", 1024)  # fmt: skip
+    p = worker_parser(
+        "python -m prefill",
+        "A prefill worker: loads reusable prefix KV from the pool, computes the rest of each "
+        "prompt layer by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
+        "prefill-0",
+        1024,
+    )
     p.add_argument("--kvstore", required=True, help="gRPC address of this worker's pool node, on this host")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step, longer prompts in chunks (default: 512 on the CPU, 4096 on CUDA)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step, longer prompts in chunks (default: 512 on the CPU, 4096 on CUDA)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=8, help="prefills in the engine at once")
     p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
-    p.add_argument("--reservation-ttl", type=float, default=600.0,
-                   help="seconds the pool slots reserved for a prefill's blocks live (longer than the longest prefill)")
-    p.add_argument("--pipeline-stages", type=int, default=1,
-                   help="run the model as a pipelined prefill group (CPP) of this many stage processes, each a contiguous "
-                        "range of the layers on one thread (give the worker this many cores); a prompt's chunks of "
-                        "--max-num-batched-tokens overlap across the stages. The group registers as one instance")
-    p.add_argument("--stage-addresses", default="",
-                   help="HOST:PORT,... of the group's stage servers (python -m prefill.stage, one per stage, in layer "
-                        "order) instead of spawning the stages here; --pipeline-stages defaults to their number")
-    p.add_argument("--stage-key-file", help="the group's key, which its stage servers hold too (default: $MOONCAKE_STAGE_KEY)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end")
-    p.add_argument("--no-calibrate", action="store_true",
-                   help="skip the timed prefills of made-up prompts (1/8, 1/2 and 1 step budget long) run before READY, "
-                        "which the Conductor's TTFT predictions start from")
+    p.add_argument(
+        "--reservation-ttl",
+        type=float,
+        default=600.0,
+        help="seconds the pool slots reserved for a prefill's blocks live (longer than the longest prefill)",
+    )
+    p.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="run the model as a pipelined prefill group (CPP) of this many stage processes, each a contiguous "
+        "range of the layers on one thread (give the worker this many cores); a prompt's chunks of "
+        "--max-num-batched-tokens overlap across the stages. The group registers as one instance",
+    )
+    p.add_argument(
+        "--stage-addresses",
+        default="",
+        help="HOST:PORT,... of the group's stage servers (python -m prefill.stage, one per stage, in layer "
+        "order) instead of spawning the stages here; --pipeline-stages defaults to their number",
+    )
+    p.add_argument(
+        "--stage-key-file", help="the group's key, which its stage servers hold too (default: $MOONCAKE_STAGE_KEY)"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end"
+    )
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="skip the timed prefills of made-up prompts (1/8, 1/2 and 1 step budget long) run before READY, "
+        "which the Conductor's TTFT predictions start from",
+    )
     return p.parse_args(argv)
 
 
@@ -137,13 +183,27 @@ def main(argv: list[str] | None = None) -> int:
         addresses = [_address(a) for a in args.stage_addresses.split(",") if a.strip()]
         stages = len(addresses) or args.pipeline_stages
         key = read_key(args.stage_key_file) if addresses else None
-        config = PrefillConfig(id=args.id, model=args.model, engine=args.engine, vllm_args=parse_vllm_args(args.vllm_arg),
-                               kvstore=args.kvstore, dtype=args.dtype, device=args.device, block_size=args.block_size or default_block_size(args.engine),
-                               num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_threads=args.threads,
-                               store_new_blocks=not args.no_store, reservation_ttl_s=args.reservation_ttl,
-                               pipeline_stages=stages, stage_addresses=addresses, stage_key=key,
-                               transport=TransportChoice.from_args(args))  # fmt: skip
+        config = PrefillConfig(
+            id=args.id,
+            model=args.model,
+            engine=args.engine,
+            vllm_args=parse_vllm_args(args.vllm_arg),
+            kvstore=args.kvstore,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size or default_block_size(args.engine),
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            num_threads=args.threads,
+            store_new_blocks=not args.no_store,
+            reservation_ttl_s=args.reservation_ttl,
+            pipeline_stages=stages,
+            stage_addresses=addresses,
+            stage_key=key,
+            transport=TransportChoice.from_args(args),
+        )
         worker = PrefillWorker(config)
         if not args.no_calibrate:
             worker.calibrate()
@@ -154,22 +214,39 @@ def main(argv: list[str] | None = None) -> int:
     metrics.registry.register(TransferCollector(worker.transfer))
 
     def load() -> cpb.Load:
-        return cpb.Load(queued_requests=worker.num_inflight, queued_s=worker.queued_seconds(), received_requests=worker.received,
-                        running_requests=worker.num_running, free_kv_blocks=worker.engine.num_free_blocks)  # fmt: skip
+        return cpb.Load(
+            queued_requests=worker.num_inflight,
+            queued_s=worker.queued_seconds(),
+            received_requests=worker.received,
+            running_requests=worker.num_running,
+            free_kv_blocks=worker.engine.num_free_blocks,
+        )
 
     spec = WorkerProcess(
         name="prefill",
         add_servicer=lambda server: wpb_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, metrics), server),
-        registration=cpb.RegisterRequest(id=args.id, role=cpb.PREFILL, node=worker.node, model=args.model,
-                                         fingerprint=worker.engine.fingerprint, engine=args.engine,
-                                         capacity=config.max_num_batched_tokens, pipeline_stages=stages,
-                                         pipeline_chunk=config.max_num_batched_tokens if stages > 1 else 0,
-                                         transport=worker.transfer.transport),  # fmt: skip
+        registration=cpb.RegisterRequest(
+            id=args.id,
+            role=cpb.PREFILL,
+            node=worker.node,
+            model=args.model,
+            fingerprint=worker.engine.fingerprint,
+            engine=args.engine,
+            capacity=config.max_num_batched_tokens,
+            pipeline_stages=stages,
+            pipeline_chunk=config.max_num_batched_tokens if stages > 1 else 0,
+            transport=worker.transfer.transport,
+        ),
         load=load,
-        ready={"node": worker.node, "block_bytes": worker.block_bytes, "engine": args.engine, "transport": worker.transfer.transport,
-               **({"stages": worker.group.stages()} if worker.group is not None else {})},
+        ready={
+            "node": worker.node,
+            "block_bytes": worker.block_bytes,
+            "engine": args.engine,
+            "transport": worker.transfer.transport,
+            **({"stages": worker.group.stages()} if worker.group is not None else {}),
+        },
         health=lambda: _health(args.id, worker),
         busy=lambda: worker.num_inflight,
         drain_timeout_s=args.drain_timeout,
-    )  # fmt: skip
+    )
     return run_worker(args, worker, spec, metrics.registry)

@@ -27,8 +27,8 @@ from mooncake.engine.config import DTYPES
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.stage import split_layers
-from prefill.stage_process import StageRuntime, StageSpec
 from mooncake.serving.process import print_ready
+from prefill.stage_process import StageRuntime, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--stage", type=int, required=True, help="this stage's place, 0-based")
     p.add_argument("--stages", type=int, required=True, help="stages in the group (the layers are split evenly)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (the worker and the previous stage dial it)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind and advertise (the worker and the previous stage dial it)"
+    )
     p.add_argument("--port", type=int, default=0, help="the port the group's worker dials (0: any free port)")
     p.add_argument("--key-file", help="file holding the group's key (default: $MOONCAKE_STAGE_KEY)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
@@ -70,9 +72,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--stage {args.stage} is not one of the {args.stages} stages")
         layers = split_layers(model.num_layers, args.stages)[args.stage]
         max_len = min(args.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-        spec = StageSpec(args.model, layers, num_blocks=args.num_kv_blocks, block_size=args.block_size, max_model_len=max_len,
-                         max_chunk=args.chunk, shm_dir=args.shm_dir, dtype=DTYPES[args.dtype], device=args.device,
-                         host=args.host)  # fmt: skip
+        spec = StageSpec(
+            args.model,
+            layers,
+            num_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            max_model_len=max_len,
+            max_chunk=args.chunk,
+            shm_dir=args.shm_dir,
+            dtype=DTYPES[args.dtype],
+            device=args.device,
+            host=args.host,
+        )
         runtime = StageRuntime(spec, key)
         listener = Listener((args.host, args.port), authkey=key)
     except (ValueError, OSError) as e:
@@ -81,8 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sessions: queue.Queue = queue.Queue()
     threading.Thread(target=_accept, args=(listener, sessions), name="stage-accept", daemon=True).start()
-    print_ready({"stage": args.stage, "stages": args.stages, "layers": [layers.start, layers.stop],
-                 "address": f"{args.host}:{listener.address[1]}"})  # fmt: skip
+    print_ready(
+        {
+            "stage": args.stage,
+            "stages": args.stages,
+            "layers": [layers.start, layers.stop],
+            "address": f"{args.host}:{listener.address[1]}",
+        }
+    )
     try:
         while True:
             driver = sessions.get()
@@ -107,6 +124,7 @@ def _accept(listener: Listener, sessions: queue.Queue) -> None:
             if listener._listener is None:  # noqa: SLF001 - closed: the server is stopping
                 return
             log.warning("a connection failed its handshake: %r", e)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -108,8 +108,12 @@ class ProcessPipeline:
         self._procs, drivers = [], []
         for i, spec in enumerate(specs):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_spawned_stage, args=(i, len(specs), spec, theirs, self._authkey),
-                               name=f"cpp-stage-{i}", daemon=True)  # fmt: skip
+            proc = ctx.Process(
+                target=_spawned_stage,
+                args=(i, len(specs), spec, theirs, self._authkey),
+                name=f"cpp-stage-{i}",
+                daemon=True,
+            )
             proc.start()
             self._procs.append(proc)
             drivers.append(mine)
@@ -166,7 +170,9 @@ class ProcessPipeline:
         next), RuntimeError (a stage failed or died: the pipeline is closed).
         """
         if not 0 <= request.num_prefix_tokens < len(request.prompt):
-            raise ValueError(f"num_prefix_tokens must be in [0, {len(request.prompt) - 1}], got {request.num_prefix_tokens}")
+            raise ValueError(
+                f"num_prefix_tokens must be in [0, {len(request.prompt) - 1}], got {request.num_prefix_tokens}"
+            )
         if self.closed:
             raise RuntimeError("the pipeline is closed: a stage failed")
         for layers, conn in zip(self.layers, self._drivers):
@@ -307,11 +313,21 @@ class StageRuntime:
             from mooncake.engine.tokenizer import tokenizer_or_none
 
             tokenizer = tokenizer_or_none(spec.model_dir)
-        self.stage = PipelineStage(spec.model_dir, spec.layers, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                                   max_model_len=spec.max_model_len, tokenizer=tokenizer, device=spec.device,
-                                   dtype=spec.dtype)  # fmt: skip
-        self.engine = TransferEngine(TransferConfig(node=f"cpp-{os.getpid()}-{uuid.uuid4().hex[:6]}", shm_dir=spec.shm_dir,
-                                                    listen_host=spec.host))  # fmt: skip
+        self.stage = PipelineStage(
+            spec.model_dir,
+            spec.layers,
+            num_blocks=spec.num_blocks,
+            block_size=spec.block_size,
+            max_model_len=spec.max_model_len,
+            tokenizer=tokenizer,
+            device=spec.device,
+            dtype=spec.dtype,
+        )
+        self.engine = TransferEngine(
+            TransferConfig(
+                node=f"cpp-{os.getpid()}-{uuid.uuid4().hex[:6]}", shm_dir=spec.shm_dir, listen_host=spec.host
+            )
+        )
         self.connector = PoolConnector(self.engine, None, spec.block_size, io_timeout_s=30.0)
         self.connector.bind(self.stage.kv_cache, first_layer=self.stage.layers.start, num_layers=args.num_layers)
         self.slot_bytes = spec.max_chunk * args.hidden_size * self.stage.kv_cache.element_size()
@@ -326,10 +342,21 @@ class StageRuntime:
         try:
             kind, index, num_stages = driver.recv()
             if expected is not None and (index, num_stages) != expected:
-                driver.send(("error", f"this stage serves as stage {expected[0]} of {expected[1]}, not {index} of {num_stages}"))
+                driver.send(
+                    ("error", f"this stage serves as stage {expected[0]} of {expected[1]}, not {index} of {num_stages}")
+                )
                 return
-            driver.send(("ready", {"layers": self.stage.layers, "num_layers": self.stage.model.args.num_layers,
-                                   "inbox": self.inbox, "link": self.links.address}))  # fmt: skip
+            driver.send(
+                (
+                    "ready",
+                    {
+                        "layers": self.stage.layers,
+                        "num_layers": self.stage.model.args.num_layers,
+                        "inbox": self.inbox,
+                        "link": self.links.address,
+                    },
+                )
+            )
             next_inbox = None
             if index + 1 < num_stages:
                 _, next_inbox, address = driver.recv()
@@ -345,8 +372,16 @@ class StageRuntime:
             except OSError:
                 pass
             return
-        link = _Link(index, self.engine, self.slot_bytes, prev, nxt, next_inbox, self.engine.buffer("inbox"),
-                     inbox_token(self.authkey))  # fmt: skip
+        link = _Link(
+            index,
+            self.engine,
+            self.slot_bytes,
+            prev,
+            nxt,
+            next_inbox,
+            self.engine.buffer("inbox"),
+            inbox_token(self.authkey),
+        )
         try:
             self._serve(driver, link, index == num_stages - 1)
         finally:
@@ -433,7 +468,9 @@ class _Link:
         slot = self.free.pop(0)
         data = hidden.contiguous().cpu()
         size = data.numel() * data.element_size()
-        self.engine.write(tensor_bytes(data), [Slice(0, self.next_inbox.name, slot * self.slot_bytes, size, self.token)]).wait(timeout=60)
+        self.engine.write(
+            tensor_bytes(data), [Slice(0, self.next_inbox.name, slot * self.slot_bytes, size, self.token)]
+        ).wait(timeout=60)
         self.next.send(("chunk", k, slot))
 
     def drain(self) -> None:
@@ -467,10 +504,19 @@ def _serve(stage, request: StageRequest, link: _Link, connector, is_last: bool) 
         link.engine.add_segment(push.landing)
         if push.pool is not None:
             link.engine.add_segment(push.pool)
-        job = PrefillJob(rid, len(prompt), -(-len(prompt) // stage.block_size), push.landing.name, list(push.landing_offsets),
-                         pool_slots=dict(push.pool_slots or {}), pool_segment=push.pool.name if push.pool else None,
-                         pool_token=push.pool_token, landing_token=push.landing_token, landing_blocks=push.landing_blocks,
-                         landing_num_blocks=push.landing_num_blocks)  # fmt: skip
+        job = PrefillJob(
+            rid,
+            len(prompt),
+            -(-len(prompt) // stage.block_size),
+            push.landing.name,
+            list(push.landing_offsets),
+            pool_slots=dict(push.pool_slots or {}),
+            pool_segment=push.pool.name if push.pool else None,
+            pool_token=push.pool_token,
+            landing_token=push.landing_token,
+            landing_blocks=push.landing_blocks,
+            landing_num_blocks=push.landing_num_blocks,
+        )
         connector.io_timeout_s = push.io_timeout_s
         connector.jobs[rid] = job
     if request.num_prefix_tokens:
@@ -487,7 +533,9 @@ def _serve(stage, request: StageRequest, link: _Link, connector, is_last: bool) 
         if link.index == 0:
             out = stage.run_chunk(rid, a, token_ids=prompt[a:b], connector=connector)
         else:
-            out = stage.run_chunk(rid, a, hidden=link.receive(k, b - a, hidden_size, stage.kv_cache.dtype), connector=connector)
+            out = stage.run_chunk(
+                rid, a, hidden=link.receive(k, b - a, hidden_size, stage.kv_cache.dtype), connector=connector
+            )
         if link.next is not None:
             link.send(k, out)
         elif top is not None:
@@ -516,7 +564,9 @@ def _read_prefix(stage, engine, push: StagePush) -> torch.Tensor:
     block_bytes = stage.model.args.num_layers * layer_bytes
     size = len(stage.layers) * layer_bytes
     tokens = push.prefix_tokens or [""] * len(push.prefix_slots)
-    slices = [Slice(i * size, push.pool.name, slot * block_bytes + stage.layers.start * layer_bytes, size, token)
-              for i, (slot, token) in enumerate(zip(push.prefix_slots, tokens))]  # fmt: skip
+    slices = [
+        Slice(i * size, push.pool.name, slot * block_bytes + stage.layers.start * layer_bytes, size, token)
+        for i, (slot, token) in enumerate(zip(push.prefix_slots, tokens))
+    ]
     engine.read(tensor_bytes(kv), slices).wait(timeout=push.io_timeout_s)
     return kv

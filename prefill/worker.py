@@ -33,7 +33,6 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-
 from typing import Any
 
 import torch
@@ -47,18 +46,18 @@ from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.request import SamplingParams
+from mooncake.engine.tokenizer import tokenizer_or_none
+from mooncake.serving.build import build_engine
 from mooncake.serving.channels import ByAddress
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.engine.tokenizer import tokenizer_or_none
-from mooncake.serving.build import build_engine
 from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
-from prefill.stage_process import StagePush, StageRequest
 from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import StageGroup
+from prefill.stage_process import StagePush, StageRequest
 from protos import worker_pb2 as wpb
 from transfer import Segment, SharedRegion, Slice, TransferConfig, TransferEngine, TransferError, TransportChoice
 from transfer.types import host_id
@@ -77,7 +76,9 @@ class PrefillConfig(BaseModel):
     vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     kvstore: str = Field(description="gRPC address of this worker's pool node (on this host)")
     dtype: str = "float32"
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]")
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]"
+    )
 
     @field_validator("device")
     @classmethod
@@ -85,24 +86,38 @@ class PrefillConfig(BaseModel):
         if device != "cpu":
             check_cuda_device(device)
         return device
+
     block_size: int = Field(16, ge=1, description="tokens per block: the pool's, the engine's and the Conductor's")
     num_kv_blocks: int = Field(1024, ge=1, description="the engine's paged cache, in blocks")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step; longer prompts run in "
-                                               "chunks (default: 512 on the CPU, 4096 on CUDA)")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens per engine step; longer prompts run in chunks (default: 512 on the CPU, 4096 on CUDA)",
+    )
     max_num_seqs: int = Field(8, ge=1, description="prefills in the engine at once")
     max_model_len: int | None = None
     num_threads: int | None = None
     use_kernels: bool = True
     store_new_blocks: bool = Field(True, description="write the prompt's new full blocks into the pool")
     io_timeout_s: float = Field(30.0, gt=0)
-    reservation_ttl_s: float = Field(600.0, gt=0, description="pool slots reserved for a prefill's blocks expire after "
-                                     "this (a long prompt on a CPU takes minutes; a crashed worker's slots come back then)")
-    pipeline_stages: int = Field(1, ge=1, description="stages of a pipelined group (CPP): each a process holding a "
-                                 "contiguous range of the layers, a prompt's chunks (max_num_batched_tokens) overlapping "
-                                 "across them; 1: one engine")
+    reservation_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description="pool slots reserved for a prefill's blocks expire after "
+        "this (a long prompt on a CPU takes minutes; a crashed worker's slots come back then)",
+    )
+    pipeline_stages: int = Field(
+        1,
+        ge=1,
+        description="stages of a pipelined group (CPP): each a process holding a "
+        "contiguous range of the layers, a prompt's chunks (max_num_batched_tokens) overlapping "
+        "across them; 1: one engine",
+    )
     prefill_timeout_s: float = Field(3600.0, gt=0, description="a group's prefill fails after this")
-    stage_addresses: list[tuple[str, int]] = Field(default_factory=list, description="a group's stage servers "
-                                                   "(python -m prefill.stage), in layer order; empty: spawn the stages here")
+    stage_addresses: list[tuple[str, int]] = Field(
+        default_factory=list,
+        description="a group's stage servers (python -m prefill.stage), in layer order; empty: spawn the stages here",
+    )
     stage_key: bytes | None = Field(None, description="the group's key, which its stage servers hold too")
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
@@ -155,17 +170,32 @@ class PrefillWorker:
         # they end now. Leases on the nodes it fetched from are not known here: they expire by TTL.
         leases, reservations = self.kv.release_owner()
         if leases or reservations:
-            log.info("a previous run of %s left %d leases and %d reservations on %s: released",
-                     config.id, leases, reservations, config.kvstore)  # fmt: skip
+            log.info(
+                "a previous run of %s left %d leases and %d reservations on %s: released",
+                config.id,
+                leases,
+                reservations,
+                config.kvstore,
+            )
         stats = self.kv.stats()
         self.node = stats.node
-        self.transfer = TransferEngine(TransferConfig(node=f"{config.id}-xfer", serve=False, **config.transport.model_dump()))
+        self.transfer = TransferEngine(
+            TransferConfig(node=f"{config.id}-xfer", serve=False, **config.transport.model_dump())
+        )
         engine_config = EngineConfig(
-            model=config.model, dtype=config.dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len, enable_prefix_caching=False, num_threads=config.num_threads, device=config.device,
-            use_kernels=config.use_kernels, decode_graphs=False,  # a prefill worker computes prompts: it never decodes
-        )  # fmt: skip
+            model=config.model,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=False,
+            num_threads=config.num_threads,
+            device=config.device,
+            use_kernels=config.use_kernels,
+            decode_graphs=False,  # a prefill worker computes prompts: it never decodes
+        )
         if stats.block_bytes == 0:
             raise ValueError(f"pool node {config.kvstore} reports no block size")
         if not stats.segment.shm_path:
@@ -179,15 +209,30 @@ class PrefillWorker:
             if config.engine is not EngineKind.NATIVE:
                 raise ValueError("a pipelined prefill group runs the native engine only")
             self.engine = self.group = StageGroup(
-                config.model, config.pipeline_stages, dtype=engine_config.torch_dtype, block_size=config.block_size,
-                num_kv_blocks=config.num_kv_blocks, max_model_len=config.max_model_len, chunk=config.max_num_batched_tokens,
-                device=config.device, stage_addresses=config.stage_addresses or None, authkey=config.stage_key)  # fmt: skip
+                config.model,
+                config.pipeline_stages,
+                dtype=engine_config.torch_dtype,
+                block_size=config.block_size,
+                num_kv_blocks=config.num_kv_blocks,
+                max_model_len=config.max_model_len,
+                chunk=config.max_num_batched_tokens,
+                device=config.device,
+                stage_addresses=config.stage_addresses or None,
+                authkey=config.stage_key,
+            )
         else:
-            self.engine = build_engine(config.engine, engine_config, vllm_args=config.vllm_args, connector=self.connector,
-                                       tokenizer=tokenizer_or_none(config.model))  # fmt: skip
+            self.engine = build_engine(
+                config.engine,
+                engine_config,
+                vllm_args=config.vllm_args,
+                connector=self.connector,
+                tokenizer=tokenizer_or_none(config.model),
+            )
         if self.engine.block_bytes != stats.block_bytes:
-            raise ValueError(f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
-                             f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})")  # fmt: skip
+            raise ValueError(
+                f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
+                f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})"
+            )
         self.block_shape = self.engine.block_shape
         self.pool = slot_tensor(self._region.buffer, self.block_shape, engine_config.torch_dtype)
         self.connector.pool = self.pool
@@ -199,9 +244,14 @@ class PrefillWorker:
             self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._cuda_caches = CudaCaches()  # decode engines' CUDA caches on this host, mapped once each
         self._prefix_copier = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefix-copy")  # pool -> decode cache
-        self._remote = ByAddress(lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id))  # pool nodes
-        self.predictor = (PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
-                          if self.group is not None else PrefillPredictor(PredictorConfig()))  # fmt: skip
+        self._remote = ByAddress(
+            lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id)
+        )  # pool nodes
+        self.predictor = (
+            PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
+            if self.group is not None
+            else PrefillPredictor(PredictorConfig())
+        )
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
         self.received = 0  # Prefill calls since it started
         self._link: ConductorLink | None = None
@@ -240,8 +290,12 @@ class PrefillWorker:
                     done.set()
 
             t0 = time.perf_counter()
-            self.loop.submit_nowait(sink, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
-                                    request_id=f"calibrate-{i}").result()  # fmt: skip
+            self.loop.submit_nowait(
+                sink,
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                request_id=f"calibrate-{i}",
+            ).result()
             if not done.wait(self.config.prefill_timeout_s):
                 raise RuntimeError(f"the calibration prefill of {n} tokens took over {self.config.prefill_timeout_s} s")
             if i:
@@ -274,10 +328,15 @@ class PrefillWorker:
         prefix = None
         self.received += 1  # the Conductor counts what it placed beyond this as on its way (Instance.in_transit)
         # queued from its arrival (the heartbeat reports it), as the plan says until the pool says what it holds
-        self._inflight[req.request_id] = (len(prompt), min((req.plan.local_blocks + req.plan.fetch_blocks) * bs, len(prompt) - 1))
+        self._inflight[req.request_id] = (
+            len(prompt),
+            min((req.plan.local_blocks + req.plan.fetch_blocks) * bs, len(prompt) - 1),
+        )
         try:
             # prompt logprobs need every prompt token computed: nothing is loaded
-            plan = type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan
+            plan = (
+                type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan
+            )
             local, ssd_hits, fetched = self._load_plan(plan, keys, held)
             cached_blocks = len(local) + len(fetched)
             cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
@@ -286,7 +345,9 @@ class PrefillWorker:
                 job.store_later, job.on_stored = True, functools.partial(self._stored, held)
             external = None
             if cached > 0:
-                external = SlotKV(self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None)
+                external = SlotKV(
+                    self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None
+                )
             prefix = self._copy_prefix(job, local, cached)
             self._inflight[req.request_id] = (len(prompt), cached)
             if self.group is not None:
@@ -296,13 +357,17 @@ class PrefillWorker:
                 self.connector.jobs[req.request_id] = job
                 self._run(req, prompt, salt, external, cached, job, cancelled)
             if prefix is not None and prefix.exception() is not None:
-                job.fail(TransferError(f"copying the prefix into the decode engine's cache failed: {prefix.exception()}"))
+                job.fail(
+                    TransferError(f"copying the prefix into the decode engine's cache failed: {prefix.exception()}")
+                )
             if job.error is not None:
                 raise job.error
             if not job.writing:  # else the pool write after the answer commits and releases ``held`` (_stored)
                 self._commit(held)
         finally:
-            if prefix is not None:  # before the leases go and the grant ends: it reads pool slots, writes granted blocks
+            if (
+                prefix is not None
+            ):  # before the leases go and the grant ends: it reads pool slots, writes granted blocks
                 futures.wait([prefix])
             self.connector.jobs.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
@@ -318,12 +383,17 @@ class PrefillWorker:
             if held.fetch_seconds:
                 self.link.transfer_sample(len(fetched) * self.block_bytes, held.fetch_seconds)
         return wpb.PrefillResponse(
-            first_token=job.first_token, cached_tokens=cached, local_tokens=min(len(local) * bs, cached), ssd_tokens=ssd_hits * bs,
-            fetched_tokens=max(0, cached - len(local) * bs), computed_tokens=len(prompt) - cached,
-            queue_s=(job.started_at or t0) - t0, prefill_s=compute_s,
+            first_token=job.first_token,
+            cached_tokens=cached,
+            local_tokens=min(len(local) * bs, cached),
+            ssd_tokens=ssd_hits * bs,
+            fetched_tokens=max(0, cached - len(local) * bs),
+            computed_tokens=len(prompt) - cached,
+            queue_s=(job.started_at or t0) - t0,
+            prefill_s=compute_s,
             first_logprob=logprob_to_pb(job.first_logprob) if job.first_logprob is not None else None,
             prompt_logprobs=[logprob_to_pb(lp) for lp in job.prompt_logprobs],
-        )  # fmt: skip
+        )
 
     def _job(self, req: wpb.PrefillRequest, num_blocks: int) -> PrefillJob:
         """The request's PrefillJob: where its KV lands (landing slots, or the decode engine's cache in place: through
@@ -333,14 +403,26 @@ class PrefillWorker:
         direct = len(landing.cache_blocks) > 0
         have = len(landing.cache_blocks) if direct else len(landing.offsets)
         if have != num_blocks:
-            raise ValueError(f"{have} landing blocks for a {len(req.prompt_token_ids)}-token prompt of {num_blocks} blocks")
+            raise ValueError(
+                f"{have} landing blocks for a {len(req.prompt_token_ids)}-token prompt of {num_blocks} blocks"
+            )
         if landing.block_bytes != self.block_bytes:
-            raise ValueError(f"landing blocks of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}")
-        job = PrefillJob(req.request_id, len(req.prompt_token_ids), num_blocks, landing.segment.name, list(landing.offsets),
-                         landing_token=landing.token)  # fmt: skip
+            raise ValueError(
+                f"landing blocks of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}"
+            )
+        job = PrefillJob(
+            req.request_id,
+            len(req.prompt_token_ids),
+            num_blocks,
+            landing.segment.name,
+            list(landing.offsets),
+            landing_token=landing.token,
+        )
         if direct:
             if landing.cache_num_blocks <= max(landing.cache_blocks):
-                raise ValueError(f"landing block {max(landing.cache_blocks)} outside a cache of {landing.cache_num_blocks} blocks")
+                raise ValueError(
+                    f"landing block {max(landing.cache_blocks)} outside a cache of {landing.cache_num_blocks} blocks"
+                )
             job.landing_blocks, job.landing_num_blocks = list(landing.cache_blocks), landing.cache_num_blocks
         if landing.cuda_ipc:
             job.mapped_cache = self._device_cache(landing)
@@ -367,8 +449,10 @@ class PrefillWorker:
         dtype, shape = self.connector.kv_cache.dtype, self._cache_shape(num_blocks)
         count = math.prod(shape)
         if len(view) < count * dtype.itemsize:
-            raise ValueError(f"a cache of {num_blocks} blocks needs {count * dtype.itemsize} bytes; the segment "
-                             f"{segment.name!r} holds {len(view)}")  # fmt: skip
+            raise ValueError(
+                f"a cache of {num_blocks} blocks needs {count * dtype.itemsize} bytes; the segment "
+                f"{segment.name!r} holds {len(view)}"
+            )
         return torch.frombuffer(view, dtype=dtype, count=count).view(shape)
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -389,9 +473,15 @@ class PrefillWorker:
 
     def _device_cache(self, landing: wpb.Landing):
         """The decode engine's CUDA cache, mapped here once per decode worker."""
-        if not self.config.device.startswith("cuda") or self.group is not None or self.config.engine is not EngineKind.NATIVE:
-            raise Unreachable(f"prefill worker {self.config.id} writes no CUDA cache by IPC (device {self.config.device}, "
-                              f"engine {self.config.engine.value}, {self.config.pipeline_stages} stage(s))")  # fmt: skip
+        if (
+            not self.config.device.startswith("cuda")
+            or self.group is not None
+            or self.config.engine is not EngineKind.NATIVE
+        ):
+            raise Unreachable(
+                f"prefill worker {self.config.id} writes no CUDA cache by IPC (device {self.config.device}, "
+                f"engine {self.config.engine.value}, {self.config.pipeline_stages} stage(s))"
+            )
         if landing.host != host_id():
             raise Unreachable(f"the decode worker's CUDA cache is on another host ({landing.host})")
         try:
@@ -400,8 +490,10 @@ class PrefillWorker:
             raise Unreachable(f"the decode worker's CUDA cache cannot be mapped here: {e}") from None
         want = self._cache_shape(landing.cache_num_blocks)
         if tuple(cache.shape) != want or cache.dtype != self.connector.kv_cache.dtype:
-            raise ValueError(f"the decode worker's cache is {tuple(cache.shape)} {cache.dtype}; this model's would be {want} "
-                             f"{self.connector.kv_cache.dtype}")  # fmt: skip
+            raise ValueError(
+                f"the decode worker's cache is {tuple(cache.shape)} {cache.dtype}; this model's would be {want} "
+                f"{self.connector.kv_cache.dtype}"
+            )
         return cache
 
     def _stored(self, held: "_Held", ok: bool) -> None:
@@ -431,9 +523,16 @@ class PrefillWorker:
             if isinstance(out, BaseException) or out.finished:
                 job.done.set()
 
-        future = self.loop.submit_nowait(sink, prompt_token_ids=prompt[:split], sampling_params=params, request_id=req.request_id,
-                                         cache_salt=salt, external_kv=external, num_external_tokens=cached if external else 0,
-                                         initial_output_token_ids=prompt[split:])  # fmt: skip
+        future = self.loop.submit_nowait(
+            sink,
+            prompt_token_ids=prompt[:split],
+            sampling_params=params,
+            request_id=req.request_id,
+            cache_salt=salt,
+            external_kv=external,
+            num_external_tokens=cached if external else 0,
+            initial_output_token_ids=prompt[split:],
+        )
         future.result()  # ValueError for a request the engine refuses
         while not job.done.wait(0.05):
             if cancelled.is_set():
@@ -444,25 +543,54 @@ class PrefillWorker:
         if job.first_token is None and job.error is None:
             job.fail(RuntimeError(f"the engine ended {req.request_id} without a token"))
 
-    def _run_group(self, req, prompt, prefix_slots: list[int], prefix_tokens: list[str], cached: int, job: PrefillJob,
-                   held: _Held, cancelled: threading.Event) -> None:  # fmt: skip
+    def _run_group(
+        self,
+        req,
+        prompt,
+        prefix_slots: list[int],
+        prefix_tokens: list[str],
+        cached: int,
+        job: PrefillJob,
+        held: _Held,
+        cancelled: threading.Event,
+    ) -> None:
         """Run the request through the pipelined group: every stage reads its layers of the prefix from the pool
         and pushes its layers of the KV (prefill/group.py). Cancellation is seen only while it waits its turn."""
         num_outputs, params = _prefill_params(req, prompt)
         for layer in range(len(held.fetch_batches)):  # the stages read the pulled blocks from the pool
             held.wait_layer(layer)
         n = -(-cached // self.config.block_size)
-        push = StagePush(segment_from_pb(req.landing.segment), list(req.landing.offsets), self._pool_segment, job.pool_slots,
-                         prefix_slots[:n] if cached else None, self.config.io_timeout_s, pool_token=held.new_reservation or "",
-                         prefix_tokens=prefix_tokens[:n] if cached else None, landing_token=req.landing.token,
-                         landing_blocks=job.landing_blocks, landing_num_blocks=job.landing_num_blocks)  # fmt: skip
-        request = StageRequest(req.request_id, prompt, params, self.config.max_num_batched_tokens, num_outputs=num_outputs,
-                               num_prefix_tokens=cached, push=push)  # fmt: skip
+        push = StagePush(
+            segment_from_pb(req.landing.segment),
+            list(req.landing.offsets),
+            self._pool_segment,
+            job.pool_slots,
+            prefix_slots[:n] if cached else None,
+            self.config.io_timeout_s,
+            pool_token=held.new_reservation or "",
+            prefix_tokens=prefix_tokens[:n] if cached else None,
+            landing_token=req.landing.token,
+            landing_blocks=job.landing_blocks,
+            landing_num_blocks=job.landing_num_blocks,
+        )
+        request = StageRequest(
+            req.request_id,
+            prompt,
+            params,
+            self.config.max_num_batched_tokens,
+            num_outputs=num_outputs,
+            num_prefix_tokens=cached,
+            push=push,
+        )
         try:
             out = self.group.prefill(request, cancelled, self.config.prefill_timeout_s, on_start=lambda: _started(job))
         except InterruptedError as e:
             raise Cancelled(f"prefill of {req.request_id} cancelled by the caller") from e
-        job.first_token, job.first_logprob, job.prompt_logprobs = out.first_token, out.logprob, out.prompt_logprobs or []
+        job.first_token, job.first_logprob, job.prompt_logprobs = (
+            out.first_token,
+            out.logprob,
+            out.prompt_logprobs or [],
+        )
         job.finished_at = time.perf_counter()
 
     # -- the pool ----------------------------------------------------------------------------------
@@ -479,9 +607,13 @@ class PrefillWorker:
             ssd_hits = got.ssd_hits
         fetched: list[int] = []
         n = min(plan.fetch_blocks, len(keys) - want)
-        if n > 0 and plan.fetch_address and len(local) == want:  # the fetch continues the local prefix only if it is whole
+        if (
+            n > 0 and plan.fetch_address and len(local) == want
+        ):  # the fetch continues the local prefix only if it is whole
             try:
-                fetched = self._start_fetch(plan.fetch_address, keys[want : want + n], want, held, keys[want - 1] if want else None)
+                fetched = self._start_fetch(
+                    plan.fetch_address, keys[want : want + n], want, held, keys[want - 1] if want else None
+                )
             except (KVStoreUnavailable, TransferError, StoreFull, KeyError) as e:
                 log.warning("fetching %d blocks from %s failed (%s): computing them instead", n, plan.fetch_node, e)
                 self._release_fetch(held)
@@ -495,7 +627,9 @@ class PrefillWorker:
         n = len(got.slots)
         if not n:
             return []
-        res = self.kv.reserve(keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s, parent=parent)
+        res = self.kv.reserve(
+            keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s, parent=parent
+        )
         held.fetch_reservation = res.reservation_id
         if res.existing:  # stored here meanwhile: not worth the bookkeeping, compute instead
             self._release_fetch(held)
@@ -506,8 +640,10 @@ class PrefillWorker:
         lb = self.layer_bytes
         held.fetch_started = time.perf_counter()
         for layer in range(self.block_shape[0]):
-            slices = [Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb, got.lease_id)
-                      for i in range(n)]  # fmt: skip
+            slices = [
+                Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb, got.lease_id)
+                for i in range(n)
+            ]
             held.fetch_batches.append(self.transfer.read(self._pool_bytes, slices))
         return [o // self.block_bytes for o in local_offsets]
 
@@ -517,8 +653,12 @@ class PrefillWorker:
         if not new or not self.config.store_new_blocks:
             return {}
         try:
-            res = self.kv.reserve(new, positions=list(range(first, len(keys))), ttl_s=self.config.reservation_ttl_s,
-                                  parent=keys[first - 1] if first else None)  # fmt: skip
+            res = self.kv.reserve(
+                new,
+                positions=list(range(first, len(keys))),
+                ttl_s=self.config.reservation_ttl_s,
+                parent=keys[first - 1] if first else None,
+            )
         except StoreFull as e:
             log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
             return {}
@@ -607,9 +747,14 @@ def _prefill_params(req: wpb.PrefillRequest, prompt: list[int]):
     client has its prompt logprobs already)."""
     s = req.sampling
     num_outputs = min(req.num_output_tokens, len(prompt) - 1)
-    params = params_from_pb(s, max_tokens=num_outputs + 1, stop=(), include_stop_str_in_output=False,
-                            min_tokens=min(s.min_tokens, num_outputs + 1),
-                            **({"prompt_logprobs": None} if num_outputs else {}))  # fmt: skip
+    params = params_from_pb(
+        s,
+        max_tokens=num_outputs + 1,
+        stop=(),
+        include_stop_str_in_output=False,
+        min_tokens=min(s.min_tokens, num_outputs + 1),
+        **({"prompt_logprobs": None} if num_outputs else {}),
+    )
     return num_outputs, params
 
 

@@ -20,16 +20,33 @@ VLLM_GPU = REPO / "deploy" / "helm" / "values-vllm-gpu.yaml"
 RELEASE, NAMESPACE = "mc", "serving"
 PREFIX = f"{RELEASE}-mooncake"
 # stock vLLM on the production sizes, as deploy/README.md tells to run it
-VLLM_ON_PRODUCTION = ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cuda",
-                      "--set", "engine.vllmArgs={enforce_eager=true}"]  # fmt: skip
+VLLM_ON_PRODUCTION = [
+    "--set",
+    "engine.kind=vllm",
+    "--set",
+    "image.variant=vllm-cuda",
+    "--set",
+    "engine.vllmArgs={enforce_eager=true}",
+]
 # stock vLLM on the CPU: its attention needs 32-token blocks (SmolLM2-135M, float32: 30 x 2 x 32 x 3 x 64 x 4 bytes)
-VLLM_ON_CPU = ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu", "--set", "model.blockSize=32",
-               "--set", "model.blockBytes=1474560"]  # fmt: skip
+VLLM_ON_CPU = [
+    "--set",
+    "engine.kind=vllm",
+    "--set",
+    "image.variant=vllm-cpu",
+    "--set",
+    "model.blockSize=32",
+    "--set",
+    "model.blockBytes=1474560",
+]
 VALUE_SETS = {
-    "default": [], "production": ["-f", str(PRODUCTION)], "vllm-gpu": ["-f", str(VLLM_GPU)],
-    "production-vllm": ["-f", str(PRODUCTION), *VLLM_ON_PRODUCTION], "vllm-cpu": VLLM_ON_CPU,
+    "default": [],
+    "production": ["-f", str(PRODUCTION)],
+    "vllm-gpu": ["-f", str(VLLM_GPU)],
+    "production-vllm": ["-f", str(PRODUCTION), *VLLM_ON_PRODUCTION],
+    "vllm-cpu": VLLM_ON_CPU,
     "groups": ["--set", "prefill.groups.replicas=2", "--set", "prefill.groups.stages=3"],
-}  # fmt: skip
+}
 
 
 def _tool(name: str, install: str) -> str:
@@ -96,7 +113,9 @@ def merged_values(values: str) -> dict:
 
 def find(docs: list[dict], kind: str, name: str) -> dict:
     found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name}, rendered: {[(d['kind'], d['metadata']['name']) for d in docs]}"
+    assert len(found) == 1, (
+        f"expected one {kind} {name}, rendered: {[(d['kind'], d['metadata']['name']) for d in docs]}"
+    )
     return found[0]
 
 
@@ -133,7 +152,12 @@ def port_number(c: dict, port: int | str) -> int:
     return named[port]
 
 
-POD_ENV = {"POD_NAME": f"{PREFIX}-x-0", "POD_IP": "10.1.2.3", "MOONCAKE_REDIS_URL": "redis://r:6379/0", "MOONCAKE_API_KEY": "k"}
+POD_ENV = {
+    "POD_NAME": f"{PREFIX}-x-0",
+    "POD_IP": "10.1.2.3",
+    "MOONCAKE_REDIS_URL": "redis://r:6379/0",
+    "MOONCAKE_API_KEY": "k",
+}
 
 
 def expanded_args(docs: list[dict], c: dict, env: dict[str, str] | None = None) -> list[str]:

@@ -28,8 +28,18 @@ MAX_LEN = 1024
 def start_cluster(model_dir: Path, workdir: Path, **overrides) -> LocalCluster:
     # generous SLOs: a loaded test machine must not turn requests away (test_serving_cluster tests rejection on its own);
     # every prompt on a prefill worker, the paths these clusters test (test_local_prefill: the decode worker's, and auto)
-    config = dict(model=str(model_dir), model_name="tiny", workdir=workdir, pool_dram_mib=64, max_model_len=MAX_LEN, port=0,
-                  ready_timeout_s=300.0, ttft_slo_s=300.0, tbt_slo_s=10.0, local_prefill="never")  # fmt: skip
+    config = dict(
+        model=str(model_dir),
+        model_name="tiny",
+        workdir=workdir,
+        pool_dram_mib=64,
+        max_model_len=MAX_LEN,
+        port=0,
+        ready_timeout_s=300.0,
+        ttft_slo_s=300.0,
+        tbt_slo_s=10.0,
+        local_prefill="never",
+    )
     config.update(overrides)
     return LocalCluster(ClusterConfig(**config)).start()
 
@@ -37,9 +47,17 @@ def start_cluster(model_dir: Path, workdir: Path, **overrides) -> LocalCluster:
 def backend(cluster: LocalCluster) -> ClusterBackend:
     """A ClusterBackend to the cluster (token ids and per-tier cache counts, which the HTTP API does not show)."""
     model = cluster.config.model
-    recovery = RecoveryConfig(hold_s=cluster.config.hold_s, retry_budget_s=cluster.config.ttft_slo_s)  # as its gateway's
-    return ClusterBackend(cluster.conductor_addresses, cluster.config.model_name, MAX_LEN, cluster.config.block_size,
-                          model_fingerprint(model_identity(model, torch.float32)), recovery=recovery)  # fmt: skip
+    recovery = RecoveryConfig(
+        hold_s=cluster.config.hold_s, retry_budget_s=cluster.config.ttft_slo_s
+    )  # as its gateway's
+    return ClusterBackend(
+        cluster.conductor_addresses,
+        cluster.config.model_name,
+        MAX_LEN,
+        cluster.config.block_size,
+        model_fingerprint(model_identity(model, torch.float32)),
+        recovery=recovery,
+    )
 
 
 def generate(be: ClusterBackend, request_id: str, prompt: list[int], max_tokens: int, **kw) -> list[GenerationChunk]:
@@ -53,7 +71,9 @@ def tokens(chunks: list[GenerationChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int, sampling: dict | None = None, **engine) -> list[int]:
+def reference_tokens(
+    model_dir: Path, prompt: list[int], max_tokens: int, sampling: dict | None = None, **engine
+) -> list[int]:
     """Greedy tokens of one engine alone (the correctness bar for the disaggregated path); ``sampling``: more
     SamplingParams (penalties, biases)."""
     config = EngineConfig(model=str(model_dir), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN, **engine)
@@ -79,8 +99,11 @@ def kill_mid_prefill(cluster: LocalCluster, model_dir: Path, request_id: str, pr
 
     failed = prefill_metric(cluster, 'mooncake_prefill_requests_total{outcome="failed"}')
     result: list = []
-    thread = threading.Thread(target=lambda: result.append(
-        tokens(generate(backend(cluster), request_id, prompt, 8, temperature=0.0, ignore_eos=True))))  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: result.append(
+            tokens(generate(backend(cluster), request_id, prompt, 8, temperature=0.0, ignore_eos=True))
+        )
+    )
     thread.start()
     deadline = time.monotonic() + 30
     while prefill_metric(cluster, "mooncake_prefill_inflight") < 1 and time.monotonic() < deadline:

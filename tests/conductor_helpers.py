@@ -19,10 +19,15 @@ BT = 16  # tokens per block
 BLOCK_BYTES = 1_000_000
 # prefill: 1 ms per uncached token, nothing else; transfer: 1 ms per block; decode: 10 ms + 10 ms per request
 ROUND = PredictorConfig(
-    prefill_tokens_per_s=1000.0, prefill_attention_s_per_token2=0.0, prefill_overhead_s=0.0,
-    decode_base_s=0.01, decode_s_per_request=0.01, decode_s_per_context_token=0.0,
-    transfer_bytes_per_s=1e9, transfer_latency_s=0.0,
-)  # fmt: skip
+    prefill_tokens_per_s=1000.0,
+    prefill_attention_s_per_token2=0.0,
+    prefill_overhead_s=0.0,
+    decode_base_s=0.01,
+    decode_s_per_request=0.01,
+    decode_s_per_context_token=0.0,
+    transfer_bytes_per_s=1e9,
+    transfer_latency_s=0.0,
+)
 
 
 def key(i: int) -> bytes:
@@ -56,17 +61,30 @@ def match_of(holdings: dict[str, list[tuple[int, Tier]] | int]) -> PrefixMatch:
 
 
 def decode(i: int, running: int = 0, capacity: int = 0) -> Instance:
-    return Instance(f"d{i}", Role.DECODE, f"10.0.1.{i}:7000", node=f"kv{i}", capacity=capacity, load=Load(running_requests=running))
+    return Instance(
+        f"d{i}", Role.DECODE, f"10.0.1.{i}:7000", node=f"kv{i}", capacity=capacity, load=Load(running_requests=running)
+    )
 
 
 def conductor(
-    admission: str, policy: str = "kvcache_centric", ttft_s: float = 2.0, tbt_s: float = 0.1, predictors: PredictorConfig = ROUND, **kw
+    admission: str,
+    policy: str = "kvcache_centric",
+    ttft_s: float = 2.0,
+    tbt_s: float = 0.1,
+    predictors: PredictorConfig = ROUND,
+    **kw,
 ) -> Conductor:
-    kw.setdefault("local_prefill", "never")  # the numbers worked by hand are a prefill worker's (test_conductor_local: the decode worker's)
+    kw.setdefault(
+        "local_prefill", "never"
+    )  # the numbers worked by hand are a prefill worker's (test_conductor_local: the decode worker's)
     config = ConductorConfig(
-        policy=policy, admission=admission, slo_classes={"default": Slo(ttft_s=ttft_s, tbt_s=tbt_s)},
-        block_bytes=BLOCK_BYTES, predictors=predictors, **kw,
-    )  # fmt: skip
+        policy=policy,
+        admission=admission,
+        slo_classes={"default": Slo(ttft_s=ttft_s, tbt_s=tbt_s)},
+        block_bytes=BLOCK_BYTES,
+        predictors=predictors,
+        **kw,
+    )
     return Conductor(config)
 
 

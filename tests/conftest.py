@@ -225,7 +225,12 @@ class RecordingConnector(KVConnector):
 
     def tokens_computed(self, request_id: str) -> list[tuple[int, int]]:
         """(num_computed_tokens, num_new_tokens) of ``request_id`` in each step it ran."""
-        return [(r.num_computed_tokens, r.num_new_tokens) for s in self.steps for r in s.requests if r.request_id == request_id]
+        return [
+            (r.num_computed_tokens, r.num_new_tokens)
+            for s in self.steps
+            for r in s.requests
+            if r.request_id == request_id
+        ]
 
     def wait_for_layer_load(self, layer: int) -> None:
         self.events.append(("load", layer))
@@ -247,6 +252,7 @@ class RecordingConnector(KVConnector):
 
 
 # -- the reference and the tie rule ---------------------------------------------------
+
 
 def _eos_ids(model: torch.nn.Module) -> set[int]:
     eos = model.generation_config.eos_token_id
@@ -357,7 +363,11 @@ def pytest_collection_modifyitems(config, items):
 # -- the transfer and pool suites over each transport ------------------------------------
 
 FAKEVERBS_SITE = Path(__file__).parent / "fakeverbs_site"
-TRANSPORTS = ["auto", pytest.param("fake-rdma", marks=pytest.mark.fakerdma), pytest.param("rdma", marks=pytest.mark.rdma)]
+TRANSPORTS = [
+    "auto",
+    pytest.param("fake-rdma", marks=pytest.mark.fakerdma),
+    pytest.param("rdma", marks=pytest.mark.rdma),
+]
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -380,7 +390,9 @@ def transport(request, monkeypatch):
 
         shared = Path(tempfile.mkdtemp(prefix="fakeverbs-", dir="/dev/shm"))
         monkeypatch.setenv("FAKEVERBS_DIR", str(shared))
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAKEVERBS_SITE), os.environ.get("PYTHONPATH")])))
+        monkeypatch.setenv(
+            "PYTHONPATH", os.pathsep.join(filter(None, [str(FAKEVERBS_SITE), os.environ.get("PYTHONPATH")]))
+        )
         monkeypatch.setattr("transfer.rdma._pyverbs", Fabric(shared=shared).modules)
     transfer.engine._probe.cache_clear()
     yield way

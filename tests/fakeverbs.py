@@ -42,14 +42,40 @@ from pathlib import Path
 from types import SimpleNamespace
 
 E = SimpleNamespace(
-    IBV_QPT_RC=2, IBV_SEND_SIGNALED=2, IBV_WR_RDMA_WRITE=0, IBV_WR_RDMA_READ=4,
-    IBV_QPS_RESET=0, IBV_QPS_INIT=1, IBV_QPS_RTR=2, IBV_QPS_RTS=3, IBV_QPS_ERR=6,
-    IBV_QP_STATE=1, IBV_QP_ACCESS_FLAGS=8, IBV_QP_PKEY_INDEX=16, IBV_QP_PORT=32, IBV_QP_AV=128, IBV_QP_PATH_MTU=256,
-    IBV_QP_TIMEOUT=512, IBV_QP_RETRY_CNT=1024, IBV_QP_RNR_RETRY=2048, IBV_QP_RQ_PSN=4096, IBV_QP_MAX_QP_RD_ATOMIC=8192,
-    IBV_QP_MIN_RNR_TIMER=32768, IBV_QP_SQ_PSN=65536, IBV_QP_MAX_DEST_RD_ATOMIC=131072, IBV_QP_DEST_QPN=1048576,
-    IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2, IBV_ACCESS_REMOTE_READ=4,
-    IBV_PORT_ACTIVE=4, IBV_LINK_LAYER_ETHERNET=2, IBV_WC_SUCCESS=0, IBV_WC_WR_FLUSH_ERR=5, IBV_WC_REM_ACCESS_ERR=10, IBV_WC_RETRY_EXC_ERR=12,
-)  # fmt: skip
+    IBV_QPT_RC=2,
+    IBV_SEND_SIGNALED=2,
+    IBV_WR_RDMA_WRITE=0,
+    IBV_WR_RDMA_READ=4,
+    IBV_QPS_RESET=0,
+    IBV_QPS_INIT=1,
+    IBV_QPS_RTR=2,
+    IBV_QPS_RTS=3,
+    IBV_QPS_ERR=6,
+    IBV_QP_STATE=1,
+    IBV_QP_ACCESS_FLAGS=8,
+    IBV_QP_PKEY_INDEX=16,
+    IBV_QP_PORT=32,
+    IBV_QP_AV=128,
+    IBV_QP_PATH_MTU=256,
+    IBV_QP_TIMEOUT=512,
+    IBV_QP_RETRY_CNT=1024,
+    IBV_QP_RNR_RETRY=2048,
+    IBV_QP_RQ_PSN=4096,
+    IBV_QP_MAX_QP_RD_ATOMIC=8192,
+    IBV_QP_MIN_RNR_TIMER=32768,
+    IBV_QP_SQ_PSN=65536,
+    IBV_QP_MAX_DEST_RD_ATOMIC=131072,
+    IBV_QP_DEST_QPN=1048576,
+    IBV_ACCESS_LOCAL_WRITE=1,
+    IBV_ACCESS_REMOTE_WRITE=2,
+    IBV_ACCESS_REMOTE_READ=4,
+    IBV_PORT_ACTIVE=4,
+    IBV_LINK_LAYER_ETHERNET=2,
+    IBV_WC_SUCCESS=0,
+    IBV_WC_WR_FLUSH_ERR=5,
+    IBV_WC_REM_ACCESS_ERR=10,
+    IBV_WC_RETRY_EXC_ERR=12,
+)
 
 
 class VerbsError(RuntimeError):
@@ -143,8 +169,13 @@ class Fabric:
                 return SimpleNamespace(phys_port_cnt=1, max_qp_wr=fabric.max_qp_wr, max_qp_rd_atom=16)
 
             def query_port(self, port: int):
-                return SimpleNamespace(state=E.IBV_PORT_ACTIVE, link_layer=E.IBV_LINK_LAYER_ETHERNET, lid=0, active_mtu=5,
-                                       max_msg_sz=fabric.max_msg)  # fmt: skip
+                return SimpleNamespace(
+                    state=E.IBV_PORT_ACTIVE,
+                    link_layer=E.IBV_LINK_LAYER_ETHERNET,
+                    lid=0,
+                    active_mtu=5,
+                    max_msg_sz=fabric.max_msg,
+                )
 
             def query_gid(self, port: int, index: int):
                 return SimpleNamespace(gid="fe80:0000:0000:0000:0000:0000:0000:0001")
@@ -226,10 +257,18 @@ class Fabric:
                 self.rkey, self.remote_addr = rkey, addr
 
         ns = SimpleNamespace
-        return dict(cq=ns(CQ=CQ), device=ns(get_device_list=lambda: [ns(name=b"fake0")], Context=Context),
-                    e=E, mr=ns(MR=MR), pd=ns(PD=PD), qp=ns(QP=QP, QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr),
-                    wr=ns(SGE=SGE, SendWR=SendWR), GID=lambda s: s, AHAttr=lambda **kw: ns(**kw),
-                    GlobalRoute=lambda **kw: ns(**kw))  # fmt: skip
+        return dict(
+            cq=ns(CQ=CQ),
+            device=ns(get_device_list=lambda: [ns(name=b"fake0")], Context=Context),
+            e=E,
+            mr=ns(MR=MR),
+            pd=ns(PD=PD),
+            qp=ns(QP=QP, QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr),
+            wr=ns(SGE=SGE, SendWR=SendWR),
+            GID=lambda s: s,
+            AHAttr=lambda **kw: ns(**kw),
+            GlobalRoute=lambda **kw: ns(**kw),
+        )
 
 
 class FakeQP:
@@ -284,8 +323,11 @@ class FakeQP:
                     status = E.IBV_WC_REM_ACCESS_ERR
             self.unsignalled += 1
             if wr.send_flags & E.IBV_SEND_SIGNALED or status != E.IBV_WC_SUCCESS:
-                self._complete(SimpleNamespace(wr_id=wr.wr_id, status=status, qp_num=self.qp_num, vendor_err=0,
-                                             covers=self.unsignalled))  # fmt: skip
+                self._complete(
+                    SimpleNamespace(
+                        wr_id=wr.wr_id, status=status, qp_num=self.qp_num, vendor_err=0, covers=self.unsignalled
+                    )
+                )
                 self.unsignalled = 0
 
     def _complete(self, wc) -> None:
@@ -325,7 +367,9 @@ class FakeQP:
         if self.fabric.qp_owner(self.dest) != remote.pid:  # an rkey works only on its own PD, through a QP to it
             raise VerbsError(f"rkey {wr.rkey} belongs to pid {remote.pid}, not to the peer of QP {self.qp_num}")
         if remote.pid == os.getpid():
-            ctypes.memmove(sge.addr, wr.remote_addr, sge.length) if read else ctypes.memmove(wr.remote_addr, sge.addr, sge.length)
+            ctypes.memmove(sge.addr, wr.remote_addr, sge.length) if read else ctypes.memmove(
+                wr.remote_addr, sge.addr, sge.length
+            )
         else:
             _copy_between_processes(remote.pid, sge.addr, wr.remote_addr, sge.length, read)
         self.fabric.posted += 1
@@ -341,8 +385,14 @@ class _IOVec(ctypes.Structure):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 for _name in ("process_vm_readv", "process_vm_writev"):
-    getattr(_libc, _name).argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.POINTER(_IOVec),
-                                      ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
+    getattr(_libc, _name).argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     getattr(_libc, _name).restype = ctypes.c_ssize_t
 
 

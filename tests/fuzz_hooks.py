@@ -41,7 +41,9 @@ def openai_error_body(ctx, response, case) -> None:
     try:
         body = json.loads(response.content)
     except ValueError:
-        raise AssertionError(f"{response.status_code} with a body that is not JSON: {response.content[:200]!r}") from None
+        raise AssertionError(
+            f"{response.status_code} with a body that is not JSON: {response.content[:200]!r}"
+        ) from None
     if not _is_openai_error(body):
         raise AssertionError(f"{response.status_code} without OpenAI's error object: {response.content[:200]!r}")
 

@@ -49,8 +49,22 @@ class Node:
 def start_node(node: str, block_bytes: int, dram_blocks: int, *extra: str, shm_dir: str | None = None) -> Node:
     """Start a kvstore node and wait for its READY line (raises with its stderr if it dies first)."""
     shm_dir = shm_dir or f"/dev/shm/mooncake-test-{uuid.uuid4().hex[:8]}"
-    args = [sys.executable, "-m", "kvstore", "--node", node, "--block-bytes", str(block_bytes),
-            "--dram-blocks", str(dram_blocks), "--shm-dir", shm_dir, "--log-level", "WARNING", *extra]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "kvstore",
+        "--node",
+        node,
+        "--block-bytes",
+        str(block_bytes),
+        "--dram-blocks",
+        str(dram_blocks),
+        "--shm-dir",
+        shm_dir,
+        "--log-level",
+        "WARNING",
+        *extra,
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     line = proc.stdout.readline()
     if (info := parse_ready(line)) is None:

@@ -29,7 +29,11 @@ def requests() -> list[GenerationRequest]:
     out = []
     for i in range(NUM_REQUESTS):
         prompt = prefixes[i % SHARED_PREFIXES] + [rng.randrange(10, 290) for _ in range(rng.randrange(8, 60))]
-        out.append(GenerationRequest(f"chaos-{i}", prompt, max_tokens=rng.randrange(120, 200), temperature=0.0, ignore_eos=True))
+        out.append(
+            GenerationRequest(
+                f"chaos-{i}", prompt, max_tokens=rng.randrange(120, 200), temperature=0.0, ignore_eos=True
+            )
+        )
     return out
 
 
@@ -38,7 +42,10 @@ def undisturbed_run(cluster, settle_s: float = 10.0) -> tuple[dict[str, list[int
     everything came back to idle."""
     idle = idle_counts(cluster)
     outputs, errors, recoveries = replay(cluster)
-    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS, (dict(list(errors.items())[:5]), recoveries[:5])
+    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS, (
+        dict(list(errors.items())[:5]),
+        recoveries[:5],
+    )
     assert wait_idle(cluster, idle, settle_s) == idle
     return outputs, idle
 
@@ -47,8 +54,12 @@ def kill(cluster, victim: str) -> None:
     os.kill(cluster.component(victim).proc.pid, signal.SIGKILL)
 
 
-def replay(cluster, victim: str | None = None, strike: Callable = kill, struck: list[float] | None = None,
-           ) -> tuple[dict[str, list[int]], dict[str, str], list[Recovery]]:  # fmt: skip
+def replay(
+    cluster,
+    victim: str | None = None,
+    strike: Callable = kill,
+    struck: list[float] | None = None,
+) -> tuple[dict[str, list[int]], dict[str, str], list[Recovery]]:
     """Run every request; ``strike(cluster, victim)`` once a third of them are streaming (and, for a decode worker,
     once it streams); its time.monotonic() goes into ``struck``. (tokens, errors, what outliving took)."""
     be = backend(cluster)
@@ -110,14 +121,19 @@ def idle_counts(cluster) -> dict[str, int]:
     for i in range(cluster.config.decode):
         status = cluster.component(f"decode-{i}").info["metrics"]
         lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
-        for name, metric in (("free slots", "mooncake_decode_landing_free_slots"), ("running", "mooncake_decode_running_requests"),
-                             ("in prefill", "mooncake_decode_in_prefill"),
-                             ("reserved cache blocks", "mooncake_decode_reserved_cache_blocks")):  # fmt: skip
+        for name, metric in (
+            ("free slots", "mooncake_decode_landing_free_slots"),
+            ("running", "mooncake_decode_running_requests"),
+            ("in prefill", "mooncake_decode_in_prefill"),
+            ("reserved cache blocks", "mooncake_decode_reserved_cache_blocks"),
+        ):
             counts[f"decode-{i} {name}"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith(metric))))
     for i in range(cluster.config.prefill):
         status = cluster.component(f"prefill-{i}").info["metrics"]
         lines = httpx.get(f"http://{status}/metrics", timeout=5).text.splitlines()
-        counts[f"prefill-{i} inflight"] = int(float(next(ln.split()[-1] for ln in lines if ln.startswith("mooncake_prefill_inflight"))))
+        counts[f"prefill-{i} inflight"] = int(
+            float(next(ln.split()[-1] for ln in lines if ln.startswith("mooncake_prefill_inflight")))
+        )
     return counts
 
 
@@ -135,8 +151,8 @@ def wait_idle(cluster, idle: dict[str, int], timeout_s: float) -> dict[str, int]
 
 def wait_restarted(cluster, name: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while not (cluster.component(name).restarts >= 1 and cluster.component(name).alive and cluster.component(name).info):
+    while not (
+        cluster.component(name).restarts >= 1 and cluster.component(name).alive and cluster.component(name).info
+    ):
         assert time.monotonic() < deadline, f"{name} was not restarted"
         time.sleep(0.2)
-
-

@@ -18,11 +18,14 @@ def test_runs_are_maximal_and_consecutive_on_both_sides():
     assert block_runs([], []) == []
 
 
-@pytest.mark.parametrize("pairs", [
-    [(0, 10), (1, 11), (2, 12), (3, 13), (4, 14), (5, 15), (6, 16), (7, 17)],  # one run: copied run by run
-    [(7, 0), (2, 1), (5, 2), (0, 3), (9, 4)],  # no runs: gathered and scattered
-    [(4, 2), (5, 3), (6, 4), (7, 5), (1, 9), (2, 10), (3, 11), (8, 17)],  # runs and a stray block
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        [(0, 10), (1, 11), (2, 12), (3, 13), (4, 14), (5, 15), (6, 16), (7, 17)],  # one run: copied run by run
+        [(7, 0), (2, 1), (5, 2), (0, 3), (9, 4)],  # no runs: gathered and scattered
+        [(4, 2), (5, 3), (6, 4), (7, 5), (1, 9), (2, 10), (3, 11), (8, 17)],  # runs and a stray block
+    ],
+)
 def test_each_destination_block_gets_its_source_block_and_nothing_else_changes(pairs):
     src, dst = _blocks(12, 0), _blocks(20, 1)
     before = dst.clone()

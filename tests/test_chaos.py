@@ -50,7 +50,9 @@ def test_a_component_killed_mid_run_loses_no_request_and_changes_no_token(cluste
         # the generated blocks were written behind into the pool: a resume recomputes its last, partial block, and
         # at most one more whose write was still on its way
         bs = cluster.config.block_size
-        assert all(r.recomputed_tokens <= 2 * bs * r.resumes for r in resumed), [(r.loaded_tokens, r.recomputed_tokens) for r in resumed]
+        assert all(r.recomputed_tokens <= 2 * bs * r.resumes for r in resumed), [
+            (r.loaded_tokens, r.recomputed_tokens) for r in resumed
+        ]
     wait_restarted(cluster, victim)
     # the pool's leases (30 s TTL on a node the killed worker pulled from) and reservations come back
     assert wait_idle(cluster, idle, 40) == idle
@@ -63,7 +65,9 @@ def test_an_abort_storm_leaves_nothing_held_and_the_cluster_serves_on(cluster, u
     _, idle = undisturbed
     rng = random.Random(200)
     prompts = [[rng.randrange(10, 290) for _ in range(rng.randrange(20, 200))] for _ in range(200)]
-    hang_ups = [rng.choice([0.0, rng.uniform(0.0, 0.05), rng.uniform(0.05, 0.3), rng.uniform(0.3, 1.0)]) for _ in prompts]
+    hang_ups = [
+        rng.choice([0.0, rng.uniform(0.0, 0.05), rng.uniform(0.05, 0.3), rng.uniform(0.3, 1.0)]) for _ in prompts
+    ]
     url = f"{cluster.endpoint}/completions"
 
     async def hang_up(http: httpx.AsyncClient, prompt: list[int], after_s: float, gate: asyncio.Semaphore) -> str:
@@ -89,7 +93,10 @@ def test_an_abort_storm_leaves_nothing_held_and_the_cluster_serves_on(cluster, u
     assert outcomes.count("hung up") > 120
     assert set(outcomes) <= {"hung up", "completed", "HTTP 429"}
     assert wait_idle(cluster, idle, 5) == idle
-    after = [GenerationRequest(f"after-storm-{i}", prompts[i], max_tokens=16, temperature=0.0, ignore_eos=True) for i in range(30)]
+    after = [
+        GenerationRequest(f"after-storm-{i}", prompts[i], max_tokens=16, temperature=0.0, ignore_eos=True)
+        for i in range(30)
+    ]
     be = backend(cluster)
 
     async def serve() -> list[int]:
@@ -106,8 +113,17 @@ def test_with_a_standby_conductor_killing_the_leader_loses_no_request(tiny_dir, 
     """``mooncake up --conductors 2 --redis-url``: the standby takes the lapsed lease, recovers the registry from
     Redis and the index from the pool nodes, and gateways and workers follow it; no request notices more than a wait."""
     expected, _ = undisturbed  # the same model on another cluster: greedy gives the same tokens
-    c = start_cluster(tiny_dir, tmp_path, prefill=2, decode=2, max_model_len=512, hold_s=30.0, redis_url=redis_url,
-                      conductors=2, restart=False)  # fmt: skip
+    c = start_cluster(
+        tiny_dir,
+        tmp_path,
+        prefill=2,
+        decode=2,
+        max_model_len=512,
+        hold_s=30.0,
+        redis_url=redis_url,
+        conductors=2,
+        restart=False,
+    )
     try:
         outputs, errors, _ = replay(c, "conductor")
         assert errors == {} and outputs == expected

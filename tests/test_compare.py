@@ -9,11 +9,18 @@ from benchmarks import compare
 
 def measured(name: str, kind: str, shares: dict[float, float], rate_at_x1: float = 0.7) -> compare.SystemRun:
     """A system swept over ``shares`` (rate factor -> share effective), as replay.sweep reports it."""
-    runs = [{"rate_factor": f, "summary": {"offered_rate_rps": rate_at_x1 * f, "slo_attainment": share}} for f, share in shares.items()]
+    runs = [
+        {"rate_factor": f, "summary": {"offered_rate_rps": rate_at_x1 * f, "slo_attainment": share}}
+        for f, share in shares.items()
+    ]
     passed = [r for r in runs if r["summary"]["slo_attainment"] >= 0.9]
     best = max(passed, key=lambda r: r["rate_factor"]) if passed and runs[0] in passed else None
-    capacity = {"target": 0.9, "rate_factor": best and best["rate_factor"], "rate_rps": best and best["summary"]["offered_rate_rps"],
-                "saturated": best is runs[-1]}  # fmt: skip
+    capacity = {
+        "target": 0.9,
+        "rate_factor": best and best["rate_factor"],
+        "rate_rps": best and best["summary"]["offered_rate_rps"],
+        "saturated": best is runs[-1],
+    }
     return compare.SystemRun(name, kind, runs=runs, capacity=capacity)
 
 
@@ -62,12 +69,27 @@ def test_a_coupled_capacity_gives_a_plain_ratio_and_a_miss_when_it_is_ahead():
     rows, goals = compare.rows_and_goals(runs, sweeping=True)
     assert rows[1]["ratio_vs_coupled"] == pytest.approx(0.5)
     assert rows[1]["ratio_vs_coupled_above"] is None
-    assert goals == [{"goal": "disaggregated (kvcache_centric) >= coupled", "ours": pytest.approx(0.35), "theirs": pytest.approx(0.7), "met": False}]
+    assert goals == [
+        {
+            "goal": "disaggregated (kvcache_centric) >= coupled",
+            "ours": pytest.approx(0.35),
+            "theirs": pytest.approx(0.7),
+            "met": False,
+        }
+    ]
 
 
 def test_the_vllm_cluster_is_a_system_of_its_own_and_is_held_to_twice_vllm_alone(tmp_path):
-    args = compare.parse_args(["--systems", "disaggregated-vllm,vllm", "--policies", "kvcache_centric",
-                               "--cluster-vllm-arg", "enforce_eager=true"])  # fmt: skip
+    args = compare.parse_args(
+        [
+            "--systems",
+            "disaggregated-vllm,vllm",
+            "--policies",
+            "kvcache_centric",
+            "--cluster-vllm-arg",
+            "enforce_eager=true",
+        ]
+    )
     names = [run.name for run, _ in compare.systems(args, tmp_path, tmp_path)]
     assert names == ["disaggregated-vllm/kvcache_centric", "vllm-cpu"]
     assert args.cluster_vllm_arg == ["enforce_eager=true"]
@@ -76,8 +98,14 @@ def test_the_vllm_cluster_is_a_system_of_its_own_and_is_held_to_twice_vllm_alone
         measured("vllm-cpu", "vllm", {0.5: 0.92, 1.0: 0.5, 2.0: 0.1}),  # 0.35 req/s: ours is exactly twice that
     ]
     _, goals = compare.rows_and_goals(runs, sweeping=True)
-    assert goals == [{"goal": "disaggregated-vllm/kvcache_centric >= 2x vllm-cpu", "ours": pytest.approx(0.7),
-                      "theirs": pytest.approx(0.35), "met": True}]  # fmt: skip
+    assert goals == [
+        {
+            "goal": "disaggregated-vllm/kvcache_centric >= 2x vllm-cpu",
+            "ours": pytest.approx(0.7),
+            "theirs": pytest.approx(0.35),
+            "met": True,
+        }
+    ]
     runs[0] = measured("disaggregated-vllm/kvcache_centric", "disaggregated-vllm", {0.5: 0.95, 1.0: 0.6, 2.0: 0.2})
     assert not compare.rows_and_goals(runs, sweeping=True)[1][0]["met"]  # 0.35 is not twice 0.35
 

@@ -8,16 +8,27 @@ import random
 
 import numpy as np
 import pytest
+from conductor_helpers import (
+    BLOCK_BYTES,
+    BT,
+    KEYS,
+    PARENTS,
+    ROUND,
+    assert_retry_in_bounds,
+    cluster,
+    conductor,
+    decode,
+    decode_formula,
+    predictors,
+    prefill,
+    request,
+)
 
 from conductor.admission import reported_batch, select_decode
 from conductor.core import SHED_BUSY_S, SHED_S, Conductor
 from conductor.predictors import DecodePredictor
 from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest
 from kvstore.events import Tier
-
-from conductor_helpers import (BLOCK_BYTES, BT, KEYS, PARENTS, ROUND, assert_retry_in_bounds, cluster, conductor, decode, decode_formula,
-                               predictors, prefill, request)  # fmt: skip
-
 
 # -- the Conductor: admission ---------------------------------------------------------------
 
@@ -96,14 +107,18 @@ def test_an_instance_whose_ttfts_come_out_slower_than_predicted_is_predicted_slo
         c.heartbeat("p0", Load(), now)
         d = c.schedule(request(f"r{n}", blocks=60), now)
         assert d.prefill == "p0"
-        predicted = c.decode_started(d.request_id, now + 1.0, measured_ttft_s=2.0 * 0.96)  # an empty queue, 0.96 s alone
+        predicted = c.decode_started(
+            d.request_id, now + 1.0, measured_ttft_s=2.0 * 0.96
+        )  # an empty queue, 0.96 s alone
         assert predicted == pytest.approx(d.predicted.ttft_s)  # what the service's TTFT error metric compares
         assert c.decode_started(d.request_id, now + 2.0, measured_ttft_s=5.0) is None  # a second report teaches nothing
     assert c.instances["p0"].slowdown == pytest.approx(2.0, rel=0.05)
     assert c.instances["p1"].slowdown == 1.0
     c.heartbeat("p0", Load(queued_s=1.0), 500.0)  # a second of its predictions: two as they come out
     d = c.schedule(request("after", blocks=60), 500.0)
-    assert d.predicted.queue_s == pytest.approx(2.0, rel=0.05) and d.predicted.prefill_s == pytest.approx(1.92, rel=0.05)
+    assert d.predicted.queue_s == pytest.approx(2.0, rel=0.05) and d.predicted.prefill_s == pytest.approx(
+        1.92, rel=0.05
+    )
 
 
 def test_baseline_rejects_at_schedule_time_only_for_ttft():
@@ -307,8 +322,17 @@ def test_the_tbt_predictor_pairs_each_mean_step_with_the_batch_it_ran():
     for n, batch in enumerate([1.5, 3.0, 5.5, 9.0, 14.0, 21.0, 33.0, 47.5]):
         ctx = batch * rng.randint(200, 3000)
         # the running batch now is another one (some finished since the steps ran): the steps' own mean is what counts
-        c.heartbeat("d0", Load(running_requests=64, context_tokens=10, step_s=decode_formula(batch, ctx), step_batch=batch,
-                               step_context_tokens=ctx), float(n))  # fmt: skip
+        c.heartbeat(
+            "d0",
+            Load(
+                running_requests=64,
+                context_tokens=10,
+                step_s=decode_formula(batch, ctx),
+                step_batch=batch,
+                step_context_tokens=ctx,
+            ),
+            float(n),
+        )
     c.heartbeat("d0", Load(running_requests=4, context_tokens=4 * 1500), 20.0)  # no step since the last: no sample
     outcome = c.schedule(request(prompt=30000), 20.0)
     assert outcome.predicted.tbt_s == pytest.approx(decode_formula(5, 4 * 1500 + 30000), rel=0.01)
@@ -326,7 +350,9 @@ def test_a_decision_grows_the_prefill_queue_until_the_next_heartbeat():
     third = c.schedule(request("c", prompt=300), 0.0)
     assert third.prefill == "p0" and third.predicted.queue_s == pytest.approx(0.2)
     assert c.instances["p0"].load.queued_s == pytest.approx(0.5)
-    c.heartbeat("p0", Load(), 0.6)  # once what was placed there has arrived, the worker's own account replaces the estimate
+    c.heartbeat(
+        "p0", Load(), 0.6
+    )  # once what was placed there has arrived, the worker's own account replaces the estimate
     assert c.instances["p0"].load.queued_s == 0.0
     assert c.counters.scheduled == 3 and c.counters.computed_tokens == 700
 
@@ -363,7 +389,9 @@ def test_snapshot_replaces_what_the_index_says_a_node_holds():
     c.removed("kv1", KEYS[9], Tier.DRAM)
     d = c.schedule(request("a"), 0.0)
     assert (d.prefill, d.plan.local_blocks) == ("p1", 9)
-    c.snapshot("kv1", [(KEYS[0], Tier.DRAM, PARENTS[0]), (KEYS[1], Tier.SSD, PARENTS[1])])  # the node restarted with two blocks
+    c.snapshot(
+        "kv1", [(KEYS[0], Tier.DRAM, PARENTS[0]), (KEYS[1], Tier.SSD, PARENTS[1])]
+    )  # the node restarted with two blocks
     assert c.index.match(KEYS[:10]).any_tier == {"kv1": 2}
     assert c.index.node_blocks("kv1") == 2
 
@@ -626,7 +654,9 @@ def test_a_decode_worker_without_landing_room_for_the_prompt_gets_nothing_more()
     assert isinstance(big, Rejection) and big.reason is RejectReason.DECODE_BUSY
     assert big.message == "every decode worker is full (d0: 20 of 25 landing blocks held, 10 more needed)"
     assert big.shed_s == 0.0  # a shorter prompt still fits
-    assert isinstance(c.schedule(request("r3", blocks=4, prompt=70), 0.0), Decision)  # 70 tokens: 5 blocks, the last partial
+    assert isinstance(
+        c.schedule(request("r3", blocks=4, prompt=70), 0.0), Decision
+    )  # 70 tokens: 5 blocks, the last partial
     full = c.schedule(request("r4", blocks=1), 0.1)  # all 25 held: not even a one-block prompt fits
     assert isinstance(full, Rejection) and full.shed_s == SHED_BUSY_S
     c.decode_started("r0", 0.5)  # its KV moved into the engine: its landing blocks are free

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from kvnodes import start_conductor
 from typer.testing import CliRunner
 
 from conductor.auth import bearer, write_token_file
-from kvnodes import start_conductor
 from mooncake import tls
 from mooncake.cli.pool_cmd import app as pool_app
 from protos import conductor_pb2 as pb
@@ -28,8 +28,10 @@ def guarded(tmp_path_factory):
 
 
 def register(stub, instance_id: str) -> bytes:
-    r = stub.Register(pb.RegisterRequest(id=instance_id, role=pb.DECODE, address=f"10.0.0.9:{len(instance_id)}",
-                                         node=instance_id), timeout=5)  # fmt: skip
+    r = stub.Register(
+        pb.RegisterRequest(id=instance_id, role=pb.DECODE, address=f"10.0.0.9:{len(instance_id)}", node=instance_id),
+        timeout=5,
+    )
     assert len(r.instance_token) == 16
     return r.instance_token
 
@@ -57,7 +59,10 @@ def test_admin_calls_need_the_operator_credential(guarded):
         assert code_of(lambda: call(bearer("x" * 43))) is grpc.StatusCode.PERMISSION_DENIED, name
         assert code_of(lambda: call((("authorization", f"Basic {token}"),))) is grpc.StatusCode.PERMISSION_DENIED, name
     assert stub.ListInstances(pb.ListInstancesRequest(), timeout=5).policy != "least_loaded"  # nothing changed
-    assert stub.SetPolicy(pb.SetPolicyRequest(policy="least_loaded"), metadata=bearer(token), timeout=5).policy == "least_loaded"
+    assert (
+        stub.SetPolicy(pb.SetPolicyRequest(policy="least_loaded"), metadata=bearer(token), timeout=5).policy
+        == "least_loaded"
+    )
     assert stub.Drain(pb.DrainRequest(id="d-admin"), metadata=bearer(token), timeout=5).state == pb.DRAINING
     stub.SetPolicy(pb.SetPolicyRequest(policy="kvcache_centric"), metadata=bearer(token), timeout=5)
 
@@ -65,8 +70,11 @@ def test_admin_calls_need_the_operator_credential(guarded):
 def test_an_instance_deregisters_itself_with_its_token_and_nobody_else_can(guarded):
     stub, token, _, _ = guarded
     mine, theirs = register(stub, "d-mine"), register(stub, "d-theirs")
-    ids = lambda: {i.id for i in stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances}  # noqa: E731
-    deregister = lambda iid, t=b"", md=(): stub.Deregister(pb.DeregisterRequest(id=iid, instance_token=t), metadata=md, timeout=5)  # noqa: E731
+    ids = lambda: {i.id for i in stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances}
+
+    def deregister(iid, t=b"", md=()):
+        return stub.Deregister(pb.DeregisterRequest(id=iid, instance_token=t), metadata=md, timeout=5)
+
     assert code_of(lambda: deregister("d-mine")) is grpc.StatusCode.UNAUTHENTICATED
     assert code_of(lambda: deregister("d-mine", theirs)) is grpc.StatusCode.UNAUTHENTICATED  # another instance's token
     assert {"d-mine", "d-theirs"} <= ids()
@@ -86,7 +94,9 @@ def test_the_cli_carries_the_credential_from_its_file(guarded, tmp_path, monkeyp
     monkeypatch.delenv("MOONCAKE_OPERATOR_TOKEN_FILE", raising=False)
     refused = CliRunner().invoke(pool_app, ["drain", "d-cli", "--conductor", address, "--keep"])
     assert refused.exit_code == 1 and "needs the operator credential" in refused.output
-    done = CliRunner().invoke(pool_app, ["drain", "d-cli", "--conductor", address, "--keep", "--operator-token-file", str(path)])
+    done = CliRunner().invoke(
+        pool_app, ["drain", "d-cli", "--conductor", address, "--keep", "--operator-token-file", str(path)]
+    )
     assert done.exit_code == 0 and "d-cli: draining" in done.output
     monkeypatch.setenv("MOONCAKE_OPERATOR_TOKEN_FILE", str(path))  # as kubectl reads KUBECONFIG
     assert CliRunner().invoke(pool_app, ["drain", "d-cli", "--conductor", address, "--keep"]).exit_code == 0

@@ -10,6 +10,18 @@ from __future__ import annotations
 import random
 
 import pytest
+from conductor_helpers import (
+    BT,
+    ROUND,
+    cluster,
+    conductor,
+    decode,
+    decode_formula,
+    match_of,
+    predictors,
+    prefill,
+    request,
+)
 
 from conductor.admission import decode_load, reported_batch, select_decode
 from conductor.forecast import DecodeForecast
@@ -17,9 +29,6 @@ from conductor.policies import PolicyConfig, make_policy
 from conductor.predictors import DecodePredictor, PredictorConfig, PrefillPredictor, TransferPredictor
 from conductor.types import Decision, Instance, Load, Role
 from kvstore.events import Tier
-
-from conductor_helpers import BT, ROUND, cluster, conductor, decode, decode_formula, match_of, predictors, prefill, request
-
 
 # -- predictors ----------------------------------------------------------------------------
 
@@ -30,7 +39,9 @@ def prefill_formula(prompt: int, cached: int) -> float:
 
 
 def test_prefill_predictor_uses_the_default_until_min_samples_then_fits_the_formula():
-    config = PredictorConfig(prefill_tokens_per_s=5000.0, prefill_attention_s_per_token2=1e-9, prefill_overhead_s=0.05, min_samples=8)
+    config = PredictorConfig(
+        prefill_tokens_per_s=5000.0, prefill_attention_s_per_token2=1e-9, prefill_overhead_s=0.05, min_samples=8
+    )
     p = PrefillPredictor(config)
     rng = random.Random(0)
     samples = []
@@ -74,7 +85,10 @@ def test_prefill_predictor_fitted_on_one_prompt_length_with_noisy_times_predicts
     assert p.predict(15, 0) < p.predict(285, 0) and all(c >= 0 for c in p.coef)
 
 
-@pytest.mark.parametrize("prompt, cached, seconds", [(0, 0, 1.0), (-5, 0, 1.0), (100, -1, 1.0), (100, 101, 1.0), (100, 0, 0.0), (100, 0, -1.0)])
+@pytest.mark.parametrize(
+    "prompt, cached, seconds",
+    [(0, 0, 1.0), (-5, 0, 1.0), (100, -1, 1.0), (100, 101, 1.0), (100, 0, 0.0), (100, 0, -1.0)],
+)
 def test_prefill_predictor_rejects_bad_samples(prompt, cached, seconds):
     p = PrefillPredictor(PredictorConfig())
     with pytest.raises(ValueError):
@@ -90,7 +104,9 @@ def test_prefill_prediction_clamps_cached_tokens_to_the_prompt():
 
 
 def test_decode_predictor_uses_the_default_until_min_samples_then_fits_the_formula():
-    d = DecodePredictor(PredictorConfig(decode_base_s=0.03, decode_s_per_request=0.001, decode_s_per_context_token=1e-7, min_samples=8))
+    d = DecodePredictor(
+        PredictorConfig(decode_base_s=0.03, decode_s_per_request=0.001, decode_s_per_context_token=1e-7, min_samples=8)
+    )
     rng = random.Random(2)
     batches = [(b, b * rng.randint(100, 4000)) for b in (rng.randint(1, 128) for _ in range(40))]
     for b, ctx in batches[:7]:
@@ -105,7 +121,9 @@ def test_decode_predictor_uses_the_default_until_min_samples_then_fits_the_formu
     assert d.predict(0, 0) == 0.0  # an idle instance has no step time
 
 
-@pytest.mark.parametrize("batch, context, step_s", [(0, 100, 0.02), (-1, 100, 0.02), (4, -1, 0.02), (4, 100, 0.0), (4, 100, -0.1)])
+@pytest.mark.parametrize(
+    "batch, context, step_s", [(0, 100, 0.02), (-1, 100, 0.02), (4, -1, 0.02), (4, 100, 0.0), (4, 100, -0.1)]
+)
 def test_decode_predictor_rejects_bad_samples(batch, context, step_s):
     d = DecodePredictor(PredictorConfig())
     with pytest.raises(ValueError):
@@ -216,7 +234,12 @@ def test_kvcache_centric_sends_a_hot_prefix_to_an_idle_instance_where_cache_awar
     match = match_of({"kv1": 8})
     centric = make_policy("kvcache_centric").choose(request(), cluster, match, predictors())
     assert centric.instance.id == "p0"
-    assert (centric.plan.local_blocks, centric.plan.fetch_node, centric.plan.fetch_blocks, centric.plan.compute_tokens) == (0, "kv1", 8, 32)
+    assert (
+        centric.plan.local_blocks,
+        centric.plan.fetch_node,
+        centric.plan.fetch_blocks,
+        centric.plan.compute_tokens,
+    ) == (0, "kv1", 8, 32)
     assert centric.ttft_s == pytest.approx(0.008 + 0.032)
     local = make_policy("cache_aware_local").choose(request(), cluster, match, predictors())
     assert local.instance.id == "p0" and local.plan.reused_blocks == 0 and local.ttft_s == pytest.approx(0.160)
@@ -279,7 +302,12 @@ def test_tier_aware_prices_the_ssd_blocks_a_fetch_must_read_on_the_holder():
     medium = make_policy("kvcache_centric", PolicyConfig(tier_aware=True, ssd_bytes_per_s=5e7))
     pool = [(i, Tier.DRAM if i < 6 else Tier.SSD) for i in range(10)]
     choice = medium.choose(req, [p5], match_of({"kv5": own, "kv1": pool}), predictors())
-    assert (choice.plan.local_blocks, choice.plan.fetch_node, choice.plan.fetch_blocks, choice.plan.compute_tokens) == (2, "kv1", 8, 10)
+    assert (choice.plan.local_blocks, choice.plan.fetch_node, choice.plan.fetch_blocks, choice.plan.compute_tokens) == (
+        2,
+        "kv1",
+        8,
+        10,
+    )
     assert choice.ttft_s == pytest.approx(0.098)
 
 
@@ -288,7 +316,12 @@ def test_tier_aware_fetches_from_a_pools_dram_rather_than_reading_its_own_ssd_at
     p5 = Instance("p5", Role.PREFILL, "10.0.0.5:7000", node="kv5")
     policy = make_policy("kvcache_centric", PolicyConfig(tier_aware=True, ssd_bytes_per_s=1e8))  # 10 ms a block
     choice = policy.choose(request(prompt=10 * BT + 10), [p5], match_of({"kv5": own, "kv1": 10}), predictors())
-    assert (choice.plan.local_blocks, choice.plan.fetch_node, choice.plan.fetch_blocks, choice.plan.compute_tokens) == (2, "kv1", 8, 10)
+    assert (choice.plan.local_blocks, choice.plan.fetch_node, choice.plan.fetch_blocks, choice.plan.compute_tokens) == (
+        2,
+        "kv1",
+        8,
+        10,
+    )
     assert choice.ttft_s == pytest.approx(0.018)
 
 
@@ -325,7 +358,6 @@ def test_make_policy_rejects_an_unknown_name():
 
 
 # -- decode selection and load ----------------------------------------------------------------
-
 
 
 def test_select_decode_picks_the_lightest_batch_and_skips_full_instances():
@@ -379,7 +411,11 @@ def test_the_forecast_counts_each_decode_instances_requests_in_prefill_and_decod
     forecast.scheduled("a0", "d0", 0.7, 100, 0.1)  # placed again (a retry): still one request
     forecast.decode_started("a1", 0.6)
     forecast.decode_started("a1", 0.6)  # a repeated report moves nothing twice
-    assert (forecast.occupancy("d0"), forecast.occupancy("d1"), forecast.occupancy("dx")) == ((2, 1, 0), (1, 0, 0), (0, 0, 0))
+    assert (forecast.occupancy("d0"), forecast.occupancy("d1"), forecast.occupancy("dx")) == (
+        (2, 1, 0),
+        (1, 0, 0),
+        (0, 0, 0),
+    )
     assert forecast.count("d0") == 3
     forecast.finished("a1", 0.9)
     forecast.finished("a2", 0.9)  # refused by its worker before it decoded: reported finished too
@@ -387,12 +423,16 @@ def test_the_forecast_counts_each_decode_instances_requests_in_prefill_and_decod
     assert forecast.occupancy("d0") == (1, 0, 0)
     forecast.forget_instance("d1")
     assert forecast.occupancy("d1") == (0, 0, 0)
-    forecast.scheduled("c", "d0", 1.0, 100, 0.9, landing_blocks=7)  # its prompt's KV holds 7 landing blocks until it decodes
+    forecast.scheduled(
+        "c", "d0", 1.0, 100, 0.9, landing_blocks=7
+    )  # its prompt's KV holds 7 landing blocks until it decodes
     forecast.scheduled("c2", "d0", 1.0, 100, 0.9, landing_blocks=5)
     assert forecast.occupancy("d0") == (3, 0, 12)
     forecast.decode_started("c", 1.0)
     assert forecast.occupancy("d0") == (2, 1, 5)
-    forecast.scheduled("c2", "d0", 1.1, 100, 1.0, landing_blocks=6)  # placed again: its old blocks are not counted twice
+    forecast.scheduled(
+        "c2", "d0", 1.1, 100, 1.0, landing_blocks=6
+    )  # placed again: its old blocks are not counted twice
     assert forecast.occupancy("d0") == (2, 1, 6)
     forecast.expire(100.0)  # long past any decode: a lost report does not hold a place forever
     assert forecast.occupancy("d0") == (0, 0, 0) and len(forecast) == 0

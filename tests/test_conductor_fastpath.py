@@ -12,9 +12,9 @@ import os
 
 import grpc
 import pytest
+from kvnodes import start_conductor
 
 from conductor.fastpath import AsyncFastChannel
-from kvnodes import start_conductor
 from kvstore.control import ControlError
 from mooncake import tls
 from mooncake.blocks import block_keys, model_fingerprint
@@ -29,7 +29,9 @@ FP = model_fingerprint("fastpath-test")
 
 @pytest.fixture
 def conductor():
-    node = start_conductor("--heartbeat-timeout", "60", "--local-prefill", "never")  # predictions that do not move with the batch
+    node = start_conductor(
+        "--heartbeat-timeout", "60", "--local-prefill", "never"
+    )  # predictions that do not move with the batch
     channel = tls.grpc_channel(node.info["grpc"])
     stub = pb_grpc.ConductorStub(channel)
     stub.Register(pb.RegisterRequest(id="kv0", role=pb.KVSTORE, address="127.0.0.1:1", node="kv0"))
@@ -42,7 +44,9 @@ def conductor():
 
 def schedule_request(tokens: int, i: int = 0) -> pb.ScheduleRequest:
     keys = block_keys(list(range(tokens)), BLOCK_TOKENS, FP)
-    return pb.ScheduleRequest(request_id=f"r{tokens}-{i}", key_chain=b"".join(keys), prompt_tokens=tokens, block_tokens=BLOCK_TOKENS)
+    return pb.ScheduleRequest(
+        request_id=f"r{tokens}-{i}", key_chain=b"".join(keys), prompt_tokens=tokens, block_tokens=BLOCK_TOKENS
+    )
 
 
 def test_the_conductor_advertises_its_fast_path(conductor):
@@ -60,7 +64,9 @@ def test_pipelined_calls_on_one_connection_each_get_their_own_answer(conductor):
     async def go():
         channel = AsyncFastChannel(node.info["control"])
         try:
-            return await asyncio.gather(*(channel.call("Schedule", schedule_request(t, i), 10) for i, t in enumerate(sizes)))
+            return await asyncio.gather(
+                *(channel.call("Schedule", schedule_request(t, i), 10) for i, t in enumerate(sizes))
+            )
         finally:
             await channel.close()
 

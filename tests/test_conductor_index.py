@@ -318,7 +318,9 @@ def test_keys_that_share_a_half_are_still_told_apart():
 # -- randomized consistency against the brute-force model ---------------------------------
 
 
-def _random_run(seed: int, num_nodes: int, num_keys: int, steps: int, reset_every: int, check_every: int = 5) -> tuple[int, int]:
+def _random_run(
+    seed: int, num_nodes: int, num_keys: int, steps: int, reset_every: int, check_every: int = 5
+) -> tuple[int, int]:
     """Run the events, checking as it goes; return the longest prefix and the most nodes seen."""
     rng = random.Random(seed)
     index, model = KVIndex(), Model()
@@ -326,7 +328,9 @@ def _random_run(seed: int, num_nodes: int, num_keys: int, steps: int, reset_ever
     keys = [key(i) for i in range(num_keys)]  # the trunk: one long chain
     parent = dict(zip(keys, chain_parents(keys)))
     chains = [keys[:8], keys[:30], keys]
-    for b, (fork, length) in enumerate(((3, 12), (10, 5), (0, 9))):  # branches off the trunk (a fork at 0: a chain of its own)
+    for b, (fork, length) in enumerate(
+        ((3, 12), (10, 5), (0, 9))
+    ):  # branches off the trunk (a fork at 0: a chain of its own)
         branch = [key(10_000 * (b + 1) + i) for i in range(length)]
         parent.update(zip(branch, [keys[fork - 1] if fork else ROOT, *branch[:-1]]))
         chains.append(keys[:fork] + branch)

@@ -7,12 +7,12 @@ import sys
 import time
 
 import redis
+from charts import REPO, container, flags, pod_spec, render
+from kvnodes import wait_for
 
 from conductor.leader import LEADER_KEY, LeaderLease
 from mooncake.localproc import free_port
 from mooncake.serving.process import parse_ready
-from charts import REPO, container, flags, pod_spec, render
-from kvnodes import wait_for
 
 LEASE_S = 0.3
 
@@ -83,15 +83,37 @@ def test_the_conductor_probe_says_ready_only_for_a_leader(redis_url):
     try:
         for _ in range(2):
             port = free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "conductor", "--port", str(port), "--metrics-port", "-1",
-                                           "--redis-url", redis_url, "--leader-lease", "1"], cwd=REPO,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "conductor",
+                        "--port",
+                        str(port),
+                        "--metrics-port",
+                        "-1",
+                        "--redis-url",
+                        redis_url,
+                        "--leader-lease",
+                        "1",
+                    ],
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
             assert parse_ready(procs[-1].stdout.readline()) is not None
             ports.append(port)
 
         def probe(port: int) -> int:
-            return subprocess.run([sys.executable, "-m", "conductor.probe", f"--address=127.0.0.1:{port}"], cwd=REPO,
-                                  capture_output=True, timeout=30).returncode  # fmt: skip
+            return subprocess.run(
+                [sys.executable, "-m", "conductor.probe", f"--address=127.0.0.1:{port}"],
+                cwd=REPO,
+                capture_output=True,
+                timeout=30,
+            ).returncode
 
         assert [probe(p) for p in ports] == [0, 1]
         procs[0].kill()

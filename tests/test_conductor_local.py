@@ -10,8 +10,8 @@ TBT limit).
 from __future__ import annotations
 
 import pytest
-
 from conductor_helpers import KEYS, PARENTS, cluster, conductor, decode, prefill, request
+
 from conductor.types import Decision, Load, Rejection
 from kvstore.events import Tier
 
@@ -77,7 +77,9 @@ def test_a_decode_worker_holds_its_prompts_chunks_to_what_its_batch_can_carry():
     # SLO, so 6 chunks: the first on a step of the batch as it is, the other 5 of the batch grown to its cap
     assert isinstance(d, Decision) and d.local and d.chunk_tokens == 30
     assert d.predicted.ttft_s == pytest.approx(0.16 + 0.06 + 5 * 0.07)
-    assert d.predicted.tbt_s == pytest.approx(0.07)  # its own: a step of the batch it joins (6); its chunks' steps take 0.1 s
+    assert d.predicted.tbt_s == pytest.approx(
+        0.07
+    )  # its own: a step of the batch it joins (6); its chunks' steps take 0.1 s
 
 
 def test_never_and_always_keep_the_other_two_behaviours():
@@ -132,7 +134,9 @@ def test_a_decode_workers_own_step_budget_bounds_its_chunks():
     c = conductor("early", local_prefill="always", local_chunk_tokens=64)
     c.register(prefill(0), 0.0)
     inst = decode(0, capacity=4)  # its batch may grow to 4: a chunk may take 50 tokens beside a step of it
-    inst.step_tokens = 16  # as it registered: its engine takes 16 tokens a step (the Conductor's 64 is for workers that do not say)
+    inst.step_tokens = (
+        16  # as it registered: its engine takes 16 tokens a step (the Conductor's 64 is for workers that do not say)
+    )
     c.register(inst, 0.0)
     d = c.schedule(request("budget", blocks=10, prompt=160), 0.0)
     assert isinstance(d, Decision) and d.local and d.chunk_tokens == 16

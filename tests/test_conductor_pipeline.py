@@ -15,8 +15,15 @@ from conductor.types import Instance, Load, Role, ScheduleRequest
 
 
 def group(i: int, stages: int = 2, chunk: int = 64, queued_s: float = 0.0) -> Instance:
-    return Instance(f"g{i}", Role.PREFILL, f"10.0.2.{i}:7000", node=f"kvg{i}", load=Load(queued_s=queued_s),
-                    pipeline_stages=stages, pipeline_chunk=chunk)  # fmt: skip
+    return Instance(
+        f"g{i}",
+        Role.PREFILL,
+        f"10.0.2.{i}:7000",
+        node=f"kvg{i}",
+        load=Load(queued_s=queued_s),
+        pipeline_stages=stages,
+        pipeline_chunk=chunk,
+    )
 
 
 def fresh(rid: str, prompt: int, first_key: int) -> ScheduleRequest:

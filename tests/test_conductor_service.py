@@ -10,8 +10,8 @@ import urllib.request
 
 import grpc
 import pytest
-
 from kvnodes import start_conductor, start_node
+
 from kvstore.client import KVStoreClient
 from mooncake import tls
 from mooncake.blocks import block_keys, model_fingerprint
@@ -75,7 +75,9 @@ def cluster(shm_dir):
             self.register("d0", pb.DECODE, "127.0.0.1:3", "kvA", capacity=64)
 
         def register(self, instance_id, role, address, node, capacity=0):
-            self.stub.Register(pb.RegisterRequest(id=instance_id, role=role, address=address, node=node, capacity=capacity))
+            self.stub.Register(
+                pb.RegisterRequest(id=instance_id, role=role, address=address, node=node, capacity=capacity)
+            )
             beater.ids.add(instance_id)
 
         def instances(self):
@@ -85,13 +87,22 @@ def cluster(shm_dir):
             deadline = time.monotonic() + timeout
             while self.instances()[instance_id].indexed_blocks != blocks:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{instance_id} never had {blocks} indexed blocks: {self.instances()[instance_id]}")
+                    raise AssertionError(
+                        f"{instance_id} never had {blocks} indexed blocks: {self.instances()[instance_id]}"
+                    )
                 time.sleep(0.05)
 
         def schedule(self, keys, extra_tokens=5, **kw):
-            return self.stub.Schedule(pb.ScheduleRequest(request_id=os.urandom(4).hex(), keys=keys,
-                                                         prompt_tokens=len(keys) * BLOCK_TOKENS + extra_tokens,
-                                                         block_tokens=BLOCK_TOKENS, **kw), timeout=5)  # fmt: skip
+            return self.stub.Schedule(
+                pb.ScheduleRequest(
+                    request_id=os.urandom(4).hex(),
+                    keys=keys,
+                    prompt_tokens=len(keys) * BLOCK_TOKENS + extra_tokens,
+                    block_tokens=BLOCK_TOKENS,
+                    **kw,
+                ),
+                timeout=5,
+            )
 
     c = Cluster()
     c.beater = beater
@@ -118,7 +129,9 @@ def test_a_chain_stored_in_parts_counts_whole_only_when_each_part_names_its_pare
     cluster.wait_indexed("kvB", 10)
     assert cluster.schedule(keys).placement.plan.local_blocks == 7
     with KVStoreClient(cluster.kv_b.grpc) as kv:
-        kv.put(keys[7:], os.urandom(3 * BB), positions=[7, 8, 9], parent=keys[6])  # stored already: the node learns the parent
+        kv.put(
+            keys[7:], os.urandom(3 * BB), positions=[7, 8, 9], parent=keys[6]
+        )  # stored already: the node learns the parent
     deadline = time.monotonic() + 10
     while cluster.schedule(keys).placement.plan.local_blocks != 10:
         assert time.monotonic() < deadline, "the index never counted the blocks whose parent came later"
@@ -135,14 +148,20 @@ def test_schedule_uses_the_index_fed_by_kvstore_events(cluster):
 
     placed = cluster.schedule(keys).placement
     assert (placed.prefill_id, placed.prefill_node, placed.decode_id) == ("p1", "kvB", "d0")
-    same = cluster.schedule([], extra_tokens=len(keys) * BLOCK_TOKENS + 5, key_chain=b"".join(keys)).placement  # keys as one blob
+    same = cluster.schedule(
+        [], extra_tokens=len(keys) * BLOCK_TOKENS + 5, key_chain=b"".join(keys)
+    ).placement  # keys as one blob
     assert same.plan.local_blocks + same.plan.fetch_blocks == 8 and same.plan.compute_tokens == 5
     assert (placed.plan.local_blocks, placed.plan.fetch_blocks, placed.plan.compute_tokens) == (8, 0, 5)
 
     stub.Drain(pb.DrainRequest(id="p1"))  # only p0 is left: it must pull kvB's prefix (Algorithm 1)
     placed = cluster.schedule(keys).placement
     assert placed.prefill_id == "p0"
-    assert (placed.plan.fetch_node, placed.plan.fetch_address, placed.plan.fetch_blocks) == ("kvB", cluster.kv_b.grpc, 8)
+    assert (placed.plan.fetch_node, placed.plan.fetch_address, placed.plan.fetch_blocks) == (
+        "kvB",
+        cluster.kv_b.grpc,
+        8,
+    )
     assert placed.plan.keep_fetched
 
     stub.SetPolicy(pb.SetPolicyRequest(policy="cache_aware_local"))
@@ -201,8 +220,18 @@ def test_a_worker_whose_kv_differs_from_the_clusters_is_refused_at_registration(
     native, vllm = model_fingerprint("native:model"), model_fingerprint("vllm:model")
 
     def register(instance_id, role, fingerprint, engine):
-        return stub.Register(pb.RegisterRequest(id=instance_id, role=role, address="127.0.0.1:9", node="kvA", model="m",
-                                                fingerprint=fingerprint, engine=engine), timeout=5)  # fmt: skip
+        return stub.Register(
+            pb.RegisterRequest(
+                id=instance_id,
+                role=role,
+                address="127.0.0.1:9",
+                node="kvA",
+                model="m",
+                fingerprint=fingerprint,
+                engine=engine,
+            ),
+            timeout=5,
+        )
 
     register("p0", pb.PREFILL, native, "native")
     with pytest.raises(grpc.RpcError) as err:

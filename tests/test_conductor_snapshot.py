@@ -17,7 +17,9 @@ def test_snapshot_equals_events_one_by_one():
     for n in range(70):  # more nodes than one 64-bit word
         start = rng.randrange(0, 3000, 300)  # a run from a chain's start, with holes, plus strays
         run = [k for k in keys[start : start + rng.randint(0, 300)] if rng.random() > 0.02]
-        blocks = [(k, rng.choice([Tier.DRAM, Tier.SSD]), parent[k]) for k in run + rng.sample(keys, rng.randint(0, 100))]
+        blocks = [
+            (k, rng.choice([Tier.DRAM, Tier.SSD]), parent[k]) for k in run + rng.sample(keys, rng.randint(0, 100))
+        ]
         for key, tier, p in blocks:
             one_by_one.stored(f"n{n}", key, tier, p)
         rng.shuffle(blocks)  # a snapshot lists blocks in any order: children before their parents too

@@ -16,17 +16,25 @@ import time
 from multiprocessing.connection import AuthenticationError, Client
 
 import pytest
+from clusters import backend, generate, instances, kill_mid_prefill, reference_tokens, start_cluster, tokens
 
 from mooncake.cluster.netns import VirtualNetwork
-from clusters import backend, generate, instances, kill_mid_prefill, reference_tokens, start_cluster, tokens
 
 pytestmark = pytest.mark.skipif(not VirtualNetwork.available(), reason="network namespaces need root and iproute2")
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
-    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("cpp-hosts"), prefill=1, prefill_groups=1, group_size=2, decode=1,
-                      prefill_batched_tokens=64, network_hosts=True)  # fmt: skip
+    c = start_cluster(
+        tiny_dir,
+        tmp_path_factory.mktemp("cpp-hosts"),
+        prefill=1,
+        prefill_groups=1,
+        group_size=2,
+        decode=1,
+        prefill_batched_tokens=64,
+        network_hosts=True,
+    )
     yield c
     c.stop()
 
@@ -74,10 +82,17 @@ def test_a_stage_server_killed_mid_prefill_loses_no_request(cluster, tiny_dir):
     victim = cluster.components["prefill-0-stage1"]
     for attempt in range(5):
         pid, restarts = victim.proc.pid, victim.restarts
-        landed = kill_mid_prefill(cluster, tiny_dir, f"hosts-kill-{attempt}", prompt_of(900, seed=321 + attempt),
-                                  lambda: os.kill(pid, signal.SIGKILL))  # fmt: skip
+        landed = kill_mid_prefill(
+            cluster,
+            tiny_dir,
+            f"hosts-kill-{attempt}",
+            prompt_of(900, seed=321 + attempt),
+            lambda: os.kill(pid, signal.SIGKILL),
+        )
         deadline = time.monotonic() + 120
-        while (victim.restarts == restarts or not victim.alive or "address" not in victim.info) and time.monotonic() < deadline:
+        while (
+            victim.restarts == restarts or not victim.alive or "address" not in victim.info
+        ) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert victim.restarts > restarts and victim.proc.pid != pid  # restarted by the supervisor
         if landed:

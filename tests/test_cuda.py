@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
-
 from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
 from conftest import assert_greedy_close, make_engine, run_to_completion
+
 from mooncake.engine.request import SamplingParams
 
 # MOONCAKE_TEST_DEVICE=cpu runs the same tests on the CPU (a dry run of their logic on a machine without a GPU)
@@ -81,8 +81,15 @@ def test_pushes_from_a_cuda_cache_land_what_the_cache_holds(tiny_llama):
 def gpu_cluster(request, tiny_dir, tmp_path_factory):
     """A cluster whose workers run on the GPU: one prefill worker, or a 2-stage pipelined group, and one decode worker."""
     group = dict(prefill_groups=1, group_size=2) if request.param == "group" else {}
-    c = start_cluster(tiny_dir, tmp_path_factory.mktemp(f"cuda-{request.param}"), prefill=1, decode=1, device=DEVICE,
-                      prefill_batched_tokens=64, **group)  # fmt: skip
+    c = start_cluster(
+        tiny_dir,
+        tmp_path_factory.mktemp(f"cuda-{request.param}"),
+        prefill=1,
+        decode=1,
+        device=DEVICE,
+        prefill_batched_tokens=64,
+        **group,
+    )
     c.kind = request.param
     yield c
     c.stop()
@@ -93,14 +100,18 @@ def test_greedy_through_gpu_workers_equals_one_gpu_engine(gpu_cluster, tiny_dir,
     if gpu_cluster.kind == "group":
         assert instances(gpu_cluster)["prefill-0"].pipeline_stages == 2
     prompt = prompt_of(length, seed=1000 + length, vocab=450)
-    got = generate(backend(gpu_cluster), f"cuda-{gpu_cluster.kind}-{length}", prompt, 16, temperature=0.0, ignore_eos=True)
+    got = generate(
+        backend(gpu_cluster), f"cuda-{gpu_cluster.kind}-{length}", prompt, 16, temperature=0.0, ignore_eos=True
+    )
     assert tokens(got) == reference_tokens(tiny_dir, prompt, 16, device=DEVICE)
 
 
 def test_a_prefix_from_the_pool_is_loaded_into_the_gpu_cache(gpu_cluster, tiny_dir):
     shared = prompt_of(256, seed=77, vocab=450)
     be = backend(gpu_cluster)
-    generate(be, f"cuda-{gpu_cluster.kind}-a", shared + prompt_of(20, seed=1, vocab=450), 4, temperature=0.0, ignore_eos=True)
+    generate(
+        be, f"cuda-{gpu_cluster.kind}-a", shared + prompt_of(20, seed=1, vocab=450), 4, temperature=0.0, ignore_eos=True
+    )
     prompt = shared + prompt_of(100, seed=2, vocab=450)
     got = generate(be, f"cuda-{gpu_cluster.kind}-b", prompt, 16, temperature=0.0, ignore_eos=True)
     assert got[-1].cached_tokens == 256
@@ -121,13 +132,20 @@ def test_a_prompt_chunk_over_a_cached_prefix_attends_like_the_masked_reference()
     kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(DEVICE, dtype) for _ in range(2))
     blocks = torch.randperm(nb, generator=g)[: -(-ctx // bs)].to(DEVICE)
     q = torch.randn(n, h, d, generator=g).to(DEVICE, dtype)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long, device=DEVICE), num_decodes=0,
-                             decode_block_table=None, decode_ctx_lens=None, decode_mask=None,
-                             prefills=[PrefillSegment(0, n, ctx, blocks)])  # fmt: skip
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.long, device=DEVICE),
+        num_decodes=0,
+        decode_block_table=None,
+        decode_ctx_lens=None,
+        decode_mask=None,
+        prefills=[PrefillSegment(0, n, ctx, blocks)],
+    )
     out = paged_attention(q, q[:, :hkv], q[:, :hkv], kc, vc, meta, d**-0.5)  # [n, H, D]
     keys, values = (c[blocks].flatten(0, 1)[:ctx].float().transpose(0, 1)[None] for c in (kc, vc))  # [1, Hkv, ctx, D]
     mask = torch.ones(n, ctx, dtype=torch.bool, device=DEVICE).tril(ctx - n)
-    want = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True
+    )
     assert torch.allclose(out.float(), want[0].transpose(0, 1), atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 

@@ -11,14 +11,20 @@ REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy" / "grafana" / "mooncake.json"
 # The files whose Prometheus metrics the dashboard may query.
 METRIC_SOURCES = [
-    "mooncake/gateway/metrics.py", "decode/server.py", "prefill/server.py", "kvstore/metrics.py", "conductor/service.py",
+    "mooncake/gateway/metrics.py",
+    "decode/server.py",
+    "prefill/server.py",
+    "kvstore/metrics.py",
+    "conductor/service.py",
     "transfer/metrics.py",
-]  # fmt: skip
+]
 
 
 def exported_series() -> set[str]:
     """Every series name the components expose: Counter -> name_total, Histogram -> _bucket, _sum, _count."""
-    pattern = re.compile(r"\b(Counter|Gauge|Histogram|Summary|CounterMetricFamily|GaugeMetricFamily)\(\s*\"(mooncake_\w+)\"")
+    pattern = re.compile(
+        r"\b(Counter|Gauge|Histogram|Summary|CounterMetricFamily|GaugeMetricFamily)\(\s*\"(mooncake_\w+)\""
+    )
     series = set()
     for source in METRIC_SOURCES:
         for kind, name in pattern.findall((REPO / source).read_text()):
@@ -49,11 +55,22 @@ def test_dashboard_is_grafana_json_with_a_datasource_variable():
         if panel["type"] == "row":
             continue
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
-        assert panel["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel["title"]
+        assert panel["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel[
+            "title"
+        ]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
-    wanted = {"TTFT (gateway)", "TBT (gateway)", "Rejections by reason (gateway)", "Prompt tokens served from cache, by tier",
-              "KV bytes moved", "Prefill queue", "Running batch and cap", "Pool usage by tier", "Instances alive"}  # fmt: skip
+    wanted = {
+        "TTFT (gateway)",
+        "TBT (gateway)",
+        "Rejections by reason (gateway)",
+        "Prompt tokens served from cache, by tier",
+        "KV bytes moved",
+        "Prefill queue",
+        "Running batch and cap",
+        "Pool usage by tier",
+        "Instances alive",
+    }
     assert wanted <= set(titles), sorted(wanted - set(titles))
 
 
@@ -67,6 +84,12 @@ def test_dashboard_queries_only_metrics_the_code_exports():
 
 def test_dashboard_latency_panels_take_quantiles_over_histogram_buckets():
     exprs = dashboard_queries()
-    for metric in ("mooncake_gateway_ttft_seconds", "mooncake_gateway_tbt_seconds", "mooncake_gateway_rejection_seconds"):
-        quantiles = {q for e in exprs if f"{metric}_bucket" in e for q in re.findall(r"histogram_quantile\((0\.\d+)", e)}
+    for metric in (
+        "mooncake_gateway_ttft_seconds",
+        "mooncake_gateway_tbt_seconds",
+        "mooncake_gateway_rejection_seconds",
+    ):
+        quantiles = {
+            q for e in exprs if f"{metric}_bucket" in e for q in re.findall(r"histogram_quantile\((0\.\d+)", e)
+        }
         assert quantiles == {"0.5", "0.9", "0.99"}, metric

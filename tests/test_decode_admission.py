@@ -16,8 +16,18 @@ from mooncake.engine.request import SamplingParams
 
 
 def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waiting_is_refused(tiny_dir, shm_dir):
-    worker = DecodeWorker(DecodeConfig(id=f"decode-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), block_size=16, num_kv_blocks=64,
-                                       max_model_len=256, max_num_seqs=1, write_behind=False, shm_dir=shm_dir))  # fmt: skip
+    worker = DecodeWorker(
+        DecodeConfig(
+            id=f"decode-{uuid.uuid4().hex[:6]}",
+            model=str(tiny_dir),
+            block_size=16,
+            num_kv_blocks=64,
+            max_model_len=256,
+            max_num_seqs=1,
+            write_behind=False,
+            shm_dir=shm_dir,
+        )
+    )
     try:
         assert worker.batch_cap == 1
         worker._in_prefill = 5  # five requests between admission and their first token (each holds landing room)
@@ -26,8 +36,9 @@ def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waitin
         outputs = []
         params = SamplingParams(max_tokens=230, temperature=0.0, ignore_eos=True)
         for n in range(2):  # two land: one runs, one waits for its place (a whole batch of one)
-            worker.loop.submit_nowait(outputs.append, prompt_token_ids=[11 + n] * 20, sampling_params=params,
-                                      request_id=f"landed-{n}").result(10)  # fmt: skip
+            worker.loop.submit_nowait(
+                outputs.append, prompt_token_ids=[11 + n] * 20, sampling_params=params, request_id=f"landed-{n}"
+            ).result(10)
         deadline = time.monotonic() + 10
         while worker.loop.num_running < 2:
             assert time.monotonic() < deadline
@@ -41,16 +52,30 @@ def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waitin
 def test_the_heartbeat_reports_the_mean_step_since_the_last_one(tiny_dir, shm_dir):
     """The Conductor's decode predictor learns from one sample per heartbeat: the mean of the steps between two, not
     the last step alone (which swung with whatever else the cores were doing at that moment)."""
-    worker = DecodeWorker(DecodeConfig(id=f"decode-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), block_size=16, num_kv_blocks=64,
-                                       max_model_len=256, max_num_seqs=4, write_behind=False, shm_dir=shm_dir))  # fmt: skip
+    worker = DecodeWorker(
+        DecodeConfig(
+            id=f"decode-{uuid.uuid4().hex[:6]}",
+            model=str(tiny_dir),
+            block_size=16,
+            num_kv_blocks=64,
+            max_model_len=256,
+            max_num_seqs=4,
+            write_behind=False,
+            shm_dir=shm_dir,
+        )
+    )
     try:
         worker.learn_step_times()
         assert worker.step_mean is None  # no step yet: nothing to report
         done = []
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         for n in range(2):
-            worker.loop.submit_nowait(lambda out: out.finished and done.append(out), prompt_token_ids=[7 + n] * (20 + 30 * n),
-                                      sampling_params=params, request_id=f"r{n}").result(10)  # fmt: skip
+            worker.loop.submit_nowait(
+                lambda out: out.finished and done.append(out),
+                prompt_token_ids=[7 + n] * (20 + 30 * n),
+                sampling_params=params,
+                request_id=f"r{n}",
+            ).result(10)
         deadline = time.monotonic() + 30
         while len(done) < 2:
             assert time.monotonic() < deadline

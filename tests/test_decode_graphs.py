@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import RecordingConnector, make_engine, run_to_completion
+
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.decode_graph import graph_buckets
 from mooncake.engine.grammar import grammar_for
@@ -108,17 +108,29 @@ def test_a_graph_step_gives_the_connector_every_layer_and_the_kv_the_eager_step_
         engine.add_request(prompt_of(20, seed=5), SamplingParams(max_tokens=5, temperature=0.0), request_id="r")
         run_to_completion(engine)
     layers = tiny_llama.hf.config.num_hidden_layers
-    decode_step = [("start", conns[0].steps[-1].step_id), *[("load", i) for i in range(layers)],
-                   *[("save", i) for i in range(layers)], ("end",)]  # fmt: skip
-    assert conns[0].events[-len(decode_step):] == decode_step
+    decode_step = [
+        ("start", conns[0].steps[-1].step_id),
+        *[("load", i) for i in range(layers)],
+        *[("save", i) for i in range(layers)],
+        ("end",),
+    ]
+    assert conns[0].events[-len(decode_step) :] == decode_step
     for layer in range(layers):
         got, want = conns[0].saved_k[("r", layer)], conns[1].saved_k[("r", layer)]
         assert len(got) == len(want) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
 
 
 def test_a_grammar_constrained_request_through_the_graphs_equals_eager(tiny_dir, tok):
-    schema = {"type": "object", "properties": {"k": {"enum": [1, 2, 3]}}, "required": ["k"], "additionalProperties": False}
-    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, grammar=grammar_for(json_schema=schema)) for s in range(3)]
+    schema = {
+        "type": "object",
+        "properties": {"k": {"enum": [1, 2, 3]}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(max_tokens=30, temperature=1.0, seed=s, grammar=grammar_for(json_schema=schema))
+        for s in range(3)
+    ]
     outs = []
     for flags in (dict(decode_graphs=True), dict(enforce_eager=True)):
         engine = make_engine(tiny_dir, tokenizer=tok, device=DEVICE, block_size=16, max_model_len=512, **flags)

@@ -33,12 +33,30 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from charts import (
-    CHART, VLLM_GPU, RELEASE, NAMESPACE, PREFIX, VALUE_SETS, helm, kubernetes_validate, run, render_text, render, merged_values, find, kinds, pod_spec, container, flags, port_number, expanded_args, mooncake_containers,
-)  # fmt: skip
-from mooncake.serving.process import parse_ready
+    CHART,
+    NAMESPACE,
+    PREFIX,
+    RELEASE,
+    VALUE_SETS,
+    VLLM_GPU,
+    container,
+    expanded_args,
+    find,
+    flags,
+    helm,
+    kinds,
+    kubernetes_validate,
+    merged_values,
+    mooncake_containers,
+    pod_spec,
+    port_number,
+    render,
+    render_text,
+    run,
+)
 
+from mooncake.serving.process import parse_ready
 
 # -- lint, render, validate ------------------------------------------------------------
 
@@ -161,7 +179,10 @@ def test_gpus_are_requested_only_when_set():
         for _, c, _ in mooncake_containers(docs):
             res = c["resources"]
             if "nvidia.com/gpu" in json.dumps(res):
-                out[c["name"]] = (res.get("requests", {}).get("nvidia.com/gpu"), res.get("limits", {}).get("nvidia.com/gpu"))
+                out[c["name"]] = (
+                    res.get("requests", {}).get("nvidia.com/gpu"),
+                    res.get("limits", {}).get("nvidia.com/gpu"),
+                )
         return out
 
     assert gpus(render()) == {}
@@ -192,7 +213,11 @@ def test_conductor_may_get_patch_and_scale_the_pool_deployments():
     assert set(by_resource) == {"apps/deployments", "apps/deployments/scale", "/pods"}
     binding = find(docs, "RoleBinding", f"{PREFIX}-conductor")
     account = pod_spec(docs, "conductor")["serviceAccountName"]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     find(docs, "ServiceAccount", account)
     for component in ("gateway", "prefill", "decode"):  # only the Conductor holds the token
@@ -234,16 +259,20 @@ def test_conductor_pool_provider_calls_are_all_allowed_by_its_role():
     api = RecordingApi(replicas=2)
     provider._api = (api, api)
     provider.add(Role.DECODE, 1)
-    provider.remove(Instance(f"{PREFIX}-prefill-5d8f-abcde", Role.PREFILL, "10.1.2.3:7200", node=f"{PREFIX}-prefill-5d8f-abcde"))
+    provider.remove(
+        Instance(f"{PREFIX}-prefill-5d8f-abcde", Role.PREFILL, "10.1.2.3:7200", node=f"{PREFIX}-prefill-5d8f-abcde")
+    )
     assert {r[3] for r in api.requests if r[1] == "deployments/scale"} == {f"{PREFIX}-decode", f"{PREFIX}-prefill"}
     rules = find(docs, "Role", f"{PREFIX}-conductor")["rules"]
     for group, resource, verb, name, namespace in api.requests:
         assert namespace == NAMESPACE
         allowed = any(
-            group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+            group in r["apiGroups"]
+            and resource in r["resources"]
+            and verb in r["verbs"]
             and ("resourceNames" not in r or name in r["resourceNames"])
             for r in rules
-        )  # fmt: skip
+        )
         assert allowed, f"the Role does not allow {verb} {resource} {name}"
 
 
@@ -260,7 +289,9 @@ def test_gateway_service_reaches_the_gateway_port(service_port):
     (port,) = service["spec"]["ports"]
     assert port["port"] == (service_port or 8000)
     assert port_number(gateway, port["targetPort"]) == int(flags(gateway)["--port"]) == 8000
-    assert service["spec"]["selector"] == find(docs, "Deployment", f"{PREFIX}-gateway")["spec"]["selector"]["matchLabels"]
+    assert (
+        service["spec"]["selector"] == find(docs, "Deployment", f"{PREFIX}-gateway")["spec"]["selector"]["matchLabels"]
+    )
     assert flags(gateway)["--conductor"] == "$(MOONCAKE_CONDUCTOR)"
     config = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]
     conductor = find(docs, "Service", f"{PREFIX}-conductor")
@@ -353,8 +384,11 @@ def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vll
             args = importlib.import_module(f"{component}.server").parse_args(expanded_args(docs, c))
             workers.add(component)
             assert args.engine == "vllm"
-            assert parse_vllm_args(args.vllm_arg) == {"enforce_eager": True, "gpu_memory_utilization": 0.85,
-                                                      "compilation_config": {"level": 0}}  # fmt: skip
+            assert parse_vllm_args(args.vllm_arg) == {
+                "enforce_eager": True,
+                "gpu_memory_utilization": 0.85,
+                "compilation_config": {"level": 0},
+            }
         else:
             assert not any(a.startswith("--vllm-arg") for a in c["args"]), component
     assert workers == {"prefill", "decode"}
@@ -405,7 +439,11 @@ def test_production_values_scale_out_behind_tls_with_external_redis():
     assert backend == {"name": f"{PREFIX}-gateway", "port": {"name": "http"}}
     for component in ("prefill", "decode"):
         hpa = find(docs, "HorizontalPodAutoscaler", f"{PREFIX}-{component}")
-        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{PREFIX}-{component}"}
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": f"{PREFIX}-{component}",
+        }
         assert "replicas" not in find(docs, "Deployment", f"{PREFIX}-{component}")["spec"]  # the HPA owns it
     gateway = container(pod_spec(docs, "gateway"), "gateway")
     assert "--api-key=$(MOONCAKE_API_KEY)" in gateway["args"]
@@ -430,32 +468,51 @@ def test_service_monitor_scrapes_every_components_metrics_port():
             names = {p["name"] for p in d["spec"]["ports"]}
             scraped |= {(d["metadata"]["name"], p) for p in names & endpoint_ports}
     assert scraped == {
-        (f"{PREFIX}-gateway", "http"), (f"{PREFIX}-conductor", "metrics"), (f"{PREFIX}-prefill", "metrics"),
-        (f"{PREFIX}-prefill", "kv-metrics"), (f"{PREFIX}-decode", "metrics"),
-    }  # fmt: skip
+        (f"{PREFIX}-gateway", "http"),
+        (f"{PREFIX}-conductor", "metrics"),
+        (f"{PREFIX}-prefill", "metrics"),
+        (f"{PREFIX}-prefill", "kv-metrics"),
+        (f"{PREFIX}-decode", "metrics"),
+    }
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
         (["--set", "decode.terminationGracePeriodSeconds=30"], "decode.terminationGracePeriodSeconds (30) must exceed"),
-        (["--set", "prefill.autoscaling.enabled=true", "--set", "prefill.autoscaling.targetCPUUtilizationPercentage=null"],
-         "prefill.autoscaling needs targetCPUUtilizationPercentage or metrics"),
+        (
+            [
+                "--set",
+                "prefill.autoscaling.enabled=true",
+                "--set",
+                "prefill.autoscaling.targetCPUUtilizationPercentage=null",
+            ],
+            "prefill.autoscaling needs targetCPUUtilizationPercentage or metrics",
+        ),
         (["--set", "conductor.poolProvider=local"], "conductor.poolProvider must be none or kubernetes"),
         (["--set", "engine.kind=sglang"], 'engine.kind must be native or vllm, not "sglang"'),
-        (["-f", str(VLLM_GPU), "--set", "model.blockSize=24"],
-         "model.blockSize (24) must be a multiple of 16 with engine.kind=vllm"),
-        (["-f", str(VLLM_GPU), "--set", "decode.gpus=0"],
-         "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU (decode.gpus is 0)"),
-        (["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu"],
-         "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU (image.variant is vllm-cpu)"),
+        (
+            ["-f", str(VLLM_GPU), "--set", "model.blockSize=24"],
+            "model.blockSize (24) must be a multiple of 16 with engine.kind=vllm",
+        ),
+        (
+            ["-f", str(VLLM_GPU), "--set", "decode.gpus=0"],
+            "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU (decode.gpus is 0)",
+        ),
+        (
+            ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu"],
+            "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU (image.variant is vllm-cpu)",
+        ),
         (["-f", str(VLLM_GPU), "--set", "image.variant=cuda"], "engine.kind=vllm needs an image with vLLM"),
         (["-f", str(VLLM_GPU), "--set", "engine.vllmArgs={enforce_eager}"], "engine.vllmArgs wants KEY=VALUE strings"),
         (["--set", "redis.enabled=false", "--set", "conductor.replicas=2"], "conductor.replicas=2 needs Redis"),
-        (["--set", "prefill.groups.replicas=1", "--set", "prefill.groups.stages=1"], "prefill.groups.stages must be at least 2"),
+        (
+            ["--set", "prefill.groups.replicas=1", "--set", "prefill.groups.stages=1"],
+            "prefill.groups.stages must be at least 2",
+        ),
         (["-f", str(VLLM_GPU), "--set", "prefill.groups.replicas=1"], "prefill.groups run the native engine only"),
     ],
-)  # fmt: skip
+)
 def test_inconsistent_values_fail_with_a_message(bad, message):
     out = run(helm(), "template", RELEASE, str(CHART), *bad)
     assert out.returncode != 0
@@ -482,12 +539,19 @@ class PodProcesses:
             env |= {e["name"]: e["value"] for e in c.get("env", []) if "value" in e and e["name"] != "HOME"}
             env = {k: _moved(v, mounts) for k, v in env.items()}
             env |= self.env  # what the cluster's DNS names resolve to here
-            args = [_moved(a.replace("/dev/shm/mooncake", self.shm_dir), mounts) for a in expanded_args(self.docs, c, env)]
+            args = [
+                _moved(a.replace("/dev/shm/mooncake", self.shm_dir), mounts) for a in expanded_args(self.docs, c, env)
+            ]
             if c["name"] == "decode":  # its landing segment: the mount's path is the default; here a private one
                 args.append(f"--shm-dir={self.shm_dir}")
             log = open(self.logs / f"{c['name']}.log", "w")
-            proc = subprocess.Popen([sys.executable, "-m", "mooncake.cli.main", "serve", c["args"][0], *args],
-                                    stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **env})  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "mooncake.cli.main", "serve", c["args"][0], *args],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env={**os.environ, **env},
+            )
             self.running.append((c["name"], proc, spec.get("terminationGracePeriodSeconds", 30)))
             deadline = time.monotonic() + timeout_s
             while parse_ready(line := proc.stdout.readline()) is None:
@@ -557,13 +621,28 @@ def test_rendered_pods_run_answer_their_probes_serve_and_stop_within_their_grace
     stop on SIGTERM within their pod's grace period."""
     from mooncake.localproc import RedisServer, free_port
 
-    ports = ["conductor.port", "conductor.metricsPort", "conductor.controlPort", "gateway.port", "prefill.port",
-             "prefill.metricsPort", "prefill.kvstore.port", "prefill.kvstore.controlPort", "prefill.kvstore.transferPort",
-             "prefill.kvstore.metricsPort", "decode.port", "decode.metricsPort"]  # fmt: skip
+    ports = [
+        "conductor.port",
+        "conductor.metricsPort",
+        "conductor.controlPort",
+        "gateway.port",
+        "prefill.port",
+        "prefill.metricsPort",
+        "prefill.kvstore.port",
+        "prefill.kvstore.controlPort",
+        "prefill.kvstore.transferPort",
+        "prefill.kvstore.metricsPort",
+        "decode.port",
+        "decode.metricsPort",
+    ]
     sets = {key: free_port() for key in ports} | {
-        "model.dir": smollm2_dir, "prefill.threads": 1, "decode.threads": 1, "prefill.numKvBlocks": 256,
-        "decode.numKvBlocks": 512, "prefill.kvstore.dramMib": 256,
-    }  # fmt: skip
+        "model.dir": smollm2_dir,
+        "prefill.threads": 1,
+        "decode.threads": 1,
+        "prefill.numKvBlocks": 256,
+        "decode.numKvBlocks": 512,
+        "prefill.kvstore.dramMib": 256,
+    }
     docs = render(*(arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")))
     redis = RedisServer(tmp_path)
     shm_dir = f"/dev/shm/mc-deploy-test-{os.getpid()}"
@@ -587,7 +666,9 @@ def test_rendered_pods_run_answer_their_probes_serve_and_stop_within_their_grace
                     if probe is None:
                         continue
                     if "tcpSocket" in probe:
-                        socket.create_connection(("127.0.0.1", port_number(c, probe["tcpSocket"]["port"])), timeout=2).close()
+                        socket.create_connection(
+                            ("127.0.0.1", port_number(c, probe["tcpSocket"]["port"])), timeout=2
+                        ).close()
                     else:
                         port = port_number(c, probe["httpGet"]["port"])
                         status, _ = http_status(f"http://127.0.0.1:{port}{probe['httpGet']['path']}")
@@ -596,9 +677,15 @@ def test_rendered_pods_run_answer_their_probes_serve_and_stop_within_their_grace
         system = "You answer questions about European capitals briefly and precisely. " * 10
         usage = []
         for question in ("What is the capital of France?", "What is the capital of France? One word."):
-            status, answer = http_status(f"{gateway}/v1/chat/completions", {
-                "model": "smollm2-135m", "max_tokens": 12, "temperature": 0,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})  # fmt: skip
+            status, answer = http_status(
+                f"{gateway}/v1/chat/completions",
+                {
+                    "model": "smollm2-135m",
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                },
+            )
             assert status == 200
             assert "Paris" in answer["choices"][0]["message"]["content"]
             usage.append(answer["usage"])

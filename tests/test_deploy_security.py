@@ -7,11 +7,19 @@ import base64
 import json
 
 import pytest
-
 from charts import (
-    CHART, RELEASE, PREFIX, VALUE_SETS, helm, run, render, find, pod_spec, container, mooncake_containers,
-)  # fmt: skip
-
+    CHART,
+    PREFIX,
+    RELEASE,
+    VALUE_SETS,
+    container,
+    find,
+    helm,
+    mooncake_containers,
+    pod_spec,
+    render,
+    run,
+)
 
 CALLERS = {  # who calls whom inside a release (the chart's NetworkPolicies must allow exactly this)
     "conductor": {"gateway", "prefill", "prefill-group", "decode"},
@@ -25,9 +33,16 @@ CALLERS = {  # who calls whom inside a release (the chart's NetworkPolicies must
 @pytest.mark.parametrize("values", ["default", "production"])
 def test_network_policies_let_in_only_the_callers_and_only_the_gateway_from_outside(values):
     docs = render(*VALUE_SETS[values])
-    policies = {d["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: d for d in docs if d["kind"] == "NetworkPolicy"}
-    pods = {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs
-            if d["kind"] in ("Deployment", "StatefulSet")}  # fmt: skip
+    policies = {
+        d["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: d
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+    }
+    pods = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
     assert pods <= set(policies), f"pods without a policy: {pods - set(policies)}"
     for component, policy in policies.items():
         assert policy["spec"]["policyTypes"] == ["Ingress"]
@@ -42,7 +57,9 @@ def test_network_policies_let_in_only_the_callers_and_only_the_gateway_from_outs
         assert expression["key"] == "app.kubernetes.io/component" and set(expression["values"]) == CALLERS[component]
         if values == "production" and component != "redis":  # Prometheus, on the metrics ports alone
             (scrape,) = metrics
-            assert scrape["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+            assert scrape["from"] == [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ]
             assert {p["port"] for p in scrape["ports"]} <= {"metrics", "kv-metrics"}
         else:
             assert metrics == []
@@ -53,7 +70,10 @@ def test_the_gateway_and_the_conductor_run_on_a_read_only_root_filesystem_with_a
     for component in ("gateway", "conductor"):
         spec = pod_spec(docs, component)
         c = container(spec, component)
-        assert c["securityContext"]["readOnlyRootFilesystem"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert (
+            c["securityContext"]["readOnlyRootFilesystem"] is True
+            and c["securityContext"]["allowPrivilegeEscalation"] is False
+        )
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
         assert {v["name"]: v for v in spec["volumes"]}["tmp"]["emptyDir"]
         assert spec["securityContext"]["runAsNonRoot"] is True
@@ -65,7 +85,9 @@ def test_the_conductor_has_an_operator_token_from_a_secret_mounted_read_only():
     docs = render()
     spec = pod_spec(docs, "conductor")
     c = container(spec, "conductor")
-    assert {e["name"]: e.get("value") for e in c["env"]}["MOONCAKE_OPERATOR_TOKEN_FILE"] == "/etc/mooncake/operator/token"
+    assert {e["name"]: e.get("value") for e in c["env"]}[
+        "MOONCAKE_OPERATOR_TOKEN_FILE"
+    ] == "/etc/mooncake/operator/token"
     assert {"name": "operator", "mountPath": "/etc/mooncake/operator", "readOnly": True} in c["volumeMounts"]
     volume = {v["name"]: v for v in spec["volumes"]}["operator"]["secret"]
     assert volume["secretName"] == f"{PREFIX}-operator" and volume["items"] == [{"key": "token", "path": "token"}]
@@ -87,7 +109,16 @@ def test_tenants_come_from_a_secret_mounted_read_only_and_exclude_a_single_key()
     assert {"name": "tenants", "mountPath": "/etc/mooncake/tenants", "readOnly": True} in gateway["volumeMounts"]
     volume = {v["name"]: v for v in spec["volumes"]}["tenants"]["secret"]
     assert volume == {"secretName": "mooncake-tenants", "items": [{"key": "tenants.yaml", "path": "tenants.yaml"}]}
-    out = run(helm(), "template", RELEASE, str(CHART), "--set", "gateway.tenants.existingSecret=t", "--set", "gateway.apiKey.value=k")
+    out = run(
+        helm(),
+        "template",
+        RELEASE,
+        str(CHART),
+        "--set",
+        "gateway.tenants.existingSecret=t",
+        "--set",
+        "gateway.apiKey.value=k",
+    )
     assert out.returncode != 0 and "exclusive" in out.stderr
 
 
@@ -97,7 +128,9 @@ def test_api_key_value_is_stored_in_a_secret():
     assert secret["stringData"] == {"api-key": "s3cret"}
     gateway = container(pod_spec(docs, "gateway"), "gateway")
     assert "s3cret" not in json.dumps(gateway)  # the pod reads it from the Secret
-    assert {e["name"]: e for e in gateway["env"]}["MOONCAKE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == f"{PREFIX}-gateway"
+    assert {e["name"]: e for e in gateway["env"]}["MOONCAKE_API_KEY"]["valueFrom"]["secretKeyRef"][
+        "name"
+    ] == f"{PREFIX}-gateway"
 
 
 def test_every_component_speaks_mutual_tls_with_the_certificates_the_chart_makes(tmp_path):

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import RecordingConnector, make_engine, run_to_completion
+
 from mooncake.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 
 
@@ -140,7 +140,9 @@ def test_eos_listed_only_in_generation_config_stops(tiny_llama, tmp_path):
 @pytest.fixture(scope="module")
 def tokenized_model(tmp_path_factory):
     """A tiny model directory that ships a tokenizer, and that tokenizer."""
-    tokenizer_mod = pytest.importorskip("mooncake.engine.tokenizer", reason="stop strings need mooncake.engine.tokenizer")
+    tokenizer_mod = pytest.importorskip(
+        "mooncake.engine.tokenizer", reason="stop strings need mooncake.engine.tokenizer"
+    )
     tiny_mod = pytest.importorskip("mooncake.engine.tiny", reason="needs make_tiny for a model with a tokenizer")
     path = tiny_mod.make_tiny(tmp_path_factory.mktemp("tok") / "llama", "llama", seed=3)
     return path, tokenizer_mod.Tokenizer.from_dir(path)
@@ -172,7 +174,9 @@ def test_stop_string_ends_request_and_trims_text(tokenized_model):
     assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
     assert out.text == text_i[:at]
 
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=32, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True
+    )
     (out,) = engine.generate([prompt], params)
     assert out.text == text_i[: at + len(stop)]
 

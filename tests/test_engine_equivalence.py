@@ -14,8 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    TINY_ARCHS,
+    RecordingConnector,
+    assert_greedy_close,
+    make_engine,
+    reference_greedy,
+    run_to_completion,
+)
 
-from conftest import TINY_ARCHS, RecordingConnector, assert_greedy_close, make_engine, reference_greedy, run_to_completion
 from mooncake.engine import FinishReason, LLMEngine, SamplingParams
 
 
@@ -161,7 +168,9 @@ def test_continuous_batching_with_late_arrivals(subject):
     assert mixed, "the late requests never shared a step with the first wave"
     for rid, prompt in zip(ids_first + ids_later, first + later):
         check_finish(final[rid], subject, subject.max_new)
-        assert_greedy_close(final[rid].output_token_ids, subject.hf, prompt, subject.max_new, label=f"{subject.name} {rid}")
+        assert_greedy_close(
+            final[rid].output_token_ids, subject.hf, prompt, subject.max_new, label=f"{subject.name} {rid}"
+        )
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
@@ -229,9 +238,15 @@ def test_preemption_keeps_tokens(subject):
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     for out, prompt in zip(outs, prompts):
         assert len(out.output_token_ids) == max_new and out.finish_reason == FinishReason.LENGTH
-        ref_len = out.output_token_ids.index(subject.eos_token_id) + 1 if subject.eos_token_id in out.output_token_ids else max_new
+        ref_len = (
+            out.output_token_ids.index(subject.eos_token_id) + 1
+            if subject.eos_token_id in out.output_token_ids
+            else max_new
+        )
         # transformers stops at EOS; compare the part it generates.
-        assert_greedy_close(out.output_token_ids[:ref_len], subject.hf, prompt, max_new, label=f"{subject.name} preempt")
+        assert_greedy_close(
+            out.output_token_ids[:ref_len], subject.hf, prompt, max_new, label=f"{subject.name} preempt"
+        )
 
 
 @pytest.mark.parametrize("where", ["all-computed", "mid-block"])
@@ -266,7 +281,9 @@ def test_kv_export_import_continues_exactly(subject, where):
     flat_a = kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)  # [L, 2, n*bs, Hkv, D]
     flat_b = kv_b.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)
     assert torch.equal(flat_b[:, :, :num_external], flat_a[:, :, :num_external])
-    torch.testing.assert_close(flat_b[:, :, num_external:computed], flat_a[:, :, num_external:computed], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        flat_b[:, :, num_external:computed], flat_a[:, :, num_external:computed], atol=1e-4, rtol=1e-4
+    )
 
     final = run_to_completion(engine_b)[rid_b]
     assert final.output_token_ids[: len(so_far)] == so_far

@@ -36,11 +36,17 @@ import httpx
 import pytest
 from clusters import start_cluster
 
-
 KEY = "sk-fuzz"
 CASES = int(os.environ.get("MOONCAKE_FUZZ_CASES", "300"))
-CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance",
-          "response_headers_conformance", "ignored_auth", "openai_error_body")  # fmt: skip
+CHECKS = (
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_schema_conformance",
+    "response_headers_conformance",
+    "ignored_auth",
+    "openai_error_body",
+)
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 HOOKS_DIR = Path(__file__).parent  # fuzz_hooks.py
 
@@ -67,38 +73,64 @@ def processes(cluster) -> dict[str, tuple[int, int, bool]]:
 
 def test_the_openapi_document_has_every_status_the_gateway_answers_and_no_422(gateway):
     doc = httpx.get(f"{gateway}/openapi.json", timeout=30).json()
-    statuses = {(method, path): set(op["responses"]) for path, item in doc["paths"].items() for method, op in item.items()}
+    statuses = {
+        (method, path): set(op["responses"]) for path, item in doc["paths"].items() for method, op in item.items()
+    }
     generation = {"200", "400", "401", "404", "429", "503"}
     assert statuses == {
-        ("post", "/v1/chat/completions"): generation, ("post", "/v1/completions"): generation,
-        ("get", "/v1/models"): {"200", "401"}, ("post", "/tokenize"): {"200", "400", "401", "404"},
-        ("post", "/detokenize"): {"200", "400", "401", "404"}, ("get", "/health"): {"200", "503"}, ("get", "/metrics"): {"200"},
-    }  # fmt: skip
+        ("post", "/v1/chat/completions"): generation,
+        ("post", "/v1/completions"): generation,
+        ("get", "/v1/models"): {"200", "401"},
+        ("post", "/tokenize"): {"200", "400", "401", "404"},
+        ("post", "/detokenize"): {"200", "400", "401", "404"},
+        ("get", "/health"): {"200", "503"},
+        ("get", "/metrics"): {"200"},
+    }
     chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
     assert chat["429"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
     assert chat["429"]["headers"]["Retry-After"]["required"]
     guarded = {path for path, item in doc["paths"].items() if all("security" in op for op in item.values())}
     assert guarded == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"}
-    assert doc["components"]["securitySchemes"] == {"bearerAuth": {"type": "http", "scheme": "bearer", "description": "The API key"}}
+    assert doc["components"]["securitySchemes"] == {
+        "bearerAuth": {"type": "http", "scheme": "bearer", "description": "The API key"}
+    }
     assert "HTTPValidationError" not in doc["components"]["schemas"]
 
 
 def schemathesis_run(gateway: str, model: str, cases_per_operation: int, workdir: Path) -> tuple[str, list[list[str]]]:
     """Run the CLI on the gateway; its exit code and output, and one ``[method, path, status, stream]`` per request."""
     argv = [
-        str(SCHEMATHESIS), "run", f"{gateway}/openapi.json", "--checks", ",".join(CHECKS),
-        "--max-examples", str(cases_per_operation), "--header", f"Authorization: Bearer {KEY}",
-        "--workers", "1", "--request-timeout", "120", "--generation-database", "none", "--no-color",
+        str(SCHEMATHESIS),
+        "run",
+        f"{gateway}/openapi.json",
+        "--checks",
+        ",".join(CHECKS),
+        "--max-examples",
+        str(cases_per_operation),
+        "--header",
+        f"Authorization: Bearer {KEY}",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "120",
+        "--generation-database",
+        "none",
+        "--no-color",
         "--continue-on-failure",  # every case runs, so the counts are whole and every distinct failure is listed
-    ]  # fmt: skip
+    ]
     if os.environ.get("MOONCAKE_FUZZ_SEED"):
         argv += ["--seed", os.environ["MOONCAKE_FUZZ_SEED"]]
     # one worker: with two threads, hypothesis's ast.parse of its lambdas hit CPython 3.11's "AST constructor
     # recursion depth mismatch" SystemError (a runtime error of the fuzzer, not of the gateway)
     requests = workdir / "requests.txt"
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "MOONCAKE_FUZZ_REQUESTS": str(requests), "MOONCAKE_FUZZ_MODEL": model,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOKS_DIR), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "fuzz_hooks",
+        "MOONCAKE_FUZZ_REQUESTS": str(requests),
+        "MOONCAKE_FUZZ_MODEL": model,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HOOKS_DIR), os.environ.get("PYTHONPATH")])),
+    }
     run = subprocess.run(argv, check=False, env=env, cwd=workdir, capture_output=True, text=True, timeout=240 + CASES)
     lines = requests.read_text().splitlines() if requests.exists() else []
     return run, [line.split(" ") for line in lines]
@@ -121,8 +153,10 @@ def test_fuzzed_requests_get_no_5xx_only_documented_responses_and_crash_nothing(
         per_operation.setdefault(operation, Counter())[status] += 1
     streams = sum(1 for _, _, status, stream in requests if status == "200" and stream == "stream")
     generated = re.search(r"(\d+) generated", run.stdout)
-    print(f"\nschemathesis: {generated.group(1) if generated else '?'} cases generated, {len(requests)} requests in "
-          f"{took:.0f} s, {streams} of them streamed 200s; statuses {dict(sorted(histogram.items()))}")
+    print(
+        f"\nschemathesis: {generated.group(1) if generated else '?'} cases generated, {len(requests)} requests in "
+        f"{took:.0f} s, {streams} of them streamed 200s; statuses {dict(sorted(histogram.items()))}"
+    )
     for operation, counts in sorted(per_operation.items()):
         print(f"  {operation}: {dict(sorted(counts.items()))}")
     after = processes(cluster)
@@ -130,7 +164,9 @@ def test_fuzzed_requests_get_no_5xx_only_documented_responses_and_crash_nothing(
     print(run.stdout[-2500:])
 
     assert after == before, "components died or restarted"
-    assert run.returncode == 0, f"schemathesis failed (exit {run.returncode}):\n{run.stdout[-20000:]}\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, (
+        f"schemathesis failed (exit {run.returncode}):\n{run.stdout[-20000:]}\n{run.stderr[-3000:]}"
+    )
     assert not [s for s in histogram if s.startswith("5")], histogram
     assert len(requests) >= CASES, f"only {len(requests)} requests of the {CASES} asked for"
     assert streams > 0, "no stream was answered: the event-stream schema went unchecked"

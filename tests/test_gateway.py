@@ -59,7 +59,11 @@ class FaultyBackend(GenerationBackend):
         self.generated = 0  # requests that reached generate
 
     def shedding(self) -> Rejected | None:
-        return Rejected("every prefill queue is past the TTFT SLO", code="ttft_slo", retry_after_s=4.2) if self.fault == "shed" else None
+        return (
+            Rejected("every prefill queue is past the TTFT SLO", code="ttft_slo", retry_after_s=4.2)
+            if self.fault == "shed"
+            else None
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self.generated += 1
@@ -117,8 +121,9 @@ def tokenizer(tiny_dir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def backend(tiny_dir) -> Iterator[LocalBackend]:
-    config = EngineConfig(model=str(tiny_dir), dtype="float32", block_size=16, num_kv_blocks=256,
-                          max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    config = EngineConfig(
+        model=str(tiny_dir), dtype="float32", block_size=16, num_kv_blocks=256, max_model_len=MAX_MODEL_LEN
+    )
     local = LocalBackend(config, "tiny")
     yield local
     asyncio.run(local.close())  # idempotent: the main server's shutdown closed it already
@@ -133,8 +138,12 @@ def gateway(backend, tokenizer) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def faulty(backend, tokenizer) -> Iterator[tuple[str, FaultyBackend]]:
-    strict = Tokenizer(tokenizer.backend, special_tokens={"eos_token": "<|im_end|>"}, chat_template=STRICT_TEMPLATE,
-                       eos_token_ids=tokenizer.eos_token_ids)  # fmt: skip
+    strict = Tokenizer(
+        tokenizer.backend,
+        special_tokens={"eos_token": "<|im_end|>"},
+        chat_template=STRICT_TEMPLATE,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
     wrapper = FaultyBackend(backend)
     served = Served(create_app(wrapper, strict, GatewayConfig(served_model_name="tiny")))
     yield served.url, wrapper
@@ -199,8 +208,16 @@ def test_chat_streamed_text_equals_whole_text_and_usage_counts_tokens(client, to
     # EOS before the budget is "stop"; running out of it is "length".
     assert choice.finish_reason == ("length" if usage.completion_tokens == 24 else "stop")
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=24,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
     with_choices = [c for c in chunks if c.choices]
@@ -216,19 +233,28 @@ def test_chat_streamed_text_equals_whole_text_and_usage_counts_tokens(client, to
 
 
 def test_logit_bias_and_penalties_reach_the_engine(client, tokenizer):
-    biased = client.completions.create(model="tiny", prompt="Once", max_tokens=5, temperature=0, logit_bias={"123": 100},
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    biased = client.completions.create(
+        model="tiny",
+        prompt="Once",
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"123": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert biased.choices[0].text == tokenizer.decode([123] * 5)
     # the same token forced again and again: a frequency penalty of 2 per repetition overcomes a bias of 7 by the 4th
-    forced = dict(model="tiny", prompt="Once", max_tokens=6, temperature=0, logit_bias={"123": 7}, extra_body={"ignore_eos": True})
+    forced = dict(
+        model="tiny", prompt="Once", max_tokens=6, temperature=0, logit_bias={"123": 7}, extra_body={"ignore_eos": True}
+    )
     plain = client.completions.create(**forced).choices[0].text
     penalised = client.completions.create(**forced, frequency_penalty=2.0).choices[0].text
     assert plain == tokenizer.decode([123] * 6) and penalised != plain
 
 
 def test_stream_without_include_usage_has_no_usage_and_ends_with_done(http):
-    with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 6,
-                                                           "stream": True}) as r:  # fmt: skip
+    with http.stream(
+        "POST", "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "stream": True}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -240,8 +266,9 @@ def test_ignore_eos_gives_exactly_max_tokens(client):
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
     # max_completion_tokens wins over max_tokens.
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=9, max_completion_tokens=3,
-                                         extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=9, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
@@ -254,8 +281,16 @@ def test_completion_of_text_and_of_token_ids(client, tokenizer):
     by_ids = client.completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=12)
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage.completion_tokens == by_text.usage.completion_tokens
-    streamed = list(client.completions.create(model="tiny", prompt=[ids], temperature=0, max_tokens=12, stream=True,
-                                              stream_options={"include_usage": True}))  # fmt: skip
+    streamed = list(
+        client.completions.create(
+            model="tiny",
+            prompt=[ids],
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == by_text.choices[0].text
     assert streamed[-1].usage.completion_tokens == by_text.usage.completion_tokens
 
@@ -265,9 +300,10 @@ def test_stop_string_cuts_the_text_before_it(client):
     free = client.chat.completions.create(**ask).choices[0].message.content
     # An ASCII piece from the middle of the text, first seen where we take it.
     stop = next(
-        free[i : i + 3] for i in range(len(free) // 3, len(free) - 3)
+        free[i : i + 3]
+        for i in range(len(free) // 3, len(free) - 3)
         if free[i : i + 3].isascii() and free[i : i + 3].strip() and free.find(free[i : i + 3]) == i
-    )  # fmt: skip
+    )
     expected = free[: free.index(stop)]
     cut = client.chat.completions.create(**ask, stop=[stop])
     assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
@@ -278,8 +314,14 @@ def test_stop_string_cuts_the_text_before_it(client):
 
 def test_seeded_sampling_repeats_and_seeds_differ(client):
     def sample(seed: int) -> str:
-        out = client.completions.create(model="tiny", prompt="A serving system", temperature=1.0, seed=seed,
-                                        max_tokens=12, extra_body={"ignore_eos": True})  # fmt: skip
+        out = client.completions.create(
+            model="tiny",
+            prompt="A serving system",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
         return out.choices[0].text
 
     assert sample(1234) == sample(1234)
@@ -287,9 +329,19 @@ def test_seeded_sampling_repeats_and_seeds_differ(client):
 
 
 def test_unknown_and_neutral_fields_are_accepted(http):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-            "max_tokens": 3, "logprobs": False, "user": "alice", "parallel_tool_calls": False, "top_k": 5,
-            "presence_penalty": 0, "cache_salt": "tenant-a", "n": 1, "some_future_field": {"x": 1}}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "max_tokens": 3,
+        "logprobs": False,
+        "user": "alice",
+        "parallel_tool_calls": False,
+        "top_k": 5,
+        "presence_penalty": 0,
+        "cache_salt": "tenant-a",
+        "n": 1,
+        "some_future_field": {"x": 1},
+    }
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == r.json()["id"]
@@ -333,21 +385,52 @@ LONG_IDS = [100] * 600
         (CHAT, {"model": "tiny"}, "messages"),
         (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
         (CHAT, {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0]"),
+        (
+            CHAT,
+            {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+        ),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "n": 0}, "n"),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "n": 17}, "n"),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
-        (CHAT, {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-        (CHAT, {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format"),
+        (
+            CHAT,
+            {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
+        (
+            CHAT,
+            {
+                "model": "tiny",
+                "messages": MESSAGES,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
+                    },
+                },
+            },
+            "response_format",
+        ),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
-                "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
-        (CHAT, {"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
-         "tools[0].function.name"),
+        (
+            CHAT,
+            {
+                "model": "tiny",
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            CHAT,
+            {"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
+            "tools[0].function.name",
+        ),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "stream": "yes please"}, "stream"),
         (CHAT, {"model": "tiny", "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
@@ -369,7 +452,7 @@ LONG_IDS = [100] * 600
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "logit_bias": {"1000000": 1}}, "logit_bias"),
         (COMPLETIONS, {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_are_400_with_the_offending_param(http, path, body, param):
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
@@ -384,17 +467,22 @@ def test_malformed_json_and_non_object_bodies_are_400(http):
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("path, body", [
-    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
-    (COMPLETIONS, b'{"model": "\\udc00", "prompt": "hi"}'),
-    ("/tokenize", b'{"prompt": "\\ud800"}'),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+        (COMPLETIONS, b'{"model": "\\udc00", "prompt": "hi"}'),
+        ("/tokenize", b'{"prompt": "\\ud800"}'),
+    ],
+)
 def test_a_lone_surrogate_in_a_string_is_400_and_a_pair_is_text(http, path, body):
     # found by tests/test_fuzz.py: the tokenizer, protobuf and the error response itself failed on these (500)
     r = http.post(path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_unicode"
-    emoji = http.post("/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}', headers={"content-type": "application/json"})
+    emoji = http.post(
+        "/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}', headers={"content-type": "application/json"}
+    )
     assert emoji.status_code == 200, emoji.text
 
 
@@ -455,7 +543,10 @@ def test_a_shedding_backend_gets_429_before_the_prompt_is_even_tokenized(faulty)
     backend.fault = "shed"
     before = backend.generated
     try:
-        for path, body in ((CHAT, {"model": "tiny", "messages": MESSAGES, "stream": True}), (COMPLETIONS, {"model": "tiny", "prompt": "x"})):
+        for path, body in (
+            (CHAT, {"model": "tiny", "messages": MESSAGES, "stream": True}),
+            (COMPLETIONS, {"model": "tiny", "prompt": "x"}),
+        ):
             r = httpx.post(f"{url}{path}", json=body)
             assert r.status_code == 429 and r.headers["retry-after"] == "5"
             assert r.json()["error"]["code"] == "ttft_slo" and "TTFT SLO" in r.json()["error"]["message"]
@@ -528,8 +619,10 @@ def test_client_leaving_before_a_whole_response_cancels_its_request(gateway, bac
     gone_before = metric(gateway, "mooncake_gateway_requests_total", endpoint=COMPLETIONS, status="499")
     tokens_before = metric(gateway, "mooncake_gateway_completion_tokens_total")
     body = json.dumps({"model": "tiny", "prompt": [100, 102], "max_tokens": budget, "ignore_eos": True}).encode()
-    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     url = httpx.URL(gateway)
     with socket.create_connection((url.host, url.port)) as conn:
         conn.sendall(head + body)
@@ -566,7 +659,7 @@ def test_tokenize_gives_the_ids_the_completions_see_and_detokenize_reverses_them
         ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ],
-)  # fmt: skip
+)
 def test_tokenize_and_detokenize_refuse_bad_input_in_openai_shape(http, path, body, status, param):
     r = http.post(path, json=body)
     assert r.status_code == status, r.text

@@ -81,8 +81,10 @@ def test_dequantize_rejects_wrong_payload_size():
 
 def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, written out independently."""
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
-        weights.shape
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
     )
 
 
@@ -386,9 +388,19 @@ def test_tiny_model_round_trips_through_gguf(tmp_path, arch, overrides):
 
     got, want = load_hf_config(converted), load_hf_config(original)
     for key in (
-        "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-        "rope_theta", "tie_word_embeddings", "vocab_size", "attention_bias",
+        "model_type",
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rope_theta",
+        "tie_word_embeddings",
+        "vocab_size",
+        "attention_bias",
     ):
         assert got[key] == want[key], key
     # GGUF stores epsilon as float32, as transformers reads it back too.

@@ -54,12 +54,20 @@ def test_a_schema_llguidance_cannot_compile_is_a_value_error_saying_why():
 
 
 def test_the_engine_samples_only_what_the_schema_allows_at_temperature_1(tiny_dir, tok):
-    engine = LLMEngine(EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=128, max_model_len=512), tokenizer=tok)
-    schema = {"type": "object", "properties": {"k": {"enum": [1, 2, 3]}, "v": {"type": "boolean"}},
-              "required": ["k", "v"], "additionalProperties": False}  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=128, max_model_len=512), tokenizer=tok
+    )
+    schema = {
+        "type": "object",
+        "properties": {"k": {"enum": [1, 2, 3]}, "v": {"type": "boolean"}},
+        "required": ["k", "v"],
+        "additionalProperties": False,
+    }
     grammar = grammar_for(json_schema=schema)
-    outs = engine.generate([tok.encode("x")] * 8, [SamplingParams(max_tokens=40, temperature=1.0, seed=s, grammar=grammar)
-                                                  for s in range(8)])  # fmt: skip
+    outs = engine.generate(
+        [tok.encode("x")] * 8,
+        [SamplingParams(max_tokens=40, temperature=1.0, seed=s, grammar=grammar) for s in range(8)],
+    )
     for out in outs:
         value = json.loads(tok.decode(out.output_token_ids))
         assert value["k"] in (1, 2, 3) and isinstance(value["v"], bool)

@@ -24,9 +24,9 @@ import uuid
 
 import pytest
 import torch
-
 from clusters import backend, generate, prefill_metric, reference_tokens, start_cluster, tokens
 from conftest import RecordingConnector, make_engine
+
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.request import SamplingParams
 from prefill.connector import PoolConnector, PrefillJob
@@ -85,8 +85,9 @@ def test_a_request_on_landed_blocks_decodes_one_engines_tokens_computing_only_th
     engine.reserve_blocks(2)  # so the landing blocks are not the prefill engine's block ids
     blocks = engine.reserve_blocks(3)
     land(engine, blocks, kv)
-    rid = engine.add_request(prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first],
-                             kv_block_ids=blocks)  # fmt: skip
+    rid = engine.add_request(
+        prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first], kv_block_ids=blocks
+    )
     final = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -106,8 +107,9 @@ def test_garbage_in_the_landed_blocks_shows_in_the_tokens(tiny_llama):
     engine = make_engine(tiny_llama.path)
     blocks = engine.reserve_blocks(3)
     land(engine, blocks, torch.zeros_like(kv))
-    rid = engine.add_request(prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first],
-                             kv_block_ids=blocks)  # fmt: skip
+    rid = engine.add_request(
+        prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first], kv_block_ids=blocks
+    )
     final = {o.request_id: o for _ in range(100) if engine.has_unfinished() for o in engine.step() if o.finished}
     assert final[rid].output_token_ids != alone(tiny_llama.path, prompt)
 
@@ -121,8 +123,14 @@ def test_a_preempted_landed_request_recomputes_its_prompt_and_still_gives_one_en
     blocks = engine.reserve_blocks(3)
     land(engine, blocks, kv)
     engine.add_request(other, greedy(max_tokens), request_id="other")  # ahead in the batch: the landed one is preempted
-    engine.add_request(prompt, greedy(max_tokens), request_id="landed", num_external_tokens=len(prompt),
-                       initial_output_token_ids=[first], kv_block_ids=blocks)  # fmt: skip
+    engine.add_request(
+        prompt,
+        greedy(max_tokens),
+        request_id="landed",
+        num_external_tokens=len(prompt),
+        initial_output_token_ids=[first],
+        kv_block_ids=blocks,
+    )
     final = {}
     for _ in range(500):
         if not engine.has_unfinished():
@@ -193,8 +201,12 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         return decode_node.buffer(segments[0].name)
 
     try:
-        decode = LLMEngine(EngineConfig(model=str(tiny_llama.path), block_size=BS, num_kv_blocks=16, max_num_batched_tokens=32,
-                                        dtype="float32"), kv_cache_buffer=in_shared_memory)  # fmt: skip
+        decode = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama.path), block_size=BS, num_kv_blocks=16, max_num_batched_tokens=32, dtype="float32"
+            ),
+            kv_cache_buffer=in_shared_memory,
+        )
         cache = decode.runner.kv_cache
         assert cache.data_ptr() == torch.frombuffer(decode_node.buffer(segments[0].name), dtype=torch.uint8).data_ptr()
         reserved = decode.reserve_blocks(9)
@@ -212,9 +224,19 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         prefill_node.write = lambda local, slices: lengths.extend(x.length for x in slices) or write(local, slices)
         connector.pool = torch.zeros(8, *prefill.block_shape)
         stored = []
-        job = PrefillJob("r", len(prompt), n, segments[0].name, [], pool_slots={0: 5, 2: 1}, landing_blocks=landing,
-                         landing_num_blocks=cache.shape[2], mapped_cache=cache if path in ("mapped", "device-copy") else None,
-                         store_later=store_later, on_stored=stored.append)  # fmt: skip
+        job = PrefillJob(
+            "r",
+            len(prompt),
+            n,
+            segments[0].name,
+            [],
+            pool_slots={0: 5, 2: 1},
+            landing_blocks=landing,
+            landing_num_blocks=cache.shape[2],
+            mapped_cache=cache if path in ("mapped", "device-copy") else None,
+            store_later=store_later,
+            on_stored=stored.append,
+        )
         connector.jobs["r"] = job
         prefill.add_request(prompt, greedy(1), request_id="r")
         first = [o.output_token_ids[0] for _ in range(10) if prefill.has_unfinished() for o in prefill.step()][0]
@@ -242,8 +264,9 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         assert prefill.num_free_blocks == 32
 
         # the decode engine takes the landed blocks as they are and decodes one engine's tokens
-        rid = decode.add_request(prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first],
-                                 kv_block_ids=landing)  # fmt: skip
+        rid = decode.add_request(
+            prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first], kv_block_ids=landing
+        )
         final = {o.request_id: o for _ in range(100) if decode.has_unfinished() for o in decode.step() if o.finished}
         assert final[rid].output_token_ids == alone(tiny_llama.path, prompt)
         assert decode.num_free_blocks == 16
@@ -265,8 +288,16 @@ def test_prompts_batched_together_each_count_their_share_of_the_steps(tiny_llama
         jobs = {}
         for rid, prompt, first in (("long", long, 0), ("short", short, 20)):
             n = blocks_for(len(prompt))
-            jobs[rid] = PrefillJob(rid, len(prompt), n, "unused", [], landing_blocks=list(range(first, first + n)),
-                                   landing_num_blocks=cache.shape[2], mapped_cache=cache)  # fmt: skip
+            jobs[rid] = PrefillJob(
+                rid,
+                len(prompt),
+                n,
+                "unused",
+                [],
+                landing_blocks=list(range(first, first + n)),
+                landing_num_blocks=cache.shape[2],
+                mapped_cache=cache,
+            )
             connector.jobs[rid] = jobs[rid]
             prefill.add_request(prompt, greedy(1), request_id=rid)
         t0 = time.perf_counter()
@@ -287,8 +318,18 @@ def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_di
     from transfer import TransferError
 
     bs, prompt = 16, prompt_of(37, seed=5)  # 3 blocks, the last partial
-    worker = DecodeWorker(DecodeConfig(id=f"decode-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), block_size=bs, num_kv_blocks=16,
-                                       max_model_len=256, landing_slots=4, write_behind=False, shm_dir=shm_dir))  # fmt: skip
+    worker = DecodeWorker(
+        DecodeConfig(
+            id=f"decode-{uuid.uuid4().hex[:6]}",
+            model=str(tiny_dir),
+            block_size=bs,
+            num_kv_blocks=16,
+            max_model_len=256,
+            landing_slots=4,
+            write_behind=False,
+            shm_dir=shm_dir,
+        )
+    )
     sender = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", backend="tcp", serve=False))
     try:
         cache = worker.engine.runner.kv_cache
@@ -303,8 +344,16 @@ def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_di
         connector.bind(prefill.runner.kv_cache)
 
         def push(rid: str, blocks: list[int], token: str) -> PrefillJob:
-            job = PrefillJob(rid, len(prompt), 3, worker.cache_segment.name, [], landing_token=token, landing_blocks=blocks,
-                             landing_num_blocks=16)  # fmt: skip
+            job = PrefillJob(
+                rid,
+                len(prompt),
+                3,
+                worker.cache_segment.name,
+                [],
+                landing_token=token,
+                landing_blocks=blocks,
+                landing_num_blocks=16,
+            )
             connector.jobs[rid] = job
             prefill.add_request(prompt, greedy(1), request_id=rid)
             while prefill.has_unfinished():
@@ -335,7 +384,9 @@ def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_di
         worker.close()
 
 
-def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_pool_straight_into_it(tiny_dir, shm_dir):
+def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_pool_straight_into_it(
+    tiny_dir, shm_dir
+):
     """A prefill worker on the decode worker's host maps the decode engine's CPU cache (its shared-memory segment) and
     writes it with tensor copies, no transfer-engine slices; a prefix found in the pool is copied from the pool slots
     straight into the granted blocks, beside the engine's import, and the engine pushes only the block it computes.
@@ -343,6 +394,7 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
     import threading
 
     from kvnodes import start_node
+
     from kvstore.wire import segment_to_pb
     from prefill.worker import PrefillConfig, PrefillWorker
     from protos import conductor_pb2 as cpb
@@ -357,18 +409,30 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
     try:
         segment = decode_node.allocate("kvcache", 24 * block_bytes)
         cache = torch.frombuffer(decode_node.buffer(segment.name), dtype=torch.float32).view(layers, 2, 24, *shape)
-        worker = PrefillWorker(PrefillConfig(id=f"prefill-{uuid.uuid4().hex[:6]}", model=str(tiny_dir), kvstore=node.grpc,
-                                             block_size=bs, num_kv_blocks=32, max_model_len=256))  # fmt: skip
+        worker = PrefillWorker(
+            PrefillConfig(
+                id=f"prefill-{uuid.uuid4().hex[:6]}",
+                model=str(tiny_dir),
+                kvstore=node.grpc,
+                block_size=bs,
+                num_kv_blocks=32,
+                max_model_len=256,
+            )
+        )
         copies = []
         copy_prefix = worker._copy_prefix
         worker._copy_prefix = lambda job, local, cached: copies.append(len(local)) or copy_prefix(job, local, cached)
 
         def prefill(rid: str, blocks: list[int], local_blocks: int):
             req = wpb.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
                 plan=cpb.PrefixPlan(local_blocks=local_blocks),
-                landing=wpb.Landing(segment=segment_to_pb(segment), cache_blocks=blocks, cache_num_blocks=24, block_bytes=block_bytes),
-            )  # fmt: skip
+                landing=wpb.Landing(
+                    segment=segment_to_pb(segment), cache_blocks=blocks, cache_num_blocks=24, block_bytes=block_bytes
+                ),
+            )
             resp = worker.prefill(req, threading.Event())
             assert worker.flush_pool_writes(10)
             return resp
@@ -423,7 +487,9 @@ def cluster(request, tiny_dir, tmp_path_factory):
     two = request.param == "two-hosts"
     if two and not VirtualNetwork.available():
         pytest.skip("network namespaces need root and iproute2")
-    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("handoff"), prefill=1, decode=1, gateway=False, network_hosts=two)
+    c = start_cluster(
+        tiny_dir, tmp_path_factory.mktemp("handoff"), prefill=1, decode=1, gateway=False, network_hosts=two
+    )
     yield c
     c.stop()
 

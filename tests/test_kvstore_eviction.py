@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.config import StoreConfig
-from kvstore.eviction import LengthAwarePolicy, LFUPolicy, LRUPolicy, make_policy
 from kvstore.events import EventKind
+from kvstore.eviction import LengthAwarePolicy, LFUPolicy, LRUPolicy, make_policy
 from kvstore.store import BlockStore, StoreFull
 
 BB = 64
@@ -15,7 +15,9 @@ NAMES = {A: "A", B: "B", C: "C", D: "D"}
 
 
 def make_store(eviction: str, dram_blocks: int = 4, **kw) -> BlockStore:
-    cfg = StoreConfig(block_bytes=BB, dram_blocks=dram_blocks, eviction=eviction, high_watermark=1.0, low_watermark=1.0, **kw)
+    cfg = StoreConfig(
+        block_bytes=BB, dram_blocks=dram_blocks, eviction=eviction, high_watermark=1.0, low_watermark=1.0, **kw
+    )
     return BlockStore(cfg, bytearray(BB * dram_blocks))
 
 

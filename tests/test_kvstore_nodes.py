@@ -11,10 +11,10 @@ import threading
 import urllib.request
 import uuid
 
-import pytest
-
 import grpc
+import pytest
 from kvnodes import REPO, free_port, start_node
+
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.control import ControlAddress, ControlChannel, ControlError
 from kvstore.events import Tier
@@ -82,12 +82,18 @@ def test_put_on_one_node_read_on_the_other(nodes, backend, transport):
         assert cb.stats().dram.used_blocks == 4
         assert cb.pull(a.grpc, keys).pulled == 2  # only what b lacks moves
         assert bytes(cb.get(keys).data) == data
-        assert ca.engine.moved()[(carrier, "write")] == (1, 6 * BB) and cb.engine.moved()[(carrier, "read")][1] == 10 * BB
+        assert (
+            ca.engine.moved()[(carrier, "write")] == (1, 6 * BB) and cb.engine.moved()[(carrier, "read")][1] == 10 * BB
+        )
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://{b.info['metrics']}/metrics", timeout=10).read().decode()
-    pulled_bytes = {tuple(s.labels.values()): s.value for f in text_string_to_metric_families(text)
-                    for s in f.samples if s.name == "mooncake_transfer_bytes_total"}  # fmt: skip
+    pulled_bytes = {
+        tuple(s.labels.values()): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "mooncake_transfer_bytes_total"
+    }
     assert pulled_bytes == {(carrier, "read"): 6 * BB}  # b's pulls, all over the carrier
 
 
@@ -200,7 +206,18 @@ def test_kill_9_then_restart_re_adopts_ssd_blocks(nodes, tmp_path):
 
 def test_flipped_byte_in_an_ssd_block_is_a_reported_miss(nodes, tmp_path):
     ssd_dir = tmp_path / "ssd"
-    a = nodes("a", "--ssd-dir", str(ssd_dir), "--ssd-blocks", "8", "--high-watermark", "1", "--low-watermark", "1", dram_blocks=3)
+    a = nodes(
+        "a",
+        "--ssd-dir",
+        str(ssd_dir),
+        "--ssd-blocks",
+        "8",
+        "--high-watermark",
+        "1",
+        "--low-watermark",
+        "1",
+        dram_blocks=3,
+    )
     keys, data = chain(3, seed=5), os.urandom(3 * BB)
     with KVStoreClient(a.grpc) as c:
         c.put(keys, data)
@@ -238,9 +255,11 @@ def test_events_stream_what_is_stored_and_removed(nodes):
         assert done.wait(10)
     kinds = [(e.kind, e.key, e.tier) for e in seen[:4]]
     assert kinds == [
-        (pb.Event.STORED, keys[0], pb.DRAM), (pb.Event.STORED, keys[1], pb.DRAM),
-        (pb.Event.REMOVED, keys[0], pb.DRAM), (pb.Event.STORED, keys[2], pb.DRAM),
-    ]  # fmt: skip
+        (pb.Event.STORED, keys[0], pb.DRAM),
+        (pb.Event.STORED, keys[1], pb.DRAM),
+        (pb.Event.REMOVED, keys[0], pb.DRAM),
+        (pb.Event.STORED, keys[2], pb.DRAM),
+    ]
     assert [e.seq for e in seen[:4]] == [1, 2, 3, 4]
 
 
@@ -274,7 +293,15 @@ time.sleep(120)
 
 def hold(address: str, owner: str, leased: list[bytes], reserved: list[bytes]) -> tuple[subprocess.Popen, str, str]:
     """Start a holder; return it with its lease id and reservation id once it holds them."""
-    args = [sys.executable, "-c", HOLDER, address, owner, ",".join(k.hex() for k in leased), ",".join(k.hex() for k in reserved)]
+    args = [
+        sys.executable,
+        "-c",
+        HOLDER,
+        address,
+        owner,
+        ",".join(k.hex() for k in leased),
+        ",".join(k.hex() for k in reserved),
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     line = proc.stdout.readline().split()
     if line[:1] != ["HELD"]:
@@ -321,7 +348,11 @@ def test_a_restarted_worker_gets_back_at_once_what_its_killed_run_held(nodes, co
             live.wait(10)
             assert anyone.release_owner("prefill-1") == (1, 1)
             stats = anyone.stats()
-            assert (stats.leases, stats.reservations, stats.dram.reserved_blocks) == (idle.leases, idle.reservations, 0) == (0, 0, 0)
+            assert (
+                (stats.leases, stats.reservations, stats.dram.reserved_blocks)
+                == (idle.leases, idle.reservations, 0)
+                == (0, 0, 0)
+            )
     finally:
         for proc in (dead, live):
             if proc.poll() is None:

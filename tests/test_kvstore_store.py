@@ -36,8 +36,14 @@ def make(dram_blocks=8, ssd_dir=None, ssd_blocks=0, **kw) -> BlockStore:
     """A store; watermarks off (1.0) unless a test sets them, so tiny stores fill up exactly."""
     kw.setdefault("high_watermark", 1.0)
     kw.setdefault("low_watermark", 1.0)
-    cfg = StoreConfig(block_bytes=BB, dram_blocks=dram_blocks, ssd_dir=str(ssd_dir) if ssd_dir else None, ssd_blocks=ssd_blocks,
-                      ssd_file_blocks=4, **kw)  # fmt: skip
+    cfg = StoreConfig(
+        block_bytes=BB,
+        dram_blocks=dram_blocks,
+        ssd_dir=str(ssd_dir) if ssd_dir else None,
+        ssd_blocks=ssd_blocks,
+        ssd_file_blocks=4,
+        **kw,
+    )
     ssd = SsdTier(ssd_dir, BB, ssd_blocks, 4) if ssd_dir else None
     return BlockStore(cfg, bytearray(BB * dram_blocks), ssd)
 
@@ -270,7 +276,11 @@ def test_release_owner_frees_exactly_that_owners_leases_and_reservations_at_once
     store.release(live_lease.lease_id)
     assert store.release_owner("prefill-0") == (0, 0)
     stats = store.stats()
-    assert (stats.leases, stats.reservations, stats.dram.reserved_blocks) == (idle.leases, idle.reservations, 0) == (0, 0, 0)
+    assert (
+        (stats.leases, stats.reservations, stats.dram.reserved_blocks)
+        == (idle.leases, idle.reservations, 0)
+        == (0, 0, 0)
+    )
 
 
 def test_release_owner_refuses_an_empty_owner_and_keeps_anonymous_holdings():

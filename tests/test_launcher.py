@@ -16,7 +16,9 @@ def test_a_niced_component_is_niced_in_its_own_session_too(tmp_path):
     base = os.getpriority(os.PRIO_PROCESS, 0)
     if base > 12:
         pytest.skip(f"this test runs at nice {base} already")
-    component = Component("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleeper.log", nice=7)
+    component = Component(
+        "sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleeper.log", nice=7
+    )
     component.start()
     try:
         pid = component.proc.pid

@@ -123,6 +123,11 @@ def test_the_transfer_engine_and_the_wire_types_stand_alone():
     nothing of the project outside itself; protos/ (generated) imports only protos/."""
     graph = _graph()
     for package in ("transfer", "protos"):
-        outside = {f"{m} -> {d}" for m, deps in graph.items() if m.split(".")[0] == package
-                   for d in deps if d.split(".")[0] != package}  # fmt: skip
+        outside = {
+            f"{m} -> {d}"
+            for m, deps in graph.items()
+            if m.split(".")[0] == package
+            for d in deps
+            if d.split(".")[0] != package
+        }
         assert outside == set(), f"{package}/ reaches out: {sorted(outside)}"

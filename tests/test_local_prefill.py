@@ -9,12 +9,12 @@ import random
 import time
 
 import pytest
+from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+from replays import replay, undisturbed_run, wait_idle, wait_restarted
 from rich.console import Console
 
-from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 from mooncake.cli.pool_cmd import status_table
 from protos import conductor_pb2 as cpb
-from replays import replay, undisturbed_run, wait_idle, wait_restarted
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,15 @@ def test_mooncake_status_shows_the_prompts_each_decode_worker_computed(cluster):
 
 @pytest.fixture(scope="module")
 def two_decoders(tiny_dir, tmp_path_factory):
-    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("local-chaos"), prefill=1, decode=2, max_model_len=512, hold_s=30.0,
-                      local_prefill="always")  # fmt: skip
+    c = start_cluster(
+        tiny_dir,
+        tmp_path_factory.mktemp("local-chaos"),
+        prefill=1,
+        decode=2,
+        max_model_len=512,
+        hold_s=30.0,
+        local_prefill="always",
+    )
     yield c
     c.stop()
 
@@ -96,11 +103,15 @@ def test_a_decode_worker_killed_while_computing_and_streaming_prompts_loses_no_r
     assert wait_idle(two_decoders, idle, 40) == idle
 
 
-def test_under_auto_an_idle_cluster_computes_short_turns_on_the_decode_worker_with_one_engines_tokens(tiny_dir, tmp_path):
+def test_under_auto_an_idle_cluster_computes_short_turns_on_the_decode_worker_with_one_engines_tokens(
+    tiny_dir, tmp_path
+):
     c = start_cluster(tiny_dir, tmp_path, prefill=1, decode=1, local_prefill="auto")
     try:
         be = backend(c)
-        for i in range(4):  # (the first goes through the prefill worker: no hand-off is measured yet, so nothing to save)
+        for i in range(
+            4
+        ):  # (the first goes through the prefill worker: no hand-off is measured yet, so nothing to save)
             prompt = prompt_of(24, seed=200 + i)
             got = generate(be, f"auto-{i}", prompt, 8, temperature=0.0, ignore_eos=True)
             assert tokens(got) == reference_tokens(tiny_dir, prompt, 8)

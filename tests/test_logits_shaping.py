@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import make_engine
+
 from mooncake.engine import SamplingParams
 from mooncake.engine.sampler import History, shape_logits
 
@@ -40,12 +40,14 @@ def reference(x: list[float], p: SamplingParams, h: History) -> list[float]:
         SamplingParams(repetition_penalty=0.7),
         SamplingParams(frequency_penalty=0.5),
         SamplingParams(presence_penalty=-1.5),
-        SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 5.0, 11: -100.0}),
+        SamplingParams(
+            frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 5.0, 11: -100.0}
+        ),
         SamplingParams(min_tokens=5, stop_token_ids=(4,)),
         SamplingParams(min_tokens=5, stop_token_ids=(4,), ignore_eos=True),
         SamplingParams(min_tokens=3),  # already 3 outputs: nothing banned
     ],
-)  # fmt: skip
+)
 def test_shaped_logits_equal_the_formulas(params):
     history = History(prompt_token_ids=[1, 2, 2, 9], output_token_ids=[2, 5, 5], eos_token_ids=frozenset({7}))
     got = shape_logits(logits(), params, history).tolist()
@@ -53,8 +55,13 @@ def test_shaped_logits_equal_the_formulas(params):
 
 
 def test_bad_values_are_refused():
-    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0), dict(logit_bias={1: 101}),
-                dict(min_tokens=20, max_tokens=10)):  # fmt: skip
+    for bad in (
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(logit_bias={1: 101}),
+        dict(min_tokens=20, max_tokens=10),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
@@ -62,10 +69,14 @@ def test_bad_values_are_refused():
 def test_a_biased_token_is_always_picked_and_min_tokens_holds_off_eos(tiny_llama):
     engine = make_engine(tiny_llama.path)
     prompt = [5, 17, 42, 8, 99]
-    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={123: 100.0}))
+    (out,) = engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={123: 100.0})
+    )
     assert out.output_token_ids == [123] * 6
     eos = next(iter(engine.eos_token_ids))
-    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=4, logit_bias={eos: 100.0}))
+    (out,) = engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=4, logit_bias={eos: 100.0})
+    )
     assert out.output_token_ids[:4] != [eos] * 4 and eos not in out.output_token_ids[:4]
     assert out.output_token_ids[4] == eos and out.finish_reason.value == "stop" and len(out.output_token_ids) == 5
 
@@ -73,11 +84,16 @@ def test_a_biased_token_is_always_picked_and_min_tokens_holds_off_eos(tiny_llama
 def test_penalties_change_greedy_output_and_a_neutral_one_does_not(tiny_llama):
     engine = make_engine(tiny_llama.path)
     prompt = [5, 17, 42, 8, 99, 5, 17]
-    plain = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].output_token_ids
-    neutral = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.0,
-                                                       repetition_penalty=1.0))[0].output_token_ids  # fmt: skip
-    penalised = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                         frequency_penalty=2.0))[0].output_token_ids  # fmt: skip
+    plain = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[
+        0
+    ].output_token_ids
+    neutral = engine.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.0, repetition_penalty=1.0),
+    )[0].output_token_ids
+    penalised = engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0)
+    )[0].output_token_ids
     assert neutral == plain
     assert penalised != plain
     # a token generated many times is penalised: the most repeated token is repeated less

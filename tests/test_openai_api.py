@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 import transformers
+from test_gateway import Served
 
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.tokenizer import Tokenizer
@@ -25,7 +26,6 @@ from mooncake.gateway import tools as tool_format
 from mooncake.gateway.protocol import ToolDefinition
 from mooncake.serving.local import LocalBackend
 from mooncake.serving.types import GenerationBackend, GenerationRequest, Rejected, Unavailable
-from test_gateway import Served
 
 MESSAGES = [{"role": "user", "content": "Tell me about the quick brown fox."}]
 
@@ -36,21 +36,46 @@ PERSON = {
         "name": {"type": "string", "minLength": 1, "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"enum": ["admin", "user", "guest"]},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
-                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
     },
     "required": ["name", "age", "role", "address", "tags"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                                           "unit": {"enum": ["c", "f"]}},
-                          "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +146,15 @@ def texts(tok: Tokenizer, ids: list[int]) -> list[str]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_are_the_models_log_softmax_at_each_greedy_step(client, tok, hf, stream):
-    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
     if stream:
         entries = []
         for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -141,14 +174,18 @@ def test_chat_logprobs_are_the_models_log_softmax_at_each_greedy_step(client, to
 
 def test_completion_logprobs_have_tokens_offsets_and_top_dicts(client, tok, hf):
     prompt = tok.encode("The quick brown fox")
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
     ids, ref = greedy_logprobs(hf, prompt, 8)
     assert lp.tokens == texts(tok, ids)
     assert lp.token_logprobs == pytest.approx([ref[i, t].item() for i, t in enumerate(ids)], abs=1e-4)
-    assert all(len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)
-               for i, top in enumerate(lp.top_logprobs))  # fmt: skip
+    assert all(
+        len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+        for i, top in enumerate(lp.top_logprobs)
+    )
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
 
 
@@ -156,7 +193,9 @@ def test_completion_logprobs_have_tokens_offsets_and_top_dicts(client, tok, hf):
 
 
 def test_n_4_with_a_seed_gives_4_different_choices_and_counts_the_prompt_once(client, tok):
-    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=16, temperature=1.0, seed=7, n=4, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny", messages=MESSAGES, max_tokens=16, temperature=1.0, seed=7, n=4, extra_body={"ignore_eos": True}
+    )
     r = client.chat.completions.create(**kwargs)
     texts = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
@@ -165,7 +204,9 @@ def test_n_4_with_a_seed_gives_4_different_choices_and_counts_the_prompt_once(cl
     assert r.usage.completion_tokens == 4 * 16
     assert r.usage.prompt_tokens_details.cached_tokens == 0 or r.usage.prompt_tokens_details.cached_tokens % 16 == 0
     # each choice is its own seed stream: choice j is the request with seed 7 + j alone
-    alone = [client.chat.completions.create(**{**kwargs, "n": 1, "seed": 7 + j}).choices[0].message.content for j in range(4)]
+    alone = [
+        client.chat.completions.create(**{**kwargs, "n": 1, "seed": 7 + j}).choices[0].message.content for j in range(4)
+    ]
     assert texts == alone
     streamed: dict[int, str] = {}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -178,7 +219,9 @@ def test_n_larger_than_the_backend_serves_at_once_waits_for_room_instead_of_fail
     limited = TwoAtATime(backend)
     served, small = serve(limited, tok)
     try:
-        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+        )
         r = small.chat.completions.create(n=5, **kwargs)
     finally:
         served.stop()
@@ -205,7 +248,15 @@ class SecondChoiceDies(GenerationBackend):
 def test_a_choice_that_fails_fails_the_request_and_stops_its_siblings(backend, tok):
     served, c = serve(SecondChoiceDies(backend), tok)
     try:
-        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=1, n=3, extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=200,
+            temperature=1.0,
+            seed=1,
+            n=3,
+            extra_body={"ignore_eos": True},
+        )
         with pytest.raises(openai.InternalServerError) as e:  # 503
             c.chat.completions.create(**kwargs)
         assert e.value.status_code == 503
@@ -223,16 +274,22 @@ def test_a_choice_that_fails_fails_the_request_and_stops_its_siblings(backend, t
 
 def test_a_batch_of_prompts_gets_n_choices_each_indexed_prompt_major(client):
     prompts = ["The quick brown fox", "Once upon a time"]
-    r = client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt=prompts, n=2, max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
     got = {c.index: c.text for c in r.choices}
     for p, prompt in enumerate(prompts):
         for j in range(2):
-            alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=3 + j, extra_body={"ignore_eos": True})
+            alone = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=3 + j, extra_body={"ignore_eos": True}
+            )
             assert got[2 * p + j] == alone.choices[0].text
 
 
 def test_best_of_returns_the_likeliest_candidate(client):
-    kwargs = dict(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )
     candidates = client.completions.create(n=4, logprobs=0, **kwargs).choices
     best = max(candidates, key=lambda c: sum(c.logprobs.token_logprobs))
     r = client.completions.create(best_of=4, **kwargs)
@@ -266,7 +323,9 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(client, tok
         prompt_ref = hf(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
     assert tokens == texts(tok, prompt + ids)
     assert values[0] is None  # nothing precedes the first prompt token
-    want = [prompt_ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)] + [ref[i, t].item() for i, t in enumerate(ids)]
+    want = [prompt_ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)] + [
+        ref[i, t].item() for i, t in enumerate(ids)
+    ]
     assert values[1:] == pytest.approx(want, abs=1e-4)
     no_logprobs = client.completions.create(echo=True, **kwargs).choices[0]
     assert no_logprobs.text == text and no_logprobs.logprobs is None
@@ -297,8 +356,14 @@ def test_json_object_mode_gives_a_json_object(client):
     """Any JSON object is allowed, so a random model's may run past max_tokens: every output that ended parses."""
     finished = 0
     for seed in range(10):
-        r = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=300,
-                                           response_format={"type": "json_object"})  # fmt: skip
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+            response_format={"type": "json_object"},
+        )
         text = r.choices[0].message.content
         assert text.startswith("{")
         if r.choices[0].finish_reason == "stop":
@@ -308,7 +373,10 @@ def test_json_object_mode_gives_a_json_object(client):
 
 
 def test_a_schema_the_grammar_library_cannot_compile_is_a_400_saying_why(client):
-    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}}
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}},
+    }
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=bad)
     assert e.value.body["param"] == "response_format"
@@ -320,8 +388,16 @@ def test_a_schema_the_grammar_library_cannot_compile_is_a_400_saying_why(client)
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_tool_call_is_parsed_into_tool_calls_with_valid_arguments(client, stream):
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
-                  tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=5, max_tokens=200)  # fmt: skip
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=5,
+        max_tokens=200,
+    )
     if stream:
         calls: dict[int, dict] = {}
         finish = None
@@ -348,30 +424,56 @@ def test_a_required_tool_call_is_parsed_into_tool_calls_with_valid_arguments(cli
 
 def test_a_named_tool_choice_calls_that_function_and_a_second_turn_takes_its_result(client, tok):
     first = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "What time is it?"}], tools=[WEATHER, TIME],
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0, max_tokens=100,
-    ).choices[0]  # fmt: skip
+        model="tiny",
+        messages=[{"role": "user", "content": "What time is it?"}],
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=100,
+    ).choices[0]
     (call,) = first.message.tool_calls
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
-    history = [{"role": "user", "content": "What time is it?"},
-               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-               {"role": "tool", "tool_call_id": call.id, "content": "12:00 UTC"}]  # fmt: skip
-    second = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER, TIME], temperature=0, max_tokens=5)
+    history = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00 UTC"},
+    ]
+    second = client.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER, TIME], temperature=0, max_tokens=5
+    )
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # the model saw the call and its result (the Hermes format: SmolLM2-style templates have no tool support)
     rendered, _ = tool_format.render_messages(
-        [{"role": m["role"], "content": m["content"] or "", **({"tool_calls": [{"function": {"name": "get_time",
-          "arguments": json.loads(call.function.arguments)}}]} if m.get("tool_calls") else {})} for m in history],
-        tool_format.plan([ToolDefinition(**WEATHER), ToolDefinition(**TIME)], "auto", None), native=False)  # fmt: skip
+        [
+            {
+                "role": m["role"],
+                "content": m["content"] or "",
+                **(
+                    {
+                        "tool_calls": [
+                            {"function": {"name": "get_time", "arguments": json.loads(call.function.arguments)}}
+                        ]
+                    }
+                    if m.get("tool_calls")
+                    else {}
+                ),
+            }
+            for m in history
+        ],
+        tool_format.plan([ToolDefinition(**WEATHER), ToolDefinition(**TIME)], "auto", None),
+        native=False,
+    )
     assert second.usage.prompt_tokens == len(tok.encode_chat(rendered))
     assert "<tool_response>\n12:00 UTC\n</tool_response>" in rendered[-1]["content"]
 
 
 def test_auto_tool_output_is_parsed_when_the_model_writes_a_call():
     plan = tool_format.plan([ToolDefinition(**WEATHER), ToolDefinition(**TIME)], "auto", True)
-    text = 'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n' \
-           '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'  # fmt: skip
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n'
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    )
     content, calls = tool_format.parse(text, plan)
     assert [c.function.name for c in calls] == ["get_time"]
     assert json.loads(calls[0].function.arguments) == {"zone": "utc"}

@@ -11,11 +11,11 @@ nothing stays held. Needs root (network namespaces); skipped otherwise.
 from __future__ import annotations
 
 import pytest
+from clusters import start_cluster
+from replays import replay, undisturbed_run, wait_idle
 
 from mooncake.cluster.netns import VirtualNetwork
-from clusters import start_cluster
 from mooncake.engine.tiny import make_tiny
-from replays import replay, undisturbed_run, wait_idle
 
 pytestmark = pytest.mark.skipif(not VirtualNetwork.available(), reason="network namespaces need root and iproute2")
 
@@ -31,8 +31,16 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
-    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("partition"), prefill=2, decode=2, max_model_len=512, hold_s=30.0,
-                      network_hosts=True, detect_s=DETECT_S)  # fmt: skip
+    c = start_cluster(
+        tiny_dir,
+        tmp_path_factory.mktemp("partition"),
+        prefill=2,
+        decode=2,
+        max_model_len=512,
+        hold_s=30.0,
+        network_hosts=True,
+        detect_s=DETECT_S,
+    )
     yield c
     c.stop()
 
@@ -59,7 +67,9 @@ def test_a_host_cut_off_mid_run_loses_no_request_and_changes_no_token(cluster, u
     seen = [t for r in recoveries for f, t in zip(r.faults, r.fault_times) if f.endswith(victim)]
     assert seen, recoveries  # the cut hit requests in flight, and they went on elsewhere
     with capsys.disabled():
-        print(f"\n{victim}'s host cut off: its first failed call noticed after {min(seen) - struck[0]:.2f} s "
-              f"(detect_s={DETECT_S}); {len(recoveries)} requests outlived it")  # fmt: skip
+        print(
+            f"\n{victim}'s host cut off: its first failed call noticed after {min(seen) - struck[0]:.2f} s "
+            f"(detect_s={DETECT_S}); {len(recoveries)} requests outlived it"
+        )
     # once the link is back: its streams' and prefills' leftovers end, it registers again, nothing stays held
     assert wait_idle(cluster, idle, 90) == idle

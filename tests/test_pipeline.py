@@ -39,10 +39,14 @@ def alone(model_dir, prompt: list[int], params: SamplingParams = GREEDY) -> list
     return list(engine.generate([prompt], params)[0].output_token_ids)
 
 
-def decode_after(model_dir, prompt: list[int], first: int, kv: torch.Tensor, params: SamplingParams = GREEDY) -> list[int]:
+def decode_after(
+    model_dir, prompt: list[int], first: int, kv: torch.Tensor, params: SamplingParams = GREEDY
+) -> list[int]:
     """A decode engine taking over from the pipeline: its KV imported, its first token given."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=BLOCK, num_kv_blocks=256, max_model_len=MAX_LEN))
-    rid = engine.add_request(prompt, params, external_kv=kv, num_external_tokens=len(prompt), initial_output_token_ids=[first])
+    rid = engine.add_request(
+        prompt, params, external_kv=kv, num_external_tokens=len(prompt), initial_output_token_ids=[first]
+    )
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished and out.request_id == rid:
@@ -116,10 +120,14 @@ def test_smollm2_3000_token_prompt_through_2_stages_equals_one_engine(smollm2_di
     prompt = [rng.randrange(100, 40000) for _ in range(3000)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     reference = list(engine.generate([prompt], params)[0].output_token_ids)
-    stages = [PipelineStage(str(smollm2_dir), layers, num_blocks=200, block_size=BLOCK, max_model_len=4096)
-              for layers in split_layers(engine.args.num_layers, 2)]  # fmt: skip
+    stages = [
+        PipelineStage(str(smollm2_dir), layers, num_blocks=200, block_size=BLOCK, max_model_len=4096)
+        for layers in split_layers(engine.args.num_layers, 2)
+    ]
     out = LocalPipeline(stages).prefill("long", prompt, params, chunk=512)
-    rid = engine.add_request(prompt, params, external_kv=out.kv, num_external_tokens=len(prompt), initial_output_token_ids=[out.first_token])
+    rid = engine.add_request(
+        prompt, params, external_kv=out.kv, num_external_tokens=len(prompt), initial_output_token_ids=[out.first_token]
+    )
     got = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -135,8 +143,14 @@ def process_pipeline(model_dir, n: int, max_chunk: int = 64):
     from prefill.stage_process import ProcessPipeline, StageSpec
 
     num_layers = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=4, max_model_len=64)).args.num_layers
-    return ProcessPipeline([StageSpec(str(model_dir), layers, num_blocks=128, block_size=BLOCK, max_model_len=MAX_LEN,
-                                      max_chunk=max_chunk) for layers in split_layers(num_layers, n)])  # fmt: skip
+    return ProcessPipeline(
+        [
+            StageSpec(
+                str(model_dir), layers, num_blocks=128, block_size=BLOCK, max_model_len=MAX_LEN, max_chunk=max_chunk
+            )
+            for layers in split_layers(num_layers, n)
+        ]
+    )
 
 
 def test_stages_as_processes_pass_hidden_states_through_the_transfer_engine_and_equal_one_engine(tiny_models):
@@ -149,7 +163,9 @@ def test_stages_as_processes_pass_hidden_states_through_the_transfer_engine_and_
             assert decode_after(model.path, prompt, out.first_token, out.kv) == alone(model.path, prompt)
         # a reused prefix: each stage process loads its layers of the 300-token prompt's first 256 tokens
         reused = prompt[:256] + prompt_of(90, seed=7)
-        again = pipeline.prefill(StageRequest("reuse", reused, GREEDY, 64, export=True, prefix_kv=out.kv[:16], num_prefix_tokens=256))
+        again = pipeline.prefill(
+            StageRequest("reuse", reused, GREEDY, 64, export=True, prefix_kv=out.kv[:16], num_prefix_tokens=256)
+        )
         assert decode_after(model.path, reused, again.first_token, again.kv) == alone(model.path, reused)
     finally:
         pipeline.close()

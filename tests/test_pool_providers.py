@@ -53,7 +53,9 @@ def test_kubernetes_remove_marks_the_drained_pod_cheapest_then_scales_down_by_on
     p, apps, core = provider()
     pod = Instance("mc-prefill-7d9c-x2x", Role.PREFILL, "10.1.2.3:7000", node="mc-prefill-7d9c-x2x")
     p.remove(pod)
-    assert core.calls == [("patch_pod", "mc-prefill-7d9c-x2x", "serving", {"metadata": {"annotations": {DELETION_COST: "-1000000"}}})]
+    assert core.calls == [
+        ("patch_pod", "mc-prefill-7d9c-x2x", "serving", {"metadata": {"annotations": {DELETION_COST: "-1000000"}}})
+    ]
     assert apps.replicas["mc-prefill"] == 1  # the ReplicaSet removes the cheapest pod: the drained one
     assert [c[0] for c in apps.calls] == ["read_scale", "patch_scale"]
 

@@ -14,8 +14,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from clusters import conductor, start_cluster
+
 from protos import conductor_pb2 as cpb
 
 
@@ -36,8 +36,13 @@ class Traffic:
         while not self._stop.is_set():
             i += 1
             try:
-                r = self._client.completions.create(model="tiny", prompt=f"request {n}-{i}: the quick brown fox", max_tokens=24,
-                                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+                r = self._client.completions.create(
+                    model="tiny",
+                    prompt=f"request {n}-{i}: the quick brown fox",
+                    max_tokens=24,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
                 assert r.usage.completion_tokens == 24
                 self.ok += 1
             except (openai.APIError, AssertionError) as e:
@@ -73,7 +78,11 @@ def decode_served(cluster, name: str) -> float:
     if address is None:
         return 0.0
     metrics = httpx.get(f"http://{address}/metrics").text
-    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith('mooncake_decode_requests_total{outcome="ok"}'))
+    return sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith('mooncake_decode_requests_total{outcome="ok"}')
+    )
 
 
 def test_scaling_both_pools_up_and_down_under_traffic_loses_no_request(tiny_dir, tmp_path):
@@ -91,7 +100,9 @@ def test_scaling_both_pools_up_and_down_under_traffic_loses_no_request(tiny_dir,
         r = scale(c, cpb.PREFILL, 1)
         (drained,) = r.draining
         node = "kv" + drained.removeprefix("prefill-")
-        assert prefill_procs[drained].wait(30) == 0 and prefill_procs[node].wait(30) == 0  # stopped cleanly, with its pool node
+        assert (
+            prefill_procs[drained].wait(30) == 0 and prefill_procs[node].wait(30) == 0
+        )  # stopped cleanly, with its pool node
         deadline = time.monotonic() + 30
         while node in alive(c, cpb.KVSTORE):  # and its blocks left the index with it
             assert time.monotonic() < deadline
@@ -124,8 +135,12 @@ def test_scaling_is_refused_clearly_without_a_provider_or_below_one(tiny_dir, tm
         with pytest.raises(Exception) as e:
             stub.ScalePool(cpb.ScalePoolRequest(role=cpb.KVSTORE, replicas=2), timeout=5)
         assert "PREFILL or DECODE" in e.value.details()
-        out = subprocess.run([sys.executable, "-m", "mooncake.cli.main", "status", "--conductor", c.conductor_address],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "mooncake.cli.main", "status", "--conductor", c.conductor_address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         for name in ("prefill-0", "decode-0", "kv0", "alive"):
             assert name in out.stdout

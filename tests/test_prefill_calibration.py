@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from conductor.predictors import PredictorConfig
 from kvnodes import start_node
+
+from conductor.predictors import PredictorConfig
 from kvstore.client import KVStoreClient
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
@@ -22,12 +23,22 @@ class Samples:
 
 def test_calibration_times_prompts_of_the_step_budget_and_the_conductor_hears_of_them(tiny_dir, shm_dir):
     args = ModelArgs.from_hf_config(load_hf_config(tiny_dir))
-    node = start_node("kv-cal", args.num_layers * 2 * 16 * args.num_kv_heads * args.head_dim * 4, 8, shm_dir=shm_dir)  # float32 blocks
+    node = start_node(
+        "kv-cal", args.num_layers * 2 * 16 * args.num_kv_heads * args.head_dim * 4, 8, shm_dir=shm_dir
+    )  # float32 blocks
     worker = None
     try:
         # no max_model_len: the model's own context, as `mooncake serve prefill` runs without one
-        worker = PrefillWorker(PrefillConfig(id="prefill-cal", model=str(tiny_dir), kvstore=node.grpc, block_size=16, num_kv_blocks=32,
-                                             max_num_batched_tokens=64))  # fmt: skip
+        worker = PrefillWorker(
+            PrefillConfig(
+                id="prefill-cal",
+                model=str(tiny_dir),
+                kvstore=node.grpc,
+                block_size=16,
+                num_kv_blocks=32,
+                max_num_batched_tokens=64,
+            )
+        )
         default = worker.predictor.predict(64, 0)
         free = worker.engine.num_free_blocks
         samples = worker.calibrate()

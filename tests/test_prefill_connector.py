@@ -25,7 +25,9 @@ class _TableConnector(PoolConnector):
         self.tables = getattr(self, "tables", {}) | {r.request_id: list(r.block_ids) for r in step.requests}
 
 
-def _push(model_dir, prompt: list[int], staged: bool, device: str = "cpu") -> tuple[bytes, torch.Tensor, list[torch.Tensor]]:
+def _push(
+    model_dir, prompt: list[int], staged: bool, device: str = "cpu"
+) -> tuple[bytes, torch.Tensor, list[torch.Tensor]]:
     """Prefill ``prompt`` (in 32-token steps, on ``device``) with a connector pushing to a landing segment and a pool
     tensor; the landing segment's bytes, the pool, and the request's blocks as the engine's cache holds them at the
     end ([L, 2, bs, Hkv, D] each, on the CPU)."""
@@ -34,15 +36,26 @@ def _push(model_dir, prompt: list[int], staged: bool, device: str = "cpu") -> tu
     owner = TransferEngine(TransferConfig(node=f"land-{uuid.uuid4().hex[:6]}", serve=False))
     sender = TransferEngine(TransferConfig(node=f"push-{uuid.uuid4().hex[:6]}", serve=False))
     connector = _TableConnector(sender, None, bs, io_timeout_s=30)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=bs, num_kv_blocks=64, max_model_len=256,
-                                    max_num_batched_tokens=32, device=device, use_kernels=False), connector=connector)  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            block_size=bs,
+            num_kv_blocks=64,
+            max_model_len=256,
+            max_num_batched_tokens=32,
+            device=device,
+            use_kernels=False,
+        ),
+        connector=connector,
+    )
     connector.bind(engine.runner.kv_cache, staged=staged)
     block_bytes = engine.block_bytes
     landing = owner.allocate("landing", n * block_bytes)
     sender.add_segment(landing)
     connector.pool = torch.zeros(8, *engine.block_shape)
-    connector.jobs["r"] = PrefillJob("r", len(prompt), n, landing.name, [i * block_bytes for i in range(n)],
-                                     pool_slots={0: 5, 2: 1})  # fmt: skip
+    connector.jobs["r"] = PrefillJob(
+        "r", len(prompt), n, landing.name, [i * block_bytes for i in range(n)], pool_slots={0: 5, 2: 1}
+    )
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id="r")
     while engine.has_unfinished():
         engine.step()
@@ -74,6 +87,10 @@ def test_a_worker_asked_for_a_gpu_where_there_is_none_exits_saying_so():
 
         pytest.skip("this machine has a GPU")
     for args in (["prefill", "--kvstore", "127.0.0.1:1"], ["decode"]):
-        out = subprocess.run([sys.executable, "-m", *args, "--model", "/nowhere", "--device", "cuda"], capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", *args, "--model", "/nowhere", "--device", "cuda"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and "no CUDA GPU here" in out.stderr, out.stderr

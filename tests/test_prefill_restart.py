@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from kvnodes import start_node
+
 from kvstore.client import KVStoreClient
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tiny import make_tiny
@@ -30,7 +31,9 @@ def test_a_restarted_prefill_worker_frees_the_leases_and_reservations_its_last_r
         with KVStoreClient(node.grpc) as kv:
             held = kv.stats()
             assert (held.leases, held.reservations, held.dram.reserved_blocks) == (1, 1, 2)
-            config = PrefillConfig(id="prefill-7", model=str(model), kvstore=node.grpc, block_size=BLOCK_SIZE, num_kv_blocks=16)
+            config = PrefillConfig(
+                id="prefill-7", model=str(model), kvstore=node.grpc, block_size=BLOCK_SIZE, num_kv_blocks=16
+            )
             with caplog.at_level(logging.INFO, logger="prefill.worker"):
                 worker = PrefillWorker(config)
             try:

@@ -16,10 +16,19 @@ PROTOS = sorted((REPO / "protos").glob("*.proto"))
 def test_generated_code_is_up_to_date(proto, tmp_path):
     (tmp_path / "protos").mkdir()
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{REPO}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-         f"--pyi_out={tmp_path}", str(proto.relative_to(REPO))],
-        check=True, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{REPO}",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            str(proto.relative_to(REPO)),
+        ],
+        check=True,
+        cwd=REPO,
+    )
     for generated in sorted((tmp_path / "protos").iterdir()):
         committed = REPO / "protos" / generated.name
         assert committed.exists(), f"{committed.name} is missing: run `make protos`"

@@ -34,15 +34,17 @@ from transfer.verbs import PortInfo, QPSettings, rc_transitions
 
 needs_pyverbs = pytest.mark.skipif(
     "pyverbs cannot be imported" in (rdma_unavailable() or ""), reason="pyverbs is not installed (make rdma)"
-)  # fmt: skip
+)
 no_device = pytest.mark.skipif(rdma_unavailable() is None, reason="this machine has an active RDMA port")
 
 
 def test_without_pyverbs_the_backend_says_where_to_get_it():
     """pyverbs made unimportable in a fresh interpreter (it is installed here): the reason names the way to install it."""
-    code = ("import sys; sys.modules['pyverbs'] = None\n"
-            "from transfer.rdma import RdmaUnavailable, probe\n"
-            "try:\n    probe()\nexcept RdmaUnavailable as e:\n    print(e)\n")  # fmt: skip
+    code = (
+        "import sys; sys.modules['pyverbs'] = None\n"
+        "from transfer.rdma import RdmaUnavailable, probe\n"
+        "try:\n    probe()\nexcept RdmaUnavailable as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "pyverbs cannot be imported" in out.stdout and "make rdma" in out.stdout, out.stdout + out.stderr
 
@@ -62,8 +64,27 @@ def test_forcing_rdma_without_a_port_fails_with_the_reason_and_starts_nothing(tm
     assert {t.name for t in threading.enumerate()} <= threads  # no server thread left behind
     assert list(tmp_path.iterdir()) == []  # no segment file
     # the pool node's command line says the same and exits 2 before it binds anything
-    out = subprocess.run([sys.executable, "-m", "kvstore", "--node", "kvr", "--block-bytes", "4096", "--dram-blocks", "4",
-                          "--shm-dir", str(tmp_path), "--backend", "rdma"], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "--node",
+            "kvr",
+            "--block-bytes",
+            "4096",
+            "--dram-blocks",
+            "4",
+            "--shm-dir",
+            str(tmp_path),
+            "--backend",
+            "rdma",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "the rdma backend cannot start" in out.stderr and "READY" not in out.stdout
     assert list(tmp_path.iterdir()) == []
 
@@ -87,8 +108,17 @@ def test_auto_falls_back_to_tcp_between_two_pool_nodes_and_says_so(shm_dir):
 
 
 def test_segments_carry_their_rdma_registration_through_redis_and_protobuf(redis_url):
-    seg = Segment(name="n/dram", node="n", size=1 << 20, host="h", pid=1, shm_path=None, tcp_addr="10.0.0.1:7000",
-                  rdma_rkey=0, rdma_addr=0x7F00_0000_1000)  # fmt: skip
+    seg = Segment(
+        name="n/dram",
+        node="n",
+        size=1 << 20,
+        host="h",
+        pid=1,
+        shm_path=None,
+        tcp_addr="10.0.0.1:7000",
+        rdma_rkey=0,
+        rdma_addr=0x7F00_0000_1000,
+    )
     plain = Segment(name="n/landing", node="n", size=4096, host="h", pid=1, tcp_addr="10.0.0.1:7000")
     registry = RedisRegistry(redis_url)
     for s in (seg, plain):
@@ -156,14 +186,15 @@ def test_a_pool_node_serves_blocks_over_rdma(shm_dir):
         node.stop()
 
 
-
 def test_the_chart_gives_rdma_pods_the_nic_ipc_lock_and_the_flags():
     from charts import mooncake_containers, render
 
     for component, c, _ in mooncake_containers(render()):  # off by default: nothing of it
         assert "IPC_LOCK" not in str(c["securityContext"]) and not any("rdma" in a for a in c["args"]), component
     docs = render("--set", "rdma.enabled=true", "--set", "rdma.device=mlx5_0", "--set", "rdma.gidIndex=3")
-    movers = {component: c for component, c, _ in mooncake_containers(docs) if component in ("prefill", "kvstore", "decode")}
+    movers = {
+        component: c for component, c, _ in mooncake_containers(docs) if component in ("prefill", "kvstore", "decode")
+    }
     assert set(movers) == {"prefill", "kvstore", "decode"}
     for component, c in movers.items():
         flag = "--backend" if component == "kvstore" else "--transfer-backend"
@@ -176,7 +207,9 @@ def test_the_chart_gives_rdma_pods_the_nic_ipc_lock_and_the_flags():
     from kvstore.__main__ import parse_args as kv_args
     from prefill.server import parse_args as prefill_args
 
-    got = kv_args(["--block-bytes", "4096", "--dram-blocks", "4", "--backend=rdma", "--rdma-device=mlx5_0", "--rdma-gid-index=3"])
+    got = kv_args(
+        ["--block-bytes", "4096", "--dram-blocks", "4", "--backend=rdma", "--rdma-device=mlx5_0", "--rdma-gid-index=3"]
+    )
     assert (got.transfer_backend, got.rdma_device, got.rdma_gid_index) == ("rdma", "mlx5_0", 3)
     got = prefill_args(["--model", "m", "--kvstore", "k:1", "--transfer-backend=rdma", "--rdma-gid-index=3"])
     assert (got.transfer_backend, got.rdma_gid_index) == ("rdma", 3)
@@ -188,8 +221,9 @@ def test_the_chart_gives_rdma_pods_the_nic_ipc_lock_and_the_flags():
 @pytest.fixture
 def fabric(monkeypatch):
     """Every engine made in the test gets the fake fabric as its RDMA device (64 KiB max message, 8-deep queues)."""
-    import transfer.engine
     from fakeverbs import Fabric
+
+    import transfer.engine
 
     fab = Fabric(max_msg=64 << 10)
     monkeypatch.setattr("transfer.rdma._pyverbs", fab.modules)
@@ -204,8 +238,9 @@ def rdma_pair(fabric, shm_dir):
     owner = TransferEngine(TransferConfig(node="owner", shm_dir=shm_dir), registry)  # auto: registers its segments
     owner.allocate("mem", 4 << 20)
     owner.buffer("owner/mem")[:] = os.urandom(4 << 20)
-    peer = TransferEngine(TransferConfig(node="peer", backend="rdma", shm_dir=shm_dir, rdma_qp_depth=8, rdma_signal_every=3),
-                          registry)  # fmt: skip
+    peer = TransferEngine(
+        TransferConfig(node="peer", backend="rdma", shm_dir=shm_dir, rdma_qp_depth=8, rdma_signal_every=3), registry
+    )
     yield owner, peer
     peer.close()
     owner.close()
@@ -219,13 +254,18 @@ def test_reads_and_writes_move_the_exact_bytes_over_queue_pairs(rdma_pair, fabri
     remote = owner.buffer("owner/mem")
     local = bytearray(3 << 20)
     # 1 MiB slices cut into 16 requests of 64 KiB each, 3 slices: 33 requests through an 8-deep send queue
-    slices = [Slice(2 << 20, "owner/mem", 12345, 1 << 20), Slice(0, "owner/mem", (3 << 20) - 7, 300_001),
-              Slice(1 << 20, "owner/mem", 0, 17)]  # fmt: skip
+    slices = [
+        Slice(2 << 20, "owner/mem", 12345, 1 << 20),
+        Slice(0, "owner/mem", (3 << 20) - 7, 300_001),
+        Slice(1 << 20, "owner/mem", 0, 17),
+    ]
     peer.read(local, slices).wait(10)
     for s in slices:
         assert local[s.local_offset : s.local_offset + s.length] == remote[s.remote_offset : s.remote_offset + s.length]
     payload = os.urandom(2 << 20)
-    peer.write(payload, [Slice(0, "owner/mem", 5, 1 << 20), Slice(1 << 20, "owner/mem", (2 << 20) + 3, 1 << 20)]).wait(10)
+    peer.write(payload, [Slice(0, "owner/mem", 5, 1 << 20), Slice(1 << 20, "owner/mem", (2 << 20) + 3, 1 << 20)]).wait(
+        10
+    )
     assert bytes(remote[5 : 5 + (1 << 20)]) == payload[: 1 << 20]
     assert bytes(remote[(2 << 20) + 3 : (3 << 20) + 3]) == payload[1 << 20 :]
     assert fabric.errors == [] and 0 < fabric.most_outstanding <= 8  # never past the queue depth
@@ -254,7 +294,9 @@ def test_a_pinned_buffer_is_registered_once_for_every_batch(rdma_pair, fabric):
     assert len(fabric.regions) == registered + 1 and fabric.open_regions() == registered - 1
 
 
-def test_an_error_fails_exactly_the_batch_on_that_queue_pair_names_the_peer_and_the_next_batch_reconnects(rdma_pair, fabric):
+def test_an_error_fails_exactly_the_batch_on_that_queue_pair_names_the_peer_and_the_next_batch_reconnects(
+    rdma_pair, fabric
+):
     from transfer import Slice, TransferError
 
     owner, peer = rdma_pair
@@ -306,8 +348,11 @@ def test_a_pool_node_serves_puts_and_gets_over_rdma_in_process(fabric, shm_dir):
     from kvstore.config import StoreConfig
     from kvstore.service import KVStoreNode, start_server
 
-    node = KVStoreNode(StoreConfig(node="kvf", block_bytes=256 << 10, dram_blocks=16),
-                       TransferConfig(node="kvf", shm_dir=shm_dir), MemoryRegistry())  # fmt: skip
+    node = KVStoreNode(
+        StoreConfig(node="kvf", block_bytes=256 << 10, dram_blocks=16),
+        TransferConfig(node="kvf", shm_dir=shm_dir),
+        MemoryRegistry(),
+    )
     service = start_server(node, "127.0.0.1", 0)
     engine = TransferEngine(TransferConfig(node="client", backend="rdma", serve=False), MemoryRegistry())
     try:
@@ -370,9 +415,31 @@ def test_the_transfer_benchmark_measures_rdma(transport, tmp_path):
     import json
 
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.transfer_bench", "--backend", "rdma", "--no-tune", "--seconds",
-                          "0.1", "--rounds", "1", "--sizes", "64KiB", "--batch-slices", "0", "--no-progress", "--json",
-                          str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.transfer_bench",
+            "--backend",
+            "rdma",
+            "--no-tune",
+            "--seconds",
+            "0.1",
+            "--rounds",
+            "1",
+            "--sizes",
+            "64KiB",
+            "--batch-slices",
+            "0",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     cells = [c for c in json.loads(out.read_text())["cells"] if c["system"] == "rdma"]
     assert {c["op"] for c in cells} == {"read", "write"}
@@ -408,14 +475,22 @@ def test_a_cluster_whose_kv_moves_over_rdma_serves_one_engines_tokens(transport,
             got[i] = generate(be, f"rdma-{i}", shared + tail, 12, temperature=0.0, ignore_eos=True)
             assert tokens(got[i]) == reference_tokens(tiny_dir, shared + tail, 12)
             w = listed[draining]  # a drained worker comes back by registering again
-            stub.Register(cpb.RegisterRequest(id=w.id, role=w.role, address=w.address, node=w.node, model=w.model,
-                                              capacity=w.capacity), timeout=5)  # fmt: skip
+            stub.Register(
+                cpb.RegisterRequest(
+                    id=w.id, role=w.role, address=w.address, node=w.node, model=w.model, capacity=w.capacity
+                ),
+                timeout=5,
+            )
         assert got[1][-1].cached_tokens_by_tier == {"remote": 160}  # prefill-1 read prefill-0's blocks from kv0
 
         def moved(component: str) -> dict:
             text = httpx.get(f"http://{cluster.components[component].info['metrics']}/metrics", timeout=5).text
-            return {tuple(s.labels.values()): s.value for f in text_string_to_metric_families(text)
-                    for s in f.samples if s.name == "mooncake_transfer_bytes_total"}  # fmt: skip
+            return {
+                tuple(s.labels.values()): s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "mooncake_transfer_bytes_total"
+            }
 
         first, second = moved("prefill-0"), moved("prefill-1")
         assert {b for b, _ in first} | {b for b, _ in second} == {"rdma"}  # nothing went over tcp or shm

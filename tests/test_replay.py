@@ -29,14 +29,21 @@ def write_trace(path: Path, records: list[dict]) -> Path:
 
 
 def record(ts: int, hash_ids: list[int], input_length: int | None = None, output_length: int = 512) -> dict:
-    return {"timestamp": ts, "input_length": input_length or 512 * len(hash_ids), "output_length": output_length, "hash_ids": hash_ids}
+    return {
+        "timestamp": ts,
+        "input_length": input_length or 512 * len(hash_ids),
+        "output_length": output_length,
+        "hash_ids": hash_ids,
+    }
 
 
 # -- prompts ------------------------------------------------------------------------------------------------
 
 
 def test_shared_leading_hash_ids_give_a_shared_prefix_and_nothing_more(tmp_path):
-    trace = write_trace(tmp_path / "t.jsonl", [record(0, [0, 5, 7, 8]), record(0, [0, 5, 9, 10]), record(0, [3, 5, 7, 8])])
+    trace = write_trace(
+        tmp_path / "t.jsonl", [record(0, [0, 5, 7, 8]), record(0, [0, 5, 9, 10]), record(0, [3, 5, 7, 8])]
+    )
     a, b, c = (q.prompt() for q in rp.load_trace(trace, B, max_input=10_000))
     assert len(a) == len(b) == len(c) == 4 * B
     assert a[: 2 * B] == b[: 2 * B]  # ids 0, 5 shared
@@ -51,8 +58,15 @@ def test_prompts_are_deterministic_across_processes_and_in_the_vocabulary(tmp_pa
     assert ids == rp.block_token_ids(123, B, 500) and len(ids) == B
     assert all(rp.MIN_TOKEN_ID <= t < 500 for t in ids)
     code = f"from benchmarks import replay; print(list(replay.block_token_ids(123, {B}, 500)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60,
-                         env=os.environ | {"PYTHONHASHSEED": "12345"})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=os.environ | {"PYTHONHASHSEED": "12345"},
+    )
     assert json.loads(out.stdout) == list(ids)
     # a salt (a sweep's later rates) gives other tokens for the same id, the same each time
     assert rp.block_token_ids(123, B, 500, salt=1) != ids
@@ -60,11 +74,18 @@ def test_prompts_are_deterministic_across_processes_and_in_the_vocabulary(tmp_pa
 
 
 def test_lengths_scale_by_block_tokens_over_512_and_are_clamped(tmp_path):
-    trace = write_trace(tmp_path / "t.jsonl", [
-        record(0, list(range(14)), input_length=6758, output_length=500),   # 6758 * 16/512 = 211.2 -> 211; 500/16 = 31.25 -> 31
-        record(0, list(range(100, 300)), input_length=100_000, output_length=2000),  # 3125 -> max_input; 125 -> max_output
-        record(0, [7], input_length=3, output_length=3),  # 0.09 -> at least 1 token; 0.19 -> at least 1
-    ])  # fmt: skip
+    trace = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            record(
+                0, list(range(14)), input_length=6758, output_length=500
+            ),  # 6758 * 16/512 = 211.2 -> 211; 500/16 = 31.25 -> 31
+            record(
+                0, list(range(100, 300)), input_length=100_000, output_length=2000
+            ),  # 3125 -> max_input; 125 -> max_output
+            record(0, [7], input_length=3, output_length=3),  # 0.09 -> at least 1 token; 0.19 -> at least 1
+        ],
+    )
     a, b, c = rp.load_trace(trace, B, output_scale=1 / 16, max_input=1024, max_output=32)
     assert (a.prompt_tokens, a.max_tokens, len(a.prompt())) == (211, 31, 211)
     assert (b.prompt_tokens, b.max_tokens, len(b.prompt())) == (1024, 32, 1024)
@@ -76,7 +97,9 @@ def test_lengths_scale_by_block_tokens_over_512_and_are_clamped(tmp_path):
 
 
 def test_arrivals_are_spread_within_a_timestamp_step_and_the_limit_keeps_the_step(tmp_path):
-    trace = write_trace(tmp_path / "t.jsonl", [record(0, [0]), record(0, [1]), record(0, [2]), record(3000, [3]), record(6000, [4])])
+    trace = write_trace(
+        tmp_path / "t.jsonl", [record(0, [0]), record(0, [1]), record(0, [2]), record(3000, [3]), record(6000, [4])]
+    )
     assert [q.arrival_s for q in rp.load_trace(trace, B)] == [0.0, 1.0, 2.0, 3.0, 6.0]
     assert [q.arrival_s for q in rp.load_trace(trace, B, spread=False)] == [0.0, 0.0, 0.0, 3.0, 6.0]
     # cut inside the first step: its three requests still share its 3 s
@@ -90,7 +113,10 @@ def test_the_real_trace_loads_with_its_shared_system_prompt():
     assert len(reqs) == 50 and all(q.hash_ids[0] == 0 for q in reqs)
     first = {tuple(q.prompt()[:B]) for q in reqs}
     assert len(first) == 1  # block 0, the shared system prompt, starts every prompt
-    assert all(1 <= q.prompt_tokens <= rp.DEFAULTS["max_input"] and 1 <= q.max_tokens <= rp.DEFAULTS["max_output"] for q in reqs)
+    assert all(
+        1 <= q.prompt_tokens <= rp.DEFAULTS["max_input"] and 1 <= q.max_tokens <= rp.DEFAULTS["max_output"]
+        for q in reqs
+    )
 
 
 # -- metrics --------------------------------------------------------------------------------------------------
@@ -103,7 +129,9 @@ def test_tbt_is_the_mean_of_the_longest_tenth_of_the_gaps():
     assert rp.tail_tbt([]) == 0.0
 
 
-def result(index: int, outcome=rp.Outcome.OK, ttft=1.0, tbt=0.1, prompt=100, cached: int | None = 20) -> rp.RequestResult:
+def result(
+    index: int, outcome=rp.Outcome.OK, ttft=1.0, tbt=0.1, prompt=100, cached: int | None = 20
+) -> rp.RequestResult:
     r = rp.RequestResult(index, 0.0, 0.0, prompt, 8, outcome)
     if outcome is rp.Outcome.OK:
         r.ttft_s, r.tbt_s, r.completion_tokens, r.cached_tokens = ttft, tbt, 8, cached
@@ -112,8 +140,14 @@ def result(index: int, outcome=rp.Outcome.OK, ttft=1.0, tbt=0.1, prompt=100, cac
 
 def test_effective_needs_both_slos_and_completion():
     slo = dict(ttft_slo_s=2.0, tbt_slo_s=0.2)
-    rs = [result(0), result(1, ttft=3.0), result(2, tbt=0.3), result(3, rp.Outcome.REJECTED), result(4, rp.Outcome.ERROR),
-          result(5, ttft=2.0, tbt=0.2)]  # fmt: skip
+    rs = [
+        result(0),
+        result(1, ttft=3.0),
+        result(2, tbt=0.3),
+        result(3, rp.Outcome.REJECTED),
+        result(4, rp.Outcome.ERROR),
+        result(5, ttft=2.0, tbt=0.2),
+    ]
     assert [rp.is_effective(r, **slo) for r in rs] == [True, False, False, False, False, True]
     s = rp.summarize(rs, span_s=10.0, wall_s=12.0, **slo)
     assert (s["requests"], s["completed"], s["rejected"], s["errors"], s["effective"]) == (6, 4, 1, 1, 2)
@@ -139,7 +173,9 @@ def test_ttft_predictions_are_compared_with_the_measured_ttfts_where_the_server_
 
 def test_finish_counts_tokens_from_usage_and_reads_a_missing_cached_count_as_unknown():
     r = rp.RequestResult(0, 0.0, 0.0, 100, 5)
-    rp._finish(r, [0.5, 0.6, 0.8], {"completion_tokens": 5, "prompt_tokens": 100}, 1.0)  # two tokens had no text: no event
+    rp._finish(
+        r, [0.5, 0.6, 0.8], {"completion_tokens": 5, "prompt_tokens": 100}, 1.0
+    )  # two tokens had no text: no event
     assert r.outcome is rp.Outcome.OK and r.ttft_s == 0.5 and r.completion_tokens == 5 and r.cached_tokens is None
     assert r.tbt_mean_s == pytest.approx(0.3 / 4)
     assert r.tbt_s == pytest.approx(0.2)
@@ -154,7 +190,11 @@ def point(factor: float, share: float) -> dict:
 
 def test_effective_capacity_is_the_highest_rate_before_the_first_miss():
     cap = rp.effective_capacity([point(2, 0.85), point(0.5, 0.99), point(4, 0.95), point(1, 0.9)], target=0.9)
-    assert (cap["rate_factor"], cap["rate_rps"], cap["saturated"]) == (1, pytest.approx(0.7), False)  # x4 after a miss does not count
+    assert (cap["rate_factor"], cap["rate_rps"], cap["saturated"]) == (
+        1,
+        pytest.approx(0.7),
+        False,
+    )  # x4 after a miss does not count
     cap = rp.effective_capacity([point(1, 0.95), point(2, 0.91)], target=0.9)
     assert (cap["rate_factor"], cap["saturated"]) == (2, True)
     cap = rp.effective_capacity([point(1, 0.5), point(2, 0.4)], target=0.9)
@@ -170,8 +210,24 @@ def tiny_gateway(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("replay")
     model = make_tiny(work / "tiny", "llama")
-    argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model), "--model-name", "tiny", "--port", "0",
-            "--max-model-len", "1024", "--threads", "1", "--log-level", "WARNING"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "mooncake.gateway",
+        "--local",
+        "--model",
+        str(model),
+        "--model-name",
+        "tiny",
+        "--port",
+        "0",
+        "--max-model-len",
+        "1024",
+        "--threads",
+        "1",
+        "--log-level",
+        "WARNING",
+    ]
     gateway = Component("gateway", argv, work / "gateway.log")
     gateway.start()
     try:
@@ -191,8 +247,25 @@ def test_replaying_five_trace_requests_against_the_coupled_gateway(tiny_gateway,
         pytest.skip(f"no trace at {rp.DEFAULT_TRACE}")
     url, model = tiny_gateway
     out = tmp_path / "replay.json"
-    code = rp.main(["--url", url, "--model", "tiny", "--model-dir", str(model), "--limit", "5", "--speed", "4", "--max-input", "512",
-                    "--json", str(out), "--no-progress"])  # fmt: skip
+    code = rp.main(
+        [
+            "--url",
+            url,
+            "--model",
+            "tiny",
+            "--model-dir",
+            str(model),
+            "--limit",
+            "5",
+            "--speed",
+            "4",
+            "--max-input",
+            "512",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     (run,) = data["runs"]

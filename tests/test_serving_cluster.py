@@ -18,6 +18,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 from rich.console import Console
 
 from mooncake import tls
@@ -29,7 +30,6 @@ from mooncake.engine.tokenizer import Tokenizer
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
-from clusters import MAX_LEN, backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 
 KEY = "sk-test"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot that learned to read."}]
@@ -63,14 +63,19 @@ def test_a_streamed_response_carries_the_conductors_ttft_prediction(cluster):
     request's placement, in seconds, positive and of the order of the prefill it predicts."""
     body = {"model": "tiny", "prompt": prompt_of(200, seed=34), "max_tokens": 4, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{cluster.endpoint}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{cluster.endpoint}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as r:
         assert r.status_code == 200
         predicted = float(r.headers["x-mooncake-predicted-ttft"])
         assert any(line.startswith("data: ") and '"text"' in line for line in r.iter_lines())
     assert 0 < predicted < 60 and time.perf_counter() - t0 < 60
-    whole = httpx.post(f"{cluster.endpoint}/completions", json=body | {"stream": False}, headers={"Authorization": f"Bearer {KEY}"},
-                       timeout=60)  # fmt: skip
+    whole = httpx.post(
+        f"{cluster.endpoint}/completions",
+        json=body | {"stream": False},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
     assert whole.status_code == 200 and "x-mooncake-predicted-ttft" not in whole.headers  # streamed responses only
 
 
@@ -79,8 +84,14 @@ def test_chat_streaming_and_not_give_the_same_greedy_text_and_usage(client, tok)
     assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
     assert full.usage.prompt_tokens == len(tok.encode_chat(MESSAGES))
     assert full.usage.completion_tokens == 24 or full.choices[0].finish_reason == "stop"
-    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage, reasons = [], None, []
     for chunk in stream:
         if chunk.usage is not None:
@@ -94,17 +105,26 @@ def test_chat_streaming_and_not_give_the_same_greedy_text_and_usage(client, tok)
 
 
 def test_completion_max_tokens_stop_string_and_prompt_as_ids(client, tok):
-    out = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=7, temperature=0,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
     text = out.choices[0].text
     stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip())
-    cut = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=7, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    cut = client.completions.create(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=7,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
     ids = tok.encode("The quick brown fox")
-    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    by_ids = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
 
 
@@ -125,8 +145,11 @@ def test_errors_have_openai_shape_and_status(cluster, client):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=4)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=cluster.endpoint, api_key="wrong", max_retries=0).models.list()
-    r = httpx.post(f"{cluster.endpoint}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": "tiny", "messages": [], "max_tokens": 4})  # fmt: skip
+    r = httpx.post(
+        f"{cluster.endpoint}/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "tiny", "messages": [], "max_tokens": 4},
+    )
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
     assert [m.id for m in client.models.list()] == ["tiny"]
     health = httpx.get(cluster.endpoint.replace("/v1", "/health")).json()
@@ -146,12 +169,18 @@ def test_disaggregated_greedy_equals_one_engine(cluster, tiny_dir, length):
 
 def test_a_shared_prefix_is_served_from_the_pool_with_the_same_tokens(cluster, client, tiny_dir):
     shared = prompt_of(320, seed=99)
-    first = client.completions.create(model="tiny", prompt=shared + prompt_of(40, seed=1), max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+    first = client.completions.create(
+        model="tiny",
+        prompt=shared + prompt_of(40, seed=1),
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second_prompt = shared + prompt_of(50, seed=2)
-    second = client.completions.create(model="tiny", prompt=second_prompt, max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    second = client.completions.create(
+        model="tiny", prompt=second_prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert second.usage.prompt_tokens_details.cached_tokens == 320  # the 20 shared blocks
     tok = Tokenizer.from_dir(tiny_dir)
     assert second.choices[0].text == tok.decode(reference_tokens(tiny_dir, second_prompt, 12))
@@ -167,8 +196,12 @@ def test_a_prefix_on_the_other_prefill_node_is_pulled_and_kept(cluster, tiny_dir
 
     def reregister(name: str) -> None:  # a drained instance comes back by registering again
         i = listed[name]
-        stub.Register(cpb.RegisterRequest(id=i.id, role=i.role, address=i.address, node=i.node, model=i.model,
-                                          capacity=i.capacity), timeout=5)  # fmt: skip
+        stub.Register(
+            cpb.RegisterRequest(
+                id=i.id, role=i.role, address=i.address, node=i.node, model=i.model, capacity=i.capacity
+            ),
+            timeout=5,
+        )
 
     shared = prompt_of(256, seed=1234)
     be = backend(cluster)
@@ -196,7 +229,9 @@ def test_a_prefix_on_the_other_prefill_node_is_pulled_and_kept(cluster, tiny_dir
 def test_the_conductors_early_rejection_is_429_with_retry_after(tiny_dir, tmp_path):
     c = start_cluster(tiny_dir, tmp_path, tbt_slo_s=0.001)  # no decode step can meet it: every request is turned away
     try:
-        r = httpx.post(f"{c.endpoint}/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4}, timeout=30)
+        r = httpx.post(
+            f"{c.endpoint}/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4}, timeout=30
+        )
         assert r.status_code == 429
         assert int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error" and "TBT" in r.json()["error"]["message"]
@@ -225,12 +260,17 @@ def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_
     worker = wpb_grpc.DecodeStub(tls.grpc_channel(decode.address))
     for n in range(decode.load.batch_cap + 2):
         deadline = time.monotonic() + 5  # the worker's report reaches the Conductor in milliseconds
-        while (placed := stub.Schedule(cpb.ScheduleRequest(request_id=f"refused-{n}", prompt_tokens=8, block_tokens=16),
-                                       timeout=10)).HasField("rejection"):  # fmt: skip
+        while (
+            placed := stub.Schedule(
+                cpb.ScheduleRequest(request_id=f"refused-{n}", prompt_tokens=8, block_tokens=16), timeout=10
+            )
+        ).HasField("rejection"):
             assert time.monotonic() < deadline, f"request {n}: {placed.rejection.message}"
             time.sleep(0.05)
         with pytest.raises(grpc.RpcError) as refused:
-            list(worker.Generate(wpb.GenerateRequest(request_id=f"refused-{n}", placement=placed.placement), timeout=10))
+            list(
+                worker.Generate(wpb.GenerateRequest(request_id=f"refused-{n}", placement=placed.placement), timeout=10)
+            )
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "empty" in refused.value.details()
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3 or out.choices[0].finish_reason == "stop"
@@ -255,9 +295,20 @@ def test_with_one_worker_of_each_role_a_killed_workers_requests_wait_for_its_res
         assert c.component("decode-0").restarts == 1
         # a constrained stream with logprobs: the new decode worker replays the client's tokens into its grammar
         # matcher, and the text, the logprobs and the JSON are the undisturbed run's
-        numbers = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 60, "maxItems": 60}
-        ask_json = dict(model="tiny", messages=[{"role": "user", "content": "Sixty numbers"}], max_tokens=600, temperature=0,
-                        logprobs=True, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": numbers}})  # fmt: skip
+        numbers = {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 999},
+            "minItems": 60,
+            "maxItems": 60,
+        }
+        ask_json = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": "Sixty numbers"}],
+            max_tokens=600,
+            temperature=0,
+            logprobs=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": numbers}},
+        )
         undisturbed = client.chat.completions.create(**ask_json).choices[0]
         it = iter(client.chat.completions.create(**ask_json, stream=True))
         chunks = [next(it), next(it)]  # the role, then the first token
@@ -271,7 +322,10 @@ def test_with_one_worker_of_each_role_a_killed_workers_requests_wait_for_its_res
         assert c.component("decode-0").restarts == 2
         os.kill(c.component("prefill-0").proc.pid, signal.SIGKILL)
         r = client.completions.create(**{**ask, "max_tokens": 8})
-        assert r.usage.completion_tokens == 8 and r.choices[0].text == client.completions.create(**{**ask, "max_tokens": 8}).choices[0].text
+        assert (
+            r.usage.completion_tokens == 8
+            and r.choices[0].text == client.completions.create(**{**ask, "max_tokens": 8}).choices[0].text
+        )
         assert c.component("prefill-0").restarts == 1
     finally:
         c.stop()
@@ -279,8 +333,14 @@ def test_with_one_worker_of_each_role_a_killed_workers_requests_wait_for_its_res
 
 def test_penalties_and_biases_hold_across_the_prefill_decode_hand_off(cluster, client, tok, tiny_dir):
     """The first token is sampled on the prefill worker, the rest on the decode worker: both apply them."""
-    biased = client.completions.create(model="tiny", prompt=prompt_of(20, seed=3), max_tokens=6, temperature=0,
-                                       logit_bias={"123": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    biased = client.completions.create(
+        model="tiny",
+        prompt=prompt_of(20, seed=3),
+        max_tokens=6,
+        temperature=0,
+        logit_bias={"123": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert biased.choices[0].text == tok.decode([123] * 6) and biased.usage.completion_tokens == 6
     be = backend(cluster)
     prompt = prompt_of(40, seed=4)
@@ -288,8 +348,12 @@ def test_penalties_and_biases_hold_across_the_prefill_decode_hand_off(cluster, c
     chunks = generate(be, "penalised", prompt, 24, temperature=0.0, ignore_eos=True, **shaping)
     assert tokens(chunks) == reference_tokens(tiny_dir, prompt, 24, sampling=shaping)
     assert tokens(chunks) != reference_tokens(tiny_dir, prompt, 24)  # they did change the output
-    bad = httpx.post(f"{cluster.endpoint}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                     json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logit_bias": {"999999": 5}})  # fmt: skip
+    bad = httpx.post(
+        f"{cluster.endpoint}/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logit_bias": {"999999": 5}},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
 
 
@@ -297,9 +361,12 @@ def test_logprobs_and_a_grammar_hold_across_the_prefill_decode_hand_off(cluster,
     """The prefill worker's first token carries its logprobs and starts the grammar; the decode worker replays
     that token into its own matcher and goes on: the same tokens, logprobs and valid JSON as one engine alone."""
     prompt = prompt_of(30, seed=8)
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=5,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
-    engine = LLMEngine(EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=512, max_model_len=1024), tokenizer=tok)
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=5, extra_body={"ignore_eos": True}
+    )
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=512, max_model_len=1024), tokenizer=tok
+    )
     alone = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5))[0]
     lp = r.choices[0].logprobs
     assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in alone.output_token_ids]
@@ -311,15 +378,32 @@ def test_logprobs_and_a_grammar_hold_across_the_prefill_decode_hand_off(cluster,
             want_by_text.setdefault(tok.decode([t], skip_special_tokens=False), v)
         assert got == pytest.approx(want_by_text, abs=1e-4)
     # echo + logprobs: the prefill worker computes the (pool-cached) prompt whole for the prompt's logprobs
-    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, logprobs=2, echo=True,
-                                       extra_body={"ignore_eos": True}).choices[0].logprobs  # fmt: skip
+    echoed = (
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            logprobs=2,
+            echo=True,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .logprobs
+    )
     whole = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
     assert echoed.token_logprobs[0] is None
     assert echoed.token_logprobs[1:30] == pytest.approx([x.logprob for x in whole.prompt_logprobs], abs=1e-4)
     assert echoed.token_logprobs[30:] == pytest.approx(lp.token_logprobs[:2], abs=1e-4)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-              "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}, "required": ["n", "tags"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+        },
+        "required": ["n", "tags"],
+        "additionalProperties": False,
+    }
     grammar = grammar_for(json_schema=schema)
     be = backend(cluster)
     for seed in range(6):
@@ -333,7 +417,9 @@ def test_logprobs_and_a_grammar_hold_across_the_prefill_decode_hand_off(cluster,
 def test_a_seed_over_2_63_and_a_top_k_over_2_32_are_served_as_one_engine_serves_them(client, tiny_dir):
     """Both are valid OpenAI values the wire (int64, uint32) cannot hold as they are (found by tests/test_fuzz.py)."""
     prompt = prompt_of(12, seed=9)
-    kwargs = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True, "top_k": 2**40})
+    kwargs = dict(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True, "top_k": 2**40}
+    )
     big = client.completions.create(seed=2**64 - 3, **kwargs).choices[0].text
     engine = LLMEngine(EngineConfig(model=str(tiny_dir), block_size=16, num_kv_blocks=64, max_model_len=1024))
     alone = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=2**64 - 3, ignore_eos=True))[0]
@@ -361,13 +447,18 @@ def test_n_choices_prefill_their_prompt_once(cluster, client):
         total = 0.0
         for name in ("prefill-0", "prefill-1"):
             lines = httpx.get(f"http://{cluster.component(name).info['metrics']}/metrics", timeout=10).text.splitlines()
-            total += sum(float(x.split()[-1]) for x in lines if x.startswith('mooncake_prefill_prompt_tokens_total{source="computed"}'))
+            total += sum(
+                float(x.split()[-1])
+                for x in lines
+                if x.startswith('mooncake_prefill_prompt_tokens_total{source="computed"}')
+            )
         return total
 
     prompt = prompt_of(100, seed=21)  # 6 full blocks of 16 and 4 tokens
     before = computed()
-    r = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=6, temperature=1.0, seed=1,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.completions.create(
+        model="tiny", prompt=prompt, n=4, max_tokens=6, temperature=1.0, seed=1, extra_body={"ignore_eos": True}
+    )
     assert len({c.text for c in r.choices}) == 4
     assert r.usage.prompt_tokens == 100 and r.usage.completion_tokens == 24
     assert computed() - before == 100 + 3 * 4  # once whole, then each sibling's last 4 tokens
@@ -378,8 +469,10 @@ def test_smollm2_disaggregated_equals_one_engine_with_and_without_the_pool(smoll
     c = start_cluster(smollm2_dir, tmp_path, model_name="smollm2", pool_dram_mib=256, max_model_len=1024)
     try:
         tok = Tokenizer.from_dir(smollm2_dir)
-        long_question = [{"role": "system", "content": "You are a helpful assistant. " * 20},
-                         {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]  # fmt: skip
+        long_question = [
+            {"role": "system", "content": "You are a helpful assistant. " * 20},
+            {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+        ]
         prompt = tok.encode_chat(long_question)
         be = backend(c)
         cold = generate(be, "smol-cold", prompt, 24, temperature=0.0, ignore_eos=True)
@@ -405,8 +498,13 @@ def test_a_client_that_goes_away_cancels_its_request_everywhere(cluster):
     slots_before = metric("mooncake_decode_landing_free_slots")
     cancelled = 'mooncake_decode_requests_total{outcome="cancelled"}'
     assert metric(cancelled) == 0
-    with httpx.stream("POST", f"{cluster.endpoint}/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                      json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{cluster.endpoint}/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+        json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "stream": True, "ignore_eos": True},
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one chunk, then the client goes away
@@ -423,11 +521,15 @@ def test_with_no_decode_worker_alive_requests_wait_hold_s_then_get_503_with_retr
     try:
         c.component("decode-0").kill()
         start = time.monotonic()
-        r = httpx.post(f"{c.endpoint}/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4}, timeout=30)
+        r = httpx.post(
+            f"{c.endpoint}/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4}, timeout=30
+        )
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert int(r.headers["retry-after"]) >= 1
         assert time.monotonic() - start >= 2.0  # it waited for the cluster to recover first
-        assert httpx.get(c.endpoint.replace("/v1", "/health")).status_code == 503 or True  # until the Conductor expires it
+        assert (
+            httpx.get(c.endpoint.replace("/v1", "/health")).status_code == 503 or True
+        )  # until the Conductor expires it
     finally:
         c.stop()
 
@@ -437,9 +539,28 @@ def test_a_worker_whose_kv_would_differ_is_refused_and_exits_saying_why(cluster,
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "decode", "--id", "decode-bf16", "--model", str(tiny_dir), "--dtype", "bfloat16",
-                           "--conductor", cluster.conductor_address, "--num-kv-blocks", "64", "--shm-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "decode",
+            "--id",
+            "decode-bf16",
+            "--model",
+            str(tiny_dir),
+            "--dtype",
+            "bfloat16",
+            "--conductor",
+            cluster.conductor_address,
+            "--num-kv-blocks",
+            "64",
+            "--shm-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "the Conductor refused this worker" in proc.stderr and "decode-bf16 (native engine" in proc.stderr
     assert "READY" not in proc.stdout

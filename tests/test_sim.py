@@ -150,7 +150,11 @@ def test_node_cache_evicts_by_policy_and_reports_it():
     cache.put(keys)  # 10 > 0.95 * 10: back to 8, evicting the least recently inserted (the chain's head)
     assert len(cache.dram) == 8
     assert [k for stored, k, _, _ in events if not stored] == keys[:2]
-    assert [p for stored, _, _, p in events if stored][:3] == [b"", keys[0], keys[1]]  # each block's parent in its chain
+    assert [p for stored, _, _, p in events if stored][:3] == [
+        b"",
+        keys[0],
+        keys[1],
+    ]  # each block's parent in its chain
     cache.read(keys[2:4])
     cache.put([block_key(i) for i in range(100, 103)])  # 11 blocks: back to 8
     assert keys[2] in cache.dram and keys[3] in cache.dram  # just used
@@ -162,7 +166,10 @@ def test_node_cache_evicts_by_policy_and_reports_it():
 
 @pytest.fixture(scope="module")
 def placements(requests):
-    return {p: run(requests, policy=PolicyKind(p)) for p in ("random", "least_loaded", "cache_aware_local", "kvcache_centric")}
+    return {
+        p: run(requests, policy=PolicyKind(p))
+        for p in ("random", "least_loaded", "cache_aware_local", "kvcache_centric")
+    }
 
 
 def test_cache_aware_placement_beats_random(placements):
@@ -179,7 +186,9 @@ def test_global_cache_reaches_the_reuse_bound(placements, requests):
     assert kc <= bound + 1e-9
     assert kc >= 0.95 * bound  # it can fetch any prefix held anywhere
     assert local < kc  # only its own node's
-    assert placements["kvcache_centric"]["fetched_blocks"] > 0 and placements["cache_aware_local"]["fetched_blocks"] == 0
+    assert (
+        placements["kvcache_centric"]["fetched_blocks"] > 0 and placements["cache_aware_local"]["fetched_blocks"] == 0
+    )
 
 
 def test_admission_none_serves_everything(placements):
@@ -199,9 +208,17 @@ def test_unbounded_cache_hits_more_than_a_small_one(requests):
 def decode_bound(requests):
     """2 prefill + 2 decode instances at half speed (the reproduction's 8 + 8 at 2x, per instance), the slow
     decode profile and a 60 ms TBT SLO: both pools loaded, decode the tighter (benchmarks/sim/paper.py, 2b)."""
+
     def one(admission: str, forecast: str = "uniform") -> dict:
-        return run(requests, prefill=2, decode=2, tbt_slo_s=0.06, admission=AdmissionKind(admission),
-                   decode_forecast=ForecastKind(forecast), model=model_config("slow", noise=0.05))  # fmt: skip
+        return run(
+            requests,
+            prefill=2,
+            decode=2,
+            tbt_slo_s=0.06,
+            admission=AdmissionKind(admission),
+            decode_forecast=ForecastKind(forecast),
+            model=model_config("slow", noise=0.05),
+        )
 
     out = {a: one(a) for a in ("baseline", "early", "early_predictive")}
     out["survival"] = one("early_predictive", "survival")
@@ -215,7 +232,9 @@ def test_only_the_baseline_wastes_prefill_on_requests_it_then_rejects(decode_bou
     for a in ("early", "early_predictive", "survival"):
         s = decode_bound[a]
         assert s["rejected_after_prefill"] == 0 and s["wasted_prefill_s"] == 0
-        assert s["rejected_by_reason"].get("tbt_slo", 0) + s["rejected_by_reason"].get("overload", 0) > 0  # decode load, up front
+        assert (
+            s["rejected_by_reason"].get("tbt_slo", 0) + s["rejected_by_reason"].get("overload", 0) > 0
+        )  # decode load, up front
     for s in decode_bound.values():
         assert s["served"] + s["rejected"] == SLICE
 
@@ -243,8 +262,26 @@ def test_a_decode_instance_keeps_its_step_under_the_tbt_cap_and_makes_the_rest_w
 
 def test_command_line_writes_json(tmp_path):
     path = tmp_path / "run.json"
-    assert sim.main(["--limit", "200", "--speed", "4", "--prefill", "2", "--decode", "2", "--admission", "baseline",
-                     "--no-progress", "--json", str(path)]) == 0  # fmt: skip
+    assert (
+        sim.main(
+            [
+                "--limit",
+                "200",
+                "--speed",
+                "4",
+                "--prefill",
+                "2",
+                "--decode",
+                "2",
+                "--admission",
+                "baseline",
+                "--no-progress",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     out = json.loads(path.read_text())
     assert out["command"][:5] == ["python", "-m", "benchmarks.sim", "--limit", "200"]
     assert out["summary"]["requests"] == 200
@@ -257,9 +294,26 @@ def test_help_explains_every_option(capsys):
         sim.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--trace", "--prefill", "--decode", "--policy", "--admission", "--speed", "--cache-blocks", "--eviction",
-                 "--json", "--plot", "--limit", "--ttft-slo", "--tbt-slo", "--threshold", "--tier-aware", "--seed",
-                 "--no-progress", "--reproduce"):  # fmt: skip
+    for flag in (
+        "--trace",
+        "--prefill",
+        "--decode",
+        "--policy",
+        "--admission",
+        "--speed",
+        "--cache-blocks",
+        "--eviction",
+        "--json",
+        "--plot",
+        "--limit",
+        "--ttft-slo",
+        "--tbt-slo",
+        "--threshold",
+        "--tier-aware",
+        "--seed",
+        "--no-progress",
+        "--reproduce",
+    ):
         assert flag in text
 
 
@@ -270,7 +324,9 @@ def test_a_pipeline_groups_prefill_is_its_chunks_split_over_the_stages_plus_the_
     chunks = [(a, 2048) for a in range(2_048, 10_240, 2048)]  # 4 whole chunks after 2,048 cached tokens
     work = [(m.prefill_s_per_token * n + m.prefill_s_per_token_pair * n * (a + n / 2)) / 2 for a, n in chunks]
     hop = m.transfer_s(2048 * m.hidden * 2)
-    expected = m.prefill_overhead_s + sum(work) + (work[-1] + hop)  # chunk work only grows: the drain is the last chunk's
+    expected = (
+        m.prefill_overhead_s + sum(work) + (work[-1] + hop)
+    )  # chunk work only grows: the drain is the last chunk's
     assert m.pipelined_prefill_s(10_240, 2_048, 2, 2048) == pytest.approx(expected)
     # a long prompt gains nearly X; one that fits in a chunk gains nothing and pays the hop
     assert m.prefill_s(85_000, 0) / m.pipelined_prefill_s(85_000, 0, 2, 2048) > 1.9
@@ -288,8 +344,12 @@ def test_four_groups_of_two_serve_the_trace_slice_with_every_request_prefilled_o
 def test_prompts_placed_on_decode_instances_are_computed_there_and_served(requests):
     """conductor.local in the simulator: ``always`` computes every prompt on a decode instance (the prefill instances
     stay idle), ``auto`` some of them, ``never`` none; each serves every request it admits."""
-    out = {m: run(requests[:400], prefill=2, decode=2, admission=AdmissionKind.EARLY_PREDICTIVE, local_prefill=LocalPrefill(m))
-           for m in ("never", "always", "auto")}  # fmt: skip
+    out = {
+        m: run(
+            requests[:400], prefill=2, decode=2, admission=AdmissionKind.EARLY_PREDICTIVE, local_prefill=LocalPrefill(m)
+        )
+        for m in ("never", "always", "auto")
+    }
     assert out["never"]["local_prefills"] == 0 and out["never"]["prefill_utilization"] > 0
     always = out["always"]
     assert always["local_prefills"] == 400 - always["rejected"] and always["prefill_utilization"] == 0

@@ -44,12 +44,16 @@ def test_the_summary_scores_predictions_as_replay_does(first_thousand):
     assert 0.0 <= s["prediction_within_share"] <= 1.0
 
 
-def test_with_heartbeats_as_real_workers_send_them_the_drain_keeps_predictions_within_25_percent(monkeypatch, first_thousand):
+def test_with_heartbeats_as_real_workers_send_them_the_drain_keeps_predictions_within_25_percent(
+    monkeypatch, first_thousand
+):
     """Every 2.5 s a prefill instance reports its queue; counted as it stood at the heartbeat, a queue that has been
     computing since is predicted too long (the slowest 10% of predictions twice their TTFT or more)."""
     drained = predictions(first_thousand, heartbeat_s=HEARTBEAT_S)
     stale = without_drain(monkeypatch, first_thousand, heartbeat_s=HEARTBEAT_S)
-    assert drained["prediction_within_share"] >= 0.85  # 0.90 before the learnt slowdown, which adds noise where there is none
+    assert (
+        drained["prediction_within_share"] >= 0.85
+    )  # 0.90 before the learnt slowdown, which adds noise where there is none
     assert drained["prediction_within_share"] >= stale["prediction_within_share"] + 0.15
     assert stale["prediction_error_p90"] > 0.5  # predicted too long
     assert abs(drained["prediction_error_p90"]) < 0.25

@@ -15,17 +15,19 @@ import httpx
 import openai
 import pytest
 import yaml
+from clusters import conductor, start_cluster
 
 from mooncake.gateway.tenants import SALT_JOIN, Tenants
 from protos import conductor_pb2 as cpb
-from clusters import conductor, start_cluster
 
 ACME, GLOBEX, INITECH = "sk-acme-000001", "sk-globex-0001", "sk-initech-001"
-TENANTS = {"tenants": [
-    {"name": "acme", "keys": [ACME, "sk-acme-000002"]},
-    {"name": "globex", "keys": [GLOBEX], "requests_per_s": 0.05, "burst": 3},
-    {"name": "initech", "keys": [INITECH], "max_concurrent": 1},
-]}  # fmt: skip
+TENANTS = {
+    "tenants": [
+        {"name": "acme", "keys": [ACME, "sk-acme-000002"]},
+        {"name": "globex", "keys": [GLOBEX], "requests_per_s": 0.05, "burst": 3},
+        {"name": "initech", "keys": [INITECH], "max_concurrent": 1},
+    ]
+}
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -50,15 +52,18 @@ def test_a_key_finds_its_tenant_and_the_salt_is_always_the_tenants(tmp_path):
     assert Tenants.load(path).authenticate(INITECH.encode()).name == "initech"
 
 
-@pytest.mark.parametrize("tenants, problem", [
-    ({"tenants": [{"name": "a", "keys": ["sk-short"[:7]]}]}, "at least 8 characters"),
-    ({"tenants": [{"name": "a", "keys": [ACME]}, {"name": "b", "keys": [ACME]}]}, "given twice"),
-    ({"tenants": [{"name": "a", "keys": [ACME]}, {"name": "a", "keys": [GLOBEX]}]}, "names repeat"),
-    ({"tenants": [{"name": "a b", "keys": [ACME]}]}, "tenants.0.name"),
-    ({"tenants": [{"name": "a", "keys": [ACME], "requests_per_s": 0}]}, "tenants.0.requests_per_s"),
-    ({"tenants": [{"name": "a", "keys": [ACME], "quota": 3}]}, "tenants.0.quota"),
-    ({"tenants": []}, "tenants"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tenants, problem",
+    [
+        ({"tenants": [{"name": "a", "keys": ["sk-short"[:7]]}]}, "at least 8 characters"),
+        ({"tenants": [{"name": "a", "keys": [ACME]}, {"name": "b", "keys": [ACME]}]}, "given twice"),
+        ({"tenants": [{"name": "a", "keys": [ACME]}, {"name": "a", "keys": [GLOBEX]}]}, "names repeat"),
+        ({"tenants": [{"name": "a b", "keys": [ACME]}]}, "tenants.0.name"),
+        ({"tenants": [{"name": "a", "keys": [ACME], "requests_per_s": 0}]}, "tenants.0.requests_per_s"),
+        ({"tenants": [{"name": "a", "keys": [ACME], "quota": 3}]}, "tenants.0.quota"),
+        ({"tenants": []}, "tenants"),
+    ],
+)
 def test_a_bad_tenants_file_is_refused_saying_why_and_never_showing_a_key(tmp_path, tenants, problem):
     path = tmp_path / "tenants.yaml"
     path.write_text(yaml.safe_dump(tenants))
@@ -98,8 +103,9 @@ def indexed_blocks(cluster) -> int:
 
 
 def complete(cluster, key: str, prompt: list[int], max_tokens: int = 2, **extra):
-    return client(cluster, key).completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                   extra_body={"ignore_eos": True, **extra})  # fmt: skip
+    return client(cluster, key).completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True, **extra}
+    )
 
 
 def wait_for_index(cluster, at_least: int) -> int:
@@ -126,7 +132,9 @@ def test_two_tenants_share_no_kv_while_each_tenants_repeat_is_a_cache_hit(cluste
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     assert other.choices[0].text == first.choices[0].text  # a salt changes where KV lives, never the tokens
     after_initech = wait_for_index(cluster, after_acme + 10)
-    assert after_initech - after_acme == after_acme - before  # initech's prompt got blocks of its own, as many as acme's
+    assert (
+        after_initech - after_acme == after_acme - before
+    )  # initech's prompt got blocks of its own, as many as acme's
     # a client's own cache_salt cannot reach another tenant's blocks: it is added to its tenant's, never instead
     spoof = complete(cluster, INITECH, prompt, cache_salt="tenant/acme")
     assert spoof.usage.prompt_tokens_details.cached_tokens == 0
@@ -136,12 +144,20 @@ def test_a_tenant_over_its_rate_limit_gets_429_while_another_is_served(cluster):
     prompt = prompt_of(20, seed=11)
     statuses = []
     for _ in range(5):
-        r = httpx.post(f"{cluster.endpoint}/completions", headers={"Authorization": f"Bearer {GLOBEX}"},
-                       json={"model": "tiny", "prompt": prompt, "max_tokens": 1}, timeout=60)  # fmt: skip
+        r = httpx.post(
+            f"{cluster.endpoint}/completions",
+            headers={"Authorization": f"Bearer {GLOBEX}"},
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+            timeout=60,
+        )
         statuses.append(r.status_code)
         if r.status_code == 429:
             body = r.json()["error"]
-            assert body["code"] == "tenant_rate_limit" and body["type"] == "rate_limit_error" and "globex" in body["message"]
+            assert (
+                body["code"] == "tenant_rate_limit"
+                and body["type"] == "rate_limit_error"
+                and "globex" in body["message"]
+            )
             assert int(r.headers["Retry-After"]) >= 1  # 0.05 a second: the next request is seconds away
     assert statuses == [200, 200, 200, 429, 429]  # a burst of 3, then nothing at this rate
     assert complete(cluster, ACME, prompt).choices[0].finish_reason == "length"  # acme is untouched
@@ -154,14 +170,21 @@ def test_a_tenant_at_its_cap_on_requests_in_flight_gets_429_until_one_ends(clust
     auth = {"Authorization": f"Bearer {INITECH}"}
 
     def one() -> int:
-        r = httpx.post(f"{cluster.endpoint}/completions", headers=auth, json={"model": "tiny", "prompt": prompt_of(20, seed=3),
-                       "max_tokens": 1}, timeout=60)  # fmt: skip
+        r = httpx.post(
+            f"{cluster.endpoint}/completions",
+            headers=auth,
+            json={"model": "tiny", "prompt": prompt_of(20, seed=3), "max_tokens": 1},
+            timeout=60,
+        )
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "tenant_concurrency" and int(r.headers["Retry-After"]) >= 1
         return r.status_code
 
     body = {"model": "tiny", "prompt": prompt_of(20, seed=3), "max_tokens": 900, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{cluster.endpoint}/completions", headers=auth, json=body) as long:
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{cluster.endpoint}/completions", headers=auth, json=body) as long,
+    ):
         assert long.status_code == 200
         lines = long.iter_lines()  # kept: a dropped iterator closes the response
         next(lines)  # streaming: in flight
@@ -174,11 +197,18 @@ def test_a_tenant_at_its_cap_on_requests_in_flight_gets_429_until_one_ends(clust
 
 
 def test_a_wrong_or_missing_key_is_401_and_the_key_is_not_logged(cluster):
-    r = httpx.post(f"{cluster.endpoint}/completions", headers={"Authorization": "Bearer sk-acme-000009"},
-                   json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=30)  # fmt: skip
+    r = httpx.post(
+        f"{cluster.endpoint}/completions",
+        headers={"Authorization": "Bearer sk-acme-000009"},
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+        timeout=30,
+    )
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{cluster.endpoint}/models", timeout=30).status_code == 401
-    assert httpx.get(f"{cluster.endpoint}/models", headers={"Authorization": f"Bearer {ACME}"}, timeout=30).status_code == 200
+    assert (
+        httpx.get(f"{cluster.endpoint}/models", headers={"Authorization": f"Bearer {ACME}"}, timeout=30).status_code
+        == 200
+    )
     logs = "".join(p.read_text(errors="replace") for p in (cluster.run_dir / "logs").glob("*.log"))
     for key in (ACME, GLOBEX, INITECH, "sk-acme-000009"):
         assert key not in logs

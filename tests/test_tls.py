@@ -141,7 +141,9 @@ def test_the_conductor_refuses_a_caller_without_the_cluster_certificate(conducto
         cpb_grpc.ConductorStub(other_ca).ListInstances(cpb.ListInstancesRequest(), timeout=5)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
 
-    listing = cpb_grpc.ConductorStub(tls.grpc_channel(conductor.grpc)).ListInstances(cpb.ListInstancesRequest(), timeout=5)
+    listing = cpb_grpc.ConductorStub(tls.grpc_channel(conductor.grpc)).ListInstances(
+        cpb.ListInstancesRequest(), timeout=5
+    )
     assert listing.insecure is False  # `mooncake status` would say INSECURE otherwise
 
 
@@ -158,12 +160,14 @@ def test_a_fake_worker_without_the_certificate_cannot_register(conductor):
         "except grpc.RpcError as e:\n"
         "    print('refused', e.code().name); sys.exit(0)\n"
         "print('registered')\n"
-    )  # fmt: skip
+    )
     env = {k: v for k, v in os.environ.items() if k != tls.ENV_DIR}
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "refused UNAVAILABLE", out.stdout + out.stderr
     assert "INSECURE" in out.stderr  # the stranger's own process said how it ran
-    listing = cpb_grpc.ConductorStub(tls.grpc_channel(conductor.grpc)).ListInstances(cpb.ListInstancesRequest(), timeout=5)
+    listing = cpb_grpc.ConductorStub(tls.grpc_channel(conductor.grpc)).ListInstances(
+        cpb.ListInstancesRequest(), timeout=5
+    )
     assert "evil-decode" not in {i.id for i in listing.instances}
 
 
@@ -171,8 +175,11 @@ def test_a_fake_worker_without_the_certificate_cannot_register(conductor):
 def test_a_pool_node_refuses_strangers_on_grpc_control_and_transfer_ports(node, stranger_identity):
     # gRPC
     with pytest.raises(grpc.RpcError) as e:
-        grpc.insecure_channel(node.grpc).unary_unary("/mooncake.kvstore.KVStore/Stats", request_serializer=lambda m: m.SerializeToString(),
-                                                     response_deserializer=kpb.StatsResponse.FromString)(kpb.StatsRequest(), timeout=5)  # fmt: skip
+        grpc.insecure_channel(node.grpc).unary_unary(
+            "/mooncake.kvstore.KVStore/Stats",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=kpb.StatsResponse.FromString,
+        )(kpb.StatsRequest(), timeout=5)
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
     # the framed control port: a well-formed Stats call in the clear gets no answer
     assert _plain_exchange(_control_target(node), _stats_frame()) == b""
@@ -203,13 +210,17 @@ def test_a_worker_refuses_a_caller_without_the_certificate(tmp_path, tiny_dir):
     try:
         worker = instances(cluster)["prefill-0"]
         call = grpc.insecure_channel(worker.address).unary_unary(
-            "/mooncake.worker.Prefill/Prefill", request_serializer=lambda m: m.SerializeToString(),
-            response_deserializer=wpb.PrefillResponse.FromString)  # fmt: skip
+            "/mooncake.worker.Prefill/Prefill",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=wpb.PrefillResponse.FromString,
+        )
         with pytest.raises(grpc.RpcError) as e:
             call(wpb.PrefillRequest(request_id="stranger"), timeout=5)
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE
         decode = cluster.components["decode-0"].info
-        landing = Segment(name=decode["landing"], node="decode-0", size=BLOCK, host="elsewhere", pid=0, tcp_addr=decode["tcp"])
+        landing = Segment(
+            name=decode["landing"], node="decode-0", size=BLOCK, host="elsewhere", pid=0, tcp_addr=decode["tcp"]
+        )
         engine = TransferEngine(TransferConfig(node="writer", backend="tcp", serve=False), MemoryRegistry())
         try:
             engine.add_segment(landing)
@@ -268,11 +279,15 @@ def test_an_insecure_conductor_says_so_in_its_log_and_in_mooncake_status(monkeyp
 
     from mooncake.cli.main import app
 
-    monkeypatch.delenv(tls.ENV_DIR, raising=False)  # the Conductor, and this process's clients, run without certificates
+    monkeypatch.delenv(
+        tls.ENV_DIR, raising=False
+    )  # the Conductor, and this process's clients, run without certificates
     monkeypatch.setattr("mooncake.cli.pool_cmd.CURRENT", tmp_path / "none.json")
     node = start_conductor()
     try:
-        listing = cpb_grpc.ConductorStub(tls.grpc_channel(node.grpc)).ListInstances(cpb.ListInstancesRequest(), timeout=5)
+        listing = cpb_grpc.ConductorStub(tls.grpc_channel(node.grpc)).ListInstances(
+            cpb.ListInstancesRequest(), timeout=5
+        )
         assert listing.insecure is True
         shown = CliRunner().invoke(app, ["status", "--conductor", node.grpc])
         assert shown.exit_code == 0 and "INSECURE: no TLS between the components" in shown.output

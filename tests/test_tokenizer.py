@@ -190,8 +190,9 @@ def test_template_features_render_like_transformers(tiny_dirs):
     )
     # both reasoning names, "thinking" first: transformers 5.24 aliases one to the other and 5.19 (the newest
     # vLLM 0.32 accepts) does not; given both, every version renders the message as it is
-    messages = CONVERSATIONS[1] + [{"thinking": "hm", "role": "assistant", "content": "quote \" <b>é</b>",
-                                    "reasoning_content": "hm"}]  # fmt: skip
+    messages = CONVERSATIONS[1] + [
+        {"thinking": "hm", "role": "assistant", "content": 'quote " <b>é</b>', "reasoning_content": "hm"}
+    ]
     for add in (True, False):
         assert ours.apply_chat_template(messages, add_generation_prompt=add) == ref.apply_chat_template(
             messages, chat_template=TEMPLATE_FEATURES, tokenize=False, add_generation_prompt=add

@@ -7,12 +7,20 @@ import signal
 import time
 
 import pytest
-
 from kvnodes import rdma_unavailable, start_node
+
 from kvstore.client import KVStoreClient
 from transfer import (
-    BackendKind, MemoryRegistry, RedisRegistry, Segment, Slice, TransferConfig, TransferEngine, TransferError, TransferState,
-)  # fmt: skip
+    BackendKind,
+    MemoryRegistry,
+    RedisRegistry,
+    Segment,
+    Slice,
+    TransferConfig,
+    TransferEngine,
+    TransferError,
+    TransferState,
+)
 
 MIB = 1 << 20
 
@@ -26,7 +34,9 @@ def pair(shm_dir):
     owner.buffer("owner/mem")[:] = os.urandom(4 * MIB)
     kinds = ("tcp", "shm") + (("rdma",) if rdma_unavailable() is None else ())  # the rdma tests are skipped elsewhere
     peers = {
-        kind: TransferEngine(TransferConfig(node=f"peer-{kind}", backend=kind, shm_dir=shm_dir, tcp_chunk_bytes=64 * 1024), registry)
+        kind: TransferEngine(
+            TransferConfig(node=f"peer-{kind}", backend=kind, shm_dir=shm_dir, tcp_chunk_bytes=64 * 1024), registry
+        )
         for kind in kinds
     }
     yield owner, peers
@@ -41,7 +51,11 @@ def test_batched_read_and_write_move_the_exact_bytes(pair, backend):
     peer, remote = peers[backend], owner.buffer("owner/mem")
     local = bytearray(3 * MIB)
     # slices that cross chunk boundaries, are unaligned, and land out of order in the local buffer
-    slices = [Slice(2 * MIB, "owner/mem", 12345, MIB), Slice(0, "owner/mem", 3 * MIB - 7, 300_001), Slice(MIB, "owner/mem", 0, 17)]
+    slices = [
+        Slice(2 * MIB, "owner/mem", 12345, MIB),
+        Slice(0, "owner/mem", 3 * MIB - 7, 300_001),
+        Slice(MIB, "owner/mem", 0, 17),
+    ]
     batch = peer.read(local, slices)
     batch.wait(10)
     assert batch.state is TransferState.DONE
@@ -124,15 +138,25 @@ def leased_slices(node, blocks: int, block_bytes: int) -> list[Slice]:
         kv.put(keys, b"\xab" * (blocks * block_bytes))
         got = kv.get_locations(keys)
     assert len(got.slots) == blocks
-    return [Slice(i * block_bytes, got.segment.name, s.offset, block_bytes, got.lease_id) for i, s in enumerate(got.slots)]
+    return [
+        Slice(i * block_bytes, got.segment.name, s.offset, block_bytes, got.lease_id) for i, s in enumerate(got.slots)
+    ]
 
 
 def test_peer_killed_mid_transfer_fails_promptly(shm_dir):
     node = start_node("victim", 1 * MIB, 64, shm_dir=shm_dir)
-    reader = TransferEngine(TransferConfig(node="reader", backend="tcp", serve=False, io_timeout_s=60), MemoryRegistry())
+    reader = TransferEngine(
+        TransferConfig(node="reader", backend="tcp", serve=False, io_timeout_s=60), MemoryRegistry()
+    )
     try:
-        stats_seg = Segment(name="victim/dram", node="victim", size=64 * MIB, host="elsewhere", pid=node.proc.pid,
-                            tcp_addr=node.info["tcp"])  # fmt: skip
+        stats_seg = Segment(
+            name="victim/dram",
+            node="victim",
+            size=64 * MIB,
+            host="elsewhere",
+            pid=node.proc.pid,
+            tcp_addr=node.info["tcp"],
+        )
         reader.add_segment(stats_seg)
         slices = leased_slices(node, 32, MIB)
         reader.read(bytearray(MIB), slices[:1]).wait(30)  # connected (and authenticated) first
@@ -154,8 +178,14 @@ def test_shm_peer_that_died_fails_its_transfers(shm_dir):
     node = start_node("victim", 64 * 1024, 4, shm_dir=shm_dir)
     reader = TransferEngine(TransferConfig(node="reader", backend="shm", serve=False), MemoryRegistry())
     try:
-        seg = Segment(name="victim/dram", node="victim", size=4 * 64 * 1024, host=reader.host, pid=node.proc.pid,
-                      shm_path=os.path.join(shm_dir, "victim--dram"))  # fmt: skip
+        seg = Segment(
+            name="victim/dram",
+            node="victim",
+            size=4 * 64 * 1024,
+            host=reader.host,
+            pid=node.proc.pid,
+            shm_path=os.path.join(shm_dir, "victim--dram"),
+        )
         reader.add_segment(seg)
         reader.read(bytearray(10), [Slice(0, "victim/dram", 0, 10)]).wait(10)
         node.kill(signal.SIGKILL)  # its shared-memory file outlives it
@@ -171,8 +201,16 @@ def test_timed_out_batch_is_cancelled_and_leaves_the_buffer_alone(shm_dir):
     node = start_node("slow", 1 * MIB, 16, shm_dir=shm_dir)
     reader = TransferEngine(TransferConfig(node="reader", backend="tcp", serve=False), MemoryRegistry())
     try:
-        reader.add_segment(Segment(name="slow/dram", node="slow", size=16 * MIB, host="elsewhere", pid=node.proc.pid,
-                                   tcp_addr=node.info["tcp"]))  # fmt: skip
+        reader.add_segment(
+            Segment(
+                name="slow/dram",
+                node="slow",
+                size=16 * MIB,
+                host="elsewhere",
+                pid=node.proc.pid,
+                tcp_addr=node.info["tcp"],
+            )
+        )
         slices = leased_slices(node, 12, MIB)  # the segment holds something that is not zeros, and we may read it
         node.kill(signal.SIGSTOP)  # alive but silent
         local = bytearray(12 * MIB)
@@ -198,7 +236,9 @@ def test_metrics_count_bytes_by_the_backend_that_carried_them(pair):
 
     owner, peers = pair
     for kind in ("tcp", "shm"):
-        peers[kind].read(bytearray(3000), [Slice(0, "owner/mem", 0, 1000), Slice(1000, "owner/mem", 9000, 2000)]).wait(10)
+        peers[kind].read(bytearray(3000), [Slice(0, "owner/mem", 0, 1000), Slice(1000, "owner/mem", 9000, 2000)]).wait(
+            10
+        )
         peers[kind].write(b"x" * 500, [Slice(0, "owner/mem", 0, 500)]).wait(10)
         assert peers[kind].moved() == {(kind, "read"): (1, 3000), (kind, "write"): (1, 500)}
     registry = CollectorRegistry()

@@ -21,15 +21,23 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
 pytest.importorskip("triton", reason="needs Triton")
 from mooncake.engine.kernels.triton_decode import paged_decode  # noqa: E402
-needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="runs compiled on CUDA, or in the interpreter child")
+
+needs_kernels = pytest.mark.skipif(
+    not (CUDA or INTERPRETED), reason="runs compiled on CUDA, or in the interpreter child"
+)
 
 
 def test_the_kernels_pass_under_the_interpreter_on_a_machine_without_a_gpu():
     if CUDA or INTERPRETED:
         pytest.skip("the kernels' tests run directly here")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout
 
@@ -56,7 +64,9 @@ def paged_case(dtype, num_blocks=24, block_size=8, hkv=2, group=3, d=16, ctx=(1,
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
     v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
-    table = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in ctx]).to(DEVICE)  # blocks out of order
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in ctx]).to(
+        DEVICE
+    )  # blocks out of order
     q = torch.randn(len(ctx), hkv * group, d, generator=g).to(DEVICE, dtype)
     return q, k_cache, v_cache, table, torch.tensor(ctx, device=DEVICE)
 

@@ -34,7 +34,11 @@ def test_roce_transitions_route_by_the_peers_gid_and_use_the_smaller_mtu():
 
 def test_infiniband_transitions_route_by_lid_and_refuse_a_peer_without_one():
     _, rtr, _ = rc_transitions(port(1, 0, lid=7, roce=False), port(2, 0, lid=9, roce=False), QPSettings())
-    assert rtr.attrs["ah_attr"]["dlid"] == 9 and rtr.attrs["ah_attr"]["is_global"] is False and "gr" not in rtr.attrs["ah_attr"]
+    assert (
+        rtr.attrs["ah_attr"]["dlid"] == 9
+        and rtr.attrs["ah_attr"]["is_global"] is False
+        and "gr" not in rtr.attrs["ah_attr"]
+    )
     with pytest.raises(ValueError, match="LID 0"):
         rc_transitions(port(1, 0, lid=7, roce=False), port(2, 0, lid=0, roce=False), QPSettings())
     with pytest.raises(ValueError, match="cannot be connected"):
@@ -62,8 +66,11 @@ def test_port_info_is_checked_and_travels_as_a_dict():
 def test_work_requests_cut_each_span_to_the_max_message_and_keep_order():
     wrs = work_requests([(1000, 5000, 10), (2000, 9000, 25)], max_msg=10)
     assert [(w.job, w.local_addr, w.remote_addr, w.length) for w in wrs] == [
-        (0, 1000, 5000, 10), (1, 2000, 9000, 10), (1, 2010, 9010, 10), (1, 2020, 9020, 5),
-    ]  # fmt: skip
+        (0, 1000, 5000, 10),
+        (1, 2000, 9000, 10),
+        (1, 2010, 9010, 10),
+        (1, 2020, 9020, 5),
+    ]
     assert sum(w.length for w in wrs) == 35
     with pytest.raises(ValueError):
         work_requests([(0, 0, 0)], 10)

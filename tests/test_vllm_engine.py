@@ -20,9 +20,9 @@ import jsonschema
 import openai
 import pytest
 import torch
-
 import vllm_alone
 from clusters import conductor, generate, instances, start_cluster, tokens
+
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
 from mooncake.engine.request import SamplingParams
@@ -50,8 +50,18 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir, tmp_path_factory):
-    c = start_cluster(smollm2_dir, tmp_path_factory.mktemp("vllm-run"), model_name="smol", engine="vllm", vllm_args=VLLM_ARGS,
-                      prefill=2, decode=1, threads=1, max_model_len=MAX_LEN, pool_dram_mib=512)  # fmt: skip
+    c = start_cluster(
+        smollm2_dir,
+        tmp_path_factory.mktemp("vllm-run"),
+        model_name="smol",
+        engine="vllm",
+        vllm_args=VLLM_ARGS,
+        prefill=2,
+        decode=1,
+        threads=1,
+        max_model_len=MAX_LEN,
+        pool_dram_mib=512,
+    )
     yield c
     c.stop()
 
@@ -66,8 +76,16 @@ def be(cluster) -> ClusterBackend:
 def alone(smollm2_dir) -> dict[tuple[int, ...], dict]:
     """vLLM alone, greedy, 16 tokens and their top-5 logprobs: every prompt the equivalence tests send."""
     prompts = [prompt_of(n, seed=n) for n in LENGTHS] + [PULL_SHARED + PULL_TAIL]
-    out = vllm_alone.run("reference", model=str(smollm2_dir), block_size=BLOCK, max_model_len=MAX_LEN, max_tokens=16,
-                         prompts=prompts, logprobs=5, prompt_logprobs_of=[LENGTHS.index(100)])  # fmt: skip
+    out = vllm_alone.run(
+        "reference",
+        model=str(smollm2_dir),
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        max_tokens=16,
+        prompts=prompts,
+        logprobs=5,
+        prompt_logprobs_of=[LENGTHS.index(100)],
+    )
     return {tuple(p): o for p, o in zip(prompts, out)}
 
 
@@ -88,10 +106,15 @@ def test_vllm_kv_is_exported_in_the_pool_layout_that_our_engine_writes(smollm2_d
     KV for the same prompt matches to float32 rounding (the CPU kernels pack K differently from V, so a wrong
     permutation shows as an error of the values' own size)."""
     prompt = prompt_of(70, seed=7)
-    path = vllm_alone.run("layout", model=str(smollm2_dir), block_size=BLOCK, prompt=prompt, path=str(tmp_path / "kv.pt"))
+    path = vllm_alone.run(
+        "layout", model=str(smollm2_dir), block_size=BLOCK, prompt=prompt, path=str(tmp_path / "kv.pt")
+    )
     theirs = torch.load(path)  # [L, 2, T, Hkv, D]
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), block_size=BLOCK, num_kv_blocks=16, max_model_len=1024,
-                                    enable_prefix_caching=False))  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(smollm2_dir), block_size=BLOCK, num_kv_blocks=16, max_model_len=1024, enable_prefix_caching=False
+        )
+    )
     rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     engine.step()  # the prompt, one step
     ours = engine.export_kv(engine.request_block_ids(rid))  # [n, L, 2, bs, Hkv, D]
@@ -114,7 +137,9 @@ def test_vllm_prefill_pool_vllm_decode_equals_vllm_alone_cold_and_from_the_pool(
     assert tokens(cold) == ref
     assert tokens(warm) == ref
     assert cold[-1].cached_tokens == 0
-    assert warm[-1].cached_tokens == min(length // BLOCK * BLOCK, length - 1)  # its full blocks; the last token computed
+    assert warm[-1].cached_tokens == min(
+        length // BLOCK * BLOCK, length - 1
+    )  # its full blocks; the last token computed
     assert warm[-1].prompt_tokens == length and warm[-1].completion_tokens == 16
 
 
@@ -135,14 +160,27 @@ def test_logprobs_through_vllm_prefill_and_decode_equal_vllm_alones(be, alone):
 def test_a_json_schema_holds_across_vllm_prefill_and_decode(cluster, smollm2_dir):
     """vLLM workers follow our grammar through GrammarLogitsProcessor: the prefill's vLLM samples the first token
     under it, the decode's vLLM starts its matcher past that token."""
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-              "age": {"type": "integer", "minimum": 0, "maximum": 120}, "pets": {"type": "array", "maxItems": 3,
-              "items": {"enum": ["cat", "dog", "fish"]}}}, "required": ["name", "age", "pets"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "pets": {"type": "array", "maxItems": 3, "items": {"enum": ["cat", "dog", "fish"]}},
+        },
+        "required": ["name", "age", "pets"],
+        "additionalProperties": False,
+    }
     client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=120)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
     for seed in range(4):
-        r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Describe a person as JSON."}],
-                                           temperature=1.0, seed=seed, max_tokens=120, response_format=fmt)  # fmt: skip
+        r = client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+            response_format=fmt,
+        )
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
@@ -151,8 +189,14 @@ def test_streaming_chat_through_the_openai_client(cluster, smollm2_dir):
     client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     full = client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0)
-    stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage = [], None
     for chunk in stream:
         usage = chunk.usage or usage
@@ -173,8 +217,18 @@ def test_a_prefix_on_the_other_prefill_node_is_pulled_into_vllm(cluster, be, ref
 
     def reregister(name: str) -> None:  # a drained instance comes back by registering again
         i = listed[name]
-        stub.Register(cpb.RegisterRequest(id=i.id, role=i.role, address=i.address, node=i.node, model=i.model,
-                                          capacity=i.capacity, engine=i.engine), timeout=5)  # fmt: skip
+        stub.Register(
+            cpb.RegisterRequest(
+                id=i.id,
+                role=i.role,
+                address=i.address,
+                node=i.node,
+                model=i.model,
+                capacity=i.capacity,
+                engine=i.engine,
+            ),
+            timeout=5,
+        )
 
     try:
         stub.Drain(cpb.DrainRequest(id="prefill-1"), timeout=5)
@@ -201,22 +255,33 @@ def test_a_client_that_goes_away_cancels_the_request_in_both_vllm_engines(cluste
     """Leave during a long prefill (the prefill worker's vLLM aborts it), then after the first token (the decode's)."""
     prefill = {name: cluster.component(name).info["metrics"] for name in ("prefill-0", "prefill-1")}
     decode = cluster.component("decode-0").info["metrics"]
-    p_cancelled, d_cancelled = 'mooncake_prefill_requests_total{outcome="cancelled"}', 'mooncake_decode_requests_total{outcome="cancelled"}'
+    p_cancelled, d_cancelled = (
+        'mooncake_prefill_requests_total{outcome="cancelled"}',
+        'mooncake_decode_requests_total{outcome="cancelled"}',
+    )
     before_p = sum(_metric(s, p_cancelled) for s in prefill.values())
     before_d = _metric(decode, d_cancelled)
     url = f"{cluster.endpoint}/completions"
     long_prompt = prompt_of(1900, seed=77)  # seconds of prefill on one core
     with pytest.raises(httpx.ReadTimeout):  # no token within 1.5 s: the client gives up and closes the connection
-        with httpx.stream("POST", url, json={"model": "smol", "prompt": long_prompt, "max_tokens": 8, "stream": True},
-                          timeout=httpx.Timeout(30, read=1.5)) as r:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            url,
+            json={"model": "smol", "prompt": long_prompt, "max_tokens": 8, "stream": True},
+            timeout=httpx.Timeout(30, read=1.5),
+        ) as r:
             for _ in r.iter_lines():
                 pass
     deadline = time.monotonic() + 30
     while sum(_metric(s, p_cancelled) for s in prefill.values()) == before_p and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sum(_metric(s, p_cancelled) for s in prefill.values()) == before_p + 1
-    with httpx.stream("POST", url, timeout=60, json={"model": "smol", "prompt": "Once upon a time", "max_tokens": 1000,
-                                                     "stream": True, "ignore_eos": True}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        url,
+        timeout=60,
+        json={"model": "smol", "prompt": "Once upon a time", "max_tokens": 1000, "stream": True, "ignore_eos": True},
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one chunk, then the client goes away

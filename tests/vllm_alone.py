@@ -24,8 +24,15 @@ RESULT = "VLLM_ALONE_RESULT "
 def run(mode: str, timeout_s: float = 600, **args) -> object:
     # one thread, as the cluster's workers compute (tests start them with threads=1): the same sums in the same order
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__], input=json.dumps({"mode": mode, **args}), capture_output=True, text=True,
-                          timeout=timeout_s, env=env, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps({"mode": mode, **args}),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vllm_alone {mode} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -38,15 +45,26 @@ def _reference(args: dict) -> list[list[int]] | list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args["model"], dtype="float32", block_size=args["block_size"], max_model_len=args["max_model_len"],
-              enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=512 * 2**20, seed=0)  # fmt: skip
+    llm = LLM(
+        model=args["model"],
+        dtype="float32",
+        block_size=args["block_size"],
+        max_model_len=args["max_model_len"],
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=512 * 2**20,
+        seed=0,
+    )
     k = args.get("logprobs")
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, logprobs=k)
     out = []
     for i, p in enumerate(args["prompts"]):
         with_prompt = i in args.get("prompt_logprobs_of", ())
-        result = llm.generate([TokensPrompt(prompt_token_ids=p)], params.clone() if not with_prompt else
-                              SamplingParams(**{**_fields(params), "prompt_logprobs": k}), use_tqdm=False)[0]  # fmt: skip
+        result = llm.generate(
+            [TokensPrompt(prompt_token_ids=p)],
+            params.clone() if not with_prompt else SamplingParams(**{**_fields(params), "prompt_logprobs": k}),
+            use_tqdm=False,
+        )[0]
         completion = result.outputs[0]
         tokens = list(completion.token_ids)
         if k is None:
@@ -64,7 +82,12 @@ def _reference(args: dict) -> list[list[int]] | list[dict]:
 
 
 def _fields(params) -> dict:
-    return dict(temperature=params.temperature, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+    return dict(
+        temperature=params.temperature,
+        max_tokens=params.max_tokens,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
 
 
 def _layout(args: dict) -> str:

@@ -7,7 +7,21 @@ from transfer.registry import MemoryRegistry, RedisRegistry, SegmentRegistry, ma
 from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, TransferState, host_id
 
 __all__ = [
-    "BackendKind", "MemoryRegistry", "OpKind", "RedisRegistry", "Segment", "SegmentRegistry", "SharedRegion",
-    "Slice", "TransferBatch", "TransferConfig", "TransferEngine", "TransferError", "TransferState", "TransportChoice",
-    "add_transport_args", "host_id", "make_registry",
-]  # fmt: skip
+    "BackendKind",
+    "MemoryRegistry",
+    "OpKind",
+    "RedisRegistry",
+    "Segment",
+    "SegmentRegistry",
+    "SharedRegion",
+    "Slice",
+    "TransferBatch",
+    "TransferConfig",
+    "TransferEngine",
+    "TransferError",
+    "TransferState",
+    "TransportChoice",
+    "add_transport_args",
+    "host_id",
+    "make_registry",
+]

@@ -120,7 +120,9 @@ class ShmBackend(Backend):
         if own is not None:
             return own
         if not pid_alive(segment.pid):
-            raise TransferError(f"segment {segment.name!r}: owner process {segment.pid} of node {segment.node!r} is gone")
+            raise TransferError(
+                f"segment {segment.name!r}: owner process {segment.pid} of node {segment.node!r} is gone"
+            )
         with self._lock:
             pid, region = self._maps.get(segment.name, (None, None))
             if region is None or pid != segment.pid or str(region.path) != segment.shm_path:
@@ -152,7 +154,11 @@ class ShmBackend(Backend):
             batch.job_started()
             end = job.remote_offset + job.length
             if end > len(remote):
-                batch.job_failed(TransferError(f"segment {segment.name!r}: [{job.remote_offset}, {end}) is past its end ({len(remote)})"))
+                batch.job_failed(
+                    TransferError(
+                        f"segment {segment.name!r}: [{job.remote_offset}, {end}) is past its end ({len(remote)})"
+                    )
+                )
                 continue
             window = remote[job.remote_offset : end]
             try:

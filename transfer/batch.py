@@ -26,8 +26,18 @@ QUIESCE_LIMIT_S = 10.0  # after a cancel, how long wait() lets backends resolve 
 class TransferBatch:
     """Handle of one asynchronous batch (what ``TransferEngine.read``/``write`` return)."""
 
-    __slots__ = ("kind", "num_bytes", "_outstanding", "_state", "_error", "_cond", "_cancels", "_settled", "started_at",
-                 "finished_at")  # fmt: skip
+    __slots__ = (
+        "kind",
+        "num_bytes",
+        "_outstanding",
+        "_state",
+        "_error",
+        "_cond",
+        "_cancels",
+        "_settled",
+        "started_at",
+        "finished_at",
+    )
 
     def __init__(self, kind: OpKind, num_jobs: int, num_bytes: int) -> None:
         self.kind = kind
@@ -65,7 +75,9 @@ class TransferBatch:
             while self._outstanding and not self._state.finished:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    self._fail_locked(TransferError(f"{self.kind.value} of {self.num_bytes} bytes timed out after {timeout} s"))
+                    self._fail_locked(
+                        TransferError(f"{self.kind.value} of {self.num_bytes} bytes timed out after {timeout} s")
+                    )
                     break
                 self._cond.wait(remaining)
             cancels = list(self._cancels) if self._outstanding else []
@@ -73,7 +85,9 @@ class TransferBatch:
             cancel(self)
         with self._cond:
             if not self._cond.wait_for(lambda: self._outstanding == 0, QUIESCE_LIMIT_S):
-                log.error("%r: %d jobs still unresolved %s s after the batch ended", self, self._outstanding, QUIESCE_LIMIT_S)
+                log.error(
+                    "%r: %d jobs still unresolved %s s after the batch ended", self, self._outstanding, QUIESCE_LIMIT_S
+                )
             if self._error is not None:
                 raise self._error
 

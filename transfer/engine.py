@@ -33,12 +33,12 @@ from pydantic import BaseModel, Field
 from transfer.backend import Backend, Job, ShmBackend
 from transfer.batch import TransferBatch
 from transfer.handshake import load_identity
+from transfer.rdma import DeviceChoice, RdmaBackend, RdmaUnavailable, buffer_address, probe
 from transfer.region import SharedRegion
 from transfer.registry import MemoryRegistry, SegmentRegistry
-from transfer.verbs import QPSettings
-from transfer.rdma import DeviceChoice, RdmaBackend, RdmaUnavailable, buffer_address, probe
 from transfer.tcp import Guard, TcpBackend, TcpServer
 from transfer.types import BackendKind, OpKind, Segment, Slice, TransferError, host_id
+from transfer.verbs import QPSettings
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,17 @@ class TransferConfig(BaseModel):
     """Configuration of one node's transfer engine."""
 
     node: str = Field(min_length=1, description="this node's name; segment names are '<node>/<label>'")
-    backend: BackendKind = Field(default_factory=default_backend, description="auto: shm on the same host, then rdma "
-                                 "where both ends have an RDMA port, else tcp; rdma: refuse to start without one "
-                                 f"(default: ${BACKEND_ENV}, else auto)")
+    backend: BackendKind = Field(
+        default_factory=default_backend,
+        description="auto: shm on the same host, then rdma "
+        "where both ends have an RDMA port, else tcp; rdma: refuse to start without one "
+        f"(default: ${BACKEND_ENV}, else auto)",
+    )
     rdma_device: str | None = Field(None, description="RDMA device (default: the first with an active port)")
     rdma_port: int | None = Field(None, ge=1, description="its port (default: its first active one)")
-    rdma_gid_index: int = Field(0, ge=0, description="GID table index (RoCE v2: the entry carrying the IP; see show_gids)")
+    rdma_gid_index: int = Field(
+        0, ge=0, description="GID table index (RoCE v2: the entry carrying the IP; see show_gids)"
+    )
     rdma_qp_depth: int = Field(256, ge=1, description="send queue depth of each queue pair (capped by the device)")
     rdma_signal_every: int = Field(16, ge=1, description="one signalled completion per this many work requests")
     rdma_queue_pairs: int = Field(1, ge=1, le=16, description="queue pairs per peer")
@@ -78,12 +83,17 @@ class TransferConfig(BaseModel):
     connect_timeout_s: float = Field(3.0, gt=0)
     io_timeout_s: float = Field(30.0, gt=0, description="an answer overdue by this long fails the connection")
     shm_threads: int = Field(2, ge=1, le=64, description="threads that copy large shm batches")
-    shm_inline_bytes: int = Field(4 << 20, ge=0, description="shm batches up to this size are copied by the caller, before read/write returns")
+    shm_inline_bytes: int = Field(
+        4 << 20, ge=0, description="shm batches up to this size are copied by the caller, before read/write returns"
+    )
     segment_cache_ttl_s: float = Field(5.0, ge=0)
-    tls_dir: str | None = Field(default_factory=lambda: os.environ.get(TLS_ENV) or None, description="the cluster's "
-                                "certificate directory (ca.crt, tls.crt, tls.key): every tcp connection, made or "
-                                f"accepted, shows it and asks the peer for one from the same CA (default: ${TLS_ENV}, "
-                                "else none: unauthenticated)")  # fmt: skip
+    tls_dir: str | None = Field(
+        default_factory=lambda: os.environ.get(TLS_ENV) or None,
+        description="the cluster's "
+        "certificate directory (ca.crt, tls.crt, tls.key): every tcp connection, made or "
+        f"accepted, shows it and asks the peer for one from the same CA (default: ${TLS_ENV}, "
+        "else none: unauthenticated)",
+    )
 
 
 class TransportChoice(BaseModel):
@@ -96,20 +106,33 @@ class TransportChoice(BaseModel):
 
     @classmethod
     def from_args(cls, args) -> "TransportChoice":
-        return cls(backend=BackendKind(args.transfer_backend), rdma_device=args.rdma_device, rdma_port=args.rdma_port,
-                   rdma_gid_index=args.rdma_gid_index)  # fmt: skip
+        return cls(
+            backend=BackendKind(args.transfer_backend),
+            rdma_device=args.rdma_device,
+            rdma_port=args.rdma_port,
+            rdma_gid_index=args.rdma_gid_index,
+        )
 
 
 def add_transport_args(parser, backend_flag: str = "--transfer-backend") -> None:
     """The flags of :class:`TransportChoice` (a pool node keeps its older ``--backend`` name for the first)."""
-    parser.add_argument(backend_flag, dest="transfer_backend", choices=[k.value for k in BackendKind],
-                        default=default_backend().value, help="how KV moves to other processes: auto (shm on this host, "
-                        "then rdma where both ends have an RDMA port, else tcp), or forced: shm, tcp, rdma (refuses to "
-                        f"start without an active RDMA port); default ${BACKEND_ENV}, else auto")  # fmt: skip
+    parser.add_argument(
+        backend_flag,
+        dest="transfer_backend",
+        choices=[k.value for k in BackendKind],
+        default=default_backend().value,
+        help="how KV moves to other processes: auto (shm on this host, "
+        "then rdma where both ends have an RDMA port, else tcp), or forced: shm, tcp, rdma (refuses to "
+        f"start without an active RDMA port); default ${BACKEND_ENV}, else auto",
+    )
     parser.add_argument("--rdma-device", help="RDMA device, e.g. mlx5_0 (default: the first with an active port)")
     parser.add_argument("--rdma-port", type=int, help="its port number (default: its first active port)")
-    parser.add_argument("--rdma-gid-index", type=int, default=0, help="GID index (RoCE v2: the entry with the IP; "
-                        "`show_gids` lists them; default 0)")  # fmt: skip
+    parser.add_argument(
+        "--rdma-gid-index",
+        type=int,
+        default=0,
+        help="GID index (RoCE v2: the entry with the IP; `show_gids` lists them; default 0)",
+    )
 
 
 @functools.cache
@@ -156,15 +179,23 @@ class TransferEngine:
         self._taught: dict[str, Segment] = {}  # from add_segment
         self._lock = threading.Lock()
         identity = load_identity(config.tls_dir) if config.tls_dir else None
-        self._server = (TcpServer(config.listen_host, config.port, self._local.get, self._guards.get, identity)
-                        if config.serve else None)  # fmt: skip
+        self._server = (
+            TcpServer(config.listen_host, config.port, self._local.get, self._guards.get, identity)
+            if config.serve
+            else None
+        )
         self._shm = ShmBackend(config.shm_threads, self._local.get, config.shm_inline_bytes)
         self._tcp = TcpBackend(config.tcp_connections, config.connect_timeout_s, config.io_timeout_s, identity)
         self._rdma: RdmaBackend | None = None
         if choice is not None:
-            self._rdma = RdmaBackend(choice, QPSettings(port_num=choice.port, gid_index=config.rdma_gid_index),
-                                     self._tcp.rdma_handshake, config.rdma_qp_depth, config.rdma_signal_every,
-                                     config.rdma_queue_pairs)  # fmt: skip
+            self._rdma = RdmaBackend(
+                choice,
+                QPSettings(port_num=choice.port, gid_index=config.rdma_gid_index),
+                self._tcp.rdma_handshake,
+                config.rdma_qp_depth,
+                config.rdma_signal_every,
+                config.rdma_queue_pairs,
+            )
             if self._server is not None:
                 self._server.rdma_accept = self._rdma.accept
         self.transport = f"rdma: {choice.describe()}" if choice is not None else f"tcp ({why_not})"
@@ -230,11 +261,20 @@ class TransferEngine:
         return name
 
     def _publish(self, name: str, view: memoryview, shm_path: str | None) -> Segment:
-        rkey, addr = self._rdma.register(name, view) if self._rdma is not None and self._server is not None else (None, 0)
+        rkey, addr = (
+            self._rdma.register(name, view) if self._rdma is not None and self._server is not None else (None, 0)
+        )
         segment = Segment(
-            name=name, node=self.config.node, size=len(view), host=self.host, pid=os.getpid(),
-            shm_path=shm_path, tcp_addr=self.tcp_addr, rdma_rkey=rkey, rdma_addr=addr,
-        )  # fmt: skip
+            name=name,
+            node=self.config.node,
+            size=len(view),
+            host=self.host,
+            pid=os.getpid(),
+            shm_path=shm_path,
+            tcp_addr=self.tcp_addr,
+            rdma_rkey=rkey,
+            rdma_addr=addr,
+        )
         with self._lock:
             self._local[name] = view
             self._segments[name] = segment
@@ -335,7 +375,11 @@ class TransferEngine:
             if s.remote_offset + s.length > seg.size:
                 raise ValueError(f"slice {s} runs past segment {seg.name!r} ({seg.size} bytes)")
             spans = groups[group][2]
-            if spans and spans[-1][0] + spans[-1][2] == s.local_offset and spans[-1][1] + spans[-1][2] == s.remote_offset:
+            if (
+                spans
+                and spans[-1][0] + spans[-1][2] == s.local_offset
+                and spans[-1][1] + spans[-1][2] == s.remote_offset
+            ):
                 lo, ro, n = spans[-1]
                 spans[-1] = (lo, ro, n + s.length)  # contiguous on both sides: one copy
             else:
@@ -346,9 +390,7 @@ class TransferEngine:
         chunk = self.config.tcp_chunk_bytes
         for (_, token), (seg, backend, spans) in groups.items():
             if backend is self._tcp:
-                spans = [
-                    (lo + i, ro + i, min(chunk, n - i)) for lo, ro, n in spans for i in range(0, n, chunk)
-                ]  # fmt: skip
+                spans = [(lo + i, ro + i, min(chunk, n - i)) for lo, ro, n in spans for i in range(0, n, chunk)]
             pieces.append((seg, backend, token.encode(), spans))
             num_jobs += len(spans)
         batch = TransferBatch(kind, num_jobs, total)

@@ -38,15 +38,19 @@ class Identity:
         directory = Path(directory)
         missing = [f for f in FILES if not (directory / f).is_file()]
         if missing:
-            raise ValueError(f"{directory} has no {', '.join(missing)}: a TLS directory needs {', '.join(FILES)} "
-                             f"(mooncake up writes one into its run directory; see deploy/README.md)")  # fmt: skip
+            raise ValueError(
+                f"{directory} has no {', '.join(missing)}: a TLS directory needs {', '.join(FILES)} "
+                f"(mooncake up writes one into its run directory; see deploy/README.md)"
+            )
         ca, cert, key = ((directory / f).read_bytes() for f in FILES)
         return cls(directory, ca, cert, key)
 
     @functools.cached_property
     def server_context(self) -> ssl.SSLContext:
         ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
-        ctx.num_tickets = 0  # no session tickets: nothing follows the handshake but the close (see unwrap in _handshake)
+        ctx.num_tickets = (
+            0  # no session tickets: nothing follows the handshake but the close (see unwrap in _handshake)
+        )
         return ctx
 
     @functools.cached_property

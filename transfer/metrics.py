@@ -17,8 +17,12 @@ class TransferCollector:
         self._engine = engine
 
     def collect(self):
-        data = CounterMetricFamily("mooncake_transfer_bytes", "bytes this process moved, by transfer backend", labels=["backend", "op"])
-        batches = CounterMetricFamily("mooncake_transfer_batches", "transfer batches, by backend", labels=["backend", "op"])
+        data = CounterMetricFamily(
+            "mooncake_transfer_bytes", "bytes this process moved, by transfer backend", labels=["backend", "op"]
+        )
+        batches = CounterMetricFamily(
+            "mooncake_transfer_batches", "transfer batches, by backend", labels=["backend", "op"]
+        )
         for (backend, op), (n, size) in sorted(self._engine.moved().items()):
             data.add_metric([backend, op], size)
             batches.add_metric([backend, op], n)

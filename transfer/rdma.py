@@ -52,8 +52,15 @@ import numpy as np
 from transfer.backend import Backend, Job, fail_jobs
 from transfer.types import BackendKind, OpKind, Segment, TransferError
 from transfer.verbs import (
-    MTU_BYTES, CompletionLedger, PortInfo, QPSettings, Transition, post_rounds, rc_transitions, work_requests,
-)  # fmt: skip
+    MTU_BYTES,
+    CompletionLedger,
+    PortInfo,
+    QPSettings,
+    Transition,
+    post_rounds,
+    rc_transitions,
+    work_requests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +123,36 @@ def _pyverbs():
 
 # every libibverbs constant this backend uses (tests/test_rdma.py resolves each against the installed pyverbs)
 CONSTANTS = (
-    "IBV_QPT_RC", "IBV_SEND_SIGNALED", "IBV_WR_RDMA_READ", "IBV_WR_RDMA_WRITE", "IBV_QPS_INIT", "IBV_QPS_RTR",
-    "IBV_QPS_RTS", "IBV_QPS_ERR", "IBV_QP_STATE", "IBV_QP_PKEY_INDEX", "IBV_QP_PORT", "IBV_QP_ACCESS_FLAGS", "IBV_QP_AV",
-    "IBV_QP_PATH_MTU", "IBV_QP_DEST_QPN", "IBV_QP_RQ_PSN", "IBV_QP_MAX_DEST_RD_ATOMIC", "IBV_QP_MIN_RNR_TIMER",
-    "IBV_QP_TIMEOUT", "IBV_QP_RETRY_CNT", "IBV_QP_RNR_RETRY", "IBV_QP_SQ_PSN", "IBV_QP_MAX_QP_RD_ATOMIC",
-    "IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ", "IBV_ACCESS_REMOTE_WRITE", "IBV_PORT_ACTIVE",
-    "IBV_LINK_LAYER_ETHERNET", "IBV_WC_SUCCESS",
-)  # fmt: skip
+    "IBV_QPT_RC",
+    "IBV_SEND_SIGNALED",
+    "IBV_WR_RDMA_READ",
+    "IBV_WR_RDMA_WRITE",
+    "IBV_QPS_INIT",
+    "IBV_QPS_RTR",
+    "IBV_QPS_RTS",
+    "IBV_QPS_ERR",
+    "IBV_QP_STATE",
+    "IBV_QP_PKEY_INDEX",
+    "IBV_QP_PORT",
+    "IBV_QP_ACCESS_FLAGS",
+    "IBV_QP_AV",
+    "IBV_QP_PATH_MTU",
+    "IBV_QP_DEST_QPN",
+    "IBV_QP_RQ_PSN",
+    "IBV_QP_MAX_DEST_RD_ATOMIC",
+    "IBV_QP_MIN_RNR_TIMER",
+    "IBV_QP_TIMEOUT",
+    "IBV_QP_RETRY_CNT",
+    "IBV_QP_RNR_RETRY",
+    "IBV_QP_SQ_PSN",
+    "IBV_QP_MAX_QP_RD_ATOMIC",
+    "IBV_ACCESS_LOCAL_WRITE",
+    "IBV_ACCESS_REMOTE_READ",
+    "IBV_ACCESS_REMOTE_WRITE",
+    "IBV_PORT_ACTIVE",
+    "IBV_LINK_LAYER_ETHERNET",
+    "IBV_WC_SUCCESS",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +171,9 @@ class DeviceChoice:
     max_rd_atomic: int
 
     def describe(self) -> str:
-        return f"{self.device} port {self.port} ({'RoCE' if self.roce else 'InfiniBand'}, {MTU_BYTES[self.mtu]}-byte MTU)"
+        return (
+            f"{self.device} port {self.port} ({'RoCE' if self.roce else 'InfiniBand'}, {MTU_BYTES[self.mtu]}-byte MTU)"
+        )
 
 
 def probe(device: str | None = None, port: int | None = None, gid_index: int = 0) -> DeviceChoice:
@@ -176,10 +208,22 @@ def probe(device: str | None = None, port: int | None = None, gid_index: int = 0
                 except Exception as err:  # pyverbs raises PyverbsRDMAError for an index past the table
                     raise RdmaUnavailable(f"{name} port {p} has no GID at index {gid_index}: {err}") from None
                 if roce and int(gid, 16) == 0:
-                    raise RdmaUnavailable(f"{name} port {p} (RoCE) has an empty GID at index {gid_index}: pick another "
-                                          "with --rdma-gid-index (`show_gids` lists them; RoCE v2 entries carry the IP)")  # fmt: skip
-                return DeviceChoice(name, p, gid_index, pa.lid, gid, roce, pa.active_mtu, pa.max_msg_sz, attr.max_qp_wr,
-                                    attr.max_qp_rd_atom)  # fmt: skip
+                    raise RdmaUnavailable(
+                        f"{name} port {p} (RoCE) has an empty GID at index {gid_index}: pick another "
+                        "with --rdma-gid-index (`show_gids` lists them; RoCE v2 entries carry the IP)"
+                    )
+                return DeviceChoice(
+                    name,
+                    p,
+                    gid_index,
+                    pa.lid,
+                    gid,
+                    roce,
+                    pa.active_mtu,
+                    pa.max_msg_sz,
+                    attr.max_qp_wr,
+                    attr.max_qp_rd_atom,
+                )
         finally:
             ctx.close()
     raise RdmaUnavailable(f"no active RDMA port ({'; '.join(seen) or 'no ports'})")
@@ -201,10 +245,21 @@ def qp_attr(v: dict, t: Transition):
             if "gr" in value:
                 g = value["gr"]
                 dgid = v["GID"](":".join(g["dgid"][i : i + 4] for i in range(0, 32, 4)))
-                gr = v["GlobalRoute"](dgid=dgid, flow_label=g["flow_label"], sgid_index=g["sgid_index"],
-                                      hop_limit=g["hop_limit"], traffic_class=g["traffic_class"])  # fmt: skip
-            value = v["AHAttr"](dlid=value["dlid"], sl=value["sl"], src_path_bits=value["src_path_bits"],
-                                is_global=int(value["is_global"]), port_num=value["port_num"], gr=gr)  # fmt: skip
+                gr = v["GlobalRoute"](
+                    dgid=dgid,
+                    flow_label=g["flow_label"],
+                    sgid_index=g["sgid_index"],
+                    hop_limit=g["hop_limit"],
+                    traffic_class=g["traffic_class"],
+                )
+            value = v["AHAttr"](
+                dlid=value["dlid"],
+                sl=value["sl"],
+                src_path_bits=value["src_path_bits"],
+                is_global=int(value["is_global"]),
+                port_num=value["port_num"],
+                gr=gr,
+            )
         setattr(attr, key, value)
     mask = 0
     for name in t.mask:
@@ -228,8 +283,14 @@ def send_chain(v: dict, reqs: list[tuple], wr_ids: dict[int, int]) -> list:
     for i in reversed(range(len(reqs))):  # built back to front: each links to the next
         _, opcode, laddr, lkey, raddr, rkey, n = reqs[i]
         flags = v["e"].IBV_SEND_SIGNALED if i in wr_ids else 0
-        wr = v["wr"].SendWR(wr_id=wr_ids.get(i, 0), opcode=opcode, num_sge=1, sg=[v["wr"].SGE(laddr, n, lkey)],
-                            send_flags=flags, next_wr=head)  # fmt: skip
+        wr = v["wr"].SendWR(
+            wr_id=wr_ids.get(i, 0),
+            opcode=opcode,
+            num_sge=1,
+            sg=[v["wr"].SGE(laddr, n, lkey)],
+            send_flags=flags,
+            next_wr=head,
+        )
         wr.set_wr_rdma(rkey, raddr)
         chain.append(wr)
         head = wr
@@ -242,7 +303,9 @@ class _QueuePair:
 
     def __init__(self, backend: "RdmaBackend", peer: str, node: str) -> None:
         self.backend, self.peer, self.node = backend, peer, node
-        self.session = None  # the handshake's tcp connection, open while the pair is in use (closing it frees the peer's)
+        self.session = (
+            None  # the handshake's tcp connection, open while the pair is in use (closing it frees the peer's)
+        )
         self.cq = backend.v["cq"].CQ(backend.ctx, backend.qp_depth + 16, None, None, 0)  # every request, flushed
         self.qp = backend._create_qp(self.cq)
         self.released = False
@@ -349,8 +412,15 @@ class RdmaBackend(Backend):
 
     kind = BackendKind.RDMA
 
-    def __init__(self, choice: DeviceChoice, settings: QPSettings, handshake, qp_depth: int = 256, signal_every: int = 16,
-                 queue_pairs: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        choice: DeviceChoice,
+        settings: QPSettings,
+        handshake,
+        qp_depth: int = 256,
+        signal_every: int = 16,
+        queue_pairs: int = 1,
+    ) -> None:
         self.v = v = _pyverbs()
         self.choice, self.settings, self._handshake = choice, settings, handshake
         self.qp_depth = min(qp_depth, choice.max_qp_wr)
@@ -379,9 +449,11 @@ class RdmaBackend(Backend):
         try:
             mr = self.v["mr"].MR(self.pd, len(view), self.access, address=addr)
         except Exception as err:  # most often the memlock limit: registering pins the pages
-            raise RdmaUnavailable(f"registering {name} ({len(view)} bytes) with {self.choice.device} failed: {err}. "
-                                  "Registration pins memory: raise the memlock limit (`ulimit -l unlimited`; in a "
-                                  "container the IPC_LOCK capability, which the chart's rdma.enabled adds)") from None  # fmt: skip
+            raise RdmaUnavailable(
+                f"registering {name} ({len(view)} bytes) with {self.choice.device} failed: {err}. "
+                "Registration pins memory: raise the memlock limit (`ulimit -l unlimited`; in a "
+                "container the IPC_LOCK capability, which the chart's rdma.enabled adds)"
+            ) from None
         with self._lock:
             self._mrs[name] = (addr, len(view), mr)
         return mr.rkey, addr
@@ -468,7 +540,9 @@ class RdmaBackend(Backend):
         if not jobs:
             return
         if segment.rdma_rkey is None or segment.tcp_addr is None:
-            fail_jobs(jobs, TransferError(f"segment {segment.name!r} of node {segment.node!r} is not registered for RDMA"))
+            fail_jobs(
+                jobs, TransferError(f"segment {segment.name!r} of node {segment.node!r} is not registered for RDMA")
+            )
             return
         try:
             link = self._link(segment)
@@ -490,7 +564,12 @@ class RdmaBackend(Backend):
             reqs = work_requests([(laddr, segment.rdma_addr + job.remote_offset, job.length)], self.choice.max_msg)
             jid = next(self._jids)
             per_conn[(start + i) % len(link)].append(
-                (jid, job, [(jid, opcode, w.local_addr, lkey, w.remote_addr, segment.rdma_rkey, w.length) for w in reqs]))
+                (
+                    jid,
+                    job,
+                    [(jid, opcode, w.local_addr, lkey, w.remote_addr, segment.rdma_rkey, w.length) for w in reqs],
+                )
+            )
         for conn, items in zip(link, per_conn):
             if items:
                 batch.on_cancel(conn.cancel)
@@ -526,8 +605,12 @@ class RdmaBackend(Backend):
             return
         to_str = getattr(self.v["cq"], "cqe_status_to_str", None)
         status = to_str(wc.status) if to_str is not None else f"status {wc.status}"
-        conn.fail(TransferError(f"peer {conn.node!r} at {conn.peer}: RDMA work failed ({status}, vendor error "
-                                f"{wc.vendor_err}); the queue pair is replaced at the next batch"))  # fmt: skip
+        conn.fail(
+            TransferError(
+                f"peer {conn.node!r} at {conn.peer}: RDMA work failed ({status}, vendor error "
+                f"{wc.vendor_err}); the queue pair is replaced at the next batch"
+            )
+        )
 
     def close(self) -> None:
         with self._lock:

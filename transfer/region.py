@@ -93,6 +93,9 @@ def _reserve(fd: int, size: int, path: Path) -> None:
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: pages come on first touch
             return
-        raise OSError(e.errno, f"cannot reserve {size / 2**20:,.1f} MiB of shared memory in {path.parent} ({e.strerror}); "
-                      "give it more room (docker --shm-size, a Kubernetes emptyDir with medium Memory and a sizeLimit) "
-                      "or ask for less (the pool's --dram-blocks, a worker's landing slots)") from None
+        raise OSError(
+            e.errno,
+            f"cannot reserve {size / 2**20:,.1f} MiB of shared memory in {path.parent} ({e.strerror}); "
+            "give it more room (docker --shm-size, a Kubernetes emptyDir with medium Memory and a sizeLimit) "
+            "or ask for less (the pool's --dram-blocks, a worker's landing slots)",
+        ) from None

@@ -112,8 +112,11 @@ def keepalive(sock: socket.socket) -> None:
     if sock.family == socket.AF_UNIX:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):  # fmt: skip
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
         if hasattr(socket, name):  # Linux; elsewhere the system's keepalive
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
@@ -127,8 +130,9 @@ class ConnectionServer:
     and shuts every open connection down, which ends their handlers.
     """
 
-    def __init__(self, listeners: list[socket.socket], handle, name: str,
-                 identity: handshake.Identity | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, listeners: list[socket.socket], handle, name: str, identity: handshake.Identity | None = None
+    ) -> None:
         self._listeners = listeners
         self._identity = identity  # None: every peer is let in (transfer.handshake)
         self._handle = handle

@@ -39,8 +39,8 @@ from collections import deque
 from collections.abc import Callable
 
 from transfer import handshake
-from transfer.handshake import Identity
 from transfer.backend import Backend, Job, fail_jobs
+from transfer.handshake import Identity
 from transfer.sockio import SPIN_S, ConnectionServer, deadline_after, keepalive, recv_exact, recv_some, send_all
 from transfer.types import BackendKind, OpKind, Segment, TransferError
 
@@ -74,8 +74,14 @@ class TcpServer:
     thread accepts; each connection gets a thread that answers its requests in order.
     """
 
-    def __init__(self, host: str, port: int, lookup: Callable[[str], memoryview | None],
-                 guard: Callable[[str], Guard | None] = lambda name: None, identity: Identity | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        lookup: Callable[[str], memoryview | None],
+        guard: Callable[[str], Guard | None] = lambda name: None,
+        identity: Identity | None = None,
+    ) -> None:
         self._lookup = lookup
         self._guard = guard
         # set by an engine with an RDMA port: the caller's half of a queue pair -> (our half, a callable freeing ours)
@@ -118,7 +124,9 @@ class TcpServer:
                 msg = error.encode("utf-8")[:MAX_ERROR_BYTES]
                 send_all(conn, [RESPONSE.pack(req_id, STATUS_ERROR, len(msg)), msg], None)
             elif op == OP_CODES[OpKind.READ]:
-                send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, length), self._lookup(name)[offset : offset + length]], None)
+                send_all(
+                    conn, [RESPONSE.pack(req_id, STATUS_OK, length), self._lookup(name)[offset : offset + length]], None
+                )
             else:
                 send_all(conn, [RESPONSE.pack(req_id, STATUS_OK, 0)], None)
 
@@ -173,7 +181,9 @@ class _Connection:
 
     _ids = itertools.count(1)
 
-    def __init__(self, addr: str, node: str, connect_timeout: float, io_timeout: float, identity: Identity | None) -> None:
+    def __init__(
+        self, addr: str, node: str, connect_timeout: float, io_timeout: float, identity: Identity | None
+    ) -> None:
         self.addr, self.node = addr, node
         try:
             self._sock = handshake.create_connection(parse_addr(addr), connect_timeout, identity)  # authenticated
@@ -234,8 +244,11 @@ class _Connection:
             for req_id, job in items:
                 job.batch.job_started()
                 name = job.segment.name.encode("utf-8")
-                buffers.append(REQUEST.pack(OP_CODES[job.kind], len(name), len(job.token), req_id, job.remote_offset, job.length)
-                               + name + job.token)  # fmt: skip
+                buffers.append(
+                    REQUEST.pack(OP_CODES[job.kind], len(name), len(job.token), req_id, job.remote_offset, job.length)
+                    + name
+                    + job.token
+                )
                 if job.kind is OpKind.WRITE:
                     buffers.append(job.local)
             send_all(self._sock, buffers, deadline_after(self._io_timeout))
@@ -360,7 +373,9 @@ class TcpBackend(Backend):
 
     kind = BackendKind.TCP
 
-    def __init__(self, connections: int, connect_timeout: float, io_timeout: float, identity: Identity | None = None) -> None:
+    def __init__(
+        self, connections: int, connect_timeout: float, io_timeout: float, identity: Identity | None = None
+    ) -> None:
         if connections < 1:
             raise ValueError(f"tcp connections per peer must be at least 1, got {connections}")
         self._n = connections
@@ -403,7 +418,9 @@ class TcpBackend(Backend):
                 raise TransferError("transfer engine is closed")
             link = [c for c in self._links.get(segment.tcp_addr, []) if c.broken is None]
             while len(link) < self._n:
-                link.append(_Connection(segment.tcp_addr, segment.node, self._connect_timeout, self._io_timeout, self._identity))
+                link.append(
+                    _Connection(segment.tcp_addr, segment.node, self._connect_timeout, self._io_timeout, self._identity)
+                )
             self._links[segment.tcp_addr] = link
             return link
 
@@ -421,7 +438,10 @@ class TcpBackend(Backend):
         for conn, assigned in zip(link, per_conn):
             if assigned:
                 batch.on_cancel(conn.cancel)
-                inline = all(j.kind is OpKind.READ for j in assigned) or sum(j.length for j in assigned) <= INLINE_WRITE_BYTES
+                inline = (
+                    all(j.kind is OpKind.READ for j in assigned)
+                    or sum(j.length for j in assigned) <= INLINE_WRITE_BYTES
+                )
                 conn.enqueue(assigned, inline)
 
     def close(self) -> None:

@@ -56,7 +56,14 @@ class PortInfo:
             raise ValueError(f"GID {self.gid!r} is not 32 lowercase hex digits")
 
     def to_dict(self) -> dict:
-        return {"lid": self.lid, "gid": self.gid, "qp_num": self.qp_num, "psn": self.psn, "mtu": self.mtu, "roce": self.roce}
+        return {
+            "lid": self.lid,
+            "gid": self.gid,
+            "qp_num": self.qp_num,
+            "psn": self.psn,
+            "mtu": self.mtu,
+            "roce": self.roce,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "PortInfo":
@@ -88,7 +95,9 @@ class QPSettings:
     service_level: int = 0
 
 
-def rc_transitions(local: PortInfo, remote: PortInfo, s: QPSettings, max_rd_atomic: int | None = None) -> list[Transition]:
+def rc_transitions(
+    local: PortInfo, remote: PortInfo, s: QPSettings, max_rd_atomic: int | None = None
+) -> list[Transition]:
     """RESET -> INIT -> RTR -> RTS for an RC queue pair from ``local`` to ``remote``.
 
     The path MTU is the smaller of the two ports'. On RoCE the address vector is a global
@@ -103,19 +112,51 @@ def rc_transitions(local: PortInfo, remote: PortInfo, s: QPSettings, max_rd_atom
     rd_atomic = min(s.max_rd_atomic, max_rd_atomic) if max_rd_atomic else s.max_rd_atomic
     if rd_atomic < 1:
         raise ValueError("the device allows no outstanding RDMA READ: max_qp_rd_atom is 0")
-    ah = {"dlid": remote.lid, "sl": s.service_level, "src_path_bits": 0, "port_num": s.port_num, "is_global": local.roce}
+    ah = {
+        "dlid": remote.lid,
+        "sl": s.service_level,
+        "src_path_bits": 0,
+        "port_num": s.port_num,
+        "is_global": local.roce,
+    }
     if local.roce:
-        ah["gr"] = {"dgid": remote.gid, "sgid_index": s.gid_index, "hop_limit": s.hop_limit, "flow_label": 0, "traffic_class": 0}
+        ah["gr"] = {
+            "dgid": remote.gid,
+            "sgid_index": s.gid_index,
+            "hop_limit": s.hop_limit,
+            "flow_label": 0,
+            "traffic_class": 0,
+        }
     return [
-        Transition(QPState.INIT, {"pkey_index": 0, "port_num": s.port_num, "qp_access_flags": s.access},
-                   ("STATE", "PKEY_INDEX", "PORT", "ACCESS_FLAGS")),
-        Transition(QPState.RTR, {"path_mtu": min(local.mtu, remote.mtu), "dest_qp_num": remote.qp_num, "rq_psn": remote.psn,
-                                 "max_dest_rd_atomic": rd_atomic, "min_rnr_timer": s.min_rnr_timer, "ah_attr": ah},
-                   ("STATE", "AV", "PATH_MTU", "DEST_QPN", "RQ_PSN", "MAX_DEST_RD_ATOMIC", "MIN_RNR_TIMER")),
-        Transition(QPState.RTS, {"timeout": s.timeout, "retry_cnt": s.retry_cnt, "rnr_retry": s.rnr_retry, "sq_psn": local.psn,
-                                 "max_rd_atomic": rd_atomic},
-                   ("STATE", "TIMEOUT", "RETRY_CNT", "RNR_RETRY", "SQ_PSN", "MAX_QP_RD_ATOMIC")),
-    ]  # fmt: skip
+        Transition(
+            QPState.INIT,
+            {"pkey_index": 0, "port_num": s.port_num, "qp_access_flags": s.access},
+            ("STATE", "PKEY_INDEX", "PORT", "ACCESS_FLAGS"),
+        ),
+        Transition(
+            QPState.RTR,
+            {
+                "path_mtu": min(local.mtu, remote.mtu),
+                "dest_qp_num": remote.qp_num,
+                "rq_psn": remote.psn,
+                "max_dest_rd_atomic": rd_atomic,
+                "min_rnr_timer": s.min_rnr_timer,
+                "ah_attr": ah,
+            },
+            ("STATE", "AV", "PATH_MTU", "DEST_QPN", "RQ_PSN", "MAX_DEST_RD_ATOMIC", "MIN_RNR_TIMER"),
+        ),
+        Transition(
+            QPState.RTS,
+            {
+                "timeout": s.timeout,
+                "retry_cnt": s.retry_cnt,
+                "rnr_retry": s.rnr_retry,
+                "sq_psn": local.psn,
+                "max_rd_atomic": rd_atomic,
+            },
+            ("STATE", "TIMEOUT", "RETRY_CNT", "RNR_RETRY", "SQ_PSN", "MAX_QP_RD_ATOMIC"),
+        ),
+    ]
 
 
 @dataclass(frozen=True, slots=True)

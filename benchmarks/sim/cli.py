@@ -75,117 +75,225 @@ from rich.console import Console
 
 from benchmarks.sim.cluster import HEARTBEAT_S, STEP_BUDGET_TOKENS, SimConfig
 from benchmarks.sim.model import DECODE_PROFILES, model_config
+from benchmarks.sim.run import (
+    DEFAULT_TRACE,
+    EVICTIONS,
+    config_json,
+    plot_run,
+    public,
+    records_json,
+    run_table,
+    simulate,
+)
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
 from conductor.local import LocalPrefill
 from conductor.policies import PolicyKind
 from conductor.predictors import PredictorConfig
 
-from benchmarks.sim.run import (DEFAULT_TRACE, EVICTIONS, config_json, plot_run, public, records_json, run_table,
-                                 simulate)  # fmt: skip
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.sim", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m benchmarks.sim",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Replay the Mooncake trace on a simulated cluster whose every placement and admission "
-                    "decision is made by the real Conductor (conductor.core). Models and assumptions: "
-                    "the module docstring of benchmarks/sim/cli.py and benchmarks/README.md.",
+        "decision is made by the real Conductor (conductor.core). Models and assumptions: "
+        "the module docstring of benchmarks/sim/cli.py and benchmarks/README.md.",
         epilog="Model (every constant and its source: benchmarks/sim/model.py, ModelConfig; benchmarks/README.md):\n"
-               "  LLaMA3-70B-shaped model, 320 KiB of KV a token (a 512-token block is 160 MiB), one node of\n"
-               "  8 x A800 per instance. Prefill: 20 ms + 0.141 ms a new token + attention (40% MFU), one\n"
-               "  request at a time, FIFO. Decode: continuous batching, 12.4 ms + 0.1 ms a request + 28.7 ns\n"
-               "  a context token per step. RDMA 100 GB/s, SSD 5 GB/s. TTFT = arrival to the end of the\n"
-               "  first decode step; TBT = mean of a request's longest 10% of token gaps; a request is\n"
-               "  effective when both are under their SLOs. Hit ratio = reused / key blocks.\n\n"
-               "Examples:\n"
-               "  python -m benchmarks.sim --prefill 8 --decode 8 --policy kvcache_centric --admission none --speed 1.5\n"
-               "  python -m benchmarks.sim --prefill 8 --decode 8 --admission early_predictive --speed 2 --tbt-slo 0.04\n"
-               "  python -m benchmarks.sim --cache-blocks 1000 --eviction length --limit 3000\n"
-               "  python -m benchmarks.sim --reproduce --json benchmarks/results/sim_paper.json --plot benchmarks/results/sim_paper.png",
-    )  # fmt: skip
+        "  LLaMA3-70B-shaped model, 320 KiB of KV a token (a 512-token block is 160 MiB), one node of\n"
+        "  8 x A800 per instance. Prefill: 20 ms + 0.141 ms a new token + attention (40% MFU), one\n"
+        "  request at a time, FIFO. Decode: continuous batching, 12.4 ms + 0.1 ms a request + 28.7 ns\n"
+        "  a context token per step. RDMA 100 GB/s, SSD 5 GB/s. TTFT = arrival to the end of the\n"
+        "  first decode step; TBT = mean of a request's longest 10% of token gaps; a request is\n"
+        "  effective when both are under their SLOs. Hit ratio = reused / key blocks.\n\n"
+        "Examples:\n"
+        "  python -m benchmarks.sim --prefill 8 --decode 8 --policy kvcache_centric --admission none --speed 1.5\n"
+        "  python -m benchmarks.sim --prefill 8 --decode 8 --admission early_predictive --speed 2 --tbt-slo 0.04\n"
+        "  python -m benchmarks.sim --cache-blocks 1000 --eviction length --limit 3000\n"
+        "  python -m benchmarks.sim --reproduce --json benchmarks/results/sim_paper.json --plot benchmarks/results/sim_paper.png",
+    )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSON lines; default: %(default)s)")
     p.add_argument("--prefill", type=int, default=8, help="prefill nodes, each with its own pool node (default 8)")
-    p.add_argument("--group-size", type=int, default=1,
-                   help="prefill nodes per chunked-pipeline group, one prefill instance each (default 1: every node alone)")
-    p.add_argument("--pipeline-groups", type=int, default=None,
-                   help="with --group-size: this many groups, the other prefill nodes alone (default: every node in one)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="a pipeline group's chunk of a prompt, tokens (default 2048)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="prefill nodes per chunked-pipeline group, one prefill instance each (default 1: every node alone)",
+    )
+    p.add_argument(
+        "--pipeline-groups",
+        type=int,
+        default=None,
+        help="with --group-size: this many groups, the other prefill nodes alone (default: every node in one)",
+    )
+    p.add_argument(
+        "--prefill-chunk", type=int, default=2048, help="a pipeline group's chunk of a prompt, tokens (default 2048)"
+    )
     p.add_argument("--decode", type=int, default=8, help="decode instances (default 8)")
-    p.add_argument("--policy", default="kvcache_centric", choices=[k.value for k in PolicyKind], help="prefill placement (default kvcache_centric)")
-    p.add_argument("--admission", default="none", choices=[k.value for k in AdmissionKind],
-                   help="none: never reject; baseline: TTFT check at schedule, TBT check after prefill (wasted); "
-                        "early: current loads; early_predictive: decode load predicted at prefill end (default none)")  # fmt: skip
-    p.add_argument("--speed", type=float, default=1.0, help="replay speed: inter-arrival times are divided by it (default 1)")
-    p.add_argument("--cache-blocks", type=int, default=None, help="DRAM blocks (160 MiB each) per prefill node (default: unbounded)")
-    p.add_argument("--eviction", default="lru", choices=EVICTIONS, help="eviction policy of every node's tiers (default lru)")
+    p.add_argument(
+        "--policy",
+        default="kvcache_centric",
+        choices=[k.value for k in PolicyKind],
+        help="prefill placement (default kvcache_centric)",
+    )
+    p.add_argument(
+        "--admission",
+        default="none",
+        choices=[k.value for k in AdmissionKind],
+        help="none: never reject; baseline: TTFT check at schedule, TBT check after prefill (wasted); "
+        "early: current loads; early_predictive: decode load predicted at prefill end (default none)",
+    )
+    p.add_argument(
+        "--speed", type=float, default=1.0, help="replay speed: inter-arrival times are divided by it (default 1)"
+    )
+    p.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=None,
+        help="DRAM blocks (160 MiB each) per prefill node (default: unbounded)",
+    )
+    p.add_argument(
+        "--eviction", default="lru", choices=EVICTIONS, help="eviction policy of every node's tiers (default lru)"
+    )
     p.add_argument("--ssd-blocks", type=int, default=0, help="SSD blocks per prefill node (default 0: no SSD tier)")
-    p.add_argument("--tier-aware", action="store_true", help="PolicyConfig(tier_aware=True): price SSD prefix blocks by their load time")
-    p.add_argument("--threshold", type=float, default=1.5, help="kvcache_balancing_threshold of kvcache_centric (default 1.5)")
+    p.add_argument(
+        "--tier-aware",
+        action="store_true",
+        help="PolicyConfig(tier_aware=True): price SSD prefix blocks by their load time",
+    )
+    p.add_argument(
+        "--threshold", type=float, default=1.5, help="kvcache_balancing_threshold of kvcache_centric (default 1.5)"
+    )
     p.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO in seconds (default 30)")
     p.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO in seconds (default 0.1)")
-    p.add_argument("--decode-profile", default="roofline", choices=list(DECODE_PROFILES),
-                   help="decode cost model: roofline (70%% of HBM bandwidth, 0.1 ms a request a step) or slow "
-                        "(30%%, 1 ms: a decode-bound cluster) (default roofline)")
-    p.add_argument("--tbt-headroom", type=float, default=0.9,
-                   help="the Conductor and every decode instance hold the predicted mean step under this share of "
-                        "the TBT SLO, since the SLO is on a request's slowest 10%% of gaps (default 0.9)")
-    p.add_argument("--decode-forecast", default="survival", choices=[k.value for k in ForecastKind],
-                   help="early_predictive's decode forecast: survival (ours, the Conductor's default: measured "
-                        "durations by how long each request has run, and the joins to come) or uniform (the paper's: "
-                        "every decode lasts t_d) (default survival)")
-    p.add_argument("--local-prefill", default="never", choices=[m.value for m in LocalPrefill],
-                   help="where prompts are computed: a prefill instance (never, default), the decode instance itself (always), "
-                        "or whichever the Conductor predicts sooner within the TBT SLO (auto; conductor.local)")
-    p.add_argument("--local-chunk", type=int, default=STEP_BUDGET_TOKENS,
-                   help=f"a decode instance's step budget: the chunk of a prompt it computes itself (default {STEP_BUDGET_TOKENS})")
-    p.add_argument("--local-max-load", type=float, default=SimConfig.local_max_load,
-                   help="auto: a decode instance computes prompts only while its predicted step is at most this share of the "
-                        f"TBT limit (default {SimConfig.local_max_load})")
-    p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)")
-    p.add_argument("--decode-prior-s", type=float, default=None,
-                   help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "
-                        "default: the Conductor's own, 0.02). Keep it under the TBT SLO: a prior over the SLO "
-                        "rejects every request and never learns")  # fmt: skip
-    p.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
-                   help="a prefill instance reports its queue to the Conductor this often, as a real worker does "
-                        "(default %(default)s: the Conductor's 10 s heartbeat timeout x 0.25); 0: on every change of its "
-                        "queue (fresher than a real worker)")
-    p.add_argument("--no-calibrate", action="store_true",
-                   help="no calibration samples at start (a real prefill worker's --no-calibrate); by default each prefill "
-                        "instance sends the compute time of prompts of 1/8, 1/2 and 1 step budget (a pipeline group's: "
-                        "its chunk) before the first request")
-    p.add_argument("--step-budget", type=int, default=STEP_BUDGET_TOKENS,
-                   help="a prefill node's step budget in tokens (a worker's --max-num-batched-tokens); only its calibration "
-                        "prompts follow it, since the cost model computes a prompt in one go (default %(default)s: a "
-                        "worker's on a GPU)")
+    p.add_argument(
+        "--decode-profile",
+        default="roofline",
+        choices=list(DECODE_PROFILES),
+        help="decode cost model: roofline (70%% of HBM bandwidth, 0.1 ms a request a step) or slow "
+        "(30%%, 1 ms: a decode-bound cluster) (default roofline)",
+    )
+    p.add_argument(
+        "--tbt-headroom",
+        type=float,
+        default=0.9,
+        help="the Conductor and every decode instance hold the predicted mean step under this share of "
+        "the TBT SLO, since the SLO is on a request's slowest 10%% of gaps (default 0.9)",
+    )
+    p.add_argument(
+        "--decode-forecast",
+        default="survival",
+        choices=[k.value for k in ForecastKind],
+        help="early_predictive's decode forecast: survival (ours, the Conductor's default: measured "
+        "durations by how long each request has run, and the joins to come) or uniform (the paper's: "
+        "every decode lasts t_d) (default survival)",
+    )
+    p.add_argument(
+        "--local-prefill",
+        default="never",
+        choices=[m.value for m in LocalPrefill],
+        help="where prompts are computed: a prefill instance (never, default), the decode instance itself (always), "
+        "or whichever the Conductor predicts sooner within the TBT SLO (auto; conductor.local)",
+    )
+    p.add_argument(
+        "--local-chunk",
+        type=int,
+        default=STEP_BUDGET_TOKENS,
+        help=f"a decode instance's step budget: the chunk of a prompt it computes itself (default {STEP_BUDGET_TOKENS})",
+    )
+    p.add_argument(
+        "--local-max-load",
+        type=float,
+        default=SimConfig.local_max_load,
+        help="auto: a decode instance computes prompts only while its predicted step is at most this share of the "
+        f"TBT limit (default {SimConfig.local_max_load})",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.05,
+        help="log-normal sigma on prefill and decode step times (default 0.05; 0: exact)",
+    )
+    p.add_argument(
+        "--decode-prior-s",
+        type=float,
+        default=None,
+        help="the Conductor's decode step prior before it has measurements (PredictorConfig.decode_base_s; "
+        "default: the Conductor's own, 0.02). Keep it under the TBT SLO: a prior over the SLO "
+        "rejects every request and never learns",
+    )
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=HEARTBEAT_S,
+        help="a prefill instance reports its queue to the Conductor this often, as a real worker does "
+        "(default %(default)s: the Conductor's 10 s heartbeat timeout x 0.25); 0: on every change of its "
+        "queue (fresher than a real worker)",
+    )
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="no calibration samples at start (a real prefill worker's --no-calibrate); by default each prefill "
+        "instance sends the compute time of prompts of 1/8, 1/2 and 1 step budget (a pipeline group's: "
+        "its chunk) before the first request",
+    )
+    p.add_argument(
+        "--step-budget",
+        type=int,
+        default=STEP_BUDGET_TOKENS,
+        help="a prefill node's step budget in tokens (a worker's --max-num-batched-tokens); only its calibration "
+        "prompts follow it, since the cost model computes a prompt in one go (default %(default)s: a "
+        "worker's on a GPU)",
+    )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy and of the noise (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write every raw number (and the command) here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG here (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--jobs", type=int, default=1, help="--reproduce: simulations run at once, one process each (default 1)")
-    p.add_argument("--reproduce", action="store_true",
-                   help="run the paper's three experiments (placement policies, admission at 2x, hit ratio by "
-                        "capacity) plus the tier-aware variant, and print them beside the paper's numbers "
-                        "(benchmarks/sim/paper.py); --trace, --json, --plot, --limit, --noise, --seed, --heartbeat-s, "
-                        "--no-calibrate, --step-budget, --jobs and --no-progress apply")  # fmt: skip
+    p.add_argument(
+        "--jobs", type=int, default=1, help="--reproduce: simulations run at once, one process each (default 1)"
+    )
+    p.add_argument(
+        "--reproduce",
+        action="store_true",
+        help="run the paper's three experiments (placement policies, admission at 2x, hit ratio by "
+        "capacity) plus the tier-aware variant, and print them beside the paper's numbers "
+        "(benchmarks/sim/paper.py); --trace, --json, --plot, --limit, --noise, --seed, --heartbeat-s, "
+        "--no-calibrate, --step-budget, --jobs and --no-progress apply",
+    )
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
-        prefill=args.prefill, decode=args.decode, group_size=args.group_size, pipeline_groups=args.pipeline_groups,
+        prefill=args.prefill,
+        decode=args.decode,
+        group_size=args.group_size,
+        pipeline_groups=args.pipeline_groups,
         prefill_chunk=args.prefill_chunk,
-        policy=PolicyKind(args.policy), admission=AdmissionKind(args.admission),
-        cache_blocks=args.cache_blocks, ssd_blocks=args.ssd_blocks, eviction=args.eviction, ttft_slo_s=args.ttft_slo,
-        tbt_slo_s=args.tbt_slo, threshold=args.threshold, tier_aware=args.tier_aware, seed=args.seed,
-        tbt_headroom=args.tbt_headroom, decode_forecast=ForecastKind(args.decode_forecast),
-        heartbeat_s=args.heartbeat_s, calibrate=not args.no_calibrate, step_budget=args.step_budget,
-        local_prefill=LocalPrefill(args.local_prefill), local_chunk=args.local_chunk, local_max_load=args.local_max_load,
+        policy=PolicyKind(args.policy),
+        admission=AdmissionKind(args.admission),
+        cache_blocks=args.cache_blocks,
+        ssd_blocks=args.ssd_blocks,
+        eviction=args.eviction,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        threshold=args.threshold,
+        tier_aware=args.tier_aware,
+        seed=args.seed,
+        tbt_headroom=args.tbt_headroom,
+        decode_forecast=ForecastKind(args.decode_forecast),
+        heartbeat_s=args.heartbeat_s,
+        calibrate=not args.no_calibrate,
+        step_budget=args.step_budget,
+        local_prefill=LocalPrefill(args.local_prefill),
+        local_chunk=args.local_chunk,
+        local_max_load=args.local_max_load,
         model=model_config(args.decode_profile, noise=args.noise),
-        predictors=PredictorConfig() if args.decode_prior_s is None else PredictorConfig(decode_base_s=args.decode_prior_s),
-    )  # fmt: skip
+        predictors=PredictorConfig()
+        if args.decode_prior_s is None
+        else PredictorConfig(decode_base_s=args.decode_prior_s),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,9 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = simulate(cfg, args.trace, args.speed, args.limit, progress=not args.no_progress, console=console)
     console.print(run_table(summary, cfg))
     if args.json:
-        out = {"command": ["python", "-m", "benchmarks.sim", *(sys.argv[1:] if argv is None else argv)], "speed": args.speed, "limit": args.limit,
-               "trace": str(args.trace), "config": config_json(cfg), "summary": public(summary),
-               "records": records_json(summary["_records"])}  # fmt: skip
+        out = {
+            "command": ["python", "-m", "benchmarks.sim", *(sys.argv[1:] if argv is None else argv)],
+            "speed": args.speed,
+            "limit": args.limit,
+            "trace": str(args.trace),
+            "config": config_json(cfg),
+            "summary": public(summary),
+            "records": records_json(summary["_records"]),
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
         console.print(f"JSON written to {args.json}")

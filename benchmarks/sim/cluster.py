@@ -62,14 +62,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from benchmarks.sim.model import Jitter, ModelConfig, NodeCache, TraceRequest
 from conductor.admission import AdmissionKind
+from conductor.core import Conductor, ConductorConfig
 from conductor.forecast import ForecastKind
 from conductor.local import LocalPrefill
-from conductor.core import Conductor, ConductorConfig
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
 from conductor.types import Decision, Instance, Load, Rejection, Role, ScheduleRequest, Slo
-from benchmarks.sim.model import Jitter, ModelConfig, NodeCache, TraceRequest
 from kvstore.events import Tier
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
@@ -77,7 +77,9 @@ _PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT, _LOCAL_READY = 0, 1, 2, 
 HEARTBEAT_S = 2.5  # a real worker's heartbeat period: ConductorConfig.heartbeat_timeout_s (10 s) x conductor.service's
 # HEARTBEAT_INTERVAL_FRACTION (0.25), which the Conductor hands each worker as it registers
 CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # prefill.worker's calibrate: prompts of these shares of its step budget
-STEP_BUDGET_TOKENS = 4096  # a worker's step budget on a GPU (mooncake.engine.config's CUDA_BATCHED_TOKENS; not imported:
+STEP_BUDGET_TOKENS = (
+    4096  # a worker's step budget on a GPU (mooncake.engine.config's CUDA_BATCHED_TOKENS; not imported:
+)
 # that module pulls in torch)
 
 
@@ -95,19 +97,29 @@ class SimConfig:
     eviction: str = "lru"
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
-    tbt_headroom: float = 0.9  # the Conductor's and each decode instance's: mean step held under this share of the TBT SLO
+    tbt_headroom: float = (
+        0.9  # the Conductor's and each decode instance's: mean step held under this share of the TBT SLO
+    )
     decode_forecast: ForecastKind = ForecastKind.SURVIVAL
     local_prefill: LocalPrefill = LocalPrefill.NEVER  # where prompts are computed (conductor.local)
     local_chunk: int = STEP_BUDGET_TOKENS  # a decode instance's step budget: the chunk of a prompt it computes itself
-    local_max_load: float = ConductorConfig.model_fields["local_max_load"].default  # auto: a decode instance computes prompts
+    local_max_load: float = ConductorConfig.model_fields[
+        "local_max_load"
+    ].default  # auto: a decode instance computes prompts
     # while its step is at most this share of the TBT limit
     threshold: float = 1.5  # kvcache_balancing_threshold
     tier_aware: bool = False
     seed: int = 0
     tick_s: float = 0.5
-    heartbeat_s: float = HEARTBEAT_S  # a prefill instance's heartbeat period (0: on every change of its queue, and every tick)
-    calibrate: bool = True  # each prefill instance sends calibration samples before the first request (prefill.worker's)
-    step_budget: int = STEP_BUDGET_TOKENS  # a node alone's step budget: only its calibration prompts follow it (1/8, 1/2, 1)
+    heartbeat_s: float = (
+        HEARTBEAT_S  # a prefill instance's heartbeat period (0: on every change of its queue, and every tick)
+    )
+    calibrate: bool = (
+        True  # each prefill instance sends calibration samples before the first request (prefill.worker's)
+    )
+    step_budget: int = (
+        STEP_BUDGET_TOKENS  # a node alone's step budget: only its calibration prompts follow it (1/8, 1/2, 1)
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     predictors: PredictorConfig = field(default_factory=PredictorConfig)  # the Conductor's priors (its defaults)
 
@@ -116,7 +128,9 @@ class SimConfig:
             raise ValueError(f"need at least one prefill and one decode instance, got {self.prefill} and {self.decode}")
         grouped = self.prefill if self.pipeline_groups is None else self.pipeline_groups * self.group_size
         if self.group_size < 1 or grouped % self.group_size or not 0 <= grouped <= self.prefill:
-            raise ValueError(f"{self.prefill} prefill nodes do not hold {self.pipeline_groups} groups of {self.group_size}")
+            raise ValueError(
+                f"{self.prefill} prefill nodes do not hold {self.pipeline_groups} groups of {self.group_size}"
+            )
         if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
             raise ValueError("SLOs must be positive")
         if not 0 < self.tbt_headroom <= 1:
@@ -125,7 +139,9 @@ class SimConfig:
             raise ValueError(f"step_budget must be at least 16 tokens, got {self.step_budget}")
         timeout = ConductorConfig().heartbeat_timeout_s
         if not 0 <= self.heartbeat_s < timeout:
-            raise ValueError(f"heartbeat_s must be in [0, {timeout}) (the Conductor's heartbeat timeout), got {self.heartbeat_s}")
+            raise ValueError(
+                f"heartbeat_s must be in [0, {timeout}) (the Conductor's heartbeat timeout), got {self.heartbeat_s}"
+            )
 
     def prefill_shapes(self) -> list[int]:
         """Each prefill instance's nodes: the groups first, then the nodes alone."""
@@ -173,8 +189,11 @@ class PrefillInstance:
 
     def load(self, now: float) -> Load:
         left = max(0.0, self.running_predicted_end - now) if self.running else 0.0
-        return Load(queued_requests=len(self.queue) + (self.running is not None), queued_s=left + self.queued_predicted_s,
-                    received_requests=self.received)  # fmt: skip
+        return Load(
+            queued_requests=len(self.queue) + (self.running is not None),
+            queued_s=left + self.queued_predicted_s,
+            received_requests=self.received,
+        )
 
 
 class DecodeInstance:
@@ -221,8 +240,12 @@ class DecodeInstance:
     def load(self, now: float) -> Load:
         """The heartbeat: batch and context now, and the last completed step's time (with its batch and context)."""
         done = self.progress(now)
-        load = Load(queued_requests=len(self.waiting), running_requests=self.batch,
-                    context_tokens=self.context + done * self.batch, free_kv_blocks=(self.kv_tokens - self.kv_used) // 512)  # fmt: skip
+        load = Load(
+            queued_requests=len(self.waiting),
+            running_requests=self.batch,
+            context_tokens=self.context + done * self.batch,
+            free_kv_blocks=(self.kv_tokens - self.kv_used) // 512,
+        )
         if done and self.local is None and self.batch:  # (a step a prompt's chunk rode on is no decode step)
             load.context_tokens -= self.batch  # the completed step's context, to go with its time
             load.step_s = float(self.durations[self.steps + done - 1])
@@ -245,15 +268,26 @@ class Cluster:
         self.config = config
         self.model = m = config.model
         self.requests = requests
-        self.conductor = Conductor(ConductorConfig(
-            policy=config.policy, admission=config.admission,
-            slo_classes={"default": Slo(ttft_s=config.ttft_slo_s, tbt_s=config.tbt_slo_s)},
-            tbt_headroom=config.tbt_headroom, decode_forecast=config.decode_forecast,
-            local_prefill=config.local_prefill, local_chunk_tokens=config.local_chunk, local_max_load=config.local_max_load,
-            block_bytes=m.block_bytes, predictors=config.predictors,
-            policy_config=PolicyConfig(kvcache_balancing_threshold=config.threshold, tier_aware=config.tier_aware,
-                                       ssd_bytes_per_s=m.ssd_bytes_per_s, seed=config.seed),
-        ))  # fmt: skip
+        self.conductor = Conductor(
+            ConductorConfig(
+                policy=config.policy,
+                admission=config.admission,
+                slo_classes={"default": Slo(ttft_s=config.ttft_slo_s, tbt_s=config.tbt_slo_s)},
+                tbt_headroom=config.tbt_headroom,
+                decode_forecast=config.decode_forecast,
+                local_prefill=config.local_prefill,
+                local_chunk_tokens=config.local_chunk,
+                local_max_load=config.local_max_load,
+                block_bytes=m.block_bytes,
+                predictors=config.predictors,
+                policy_config=PolicyConfig(
+                    kvcache_balancing_threshold=config.threshold,
+                    tier_aware=config.tier_aware,
+                    ssd_bytes_per_s=m.ssd_bytes_per_s,
+                    seed=config.seed,
+                ),
+            )
+        )
         c = self.conductor
         self.prefills: list[PrefillInstance] = []
         self.caches: dict[str, NodeCache] = {}
@@ -262,8 +296,14 @@ class Cluster:
         for i, x in enumerate(config.prefill_shapes()):
             group_blocks = None if config.cache_blocks is None else config.cache_blocks * x
             node = f"kv{i}"
-            inst = Instance(f"p{i}", Role.PREFILL, f"sim:p{i}", node=node, pipeline_stages=x,
-                            pipeline_chunk=config.prefill_chunk if x > 1 else 0)  # fmt: skip
+            inst = Instance(
+                f"p{i}",
+                Role.PREFILL,
+                f"sim:p{i}",
+                node=node,
+                pipeline_stages=x,
+                pipeline_chunk=config.prefill_chunk if x > 1 else 0,
+            )
             c.register(inst, 0.0)
             c.register(Instance(node, Role.KVSTORE, f"sim:{node}", node=node, capacity=group_blocks or 0), 0.0)
             cache = NodeCache(node, group_blocks, config.ssd_blocks * x, config.eviction, self._index_events)
@@ -399,7 +439,9 @@ class Cluster:
 
     def _arrive(self, rec: Record) -> None:
         r = rec.req
-        out = self.conductor.schedule(ScheduleRequest(rec.rid, r.chain, r.prompt_tokens, self.model.block_tokens), self.now)
+        out = self.conductor.schedule(
+            ScheduleRequest(rec.rid, r.chain, r.prompt_tokens, self.model.block_tokens), self.now
+        )
         if isinstance(out, Rejection):
             rec.rejected = out.reason.value
             return
@@ -459,9 +501,13 @@ class Cluster:
         late = c.admit_at_decode(rec.decision.decode, now, rec.req.prompt_tokens)
         if late is not None:
             rec.rejected = REJECTED_AT_DECODE
-            c.finished(rec.rid, now, now - rec.req.arrival_s)  # its prefill answered: a TTFT, as a decode worker reports it
+            c.finished(
+                rec.rid, now, now - rec.req.arrival_s
+            )  # its prefill answered: a TTFT, as a decode worker reports it
         else:
-            push_s = self.model.transfer_s(rec.req.prompt_tokens * self.model.kv_bytes_per_token * self.model.decode_push_fraction)
+            push_s = self.model.transfer_s(
+                rec.req.prompt_tokens * self.model.kv_bytes_per_token * self.model.decode_push_fraction
+            )
             self._push(now + push_s, _DECODE_ARRIVE, (self.decode_of[rec.decision.decode], rec))
         if p.queue:
             self._start_prefill(p)
@@ -479,7 +525,9 @@ class Cluster:
 
     def _cut_run(self, d: DecodeInstance) -> None:
         """Something arrived at a busy instance: its run ends at the first step boundary from now."""
-        cut = int(np.searchsorted(d.run_ends, self.now - d.run_start, side="left")) + 1  # it joins after this many steps
+        cut = (
+            int(np.searchsorted(d.run_ends, self.now - d.run_start, side="left")) + 1
+        )  # it joins after this many steps
         if cut < d.run_steps:
             d.run_steps = cut
             d.version += 1
@@ -492,7 +540,10 @@ class Cluster:
         while d.waiting:  # join at a step boundary, first come first served, while the KV fits (a request
             rec = d.waiting[0]  # reserves prompt + output) and the step stays under the TBT cap
             need = rec.req.prompt_tokens + rec.req.output_tokens
-            if d.batch and (d.kv_used + need > d.kv_tokens or m.decode_step_s(d.batch + 1, d.context + rec.req.prompt_tokens) > cap_s):
+            if d.batch and (
+                d.kv_used + need > d.kv_tokens
+                or m.decode_step_s(d.batch + 1, d.context + rec.req.prompt_tokens) > cap_s
+            ):
                 break
             d.waiting.popleft()
             d.kv_used += need
@@ -504,7 +555,9 @@ class Cluster:
             self._seq += 1
             heapq.heappush(d.finishing, (rec.join_step + rec.req.output_tokens, self._seq, rec))
             joined.append(rec)
-            self.conductor.decode_started(rec.rid, now, rec.prefill_end - rec.req.arrival_s)  # as a decode worker: its prefill answered
+            self.conductor.decode_started(
+                rec.rid, now, rec.prefill_end - rec.req.arrival_s
+            )  # as a decode worker: its prefill answered
         if d.local is None and d.locals:
             self._start_local(d)
         if not d.batch and d.local is None:
@@ -517,7 +570,9 @@ class Cluster:
         if d.local is not None:  # or the prompt computed here is done
             n = min(n, d.local_end - d.steps)
         context = d.context + d.batch * np.arange(n)
-        step_s = (m.decode_base_s + m.decode_per_request_s * d.batch + m.decode_s_per_context_token * context) * self.jitter.many(n)
+        step_s = (
+            m.decode_base_s + m.decode_per_request_s * d.batch + m.decode_s_per_context_token * context
+        ) * self.jitter.many(n)
         if not d.batch:
             step_s[:] = 0.0
         if d.local is not None:  # a chunk of it rides on every step of this run
@@ -542,7 +597,9 @@ class Cluster:
         fetched = src.leading(keys, 0, plan.fetch_blocks) if src is not None else 0
         ssd = src.read(keys[:fetched]) if fetched else 0
         rec.fetched_blocks, rec.ssd_blocks = fetched, ssd
-        rec.cached_tokens = min(fetched * m.block_tokens, rec.req.prompt_tokens - 1)  # the last token is always computed
+        rec.cached_tokens = min(
+            fetched * m.block_tokens, rec.req.prompt_tokens - 1
+        )  # the last token is always computed
         net_s = m.transfer_s(fetched * m.block_bytes) if fetched else 0.0
         rec.load_s = m.ssd_s(ssd) + net_s
         rec.prefill_start = self.now
@@ -589,9 +646,14 @@ class Cluster:
         # the decode predictor's sample: the run's mean step, as a decode worker's heartbeat reports the mean since the last
         # (none from steps a prompt's chunks rode on: they are not decode steps)
         mixed = d.local is not None or not d.batch
-        load = Load(queued_requests=len(d.waiting), running_requests=d.batch, context_tokens=d.context + (n - 1) * d.batch,
-                    step_s=0.0 if mixed else float(d.durations[d.steps : d.steps + n].mean()), step_batch=d.batch,
-                    step_context_tokens=d.context + (n - 1) / 2 * d.batch)  # fmt: skip
+        load = Load(
+            queued_requests=len(d.waiting),
+            running_requests=d.batch,
+            context_tokens=d.context + (n - 1) * d.batch,
+            step_s=0.0 if mixed else float(d.durations[d.steps : d.steps + n].mean()),
+            step_batch=d.batch,
+            step_context_tokens=d.context + (n - 1) / 2 * d.batch,
+        )
         d.steps += n
         d.context += n * d.batch
         if d.local is not None and d.steps >= d.local_end:

@@ -18,25 +18,44 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.sim.run import DEFAULT_TRACE, simulate
 from benchmarks.sim.cluster import SimConfig
 from benchmarks.sim.model import load_trace, model_config
+from benchmarks.sim.run import DEFAULT_TRACE, simulate
 from conductor.admission import AdmissionKind
 from conductor.local import LocalPrefill
 
-FIGURES = ("requests", "served", "rejected", "slo_ok", "local_prefills", "ttft_mean_s", "ttft_p90_s", "tbt_p90_s", "tbt_p99_s")
+FIGURES = (
+    "requests",
+    "served",
+    "rejected",
+    "slo_ok",
+    "local_prefills",
+    "ttft_mean_s",
+    "ttft_p90_s",
+    "tbt_p90_s",
+    "tbt_p99_s",
+)
 SETTINGS = ((2.0, "slow", (0.05, 0.06, 0.07)), (1.0, "slow", (0.1,)))  # (speed, decode profile, TBT SLOs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
-    p.add_argument("--max-load", default="0.5", help="auto's local_max_load values, comma-separated (default %(default)s)")
+    p.add_argument(
+        "--max-load", default="0.5", help="auto's local_max_load values, comma-separated (default %(default)s)"
+    )
     args = p.parse_args(argv)
-    out = {"command": ["python", "-m", "benchmarks.sim.local_compare", *(sys.argv[1:] if argv is None else argv)], "rows": []}
+    out = {
+        "command": ["python", "-m", "benchmarks.sim.local_compare", *(sys.argv[1:] if argv is None else argv)],
+        "rows": [],
+    }
     for speed, profile, tbts in SETTINGS:
-        base = SimConfig(prefill=8, decode=8, admission=AdmissionKind.EARLY_PREDICTIVE, model=model_config(profile, noise=0.05))
+        base = SimConfig(
+            prefill=8, decode=8, admission=AdmissionKind.EARLY_PREDICTIVE, model=model_config(profile, noise=0.05)
+        )
         requests = load_trace(args.trace, speed, None)
         for tbt in tbts:
             runs = [(LocalPrefill.NEVER, None), (LocalPrefill.ALWAYS, None)]  # (local_max_load: auto's alone)
@@ -44,9 +63,18 @@ def main(argv: list[str] | None = None) -> int:
             for mode, max_load in runs:
                 t0 = time.perf_counter()
                 config = replace(base, tbt_slo_s=tbt, local_prefill=mode)
-                s = simulate(config if max_load is None else replace(config, local_max_load=max_load), requests=requests)
-                row = dict(speed=speed, profile=profile, tbt_slo_s=tbt, mode=mode.value, local_max_load=max_load,
-                           **{k: s[k] for k in FIGURES}, wall_s=time.perf_counter() - t0)  # fmt: skip
+                s = simulate(
+                    config if max_load is None else replace(config, local_max_load=max_load), requests=requests
+                )
+                row = dict(
+                    speed=speed,
+                    profile=profile,
+                    tbt_slo_s=tbt,
+                    mode=mode.value,
+                    local_max_load=max_load,
+                    **{k: s[k] for k in FIGURES},
+                    wall_s=time.perf_counter() - t0,
+                )
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
     if args.json:

@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from conductor.types import KeyChain
-from kvstore.eviction import make_policy
 from kvstore.events import Tier
+from kvstore.eviction import make_policy
 
 TRACE_BLOCK_TOKENS = 512  # the trace's hash_ids are one per 512-token block (shared/traces/README.md)
 HIGH_WATERMARK, LOW_WATERMARK = 0.95, 0.85  # kvstore.config.StoreConfig defaults
@@ -151,12 +151,17 @@ class ModelConfig:
     def describe(self) -> dict[str, float]:
         """The derived constants, for the report."""
         return {
-            "block_bytes": self.block_bytes, "prefill_s_per_token": self.prefill_s_per_token,
-            "prefill_s_per_token_pair": self.prefill_s_per_token_pair, "prefill_overhead_s": self.prefill_overhead_s,
-            "decode_base_s": self.decode_base_s, "decode_s_per_request": self.decode_per_request_s,
-            "decode_s_per_context_token": self.decode_s_per_context_token, "decode_kv_tokens": self.decode_kv_tokens,
-            "net_bytes_per_s": self.net_bytes_per_s, "ssd_bytes_per_s": self.ssd_bytes_per_s,
-        }  # fmt: skip
+            "block_bytes": self.block_bytes,
+            "prefill_s_per_token": self.prefill_s_per_token,
+            "prefill_s_per_token_pair": self.prefill_s_per_token_pair,
+            "prefill_overhead_s": self.prefill_overhead_s,
+            "decode_base_s": self.decode_base_s,
+            "decode_s_per_request": self.decode_per_request_s,
+            "decode_s_per_context_token": self.decode_s_per_context_token,
+            "decode_kv_tokens": self.decode_kv_tokens,
+            "net_bytes_per_s": self.net_bytes_per_s,
+            "ssd_bytes_per_s": self.ssd_bytes_per_s,
+        }
 
 
 DECODE_PROFILES: dict[str, dict[str, float]] = {
@@ -234,14 +239,24 @@ def load_trace(path: Path, speed: float = 1.0, limit: int | None = None) -> list
                 if k is None:
                     k = keys_of[h] = block_key(h)
                 keys.append(k)
-            out.append(TraceRequest(len(out), rec["timestamp"] / 1000.0 / speed, prompt, max(1, int(rec["output_length"])),
-                                    keys, KeyChain(b"".join(keys))))  # fmt: skip
+            out.append(
+                TraceRequest(
+                    len(out),
+                    rec["timestamp"] / 1000.0 / speed,
+                    prompt,
+                    max(1, int(rec["output_length"])),
+                    keys,
+                    KeyChain(b"".join(keys)),
+                )
+            )
     return out
 
 
 # -- a pool node's KV cache --------------------------------------------------------------------
 
-Event = tuple[bool, bytes, Tier, bytes | None]  # (stored: True, removed: False), key, tier, parent (b"": a chain's first)
+Event = tuple[
+    bool, bytes, Tier, bytes | None
+]  # (stored: True, removed: False), key, tier, parent (b"": a chain's first)
 Sink = Callable[[str, list[Event]], None]  # (node, the events of one operation, in order)
 
 
@@ -262,7 +277,9 @@ class NodeCache:
         self.ssd: set[bytes] = set()
         self._dram_policy = make_policy(eviction)
         self._ssd_policy = make_policy(eviction)
-        self._chain: dict[bytes, tuple[int, bytes]] = {}  # key -> (its position, the block before it), as a pool node records them
+        self._chain: dict[
+            bytes, tuple[int, bytes]
+        ] = {}  # key -> (its position, the block before it), as a pool node records them
         self._tick = 0
         self.leased: set[bytes] = set()
         self._sink = sink

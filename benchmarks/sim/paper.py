@@ -50,7 +50,9 @@ from conductor.policies import PolicyKind
 NODES = 8
 CAPACITIES_TOTAL = (1_000, 10_000, 30_000, 50_000, 100_000, None)  # blocks over the 8 prefill nodes; None: unbounded
 DECODE_BOUND_TBT_S = (0.05, 0.055, 0.06, 0.065, 0.07)
-SURVIVAL = "early_predictive + survival"  # ours (the Conductor's default): measured durations by age, and the joins to come
+SURVIVAL = (
+    "early_predictive + survival"  # ours (the Conductor's default): measured durations by age, and the joins to come
+)
 ADMISSIONS = (*("baseline", "early", "early_predictive"), SURVIVAL)
 
 PAPER_TTFT = {"random": 19.65, "least_loaded": 5.27, "cache_aware_local": 3.58, "kvcache_centric": 3.07}
@@ -80,10 +82,22 @@ def _bound_label(admission: str, tbt_s: float) -> str:
     return f"{admission} @ {tbt_s * 1e3:g} ms"
 
 
-def plan(noise: float, seed: int, heartbeat_s: float = HEARTBEAT_S, calibrate: bool = True,
-         step_budget: int = STEP_BUDGET_TOKENS) -> list[Run]:  # fmt: skip
-    base = SimConfig(prefill=NODES, decode=8, seed=seed, heartbeat_s=heartbeat_s, calibrate=calibrate, step_budget=step_budget,
-                     model=model_config(noise=noise))  # fmt: skip
+def plan(
+    noise: float,
+    seed: int,
+    heartbeat_s: float = HEARTBEAT_S,
+    calibrate: bool = True,
+    step_budget: int = STEP_BUDGET_TOKENS,
+) -> list[Run]:
+    base = SimConfig(
+        prefill=NODES,
+        decode=8,
+        seed=seed,
+        heartbeat_s=heartbeat_s,
+        calibrate=calibrate,
+        step_budget=step_budget,
+        model=model_config(noise=noise),
+    )
     runs = [Run("placement", p, 1.0, replace(base, policy=PolicyKind(p))) for p in PAPER_TTFT]
     for a in ("none", *ADMISSIONS):
         runs.append(Run("admission", a, 2.0, _admission(base, a)))
@@ -121,13 +135,17 @@ def execute(runs: list[Run], trace, limit: int | None, jobs: int, console: Conso
             for i, summary in enumerate(pool.imap(_run_one, work)):
                 runs[i].summary = summary
                 if progress:
-                    console.print(f"[{i + 1}/{len(runs)}] {runs[i].group} {runs[i].label}: {summary['wall_s']:.1f} s "
-                                  f"({time.perf_counter() - start:.0f} s so far)")  # fmt: skip
+                    console.print(
+                        f"[{i + 1}/{len(runs)}] {runs[i].group} {runs[i].label}: {summary['wall_s']:.1f} s "
+                        f"({time.perf_counter() - start:.0f} s so far)"
+                    )
     else:
         for i, job in enumerate(work):
             runs[i].summary = _run_one(job)
             if progress:
-                console.print(f"[{i + 1}/{len(runs)}] {runs[i].group} {runs[i].label}: {runs[i].summary['wall_s']:.1f} s")
+                console.print(
+                    f"[{i + 1}/{len(runs)}] {runs[i].group} {runs[i].label}: {runs[i].summary['wall_s']:.1f} s"
+                )
 
 
 # -- tables and goals ------------------------------------------------------------------------------
@@ -142,47 +160,94 @@ def goals(runs: list[Run]) -> list[dict]:
     ttft = {k: v["ttft_mean_s"] for k, v in pl.items()}
     order = sorted(ttft, key=ttft.get, reverse=True)
     out = [
-        {"goal": "placement: mean TTFT ordered as the paper's (random > least_loaded > cache_aware_local > kvcache_centric)",
-         "measured": " > ".join(order), "met": order == list(PAPER_TTFT)},
-        {"goal": "placement: kvcache_centric mean TTFT >= 10% below cache_aware_local",
-         "measured": f"{1 - ttft['kvcache_centric'] / ttft['cache_aware_local']:.1%} below",
-         "met": ttft["kvcache_centric"] <= 0.9 * ttft["cache_aware_local"]},
-    ]  # fmt: skip
+        {
+            "goal": "placement: mean TTFT ordered as the paper's (random > least_loaded > cache_aware_local > kvcache_centric)",
+            "measured": " > ".join(order),
+            "met": order == list(PAPER_TTFT),
+        },
+        {
+            "goal": "placement: kvcache_centric mean TTFT >= 10% below cache_aware_local",
+            "measured": f"{1 - ttft['kvcache_centric'] / ttft['cache_aware_local']:.1%} below",
+            "met": ttft["kvcache_centric"] <= 0.9 * ttft["cache_aware_local"],
+        },
+    ]
     rej = {k: ad[k]["rejected"] for k in PAPER_REJECTED}
-    out.append({"goal": "admission (2a, paper's SLOs): rejections ordered as the paper's (baseline > early > early_predictive)",
-                "measured": ", ".join(f"{k} {v}" for k, v in rej.items()), "met": rej["baseline"] > rej["early"] > rej["early_predictive"]})
-    out.append({"goal": "admission (2a, paper's SLOs): early_predictive >= 10% fewer rejections than baseline",
-                "measured": f"{1 - rej['early_predictive'] / max(1, rej['baseline']):.1%} fewer",
-                "met": rej["early_predictive"] <= 0.9 * rej["baseline"]})  # fmt: skip
+    out.append(
+        {
+            "goal": "admission (2a, paper's SLOs): rejections ordered as the paper's (baseline > early > early_predictive)",
+            "measured": ", ".join(f"{k} {v}" for k, v in rej.items()),
+            "met": rej["baseline"] > rej["early"] > rej["early_predictive"],
+        }
+    )
+    out.append(
+        {
+            "goal": "admission (2a, paper's SLOs): early_predictive >= 10% fewer rejections than baseline",
+            "measured": f"{1 - rej['early_predictive'] / max(1, rej['baseline']):.1%} fewer",
+            "met": rej["early_predictive"] <= 0.9 * rej["baseline"],
+        }
+    )
     paper_order = []
     for tbt in DECODE_BOUND_TBT_S:
         rej = {a: bound[_bound_label(a, tbt)]["rejected"] for a in ADMISSIONS}
         ok = {a: bound[_bound_label(a, tbt)]["slo_ok"] for a in ADMISSIONS}
-        met = rej["baseline"] > rej["early"] > rej["early_predictive"] and rej["early_predictive"] <= 0.9 * rej["baseline"]
-        paper_order.append((tbt, met, f"{tbt * 1e3:g} ms: {rej['baseline']} > {rej['early']} > {rej['early_predictive']} "
-                                      f"({1 - rej['early_predictive'] / max(1, rej['baseline']):.0%} fewer)"))  # fmt: skip
-        out.append({"goal": f"admission (2b, decode-bound, TBT SLO {tbt * 1e3:g} ms), ours: early_predictive + survival rejects "
-                            f">= 10% fewer than baseline, fewer than early, and serves at least as many within both SLOs as either",
-                    "measured": f"rejected {rej[SURVIVAL]} vs baseline {rej['baseline']} ({1 - rej[SURVIVAL] / max(1, rej['baseline']):.0%} "
-                                f"fewer), early {rej['early']}; effective {ok[SURVIVAL]} vs {ok['baseline']}, {ok['early']}",
-                    "met": rej[SURVIVAL] <= 0.9 * rej["baseline"] and rej[SURVIVAL] < rej["early"]
-                           and ok[SURVIVAL] >= max(ok["baseline"], ok["early"])})  # fmt: skip
-    out.append({"goal": "admission (2b, decode-bound), the paper's forecast: baseline > early > early_predictive (uniform t_d) "
-                        "rejections and >= 10% fewer than baseline, at every TBT SLO",
-                "measured": "; ".join(m for _, _, m in paper_order) + " (met at "
-                            + (", ".join(f"{t * 1e3:g} ms" for t, ok_, _ in paper_order if ok_) or "none") + ")",
-                "met": all(ok_ for _, ok_, _ in paper_order)})  # fmt: skip
+        met = (
+            rej["baseline"] > rej["early"] > rej["early_predictive"]
+            and rej["early_predictive"] <= 0.9 * rej["baseline"]
+        )
+        paper_order.append(
+            (
+                tbt,
+                met,
+                f"{tbt * 1e3:g} ms: {rej['baseline']} > {rej['early']} > {rej['early_predictive']} "
+                f"({1 - rej['early_predictive'] / max(1, rej['baseline']):.0%} fewer)",
+            )
+        )
+        out.append(
+            {
+                "goal": f"admission (2b, decode-bound, TBT SLO {tbt * 1e3:g} ms), ours: early_predictive + survival rejects "
+                f">= 10% fewer than baseline, fewer than early, and serves at least as many within both SLOs as either",
+                "measured": f"rejected {rej[SURVIVAL]} vs baseline {rej['baseline']} ({1 - rej[SURVIVAL] / max(1, rej['baseline']):.0%} "
+                f"fewer), early {rej['early']}; effective {ok[SURVIVAL]} vs {ok['baseline']}, {ok['early']}",
+                "met": rej[SURVIVAL] <= 0.9 * rej["baseline"]
+                and rej[SURVIVAL] < rej["early"]
+                and ok[SURVIVAL] >= max(ok["baseline"], ok["early"]),
+            }
+        )
+    out.append(
+        {
+            "goal": "admission (2b, decode-bound), the paper's forecast: baseline > early > early_predictive (uniform t_d) "
+            "rejections and >= 10% fewer than baseline, at every TBT SLO",
+            "measured": "; ".join(m for _, _, m in paper_order)
+            + " (met at "
+            + (", ".join(f"{t * 1e3:g} ms" for t, ok_, _ in paper_order if ok_) or "none")
+            + ")",
+            "met": all(ok_ for _, ok_, _ in paper_order),
+        }
+    )
     unb = {ev: cache[_cache_label(ev, None)]["hit_ratio"] for ev in sim.EVICTIONS}
-    out.append({"goal": f"cache: unbounded hit ratio about the paper's {PAPER_HIT_UNBOUNDED:.0%} (within 3 points)",
-                "measured": f"{unb['lru']:.1%}", "met": abs(unb["lru"] - PAPER_HIT_UNBOUNDED) <= 0.03})  # fmt: skip
+    out.append(
+        {
+            "goal": f"cache: unbounded hit ratio about the paper's {PAPER_HIT_UNBOUNDED:.0%} (within 3 points)",
+            "measured": f"{unb['lru']:.1%}",
+            "met": abs(unb["lru"] - PAPER_HIT_UNBOUNDED) <= 0.03,
+        }
+    )
     mono = all(
         cache[_cache_label(ev, a)]["hit_ratio"] <= cache[_cache_label(ev, b)]["hit_ratio"] + 0.005
-        for ev in sim.EVICTIONS for a, b in zip(CAPACITIES_TOTAL, CAPACITIES_TOTAL[1:])
-    )  # fmt: skip
-    out.append({"goal": "cache: hit ratio grows with capacity (each policy)", "measured": "yes" if mono else "no", "met": mono})
+        for ev in sim.EVICTIONS
+        for a, b in zip(CAPACITIES_TOTAL, CAPACITIES_TOTAL[1:])
+    )
+    out.append(
+        {"goal": "cache: hit ratio grows with capacity (each policy)", "measured": "yes" if mono else "no", "met": mono}
+    )
     t0, t1 = tier["kvcache_centric"]["ttft_mean_s"], tier["kvcache_centric + tier_aware"]["ttft_mean_s"]
-    out.append({"goal": "tier-aware (ours): kvcache_centric + tier_aware has a lower mean TTFT with DRAM + SSD",
-                "measured": f"{t0:.2f} s -> {t1:.2f} s ({1 - t1 / t0:.1%} lower)", "met": t1 < t0})  # fmt: skip
+    out.append(
+        {
+            "goal": "tier-aware (ours): kvcache_centric + tier_aware has a lower mean TTFT with DRAM + SSD",
+            "measured": f"{t0:.2f} s -> {t1:.2f} s ({1 - t1 / t0:.1%} lower)",
+            "met": t1 < t0,
+        }
+    )
     return out
 
 
@@ -193,32 +258,72 @@ def _f(v, fmt="{:.2f}") -> str:
 def tables(runs: list[Run]) -> list[Table]:
     pl, cache, tier = _by(runs, "placement"), _by(runs, "cache"), _by(runs, "tier")
     t1 = Table(title="1. Placement: 8P + 8D, speed 1, admission none, unbounded DRAM")
-    for c in ("policy", "paper mean TTFT (s)", "mean TTFT (s)", "p50", "p90", "p99", "vs kvcache_centric", "hit ratio", "prefill busy"):
+    for c in (
+        "policy",
+        "paper mean TTFT (s)",
+        "mean TTFT (s)",
+        "p50",
+        "p90",
+        "p99",
+        "vs kvcache_centric",
+        "hit ratio",
+        "prefill busy",
+    ):
         t1.add_column(c, justify="left" if c == "policy" else "right")
     ref = pl["kvcache_centric"]["ttft_mean_s"]
     for p, paper in PAPER_TTFT.items():
         s = pl[p]
-        t1.add_row(p, f"{paper:.2f} ({paper / PAPER_TTFT['kvcache_centric']:.2f}x)", _f(s["ttft_mean_s"]), _f(s["ttft_p50_s"]),
-                   _f(s["ttft_p90_s"]), _f(s["ttft_p99_s"]), f"{s['ttft_mean_s'] / ref:.2f}x", f"{s['hit_ratio']:.1%}",
-                   f"{s['prefill_utilization']:.0%}")  # fmt: skip
+        t1.add_row(
+            p,
+            f"{paper:.2f} ({paper / PAPER_TTFT['kvcache_centric']:.2f}x)",
+            _f(s["ttft_mean_s"]),
+            _f(s["ttft_p50_s"]),
+            _f(s["ttft_p90_s"]),
+            _f(s["ttft_p99_s"]),
+            f"{s['ttft_mean_s'] / ref:.2f}x",
+            f"{s['hit_ratio']:.1%}",
+            f"{s['prefill_utilization']:.0%}",
+        )
     out = [t1]
     t = Table(title="2a. Admission: 8P + 8D, speed 2, kvcache_centric, SLO TTFT 30 s / TBT 100 ms, roofline decode")
-    for c in ("admission", "paper rejected", "rejected", "by reason", "wasted prefill (s)", "effective (both SLOs)", "mean TTFT (s)", "TBT p99 (ms)"):
+    for c in (
+        "admission",
+        "paper rejected",
+        "rejected",
+        "by reason",
+        "wasted prefill (s)",
+        "effective (both SLOs)",
+        "mean TTFT (s)",
+        "TBT p99 (ms)",
+    ):
         t.add_column(c, justify="left" if c in ("admission", "by reason") else "right")
     for a, s in _by(runs, "admission").items():
-        t.add_row(a, str(PAPER_REJECTED.get(a, "-")), str(s["rejected"]), ", ".join(f"{k} {v}" for k, v in s["rejected_by_reason"].items()),
-                  f"{s['wasted_prefill_s']:.0f}", f"{s['slo_ok']} ({s['slo_attainment']:.1%})", _f(s["ttft_mean_s"]),
-                  _f(s["tbt_p99_s"] * 1e3, "{:.1f}"))  # fmt: skip
+        t.add_row(
+            a,
+            str(PAPER_REJECTED.get(a, "-")),
+            str(s["rejected"]),
+            ", ".join(f"{k} {v}" for k, v in s["rejected_by_reason"].items()),
+            f"{s['wasted_prefill_s']:.0f}",
+            f"{s['slo_ok']} ({s['slo_attainment']:.1%})",
+            _f(s["ttft_mean_s"]),
+            _f(s["tbt_p99_s"] * 1e3, "{:.1f}"),
+        )
     out.append(t)
     bound = _by(runs, "decode_bound")
-    t = Table(title="2b. Admission, decode-bound (slow decode profile), speed 2: rejected / effective (both SLOs) / wasted prefill s, by TBT SLO")
+    t = Table(
+        title="2b. Admission, decode-bound (slow decode profile), speed 2: rejected / effective (both SLOs) / wasted prefill s, by TBT SLO"
+    )
     t.add_column("admission")
     t.add_column("paper rejected", justify="right")
     for tbt in DECODE_BOUND_TBT_S:
         t.add_column(f"{tbt * 1e3:g} ms", justify="right")
     for a in ADMISSIONS:
         cells = [bound[_bound_label(a, tbt)] for tbt in DECODE_BOUND_TBT_S]
-        t.add_row(a, str(PAPER_REJECTED.get(a, "-")), *(f"{c['rejected']} / {c['slo_ok']} / {c['wasted_prefill_s']:.0f}" for c in cells))
+        t.add_row(
+            a,
+            str(PAPER_REJECTED.get(a, "-")),
+            *(f"{c['rejected']} / {c['slo_ok']} / {c['wasted_prefill_s']:.0f}" for c in cells),
+        )
     out.append(t)
     t3 = Table(title="3. Cache hit ratio by total DRAM capacity (blocks over 8 nodes), speed 1, kvcache_centric")
     t3.add_column("eviction")
@@ -229,11 +334,26 @@ def tables(runs: list[Run]) -> list[Table]:
         t3.add_row(ev, *(f"{cache[_cache_label(ev, total)]['hit_ratio']:.1%}" for total in CAPACITIES_TOTAL))
     out.append(t3)
     t4 = Table(title="4. Tier-aware (ours): DRAM 1,000 + SSD 20,000 blocks per node, speed 1")
-    for c in ("policy", "mean TTFT (s)", "p90", "hit ratio", "SSD blocks read", "fetched blocks", "TTFT prediction error (mean)"):
+    for c in (
+        "policy",
+        "mean TTFT (s)",
+        "p90",
+        "hit ratio",
+        "SSD blocks read",
+        "fetched blocks",
+        "TTFT prediction error (mean)",
+    ):
         t4.add_column(c, justify="left" if c == "policy" else "right")
     for label, s in tier.items():
-        t4.add_row(label, _f(s["ttft_mean_s"]), _f(s["ttft_p90_s"]), f"{s['hit_ratio']:.1%}", str(s["ssd_blocks_read"]),
-                   str(s["fetched_blocks"]), f"{s['ttft_prediction_error_mean_s']:+.2f} s")  # fmt: skip
+        t4.add_row(
+            label,
+            _f(s["ttft_mean_s"]),
+            _f(s["ttft_p90_s"]),
+            f"{s['hit_ratio']:.1%}",
+            str(s["ssd_blocks_read"]),
+            str(s["fetched_blocks"]),
+            f"{s['ttft_prediction_error_mean_s']:+.2f} s",
+        )
     out.append(t4)
     return out
 
@@ -266,12 +386,22 @@ def plot(runs: list[Run], path, console: Console) -> None:
     a = axes[1]  # counts differ by an order of magnitude: compare each to its own baseline
     slos = [t * 1e3 for t in DECODE_BOUND_TBT_S]
     for i, adm in enumerate(ADMISSIONS):
-        line = a.plot(slos, [bound[_bound_label(adm, t)]["rejected"] / max(1, bound[_bound_label("baseline", t)]["rejected"])
-                             for t in DECODE_BOUND_TBT_S], marker="o", label=adm)  # fmt: skip
+        line = a.plot(
+            slos,
+            [
+                bound[_bound_label(adm, t)]["rejected"] / max(1, bound[_bound_label("baseline", t)]["rejected"])
+                for t in DECODE_BOUND_TBT_S
+            ],
+            marker="o",
+            label=adm,
+        )
         if adm in PAPER_REJECTED:
             a.axhline(PAPER_REJECTED[adm] / PAPER_REJECTED["baseline"], color=line[0].get_color(), ls="--", lw=0.8)
-    a.set(xlabel="TBT SLO (ms)", ylabel="rejected requests / baseline's",
-          title="2b. admission, decode-bound (8P+8D, speed 2; dashed: paper)")
+    a.set(
+        xlabel="TBT SLO (ms)",
+        ylabel="rejected requests / baseline's",
+        title="2b. admission, decode-bound (8P+8D, speed 2; dashed: paper)",
+    )
     a.legend(fontsize=8)
     a = axes[2]
     labels = [f"{t // 1000}k" if t else "inf" for t in CAPACITIES_TOTAL]
@@ -293,7 +423,9 @@ def plot(runs: list[Run], path, console: Console) -> None:
 def reproduce(args: argparse.Namespace, console: Console) -> int:
     start = time.perf_counter()
     runs = plan(args.noise, args.seed, args.heartbeat_s, not args.no_calibrate, args.step_budget)
-    console.print(f"{len(runs)} simulations over {args.trace}" + (f" (first {args.limit} requests)" if args.limit else ""))
+    console.print(
+        f"{len(runs)} simulations over {args.trace}" + (f" (first {args.limit} requests)" if args.limit else "")
+    )
     execute(runs, args.trace, args.limit, max(1, args.jobs), console, not args.no_progress)
     for t in tables(runs):
         console.print(t)
@@ -302,11 +434,28 @@ def reproduce(args: argparse.Namespace, console: Console) -> int:
     wall = time.perf_counter() - start
     console.print(f"total wall time {wall:.0f} s")
     if args.json:
-        out = {"command": ["python", "-m", "benchmarks.sim", *sys.argv[1:]], "trace": str(args.trace), "limit": args.limit, "wall_s": wall,
-               "paper": {"mean_ttft_s": PAPER_TTFT, "rejected": PAPER_REJECTED, "hit_ratio_unbounded": PAPER_HIT_UNBOUNDED},
-               "goals": rows,
-               "runs": [{"group": r.group, "label": r.label, "speed": r.speed, "config": sim.config_json(r.config),
-                         "summary": r.summary} for r in runs]}  # fmt: skip
+        out = {
+            "command": ["python", "-m", "benchmarks.sim", *sys.argv[1:]],
+            "trace": str(args.trace),
+            "limit": args.limit,
+            "wall_s": wall,
+            "paper": {
+                "mean_ttft_s": PAPER_TTFT,
+                "rejected": PAPER_REJECTED,
+                "hit_ratio_unbounded": PAPER_HIT_UNBOUNDED,
+            },
+            "goals": rows,
+            "runs": [
+                {
+                    "group": r.group,
+                    "label": r.label,
+                    "speed": r.speed,
+                    "config": sim.config_json(r.config),
+                    "summary": r.summary,
+                }
+                for r in runs
+            ],
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
         console.print(f"JSON written to {args.json}")

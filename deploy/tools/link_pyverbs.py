@@ -24,13 +24,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", type=Path, default=Path("/usr/lib/python3/dist-packages/pyverbs"))
     args = p.parse_args(argv)
     if not (args.source / "__init__.py").is_file():
-        print(f"error: no pyverbs at {args.source}: install python3-pyverbs (apt-get install python3-pyverbs)", file=sys.stderr)
+        print(
+            f"error: no pyverbs at {args.source}: install python3-pyverbs (apt-get install python3-pyverbs)",
+            file=sys.stderr,
+        )
         return 2
     tag = sys.implementation.cache_tag  # e.g. cpython-311
     built = sorted({f.name.split(".")[1] for f in args.source.glob("*.so")})
     if built and not any(b.startswith(tag) for b in built):
-        print(f"error: {args.source} is built for {', '.join(built)}, this Python is {tag}: build pyverbs from "
-              "rdma-core's source with this interpreter instead (see this script's --help)", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {args.source} is built for {', '.join(built)}, this Python is {tag}: build pyverbs from "
+            "rdma-core's source with this interpreter instead (see this script's --help)",
+            file=sys.stderr,
+        )
         return 2
     target = Path(sysconfig.get_paths()["purelib"]) / "pyverbs"
     if target.is_symlink() or target.exists():

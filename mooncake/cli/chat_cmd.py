@@ -19,7 +19,9 @@ from mooncake.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 console = Console(stderr=True)
 
-ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="A known model name (pulled on first use) or an HF model directory")
+ModelOpt = typer.Option(
+    "smollm2-135m", "--model", "-m", help="A known model name (pulled on first use) or an HF model directory"
+)
 CacheOpt = typer.Option(None, "--cache-dir", help="Model cache directory [default: ~/.cache/mooncake/models]")
 MaxTokOpt = typer.Option(256, "--max-tokens", min=1, help="Most tokens to generate per reply")
 TempOpt = typer.Option(0.0, "--temperature", "-t", min=0.0, help="0 = greedy")

@@ -18,12 +18,16 @@ app.command("generate")(chat_cmd.generate)
 app.command("up")(up_cmd.up)
 app.command("status")(pool_cmd.status)
 app.add_typer(pool_cmd.app, name="pool")
-app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(up_cmd.serve)
+app.command(
+    "serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+)(up_cmd.serve)
 
 
 @app.callback()
 def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level")) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
 
 
 if __name__ == "__main__":

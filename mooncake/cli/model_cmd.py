@@ -105,5 +105,7 @@ def list_command(
     table.add_column("params", justify="right")
     table.add_column("size", justify="right")
     for info in models:
-        table.add_row(info.name, str(info.path), info.arch, _human_count(info.num_params), _human_bytes(info.size_bytes))
+        table.add_row(
+            info.name, str(info.path), info.arch, _human_count(info.num_params), _human_bytes(info.size_bytes)
+        )
     Console().print(table)

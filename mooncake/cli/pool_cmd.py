@@ -14,22 +14,35 @@ from rich.console import Console
 from rich.table import Table
 
 from conductor.auth import TOKEN_FILE_ENV, bearer, read_token_file
+from mooncake import tls
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
-from mooncake import tls
 
 console = Console()
 if not console.is_terminal:  # a pipe or a log: wide enough for the status table
     console = Console(width=200)
 err = Console(stderr=True)
-app = typer.Typer(help="See and scale the prefill and decode pools (through the Conductor's admin API).", no_args_is_help=True)
+app = typer.Typer(
+    help="See and scale the prefill and decode pools (through the Conductor's admin API).", no_args_is_help=True
+)
 
 RUN_DIR = Path.home() / ".cache" / "mooncake" / "run"
 CURRENT = RUN_DIR / "current.json"  # written by `mooncake up` while it runs
-ConductorOpt = typer.Option(None, "--conductor", "-c", envvar="MOONCAKE_CONDUCTOR",
-                            help="The Conductor's gRPC address [default: the one `mooncake up` runs here]")  # fmt: skip
-OperatorOpt = typer.Option(None, "--operator-token-file", envvar=TOKEN_FILE_ENV, exists=True, dir_okay=False,
-                           help="The operator credential for admin calls [default: the one `mooncake up` runs here wrote]")  # fmt: skip
+ConductorOpt = typer.Option(
+    None,
+    "--conductor",
+    "-c",
+    envvar="MOONCAKE_CONDUCTOR",
+    help="The Conductor's gRPC address [default: the one `mooncake up` runs here]",
+)
+OperatorOpt = typer.Option(
+    None,
+    "--operator-token-file",
+    envvar=TOKEN_FILE_ENV,
+    exists=True,
+    dir_okay=False,
+    help="The operator credential for admin calls [default: the one `mooncake up` runs here wrote]",
+)
 ROLES = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 
 
@@ -88,11 +101,21 @@ def _ratio(n: int, d: int) -> str:
 
 
 def status_table(listing: pb.ListInstancesResponse) -> Table:
-    t = Table(title=f"policy {listing.policy}, admission {listing.admission}: {listing.scheduled} scheduled, "
-                    f"{sum(listing.rejected.values())} rejected, {listing.index_blocks} blocks indexed"
-                    + ("\n[bold red]admin calls are open: the Conductor has no operator token[/bold red]" if listing.admin_open else "")
-                    + ("\n[bold red]INSECURE: no TLS between the components; anyone who reaches their ports can call them"
-                       "[/bold red]" if listing.insecure else ""))  # fmt: skip
+    t = Table(
+        title=f"policy {listing.policy}, admission {listing.admission}: {listing.scheduled} scheduled, "
+        f"{sum(listing.rejected.values())} rejected, {listing.index_blocks} blocks indexed"
+        + (
+            "\n[bold red]admin calls are open: the Conductor has no operator token[/bold red]"
+            if listing.admin_open
+            else ""
+        )
+        + (
+            "\n[bold red]INSECURE: no TLS between the components; anyone who reaches their ports can call them"
+            "[/bold red]"
+            if listing.insecure
+            else ""
+        )
+    )
     for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
         t.add_column(c, justify="left" if c in ("instance", "role", "address", "state") else "right")
     nodes = {i.node: i for i in listing.instances if i.role == pb.KVSTORE}
@@ -100,7 +123,9 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
     for i in sorted(listing.instances, key=lambda i: (order.get(i.role, 3), i.id)):
         group = f", {i.pipeline_stages}-stage group, {i.pipeline_chunk}-token chunks" if i.pipeline_stages > 1 else ""
         kv_over = f", KV over {i.transport.split(' ')[0].rstrip(':')}" if i.transport else ""  # rdma or tcp
-        role = pb.Role.Name(i.role).lower() + (f" ({i.engine or 'pool'}{group}{kv_over})" if i.engine or group or kv_over else "")
+        role = pb.Role.Name(i.role).lower() + (
+            f" ({i.engine or 'pool'}{group}{kv_over})" if i.engine or group or kv_over else ""
+        )
         state = pb.InstanceState.Name(i.state).lower() + (" (retiring)" if i.retiring else "")
         kv = "-"
         if i.role in (pb.PREFILL, pb.KVSTORE):
@@ -109,7 +134,10 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
                 kv = f"{node.dram_blocks} / {node.indexed_blocks}" + (f" of {node.capacity}" if node.capacity else "")
         if i.role == pb.PREFILL:
             load = f"{i.load.queued_requests} queued, {i.load.queued_s:.2f} s"
-            running, hit = str(i.load.running_requests), f"{_ratio(i.reused_blocks, i.prompt_blocks)} of {i.decisions} req"
+            running, hit = (
+                str(i.load.running_requests),
+                f"{_ratio(i.reused_blocks, i.prompt_blocks)} of {i.decisions} req",
+            )
         elif i.role == pb.DECODE:
             load = f"{i.load.queued_requests} in prefill"
             running = str(i.load.running_requests) + (f" of {i.load.batch_cap}" if i.load.batch_cap else "")
@@ -122,7 +150,10 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
     return t
 
 
-def status(conductor: Optional[str] = ConductorOpt, watch: float = typer.Option(0.0, "--watch", "-w", help="Refresh every N seconds")) -> None:
+def status(
+    conductor: Optional[str] = ConductorOpt,
+    watch: float = typer.Option(0.0, "--watch", "-w", help="Refresh every N seconds"),
+) -> None:
     """A table of every instance: role, address, state, load, running batch, KV per tier, cache hit ratio."""
     address = conductor_address(conductor)
     stub = _stub(address)
@@ -142,7 +173,11 @@ def scale(
     replicas: int = typer.Argument(..., min=1, help="How many instances the pool should have"),
     conductor: Optional[str] = ConductorOpt,
     token_file: Optional[Path] = OperatorOpt,
-    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the pool has exactly that many (started ones ready, drained ones gone)"),
+    wait: bool = typer.Option(
+        True,
+        "--wait/--no-wait",
+        help="Wait until the pool has exactly that many (started ones ready, drained ones gone)",
+    ),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait"),
 ) -> None:
     """Scale a pool: start instances through the pool provider, or drain the least busy and stop them once idle."""
@@ -151,10 +186,14 @@ def scale(
         raise typer.Exit(2)
     address = conductor_address(conductor)
     stub = _stub(address)
-    r = _call(stub.ScalePool, pb.ScalePoolRequest(role=ROLES[role], replicas=replicas), address, operator_token(token_file))
-    console.print(f"{role}: {r.alive} -> {replicas} ({r.provider} provider)"
-                  + (f"; starting {', '.join(r.started)}" if r.started else "")
-                  + (f"; draining {', '.join(r.draining)}" if r.draining else ""))  # fmt: skip
+    r = _call(
+        stub.ScalePool, pb.ScalePoolRequest(role=ROLES[role], replicas=replicas), address, operator_token(token_file)
+    )
+    console.print(
+        f"{role}: {r.alive} -> {replicas} ({r.provider} provider)"
+        + (f"; starting {', '.join(r.started)}" if r.started else "")
+        + (f"; draining {', '.join(r.draining)}" if r.draining else "")
+    )
     if not wait:
         return
     deadline = time.monotonic() + timeout
@@ -177,7 +216,9 @@ def drain(
     instance: str = typer.Argument(..., help="An instance id (`mooncake status` lists them)"),
     conductor: Optional[str] = ConductorOpt,
     token_file: Optional[Path] = OperatorOpt,
-    remove: bool = typer.Option(True, "--remove/--keep", help="Stop it once idle (needs a pool provider) or keep it drained"),
+    remove: bool = typer.Option(
+        True, "--remove/--keep", help="Stop it once idle (needs a pool provider) or keep it drained"
+    ),
 ) -> None:
     """Send an instance no new work; let what it runs finish; then (by default) stop it."""
     address = conductor_address(conductor)

@@ -42,7 +42,13 @@ def start_control_server(cluster, host: str, port: int) -> ThreadingHTTPServer:
                 self._send(404, {"error": f"no {self.path}"})
                 return
             comps = dict(cluster.components)
-            self._send(200, {n: {"alive": c.alive, "pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for n, c in comps.items()})
+            self._send(
+                200,
+                {
+                    n: {"alive": c.alive, "pid": c.proc.pid if c.proc else None, "restarts": c.restarts}
+                    for n, c in comps.items()
+                },
+            )
 
         def _send(self, status: int, body: dict) -> None:
             data = json.dumps(body).encode()

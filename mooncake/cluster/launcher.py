@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -50,14 +50,20 @@ class ClusterConfig(BaseModel):
     model: str = Field(description="model directory")
     model_name: str = Field(description="the name clients send as `model`")
     prefill: int = Field(1, ge=1, description="prefill workers (each with its own pool node)")
-    prefill_groups: int = Field(0, ge=0, description="of the prefill workers, this many (the first) are pipelined groups "
-                                "(CPP): --group-size stage processes each, one thread per stage")
+    prefill_groups: int = Field(
+        0,
+        ge=0,
+        description="of the prefill workers, this many (the first) are pipelined groups "
+        "(CPP): --group-size stage processes each, one thread per stage",
+    )
     group_size: int = Field(2, ge=2, description="stages of each pipelined prefill group")
     decode: int = Field(1, ge=1, description="decode workers")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port (0: any free port)")
     api_key: str | None = None
-    tenants_file: Path | None = Field(None, description="the gateway's tenants (mooncake.gateway.tenants); instead of api_key")
+    tenants_file: Path | None = Field(
+        None, description="the gateway's tenants (mooncake.gateway.tenants); instead of api_key"
+    )
     redis_url: str | None = None
     workdir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run")
     dtype: str = "float32"
@@ -68,33 +74,61 @@ class ClusterConfig(BaseModel):
     pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node")
     pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (0: none)")
     max_model_len: int | None = None
-    prefill_batched_tokens: int | None = Field(None, ge=1, description="a prefill step's token budget (a group's chunk); "
-                                               "default: 512 on the CPU, 4096 on CUDA")
+    prefill_batched_tokens: int | None = Field(
+        None, ge=1, description="a prefill step's token budget (a group's chunk); default: 512 on the CPU, 4096 on CUDA"
+    )
     enforce_eager: bool = Field(False, description="native workers on CUDA: no CUDA graphs for decode steps")
     decode_max_seqs: int = 32
     threads: int | None = Field(None, description="torch threads per worker (default: torch's)")
     policy: str = "kvcache_centric"
     admission: str = "early_predictive"
-    local_prefill: str = Field("auto", description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
-                               "never (a prefill worker) or always (the decode worker itself)")
+    local_prefill: str = Field(
+        "auto",
+        description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
+        "never (a prefill worker) or always (the decode worker itself)",
+    )
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.5
     gateway: bool = True
     restart: bool = Field(True, description="restart a component that dies")
-    hold_s: float = Field(10.0, ge=0, description="the gateway holds a request this long while the Conductor (or every "
-                          "worker of a role) is away, then answers 503")  # fmt: skip
-    network_hosts: bool = Field(False, description="put each prefill worker (with its pool node) and each decode worker "
-                                "on a network host of its own (a namespace on a bridge; root only), so links can be cut")
-    detect_s: float = Field(2.0, gt=0, description="a worker silent this long on a live connection (a host off the "
-                            "network) is taken for dead by its callers")  # fmt: skip
-    conductors: int = Field(1, ge=1, le=5, description="Conductors: with more than one (on --redis-url), one leads and "
-                            "the others stand by to take over when its lease lapses")  # fmt: skip
-    insecure: bool = Field(False, description="no TLS between the components (mooncake.tls): anyone who can reach their "
-                           "ports can call them; for development only")  # fmt: skip
+    hold_s: float = Field(
+        10.0,
+        ge=0,
+        description="the gateway holds a request this long while the Conductor (or every "
+        "worker of a role) is away, then answers 503",
+    )
+    network_hosts: bool = Field(
+        False,
+        description="put each prefill worker (with its pool node) and each decode worker "
+        "on a network host of its own (a namespace on a bridge; root only), so links can be cut",
+    )
+    detect_s: float = Field(
+        2.0,
+        gt=0,
+        description="a worker silent this long on a live connection (a host off the "
+        "network) is taken for dead by its callers",
+    )
+    conductors: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Conductors: with more than one (on --redis-url), one leads and "
+        "the others stand by to take over when its lease lapses",
+    )
+    insecure: bool = Field(
+        False,
+        description="no TLS between the components (mooncake.tls): anyone who can reach their "
+        "ports can call them; for development only",
+    )
     ready_timeout_s: float = 180.0
-    worker_nice: int = Field(10, ge=0, le=19, description="the workers' and pool nodes' CPU priority below the Conductor's "
-                             "and the gateway's (nice): on shared cores a refused request is answered in milliseconds "
-                             "however busy the workers are (0: the same priority)")  # fmt: skip
+    worker_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="the workers' and pool nodes' CPU priority below the Conductor's "
+        "and the gateway's (nice): on shared cores a refused request is answered in milliseconds "
+        "however busy the workers are (0: the same priority)",
+    )
 
     @model_validator(mode="after")
     def _one_way_in(self) -> "ClusterConfig":
@@ -111,8 +145,10 @@ class ClusterConfig(BaseModel):
     @model_validator(mode="after")
     def _groups_fit(self) -> "ClusterConfig":
         if self.prefill_groups > self.prefill:
-            raise ValueError(f"--prefill-groups {self.prefill_groups} exceeds the {self.prefill} prefill workers: the groups "
-                             "are the first of them (add --prefill)")  # fmt: skip
+            raise ValueError(
+                f"--prefill-groups {self.prefill_groups} exceeds the {self.prefill} prefill workers: the groups "
+                "are the first of them (add --prefill)"
+            )
         if self.prefill_groups and self.engine != "native":
             raise ValueError("pipelined prefill groups run the native engine")
         return self
@@ -154,8 +190,9 @@ class Component:
         env = {**os.environ, **self.env} if self.env else None
         # `nice` execs the command (the pid stays the component's); a preexec_fn would fork this threaded process instead
         argv = ["nice", "-n", str(self.nice), *self.argv] if self.nice and shutil.which("nice") else self.argv
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         log_file.close()
         if self.nice:
             nice_session(self.proc.pid, self.nice)
@@ -287,35 +324,116 @@ class LocalCluster:
         name = "conductor" if i == 0 else f"conductor-{i}"
         redis = ["--redis-url", c.redis_url] if c.redis_url else []
         scheme = "https" if self.tls_dir else "http"
-        provider = ["--pool-provider", "local", "--pool-control", f"{scheme}://{h}:{self.ports['control']}"] if self._control else []
-        return Component(name, self._python(
-            "conductor", "--host", h, "--port", str(self.ports[name]), "--metrics-port", "0", "--policy", c.policy,
-            "--admission", c.admission, "--local-prefill", c.local_prefill, "--ttft-slo", str(c.ttft_slo_s), "--tbt-slo", str(c.tbt_slo_s), *redis, *provider,
-            "--operator-token-file", str(self.operator_token_file),
-        ), self.run_dir / "logs" / f"{name}.log")  # fmt: skip
+        provider = (
+            ["--pool-provider", "local", "--pool-control", f"{scheme}://{h}:{self.ports['control']}"]
+            if self._control
+            else []
+        )
+        return Component(
+            name,
+            self._python(
+                "conductor",
+                "--host",
+                h,
+                "--port",
+                str(self.ports[name]),
+                "--metrics-port",
+                "0",
+                "--policy",
+                c.policy,
+                "--admission",
+                c.admission,
+                "--local-prefill",
+                c.local_prefill,
+                "--ttft-slo",
+                str(c.ttft_slo_s),
+                "--tbt-slo",
+                str(c.tbt_slo_s),
+                *redis,
+                *provider,
+                "--operator-token-file",
+                str(self.operator_token_file),
+            ),
+            self.run_dir / "logs" / f"{name}.log",
+        )
 
     def _prefill_pair(self, i: int) -> tuple[Component, Component]:
         """Pool node ``kv{i}`` and ``prefill-{i}`` on it (one host, ``p{i}``)."""
         c, h = self.config, self._host(f"p{i}", f"kv{i}", f"prefill-{i}")
         threads, max_len = self._common()
         port = self._port(f"kv{i}", h)
-        ssd = ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
-        node = Component(f"kv{i}", self._python(
-            "kvstore", "--node", f"kv{i}", "--host", h, "--port", str(port), "--block-bytes", str(self._block_bytes),
-            "--dram-mib", str(c.pool_dram_mib), "--shm-dir", self.shm_dir, "--conductor", self.conductor_addresses,
-            "--metrics-port", "0", *ssd, host=f"p{i}",
-        ), self.run_dir / "logs" / f"kv{i}.log", nice=c.worker_nice)  # fmt: skip
+        ssd = (
+            ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
+        )
+        node = Component(
+            f"kv{i}",
+            self._python(
+                "kvstore",
+                "--node",
+                f"kv{i}",
+                "--host",
+                h,
+                "--port",
+                str(port),
+                "--block-bytes",
+                str(self._block_bytes),
+                "--dram-mib",
+                str(c.pool_dram_mib),
+                "--shm-dir",
+                self.shm_dir,
+                "--conductor",
+                self.conductor_addresses,
+                "--metrics-port",
+                "0",
+                *ssd,
+                host=f"p{i}",
+            ),
+            self.run_dir / "logs" / f"kv{i}.log",
+            nice=c.worker_nice,
+        )
         pport = self._port(f"prefill-{i}", h)
         group = ["--pipeline-stages", str(c.group_size)] if i < c.prefill_groups else []
         if group and self.net is not None:  # each stage a server on a network host of its own
             stages = [self._stage_server(i, j) for j in range(c.group_size)]
             self._stage_servers[i] = [comp for comp, _ in stages]
-            group = ["--stage-addresses", ",".join(address for _, address in stages), "--stage-key-file", str(self._stage_key())]
-        prefill = Component(f"prefill-{i}", self._python(
-            "prefill", "--id", f"prefill-{i}", "--model", c.model, "--kvstore", f"{h}:{port}", "--conductor", self.conductor_addresses,
-            "--host", h, "--port", str(pport), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--max-num-batched-tokens", str(c.prefill_batched_tokens or default_batched_tokens(c.device)), *threads, *max_len, *self._engine_flags(), *group, host=f"p{i}",
-        ), self.run_dir / "logs" / f"prefill-{i}.log", env=self._worker_env(), nice=c.worker_nice)  # fmt: skip
+            group = [
+                "--stage-addresses",
+                ",".join(address for _, address in stages),
+                "--stage-key-file",
+                str(self._stage_key()),
+            ]
+        prefill = Component(
+            f"prefill-{i}",
+            self._python(
+                "prefill",
+                "--id",
+                f"prefill-{i}",
+                "--model",
+                c.model,
+                "--kvstore",
+                f"{h}:{port}",
+                "--conductor",
+                self.conductor_addresses,
+                "--host",
+                h,
+                "--port",
+                str(pport),
+                "--dtype",
+                c.dtype,
+                "--block-size",
+                str(c.block_size),
+                "--max-num-batched-tokens",
+                str(c.prefill_batched_tokens or default_batched_tokens(c.device)),
+                *threads,
+                *max_len,
+                *self._engine_flags(),
+                *group,
+                host=f"p{i}",
+            ),
+            self.run_dir / "logs" / f"prefill-{i}.log",
+            env=self._worker_env(),
+            nice=c.worker_nice,
+        )
         return node, prefill
 
     def _stage_server(self, i: int, j: int) -> tuple[Component, str]:
@@ -325,11 +443,37 @@ class LocalCluster:
         port = self._port(name, h)
         _, max_len = self._common()
         device = ["--device", c.device] if c.device != "cpu" else []
-        comp = Component(name, self._python(
-            "prefill.stage", "--model", c.model, "--stage", str(j), "--stages", str(c.group_size), "--host", h, "--port", str(port),
-            "--key-file", str(self._stage_key()), "--dtype", c.dtype, "--block-size", str(c.block_size), "--chunk",
-            str(c.prefill_batched_tokens or default_batched_tokens(c.device)), "--shm-dir", self.shm_dir, *max_len, *device, host=f"p{i}s{j}",
-        ), self.run_dir / "logs" / f"{name}.log", nice=c.worker_nice)  # fmt: skip
+        comp = Component(
+            name,
+            self._python(
+                "prefill.stage",
+                "--model",
+                c.model,
+                "--stage",
+                str(j),
+                "--stages",
+                str(c.group_size),
+                "--host",
+                h,
+                "--port",
+                str(port),
+                "--key-file",
+                str(self._stage_key()),
+                "--dtype",
+                c.dtype,
+                "--block-size",
+                str(c.block_size),
+                "--chunk",
+                str(c.prefill_batched_tokens or default_batched_tokens(c.device)),
+                "--shm-dir",
+                self.shm_dir,
+                *max_len,
+                *device,
+                host=f"p{i}s{j}",
+            ),
+            self.run_dir / "logs" / f"{name}.log",
+            nice=c.worker_nice,
+        )
         return comp, f"{h}:{port}"
 
     def _stage_key(self) -> Path:
@@ -344,22 +488,77 @@ class LocalCluster:
         c, h = self.config, self._host(f"d{i}", f"decode-{i}")
         threads, max_len = self._common()
         dport = self._port(f"decode-{i}", h)
-        return Component(f"decode-{i}", self._python(
-            "decode", "--id", f"decode-{i}", "--model", c.model, "--conductor", self.conductor_addresses, "--host", h,
-            "--port", str(dport), "--dtype", c.dtype, "--block-size", str(c.block_size), "--max-num-seqs", str(c.decode_max_seqs),
-            "--tbt-slo", str(c.tbt_slo_s), "--detect-s", str(c.detect_s), "--shm-dir", self.shm_dir, *threads, *max_len, *self._engine_flags(),
-            host=f"d{i}",
-        ), self.run_dir / "logs" / f"decode-{i}.log", env=self._worker_env(), nice=c.worker_nice)  # fmt: skip
+        return Component(
+            f"decode-{i}",
+            self._python(
+                "decode",
+                "--id",
+                f"decode-{i}",
+                "--model",
+                c.model,
+                "--conductor",
+                self.conductor_addresses,
+                "--host",
+                h,
+                "--port",
+                str(dport),
+                "--dtype",
+                c.dtype,
+                "--block-size",
+                str(c.block_size),
+                "--max-num-seqs",
+                str(c.decode_max_seqs),
+                "--tbt-slo",
+                str(c.tbt_slo_s),
+                "--detect-s",
+                str(c.detect_s),
+                "--shm-dir",
+                self.shm_dir,
+                *threads,
+                *max_len,
+                *self._engine_flags(),
+                host=f"d{i}",
+            ),
+            self.run_dir / "logs" / f"decode-{i}.log",
+            env=self._worker_env(),
+            nice=c.worker_nice,
+        )
 
     def _gateway(self) -> Component:
         c, h = self.config, self.root_host
         _, max_len = self._common()
         key = ["--api-key", c.api_key] if c.api_key else (["--tenants", str(c.tenants_file)] if c.tenants_file else [])
-        return Component("gateway", self._python(
-            "mooncake.gateway", "--conductor", self.conductor_addresses, "--model", c.model, "--model-name", c.model_name,
-            "--host", h, "--port", str(self.ports["gateway"]), "--dtype", c.dtype, "--block-size", str(c.block_size),
-            "--engine", c.engine, "--retry-budget-s", str(c.ttft_slo_s), "--hold-s", str(c.hold_s), "--detect-s", str(c.detect_s), *max_len, *key,
-        ), self.run_dir / "logs" / "gateway.log")  # fmt: skip
+        return Component(
+            "gateway",
+            self._python(
+                "mooncake.gateway",
+                "--conductor",
+                self.conductor_addresses,
+                "--model",
+                c.model,
+                "--model-name",
+                c.model_name,
+                "--host",
+                h,
+                "--port",
+                str(self.ports["gateway"]),
+                "--dtype",
+                c.dtype,
+                "--block-size",
+                str(c.block_size),
+                "--engine",
+                c.engine,
+                "--retry-budget-s",
+                str(c.ttft_slo_s),
+                "--hold-s",
+                str(c.hold_s),
+                "--detect-s",
+                str(c.detect_s),
+                *max_len,
+                *key,
+            ),
+            self.run_dir / "logs" / "gateway.log",
+        )
 
     def _plan(self) -> list[list[Component]]:
         """The components in start order: waves that may start together."""
@@ -473,7 +672,9 @@ class LocalCluster:
                 self._next[role] = i + 1
             comps = list(self._prefill_pair(i)) if role == "prefill" else [self._decode(i)]
             started.append(comps[-1].name)
-            threading.Thread(target=self._start_chain, args=(comps,), name=f"start-{comps[-1].name}", daemon=True).start()
+            threading.Thread(
+                target=self._start_chain, args=(comps,), name=f"start-{comps[-1].name}", daemon=True
+            ).start()
         return started
 
     def _start_chain(self, comps: list[Component]) -> None:
@@ -523,8 +724,12 @@ class LocalCluster:
             self._control = None
         with self._lock:
             comps = list(self.components.values())
-        order = sorted(comps, key=lambda c: ("gateway", "decode", "prefill", "kv", "conductor").index(
-            next(p for p in ("gateway", "decode", "prefill", "kv", "conductor") if c.name.startswith(p))))  # fmt: skip
+        order = sorted(
+            comps,
+            key=lambda c: ("gateway", "decode", "prefill", "kv", "conductor").index(
+                next(p for p in ("gateway", "decode", "prefill", "kv", "conductor") if c.name.startswith(p))
+            ),
+        )
         for comp in order:
             comp.terminate()
         deadline = time.monotonic() + grace_s

@@ -66,7 +66,20 @@ class VirtualNetwork:
     def wrap(self, host: str, argv: list[str]) -> list[str]:
         """``argv`` run on ``host`` (its namespace, hostname ``host``); the process keeps the PID the caller sees."""
         ns = f"{self.name}-{host}"
-        return ["ip", "netns", "exec", ns, "unshare", "--uts", "--", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            f'hostname {host} && exec "$@"',
+            "sh",
+            *argv,
+        ]
 
     def cut(self, host: str) -> None:
         """Take ``host`` off the network: packets to and from it are dropped from now on, without a reset."""

@@ -42,7 +42,9 @@ def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, sr
     if n == 0:
         return
     if src.device != dst.device or src.dtype != dst.dtype:
-        src = src.index_select(0, torch.as_tensor(list(src_ids), dtype=torch.long, device=src.device)).to(dst.device, dst.dtype)
+        src = src.index_select(0, torch.as_tensor(list(src_ids), dtype=torch.long, device=src.device)).to(
+            dst.device, dst.dtype
+        )
         src_ids = range(n)
     if dst.device.type == "cpu":
         runs = block_runs(src_ids, dst_ids)

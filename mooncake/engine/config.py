@@ -43,8 +43,10 @@ class EngineConfig(BaseModel):
     kv_cache_memory_gib: float = Field(1.0, gt=0)
     max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch")
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="Per-step token budget; a longer prompt is prefilled in chunks. Default: "
-        f"{CPU_BATCHED_TOKENS} on the CPU, {CUDA_BATCHED_TOKENS} on CUDA (default_batched_tokens)"
+        None,
+        ge=1,
+        description="Per-step token budget; a longer prompt is prefilled in chunks. Default: "
+        f"{CPU_BATCHED_TOKENS} on the CPU, {CUDA_BATCHED_TOKENS} on CUDA (default_batched_tokens)",
     )
     max_model_len: int | None = Field(None, ge=1, description="Default: the model's max positions")
     enable_prefix_caching: bool = True
@@ -53,8 +55,9 @@ class EngineConfig(BaseModel):
     use_kernels: bool = Field(True, description="Compile and use the CPU paged decode-attention kernel")
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs: every step runs eagerly")
     decode_graphs: bool | None = Field(
-        None, description="Run decode steps through static buffers captured as CUDA graphs. Default: on for CUDA "
-        "unless enforce_eager, off on the CPU, where True runs the same graph-ready step uncaptured (tests)"
+        None,
+        description="Run decode steps through static buffers captured as CUDA graphs. Default: on for CUDA "
+        "unless enforce_eager, off on the CPU, where True runs the same graph-ready step uncaptured (tests)",
     )
     kernel_dir: str = Field("~/.cache/mooncake/kernels", description="Where compiled kernels are cached")
     model_fingerprint: str | None = Field(
@@ -88,8 +91,10 @@ class EngineConfig(BaseModel):
 def check_cuda_device(device: str) -> None:
     """ValueError, saying what is missing, unless ``device`` (cuda or cuda:N) is a GPU this process can use."""
     if not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: no CUDA GPU here (torch {torch.__version__}, "
-                         f"built for CUDA {torch.version.cuda or 'none'}; torch.cuda.is_available() is False)")  # fmt: skip
+        raise ValueError(
+            f"device {device!r}: no CUDA GPU here (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda or 'none'}; torch.cuda.is_available() is False)"
+        )
     index = torch.device(device).index
     if index is not None and index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPUs")

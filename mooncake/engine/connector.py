@@ -68,4 +68,3 @@ class KVConnector:
         """Blocks kept by ``request_finished`` that the connector is done with (the engine frees them before each
         step). Thread-safe: any thread may finish with them."""
         return []
-

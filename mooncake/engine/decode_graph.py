@@ -146,11 +146,18 @@ class DecodeGraphs:
         attention = self._attention[b]
         mask = None
         if attention is None:  # padded torch path: every row over the table's whole width, masked to its length
-            mask = (torch.arange(self.width * self.block_size, device=self.device)[None, :] < ctx[:, None])[:, None, None, :]
+            mask = (torch.arange(self.width * self.block_size, device=self.device)[None, :] < ctx[:, None])[
+                :, None, None, :
+            ]
         meta = AttentionMetadata(
-            slot_mapping=self._slots[:b], num_decodes=b, decode_block_table=table, decode_ctx_lens=ctx,
-            decode_mask=mask, prefills=[], decode_kernel=attention,
-        )  # fmt: skip
+            slot_mapping=self._slots[:b],
+            num_decodes=b,
+            decode_block_table=table,
+            decode_ctx_lens=ctx,
+            decode_mask=mask,
+            prefills=[],
+            decode_kernel=attention,
+        )
         self.hidden[:b].copy_(self.model(self._ids[:b], self._pos[:b], self.kv_cache, meta, _NO_HOOKS, _NO_STEP))
 
     def _capture(self) -> None:
@@ -176,7 +183,9 @@ class DecodeGraphs:
         log.info("captured decode graphs for batch sizes %s", self.buckets)
 
 
-def decode_attention_for(device: torch.device, num_kv_heads: int, kernel: Callable | None) -> Callable[[int], Callable | None]:
+def decode_attention_for(
+    device: torch.device, num_kv_heads: int, kernel: Callable | None
+) -> Callable[[int], Callable | None]:
     """The per-bucket decode attention: the engine's ``kernel`` (Triton's paged_decode on CUDA, with its splits fixed
     per bucket; the compiled kernel on the CPU), or None for the padded torch path when the engine has none."""
     if kernel is None or device.type != "cuda":

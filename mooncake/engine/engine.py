@@ -25,10 +25,17 @@ from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
+from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.kernels import load_paged_decode, load_triton_decode
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
-from mooncake.engine.grammar import GrammarBook
-from mooncake.engine.request import FinishReason, Request, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
+from mooncake.engine.request import (
+    FinishReason,
+    Request,
+    SamplingParams,
+    TokenLogprob,
+    checked_prompt,
+    match_stop_string,
+)
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import Scheduler
 
@@ -66,8 +73,13 @@ class EngineStats:
 class LLMEngine:
     """Paged-KV continuous-batching engine over one model. See module docstring."""
 
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None, tokenizer=None,
-                 kv_cache_buffer: Callable[[int], Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnector | None = None,
+        tokenizer=None,
+        kv_cache_buffer: Callable[[int], Any] | None = None,
+    ):
         """``kv_cache_buffer(nbytes)``, when given (CPU only), returns the writable buffer the paged cache lives in: a
         decode worker's cache in shared memory, which prefill workers on its host write a prompt's KV into in place."""
         self.config = config
@@ -161,7 +173,9 @@ class LLMEngine:
         ``chunk_tokens``: the most of its tokens one step computes (0: as many as the step's budget leaves).
         """
         params = sampling_params or SamplingParams()
-        prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None)
+        prompt = checked_prompt(
+            prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None
+        )
         outputs = list(initial_output_token_ids or [])
         if params.prompt_logprobs is not None and (external_kv is not None or outputs):
             raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
@@ -214,7 +228,9 @@ class LLMEngine:
         if len(block_ids) != need:
             raise ValueError(f"{len(block_ids)} blocks given for {num_tokens} tokens, which take {need}")
         if not self._reserved.issuperset(block_ids) or len(set(block_ids)) != len(block_ids):
-            raise ValueError("kv_block_ids are not all blocks reserved by reserve_blocks and not yet given to a request")
+            raise ValueError(
+                "kv_block_ids are not all blocks reserved by reserve_blocks and not yet given to a request"
+            )
 
     def reserve_blocks(self, n: int) -> list[int] | None:
         """Take ``n`` free cache blocks out of the pool for KV written from outside (a prefill writing a prompt into
@@ -272,7 +288,9 @@ class LLMEngine:
         requests = self.scheduler.requests
         return len(requests), sum(r.num_tokens for r in requests.values())
 
-    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None, bytes | None]:
+    def computed_blocks(
+        self, request_id: str, first_block: int
+    ) -> tuple[list[bytes], torch.Tensor | None, bytes | None]:
         """Full blocks ``first_block..`` of a request in the engine whose KV is computed: their block keys, their
         KV in the pool layout, [n, L, 2, block_size, Hkv, D] (a copy), and the key before them (None for block 0).
         ``([], None, None)`` when there are none yet or the request is gone. Engine thread only, between steps
@@ -345,16 +363,18 @@ class LLMEngine:
                     text=req.output_text,
                     stop_reason=req.stop_reason if done else None,
                     new_logprobs=[sampled.logprobs[req.request_id]] if req.request_id in sampled.logprobs else None,
-                    prompt_logprobs=list(req.prompt_logprobs) if (len(req.output_token_ids) == 1 or done) and
-                    req.sampling_params.prompt_logprobs is not None else None,
+                    prompt_logprobs=list(req.prompt_logprobs)
+                    if (len(req.output_token_ids) == 1 or done) and req.sampling_params.prompt_logprobs is not None
+                    else None,
                 )
             )
         return results
 
     def _match_stop_string(self, req: Request) -> str | None:
         """Update ``req.output_text``; return the earliest stop string it now contains, if any."""
-        req.output_text, stop = match_stop_string(self.tokenizer.decode(req.output_token_ids), req.output_text,
-                                                  req.sampling_params)  # fmt: skip
+        req.output_text, stop = match_stop_string(
+            self.tokenizer.decode(req.output_token_ids), req.output_text, req.sampling_params
+        )
         return stop
 
     def generate(

@@ -124,9 +124,7 @@ def open_gguf(gguf_path: str | os.PathLike[str]) -> tuple[GGUFReader, dict[str, 
 def _hf_model_type(metadata: dict[str, Any]) -> str:
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}"
-        )
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
     # llama.cpp files Mistral under "llama"; transformers tells them apart by name.
     if arch == "llama" and "mistral" in str(metadata.get("general.name", "")).lower():
         return "mistral"

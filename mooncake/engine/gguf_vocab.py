@@ -50,9 +50,7 @@ _SPLIT_REGEX_PRE = {
     **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
 }
 # These split off every digit first, then apply the GPT-2 regex to what is left.
-_DIGITS_THEN_GPT2_PRE = frozenset(
-    ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva")
-)
+_DIGITS_THEN_GPT2_PRE = frozenset(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva"))
 _GPT2_PRE = frozenset(("default", "gpt2", "gpt-2", "olmo", "mpt", "jais"))
 # Qwen2's own tokenizer.json NFC-normalises text; llama.cpp does not, the model was
 # trained with it, so we keep it (and transformers' Qwen2Tokenizer adds it too).

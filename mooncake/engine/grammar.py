@@ -30,7 +30,9 @@ JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexib
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
-def grammar_for(*, json_schema: dict[str, Any] | bool | None = None, regex: str | None = None, lark: str | None = None) -> str:
+def grammar_for(
+    *, json_schema: dict[str, Any] | bool | None = None, regex: str | None = None, lark: str | None = None
+) -> str:
     """The grammar text of one constraint; ValueError with llguidance's reason when it cannot be compiled.
 
     Called by the gateway once per constrained request (it checks, so a bad schema is a 400).

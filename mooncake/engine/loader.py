@@ -37,7 +37,9 @@ def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
     return h.hexdigest()
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, layers: range | None = None) -> CausalLM:
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, layers: range | None = None
+) -> CausalLM:
     """Read config and weights, build the model (or, with ``layers``, one pipeline stage of it: only those layers'
     weights are read) in ``dtype`` on ``device``, eval mode.
 

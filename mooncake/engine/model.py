@@ -151,7 +151,9 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs, layers: range):
         super().__init__()
         first, last = layers.start == 0, layers.stop == args.num_layers
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if first or (last and args.tie_word_embeddings) else None
+        self.embed_tokens = (
+            nn.Embedding(args.vocab_size, args.hidden_size) if first or (last and args.tie_word_embeddings) else None
+        )
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in layers})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
 
@@ -165,11 +167,17 @@ class CausalLM(nn.Module):
         self.args = args
         self.layer_range = range(args.num_layers) if layers is None else layers
         if not (0 <= self.layer_range.start < self.layer_range.stop <= args.num_layers and self.layer_range.step == 1):
-            raise ValueError(f"layers {self.layer_range} are not a contiguous range within the model's {args.num_layers}")
+            raise ValueError(
+                f"layers {self.layer_range} are not a contiguous range within the model's {args.num_layers}"
+            )
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == args.num_layers
         self.model = Backbone(args, self.layer_range)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if self.is_last and not args.tie_word_embeddings else None
+        self.lm_head = (
+            nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            if self.is_last and not args.tie_word_embeddings
+            else None
+        )
         # cos/sin for every position, float32, computed the way transformers does.
         self.register_buffer("_inv_freq", args.inv_freq(), persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -202,7 +210,9 @@ class CausalLM(nn.Module):
         sin = sin_t[positions].unsqueeze(1)
         if hidden is None:
             if not self.is_first:
-                raise ValueError(f"a stage starting at layer {self.layer_range.start} takes hidden states, not token ids")
+                raise ValueError(
+                    f"a stage starting at layer {self.layer_range.start} takes hidden states, not token ids"
+                )
             hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         x = hidden
         for j, layer in enumerate(self.model.layers.values()):

@@ -45,9 +45,7 @@ class ModelArgs:
         """Build from a parsed config.json; raise ValueError for an unsupported model."""
         arch = cfg.get("model_type")
         if arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}"
-            )
+            raise ValueError(f"unsupported model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
         try:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])

@@ -51,8 +51,15 @@ class LocalPipeline:
                 raise ValueError(f"stage layers {a.layers} and {b.layers} are not contiguous")
         self.stages = stages
 
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, chunk: int,
-                prefix_kv: torch.Tensor | None = None, num_prefix_tokens: int = 0) -> PipelinePrefill:  # fmt: skip
+    def prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        chunk: int,
+        prefix_kv: torch.Tensor | None = None,
+        num_prefix_tokens: int = 0,
+    ) -> PipelinePrefill:
         """Run ``prompt`` through the pipeline in chunks of ``chunk`` tokens; its first token and KV.
 
         ``prefix_kv`` [n, L, 2, bs, Hkv, D] holds the KV of its first ``num_prefix_tokens`` (a reused prefix), split

@@ -113,9 +113,7 @@ def _package_dir(model: KnownModel, install: bool) -> Path:
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(model.module)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"package {model.module!r} ({model.requirement}) for model {model.name!r} is not installed"
-        )
+        raise RuntimeError(f"package {model.module!r} ({model.requirement}) for model {model.name!r} is not installed")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

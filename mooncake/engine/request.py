@@ -57,7 +57,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0  # OpenAI's: minus this from every token already generated
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token was generated
-    repetition_penalty: float = 1.0  # vLLM's and HF's: prompt and output tokens' logits divided (or, if negative, times) by it
+    repetition_penalty: float = (
+        1.0  # vLLM's and HF's: prompt and output tokens' logits divided (or, if negative, times) by it
+    )
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     min_tokens: int = 0  # no EOS or stop token before this many tokens
     logprobs: int | None = None  # each sampled token's log-probability, and this many of the likeliest (at most 20)
@@ -87,7 +89,10 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
-        bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias))
+        bias = tuple(
+            (int(t), float(b))
+            for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        )
         if any(not -100.0 <= b <= 100.0 for _, b in bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
@@ -101,11 +106,18 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether the logits are changed before sampling (penalties, biases, min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-                    or self.min_tokens)  # fmt: skip
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
-def checked_prompt(prompt_token_ids, params: SamplingParams, max_model_len: int, vocab_size: int, has_tokenizer: bool) -> list[int]:
+def checked_prompt(
+    prompt_token_ids, params: SamplingParams, max_model_len: int, vocab_size: int, has_tokenizer: bool
+) -> list[int]:
     """The prompt as ints, or ValueError for what no engine can serve (every engine's ``add_request`` calls this)."""
     prompt = [int(t) for t in prompt_token_ids]
     if not prompt:
@@ -166,7 +178,9 @@ class Request:
     external_kv: Any = None  # KV of leading blocks to import (engine-specific; see engine.py)
     num_external_tokens: int = 0
     num_landed_tokens: int = 0  # leading tokens whose KV is already in ``block_ids`` (written there by a prefill)
-    chunk_tokens: int = 0  # the most of its tokens one step computes (0: the step's budget): a decode worker computing a
+    chunk_tokens: int = (
+        0  # the most of its tokens one step computes (0: the step's budget): a decode worker computing a
+    )
     # prompt keeps each step of its batch within the TBT SLO (conductor.local)
     output_text: str = ""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs asked)

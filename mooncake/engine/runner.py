@@ -23,12 +23,11 @@ from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
 from mooncake.engine.decode_graph import DecodeGraphs, decode_attention_for
-from mooncake.engine.model import CausalLM
 from mooncake.engine.grammar import GrammarBook
+from mooncake.engine.model import CausalLM
 from mooncake.engine.request import TokenLogprob
 from mooncake.engine.sampler import History, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
-
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -149,8 +148,11 @@ class ModelRunner:
             connector = _LayerImports(self, connector, imports)
         ordered = decodes + prefills
         input_ids, positions, meta, step, sample_rows = self._prepare(decodes, prefills)
-        segments = [(row, s) for row, s in zip(_row_starts(ordered), ordered)
-                    if s.request.sampling_params.prompt_logprobs is not None]  # fmt: skip
+        segments = [
+            (row, s)
+            for row, s in zip(_row_starts(ordered), ordered)
+            if s.request.sampling_params.prompt_logprobs is not None
+        ]
         connector.start_step(step)
         with self._attention_backends():
             hidden = self.model(input_ids, positions, self.kv_cache, meta, connector, step)
@@ -160,8 +162,9 @@ class ModelRunner:
         rows = [r for r, _ in sample_rows]
         if not rows:
             return Sampled({}, {}, prompt)
-        return self._sample(hidden[torch.tensor(rows, device=self.device)], [ordered[i].request for _, i in sample_rows],
-                            prompt)  # fmt: skip
+        return self._sample(
+            hidden[torch.tensor(rows, device=self.device)], [ordered[i].request for _, i in sample_rows], prompt
+        )
 
     def _attention_backends(self):
         """On CUDA, no cuDNN attention for the prefill chunks (flash takes them): cuDNN builds a plan for every new
@@ -175,19 +178,32 @@ class ModelRunner:
     def _graph_step(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> bool:
         """Whether this step runs through the decode graphs: decodes only, each sampling, within the largest bucket."""
         graphs = self.graphs
-        return (graphs is not None and bool(decodes) and not prefills and len(decodes) <= graphs.max_num_seqs
-                and all(s.samples for s in decodes))  # fmt: skip
+        return (
+            graphs is not None
+            and bool(decodes)
+            and not prefills
+            and len(decodes) <= graphs.max_num_seqs
+            and all(s.samples for s in decodes)
+        )
 
-    def _execute_graph(self, decodes: list[ScheduledRequest], imports: list[_Import], connector: KVConnector) -> Sampled:
+    def _execute_graph(
+        self, decodes: list[ScheduledRequest], imports: list[_Import], connector: KVConnector
+    ) -> Sampled:
         """A decode step through DecodeGraphs. Work that needs Python per layer happens around it: the imports'
         KV lands for every layer before it, and the connector sees every layer's load before and save after."""
         layers = list(zip(range(self.kv_cache.shape[0]), self.model.layer_range))  # (index here, the model's)
         slots = self.graphs.load(decodes)  # [n] on the device
         hooks = type(connector) is not KVConnector  # the base connector's hooks do nothing: skip building a step
         if hooks:
-            step = ConnectorStep(self.step_id, [
-                StepRequest(s.request.request_id, s.num_computed_tokens, 1, slots[i : i + 1], list(s.request.block_ids))
-                for i, s in enumerate(decodes)])  # fmt: skip
+            step = ConnectorStep(
+                self.step_id,
+                [
+                    StepRequest(
+                        s.request.request_id, s.num_computed_tokens, 1, slots[i : i + 1], list(s.request.block_ids)
+                    )
+                    for i, s in enumerate(decodes)
+                ],
+            )
             connector.start_step(step)
             for _, layer in layers:
                 connector.wait_for_layer_load(layer)
@@ -215,12 +231,17 @@ class ModelRunner:
             masked = logits.clone()
             for i in constrained:
                 self.grammars.mask_(masked[i], reqs[i].request_id)
-        tokens = sample(masked, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories)
+        tokens = sample(
+            masked, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories
+        )
         for i in constrained:
             self.grammars.accept(reqs[i].request_id, tokens[i])
         logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
-        return Sampled({r.request_id: t for r, t in zip(reqs, tokens)},
-                       {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}, prompt)  # fmt: skip
+        return Sampled(
+            {r.request_id: t for r, t in zip(reqs, tokens)},
+            {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None},
+            prompt,
+        )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, start: int, s: ScheduledRequest) -> list[tuple[int, TokenLogprob]]:
         """(position, logprob) of each prompt token this prefill chunk predicts: row i predicts the token after it."""

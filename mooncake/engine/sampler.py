@@ -46,7 +46,9 @@ def shape_logits(logits: torch.Tensor, p: SamplingParams, history: History) -> t
     logits = logits.clone()
     vocab = logits.shape[-1]
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({t for t in (*history.prompt_token_ids, *history.output_token_ids) if t < vocab}), dtype=torch.long)
+        seen = torch.tensor(
+            sorted({t for t in (*history.prompt_token_ids, *history.output_token_ids) if t < vocab}), dtype=torch.long
+        )
         if len(seen):
             x = logits[seen]
             logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
@@ -77,7 +79,9 @@ def sample(
     if any(p.shapes_logits for p in params):
         if histories is None:
             raise ValueError("penalties, biases and min_tokens need each request's history")
-        logits = torch.stack([shape_logits(row, p, h) if p.shapes_logits else row for row, p, h in zip(logits, params, histories)])
+        logits = torch.stack(
+            [shape_logits(row, p, h) if p.shapes_logits else row for row, p, h in zip(logits, params, histories)]
+        )
     picked = logits.argmax(dim=-1)  # [N], on the device: greedy rows keep it
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:
@@ -92,7 +96,9 @@ def sample(
     return picked.tolist()  # the step's one wait on the device
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int | None]) -> list[TokenLogprob | None]:
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int | None]
+) -> list[TokenLogprob | None]:
     """Each row's token's log-probability and its ``tops[row]`` likeliest, from the raw logits [N, V] (before
     penalties, temperature and grammar masks, as vLLM reports by default); None for rows whose ``tops`` is None."""
     out: list[TokenLogprob | None] = [None] * len(tops)
@@ -102,7 +108,9 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[i
     lp = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)].float().log_softmax(-1)
     k = max(tops[i] or 0 for i in rows)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], dtype=torch.long, device=lp.device)).squeeze(1).tolist()
+    chosen = (
+        lp.gather(1, torch.tensor([[tokens[i]] for i in rows], dtype=torch.long, device=lp.device)).squeeze(1).tolist()
+    )
     top_v, top_i = top_v.tolist(), top_i.tolist()
     for j, i in enumerate(rows):
         n = tops[i] or 0

@@ -202,7 +202,11 @@ class Scheduler:
 
     def _prefix_hits(self, req: Request) -> tuple[list, int]:
         """Cached leading blocks of ``req`` and how many blocks were looked up."""
-        if not self.pool.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None or req.num_landed_tokens:
+        if (
+            not self.pool.enable_prefix_caching
+            or req.sampling_params.prompt_logprobs is not None
+            or req.num_landed_tokens
+        ):
             return [], 0  # prompt logprobs need the whole prompt computed; landed KV is in the request's blocks already
         # Leave at least one token to compute: its logits give the next token.
         keys = req.block_keys()[: (req.num_tokens - 1) // self.block_size]

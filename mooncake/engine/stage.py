@@ -47,20 +47,42 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
 class PipelineStage:
     """Layers ``layers`` of the model in ``model_dir`` and their paged KV cache. Not thread-safe: one caller."""
 
-    def __init__(self, model_dir: str, layers: range, *, num_blocks: int, block_size: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, tokenizer=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        layers: range,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        seed: int = 0,
+        tokenizer=None,
+    ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_dir, dtype, self.device, layers=layers)
         args = self.model.args
         self.tokenizer = tokenizer  # the last stage's, for a grammar's first token
-        self.eos_token_ids = frozenset(args.eos_token_ids) | generation_eos_ids(model_dir) | frozenset(
-            getattr(tokenizer, "eos_token_ids", ()))  # fmt: skip
+        self.eos_token_ids = (
+            frozenset(args.eos_token_ids)
+            | generation_eos_ids(model_dir)
+            | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        )
         self._grammars: GrammarBook | None = None
         self.layers = self.model.layer_range
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.kv_cache = torch.zeros(len(self.layers), 2, num_blocks, block_size, args.num_kv_heads, args.head_dim,
-                                    dtype=dtype, device=self.device)  # fmt: skip
+        self.kv_cache = torch.zeros(
+            len(self.layers),
+            2,
+            num_blocks,
+            block_size,
+            args.num_kv_heads,
+            args.head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
         self.model.rope_tables(max_model_len)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)  # allocation only: the pool is the cache
         self.tables: dict[str, list[int]] = {}  # request -> its blocks, in sequence order
@@ -78,8 +100,15 @@ class PipelineStage:
         return self.model.is_last
 
     @torch.inference_mode()
-    def run_chunk(self, request_id: str, start: int, *, token_ids: list[int] | None = None, hidden: torch.Tensor | None = None,
-                  connector: KVConnector | None = None) -> torch.Tensor:  # fmt: skip
+    def run_chunk(
+        self,
+        request_id: str,
+        start: int,
+        *,
+        token_ids: list[int] | None = None,
+        hidden: torch.Tensor | None = None,
+        connector: KVConnector | None = None,
+    ) -> torch.Tensor:
         """Run tokens [start, start + n) of a request through this stage's layers; their hidden states out, [n, hidden].
 
         The first stage takes ``token_ids``, the others the previous stage's ``hidden`` for the same chunk. Chunks of
@@ -100,8 +129,14 @@ class PipelineStage:
         positions = torch.arange(start, start + n, device=dev)
         block_table = torch.tensor(table, dtype=torch.long, device=dev)
         slots = block_table[positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(slot_mapping=slots, num_decodes=0, decode_block_table=None, decode_ctx_lens=None,
-                                 decode_mask=None, prefills=[PrefillSegment(0, n, start + n, block_table)])  # fmt: skip
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decodes=0,
+            decode_block_table=None,
+            decode_ctx_lens=None,
+            decode_mask=None,
+            prefills=[PrefillSegment(0, n, start + n, block_table)],
+        )
         step = ConnectorStep(self._step, [StepRequest(request_id, start, n, slots, list(table))])
         self._step += 1
         connector = connector or KVConnector()
@@ -119,18 +154,24 @@ class PipelineStage:
         if request_id in self.tables:
             raise ValueError(f"{request_id} already has blocks here")
         n = -(-num_tokens // self.block_size)
-        if tuple(kv.shape[1:]) != (len(self.layers), *self.kv_cache.shape[1:2], *self.kv_cache.shape[3:]) or kv.shape[0] < n:
+        if (
+            tuple(kv.shape[1:]) != (len(self.layers), *self.kv_cache.shape[1:2], *self.kv_cache.shape[3:])
+            or kv.shape[0] < n
+        ):
             raise ValueError(f"prefix KV of shape {tuple(kv.shape)} does not fit {n} blocks of this stage's layers")
         if n > self.pool.num_free_blocks:
             raise ValueError(f"stage {self.layers} has {self.pool.num_free_blocks} free KV blocks, {n} needed")
         table = self.tables[request_id] = [b.block_id for b in self.pool.allocate(n)]
         idx = torch.tensor(table, dtype=torch.long, device=self.device)
-        self.kv_cache.index_copy_(2, idx, kv[:n].to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5))
+        self.kv_cache.index_copy_(
+            2, idx, kv[:n].to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
+        )
         self._done[request_id] = num_tokens
 
     @torch.inference_mode()
-    def sample_first(self, hidden_last: torch.Tensor, params: SamplingParams, prompt: list[int],
-                     outputs: list[int] = ()) -> tuple[int, TokenLogprob | None]:  # fmt: skip
+    def sample_first(
+        self, hidden_last: torch.Tensor, params: SamplingParams, prompt: list[int], outputs: list[int] = ()
+    ) -> tuple[int, TokenLogprob | None]:
         """The first token from the last prompt row's normed hidden state [hidden] (last stage only), and its logprob
         when ``params`` asks. ``outputs`` are tokens the request generated before (a resumed stream: they ran through
         the pipeline as prompt): penalties count them, a seeded generator skips their draws, a grammar replays them,
@@ -156,7 +197,9 @@ class PipelineStage:
         return token, token_logprobs(logits, [token], [params.logprobs])[0]
 
     @torch.inference_mode()
-    def prompt_logprobs(self, hidden: torch.Tensor, start: int, prompt: list[int], top: int) -> list[tuple[int, TokenLogprob]]:
+    def prompt_logprobs(
+        self, hidden: torch.Tensor, start: int, prompt: list[int], top: int
+    ) -> list[tuple[int, TokenLogprob]]:
         """(position, logprob) of each prompt token that rows [start, start + n) of ``hidden`` (this stage's output
         for one chunk, last stage only) predict: row i predicts token i + 1."""
         n = min(int(hidden.shape[0]), len(prompt) - 1 - start)

@@ -170,8 +170,16 @@ def tiny_config(arch: str, vocab_size: int, dtype: torch.dtype, overrides: dict[
         "tie_word_embeddings": arch != "llama",
     }
     shape.update(overrides)
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         if not isinstance(shape[key], int) or isinstance(shape[key], bool) or shape[key] <= 0:
             raise ValueError(f"{key} must be a positive int, got {shape[key]!r}")
     if shape["vocab_size"] < vocab_size:
@@ -183,7 +191,9 @@ def tiny_config(arch: str, vocab_size: int, dtype: torch.dtype, overrides: dict[
     scaling = shape["rope_scaling"]
     if scaling is not None:
         if not isinstance(scaling, dict) or scaling.get("rope_type") not in _ROPE_TYPES or "factor" not in scaling:
-            raise ValueError(f"rope_scaling must be a dict with rope_type in {_ROPE_TYPES} and a factor, got {scaling!r}")
+            raise ValueError(
+                f"rope_scaling must be a dict with rope_type in {_ROPE_TYPES} and a factor, got {scaling!r}"
+            )
         if scaling["rope_type"] == "llama3":
             needed = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
             if not needed <= set(scaling):
@@ -220,7 +230,9 @@ def tiny_weights(config: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     proj_std, embed_std, norm_std, bias_std = 0.15, 0.25, 0.1, 0.1
-    weights: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=embed_std)}
+    weights: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=embed_std)
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = normal(hidden, std=norm_std, mean=1.0)

@@ -266,9 +266,7 @@ class IncrementalDetokenizer:
 
     _CONTEXT_TOKENS = 5
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         """Start a stream after ``prompt_ids`` (their tail is used as decoding context only)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens

@@ -150,7 +150,9 @@ def _check_safetensors_size(file: Path) -> None:
 
 
 def load_hf_weights(
-    model_dir: str | os.PathLike[str], dtype: torch.dtype, device: str | torch.device = "cpu",
+    model_dir: str | os.PathLike[str],
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
     only: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a Hugging Face model directory (with ``only``, those whose name it accepts: a pipeline

@@ -15,8 +15,6 @@ import sys
 
 import uvicorn
 
-SWITCH_INTERVAL_S = 0.0005  # a thread holding the GIL hands it over this soon (Python's default: 5 ms)
-
 from mooncake.engine.config import DTYPES, EngineConfig
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tokenizer import Tokenizer
@@ -25,45 +23,90 @@ from mooncake.gateway.app import GatewayConfig, create_app
 from mooncake.serving.engines import EngineKind, engine_fingerprint, parse_vllm_args
 from mooncake.serving.process import default_block_size, print_ready
 
+SWITCH_INTERVAL_S = 0.0005  # a thread holding the GIL hands it over this soon (Python's default: 5 ms)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m mooncake.gateway", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m mooncake.gateway",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="The OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
-                    "Tokenizes with the model's tokenizer and chat template, computes the block keys once, asks the Conductor "
-                    "to schedule and streams from the decode worker it picks.",
-    )  # fmt: skip
+        "Tokenizes with the model's tokenizer and chat template, computes the block keys once, asks the Conductor "
+        "to schedule and streams from the decode worker it picks.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--conductor", help="the Conductor's gRPC address (the disaggregated cluster)")
     src.add_argument("--local", action="store_true", help="serve from one engine in this process (coupled; no cluster)")
     p.add_argument("--model", required=True, help="model directory: its tokenizer, chat template and config")
-    p.add_argument("--model-name", default=None, help="the name clients send as `model` (default: the directory's name)")
+    p.add_argument(
+        "--model-name", default=None, help="the name clients send as `model` (default: the directory's name)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     auth = p.add_mutually_exclusive_group()
-    auth.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/* (one key, shared cache)")
-    auth.add_argument("--tenants", default=None, metavar="FILE", help="API keys by tenant, in YAML or JSON: each tenant's "
-                      "requests get a cache of their own (no KV shared between tenants) and its own rate limit and cap on "
-                      "requests in flight (429 with Retry-After); format: mooncake/gateway/tenants.py")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the workers' dtype (part of the block keys)")
-    p.add_argument("--engine", default="native", choices=["native", "vllm"],
-                   help="the workers' engine (part of the block keys: a cluster runs one kind)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block, the cluster's (default: 16 native, 32 vllm)")
+    auth.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/* (one key, shared cache)"
+    )
+    auth.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="API keys by tenant, in YAML or JSON: each tenant's "
+        "requests get a cache of their own (no KV shared between tenants) and its own rate limit and cap on "
+        "requests in flight (429 with Retry-After); format: mooncake/gateway/tenants.py",
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=list(DTYPES), help="the workers' dtype (part of the block keys)"
+    )
+    p.add_argument(
+        "--engine",
+        default="native",
+        choices=["native", "vllm"],
+        help="the workers' engine (part of the block keys: a cluster runs one kind)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block, the cluster's (default: 16 native, 32 vllm)"
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="--local: the engine's paged cache, in blocks")
     p.add_argument("--threads", type=int, default=None, help="--local: torch threads")
     p.add_argument("--device", default="cpu", help="--local: the engine's device, cpu or cuda[:N]")
-    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE", help="--local --engine vllm: a vLLM "
-                   "EngineArgs keyword, repeatable")
-    p.add_argument("--max-batched-tokens", type=int, default=None, help="--local: the engine's per-step token budget (a longer "
-                   "prompt is prefilled in chunks of this many tokens, inside the decode steps; default: 512 on the CPU, "
-                   "4096 on CUDA)")
-    p.add_argument("--hold-s", type=float, default=10.0, help="a request arriving while the Conductor (or every worker "
-                   "of a role) is away waits this long before it gets 503 with Retry-After")
-    p.add_argument("--retry-budget-s", type=float, default=30.0, help="after a worker fails a request, how long placing it "
-                   "again (or resuming its stream on another decode worker) may take; set it to the TTFT SLO")
-    p.add_argument("--detect-s", type=float, default=2.0, help="a decode worker (or the Conductor) that stops answering "
-                   "keepalive pings this long (a host off the network) is taken for dead: its streams resume elsewhere")
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--local --engine vllm: a vLLM EngineArgs keyword, repeatable",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="--local: the engine's per-step token budget (a longer "
+        "prompt is prefilled in chunks of this many tokens, inside the decode steps; default: 512 on the CPU, "
+        "4096 on CUDA)",
+    )
+    p.add_argument(
+        "--hold-s",
+        type=float,
+        default=10.0,
+        help="a request arriving while the Conductor (or every worker "
+        "of a role) is away waits this long before it gets 503 with Retry-After",
+    )
+    p.add_argument(
+        "--retry-budget-s",
+        type=float,
+        default=30.0,
+        help="after a worker fails a request, how long placing it "
+        "again (or resuming its stream on another decode worker) may take; set it to the TTFT SLO",
+    )
+    p.add_argument(
+        "--detect-s",
+        type=float,
+        default=2.0,
+        help="a decode worker (or the Conductor) that stops answering "
+        "keepalive pings this long (a host off the network) is taken for dead: its streams resume elsewhere",
+    )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -74,10 +117,19 @@ def build_backend(args: argparse.Namespace):
     if args.local:
         from mooncake.serving.local import LocalBackend
 
-        config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                              max_model_len=args.max_model_len, num_threads=args.threads,
-                              max_num_batched_tokens=args.max_batched_tokens, device=args.device)  # fmt: skip
-        return LocalBackend(config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)), name
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            max_model_len=args.max_model_len,
+            num_threads=args.threads,
+            max_num_batched_tokens=args.max_batched_tokens,
+            device=args.device,
+        )
+        return LocalBackend(
+            config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)
+        ), name
     from mooncake.serving.cluster import ClusterBackend
     from mooncake.serving.recovery import RecoveryConfig
 
@@ -94,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = Tokenizer.from_dir(args.model)
         backend, name = build_backend(args)
-        app = create_app(backend, tokenizer, GatewayConfig(served_model_name=name, api_key=args.api_key, tenants_file=args.tenants))
+        app = create_app(
+            backend, tokenizer, GatewayConfig(served_model_name=name, api_key=args.api_key, tenants_file=args.tenants)
+        )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -111,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         port = server.servers[0].sockets[0].getsockname()[1]
         gc.freeze()  # what start-up made (tokenizer, app, models) stays out of every full collection: one took 0.3 s
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        print_ready({"http": f"http://{args.host}:{port}", "model": name, "backend": "local" if args.local else "cluster"})
+        print_ready(
+            {"http": f"http://{args.host}:{port}", "model": name, "backend": "local" if args.local else "cluster"}
+        )
         await task
         await backend.close()
 

@@ -38,9 +38,18 @@ from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import openapi, tenants
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
-    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-)  # fmt: skip
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from mooncake.gateway.serving import ApiError, EventStream, OpenAIServing, PreparedRequest
 from mooncake.gateway.tenants import Tenants
 from mooncake.serving.types import BackendError, GenerationBackend
@@ -62,8 +71,9 @@ class GatewayConfig(BaseModel):
 
     served_model_name: str = Field(description="The name clients send as `model`")
     api_key: str | None = Field(None, description="When set, /v1/* needs `Authorization: Bearer <api_key>`")
-    tenants_file: str | None = Field(None, description="API keys by tenant, with each tenant's limits "
-                                     "(mooncake.gateway.tenants); instead of api_key")
+    tenants_file: str | None = Field(
+        None, description="API keys by tenant, with each tenant's limits (mooncake.gateway.tenants); instead of api_key"
+    )
     default_max_tokens: int = Field(
         4096, ge=1, description="max_tokens when a request leaves it out: the rest of the context, at most this"
     )
@@ -76,9 +86,11 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
     """
     if config.api_key is not None and config.tenants_file is not None:
         raise ValueError("give an API key or a tenants file, not both (a tenants file can hold any number of keys)")
-    roster = Tenants.load(config.tenants_file) if config.tenants_file is not None else (
-        Tenants.single(config.api_key) if config.api_key is not None else None
-    )  # fmt: skip
+    roster = (
+        Tenants.load(config.tenants_file)
+        if config.tenants_file is not None
+        else (Tenants.single(config.api_key) if config.api_key is not None else None)
+    )
     metrics = GatewayMetrics()
     serving = OpenAIServing(backend, tokenizer, config.served_model_name, metrics, config.default_max_tokens)
 
@@ -92,11 +104,17 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
     app.state.serving = serving
     app.state.metrics = metrics
 
-    @app.post("/v1/chat/completions", response_model=None, responses=openapi.generation(ChatCompletionResponse, ChatCompletionChunk))
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=openapi.generation(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(serving, request, await serving.prepare_chat(body))
 
-    @app.post("/v1/completions", response_model=None, responses=openapi.generation(CompletionResponse, CompletionResponse))
+    @app.post(
+        "/v1/completions", response_model=None, responses=openapi.generation(CompletionResponse, CompletionResponse)
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _respond(serving, request, await serving.prepare_completion(body))
 
@@ -228,8 +246,11 @@ async def _text_only_body(request: Request) -> None:
     try:
         json.dumps(json.loads(body), ensure_ascii=False).encode()
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"The body has a lone UTF-16 surrogate ({e.object[e.start : e.end]!a}), which is not text",
-                       code="invalid_unicode") from None  # fmt: skip
+        raise ApiError(
+            400,
+            f"The body has a lone UTF-16 surrogate ({e.object[e.start : e.end]!a}), which is not text",
+            code="invalid_unicode",
+        ) from None
     except ValueError:
         pass  # not JSON: the body's validation says so
 
@@ -342,8 +363,13 @@ class _BearerAuth:
             tenant = self._tenants.authenticate(token.strip()) if scheme.lower() == b"bearer" else None
             error = None if tenant is not None else "Incorrect API key provided"
         if tenant is None:
-            denial = ApiError(401, error, error_type="authentication_error", code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            denial = ApiError(
+                401,
+                error,
+                error_type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await _error_response(denial)(scope, receive, send)
             return
         limit = self._tenants.limit(tenant) if scope["path"] in _GENERATION else None
@@ -351,8 +377,13 @@ class _BearerAuth:
             reason, wait_s = refused
             self._metrics.tenant_rejections.labels(tenant.name, reason).inc()
             what = "rate limit" if reason == "tenant_rate_limit" else "cap on requests in flight"
-            denial = ApiError(429, f"Tenant '{tenant.name}' is over its {what}; retry after {wait_s:.1f} s",
-                              error_type="rate_limit_error", code=reason, headers={"Retry-After": str(max(1, math.ceil(wait_s)))})  # fmt: skip
+            denial = ApiError(
+                429,
+                f"Tenant '{tenant.name}' is over its {what}; retry after {wait_s:.1f} s",
+                error_type="rate_limit_error",
+                code=reason,
+                headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+            )
             await _error_response(denial)(scope, receive, send)
             return
         served_as = tenants.current.set(tenant)

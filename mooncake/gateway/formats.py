@@ -75,8 +75,15 @@ class _Format:
 
     id_prefix = ""
 
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool, texts: TokenTexts,
-                 top_logprobs: int | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        texts: TokenTexts,
+        top_logprobs: int | None,
+    ) -> None:
         self._head = dict(id=request_id, created=created, model=model)
         self._exclude = None if include_usage else {"usage"}  # events carry "usage": null only if asked
         self._texts = texts
@@ -94,17 +101,28 @@ class ChatFormat(_Format):
         entries = []
         for lp in logprobs:
             text, raw = self._texts(lp.token_id)
-            top = [TopLogprob(token=t, logprob=v, bytes=b) for t, b, v in
-                   ((*self._texts(tid), v) for tid, v in lp.top[: self.top_logprobs])]  # fmt: skip
+            top = [
+                TopLogprob(token=t, logprob=v, bytes=b)
+                for t, b, v in ((*self._texts(tid), v) for tid, v in lp.top[: self.top_logprobs])
+            ]
             entries.append(TokenLogprobEntry(token=text, logprob=lp.logprob, bytes=raw, top_logprobs=top))
         return ChoiceLogprobs(content=entries)
 
     def response(self, choices: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
-        out = [ChatChoice(index=c.index, message=AssistantMessage(content=None if c.tool_calls else c.text, tool_calls=c.tool_calls),
-                          logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason) for c in choices]  # fmt: skip
+        out = [
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=None if c.tool_calls else c.text, tool_calls=c.tool_calls),
+                logprobs=self._logprobs(c.logprobs),
+                finish_reason=c.finish_reason,
+            )
+            for c in choices
+        ]
         return ChatCompletionResponse(**self._head, choices=out, usage=usage).model_dump()
 
-    def _chunk(self, index: int, delta: Delta, finish_reason: str | None = None, logprobs: ChoiceLogprobs | None = None) -> dict[str, Any]:
+    def _chunk(
+        self, index: int, delta: Delta, finish_reason: str | None = None, logprobs: ChoiceLogprobs | None = None
+    ) -> dict[str, Any]:
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return ChatCompletionChunk(**self._head, choices=[choice]).model_dump(exclude=self._exclude)
 
@@ -119,8 +137,12 @@ class ChatFormat(_Format):
 
     def tool_call(self, index: int, call_index: int, call: ToolCall) -> dict[str, Any]:
         """One tool call, whole, as the deltas of its first (id, name) and its arguments."""
-        delta = ToolCallDelta(index=call_index, id=call.id, type="function",
-                              function={"name": call.function.name, "arguments": call.function.arguments})  # fmt: skip
+        delta = ToolCallDelta(
+            index=call_index,
+            id=call.id,
+            type="function",
+            function={"name": call.function.name, "arguments": call.function.arguments},
+        )
         return self._chunk(index, Delta(tool_calls=[delta]))
 
     def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
@@ -139,7 +161,9 @@ class CompletionFormat(_Format):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}  # choice index -> length of its text so far (text_offset)
 
-    def _logprobs(self, index: int, logprobs: list[TokenLogprob] | None, echo: Echo | None = None) -> CompletionLogprobs | None:
+    def _logprobs(
+        self, index: int, logprobs: list[TokenLogprob] | None, echo: Echo | None = None
+    ) -> CompletionLogprobs | None:
         if self.top_logprobs is None or logprobs is None:
             return None
         tokens, values, tops, offsets = [], [], [], []
@@ -175,8 +199,14 @@ class CompletionFormat(_Format):
             if c.echo is not None and c.echo.logprobs is None:
                 self._offsets[c.index] = len(c.echo.text)  # offsets count in the text shown, the prompt's included
             text = c.text if c.echo is None else c.echo.text + c.text
-            out.append(CompletionChoice(index=c.index, text=text, logprobs=self._logprobs(c.index, c.logprobs, c.echo),
-                                        finish_reason=c.finish_reason))  # fmt: skip
+            out.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=text,
+                    logprobs=self._logprobs(c.index, c.logprobs, c.echo),
+                    finish_reason=c.finish_reason,
+                )
+            )
         return CompletionResponse(**self._head, choices=out, usage=usage).model_dump()
 
     def echo(self, index: int, echo: Echo) -> dict[str, Any] | None:
@@ -186,7 +216,9 @@ class CompletionFormat(_Format):
             return self._chunk(index, echo.text) if echo.text else None
         return self._chunk(index, echo.text, logprobs=self._logprobs(index, [], echo))
 
-    def _chunk(self, index: int, text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None) -> dict[str, Any]:
+    def _chunk(
+        self, index: int, text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None
+    ) -> dict[str, Any]:
         choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs)
         return CompletionResponse(**self._head, choices=[choice]).model_dump(exclude=self._exclude)
 

@@ -25,29 +25,50 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "mooncake_gateway_requests", "Requests by endpoint and outcome status (499: the client went away; "
-            "a stream that failed midway counts under its error's status)", ["endpoint", "status"], registry=r,
-        )  # fmt: skip
-        self.ttft = Histogram("mooncake_gateway_ttft_seconds", "Arrival to the first token", buckets=_TTFT_BUCKETS, registry=r)
-        self.tbt = Histogram("mooncake_gateway_tbt_seconds", "Gap between token chunks", buckets=_TBT_BUCKETS, registry=r)
-        self.e2e = Histogram("mooncake_gateway_e2e_seconds", "Arrival to the last token", buckets=_E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("mooncake_gateway_prompt_tokens", "Prompt tokens of requests that started", registry=r)
+            "mooncake_gateway_requests",
+            "Requests by endpoint and outcome status (499: the client went away; "
+            "a stream that failed midway counts under its error's status)",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "mooncake_gateway_ttft_seconds", "Arrival to the first token", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.tbt = Histogram(
+            "mooncake_gateway_tbt_seconds", "Gap between token chunks", buckets=_TBT_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "mooncake_gateway_e2e_seconds", "Arrival to the last token", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "mooncake_gateway_prompt_tokens", "Prompt tokens of requests that started", registry=r
+        )
         self.cached_prompt_tokens = Counter(
-            "mooncake_gateway_cached_prompt_tokens", "Prompt tokens whose KV was reused, by where it came from",
-            ["tier"], registry=r,
-        )  # fmt: skip
+            "mooncake_gateway_cached_prompt_tokens",
+            "Prompt tokens whose KV was reused, by where it came from",
+            ["tier"],
+            registry=r,
+        )
         self.completion_tokens = Counter("mooncake_gateway_completion_tokens", "Tokens generated", registry=r)
         self.rejections = Counter(
-            "mooncake_gateway_rejections", "Requests the backend turned away before generating, by reason", ["reason"],
+            "mooncake_gateway_rejections",
+            "Requests the backend turned away before generating, by reason",
+            ["reason"],
             registry=r,
-        )  # fmt: skip
+        )
         self.tenant_rejections = Counter(
-            "mooncake_gateway_tenant_rejections", "Requests refused for their tenant's rate limit or concurrency cap",
-            ["tenant", "reason"], registry=r,
-        )  # fmt: skip
+            "mooncake_gateway_tenant_rejections",
+            "Requests refused for their tenant's rate limit or concurrency cap",
+            ["tenant", "reason"],
+            registry=r,
+        )
         self.running = Gauge("mooncake_gateway_running_requests", "Requests being generated now", registry=r)
-        self.shedding = Histogram("mooncake_gateway_rejection_seconds", "Arrival to a 429's response (how long a refused "
-                                  "client waited to hear it)", buckets=_SHED_BUCKETS, registry=r)  # fmt: skip
+        self.shedding = Histogram(
+            "mooncake_gateway_rejection_seconds",
+            "Arrival to a 429's response (how long a refused client waited to hear it)",
+            buckets=_SHED_BUCKETS,
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of everything above."""

@@ -48,12 +48,18 @@ _HEADERS: dict[int, dict[str, Any]] = {
 HEALTH: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The backend can serve: what is alive (the cluster's instances per role, its policy)",
-        "content": {"application/json": {"schema": {
-            "type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}},
-        }}},
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["status"],
+                    "properties": {"status": {"const": "ok"}},
+                }
+            }
+        },
     },
     503: {"model": ErrorResponse, "description": _ERRORS[503]},
-}  # fmt: skip
+}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -122,15 +128,24 @@ def _rewrite(schema: dict[str, Any], guarded: Callable[[str], bool] | None) -> d
             operation["responses"].pop("422", None)  # validation errors are 400s (see errors())
             if guarded is not None and guarded(path):
                 operation["security"] = [{BEARER: []}]
-                operation["responses"]["401"] = {**_error(401), "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+                operation["responses"]["401"] = {
+                    **_error(401),
+                    "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+                }
     return schema
 
 
 def _add_models(models: dict[str, Any]) -> None:
     """The stream events' models (no route returns them, so FastAPI left them out), and the true shapes of the
     models serialized by hand."""
-    _, streamed = models_json_schema([(ChatCompletionChunk, "serialization"), (CompletionResponse, "serialization"),
-                                      (ErrorResponse, "serialization")], ref_template=_REF)  # fmt: skip
+    _, streamed = models_json_schema(
+        [
+            (ChatCompletionChunk, "serialization"),
+            (CompletionResponse, "serialization"),
+            (ErrorResponse, "serialization"),
+        ],
+        ref_template=_REF,
+    )
     for name, model in streamed["$defs"].items():
         models.setdefault(name, model)
     _, shaped = models_json_schema([(model, "validation") for model in _SERIALIZED_BY_HAND], ref_template=_REF)

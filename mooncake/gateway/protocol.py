@@ -103,10 +103,18 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(None, description="Extension: keeps this tenant's prefix cache apart")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> added to its logit, -100 to 100")
-    repetition_penalty: float | None = Field(None, gt=0, description="Extension (vLLM's): prompt and output tokens' logits "
-                                             "divided by it (multiplied, if negative); 1: off")
-    min_tokens: int | None = Field(None, ge=0, description="Extension (vLLM's): no EOS or stop token before this many tokens")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> added to its logit, -100 to 100"
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        description="Extension (vLLM's): prompt and output tokens' logits "
+        "divided by it (multiplied, if negative); 1: off",
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="Extension (vLLM's): no EOS or stop token before this many tokens"
+    )
 
     @field_validator("logit_bias")
     @classmethod

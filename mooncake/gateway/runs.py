@@ -29,8 +29,14 @@ class Run:
     ``counts_prompt``: this run's prompt tokens count in the metrics (one run per prompt).
     """
 
-    def __init__(self, backend: GenerationBackend, metrics: GatewayMetrics, generation: GenerationRequest, arrival: float,
-                 counts_prompt: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        metrics: GatewayMetrics,
+        generation: GenerationRequest,
+        arrival: float,
+        counts_prompt: bool = True,
+    ) -> None:
         self._metrics = metrics
         self._arrival = arrival
         self.counts_prompt = counts_prompt
@@ -97,8 +103,14 @@ class Fanout:
     it cancels whatever still runs.
     """
 
-    def __init__(self, backend: GenerationBackend, metrics: GatewayMetrics, generations: list[GenerationRequest],
-                 per_prompt: int, arrival: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        metrics: GatewayMetrics,
+        generations: list[GenerationRequest],
+        per_prompt: int,
+        arrival: float,
+    ) -> None:
         self._backend, self._metrics, self._generations, self._arrival = backend, metrics, generations, arrival
         self.per_prompt = per_prompt
         self.runs = [self._run(i) for i in range(len(generations))]
@@ -106,7 +118,9 @@ class Fanout:
         self._active = 0  # choices in the backend now
         self.failed_status: int | None = None
         self._queue: asyncio.Queue[tuple[int, GenerationChunk | BaseException | None]] = asyncio.Queue()
-        self._first = [asyncio.Event() for _ in range(0, len(generations), per_prompt)]  # each prompt's leader has a chunk
+        self._first = [
+            asyncio.Event() for _ in range(0, len(generations), per_prompt)
+        ]  # each prompt's leader has a chunk
         self._tasks: list[asyncio.Task] = []
         self._open = len(generations)
 
@@ -125,7 +139,13 @@ class Fanout:
         return None
 
     def _run(self, index: int) -> Run:
-        return Run(self._backend, self._metrics, self._generations[index], self._arrival, counts_prompt=index % self.per_prompt == 0)
+        return Run(
+            self._backend,
+            self._metrics,
+            self._generations[index],
+            self._arrival,
+            counts_prompt=index % self.per_prompt == 0,
+        )
 
     async def _pump(self, index: int) -> None:
         prompt, leader = divmod(index, self.per_prompt)
@@ -172,8 +192,12 @@ class Fanout:
         leaders = [r for r in self.runs if r.counts_prompt]
         prompt = sum(r.num_prompt_tokens for r in leaders)
         completion = sum(r.num_completion_tokens for r in self.runs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in leaders)))  # fmt: skip
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in leaders)),
+        )
 
     @property
     def status(self) -> int | None:

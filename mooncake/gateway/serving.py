@@ -74,9 +74,15 @@ class ApiError(Exception):
     """An error response: HTTP ``status`` and OpenAI's ``{"error": {...}}`` body."""
 
     def __init__(
-        self, status: int, message: str, *, error_type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -94,10 +100,18 @@ class ApiError(Exception):
         """The response for a backend's error; a 429 always says when to retry (whole seconds, at least 1)."""
         headers = {}
         if error.retry_after_s is not None or error.status == 429:
-            retry_after = error.retry_after_s if error.retry_after_s is not None and math.isfinite(error.retry_after_s) else 1
+            retry_after = (
+                error.retry_after_s if error.retry_after_s is not None and math.isfinite(error.retry_after_s) else 1
+            )
             headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        return cls(error.status, error.message, error_type=error.error_type, param=error.param, code=error.code,
-                   headers=headers)  # fmt: skip
+        return cls(
+            error.status,
+            error.message,
+            error_type=error.error_type,
+            param=error.param,
+            code=error.code,
+            headers=headers,
+        )
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -132,8 +146,9 @@ class EventStream:
     ends); it closes the backend's streams, which cancels requests still running.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str,
-                 predicted_ttft_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str, predicted_ttft_s: float | None = None
+    ) -> None:
         self._events = events
         self._fanout = fanout
         self.request_id = request_id
@@ -162,9 +177,13 @@ class OpenAIServing:
     """Chat and text completions over ``backend``. One per app; called concurrently from one event loop."""
 
     def __init__(
-        self, backend: GenerationBackend, tokenizer: Tokenizer, model_name: str, metrics: GatewayMetrics,
+        self,
+        backend: GenerationBackend,
+        tokenizer: Tokenizer,
+        model_name: str,
+        metrics: GatewayMetrics,
         default_max_tokens: int = 4096,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -185,8 +204,9 @@ class OpenAIServing:
             param, message = str(e).split("\t", 1)
             raise ApiError(400, message, param=param) from None
         native = tools.template_supports_tools(self.tokenizer.chat_template)
-        messages, variables = tools.render_messages([_template_message(m, i) for i, m in enumerate(req.messages)],
-                                                    tool_plan, native)  # fmt: skip
+        messages, variables = tools.render_messages(
+            [_template_message(m, i) for i, m in enumerate(req.messages)], tool_plan, native
+        )
         try:
             chars = sum(len(str(m.get("content") or "")) for m in messages)
             prompt = await _off_loop_if_long(chars, self.tokenizer.encode_chat, messages, True, **variables)
@@ -210,7 +230,9 @@ class OpenAIServing:
         fmt = req.response_format
         lark = tools.lark_grammar(tool_plan) if tool_plan is not None else None
         if lark is not None and fmt is not None and fmt.type != "text":
-            raise ApiError(400, "response_format cannot be combined with a tool_choice that forces a call", param="response_format")
+            raise ApiError(
+                400, "response_format cannot be combined with a tool_choice that forces a call", param="response_format"
+            )
         try:
             if lark is not None:
                 return grammar_for(lark=lark)
@@ -219,12 +241,17 @@ class OpenAIServing:
             if fmt.type == "json_object":
                 return grammar_for(json_schema=JSON_OBJECT_SCHEMA)
             if fmt.json_schema is None:
-                raise ApiError(400, "response_format of type json_schema needs 'json_schema'", param="response_format.json_schema")
+                raise ApiError(
+                    400, "response_format of type json_schema needs 'json_schema'", param="response_format.json_schema"
+                )
             return grammar_for(json_schema=fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {})
         except ValueError as e:
             param = "tools" if lark is not None else "response_format"
-            raise ApiError(400, f"The {'tools' if lark is not None else 'schema'} cannot be compiled into a grammar: {e}",
-                           param=param) from None  # fmt: skip
+            raise ApiError(
+                400,
+                f"The {'tools' if lark is not None else 'schema'} cannot be compiled into a grammar: {e}",
+                param=param,
+            ) from None
 
     async def prepare_completion(self, req: CompletionRequest) -> PreparedRequest:
         """Check ``req`` and tokenize its prompts (long text on a thread; token ids as given). Raises ApiError."""
@@ -232,7 +259,12 @@ class OpenAIServing:
         self._check_common(req)
         self._refuse_if_shedding()
         if req.suffix:
-            raise ApiError(400, "'suffix' (insertion) is not supported by this server", param="suffix", code="unsupported_parameter")
+            raise ApiError(
+                400,
+                "'suffix' (insertion) is not supported by this server",
+                param="suffix",
+                code="unsupported_parameter",
+            )
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -254,8 +286,16 @@ class OpenAIServing:
         max_tokens = min(self._max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens") for ids in ids_list)
         # echo with logprobs: the prompt's too (each prompt is then computed whole, never from a cache)
         prompt_logprobs = req.logprobs if req.echo else None
-        prepared = self._prepared(req, ids_list, max_tokens, CompletionFormat, arrival, logprobs=req.logprobs, best_of=req.best_of,
-                                  prompt_logprobs=prompt_logprobs)  # fmt: skip
+        prepared = self._prepared(
+            req,
+            ids_list,
+            max_tokens,
+            CompletionFormat,
+            arrival,
+            logprobs=req.logprobs,
+            best_of=req.best_of,
+            prompt_logprobs=prompt_logprobs,
+        )
         if req.echo:
             prepared.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         return prepared
@@ -269,8 +309,12 @@ class OpenAIServing:
 
     def _check_common(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.model != self.model_name:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def _max_tokens(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> int:
         """The completion's token budget; ApiError when the prompt or prompt + max_tokens overflows the context."""
@@ -278,54 +322,89 @@ class OpenAIServing:
         if num_prompt == 0:
             raise ApiError(400, "The prompt is empty: at least one token is required", param=prompt_param)
         if num_prompt >= limit:
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens, and the {prompt_param} have "
-                           f"{num_prompt} tokens, which leaves no room for the completion. Shorten the {prompt_param}.",
-                           param=prompt_param, code="context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens, and the {prompt_param} have "
+                f"{num_prompt} tokens, which leaves no room for the completion. Shorten the {prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if max_tokens is None:
             return min(limit - num_prompt, self.default_max_tokens)
         if num_prompt + max_tokens > limit:
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{num_prompt + max_tokens} tokens ({num_prompt} in the {prompt_param}, {max_tokens} in the "
-                           f"completion). Shorten the {prompt_param} or the completion.",
-                           param=max_param, code="context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the {prompt_param}, {max_tokens} in the "
+                f"completion). Shorten the {prompt_param} or the completion.",
+                param=max_param,
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     def _prepared(
-        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], max_tokens: int,
-        format_cls: type[ChatFormat] | type[CompletionFormat], arrival: float, *, logprobs: int | None,
-        grammar: str | None = None, best_of: int | None = None, prompt_logprobs: int | None = None,
-    ) -> PreparedRequest:  # fmt: skip
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int,
+        format_cls: type[ChatFormat] | type[CompletionFormat],
+        arrival: float,
+        *,
+        logprobs: int | None,
+        grammar: str | None = None,
+        best_of: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> PreparedRequest:
         request_id = f"{format_cls.id_prefix}{uuid.uuid4().hex}"
         bias = tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items()))
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t, _ in bias):
             raise ApiError(400, f"logit_bias names token ids outside the vocabulary [0, {vocab})", param="logit_bias")
         if (req.min_tokens or 0) > max_tokens:
-            raise ApiError(400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
+            raise ApiError(
+                400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens"
+            )
         n = req.n or 1
         per_prompt = best_of or n
         if per_prompt < n:
             raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
         stream = bool(req.stream)
         if stream and per_prompt > n:
-            raise ApiError(400, "best_of > n cannot be streamed: the best choices are known only at the end", param="best_of")
+            raise ApiError(
+                400, "best_of > n cannot be streamed: the best choices are known only at the end", param="best_of"
+            )
         if per_prompt * len(prompts) > MAX_PROMPTS:
-            raise ApiError(400, f"At most {MAX_PROMPTS} generations per request, got {len(prompts)} prompts x {per_prompt}",
-                           param="n")  # fmt: skip
+            raise ApiError(
+                400,
+                f"At most {MAX_PROMPTS} generations per request, got {len(prompts)} prompts x {per_prompt}",
+                param="n",
+            )
         # best_of ranks its candidates by their summed log-probabilities
         sampled_logprobs = logprobs if per_prompt == n else max(logprobs or 0, 0)
         generations = [
             GenerationRequest(
-                request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}", prompt_token_ids=prompt,
-                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=min(max(req.top_k or 0, 0), TOP_K_MAX), seed=_choice_seed(req.seed, j),
-                stop=req.stop_sequences(), ignore_eos=req.ignore_eos, cache_salt=tenants.salt_for(req.cache_salt),
-                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty, logit_bias=bias,
-                min_tokens=req.min_tokens or 0, logprobs=sampled_logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,
+                request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}",
+                prompt_token_ids=prompt,
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=min(max(req.top_k or 0, 0), TOP_K_MAX),
+                seed=_choice_seed(req.seed, j),
+                stop=req.stop_sequences(),
+                ignore_eos=req.ignore_eos,
+                cache_salt=tenants.salt_for(req.cache_salt),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias,
+                min_tokens=req.min_tokens or 0,
+                logprobs=sampled_logprobs,
+                grammar=grammar,
+                prompt_logprobs=prompt_logprobs,
             )
-            for p, prompt in enumerate(prompts) for j in range(per_prompt)
-        ]  # fmt: skip
+            for p, prompt in enumerate(prompts)
+            for j in range(per_prompt)
+        ]
         include_usage = stream and req.include_usage
         fmt = format_cls(request_id, int(time.time()), self.model_name, include_usage, self.token_texts, logprobs)
         return PreparedRequest(request_id, generations, per_prompt, n, fmt, stream, include_usage, arrival)
@@ -336,8 +415,9 @@ class OpenAIServing:
         """The token ids of a prompt or a conversation (as the completions would see them). Raises ApiError."""
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "Send either 'prompt' (text) or 'messages' (a conversation), not both or neither",
-                           param="prompt")  # fmt: skip
+            raise ApiError(
+                400, "Send either 'prompt' (text) or 'messages' (a conversation), not both or neither", param="prompt"
+            )
         if req.messages is not None:
             messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
             try:
@@ -345,7 +425,9 @@ class OpenAIServing:
             except ValueError as e:
                 raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
         else:
-            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, req.add_special_tokens) if req.prompt else []
+            ids = (
+                await asyncio.to_thread(self.tokenizer.encode, req.prompt, req.add_special_tokens) if req.prompt else []
+            )
         return TokenizeResponse(count=len(ids), max_model_len=self.backend.max_model_len, tokens=ids)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -359,8 +441,12 @@ class OpenAIServing:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     # -- generating -------------------------------------------------------------------------
 
@@ -428,8 +514,9 @@ class OpenAIServing:
         predicted = first[1].predicted_ttft_s if first is not None else None
         return EventStream(self._events(prepared, fanout, first), fanout, prepared.request_id, predicted)
 
-    async def _events(self, prepared: PreparedRequest, fanout: Fanout,
-                      first: tuple[int, GenerationChunk] | None) -> AsyncGenerator[str, None]:  # fmt: skip
+    async def _events(
+        self, prepared: PreparedRequest, fanout: Fanout, first: tuple[int, GenerationChunk] | None
+    ) -> AsyncGenerator[str, None]:
         fmt = prepared.format
         choices = len(prepared.generations)
         for i in range(choices):
@@ -475,7 +562,6 @@ class OpenAIServing:
         fanout.failed_status = error.status
         yield sse(error.body())
         yield DONE_EVENT
-
 
     def _echo(self, prepared: PreparedRequest, choice: int, prompt_logprobs: list[TokenLogprob] | None) -> Echo:
         generation = prepared.generations[choice]
@@ -538,8 +624,11 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
         texts = []
         for j, part in enumerate(content):
             if part.type != "text" or part.text is None:
-                raise ApiError(400, f"Content parts of type '{part.type}' are not supported; only 'text' parts are",
-                               param=f"messages[{index}].content[{j}]")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"Content parts of type '{part.type}' are not supported; only 'text' parts are",
+                    param=f"messages[{index}].content[{j}]",
+                )
             texts.append(part.text)
         text = "\n".join(texts)
     rendered: dict[str, Any] = {"role": message.role, "content": text}
@@ -548,9 +637,14 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
-        rendered["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                   "arguments": _arguments(c.function.arguments, index, k)}}
-                                  for k, c in enumerate(message.tool_calls)]  # fmt: skip
+        rendered["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, index, k)},
+            }
+            for k, c in enumerate(message.tool_calls)
+        ]
     return rendered
 
 
@@ -559,4 +653,8 @@ def _arguments(arguments: str, index: int, call: int) -> Any:
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
-        raise ApiError(400, "A tool call's arguments are not JSON", param=f"messages[{index}].tool_calls[{call}].function.arguments") from None
+        raise ApiError(
+            400,
+            "A tool call's arguments are not JSON",
+            param=f"messages[{index}].tool_calls[{call}].function.arguments",
+        ) from None

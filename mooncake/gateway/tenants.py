@@ -36,7 +36,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 SALT_PREFIX = "tenant/"
-SALT_JOIN = "\x1f"  # between the tenant's salt and a request's own (a unit separator: no client text is confused with it)
+SALT_JOIN = (
+    "\x1f"  # between the tenant's salt and a request's own (a unit separator: no client text is confused with it)
+)
 
 current: contextvars.ContextVar["Tenant | None"] = contextvars.ContextVar("mooncake_tenant", default=None)
 
@@ -46,7 +48,9 @@ class Tenant(BaseModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="also what salts its block keys")
     keys: list[SecretStr] = Field(min_length=1, description="its API keys")
-    requests_per_s: float | None = Field(None, gt=0, description="sustained request rate (token bucket); None: unlimited")
+    requests_per_s: float | None = Field(
+        None, gt=0, description="sustained request rate (token bucket); None: unlimited"
+    )
     burst: int | None = Field(None, ge=1, description="bucket size (default: max(1, requests_per_s))")
     max_concurrent: int | None = Field(None, ge=1, description="requests in flight at once; None: unlimited")
 
@@ -138,8 +142,13 @@ class Tenants:
     @classmethod
     def single(cls, api_key: str) -> "Tenants":
         """One key, no limits, no salt of its own: the ``--api-key`` gateway (everyone who has it shares the cache)."""
-        return cls([Tenant.model_construct(name="", keys=[SecretStr(api_key)], requests_per_s=None, burst=None,
-                                           max_concurrent=None)])  # fmt: skip
+        return cls(
+            [
+                Tenant.model_construct(
+                    name="", keys=[SecretStr(api_key)], requests_per_s=None, burst=None, max_concurrent=None
+                )
+            ]
+        )
 
     def authenticate(self, token: bytes) -> Tenant | None:
         """The tenant whose key ``token`` is; every key is compared, in constant time, whatever matches."""

@@ -55,7 +55,9 @@ class ToolPlan:
     parallel: bool
 
 
-def plan(tools: list[ToolDefinition] | None, tool_choice: str | dict[str, Any] | None, parallel: bool | None) -> ToolPlan | None:
+def plan(
+    tools: list[ToolDefinition] | None, tool_choice: str | dict[str, Any] | None, parallel: bool | None
+) -> ToolPlan | None:
     """The request's ToolPlan, or None when no tool can be called. ValueError (the param first) for a bad choice."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -69,13 +71,17 @@ def plan(tools: list[ToolDefinition] | None, tool_choice: str | dict[str, Any] |
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
         if not isinstance(name, str):
-            raise ValueError('tool_choice\ttool_choice must be "none", "auto", "required" or {"type": "function", '
-                             '"function": {"name": ...}}')  # fmt: skip
+            raise ValueError(
+                'tool_choice\ttool_choice must be "none", "auto", "required" or {"type": "function", '
+                '"function": {"name": ...}}'
+            )
         if name not in names:
             raise ValueError(f"tool_choice\ttool_choice names the function '{name}', which is not among the tools")
         return ToolPlan(tuple(tools), "named", name, False)
     if tool_choice not in ("auto", "required"):
-        raise ValueError(f'tool_choice\ttool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
+        raise ValueError(
+            f'tool_choice\ttool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}'
+        )
     return ToolPlan(tuple(tools), tool_choice, None, parallel is not False)
 
 
@@ -83,7 +89,9 @@ def template_supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, native: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def render_messages(
+    messages: list[dict[str, Any]], plan: ToolPlan | None, native: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and template variables to render: as given to a template that handles tools (``native``),
     else in the Hermes format (the module docstring)."""
     specs = [t.function.model_dump(exclude_none=True) for t in plan.tools] if plan else []
@@ -94,8 +102,11 @@ def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, nativ
         if m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f"{CALL_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
-                              f"\n{CALL_CLOSE}" for c in m["tool_calls"])  # fmt: skip
+            calls = "\n".join(
+                f"{CALL_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
+                f"\n{CALL_CLOSE}"
+                for c in m["tool_calls"]
+            )
             out.append({"role": "assistant", "content": f"{m['content']}\n{calls}".strip()})
         else:
             out.append({k: v for k, v in m.items() if k != "tool_calls"})
@@ -114,9 +125,18 @@ def lark_grammar(plan: ToolPlan) -> str | None:
     if plan.choice == "auto":
         return None
     tools = [t for t in plan.tools if plan.named is None or t.function.name == plan.named]
-    options = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                 "arguments": t.function.parameters or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]  # fmt: skip
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_LAYOUT}
     call = f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"'
     return f"start: call{'+' if plan.parallel else ''}\n{call}\n"
@@ -134,14 +154,22 @@ def parse(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCall]]:
             body = json.loads(match.group(1))
         except json.JSONDecodeError:
             continue
-        if not isinstance(body, dict) or body.get("name") not in names or not isinstance(body.get("arguments", {}), dict):
+        if (
+            not isinstance(body, dict)
+            or body.get("name") not in names
+            or not isinstance(body.get("arguments", {}), dict)
+        ):
             continue
         if calls and not plan.parallel:
             break
         kept.append(text[last : match.start()])
         last = match.end()
-        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                              function=FunctionCall(name=body["name"], arguments=json.dumps(body.get("arguments", {})))))  # fmt: skip
+        calls.append(
+            ToolCall(
+                id=f"call_{uuid.uuid4().hex[:24]}",
+                function=FunctionCall(name=body["name"], arguments=json.dumps(body.get("arguments", {}))),
+            )
+        )
     kept.append(text[last:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls

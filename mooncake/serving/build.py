@@ -11,8 +11,15 @@ from mooncake.engine.config import EngineConfig
 from mooncake.serving.engines import EngineKind, WorkerEngine
 
 
-def build_engine(kind: EngineKind, config: EngineConfig, *, vllm_args: dict[str, Any] | None = None, tokenizer=None,
-                 connector=None, kv_cache_buffer=None) -> WorkerEngine:  # fmt: skip
+def build_engine(
+    kind: EngineKind,
+    config: EngineConfig,
+    *,
+    vllm_args: dict[str, Any] | None = None,
+    tokenizer=None,
+    connector=None,
+    kv_cache_buffer=None,
+) -> WorkerEngine:
     """Build the worker's engine. ``connector`` is the prefill worker's PoolConnector (None on decode);
     ``kv_cache_buffer`` (native, CPU) places the paged cache in the memory it returns (LLMEngine).
 

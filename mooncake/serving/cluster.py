@@ -38,11 +38,18 @@ from kvstore.control import ControlError
 from mooncake import tls
 from mooncake.blocks import block_keys
 from mooncake.serving.channels import client_options
-from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
 from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
+from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
 from mooncake.serving.types import (
-    BackendError, GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Recovery, Rejected, Unavailable,
-)  # fmt: skip
+    BackendError,
+    GenerationBackend,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequest,
+    Recovery,
+    Rejected,
+    Unavailable,
+)
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
 from protos import worker_pb2 as wpb
@@ -61,8 +68,16 @@ HASH_INLINE_TOKENS = 4096  # shorter prompts hash their keys on the event loop (
 class ClusterBackend(GenerationBackend):
     """Serves ``model_name`` through the Conductor at ``conductor`` (a gRPC address)."""
 
-    def __init__(self, conductor: str, model_name: str, max_model_len: int, block_size: int, fingerprint: bytes,
-                 schedule_timeout_s: float = 5.0, recovery: RecoveryConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        conductor: str,
+        model_name: str,
+        max_model_len: int,
+        block_size: int,
+        fingerprint: bytes,
+        schedule_timeout_s: float = 5.0,
+        recovery: RecoveryConfig | None = None,
+    ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -76,7 +91,9 @@ class ClusterBackend(GenerationBackend):
         self._conductor: cpb_grpc.ConductorStub | None = None
         self._fast: AsyncFastChannel | None = None  # the Conductor's fast path (None: not known yet, or it has none)
         self._fast_checked = -float("inf")  # when the Conductor was last asked where its fast path is
-        self._shed_until = 0.0  # until then (monotonic), new requests are refused here: the Conductor said it refuses all
+        self._shed_until = (
+            0.0  # until then (monotonic), new requests are refused here: the Conductor said it refuses all
+        )
         self._shed_rejection: Rejected | None = None  # the rejection that said so (its reason and retry-after)
         self._shed_task: asyncio.Task | None = None  # the probe that asks again before _shed_until
         self._reports: set[asyncio.Task] = set()  # FINISHED reports on their way (_forget)
@@ -121,9 +138,14 @@ class ClusterBackend(GenerationBackend):
             keys = await asyncio.to_thread(block_keys, sequence, self.block_size, self.fingerprint, request.cache_salt)
         else:
             keys = block_keys(sequence, self.block_size, self.fingerprint, request.cache_salt)
-        msg = cpb.ScheduleRequest(request_id=request.request_id, key_chain=b"".join(keys), prompt_tokens=len(sequence),
-                                  block_tokens=self.block_size, slo_class=request.slo_class,
-                                  failed=progress.report_failed() if progress else ())  # fmt: skip
+        msg = cpb.ScheduleRequest(
+            request_id=request.request_id,
+            key_chain=b"".join(keys),
+            prompt_tokens=len(sequence),
+            block_tokens=self.block_size,
+            slo_class=request.slo_class,
+            failed=progress.report_failed() if progress else (),
+        )
         address = self._conductor_address
         if progress is not None:
             progress.maybe_placed = True  # until it answers otherwise: the answer may never reach us
@@ -150,7 +172,9 @@ class ClusterBackend(GenerationBackend):
             if resp.shed_s > 0:
                 self._shed(rejected, resp.shed_s)
             if progress is not None and progress.faults:
-                raise _Fault(Fault.BUSY, rejected)  # it outlived a failure already: wait for room rather than fail it now
+                raise _Fault(
+                    Fault.BUSY, rejected
+                )  # it outlived a failure already: wait for room rather than fail it now
             raise rejected
         if progress is not None and progress.predicted_ttft_s is None and resp.HasField("predicted"):
             progress.predicted_ttft_s = resp.predicted.ttft_s
@@ -176,8 +200,11 @@ class ClusterBackend(GenerationBackend):
         if time.monotonic() >= self._shed_until or self._shed_rejection is None:
             return None
         r = self._shed_rejection
-        return Rejected(f"{r.message} (refused at the gateway: the cluster refuses every request for now)", code=r.code,
-                        retry_after_s=r.retry_after_s)  # fmt: skip
+        return Rejected(
+            f"{r.message} (refused at the gateway: the cluster refuses every request for now)",
+            code=r.code,
+            retry_after_s=r.retry_after_s,
+        )
 
     def _shed(self, rejected: Rejected, shed_s: float) -> None:
         self._shed_until, self._shed_rejection = time.monotonic() + shed_s, rejected
@@ -209,7 +236,9 @@ class ClusterBackend(GenerationBackend):
         self._fast_checked = time.monotonic()
         address = self._conductor_address
         try:
-            listing = await stub.ListInstances(cpb.ListInstancesRequest(role=cpb.KVSTORE), timeout=self.schedule_timeout_s)
+            listing = await stub.ListInstances(
+                cpb.ListInstancesRequest(role=cpb.KVSTORE), timeout=self.schedule_timeout_s
+            )
         except grpc.RpcError:
             return None  # the Schedule call that follows says what is wrong
         if listing.control_port and address == self._conductor_address:
@@ -229,7 +258,9 @@ class ClusterBackend(GenerationBackend):
             if progress.maybe_placed and not received:
                 self._forget(request.request_id)
 
-    async def _generate(self, request: GenerationRequest, progress: RequestProgress) -> AsyncGenerator[GenerationChunk, None]:
+    async def _generate(
+        self, request: GenerationRequest, progress: RequestProgress
+    ) -> AsyncGenerator[GenerationChunk, None]:
         usage: tuple[int, dict[str, int]] | None = None  # the first prefill's cache hits: what the client is told
         while True:
             try:
@@ -241,20 +272,33 @@ class ClusterBackend(GenerationBackend):
                     if usage is None:
                         usage = (c.cached_tokens, dict(c.cached_tokens_by_tier))
                     elif first and progress.resumed:
-                        progress.resumed_prefill(len(request.prompt_token_ids) + len(progress.output_token_ids), c.cached_tokens)
+                        progress.resumed_prefill(
+                            len(request.prompt_token_ids) + len(progress.output_token_ids), c.cached_tokens
+                        )
                     first = False
                     progress.received(list(c.token_ids), c.text, bool(c.finish_reason))
-                    yield GenerationChunk(token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason or None,
-                                          prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                                          cached_tokens=usage[0], cached_tokens_by_tier=usage[1],
-                                          recovery=self._recovery(request, progress) if c.finish_reason else None,
-                                          logprobs=[logprob_from_pb(lp) for lp in c.logprobs] if request.logprobs is not None else None,
-                                          prompt_logprobs=[logprob_from_pb(lp) for lp in c.prompt_logprobs] if c.prompt_logprobs else None,
-                                          predicted_ttft_s=progress.predicted_ttft_s if head else None)  # fmt: skip
+                    yield GenerationChunk(
+                        token_ids=list(c.token_ids),
+                        text=c.text,
+                        finish_reason=c.finish_reason or None,
+                        prompt_tokens=c.prompt_tokens,
+                        completion_tokens=c.completion_tokens,
+                        cached_tokens=usage[0],
+                        cached_tokens_by_tier=usage[1],
+                        recovery=self._recovery(request, progress) if c.finish_reason else None,
+                        logprobs=[logprob_from_pb(lp) for lp in c.logprobs] if request.logprobs is not None else None,
+                        prompt_logprobs=[logprob_from_pb(lp) for lp in c.prompt_logprobs]
+                        if c.prompt_logprobs
+                        else None,
+                        predicted_ttft_s=progress.predicted_ttft_s if head else None,
+                    )
                     if c.finish_reason:
                         return
-                raise _Fault(Fault.DECODE, Unavailable(f"decode worker {placement.decode_id} ended the stream without finishing"),
-                             placement.decode_id)  # fmt: skip
+                raise _Fault(
+                    Fault.DECODE,
+                    Unavailable(f"decode worker {placement.decode_id} ended the stream without finishing"),
+                    placement.decode_id,
+                )
             except _Fault as fault:
                 step = progress.failure(fault.fault, time.monotonic(), fault.instance)
                 if step.action is Action.GIVE_UP:
@@ -262,8 +306,14 @@ class ClusterBackend(GenerationBackend):
                     error.message = f"{error.message} ({step.reason})"
                     error.retry_after_s = error.retry_after_s or progress.retry_after_s
                     raise error from None
-                log.warning("request %s: %s: %s; %s in %.2f s", request.request_id, step.reason, fault.error.message,
-                            step.action.value, step.delay_s)  # fmt: skip
+                log.warning(
+                    "request %s: %s: %s; %s in %.2f s",
+                    request.request_id,
+                    step.reason,
+                    fault.error.message,
+                    step.action.value,
+                    step.delay_s,
+                )
                 if step.delay_s:
                     await asyncio.sleep(step.delay_s)
 
@@ -292,19 +342,38 @@ class ClusterBackend(GenerationBackend):
     def _recovery(request: GenerationRequest, progress: RequestProgress) -> Recovery | None:
         if not progress.faults:
             return None
-        recovery = Recovery([f"{f.value}:{i}" for f, i, _ in progress.faults], [t for _, _, t in progress.faults],
-                            progress.attempts, progress.resumed,
-                            progress.loaded_tokens, progress.recomputed_tokens)  # fmt: skip
-        log.info("request %s finished after outliving %s (%d placements, %d resumed; %d tokens loaded, %d recomputed)",
-                 request.request_id, ", ".join(recovery.faults), recovery.placements, recovery.resumes, recovery.loaded_tokens,
-                 recovery.recomputed_tokens)  # fmt: skip
+        recovery = Recovery(
+            [f"{f.value}:{i}" for f, i, _ in progress.faults],
+            [t for _, _, t in progress.faults],
+            progress.attempts,
+            progress.resumed,
+            progress.loaded_tokens,
+            progress.recomputed_tokens,
+        )
+        log.info(
+            "request %s finished after outliving %s (%d placements, %d resumed; %d tokens loaded, %d recomputed)",
+            request.request_id,
+            ", ".join(recovery.faults),
+            recovery.placements,
+            recovery.resumes,
+            recovery.loaded_tokens,
+            recovery.recomputed_tokens,
+        )
         return recovery
 
-    async def _stream(self, request: GenerationRequest, placement: cpb.Placement, progress: RequestProgress) -> AsyncGenerator[wpb.GenerateChunk, None]:
+    async def _stream(
+        self, request: GenerationRequest, placement: cpb.Placement, progress: RequestProgress
+    ) -> AsyncGenerator[wpb.GenerateChunk, None]:
         """One placement's chunks from its decode worker. Raises _Fault when a worker fails it."""
-        msg = wpb.GenerateRequest(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                  sampling=sampling_to_pb(request), cache_salt=request.cache_salt, placement=placement,
-                                  output_token_ids=progress.output_token_ids, text_shown=progress.text_shown)  # fmt: skip
+        msg = wpb.GenerateRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=sampling_to_pb(request),
+            cache_salt=request.cache_salt,
+            placement=placement,
+            output_token_ids=progress.output_token_ids,
+            text_shown=progress.text_shown,
+        )
         call = self._decoder(placement.decode_address).Generate(msg)
         finished = False
         try:
@@ -343,7 +412,13 @@ class ClusterBackend(GenerationBackend):
                 alive[cpb.Role.Name(inst.role).lower()] += 1
         if not alive["prefill"] or not alive["decode"]:
             raise Unavailable(f"no {'prefill' if not alive['prefill'] else 'decode'} worker is alive")
-        return {"status": "ok", "backend": "cluster", "alive": alive, "policy": listing.policy, "admission": listing.admission}
+        return {
+            "status": "ok",
+            "backend": "cluster",
+            "alive": alive,
+            "policy": listing.policy,
+            "admission": listing.admission,
+        }
 
     async def close(self) -> None:
         channels, self._channels = self._channels, []

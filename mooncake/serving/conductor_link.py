@@ -35,8 +35,14 @@ RETRY_S = 0.25  # while the Conductor does not answer: a restarted one has every
 
 
 class ConductorLink:
-    def __init__(self, address: str, registration: pb.RegisterRequest, load: Callable[[], pb.Load],
-                 interval_s: float | None = None, rpc_timeout_s: float = 3.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        registration: pb.RegisterRequest,
+        load: Callable[[], pb.Load],
+        interval_s: float | None = None,
+        rpc_timeout_s: float = 3.0,
+    ) -> None:
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]  # the leader and its standbys, any order
         if not self.addresses:
             raise ValueError("no Conductor address")
@@ -66,7 +72,11 @@ class ConductorLink:
 
     def prefill_sample(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
         if prompt_tokens > 0 and seconds > 0:
-            self._prefill.append(pb.PrefillSample(prompt_tokens=prompt_tokens, cached_tokens=min(cached_tokens, prompt_tokens), seconds=seconds))
+            self._prefill.append(
+                pb.PrefillSample(
+                    prompt_tokens=prompt_tokens, cached_tokens=min(cached_tokens, prompt_tokens), seconds=seconds
+                )
+            )
 
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds > 0:
@@ -74,15 +84,27 @@ class ConductorLink:
 
     def decode_started(self, request_id: str, measured_ttft_s: float = 0.0, handoff_s: float = 0.0) -> None:
         """``request_id`` joined the batch ``measured_ttft_s`` after it arrived, ``handoff_s`` of it the hand-off."""
-        self._events.append(pb.RequestEvent(request_id=request_id, kind=pb.RequestEvent.DECODE_STARTED, measured_ttft_s=measured_ttft_s,
-                                            handoff_s=handoff_s))  # fmt: skip
+        self._events.append(
+            pb.RequestEvent(
+                request_id=request_id,
+                kind=pb.RequestEvent.DECODE_STARTED,
+                measured_ttft_s=measured_ttft_s,
+                handoff_s=handoff_s,
+            )
+        )
         self._wake.set()
 
     def finished(self, request_id: str, measured_ttft_s: float = 0.0, handoff_s: float = 0.0) -> None:
         """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``: of it,
         the hand-off, when not reported with DECODE_STARTED."""
-        self._events.append(pb.RequestEvent(request_id=request_id, kind=pb.RequestEvent.FINISHED, measured_ttft_s=measured_ttft_s,
-                                            handoff_s=handoff_s))  # fmt: skip
+        self._events.append(
+            pb.RequestEvent(
+                request_id=request_id,
+                kind=pb.RequestEvent.FINISHED,
+                measured_ttft_s=measured_ttft_s,
+                handoff_s=handoff_s,
+            )
+        )
         self._wake.set()
 
     # -- the thread -------------------------------------------------------------------------------
@@ -103,15 +125,21 @@ class ConductorLink:
                     next_beat = 0.0
                 now = time.monotonic()
                 if now >= next_beat:
-                    beat = self.stub.Heartbeat(pb.HeartbeatRequest(id=self.registration.id, load=self._load()), timeout=self._rpc_timeout)
+                    beat = self.stub.Heartbeat(
+                        pb.HeartbeatRequest(id=self.registration.id, load=self._load()), timeout=self._rpc_timeout
+                    )
                     next_beat = now + self._interval
                     if not beat.known:
-                        log.warning("the Conductor does not know %s (it restarted): registering again", self.registration.id)
+                        log.warning(
+                            "the Conductor does not know %s (it restarted): registering again", self.registration.id
+                        )
                         self.registered.clear()
                         continue
                 self._flush()
                 if down_since is not None:
-                    log.info("the Conductor at %s answers again (after %.1f s)", self.address, time.monotonic() - down_since)
+                    log.info(
+                        "the Conductor at %s answers again (after %.1f s)", self.address, time.monotonic() - down_since
+                    )
                     down_since = None
             except grpc.RpcError as e:
                 if e.code() is grpc.StatusCode.FAILED_PRECONDITION:
@@ -141,8 +169,12 @@ class ConductorLink:
     def _flush(self) -> None:
         if not (self._prefill or self._transfer or self._events):
             return
-        batch = pb.ReportRequest(id=self.registration.id, prefill=_drain(self._prefill), transfer=_drain(self._transfer),
-                                 requests=_drain(self._events))  # fmt: skip
+        batch = pb.ReportRequest(
+            id=self.registration.id,
+            prefill=_drain(self._prefill),
+            transfer=_drain(self._transfer),
+            requests=_drain(self._events),
+        )
         try:
             self.stub.Report(batch, timeout=self._rpc_timeout)
         except grpc.RpcError:
@@ -160,8 +192,9 @@ class ConductorLink:
         if deregister and self.registered.is_set():
             try:
                 self._flush()
-                self.stub.Deregister(pb.DeregisterRequest(id=self.registration.id, instance_token=self._token),
-                                     timeout=self._rpc_timeout)  # fmt: skip
+                self.stub.Deregister(
+                    pb.DeregisterRequest(id=self.registration.id, instance_token=self._token), timeout=self._rpc_timeout
+                )
             except grpc.RpcError:
                 pass  # the Conductor will expire us
         self._channel.close()

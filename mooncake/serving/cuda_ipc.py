@@ -19,8 +19,21 @@ import threading
 
 import torch
 
-_FIELDS = ("size", "stride", "offset", "dtype", "device", "handle", "storage_bytes", "storage_offset", "requires_grad",
-           "ref_handle", "ref_offset", "event_handle", "event_sync")  # fmt: skip
+_FIELDS = (
+    "size",
+    "stride",
+    "offset",
+    "dtype",
+    "device",
+    "handle",
+    "storage_bytes",
+    "storage_offset",
+    "requires_grad",
+    "ref_handle",
+    "ref_offset",
+    "event_handle",
+    "event_sync",
+)
 
 
 def export_cuda_tensor(tensor: torch.Tensor) -> bytes:
@@ -30,10 +43,38 @@ def export_cuda_tensor(tensor: torch.Tensor) -> bytes:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(tensor)
-    (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, requires_grad, ref_handle,
-     ref_offset, event_handle, event_sync) = args  # fmt: skip
-    values = (list(size), list(stride), offset, str(dtype).removeprefix("torch."), device, handle, storage_bytes,
-              storage_offset, requires_grad, ref_handle, ref_offset, event_handle, event_sync)  # fmt: skip
+    (
+        _,
+        size,
+        stride,
+        offset,
+        _,
+        dtype,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        requires_grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
+    values = (
+        list(size),
+        list(stride),
+        offset,
+        str(dtype).removeprefix("torch."),
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        requires_grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    )
     out = {}
     for name, value in zip(_FIELDS, values):
         out[name] = {"hex": value.hex()} if isinstance(value, bytes) else value
@@ -55,9 +96,23 @@ def open_cuda_tensor(data: bytes) -> torch.Tensor:
             raise ValueError(f"{v['dtype']!r} is not a torch dtype")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"not a CUDA IPC tensor description: {e}") from None
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size(v["size"]), tuple(v["stride"]), v["offset"], torch.UntypedStorage,
-                               dtype, v["device"], v["handle"], v["storage_bytes"], v["storage_offset"], v["requires_grad"],
-                               v["ref_handle"], v["ref_offset"], v["event_handle"], v["event_sync"])  # fmt: skip
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(v["size"]),
+        tuple(v["stride"]),
+        v["offset"],
+        torch.UntypedStorage,
+        dtype,
+        v["device"],
+        v["handle"],
+        v["storage_bytes"],
+        v["storage_offset"],
+        v["requires_grad"],
+        v["ref_handle"],
+        v["ref_offset"],
+        v["event_handle"],
+        v["event_sync"],
+    )
 
 
 class CudaCaches:

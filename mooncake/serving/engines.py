@@ -57,9 +57,16 @@ class WorkerEngine(Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
-    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None, external_kv: Any = None,
-                    num_external_tokens: int = 0, initial_output_token_ids: list[int] | None = None) -> str: ...  # fmt: skip
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        external_kv: Any = None,
+        num_external_tokens: int = 0,
+        initial_output_token_ids: list[int] | None = None,
+    ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
 

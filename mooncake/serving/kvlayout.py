@@ -73,7 +73,9 @@ class SlotKV(ExternalKV):
     pull still landing); the engine calls ``layer`` right before that layer runs.
     """
 
-    def __init__(self, slots: torch.Tensor, indices: Sequence[int], wait_layer: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, slots: torch.Tensor, indices: Sequence[int], wait_layer: Callable[[int], None] | None = None
+    ) -> None:
         self._slots = slots
         self._indices = torch.tensor(list(indices), dtype=torch.long)
         self._wait_layer = wait_layer

@@ -15,8 +15,8 @@ from mooncake.engine.engine import RequestOutput
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.build import build_engine
-from mooncake.serving.engines import EngineKind
 from mooncake.serving.engine_loop import EngineLoop
+from mooncake.serving.engines import EngineKind
 from mooncake.serving.text import TextStream
 from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Unavailable
 
@@ -24,19 +24,37 @@ from mooncake.serving.types import GenerationBackend, GenerationChunk, Generatio
 def sampling_params(req: GenerationRequest) -> SamplingParams:
     """The engine's SamplingParams for a request (ValueError for values the engine refuses)."""
     return SamplingParams(
-        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-        stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
-        min_tokens=req.min_tokens, logprobs=req.logprobs, grammar=req.grammar, prompt_logprobs=req.prompt_logprobs,
-    )  # fmt: skip
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias,
+        min_tokens=req.min_tokens,
+        logprobs=req.logprobs,
+        grammar=req.grammar,
+        prompt_logprobs=req.prompt_logprobs,
+    )
 
 
 class LocalBackend(GenerationBackend):
     """Serves ``model_name`` from one engine (ours, or vLLM's with ``engine``) on a thread of this process."""
 
-    def __init__(self, config: EngineConfig, model_name: str, tokenizer: Tokenizer | None = None,
-                 engine: EngineKind = EngineKind.NATIVE, vllm_args: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        tokenizer: Tokenizer | None = None,
+        engine: EngineKind = EngineKind.NATIVE,
+        vllm_args: dict | None = None,
+    ) -> None:
         self.tokenizer = tokenizer or Tokenizer.from_dir(config.model)
         self.engine = build_engine(engine, config, vllm_args=vllm_args, tokenizer=self.tokenizer)
         self.loop = EngineLoop(self.engine, name="local-engine")
@@ -55,8 +73,13 @@ class LocalBackend(GenerationBackend):
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         try:
-            rid = await self.loop.submit(sink, prompt_token_ids=request.prompt_token_ids, sampling_params=params,
-                                         request_id=request.request_id, cache_salt=request.cache_salt)  # fmt: skip
+            rid = await self.loop.submit(
+                sink,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=params,
+                request_id=request.request_id,
+                cache_salt=request.cache_salt,
+            )
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except asyncio.CancelledError:  # the client left while the request was being added: it may be in already
@@ -73,13 +96,16 @@ class LocalBackend(GenerationBackend):
                 # a finished output's text is the engine's, cut before a stop string the new token completed
                 text = stream.finish(out.text) if finished else stream.push(out.new_token_ids)
                 yield GenerationChunk(
-                    token_ids=list(out.new_token_ids), text=text,
+                    token_ids=list(out.new_token_ids),
+                    text=text,
                     finish_reason=out.finish_reason.value if finished and out.finish_reason else None,
-                    prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.output_token_ids),
+                    prompt_tokens=out.num_prompt_tokens,
+                    completion_tokens=len(out.output_token_ids),
                     cached_tokens=out.num_cached_tokens,
                     cached_tokens_by_tier={"engine": out.num_cached_tokens} if out.num_cached_tokens else {},
-                    logprobs=out.new_logprobs, prompt_logprobs=out.prompt_logprobs if not sent else None,
-                )  # fmt: skip
+                    logprobs=out.new_logprobs,
+                    prompt_logprobs=out.prompt_logprobs if not sent else None,
+                )
                 sent = True
         finally:
             if not finished:

@@ -53,7 +53,9 @@ def wait_for_signal() -> str:
 
 def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: int) -> argparse.ArgumentParser:
     """The flags prefill and decode workers share; each adds its own."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--id", default=default_id, help="instance id, unique in the cluster")
     p.add_argument("--model", required=True, help="model directory (mooncake model pull prints it)")
     p.add_argument("--conductor", help="the Conductor's gRPC address (register, heartbeat, report); none: standalone")
@@ -61,21 +63,42 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--engine", default="native", choices=["native", "vllm"],
-                   help="native: our engine; vllm: stock vLLM (v1) hosted in this process, KV through our pool connector")
-    p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="a vLLM EngineArgs keyword for --engine vllm, repeatable; values parse as JSON when they can "
-                        "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true, kv_cache_dtype=auto)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV block, the pool's and the Conductor's (default: 16 native, 32 vllm: "
-                        "vLLM's CPU attention needs a multiple of 32)")
+    p.add_argument(
+        "--engine",
+        default="native",
+        choices=["native", "vllm"],
+        help="native: our engine; vllm: stock vLLM (v1) hosted in this process, KV through our pool connector",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM EngineArgs keyword for --engine vllm, repeatable; values parse as JSON when they can "
+        "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true, kv_cache_dtype=auto)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block, the pool's and the Conductor's (default: 16 native, 32 vllm: "
+        "vLLM's CPU attention needs a multiple of 32)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="the engine's paged cache, in blocks")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", default="cpu", help="native engine: cpu, or cuda[:N] (the KV cache and weights on that GPU; "
-                   "KV leaves it through pinned host staging on a side stream). vLLM picks its own device")
-    p.add_argument("--enforce-eager", action="store_true", help="native engine on CUDA: run every step eagerly, without "
-                   "capturing decode steps as CUDA graphs (slower decode; for debugging)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="native engine: cpu, or cuda[:N] (the KV cache and weights on that GPU; "
+        "KV leaves it through pinned host staging on a side stream). vLLM picks its own device",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="native engine on CUDA: run every step eagerly, without "
+        "capturing decode steps as CUDA graphs (slower decode; for debugging)",
+    )
     add_transport_args(p)
     p.add_argument("--log-level", default="INFO")
     return p
@@ -113,8 +136,10 @@ def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) 
     from mooncake.serving.conductor_link import ConductorLink
     from mooncake.serving.status_http import start_status_server
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=spec.max_rpc_threads, thread_name_prefix=f"{spec.name}-rpc"),
-                         options=SERVER_OPTIONS)  # fmt: skip
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=spec.max_rpc_threads, thread_name_prefix=f"{spec.name}-rpc"),
+        options=SERVER_OPTIONS,
+    )
     spec.add_servicer(server)
     port = tls.grpc_add_port(server, f"{args.host}:{args.port}")
     if port == 0:

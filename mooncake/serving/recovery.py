@@ -61,16 +61,32 @@ class Action(enum.Enum):
 class RecoveryConfig(BaseModel):
     """How long a request may wait for the cluster to recover (``mooncake up`` and the gateway's flags set it)."""
 
-    hold_s: float = Field(10.0, ge=0, description="a request arriving while the Conductor (or every worker of a role) is "
-                          "away waits this long, from its arrival, before it gets 503 with Retry-After")  # fmt: skip
-    retry_budget_s: float = Field(30.0, ge=0, description="after a worker fails a request, how long placing it again may "
-                                  "take (set it to the TTFT SLO: a retry must still meet it)")  # fmt: skip
+    hold_s: float = Field(
+        10.0,
+        ge=0,
+        description="a request arriving while the Conductor (or every worker of a role) is "
+        "away waits this long, from its arrival, before it gets 503 with Retry-After",
+    )
+    retry_budget_s: float = Field(
+        30.0,
+        ge=0,
+        description="after a worker fails a request, how long placing it again may "
+        "take (set it to the TTFT SLO: a retry must still meet it)",
+    )
     max_attempts: int = Field(4, ge=1, description="most placements one request gets")
-    detect_s: float = Field(2.0, gt=0, description="a decode worker (or the Conductor) silent this long (no answer to a "
-                            "keepalive ping: a host off the network) is taken for dead, about a second later")  # fmt: skip
+    detect_s: float = Field(
+        2.0,
+        gt=0,
+        description="a decode worker (or the Conductor) silent this long (no answer to a "
+        "keepalive ping: a host off the network) is taken for dead, about a second later",
+    )
     backoff_s: float = Field(0.2, gt=0, description="first wait before asking again; doubles to backoff_max_s")
-    backoff_max_s: float = Field(1.0, gt=0, description="longest wait between two tries (a restarted component is "
-                                 "back within about a second of registering)")  # fmt: skip
+    backoff_max_s: float = Field(
+        1.0,
+        gt=0,
+        description="longest wait between two tries (a restarted component is "
+        "back within about a second of registering)",
+    )
 
 
 @dataclass
@@ -98,7 +114,9 @@ class RequestProgress:
     resumed: int = 0  # placements that went on mid-stream
     loaded_tokens: int = 0  # resumes: KV of prompt + output loaded from the pool
     recomputed_tokens: int = 0  # resumes: computed again
-    predicted_ttft_s: float | None = None  # the Conductor's TTFT prediction for the first placement (from its arrival there)
+    predicted_ttft_s: float | None = (
+        None  # the Conductor's TTFT prediction for the first placement (from its arrival there)
+    )
     _failed_at: float | None = None  # start of the current outage (None: the last placement is going well)
     _unreported: list[str] = field(default_factory=list)  # failed instances the Conductor has not heard of from us
     _waits: int = 0  # back-offs in the current outage
@@ -142,11 +160,15 @@ class RequestProgress:
                 self.failed.append(instance)
             self._unreported.append(instance)
         placed_before = self.attempts > 0
-        deadline = (self._failed_at + self.config.retry_budget_s) if placed_before else (self.arrival + self.config.hold_s)
+        deadline = (
+            (self._failed_at + self.config.retry_budget_s) if placed_before else (self.arrival + self.config.hold_s)
+        )
         if self.attempts >= self.config.max_attempts and fault in (Fault.PREFILL, Fault.DECODE):
             return self._give_up(f"{self.attempts} placements failed")
         if now >= deadline:
-            return self._give_up(f"the cluster did not recover within {deadline - (self._failed_at if placed_before else self.arrival):.0f} s")
+            return self._give_up(
+                f"the cluster did not recover within {deadline - (self._failed_at if placed_before else self.arrival):.0f} s"
+            )
         delay = 0.0
         if fault in (Fault.CONDUCTOR, Fault.NO_INSTANCE, Fault.BUSY) or not first_in_outage:
             delay = min(self.config.backoff_max_s, self.config.backoff_s * 2**self._waits, max(0.0, deadline - now))

@@ -14,7 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-def start_status_server(host: str, port: int, registry: CollectorRegistry, health: Callable[[], tuple[bool, dict]]) -> ThreadingHTTPServer:
+def start_status_server(
+    host: str, port: int, registry: CollectorRegistry, health: Callable[[], tuple[bool, dict]]
+) -> ThreadingHTTPServer:
     """Serve /metrics and /health on ``host:port`` (0: any free port; ``server.server_port`` says which)."""
 
     class Handler(BaseHTTPRequestHandler):

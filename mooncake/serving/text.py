@@ -23,8 +23,14 @@ from mooncake.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextStream:
     """One request's streamed text. Not thread-safe: one consumer."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 output_ids: Sequence[int] = (), shown: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        output_ids: Sequence[int] = (),
+        shown: int = 0,
+    ) -> None:
         """``output_ids`` and ``shown``: a resumed stream, whose tokens so far and ``shown`` characters of
         their text were already returned (by another worker); only the text after that comes out."""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)

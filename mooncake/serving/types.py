@@ -64,7 +64,9 @@ class GenerationChunk:
     recovery: Recovery | None = None  # last chunk of a request that outlived a failure: what it took
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # the first chunk: prompt tokens 1.., when the request asked
-    predicted_ttft_s: float | None = None  # the first chunk: the Conductor's predicted TTFT (a cluster's; None elsewhere)
+    predicted_ttft_s: float | None = (
+        None  # the first chunk: the Conductor's predicted TTFT (a cluster's; None elsewhere)
+    )
 
 
 @dataclass(slots=True)
@@ -86,7 +88,9 @@ class BackendError(Exception):
     error_type = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, param: str | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:

@@ -68,7 +68,9 @@ class Bridge:
     external: dict[str, str] = field(default_factory=dict)  # vLLM's request id -> the worker's (jobs use it)
     pusher: PoolConnector | None = None  # the prefill worker's: where each layer of new KV goes
     layout: BlockLayout | None = None  # set by the worker side once the caches exist
-    caches: list[torch.Tensor] | None = None  # each layer's cache, in layer order (the decode worker's write-behind reads them)
+    caches: list[torch.Tensor] | None = (
+        None  # each layer's cache, in layer order (the decode worker's write-behind reads them)
+    )
 
 
 _BRIDGES: dict[str, Bridge] = {}
@@ -92,8 +94,10 @@ def _bridge_for(vllm_config: VllmConfig) -> Bridge:
     with _BRIDGES_LOCK:
         bridge = _BRIDGES.get(bridge_id)
     if bridge is None:
-        raise RuntimeError(f"{CONNECTOR_NAME} runs only inside a mooncake worker's VllmEngine (in-process, no bridge "
-                           f"{bridge_id!r} here): start it with `mooncake serve prefill|decode --engine vllm`")  # fmt: skip
+        raise RuntimeError(
+            f"{CONNECTOR_NAME} runs only inside a mooncake worker's VllmEngine (in-process, no bridge "
+            f"{bridge_id!r} here): start it with `mooncake serve prefill|decode --engine vllm`"
+        )
     return bridge
 
 
@@ -116,12 +120,16 @@ class PoolConnectorMetadata(KVConnectorMetadata):
 class MooncakePoolConnector(KVConnectorBase_V1):
     """See the module docstring. Needs TP = PP = 1 (the whole cache of a layer in this process)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ValueError(f"{CONNECTOR_NAME} supports tensor and pipeline parallel size 1 only "
-                             f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})")  # fmt: skip
+            raise ValueError(
+                f"{CONNECTOR_NAME} supports tensor and pipeline parallel size 1 only "
+                f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            )
         self.bridge = _bridge_for(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         # scheduler side
@@ -138,7 +146,9 @@ class MooncakePoolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         load = self.bridge.loads.get(request.request_id)
-        if load is None or num_computed_tokens:  # vLLM's own prefix cache hit (a worker turns it off): it computes the rest
+        if (
+            load is None or num_computed_tokens
+        ):  # vLLM's own prefix cache hit (a worker turns it off): it computes the rest
             return 0, False
         return load.num_tokens, False
 
@@ -156,12 +166,19 @@ class MooncakePoolConnector(KVConnectorBase_V1):
             load = self.bridge.loads.pop(new.req_id, None)  # used once: a preempted request recomputes
             if n_ext and load is not None:
                 self.bridge.loading[new.req_id] = load
-                first = new.num_computed_tokens - n_ext  # tokens vLLM had already: none, get_num_new_matched_tokens saw to it
+                first = (
+                    new.num_computed_tokens - n_ext
+                )  # tokens vLLM had already: none, get_num_new_matched_tokens saw to it
                 if first != 0:
-                    raise RuntimeError(f"request {new.req_id}: {first} tokens computed locally before its external prefix")
+                    raise RuntimeError(
+                        f"request {new.req_id}: {first} tokens computed locally before its external prefix"
+                    )
                 meta.loads.append(LoadSpec(new.req_id, table, n_ext))
-            meta.requests.append(StepRequest(self._worker_id(new.req_id), new.num_computed_tokens, counts.get(new.req_id, 0),
-                                             None, table))  # fmt: skip
+            meta.requests.append(
+                StepRequest(
+                    self._worker_id(new.req_id), new.num_computed_tokens, counts.get(new.req_id, 0), None, table
+                )
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
@@ -169,8 +186,15 @@ class MooncakePoolConnector(KVConnectorBase_V1):
                 self._tables[rid] = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 self._tables.setdefault(rid, []).extend(new_ids[0])
-            meta.requests.append(StepRequest(self._worker_id(rid), cached.num_computed_tokens[i], counts.get(rid, 0), None,
-                                             list(self._tables.get(rid, []))))  # fmt: skip
+            meta.requests.append(
+                StepRequest(
+                    self._worker_id(rid),
+                    cached.num_computed_tokens[i],
+                    counts.get(rid, 0),
+                    None,
+                    list(self._tables.get(rid, [])),
+                )
+            )
         return meta
 
     def _worker_id(self, vllm_id: str) -> str:
@@ -187,27 +211,33 @@ class MooncakePoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
-
         from vllm.model_executor.models.utils import extract_layer_index
 
         attention = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
         for name, cache in kv_caches.items():
             index = self._layers[name] = extract_layer_index(name)
             layer = attention[name]
-            self._writers[index] = (lambda k, v, s, layer=layer, cache=cache:
-                                    layer.impl.do_kv_cache_update(layer, k, v, cache, s))  # fmt: skip
+            self._writers[index] = lambda k, v, s, layer=layer, cache=cache: layer.impl.do_kv_cache_update(
+                layer, k, v, cache, s
+            )
         if sorted(self._layers.values()) != list(range(len(kv_caches))):
             raise RuntimeError(f"cannot order the attention layers {list(kv_caches)}")
         first = next(cache for name, cache in kv_caches.items() if self._layers[name] == 0)
         self._device = first.device
         if first.dim() != 4:
-            raise ValueError(f"{CONNECTOR_NAME} needs a [blocks, heads, block_size, 2*head_size] cache per layer "
-                             f"(MLA and other latent caches are not supported); got {tuple(first.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{CONNECTOR_NAME} needs a [blocks, heads, block_size, 2*head_size] cache per layer "
+                f"(MLA and other latent caches are not supported); got {tuple(first.shape)}"
+            )
         self.bridge.caches = [kv_caches[name] for name in sorted(kv_caches, key=self._layers.__getitem__)]
         # block 0 is vLLM's null block: never holds a request's KV, safe to probe (and restored after)
         self.bridge.layout = BlockLayout.probe(first, 0, self._writers[0])
-        log.info("vLLM KV cache: %d layers of %s %s, converted to the pool layout by a probed permutation",
-                 len(kv_caches), tuple(first.shape), first.dtype)  # fmt: skip
+        log.info(
+            "vLLM KV cache: %d layers of %s %s, converted to the pool layout by a probed permutation",
+            len(kv_caches),
+            tuple(first.shape),
+            first.dtype,
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called as each step's forward context is entered, before any layer runs: set up its loads and pushes."""
@@ -220,7 +250,9 @@ class MooncakePoolConnector(KVConnectorBase_V1):
             load = self.bridge.loading.pop(spec.request_id, None)
             if load is not None:
                 table = torch.tensor(spec.block_ids, dtype=torch.long, device=self._device)
-                slots = (table[:, None] * self.block_size + torch.arange(self.block_size, device=self._device)).reshape(-1)
+                slots = (table[:, None] * self.block_size + torch.arange(self.block_size, device=self._device)).reshape(
+                    -1
+                )
                 self._meta_loads.append((spec, load, slots[: spec.num_tokens]))
         pusher = self.bridge.pusher
         if pusher is not None:

@@ -34,15 +34,15 @@ from typing import Any
 
 import torch
 
+from mooncake.blocks import block_keys
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
+from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
-from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.request import FinishReason, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
 from mooncake.engine.weights import load_hf_config
-from mooncake.blocks import block_keys
 from mooncake.serving.engines import EngineKind, engine_fingerprint
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 
@@ -72,13 +72,17 @@ class VllmEngine:
 
     def __init__(self, config: EngineConfig, vllm_args: dict[str, Any], tokenizer=None, pusher=None) -> None:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            log.warning("VLLM_ENABLE_V1_MULTIPROCESSING=%s ignored: the worker runs vLLM in its own process",
-                        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])  # fmt: skip
+            log.warning(
+                "VLLM_ENABLE_V1_MULTIPROCESSING=%s ignored: the worker runs vLLM in its own process",
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
+            )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         multiple = 16 if torch.cuda.is_available() else 32  # FLASH_ATTN's kernel blocks; CPU_ATTN's
         if config.block_size % multiple:
-            raise ValueError(f"vLLM's attention on this machine needs a block size that is a multiple of {multiple}; the "
-                             f"cluster's is {config.block_size} (start every component with --block-size 32)")  # fmt: skip
+            raise ValueError(
+                f"vLLM's attention on this machine needs a block size that is a multiple of {multiple}; the "
+                f"cluster's is {config.block_size} (start every component with --block-size 32)"
+            )
         try:
             import vllm  # noqa: F401
         except ImportError as e:
@@ -102,24 +106,33 @@ class VllmEngine:
         elem = torch.tensor([], dtype=config.torch_dtype).element_size()
         block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
         kwargs: dict[str, Any] = dict(
-            model=config.model, dtype=config.dtype, block_size=config.block_size, max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
-            enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
-        )  # fmt: skip
+            model=config.model,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
+            enable_prefix_caching=config.enable_prefix_caching,
+            seed=config.seed,
+        )
         if "gpu_memory_utilization" not in vllm_args and "kv_cache_memory_bytes" not in vllm_args:
             blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
             kwargs["kv_cache_memory_bytes"] = (blocks + 1) * block_bytes  # + vLLM's null block
         for key in ("kv_transfer_config", "enable_prefix_caching", "block_size"):
             if key in vllm_args:
-                raise ValueError(f"--vllm-arg {key} is set by the worker (the pool connector; the pool as prefix cache; "
-                                 "the cluster's block size, --block-size)")  # fmt: skip
+                raise ValueError(
+                    f"--vllm-arg {key} is set by the worker (the pool connector; the pool as prefix cache; "
+                    "the cluster's block size, --block-size)"
+                )
         kwargs.update(vllm_args)
         kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), GrammarLogitsProcessor]
         self._grammars: GrammarBook | None = None  # checks constrained requests' grammars (built on first use)
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=CONNECTOR_NAME, kv_connector_module_path="mooncake.vllm_engine.connector", kv_role="kv_both",
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_module_path="mooncake.vllm_engine.connector",
+            kv_role="kv_both",
             kv_connector_extra_config={"bridge": self._bridge_id},
-        )  # fmt: skip
+        )
         try:
             self._llm = VllmLLMEngine.from_engine_args(EngineArgs(**kwargs))
         except TypeError as e:  # an EngineArgs keyword that does not exist
@@ -132,17 +145,29 @@ class VllmEngine:
             raise ValueError(f"vLLM chose block size {self.block_size}; the cluster's is {config.block_size}")
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.get_vocab_size()
-        self._block_shape = (mc.get_num_layers(vc.parallel_config), 2, self.block_size,
-                             mc.get_num_kv_heads(vc.parallel_config), mc.get_head_size())  # fmt: skip
+        self._block_shape = (
+            mc.get_num_layers(vc.parallel_config),
+            2,
+            self.block_size,
+            mc.get_num_kv_heads(vc.parallel_config),
+            mc.get_head_size(),
+        )
         self.block_bytes = math.prod(self._block_shape) * torch.tensor([], dtype=mc.dtype).element_size()
         self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, config.torch_dtype)
-        self.eos_token_ids = frozenset(args.eos_token_ids) | generation_eos_ids(config.model) | frozenset(
-            getattr(tokenizer, "eos_token_ids", ()))  # fmt: skip
+        self.eos_token_ids = (
+            frozenset(args.eos_token_ids)
+            | generation_eos_ids(config.model)
+            | frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        )
         self._reqs: dict[str, _Tracked] = {}
         self._ids = 0
         self._threaded: int | None = None  # the thread whose torch thread count was set
-        log.info("vLLM engine ready: block %s (%d bytes), max_model_len %d", self._block_shape, self.block_bytes,
-                 self.max_model_len)  # fmt: skip
+        log.info(
+            "vLLM engine ready: block %s (%d bytes), max_model_len %d",
+            self._block_shape,
+            self.block_bytes,
+            self.max_model_len,
+        )
 
     # -- the interface ------------------------------------------------------------------------
 
@@ -154,9 +179,16 @@ class VllmEngine:
     def num_free_blocks(self) -> int:
         return self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None, external_kv: Any = None,
-                    num_external_tokens: int = 0, initial_output_token_ids: list[int] | None = None) -> str:  # fmt: skip
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        external_kv: Any = None,
+        num_external_tokens: int = 0,
+        initial_output_token_ids: list[int] | None = None,
+    ) -> str:
         """Queue a request (see the module docstring for what vLLM is given). Raises ValueError for bad input."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
@@ -164,7 +196,9 @@ class VllmEngine:
         from mooncake.vllm_engine.grammar import GRAMMAR_KEY, INITIAL_KEY
 
         params = sampling_params or SamplingParams()
-        prompt = checked_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None)
+        prompt = checked_prompt(
+            prompt_token_ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None
+        )
         initial = [int(t) for t in initial_output_token_ids or []]
         remaining = params.max_tokens - len(initial)
         if remaining < 1:
@@ -175,8 +209,10 @@ class VllmEngine:
         if initial and (params.presence_penalty or params.frequency_penalty):
             # vLLM counts only what it generated: the tokens generated elsewhere (the prefill's first token) would
             # escape the penalty, and the output would differ from vLLM serving alone
-            raise ValueError("presence_penalty and frequency_penalty are not supported on vLLM workers yet (vLLM would "
-                             "not count the first token, sampled on the prefill worker)")  # fmt: skip
+            raise ValueError(
+                "presence_penalty and frequency_penalty are not supported on vLLM workers yet (vLLM would "
+                "not count the first token, sampled on the prefill worker)"
+            )
         if params.prompt_logprobs is not None and (external_kv is not None or initial):
             raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
         extra = None
@@ -184,26 +220,46 @@ class VllmEngine:
             if self._grammars is None:
                 if self.tokenizer is None:
                     raise ValueError("structured output needs an engine built with a tokenizer")
-                self._grammars = GrammarBook(self.tokenizer.backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids)
+                self._grammars = GrammarBook(
+                    self.tokenizer.backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids
+                )
             self._grammars.new(params.grammar, initial)
             extra = {GRAMMAR_KEY: params.grammar, INITIAL_KEY: initial}
         rid = request_id if request_id is not None else f"req-{self._next_id()}"
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already in the engine")
         vparams = VllmSamplingParams(
-            max_tokens=remaining, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, detokenize=False,
-            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias) or None,
-            min_tokens=max(0, params.min_tokens - len(initial)), logprobs=params.logprobs, extra_args=extra,
+            max_tokens=remaining,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            detokenize=False,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias) or None,
+            min_tokens=max(0, params.min_tokens - len(initial)),
+            logprobs=params.logprobs,
+            extra_args=extra,
             prompt_logprobs=params.prompt_logprobs,
-        )  # fmt: skip
+        )
         internal = self._llm.add_request(rid, TokensPrompt(prompt_token_ids=sequence), vparams)
         if external_kv is not None:
             self.bridge.loads[internal] = Load(external_kv, num_external_tokens)
         self.bridge.external[internal] = rid
-        self._reqs[rid] = _Tracked(internal, params, len(prompt), num_external_tokens if external_kv is not None else 0,
-                                   initial, list(initial), prompt=prompt, cache_salt=cache_salt)  # fmt: skip
+        self._reqs[rid] = _Tracked(
+            internal,
+            params,
+            len(prompt),
+            num_external_tokens if external_kv is not None else 0,
+            initial,
+            list(initial),
+            prompt=prompt,
+            cache_salt=cache_salt,
+        )
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -227,7 +283,9 @@ class VllmEngine:
             reason = FinishReason(comp.finish_reason) if done and comp.finish_reason else None
             stop_reason = comp.stop_reason if done else None
             if tracked.params.stop:
-                tracked.text, stop = match_stop_string(self.tokenizer.decode(tracked.outputs), tracked.text, tracked.params)
+                tracked.text, stop = match_stop_string(
+                    self.tokenizer.decode(tracked.outputs), tracked.text, tracked.params
+                )
                 if stop is not None:
                     if not done:
                         self._llm.abort_request([out.request_id])
@@ -236,14 +294,22 @@ class VllmEngine:
                 tracked.text = self.tokenizer.decode(tracked.outputs)
             if done:
                 self._forget(out.request_id)
-            results.append(RequestOutput(
-                request_id=out.request_id, output_token_ids=list(tracked.outputs), new_token_ids=new, finished=done,
-                finish_reason=reason, num_prompt_tokens=tracked.num_prompt_tokens,
-                num_cached_tokens=tracked.num_cached_tokens or (out.num_cached_tokens or 0),  # ours, else vLLM's prefix cache
-                text=tracked.text, stop_reason=stop_reason,
-                new_logprobs=_logprobs(comp, before - len(tracked.initial), tracked.params.logprobs),
-                prompt_logprobs=self._prompt_logprobs(tracked, out),
-            ))  # fmt: skip
+            results.append(
+                RequestOutput(
+                    request_id=out.request_id,
+                    output_token_ids=list(tracked.outputs),
+                    new_token_ids=new,
+                    finished=done,
+                    finish_reason=reason,
+                    num_prompt_tokens=tracked.num_prompt_tokens,
+                    num_cached_tokens=tracked.num_cached_tokens
+                    or (out.num_cached_tokens or 0),  # ours, else vLLM's prefix cache
+                    text=tracked.text,
+                    stop_reason=stop_reason,
+                    new_logprobs=_logprobs(comp, before - len(tracked.initial), tracked.params.logprobs),
+                    prompt_logprobs=self._prompt_logprobs(tracked, out),
+                )
+            )
         return results
 
     @staticmethod
@@ -279,7 +345,9 @@ class VllmEngine:
         except Exception:  # noqa: BLE001 - best effort at exit
             log.debug("vLLM shutdown failed", exc_info=True)
 
-    def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None, bytes | None]:
+    def computed_blocks(
+        self, request_id: str, first_block: int
+    ) -> tuple[list[bytes], torch.Tensor | None, bytes | None]:
         """Full blocks ``first_block..`` of a request whose KV vLLM has computed: their block keys (ours: prompt +
         outputs under this engine's fingerprint) and their KV in the pool layout, [n, L, 2, block_size, Hkv, D] on
         the CPU, and the key before them (None for block 0). ``([], None, None)`` when there are none yet or the
@@ -331,7 +399,9 @@ def _logprobs(completion, start: int, k: int | None) -> list[TokenLogprob] | Non
     for the completion's tokens from ``start`` on; None when the request did not ask."""
     if k is None or completion.logprobs is None:
         return None
-    return [_entry(token, entries, k) for token, entries in zip(completion.token_ids[start:], completion.logprobs[start:])]
+    return [
+        _entry(token, entries, k) for token, entries in zip(completion.token_ids[start:], completion.logprobs[start:])
+    ]
 
 
 def _entry(token: int, entries: dict, k: int) -> TokenLogprob:

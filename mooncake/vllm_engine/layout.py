@@ -65,8 +65,10 @@ class BlockLayout:
         finally:
             cache[block].copy_(saved)
         if not torch.equal(found.sort().values, codes):
-            raise ValueError("the attention backend's KV cache writer does not store each element once, unchanged "
-                             "(an FP8 or otherwise quantized cache?): it cannot be converted to the pool layout")  # fmt: skip
+            raise ValueError(
+                "the attention backend's KV cache writer does not store each element once, unchanged "
+                "(an FP8 or otherwise quantized cache?): it cannot be converted to the pool layout"
+            )
         gather = torch.empty_like(found)
         gather[found] = torch.arange(found.numel())
         return cls(gather.to(cache.device), bs, heads, d)

@@ -48,7 +48,9 @@ def load_paged_decode(build_dir: str | Path) -> Callable | None:
         from torch.utils import cpp_extension
 
         flags = ["-O3", "-fopenmp-simd", *_cpu_flags()]
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode() + sys.prefix.encode())
+        key = hashlib.sha256(
+            _SOURCE.read_bytes() + " ".join(flags).encode() + platform.machine().encode() + sys.prefix.encode()
+        )
         name = f"mooncake_paged_attn_{key.hexdigest()[:12]}"
         target = build_dir / name
         target.mkdir(parents=True, exist_ok=True)

@@ -34,15 +34,36 @@ BLOCK_N = 64  # context tokens per inner iteration
 
 @triton.jit
 def _decode_partial(
-    Q, K, V, Table, Ctx, Out, PartAcc, PartMax, PartSum, scale,
-    stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    Q,
+    K,
+    V,
+    Table,
+    Ctx,
+    Out,
+    PartAcc,
+    PartMax,
+    PartSum,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_tb,
-    stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -52,7 +73,9 @@ def _decode_partial(
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g  # [G]
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+    )
 
     per_split = ((ctx + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole tiles per split
     lo = split * per_split
@@ -66,15 +89,21 @@ def _decode_partial(
         block = tl.load(Table + b * stride_tb + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row = n % BLOCK_SIZE
         kv_ok = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + block[:, None] * stride_kb + row[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=kv_ok, other=0.0)  # [N, D]  # fmt: skip
+        k = tl.load(
+            K + block[:, None] * stride_kb + row[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N], float32
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])  # [G, N]
         alpha = tl.exp(m - m_new)
-        v = tl.load(V + block[:, None] * stride_vb + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=kv_ok, other=0.0)  # [N, D]  # fmt: skip
+        v = tl.load(
+            V + block[:, None] * stride_vb + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )  # [N, D]
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -93,9 +122,16 @@ def _decode_partial(
 
 @triton.jit
 def _decode_merge(
-    PartAcc, PartMax, PartSum, Out, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-):  # fmt: skip
+    PartAcc,
+    PartMax,
+    PartSum,
+    Out,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -160,16 +196,46 @@ def paged_decode(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_partial[(b, hkv, splits)](
-        q, k_cache, v_cache, table, ctx_lens, out, part_acc, part_max, part_sum, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        table,
+        ctx_lens,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         table.stride(0),
-        out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=d, HEAD_DIM_P=d_p, BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=splits,
+        BLOCK_SIZE=k_cache.shape[1],
+        GROUP=group,
+        GROUP_P=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        HEAD_DIM_P=d_p,
+        BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
     if splits > 1:
-        _decode_merge[(b, h)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-                              NUM_SPLITS=splits, HEAD_DIM=d, HEAD_DIM_P=d_p)  # fmt: skip
+        _decode_merge[(b, h)](
+            part_acc,
+            part_max,
+            part_sum,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            HEAD_DIM=d,
+            HEAD_DIM_P=d_p,
+        )
     return out

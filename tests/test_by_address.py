@@ -1,11 +1,13 @@
-"""mooncake.serving.channels.ByAddress: the one cache of clients by peer address (prefill and decode workers, the
-write-behind)."""
+"""mooncake.serving.channels: ByAddress, the one cache of clients by peer address (prefill and decode workers, the
+write-behind), and Conductors, the one Conductor failover (the gateway and every worker's link)."""
 
 from __future__ import annotations
 
 import threading
 
-from mooncake.serving.channels import ByAddress
+import pytest
+
+from mooncake.serving.channels import ByAddress, Conductors
 
 
 class Client:
@@ -50,3 +52,15 @@ def test_close_closes_every_client_that_can_be_closed_and_a_later_get_makes_a_ne
     assert a.closed and b.closed
     again = cache.get("a")
     assert again is not a and not again.closed
+
+
+def test_conductors_move_to_the_next_once_however_many_callers_saw_the_failure():
+    conductors = Conductors(" a:1 , b:2,c:3 ")
+    assert conductors.addresses == ["a:1", "b:2", "c:3"] and conductors.current == "a:1"
+    assert conductors.failed("a:1") is True and conductors.current == "b:2"
+    assert conductors.failed("a:1") is False and conductors.current == "b:2"  # a second caller's stale failure
+    assert conductors.failed("b:2") and conductors.failed("c:3") and conductors.current == "a:1"  # round the ring
+    alone = Conductors("a:1")
+    assert alone.failed("a:1") is False and alone.current == "a:1"
+    with pytest.raises(ValueError, match="no Conductor address"):
+        Conductors(" , ")

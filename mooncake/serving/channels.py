@@ -74,3 +74,23 @@ class ByAddress(Generic[T]):
             close = getattr(client, "close", None)
             if close is not None:
                 close()
+
+
+class Conductors:
+    """The Conductor addresses a component was given (``"a:1,b:2"``: a leader and its standbys, any order) and the one
+    it calls now. A gateway and a worker move on the same way: to the next address, once, however many calls saw
+    the current one fail."""
+
+    def __init__(self, spec: str) -> None:
+        self.addresses = [a.strip() for a in spec.split(",") if a.strip()]
+        if not self.addresses:
+            raise ValueError("no Conductor address")
+        self.current = self.addresses[0]
+
+    def failed(self, address: str) -> bool:
+        """The Conductor at ``address`` did not answer: call the next one. False if there is no other, or another
+        caller has moved on already (``address`` is not the current one)."""
+        if len(self.addresses) < 2 or address != self.current:
+            return False
+        self.current = self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
+        return True

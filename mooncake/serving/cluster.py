@@ -37,7 +37,7 @@ from conductor.fastpath import AsyncFastChannel
 from kvstore.control import ControlError
 from mooncake import tls
 from mooncake.blocks import block_keys
-from mooncake.serving.channels import client_options
+from mooncake.serving.channels import Conductors, client_options
 from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
 from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
 from mooncake.serving.types import (
@@ -84,10 +84,7 @@ class ClusterBackend(GenerationBackend):
         self.fingerprint = fingerprint
         self.schedule_timeout_s = schedule_timeout_s
         self.recovery = recovery or RecoveryConfig()
-        self._conductor_addresses = [a.strip() for a in conductor.split(",") if a.strip()]  # a leader and its standbys
-        if not self._conductor_addresses:
-            raise ValueError("no Conductor address")
-        self._conductor_address = self._conductor_addresses[0]
+        self._conductors = Conductors(conductor)
         self._conductor: cpb_grpc.ConductorStub | None = None
         self._fast: AsyncFastChannel | None = None  # the Conductor's fast path (None: not known yet, or it has none)
         self._fast_checked = -float("inf")  # when the Conductor was last asked where its fast path is
@@ -107,16 +104,14 @@ class ClusterBackend(GenerationBackend):
             self._loop, self._conductor, self._decoders, self._channels = loop, None, {}, []
             self._fast, self._fast_checked = None, -float("inf")
         if self._conductor is None:
-            channel = tls.grpc_aio_channel(self._conductor_address, options=client_options(self.recovery.detect_s))
+            channel = tls.grpc_aio_channel(self._conductors.current, options=client_options(self.recovery.detect_s))
             self._channels.append(channel)
             self._conductor = cpb_grpc.ConductorStub(channel)
         return self._conductor
 
     def _next_conductor(self, failed: str) -> None:
         """The Conductor at ``failed`` did not answer: use the next one (once, however many requests saw it fail)."""
-        if len(self._conductor_addresses) > 1 and self._conductor_address == failed:
-            i = self._conductor_addresses.index(failed)
-            self._conductor_address = self._conductor_addresses[(i + 1) % len(self._conductor_addresses)]
+        if self._conductors.failed(failed):
             self._conductor, self._fast, self._fast_checked = None, None, -float("inf")
 
     def _decoder(self, address: str) -> wpb_grpc.DecodeStub:
@@ -146,7 +141,7 @@ class ClusterBackend(GenerationBackend):
             slo_class=request.slo_class,
             failed=progress.report_failed() if progress else (),
         )
-        address = self._conductor_address
+        address = self._conductors.current
         if progress is not None:
             progress.maybe_placed = True  # until it answers otherwise: the answer may never reach us
         try:
@@ -234,14 +229,14 @@ class ClusterBackend(GenerationBackend):
         if self._fast is not None or time.monotonic() - self._fast_checked < FAST_PATH_RECHECK_S:
             return self._fast
         self._fast_checked = time.monotonic()
-        address = self._conductor_address
+        address = self._conductors.current
         try:
             listing = await stub.ListInstances(
                 cpb.ListInstancesRequest(role=cpb.KVSTORE), timeout=self.schedule_timeout_s
             )
         except grpc.RpcError:
             return None  # the Schedule call that follows says what is wrong
-        if listing.control_port and address == self._conductor_address:
+        if listing.control_port and address == self._conductors.current:
             self._fast = AsyncFastChannel(f"{address.rpartition(':')[0]}:{listing.control_port}")
         return self._fast
 
@@ -400,7 +395,7 @@ class ClusterBackend(GenerationBackend):
                 call.cancel()
 
     async def health(self) -> dict:
-        address = self._conductor_address
+        address = self._conductors.current
         try:
             listing = await self._conductor_stub().ListInstances(cpb.ListInstancesRequest(), timeout=2.0)
         except grpc.RpcError as e:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from mooncake import tls
-from mooncake.serving.channels import RECONNECT_OPTIONS
+from mooncake.serving.channels import RECONNECT_OPTIONS, Conductors
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
@@ -43,10 +43,7 @@ class ConductorLink:
         interval_s: float | None = None,
         rpc_timeout_s: float = 3.0,
     ) -> None:
-        self.addresses = [a.strip() for a in address.split(",") if a.strip()]  # the leader and its standbys, any order
-        if not self.addresses:
-            raise ValueError("no Conductor address")
-        self.address = self.addresses[0]
+        self.conductors = Conductors(address)
         self.registration = registration
         self._load = load
         self._interval = interval_s
@@ -150,17 +147,22 @@ class ConductorLink:
                 if down_since is None:
                     down_since = time.monotonic()
                     log.warning("the Conductor at %s does not answer (%s); retrying", self.address, e.code().name)
-                if len(self.addresses) > 1:
-                    self._next_conductor()
-                self._stop.wait(RETRY_S / len(self.addresses))
+                self._next_conductor()
+                self._stop.wait(RETRY_S / len(self.conductors.addresses))
                 continue
             self._wake.wait(min(REPORT_EVERY_S, max(0.0, next_beat - time.monotonic())))
             self._wake.clear()
 
+    @property
+    def address(self) -> str:
+        """The Conductor this link calls now."""
+        return self.conductors.current
+
     def _next_conductor(self) -> None:
         """Move to the next Conductor (the one that failed may be dead or a standby now), and register there."""
+        if not self.conductors.failed(self.address):
+            return
         old = self._channel
-        self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
         self._channel = tls.grpc_channel(self.address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ConductorStub(self._channel)
         self.registered.clear()

@@ -173,7 +173,7 @@ def workload(n: int, max_tokens: int, vocab: int) -> list[GenerationRequest]:
 
     prefixes = [ids(PREFIX_TOKENS) for _ in range(SHARED_PREFIXES)]
     return [
-        GenerationRequest(
+        GenerationRequest.of(
             f"chaos-{i}",
             prefixes[i % SHARED_PREFIXES] + ids(rng.randint(*SUFFIX_TOKENS)),
             max_tokens,

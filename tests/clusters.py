@@ -62,7 +62,7 @@ def backend(cluster: LocalCluster) -> ClusterBackend:
 
 def generate(be: ClusterBackend, request_id: str, prompt: list[int], max_tokens: int, **kw) -> list[GenerationChunk]:
     async def run() -> list[GenerationChunk]:
-        return [c async for c in be.generate(GenerationRequest(request_id, prompt, max_tokens, **kw))]
+        return [c async for c in be.generate(GenerationRequest.of(request_id, prompt, max_tokens, **kw))]
 
     return asyncio.run(run())
 

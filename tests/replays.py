@@ -30,7 +30,7 @@ def requests() -> list[GenerationRequest]:
     for i in range(NUM_REQUESTS):
         prompt = prefixes[i % SHARED_PREFIXES] + [rng.randrange(10, 290) for _ in range(rng.randrange(8, 60))]
         out.append(
-            GenerationRequest(
+            GenerationRequest.of(
                 f"chaos-{i}", prompt, max_tokens=rng.randrange(120, 200), temperature=0.0, ignore_eos=True
             )
         )

@@ -94,7 +94,7 @@ def test_an_abort_storm_leaves_nothing_held_and_the_cluster_serves_on(cluster, u
     assert set(outcomes) <= {"hung up", "completed", "HTTP 429"}
     assert wait_idle(cluster, idle, 5) == idle
     after = [
-        GenerationRequest(f"after-storm-{i}", prompts[i], max_tokens=16, temperature=0.0, ignore_eos=True)
+        GenerationRequest.of(f"after-storm-{i}", prompts[i], max_tokens=16, temperature=0.0, ignore_eos=True)
         for i in range(30)
     ]
     be = backend(cluster)

@@ -106,11 +106,11 @@ def test_the_gateway_schedules_over_the_fast_path_when_the_conductor_has_one(fas
 
         async def go():
             try:
-                req = GenerationRequest(request_id=os.urandom(4).hex(), prompt_token_ids=list(range(100)), max_tokens=4)
+                req = GenerationRequest.of(os.urandom(4).hex(), list(range(100)), 4)
                 placement = await backend.schedule(req)
                 using = backend._fast is not None
                 with pytest.raises(InvalidRequest):  # an empty prompt: INVALID_ARGUMENT on either path
-                    await backend.schedule(GenerationRequest(request_id="x", prompt_token_ids=[], max_tokens=4))
+                    await backend.schedule(GenerationRequest.of("x", [], 4))
                 return placement, using
             finally:
                 await backend.close()
@@ -133,7 +133,7 @@ def test_a_gateway_sheds_while_the_conductor_refuses_everything_and_stops_when_i
         backend = ClusterBackend(node.info["grpc"], "m", 4096, BLOCK_TOKENS, FP)
 
         def req() -> GenerationRequest:
-            return GenerationRequest(request_id=os.urandom(4).hex(), prompt_token_ids=list(range(40)), max_tokens=4)
+            return GenerationRequest.of(os.urandom(4).hex(), list(range(40)), 4)
 
         async def go():
             try:

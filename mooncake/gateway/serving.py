@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake.engine.grammar import JSON_OBJECT_SCHEMA, grammar_for
-from mooncake.engine.request import TokenLogprob
+from mooncake.engine.request import SamplingParams, TokenLogprob
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import tenants, tools
 from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, Echo, TokenTexts
@@ -381,26 +381,36 @@ class OpenAIServing:
             )
         # best_of ranks its candidates by their summed log-probabilities
         sampled_logprobs = logprobs if per_prompt == n else max(logprobs or 0, 0)
+        try:  # one choice's sampling (the seeds differ: _choice_seed); the engine's own checks, as a 400
+            sampling = [
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=min(max(req.top_k or 0, 0), TOP_K_MAX),
+                    seed=_choice_seed(req.seed, j),
+                    stop=req.stop_sequences(),
+                    ignore_eos=req.ignore_eos,
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    logit_bias=bias,
+                    min_tokens=req.min_tokens or 0,
+                    logprobs=sampled_logprobs,
+                    grammar=grammar,
+                    prompt_logprobs=prompt_logprobs,
+                )
+                for j in range(per_prompt)
+            ]
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        salt = tenants.salt_for(req.cache_salt)
         generations = [
             GenerationRequest(
                 request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}",
                 prompt_token_ids=prompt,
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=min(max(req.top_k or 0, 0), TOP_K_MAX),
-                seed=_choice_seed(req.seed, j),
-                stop=req.stop_sequences(),
-                ignore_eos=req.ignore_eos,
-                cache_salt=tenants.salt_for(req.cache_salt),
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logit_bias=bias,
-                min_tokens=req.min_tokens or 0,
-                logprobs=sampled_logprobs,
-                grammar=grammar,
-                prompt_logprobs=prompt_logprobs,
+                sampling=sampling[j],
+                cache_salt=salt,
             )
             for p, prompt in enumerate(prompts)
             for j in range(per_prompt)
@@ -565,7 +575,7 @@ class OpenAIServing:
 
     def _echo(self, prepared: PreparedRequest, choice: int, prompt_logprobs: list[TokenLogprob] | None) -> Echo:
         generation = prepared.generations[choice]
-        logprobs = prompt_logprobs or [] if generation.prompt_logprobs is not None else None
+        logprobs = prompt_logprobs or [] if generation.sampling.prompt_logprobs is not None else None
         return Echo(prepared.echo[choice // prepared.per_prompt], generation.prompt_token_ids[0], logprobs)
 
 

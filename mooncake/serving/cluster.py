@@ -281,7 +281,9 @@ class ClusterBackend(GenerationBackend):
                         cached_tokens=usage[0],
                         cached_tokens_by_tier=usage[1],
                         recovery=self._recovery(request, progress) if c.finish_reason else None,
-                        logprobs=[logprob_from_pb(lp) for lp in c.logprobs] if request.logprobs is not None else None,
+                        logprobs=[logprob_from_pb(lp) for lp in c.logprobs]
+                        if request.sampling.logprobs is not None
+                        else None,
                         prompt_logprobs=[logprob_from_pb(lp) for lp in c.prompt_logprobs]
                         if c.prompt_logprobs
                         else None,
@@ -363,7 +365,7 @@ class ClusterBackend(GenerationBackend):
         msg = wpb.GenerateRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            sampling=sampling_to_pb(request),
+            sampling=sampling_to_pb(request.sampling),
             cache_salt=request.cache_salt,
             placement=placement,
             output_token_ids=progress.output_token_ids,

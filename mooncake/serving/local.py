@@ -12,36 +12,12 @@ from collections.abc import AsyncGenerator
 
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
-from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.build import build_engine
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind
 from mooncake.serving.text import TextStream
 from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Unavailable
-
-
-def sampling_params(req: GenerationRequest) -> SamplingParams:
-    """The engine's SamplingParams for a request (ValueError for values the engine refuses)."""
-    return SamplingParams(
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=tuple(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        logit_bias=req.logit_bias,
-        min_tokens=req.min_tokens,
-        logprobs=req.logprobs,
-        grammar=req.grammar,
-        prompt_logprobs=req.prompt_logprobs,
-    )
 
 
 class LocalBackend(GenerationBackend):
@@ -62,10 +38,6 @@ class LocalBackend(GenerationBackend):
         self.max_model_len = self.engine.max_model_len
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
-        try:
-            params = sampling_params(request)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -76,7 +48,7 @@ class LocalBackend(GenerationBackend):
             rid = await self.loop.submit(
                 sink,
                 prompt_token_ids=request.prompt_token_ids,
-                sampling_params=params,
+                sampling_params=request.sampling,
                 request_id=request.request_id,
                 cache_salt=request.cache_salt,
             )
@@ -85,7 +57,7 @@ class LocalBackend(GenerationBackend):
         except asyncio.CancelledError:  # the client left while the request was being added: it may be in already
             self.loop.abort(request.request_id)
             raise
-        stream = TextStream(self.tokenizer, request.prompt_token_ids, request.stop)
+        stream = TextStream(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
         finished = sent = False
         try:
             while not finished:

@@ -1,6 +1,7 @@
-"""A request's sampling on the wire: GenerationRequest -> ``worker.proto``'s Sampling -> the engine's SamplingParams.
+"""A request's sampling on the wire: the engine's SamplingParams -> ``worker.proto``'s Sampling -> SamplingParams again.
 
-The gateway writes it once (``sampling_to_pb``); the decode worker and the prefill worker
+One type on both sides: the gateway makes a request's SamplingParams (checked there, once,
+``GenerationRequest.sampling``) and writes it (``sampling_to_pb``); the decode worker and the prefill worker
 read it with ``params_from_pb``, so both halves of a disaggregated request sample with the
 same penalties, biases and ``min_tokens`` (the prefill samples the first token, the decode
 worker the rest).
@@ -9,11 +10,10 @@ worker the rest).
 from __future__ import annotations
 
 from mooncake.engine.request import SamplingParams, TokenLogprob
-from mooncake.serving.types import GenerationRequest
 from protos import worker_pb2 as wpb
 
 
-def sampling_to_pb(req: GenerationRequest) -> wpb.Sampling:
+def sampling_to_pb(req: SamplingParams) -> wpb.Sampling:
     # a seed of 2**63 or more travels as the int64 of the same 64 bits (torch.Generator.manual_seed takes either alike)
     seed = req.seed - 2**64 if req.seed is not None and req.seed >= 2**63 else req.seed
     return wpb.Sampling(

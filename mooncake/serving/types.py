@@ -16,7 +16,7 @@ import abc
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from mooncake.engine.request import TokenLogprob
+from mooncake.engine.request import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,25 +25,25 @@ class GenerationRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
+    sampling: SamplingParams  # the engine's own type: checked once, where the request is made
     cache_salt: str | None = None  # keeps tenants' prefix caches apart (DESIGN §4)
     slo_class: str = "default"
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    logprobs: int | None = None  # each token's log-probability, and this many of the likeliest
-    grammar: str | None = None  # llguidance grammar the output must follow (mooncake.engine.grammar.grammar_for)
-    prompt_logprobs: int | None = None  # each prompt token's log-probability (completions' echo with logprobs)
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        slo_class: str = "default",
+        **sampling,
+    ) -> GenerationRequest:
+        """A request with ``SamplingParams(max_tokens=max_tokens, **sampling)``; ValueError for values it refuses."""
+        return cls(
+            request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, **sampling), cache_salt, slo_class
+        )
 
 
 @dataclass(slots=True)

@@ -7,12 +7,12 @@ import logging
 import sys
 import time
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from decode.worker import Busy, DecodeConfig, DecodeWorker, Failed
+from decode.worker import DecodeConfig, DecodeWorker, Failed
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
+from mooncake.serving.status import WORKER_STATUS, Busy
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransportChoice
@@ -105,7 +105,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
             outcome = "rejected"
             m.rejections.labels(e.reason).inc()
             context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{e.retry_after_s:g}"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.reason}: {e}")
+            context.abort(WORKER_STATUS.code_of(e), f"{e.reason}: {e}")
         except Failed as e:
             outcome = e.code.name.lower()
             if e.failed_instance:

@@ -63,6 +63,7 @@ from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
+from mooncake.serving.status import REQUEST_CODES, WORKER_STATUS, Busy
 from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -141,14 +142,6 @@ class DecodeConfig(BaseModel):
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
 
-class Busy(Exception):
-    """Turned away to protect the TBT SLO or for lack of landing slots (RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, message: str, reason: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.reason, self.retry_after_s = reason, retry_after_s
-
-
 class Failed(Exception):
     """A status to end the stream with: ``code``, a message, and the instance that failed when it was not this one
     (the prefill worker: the gateway's retry reports it to the Conductor)."""
@@ -217,7 +210,7 @@ class _Decoding:
             future.result()
         except ValueError as e:
             self.state = DecodeState.DONE  # the engine did not take the blocks: close() returns them
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
         self.blocks = []  # the request's now: the engine frees them with it
         self._leave_prefill()
         self.state = DecodeState.DECODING
@@ -629,7 +622,7 @@ class DecodeWorker:
         try:
             future.result()
         except ValueError as e:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
         run.state = DecodeState.DECODING
         context.add_callback(lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
         usage = dict(
@@ -691,7 +684,7 @@ class DecodeWorker:
                 params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)
             )  # a prefill worker computes those
         except ValueError as e:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
 
     def _prefill(
         self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context
@@ -774,12 +767,7 @@ class DecodeWorker:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.UNAVAILABLE,
             )
-            if code in (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.FAILED_PRECONDITION,
-            ):
+            if code in REQUEST_CODES:  # the request's own fate: passed on as it is (mooncake.serving.status)
                 raise Failed(code, e.details()) from None
             raise Failed(
                 grpc.StatusCode.UNAVAILABLE,

@@ -8,8 +8,8 @@ The same table serves both sides, so what a caller catches is what the service r
                                   StoreFull  <-> RESOURCE_EXHAUSTED
                                   TransferError, KVStoreUnavailable <-> UNAVAILABLE (and DEADLINE_EXCEEDED)
     conductor (conductor/service) Mismatch -> FAILED_PRECONDITION, ValueError, KeyError as above
-    workers (mooncake/serving)    WORKER_CODES: the codes a prefill or decode worker answers
-                                  with, and what a gateway makes of them (BackendError classes)
+    workers (mooncake/serving/    WORKER_STATUS: what a prefill or decode worker answers with,
+             status.py)           and what the gateway makes of it (BackendError classes: HTTP)
 
 An exception that no row matches is a bug: it propagates (gRPC answers UNKNOWN).
 """

@@ -11,29 +11,20 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.client import KVStoreUnavailable
-from mooncake.faults import StatusTable, message
+from mooncake.faults import message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
+from mooncake.serving.status import WORKER_STATUS
 from prefill.stage import read_key
-from prefill.worker import Cancelled, PrefillConfig, PrefillWorker, Unreachable
+from prefill.worker import PrefillConfig, PrefillWorker
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
-from transfer import TransferError, TransportChoice
+from transfer import TransportChoice
 from transfer.metrics import TransferCollector
 
 log = logging.getLogger(__name__)
 
 
-PREFILL_STATUS = StatusTable(
-    raised=[
-        (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-        (Unreachable, grpc.StatusCode.FAILED_PRECONDITION),  # a CUDA cache it cannot map: the decode worker sends slots
-        (Cancelled, grpc.StatusCode.CANCELLED),  # the decode worker went away
-        (KVStoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # a pool node is gone: the gateway places the request again
-        (TransferError, grpc.StatusCode.UNAVAILABLE),
-        (RuntimeError, grpc.StatusCode.UNAVAILABLE),  # draining, or the engine failed
-    ]
-)
 OUTCOME = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid",
     grpc.StatusCode.CANCELLED: "cancelled",
@@ -85,7 +76,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         try:
             resp = self.worker.prefill(request, cancelled)
         except Exception as e:
-            code = PREFILL_STATUS.code_of(e)
+            code = WORKER_STATUS.code_of(e)
             if code is None:
                 raise
             m.requests.labels(OUTCOME[code]).inc()

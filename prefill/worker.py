@@ -55,6 +55,7 @@ from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
+from mooncake.serving.status import Cancelled, Unreachable
 from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import StageGroup
 from prefill.stage_process import StagePush, StageRequest
@@ -127,15 +128,6 @@ class PrefillConfig(BaseModel):
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = default_batched_tokens(self.device)
         return self
-
-
-class Cancelled(Exception):
-    """The caller (a decode worker) went away."""
-
-
-class Unreachable(Exception):
-    """The landing names a decode engine's CUDA cache this worker cannot write (another host, no GPU here): the
-    decode worker asks again with landing slots (FAILED_PRECONDITION)."""
 
 
 @dataclass(eq=False)

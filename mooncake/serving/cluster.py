@@ -40,12 +40,12 @@ from mooncake.blocks import block_keys
 from mooncake.serving.channels import Conductors, client_options
 from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
 from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
+from mooncake.serving.status import client_error
 from mooncake.serving.types import (
     BackendError,
     GenerationBackend,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequest,
     Recovery,
     Rejected,
     Unavailable,
@@ -147,9 +147,9 @@ class ClusterBackend(GenerationBackend):
         try:
             resp = await self._conductor_call("Schedule", msg)
         except grpc.RpcError as e:
-            error = _error(e.code(), e.details() or "", f"the Conductor at {address}")
+            error = client_error(e.code(), e.details() or "", f"the Conductor at {address}")
         except ControlError as e:
-            error = _error(e.code, e.details, f"the Conductor at {address}")
+            error = client_error(e.code, e.details, f"the Conductor at {address}")
         else:
             error = None
         if error is not None:
@@ -384,7 +384,7 @@ class ClusterBackend(GenerationBackend):
                     retry = float(value)
                 elif key == FAILED_INSTANCE_KEY:
                     failed = value
-            error = _error(e.code(), e.details() or "", f"decode worker {placement.decode_id}", retry)
+            error = client_error(e.code(), e.details() or "", f"decode worker {placement.decode_id}", retry)
             if isinstance(error, Unavailable) and e.code() is not grpc.StatusCode.CANCELLED:
                 if failed:
                     raise _Fault(Fault.PREFILL, error, failed) from None
@@ -435,13 +435,3 @@ class _Fault(Exception):
     def __init__(self, fault: Fault, error: BackendError, instance: str = "") -> None:
         super().__init__(error.message)
         self.fault, self.error, self.instance = fault, error, instance
-
-
-def _error(code: grpc.StatusCode, details: str, who: str, retry_after_s: float | None = None) -> BackendError:
-    """What a failed call (its gRPC status code and details) means for the client."""
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(details)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        reason = details.split(":", 1)[0] if ":" in details else "overloaded"
-        return Rejected(details, code=reason, retry_after_s=retry_after_s or 1.0)
-    return Unavailable(f"{who} failed: {code.name} {details}".strip())

@@ -29,7 +29,7 @@ from conductor.policies import PolicyConfig, PolicyKind
 from conductor.pool import make_provider
 from conductor.predictors import PredictorConfig
 from conductor.service import ConductorService, ConductorServicer, start_server
-from conductor.types import Role, Slo
+from conductor.types import DEFAULT_SLO, Role, Slo
 from mooncake.serving.process import print_ready
 
 SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this soon (Python's default: 5 ms)
@@ -115,8 +115,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1.0,
         help="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1)",
     )
-    p.add_argument("--ttft-slo", type=float, default=30.0, help="the default SLO class's time to first token, seconds")
-    p.add_argument("--tbt-slo", type=float, default=0.1, help="the default SLO class's time between tokens, seconds")
+    p.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=DEFAULT_SLO.ttft_s,
+        help="the default SLO class's time to first token, seconds",
+    )
+    p.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=DEFAULT_SLO.tbt_s,
+        help="the default SLO class's time between tokens, seconds",
+    )
     p.add_argument(
         "--slo-class",
         action="append",

@@ -144,6 +144,11 @@ class Slo:
     tbt_s: float
 
 
+# the default SLO class, wherever a cluster is started (the Conductor's flags, `mooncake up`, the helm chart's values):
+# a CPU decode step of a small model takes tens of milliseconds, a long prompt's prefill on a CPU tens of seconds
+DEFAULT_SLO = Slo(ttft_s=30.0, tbt_s=0.5)
+
+
 class KeyChain(Sequence[bytes]):
     """Block keys as one byte string of 16-byte keys: how they travel (one protobuf ``bytes``
     field, not thousands) and how the index probes them, without a Python object per key."""

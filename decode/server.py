@@ -91,7 +91,7 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
                     m.kv_bytes.labels("landed").inc(
                         -(
                             -(len(request.prompt_token_ids) + len(request.output_token_ids))
-                            // self.worker.config.block_size
+                            // self.worker.config.engine_config.block_size
                         )
                         * self.worker.block_bytes
                     )

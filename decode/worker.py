@@ -44,7 +44,7 @@ from typing import Any
 
 import grpc
 import torch
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, model_validator
 
 from conductor.predictors import DecodePredictor, PredictorConfig
 from decode.writeback import BlockWriter
@@ -52,7 +52,7 @@ from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.wire import segment_to_pb
 from mooncake import tls
 from mooncake.blocks import block_keys
-from mooncake.engine.config import EngineConfig, check_cuda_device
+from mooncake.engine.config import EngineConfig, nest_engine_fields
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.build import build_engine
@@ -74,33 +74,22 @@ from transfer.types import TransferError, host_id
 log = logging.getLogger(__name__)
 
 
+# a decode worker's engine: prompts arrive computed (the pool is the prefix cache, so none of its own)
+DECODE_ENGINE_DEFAULTS = {"num_kv_blocks": 2048, "max_num_seqs": 32, "enable_prefix_caching": False}
+
+
 class DecodeConfig(BaseModel):
     """One decode worker (``python -m decode --help`` fills it)."""
 
     id: str = Field("decode-0", min_length=1, description="instance id, unique in the cluster")
-    model: str = Field(description="model directory (Hugging Face layout)")
     engine: EngineKind = Field(EngineKind.NATIVE, description="native: ours; vllm: stock vLLM in this process")
     vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     host: str = Field("127.0.0.1", description="address of its transfer server (landing slots over tcp)")
-    dtype: str = "float32"
-    device: str = Field(
-        "cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]"
+    engine_config: EngineConfig = Field(
+        description="the engine it hosts: its model, device, cache and batch (max_num_seqs: the most requests in "
+        "it); EngineConfig's keywords may also be given flat, over DECODE_ENGINE_DEFAULTS"
     )
 
-    @field_validator("device")
-    @classmethod
-    def _device_here(cls, device: str) -> str:
-        if device != "cpu":
-            check_cuda_device(device)
-        return device
-
-    block_size: int = Field(16, ge=1)
-    num_kv_blocks: int = Field(2048, ge=1, description="the engine's paged cache, in blocks")
-    max_num_seqs: int = Field(32, ge=1, description="most requests in the running batch")
-    max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="default: the engine's for its device (512 on the CPU, 4096 on CUDA)"
-    )
-    max_model_len: int | None = None
     landing_slots: int | None = Field(
         None, ge=1, description="landing slots (blocks); default: two full-context prompts"
     )
@@ -123,9 +112,6 @@ class DecodeConfig(BaseModel):
         description="write each generated block into the pool as it fills, on the prefill's "
         "node (a stream resumed elsewhere then loads it instead of recomputing it)",
     )
-    num_threads: int | None = None
-    use_kernels: bool = True
-    enforce_eager: bool = Field(False, description="on CUDA: no CUDA graphs for decode steps")
     direct_landing: bool = Field(
         True,
         description="native engine: prefills write a prompt's KV into the engine's own cache "
@@ -140,6 +126,11 @@ class DecodeConfig(BaseModel):
     )
     shm_dir: str = "/dev/shm/mooncake"
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields(cls, data: Any) -> Any:
+        return nest_engine_fields(data, DECODE_ENGINE_DEFAULTS)
 
 
 class Failed(Exception):
@@ -269,21 +260,8 @@ class DecodeWorker:
 
     def __init__(self, config: DecodeConfig, link: ConductorLink | None = None) -> None:
         self.config = config
-        self.tokenizer = Tokenizer.from_dir(config.model)
-        engine_config = EngineConfig(
-            model=config.model,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            enable_prefix_caching=False,
-            num_threads=config.num_threads,
-            device=config.device,
-            use_kernels=config.use_kernels,
-            enforce_eager=config.enforce_eager,
-        )
+        self.tokenizer = Tokenizer.from_dir(config.engine_config.model)
+        engine_config = config.engine_config
         self.transfer = TransferEngine(
             TransferConfig(
                 node=config.id, listen_host=config.host, shm_dir=config.shm_dir, **config.transport.model_dump()
@@ -298,17 +276,17 @@ class DecodeWorker:
         native = config.engine is EngineKind.NATIVE and config.direct_landing
         self.cache_segment = None
         self.cuda_ipc = b""
-        place = self._place_cache if native and config.device == "cpu" else None
+        place = self._place_cache if native and config.engine_config.device == "cpu" else None
         self.engine = build_engine(
             config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer, kv_cache_buffer=place
         )
-        if native and config.device != "cpu":
+        if native and config.engine_config.device != "cpu":
             self.cuda_ipc = export_cuda_tensor(self.engine.runner.kv_cache)
         self.cache_num_blocks = self.engine.runner.kv_cache.shape[2] if native else 0
         self._staged_prefills: set[str] = set()  # prefill workers that cannot write this cache (another host, no GPU)
         self.max_model_len = self.engine.max_model_len
         self.block_bytes = self.engine.block_bytes
-        slots = config.landing_slots or 2 * -(-self.max_model_len // config.block_size)
+        slots = config.landing_slots or 2 * -(-self.max_model_len // config.engine_config.block_size)
         self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes, guard=self._landing_guard)
         self.engine_dtype = engine_config.torch_dtype
         self.landing = slot_tensor(
@@ -317,7 +295,9 @@ class DecodeWorker:
         self.slots = SlotAllocator(slots)
         self.loop = EngineLoop(self.engine, name="decode-engine")
         self.writer = (
-            BlockWriter(self.loop, self.transfer, config.id, config.block_size) if config.write_behind else None
+            BlockWriter(self.loop, self.transfer, config.id, config.engine_config.block_size)
+            if config.write_behind
+            else None
         )
         self.predictor = DecodePredictor(PredictorConfig())
         self.step_mean: tuple[float, float, float] | None = None  # (batch, context tokens, seconds) of the mean step
@@ -400,7 +380,7 @@ class DecodeWorker:
     @property
     def batch_cap(self) -> int:
         """Most running requests: max_num_seqs, lowered to where the measured step time meets the TBT budget."""
-        cap = self.config.max_num_seqs
+        cap = self.config.engine_config.max_num_seqs
         if self.config.tbt_slo_s is None or not self.predictor.fitted:
             return cap
         limit = self.config.tbt_slo_s * self.config.tbt_headroom
@@ -487,7 +467,7 @@ class DecodeWorker:
                 slots, blocks = [], []  # the engine gives it blocks as it computes
             else:
                 slots, blocks = self._reserve(
-                    -(-len(sequence) // self.config.block_size), req.placement.prefill_address
+                    -(-len(sequence) // self.config.engine_config.block_size), req.placement.prefill_address
                 )
         except (Busy, Failed):
             if self.link is not None:  # the Conductor counted it here when it scheduled it
@@ -647,7 +627,7 @@ class DecodeWorker:
         """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine imports
         them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last token).
         Fewer when the node has fewer by now (evicted), none when it cannot be read: the engine computes the rest."""
-        bs = self.config.block_size
+        bs = self.config.engine_config.block_size
         keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[:planned]
         if not keys:
             return None, 0
@@ -701,7 +681,9 @@ class DecodeWorker:
         )
         self._staged_prefills.add(req.placement.prefill_address)
         run.free_blocks(now=True)
-        run.slots, _ = self._reserve(-(-len(sequence) // self.config.block_size), req.placement.prefill_address)
+        run.slots, _ = self._reserve(
+            -(-len(sequence) // self.config.engine_config.block_size), req.placement.prefill_address
+        )
         return self._granted_prefill(req, sequence, num_outputs, run, context)
 
     def _granted_prefill(

@@ -94,7 +94,9 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         pushed = (len(landing.cache_blocks) or len(landing.offsets)) * self.worker.block_bytes
         m.kv_bytes.labels("pushed").inc(pushed)
         m.handoff.labels("cuda_ipc" if landing.cuda_ipc else "cache" if landing.cache_blocks else "slots").inc(pushed)
-        m.kv_bytes.labels("pulled").inc(resp.fetched_tokens // self.worker.config.block_size * self.worker.block_bytes)
+        m.kv_bytes.labels("pulled").inc(
+            resp.fetched_tokens // self.worker.config.engine_config.block_size * self.worker.block_bytes
+        )
         return resp
 
 
@@ -223,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             fingerprint=worker.engine.fingerprint,
             engine=args.engine,
-            capacity=config.max_num_batched_tokens,
+            capacity=config.engine_config.max_num_batched_tokens,
             pipeline_stages=stages,
-            pipeline_chunk=config.max_num_batched_tokens if stages > 1 else 0,
+            pipeline_chunk=config.engine_config.max_num_batched_tokens if stages > 1 else 0,
             transport=worker.transfer.transport,
         ),
         load=load,

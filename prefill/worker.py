@@ -36,14 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from kvstore.wire import segment_from_pb
 from mooncake.blocks import block_keys
 from mooncake.engine.blockcopy import copy_blocks
-from mooncake.engine.config import EngineConfig, check_cuda_device, default_batched_tokens
+from mooncake.engine.config import EngineConfig, nest_engine_fields
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import tokenizer_or_none
@@ -68,37 +68,27 @@ log = logging.getLogger(__name__)
 CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # calibrate's prompts, in step budgets: 64, 256 and 512 tokens on the CPU
 
 
+# a prefill worker's engine: a small cache and batch (it holds prompts only while computing them), no prefix
+# caching (the pool is its prefix cache), no decode graphs (it never decodes)
+PREFILL_ENGINE_DEFAULTS = {
+    "num_kv_blocks": 1024,
+    "max_num_seqs": 8,
+    "enable_prefix_caching": False,
+    "decode_graphs": False,
+}
+
+
 class PrefillConfig(BaseModel):
     """One prefill worker (``python -m prefill --help`` fills it)."""
 
     id: str = Field("prefill-0", min_length=1, description="instance id, unique in the cluster")
-    model: str = Field(description="model directory (Hugging Face layout)")
     engine: EngineKind = Field(EngineKind.NATIVE, description="native: ours; vllm: stock vLLM in this process")
     vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
     kvstore: str = Field(description="gRPC address of this worker's pool node (on this host)")
-    dtype: str = "float32"
-    device: str = Field(
-        "cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the native engine's device: cpu or cuda[:N]"
+    engine_config: EngineConfig = Field(
+        description="the engine it hosts: its model, device, cache and step budget (also the Conductor's capacity "
+        "and a group's chunk); EngineConfig's keywords may also be given flat, over PREFILL_ENGINE_DEFAULTS"
     )
-
-    @field_validator("device")
-    @classmethod
-    def _device_here(cls, device: str) -> str:
-        if device != "cpu":
-            check_cuda_device(device)
-        return device
-
-    block_size: int = Field(16, ge=1, description="tokens per block: the pool's, the engine's and the Conductor's")
-    num_kv_blocks: int = Field(1024, ge=1, description="the engine's paged cache, in blocks")
-    max_num_batched_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="tokens per engine step; longer prompts run in chunks (default: 512 on the CPU, 4096 on CUDA)",
-    )
-    max_num_seqs: int = Field(8, ge=1, description="prefills in the engine at once")
-    max_model_len: int | None = None
-    num_threads: int | None = None
-    use_kernels: bool = True
     store_new_blocks: bool = Field(True, description="write the prompt's new full blocks into the pool")
     io_timeout_s: float = Field(30.0, gt=0)
     reservation_ttl_s: float = Field(
@@ -122,12 +112,10 @@ class PrefillConfig(BaseModel):
     stage_key: bytes | None = Field(None, description="the group's key, which its stage servers hold too")
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
-    @model_validator(mode="after")
-    def _default_budget(self) -> "PrefillConfig":
-        """The step budget (also the Conductor's capacity and a group's chunk) resolved for the device, as the engine's."""
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_batched_tokens(self.device)
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields(cls, data: Any) -> Any:
+        return nest_engine_fields(data, PREFILL_ENGINE_DEFAULTS)
 
 
 @dataclass(eq=False)
@@ -174,41 +162,28 @@ class PrefillWorker:
         self.transfer = TransferEngine(
             TransferConfig(node=f"{config.id}-xfer", serve=False, **config.transport.model_dump())
         )
-        engine_config = EngineConfig(
-            model=config.model,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            enable_prefix_caching=False,
-            num_threads=config.num_threads,
-            device=config.device,
-            use_kernels=config.use_kernels,
-            decode_graphs=False,  # a prefill worker computes prompts: it never decodes
-        )
+        engine_config = config.engine_config
         if stats.block_bytes == 0:
             raise ValueError(f"pool node {config.kvstore} reports no block size")
         if not stats.segment.shm_path:
             raise ValueError(f"pool node {self.node} is not on this host (its DRAM tier has no shared-memory file)")
         self._region = SharedRegion.open(stats.segment.shm_path)
         self._pool_segment = segment_from_pb(stats.segment)
-        self.connector = PoolConnector(self.transfer, None, config.block_size, config.io_timeout_s)
+        self.connector = PoolConnector(self.transfer, None, config.engine_config.block_size, config.io_timeout_s)
         self.group: StageGroup | None = None
         self.loop: EngineLoop | None = None
         if config.pipeline_stages > 1:
             if config.engine is not EngineKind.NATIVE:
                 raise ValueError("a pipelined prefill group runs the native engine only")
             self.engine = self.group = StageGroup(
-                config.model,
+                config.engine_config.model,
                 config.pipeline_stages,
                 dtype=engine_config.torch_dtype,
-                block_size=config.block_size,
-                num_kv_blocks=config.num_kv_blocks,
-                max_model_len=config.max_model_len,
-                chunk=config.max_num_batched_tokens,
-                device=config.device,
+                block_size=config.engine_config.block_size,
+                num_kv_blocks=config.engine_config.num_kv_blocks,
+                max_model_len=config.engine_config.max_model_len,
+                chunk=config.engine_config.max_num_batched_tokens,
+                device=config.engine_config.device,
                 stage_addresses=config.stage_addresses or None,
                 authkey=config.stage_key,
             )
@@ -218,12 +193,12 @@ class PrefillWorker:
                 engine_config,
                 vllm_args=config.vllm_args,
                 connector=self.connector,
-                tokenizer=tokenizer_or_none(config.model),
+                tokenizer=tokenizer_or_none(config.engine_config.model),
             )
         if self.engine.block_bytes != stats.block_bytes:
             raise ValueError(
                 f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
-                f"are {self.engine.block_bytes} bytes (block size {config.block_size}, dtype {config.dtype})"
+                f"are {self.engine.block_bytes} bytes (block size {config.engine_config.block_size}, dtype {config.engine_config.dtype})"
             )
         self.block_shape = self.engine.block_shape
         self.pool = slot_tensor(self._region.buffer, self.block_shape, engine_config.torch_dtype)
@@ -240,7 +215,9 @@ class PrefillWorker:
             lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id)
         )  # pool nodes
         self.predictor = (
-            PipelinePrefillPredictor(PredictorConfig(), config.pipeline_stages, config.max_num_batched_tokens)
+            PipelinePrefillPredictor(
+                PredictorConfig(), config.pipeline_stages, config.engine_config.max_num_batched_tokens
+            )
             if self.group is not None
             else PrefillPredictor(PredictorConfig())
         )
@@ -272,7 +249,9 @@ class PrefillWorker:
             return []
         vocab = self.engine.args.vocab_size
         limit = self.engine.max_model_len - 1  # the config's may be None: the model's context
-        lengths = [min(limit, max(2, round(share * self.config.max_num_batched_tokens))) for share in shares]
+        lengths = [
+            min(limit, max(2, round(share * self.config.engine_config.max_num_batched_tokens))) for share in shares
+        ]
         for i, n in enumerate([16, *lengths]):
             prompt = [(7 + 31 * (i + t)) % vocab for t in range(n)]
             done = threading.Event()
@@ -309,7 +288,7 @@ class PrefillWorker:
             raise RuntimeError(f"prefill worker {self.config.id} is draining")
         t0 = time.perf_counter()
         prompt = list(req.prompt_token_ids)
-        bs = self.config.block_size
+        bs = self.config.engine_config.block_size
         if not prompt:
             raise ValueError("the prompt is empty")
         num_blocks = -(-len(prompt) // bs)
@@ -456,7 +435,7 @@ class PrefillWorker:
         (mapped here, on the CPU), beside the engine's own import of them: the engine then pushes only the blocks it
         computes, and the copy leaves the engine's thread for a core of its own. The blocks the engine writes (the
         last prompt token's is always computed) stay the engine's to push. None: nothing copied this way."""
-        n = min(len(local), cached // self.config.block_size)
+        n = min(len(local), cached // self.config.engine_config.block_size)
         if not n or job.mapped_cache is None or job.mapped_cache.device.type != "cpu":
             return None
         job.issued = n  # the engine's pushes start after these
@@ -466,12 +445,12 @@ class PrefillWorker:
     def _device_cache(self, landing: wpb.Landing):
         """The decode engine's CUDA cache, mapped here once per decode worker."""
         if (
-            not self.config.device.startswith("cuda")
+            not self.config.engine_config.device.startswith("cuda")
             or self.group is not None
             or self.config.engine is not EngineKind.NATIVE
         ):
             raise Unreachable(
-                f"prefill worker {self.config.id} writes no CUDA cache by IPC (device {self.config.device}, "
+                f"prefill worker {self.config.id} writes no CUDA cache by IPC (device {self.config.engine_config.device}, "
                 f"engine {self.config.engine.value}, {self.config.pipeline_stages} stage(s))"
             )
         if landing.host != host_id():
@@ -551,7 +530,7 @@ class PrefillWorker:
         num_outputs, params = _prefill_params(req, prompt)
         for layer in range(len(held.fetch_batches)):  # the stages read the pulled blocks from the pool
             held.wait_layer(layer)
-        n = -(-cached // self.config.block_size)
+        n = -(-cached // self.config.engine_config.block_size)
         push = StagePush(
             segment_from_pb(req.landing.segment),
             list(req.landing.offsets),
@@ -569,7 +548,7 @@ class PrefillWorker:
             req.request_id,
             prompt,
             params,
-            self.config.max_num_batched_tokens,
+            self.config.engine_config.max_num_batched_tokens,
             num_outputs=num_outputs,
             num_prefix_tokens=cached,
             push=push,
@@ -704,7 +683,7 @@ class PrefillWorker:
     def queued_seconds(self) -> float:
         """Predicted seconds of prefill still to compute for the prefills in flight (what the Conductor adds as queueing
         time): each prompt from what it has computed so far, not from its start."""
-        bs, total = self.config.block_size, 0.0
+        bs, total = self.config.engine_config.block_size, 0.0
         for rid, (p, c) in list(self._inflight.items()):
             job = self.connector.jobs.get(rid)
             done = max(c, min(p - 1, job.issued * bs)) if job is not None else c

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -29,103 +29,48 @@ COMPONENTS = {
 }
 
 
+def _opt(field: str, flag: str, **extra: Any) -> Any:
+    """A `mooncake up` option whose default, help and range are ClusterConfig's: the one place they are written."""
+    info = ClusterConfig.model_fields[field]
+    bounds = {}
+    for rule in info.metadata:
+        if getattr(rule, "ge", None) is not None:
+            bounds["min"] = rule.ge
+        if getattr(rule, "le", None) is not None:
+            bounds["max"] = rule.le
+    return typer.Option(info.get_default(call_default_factory=True), flag, help=info.description, **bounds, **extra)
+
+
 def up(
     model: str = ModelOpt,
     cache_dir: Optional[Path] = CacheOpt,
-    prefill: int = typer.Option(1, "--prefill", min=1, help="Prefill workers (each gets its own pool node)"),
-    prefill_groups: int = typer.Option(
-        0,
-        "--prefill-groups",
-        min=0,
-        help="Of the prefill workers, this many run as "
-        "pipelined groups (chunked pipeline parallelism): the model's layers split over "
-        "--group-size stage processes, one core each; long prompts go there",
-    ),
-    group_size: int = typer.Option(2, "--group-size", min=2, help="Stage processes per pipelined prefill group"),
-    decode: int = typer.Option(1, "--decode", min=1, help="Decode workers"),
-    port: int = typer.Option(8000, "--port", help="The gateway's HTTP port"),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address every component binds"),
-    redis_url: Optional[str] = typer.Option(
-        None, "--redis-url", help="Persist the Conductor's registry and settings here"
-    ),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer <key>` on /v1/*"),
-    tenants: Optional[Path] = typer.Option(
-        None,
-        "--tenants",
-        exists=True,
-        dir_okay=False,
-        help="API keys by tenant (YAML or "
-        "JSON), instead of --api-key: each tenant gets a KV cache of its own and its own "
-        "rate limit and cap on requests in flight",
-    ),
-    pool_dram_mib: int = typer.Option(1024, "--pool-dram-mib", min=1, help="DRAM tier of each pool node (MiB)"),
-    pool_ssd_mib: int = typer.Option(0, "--pool-ssd-mib", min=0, help="SSD tier of each pool node (MiB; 0: none)"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context limit [default: the model's]"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per worker [default: torch's]"),
-    policy: str = typer.Option("kvcache_centric", "--policy", help="Prefill placement policy"),
-    admission: str = typer.Option("early_predictive", "--admission", help="none | baseline | early | early_predictive"),
-    ttft_slo: float = typer.Option(30.0, "--ttft-slo", help="TTFT SLO in seconds"),
-    tbt_slo: float = typer.Option(0.5, "--tbt-slo", help="TBT SLO in seconds (CPU decode steps are tens of ms)"),
-    workdir: Path = typer.Option(
-        Path.home() / ".cache" / "mooncake" / "run", "--workdir", help="Logs (and SSD files) go here"
-    ),
-    engine: str = typer.Option(
-        "native",
-        "--engine",
-        help="Workers' engine: native (ours) or vllm (stock vLLM, installed with the project's `vllm` extra)",
-    ),
-    vllm_arg: list[str] = typer.Option(
-        [],
-        "--vllm-arg",
-        help="KEY=VALUE vLLM engine argument for every worker, repeatable "
-        "(e.g. enforce_eager=true, gpu_memory_utilization=0.85)",
-    ),
-    device: str = typer.Option(
-        "cpu",
-        "--device",
-        help="Native workers' device: cpu, or cuda[:N] (every worker on that "
-        "GPU; a pipelined group's stages spread over the GPUs with plain `cuda`)",
-    ),
-    enforce_eager: bool = typer.Option(
-        False,
-        "--enforce-eager",
-        help="Native workers on CUDA: run every step eagerly, without capturing decode steps as CUDA graphs",
-    ),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", help="Tokens per KV block [default: 16 native, 32 vllm]"
-    ),
-    conductors: int = typer.Option(
-        1,
-        "--conductors",
-        min=1,
-        max=5,
-        help="Conductors; more than one needs --redis-url: one leads, the others stand by and take over when it dies",
-    ),
-    hold: float = typer.Option(
-        10.0,
-        "--hold",
-        min=0,
-        help="Seconds the gateway holds a request while the Conductor (or "
-        "every worker of a role) is away, before answering 503",
-    ),
-    worker_nice: int = typer.Option(
-        10,
-        "--worker-nice",
-        min=0,
-        max=19,
-        help="Run the workers and pool nodes this much below "
-        "the Conductor and the gateway in CPU priority (nice, and the same for the session each runs in, "
-        "which the kernel's autogroups schedule as one), so refusals and decisions stay fast "
-        "however busy the workers are; 0: the same priority, for a client on the same cores "
-        "(at nice 10, a load generator such as aiperf starves them)",
-    ),
-    insecure: bool = typer.Option(
-        False,
-        "--insecure",
-        help="No TLS between the components (development only). By default "
-        "they present certificates from a CA made in the run directory (or $MOONCAKE_TLS_DIR's) "
-        "and refuse any peer without one",
-    ),
+    prefill: int = _opt("prefill", "--prefill"),
+    prefill_groups: int = _opt("prefill_groups", "--prefill-groups"),
+    group_size: int = _opt("group_size", "--group-size"),
+    decode: int = _opt("decode", "--decode"),
+    port: int = _opt("port", "--port"),
+    host: str = _opt("host", "--host"),
+    redis_url: Optional[str] = _opt("redis_url", "--redis-url"),
+    api_key: Optional[str] = _opt("api_key", "--api-key"),
+    tenants: Optional[Path] = _opt("tenants_file", "--tenants", exists=True, dir_okay=False),
+    pool_dram_mib: int = _opt("pool_dram_mib", "--pool-dram-mib"),
+    pool_ssd_mib: int = _opt("pool_ssd_mib", "--pool-ssd-mib"),
+    max_model_len: Optional[int] = _opt("max_model_len", "--max-model-len"),
+    threads: Optional[int] = _opt("threads", "--threads"),
+    policy: str = _opt("policy", "--policy"),
+    admission: str = _opt("admission", "--admission"),
+    ttft_slo: float = _opt("ttft_slo_s", "--ttft-slo"),
+    tbt_slo: float = _opt("tbt_slo_s", "--tbt-slo"),
+    workdir: Path = _opt("workdir", "--workdir"),
+    engine: str = _opt("engine", "--engine"),
+    vllm_arg: list[str] = _opt("vllm_args", "--vllm-arg"),
+    device: str = _opt("device", "--device"),
+    enforce_eager: bool = _opt("enforce_eager", "--enforce-eager"),
+    block_size: Optional[int] = _opt("block_size", "--block-size"),
+    conductors: int = _opt("conductors", "--conductors"),
+    hold: float = _opt("hold_s", "--hold"),
+    worker_nice: int = _opt("worker_nice", "--worker-nice"),
+    insecure: bool = _opt("insecure", "--insecure"),
 ) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, model_validator
 
 from conductor.auth import write_token_file
+from conductor.types import DEFAULT_SLO
 from mooncake import tls
 from mooncake.engine.config import default_batched_tokens
 from mooncake.engine.model_args import ModelArgs
@@ -49,53 +50,75 @@ class ClusterConfig(BaseModel):
 
     model: str = Field(description="model directory")
     model_name: str = Field(description="the name clients send as `model`")
-    prefill: int = Field(1, ge=1, description="prefill workers (each with its own pool node)")
+    prefill: int = Field(1, ge=1, description="Prefill workers (each gets its own pool node)")
     prefill_groups: int = Field(
         0,
         ge=0,
-        description="of the prefill workers, this many (the first) are pipelined groups "
-        "(CPP): --group-size stage processes each, one thread per stage",
+        description="Of the prefill workers, this many run as pipelined groups (chunked pipeline parallelism): "
+        "the model's layers split over --group-size stage processes, one core each; long prompts go there",
     )
-    group_size: int = Field(2, ge=2, description="stages of each pipelined prefill group")
-    decode: int = Field(1, ge=1, description="decode workers")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port (0: any free port)")
-    api_key: str | None = None
+    group_size: int = Field(2, ge=2, description="Stage processes per pipelined prefill group")
+    decode: int = Field(1, ge=1, description="Decode workers")
+    host: str = Field("127.0.0.1", description="Address every component binds")
+    port: int = Field(8000, ge=0, le=65535, description="The gateway's HTTP port (0: any free port)")
+    api_key: str | None = Field(None, description="Require `Authorization: Bearer <key>` on /v1/*")
     tenants_file: Path | None = Field(
-        None, description="the gateway's tenants (mooncake.gateway.tenants); instead of api_key"
+        None,
+        description="API keys by tenant (YAML or JSON), instead of --api-key: each tenant "
+        "gets a KV cache of its own and its own rate limit and cap on requests in flight",
     )
-    redis_url: str | None = None
-    workdir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run")
+    redis_url: str | None = Field(None, description="Persist the Conductor's registry and settings here")
+    workdir: Path = Field(
+        default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run", description="Logs (and SSD files) go here"
+    )
     dtype: str = "float32"
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="native workers' device: cpu or cuda[:N]")
-    engine: str = Field("native", pattern="^(native|vllm)$", description="the workers' engine: ours or stock vLLM")
-    vllm_args: list[str] = Field(default_factory=list, description="KEY=VALUE vLLM engine arguments for every worker")
-    block_size: int | None = Field(None, ge=1, description="default: 16 native, 32 vllm")
-    pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node")
-    pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (0: none)")
-    max_model_len: int | None = None
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="Native workers' device: cpu, or cuda[:N] (every worker on that GPU; a pipelined group's stages "
+        "spread over the GPUs with plain `cuda`)",
+    )
+    engine: str = Field(
+        "native",
+        pattern="^(native|vllm)$",
+        description="Workers' engine: native (ours) or vllm (stock vLLM, installed with the project's `vllm` extra)",
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="KEY=VALUE vLLM engine argument for every worker, repeatable "
+        "(e.g. enforce_eager=true, gpu_memory_utilization=0.85)",
+    )
+    block_size: int | None = Field(None, ge=1, description="Tokens per KV block [default: 16 native, 32 vllm]")
+    pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node (MiB)")
+    pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (MiB; 0: none)")
+    max_model_len: int | None = Field(None, description="Context limit [default: the model's]")
     prefill_batched_tokens: int | None = Field(
         None, ge=1, description="a prefill step's token budget (a group's chunk); default: 512 on the CPU, 4096 on CUDA"
     )
-    enforce_eager: bool = Field(False, description="native workers on CUDA: no CUDA graphs for decode steps")
+    enforce_eager: bool = Field(
+        False,
+        description="Native workers on CUDA: run every step eagerly, without capturing decode steps as CUDA graphs",
+    )
     decode_max_seqs: int = 32
-    threads: int | None = Field(None, description="torch threads per worker (default: torch's)")
-    policy: str = "kvcache_centric"
-    admission: str = "early_predictive"
+    threads: int | None = Field(None, description="torch threads per worker [default: torch's]")
+    policy: str = Field("kvcache_centric", description="Prefill placement policy")
+    admission: str = Field("early_predictive", description="none | baseline | early | early_predictive")
     local_prefill: str = Field(
         "auto",
         description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
         "never (a prefill worker) or always (the decode worker itself)",
     )
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.5
+    ttft_slo_s: float = Field(DEFAULT_SLO.ttft_s, gt=0, description="TTFT SLO in seconds")
+    tbt_slo_s: float = Field(
+        DEFAULT_SLO.tbt_s, gt=0, description="TBT SLO in seconds (CPU decode steps are tens of ms)"
+    )
     gateway: bool = True
     restart: bool = Field(True, description="restart a component that dies")
     hold_s: float = Field(
         10.0,
         ge=0,
-        description="the gateway holds a request this long while the Conductor (or every "
-        "worker of a role) is away, then answers 503",
+        description="Seconds the gateway holds a request while the Conductor (or every worker of a role) is away, "
+        "before answering 503",
     )
     network_hosts: bool = Field(
         False,
@@ -112,22 +135,23 @@ class ClusterConfig(BaseModel):
         1,
         ge=1,
         le=5,
-        description="Conductors: with more than one (on --redis-url), one leads and "
-        "the others stand by to take over when its lease lapses",
+        description="Conductors; more than one needs --redis-url: one leads, the others stand by and take over when "
+        "it dies",
     )
     insecure: bool = Field(
         False,
-        description="no TLS between the components (mooncake.tls): anyone who can reach their "
-        "ports can call them; for development only",
+        description="No TLS between the components (development only). By default they present certificates from "
+        "a CA made in the run directory (or $MOONCAKE_TLS_DIR's) and refuse any peer without one",
     )
     ready_timeout_s: float = 180.0
     worker_nice: int = Field(
         10,
         ge=0,
         le=19,
-        description="the workers' and pool nodes' CPU priority below the Conductor's "
-        "and the gateway's (nice): on shared cores a refused request is answered in milliseconds "
-        "however busy the workers are (0: the same priority)",
+        description="Run the workers and pool nodes this much below the Conductor and the gateway in CPU priority "
+        "(nice, and the same for the session each runs in, which the kernel's autogroups schedule as one), so "
+        "refusals and decisions stay fast however busy the workers are; 0: the same priority, for a client on the "
+        "same cores (at nice 10, a load generator such as aiperf starves them)",
     )
 
     @model_validator(mode="after")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -98,3 +98,23 @@ def check_cuda_device(device: str) -> None:
     index = torch.device(device).index
     if index is not None and index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+
+
+def nest_engine_fields(data: Any, defaults: dict[str, Any]) -> Any:
+    """For a worker's config (a ``model_validator(mode="before")``): the EngineConfig keywords given flat
+    (``model=``, ``block_size=``, ...) go into its ``engine_config``, over the worker's own ``defaults``.
+
+    So the engine's options are declared once, here, and a worker's config holds an EngineConfig rather than a copy.
+    """
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    given = data.pop("engine_config", None)
+    nested = dict(defaults)
+    if isinstance(given, EngineConfig):
+        nested.update(given.model_dump(exclude_unset=True))
+    elif given is not None:
+        nested.update(given)
+    nested.update({k: data.pop(k) for k in list(data) if k in EngineConfig.model_fields})
+    data["engine_config"] = nested
+    return data

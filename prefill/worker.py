@@ -123,7 +123,8 @@ class PrefillConfig(BaseModel):
 
     @model_validator(mode="after")
     def _default_budget(self) -> "PrefillConfig":
-        """The step budget (also the Conductor's capacity and a group's chunk) resolved for the device, as the engine's."""
+        """The step budget (also the Conductor's capacity and a group's chunk) resolved for the device, as the
+        engine's."""
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = default_batched_tokens(self.device)
         return self
@@ -596,7 +597,8 @@ class PrefillWorker:
     # -- the pool ----------------------------------------------------------------------------------
 
     def _load_plan(self, plan, keys: list[bytes], held: _Held) -> tuple[list[int], int, list[int]]:
-        """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched slots)."""
+        """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched
+        slots)."""
         local: list[int] = []
         ssd_hits = 0
         want = min(plan.local_blocks, len(keys))

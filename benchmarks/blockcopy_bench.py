@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         base = timed(lambda: gather_scatter(dst_ids, src_ids, from_pool), args.reps)
         ours = timed(lambda: by_runs(dst_ids, src_ids, from_pool), args.reps)
         print(
-            f"{label:<30} gather+scatter {base * 1e3:7.1f} ms   copy_blocks {ours * 1e3:7.1f} ms   ratio {base / ours:4.2f}x"
+            f"{label:<30} gather+scatter {base * 1e3:7.1f} ms   copy_blocks {ours * 1e3:7.1f} ms   "
+            f"ratio {base / ours:4.2f}x"
         )
     return 0
 

@@ -1,6 +1,7 @@
 """Chaos: the same replay with a component SIGKILLed mid-run; what each kind of failure costs a request.
 
-    python -m benchmarks.chaos [--json PATH] [--model smollm2-135m|DIR] [--quick] [--victims prefill-0,decode-0,conductor,kv1]
+    python -m benchmarks.chaos [--json PATH] [--model smollm2-135m|DIR] [--quick]
+        [--victims prefill-0,decode-0,conductor,kv1]
 
 1. A LocalCluster starts (the Conductor, ``--prefill`` prefill workers each with its pool
    node ``kv{i}``, ``--decode`` decode workers; every component its own process, one torch
@@ -262,7 +263,8 @@ def replay(
         killed_at = time.perf_counter()
         result.kill_s, result.killed_pid, result.streaming_at_kill = killed_at - t0, pid, streaming
         console.log(
-            f"killed {result.victim} (pid {pid}) at {result.kill_s:.1f} s, {streaming} of {len(requests)} requests streaming"
+            f"killed {result.victim} (pid {pid}) at {result.kill_s:.1f} s, {streaming} of "
+            f"{len(requests)} requests streaming"
         )
         watcher.append(threading.Thread(target=watch, args=(killed_at,), name="chaos-recovery-watch", daemon=True))
         watcher[0].start()
@@ -346,7 +348,8 @@ def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, killed
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"after {victim} was killed, the Conductor lists only {sorted(alive)} alive within {timeout_s:.0f} s"
+                    f"after {victim} was killed, the Conductor lists only {sorted(alive)} alive "
+                    f"within {timeout_s:.0f} s"
                 )
             time.sleep(0.05)
     result.registered_after_s = time.perf_counter() - killed_at
@@ -401,7 +404,8 @@ class CpuMeter:
 
 
 def decode_ok(cluster: LocalCluster) -> dict[str, int | None]:
-    """Requests each decode worker finished since it started (its mooncake_decode_requests counter), None if it does not answer."""
+    """Requests each decode worker finished since it started (its mooncake_decode_requests counter), None if it does not
+    answer."""
     import httpx
 
     out: dict[str, int | None] = {}
@@ -423,7 +427,8 @@ def decode_ok(cluster: LocalCluster) -> dict[str, int | None]:
 
 
 def git_state() -> str:
-    """The commit checked out, with " + changes" when tracked files differ from it ("unknown" outside a git checkout)."""
+    """The commit checked out, with " + changes" when tracked files differ from it ("unknown" outside a git
+    checkout)."""
     try:
         head = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -634,7 +639,8 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
     n = goals["resumed_streams"]
     most = goals["max_recomputed_tokens"]
     console.print(
-        f"goal: a resumed stream recomputes at most {GOAL_RECOMPUTED_BLOCKS} block ({goals['recompute_goal_tokens']} tokens): "
+        f"goal: a resumed stream recomputes at most {GOAL_RECOMPUTED_BLOCKS} block "
+        f"({goals['recompute_goal_tokens']} tokens): "
         + (
             f"at most {most} tokens ({math.ceil(most / report.block_size)} block(s)) over {n} resumed streams "
             if n
@@ -649,8 +655,9 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
     )
     if goals["warmup_differs_from_baseline"]:
         console.print(
-            f"[yellow]note[/]: the two undisturbed replays differ on {len(goals['warmup_differs_from_baseline'])} requests "
-            f"({', '.join(goals['warmup_differs_from_baseline'][:8])}): outputs are not stable even without faults"
+            f"[yellow]note[/]: the two undisturbed replays differ on {len(goals['warmup_differs_from_baseline'])} "
+            f"requests ({', '.join(goals['warmup_differs_from_baseline'][:8])}): outputs are not "
+            "stable even without faults"
         )
     if report.code_changed:
         console.print(
@@ -660,11 +667,12 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
     for r in rows:
         if r["failed_ids"] or r["differ_from_baseline"]:
             console.print(
-                f"[red]{r['replay']}[/]: failed {r['failed_ids']}, outputs differing from the baseline {r['differ_from_baseline']}"
+                f"[red]{r['replay']}[/]: failed {r['failed_ids']}, outputs differing from the baseline "
+                f"{r['differ_from_baseline']}"
             )
     console.print(
-        f"code {report.git}; cluster start-up (not counted) {report.startup_s:.1f} s; load average {m['load_average'][0]:.2f}; "
-        f"total wall {report.total_wall_s:.0f} s"
+        f"code {report.git}; cluster start-up (not counted) {report.startup_s:.1f} s; load average "
+        f"{m['load_average'][0]:.2f}; total wall {report.total_wall_s:.0f} s"
     )
 
 
@@ -755,9 +763,10 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                 failed = sum(not r.ok for r in result.requests)
                 served = ", ".join(f"{k} {'?' if v is None else v}" for k, v in sorted(result.decode_ok.items()))
                 console.log(
-                    f"{name}: {args.requests - failed} ok, {failed} failed, {sum(r.recovery is not None for r in result.requests)} "
-                    f"outlived a fault, {result.wall_s:.1f} s; requests per decode worker: {served}; CPU used by other "
-                    f"processes {result.cpu_machine_s - result.cpu_cluster_s:.0f} s of {result.cpu_machine_s:.0f} s"
+                    f"{name}: {args.requests - failed} ok, {failed} failed, "
+                    f"{sum(r.recovery is not None for r in result.requests)} outlived a fault, {result.wall_s:.1f} s; "
+                    f"requests per decode worker: {served}; CPU used by other processes "
+                    f"{result.cpu_machine_s - result.cpu_cluster_s:.0f} s of {result.cpu_machine_s:.0f} s"
                 )
             report.events = [(when - t0, msg) for when, msg in events.seen]
             report.code_changed = sorted(f for f, m in code_mtimes().items() if code.get(f) != m)

@@ -1,4 +1,5 @@
-"""Trace replay against several serving systems on this machine: effective request capacity (or SLO attainment) per system.
+"""Trace replay against several serving systems on this machine: effective request capacity (or SLO attainment) per
+system.
 
     python -m benchmarks.compare [--trace PATH] [--model smollm2-135m|DIR] [--limit N] [--speed S]
         [--sweep 0.5,1,2] [--policies kvcache_centric,cache_aware_local,least_loaded,random]
@@ -277,9 +278,10 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
             def on_run(r: dict) -> None:
                 s = r["summary"]
                 console.log(
-                    f"{run.name:>32} x{r['rate_factor']:<5g} {s['offered_rate_rps']:.2f} req/s: SLO met {s['slo_attainment']:.1%}, "
-                    f"TTFT p50 {rp._ms(s['ttft_p50_s'])} ms, TBT p50 {rp._ms(s['tbt_p50_s'])} ms, {s['rejected']} rejected, "
-                    f"{s['errors']} errors, cache hit {rp._share(s['cache_hit_ratio'])}"
+                    f"{run.name:>32} x{r['rate_factor']:<5g} {s['offered_rate_rps']:.2f} req/s: SLO met "
+                    f"{s['slo_attainment']:.1%}, TTFT p50 {rp._ms(s['ttft_p50_s'])} ms, TBT p50 "
+                    f"{rp._ms(s['tbt_p50_s'])} ms, {s['rejected']} rejected, {s['errors']} errors, cache hit "
+                    f"{rp._share(s['cache_hit_ratio'])}"
                     + (f"; {rp.describe_predictions(s)}" if s.get("predicted_requests") else "")
                 )
 
@@ -353,7 +355,8 @@ def headline(run: SystemRun, sweeping: bool) -> float | None:
 def rows_and_goals(runs: list[SystemRun], sweeping: bool) -> tuple[list[dict], list[dict]]:
     by_name = {r.name: r for r in runs}
     base = headline(by_name["coupled"], sweeping) if "coupled" in by_name else None
-    # coupled missed the target even at the lowest rate: its capacity is below that rate, so a ratio is only bounded below
+    # coupled missed the target even at the lowest rate: its capacity is below that rate,
+    # so a ratio is only bounded below
     coupled_runs = by_name["coupled"].runs if "coupled" in by_name else []
     floor = min(r["summary"]["offered_rate_rps"] for r in coupled_runs) if sweeping and coupled_runs else None
     rows = []
@@ -409,8 +412,8 @@ def render(rows: list[dict], goals: list[dict], args, scaling: rp.Scaling, model
     metric = f"capacity (>= {args.effective_target:.0%} effective)" if sweeping else "SLO met"
     title = (
         f"Trace replay, one system at a time: {model}, {args.limit} requests, SLOs TTFT {args.ttft_slo:g} s / TBT "
-        f"{args.tbt_slo:g} s; disaggregated = {args.prefill} prefill + {args.decode} decode (1 thread each), coupled = one "
-        f"engine ({args.coupled_threads} threads)"
+        f"{args.tbt_slo:g} s; disaggregated = {args.prefill} prefill + {args.decode} decode (1 thread each), coupled = "
+        f"one engine ({args.coupled_threads} threads)"
     )
     caption = (
         scaling.describe(args.speed)
@@ -578,7 +581,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def fit_context(args, model_dir: Path, console: Console) -> None:
-    """``args.max_input`` within the model's context, and ``args.max_model_len`` the prompt and output rounded up to 512."""
+    """``args.max_input`` within the model's context, and ``args.max_model_len`` the prompt and output rounded up to
+    512."""
     config = json.loads((model_dir / "config.json").read_text())
     max_pos = int(config.get("max_position_embeddings") or 8192)
     if args.max_input + args.max_output > max_pos:
@@ -607,8 +611,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread
         )
         console.print(
-            f"model {model} ({model_dir}); {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt tokens; "
-            f"{scaling.describe(args.speed)}"
+            f"model {model} ({model_dir}); {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt "
+            f"tokens; {scaling.describe(args.speed)}"
         )
         todo = systems(args, model_dir, workdir)
         with rp.make_progress(console, args.no_progress) as progress:

@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         chains = build(service.conductor, args, rng)
     build_s = time.perf_counter() - started
     console.print(
-        f"index: {service.conductor.index.num_blocks:,} blocks on {len(service.conductor.index.nodes)} nodes, built in {build_s:.1f} s"
+        f"index: {service.conductor.index.num_blocks:,} blocks on {len(service.conductor.index.nodes)} nodes, "
+        f"built in {build_s:.1f} s"
     )
     with console.status("index match against a per-node walk"):
         index = index_vs_baseline(service.conductor, chains, args)
@@ -326,13 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(f"{name}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}", f"{r['rate']:,.0f}", goal)
     console.print(table)
     console.print(
-        f"index match: {index['every key probed']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than probing every key, "
-        f"{index['per-node walk']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than a per-node walk (p50)"
+        f"index match: {index['every key probed']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than probing every "
+        f"key, {index['per-node walk']['p50_ms'] / index['index']['p50_ms']:.1f}x faster than a per-node walk (p50)"
     )
     for transport in ("gRPC", "fast path"):
         floor, sched = remote[f"Heartbeat x2, {transport}"]["rate"], remote[f"Schedule x2, {transport}"]["rate"]
         console.print(
-            f"{transport}: Schedule x2 {sched:,.0f}/s against an empty Heartbeat x2 (the transport's floor) {floor:,.0f}/s"
+            f"{transport}: Schedule x2 {sched:,.0f}/s against an empty Heartbeat x2 (the "
+            f"transport's floor) {floor:,.0f}/s"
         )
     if args.json:
         args.json.write_text(

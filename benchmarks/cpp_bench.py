@@ -145,8 +145,8 @@ def main() -> None:
                 }
             )
             print(
-                f"{x} stages: {args.long} tokens {long_s:.2f} s ({base_long / long_s:.2f}x faster), {args.short} tokens "
-                f"{1000 * short_s:.1f} ms ({short_s / base_short:.2f}x the single stage's)",
+                f"{x} stages: {args.long} tokens {long_s:.2f} s ({base_long / long_s:.2f}x faster), {args.short} "
+                f"tokens {1000 * short_s:.1f} ms ({short_s / base_short:.2f}x the single stage's)",
                 flush=True,
             )
             _close(group)

@@ -225,14 +225,15 @@ def serve_and_measure(
                         index.wait_for(before + size // BLOCK_SIZE)
                     report.samples.append(s)
                     console.log(
-                        f"{system:>14} {size:>6,} {cache}  TTFT {s.ttft_s * 1e3:9.1f} ms  TBT mean {s.tbt_mean_s * 1e3:7.1f} ms"
-                        f"  tail {s.tbt_tail_s * 1e3:7.1f} ms  cached {s.cached_tokens:>5}"
+                        f"{system:>14} {size:>6,} {cache}  TTFT {s.ttft_s * 1e3:9.1f} ms  TBT mean "
+                        f"{s.tbt_mean_s * 1e3:7.1f} ms  tail {s.tbt_tail_s * 1e3:7.1f} ms  cached {s.cached_tokens:>5}"
                     )
                     progress.advance(task)
 
 
 class IndexWatch:
-    """How many blocks of pool node kv0 the Conductor's index lists (stored blocks reach it as events, a moment later)."""
+    """How many blocks of pool node kv0 the Conductor's index lists (stored blocks reach it as events, a moment
+    later)."""
 
     def __init__(self, conductor_address: str) -> None:
         from protos import conductor_pb2 as cpb
@@ -355,7 +356,8 @@ def run_coupled(
 
 
 class PoolNode:
-    """A ``python -m kvstore`` process of ``dram_blocks`` blocks, its shared memory in ``shm_dir``, its log in ``log_path``."""
+    """A ``python -m kvstore`` process of ``dram_blocks`` blocks, its shared memory in ``shm_dir``, its log in
+    ``log_path``."""
 
     def __init__(self, block_bytes: int, dram_blocks: int, shm_dir: str, log_path: Path) -> None:
         argv = [
@@ -377,7 +379,8 @@ class PoolNode:
         self.info: dict = {}
 
     def start(self) -> None:
-        """Start the process and wait for its READY line (separate from __init__, so an interrupt here still finds it to stop)."""
+        """Start the process and wait for its READY line (separate from __init__, so an interrupt here still finds it to
+        stop)."""
         self.component.start()
         self.info = self.component.wait_ready(60.0)
 
@@ -487,7 +490,8 @@ def run_overlap(
                     run = fn(prompt_of(size, f"overlap-{fn.__name__}-{rep}", vocab), rep)
                     report.overlap.append(run)
                     console.log(
-                        f"overlap {size:>6,} {run.mode:<8}  wall {run.wall_s * 1e3:9.1f} ms  engine {run.engine_s * 1e3:9.1f} ms"
+                        f"overlap {size:>6,} {run.mode:<8}  wall {run.wall_s * 1e3:9.1f} ms  engine "
+                        f"{run.engine_s * 1e3:9.1f} ms"
                         + (f"  pool blocks written {run.pool_blocks_written}" if run.mode == "streamed" else "")
                     )
                     progress.advance(task)
@@ -567,8 +571,8 @@ def render(report: Report, srows: list[dict], orows: list[dict], console: Consol
     if srows and report.samples:
         hosts = "on two network hosts" if report.config.get("cluster", {}).get("network_hosts") else "on one host"
         table = Table(
-            title=f"Through the gateway: disaggregated (1 prefill + 1 decode, {hosts}) vs coupled (one engine); {report.model}, "
-            f"{report.max_tokens} output tokens, {report.threads} torch thread(s) per engine, "
+            title=f"Through the gateway: disaggregated (1 prefill + 1 decode, {hosts}) vs coupled (one engine); "
+            f"{report.model}, {report.max_tokens} output tokens, {report.threads} torch thread(s) per engine, "
             f"{m['cpu_model']} ({m['logical_cores']} cores)"
             + (f", {m['gpu']}" if m.get("gpu") else "")
             + f", median of {report.reps}",
@@ -602,8 +606,9 @@ def render(report: Report, srows: list[dict], orows: list[dict], console: Consol
         console.print(table)
     if orows:
         table = Table(
-            title=f"Layer-wise overlap: a cold prefill streaming every layer into a decode cache ({report.landing_transport}) "
-            f"and writing the pool, vs the same engine with nothing streamed; median of {report.reps}",
+            title="Layer-wise overlap: a cold prefill streaming every layer into a decode cache "
+            f"({report.landing_transport}) and writing the pool, vs the same engine with nothing "
+            f"streamed; median of {report.reps}",
             caption="ms; wall = the call as the caller sees it; engine = (a) the response's prefill_s, (b) "
             "generate() on the engine's thread",
         )

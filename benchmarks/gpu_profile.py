@@ -64,7 +64,8 @@ def main() -> int:
     pure = [x for x in steps if not x[1]]
     for name, group in (("mixed/prefill", mixed), ("decode-only", pure)):
         print(
-            f"  {name} steps: {len(group)}, execute {sum(x[2] for x in group):.3f} s, step {sum(x[3] for x in group):.3f} s"
+            f"  {name} steps: {len(group)}, execute {sum(x[2] for x in group):.3f} s, step "
+            f"{sum(x[3] for x in group):.3f} s"
         )
     for b in sorted({x[0] for x in pure}, reverse=True)[:6]:
         xs = [x for x in pure if x[0] == b]

@@ -3,13 +3,13 @@
     python -m benchmarks.kvstore_bench [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB]
 
 For each block size a node is started as its own process (``python -m kvstore``, a
-``--dram-mib`` DRAM tier) and filled once, so its shared memory is touched before
-anything is timed. A client in this process then puts and gets one block per call
-(``--batch-blocks`` blocks per call in extra rows for blocks under 1 MiB), through
-shared memory (the client's defaults: the node is on this host, so its Unix control
-socket and its shared-memory segment) and through tcp (an engine forced to tcp, control
-calls on the node's tcp control port: what a client on another host does). Puts use fresh keys, so a full store evicts (LRU) as it
-goes; gets cycle over keys stored last.
+``--dram-mib`` DRAM tier) and filled once, so its shared memory is touched before anything
+is timed. A client in this process then puts and gets one block per call
+(``--batch-blocks`` blocks per call in extra rows for blocks under 1 MiB), through shared
+memory (the client's defaults: the node is on this host, so its Unix control socket and
+its shared-memory segment) and through tcp (an engine forced to tcp, control calls on the
+node's tcp control port: what a client on another host does). Puts use fresh keys, so a
+full store evicts (LRU) as it goes; gets cycle over keys stored last.
 
 Baseline in the same run: a redis-server this benchmark starts on a free loopback port
 (no persistence), driven by redis-py: SET of a pre-built value, over a ring of keys as
@@ -312,7 +312,8 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                     report.fill_s[human(size)] = fill(clients["store-shm"], Keys(0), value, size, dram_blocks)
                     for rnd in range(args.rounds):
                         for blocks in [n for s, n in shapes if s == size]:
-                            # gets cycle over at most half the DRAM tier's worth of the batches put last: all still stored
+                            # gets cycle over at most half the DRAM tier's worth of the batches put last:
+                            # all still stored
                             working = max(1, min(MAX_WORKING_SET, dram_blocks // (2 * blocks)))
                             for name, client in clients.items():
                                 progress.update(task, description=f"round {rnd + 1}: {name} {human(size)} x {blocks}")
@@ -417,8 +418,9 @@ def compare(report: Report) -> list[dict]:
 def render(report: Report, rows: list[dict], console: Console) -> None:
     m = report.machine
     title = (
-        f"KV store benchmark: a kvstore node process ({report.dram_mib} MiB DRAM) vs redis-server {report.redis_version}, "
-        f"loopback, {m['cpu_model']} ({m['logical_cores']} cores), best of {report.rounds} rounds"
+        f"KV store benchmark: a kvstore node process ({report.dram_mib} MiB DRAM) vs redis-server "
+        f"{report.redis_version}, loopback, {m['cpu_model']} ({m['logical_cores']} cores), best "
+        f"of {report.rounds} rounds"
     )
     caption = "put = reserve + write + commit (Redis SET / MSET); get = lease + read + release (Redis GET / MGET)"
     table = Table(title=title, caption=caption)

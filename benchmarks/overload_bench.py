@@ -241,7 +241,8 @@ def _ms(v: float | None) -> str:
 
 def render(phases: dict[str, dict], capacity_rps: float, args, console: Console) -> list[dict]:
     table = Table(
-        title=f"Overload: capacity {capacity_rps:.2f} requests/s ({args.prompt_words}-word chats, {args.max_tokens} tokens out)"
+        title=f"Overload: capacity {capacity_rps:.2f} requests/s ({args.prompt_words}-word chats, "
+        f"{args.max_tokens} tokens out)"
     )
     for col in (
         "phase",

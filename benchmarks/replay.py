@@ -44,11 +44,12 @@ requests away).
 between text events; TBT as in the paper = the mean of the longest 10% of those gaps
 (ceil, at least one gap); the mean gap = (last event - first event) / (completion tokens -
 1), the tokens counted from ``usage`` (a gateway may send no event for a token whose text
-is empty: that token's gap then joins the next one's); cached prompt tokens from ``usage.prompt_tokens_details.cached_tokens`` (None
-where the server does not say). A 429 is a rejection, anything else that fails an error. A
-request is *effective* when it completed with TTFT <= the TTFT SLO and TBT <= the TBT SLO;
-the **effective request capacity** of a sweep is the highest rate factor at which it and
-every lower factor have at least ``--effective-target`` (0.9) of all requests effective.
+is empty: that token's gap then joins the next one's); cached prompt tokens from
+``usage.prompt_tokens_details.cached_tokens`` (None where the server does not say). A 429
+is a rejection, anything else that fails an error. A request is *effective* when it
+completed with TTFT <= the TTFT SLO and TBT <= the TBT SLO; the **effective request
+capacity** of a sweep is the highest rate factor at which it and every lower factor have
+at least ``--effective-target`` (0.9) of all requests effective.
 
 Usable as a library: ``load_trace``, ``replay``, ``sweep``, ``effective_capacity``,
 ``render``, ``plot`` (benchmarks/compare.py uses them).
@@ -127,7 +128,8 @@ class Scaling:
             raise ValueError(f"block_tokens, max_input and max_output must be >= 1 and output_scale > 0: {self}")
         if self.vocab_size <= MIN_TOKEN_ID + 1:
             raise ValueError(
-                f"vocab_size must be above {MIN_TOKEN_ID + 1} (ids under {MIN_TOKEN_ID} are avoided), got {self.vocab_size}"
+                f"vocab_size must be above {MIN_TOKEN_ID + 1} (ids under {MIN_TOKEN_ID} are "
+                f"avoided), got {self.vocab_size}"
             )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be positive, got {self.limit}")
@@ -149,9 +151,9 @@ class Scaling:
             "; arrivals spread within each 3-s timestamp step" if self.spread else "; arrivals as stamped (no spread)"
         )
         return (
-            f"trace scaled: {self.block_tokens} tokens a hash id (lengths x{self.length_factor:g} = {self.block_tokens}/512), "
-            f"prompt <= {self.max_input} tokens, output x{self.output_scale:g} clamped to [1, {self.max_output}], "
-            f"token ids in [{MIN_TOKEN_ID}, {self.vocab_size}){time_part}; "
+            f"trace scaled: {self.block_tokens} tokens a hash id (lengths x{self.length_factor:g} = "
+            f"{self.block_tokens}/512), prompt <= {self.max_input} tokens, output x{self.output_scale:g} clamped to "
+            f"[1, {self.max_output}], token ids in [{MIN_TOKEN_ID}, {self.vocab_size}){time_part}; "
             f"{'all records' if self.limit is None else f'first {self.limit} records'}"
         )
 
@@ -291,7 +293,8 @@ class Outcome(str, enum.Enum):
 
 @dataclass(slots=True)
 class RequestResult:
-    """One replayed request; times in seconds, ``scheduled_s``/``sent_s`` from the replay's start, the rest from sending."""
+    """One replayed request; times in seconds, ``scheduled_s``/``sent_s`` from the replay's start, the rest from
+    sending."""
 
     index: int
     scheduled_s: float
@@ -589,7 +592,8 @@ def sweep(
     on_run=None,
     **kwargs,
 ) -> dict:
-    """One ``replay`` per rate factor (speed * f, factor k in increasing order salted with k); ``runs`` and ``capacity``.
+    """One ``replay`` per rate factor (speed * f, factor k in increasing order salted with k); ``runs`` and
+    ``capacity``.
 
     ``on_run(run)`` is called after each rate (to log it); ``kwargs`` go to ``replay``.
     """
@@ -608,7 +612,8 @@ def sweep(
 
 
 def warm_up(url: str, model: str, vocab_size: int, api_key: str | None = None, timeout_s: float = 300.0) -> float:
-    """One short request (not counted) so first-call costs stay out of the replay; its wall seconds. RuntimeError if it fails."""
+    """One short request (not counted) so first-call costs stay out of the replay; its wall seconds. RuntimeError if it
+    fails."""
     r = RequestResult(-1, 0.0, 0.0, 64, 4)
     prompt = [random.Random(f"warmup/{i}").randrange(MIN_TOKEN_ID, vocab_size) for i in range(64)]
 
@@ -687,8 +692,8 @@ def describe_predictions(s: dict, short: bool = False) -> str:
         return share
     return (
         f"TTFT predicted within {s['prediction_within']:.0%} for {share} of {s['predicted_requests']}; error "
-        f"(predicted - measured) / measured p10 {s['prediction_error_p10']:+.0%}, p50 {s['prediction_error_p50']:+.0%}, "
-        f"p90 {s['prediction_error_p90']:+.0%}"
+        f"(predicted - measured) / measured p10 {s['prediction_error_p10']:+.0%}, p50 "
+        f"{s['prediction_error_p50']:+.0%}, p90 {s['prediction_error_p90']:+.0%}"
     )
 
 
@@ -711,7 +716,8 @@ def plot(
     target: float,
     title: str,
 ) -> None:
-    """A PNG: TTFT and TBT CDFs (one line per ``cdf_runs`` entry) and, if any sweep has 2+ rates, effective share vs rate."""
+    """A PNG: TTFT and TBT CDFs (one line per ``cdf_runs`` entry) and, if any sweep has 2+ rates, effective share vs
+    rate."""
     import matplotlib
 
     matplotlib.use("Agg")

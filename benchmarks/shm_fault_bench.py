@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             np.copyto(dst, src)
             writes.append(time.perf_counter() - t)
         print(
-            f"{label:<26} map {t_map * 1e3:7.1f} ms   first write {writes[0] * 1e3:7.1f} ms ({size / writes[0] / 1e9:5.1f} GB/s)"
-            f"   second {writes[1] * 1e3:7.1f} ms ({size / writes[1] / 1e9:5.1f} GB/s)"
+            f"{label:<26} map {t_map * 1e3:7.1f} ms   first write {writes[0] * 1e3:7.1f} ms "
+            f"({size / writes[0] / 1e9:5.1f} GB/s)   second {writes[1] * 1e3:7.1f} ms "
+            f"({size / writes[1] / 1e9:5.1f} GB/s)"
         )
         del dst
         mm.close()

@@ -116,7 +116,8 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     print(
         f"\nconstrained {result['constrained_tok_s']} tok/s vs unconstrained {result['baseline_tok_s']} tok/s: "
-        f"ratio {result['ratio']} (1.0 = free); grammar {result['grammar_us_per_token']} us/token; valid {result['valid']}"
+        f"ratio {result['ratio']} (1.0 = free); grammar {result['grammar_us_per_token']} "
+        f"us/token; valid {result['valid']}"
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

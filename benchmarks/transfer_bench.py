@@ -1,6 +1,7 @@
 """Transfer benchmark: our engine's tcp and shm backends against a raw socket and memcpy.
 
-    python -m benchmarks.transfer_bench [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB] [--mooncake] [--backend tcp|rdma]
+    python -m benchmarks.transfer_bench [--json PATH] [--seconds S] [--sizes 64KiB,1MiB,16MiB] [--mooncake]
+        [--backend tcp|rdma]
 
 The segment owner is a separate process on loopback (a ``TransferEngine`` that allocates
 one shared-memory segment and serves it); this process reads and writes it through a
@@ -238,7 +239,8 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 
 def serve_rpc(sock: socket.socket, role: str, size: int) -> None:
-    """Answer one request at a time: a 1-byte request gets ``size`` bytes (read), ``size`` bytes get a 1-byte ack (write)."""
+    """Answer one request at a time: a 1-byte request gets ``size`` bytes (read), ``size`` bytes get a 1-byte ack
+    (write)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     view = memoryview(np.ones(size, dtype=np.uint8)).cast("B")
     one = memoryview(bytearray(1))
@@ -309,7 +311,8 @@ class RawPeer:
         return Cell(f"raw-{nconn}conn", op, size, 1, total // size, elapsed, p50_us(durations), {"connections": nconn})
 
     def measure_rpc(self, op: str, size: int, seconds: float) -> Cell:
-        """One request at a time on one connection, like one-slice ops: ask for ``size`` bytes (read) or send them (write)."""
+        """One request at a time on one connection, like one-slice ops: ask for ``size`` bytes (read) or send them
+        (write)."""
         self._conn.send((f"rpc-{op}", size, 1, seconds))
         sock = socket.create_connection(("127.0.0.1", self.port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -423,7 +426,8 @@ def bench_mooncake(
         if not path.is_dir():
             return (
                 [],
-                f"no Mooncake install at {path} (pip install --target {path} mooncake-transfer-engine-non-cuda==0.3.13.post1)",
+                f"no Mooncake install at {path} (pip install --target {path} "
+                "mooncake-transfer-engine-non-cuda==0.3.13.post1)",
             )
         env["PYTHONPATH"] = str(path)
     env.setdefault("GLOG_minloglevel", "2")
@@ -795,7 +799,8 @@ def render(report: Report, rows: list[dict], tuning: list[dict], console: Consol
         default = (report.defaults["tcp_connections"], report.defaults["tcp_chunk_bytes"])
         best = max(tuning, key=lambda r: r["mean"])
         t = Table(
-            title=f"tcp tuning at {human(report.tuning[0].size)} (best of {max(c.config['round'] for c in report.tuning) + 1} rounds)"
+            title=f"tcp tuning at {human(report.tuning[0].size)} (best of "
+            f"{max(c.config['round'] for c in report.tuning) + 1} rounds)"
         )
         for col in ("connections", "chunk", "read GB/s", "write GB/s", "mean GB/s", "vs default"):
             t.add_column(col, justify="right")
@@ -823,7 +828,8 @@ def render(report: Report, rows: list[dict], tuning: list[dict], console: Consol
     for r in rows:
         if r["ours_tcp_vs_mooncake"] is not None:
             console.print(
-                f"ours tcp / Mooncake tcp, {r['op']} {human(r['size'])} x {r['slices']}: {r['ours_tcp_vs_mooncake']:.2f}x"
+                f"ours tcp / Mooncake tcp, {r['op']} {human(r['size'])} x {r['slices']}: "
+                f"{r['ours_tcp_vs_mooncake']:.2f}x"
             )
     if report.mooncake_error:
         console.print(f"[yellow]Mooncake's transfer engine was not measured:[/] {report.mooncake_error}")
@@ -861,7 +867,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--mooncake-path",
         type=Path,
         default=DEFAULT_MOONCAKE_PATH if DEFAULT_MOONCAKE_PATH.is_dir() else None,
-        help=f"directory holding the Mooncake wheel's packages, put on PYTHONPATH (default: {DEFAULT_MOONCAKE_PATH} if it exists)",
+        help="directory holding the Mooncake wheel's packages, put on PYTHONPATH (default: "
+        f"{DEFAULT_MOONCAKE_PATH} if it exists)",
     )
     p.add_argument("--mooncake-python", default=sys.executable, help="interpreter for the Mooncake processes")
     p.add_argument("--no-tune", action="store_true", help="skip the tcp tuning sweep")

@@ -33,7 +33,8 @@ MIN_TOKEN_CHARS = 16
 
 
 def read_token_file(path: str | Path) -> str:
-    """The token in ``path`` (surrounding whitespace dropped); ValueError when unreadable or too short to be a secret."""
+    """The token in ``path`` (surrounding whitespace dropped); ValueError when unreadable or too short to be a
+    secret."""
     try:
         token = Path(path).read_text().strip()
     except OSError as e:

@@ -432,7 +432,8 @@ class Conductor:
             predicted, verdict = self._admit_local(req, local, tbt, decodes, now, slo)
             if verdict is None:
                 self._record_local(req, local, now)
-                # its new blocks go to the node holding its prefix, or (none) to the node of the prefill worker it passed by
+                # its new blocks go to the node holding its prefix,
+                # or (none) to the node of the prefill worker it passed by
                 return Decision(
                     req.request_id,
                     "",
@@ -491,8 +492,8 @@ class Conductor:
     def _admit_local(
         self, req: ScheduleRequest, local: LocalChoice, tbt: float, decodes: list[Instance], now: float, slo: Slo
     ) -> tuple[Prediction, tuple[RejectReason, str, float] | None]:
-        """``_admit`` for a prompt its decode worker computes (``tbt``: that worker's with ``req`` in its batch), judged by
-        the batch it meets when it would start decoding; its prediction and the verdict."""
+        """``_admit`` for a prompt its decode worker computes (``tbt``: that worker's with ``req`` in its batch), judged
+        by the batch it meets when it would start decoding; its prediction and the verdict."""
         # a step a chunk rides on was held to the SLO itself (a gap, not the mean step the headroom is for)
         tbt = tbt if local.tbt_s <= slo.tbt_s else max(tbt, local.tbt_s)
         predicted = Prediction(local.ttft_s, tbt, local.queue_s, local.transfer_s, local.prefill_s)

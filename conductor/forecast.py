@@ -213,7 +213,8 @@ class DecodeForecast:
         return self._sorted_array
 
     def batches_at(self, t: float, now: float) -> dict[str, tuple[float, float]]:
-        """For every decode instance ever sent a request: (requests, context tokens) expected there at ``t`` (>= ``now``).
+        """For every decode instance ever sent a request: (requests, context tokens) expected there
+        at ``t`` (>= ``now``).
 
         Called once per Schedule under early_predictive.
         """
@@ -237,7 +238,8 @@ class DecodeForecast:
         return dict(zip(self._decode_ids, zip(count.tolist(), tokens.tolist())))
 
     def batch_at(self, decode: str, t: float, now: float) -> tuple[float, float]:
-        """(requests, context tokens) expected on ``decode`` at time ``t`` (>= ``now``) from the Conductor's own flights."""
+        """(requests, context tokens) expected on ``decode`` at time ``t`` (>= ``now``) from the Conductor's own
+        flights."""
         return self.batches_at(t, now).get(decode, (0.0, 0.0))
 
     def pending(self) -> dict[str, tuple[int, int]]:

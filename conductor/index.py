@@ -19,12 +19,13 @@ a search over the chain that probes O(log n) keys per distinct prefix length, no
 Representation: every node gets a number b; each key a Python int of flags, bit 2b set
 while the key counts for node b and bit 2b + 1 while node b holds it and its whole
 prefix in DRAM (a dict key -> flags; a probe is one dict lookup, and a match probes a
-few hundred keys at most, so nothing per key needs numpy). Per node, a dict
-key -> (tier bits, parent, ssd), where ``ssd`` is how many blocks of the key's prefix
-(itself included) that node holds on SSD only, or -1 while the prefix has a hole; it
-answers "how many of blocks [start, end) are in DRAM" with two lookups. An event updates the key and, when its ``ssd`` changes, the keys that
-hang off it on that node (children are linked per node), so the work per event is the
-part of the tree whose answer changed.
+few hundred keys at most, so nothing per key needs numpy). Per node, a dict key ->
+(tier bits, parent, ssd), where ``ssd`` is how many blocks of the key's prefix (itself
+included) that node holds on SSD only, or -1 while the prefix has a hole; it answers
+"how many of blocks [start, end) are in DRAM" with two lookups. An event updates the
+key and, when its ``ssd`` changes, the keys that hang off it on that node (children
+are linked per node), so the work per event is the part of the tree whose answer
+changed.
 """
 
 from __future__ import annotations

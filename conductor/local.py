@@ -55,7 +55,8 @@ class LocalPrefill(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class LocalChoice:
     decode: Instance
-    plan: PrefixPlan  # fetch_blocks from fetch_node (the node holding the longest prefix); compute_tokens in the decode engine
+    # fetch_blocks from fetch_node (the node holding the longest prefix); compute_tokens in the decode engine
+    plan: PrefixPlan
     chunk_tokens: int  # the most of them one step computes
     queue_s: float
     transfer_s: float

@@ -222,7 +222,8 @@ class KVCacheCentricPolicy(PrefillPolicy):
     def _tier_aware_cost(
         self, inst, req, match, predictors, local: PrefillChoice, src: str | None, src_len: int
     ) -> PrefillChoice:
-        """The cheapest of: the local plan, or fetching from ``src`` whatever this node lacks, or also what it has only on SSD."""
+        """The cheapest of: the local plan, or fetching from ``src`` whatever this node lacks, or also what it has only
+        on SSD."""
         options = [local]
         if src is None or src == inst.node:
             return local

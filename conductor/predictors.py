@@ -135,12 +135,13 @@ class PrefillPredictor:
 
 class PipelinePrefillPredictor(PrefillPredictor):
     """A chunked-pipeline group's prefill: ``stages`` nodes, each 1/stages of the layers, a prompt's new tokens in
-    chunks of ``chunk``. Chunk j (n_j tokens after a_j) costs a stage w_j = r1 * n_j + r2 * n_j * (a_j + n_j / 2);
-    stage 0 runs the chunks back to back and the last stage ends (stages - 1) chunks later, so with chunk costs that
-    grow (attention does) T = c0 + sum_j w_j + (stages - 1) * max_j w_j: linear in (c0, r1, r2), fitted on the group's
-    own samples (the costliest chunk, which the drain waits for, is taken to be the last whole one). Its prior is a single node's rates split over the stages, and its fixed cost once per stage (each
-    stage has its own launches, and a chunk's hidden states cross each boundary): until its samples say otherwise, a
-    prompt that fits in one chunk is predicted slower through the group than on a single node."""
+    chunks of ``chunk``. Chunk j (n_j tokens after a_j) costs a stage w_j = r1 * n_j + r2 * n_j * (a_j + n_j / 2); stage
+    0 runs the chunks back to back and the last stage ends (stages - 1) chunks later, so with chunk costs that grow
+    (attention does) T = c0 + sum_j w_j + (stages - 1) * max_j w_j: linear in (c0, r1, r2), fitted on the group's own
+    samples (the costliest chunk, which the drain waits for, is taken to be the last whole one). Its prior is a single
+    node's rates split over the stages, and its fixed cost once per stage (each stage has its own launches, and a
+    chunk's hidden states cross each boundary): until its samples say otherwise, a prompt that fits in one chunk is
+    predicted slower through the group than on a single node."""
 
     def __init__(self, config: PredictorConfig, stages: int, chunk: int) -> None:
         if stages < 2 or chunk < 1:

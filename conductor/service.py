@@ -224,7 +224,8 @@ class ConductorService:
             self._watch(inst)
 
     def _check_compatible(self, inst: Instance) -> None:
-        """Prefill and decode workers exchange KV and share pool blocks: one fingerprint (model, dtype, engine) for all."""
+        """Prefill and decode workers exchange KV and share pool blocks: one fingerprint (model, dtype, engine) for
+        all."""
         if inst.role is Role.KVSTORE or not inst.fingerprint:
             return
         for other in self.conductor.instances.values():
@@ -236,10 +237,10 @@ class ConductorService:
                 and other.fingerprint != inst.fingerprint
             ):
                 raise Mismatch(
-                    f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: {other.id} runs the "
-                    f"{other.engine or 'unknown'} engine on {other.model}, and their KV caches differ (block-key "
-                    f"fingerprints {inst.fingerprint.hex()[:12]} and {other.fingerprint.hex()[:12]}). A cluster's prefill and "
-                    "decode workers run one engine on one model and dtype."
+                    f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: {other.id} runs "
+                    f"the {other.engine or 'unknown'} engine on {other.model}, and their KV caches differ (block-key "
+                    f"fingerprints {inst.fingerprint.hex()[:12]} and {other.fingerprint.hex()[:12]}). A cluster's "
+                    "prefill and decode workers run one engine on one model and dtype."
                 )
 
     def heartbeat(self, instance_id: str, load: Load) -> bool:
@@ -269,7 +270,8 @@ class ConductorService:
             return inst.state
 
     def scale(self, role: Role, replicas: int) -> tuple[int, list[str], list[str]]:
-        """Bring ``role``'s pool to ``replicas`` (see Conductor.scale_plan); return (alive before, started, draining)."""
+        """Bring ``role``'s pool to ``replicas`` (see Conductor.scale_plan); return (alive before, started,
+        draining)."""
         with self._lock:
             alive = len(self.conductor.alive(role))
             add, drain = self.conductor.scale_plan(role, replicas)
@@ -414,7 +416,8 @@ class ConductorService:
                 log.exception("expiry failed")
 
     def _retire_idle(self) -> None:
-        """Hand drained instances that finished their work to the provider (each on a thread: stopping takes a while)."""
+        """Hand drained instances that finished their work to the provider (each on a thread: stopping takes a
+        while)."""
         with self._lock:
             idle = [
                 i
@@ -463,7 +466,8 @@ CONDUCTOR_STATUS = StatusTable(
 
 
 def _status(fn):
-    """Answer through CONDUCTOR_STATUS; a standby answers everything UNAVAILABLE (callers move to the next Conductor)."""
+    """Answer through CONDUCTOR_STATUS; a standby answers everything UNAVAILABLE (callers move to the next
+    Conductor)."""
     answered = CONDUCTOR_STATUS.servicer(fn)
 
     @functools.wraps(fn)

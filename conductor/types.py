@@ -209,11 +209,13 @@ class ScheduleRequest:
         if not self.keys and self.prompt_tokens >= self.block_tokens:
             raise ValueError(
                 f"empty key chain for a {self.prompt_tokens}-token prompt: send the keys of its "
-                f"{self.prompt_tokens // self.block_tokens} full {self.block_tokens}-token blocks (mooncake.blocks.block_keys)"
+                f"{self.prompt_tokens // self.block_tokens} full {self.block_tokens}-token blocks "
+                "(mooncake.blocks.block_keys)"
             )
         if len(self.keys) * self.block_tokens > self.prompt_tokens:
             raise ValueError(
-                f"{len(self.keys)} keys of {self.block_tokens} tokens are more than the prompt's {self.prompt_tokens} tokens"
+                f"{len(self.keys)} keys of {self.block_tokens} tokens are more than the prompt's "
+                f"{self.prompt_tokens} tokens"
             )
         self.keys = KeyChain.of(self.keys)  # checks every key is 16 bytes
 

@@ -267,7 +267,8 @@ class DecodeWorker:
                 node=config.id, listen_host=config.host, shm_dir=config.shm_dir, **config.transport.model_dump()
             )
         )
-        # a prefill worker writes landing slots (or cache blocks) only under the grant made for its Prefill call (_prefill)
+        # a prefill worker writes landing slots (or cache blocks) only under the grant made for
+        # its Prefill call (_prefill)
         self._grants: dict[str, frozenset[int]] = {}
         self._grants_lock = threading.Lock()
         # The engine's own cache is the landing zone (native engine): on the CPU it lives in a shared-memory segment
@@ -624,8 +625,9 @@ class DecodeWorker:
     def _read_prefix(
         self, address: str, sequence: list[int], salt: str | None, planned: int
     ) -> tuple[torch.Tensor | None, int]:
-        """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine imports
-        them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last token).
+        """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine
+        imports them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last
+        token).
         Fewer when the node has fewer by now (evicted), none when it cannot be read: the engine computes the rest."""
         bs = self.config.engine_config.block_size
         keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[:planned]
@@ -674,7 +676,8 @@ class DecodeWorker:
         except Failed as e:
             if e.code is not grpc.StatusCode.FAILED_PRECONDITION or not run.blocks:
                 raise
-        # that prefill worker cannot write this engine's CUDA cache (another host, or no GPU): landing slots, from now on
+        # that prefill worker cannot write this engine's CUDA cache (another host, or no GPU):
+        # landing slots, from now on
         log.info(
             "prefill worker at %s cannot write this decode engine's cache: it lands in slots",
             req.placement.prefill_address,
@@ -753,7 +756,8 @@ class DecodeWorker:
                 raise Failed(code, e.details()) from None
             raise Failed(
                 grpc.StatusCode.UNAVAILABLE,
-                f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: {code.name} {e.details()}",
+                f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: "
+                f"{code.name} {e.details()}",
                 failed_instance=placement.prefill_id,
             ) from None
         run.answered = True

@@ -61,7 +61,8 @@ class BlockWriter:
         return Written(request_id, node_address, num_tokens // self.block_size)
 
     def progress(self, written: Written | None, num_computed_tokens: int) -> None:
-        """The request has ``num_computed_tokens`` of KV in the engine: queue the blocks that completed since the last call."""
+        """The request has ``num_computed_tokens`` of KV in the engine: queue the blocks that completed since the last
+        call."""
         if written is None or num_computed_tokens // self.block_size <= written.next_block:
             return
         first = written.next_block

@@ -165,7 +165,8 @@ class KVStoreClient:
         )
 
     def release(self, lease_id: str, wait: bool = True) -> None:
-        """End a lease. ``wait=False`` does not wait for the answer on the fast path (an unknown lease is then not reported)."""
+        """End a lease. ``wait=False`` does not wait for the answer on the fast path (an unknown lease is then not
+        reported)."""
         self._call("Release", pb.ReleaseRequest(lease_id=lease_id), oneway=not wait and self._control is not None)
 
     def release_owner(self, owner: str | None = None) -> tuple[int, int]:

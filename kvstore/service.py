@@ -290,7 +290,8 @@ def start_server(
     control_port: int = 0,
     control_uds: str | None = None,
 ) -> Service:
-    """Start the gRPC service and the control fast path (tcp ``control_port``, Unix socket ``control_uds``) for ``node``."""
+    """Start the gRPC service and the control fast path (tcp ``control_port``, Unix socket ``control_uds``) for
+    ``node``."""
     servicer = KVStoreServicer(node)
     control = ControlServer(servicer, host, control_port, control_uds)
     servicer.control_port, servicer.control_uds = control.port, control_uds or ""

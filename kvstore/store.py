@@ -157,7 +157,8 @@ class BlockStore:
         view = memoryview(dram).cast("B")
         if len(view) < config.dram_blocks * config.block_bytes:
             raise ValueError(
-                f"DRAM buffer is {len(view)} bytes; {config.dram_blocks} blocks need {config.dram_blocks * config.block_bytes}"
+                f"DRAM buffer is {len(view)} bytes; {config.dram_blocks} blocks need "
+                f"{config.dram_blocks * config.block_bytes}"
             )
         self.config = config
         self.block_bytes = config.block_bytes
@@ -279,8 +280,8 @@ class BlockStore:
             victims = self._dram_victims(short, protect)
             if len(victims) < short:  # refuse before evicting anything
                 raise StoreFull(
-                    f"need {count} DRAM slots; {len(self._dram_free.free)} are free and only {len(victims)} more can be "
-                    f"freed (the rest are leased, pinned or reserved)"
+                    f"need {count} DRAM slots; {len(self._dram_free.free)} are free and only {len(victims)} more can "
+                    f"be freed (the rest are leased, pinned or reserved)"
                 )
             self._evict_dram(short, victims=victims)
         return [self._dram_free.take() for _ in range(count)]

@@ -120,7 +120,8 @@ def grpc_add_port(server, address: str) -> int:
 
 
 def accept(sock: socket.socket, timeout: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
-    """The server side of a tcp connection just accepted, with this process's identity (:func:`transfer.handshake.accept`)."""
+    """The server side of a tcp connection just accepted, with this process's identity
+    (:func:`transfer.handshake.accept`)."""
     return handshake.accept(sock, identity(), timeout)
 
 

@@ -1,4 +1,5 @@
-"""Prefill worker (DESIGN §3): prefix load from the pool, chunked + layer-wise prefill, KV streamed to decode and the pool.
+"""Prefill worker (DESIGN §3): prefix load from the pool, chunked + layer-wise prefill, KV streamed to decode and the
+pool.
 
     python -m prefill --model DIR --kvstore HOST:PORT --conductor HOST:PORT   (or: mooncake serve prefill)
 

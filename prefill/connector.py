@@ -100,7 +100,8 @@ class PrefillJob:
         return self.cache_at(self.landing_blocks[block], layer, kv, half)
 
     def cache_at(self, cache_block: int, layer: int, kv: int, half: int) -> int:
-        """Byte offset of K or V of one layer of block ``cache_block`` of the decode engine's cache [L, 2, blocks, ...]."""
+        """Byte offset of K or V of one layer of block ``cache_block`` of the decode engine's cache
+        [L, 2, blocks, ...]."""
         return ((layer * 2 + kv) * self.landing_num_blocks + cache_block) * half
 
 
@@ -458,9 +459,9 @@ class HostStaging:
         self._queue.put((done, host, then))
 
     def copy_to(self, cache: torch.Tensor, block_ids: list[int], dest: torch.Tensor, dest_ids: list[int]) -> None:
-        """Copy blocks ``block_ids`` of one layer's cache [2, num_blocks, bs, Hkv, D] into blocks ``dest_ids`` of another
-        cache's same layer (a decode engine's, mapped by CUDA IPC), device to device on the side stream; ``drain``
-        waits for it too."""
+        """Copy blocks ``block_ids`` of one layer's cache [2, num_blocks, bs, Hkv, D] into blocks ``dest_ids`` of
+        another cache's same layer (a decode engine's, mapped by CUDA IPC), device to device on the side stream;
+        ``drain`` waits for it too."""
         if not self.cuda:  # the same path on the CPU (tests): a plain copy
             copy_blocks(dest.transpose(0, 1), dest_ids, cache.transpose(0, 1), block_ids)
             return

@@ -198,7 +198,8 @@ class PrefillWorker:
         if self.engine.block_bytes != stats.block_bytes:
             raise ValueError(
                 f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
-                f"are {self.engine.block_bytes} bytes (block size {config.engine_config.block_size}, dtype {config.engine_config.dtype})"
+                f"are {self.engine.block_bytes} bytes (block size {engine_config.block_size}, "
+                f"dtype {engine_config.dtype})"
             )
         self.block_shape = self.engine.block_shape
         self.pool = slot_tensor(self._region.buffer, self.block_shape, engine_config.torch_dtype)
@@ -450,7 +451,8 @@ class PrefillWorker:
             or self.config.engine is not EngineKind.NATIVE
         ):
             raise Unreachable(
-                f"prefill worker {self.config.id} writes no CUDA cache by IPC (device {self.config.engine_config.device}, "
+                f"prefill worker {self.config.id} writes no CUDA cache by IPC "
+                f"(device {self.config.engine_config.device}, "
                 f"engine {self.config.engine.value}, {self.config.pipeline_stages} stage(s))"
             )
         if landing.host != host_id():
@@ -567,7 +569,8 @@ class PrefillWorker:
     # -- the pool ----------------------------------------------------------------------------------
 
     def _load_plan(self, plan, keys: list[bytes], held: _Held) -> tuple[list[int], int, list[int]]:
-        """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched slots)."""
+        """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched
+        slots)."""
         local: list[int] = []
         ssd_hits = 0
         want = min(plan.local_blocks, len(keys))

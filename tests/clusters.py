@@ -26,8 +26,10 @@ MAX_LEN = 1024
 
 
 def start_cluster(model_dir: Path, workdir: Path, **overrides) -> LocalCluster:
-    # generous SLOs: a loaded test machine must not turn requests away (test_serving_cluster tests rejection on its own);
-    # every prompt on a prefill worker, the paths these clusters test (test_local_prefill: the decode worker's, and auto)
+    # generous SLOs: a loaded test machine must not turn requests away
+    # (test_serving_cluster tests rejection on its own);
+    # every prompt on a prefill worker, the paths these clusters test
+    # (test_local_prefill: the decode worker's, and auto)
     config = dict(
         model=str(model_dir),
         model_name="tiny",

@@ -397,7 +397,8 @@ for _name in ("process_vm_readv", "process_vm_writev"):
 
 
 def _copy_between_processes(pid: int, local: int, remote: int, length: int, read: bool) -> None:
-    """Move ``length`` bytes between our ``local`` address and ``remote`` in process ``pid`` (the owner runs nothing)."""
+    """Move ``length`` bytes between our ``local`` address and ``remote`` in process ``pid`` (the owner runs
+    nothing)."""
     done = 0
     while done < length:
         here, there = _IOVec(local + done, length - done), _IOVec(remote + done, length - done)

@@ -34,8 +34,8 @@ def test_a_short_new_part_after_a_pooled_prefix_is_computed_on_the_decode_worker
     # decode worker: 40 blocks read (0.04 s) + 20 tokens (0.02 s) riding on one step of its batch of 2 (0.03 s) = 0.09 s
     assert isinstance(d, Decision) and d.local and d.prefill == "" and d.decode == "d0"
     assert d.predicted.ttft_s == pytest.approx(0.09)
-    # its TBT: a step of the batch it joins (3); the step its chunk rides on (the batch grown to its cap, 0.05 s, and the
-    # chunk, 0.02 s) is held to the SLO on its own
+    # its TBT: a step of the batch it joins (3); the step its chunk rides on (the batch grown to its cap, 0.05 s, and
+    # the chunk, 0.02 s) is held to the SLO on its own
     assert d.predicted.tbt_s == pytest.approx(0.04)
     assert d.node == "kv0" and (d.plan.fetch_node, d.plan.fetch_blocks, d.plan.compute_tokens) == ("kv0", 40, 20)
     assert c.counters.local == 1 and c.served["d0"].decisions == 1

@@ -59,7 +59,8 @@ def cluster(shm_dir):
 
     class Cluster:
         def start_conductor(self, *extra):
-            # the prefill placement algorithms: every prompt on a prefill worker (test_conductor_local: the decode worker)
+            # the prefill placement algorithms: every prompt on a prefill worker
+            # (test_conductor_local: the decode worker)
             self.conductor = start_conductor("--heartbeat-timeout", "1.5", "--local-prefill", "never", *extra)
             procs.append(self.conductor)
             self.channel = tls.grpc_channel(self.conductor.info["grpc"])

@@ -1,8 +1,10 @@
-"""Native workers on a CUDA GPU: the engine against transformers, the prefill connector's pushes from a CUDA cache (pinned host staging on a side stream), and whole clusters whose workers run on the GPU (``--device cuda``), a single
+"""Native workers on a CUDA GPU: the engine against transformers, the prefill connector's pushes from a CUDA cache
+(pinned host staging on a side stream), and whole clusters whose workers run on the GPU (``--device cuda``), a single
 prefill worker and a pipelined group, against one engine alone on the same GPU.
 
 Skipped where torch sees no GPU (CI, this project's VMs); run on a lent GPU machine with
-``pytest tests/test_cuda.py`` (benchmarks/results/2026-11-26-native-workers-h200.md gives the command used and its results).
+``pytest tests/test_cuda.py`` (benchmarks/results/2026-11-26-native-workers-h200.md gives
+the command used and its results).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def test_pushes_from_a_cuda_cache_land_what_the_cache_holds(tiny_llama):
 
 @pytest.fixture(scope="module", params=["single", "group"])
 def gpu_cluster(request, tiny_dir, tmp_path_factory):
-    """A cluster whose workers run on the GPU: one prefill worker, or a 2-stage pipelined group, and one decode worker."""
+    """A cluster whose workers run on the GPU: one prefill worker, or a 2-stage pipelined group, and one decode
+    worker."""
     group = dict(prefill_groups=1, group_size=2) if request.param == "group" else {}
     c = start_cluster(
         tiny_dir,
@@ -119,8 +122,8 @@ def test_a_prefix_from_the_pool_is_loaded_into_the_gpu_cache(gpu_cluster, tiny_d
 
 
 def test_a_prompt_chunk_over_a_cached_prefix_attends_like_the_masked_reference():
-    """A chunk of 44 queries at the end of a 300-token context whose blocks lie out of order: on CUDA in bfloat16 it goes
-    through torch's flash kernel with lower-right causal alignment, no mask; the reference is the explicit mask in
+    """A chunk of 44 queries at the end of a 300-token context whose blocks lie out of order: on CUDA in bfloat16 it
+    goes through torch's flash kernel with lower-right causal alignment, no mask; the reference is the explicit mask in
     float32."""
     import torch.nn.functional as F
 

@@ -501,7 +501,8 @@ def test_service_monitor_scrapes_every_components_metrics_port():
         ),
         (
             ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu"],
-            "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU (image.variant is vllm-cpu)",
+            "model.blockSize (16) must be a multiple of 32 with engine.kind=vllm on the CPU "
+            "(image.variant is vllm-cpu)",
         ),
         (["-f", str(VLLM_GPU), "--set", "image.variant=cuda"], "engine.kind=vllm needs an image with vLLM"),
         (["-f", str(VLLM_GPU), "--set", "engine.vllmArgs={enforce_eager}"], "engine.vllmArgs wants KEY=VALUE strings"),

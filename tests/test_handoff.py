@@ -180,7 +180,8 @@ def test_reserved_blocks_leave_the_free_count_until_released_and_only_reserved_b
 
 
 class _TableConnector(PoolConnector):
-    """Remembers each request's block table (the engine lets the blocks go when the request ends; they keep their KV)."""
+    """Remembers each request's block table (the engine lets the blocks go when the request ends; they keep their
+    KV)."""
 
     def start_step(self, step) -> None:
         super().start_step(step)

@@ -128,7 +128,8 @@ def chat_prompt(tok: Tokenizer, messages=MESSAGES) -> list[int]:
 
 @torch.inference_mode()
 def greedy_logprobs(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """The reference: transformers' greedy tokens (past EOS) and the log-softmax of the logits before each, [steps, V]."""
+    """The reference: transformers' greedy tokens (past EOS) and the log-softmax of the logits before each,
+    [steps, V]."""
     ids, rows = list(prompt), []
     for _ in range(steps):
         row = hf(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)

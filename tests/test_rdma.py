@@ -39,7 +39,8 @@ no_device = pytest.mark.skipif(rdma_unavailable() is None, reason="this machine 
 
 
 def test_without_pyverbs_the_backend_says_where_to_get_it():
-    """pyverbs made unimportable in a fresh interpreter (it is installed here): the reason names the way to install it."""
+    """pyverbs made unimportable in a fresh interpreter (it is installed here): the reason names the way to install
+    it."""
     code = (
         "import sys; sys.modules['pyverbs'] = None\n"
         "from transfer.rdma import RdmaUnavailable, probe\n"
@@ -409,9 +410,9 @@ def test_a_stopped_pool_node_still_serves_over_rdma_and_a_killed_one_fails_namin
 
 @pytest.mark.parametrize("transport", ["fake-rdma", pytest.param("rdma", marks=pytest.mark.rdma)], indirect=True)
 def test_the_transfer_benchmark_measures_rdma(transport, tmp_path):
-    """``python -m benchmarks.transfer_bench --backend rdma`` end to end, briefly: its owner process registers the segment,
-    and rdma reads and writes are measured without error (on the fake fabric, the figures are process_vm_readv's,
-    not a NIC's)."""
+    """``python -m benchmarks.transfer_bench --backend rdma`` end to end, briefly: its owner process registers the
+    segment, and rdma reads and writes are measured without error (on the fake fabric, the figures are
+    process_vm_readv's, not a NIC's)."""
     import json
 
     out = tmp_path / "bench.json"

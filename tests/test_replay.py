@@ -1,4 +1,5 @@
-"""The trace replay benchmark (benchmarks/replay.py): prompts from hash ids, scaling, the SLO metrics, and one real replay.
+"""The trace replay benchmark (benchmarks/replay.py): prompts from hash ids, scaling, the SLO metrics, and one real
+replay.
 
 Everything but the last test runs without a server. The last starts the coupled gateway
 (``python -m mooncake.gateway --local``) on the tiny model and replays five requests of

@@ -190,7 +190,8 @@ def test_a_shared_prefix_is_served_from_the_pool_with_the_same_tokens(cluster, c
 
 
 def test_a_prefix_on_the_other_prefill_node_is_pulled_and_kept(cluster, tiny_dir):
-    """prefill-0 computes a prompt into kv0; with prefill-0 draining, prefill-1 serves the next one by pulling from kv0."""
+    """prefill-0 computes a prompt into kv0; with prefill-0 draining, prefill-1 serves the next one by pulling from
+    kv0."""
     stub = conductor(cluster)
     listed = instances(cluster)
 

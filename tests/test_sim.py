@@ -318,7 +318,8 @@ def test_help_explains_every_option(capsys):
 
 
 def test_a_pipeline_groups_prefill_is_its_chunks_split_over_the_stages_plus_the_fill():
-    """Chunk j costs each of X stages 1/X of its prefill; the last stage finishes X - 1 chunk-and-hop after the first."""
+    """Chunk j costs each of X stages 1/X of its prefill; the last stage finishes X - 1 chunk-and-hop after the
+    first."""
     m = ModelConfig()
     assert m.pipelined_prefill_s(10_000, 2_000, 1, 2048) == m.prefill_s(10_000, 2_000)
     chunks = [(a, 2048) for a in range(2_048, 10_240, 2048)]  # 4 whole chunks after 2,048 cached tokens

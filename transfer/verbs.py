@@ -170,7 +170,8 @@ class WorkRequest:
 
 
 def work_requests(spans: list[tuple[int, int, int]], max_msg: int) -> list[WorkRequest]:
-    """Cut each job's span ``(local_addr, remote_addr, length)`` into requests of at most ``max_msg`` bytes, in order."""
+    """Cut each job's span ``(local_addr, remote_addr, length)`` into requests of at most ``max_msg`` bytes, in
+    order."""
     if max_msg <= 0:
         raise ValueError(f"the port's max message size must be positive, got {max_msg}")
     out: list[WorkRequest] = []

@@ -1,4 +1,5 @@
-"""Cluster simulator: the Mooncake trace replayed on simulated prefill and decode instances, placed by the real Conductor.
+"""Cluster simulator: the Mooncake trace replayed on simulated prefill and decode instances, placed by the real
+Conductor.
 
     python -m benchmarks.sim --trace PATH --prefill N --decode M --policy P --admission A --speed S
                              [--cache-blocks C --eviction lru|lfu|length] [--ssd-blocks B] [--tier-aware]
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  python -m benchmarks.sim --prefill 8 --decode 8 --policy kvcache_centric --admission none --speed 1.5\n"
         "  python -m benchmarks.sim --prefill 8 --decode 8 --admission early_predictive --speed 2 --tbt-slo 0.04\n"
         "  python -m benchmarks.sim --cache-blocks 1000 --eviction length --limit 3000\n"
-        "  python -m benchmarks.sim --reproduce --json benchmarks/results/sim_paper.json --plot benchmarks/results/sim_paper.png",
+        "  python -m benchmarks.sim --reproduce --json benchmarks/results/sim_paper.json --plot "
+        "benchmarks/results/sim_paper.png",
     )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="trace file (JSON lines; default: %(default)s)")
     p.add_argument("--prefill", type=int, default=8, help="prefill nodes, each with its own pool node (default 8)")
@@ -199,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-chunk",
         type=int,
         default=STEP_BUDGET_TOKENS,
-        help=f"a decode instance's step budget: the chunk of a prompt it computes itself (default {STEP_BUDGET_TOKENS})",
+        help="a decode instance's step budget: the chunk of a prompt it computes itself "
+        f"(default {STEP_BUDGET_TOKENS})",
     )
     p.add_argument(
         "--local-max-load",

@@ -643,8 +643,8 @@ class Cluster:
             return  # a run that a join cut short
         now, c = self.now, self.conductor
         n = d.run_steps
-        # the decode predictor's sample: the run's mean step, as a decode worker's heartbeat reports the mean since the last
-        # (none from steps a prompt's chunks rode on: they are not decode steps)
+        # the decode predictor's sample: the run's mean step, as a decode worker's heartbeat reports the mean since the
+        # last (none from steps a prompt's chunks rode on: they are not decode steps)
         mixed = d.local is not None or not d.batch
         load = Load(
             queued_requests=len(d.waiting),

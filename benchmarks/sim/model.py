@@ -299,7 +299,8 @@ class NodeCache:
         return n
 
     def read(self, keys: list[bytes]) -> int:
-        """Use ``keys`` (all held): touch them tail first, promote SSD-only ones to DRAM; return how many came from SSD."""
+        """Use ``keys`` (all held): touch them tail first, promote SSD-only ones to DRAM; return how many came from
+        SSD."""
         self._tick += 1
         from_ssd = 0
         for key in reversed(keys):

@@ -161,7 +161,8 @@ def goals(runs: list[Run]) -> list[dict]:
     order = sorted(ttft, key=ttft.get, reverse=True)
     out = [
         {
-            "goal": "placement: mean TTFT ordered as the paper's (random > least_loaded > cache_aware_local > kvcache_centric)",
+            "goal": "placement: mean TTFT ordered as the paper's (random > least_loaded > "
+            "cache_aware_local > kvcache_centric)",
             "measured": " > ".join(order),
             "met": order == list(PAPER_TTFT),
         },
@@ -174,7 +175,8 @@ def goals(runs: list[Run]) -> list[dict]:
     rej = {k: ad[k]["rejected"] for k in PAPER_REJECTED}
     out.append(
         {
-            "goal": "admission (2a, paper's SLOs): rejections ordered as the paper's (baseline > early > early_predictive)",
+            "goal": "admission (2a, paper's SLOs): rejections ordered as the paper's (baseline > "
+            "early > early_predictive)",
             "measured": ", ".join(f"{k} {v}" for k, v in rej.items()),
             "met": rej["baseline"] > rej["early"] > rej["early_predictive"],
         }
@@ -204,10 +206,12 @@ def goals(runs: list[Run]) -> list[dict]:
         )
         out.append(
             {
-                "goal": f"admission (2b, decode-bound, TBT SLO {tbt * 1e3:g} ms), ours: early_predictive + survival rejects "
-                f">= 10% fewer than baseline, fewer than early, and serves at least as many within both SLOs as either",
-                "measured": f"rejected {rej[SURVIVAL]} vs baseline {rej['baseline']} ({1 - rej[SURVIVAL] / max(1, rej['baseline']):.0%} "
-                f"fewer), early {rej['early']}; effective {ok[SURVIVAL]} vs {ok['baseline']}, {ok['early']}",
+                "goal": f"admission (2b, decode-bound, TBT SLO {tbt * 1e3:g} ms), ours: early_predictive + survival "
+                "rejects >= 10% fewer than baseline, fewer than early, and serves at least as many "
+                "within both SLOs as either",
+                "measured": f"rejected {rej[SURVIVAL]} vs baseline {rej['baseline']} "
+                f"({1 - rej[SURVIVAL] / max(1, rej['baseline']):.0%} fewer), early {rej['early']}; effective "
+                f"{ok[SURVIVAL]} vs {ok['baseline']}, {ok['early']}",
                 "met": rej[SURVIVAL] <= 0.9 * rej["baseline"]
                 and rej[SURVIVAL] < rej["early"]
                 and ok[SURVIVAL] >= max(ok["baseline"], ok["early"]),
@@ -215,8 +219,8 @@ def goals(runs: list[Run]) -> list[dict]:
         )
     out.append(
         {
-            "goal": "admission (2b, decode-bound), the paper's forecast: baseline > early > early_predictive (uniform t_d) "
-            "rejections and >= 10% fewer than baseline, at every TBT SLO",
+            "goal": "admission (2b, decode-bound), the paper's forecast: baseline > early > early_predictive (uniform "
+            "t_d) rejections and >= 10% fewer than baseline, at every TBT SLO",
             "measured": "; ".join(m for _, _, m in paper_order)
             + " (met at "
             + (", ".join(f"{t * 1e3:g} ms" for t, ok_, _ in paper_order if ok_) or "none")
@@ -311,7 +315,8 @@ def tables(runs: list[Run]) -> list[Table]:
     out.append(t)
     bound = _by(runs, "decode_bound")
     t = Table(
-        title="2b. Admission, decode-bound (slow decode profile), speed 2: rejected / effective (both SLOs) / wasted prefill s, by TBT SLO"
+        title="2b. Admission, decode-bound (slow decode profile), speed 2: rejected / effective (both SLOs) / "
+        "wasted prefill s, by TBT SLO"
     )
     t.add_column("admission")
     t.add_column("paper rejected", justify="right")

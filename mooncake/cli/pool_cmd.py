@@ -1,4 +1,5 @@
-"""The operator's commands: ``mooncake status``, ``mooncake pool scale``, ``mooncake pool drain`` (through the Conductor)."""
+"""The operator's commands: ``mooncake status``, ``mooncake pool scale``, ``mooncake pool drain`` (through the
+Conductor)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def conductor_address(given: str | None) -> str:
 
 
 def operator_token(given: Path | None) -> str | None:
-    """The operator token: from ``given`` (the option or its variable), else the file of the `mooncake up` running here."""
+    """The operator token: from ``given`` (the option or its variable), else the file of the `mooncake up` running
+    here."""
     path = given
     if path is None:
         try:

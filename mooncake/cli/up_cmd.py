@@ -1,4 +1,5 @@
-"""``mooncake up`` (the whole cluster on this machine) and ``mooncake serve COMPONENT`` (one component, as a pod runs it)."""
+"""``mooncake up`` (the whole cluster on this machine) and ``mooncake serve COMPONENT`` (one component, as a pod runs
+it)."""
 
 from __future__ import annotations
 

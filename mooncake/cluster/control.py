@@ -4,9 +4,9 @@
     POST /remove  {"id": "decode-1"}                          -> {"stopped": "decode-1"} (after it drained)
     GET  /components                                          -> {name: {"alive", "pid", "restarts"}}
 
-https with the cluster's certificates (mooncake.tls) unless --insecure. Loopback only by default (``mooncake up`` binds it to its --host); errors are JSON with a
-4xx status. The pool logic (what to drain, when it is idle) is the Conductor's; this only
-runs processes.
+https with the cluster's certificates (mooncake.tls) unless --insecure. Loopback only by
+default (``mooncake up`` binds it to its --host); errors are JSON with a 4xx status. The
+pool logic (what to drain, when it is idle) is the Conductor's; this only runs processes.
 """
 
 from __future__ import annotations

@@ -212,7 +212,8 @@ class Component:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")
         env = {**os.environ, **self.env} if self.env else None
-        # `nice` execs the command (the pid stays the component's); a preexec_fn would fork this threaded process instead
+        # `nice` execs the command (the pid stays the component's);
+        # a preexec_fn would fork this threaded process instead
         argv = ["nice", "-n", str(self.nice), *self.argv] if self.nice and shutil.which("nice") else self.argv
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True, env=env
@@ -461,7 +462,8 @@ class LocalCluster:
         return node, prefill
 
     def _stage_server(self, i: int, j: int) -> tuple[Component, str]:
-        """Stage ``j`` of group ``prefill-{i}`` as a stage server on host ``p{i}s{j}``, and the address its worker dials."""
+        """Stage ``j`` of group ``prefill-{i}`` as a stage server on host ``p{i}s{j}``, and the address its worker
+        dials."""
         c, name = self.config, f"prefill-{i}-stage{j}"
         h = self._host(f"p{i}s{j}", name)
         port = self._port(name, h)
@@ -721,7 +723,8 @@ class LocalCluster:
         return True
 
     def remove(self, name: str, grace_s: float = 60.0) -> None:
-        """Stop worker ``name`` (SIGTERM: it finishes what it runs and deregisters), and a prefill worker's pool node."""
+        """Stop worker ``name`` (SIGTERM: it finishes what it runs and deregisters), and a prefill worker's pool
+        node."""
         comp = self.components.get(name)
         if comp is None or not (name.startswith("prefill-") or name.startswith("decode-")):
             raise ValueError(f"no worker {name!r} in this cluster")

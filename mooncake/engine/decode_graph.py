@@ -14,8 +14,8 @@ context and blocks): they compute what row 0 computes and write the same K/V to 
 nothing, and their hidden states are never read. Attention is paged_decode (kernels/triton_decode.py), which
 reads the cache in place up to each row's context length, so one graph serves every context length.
 
-Who owns what: the runner owns the object and calls ``load`` then ``replay`` from its thread, once per step; the graphs, their
-memory pool and the buffers live as long as the runner. The LM head, sampling and the KV connector's hooks run
+Who owns what: the runner owns the object and calls ``load`` then ``replay`` from its thread, once per step; the graphs,
+their memory pool and the buffers live as long as the runner. The LM head, sampling and the KV connector's hooks run
 outside the graph (the runner calls the hooks for every layer between ``load`` and ``replay``, and after it).
 
 On the CPU there is no graph: ``capture=False`` runs the same forward over the same buffers and padding, so the

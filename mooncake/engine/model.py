@@ -146,7 +146,8 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     """The decoder layers of ``layers`` (keyed by their global index, so parameter names stay Hugging Face's), the
-    embedding where the first layer is (or the last, when the head is tied to it) and the final norm where the last is."""
+    embedding where the first layer is (or the last, when the head is tied to it) and the final norm where the last
+    is."""
 
     def __init__(self, args: ModelArgs, layers: range):
         super().__init__()

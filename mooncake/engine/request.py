@@ -35,7 +35,8 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """A generated token's log-probability under the model (log-softmax of its raw logits), and the likeliest tokens'."""
+    """A generated token's log-probability under the model (log-softmax of its raw logits), and the likeliest
+    tokens'."""
 
     token_id: int
     logprob: float

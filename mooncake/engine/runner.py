@@ -219,7 +219,8 @@ class ModelRunner:
         return self._sample(hidden, [s.request for s in decodes], {})
 
     def _sample(self, hidden: torch.Tensor, reqs: list, prompt: dict) -> Sampled:
-        """Logits of the sampling rows ``hidden`` [N, hidden] (one per request of ``reqs``), then tokens and logprobs."""
+        """Logits of the sampling rows ``hidden`` [N, hidden] (one per request of ``reqs``), then tokens and
+        logprobs."""
         logits = self.model.compute_logits(hidden)
         params = [r.sampling_params for r in reqs]
         histories = None
@@ -353,8 +354,9 @@ class ExternalKV:
         raise NotImplementedError
 
     def source(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, Sequence[int]]:
-        """Layer ``layer`` of blocks ``[start, end)`` as (a tensor [N, 2, block_size, Hkv, D], their indices in it), blocking
-        until those bytes are there: a source that holds them in place (pool slots) saves the import a gather."""
+        """Layer ``layer`` of blocks ``[start, end)`` as (a tensor [N, 2, block_size, Hkv, D], their indices in it),
+        blocking until those bytes are there: a source that holds them in place (pool slots) saves the import a
+        gather."""
         return self.layer(layer, start, end), range(end - start)
 
 

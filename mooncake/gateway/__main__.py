@@ -30,9 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mooncake.gateway",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="The OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. "
-        "Tokenizes with the model's tokenizer and chat template, computes the block keys once, asks the Conductor "
-        "to schedule and streams from the decode worker it picks.",
+        description="The OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, "
+        "/metrics. Tokenizes with the model's tokenizer and chat template, computes the block keys once, asks the "
+        "Conductor to schedule and streams from the decode worker it picks.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--conductor", help="the Conductor's gRPC address (the disaggregated cluster)")

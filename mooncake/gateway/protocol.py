@@ -4,7 +4,8 @@ Requests accept and ignore fields they do not know (clients send things like
 ``service_tier``); a field OpenAI defines that this server cannot honour (``suffix``) is
 declared here so that serving.py can refuse it when set, instead of silently generating
 something else.
-Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``cache_salt``, and vLLM's ``repetition_penalty`` and ``min_tokens``.
+Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``cache_salt``, and vLLM's
+``repetition_penalty`` and ``min_tokens``.
 
 Responses are built here and dumped with ``model_dump()``; their shapes follow OpenAI's
 exactly (``finish_reason: null`` and ``logprobs: null`` are present, a stream's deltas

@@ -194,7 +194,8 @@ class OpenAIServing:
     # -- preparing --------------------------------------------------------------------------
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedRequest:
-        """Check ``req``, render its conversation (with its tools) and tokenize it (a long one on a thread). Raises ApiError."""
+        """Check ``req``, render its conversation (with its tools) and tokenize it (a long one on a thread). Raises
+        ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
         self._refuse_if_shedding()
@@ -226,7 +227,8 @@ class OpenAIServing:
         return prepared
 
     def _chat_grammar(self, req: ChatCompletionRequest, tool_plan: tools.ToolPlan | None) -> str | None:
-        """The grammar the output must follow (response_format, or a forced tool call); ApiError when it does not compile."""
+        """The grammar the output must follow (response_format, or a forced tool call); ApiError when it does not
+        compile."""
         fmt = req.response_format
         lark = tools.lark_grammar(tool_plan) if tool_plan is not None else None
         if lark is not None and fmt is not None and fmt.type != "text":

@@ -176,7 +176,8 @@ class ClusterBackend(GenerationBackend):
         return resp.placement
 
     async def _conductor_call(self, method: str, msg):
-        """``method`` (Schedule or Report) over the fast path when the Conductor has one (and it answers), else over gRPC."""
+        """``method`` (Schedule or Report) over the fast path when the Conductor has one (and it answers), else over
+        gRPC."""
         stub = self._conductor_stub()
         fast = await self._fast_channel(stub)
         if fast is not None:
@@ -208,7 +209,8 @@ class ClusterBackend(GenerationBackend):
 
     async def _probe_until_accepting(self) -> None:
         """While shedding, ask the Conductor (a probe: it decides and records nothing) shortly before the verdict runs
-        out; a verdict of 0, or a Conductor that does not answer, ends the shedding (requests then ask it themselves)."""
+        out; a verdict of 0, or a Conductor that does not answer, ends the shedding (requests then ask it
+        themselves)."""
         try:
             while True:
                 await asyncio.sleep(max(0.0, self._shed_until - time.monotonic() - SHED_PROBE_LEAD_S))

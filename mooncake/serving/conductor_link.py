@@ -92,8 +92,8 @@ class ConductorLink:
         self._wake.set()
 
     def finished(self, request_id: str, measured_ttft_s: float = 0.0, handoff_s: float = 0.0) -> None:
-        """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``: of it,
-        the hand-off, when not reported with DECODE_STARTED."""
+        """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``: of
+        it, the hand-off, when not reported with DECODE_STARTED."""
         self._events.append(
             pb.RequestEvent(
                 request_id=request_id,

@@ -142,7 +142,8 @@ class EngineLoop:
             seconds = time.perf_counter() - start
             self.num_running, self.context_tokens = engine.load()
             if outputs:
-                # tokens it computed: more than one a request when a prompt's chunk rode on it (engines that do not say: one)
+                # tokens it computed: more than one a request when a prompt's chunk rode on it
+                # (engines that do not say: one)
                 self.steps.append(
                     StepSample(
                         len(outputs), self.context_tokens, seconds, getattr(engine, "last_step_tokens", len(outputs))

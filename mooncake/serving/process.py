@@ -105,7 +105,8 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
 
 
 def default_block_size(engine: str) -> int:
-    """The block size a component uses when none is given: 16 for ours, 32 for vLLM (its CPU attention needs a multiple of 32)."""
+    """The block size a component uses when none is given: 16 for ours, 32 for vLLM (its CPU attention needs a multiple
+    of 32)."""
     return 32 if engine == "vllm" else 16
 
 

@@ -167,7 +167,8 @@ class RequestProgress:
             return self._give_up(f"{self.attempts} placements failed")
         if now >= deadline:
             return self._give_up(
-                f"the cluster did not recover within {deadline - (self._failed_at if placed_before else self.arrival):.0f} s"
+                "the cluster did not recover within "
+                f"{deadline - (self._failed_at if placed_before else self.arrival):.0f} s"
             )
         delay = 0.0
         if fault in (Fault.CONDUCTOR, Fault.NO_INSTANCE, Fault.BUSY) or not first_in_outage:

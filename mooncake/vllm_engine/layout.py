@@ -74,13 +74,15 @@ class BlockLayout:
         return cls(gather.to(cache.device), bs, heads, d)
 
     def export_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """Blocks ``block_ids`` of one layer in the pool layout: [n, 2, bs, Hkv, D], contiguous, on the cache's device."""
+        """Blocks ``block_ids`` of one layer in the pool layout: [n, 2, bs, Hkv, D], contiguous, on the cache's
+        device."""
         blocks = cache.index_select(0, block_ids).reshape(len(block_ids), -1)  # [n, Hkv*bs*2D] logical order
         out = blocks.index_select(1, self.gather)
         return out.view(len(block_ids), 2, self.block_size, self.num_kv_heads, self.head_size)
 
     def import_tokens(self, write: Writer, kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write the first ``len(slots)`` tokens of ``kv`` ([n, 2, bs, Hkv, D], pool layout) to cache slots ``slots``."""
+        """Write the first ``len(slots)`` tokens of ``kv`` ([n, 2, bs, Hkv, D], pool layout) to cache slots
+        ``slots``."""
         n, _, bs, heads, d = kv.shape
         num_tokens = len(slots)
         device = slots.device  # the cache's: the writer runs there (a GPU's copy is synchronous here)

@@ -9,7 +9,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from decode.worker import DecodeConfig, DecodeWorker, Failed
+from decode.worker import DECODE_ENGINE_DEFAULTS, DecodeConfig, DecodeWorker, Failed
+from mooncake.cliargs import field_arg
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
 from mooncake.serving.status import WORKER_STATUS, Busy
@@ -122,29 +123,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "slots for stock vLLM, and for a prefill that cannot reach the cache), has the planned prefill worker "
         "write them, then decodes the request in its continuous batch and streams tokens. Prints READY {json}.",
         "decode-0",
-        2048,
+        DECODE_ENGINE_DEFAULTS,
     )
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in the running batch")
-    p.add_argument(
-        "--landing-slots", type=int, default=None, help="landing slots in blocks (default: two full contexts)"
-    )
+    field_arg(p, DecodeConfig, "landing_slots")
     p.add_argument(
         "--staged-landing",
         action="store_true",
         help="native engine: prompts land in landing slots and are "
         "copied into the cache when they join (the path before prefills wrote the cache in place)",
     )
-    p.add_argument(
-        "--tbt-slo", type=float, default=None, help="seconds: cap the batch where the measured step meets 0.9 x this"
-    )
-    p.add_argument(
-        "--detect-s",
-        type=float,
-        default=2.0,
-        help="a prefill worker that stops answering keepalive pings this "
-        "long (a host off the network) fails the prefill; the gateway places the request again",
-    )
-    p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory of the landing segment")
+    field_arg(p, DecodeConfig, "tbt_slo_s", "--tbt-slo")
+    field_arg(p, DecodeConfig, "detect_s")
+    field_arg(p, DecodeConfig, "shm_dir")
     p.add_argument(
         "--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish"
     )

@@ -124,7 +124,7 @@ class DecodeConfig(BaseModel):
         "out, unreachable) go back to the engine this much later: a straggling write lands in "
         "nothing another request attends",
     )
-    shm_dir: str = "/dev/shm/mooncake"
+    shm_dir: str = Field("/dev/shm/mooncake", description="tmpfs directory of the landing segment")
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
     @model_validator(mode="before")

@@ -11,12 +11,14 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvstore.client import KVStoreUnavailable
+from mooncake.cliargs import field_arg
+from mooncake.engine.config import EngineConfig
 from mooncake.faults import message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
 from mooncake.serving.status import WORKER_STATUS
 from prefill.stage import read_key
-from prefill.worker import PrefillConfig, PrefillWorker
+from prefill.worker import PREFILL_ENGINE_DEFAULTS, PrefillConfig, PrefillWorker
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransportChoice
@@ -123,31 +125,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "A prefill worker: loads reusable prefix KV from the pool, computes the rest of each "
         "prompt layer by layer, and streams the KV to the decode worker and into its pool node. Prints READY {json}.",
         "prefill-0",
-        1024,
+        PREFILL_ENGINE_DEFAULTS,
     )
     p.add_argument("--kvstore", required=True, help="gRPC address of this worker's pool node, on this host")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per engine step, longer prompts in chunks (default: 512 on the CPU, 4096 on CUDA)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=8, help="prefills in the engine at once")
+    field_arg(p, EngineConfig, "max_num_batched_tokens")
     p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
-    p.add_argument(
-        "--reservation-ttl",
-        type=float,
-        default=600.0,
-        help="seconds the pool slots reserved for a prefill's blocks live (longer than the longest prefill)",
-    )
-    p.add_argument(
-        "--pipeline-stages",
-        type=int,
-        default=1,
-        help="run the model as a pipelined prefill group (CPP) of this many stage processes, each a contiguous "
-        "range of the layers on one thread (give the worker this many cores); a prompt's chunks of "
-        "--max-num-batched-tokens overlap across the stages. The group registers as one instance",
-    )
+    field_arg(p, PrefillConfig, "reservation_ttl_s", "--reservation-ttl")
+    field_arg(p, PrefillConfig, "pipeline_stages")
     p.add_argument(
         "--stage-addresses",
         default="",

@@ -100,9 +100,9 @@ class PrefillConfig(BaseModel):
     pipeline_stages: int = Field(
         1,
         ge=1,
-        description="stages of a pipelined group (CPP): each a process holding a "
-        "contiguous range of the layers, a prompt's chunks (max_num_batched_tokens) overlapping "
-        "across them; 1: one engine",
+        description="run the model as a pipelined prefill group (CPP) of this many stage processes, each a "
+        "contiguous range of the layers on one thread (give the worker this many cores); a prompt's chunks of "
+        "--max-num-batched-tokens overlap across the stages. The group registers as one instance",
     )
     prefill_timeout_s: float = Field(3600.0, gt=0, description="a group's prefill fails after this")
     stage_addresses: list[tuple[str, int]] = Field(

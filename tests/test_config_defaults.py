@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -44,3 +45,30 @@ def test_a_workers_engine_is_an_engineconfig_with_the_workers_defaults():
     assert prefill.engine_config.max_num_batched_tokens == 512  # resolved for the CPU, once, by EngineConfig
     decode = DecodeConfig(model="m", engine_config={"model": "m", "max_num_seqs": 4})
     assert (decode.engine_config.max_num_seqs, decode.engine_config.num_kv_blocks) == (4, 2048)
+
+
+def test_a_workers_flags_are_read_off_its_config():
+    from decode.server import parse_args as decode_args
+    from decode.worker import DECODE_ENGINE_DEFAULTS
+    from prefill.server import parse_args as prefill_args
+    from prefill.worker import PREFILL_ENGINE_DEFAULTS
+
+    d = decode_args(["--model", "m"])
+    assert (d.detect_s, d.tbt_slo, d.shm_dir) == tuple(
+        DecodeConfig.model_fields[f].default for f in ("detect_s", "tbt_slo_s", "shm_dir")
+    )
+    assert (d.max_num_seqs, d.num_kv_blocks) == (DECODE_ENGINE_DEFAULTS["max_num_seqs"], 2048)
+    p = prefill_args(["--model", "m", "--kvstore", "k:1", "--dtype", "bfloat16", "--enforce-eager"])
+    assert (p.max_num_seqs, p.num_kv_blocks, p.pipeline_stages) == (PREFILL_ENGINE_DEFAULTS["max_num_seqs"], 1024, 1)
+    assert (p.dtype, p.enforce_eager, p.reservation_ttl) == ("bfloat16", True, 600.0)
+    with pytest.raises(SystemExit):  # the Literal's choices
+        prefill_args(["--model", "m", "--kvstore", "k:1", "--dtype", "int8"])
+
+
+def test_a_switch_that_defaults_to_on_must_be_named_by_hand():
+    import argparse
+
+    from mooncake.cliargs import field_arg
+
+    with pytest.raises(ValueError, match="defaults to on"):
+        field_arg(argparse.ArgumentParser(), DecodeConfig, "write_behind")

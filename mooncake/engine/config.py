@@ -36,24 +36,39 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str = Field(description="Path to a Hugging Face layout model directory")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (engine, pool, index)")
-    num_kv_blocks: int | None = Field(None, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the weights' and the KV cache's")
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="native engine: cpu, or cuda[:N] (the KV cache and weights on that GPU; KV leaves it through "
+        "pinned host staging on a side stream). vLLM picks its own device",
+    )
+    block_size: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="tokens per KV block, the pool's and the Conductor's (a worker's default: 16 native, 32 vllm: "
+        "vLLM's CPU attention needs a multiple of 32)",
+    )
+    num_kv_blocks: int | None = Field(None, ge=1, description="the paged cache, in blocks")
     kv_cache_memory_gib: float = Field(1.0, gt=0)
-    max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch")
+    max_num_seqs: int = Field(64, ge=1, description="most requests in the engine's batch at once")
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,
         description="Per-step token budget; a longer prompt is prefilled in chunks. Default: "
         f"{CPU_BATCHED_TOKENS} on the CPU, {CUDA_BATCHED_TOKENS} on CUDA (default_batched_tokens)",
     )
-    max_model_len: int | None = Field(None, ge=1, description="Default: the model's max positions")
+    max_model_len: int | None = Field(None, ge=1, description="context limit (default: the model's)")
     enable_prefix_caching: bool = True
     seed: int = 0
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    num_threads: int | None = Field(None, ge=1, description="torch threads (default: torch's)")
     use_kernels: bool = Field(True, description="Compile and use the CPU paged decode-attention kernel")
-    enforce_eager: bool = Field(False, description="Never capture CUDA graphs: every step runs eagerly")
+    enforce_eager: bool = Field(
+        False,
+        description="native engine on CUDA: run every step eagerly, without capturing decode steps as CUDA graphs "
+        "(slower decode; for debugging)",
+    )
     decode_graphs: bool | None = Field(
         None,
         description="Run decode steps through static buffers captured as CUDA graphs. Default: on for CUDA "

@@ -12,8 +12,10 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 from mooncake import tls
+from mooncake.cliargs import field_arg
 from transfer import add_transport_args
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,13 @@ def wait_for_signal() -> str:
     return got[0] if got else "SIGTERM"
 
 
-def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: int) -> argparse.ArgumentParser:
-    """The flags prefill and decode workers share; each adds its own."""
+def worker_parser(
+    prog: str, description: str, default_id: str, engine_defaults: dict[str, Any]
+) -> argparse.ArgumentParser:
+    """The flags prefill and decode workers share (the engine's read off EngineConfig, over the worker's
+    ``engine_defaults``); each adds its own."""
+    from mooncake.engine.config import EngineConfig  # the engine (torch) only where a worker starts
+
     p = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -62,7 +69,7 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC service binds and advertises to the Conductor")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    field_arg(p, EngineConfig, "dtype")
     p.add_argument(
         "--engine",
         default="native",
@@ -77,28 +84,13 @@ def worker_parser(prog: str, description: str, default_id: str, num_kv_blocks: i
         help="a vLLM EngineArgs keyword for --engine vllm, repeatable; values parse as JSON when they can "
         "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true, kv_cache_dtype=auto)",
     )
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per KV block, the pool's and the Conductor's (default: 16 native, 32 vllm: "
-        "vLLM's CPU attention needs a multiple of 32)",
-    )
-    p.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="the engine's paged cache, in blocks")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="native engine: cpu, or cuda[:N] (the KV cache and weights on that GPU; "
-        "KV leaves it through pinned host staging on a side stream). vLLM picks its own device",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="native engine on CUDA: run every step eagerly, without "
-        "capturing decode steps as CUDA graphs (slower decode; for debugging)",
-    )
+    field_arg(p, EngineConfig, "block_size", default=None)  # default_block_size(engine) once the engine is known
+    field_arg(p, EngineConfig, "num_kv_blocks", default=engine_defaults["num_kv_blocks"])
+    field_arg(p, EngineConfig, "max_num_seqs", default=engine_defaults["max_num_seqs"])
+    field_arg(p, EngineConfig, "max_model_len")
+    field_arg(p, EngineConfig, "num_threads", "--threads")
+    field_arg(p, EngineConfig, "device")
+    field_arg(p, EngineConfig, "enforce_eager")
     add_transport_args(p)
     p.add_argument("--log-level", default="INFO")
     return p

@@ -46,7 +46,7 @@ from conductor.core import Conductor, ConductorConfig
 from conductor.fastpath import start_fast_path
 from conductor.index import ROOT, chain_parents
 from conductor.service import ConductorService, ConductorServicer, start_server
-from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest
+from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest, Slo
 from kvstore.events import Tier
 from mooncake import tls
 
@@ -283,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
 
     started = time.perf_counter()
-    service = ConductorService(
-        ConductorConfig(), expire_every_s=3600
-    )  # the expiry thread must not kill the simulated instances
+    # the TBT SLO its recorded runs had (ConductorConfig's default then); the expiry thread must not kill the
+    # simulated instances
+    config = ConductorConfig(slo_classes={"default": Slo(ttft_s=30.0, tbt_s=0.1)})
+    service = ConductorService(config, expire_every_s=3600)
     with console.status(
         f"building {args.prefill} prefill + {args.decode} decode instances and a {args.blocks:,}-block index"
     ):

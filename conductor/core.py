@@ -24,6 +24,7 @@ from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_loc
 from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, estimate, make_policy
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import (
+    DEFAULT_SLO,
     Decision,
     Instance,
     InstanceState,
@@ -53,7 +54,7 @@ SHED_REUSE_S = 0.02  # a verdict this fresh is reused (a burst's rejections do n
 class ConductorConfig(BaseModel):
     policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
     admission: AdmissionKind = AdmissionKind.EARLY_PREDICTIVE
-    slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": Slo(ttft_s=30.0, tbt_s=0.1)})
+    slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": DEFAULT_SLO})
     block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is dead")
     suspect_hold_s: float = Field(

@@ -10,6 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from conductor.__main__ import parse_args as conductor_args
+from conductor.core import ConductorConfig
 from conductor.types import DEFAULT_SLO
 from decode.worker import DecodeConfig
 from mooncake.cli.main import app
@@ -25,6 +26,7 @@ def test_the_default_slo_is_the_same_for_the_conductor_mooncake_up_and_the_chart
     assert (args.ttft_slo, args.tbt_slo) == (DEFAULT_SLO.ttft_s, DEFAULT_SLO.tbt_s)
     config = ClusterConfig(model="m", model_name="m")
     assert (config.ttft_slo_s, config.tbt_slo_s) == (DEFAULT_SLO.ttft_s, DEFAULT_SLO.tbt_s)
+    assert ConductorConfig().slo_classes == {"default": DEFAULT_SLO}
     slo = yaml.safe_load(CHART_VALUES.read_text())["slo"]
     assert (slo["ttftSeconds"], slo["tbtSeconds"]) == (DEFAULT_SLO.ttft_s, DEFAULT_SLO.tbt_s)
 

@@ -17,19 +17,17 @@ import threading
 
 from prometheus_client import start_http_server
 
-from conductor.admission import AdmissionKind
 from conductor.auth import TOKEN_FILE_ENV, read_token_file
 from conductor.core import ConductorConfig
 from conductor.fastpath import start_fast_path
-from conductor.forecast import ForecastKind
 from conductor.leader import LeaderLease
-from conductor.local import LocalPrefill
 from conductor.persistence import RedisStore, make_store
-from conductor.policies import PolicyConfig, PolicyKind
+from conductor.policies import PolicyConfig
 from conductor.pool import make_provider
 from conductor.predictors import PredictorConfig
 from conductor.service import ConductorService, ConductorServicer, start_server
 from conductor.types import DEFAULT_SLO, Role, Slo
+from mooncake.cliargs import field_arg
 from mooncake.serving.process import print_ready
 
 SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this soon (Python's default: 5 ms)
@@ -64,57 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=3.0,
         help="with --redis-url: seconds a leader's lease lasts unrenewed (a standby takes over within about 4/3 of it)",
     )
-    p.add_argument(
-        "--policy",
-        choices=[k.value for k in PolicyKind],
-        default=PolicyKind.KVCACHE_CENTRIC.value,
-        help="prefill placement policy (a value persisted in Redis wins)",
-    )
-    p.add_argument(
-        "--admission",
-        choices=[k.value for k in AdmissionKind],
-        default=AdmissionKind.EARLY_PREDICTIVE.value,
-        help="admission (early rejection) policy (a value persisted in Redis wins)",
-    )
-    p.add_argument(
-        "--local-prefill",
-        choices=[m.value for m in LocalPrefill],
-        default=LocalPrefill.AUTO.value,
-        help="where prompts are computed: auto (default: a prefill worker or the decode worker itself, whichever is "
-        "predicted to reach the first token sooner with its steps within the TBT SLO, the decode worker only "
-        "while it has time to spare (--local-max-load): a short prompt, or a short new part of a prompt whose "
-        "prefix is in the pool, skips the hand-off), never (a prefill worker; the paper's disaggregation) or "
-        "always (the decode worker, where it runs our engine)",
-    )
-    p.add_argument(
-        "--local-max-load",
-        type=float,
-        default=ConductorConfig.model_fields["local_max_load"].default,
-        help="auto: a decode worker computes prompts only while its batch's predicted step is at most this share "
-        "of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "
-        "request's step; default %(default)s)",
-    )
-    p.add_argument(
-        "--local-chunk-tokens",
-        type=int,
-        default=512,
-        help="a decode worker's token budget per step where it does not register its own (ours do: their "
-        "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes",
-    )
-    p.add_argument(
-        "--decode-forecast",
-        choices=[k.value for k in ForecastKind],
-        default=ForecastKind.SURVIVAL.value,
-        help="early_predictive's decode forecast: survival (measured decode durations, each request weighed by "
-        "how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every "
-        "decode lasts t_d)",
-    )
-    p.add_argument(
-        "--tbt-headroom",
-        type=float,
-        default=1.0,
-        help="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1)",
-    )
+    field_arg(p, ConductorConfig, "policy")
+    field_arg(p, ConductorConfig, "admission")
+    field_arg(p, ConductorConfig, "local_prefill")
+    field_arg(p, ConductorConfig, "local_max_load")
+    field_arg(p, ConductorConfig, "local_chunk_tokens")
+    field_arg(p, ConductorConfig, "decode_forecast")
+    field_arg(p, ConductorConfig, "tbt_headroom")
     p.add_argument(
         "--ttft-slo",
         type=float,
@@ -134,29 +88,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME=TTFT,TBT",
         help="another SLO class, e.g. batch=120,0.5 (repeatable)",
     )
-    p.add_argument(
-        "--block-bytes", type=int, default=320 * 1024 * 16, help="bytes of one KV block (transfer estimates)"
-    )
-    p.add_argument(
-        "--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before an instance is dead"
-    )
-    p.add_argument(
-        "--suspect-hold",
-        type=float,
-        default=1.0,
-        help="an instance a gateway reports failing gets nothing new "
-        "until it heartbeats this many seconds after the report",
-    )
-    p.add_argument(
-        "--balancing-threshold",
-        type=float,
-        default=1.5,
-        help="kvcache_centric: fetch a prefix this many times the local one",
-    )
-    p.add_argument("--tier-aware", action="store_true", help="price SSD-resident prefix blocks by their load time")
-    p.add_argument(
-        "--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate assumed until samples arrive"
-    )
+    field_arg(p, ConductorConfig, "block_bytes")
+    field_arg(p, ConductorConfig, "heartbeat_timeout_s", "--heartbeat-timeout")
+    field_arg(p, ConductorConfig, "suspect_hold_s", "--suspect-hold")
+    field_arg(p, PolicyConfig, "kvcache_balancing_threshold", "--balancing-threshold")
+    field_arg(p, PolicyConfig, "tier_aware")
+    field_arg(p, PredictorConfig, "prefill_tokens_per_s")
     p.add_argument(
         "--pool-provider",
         choices=["none", "local", "kubernetes"],

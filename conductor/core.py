@@ -52,11 +52,16 @@ SHED_REUSE_S = 0.02  # a verdict this fresh is reused (a burst's rejections do n
 
 
 class ConductorConfig(BaseModel):
-    policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
-    admission: AdmissionKind = AdmissionKind.EARLY_PREDICTIVE
+    policy: PolicyKind = Field(
+        PolicyKind.KVCACHE_CENTRIC, description="prefill placement policy (a value persisted in Redis wins)"
+    )
+    admission: AdmissionKind = Field(
+        AdmissionKind.EARLY_PREDICTIVE,
+        description="admission (early rejection) policy (a value persisted in Redis wins)",
+    )
     slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": DEFAULT_SLO})
     block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
-    heartbeat_timeout_s: float = Field(10.0, gt=0, description="an instance silent this long is dead")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="seconds of silence before an instance is dead")
     suspect_hold_s: float = Field(
         1.0,
         ge=0,
@@ -66,28 +71,31 @@ class ConductorConfig(BaseModel):
     default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
     decode_forecast: ForecastKind = Field(
         ForecastKind.SURVIVAL,
-        description="early_predictive's decode forecast: "
-        "survival (ours: measured durations by age, and the joins to come) or uniform (the paper's t_d)",
+        description="early_predictive's decode forecast: survival (measured decode durations, each request weighed "
+        "by how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every decode "
+        "lasts t_d)",
     )
     local_prefill: LocalPrefill = Field(
         LocalPrefill.AUTO,
-        description="where prompts are computed: auto (default: a prefill worker or "
-        "the decode worker itself, whichever is predicted sooner within the TBT SLO; conductor.local), "
-        "never (a prefill worker) or always (the decode worker, where it runs our engine)",
+        description="where prompts are computed: auto (a prefill worker or the decode worker itself, whichever is "
+        "predicted to reach the first token sooner with its steps within the TBT SLO, the decode worker only "
+        "while it has time to spare (--local-max-load): a short prompt, or a short new part of a prompt whose "
+        "prefix is in the pool, skips the hand-off; conductor.local), never (a prefill worker; the paper's "
+        "disaggregation) or always (the decode worker, where it runs our engine)",
     )
     local_max_load: float = Field(
         0.5,
         gt=0,
         le=1.0,
-        description="auto: a decode worker computes prompts only while its "
-        "batch's predicted step is at most this share of the TBT limit (a busier one has no time to spare: "
-        "every chunk lengthens every running request's step)",
+        description="auto: a decode worker computes prompts only while its batch's predicted step is at most this "
+        "share of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "
+        "request's step)",
     )
     local_chunk_tokens: int = Field(
         512,
         ge=1,
-        description="a decode worker's token budget per step where it does not say "
-        "its own as it registers: the most of a prompt it computes itself that one step takes",
+        description="a decode worker's token budget per step where it does not register its own (ours do: their "
+        "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes",
     )
     default_handoff_s: float = Field(
         0.0,
@@ -99,8 +107,8 @@ class ConductorConfig(BaseModel):
         1.0,
         gt=0,
         le=1.0,
-        description="admit while the predicted mean step stays under this share "
-        "of the TBT SLO (the SLO is on a request's slowest gaps, not its mean)",
+        description="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1; "
+        "the SLO is on a request's slowest gaps, not its mean)",
     )
     predictors: PredictorConfig = Field(default_factory=PredictorConfig)
     policy_config: PolicyConfig = Field(default_factory=PolicyConfig)

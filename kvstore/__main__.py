@@ -12,9 +12,10 @@ import logging
 import sys
 from pathlib import Path
 
-from kvstore.config import EvictionKind, StoreConfig
+from kvstore.config import StoreConfig
 from kvstore.metrics import store_registry
 from kvstore.service import KVStoreNode, start_server
+from mooncake.cliargs import field_arg
 from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.process import print_ready, wait_for_signal
 from mooncake.serving.status_http import start_status_server
@@ -30,17 +31,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m kvstore",
         description="A KV cache pool node: a DRAM tier (shared memory, served to peers over shm and tcp), "
         "an optional SSD tier, and the gRPC control service workers and the Conductor talk to.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--node", default="kv0", help="node name, unique in the cluster (default: kv0)")
+    field_arg(p, StoreConfig, "node")
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC service and the transfer server bind")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (default: any free port, printed in the READY line)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port, printed in the READY line)")
     p.add_argument(
         "--control-port",
         type=int,
         default=0,
-        help="port of the control fast path (the hot calls without gRPC; default: any free port)",
+        help="port of the control fast path (the hot calls without gRPC; 0: any free port)",
     )
-    p.add_argument("--transfer-port", type=int, default=0, help="transfer (tcp) server port (default: any free port)")
+    p.add_argument("--transfer-port", type=int, default=0, help="transfer (tcp) server port (0: any free port)")
     p.add_argument(
         "--block-bytes",
         type=int,
@@ -50,20 +52,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--dram-blocks", type=int, help="DRAM tier size in blocks")
     size.add_argument("--dram-mib", type=int, help="DRAM tier size in MiB (rounded down to whole blocks)")
-    p.add_argument("--ssd-dir", help="directory for the SSD tier's slot files (omit for no SSD tier)")
+    field_arg(p, StoreConfig, "ssd_dir")
     p.add_argument("--ssd-blocks", type=int, default=0, help="SSD tier size in blocks")
     p.add_argument("--ssd-mib", type=int, default=0, help="SSD tier size in MiB (instead of --ssd-blocks)")
-    p.add_argument("--ssd-fsync", action="store_true", help="fsync every SSD write (survive power loss; slower)")
-    p.add_argument(
-        "--eviction", choices=[e.value for e in EvictionKind], default="lru", help="eviction policy (default: lru)"
-    )
-    p.add_argument("--high-watermark", type=float, default=0.95, help="DRAM use that starts eviction (default: 0.95)")
-    p.add_argument("--low-watermark", type=float, default=0.85, help="DRAM use eviction stops at (default: 0.85)")
-    p.add_argument(
-        "--lease-ttl", type=float, default=30.0, help="seconds a read lease lasts unless released (default: 30)"
-    )
-    p.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds an uncommitted put lives (default: 30)")
-    p.add_argument("--redis-url", help="publish the DRAM segment in this Redis (default: in-process registry)")
+    field_arg(p, StoreConfig, "ssd_fsync")
+    field_arg(p, StoreConfig, "eviction")
+    field_arg(p, StoreConfig, "high_watermark")
+    field_arg(p, StoreConfig, "low_watermark")
+    field_arg(p, StoreConfig, "lease_ttl_s", "--lease-ttl")
+    field_arg(p, StoreConfig, "reservation_ttl_s", "--reservation-ttl")
+    p.add_argument("--redis-url", help="publish the DRAM segment in this Redis (none: an in-process registry)")
     p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory for the DRAM segment")
     add_transport_args(p, "--backend")
     p.add_argument(
@@ -72,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "enter the Conductor's index); none: standalone",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; default -1: none)"
+        "--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; -1: none)"
     )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)

@@ -19,11 +19,11 @@ class StoreConfig(BaseModel):
     node: str = Field("kv0", min_length=1, description="node name (unique in the cluster)")
     block_bytes: int = Field(gt=0, description="bytes of one block's KV (DESIGN §4 layout); one value cluster-wide")
     dram_blocks: int = Field(gt=0, description="slots in the DRAM tier")
-    ssd_dir: str | None = Field(None, description="directory of the SSD tier's slot files (None: no SSD tier)")
+    ssd_dir: str | None = Field(None, description="directory of the SSD tier's slot files (none: no SSD tier)")
     ssd_blocks: int = Field(0, ge=0, description="slots in the SSD tier")
     ssd_file_blocks: int = Field(1024, gt=0, description="slots per SSD file")
     ssd_fsync: bool = Field(False, description="fsync each SSD write (survives power loss, not only kill -9)")
-    eviction: EvictionKind = EvictionKind.LRU
+    eviction: EvictionKind = Field(EvictionKind.LRU, description="eviction policy")
     high_watermark: float = Field(0.95, gt=0, le=1, description="DRAM use that triggers background eviction")
     low_watermark: float = Field(0.85, gt=0, le=1, description="DRAM use that eviction brings it back to")
     lease_ttl_s: float = Field(30.0, gt=0, description="default lease lifetime when a get names none")

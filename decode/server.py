@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from decode.worker import DECODE_ENGINE_DEFAULTS, DecodeConfig, DecodeWorker, Failed
 from mooncake.cliargs import field_arg
 from mooncake.serving.engines import parse_vllm_args
-from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
+from mooncake.serving.process import WorkerProcess, engine_fields, run_worker, worker_parser
 from mooncake.serving.status import WORKER_STATUS, Busy
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -147,21 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = DecodeConfig(
             id=args.id,
-            model=args.model,
             engine=args.engine,
             vllm_args=parse_vllm_args(args.vllm_arg),
             host=args.host,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size or default_block_size(args.engine),
-            num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
+            engine_config=engine_fields(args),
             landing_slots=args.landing_slots,
             tbt_slo_s=args.tbt_slo,
-            enforce_eager=args.enforce_eager,
             detect_s=args.detect_s,
-            num_threads=args.threads,
             shm_dir=args.shm_dir,
             transport=TransportChoice.from_args(args),
             direct_landing=not args.staged_landing,

@@ -15,7 +15,7 @@ from mooncake.cliargs import field_arg
 from mooncake.engine.config import EngineConfig
 from mooncake.faults import message
 from mooncake.serving.engines import parse_vllm_args
-from mooncake.serving.process import WorkerProcess, default_block_size, run_worker, worker_parser
+from mooncake.serving.process import WorkerProcess, engine_fields, run_worker, worker_parser
 from mooncake.serving.status import WORKER_STATUS
 from prefill.stage import read_key
 from prefill.worker import PREFILL_ENGINE_DEFAULTS, PrefillConfig, PrefillWorker
@@ -162,18 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         key = read_key(args.stage_key_file) if addresses else None
         config = PrefillConfig(
             id=args.id,
-            model=args.model,
             engine=args.engine,
             vllm_args=parse_vllm_args(args.vllm_arg),
             kvstore=args.kvstore,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size or default_block_size(args.engine),
-            num_kv_blocks=args.num_kv_blocks,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            num_threads=args.threads,
+            engine_config={**engine_fields(args), "max_num_batched_tokens": args.max_num_batched_tokens},
             store_new_blocks=not args.no_store,
             reservation_ttl_s=args.reservation_ttl,
             pipeline_stages=stages,

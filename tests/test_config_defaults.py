@@ -74,3 +74,13 @@ def test_a_switch_that_defaults_to_on_must_be_named_by_hand():
 
     with pytest.raises(ValueError, match="defaults to on"):
         field_arg(argparse.ArgumentParser(), DecodeConfig, "write_behind")
+
+
+def test_the_engine_flags_become_the_workers_engine_config():
+    from decode.server import parse_args as decode_args
+    from mooncake.serving.process import engine_fields
+
+    args = decode_args(["--model", "m", "--engine", "vllm", "--threads", "3", "--enforce-eager"])
+    config = DecodeConfig(engine="vllm", engine_config=engine_fields(args))
+    assert (config.engine_config.model, config.engine_config.block_size) == ("m", 32)  # vLLM's default block size
+    assert (config.engine_config.num_threads, config.engine_config.enforce_eager) == (3, True)

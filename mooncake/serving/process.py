@@ -96,6 +96,21 @@ def worker_parser(
     return p
 
 
+def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keywords :func:`worker_parser`'s flags gave, for a worker config's ``engine_config``."""
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size or default_block_size(args.engine),
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+        enforce_eager=args.enforce_eager,
+    )
+
+
 def default_block_size(engine: str) -> int:
     """The block size a component uses when none is given: 16 for ours, 32 for vLLM (its CPU attention needs a multiple
     of 32)."""

@@ -35,7 +35,8 @@ SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this 
 log = logging.getLogger("conductor")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """This component's flags (the launcher renders its argv from them: mooncake.cliargs.to_argv)."""
     p = argparse.ArgumentParser(
         prog="python -m conductor",
         description="The Conductor: registry, global KV index, KVCache-centric scheduling and early rejection (gRPC).",
@@ -114,7 +115,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "anyone who reaches the port",
     )
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> ConductorConfig:

@@ -116,7 +116,8 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
             m.requests.labels(outcome).inc()
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """This component's flags (the launcher renders its argv from them: mooncake.cliargs.to_argv)."""
     p = worker_parser(
         "python -m decode",
         "A decode worker: reserves blocks of its engine's cache for a prompt's KV (landing "
@@ -138,7 +139,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish"
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,8 @@ from transfer.metrics import TransferCollector
 MIB = 1 << 20
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """This component's flags (the launcher renders its argv from them: mooncake.cliargs.to_argv)."""
     p = argparse.ArgumentParser(
         prog="python -m kvstore",
         description="A KV cache pool node: a DRAM tier (shared memory, served to peers over shm and tcp), "
@@ -73,7 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; -1: none)"
     )
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

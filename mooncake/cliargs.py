@@ -51,3 +51,37 @@ def field_arg(
             kwargs["type"] = kind
     kwargs.update(extra)
     return parser.add_argument(flag or "--" + field.replace("_", "-"), **kwargs)
+
+
+def to_argv(parser: argparse.ArgumentParser, **values: Any) -> list[str]:
+    """The argv that gives ``values`` (by each flag's dest) to the component whose flags ``parser`` holds: the flag's
+    spelling comes from the parser, so a launcher that starts the component says only what it sets. ``None`` and a
+    switch's ``False`` leave the flag out; a list repeats an ``append`` flag. The argv is parsed back before it is
+    returned, so a value the component would refuse fails here, in the launcher, with the parser's message.
+
+        to_argv(conductor.__main__.parser(), port=7000, tbt_slo=0.1)   # ['--port', '7000', '--tbt-slo', '0.1']
+    """
+    flags = {a.dest: a for a in parser._actions if a.option_strings}
+    argv: list[str] = []
+    for dest, value in values.items():
+        action = flags.get(dest)
+        if action is None:
+            raise ValueError(f"{parser.prog} has no flag for {dest!r}")
+        flag = max(action.option_strings, key=len)
+        if value is None or value is False:
+            continue
+        if value is True and action.nargs == 0:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [part for item in value for part in (flag, _text(item))]
+        else:
+            argv += [flag, _text(value)]
+    try:
+        parser.parse_args(argv)
+    except SystemExit:
+        raise ValueError(f"{parser.prog} refuses {' '.join(argv)} (its message is above)") from None
+    return argv
+
+
+def _text(value: Any) -> str:
+    return str(value.value if isinstance(value, enum.Enum) else value)

@@ -119,7 +119,8 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """This component's flags (the launcher renders its argv from them: mooncake.cliargs.to_argv)."""
     p = worker_parser(
         "python -m prefill",
         "A prefill worker: loads reusable prefix KV from the pool, computes the rest of each "
@@ -150,7 +151,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip the timed prefills of made-up prompts (1/8, 1/2 and 1 step budget long) run before READY, "
         "which the Conductor's TTFT predictions start from",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

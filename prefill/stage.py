@@ -23,7 +23,8 @@ import threading
 from multiprocessing.connection import AuthenticationError, Listener
 from pathlib import Path
 
-from mooncake.engine.config import DTYPES
+from mooncake.cliargs import field_arg
+from mooncake.engine.config import DTYPES, EngineConfig
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.stage import split_layers
@@ -41,7 +42,8 @@ def read_key(path: str | None) -> bytes:
     return key
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """This component's flags (the launcher renders its argv from them: mooncake.cliargs.to_argv)."""
     p = argparse.ArgumentParser(prog="python -m prefill.stage", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--stage", type=int, required=True, help="this stage's place, 0-based")
@@ -51,15 +53,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--port", type=int, default=0, help="the port the group's worker dials (0: any free port)")
     p.add_argument("--key-file", help="file holding the group's key (default: $MOONCAKE_STAGE_KEY)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=1024, help="this stage's cache, in blocks")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    field_arg(p, EngineConfig, "dtype")
+    field_arg(p, EngineConfig, "device")
+    field_arg(p, EngineConfig, "block_size")
+    field_arg(p, EngineConfig, "num_kv_blocks", default=1024, help="this stage's cache, in blocks")
+    field_arg(p, EngineConfig, "max_model_len")
     p.add_argument("--chunk", type=int, default=512, help="the group's chunk (its worker's --max-num-batched-tokens)")
     p.add_argument("--shm-dir", default="/dev/shm/mooncake")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,95 @@ def test_the_engine_flags_become_the_workers_engine_config():
     config = DecodeConfig(engine="vllm", engine_config=engine_fields(args))
     assert (config.engine_config.model, config.engine_config.block_size) == ("m", 32)  # vLLM's default block size
     assert (config.engine_config.num_threads, config.engine_config.enforce_eager) == (3, True)
+
+
+def test_to_argv_spells_the_components_own_flags_and_refuses_what_it_would():
+    from mooncake.cliargs import to_argv
+    from mooncake.serving.process import worker_parser
+
+    p = worker_parser("w", "a worker", "w-0", {"num_kv_blocks": 8, "max_num_seqs": 4})
+    argv = to_argv(p, model="m", threads=3, max_model_len=None, enforce_eager=True, vllm_arg=["a=1", "b=2"])
+    assert argv == ["--model", "m", "--threads", "3", "--enforce-eager", "--vllm-arg", "a=1", "--vllm-arg", "b=2"]
+    args = p.parse_args(argv)
+    assert (args.threads, args.max_model_len, args.enforce_eager, args.vllm_arg) == (3, None, True, ["a=1", "b=2"])
+    with pytest.raises(ValueError, match="no flag for 'tbt_slo_s'"):  # a dest, not a field, names the flag
+        to_argv(p, model="m", tbt_slo_s=0.1)
+    with pytest.raises(ValueError, match="refuses --model m --dtype int8"):
+        to_argv(p, model="m", dtype="int8")
+    with pytest.raises(ValueError, match="refuses --threads 2"):  # --model is required
+        to_argv(p, threads=2)
+
+
+def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_settings(tiny_dir, tmp_path):
+    """`mooncake up`'s argv for every component parses with that component's parser (the launcher renders it from
+    the parser), and carries ClusterConfig's settings: its SLO, dtype, block size, engine and limits."""
+    from mooncake.cli.up_cmd import COMPONENTS
+    from mooncake.cluster.launcher import LocalCluster
+
+    config = ClusterConfig(
+        model=str(tiny_dir),
+        model_name="tiny",
+        prefill=2,
+        decode=1,
+        prefill_groups=1,
+        group_size=2,
+        tbt_slo_s=0.25,
+        max_model_len=256,
+        threads=1,
+        pool_ssd_mib=4,
+        api_key="k",
+        workdir=str(tmp_path),
+    )
+    modules = {**COMPONENTS, "prefill.stage": "prefill.stage", "mooncake.gateway": "mooncake.gateway.__main__"}
+    parsed: dict[str, object] = {}
+    for wave in LocalCluster(config)._plan():
+        for comp in wave:
+            module = comp.argv[comp.argv.index("-m") + 1]
+            args = comp.argv[comp.argv.index("-m") + 2 :]
+            parsed[comp.name] = importlib.import_module(modules[module]).parse_args(args)
+    assert sorted(parsed) == ["conductor", "decode-0", "gateway", "kv0", "kv1", "prefill-0", "prefill-1"]
+    assert parsed["conductor"].tbt_slo == parsed["decode-0"].tbt_slo == 0.25
+    assert parsed["gateway"].retry_budget_s == parsed["conductor"].ttft_slo == config.ttft_slo_s
+    for name in ("prefill-0", "prefill-1", "decode-0", "gateway"):
+        args = parsed[name]
+        assert (args.model, args.dtype, args.block_size, args.max_model_len) == (str(tiny_dir), "float32", 16, 256)
+    assert (parsed["prefill-0"].pipeline_stages, parsed["prefill-1"].pipeline_stages) == (2, 1)
+    assert parsed["kv0"].ssd_mib == 4 and parsed["kv0"].block_bytes == config.block_bytes()
+    assert parsed["decode-0"].max_num_seqs == config.decode_max_seqs
+    assert parsed["gateway"].api_key == "k" and parsed["gateway"].tenants is None
+
+
+# What a chart must set for itself: where a component listens and whom it dials, its name, sizes from the chart's
+# model and its pod's resources. Every other flag the chart passes must carry the component's own default.
+CHART_WIRING = {
+    "conductor": {"host", "port", "metrics_port", "control_port", "redis_url", "block_bytes", "pool_provider"}
+    | {"namespace", "prefill_deployment", "decode_deployment"},
+    "kvstore": {"node", "host", "port", "control_port", "transfer_port", "block_bytes", "dram_mib", "conductor"}
+    | {"metrics_port"},
+    "prefill": {"id", "model", "conductor", "host", "port", "metrics_port", "block_size", "threads", "kvstore"},
+    "decode": {"id", "model", "conductor", "host", "port", "metrics_port", "block_size", "threads", "tbt_slo"},
+    "gateway": {"conductor", "model", "model_name", "host", "block_size"},
+}
+
+
+def test_the_charts_defaults_are_the_components_own():
+    """Rendered with its default values, the chart gives each component only its wiring: a setting's default lives
+    in the component's config model, and a changed default reaches the chart (or this test says where it differs)."""
+    from charts import expanded_args, mooncake_containers, render
+
+    from mooncake.cli.up_cmd import COMPONENTS
+
+    docs = render()
+    seen = set()
+    for component, c, _ in mooncake_containers(docs):
+        p = importlib.import_module(COMPONENTS[component]).parser()
+        args = p.parse_args(expanded_args(docs, c))
+        differ = {
+            a.dest: getattr(args, a.dest)
+            for a in p._actions
+            if a.option_strings and a.dest != "help" and getattr(args, a.dest) != a.default
+        }
+        overrides = {dest: value for dest, value in differ.items() if dest not in CHART_WIRING[component]}
+        assert not overrides, f"{component}: the chart overrides the component's defaults: {overrides}"
+        seen.add(component)
+    assert seen == set(CHART_WIRING)

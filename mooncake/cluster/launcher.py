@@ -16,7 +16,10 @@ whatever is still there after the grace period.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
+import importlib
 import logging
 import os
 import shutil
@@ -34,6 +37,7 @@ from pydantic import BaseModel, Field, model_validator
 from conductor.auth import write_token_file
 from conductor.types import DEFAULT_SLO
 from mooncake import tls
+from mooncake.cliargs import to_argv
 from mooncake.engine.config import default_batched_tokens
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
@@ -43,6 +47,22 @@ from mooncake.serving.process import parse_ready
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+_PARSERS = {  # the module `python -m` runs -> the module whose parser() holds its flags
+    "conductor": "conductor.__main__",
+    "kvstore": "kvstore.__main__",
+    "prefill": "prefill.server",
+    "prefill.stage": "prefill.stage",
+    "decode": "decode.server",
+    "mooncake.gateway": "mooncake.gateway.__main__",
+}
+
+
+@functools.cache
+def _parser(module: str) -> argparse.ArgumentParser:
+    """Component ``module``'s parser (imported here, where a cluster starts: the workers' import the engine)."""
+    return importlib.import_module(_PARSERS[module]).parser()
 
 
 class ClusterConfig(BaseModel):
@@ -292,10 +312,13 @@ class LocalCluster:
         self._lock = threading.Lock()
 
     # -- argv of each component ---------------------------------------------------------------
+    # Each component's argv is rendered from its own parser (mooncake.cliargs.to_argv, by the flags' dests), which
+    # reads its flags off the component's config model: the launcher names the values it sets, never a flag.
 
-    def _python(self, module: str, *args: str, host: str | None = None) -> list[str]:
-        argv = [sys.executable, "-m", module, *args]
-        return self.net.wrap(host, argv) if self.net is not None and host is not None else argv
+    def _python(self, module: str, on: str | None = None, **values) -> list[str]:
+        """``python -m module`` with ``values`` as its flags, on network host ``on`` (network_hosts)."""
+        argv = [sys.executable, "-m", module, *to_argv(_parser(module), **values)]
+        return self.net.wrap(on, argv) if self.net is not None and on is not None else argv
 
     def _host(self, host: str, *components: str) -> str:
         """The address of network host ``host`` (the root's without network_hosts), where ``components`` run."""
@@ -311,17 +334,24 @@ class LocalCluster:
             self.ports[name] = free_port(host) if self.net is None else 7100 + len(self.ports)
         return self.ports[name]
 
-    def _common(self) -> tuple[list[str], list[str]]:
+    def _engine(self) -> dict:
+        """The engine's flags every worker gets."""
         c = self.config
-        threads = ["--threads", str(c.threads)] if c.threads else []
-        max_len = ["--max-model-len", str(c.max_model_len)] if c.max_model_len else []
-        return threads, max_len
+        return dict(
+            model=c.model,
+            dtype=c.dtype,
+            block_size=c.block_size,
+            device=c.device,
+            max_model_len=c.max_model_len,
+            threads=c.threads,
+            engine=c.engine,
+            enforce_eager=c.enforce_eager,
+            vllm_arg=list(c.vllm_args),
+        )
 
-    def _engine_flags(self) -> list[str]:
+    def _chunk(self) -> int:
         c = self.config
-        device = ["--device", c.device] if c.device != "cpu" else []
-        eager = ["--enforce-eager"] if c.enforce_eager else []
-        return ["--engine", c.engine, *device, *eager, *(f for a in c.vllm_args for f in ("--vllm-arg", a))]
+        return c.prefill_batched_tokens or default_batched_tokens(c.device)
 
     def _worker_env(self) -> dict[str, str] | None:
         """A vLLM worker's environment: tcmalloc and Intel OpenMP preloaded where present (vLLM's CPU guide); with
@@ -347,113 +377,65 @@ class LocalCluster:
         """The Conductor (``conductor``), or standby ``conductor-{i}``."""
         c, h = self.config, self.root_host
         name = "conductor" if i == 0 else f"conductor-{i}"
-        redis = ["--redis-url", c.redis_url] if c.redis_url else []
         scheme = "https" if self.tls_dir else "http"
-        provider = (
-            ["--pool-provider", "local", "--pool-control", f"{scheme}://{h}:{self.ports['control']}"]
-            if self._control
-            else []
+        provider = dict(pool_provider="local", pool_control=f"{scheme}://{h}:{self.ports['control']}")
+        argv = self._python(
+            "conductor",
+            host=h,
+            port=self.ports[name],
+            metrics_port=0,
+            policy=c.policy,
+            admission=c.admission,
+            local_prefill=c.local_prefill,
+            ttft_slo=c.ttft_slo_s,
+            tbt_slo=c.tbt_slo_s,
+            redis_url=c.redis_url,
+            **(provider if self._control else {}),
+            operator_token_file=self.operator_token_file,
         )
-        return Component(
-            name,
-            self._python(
-                "conductor",
-                "--host",
-                h,
-                "--port",
-                str(self.ports[name]),
-                "--metrics-port",
-                "0",
-                "--policy",
-                c.policy,
-                "--admission",
-                c.admission,
-                "--local-prefill",
-                c.local_prefill,
-                "--ttft-slo",
-                str(c.ttft_slo_s),
-                "--tbt-slo",
-                str(c.tbt_slo_s),
-                *redis,
-                *provider,
-                "--operator-token-file",
-                str(self.operator_token_file),
-            ),
-            self.run_dir / "logs" / f"{name}.log",
-        )
+        return Component(name, argv, self.run_dir / "logs" / f"{name}.log")
 
     def _prefill_pair(self, i: int) -> tuple[Component, Component]:
         """Pool node ``kv{i}`` and ``prefill-{i}`` on it (one host, ``p{i}``)."""
         c, h = self.config, self._host(f"p{i}", f"kv{i}", f"prefill-{i}")
-        threads, max_len = self._common()
         port = self._port(f"kv{i}", h)
-        ssd = (
-            ["--ssd-dir", str(self.run_dir / f"ssd-kv{i}"), "--ssd-mib", str(c.pool_ssd_mib)] if c.pool_ssd_mib else []
-        )
+        ssd = dict(ssd_dir=self.run_dir / f"ssd-kv{i}", ssd_mib=c.pool_ssd_mib) if c.pool_ssd_mib else {}
         node = Component(
             f"kv{i}",
             self._python(
                 "kvstore",
-                "--node",
-                f"kv{i}",
-                "--host",
-                h,
-                "--port",
-                str(port),
-                "--block-bytes",
-                str(self._block_bytes),
-                "--dram-mib",
-                str(c.pool_dram_mib),
-                "--shm-dir",
-                self.shm_dir,
-                "--conductor",
-                self.conductor_addresses,
-                "--metrics-port",
-                "0",
-                *ssd,
-                host=f"p{i}",
+                on=f"p{i}",
+                node=f"kv{i}",
+                host=h,
+                port=port,
+                block_bytes=self._block_bytes,
+                dram_mib=c.pool_dram_mib,
+                shm_dir=self.shm_dir,
+                conductor=self.conductor_addresses,
+                metrics_port=0,
+                **ssd,
             ),
             self.run_dir / "logs" / f"kv{i}.log",
             nice=c.worker_nice,
         )
-        pport = self._port(f"prefill-{i}", h)
-        group = ["--pipeline-stages", str(c.group_size)] if i < c.prefill_groups else []
+        group = dict(pipeline_stages=c.group_size) if i < c.prefill_groups else {}
         if group and self.net is not None:  # each stage a server on a network host of its own
             stages = [self._stage_server(i, j) for j in range(c.group_size)]
             self._stage_servers[i] = [comp for comp, _ in stages]
-            group = [
-                "--stage-addresses",
-                ",".join(address for _, address in stages),
-                "--stage-key-file",
-                str(self._stage_key()),
-            ]
+            group = dict(stage_addresses=",".join(address for _, address in stages), stage_key_file=self._stage_key())
         prefill = Component(
             f"prefill-{i}",
             self._python(
                 "prefill",
-                "--id",
-                f"prefill-{i}",
-                "--model",
-                c.model,
-                "--kvstore",
-                f"{h}:{port}",
-                "--conductor",
-                self.conductor_addresses,
-                "--host",
-                h,
-                "--port",
-                str(pport),
-                "--dtype",
-                c.dtype,
-                "--block-size",
-                str(c.block_size),
-                "--max-num-batched-tokens",
-                str(c.prefill_batched_tokens or default_batched_tokens(c.device)),
-                *threads,
-                *max_len,
-                *self._engine_flags(),
-                *group,
-                host=f"p{i}",
+                on=f"p{i}",
+                id=f"prefill-{i}",
+                kvstore=f"{h}:{port}",
+                conductor=self.conductor_addresses,
+                host=h,
+                port=self._port(f"prefill-{i}", h),
+                max_num_batched_tokens=self._chunk(),
+                **self._engine(),
+                **group,
             ),
             self.run_dir / "logs" / f"prefill-{i}.log",
             env=self._worker_env(),
@@ -467,35 +449,23 @@ class LocalCluster:
         c, name = self.config, f"prefill-{i}-stage{j}"
         h = self._host(f"p{i}s{j}", name)
         port = self._port(name, h)
-        _, max_len = self._common()
-        device = ["--device", c.device] if c.device != "cpu" else []
         comp = Component(
             name,
             self._python(
                 "prefill.stage",
-                "--model",
-                c.model,
-                "--stage",
-                str(j),
-                "--stages",
-                str(c.group_size),
-                "--host",
-                h,
-                "--port",
-                str(port),
-                "--key-file",
-                str(self._stage_key()),
-                "--dtype",
-                c.dtype,
-                "--block-size",
-                str(c.block_size),
-                "--chunk",
-                str(c.prefill_batched_tokens or default_batched_tokens(c.device)),
-                "--shm-dir",
-                self.shm_dir,
-                *max_len,
-                *device,
-                host=f"p{i}s{j}",
+                on=f"p{i}s{j}",
+                model=c.model,
+                stage=j,
+                stages=c.group_size,
+                host=h,
+                port=port,
+                key_file=self._stage_key(),
+                dtype=c.dtype,
+                block_size=c.block_size,
+                chunk=self._chunk(),
+                shm_dir=self.shm_dir,
+                max_model_len=c.max_model_len,
+                device=c.device,
             ),
             self.run_dir / "logs" / f"{name}.log",
             nice=c.worker_nice,
@@ -512,38 +482,20 @@ class LocalCluster:
 
     def _decode(self, i: int) -> Component:
         c, h = self.config, self._host(f"d{i}", f"decode-{i}")
-        threads, max_len = self._common()
-        dport = self._port(f"decode-{i}", h)
         return Component(
             f"decode-{i}",
             self._python(
                 "decode",
-                "--id",
-                f"decode-{i}",
-                "--model",
-                c.model,
-                "--conductor",
-                self.conductor_addresses,
-                "--host",
-                h,
-                "--port",
-                str(dport),
-                "--dtype",
-                c.dtype,
-                "--block-size",
-                str(c.block_size),
-                "--max-num-seqs",
-                str(c.decode_max_seqs),
-                "--tbt-slo",
-                str(c.tbt_slo_s),
-                "--detect-s",
-                str(c.detect_s),
-                "--shm-dir",
-                self.shm_dir,
-                *threads,
-                *max_len,
-                *self._engine_flags(),
-                host=f"d{i}",
+                on=f"d{i}",
+                id=f"decode-{i}",
+                conductor=self.conductor_addresses,
+                host=h,
+                port=self._port(f"decode-{i}", h),
+                max_num_seqs=c.decode_max_seqs,
+                tbt_slo=c.tbt_slo_s,
+                detect_s=c.detect_s,
+                shm_dir=self.shm_dir,
+                **self._engine(),
             ),
             self.run_dir / "logs" / f"decode-{i}.log",
             env=self._worker_env(),
@@ -551,40 +503,25 @@ class LocalCluster:
         )
 
     def _gateway(self) -> Component:
-        c, h = self.config, self.root_host
-        _, max_len = self._common()
-        key = ["--api-key", c.api_key] if c.api_key else (["--tenants", str(c.tenants_file)] if c.tenants_file else [])
-        return Component(
-            "gateway",
-            self._python(
-                "mooncake.gateway",
-                "--conductor",
-                self.conductor_addresses,
-                "--model",
-                c.model,
-                "--model-name",
-                c.model_name,
-                "--host",
-                h,
-                "--port",
-                str(self.ports["gateway"]),
-                "--dtype",
-                c.dtype,
-                "--block-size",
-                str(c.block_size),
-                "--engine",
-                c.engine,
-                "--retry-budget-s",
-                str(c.ttft_slo_s),
-                "--hold-s",
-                str(c.hold_s),
-                "--detect-s",
-                str(c.detect_s),
-                *max_len,
-                *key,
-            ),
-            self.run_dir / "logs" / "gateway.log",
+        c = self.config
+        argv = self._python(
+            "mooncake.gateway",
+            conductor=self.conductor_addresses,
+            model=c.model,
+            model_name=c.model_name,
+            host=self.root_host,
+            port=self.ports["gateway"],
+            dtype=c.dtype,
+            block_size=c.block_size,
+            engine=c.engine,
+            retry_budget_s=c.ttft_slo_s,
+            hold_s=c.hold_s,
+            detect_s=c.detect_s,
+            max_model_len=c.max_model_len,
+            api_key=c.api_key,
+            tenants=None if c.api_key else c.tenants_file,
         )
+        return Component("gateway", argv, self.run_dir / "logs" / "gateway.log")
 
     def _plan(self) -> list[list[Component]]:
         """The components in start order: waves that may start together."""

@@ -15,18 +15,22 @@ import sys
 
 import uvicorn
 
+from mooncake.cliargs import field_arg
 from mooncake.engine.config import DTYPES, EngineConfig
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.engine.weights import load_hf_config
 from mooncake.gateway.app import GatewayConfig, create_app
 from mooncake.serving.engines import EngineKind, engine_fingerprint, parse_vllm_args
-from mooncake.serving.process import default_block_size, print_ready
+from mooncake.serving.process import add_engine_kind_args, default_block_size, print_ready
+from mooncake.serving.recovery import RecoveryConfig
 
+LOCAL_KV_BLOCKS = 2048  # --local: the engine's paged cache, in blocks
 SWITCH_INTERVAL_S = 0.0005  # a thread holding the GIL hands it over this soon (Python's default: 5 ms)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """This component's flags (the launcher renders its argv from them: mooncake.cliargs.to_argv)."""
     p = argparse.ArgumentParser(
         prog="python -m mooncake.gateway",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -44,71 +48,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     auth = p.add_mutually_exclusive_group()
-    auth.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/* (one key, shared cache)"
+    field_arg(auth, GatewayConfig, "api_key")
+    field_arg(auth, GatewayConfig, "tenants_file", "--tenants", metavar="FILE")
+    field_arg(p, EngineConfig, "dtype")
+    add_engine_kind_args(
+        p, "the workers' engine (part of the block keys: a cluster runs one kind)", "--local --engine vllm"
     )
-    auth.add_argument(
-        "--tenants",
-        default=None,
-        metavar="FILE",
-        help="API keys by tenant, in YAML or JSON: each tenant's "
-        "requests get a cache of their own (no KV shared between tenants) and its own rate limit and cap on "
-        "requests in flight (429 with Retry-After); format: mooncake/gateway/tenants.py",
-    )
-    p.add_argument(
-        "--dtype", default="float32", choices=list(DTYPES), help="the workers' dtype (part of the block keys)"
-    )
-    p.add_argument(
-        "--engine",
-        default="native",
-        choices=["native", "vllm"],
-        help="the workers' engine (part of the block keys: a cluster runs one kind)",
-    )
-    p.add_argument(
-        "--block-size", type=int, default=None, help="tokens per KV block, the cluster's (default: 16 native, 32 vllm)"
-    )
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--num-kv-blocks", type=int, default=2048, help="--local: the engine's paged cache, in blocks")
-    p.add_argument("--threads", type=int, default=None, help="--local: torch threads")
-    p.add_argument("--device", default="cpu", help="--local: the engine's device, cpu or cuda[:N]")
-    p.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="--local --engine vllm: a vLLM EngineArgs keyword, repeatable",
-    )
-    p.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        default=None,
-        help="--local: the engine's per-step token budget (a longer "
-        "prompt is prefilled in chunks of this many tokens, inside the decode steps; default: 512 on the CPU, "
-        "4096 on CUDA)",
-    )
-    p.add_argument(
-        "--hold-s",
-        type=float,
-        default=10.0,
-        help="a request arriving while the Conductor (or every worker "
-        "of a role) is away waits this long before it gets 503 with Retry-After",
-    )
-    p.add_argument(
-        "--retry-budget-s",
-        type=float,
-        default=30.0,
-        help="after a worker fails a request, how long placing it "
-        "again (or resuming its stream on another decode worker) may take; set it to the TTFT SLO",
-    )
-    p.add_argument(
-        "--detect-s",
-        type=float,
-        default=2.0,
-        help="a decode worker (or the Conductor) that stops answering "
-        "keepalive pings this long (a host off the network) is taken for dead: its streams resume elsewhere",
-    )
+    field_arg(p, EngineConfig, "block_size", default=None)  # default_block_size(engine) once the engine is known
+    field_arg(p, EngineConfig, "max_model_len")
+    local = p.add_argument_group("--local", "the engine served in this process")
+    field_arg(local, EngineConfig, "num_kv_blocks", default=LOCAL_KV_BLOCKS)
+    field_arg(local, EngineConfig, "num_threads", "--threads")
+    field_arg(local, EngineConfig, "device")
+    field_arg(local, EngineConfig, "max_num_batched_tokens", "--max-batched-tokens")
+    recovery = p.add_argument_group("recovery", "the cluster's: how long a request waits for it (RecoveryConfig)")
+    field_arg(recovery, RecoveryConfig, "hold_s")
+    field_arg(recovery, RecoveryConfig, "retry_budget_s")
+    field_arg(recovery, RecoveryConfig, "detect_s")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def build_backend(args: argparse.Namespace):
@@ -131,7 +93,6 @@ def build_backend(args: argparse.Namespace):
             config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)
         ), name
     from mooncake.serving.cluster import ClusterBackend
-    from mooncake.serving.recovery import RecoveryConfig
 
     model_args = ModelArgs.from_hf_config(load_hf_config(args.model))
     max_len = min(args.max_model_len or model_args.max_position_embeddings, model_args.max_position_embeddings)

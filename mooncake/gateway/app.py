@@ -70,9 +70,14 @@ class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     served_model_name: str = Field(description="The name clients send as `model`")
-    api_key: str | None = Field(None, description="When set, /v1/* needs `Authorization: Bearer <api_key>`")
+    api_key: str | None = Field(
+        None, description="when set, /v1/* needs `Authorization: Bearer <api_key>` (one key, shared cache)"
+    )
     tenants_file: str | None = Field(
-        None, description="API keys by tenant, with each tenant's limits (mooncake.gateway.tenants); instead of api_key"
+        None,
+        description="API keys by tenant, in YAML or JSON, instead of api_key: each tenant's requests get a cache of "
+        "their own (no KV shared between tenants), its own rate limit and cap on requests in flight (429 with "
+        "Retry-After); format: mooncake/gateway/tenants.py",
     )
     default_max_tokens: int = Field(
         4096, ge=1, description="max_tokens when a request leaves it out: the rest of the context, at most this"

@@ -70,20 +70,7 @@ def worker_parser(
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
     field_arg(p, EngineConfig, "dtype")
-    p.add_argument(
-        "--engine",
-        default="native",
-        choices=["native", "vllm"],
-        help="native: our engine; vllm: stock vLLM (v1) hosted in this process, KV through our pool connector",
-    )
-    p.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a vLLM EngineArgs keyword for --engine vllm, repeatable; values parse as JSON when they can "
-        "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true, kv_cache_dtype=auto)",
-    )
+    add_engine_kind_args(p)
     field_arg(p, EngineConfig, "block_size", default=None)  # default_block_size(engine) once the engine is known
     field_arg(p, EngineConfig, "num_kv_blocks", default=engine_defaults["num_kv_blocks"])
     field_arg(p, EngineConfig, "max_num_seqs", default=engine_defaults["max_num_seqs"])
@@ -94,6 +81,24 @@ def worker_parser(
     add_transport_args(p)
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def add_engine_kind_args(
+    p: argparse.ArgumentParser,
+    engine_help: str = "native: our engine; vllm: stock vLLM (v1) hosted in this process, KV through our pool "
+    "connector",
+    vllm_scope: str = "--engine vllm",
+) -> None:
+    """``--engine`` and ``--vllm-arg``, as workers and the gateway take them."""
+    p.add_argument("--engine", default="native", choices=["native", "vllm"], help=engine_help)
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a vLLM EngineArgs keyword for {vllm_scope}, repeatable; values parse as JSON when they can "
+        "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true, kv_cache_dtype=auto)",
+    )
 
 
 def engine_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import os
 import platform
 import re
@@ -18,6 +19,14 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
+TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl.gz"  # Mooncake's (traces/README.md)
+
+
+def open_trace(path: Path):
+    """A trace's lines as text: gzip-compressed (``.gz``, as the repository keeps Mooncake's) or plain JSON lines."""
+    path = Path(path)
+    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
 
 
 def resolve_model(args, workdir: Path) -> tuple[Path, str]:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of the engine in one run, for a GPU machine with Python 3.12 and torch but no network
 # (benchmarks/README.md, "The engine on a GPU"): the Triton kernel's and the decode graphs' tests, gpu_bench.py, then
-# tests/test_cuda.py. Needs .whl/ from ../shared/gpu/wheelhouse.sh beside it. Logs and the benchmark's JSON go to $OUT.
+# tests/test_cuda.py. Needs .whl/ beside it: cp312 wheels of the runtime packages such a machine lacks (fastapi,
+# pydantic, grpcio, protobuf, uvicorn, ...: `pip download --python-version 3.12 --only-binary=:all:`, the versions of
+# .venv). Logs and the benchmark's JSON go to $OUT.
 #   usage: OUT=/tmp/out bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/gpu-check}

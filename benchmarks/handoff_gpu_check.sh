@@ -2,7 +2,8 @@
 # The GPU checks of the prefill-to-decode hand-off in one run, for a GPU machine with Python 3.12 and torch but no
 # network (benchmarks/results/2026-11-26-decode-cache-handoff.md): tests/test_cuda.py (CUDA IPC between two processes, GPU
 # clusters whose decode cache is written in place), staging_bench.py (each path against a plain prefill), then
-# e2e_bench.py --device cuda (TTFT disaggregated against one engine). Needs .whl/ from ../shared/gpu/wheelhouse.sh.
+# e2e_bench.py --device cuda (TTFT disaggregated against one engine). Needs .whl/ as
+# benchmarks/gpu_check.sh does.
 #   usage: OUT=/tmp/out bash benchmarks/handoff_gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/handoff-check}

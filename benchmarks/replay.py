@@ -78,10 +78,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks.benchutil import percentile
+from benchmarks.benchutil import TRACE, open_trace, percentile
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
+DEFAULT_TRACE = TRACE
 TRACE_BLOCK_TOKENS = 512  # tokens behind one hash id in a Mooncake trace
 MIN_TOKEN_ID = 100  # ids under this are left to special tokens
 SMOLLM2_VOCAB = 49152
@@ -217,7 +217,7 @@ def load_trace(
     scaling = Scaling(block_tokens, output_scale, max_input, max_output, vocab_size, limit, spread)
     records: list[dict] = []
     next_ts: float | None = None  # the first timestamp after the records kept (to spread the last group)
-    with open(path) as f:
+    with open_trace(path) as f:
         for line in f:
             if not line.strip():
                 continue

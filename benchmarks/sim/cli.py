@@ -15,7 +15,7 @@ supplies time, the cost of work, and the reports a real cluster would send back
 
 Model and assumptions (sources in benchmarks/sim/model.py, ModelConfig):
 
-- Trace: Mooncake's conversation trace (shared/traces/README.md). ``hash_ids`` name 512-token
+- Trace: Mooncake's conversation trace (benchmarks/traces/README.md). ``hash_ids`` name 512-token
   blocks and are already prefix-chained, so the key of id h is blake2b(h, 16 bytes); only
   the prompt's full blocks (input_length // 512, at most len(hash_ids)) get keys. Arrival
   times are divided by ``--speed``. Outputs of 0 tokens count as 1.

@@ -42,11 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.benchutil import open_trace
 from conductor.types import KeyChain
 from kvstore.events import Tier
 from kvstore.eviction import make_policy
 
-TRACE_BLOCK_TOKENS = 512  # the trace's hash_ids are one per 512-token block (shared/traces/README.md)
+TRACE_BLOCK_TOKENS = 512  # the trace's hash_ids are one per 512-token block (benchmarks/traces/README.md)
 HIGH_WATERMARK, LOW_WATERMARK = 0.95, 0.85  # kvstore.config.StoreConfig defaults
 
 
@@ -224,7 +225,7 @@ def load_trace(path: Path, speed: float = 1.0, limit: int | None = None) -> list
         raise ValueError(f"speed must be positive, got {speed}")
     keys_of: dict[int, bytes] = {}
     out: list[TraceRequest] = []
-    with open(path) as f:
+    with open_trace(path) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break

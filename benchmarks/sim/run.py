@@ -11,13 +11,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.benchutil import percentile
+from benchmarks.benchutil import TRACE, percentile
 from benchmarks.replay import describe_predictions, prediction_errors
 from benchmarks.sim.cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig
 from benchmarks.sim.model import load_trace
 
-# the repository's sibling ../shared (benchmarks/sim/run.py -> repo -> its parent)
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+DEFAULT_TRACE = TRACE
 EVICTIONS = ("lru", "lfu", "length")
 
 

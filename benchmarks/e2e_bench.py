@@ -400,7 +400,8 @@ def run_overlap(
 ) -> None:
     from kvstore.wire import segment_to_pb
     from mooncake.engine.request import SamplingParams
-    from prefill.worker import PrefillConfig, PrefillWorker
+    from prefill.config import PrefillConfig
+    from prefill.worker import PrefillWorker
     from protos import conductor_pb2 as cpb
     from protos import worker_pb2 as wpb
     from transfer import TransferConfig, TransferEngine

@@ -9,7 +9,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from decode.worker import DECODE_ENGINE_DEFAULTS, DecodeConfig, DecodeWorker, Failed
+from decode.config import DECODE_ENGINE_DEFAULTS, DecodeConfig
+from decode.worker import DecodeWorker, Failed
 from mooncake.cliargs import field_arg
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, engine_fields, run_worker, worker_parser

@@ -17,8 +17,9 @@ from mooncake.faults import message
 from mooncake.serving.engines import parse_vllm_args
 from mooncake.serving.process import WorkerProcess, engine_fields, run_worker, worker_parser
 from mooncake.serving.status import WORKER_STATUS
+from prefill.config import PREFILL_ENGINE_DEFAULTS, PrefillConfig
 from prefill.stage import read_key
-from prefill.worker import PREFILL_ENGINE_DEFAULTS, PrefillConfig, PrefillWorker
+from prefill.worker import PrefillWorker
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransportChoice

@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 from conductor.__main__ import parse_args as conductor_args
 from conductor.core import ConductorConfig
 from conductor.types import DEFAULT_SLO
-from decode.worker import DecodeConfig
+from decode.config import DecodeConfig
 from mooncake.cli.main import app
 from mooncake.cluster.launcher import ClusterConfig
 from mooncake.engine.config import EngineConfig
-from prefill.worker import PrefillConfig
+from prefill.config import PrefillConfig
 
 CHART_VALUES = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "mooncake" / "values.yaml"
 
@@ -51,10 +51,10 @@ def test_a_workers_engine_is_an_engineconfig_with_the_workers_defaults():
 
 
 def test_a_workers_flags_are_read_off_its_config():
+    from decode.config import DECODE_ENGINE_DEFAULTS
     from decode.server import parse_args as decode_args
-    from decode.worker import DECODE_ENGINE_DEFAULTS
+    from prefill.config import PREFILL_ENGINE_DEFAULTS
     from prefill.server import parse_args as prefill_args
-    from prefill.worker import PREFILL_ENGINE_DEFAULTS
 
     d = decode_args(["--model", "m"])
     assert (d.detect_s, d.tbt_slo, d.shm_dir) == tuple(

@@ -11,7 +11,8 @@ import uuid
 
 import pytest
 
-from decode.worker import Busy, DecodeConfig, DecodeWorker
+from decode.config import DecodeConfig
+from decode.worker import Busy, DecodeWorker
 from mooncake.engine.request import SamplingParams
 
 

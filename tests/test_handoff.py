@@ -315,7 +315,8 @@ def test_prompts_batched_together_each_count_their_share_of_the_steps(tiny_llama
 def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_dir, shm_dir):
     """From another host a prefill reaches the decode engine's cache through the decode worker's transfer server,
     which lets in only the bytes of blocks granted to a live Prefill call's token (``_cache_guard``)."""
-    from decode.worker import DecodeConfig, DecodeWorker
+    from decode.config import DecodeConfig
+    from decode.worker import DecodeWorker
     from transfer import TransferError
 
     bs, prompt = 16, prompt_of(37, seed=5)  # 3 blocks, the last partial
@@ -397,7 +398,8 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
     from kvnodes import start_node
 
     from kvstore.wire import segment_to_pb
-    from prefill.worker import PrefillConfig, PrefillWorker
+    from prefill.config import PrefillConfig
+    from prefill.worker import PrefillWorker
     from protos import conductor_pb2 as cpb
     from protos import worker_pb2 as wpb
 

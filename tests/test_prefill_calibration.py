@@ -8,7 +8,8 @@ from conductor.predictors import PredictorConfig
 from kvstore.client import KVStoreClient
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
-from prefill.worker import CALIBRATION_SHARES, PrefillConfig, PrefillWorker
+from prefill.config import PrefillConfig
+from prefill.worker import CALIBRATION_SHARES, PrefillWorker
 
 
 class Samples:

@@ -10,7 +10,8 @@ from kvstore.client import KVStoreClient
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tiny import make_tiny
 from mooncake.engine.weights import load_hf_config
-from prefill.worker import PrefillConfig, PrefillWorker
+from prefill.config import PrefillConfig
+from prefill.worker import PrefillWorker
 
 BLOCK_SIZE = 16
 

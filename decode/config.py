@@ -1,0 +1,70 @@
+"""A decode worker's settings: ``DecodeConfig`` (``python -m decode --help`` fills it, mooncake.cliargs) and its
+engine's defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from mooncake.engine.config import EngineConfig, nest_engine_fields
+from mooncake.serving.engines import EngineKind
+from transfer import TransportChoice
+
+# a decode worker's engine: prompts arrive computed (the pool is the prefix cache, so none of its own)
+DECODE_ENGINE_DEFAULTS = {"num_kv_blocks": 2048, "max_num_seqs": 32, "enable_prefix_caching": False}
+
+
+class DecodeConfig(BaseModel):
+    """One decode worker (``python -m decode --help`` fills it)."""
+
+    id: str = Field("decode-0", min_length=1, description="instance id, unique in the cluster")
+    engine: EngineKind = Field(EngineKind.NATIVE, description="native: ours; vllm: stock vLLM in this process")
+    vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
+    host: str = Field("127.0.0.1", description="address of its transfer server (landing slots over tcp)")
+    engine_config: EngineConfig = Field(
+        description="the engine it hosts: its model, device, cache and batch (max_num_seqs: the most requests in "
+        "it); EngineConfig's keywords may also be given flat, over DECODE_ENGINE_DEFAULTS"
+    )
+
+    landing_slots: int | None = Field(
+        None, ge=1, description="landing slots (blocks); default: two full-context prompts"
+    )
+    tbt_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="hold the batch where the predicted step stays under "
+        "tbt_headroom x this (None: only max_num_seqs caps it)",
+    )
+    tbt_headroom: float = Field(0.9, gt=0, le=1)
+    prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
+    detect_s: float = Field(
+        2.0,
+        gt=0,
+        description="a prefill worker silent this long (a host off the network) fails "
+        "the request's prefill, about a second later; the gateway places it again",
+    )
+    write_behind: bool = Field(
+        True,
+        description="write each generated block into the pool as it fills, on the prefill's "
+        "node (a stream resumed elsewhere then loads it instead of recomputing it)",
+    )
+    direct_landing: bool = Field(
+        True,
+        description="native engine: prefills write a prompt's KV into the engine's own cache "
+        "(shared memory on the CPU, CUDA IPC on a GPU), not into landing slots copied again",
+    )
+    write_grace_s: float = Field(
+        3.0,
+        gt=0,
+        description="cache blocks of a prefill that did not answer (cancelled, timed "
+        "out, unreachable) go back to the engine this much later: a straggling write lands in "
+        "nothing another request attends",
+    )
+    shm_dir: str = Field("/dev/shm/mooncake", description="tmpfs directory of the landing segment")
+    transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields(cls, data: Any) -> Any:
+        return nest_engine_fields(data, DECODE_ENGINE_DEFAULTS)

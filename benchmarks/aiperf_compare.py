@@ -562,19 +562,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         hf_cache(args.hf_home, args.tokenizer, model_dir)
         version = check_aiperf(args.aiperf, args.hf_home, args.tokenizer)
         vocab = rp.vocab_size_of(model_dir)
-        requests = rp.load_trace(
-            args.trace,
-            args.block_tokens,
-            output_scale=args.output_scale,
-            max_input=args.max_input,
-            max_output=args.max_output,
-            limit=args.limit,
-            vocab_size=vocab,
-            spread=not args.no_spread,
-        )
-        scaling = rp.Scaling(
-            args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread
-        )
+        requests, scaling = rp.trace_from_args(args, vocab, args.limit)
         traces = write_traces(requests, args, workdir)
         console.print(
             f"aiperf {version} ({args.aiperf}); model {model} ({model_dir}), tokenizer {args.tokenizer} from "

@@ -19,8 +19,24 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl.gz"  # Mooncake's (traces/README.md)
+
+
+def make_progress(console: Console, disable: bool = False) -> Progress:
+    """The benchmarks' progress display: a spinner, the task, a bar, done of total, time so far; gone when it ends."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=disable,
+    )
 
 
 def open_trace(path: Path):

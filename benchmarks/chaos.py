@@ -62,16 +62,11 @@ import torch
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
     Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
 )
 from rich.table import Table
 
-from benchmarks.benchutil import describe_machine, percentile, resolve_model, run_interruptible, shielded
+from benchmarks.benchutil import describe_machine, make_progress, percentile, resolve_model, run_interruptible, shielded
 from mooncake import tls
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.launcher import ClusterConfig, LocalCluster
@@ -728,16 +723,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
             f"model {model} ({model_dir}); {args.prefill} prefill + {args.decode} decode workers, {args.threads} torch "
             f"thread(s) each; {args.requests} requests, {args.concurrency} at a time; victims {', '.join(args.victims)}"
         )
-        progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-            disable=args.no_progress,
-        )
+        progress = make_progress(console, args.no_progress)
         with progress:
             task = progress.add_task("starting the cluster", total=args.requests * (2 + len(args.victims)))
             t0 = time.perf_counter()

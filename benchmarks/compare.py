@@ -55,8 +55,16 @@ import httpx
 from rich.console import Console
 
 from benchmarks import replay as rp
-from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded
+from benchmarks.benchutil import (
+    describe_machine,
+    make_progress,
+    resolve_model,
+    run_interruptible,
+    scratch_dir,
+    shielded,
+)
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster
+from mooncake.serving.process import component_argv
 
 MODEL_NAME = "bench"
 ALL_POLICIES = ("kvcache_centric", "cache_aware_local", "least_loaded", "random")
@@ -101,26 +109,17 @@ def _stop(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
 @contextlib.contextmanager
 def coupled_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Callable[[str], None]) -> Iterator[str]:
     """``python -m mooncake.gateway --local`` on a free port; yields its OpenAI base URL."""
-    argv = [
-        sys.executable,
-        "-m",
-        "mooncake.gateway",
-        "--local",
-        "--model",
-        str(model_dir),
-        "--model-name",
-        MODEL_NAME,
-        "--port",
-        "0",
-        "--max-model-len",
-        str(args.max_model_len),
-        "--threads",
-        str(args.coupled_threads),
-        "--log-level",
-        "WARNING",
-        "--max-batched-tokens",
-        str(args.coupled_batched_tokens),
-    ]
+    argv = component_argv(
+        "gateway",
+        local=True,
+        model=model_dir,
+        model_name=MODEL_NAME,
+        port=0,
+        max_model_len=args.max_model_len,
+        threads=args.coupled_threads,
+        log_level="WARNING",
+        max_batched_tokens=args.coupled_batched_tokens,
+    )
     run.config = {"argv": argv}
     gateway = Component("coupled-gateway", argv, workdir / "coupled" / "gateway.log")
     try:
@@ -597,25 +596,13 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         model_dir, model = resolve_model(args, workdir)
         fit_context(args, model_dir, console)
         vocab = rp.vocab_size_of(model_dir)
-        requests = rp.load_trace(
-            args.trace,
-            args.block_tokens,
-            output_scale=args.output_scale,
-            max_input=args.max_input,
-            max_output=args.max_output,
-            limit=args.limit,
-            vocab_size=vocab,
-            spread=not args.no_spread,
-        )
-        scaling = rp.Scaling(
-            args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, args.limit, not args.no_spread
-        )
+        requests, scaling = rp.trace_from_args(args, vocab, args.limit)
         console.print(
             f"model {model} ({model_dir}); {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt "
             f"tokens; {scaling.describe(args.speed)}"
         )
         todo = systems(args, model_dir, workdir)
-        with rp.make_progress(console, args.no_progress) as progress:
+        with make_progress(console, args.no_progress) as progress:
             for record, server in todo:
                 if server is not None:
                     measure(record, server, requests, args, vocab, progress, console)

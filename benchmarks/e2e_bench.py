@@ -63,16 +63,16 @@ from pathlib import Path
 import httpx
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, shielded
+from benchmarks.benchutil import describe_machine, make_progress, resolve_model, run_interruptible, shielded
 from mooncake import tls
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster
 from mooncake.engine.config import DTYPES
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.engines import parse_vllm_args
-from mooncake.serving.process import default_block_size
+from mooncake.serving.process import component_argv, default_block_size
 
 GOAL_OVERLAP = {"native": 1.15, "vllm": 1.10}  # prefill with KV streaming and pool writes on / off, at most
 GOAL_POOL_CUT = 5.0  # vLLM: cold TTFT / TTFT with the prefix from the pool, at the longest prompt, at least
@@ -306,33 +306,21 @@ def run_disaggregated(
 def run_coupled(
     args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console
 ) -> None:
-    argv = [
-        sys.executable,
-        "-m",
-        "mooncake.gateway",
-        "--local",
-        "--model",
-        str(model_dir),
-        "--model-name",
-        MODEL_NAME,
-        "--port",
-        "0",
-        "--max-model-len",
-        str(args.max_model_len),
-        "--threads",
-        str(args.threads),
-        "--log-level",
-        "WARNING",
-        "--engine",
-        args.engine,
-        "--block-size",
-        str(BLOCK_SIZE),
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        *(f for a in args.vllm_arg for f in ("--vllm-arg", a)),
-    ]
+    argv = component_argv(
+        "gateway",
+        local=True,
+        model=model_dir,
+        model_name=MODEL_NAME,
+        port=0,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+        log_level="WARNING",
+        engine=args.engine,
+        block_size=BLOCK_SIZE,
+        device=args.device,
+        dtype=args.dtype,
+        vllm_arg=args.vllm_arg,
+    )
     report.config["coupled"] = {"argv": argv}
     progress.update(task, description="coupled: starting python -m mooncake.gateway --local")
     t0 = time.perf_counter()
@@ -682,16 +670,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         )
         serving = 2 * args.reps * 2 * len(args.sizes) if not args.no_serving else 0
         overlap = 2 * args.reps * len(args.overlap_sizes) if not args.no_overlap else 0
-        progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-            disable=args.no_progress,
-        )
+        progress = make_progress(console, args.no_progress)
         with progress:
             task = progress.add_task("starting", total=serving + overlap)
             parts = []

@@ -40,10 +40,9 @@ import grpc
 import numpy as np
 import redis
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks.benchutil import describe_machine, human, parse_size, timed_loop
+from benchmarks.benchutil import describe_machine, human, make_progress, parse_size, timed_loop
 from kvstore.client import KVStoreClient
 from mooncake.localproc import RedisServer
 from mooncake.serving.process import parse_ready
@@ -278,16 +277,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         rounds=args.rounds,
     )
     shapes = shapes_for(args.sizes, args.batch_blocks)
-    progress = Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=args.no_progress,
-    )
+    progress = make_progress(console, args.no_progress)
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="kvstore-bench-redis-")
     server = RedisServer(workdir)

@@ -75,10 +75,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from benchmarks.benchutil import TRACE, open_trace, percentile
+from benchmarks.benchutil import TRACE, make_progress, open_trace, percentile
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = TRACE
@@ -195,6 +195,24 @@ def build_prompt(
             break
         out.extend(block_token_ids(int(h), block_tokens, vocab_size, salt))
     return out[:num_tokens]
+
+
+def trace_from_args(args, vocab_size: int, limit: int | None) -> tuple[list[TraceRequest], Scaling]:
+    """The requests :func:`add_trace_args`'s flags ask for, from ``args.trace``, and the scaling that made them."""
+    scaling = Scaling(
+        args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab_size, limit, not args.no_spread
+    )
+    requests = load_trace(
+        args.trace,
+        scaling.block_tokens,
+        output_scale=scaling.output_scale,
+        max_input=scaling.max_input,
+        max_output=scaling.max_output,
+        limit=scaling.limit,
+        vocab_size=scaling.vocab_size,
+        spread=scaling.spread,
+    )
+    return requests, scaling
 
 
 def load_trace(
@@ -758,19 +776,6 @@ def plot(
     plt.close(fig)
 
 
-def make_progress(console: Console, disable: bool = False) -> Progress:
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=disable,
-    )
-
-
 def factor_list(text: str) -> list[float]:
     try:
         out = sorted({float(x) for x in text.split(",") if x.strip()})
@@ -880,21 +885,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab = vocab_size_of(args.model_dir) if args.model_dir else args.vocab_size
     console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
     try:
-        requests = load_trace(
-            args.trace,
-            args.block_tokens,
-            output_scale=args.output_scale,
-            max_input=args.max_input,
-            max_output=args.max_output,
-            limit=limit,
-            vocab_size=vocab,
-            spread=not args.no_spread,
-        )
+        requests, scaling = trace_from_args(args, vocab, limit)
     except (OSError, ValueError, KeyError) as e:
         p.error(f"cannot read the trace: {e}")
-    scaling = Scaling(
-        args.block_tokens, args.output_scale, args.max_input, args.max_output, vocab, limit, not args.no_spread
-    )
     console.print(
         f"{len(requests)} requests; {scaling.describe(speed)}; SLOs TTFT {args.ttft_slo} s, TBT {args.tbt_slo} s"
     )

@@ -38,10 +38,9 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks.benchutil import describe_machine, human, p50_us, parse_size, size_list, timed_loop
+from benchmarks.benchutil import describe_machine, human, make_progress, p50_us, parse_size, size_list, timed_loop
 from mooncake.serving.process import parse_ready
 from transfer import BackendKind, Segment, Slice, TransferConfig, TransferEngine
 
@@ -560,16 +559,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         + len(tune) * 2 * args.tune_rounds
         + (1 if args.mooncake else 0)
     )
-    progress = Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=args.no_progress,
-    )
+    progress = make_progress(console, args.no_progress)
     started = time.perf_counter()
     owner = Owner(ctx, seg_bytes, "rdma" if args.backend == "rdma" else "auto")
     raw = RawPeer(ctx)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -107,8 +106,8 @@ def test_to_argv_spells_the_components_own_flags_and_refuses_what_it_would():
 def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_settings(tiny_dir, tmp_path):
     """`mooncake up`'s argv for every component parses with that component's parser (the launcher renders it from
     the parser), and carries ClusterConfig's settings: its SLO, dtype, block size, engine and limits."""
-    from mooncake.cli.up_cmd import COMPONENTS
     from mooncake.cluster.launcher import LocalCluster
+    from mooncake.serving.process import COMPONENTS, component_parser
 
     config = ClusterConfig(
         model=str(tiny_dir),
@@ -124,13 +123,13 @@ def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_s
         api_key="k",
         workdir=str(tmp_path),
     )
-    modules = {**COMPONENTS, "prefill.stage": "prefill.stage", "mooncake.gateway": "mooncake.gateway.__main__"}
+    by_module = {run: name for name, (run, _) in COMPONENTS.items()}  # what `python -m` runs -> the component
     parsed: dict[str, object] = {}
     for wave in LocalCluster(config)._plan():
         for comp in wave:
             module = comp.argv[comp.argv.index("-m") + 1]
             args = comp.argv[comp.argv.index("-m") + 2 :]
-            parsed[comp.name] = importlib.import_module(modules[module]).parse_args(args)
+            parsed[comp.name] = component_parser(by_module[module]).parse_args(args)
     assert sorted(parsed) == ["conductor", "decode-0", "gateway", "kv0", "kv1", "prefill-0", "prefill-1"]
     assert parsed["conductor"].tbt_slo == parsed["decode-0"].tbt_slo == 0.25
     assert parsed["gateway"].retry_budget_s == parsed["conductor"].ttft_slo == config.ttft_slo_s
@@ -161,12 +160,12 @@ def test_the_charts_defaults_are_the_components_own():
     in the component's config model, and a changed default reaches the chart (or this test says where it differs)."""
     from charts import expanded_args, mooncake_containers, render
 
-    from mooncake.cli.up_cmd import COMPONENTS
+    from mooncake.serving.process import component_parser
 
     docs = render()
     seen = set()
     for component, c, _ in mooncake_containers(docs):
-        p = importlib.import_module(COMPONENTS[component]).parser()
+        p = component_parser(component)
         args = p.parse_args(expanded_args(docs, c))
         differ = {
             a.dest: getattr(args, a.dest)

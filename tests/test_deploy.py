@@ -318,14 +318,14 @@ def test_every_variable_in_a_command_line_is_defined(values):
 def test_command_lines_parse_with_the_components_own_parsers(values):
     """Each container's args, with the variables expanded as Kubernetes would, are accepted by
     ``mooncake serve <component>``'s argument parser, and the shared settings agree."""
-    from mooncake.cli.up_cmd import COMPONENTS
+    from mooncake.serving.process import COMPONENTS
 
     docs = render(*VALUE_SETS[values])
     config = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]
     parsed = {}
     for component, c, _ in mooncake_containers(docs):
         args = expanded_args(docs, c)
-        module = importlib.import_module(COMPONENTS[component])
+        module = importlib.import_module(COMPONENTS[component][1])
         try:
             parsed[component] = module.parse_args(args)
         except SystemExit:

@@ -18,16 +18,10 @@ from rich.console import Console
 
 from mooncake.cli.chat_cmd import CacheOpt, ModelOpt, _model_dir
 from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+from mooncake.serving.process import COMPONENTS
 
 console = Console(stderr=True)
 
-COMPONENTS = {
-    "conductor": "conductor.__main__",
-    "kvstore": "kvstore.__main__",
-    "prefill": "prefill.server",
-    "decode": "decode.server",
-    "gateway": "mooncake.gateway.__main__",
-}
 
 
 def _opt(field: str, flag: str, **extra: Any) -> Any:
@@ -161,10 +155,9 @@ def serve(ctx: typer.Context, component: str = typer.Argument(..., help=" | ".jo
 
     `mooncake serve prefill --help` lists a component's flags.
     """
-    module = COMPONENTS.get(component)
-    if module is None:
+    if component not in COMPONENTS:
         console.print(f"[red]error:[/red] unknown component {component!r}; choose from {', '.join(COMPONENTS)}")
         raise typer.Exit(2)
     for handler in logging.root.handlers[:]:  # the component configures logging itself (its --log-level)
         logging.root.removeHandler(handler)
-    sys.exit(importlib.import_module(module).main(list(ctx.args)))
+    sys.exit(importlib.import_module(COMPONENTS[component][1]).main(list(ctx.args)))

@@ -16,16 +16,12 @@ whatever is still there after the grace period.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import functools
-import importlib
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,32 +33,16 @@ from pydantic import BaseModel, Field, model_validator
 from conductor.auth import write_token_file
 from conductor.types import DEFAULT_SLO
 from mooncake import tls
-from mooncake.cliargs import to_argv
 from mooncake.engine.config import default_batched_tokens
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
 from mooncake.localproc import free_port
-from mooncake.serving.process import parse_ready
+from mooncake.serving.process import component_argv, parse_ready
 
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-
-_PARSERS = {  # the module `python -m` runs -> the module whose parser() holds its flags
-    "conductor": "conductor.__main__",
-    "kvstore": "kvstore.__main__",
-    "prefill": "prefill.server",
-    "prefill.stage": "prefill.stage",
-    "decode": "decode.server",
-    "mooncake.gateway": "mooncake.gateway.__main__",
-}
-
-
-@functools.cache
-def _parser(module: str) -> argparse.ArgumentParser:
-    """Component ``module``'s parser (imported here, where a cluster starts: the workers' import the engine)."""
-    return importlib.import_module(_PARSERS[module]).parser()
 
 
 class ClusterConfig(BaseModel):
@@ -315,9 +295,9 @@ class LocalCluster:
     # Each component's argv is rendered from its own parser (mooncake.cliargs.to_argv, by the flags' dests), which
     # reads its flags off the component's config model: the launcher names the values it sets, never a flag.
 
-    def _python(self, module: str, on: str | None = None, **values) -> list[str]:
-        """``python -m module`` with ``values`` as its flags, on network host ``on`` (network_hosts)."""
-        argv = [sys.executable, "-m", module, *to_argv(_parser(module), **values)]
+    def _python(self, component: str, on: str | None = None, **values) -> list[str]:
+        """Start ``component`` with ``values`` as its flags, on network host ``on`` (network_hosts)."""
+        argv = component_argv(component, **values)
         return self.net.wrap(on, argv) if self.net is not None and on is not None else argv
 
     def _host(self, host: str, *components: str) -> str:
@@ -452,7 +432,7 @@ class LocalCluster:
         comp = Component(
             name,
             self._python(
-                "prefill.stage",
+                "prefill-stage",
                 on=f"p{i}s{j}",
                 model=c.model,
                 stage=j,
@@ -505,7 +485,7 @@ class LocalCluster:
     def _gateway(self) -> Component:
         c = self.config
         argv = self._python(
-            "mooncake.gateway",
+            "gateway",
             conductor=self.conductor_addresses,
             model=c.model,
             model_name=c.model_name,

@@ -61,6 +61,7 @@ from rich.table import Table
 
 from benchmarks import compare
 from benchmarks import replay as rp
+from benchmarks import trace as tr
 from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded
 
 REPO = Path(__file__).resolve().parent.parent
@@ -193,7 +194,7 @@ class RateTrace:
     offered_rate_rps: float | None  # requests / span, as replay.py gives it
 
 
-def aiperf_records(requests: list[rp.TraceRequest], speed: float, salt: int, block_tokens: int) -> list[dict]:
+def aiperf_records(requests: list[tr.TraceRequest], speed: float, salt: int, block_tokens: int) -> list[dict]:
     """The Mooncake records that make aiperf send ``requests`` as replay.py does at ``speed`` (see step 3).
 
     ValueError when a hash id would stand for blocks of two sizes (aiperf refuses such a trace).
@@ -221,7 +222,7 @@ def aiperf_records(requests: list[rp.TraceRequest], speed: float, salt: int, blo
     return records
 
 
-def write_traces(requests: list[rp.TraceRequest], args, workdir: Path) -> list[RateTrace]:
+def write_traces(requests: list[tr.TraceRequest], args, workdir: Path) -> list[RateTrace]:
     """One aiperf input file per rate factor, in increasing order."""
     out = []
     for salt, factor in enumerate(sorted(args.rates)):
@@ -477,7 +478,7 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
-def render(runs: list[compare.SystemRun], traces: list[RateTrace], args, scaling: rp.Scaling, console: Console) -> None:
+def render(runs: list[compare.SystemRun], traces: list[RateTrace], args, scaling: tr.Scaling, console: Console) -> None:
     """A table per rate (a row per system), then the goodput ratios."""
     by_rate = {r["rate_factor"]: r for r in ratios(runs, traces)}
     cluster = (
@@ -561,8 +562,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         compare.fit_context(args, model_dir, console)
         hf_cache(args.hf_home, args.tokenizer, model_dir)
         version = check_aiperf(args.aiperf, args.hf_home, args.tokenizer)
-        vocab = rp.vocab_size_of(model_dir)
-        requests, scaling = rp.trace_from_args(args, vocab, args.limit)
+        vocab = tr.vocab_size_of(model_dir)
+        requests, scaling = tr.trace_from_args(args, vocab, args.limit)
         traces = write_traces(requests, args, workdir)
         console.print(
             f"aiperf {version} ({args.aiperf}); model {model} ({model_dir}), tokenizer {args.tokenizer} from "
@@ -645,7 +646,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--preset",
-        choices=list(rp.PRESETS),
+        choices=list(tr.PRESETS),
         default="prefill-heavy",
         help="the workload's output scaling (replay.py's)",
     )

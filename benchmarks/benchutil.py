@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import os
 import platform
 import re
@@ -22,8 +21,6 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-TRACE = Path(__file__).resolve().parent / "traces" / "conversation_trace.jsonl.gz"  # Mooncake's (traces/README.md)
-
 
 def make_progress(console: Console, disable: bool = False) -> Progress:
     """The benchmarks' progress display: a spinner, the task, a bar, done of total, time so far; gone when it ends."""
@@ -37,12 +34,6 @@ def make_progress(console: Console, disable: bool = False) -> Progress:
         transient=True,
         disable=disable,
     )
-
-
-def open_trace(path: Path):
-    """A trace's lines as text: gzip-compressed (``.gz``, as the repository keeps Mooncake's) or plain JSON lines."""
-    path = Path(path)
-    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
 
 
 def resolve_model(args, workdir: Path) -> tuple[Path, str]:

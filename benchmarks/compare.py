@@ -55,6 +55,7 @@ import httpx
 from rich.console import Console
 
 from benchmarks import replay as rp
+from benchmarks import trace as tr
 from benchmarks.benchutil import (
     describe_machine,
     make_progress,
@@ -404,7 +405,7 @@ def rows_and_goals(runs: list[SystemRun], sweeping: bool) -> tuple[list[dict], l
     return rows, goals
 
 
-def render(rows: list[dict], goals: list[dict], args, scaling: rp.Scaling, model: str, console: Console) -> None:
+def render(rows: list[dict], goals: list[dict], args, scaling: tr.Scaling, model: str, console: Console) -> None:
     from rich.table import Table
 
     sweeping = len(args.factors) > 1
@@ -560,9 +561,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     rp.add_trace_args(p)
     args = p.parse_args(argv)
-    rp.apply_preset(args)
-    args.limit = args.limit or (QUICK["limit"] if args.quick else rp.DEFAULTS["limit"])
-    args.speed = args.speed or (QUICK["speed"] if args.quick else rp.DEFAULTS["speed"])
+    tr.apply_preset(args)
+    args.limit = args.limit or (QUICK["limit"] if args.quick else tr.DEFAULTS["limit"])
+    args.speed = args.speed or (QUICK["speed"] if args.quick else tr.DEFAULTS["speed"])
     args.factors = [1.0] if args.quick and not args.sweep else (args.sweep or [1.0])
     policies = args.policies or ("kvcache_centric" if args.quick else ",".join(ALL_POLICIES))
     args.policies = [x.strip() for x in policies.split(",") if x.strip()]
@@ -595,8 +596,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     with scratch_dir("replay-compare-", args.keep_logs, console, "logs") as workdir:
         model_dir, model = resolve_model(args, workdir)
         fit_context(args, model_dir, console)
-        vocab = rp.vocab_size_of(model_dir)
-        requests, scaling = rp.trace_from_args(args, vocab, args.limit)
+        vocab = tr.vocab_size_of(model_dir)
+        requests, scaling = tr.trace_from_args(args, vocab, args.limit)
         console.print(
             f"model {model} ({model_dir}); {len(requests)} requests, {sum(q.prompt_tokens for q in requests):,} prompt "
             f"tokens; {scaling.describe(args.speed)}"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import replay as rp
+from benchmarks import trace as tr
 from mooncake.cluster.launcher import Component
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,20 +46,20 @@ def test_shared_leading_hash_ids_give_a_shared_prefix_and_nothing_more(tmp_path)
     trace = write_trace(
         tmp_path / "t.jsonl", [record(0, [0, 5, 7, 8]), record(0, [0, 5, 9, 10]), record(0, [3, 5, 7, 8])]
     )
-    a, b, c = (q.prompt() for q in rp.load_trace(trace, B, max_input=10_000))
+    a, b, c = (q.prompt() for q in tr.load_trace(trace, B, max_input=10_000))
     assert len(a) == len(b) == len(c) == 4 * B
     assert a[: 2 * B] == b[: 2 * B]  # ids 0, 5 shared
     assert a[2 * B : 3 * B] != b[2 * B : 3 * B]  # 7 against 9: the prompts part there
     assert a[:B] != c[:B]  # a different first id, a different first block
     # an id always stands for the same tokens, wherever it sits
-    assert a[B : 2 * B] == c[B : 2 * B] == list(rp.block_token_ids(5, B, rp.SMOLLM2_VOCAB))
+    assert a[B : 2 * B] == c[B : 2 * B] == list(tr.block_token_ids(5, B, tr.SMOLLM2_VOCAB))
 
 
 def test_prompts_are_deterministic_across_processes_and_in_the_vocabulary(tmp_path):
-    ids = rp.block_token_ids(123, B, 500)
-    assert ids == rp.block_token_ids(123, B, 500) and len(ids) == B
-    assert all(rp.MIN_TOKEN_ID <= t < 500 for t in ids)
-    code = f"from benchmarks import replay; print(list(replay.block_token_ids(123, {B}, 500)))"
+    ids = tr.block_token_ids(123, B, 500)
+    assert ids == tr.block_token_ids(123, B, 500) and len(ids) == B
+    assert all(tr.MIN_TOKEN_ID <= t < 500 for t in ids)
+    code = f"from benchmarks import trace; print(list(trace.block_token_ids(123, {B}, 500)))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
@@ -70,8 +71,8 @@ def test_prompts_are_deterministic_across_processes_and_in_the_vocabulary(tmp_pa
     )
     assert json.loads(out.stdout) == list(ids)
     # a salt (a sweep's later rates) gives other tokens for the same id, the same each time
-    assert rp.block_token_ids(123, B, 500, salt=1) != ids
-    assert rp.block_token_ids(123, B, 500, salt=1) == rp.block_token_ids(123, B, 500, salt=1)
+    assert tr.block_token_ids(123, B, 500, salt=1) != ids
+    assert tr.block_token_ids(123, B, 500, salt=1) == tr.block_token_ids(123, B, 500, salt=1)
 
 
 def test_lengths_scale_by_block_tokens_over_512_and_are_clamped(tmp_path):
@@ -87,13 +88,13 @@ def test_lengths_scale_by_block_tokens_over_512_and_are_clamped(tmp_path):
             record(0, [7], input_length=3, output_length=3),  # 0.09 -> at least 1 token; 0.19 -> at least 1
         ],
     )
-    a, b, c = rp.load_trace(trace, B, output_scale=1 / 16, max_input=1024, max_output=32)
+    a, b, c = tr.load_trace(trace, B, output_scale=1 / 16, max_input=1024, max_output=32)
     assert (a.prompt_tokens, a.max_tokens, len(a.prompt())) == (211, 31, 211)
     assert (b.prompt_tokens, b.max_tokens, len(b.prompt())) == (1024, 32, 1024)
     assert (c.prompt_tokens, c.max_tokens, len(c.prompt())) == (1, 1, 1)
-    assert a.prompt() == rp.build_prompt(list(range(14)), 211, B, rp.SMOLLM2_VOCAB)  # the leading tokens are kept
+    assert a.prompt() == tr.build_prompt(list(range(14)), 211, B, tr.SMOLLM2_VOCAB)  # the leading tokens are kept
     # a record claiming more tokens than its blocks hold gets what the blocks hold
-    (d,) = rp.load_trace(write_trace(tmp_path / "u.jsonl", [record(0, [1, 2], input_length=4096)]), B)
+    (d,) = tr.load_trace(write_trace(tmp_path / "u.jsonl", [record(0, [1, 2], input_length=4096)]), B)
     assert d.prompt_tokens == 2 * B
 
 
@@ -101,21 +102,21 @@ def test_arrivals_are_spread_within_a_timestamp_step_and_the_limit_keeps_the_ste
     trace = write_trace(
         tmp_path / "t.jsonl", [record(0, [0]), record(0, [1]), record(0, [2]), record(3000, [3]), record(6000, [4])]
     )
-    assert [q.arrival_s for q in rp.load_trace(trace, B)] == [0.0, 1.0, 2.0, 3.0, 6.0]
-    assert [q.arrival_s for q in rp.load_trace(trace, B, spread=False)] == [0.0, 0.0, 0.0, 3.0, 6.0]
+    assert [q.arrival_s for q in tr.load_trace(trace, B)] == [0.0, 1.0, 2.0, 3.0, 6.0]
+    assert [q.arrival_s for q in tr.load_trace(trace, B, spread=False)] == [0.0, 0.0, 0.0, 3.0, 6.0]
     # cut inside the first step: its three requests still share its 3 s
-    assert [q.arrival_s for q in rp.load_trace(trace, B, limit=2)] == [0.0, 1.0]
+    assert [q.arrival_s for q in tr.load_trace(trace, B, limit=2)] == [0.0, 1.0]
 
 
 def test_the_real_trace_loads_with_its_shared_system_prompt():
-    if not rp.DEFAULT_TRACE.exists():
-        pytest.skip(f"no trace at {rp.DEFAULT_TRACE}")
-    reqs = rp.load_trace(rp.DEFAULT_TRACE, B, limit=50)
+    if not tr.DEFAULT_TRACE.exists():
+        pytest.skip(f"no trace at {tr.DEFAULT_TRACE}")
+    reqs = tr.load_trace(tr.DEFAULT_TRACE, B, limit=50)
     assert len(reqs) == 50 and all(q.hash_ids[0] == 0 for q in reqs)
     first = {tuple(q.prompt()[:B]) for q in reqs}
     assert len(first) == 1  # block 0, the shared system prompt, starts every prompt
     assert all(
-        1 <= q.prompt_tokens <= rp.DEFAULTS["max_input"] and 1 <= q.max_tokens <= rp.DEFAULTS["max_output"]
+        1 <= q.prompt_tokens <= tr.DEFAULTS["max_input"] and 1 <= q.max_tokens <= tr.DEFAULTS["max_output"]
         for q in reqs
     )
 
@@ -244,8 +245,8 @@ def tiny_gateway(tmp_path_factory):
 
 @pytest.mark.timeout(240)
 def test_replaying_five_trace_requests_against_the_coupled_gateway(tiny_gateway, tmp_path):
-    if not rp.DEFAULT_TRACE.exists():
-        pytest.skip(f"no trace at {rp.DEFAULT_TRACE}")
+    if not tr.DEFAULT_TRACE.exists():
+        pytest.skip(f"no trace at {tr.DEFAULT_TRACE}")
     url, model = tiny_gateway
     out = tmp_path / "replay.json"
     code = rp.main(
@@ -271,7 +272,7 @@ def test_replaying_five_trace_requests_against_the_coupled_gateway(tiny_gateway,
     data = json.loads(out.read_text())
     (run,) = data["runs"]
     assert len(run["requests"]) == 5 and run["summary"]["completed"] == 5
-    expected = rp.load_trace(rp.DEFAULT_TRACE, 16, max_input=512, limit=5, vocab_size=rp.vocab_size_of(model))
+    expected = tr.load_trace(tr.DEFAULT_TRACE, 16, max_input=512, limit=5, vocab_size=tr.vocab_size_of(model))
     for r, q in zip(run["requests"], expected):
         assert r["outcome"] == "ok" and r["ttft_s"] > 0
         assert r["completion_tokens"] == q.max_tokens  # ignore_eos: exactly the scaled output length

@@ -42,12 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.benchutil import open_trace
+from benchmarks.trace import TRACE_BLOCK_TOKENS, open_trace
 from conductor.types import KeyChain
 from kvstore.events import Tier
 from kvstore.eviction import make_policy
 
-TRACE_BLOCK_TOKENS = 512  # the trace's hash_ids are one per 512-token block (benchmarks/traces/README.md)
 HIGH_WATERMARK, LOW_WATERMARK = 0.95, 0.85  # kvstore.config.StoreConfig defaults
 
 

@@ -11,12 +11,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.benchutil import TRACE, percentile
+from benchmarks.benchutil import percentile
 from benchmarks.replay import describe_predictions, prediction_errors
 from benchmarks.sim.cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig
 from benchmarks.sim.model import load_trace
+from benchmarks.trace import DEFAULT_TRACE
 
-DEFAULT_TRACE = TRACE
 EVICTIONS = ("lru", "lfu", "length")
 
 

@@ -23,7 +23,6 @@ from mooncake.serving.process import COMPONENTS
 console = Console(stderr=True)
 
 
-
 def _opt(field: str, flag: str, **extra: Any) -> Any:
     """A `mooncake up` option whose default, help and range are ClusterConfig's: the one place they are written."""
     info = ClusterConfig.model_fields[field]

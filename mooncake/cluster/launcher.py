@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-
 class ClusterConfig(BaseModel):
     """What ``mooncake up`` starts (its flags fill this)."""
 

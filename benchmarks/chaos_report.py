@@ -1,0 +1,305 @@
+"""What benchmarks/chaos.py records of each replay, and what it makes of them: rows per replay and per kind of fault,
+the goals, the tables."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.benchutil import percentile
+
+GOAL_RECOMPUTED_BLOCKS = 1  # a resumed stream recomputes at most this many blocks
+GOAL_GAP_S = 2.0  # the gap between two tokens of a resumed stream, across the failure, under this
+
+
+@dataclass
+class RequestRecord:
+    """One request of one replay; times in seconds, ``arrival_s`` after the replay began, token times after arrival."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival_s: float
+    token_ids: list[int] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)  # one per token: when its chunk arrived
+    e2e_s: float | None = None  # arrival -> last chunk (or the error)
+    finish_reason: str | None = None
+    error: str | None = None
+    recovery: dict | None = None  # mooncake.serving.types.Recovery of the last chunk, as a dict
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason is not None
+
+    def max_gap_s(self) -> float | None:
+        t = self.token_times_s
+        return max((b - a for a, b in pairwise(t)), default=None)
+
+
+@dataclass
+class Replay:
+    """Every request once, ``victim`` (None: undisturbed) SIGKILLed once a third of them stream."""
+
+    name: str  # warm-up, baseline, or the victim
+    victim: str | None
+    wall_s: float = 0.0
+    kill_s: float | None = None  # after the replay began
+    killed_pid: int | None = None
+    streaming_at_kill: int = 0
+    back_after_s: float | None = None  # kill -> the launcher's "is back" (READY again)
+    registered_after_s: float | None = None  # kill -> the Conductor lists every instance alive
+    load_average: float = 0.0  # 1-minute, at the end
+    cpu_machine_s: float = 0.0  # CPU time every process of the machine used during the replay
+    cpu_cluster_s: float = 0.0  # of which the cluster's components and this process
+    decode_ok: dict[str, int | None] = field(
+        default_factory=dict
+    )  # requests each decode worker finished (a restarted one: since its restart)
+    requests: list[RequestRecord] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    command: str
+    started_at: str
+    machine: dict[str, object]
+    model: str
+    quick: bool
+    git: str  # the commit checked out, "+ changes" when the working tree differs from it
+    requests: int
+    concurrency: int
+    max_tokens: int
+    block_size: int
+    victims: list[str]
+    config: dict[str, object] = field(default_factory=dict)
+    startup_s: float = 0.0
+    replays: list[Replay] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)  # the launcher's, seconds after the cluster started
+    code_changed: list[str] = field(default_factory=list)  # files the components import that changed during the run
+    total_wall_s: float = 0.0
+
+
+# -- the numbers -----------------------------------------------------------------------------------
+
+
+def fault_kinds(rec: RequestRecord) -> list[str]:
+    """The kinds of fault ``rec`` outlived (conductor, no_instance, prefill, decode, busy), each once."""
+    return sorted({f.split(":", 1)[0] for f in rec.recovery["faults"]}) if rec.recovery else []
+
+
+def summarize(report: Report) -> tuple[list[dict], list[dict], dict]:
+    """Rows per replay, rows per (victim, kind of fault), and the goals."""
+    baseline = next(r for r in report.replays if r.name == "baseline")
+    base = {r.request_id: r for r in baseline.requests}
+    bs = report.block_size
+    rows, kind_rows = [], []
+    resumed_all: list[RequestRecord] = []
+    for rep in report.replays:
+        if rep.name == "warm-up":
+            continue
+        ok = [r for r in rep.requests if r.ok]
+        outlived = [r for r in ok if r.recovery]
+        extra = {r.request_id: r.e2e_s - base[r.request_id].e2e_s for r in outlived if base[r.request_id].ok}
+        resumed = [r for r in ok if r.recovery and r.recovery["resumes"] > 0]
+        resumed_all += resumed
+        recomputed = [r.recovery["recomputed_tokens"] for r in resumed]
+        gaps = [r.max_gap_s() for r in resumed if r.max_gap_s() is not None]
+        differ = [r.request_id for r in ok if base[r.request_id].ok and r.token_ids != base[r.request_id].token_ids]
+        rows.append(
+            {
+                "replay": rep.name,
+                "victim": rep.victim,
+                "ok": len(ok),
+                "failed": len(rep.requests) - len(ok),
+                "failed_ids": [r.request_id for r in rep.requests if not r.ok],
+                "outlived": len(outlived),
+                "faults": dict(Counter(f for r in outlived for f in r.recovery["faults"])),
+                "extra_latency_s": extra,
+                "extra_p50_s": percentile(list(extra.values()), 50),
+                "extra_p99_s": percentile(list(extra.values()), 99),
+                "resumed": len(resumed),
+                "recomputed_tokens": sum(recomputed),
+                "loaded_tokens": sum(r.recovery["loaded_tokens"] for r in resumed),
+                "max_recomputed_tokens": max(recomputed, default=None),
+                "max_recomputed_blocks": math.ceil(max(recomputed) / bs) if recomputed else None,
+                "gap_p50_s": percentile(gaps, 50),
+                "gap_max_s": max(gaps, default=None),
+                "differ_from_baseline": differ,
+                "e2e_p50_s": percentile([r.e2e_s for r in ok], 50),
+                "wall_s": rep.wall_s,
+                "kill_s": rep.kill_s,
+                "streaming_at_kill": rep.streaming_at_kill,
+                "back_after_s": rep.back_after_s,
+                "registered_after_s": rep.registered_after_s,
+                "decode_ok": rep.decode_ok,
+                "load_average": rep.load_average,
+                "cpu_machine_s": rep.cpu_machine_s,
+                "cpu_others_s": rep.cpu_machine_s - rep.cpu_cluster_s,
+            }
+        )
+        for kind in sorted({k for r in outlived for k in fault_kinds(r)}):
+            got = [extra[r.request_id] for r in outlived if kind in fault_kinds(r) and r.request_id in extra]
+            instances = sorted(
+                {f.split(":", 1)[1] for r in outlived for f in r.recovery["faults"] if f.startswith(f"{kind}:")}
+            )
+            kind_rows.append(
+                {
+                    "victim": rep.victim,
+                    "kind": kind,
+                    "instances": instances,
+                    "requests": len(got),
+                    "extra_p50_s": percentile(got, 50),
+                    "extra_p99_s": percentile(got, 99),
+                }
+            )
+    recomputed = [r.recovery["recomputed_tokens"] for r in resumed_all]
+    gaps = [g for r in resumed_all if (g := r.max_gap_s()) is not None]
+    warm = next((r for r in report.replays if r.name == "warm-up"), None)
+    unstable = (
+        [
+            r.request_id
+            for r in warm.requests
+            if r.ok and base[r.request_id].ok and r.token_ids != base[r.request_id].token_ids
+        ]
+        if warm
+        else None
+    )
+    goals = {
+        "resumed_streams": len(resumed_all),
+        "max_recomputed_tokens": max(recomputed, default=None),
+        "recompute_goal_tokens": GOAL_RECOMPUTED_BLOCKS * bs,
+        "recompute_met": (max(recomputed) <= GOAL_RECOMPUTED_BLOCKS * bs) if recomputed else None,
+        "max_gap_s": max(gaps, default=None),
+        "gap_goal_s": GOAL_GAP_S,
+        "gap_met": (max(gaps) < GOAL_GAP_S) if gaps else None,
+        "warmup_differs_from_baseline": unstable,
+    }
+    return rows, kind_rows, goals
+
+
+def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict, console: Console) -> None:
+    m = report.machine
+
+    def s(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}"
+
+    table = Table(
+        title=f"Chaos: one component SIGKILLed once a third of {report.requests} requests stream; {report.model}, "
+        f"{report.concurrency} at a time, {report.max_tokens} output tokens, block size {report.block_size}, "
+        f"{m['cpu_model']} ({m['logical_cores']} cores)",
+        caption="extra = e2e latency minus the same request's in the baseline (requests that outlived a fault), s; "
+        "recomputed / loaded: resumed streams' tokens computed again / loaded from the pool; gap: the "
+        "largest gap between two tokens of a resumed stream, s; back / registered: kill -> the victim "
+        "READY again / the Conductor lists every instance alive, s; e2e p50 over all requests of the "
+        "replay, s; others' CPU: CPU s other processes of the machine used during the replay / CPU s "
+        "used by all",
+    )
+    for col in (
+        "victim",
+        "ok",
+        "failed",
+        "outlived",
+        "extra p50",
+        "extra p99",
+        "resumed",
+        "recomputed / loaded",
+        "max recomputed",
+        "gap p50",
+        "gap max",
+        "= baseline",
+        "back / registered",
+        "e2e p50",
+        "others' CPU",
+    ):
+        table.add_column(col, justify="left" if col == "victim" else "right")
+    for r in rows:
+        same = "" if r["victim"] is None else (f"{r['ok'] - len(r['differ_from_baseline'])}/{r['ok']}")
+        most = (
+            ""
+            if r["max_recomputed_tokens"] is None
+            else f"{r['max_recomputed_tokens']} ({r['max_recomputed_blocks']} blk)"
+        )
+        rl = f"{r['recomputed_tokens']} / {r['loaded_tokens']}" if r["resumed"] else ""
+        back = f"{s(r['back_after_s'])} / {s(r['registered_after_s'])}" if r["back_after_s"] is not None else ""
+        failed = f"[red]{r['failed']}[/]" if r["failed"] else "0"
+        table.add_row(
+            r["victim"] or "baseline",
+            str(r["ok"]),
+            failed,
+            str(r["outlived"]) if r["victim"] else "",
+            s(r["extra_p50_s"]),
+            s(r["extra_p99_s"]),
+            str(r["resumed"]) if r["victim"] else "",
+            rl,
+            most,
+            s(r["gap_p50_s"]),
+            s(r["gap_max_s"]),
+            same,
+            back,
+            s(r["e2e_p50_s"]),
+            f"{r['cpu_others_s']:.0f} / {r['cpu_machine_s']:.0f}",
+        )
+    console.print(table)
+    if kind_rows:
+        kinds = Table(title="Extra latency by kind of fault outlived (s; a request outliving two kinds counts in both)")
+        for col in ("victim", "fault", "failed instance", "requests", "extra p50", "extra p99"):
+            kinds.add_column(col, justify="left" if col in ("victim", "fault", "failed instance") else "right")
+        for k in kind_rows:
+            kinds.add_row(
+                k["victim"],
+                k["kind"],
+                ", ".join(k["instances"]),
+                str(k["requests"]),
+                s(k["extra_p50_s"]),
+                s(k["extra_p99_s"]),
+            )
+        console.print(kinds)
+
+    def mark(met: bool | None) -> str:
+        return (
+            "[yellow]not measured[/] (no resumed stream)"
+            if met is None
+            else ("[green]PASS[/]" if met else "[red]FAIL[/]")
+        )
+
+    n = goals["resumed_streams"]
+    most = goals["max_recomputed_tokens"]
+    console.print(
+        f"goal: a resumed stream recomputes at most {GOAL_RECOMPUTED_BLOCKS} block "
+        f"({goals['recompute_goal_tokens']} tokens): "
+        + (
+            f"at most {most} tokens ({math.ceil(most / report.block_size)} block(s)) over {n} resumed streams "
+            if n
+            else ""
+        )
+        + mark(goals["recompute_met"])
+    )
+    console.print(
+        f"goal: gap across the failure < {GOAL_GAP_S:g} s: "
+        + (f"largest {goals['max_gap_s']:.2f} s over {n} resumed streams " if n else "")
+        + mark(goals["gap_met"])
+    )
+    if goals["warmup_differs_from_baseline"]:
+        console.print(
+            f"[yellow]note[/]: the two undisturbed replays differ on {len(goals['warmup_differs_from_baseline'])} "
+            f"requests ({', '.join(goals['warmup_differs_from_baseline'][:8])}): outputs are not "
+            "stable even without faults"
+        )
+    if report.code_changed:
+        console.print(
+            f"[red]warning[/]: {len(report.code_changed)} files the components import changed during the run "
+            f"({', '.join(report.code_changed[:10])}): a component restarted after that runs other code"
+        )
+    for r in rows:
+        if r["failed_ids"] or r["differ_from_baseline"]:
+            console.print(
+                f"[red]{r['replay']}[/]: failed {r['failed_ids']}, outputs differing from the baseline "
+                f"{r['differ_from_baseline']}"
+            )
+    console.print(
+        f"code {report.git}; cluster start-up (not counted) {report.startup_s:.1f} s; load average "
+        f"{m['load_average'][0]:.2f}; total wall {report.total_wall_s:.0f} s"
+    )

@@ -6,6 +6,11 @@
     early             reject when max(prefill load, current decode load) > 1
     early_predictive  the same, with the decode load predicted for the moment this
                       request's prefill would finish (DESIGN §5)
+    early_wait        early_predictive's judgement; a request it would refuse now but
+                      predicts to meet its SLOs if placed a little later (the decode
+                      batches it would meet have room by then) waits at its gateway
+                      instead, in a short queue per priority (conductor.waiting), and is
+                      refused at once when no wait within its TTFT SLO helps
 
 Loads are fractions of the SLO: prefill load = predicted TTFT / TTFT SLO; decode load =
 the mean over decode instances of predicted TBT / TBT SLO. early_predictive takes the
@@ -27,6 +32,12 @@ class AdmissionKind(str, enum.Enum):
     BASELINE = "baseline"
     EARLY = "early"
     EARLY_PREDICTIVE = "early_predictive"
+    EARLY_WAIT = "early_wait"
+
+    @property
+    def predictive(self) -> bool:
+        """It judges the decode side by the forecast at the moment the prefill would end."""
+        return self in (AdmissionKind.EARLY_PREDICTIVE, AdmissionKind.EARLY_WAIT)
 
 
 Batch = tuple[float, float]  # (running requests, context tokens) of a decode instance; a forecast's are expected values

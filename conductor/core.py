@@ -21,34 +21,31 @@ from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, rep
 from conductor.forecast import DecodeForecast, ForecastKind
 from conductor.index import KVIndex, PrefixMatch
 from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local, step_at_cap
-from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, estimate, make_policy
+from conductor.overload import MIN_RETRY_S, WAITABLE, Overload, clamp_retry
+from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, make_policy
 from conductor.predictors import PredictorConfig, Predictors
+from conductor.registry import Registry
 from conductor.types import (
     DEFAULT_SLO,
     Decision,
     Instance,
-    InstanceState,
-    Load,
+    Measured,
     Prediction,
     PrefixPlan,
     Rejection,
     RejectReason,
-    Role,
     ScheduleRequest,
     Slo,
+    Wait,
 )
+from conductor.waiting import SHEDDABLE_LOAD, WAIT_GAP_S, FairShare, WaitQueue
 from kvstore.events import Tier
 
-MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
 HANDOFF_ALPHA = 0.1  # how far one measured hand-off moves the learnt one
 SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or more) moves its instance's slowdown
 SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
 SLOWDOWN_RANGE = (0.5, 8.0)
 MAX_PENDING_TTFTS = 100_000  # predictions awaiting their measured TTFT (a worker that never reports cannot grow it)
-SHED_S = 0.25  # how long a "refuse everything" verdict stands before it is asked again (Conductor.shed_s)
-SHED_TIMES = 8  # when the cheapest request's prefill could end: points from its soonest to the SLO, checked
-SHED_BUSY_S = 0.1  # the same when every decode worker is full: a batch frees sooner than a prefill queue drains
-SHED_REUSE_S = 0.02  # a verdict this fresh is reused (a burst's rejections do not each recompute it)
 
 
 class ConductorConfig(BaseModel):
@@ -60,7 +57,12 @@ class ConductorConfig(BaseModel):
         description="admission (early rejection) policy (a value persisted in Redis wins)",
     )
     slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": DEFAULT_SLO})
-    block_bytes: int = Field(320 * 1024 * 16, gt=0, description="bytes of one KV block (for transfer estimates)")
+    block_bytes: int = Field(
+        320 * 1024 * 16,
+        gt=0,
+        description="bytes of one KV block for transfer estimates until a pool node registers its own (which replaces "
+        "this)",
+    )
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="seconds of silence before an instance is dead")
     suspect_hold_s: float = Field(
         1.0,
@@ -110,6 +112,11 @@ class ConductorConfig(BaseModel):
         description="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1; "
         "the SLO is on a request's slowest gaps, not its mean)",
     )
+    wait_queue: int = Field(
+        64,
+        ge=1,
+        description="early_wait: the most requests of one priority waiting at once (past it they are refused)",
+    )
     predictors: PredictorConfig = Field(default_factory=PredictorConfig)
     policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
 
@@ -138,7 +145,7 @@ class Counters:
     local: int = 0  # of the scheduled, computed on their decode worker (conductor.local)
 
 
-class Conductor:
+class Conductor(Registry, Overload):
     def __init__(self, config: ConductorConfig | None = None) -> None:
         self.config = config or ConductorConfig()
         self.instances: dict[str, Instance] = {}
@@ -155,8 +162,10 @@ class Conductor:
         self.last_sent: dict[str, float] = {}  # instance id -> when a request was last placed on it
         self.retiring: set[str] = set()  # drained instances to stop (through the pool provider) once idle
         self._shed: tuple[float, float] = (-float("inf"), 0.0)  # (when, verdict) of the last shed_s
-        # request id -> (prefill instance id, predicted TTFT, of which transfer, its slowdown then): _measured learns
-        self._ttfts: dict[str, tuple[str, float, float, float]] = {}
+        # request id -> (prefill instance id, its prediction, that instance's slowdown then): _measured learns
+        self._ttfts: dict[str, tuple[str, Prediction, float]] = {}
+        self.waiting = WaitQueue(self.config.wait_queue)  # early_wait's order (conductor.waiting)
+        self.shares = FairShare()  # requests in flight per priority and tenant
 
     # -- configuration at run time -------------------------------------------------------
 
@@ -178,142 +187,6 @@ class Conductor:
             raise ValueError(
                 f"unknown admission {kind!r}; choose from {', '.join(k.value for k in AdmissionKind)}"
             ) from None
-
-    # -- registry --------------------------------------------------------------------------
-
-    def register(self, inst: Instance, now: float) -> None:
-        """Add or re-add an instance (a restarted worker re-registers under its id)."""
-        if not inst.id or not inst.address:
-            raise ValueError("an instance needs an id and an address")
-        inst.state, inst.last_heartbeat, inst.queue_at = InstanceState.ALIVE, now, now
-        self.instances[inst.id] = inst
-        self.retiring.discard(inst.id)
-
-    def heartbeat(self, instance_id: str, load: Load, now: float) -> None:
-        inst = self.instances.get(instance_id)
-        if inst is None or inst.state is InstanceState.DEAD:
-            raise KeyError(f"instance {instance_id!r} is not registered (register again)")
-        inst.load, inst.last_heartbeat, inst.queue_at = load, now, now
-        if inst.role is Role.PREFILL:  # predicted seconds of prefill as they come out, and what is on its way there
-            load.queued_s = load.queued_s * inst.slowdown + inst.in_transit()
-        if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
-            inst.state = InstanceState.ALIVE
-        if (
-            inst.role is Role.DECODE and load.step_s > 0
-        ):  # the steps' own batch where reported (the running one may differ)
-            batch, context = (
-                (load.step_batch, load.step_context_tokens)
-                if load.step_batch > 0
-                else (load.running_requests, load.context_tokens)
-            )
-            if batch > 0:
-                self.predictors.decode.observe(batch, context, load.step_s)
-
-    def suspect(self, instance_id: str, now: float) -> bool:
-        """A caller saw ``instance_id`` fail (a reset stream, an unreachable address): send it nothing new
-        until it heartbeats ``suspect_hold_s`` from now. Long before the heartbeat timeout notices a dead
-        instance, the requests after this one go elsewhere. Returns whether it was alive until now."""
-        inst = self.instances.get(instance_id)
-        if inst is None or inst.state is not InstanceState.ALIVE:
-            return False
-        inst.state, inst.suspect_until = InstanceState.SUSPECT, now + self.config.suspect_hold_s
-        return True
-
-    def drain(self, instance_id: str, remove: bool = False) -> None:
-        """Send ``instance_id`` nothing new; with ``remove``, stop it once it is idle (``idle_to_remove``)."""
-        inst = self._get(instance_id)
-        if inst.state in (InstanceState.ALIVE, InstanceState.SUSPECT):
-            inst.state = InstanceState.DRAINING
-        if remove and inst.role is not Role.KVSTORE:
-            self.retiring.add(instance_id)
-
-    def scale_plan(self, role: Role | str, replicas: int) -> tuple[int, list[str]]:
-        """How to reach ``replicas`` schedulable instances of ``role``: (how many to add, which to drain and remove).
-
-        Scaling down picks the least busy instances (ties: the last by id, so the first
-        ones stay). Raises ValueError for the pool role or fewer than one replica.
-        """
-        role = Role(role)
-        if role is Role.KVSTORE:
-            raise ValueError("pool nodes scale with their prefill workers; scale prefill or decode")
-        if replicas < 1:
-            raise ValueError(f"a pool needs at least one instance (every request would be rejected); got {replicas}")
-        alive = self.alive(role)
-        if replicas >= len(alive):
-            return replicas - len(alive), []
-
-        def busy(i: Instance) -> tuple:
-            return (i.load.queued_requests + i.load.running_requests, i.load.queued_s, [-ord(ch) for ch in i.id])
-
-        return 0, [i.id for i in sorted(alive, key=busy)[: len(alive) - replicas]]
-
-    def idle_to_remove(self, now: float, quiet_s: float) -> list[Instance]:
-        """Retiring instances with nothing left to do: reported idle, no request in flight to them, and nothing
-        placed there for ``quiet_s`` (a request placed just before the drain may not have reached them yet)."""
-        out = []
-        for iid in list(self.retiring):
-            inst = self.instances.get(iid)
-            if inst is None or inst.state is not InstanceState.DRAINING:
-                self.retiring.discard(iid)
-                continue
-            load = inst.load
-            busy = load.queued_requests or load.running_requests
-            if inst.role is Role.DECODE:
-                busy = busy or self.forecast.count(iid)
-            if (
-                not busy
-                and now - self.last_sent.get(iid, -float("inf")) >= quiet_s
-                and inst.last_heartbeat > self.last_sent.get(iid, -float("inf"))
-            ):
-                out.append(inst)
-        return out
-
-    def deregister(self, instance_id: str) -> None:
-        inst = self.instances.pop(instance_id, None)
-        self.retiring.discard(instance_id)
-        self.last_sent.pop(instance_id, None)
-        if inst is not None:
-            self._forget(inst)
-
-    def expire(self, now: float) -> list[str]:
-        """Mark instances silent for ``heartbeat_timeout_s`` dead; return their ids."""
-        dead = []
-        for inst in self.instances.values():
-            if inst.state is not InstanceState.DEAD and now - inst.last_heartbeat > self.config.heartbeat_timeout_s:
-                inst.state = InstanceState.DEAD
-                self._forget(inst)
-                dead.append(inst.id)
-        self.forecast.expire(now)
-        return dead
-
-    def _forget(self, inst: Instance) -> None:
-        if inst.role is Role.KVSTORE:
-            self.index.reset_node(inst.node)  # its blocks are gone from scheduling
-        elif inst.role is Role.DECODE:
-            self.forecast.forget_instance(inst.id)
-
-    def _get(self, instance_id: str) -> Instance:
-        inst = self.instances.get(instance_id)
-        if inst is None:
-            raise KeyError(f"no instance {instance_id!r}")
-        return inst
-
-    def alive(self, role: Role) -> list[Instance]:
-        return [i for i in self.instances.values() if i.role is role and i.schedulable]
-
-    def _alive_pools(self, now: float) -> tuple[list[Instance], list[Instance]]:
-        """(alive prefill instances, alive decode instances), in one pass (every Schedule asks); each prefill
-        instance's queue as it stands at ``now`` (``Instance.drain``)."""
-        prefills, decodes = [], []
-        for i in self.instances.values():
-            if i.role is Role.PREFILL:
-                if i.schedulable:
-                    i.drain(now)
-                    prefills.append(i)
-            elif i.role is Role.DECODE and i.schedulable:
-                i.drain_local(now)
-                decodes.append(i)
-        return prefills, decodes
 
     # -- the index -------------------------------------------------------------------------
 
@@ -343,17 +216,24 @@ class Conductor:
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
         self.predictors.transfer.observe(num_bytes, seconds)
 
-    def decode_started(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> float | None:
-        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known).
-        Returns the TTFT predicted for it when this measured one is its first (``_measured``)."""
+    def decode_started(
+        self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
+    ) -> Prediction | None:
+        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known), of
+        which ``queue_s`` and ``prefill_s`` in its prefill worker's queue and prefill (0: not measured). Returns what
+        was predicted for it when this measured TTFT is its first (``_measured``)."""
         self.forecast.decode_started(request_id, now)
-        return self._measured(request_id, measured_ttft_s)
+        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s))
 
-    def finished(self, request_id: str, now: float, measured_ttft_s: float = 0.0) -> float | None:
+    def finished(
+        self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
+    ) -> Prediction | None:
         """``request_id`` left its decode worker: done, failed, cancelled, or answered with its first token alone
         (``measured_ttft_s`` > 0: it got one, without joining a batch). Returns as ``decode_started`` does."""
         self.forecast.finished(request_id, now)
-        return self._measured(request_id, measured_ttft_s)
+        self.shares.finished(request_id)
+        self.waiting.release(request_id)
+        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s))
 
     def handoff_sample(self, seconds: float) -> None:
         """A decode worker measured one hand-off: its TTFT less the prefill worker's own queue and prefill. The first
@@ -365,7 +245,7 @@ class Conductor:
         )
         self._handoffs += 1
 
-    def _measured(self, request_id: str, measured_ttft_s: float) -> float | None:
+    def _measured(self, request_id: str, measured: Measured) -> Prediction | None:
         """A request's TTFT came out (first report only): its prefill instance's ``slowdown`` moves toward what it
         implies; its predicted prefill and queue times scale by it. A worker's predictor learns what a prompt's steps
         cost; what the client waits for also holds the time between steps, the hops, and cores shared with the other
@@ -373,17 +253,19 @@ class Conductor:
         were busy). A prediction of well under a second weighs less: its fixed hops are most of it. No TTFT: it ended
         before its prefill (its decode worker turned it away), so it never reached the instance.
 
-        Returns the TTFT predicted for it (None: no prediction is held for it, or no TTFT was measured)."""
+        Returns its prediction (None: no prediction is held for it, or no TTFT was measured)."""
         made = self._ttfts.pop(request_id, None)
         if made is None:
             return None
-        instance_id, predicted, transfer, slowdown = made
+        instance_id, predicted, slowdown = made
+        measured_ttft_s = measured.ttft_s
         inst = self.instances.get(instance_id)
         if measured_ttft_s <= 0.0:
             if inst is not None:
                 inst.lose(request_id)
             return None
-        work = predicted - transfer
+        transfer = predicted.transfer_s
+        work = predicted.ttft_s - transfer
         if inst is not None and work > 0.0:
             implied = slowdown * min(max((measured_ttft_s - transfer) / work, SLOWDOWN_STEP[0]), SLOWDOWN_STEP[1])
             weight = SLOWDOWN_ALPHA * min(1.0, work)
@@ -402,15 +284,44 @@ class Conductor:
             )
         return slo
 
-    def schedule(self, req: ScheduleRequest, now: float) -> Decision | Rejection:
-        """Pick the prefill and decode instances and the prefix plan for ``req``, or reject it.
+    def slo_of(self, req: ScheduleRequest) -> Slo:
+        """The SLO ``req`` is judged by now: its class's, less the time it has waited at its gateway (early_wait), and
+        a sheddable one's (priority below 0) cut to ``SHEDDABLE_LOAD`` of it, so that it is refused before the
+        others are."""
+        slo = self.slo(req.slo_class)
+        scale = SHEDDABLE_LOAD if req.priority < 0 else 1.0
+        return Slo(slo.ttft_s * scale - req.waited_s, slo.tbt_s * scale)
+
+    def schedule(self, req: ScheduleRequest, now: float) -> Decision | Rejection | Wait:
+        """Pick the prefill and decode instances and the prefix plan for ``req``, or reject it, or (early_wait) tell
+        it to wait.
 
         Raises ValueError for a malformed request. A Decision is recorded: the prefill
         instance's queue grows by the predicted prefill time until its next heartbeat,
-        and the request joins the decode forecast.
+        and the request joins the decode forecast. Under early_wait a request that would be
+        refused now, but is predicted to meet its SLOs if placed a little later, waits at
+        its gateway (``Wait``) and asks again; so does one behind a waiter it may not
+        overtake (conductor.waiting). One no wait within its TTFT SLO helps is refused now.
         """
         req.validate()
-        slo = self.slo(req.slo_class)
+        if self.admission is not AdmissionKind.EARLY_WAIT:
+            return self._place(req, now)
+        slo = self.slo_of(req)
+        ahead = self.waiting.ahead_until(req, now)
+        if ahead:  # it goes after them: it asks again just after the last of them has
+            return self._hold(req, ahead + WAIT_GAP_S - now, now, slo, "behind requests waiting before it")
+        outcome = self._place(req, now)
+        if isinstance(outcome, Rejection) and outcome.reason in WAITABLE:
+            later = self._wait_for(req, now, slo)
+            if later is not None:
+                wait, predicted = later
+                return self._hold(req, wait, now, slo, outcome.message, predicted)
+        self.waiting.release(req.request_id)
+        return outcome
+
+    def _place(self, req: ScheduleRequest, now: float) -> Decision | Rejection:
+        """``schedule`` without waiting: a placement (recorded) or a rejection."""
+        slo = self.slo_of(req)
         for instance_id in req.failed:
             self.suspect(instance_id, now)
         prefills, decodes = self._alive_pools(now)
@@ -418,6 +329,10 @@ class Conductor:
             return self._reject(req, RejectReason.NO_PREFILL, "no prefill instance is alive", MIN_RETRY_S)
         if not decodes:
             return self._reject(req, RejectReason.NO_DECODE, "no decode instance is alive", MIN_RETRY_S)
+        if slo.ttft_s <= 0:
+            return self._reject(
+                req, RejectReason.TTFT_SLO, f"it waited {req.waited_s:.2f} s, its whole TTFT SLO", MIN_RETRY_S
+            )
         blocks = -(
             -req.prompt_tokens // req.block_tokens
         )  # what its prompt's KV takes of a decode worker's landing slots
@@ -439,6 +354,7 @@ class Conductor:
         local = self._local(req, choice, decode, match, now, len(decodes), slo)
         if local is not None:  # its decode worker computes it
             predicted, verdict = self._admit_local(req, local, tbt, decodes, now, slo)
+            verdict = verdict or self._over_share(req, predicted.ttft_s, decodes, now, slo)
             if verdict is None:
                 self._record_local(req, local, now)
                 # its new blocks go to the node holding its prefix,
@@ -459,11 +375,20 @@ class Conductor:
         ):  # auto: refused there, a prefill worker may do
             predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
             verdict = self._admit(req, choice, decode, tbt, decodes, batch_of, slo)
+            verdict = verdict or self._over_share(req, choice.ttft_s, decodes, now, slo)
         if verdict is not None:
             reason, message, retry = verdict
             return dataclasses.replace(self._reject(req, reason, message, retry, predicted), shed_s=self.shed_s(now))
         self._record(req, choice, decode, now, blocks)
-        return Decision(req.request_id, choice.instance.id, decode.id, choice.plan, predicted, self.policy.kind.value)
+        return Decision(
+            req.request_id,
+            choice.instance.id,
+            decode.id,
+            choice.plan,
+            predicted,
+            self.policy.kind.value,
+            admit_at_decode=self.admission is AdmissionKind.BASELINE,
+        )
 
     def _local(
         self,
@@ -510,66 +435,6 @@ class Conductor:
             req, local, local.decode, tbt, decodes, self._batch_at(now + local.ttft_s, now, len(decodes)), slo
         )
 
-    def shed_s(self, now: float) -> float:
-        """How long every request will be refused: SHED_S if even the cheapest request would be now, else 0.
-
-        The cheapest request is one prompt token on the prefill instance that would start
-        it soonest, in the loosest SLO class. Everything a real request adds (tokens to
-        compute, context in the decode batch) only makes its TTFT and TBT longer, so
-        when this one is refused, so is every other, except through the decode forecast:
-        a request whose prefill ends later meets the decode batch as it will be then. So
-        under early_predictive the cheapest request must be refused at every one of
-        SHED_TIMES moments its prefill could end, from its soonest to the TTFT SLO.
-        Nothing is recorded. A gateway that hears a verdict refuses new requests itself
-        for SHED_S and asks again (a probe) before that runs out.
-        """
-        when, verdict = self._shed
-        if now - when < SHED_REUSE_S:
-            return max(0.0, verdict - (now - when)) if verdict else 0.0
-        verdict = self._shed_verdict(now)
-        self._shed = (now, verdict)
-        return verdict
-
-    def _shed_verdict(self, now: float) -> float:
-        if self.admission is AdmissionKind.NONE or not self.config.slo_classes:
-            return 0.0
-        prefills, decodes = self._alive_pools(now)
-        if not prefills or not decodes:
-            return 0.0  # unavailable, not overloaded: the gateway holds such requests instead
-        slo = Slo(
-            ttft_s=max(s.ttft_s for s in self.config.slo_classes.values()),
-            tbt_s=max(s.tbt_s for s in self.config.slo_classes.values()),
-        )
-        takers = self._takers(decodes, 1)
-        if not takers:
-            return SHED_BUSY_S
-        probe = ScheduleRequest("shed-probe", (), 1, 1)
-        choice = min(
-            (estimate(i, probe, 0, None, 0, self.predictors) for i in prefills), key=lambda c: (c.ttft_s, c.instance.id)
-        )
-        if self.local_prefill is not LocalPrefill.NEVER:  # or computed on a decode worker, which schedule would do
-            match = self.index.match(())
-            for decode in takers:
-                local = self._local(probe, choice, decode, match, now, len(decodes), slo)
-                if local is not None:
-                    _, tbt = select_decode(
-                        probe, [decode], self.predictors.decode, self._batch_at(now + local.ttft_s, now, len(decodes))
-                    )
-                    if self._admit_local(probe, local, tbt, decodes, now, slo)[1] is None:
-                        return 0.0
-        times = [choice.ttft_s]
-        if self.admission is AdmissionKind.EARLY_PREDICTIVE and slo.ttft_s > choice.ttft_s:
-            times = [choice.ttft_s + (slo.ttft_s - choice.ttft_s) * k / (SHED_TIMES - 1) for k in range(SHED_TIMES)]
-        for t in times:
-            batch_of = self._batch_at(now + t, now, len(decodes))
-            later_of = self._later(now + t, now, len(decodes), slo)
-            decode, tbt = select_decode(
-                probe, takers, self.predictors.decode, batch_of, lambda inst: self.forecast.count(inst.id), later_of
-            )
-            if self._admit(probe, choice, decode, tbt, decodes, batch_of, slo) is None:
-                return 0.0
-        return SHED_S
-
     def _takers(self, decodes: list[Instance], blocks: int) -> list[Instance]:
         """The decode instances that would take one more request of ``blocks`` landing blocks now; under the early
         admissions, those whose worker would not refuse it as ``decode.worker.DecodeWorker.generate`` does.
@@ -586,9 +451,9 @@ class Conductor:
         request hears 429 in a fraction of a millisecond instead of after a round trip to a
         busy worker, and while every worker is full the gateway sheds.
         """
-        if self.admission not in (AdmissionKind.EARLY, AdmissionKind.EARLY_PREDICTIVE):
-            return decodes
-        return [inst for inst in decodes if not self._refusal(inst, blocks)]
+        if self.admission is AdmissionKind.EARLY or self.admission.predictive:
+            return [inst for inst in decodes if not self._refusal(inst, blocks)]
+        return decodes
 
     def _refusal(self, inst: Instance, blocks: int) -> str:
         """Why ``inst``'s worker would refuse a request of ``blocks`` landing blocks now ("": it would take it)."""
@@ -622,7 +487,7 @@ class Conductor:
             "",
             RejectReason.TBT_SLO,
             f"decode {decode_id} would run at {tbt:.3f} s per token, over the {tbt_slo} s SLO",
-            _clamp(self.forecast.t_d / 2),
+            clamp_retry(self.forecast.t_d / 2),
         )
 
     def _batch_at(self, t: float, now: float, num_decodes: int) -> Callable[[Instance], Batch]:
@@ -632,7 +497,7 @@ class Conductor:
         reported batch plus what was sent there and has not started decoding (so requests
         scheduled between two heartbeats spread over the instances).
         """
-        if self.admission is AdmissionKind.EARLY_PREDICTIVE:
+        if self.admission.predictive:
             batches = self.forecast.batches_at(t, now)
             joins_n, joins_tokens = self.forecast.joins(t, now, num_decodes)
 
@@ -653,7 +518,7 @@ class Conductor:
     def _later(self, t: float, now: float, num_decodes: int, slo: Slo) -> Callable[[Instance], Batch] | None:
         """early_predictive: the batches one TBT budget after ``t``, forecast when first asked (join_tbt asks only
         about an instance at its cap at ``t``: would a place be free before the wait is longer than a step may be?)."""
-        if self.admission is not AdmissionKind.EARLY_PREDICTIVE:
+        if not self.admission.predictive:
             return None
         forecast: list[Callable[[Instance], Batch]] = []
 
@@ -687,7 +552,7 @@ class Conductor:
         ttft_over = (
             RejectReason.TTFT_SLO,
             f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO",
-            _clamp(choice.queue_s),
+            clamp_retry(choice.queue_s),
         )
         if kind is AdmissionKind.BASELINE:
             return ttft_over if choice.ttft_s > slo.ttft_s else None
@@ -704,7 +569,7 @@ class Conductor:
         load = decode_load(decodes, self.predictors.decode, batch_of, limit)
         if prefill_load > 1.0 and prefill_load >= load:
             return ttft_over
-        retry_decode = _clamp(self.forecast.t_d / 2)
+        retry_decode = clamp_retry(self.forecast.t_d / 2)
         if load > 1.0:
             batches = ", ".join(
                 f"{i.id}: {n:.1f} requests, {self.predictors.decode.predict(n, tokens):.3f} s a step"
@@ -734,8 +599,7 @@ class Conductor:
         if len(self._ttfts) < MAX_PENDING_TTFTS:
             self._ttfts[req.request_id] = (
                 choice.instance.id,
-                choice.ttft_s,
-                choice.transfer_s,
+                Prediction(choice.ttft_s, 0.0, choice.queue_s, choice.transfer_s, choice.prefill_s),
                 choice.instance.slowdown,
             )
         choice.instance.place(
@@ -751,17 +615,23 @@ class Conductor:
             landing_blocks,
         )
         self.last_sent[choice.instance.id] = self.last_sent[decode.id] = now
+        self.shares.admitted(req, now)
         self._count(choice.instance.id, req, choice.plan)
 
     def _record_local(self, req: ScheduleRequest, local: LocalChoice, now: float) -> None:
         d = local.decode
         if len(self._ttfts) < MAX_PENDING_TTFTS:
-            self._ttfts[req.request_id] = (d.id, local.ttft_s, local.transfer_s, d.slowdown)
+            self._ttfts[req.request_id] = (
+                d.id,
+                Prediction(local.ttft_s, 0.0, local.queue_s, local.transfer_s, local.prefill_s),
+                d.slowdown,
+            )
         d.local_queue_s += local.transfer_s + local.prefill_s
         self.forecast.scheduled(
             req.request_id, d.id, now + local.ttft_s, req.prompt_tokens + req.expected_output_tokens // 2, now
         )
         self.last_sent[d.id] = now
+        self.shares.admitted(req, now)
         self._count(d.id, req, local.plan)  # a decode instance's figures: the prompts it computed itself
         self.counters.local += 1
 
@@ -793,7 +663,3 @@ class Conductor:
 def when_prefill_ends(kind: AdmissionKind, choice: PrefillChoice) -> str:
     """When the decode side is judged, for a message: now (plain early) or when the prefill would end."""
     return "now" if kind is AdmissionKind.EARLY else f"in {choice.ttft_s:.1f} s"
-
-
-def _clamp(seconds: float) -> float:
-    return min(MAX_RETRY_S, max(MIN_RETRY_S, seconds))

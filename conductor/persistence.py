@@ -35,6 +35,7 @@ def instance_to_json(inst: Instance) -> str:
             "fingerprint": inst.fingerprint.hex(),
             "engine": inst.engine,
             "token": inst.token.hex(),
+            "block_bytes": inst.block_bytes,
         }
     )
 
@@ -52,6 +53,7 @@ def instance_from_json(text: str | bytes) -> Instance:
         fingerprint=bytes.fromhex(d.get("fingerprint", "")),
         engine=d.get("engine", ""),
         token=bytes.fromhex(d.get("token", "")),
+        block_bytes=int(d.get("block_bytes", 0)),
     )
 
 

@@ -23,7 +23,18 @@ from conductor.auth import OperatorCheck, new_instance_token, same_token
 from conductor.core import Conductor, ConductorConfig
 from conductor.persistence import MemoryStore
 from conductor.pool import NoProvider, PoolProvider
-from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, Role, ScheduleRequest
+from conductor.types import (
+    Decision,
+    Instance,
+    InstanceState,
+    KeyChain,
+    Load,
+    Measured,
+    Prediction,
+    Role,
+    ScheduleRequest,
+    Wait,
+)
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from kvstore.events import Tier
 from mooncake import tls
@@ -48,6 +59,11 @@ HEARTBEAT_INTERVAL_FRACTION = 0.25  # workers are told to beat 4 times per timeo
 RESUBSCRIBE_S = 1.0
 
 
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0)
+MIN_SCORED_PART_S = 0.05  # a part shorter than this, predicted and measured, is not scored (its ratio is noise)
+MAX_TENANT_LABELS = 64  # tenants beyond these are counted as "other" (a label per tenant of a tenants file)
+
+
 class Metrics:
     """The Conductor's Prometheus metrics, in a registry of its own (served on --metrics-port)."""
 
@@ -66,6 +82,27 @@ class Metrics:
             "|predicted - measured| TTFT",
             registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.prediction_ratio = Histogram(
+            "mooncake_conductor_prediction_ratio",
+            "Predicted over measured, per part of a TTFT prediction: ttft, and where the decode worker measured them, "
+            "queue (the prefill worker's), prefill (its own) and transfer (the rest: prefix transfer and hand-off); "
+            "within 25% is [0.75, 1.25]",
+            ["part"],
+            registry=r,
+            buckets=PREDICTION_RATIO_BUCKETS,
+        )
+        self.admissions = Counter(
+            "mooncake_conductor_admissions",
+            "Schedule outcomes per tenant and priority (outcome: scheduled, wait, or the rejection's reason)",
+            ["tenant", "priority", "outcome"],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "mooncake_conductor_waiting_requests",
+            "Requests told to wait at their gateway (early_wait), per priority",
+            ["priority"],
+            registry=r,
         )
         self.match_blocks = Histogram(
             "mooncake_conductor_reused_blocks",
@@ -142,6 +179,8 @@ class ConductorService:
         self._removing: set[str] = set()  # instances the provider is stopping now
         self.store = store or MemoryStore()
         self.metrics = Metrics()
+        self._tenant_labels: set[str] = set()
+        self._priorities: set[int] = set()  # the priorities seen waiting (their gauges go back to 0)
         self._lock = threading.Lock()
         self._watchers: dict[str, _Watcher] = {}
         self._stop = threading.Event()
@@ -320,12 +359,21 @@ class ConductorService:
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if isinstance(outcome, Decision):
-            self.metrics.decisions.labels(policy, "scheduled").inc()
+            kind = "scheduled"
             self.metrics.placements.labels("decode_worker" if outcome.local else "prefill_worker").inc()
             self.metrics.match_blocks.observe(outcome.plan.reused_blocks)
         else:
-            self.metrics.decisions.labels(policy, outcome.reason.value).inc()
+            kind = "wait" if isinstance(outcome, Wait) else outcome.reason.value
+        self.metrics.decisions.labels(policy, kind).inc()
+        self.metrics.admissions.labels(self._tenant_label(req.tenant), str(req.priority), kind).inc()
         return outcome, outcome_info
+
+    def _tenant_label(self, tenant: str) -> str:
+        """A tenant's metric label: its name, for the first MAX_TENANT_LABELS seen ("" for none)."""
+        if tenant in self._tenant_labels or len(self._tenant_labels) < MAX_TENANT_LABELS:
+            self._tenant_labels.add(tenant)
+            return tenant
+        return "other"
 
     def shed_s(self) -> float:
         """How long every request will be refused from now (Conductor.shed_s): what a shedding gateway's probe asks."""
@@ -347,14 +395,33 @@ class ConductorService:
                 if e.handoff_s > 0:
                     self.conductor.handoff_sample(e.handoff_s)
                     self.metrics.handoff.set(self.conductor.handoff_s)
+                measured = Measured(e.measured_ttft_s, e.queue_s, e.prefill_s)
                 if e.kind == pb.RequestEvent.DECODE_STARTED:
-                    predicted = self.conductor.decode_started(e.request_id, now, e.measured_ttft_s)
+                    predicted = self.conductor.decode_started(e.request_id, now, *_parts(measured))
                 elif e.kind == pb.RequestEvent.FINISHED:
-                    predicted = self.conductor.finished(e.request_id, now, e.measured_ttft_s)
+                    predicted = self.conductor.finished(e.request_id, now, *_parts(measured))
                 else:
                     raise ValueError(f"request event of unknown kind {e.kind} for {e.request_id!r}")
                 if predicted is not None:  # its first measured TTFT
-                    self.metrics.ttft_error.observe(abs(predicted - e.measured_ttft_s))
+                    self._score(predicted, measured)
+            waiting = self.conductor.waiting.by_priority()
+            self._priorities.update(waiting)
+            for priority in self._priorities:
+                self.metrics.waiting.labels(str(priority)).set(waiting.get(priority, 0))
+
+    def _score(self, predicted: Prediction, measured: Measured) -> None:
+        """A prediction against what came out, part by part (``mooncake_conductor_prediction_ratio``)."""
+        self.metrics.ttft_error.observe(abs(predicted.ttft_s - measured.ttft_s))
+        ratio = self.metrics.prediction_ratio
+        ratio.labels("ttft").observe(predicted.ttft_s / max(measured.ttft_s, 1e-6))
+        if measured.parts:
+            for part, p, m in (
+                ("queue", predicted.queue_s, measured.queue_s),
+                ("prefill", predicted.prefill_s, measured.prefill_s),
+                ("transfer", predicted.transfer_s, measured.transfer_s),
+            ):
+                if max(p, m) >= MIN_SCORED_PART_S:
+                    ratio.labels(part).observe(p / m if m > 0 else float("inf"))
 
     def apply_events(self, node: str, batch) -> None:
         """One batch of a kvstore node's event stream (``reset``: a snapshot replaces what the index had)."""
@@ -445,6 +512,10 @@ class ConductorService:
         self._stop.set()
         for instance_id in list(self._watchers):
             self._unwatch(instance_id)
+
+
+def _parts(m: Measured) -> tuple[float, float, float]:
+    return m.ttft_s, m.queue_s, m.prefill_s
 
 
 def _parent(event: kv_pb.Event) -> bytes | None:
@@ -539,6 +610,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             pipeline_stages=max(request.pipeline_stages, 1),
             pipeline_chunk=request.pipeline_chunk,
             step_tokens=request.step_tokens,
+            block_bytes=request.block_bytes,
             token=new_instance_token(),
         )
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
@@ -573,6 +645,10 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             request.expected_output_tokens,
             request.slo_class or "default",
             tuple(request.failed),
+            priority=request.priority,
+            tenant=request.tenant,
+            tenant_weight=request.tenant_weight or 1.0,
+            waited_s=request.waited_s,
         )
         outcome, info = self.service.schedule(req)
         p = outcome.predicted
@@ -583,6 +659,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 ttft_s=p.ttft_s, tbt_s=p.tbt_s, queue_s=p.queue_s, transfer_s=p.transfer_s, prefill_s=p.prefill_s
             )
         )
+        if isinstance(outcome, Wait):
+            return pb.ScheduleResponse(wait_s=outcome.wait_s, predicted=predicted)
         if not isinstance(outcome, Decision):
             rejection = pb.Rejection(
                 reason=outcome.reason.value, message=outcome.message, retry_after_s=outcome.retry_after_s
@@ -601,6 +679,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 policy=outcome.policy,
                 local_prefill=outcome.local,
                 local_chunk_tokens=outcome.chunk_tokens,
+                admit_at_decode=outcome.admit_at_decode,
                 plan=pb.PrefixPlan(
                     local_blocks=plan.local_blocks,
                     fetch_node=plan.fetch_node or "",

@@ -35,6 +35,8 @@ class RejectReason(str, enum.Enum):
     TBT_SLO = "tbt_slo"  # the predicted time between tokens is over the SLO
     OVERLOAD = "overload"  # early rejection: the (predicted) load is over 1
     DECODE_BUSY = "decode_busy"  # every decode worker would refuse it now: a full batch is waiting in prefill there
+    FAIR_SHARE = "fair_share"  # under pressure, its tenant holds over its weighted share of its priority's requests
+    QUEUE_FULL = "queue_full"  # early_wait: it would have to wait, and its priority's waiting queue is full
 
 
 @dataclass(slots=True)
@@ -82,6 +84,7 @@ class Instance:
     pipeline_stages: int = 1  # prefill: nodes of its chunked pipeline (1: a single worker)
     pipeline_chunk: int = 0  # prefill with stages > 1: its chunk of a prompt (tokens)
     step_tokens: int = 0  # decode: its engine's token budget per step (0: not said)
+    block_bytes: int = 0  # kvstore: bytes of one block, as it registered (0: not said)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = (
@@ -198,6 +201,10 @@ class ScheduleRequest:
     expected_output_tokens: int = 0  # 0: unknown
     slo_class: str = "default"
     failed: tuple[str, ...] = ()  # a retry: instances that failed this request (suspect now, so not chosen again)
+    priority: int = 0  # higher goes first under pressure; below 0: sheddable, refused before the others
+    tenant: str = ""  # who sent it: under pressure, tenants of one priority share the cluster by weight
+    tenant_weight: float = 1.0  # its tenant's weight (the tenants file's)
+    waited_s: float = 0.0  # early_wait: how long its gateway has held it already (part of its TTFT)
 
     def validate(self) -> None:
         if not self.request_id:
@@ -211,6 +218,10 @@ class ScheduleRequest:
                 f"empty key chain for a {self.prompt_tokens}-token prompt: send the keys of its "
                 f"{self.prompt_tokens // self.block_tokens} full {self.block_tokens}-token blocks "
                 "(mooncake.blocks.block_keys)"
+            )
+        if self.waited_s < 0 or self.tenant_weight <= 0:
+            raise ValueError(
+                f"waited_s must be >= 0 and tenant_weight > 0, got {self.waited_s} and {self.tenant_weight}"
             )
         if len(self.keys) * self.block_tokens > self.prompt_tokens:
             raise ValueError(
@@ -261,6 +272,7 @@ class Decision:
     node: str | None = None  # local: the pool node its decode worker reads the prefix from and writes to
     local: bool = False  # its decode worker computes the prompt itself (conductor.local); ``prefill`` is then ""
     chunk_tokens: int = 0  # local: the most of the prompt's tokens one of its steps computes (the TBT SLO's)
+    admit_at_decode: bool = False  # the decode worker asks again when the prefill ends (baseline admission only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,3 +283,32 @@ class Rejection:
     retry_after_s: float
     predicted: Prediction | None = None
     shed_s: float = 0.0  # every request is refused for at least this long (Conductor.shed_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """early_wait: hold the request ``wait_s`` and ask again (with ``waited_s``): it is predicted to meet its SLOs
+    then, not now. ``predicted``: its prediction if it is placed then, counted from now."""
+
+    request_id: str
+    wait_s: float
+    message: str
+    predicted: Prediction | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What a request's TTFT came out at, in the parts a Conductor's prediction has (0: not measured): its prefill
+    worker's queue and prefill, and the rest (prefix transfer and hand-off)."""
+
+    ttft_s: float
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def parts(self) -> bool:
+        return self.queue_s > 0.0 or self.prefill_s > 0.0
+
+    @property
+    def transfer_s(self) -> float:
+        return max(0.0, self.ttft_s - self.queue_s - self.prefill_s)

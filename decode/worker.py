@@ -104,6 +104,7 @@ class _Decoding:
         self.answered = False  # the prefill worker answered (its writes are over, whatever the answer)
         self.ttft_s = 0.0  # from the request's arrival here to its first token (0: it never got one)
         self.handoff_s = 0.0  # of it, all but the prefill worker's own queue and prefill (0: not measured, or reported)
+        self.parts = (0.0, 0.0)  # and those two: the prefill worker's own queue and prefill (the Conductor's errors)
         self.written = None  # its write-behind (decode.writeback.Written), once it has one
         self._left = False  # counted out of the worker's requests in prefill
         with worker._count_lock:
@@ -180,7 +181,7 @@ class _Decoding:
             self.worker.loop.abort(self.request_id)  # a no-op once it finished
         if self.worker.link is not None:
             self.worker.link.finished(
-                self.request_id, self.ttft_s, self.handoff_s
+                self.request_id, self.ttft_s, self.handoff_s, *self.parts
             )  # out of the Conductor's decode forecast
         self.state = DecodeState.DONE
 
@@ -192,7 +193,12 @@ class FirstToken:
     by_tier: dict[str, int]
     logprobs: list  # [wpb.TokenLogprob] of the token, when the sampling asked
     prompt_logprobs: list  # [wpb.TokenLogprob] of prompt tokens 1.., when the sampling asked
-    worker_s: float = 0.0  # the prefill worker's own queue and prefill
+    queue_s: float = 0.0  # the prefill worker's own queue
+    prefill_s: float = 0.0  # and its own prefill
+
+    @property
+    def worker_s(self) -> float:
+        return self.queue_s + self.prefill_s
 
 
 class DecodeWorker:
@@ -425,7 +431,9 @@ class DecodeWorker:
             first = self._prefill(req, sequence, len(outputs), run, context)
             run.ttft_s = time.perf_counter() - t0
             run.handoff_s = max(0.0, run.ttft_s - first.worker_s)
-            self._check_late_admission(req, len(sequence))
+            run.parts = (first.queue_s, first.prefill_s)
+            if req.placement.admit_at_decode:
+                self._check_late_admission(len(sequence))
             stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
             finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
             usage = dict(
@@ -452,8 +460,8 @@ class DecodeWorker:
                 else None
             )
             if self.link is not None:
-                self.link.decode_started(req.request_id, run.ttft_s, run.handoff_s)
-                run.handoff_s = 0.0  # reported
+                self.link.decode_started(req.request_id, run.ttft_s, run.handoff_s, *run.parts)
+                run.handoff_s, run.parts = 0.0, (0.0, 0.0)  # reported
             yield wpb.GenerateChunk(
                 token_ids=[first.token],
                 text=text,
@@ -715,11 +723,13 @@ class DecodeWorker:
             {k: v for k, v in by_tier.items() if v},
             logprobs,
             list(resp.prompt_logprobs),
-            resp.queue_s + resp.prefill_s,
+            resp.queue_s,
+            resp.prefill_s,
         )
 
-    def _check_late_admission(self, req: wpb.GenerateRequest, context_tokens: int) -> None:
-        """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted)."""
+    def _check_late_admission(self, context_tokens: int) -> None:
+        """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted); the
+        placement says when (``Placement.admit_at_decode``): the other admissions decided before the prefill."""
         if self.link is None or not self.link.registered.is_set():
             return
         try:

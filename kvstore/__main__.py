@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             node=args.node,
             capacity=dram_blocks,
             transport=node.engine.transport,
+            block_bytes=bb,  # the Conductor prices transfers by it (never by a configured guess)
         )
         link = ConductorLink(args.conductor, registration, cpb.Load).start()
     print_ready(ready)

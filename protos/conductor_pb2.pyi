@@ -58,7 +58,7 @@ class Load(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport", "step_tokens")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport", "step_tokens", "block_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class RegisterRequest(_message.Message):
     PIPELINE_CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -83,7 +84,8 @@ class RegisterRequest(_message.Message):
     pipeline_chunk: int
     transport: str
     step_tokens: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., transport: _Optional[str] = ..., step_tokens: _Optional[int] = ...) -> None: ...
+    block_bytes: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., transport: _Optional[str] = ..., step_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "instance_token")
@@ -128,7 +130,7 @@ class TransferSample(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class RequestEvent(_message.Message):
-    __slots__ = ("request_id", "kind", "measured_ttft_s", "handoff_s")
+    __slots__ = ("request_id", "kind", "measured_ttft_s", "handoff_s", "queue_s", "prefill_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RequestEvent.Kind]
@@ -141,11 +143,15 @@ class RequestEvent(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     MEASURED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: RequestEvent.Kind
     measured_ttft_s: float
     handoff_s: float
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ..., handoff_s: _Optional[float] = ...) -> None: ...
+    queue_s: float
+    prefill_s: float
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("id", "prefill", "transfer", "requests")
@@ -164,7 +170,7 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed", "probe")
+    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed", "probe", "priority", "tenant", "waited_s", "tenant_weight")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +180,10 @@ class ScheduleRequest(_message.Message):
     KEY_CHAIN_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
@@ -183,7 +193,11 @@ class ScheduleRequest(_message.Message):
     key_chain: bytes
     failed: _containers.RepeatedScalarFieldContainer[str]
     probe: bool
-    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ...) -> None: ...
+    priority: int
+    tenant: str
+    waited_s: float
+    tenant_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., waited_s: _Optional[float] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
 
 class PrefixPlan(_message.Message):
     __slots__ = ("local_blocks", "fetch_node", "fetch_address", "fetch_blocks", "compute_tokens", "keep_fetched")
@@ -216,7 +230,7 @@ class Prediction(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address", "local_prefill", "local_chunk_tokens")
+    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address", "local_prefill", "local_chunk_tokens", "admit_at_decode")
     PREFILL_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +241,7 @@ class Placement(_message.Message):
     PREFILL_NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AT_DECODE_FIELD_NUMBER: _ClassVar[int]
     prefill_id: str
     prefill_address: str
     prefill_node: str
@@ -237,7 +252,8 @@ class Placement(_message.Message):
     prefill_node_address: str
     local_prefill: bool
     local_chunk_tokens: int
-    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., local_chunk_tokens: _Optional[int] = ...) -> None: ...
+    admit_at_decode: bool
+    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., local_chunk_tokens: _Optional[int] = ..., admit_at_decode: _Optional[bool] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("reason", "message", "retry_after_s")
@@ -250,16 +266,18 @@ class Rejection(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("placement", "rejection", "predicted", "shed_s")
+    __slots__ = ("placement", "rejection", "predicted", "shed_s", "wait_s")
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     REJECTION_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_FIELD_NUMBER: _ClassVar[int]
     SHED_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     placement: Placement
     rejection: Rejection
     predicted: Prediction
     shed_s: float
-    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted: _Optional[_Union[Prediction, _Mapping]] = ..., shed_s: _Optional[float] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., rejection: _Optional[_Union[Rejection, _Mapping]] = ..., predicted: _Optional[_Union[Prediction, _Mapping]] = ..., shed_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class AdmitAtDecodeRequest(_message.Message):
     __slots__ = ("decode_id", "context_tokens")

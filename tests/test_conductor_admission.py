@@ -25,7 +25,8 @@ from conductor_helpers import (
 )
 
 from conductor.admission import reported_batch, select_decode
-from conductor.core import SHED_BUSY_S, SHED_S, Conductor
+from conductor.core import Conductor
+from conductor.overload import SHED_BUSY_S, SHED_S
 from conductor.predictors import DecodePredictor
 from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest
 from kvstore.events import Tier
@@ -110,7 +111,7 @@ def test_an_instance_whose_ttfts_come_out_slower_than_predicted_is_predicted_slo
         predicted = c.decode_started(
             d.request_id, now + 1.0, measured_ttft_s=2.0 * 0.96
         )  # an empty queue, 0.96 s alone
-        assert predicted == pytest.approx(d.predicted.ttft_s)  # what the service's TTFT error metric compares
+        assert predicted.ttft_s == pytest.approx(d.predicted.ttft_s)  # what the service's TTFT error metric compares
         assert c.decode_started(d.request_id, now + 2.0, measured_ttft_s=5.0) is None  # a second report teaches nothing
     assert c.instances["p0"].slowdown == pytest.approx(2.0, rel=0.05)
     assert c.instances["p1"].slowdown == 1.0

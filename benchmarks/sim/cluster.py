@@ -6,6 +6,7 @@
                       store every block of the prompt in the node's cache (events -> Conductor)
                  -> decode instance (continuous batching: one token per running request a step)
         Rejection -> counted by reason
+        Wait (early_wait) -> asks again wait_s later, with the time it waited
 
 What the Conductor hears, and when (all on simulated time):
 - before the first request, unless ``calibrate`` is off, three ``prefill_sample`` of each
@@ -69,11 +70,11 @@ from conductor.forecast import ForecastKind
 from conductor.local import LocalPrefill
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
-from conductor.types import Decision, Instance, Load, Rejection, Role, ScheduleRequest, Slo
+from conductor.types import Decision, Instance, Load, Rejection, Role, ScheduleRequest, Slo, Wait
 from kvstore.events import Tier
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
-_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT, _LOCAL_READY = 0, 1, 2, 3, 4, 5
+_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT, _LOCAL_READY, _ASK_AGAIN = 0, 1, 2, 3, 4, 5, 6
 HEARTBEAT_S = 2.5  # a real worker's heartbeat period: ConductorConfig.heartbeat_timeout_s (10 s) x conductor.service's
 # HEARTBEAT_INTERVAL_FRACTION (0.25), which the Conductor hands each worker as it registers
 CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # prefill.worker's calibrate: prompts of these shares of its step budget
@@ -159,6 +160,7 @@ class Record:
     rejected: str | None = None  # a RejectReason value, or REJECTED_AT_DECODE
     predicted_ttft_s: float = 0.0
     predicted_s: float = 0.0  # the Conductor's predicted transfer + prefill time (what it queued)
+    waits: int = 0  # times early_wait told it to wait and ask again
     prefill_start: float = math.nan
     prefill_end: float = math.nan
     local_blocks: int = 0
@@ -407,6 +409,8 @@ class Cluster:
                 self._beat(what)
             elif kind == _LOCAL_READY:
                 self._local_ready(*what)
+            elif kind == _ASK_AGAIN:
+                self._arrive(what)
             else:
                 self._tick()
         if progress is not None:
@@ -438,15 +442,21 @@ class Cluster:
     # -- arrival and prefill ------------------------------------------------------------------
 
     def _arrive(self, rec: Record) -> None:
+        """A request arrives (or, told to wait by early_wait, asks again)."""
         r = rec.req
+        waited = self.now - r.arrival_s
         out = self.conductor.schedule(
-            ScheduleRequest(rec.rid, r.chain, r.prompt_tokens, self.model.block_tokens), self.now
+            ScheduleRequest(rec.rid, r.chain, r.prompt_tokens, self.model.block_tokens, waited_s=waited), self.now
         )
+        if isinstance(out, Wait):
+            rec.waits += 1
+            self._push(self.now + out.wait_s, _ASK_AGAIN, rec)
+            return
         if isinstance(out, Rejection):
             rec.rejected = out.reason.value
             return
         rec.decision = out
-        rec.predicted_ttft_s = out.predicted.ttft_s
+        rec.predicted_ttft_s = waited + out.predicted.ttft_s
         rec.predicted_s = out.predicted.transfer_s + out.predicted.prefill_s
         if out.local:  # its decode instance reads its prefix (off its steps), then computes the rest on them
             self._read_local_prefix(rec)

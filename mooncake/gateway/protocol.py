@@ -102,6 +102,13 @@ class _SamplingFields(_Request):
     user: str | None = None  # accepted, ignored
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (for benchmarks)")
     cache_salt: str | None = Field(None, description="Extension: keeps this tenant's prefix cache apart")
+    priority: int | None = Field(
+        None,
+        ge=-100,
+        le=100,
+        description="Extension: under load higher goes first and below 0 is refused first (sheddable); default: the "
+        "tenant's, which is also the most it may ask for",
+    )
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(

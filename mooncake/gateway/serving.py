@@ -407,12 +407,16 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         salt = tenants.salt_for(req.cache_salt)
+        priority, tenant, weight = tenants.admission_for(req.priority)
         generations = [
             GenerationRequest(
                 request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}",
                 prompt_token_ids=prompt,
                 sampling=sampling[j],
                 cache_salt=salt,
+                priority=priority,
+                tenant=tenant,
+                tenant_weight=weight,
             )
             for p, prompt in enumerate(prompts)
             for j in range(per_prompt)

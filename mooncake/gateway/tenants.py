@@ -8,6 +8,9 @@ A tenants file (YAML or JSON; in Kubernetes, a Secret mounted as a file):
         requests_per_s: 5              # sustained rate (a token bucket); absent: unlimited
         burst: 10                      # requests at once above the rate (default: max(1, requests_per_s))
         max_concurrent: 4              # requests in flight at once; absent: unlimited
+        priority: 0                    # under load higher goes first, below 0 is refused first (default 0);
+                                       # a request may ask for less (its body's "priority"), never more
+        weight: 2                      # its share under load, against tenants of its priority (default 1)
       - name: globex
         keys: [sk-globex]
 
@@ -17,6 +20,9 @@ block keys of everything it sends (``cache_salt`` becomes ``tenant/<name>``, joi
 the request's own ``cache_salt`` when it sends one), so two tenants never share a KV
 block, in the pool or in a worker, while one tenant's repeated prefix is still a cache
 hit; a client cannot pick another tenant's salt, because its own is always prefixed.
+
+Under load the Conductor serves higher priorities first and refuses the lowest first, and
+shares the cluster between the tenants of one priority by weight (conductor.waiting).
 
 Over its rate or its concurrency cap a tenant's generation request (chat or completion)
 is answered 429 with ``Retry-After``, before any work is spent on it; other tenants are
@@ -53,6 +59,14 @@ class Tenant(BaseModel):
     )
     burst: int | None = Field(None, ge=1, description="bucket size (default: max(1, requests_per_s))")
     max_concurrent: int | None = Field(None, ge=1, description="requests in flight at once; None: unlimited")
+    priority: int = Field(
+        0,
+        ge=-100,
+        le=100,
+        description="its requests' priority, and the most a request may ask for: under load higher goes first, "
+        "below 0 is refused first",
+    )
+    weight: float = Field(1.0, gt=0, description="its share under load against the tenants of the same priority")
 
     @field_validator("keys")
     @classmethod
@@ -168,3 +182,13 @@ def salt_for(request_salt: str | None) -> str | None:
     if tenant is None or not tenant.name:
         return request_salt
     return tenant.salt(request_salt)
+
+
+def admission_for(request_priority: int | None) -> tuple[int, str, float]:
+    """(priority, tenant name, weight) the current request is admitted with: without tenants, the priority it asks
+    for (0 by default); with them, its tenant's, or less when it asks for less (a client cannot raise itself)."""
+    tenant = current.get()
+    if tenant is None or not tenant.name:
+        return request_priority or 0, "", 1.0
+    asked = tenant.priority if request_priority is None else min(request_priority, tenant.priority)
+    return asked, tenant.name, tenant.weight

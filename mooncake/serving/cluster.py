@@ -140,23 +140,21 @@ class ClusterBackend(GenerationBackend):
             block_tokens=self.block_size,
             slo_class=request.slo_class,
             failed=progress.report_failed() if progress else (),
+            priority=request.priority,
+            tenant=request.tenant,
+            tenant_weight=request.tenant_weight,
         )
-        address = self._conductors.current
-        if progress is not None:
-            progress.maybe_placed = True  # until it answers otherwise: the answer may never reach us
-        try:
-            resp = await self._conductor_call("Schedule", msg)
-        except grpc.RpcError as e:
-            error = client_error(e.code(), e.details() or "", f"the Conductor at {address}")
-        except ControlError as e:
-            error = client_error(e.code, e.details, f"the Conductor at {address}")
-        else:
-            error = None
-        if error is not None:
-            if isinstance(error, Unavailable):
-                self._next_conductor(address)
-                raise _Fault(Fault.CONDUCTOR, error) from None
-            raise error from None
+        started = time.monotonic()
+        while True:
+            resp = await self._schedule_once(msg, progress)
+            if resp.HasField("placement") or resp.HasField("rejection") or resp.wait_s <= 0:
+                break
+            # early_wait: predicted to meet its SLOs if placed later; the Conductor keeps its place in line
+            if progress is not None:
+                progress.maybe_placed = False
+            await asyncio.sleep(resp.wait_s)
+            msg.waited_s = time.monotonic() - started
+            msg.ClearField("failed")  # reported once
         if resp.HasField("rejection"):
             if progress is not None:
                 progress.maybe_placed = False
@@ -174,6 +172,26 @@ class ClusterBackend(GenerationBackend):
         if progress is not None and progress.predicted_ttft_s is None and resp.HasField("predicted"):
             progress.predicted_ttft_s = resp.predicted.ttft_s
         return resp.placement
+
+    async def _schedule_once(self, msg: cpb.ScheduleRequest, progress: RequestProgress | None):
+        """One Schedule call. Raises _Fault when the Conductor is away, the client's error for what it refused."""
+        address = self._conductors.current
+        if progress is not None:
+            progress.maybe_placed = True  # until it answers otherwise: the answer may never reach us
+        try:
+            resp = await self._conductor_call("Schedule", msg)
+        except grpc.RpcError as e:
+            error = client_error(e.code(), e.details() or "", f"the Conductor at {address}")
+        except ControlError as e:
+            error = client_error(e.code, e.details, f"the Conductor at {address}")
+        else:
+            error = None
+        if error is not None:
+            if isinstance(error, Unavailable):
+                self._next_conductor(address)
+                raise _Fault(Fault.CONDUCTOR, error) from None
+            raise error from None
+        return resp
 
     async def _conductor_call(self, method: str, msg):
         """``method`` (Schedule or Report) over the fast path when the Conductor has one (and it answers), else over

@@ -79,27 +79,47 @@ class ConductorLink:
         if num_bytes > 0 and seconds > 0:
             self._transfer.append(pb.TransferSample(bytes=num_bytes, seconds=seconds))
 
-    def decode_started(self, request_id: str, measured_ttft_s: float = 0.0, handoff_s: float = 0.0) -> None:
-        """``request_id`` joined the batch ``measured_ttft_s`` after it arrived, ``handoff_s`` of it the hand-off."""
+    def decode_started(
+        self,
+        request_id: str,
+        measured_ttft_s: float = 0.0,
+        handoff_s: float = 0.0,
+        queue_s: float = 0.0,
+        prefill_s: float = 0.0,
+    ) -> None:
+        """``request_id`` joined the batch ``measured_ttft_s`` after it arrived, ``handoff_s`` of it the hand-off,
+        ``queue_s`` and ``prefill_s`` the prefill worker's own queue and prefill (the Conductor scores each part of its
+        prediction)."""
         self._events.append(
             pb.RequestEvent(
                 request_id=request_id,
                 kind=pb.RequestEvent.DECODE_STARTED,
                 measured_ttft_s=measured_ttft_s,
                 handoff_s=handoff_s,
+                queue_s=queue_s,
+                prefill_s=prefill_s,
             )
         )
         self._wake.set()
 
-    def finished(self, request_id: str, measured_ttft_s: float = 0.0, handoff_s: float = 0.0) -> None:
-        """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``: of
-        it, the hand-off, when not reported with DECODE_STARTED."""
+    def finished(
+        self,
+        request_id: str,
+        measured_ttft_s: float = 0.0,
+        handoff_s: float = 0.0,
+        queue_s: float = 0.0,
+        prefill_s: float = 0.0,
+    ) -> None:
+        """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``,
+        ``queue_s`` and ``prefill_s``: its parts, when not reported with DECODE_STARTED."""
         self._events.append(
             pb.RequestEvent(
                 request_id=request_id,
                 kind=pb.RequestEvent.FINISHED,
                 measured_ttft_s=measured_ttft_s,
                 handoff_s=handoff_s,
+                queue_s=queue_s,
+                prefill_s=prefill_s,
             )
         )
         self._wake.set()

@@ -28,6 +28,9 @@ class GenerationRequest:
     sampling: SamplingParams  # the engine's own type: checked once, where the request is made
     cache_salt: str | None = None  # keeps tenants' prefix caches apart (DESIGN §4)
     slo_class: str = "default"
+    priority: int = 0  # higher goes first under pressure; below 0: sheddable (conductor.waiting)
+    tenant: str = ""  # who sent it (the tenants file's name; "": no tenants)
+    tenant_weight: float = 1.0  # its tenant's share under pressure
 
     @classmethod
     def of(

@@ -86,6 +86,7 @@ class SystemRun:
     capacity: dict | None = None
     skipped: str | None = None  # why it did not run (not a failure of the system)
     error: str | None = None  # why it failed
+    conductor_metrics: str | None = None  # a cluster's Conductor's /metrics (its prediction scores), once started
 
 
 # -- the systems ----------------------------------------------------------------------------------------
@@ -167,6 +168,8 @@ def cluster_server(
     cluster = LocalCluster(config, lambda msg: say(f"{run.name}: {msg}"))
     try:
         cluster.start()
+        metrics = cluster.component("conductor").info.get("metrics")
+        run.conductor_metrics = f"http://{metrics}/metrics" if metrics else None
         yield cluster.endpoint
     finally:
         with shielded():
@@ -299,6 +302,7 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
                 tbt_slo_s=args.tbt_slo,
                 concurrency_limit=args.concurrency_limit,
                 timeout_s=args.timeout,
+                conductor_metrics=run.conductor_metrics,
             )
             run.runs, run.capacity = result["runs"], result["capacity"]
             say(f"{run.name}: stopping")

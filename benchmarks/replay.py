@@ -43,6 +43,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from benchmarks.benchutil import make_progress, percentile
+from benchmarks.prediction_parts import describe_parts, part_shares, scrape
 from benchmarks.trace import (
     DEFAULT_TRACE,
     DEFAULTS,
@@ -57,6 +58,7 @@ from benchmarks.trace import (
 
 TAIL_SHARE = 0.10  # the paper's TBT: the mean of the longest 10% of token gaps
 PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft"  # mooncake.gateway.app's: the Conductor's TTFT prediction, seconds
+PARTS_SETTLE_S = 1.0  # after a run, before the Conductor's prediction scores are read again
 PREDICTION_WITHIN = 0.25  # issue 34's bar: predicted TTFT within 25% of the measured one
 
 
@@ -241,12 +243,15 @@ def replay(
     timeout_s: float = 900.0,
     progress: Progress | None = None,
     label: str = "replay",
+    conductor_metrics: str | None = None,
 ) -> dict:
     """Replay ``requests`` open loop at ``speed`` against ``url`` (an OpenAI base URL; ``/v1`` is added if missing).
 
     Blocks until every request has finished. Returns a JSON-ready dict: ``speed``,
     ``salt``, ``summary`` (see ``summarize``) and ``requests`` (every ``RequestResult``).
-    Prompts are built before the clock starts.
+    Prompts are built before the clock starts. With ``conductor_metrics`` (a Conductor's
+    /metrics URL) the summary also has ``prediction_parts``: each part of its TTFT
+    predictions against what came out (benchmarks.prediction_parts).
     """
     if not requests:
         raise ValueError("no requests to replay")
@@ -266,16 +271,20 @@ def replay(
                 description=f"{label}: {counts['ok']} ok, {counts['rejected']} rejected, {counts['error']} errors",
             )
 
+    before = scrape(conductor_metrics)
     results, wall = asyncio.run(
         _replay(requests, prompts, _base_url(url), model, speed, concurrency_limit, api_key, timeout_s, on_done)
     )
+    if before is not None:
+        time.sleep(PARTS_SETTLE_S)  # the last first tokens' reports reach the Conductor
+    parts = part_shares(before, scrape(conductor_metrics))
     if progress is not None:
         progress.remove_task(task)
     span = (requests[-1].arrival_s - requests[0].arrival_s) / speed
     return {
         "speed": speed,
         "salt": salt,
-        "summary": summarize(results, ttft_slo_s, tbt_slo_s, span, wall),
+        "summary": {**summarize(results, ttft_slo_s, tbt_slo_s, span, wall), "prediction_parts": parts},
         "requests": [asdict(r) for r in results],
     }
 
@@ -468,11 +477,12 @@ def describe_predictions(s: dict, short: bool = False) -> str:
     share = _share(s["prediction_within_share"])
     if short:
         return share
+    parts = s.get("prediction_parts")
     return (
         f"TTFT predicted within {s['prediction_within']:.0%} for {share} of {s['predicted_requests']}; error "
         f"(predicted - measured) / measured p10 {s['prediction_error_p10']:+.0%}, p50 "
         f"{s['prediction_error_p50']:+.0%}, p90 {s['prediction_error_p90']:+.0%}"
-    )
+    ) + (f"; by part (the Conductor's scores): {describe_parts(parts)}" if parts else "")
 
 
 def describe_capacity(capacity: dict) -> str:

@@ -308,12 +308,17 @@ class Conductor(Registry, Overload):
             return self._place(req, now)
         slo = self.slo_of(req)
         ahead = self.waiting.ahead_until(req, now)
-        if ahead:  # it goes after them: it asks again just after the last of them has
-            return self._hold(req, ahead + WAIT_GAP_S - now, now, slo, "behind requests waiting before it")
+        if ahead:  # it goes after them, if waiting helps at all: it asks again just after the last of them has
+            behind = ahead + WAIT_GAP_S - now
+            later = self._wait_for(req, now, slo, at_least=behind)
+            if later is not None:
+                why = "behind requests of a higher priority"
+                return self._hold(req, max(behind, later[0]), now, slo, why, later[1])
         outcome = self._place(req, now)
         if isinstance(outcome, Rejection) and outcome.reason in WAITABLE:
             later = self._wait_for(req, now, slo)
             if later is not None:
+                self._uncount(outcome)  # not a refusal after all
                 wait, predicted = later
                 return self._hold(req, wait, now, slo, outcome.message, predicted)
         self.waiting.release(req.request_id)
@@ -647,6 +652,12 @@ class Conductor(Registry, Overload):
         c.reused_blocks += plan.reused_blocks
         c.fetched_blocks += plan.fetch_blocks
         c.computed_tokens += plan.compute_tokens
+
+    def _uncount(self, rejection: Rejection) -> None:
+        reason = rejection.reason.value
+        self.counters.rejected[reason] -= 1
+        if not self.counters.rejected[reason]:
+            del self.counters.rejected[reason]
 
     def _reject(
         self,

@@ -9,6 +9,7 @@ and its state. Pure: time is passed in.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from conductor.admission import AdmissionKind, decode_load, select_decode
 from conductor.local import LocalPrefill
@@ -21,8 +22,9 @@ SHED_S = 0.25  # how long a "refuse everything" verdict stands before it is aske
 SHED_TIMES = 8  # when the cheapest request's prefill could end: points from its soonest to the SLO, checked
 SHED_BUSY_S = 0.1  # the same when every decode worker is full: a batch frees sooner than a prefill queue drains
 SHED_REUSE_S = 0.02  # a verdict this fresh is reused (a burst's rejections do not each recompute it)
-WAIT_STEPS = 8  # early_wait: the waits tried, evenly up to the longest its TTFT SLO allows
-MIN_WAIT_S = 0.05  # the shortest wait told (a gateway's sleep and a second Schedule cost about a millisecond)
+MIN_WAIT_S = 0.05  # early_wait: the shortest wait tried (a gateway's sleep and a second Schedule cost about a ms); the
+# next ones double, up to the longest its TTFT SLO allows
+MAX_WAIT_S = 1.0  # the longest wait told at once: a waiter asks again at least this often (room may free sooner)
 # early_wait: the refusals a wait may turn into a placement (the decode side: its batches empty as requests finish)
 WAITABLE = frozenset({RejectReason.TTFT_SLO, RejectReason.TBT_SLO, RejectReason.OVERLOAD, RejectReason.DECODE_BUSY})
 
@@ -57,13 +59,16 @@ class Overload:
             )
         return Wait(req.request_id, wait, f"waiting {wait:.2f} s: {why}", predicted)
 
-    def _wait_for(self, req: ScheduleRequest, now: float, slo: Slo) -> tuple[float, Prediction] | None:
-        """The shortest wait (of ``WAIT_STEPS`` up to the longest its TTFT SLO allows) after which ``req`` is
-        predicted to be admitted, and its prediction then; None: none is.
+    def _wait_for(
+        self, req: ScheduleRequest, now: float, slo: Slo, at_least: float = 0.0
+    ) -> tuple[float, Prediction] | None:
+        """How long ``req`` should wait (at most MAX_WAIT_S, then it asks again), when it is predicted to be admitted
+        after some wait within its TTFT SLO, and its prediction then; None: no wait helps.
 
-        While it waits, its prefill instance's queue drains (new requests queue behind it: they
-        wait too), so placed after ``wait`` its TTFT from now is ``max(wait, queue) + transfer +
-        prefill``; the decode side is judged by the batches forecast for when that prefill ends."""
+        The waits tried start at MIN_WAIT_S (or ``at_least``) and double up to the longest its SLO allows. While it
+        waits, its prefill instance's queue drains (what is placed meanwhile aside), so placed
+        after ``wait`` its TTFT from now is ``max(wait, queue) + transfer + prefill``; the decode
+        side is judged by the batches forecast for when that prefill ends."""
         prefills, decodes = self._alive_pools(now)
         if not prefills or not decodes:
             return None
@@ -71,10 +76,11 @@ class Overload:
         if self.handoff_s:
             choice = dataclasses.replace(choice, transfer_s=choice.transfer_s + self.handoff_s)
         longest = slo.ttft_s - choice.transfer_s - choice.prefill_s  # the latest its prefill may start
-        if longest < max(MIN_WAIT_S, choice.queue_s):
+        first = max(MIN_WAIT_S, at_least)
+        if longest < max(first, choice.queue_s):
             return None  # its prefill queue alone takes it past the SLO: waiting cannot help
-        for k in range(1, WAIT_STEPS + 1):
-            wait = max(MIN_WAIT_S, longest * k / WAIT_STEPS)
+        waits = [first * 2**k for k in range(int(math.log2(longest / first)) + 1)] + [longest]
+        for wait in waits:
             later = dataclasses.replace(choice, queue_s=max(wait, choice.queue_s))
             t = now + later.ttft_s
             batch_of = self._batch_at(t, now, len(decodes))
@@ -87,7 +93,9 @@ class Overload:
                 self._later(t, now, len(decodes), slo),
             )
             if self._admit(req, later, decode, tbt, decodes, batch_of, slo) is None:
-                return wait, Prediction(later.ttft_s, tbt, later.queue_s, later.transfer_s, later.prefill_s)
+                return min(wait, MAX_WAIT_S), Prediction(
+                    later.ttft_s, tbt, later.queue_s, later.transfer_s, later.prefill_s
+                )
         return None
 
     def _over_share(

@@ -288,7 +288,8 @@ class Rejection:
 @dataclass(frozen=True, slots=True)
 class Wait:
     """early_wait: hold the request ``wait_s`` and ask again (with ``waited_s``): it is predicted to meet its SLOs
-    then, not now. ``predicted``: its prediction if it is placed then, counted from now."""
+    if placed later, not now. ``predicted``: its prediction for when it is predicted to be placed (``wait_s`` from
+    now, or, when that is longer than MAX_WAIT_S, after it has asked again), counted from now."""
 
     request_id: str
     wait_s: float

@@ -12,12 +12,14 @@ Pure (time is passed in); the Conductor consults both on every Schedule:
     why = shares.over_share(req)           # "": within its tenant's share of its priority
 
 **The queue** lives at the gateways: a waiting request is held there and asks again
-when told (``Wait.wait_s``). What the Conductor keeps is the order: a request may not be
-placed ahead of a waiter of a higher priority, or of its own priority that began waiting
-before it; it waits until just after the last such waiter has asked again. So within a
-priority requests are placed first come, first served, and a higher priority overtakes a
-lower one. A waiter that does not come back (its client left, its gateway died) stops
-counting ``WAIT_GRACE_S`` after its time.
+when told (``Wait.wait_s``). What the Conductor keeps is the order between priorities: a
+request may not be placed while a request of a higher priority waits; it waits until just
+after the last of them has asked again. Within a priority a request that can be placed
+now is placed: only requests that would be refused wait (holding every request of the
+priority behind its first waiter made the queue a convoy: in the simulator, at the
+paper's scale, 3,823 of 12,031 requests found it full, against 3,389 refused in all
+without waiting). A waiter that does not come back (its client left, its gateway died)
+stops counting ``WAIT_GRACE_S`` after its time.
 
 **Fair shares.** Requests are counted per (priority, tenant) from placement to the end
 of their decode. Under pressure (the request's predicted load, prefill or decode, at
@@ -30,7 +32,6 @@ it: a tenant alone may use the whole cluster.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 from conductor.types import ScheduleRequest
@@ -44,19 +45,17 @@ SHEDDABLE_LOAD = 0.8  # a request of priority below 0 is admitted only while its
 @dataclass(slots=True)
 class Waiter:
     priority: int
-    seq: int  # the order it began waiting in (its place within its priority)
     until: float  # when it asks again
 
 
 class WaitQueue:
-    """The requests told to wait, in the order they go: priority first, then when they began waiting."""
+    """The requests told to wait, by priority."""
 
     def __init__(self, max_per_priority: int = 64) -> None:
         if max_per_priority < 1:
             raise ValueError(f"a wait queue holds at least 1 request, got {max_per_priority}")
         self.max_per_priority = max_per_priority
         self.waiters: dict[str, Waiter] = {}
-        self._seq = itertools.count()
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -67,15 +66,14 @@ class WaitQueue:
             del self.waiters[rid]
 
     def ahead_until(self, req: ScheduleRequest, now: float) -> float:
-        """When the last waiter ``req`` may not overtake asks again (0.0: none is ahead of it)."""
+        """When the last waiter ``req`` may not overtake (one of a higher priority) asks again (0.0: none is
+        waiting)."""
         if not self.waiters:
             return 0.0
         self._expire(now)
-        own = self.waiters.get(req.request_id)
-        seq = own.seq if own is not None else float("inf")
         latest = 0.0
         for rid, w in self.waiters.items():
-            if rid != req.request_id and (w.priority > req.priority or (w.priority == req.priority and w.seq < seq)):
+            if rid != req.request_id and w.priority > req.priority:
                 latest = max(latest, w.until)
         return latest if latest > now else 0.0
 
@@ -89,7 +87,7 @@ class WaitQueue:
         self._expire(now)
         if sum(1 for x in self.waiters.values() if x.priority == req.priority) >= self.max_per_priority:
             return False
-        self.waiters[req.request_id] = Waiter(req.priority, next(self._seq), until)
+        self.waiters[req.request_id] = Waiter(req.priority, until)
         return True
 
     def release(self, request_id: str) -> None:

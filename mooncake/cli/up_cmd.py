@@ -64,6 +64,7 @@ def up(
     conductors: int = _opt("conductors", "--conductors"),
     hold: float = _opt("hold_s", "--hold"),
     worker_nice: int = _opt("worker_nice", "--worker-nice"),
+    control_nice: int = _opt("control_nice", "--control-nice"),
     insecure: bool = _opt("insecure", "--insecure"),
 ) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
@@ -110,6 +111,7 @@ def up(
             conductors=conductors,
             hold_s=hold,
             worker_nice=worker_nice,
+            control_nice=control_nice,
             insecure=insecure,
         )
     except ValueError as e:  # pydantic's ValidationError is one

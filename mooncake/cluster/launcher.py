@@ -101,7 +101,9 @@ class ClusterConfig(BaseModel):
     decode_max_seqs: int = 32
     threads: int | None = Field(None, description="torch threads per worker [default: torch's]")
     policy: str = Field("kvcache_centric", description="Prefill placement policy")
-    admission: str = Field("early_predictive", description="none | baseline | early | early_predictive")
+    admission: str = Field(
+        "early_predictive", description="none | baseline | early | early_predictive | early_wait (conductor.admission)"
+    )
     local_prefill: str = Field(
         "auto",
         description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
@@ -144,13 +146,20 @@ class ClusterConfig(BaseModel):
     )
     ready_timeout_s: float = 180.0
     worker_nice: int = Field(
-        10,
+        0,
         ge=0,
         le=19,
-        description="Run the workers and pool nodes this much below the Conductor and the gateway in CPU priority "
-        "(nice, and the same for the session each runs in, which the kernel's autogroups schedule as one), so "
-        "refusals and decisions stay fast however busy the workers are; 0: the same priority, for a client on the "
-        "same cores (at nice 10, a load generator such as aiperf starves them)",
+        description="Run the workers and pool nodes this much below normal CPU priority (nice, and the same for the "
+        "session each runs in, which the kernel's autogroups schedule as one). 0: as a client on the same cores "
+        "runs (at nice 10, a load generator such as aiperf starved them: 0.23x the goodput of nice 0)",
+    )
+    control_nice: int = Field(
+        -10,
+        ge=-20,
+        le=0,
+        description="Run the Conductor and the gateway this much above normal CPU priority where the kernel allows it "
+        "(root or CAP_SYS_NICE; elsewhere at normal priority), so that decisions and refusals stay fast however busy "
+        "the workers and a client on the same cores are",
     )
 
     @model_validator(mode="after")
@@ -201,7 +210,7 @@ class Component:
     restarts: int = 0
     stopping: bool = False
     env: dict[str, str] | None = None  # added to this process's environment
-    nice: int = 0  # CPU priority below the control plane's (os.nice), for it and every thread it starts
+    nice: int = 0  # its CPU priority (os.nice; below 0, above normal: only where allowed), and its threads'
 
     @property
     def alive(self) -> bool:
@@ -213,6 +222,8 @@ class Component:
         env = {**os.environ, **self.env} if self.env else None
         # `nice` execs the command (the pid stays the component's);
         # a preexec_fn would fork this threaded process instead
+        if self.nice < 0 and not may_raise_priority():
+            self.nice = 0  # a normal user cannot raise a priority: it runs as the others do
         argv = ["nice", "-n", str(self.nice), *self.argv] if self.nice and shutil.which("nice") else self.argv
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True, env=env
@@ -372,7 +383,7 @@ class LocalCluster:
             **(provider if self._control else {}),
             operator_token_file=self.operator_token_file,
         )
-        return Component(name, argv, self.run_dir / "logs" / f"{name}.log")
+        return Component(name, argv, self.run_dir / "logs" / f"{name}.log", nice=c.control_nice)
 
     def _prefill_pair(self, i: int) -> tuple[Component, Component]:
         """Pool node ``kv{i}`` and ``prefill-{i}`` on it (one host, ``p{i}``)."""
@@ -500,7 +511,7 @@ class LocalCluster:
             api_key=c.api_key,
             tenants=None if c.api_key else c.tenants_file,
         )
-        return Component("gateway", argv, self.run_dir / "logs" / "gateway.log")
+        return Component("gateway", argv, self.run_dir / "logs" / "gateway.log", nice=c.control_nice)
 
     def _plan(self) -> list[list[Component]]:
         """The components in start order: waves that may start together."""
@@ -724,6 +735,18 @@ class LocalCluster:
 
     def component(self, name: str) -> Component:
         return self.components[name]
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may start others above normal CPU priority (a negative nice): root, or CAP_SYS_NICE."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    effective = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+    return bool(int(effective, 16) & (1 << 23))  # CAP_SYS_NICE
 
 
 def nice_session(pid: int, nice: int) -> bool:

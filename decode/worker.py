@@ -45,7 +45,6 @@ from typing import Any
 import grpc
 import torch
 
-from conductor.predictors import DecodePredictor, PredictorConfig
 from decode.config import DecodeConfig
 from decode.writeback import BlockWriter
 from kvstore.client import KVStoreClient, KVStoreUnavailable
@@ -246,7 +245,7 @@ class DecodeWorker:
             if config.write_behind
             else None
         )
-        self.predictor = DecodePredictor(PredictorConfig())
+        self._cap = 0  # the Conductor's batch cap (Conductor.decode_cap; 0: none yet)
         self.step_mean: tuple[float, float, float] | None = None  # (batch, context tokens, seconds) of the mean step
         # between the last two heartbeats (None: no step): one sample of the last step alone swung with whatever else
         # the cores were doing at that moment
@@ -326,16 +325,14 @@ class DecodeWorker:
 
     @property
     def batch_cap(self) -> int:
-        """Most running requests: max_num_seqs, lowered to where the measured step time meets the TBT budget."""
+        """Most running requests: max_num_seqs, lowered to the Conductor's cap (its step model at its TBT SLO)."""
         cap = self.config.engine_config.max_num_seqs
-        if self.config.tbt_slo_s is None or not self.predictor.fitted:
-            return cap
-        limit = self.config.tbt_slo_s * self.config.tbt_headroom
-        running = max(1, self.loop.num_running)
-        per_request = self.loop.context_tokens / running if self.loop.num_running else 0
-        while cap > 1 and self.predictor.predict(cap, int(per_request * cap)) > limit:
-            cap -= 1
-        return cap
+        return min(cap, self._cap) if self._cap else cap
+
+    def set_batch_cap(self, cap: int) -> None:
+        """The Conductor's batch cap, from its answer to a heartbeat (0: none known yet). It owns the step model: one
+        fit of the steps every decode worker reports, one headroom (its --tbt-headroom). Applied at the next one."""
+        self._cap = max(0, int(cap))
 
     @property
     def step_tokens(self) -> int:
@@ -343,8 +340,9 @@ class DecodeWorker:
         return int(getattr(getattr(self.engine, "scheduler", None), "max_num_batched_tokens", 0) or 0)
 
     def learn_step_times(self) -> int:
-        """Feed the steps measured since the last call to the TBT predictor; apply the batch cap to the engine
-        and return it (the heartbeat reports it: the Conductor then refuses what ``_admit`` would).
+        """The mean decode step since the last call (``step_mean``: the Conductor's step model learns from it); apply
+        the batch cap to the engine and return it (the heartbeat reports it: the Conductor then refuses what
+        ``_admit`` would).
 
         Called with every heartbeat."""
         n = batches = contexts = seconds = 0
@@ -356,7 +354,6 @@ class DecodeWorker:
             if (
                 step.batch > 0 and step.seconds > 0 and step.new_tokens <= step.batch
             ):  # (a prompt's chunk in it: not a decode step)
-                self.predictor.observe(step.batch, step.context_tokens, step.seconds)
                 n, batches, contexts, seconds = (
                     n + 1,
                     batches + step.batch,

@@ -106,10 +106,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "batch_cap")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_CAP_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    batch_cap: int
+    def __init__(self, known: _Optional[bool] = ..., batch_cap: _Optional[int] = ...) -> None: ...
 
 class PrefillSample(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "seconds")

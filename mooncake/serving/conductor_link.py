@@ -42,12 +42,15 @@ class ConductorLink:
         load: Callable[[], pb.Load],
         interval_s: float | None = None,
         rpc_timeout_s: float = 3.0,
+        on_heartbeat: Callable[[pb.HeartbeatResponse], None] | None = None,
     ) -> None:
+        """``on_heartbeat``: called (on the link's thread) with each answer to a heartbeat of a known instance."""
         self.conductors = Conductors(address)
         self.registration = registration
         self._load = load
         self._interval = interval_s
         self._rpc_timeout = rpc_timeout_s
+        self._on_heartbeat = on_heartbeat
         self._channel = tls.grpc_channel(self.address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ConductorStub(self._channel)
         self._prefill: deque[pb.PrefillSample] = deque(maxlen=MAX_QUEUED)
@@ -152,6 +155,8 @@ class ConductorLink:
                         )
                         self.registered.clear()
                         continue
+                    if self._on_heartbeat is not None:
+                        self._on_heartbeat(beat)
                 self._flush()
                 if down_since is not None:
                     log.info(

@@ -160,6 +160,7 @@ class WorkerProcess:
     drain_timeout_s: float
     max_rpc_threads: int = 32
     register_wait_s: float = 10.0  # how long to wait for the Conductor's answer before printing READY
+    on_heartbeat: Callable[[object], None] | None = None  # the Conductor's answer to each heartbeat (ConductorLink)
 
 
 def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) -> int:
@@ -188,7 +189,7 @@ def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) 
     link = None
     if args.conductor:
         spec.registration.address = address
-        link = ConductorLink(args.conductor, spec.registration, spec.load)
+        link = ConductorLink(args.conductor, spec.registration, spec.load, on_heartbeat=spec.on_heartbeat)
         worker.link = link
         link.start()
         link.settled.wait(spec.register_wait_s)  # a Conductor that is away: serve anyway, the link keeps trying

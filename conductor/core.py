@@ -607,9 +607,9 @@ class Conductor(Registry, Overload):
                 Prediction(choice.ttft_s, 0.0, choice.queue_s, choice.transfer_s, choice.prefill_s),
                 choice.instance.slowdown,
             )
-        choice.instance.place(
-            req.request_id, choice.prefill_s + choice.transfer_s - self.handoff_s
-        )  # its part: not the hand-off
+        # its own part (not the hand-off), as the instance reports its queue: one prompt after the other
+        own = choice.work_s if choice.work_s >= 0 else choice.prefill_s + choice.transfer_s - self.handoff_s
+        choice.instance.place(req.request_id, own, choice.plan.compute_tokens)
         load.queued_requests += 1
         self.forecast.scheduled(
             req.request_id,

@@ -11,6 +11,15 @@
 Every policy reuses the chosen instance's own cached prefix. With ``tier_aware`` (our
 addition, not in the paper), a prefix block on SSD is priced by its load time, and an
 instance stops its prefix where loading the rest would cost more than recomputing it.
+
+**The queue is packed** (``pack``), as the engine runs it: a prefill worker's engine
+computes its prompts in steps of up to its step budget (``Instance.capacity``), chunk by
+chunk, first come first served, several prompts sharing a step. So a request's first
+token comes when the step holding its last token ends: the fixed cost of a step is paid
+once a step, not once a prompt, and its first chunk rides on the step after the last
+full one ahead of it. The queue's tokens come from the worker's heartbeat
+(``Load.queued_tokens``) plus what was placed since. A worker that does not report them,
+and a pipeline group, are predicted first come first served over whole prompts.
 """
 
 from __future__ import annotations
@@ -51,9 +60,15 @@ class PolicyConfig(BaseModel):
 class PrefillChoice:
     instance: Instance
     plan: PrefixPlan
-    queue_s: float
+    queue_s: float  # until its first chunk's step starts
     transfer_s: float
-    prefill_s: float
+    prefill_s: float  # from then to its first token
+    work_s: float = -1.0  # what it adds to the instance's queue: its own prefill and prefix transfer (-1: those two)
+
+    @property
+    def own_s(self) -> float:
+        """Its own prefill and prefix transfer, alone (what it adds to the instance's queue)."""
+        return self.work_s if self.work_s >= 0 else self.prefill_s + self.transfer_s
 
     @property
     def ttft_s(self) -> float:
@@ -82,7 +97,31 @@ def estimate(
         * inst.slowdown
     )
     plan = PrefixPlan(local_blocks, fetch_node if fetch_blocks else None, fetch_blocks, req.prompt_tokens - cached)
-    return PrefillChoice(inst, plan, inst.load.queued_s, transfer_s, prefill_s)
+    queue_s, packed_s = pack(inst, plan.compute_tokens, inst.load.queued_s, prefill_s, predictors)
+    return PrefillChoice(inst, plan, queue_s, transfer_s, packed_s, prefill_s + transfer_s)
+
+
+def pack(
+    inst: Instance, new_tokens: int, queue_s: float, prefill_s: float, predictors: Predictors
+) -> tuple[float, float]:
+    """(queue, prefill) of a request of ``new_tokens`` placed behind ``inst``'s queue (``queue_s`` of predicted
+    prefill, one prompt after the other; ``prefill_s`` its own, alone), in its engine's packed steps.
+
+    With ``B`` the step budget, ``R`` the queue's tokens, ``k`` its prompts and ``c0`` a
+    step's fixed cost (the prefill predictor's constant, at the instance's slowdown): the
+    whole is ``queue_s + prefill_s`` less ``k + 1`` prompts' fixed costs plus one per step,
+    ``ceil((R + new) / B)`` steps; the queue is the ``floor(R / B)`` steps before the one its
+    first chunk rides on, each a fixed cost and ``B`` tokens at the whole's mean per token.
+    """
+    budget, ahead = inst.capacity, inst.load.queued_tokens
+    if inst.pipeline_stages > 1 or budget <= 0 or ahead <= 0 or queue_s <= 0.0:
+        return queue_s, prefill_s
+    c0 = predictors.prefill.coef[0] * inst.slowdown
+    steps = -(-(ahead + new_tokens) // budget)
+    whole = max(queue_s + prefill_s - c0 * (max(inst.load.queued_requests, 1) + 1) + c0 * steps, c0 * steps)
+    per_token = (whole - c0 * steps) / (ahead + new_tokens)
+    queue = (ahead // budget) * (c0 + budget * per_token)
+    return queue, whole - queue
 
 
 class PrefillPolicy(abc.ABC):
@@ -146,7 +185,7 @@ class LeastLoadedPolicy(PrefillPolicy):
         return self._local(inst, req, match, predictors)
 
 
-def _cheapest(candidates: list[Instance], key, cost) -> PrefillChoice:
+def _cheapest(candidates: list[Instance], key, cost, predictors: Predictors) -> PrefillChoice:
     """The candidate with the lowest TTFT, where ``cost(inst)`` is computed once per distinct ``key(inst)``.
 
     Instances that hold the same prefix differ only in their queues, and most of 64
@@ -159,12 +198,15 @@ def _cheapest(candidates: list[Instance], key, cost) -> PrefillChoice:
         c = parts.get(k)
         if c is None:
             c = parts[k] = cost(inst)
-        prefill_s = c.prefill_s * inst.slowdown / c.instance.slowdown  # ``cost`` scaled it by the first such instance's
-        score = (inst.load.queued_s + c.transfer_s + prefill_s, inst.id)
+        own_s = (c.own_s - c.transfer_s) * inst.slowdown / c.instance.slowdown  # ``cost`` scaled it by its instance's
+        queue_s, prefill_s = pack(inst, c.plan.compute_tokens, inst.load.queued_s, own_s, predictors)
+        score = (queue_s + c.transfer_s + prefill_s, inst.id)
         if best is None or score < best:
             best, best_part = (
                 score,
-                dataclasses.replace(c, instance=inst, queue_s=inst.load.queued_s, prefill_s=prefill_s),
+                dataclasses.replace(
+                    c, instance=inst, queue_s=queue_s, prefill_s=prefill_s, work_s=own_s + c.transfer_s
+                ),
             )
     return best_part
 
@@ -177,7 +219,7 @@ class CacheAwareLocalPolicy(PrefillPolicy):
             key = lambda i: i.node
         else:
             key = lambda i: (match.blocks(i.node), match.dram_blocks(i.node))
-        return _cheapest(candidates, key, lambda i: self._local(i, req, match, predictors))
+        return _cheapest(candidates, key, lambda i: self._local(i, req, match, predictors), predictors)
 
 
 class KVCacheCentricPolicy(PrefillPolicy):
@@ -215,9 +257,9 @@ class KVCacheCentricPolicy(PrefillPolicy):
             return estimate(inst, req, own, top_node, top_len - own, predictors)
 
         if tier_aware:  # prices depend on where inside a prefix the SSD blocks are: one per instance
-            return _cheapest(candidates, lambda i: i.node, cost)
+            return _cheapest(candidates, lambda i: i.node, cost, predictors)
         held, dram = match.any_tier.get, match.dram.get  # plain dict lookups: this runs for every instance
-        return _cheapest(candidates, lambda i: (held(i.node, 0), dram(i.node, 0), i.node == top_node), cost)
+        return _cheapest(candidates, lambda i: (held(i.node, 0), dram(i.node, 0), i.node == top_node), cost, predictors)
 
     def _tier_aware_cost(
         self, inst, req, match, predictors, local: PrefillChoice, src: str | None, src_len: int

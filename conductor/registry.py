@@ -38,6 +38,9 @@ class Registry:
         inst.load, inst.last_heartbeat, inst.queue_at = load, now, now
         if inst.role is Role.PREFILL:  # predicted seconds of prefill as they come out, and what is on its way there
             load.queued_s = load.queued_s * inst.slowdown + inst.in_transit()
+            requests, tokens = inst.in_transit_tokens()
+            load.queued_requests += requests
+            load.queued_tokens += tokens
         if inst.state is InstanceState.SUSPECT and now >= inst.suspect_until:
             inst.state = InstanceState.ALIVE
         if (

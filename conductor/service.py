@@ -565,6 +565,7 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.received_requests,
         msg.step_batch,
         msg.step_context_tokens,
+        msg.queued_tokens,
     )
 
 
@@ -581,6 +582,7 @@ def load_to_pb(load: Load) -> pb.Load:
         received_requests=load.received_requests,
         step_batch=load.step_batch,
         step_context_tokens=load.step_context_tokens,
+        queued_tokens=load.queued_tokens,
     )
 
 

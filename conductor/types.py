@@ -58,6 +58,7 @@ class Load:
     received_requests: int = 0  # prefill: requests it has received since it started (Instance.in_transit)
     step_batch: float = 0.0  # decode: the mean batch of the steps step_s is the mean time of (0: not reported)
     step_context_tokens: float = 0.0  # decode: and their mean context tokens
+    queued_tokens: int = 0  # prefill: prompt tokens its prefills in flight still have to compute (0: not reported)
 
 
 @dataclass(slots=True)
@@ -90,7 +91,9 @@ class Instance:
     slowdown: float = (
         1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
     )
-    placed: deque = field(default_factory=deque)  # prefill: (request id, predicted seconds) of its latest placements
+    placed: deque = field(
+        default_factory=deque
+    )  # prefill: (request id, predicted seconds, tokens) of its latest placements
     bound: int = 0  # prefill: requests placed here since it registered, less those that ended before reaching it
     local_queue_s: float = (
         0.0  # decode: predicted seconds of the prompts it computes itself (conductor.local), as at local_at
@@ -101,17 +104,18 @@ class Instance:
     def schedulable(self) -> bool:
         return self.state is InstanceState.ALIVE
 
-    def place(self, request_id: str, seconds: float) -> None:
-        """A request placed here, predicted to take ``seconds``: its queue grows by them."""
+    def place(self, request_id: str, seconds: float, tokens: int = 0) -> None:
+        """A request placed here, predicted to take ``seconds`` to compute ``tokens``: its queue grows by them."""
         self.load.queued_s += seconds
-        self.placed.append((request_id, seconds))
+        self.load.queued_tokens += tokens
+        self.placed.append((request_id, seconds, tokens))
         self.bound += 1
         if len(self.placed) > MAX_IN_TRANSIT:
             self.placed.popleft()
 
     def lose(self, request_id: str) -> None:
         """``request_id``, placed here, ended without reaching this instance."""
-        for i, (rid, _) in enumerate(self.placed):
+        for i, (rid, *_) in enumerate(self.placed):
             if rid == request_id:
                 del self.placed[i]
                 self.bound -= 1
@@ -123,7 +127,12 @@ class Instance:
         prompt looked idle, and the short prompts placed behind it waited seconds longer than predicted. Requests
         arrive in the order they were placed; a worker that does not count them (``received_requests`` 0) gets none."""
         n = self.bound - self.load.received_requests if self.load.received_requests else 0
-        return sum(seconds for _, seconds in itertools.islice(reversed(self.placed), max(n, 0)))
+        return sum(seconds for _, seconds, _ in itertools.islice(reversed(self.placed), max(n, 0)))
+
+    def in_transit_tokens(self) -> tuple[int, int]:
+        """(requests, tokens) of those ``in_transit`` counts."""
+        n = max(self.bound - self.load.received_requests if self.load.received_requests else 0, 0)
+        return n, sum(tokens for *_, tokens in itertools.islice(reversed(self.placed), n))
 
     def drain(self, now: float) -> None:
         """Take the time since ``queue_at`` off a prefill instance's queue. Between heartbeats (2.5 s apart by default)
@@ -131,7 +140,9 @@ class Instance:
         second: counted as it stood at the heartbeat, a short prompt placed behind a long one was predicted seconds
         later than it came. A worker slower than its predictions corrects this at its next heartbeat."""
         if self.load.queued_s > 0.0 and now > self.queue_at:
-            self.load.queued_s = max(0.0, self.load.queued_s - (now - self.queue_at))
+            left = max(0.0, self.load.queued_s - (now - self.queue_at))
+            self.load.queued_tokens = int(self.load.queued_tokens * left / self.load.queued_s)  # at the same pace
+            self.load.queued_s = left
         self.queue_at = max(self.queue_at, now)
 
     def drain_local(self, now: float) -> None:

@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return cpb.Load(
             queued_requests=worker.num_inflight,
             queued_s=worker.queued_seconds(),
+            queued_tokens=worker.queued_tokens(),
             received_requests=worker.received,
             running_requests=worker.num_running,
             free_kv_blocks=worker.engine.num_free_blocks,

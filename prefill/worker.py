@@ -641,6 +641,15 @@ class PrefillWorker:
             total += self.predictor.predict(p, done)
         return total
 
+    def queued_tokens(self) -> int:
+        """Prompt tokens the prefills in flight still have to compute (as ``queued_seconds`` counts them)."""
+        bs, total = self.config.engine_config.block_size, 0
+        for rid, (p, c) in list(self._inflight.items()):
+            job = self.connector.jobs.get(rid)
+            done = max(c, min(p - 1, job.issued * bs)) if job is not None else c
+            total += p - done
+        return total
+
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)

@@ -110,7 +110,8 @@ class ConductorConfig(BaseModel):
         gt=0,
         le=1.0,
         description="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1; "
-        "the SLO is on a request's slowest gaps, not its mean)",
+        "the SLO is on a request's slowest gaps, not its mean); the decode workers' batch cap holds their step at the "
+        "same share (decode_cap: the Conductor's step model, sent with each heartbeat's answer)",
     )
     wait_queue: int = Field(
         64,

@@ -161,6 +161,9 @@ class Record:
     predicted_ttft_s: float = 0.0
     predicted_s: float = 0.0  # the Conductor's predicted transfer + prefill time (what it queued)
     waits: int = 0  # times early_wait told it to wait and ask again
+    tenant: str = ""  # who sent it, its tenant's weight and its priority (benchmarks.sim.tenants; "": no tenants)
+    weight: float = 1.0
+    priority: int = 0
     prefill_start: float = math.nan
     prefill_end: float = math.nan
     local_blocks: int = 0
@@ -446,7 +449,17 @@ class Cluster:
         r = rec.req
         waited = self.now - r.arrival_s
         out = self.conductor.schedule(
-            ScheduleRequest(rec.rid, r.chain, r.prompt_tokens, self.model.block_tokens, waited_s=waited), self.now
+            ScheduleRequest(
+                rec.rid,
+                r.chain,
+                r.prompt_tokens,
+                self.model.block_tokens,
+                priority=rec.priority,
+                tenant=rec.tenant,
+                tenant_weight=rec.weight,
+                waited_s=waited,
+            ),
+            self.now,
         )
         if isinstance(out, Wait):
             rec.waits += 1

@@ -93,17 +93,7 @@ class ConductorLink:
         """``request_id`` joined the batch ``measured_ttft_s`` after it arrived, ``handoff_s`` of it the hand-off,
         ``queue_s`` and ``prefill_s`` the prefill worker's own queue and prefill (the Conductor scores each part of its
         prediction)."""
-        self._events.append(
-            pb.RequestEvent(
-                request_id=request_id,
-                kind=pb.RequestEvent.DECODE_STARTED,
-                measured_ttft_s=measured_ttft_s,
-                handoff_s=handoff_s,
-                queue_s=queue_s,
-                prefill_s=prefill_s,
-            )
-        )
-        self._wake.set()
+        self._event(pb.RequestEvent.DECODE_STARTED, request_id, measured_ttft_s, handoff_s, queue_s, prefill_s)
 
     def finished(
         self,
@@ -115,11 +105,14 @@ class ConductorLink:
     ) -> None:
         """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``,
         ``queue_s`` and ``prefill_s``: its parts, when not reported with DECODE_STARTED."""
+        self._event(pb.RequestEvent.FINISHED, request_id, measured_ttft_s, handoff_s, queue_s, prefill_s)
+
+    def _event(self, kind, request_id: str, ttft_s: float, handoff_s: float, queue_s: float, prefill_s: float) -> None:
         self._events.append(
             pb.RequestEvent(
                 request_id=request_id,
-                kind=pb.RequestEvent.FINISHED,
-                measured_ttft_s=measured_ttft_s,
+                kind=kind,
+                measured_ttft_s=ttft_s,
                 handoff_s=handoff_s,
                 queue_s=queue_s,
                 prefill_s=prefill_s,

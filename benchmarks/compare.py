@@ -506,7 +506,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)"
     )
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
-    p.add_argument("--admission", default="early_predictive", help="the Conductor's admission policy")
+    p.add_argument(
+        "--admission",
+        default=ClusterConfig.model_fields["admission"].default,
+        help="the Conductor's admission policy (default: mooncake up's, %(default)s)",
+    )
     p.add_argument(
         "--local-prefill",
         choices=("never", "auto", "always"),

@@ -53,8 +53,10 @@ class ConductorConfig(BaseModel):
         PolicyKind.KVCACHE_CENTRIC, description="prefill placement policy (a value persisted in Redis wins)"
     )
     admission: AdmissionKind = Field(
-        AdmissionKind.EARLY_PREDICTIVE,
-        description="admission (early rejection) policy (a value persisted in Redis wins)",
+        AdmissionKind.EARLY_WAIT,
+        description="admission (early rejection) policy (a value persisted in Redis wins): early_wait, the default, "
+        "is early_predictive whose requests predicted to meet their SLOs if placed a little later wait at their "
+        "gateway instead of being refused (conductor.admission)",
     )
     slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": DEFAULT_SLO})
     block_bytes: int = Field(
@@ -285,12 +287,12 @@ class Conductor(Registry, Overload):
             )
         return slo
 
-    def slo_of(self, req: ScheduleRequest) -> Slo:
+    def slo_of(self, req: ScheduleRequest, now: float) -> Slo:
         """The SLO ``req`` is judged by now: its class's, less the time it has waited at its gateway (early_wait), and
-        a sheddable one's (priority below 0) cut to ``SHEDDABLE_LOAD`` of it, so that it is refused before the
-        others are."""
+        a sheddable one's (priority below 0) cut to ``SHEDDABLE_LOAD`` of it while a higher priority wants more, so
+        that it is refused before those are (conductor.waiting)."""
         slo = self.slo(req.slo_class)
-        scale = SHEDDABLE_LOAD if req.priority < 0 else 1.0
+        scale = SHEDDABLE_LOAD if req.priority < 0 and self.shares.outranked(req.priority, now) else 1.0
         return Slo(slo.ttft_s * scale - req.waited_s, slo.tbt_s * scale)
 
     def schedule(self, req: ScheduleRequest, now: float) -> Decision | Rejection | Wait:
@@ -305,9 +307,15 @@ class Conductor(Registry, Overload):
         overtake (conductor.waiting). One no wait within its TTFT SLO helps is refused now.
         """
         req.validate()
+        outcome = self._schedule(req, now)
+        if isinstance(outcome, Rejection) and outcome.reason in WAITABLE:
+            self.shares.pressed(req, now)  # its tenant wants more than it gets (fair shares, priorities)
+        return outcome
+
+    def _schedule(self, req: ScheduleRequest, now: float) -> Decision | Rejection | Wait:
         if self.admission is not AdmissionKind.EARLY_WAIT:
             return self._place(req, now)
-        slo = self.slo_of(req)
+        slo = self.slo_of(req, now)
         ahead = self.waiting.ahead_until(req, now)
         if ahead:  # it goes after them, if waiting helps at all: it asks again just after the last of them has
             behind = ahead + WAIT_GAP_S - now
@@ -327,7 +335,7 @@ class Conductor(Registry, Overload):
 
     def _place(self, req: ScheduleRequest, now: float) -> Decision | Rejection:
         """``schedule`` without waiting: a placement (recorded) or a rejection."""
-        slo = self.slo_of(req)
+        slo = self.slo_of(req, now)
         for instance_id in req.failed:
             self.suspect(instance_id, now)
         prefills, decodes = self._alive_pools(now)

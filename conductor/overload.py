@@ -102,8 +102,11 @@ class Overload:
         self, req: ScheduleRequest, ttft_s: float, decodes: list[Instance], now: float, slo: Slo
     ) -> tuple[RejectReason, str, float] | None:
         """Refuse ``req`` when the cluster is under pressure (its predicted TTFT or the decode load at least
-        ``FAIR_SHARE_LOAD`` of its SLO) and its tenant would go over its weighted share (conductor.waiting)."""
+        ``FAIR_SHARE_LOAD`` of its SLO), another tenant of its priority wants more, and its tenant would go over its
+        weighted share (conductor.waiting)."""
         if not req.tenant or self.admission in (AdmissionKind.NONE, AdmissionKind.BASELINE):
+            return None
+        if not self.shares.contended(req, now):
             return None
         why = self.shares.over_share(req)
         if not why:

@@ -280,6 +280,9 @@ def test_behind_a_higher_priority_waiter_a_request_whose_prefill_queue_alone_is_
 def test_a_sheddable_request_is_refused_where_one_of_priority_zero_is_admitted(admission):
     c = conductor(admission)
     cluster(c)
+    assert isinstance(c.schedule(ask("alone", prompt=1800, priority=-1), 0.0), Decision)  # nothing else wants more
+    c.heartbeat("p0", Load(), 0.0)
+    assert c.schedule(ask("huge", prompt=2500), 0.0).reason is RejectReason.TTFT_SLO  # priority 0 wants more now
     assert isinstance(c.schedule(ask("light", prompt=1000, priority=-1), 0.0), Decision)  # 1.0 s: under 1.6 s
     c.heartbeat("p0", Load(), 0.0)
     shed = c.schedule(ask("shed", prompt=1800, priority=-1), 0.0)  # 1.8 s: over 80% of the 2 s SLO
@@ -302,17 +305,26 @@ def test_under_pressure_a_tenant_holding_more_than_half_is_refused_while_the_oth
     for rid in ("a0", "a1"):  # alone, a may use the whole cluster
         assert isinstance(under_pressure(c, ask(rid, tenant="a")), Decision)
     assert isinstance(under_pressure(c, ask("b0", tenant="b")), Decision)
-    refused = under_pressure(c, ask("a2", tenant="a"))
+    assert isinstance(under_pressure(c, ask("a2", tenant="a")), Decision)  # b wants no more: a takes what b leaves
+    big = under_pressure(c, ask("b-big", tenant="b", prompt=2000))  # past the SLO: b wants more than it gets
+    assert isinstance(big, Rejection) and big.reason is RejectReason.TTFT_SLO
+    refused = under_pressure(c, ask("a3", tenant="a"))
     assert isinstance(refused, Rejection) and refused.reason is RejectReason.FAIR_SHARE
     assert refused.message == (
-        "tenant a would hold 3 of the 4 requests in flight at priority 0, over its weighted share of 2.0, "
+        "tenant a would hold 4 of the 5 requests in flight at priority 0, over its weighted share of 2.5, "
         "with the cluster at 0.83 of its SLO"
     )
     assert refused.retry_after_s == pytest.approx(1.66)
     assert isinstance(under_pressure(c, ask("b1", tenant="b")), Decision)  # b keeps what it sends
     c.finished("a0", 0.5)
-    assert isinstance(under_pressure(c, ask("a2", tenant="a"), now=0.5), Decision)  # 2 of 4 now: its half
+    c.finished("a1", 0.5)
+    assert isinstance(under_pressure(c, ask("a3", tenant="a"), now=0.5), Decision)  # 2 of 4 now: its half
     assert (c.shares.in_flight("a"), c.shares.in_flight("b")) == (2, 2)
+    c.finished("a2", 6.0)
+    assert isinstance(under_pressure(c, ask("a4", tenant="a"), now=6.0), Decision)
+    # b's refusal is PRESSED_WINDOW_S old: it wants no more, and a may take what it leaves
+    assert isinstance(under_pressure(c, ask("a5", tenant="a"), now=6.0), Decision)
+    assert (c.shares.in_flight("a"), c.shares.in_flight("b")) == (3, 2)
     assert len(c.waiting) == 0
 
 
@@ -341,6 +353,8 @@ def test_under_pressure_a_tenant_of_weight_three_gets_three_quarters_beside_one_
         assert isinstance(under_pressure(c, ask(rid, tenant="light")), Decision)
     for n in range(6):  # heavy's 6th is 6 of 8, 3/4 of 8
         assert isinstance(under_pressure(c, ask(f"h{n}", tenant="heavy", weight=3.0)), Decision), n
+    for tenant in ("light", "heavy"):  # each wants more than it gets (a prompt past the SLO)
+        assert under_pressure(c, ask(f"{tenant}-big", tenant=tenant, prompt=2000)).reason is RejectReason.TTFT_SLO
     heavy = under_pressure(c, ask("h6", tenant="heavy", weight=3.0))  # 7 of 9 is over 3/4 of 9
     assert isinstance(heavy, Rejection) and heavy.reason is RejectReason.FAIR_SHARE
     assert heavy.message.startswith("tenant heavy would hold 7 of the 9 requests in flight at priority 0")

@@ -170,7 +170,7 @@ class ClusterBackend(GenerationBackend):
                 )  # it outlived a failure already: wait for room rather than fail it now
             raise rejected
         if progress is not None and progress.predicted_ttft_s is None and resp.HasField("predicted"):
-            progress.predicted_ttft_s = resp.predicted.ttft_s
+            progress.predicted_ttft_s = msg.waited_s + resp.predicted.ttft_s  # from its first Schedule
         return resp.placement
 
     async def _schedule_once(self, msg: cpb.ScheduleRequest, progress: RequestProgress | None):

@@ -3,7 +3,7 @@
 A client sees a request's TTFT, not its parts. The Conductor scores each prediction when
 the decode worker reports the request's first token (``mooncake_conductor_prediction_ratio``,
 predicted over measured, per part: ``ttft``; ``queue`` and ``prefill``, the prefill worker's
-own; ``transfer``, the rest: prefix transfer and hand-off). A replay scrapes that histogram
+own, and ``worker``, the two; ``transfer``, the rest: prefix transfer and hand-off). A replay scrapes that histogram
 before and after a run; the difference is the run's:
 
     before = scrape(url)

@@ -86,8 +86,8 @@ class Metrics:
         self.prediction_ratio = Histogram(
             "mooncake_conductor_prediction_ratio",
             "Predicted over measured, per part of a TTFT prediction: ttft, and where the decode worker measured them, "
-            "queue (the prefill worker's), prefill (its own) and transfer (the rest: prefix transfer and hand-off); "
-            "within 25% is [0.75, 1.25]",
+            "queue (the prefill worker's), prefill (its own), worker (the two) and transfer (the rest: prefix transfer "
+            "and hand-off); within 25% is [0.75, 1.25]",
             ["part"],
             registry=r,
             buckets=PREDICTION_RATIO_BUCKETS,
@@ -418,6 +418,9 @@ class ConductorService:
             for part, p, m in (
                 ("queue", predicted.queue_s, measured.queue_s),
                 ("prefill", predicted.prefill_s, measured.prefill_s),
+                # the two together: where a prompt shares steps with others, the worker's split between them is not
+                # the packed model's (its queue ends at its first step, the model's at the step before it)
+                ("worker", predicted.queue_s + predicted.prefill_s, measured.queue_s + measured.prefill_s),
                 ("transfer", predicted.transfer_s, measured.transfer_s),
             ):
                 if max(p, m) >= MIN_SCORED_PART_S:

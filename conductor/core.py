@@ -53,9 +53,9 @@ class ConductorConfig(BaseModel):
         PolicyKind.KVCACHE_CENTRIC, description="prefill placement policy (a value persisted in Redis wins)"
     )
     admission: AdmissionKind = Field(
-        AdmissionKind.EARLY_WAIT,
-        description="admission (early rejection) policy (a value persisted in Redis wins): early_wait, the default, "
-        "is early_predictive whose requests predicted to meet their SLOs if placed a little later wait at their "
+        AdmissionKind.EARLY_PREDICTIVE,
+        description="admission (early rejection) policy (a value persisted in Redis wins); early_wait is "
+        "early_predictive whose requests predicted to meet their SLOs if placed a little later wait at their "
         "gateway instead of being refused (conductor.admission)",
     )
     slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": DEFAULT_SLO})

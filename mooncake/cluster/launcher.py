@@ -102,7 +102,8 @@ class ClusterConfig(BaseModel):
     threads: int | None = Field(None, description="torch threads per worker [default: torch's]")
     policy: str = Field("kvcache_centric", description="Prefill placement policy")
     admission: str = Field(
-        "early_wait", description="none | baseline | early | early_predictive | early_wait (conductor.admission)"
+        "early_predictive",
+        description="none | baseline | early | early_predictive | early_wait (conductor.admission)",
     )
     local_prefill: str = Field(
         "auto",

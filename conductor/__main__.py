@@ -70,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(p, ConductorConfig, "local_chunk_tokens")
     field_arg(p, ConductorConfig, "decode_forecast")
     field_arg(p, ConductorConfig, "tbt_headroom")
+    field_arg(p, ConductorConfig, "wait_queue")
     p.add_argument(
         "--ttft-slo",
         type=float,
@@ -142,6 +143,7 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
         suspect_hold_s=args.suspect_hold,
         decode_forecast=args.decode_forecast,
         tbt_headroom=args.tbt_headroom,
+        wait_queue=args.wait_queue,
         local_prefill=args.local_prefill,
         local_chunk_tokens=args.local_chunk_tokens,
         local_max_load=args.local_max_load,

@@ -17,10 +17,10 @@ import time
 from concurrent import futures
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conductor.auth import OperatorCheck, new_instance_token, same_token
 from conductor.core import Conductor, ConductorConfig
+from conductor.metrics import Metrics
 from conductor.persistence import MemoryStore
 from conductor.pool import NoProvider, PoolProvider
 from conductor.types import (
@@ -30,7 +30,6 @@ from conductor.types import (
     KeyChain,
     Load,
     Measured,
-    Prediction,
     Role,
     ScheduleRequest,
     Wait,
@@ -57,75 +56,6 @@ STATE_TO_PB = {
 KV_TIER = {kv_pb.DRAM: Tier.DRAM, kv_pb.SSD: Tier.SSD}
 HEARTBEAT_INTERVAL_FRACTION = 0.25  # workers are told to beat 4 times per timeout
 RESUBSCRIBE_S = 1.0
-
-
-PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0)
-MIN_SCORED_PART_S = 0.05  # a part shorter than this, predicted and measured, is not scored (its ratio is noise)
-MAX_TENANT_LABELS = 64  # tenants beyond these are counted as "other" (a label per tenant of a tenants file)
-
-
-class Metrics:
-    """The Conductor's Prometheus metrics, in a registry of its own (served on --metrics-port)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.decisions = Counter("mooncake_conductor_decisions", "Schedule outcomes", ["policy", "outcome"], registry=r)
-        self.decision_seconds = Histogram(
-            "mooncake_conductor_decision_seconds",
-            "Time to decide one Schedule",
-            registry=r,
-            buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
-        )
-        self.ttft_error = Histogram(
-            "mooncake_conductor_ttft_abs_error_seconds",
-            "|predicted - measured| TTFT",
-            registry=r,
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-        )
-        self.prediction_ratio = Histogram(
-            "mooncake_conductor_prediction_ratio",
-            "Predicted over measured, per part of a TTFT prediction: ttft, and where the decode worker measured them, "
-            "queue (the prefill worker's), prefill (its own), worker (the two) and transfer (the rest: prefix transfer "
-            "and hand-off); within 25% is [0.75, 1.25]",
-            ["part"],
-            registry=r,
-            buckets=PREDICTION_RATIO_BUCKETS,
-        )
-        self.admissions = Counter(
-            "mooncake_conductor_admissions",
-            "Schedule outcomes per tenant and priority (outcome: scheduled, wait, or the rejection's reason)",
-            ["tenant", "priority", "outcome"],
-            registry=r,
-        )
-        self.waiting = Gauge(
-            "mooncake_conductor_waiting_requests",
-            "Requests told to wait at their gateway (early_wait), per priority",
-            ["priority"],
-            registry=r,
-        )
-        self.match_blocks = Histogram(
-            "mooncake_conductor_reused_blocks",
-            "Prefix blocks reused (local + fetched) per placement",
-            registry=r,
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096),
-        )
-        self.index_blocks = Gauge(
-            "mooncake_conductor_index_blocks", "Distinct blocks in the global KV index", registry=r
-        )
-        self.instances = Gauge("mooncake_conductor_instances", "Registered instances", ["role", "state"], registry=r)
-        self.placements = Counter(
-            "mooncake_conductor_placements",
-            "Placements by where the prompt is computed: prefill_worker or decode_worker (conductor.local)",
-            ["kind"],
-            registry=r,
-        )
-        self.handoff = Gauge(
-            "mooncake_conductor_handoff_seconds",
-            "The hand-off from a prefill worker to a decode worker, as "
-            "the Conductor has learnt it (decode workers report each)",
-            registry=r,
-        )
 
 
 class _Watcher:
@@ -179,7 +109,6 @@ class ConductorService:
         self._removing: set[str] = set()  # instances the provider is stopping now
         self.store = store or MemoryStore()
         self.metrics = Metrics()
-        self._tenant_labels: set[str] = set()
         self._priorities: set[int] = set()  # the priorities seen waiting (their gauges go back to 0)
         self._lock = threading.Lock()
         self._watchers: dict[str, _Watcher] = {}
@@ -365,15 +294,8 @@ class ConductorService:
         else:
             kind = "wait" if isinstance(outcome, Wait) else outcome.reason.value
         self.metrics.decisions.labels(policy, kind).inc()
-        self.metrics.admissions.labels(self._tenant_label(req.tenant), str(req.priority), kind).inc()
+        self.metrics.admitted(req.tenant, req.priority, kind)
         return outcome, outcome_info
-
-    def _tenant_label(self, tenant: str) -> str:
-        """A tenant's metric label: its name, for the first MAX_TENANT_LABELS seen ("" for none)."""
-        if tenant in self._tenant_labels or len(self._tenant_labels) < MAX_TENANT_LABELS:
-            self._tenant_labels.add(tenant)
-            return tenant
-        return "other"
 
     def shed_s(self) -> float:
         """How long every request will be refused from now (Conductor.shed_s): what a shedding gateway's probe asks."""
@@ -395,36 +317,19 @@ class ConductorService:
                 if e.handoff_s > 0:
                     self.conductor.handoff_sample(e.handoff_s)
                     self.metrics.handoff.set(self.conductor.handoff_s)
-                measured = Measured(e.measured_ttft_s, e.queue_s, e.prefill_s)
+                parts = e.measured_ttft_s, e.queue_s, e.prefill_s
                 if e.kind == pb.RequestEvent.DECODE_STARTED:
-                    predicted = self.conductor.decode_started(e.request_id, now, *_parts(measured))
+                    predicted = self.conductor.decode_started(e.request_id, now, *parts)
                 elif e.kind == pb.RequestEvent.FINISHED:
-                    predicted = self.conductor.finished(e.request_id, now, *_parts(measured))
+                    predicted = self.conductor.finished(e.request_id, now, *parts)
                 else:
                     raise ValueError(f"request event of unknown kind {e.kind} for {e.request_id!r}")
                 if predicted is not None:  # its first measured TTFT
-                    self._score(predicted, measured)
+                    self.metrics.score(predicted, Measured(*parts))
             waiting = self.conductor.waiting.by_priority()
             self._priorities.update(waiting)
             for priority in self._priorities:
                 self.metrics.waiting.labels(str(priority)).set(waiting.get(priority, 0))
-
-    def _score(self, predicted: Prediction, measured: Measured) -> None:
-        """A prediction against what came out, part by part (``mooncake_conductor_prediction_ratio``)."""
-        self.metrics.ttft_error.observe(abs(predicted.ttft_s - measured.ttft_s))
-        ratio = self.metrics.prediction_ratio
-        ratio.labels("ttft").observe(predicted.ttft_s / max(measured.ttft_s, 1e-6))
-        if measured.parts:
-            for part, p, m in (
-                ("queue", predicted.queue_s, measured.queue_s),
-                ("prefill", predicted.prefill_s, measured.prefill_s),
-                # the two together: where a prompt shares steps with others, the worker's split between them is not
-                # the packed model's (its queue ends at its first step, the model's at the step before it)
-                ("worker", predicted.queue_s + predicted.prefill_s, measured.queue_s + measured.prefill_s),
-                ("transfer", predicted.transfer_s, measured.transfer_s),
-            ):
-                if max(p, m) >= MIN_SCORED_PART_S:
-                    ratio.labels(part).observe(p / m if m > 0 else float("inf"))
 
     def apply_events(self, node: str, batch) -> None:
         """One batch of a kvstore node's event stream (``reset``: a snapshot replaces what the index had)."""
@@ -515,10 +420,6 @@ class ConductorService:
         self._stop.set()
         for instance_id in list(self._watchers):
             self._unwatch(instance_id)
-
-
-def _parts(m: Measured) -> tuple[float, float, float]:
-    return m.ttft_s, m.queue_s, m.prefill_s
 
 
 def _parent(event: kv_pb.Event) -> bytes | None:

@@ -15,7 +15,7 @@ METRIC_SOURCES = [
     "decode/server.py",
     "prefill/server.py",
     "kvstore/metrics.py",
-    "conductor/service.py",
+    "conductor/metrics.py",
     "transfer/metrics.py",
 ]
 

@@ -9,11 +9,26 @@ before and after a run; the difference is the run's:
     before = scrape(url)
     ... the run ...
     parts = part_shares(before, scrape(url))   # {"queue": {"requests": 80, "within_share": 0.91, ...}, ...}
+
+Where the histogram says how often, the Conductor's prediction log (``--prediction-log``; `mooncake up` writes
+``logs/conductor-predictions.jsonl`` in its run directory, conductor/audit.py) says which requests and under what
+load; run as a program, this reads it:
+
+    python -m benchmarks.prediction_parts RUN_DIR/logs/conductor-predictions.jsonl [--worst 10]
+
+prints each part's share within 25% and its error percentiles, by prompt length and by how many prefill workers were
+busy when the request was placed, and the worst-predicted requests.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from pathlib import Path
+
 import httpx
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 METRIC = "mooncake_conductor_prediction_ratio"
@@ -69,3 +84,87 @@ def describe_parts(parts: dict) -> str:
         f"{p['requests']}"
         for part, p in sorted(parts.items())
     )
+
+
+PARTS = ("ttft", "queue", "prefill", "transfer")
+PROMPT_BINS = (0, 128, 384, 768)  # prompt tokens: the lower bounds of the rows "by prompt"
+MIN_PART_S = 0.05  # as the Conductor scores them (conductor.metrics.MIN_SCORED_PART_S)
+
+
+def read_log(paths: list[Path]) -> list[dict]:
+    """The prediction log's rows (conductor/audit.py), every file in order; a torn last line is skipped."""
+    rows = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def part_errors(rows: list[dict], part: str) -> np.ndarray:
+    """(predicted - measured) / measured of ``part``, for the rows where either is at least MIN_PART_S."""
+    out = [
+        (r["predicted"][part] - r["measured"][part]) / r["measured"][part] if r["measured"][part] > 0 else float("inf")
+        for r in rows
+        if max(r["predicted"][part], r["measured"][part]) >= MIN_PART_S
+        and (part in ("ttft",) or r["measured"]["queue"] + r["measured"]["prefill"] > 0)
+    ]
+    return np.array(out, dtype=np.float64)
+
+
+def describe_rows(rows: list[dict], label: str) -> str:
+    cells = []
+    for part in PARTS:
+        e = part_errors(rows, part)
+        if not len(e):
+            cells.append(f"{part} -")
+            continue
+        within = float(np.mean(np.abs(e) <= 0.25))
+        p10, p50, p90 = np.percentile(np.clip(e, -10, 10), [10, 50, 90])
+        cells.append(f"{part} {within:4.0%} ({p10:+.0%} {p50:+.0%} {p90:+.0%})")
+    return f"{label:<18} {len(rows):>5}  " + "  ".join(cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.prediction_parts",
+        description="Each part of the Conductor's TTFT predictions against what came out, from its prediction log "
+        "(conductor/audit.py): the share within 25%, and the error (predicted - measured) / measured at p10 p50 p90.",
+    )
+    p.add_argument("logs", nargs="+", type=Path, help="prediction log files (the rolled-over .1 first)")
+    p.add_argument("--worst", type=int, default=10, help="list this many of the worst-predicted TTFTs")
+    args = p.parse_args(argv)
+    missing = [str(f) for f in args.logs if not f.is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    rows = read_log(args.logs)
+    if not rows:
+        print("no predictions logged yet", file=sys.stderr)
+        return 1
+    print(f"{'':<18} {'rows':>5}  each part: within 25% (error p10 p50 p90)")
+    print(describe_rows(rows, "all"))
+    edges = (*PROMPT_BINS, float("inf"))
+    for lo, hi in zip(edges, edges[1:]):
+        part = [r for r in rows if lo <= r["prompt_tokens"] < hi]
+        if part:
+            print(describe_rows(part, f"prompt {lo}-{hi if hi != float('inf') else ''}"))
+    for busy in sorted({r["busy"] for r in rows}):
+        print(describe_rows([r for r in rows if r["busy"] == busy], f"{busy} busy before"))
+    worst = sorted(rows, key=lambda r: -abs(r["predicted"]["ttft"] / max(r["measured"]["ttft"], 1e-6) - 1))
+    if args.worst > 0:
+        print(f"\nthe {min(args.worst, len(rows))} worst TTFTs (s: predicted / measured, part by part)")
+        for r in worst[: args.worst]:
+            pr, me = r["predicted"], r["measured"]
+            parts = ", ".join(f"{k} {pr[k]:.2f}/{me[k]:.2f}" for k in PARTS)
+            print(
+                f"{r['request'][:24]:<24} {r['instance']:<10} {r['prompt_tokens']:>5} tok, "
+                f"{r['ahead_tokens']:>5} ahead, {r['busy']} busy: {parts}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

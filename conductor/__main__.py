@@ -17,6 +17,7 @@ import threading
 
 from prometheus_client import start_http_server
 
+from conductor.audit import PredictionLog
 from conductor.auth import TOKEN_FILE_ENV, read_token_file
 from conductor.core import ConductorConfig
 from conductor.fastpath import start_fast_path
@@ -115,6 +116,12 @@ def parser() -> argparse.ArgumentParser:
         f"as 'authorization: Bearer <token>' (default ${TOKEN_FILE_ENV}); without one they are open to "
         "anyone who reaches the port",
     )
+    p.add_argument(
+        "--prediction-log",
+        metavar="FILE",
+        help="append one JSON line per admitted request whose TTFT came out: its predicted and measured queue, prefill "
+        "and transfer, and the load it was placed under (conductor/audit.py; rolls over at 64 MiB)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -169,7 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     elected = isinstance(store, RedisStore)  # on Redis: whoever holds the leader lease serves
-    service = ConductorService(config, store, provider=provider, standby=elected)
+    service = ConductorService(
+        config,
+        store,
+        provider=provider,
+        standby=elected,
+        prediction_log=PredictionLog(args.prediction_log) if args.prediction_log else None,
+    )
     try:
         server, port = start_server(service, args.host, args.port, operator_token=operator_token)
         fast = (

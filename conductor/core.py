@@ -34,6 +34,7 @@ from conductor.types import (
     PrefixPlan,
     Rejection,
     RejectReason,
+    Role,
     ScheduleRequest,
     Slo,
     Wait,
@@ -46,6 +47,20 @@ SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or m
 SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
 SLOWDOWN_RANGE = (0.5, 8.0)
 MAX_PENDING_TTFTS = 100_000  # predictions awaiting their measured TTFT (a worker that never reports cannot grow it)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """What a placement predicted, and what the instance held then, awaiting the request's measured TTFT."""
+
+    instance: str
+    predicted: Prediction
+    slowdown: float  # the instance's, then (``_measured`` learns from it)
+    at: float  # when it was placed
+    prompt_tokens: int = 0
+    compute_tokens: int = 0  # of them, those its prefill computes (not cached, not fetched)
+    ahead_tokens: int = 0  # the tokens the instance had still to compute ahead of it (reported, in transit, placed)
+    busy: int = 0  # prefill instances with work queued then, before it
 
 
 class ConductorConfig(BaseModel):
@@ -165,8 +180,9 @@ class Conductor(Registry, Overload):
         self.last_sent: dict[str, float] = {}  # instance id -> when a request was last placed on it
         self.retiring: set[str] = set()  # drained instances to stop (through the pool provider) once idle
         self._shed: tuple[float, float] = (-float("inf"), 0.0)  # (when, verdict) of the last shed_s
-        # request id -> (prefill instance id, its prediction, that instance's slowdown then): _measured learns
-        self._ttfts: dict[str, tuple[str, Prediction, float]] = {}
+        self._ttfts: dict[str, Placed] = {}  # request id -> its placement: _measured learns from it
+        # called with each placement and what came out (the service's --prediction-log); None: nothing is called
+        self.audit: Callable[[str, Placed, Measured, float], None] | None = None
         self.waiting = WaitQueue(self.config.wait_queue)  # early_wait's order (conductor.waiting)
         self.shares = FairShare()  # requests in flight per priority and tenant
 
@@ -226,7 +242,7 @@ class Conductor(Registry, Overload):
         which ``queue_s`` and ``prefill_s`` in its prefill worker's queue and prefill (0: not measured). Returns what
         was predicted for it when this measured TTFT is its first (``_measured``)."""
         self.forecast.decode_started(request_id, now)
-        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s))
+        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
 
     def finished(
         self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
@@ -236,7 +252,7 @@ class Conductor(Registry, Overload):
         self.forecast.finished(request_id, now)
         self.shares.finished(request_id)
         self.waiting.release(request_id)
-        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s))
+        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
 
     def handoff_sample(self, seconds: float) -> None:
         """A decode worker measured one hand-off: its TTFT less the prefill worker's own queue and prefill. The first
@@ -248,7 +264,7 @@ class Conductor(Registry, Overload):
         )
         self._handoffs += 1
 
-    def _measured(self, request_id: str, measured: Measured) -> Prediction | None:
+    def _measured(self, request_id: str, measured: Measured, now: float) -> Prediction | None:
         """A request's TTFT came out (first report only): its prefill instance's ``slowdown`` moves toward what it
         implies; its predicted prefill and queue times scale by it. A worker's predictor learns what a prompt's steps
         cost; what the client waits for also holds the time between steps, the hops, and cores shared with the other
@@ -260,13 +276,15 @@ class Conductor(Registry, Overload):
         made = self._ttfts.pop(request_id, None)
         if made is None:
             return None
-        instance_id, predicted, slowdown = made
+        predicted, slowdown = made.predicted, made.slowdown
         measured_ttft_s = measured.ttft_s
-        inst = self.instances.get(instance_id)
+        inst = self.instances.get(made.instance)
         if measured_ttft_s <= 0.0:
             if inst is not None:
                 inst.lose(request_id)
             return None
+        if self.audit is not None:
+            self.audit(request_id, made, measured, now)
         transfer = predicted.transfer_s
         work = predicted.ttft_s - transfer
         if inst is not None and work > 0.0:
@@ -611,10 +629,15 @@ class Conductor(Registry, Overload):
     ) -> None:
         load = choice.instance.load
         if len(self._ttfts) < MAX_PENDING_TTFTS:
-            self._ttfts[req.request_id] = (
+            self._ttfts[req.request_id] = Placed(
                 choice.instance.id,
                 Prediction(choice.ttft_s, 0.0, choice.queue_s, choice.transfer_s, choice.prefill_s),
                 choice.instance.slowdown,
+                now,
+                req.prompt_tokens,
+                choice.plan.compute_tokens,
+                load.queued_tokens,
+                self._busy_prefill(),
             )
         # its own part (not the hand-off), as the instance reports its queue: one prompt after the other
         own = choice.work_s if choice.work_s >= 0 else choice.prefill_s + choice.transfer_s - self.handoff_s
@@ -635,10 +658,14 @@ class Conductor(Registry, Overload):
     def _record_local(self, req: ScheduleRequest, local: LocalChoice, now: float) -> None:
         d = local.decode
         if len(self._ttfts) < MAX_PENDING_TTFTS:
-            self._ttfts[req.request_id] = (
+            self._ttfts[req.request_id] = Placed(
                 d.id,
                 Prediction(local.ttft_s, 0.0, local.queue_s, local.transfer_s, local.prefill_s),
                 d.slowdown,
+                now,
+                req.prompt_tokens,
+                local.plan.compute_tokens,
+                busy=self._busy_prefill(),
             )
         d.local_queue_s += local.transfer_s + local.prefill_s
         self.forecast.scheduled(
@@ -648,6 +675,10 @@ class Conductor(Registry, Overload):
         self.shares.admitted(req, now)
         self._count(d.id, req, local.plan)  # a decode instance's figures: the prompts it computed itself
         self.counters.local += 1
+
+    def _busy_prefill(self) -> int:
+        """Prefill instances with predicted work queued (the audit's ``Placed.busy``)."""
+        return sum(1 for i in self.instances.values() if i.role is Role.PREFILL and i.load.queued_s > 0.0)
 
     def _count(self, instance_id: str, req: ScheduleRequest, plan: PrefixPlan) -> None:
         """A placement into the counters and ``instance_id``'s figures (the instance that computes the prompt)."""

@@ -18,6 +18,7 @@ from concurrent import futures
 
 import grpc
 
+from conductor.audit import PredictionLog
 from conductor.auth import OperatorCheck, new_instance_token, same_token
 from conductor.core import Conductor, ConductorConfig
 from conductor.metrics import Metrics
@@ -100,9 +101,12 @@ class ConductorService:
         provider: PoolProvider | None = None,
         retire_quiet_s: float = 3.0,
         standby: bool = False,
+        prediction_log: PredictionLog | None = None,
     ) -> None:
-        """``standby``: start without serving (another Conductor leads); ``take_over`` makes it the leader."""
+        """``standby``: start without serving (another Conductor leads); ``take_over`` makes it the leader.
+        ``prediction_log``: where each scored prediction goes (conductor.audit; None: nowhere)."""
         self.config = config
+        self.prediction_log = prediction_log
         self.conductor = Conductor(config)
         self.provider = provider or NoProvider()
         self.retire_quiet_s = retire_quiet_s
@@ -131,6 +135,7 @@ class ConductorService:
         every instance gets a fresh heartbeat deadline) and the index from the pool nodes' snapshots."""
         with self._lock:
             self.conductor = Conductor(self.config)
+            self.conductor.audit = self.prediction_log
             self._recover()
         self.leading.set()
 
@@ -470,6 +475,8 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.step_batch,
         msg.step_context_tokens,
         msg.queued_tokens,
+        msg.step_tokens,
+        msg.step_elapsed_s,
     )
 
 
@@ -487,6 +494,8 @@ def load_to_pb(load: Load) -> pb.Load:
         step_batch=load.step_batch,
         step_context_tokens=load.step_context_tokens,
         queued_tokens=load.queued_tokens,
+        step_tokens=load.step_tokens,
+        step_elapsed_s=load.step_elapsed_s,
     )
 
 

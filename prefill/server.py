@@ -27,6 +27,9 @@ from transfer.metrics import TransferCollector
 
 log = logging.getLogger(__name__)
 
+# while prompts are in flight the Conductor hears the queue this often (and at once when one ends: beat_soon); between
+# heartbeats it drains its copy at the predicted pace, and a worker slower than predicted looked idle too early
+BUSY_BEAT_S = 0.5
 
 OUTCOME = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid",
@@ -189,10 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     metrics.registry.register(TransferCollector(worker.transfer))
 
     def load() -> cpb.Load:
+        step_tokens, step_elapsed_s = worker.connector.running_step()
         return cpb.Load(
             queued_requests=worker.num_inflight,
             queued_s=worker.queued_seconds(),
             queued_tokens=worker.queued_tokens(),
+            step_tokens=step_tokens,
+            step_elapsed_s=step_elapsed_s,
             received_requests=worker.received,
             running_requests=worker.num_running,
             free_kv_blocks=worker.engine.num_free_blocks,
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         health=lambda: _health(args.id, worker),
         busy=lambda: worker.num_inflight,
+        busy_beat_s=BUSY_BEAT_S,
         drain_timeout_s=args.drain_timeout,
     )
     return run_worker(args, worker, spec, metrics.registry)

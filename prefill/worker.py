@@ -300,6 +300,7 @@ class PrefillWorker:
         self.predictor.observe(len(prompt), cached, max(own_s, 1e-6))
         if self.link is not None:
             self.link.prefill_sample(len(prompt), cached, own_s)
+            self.link.beat_soon()  # its queue is shorter now: the Conductor hears it at once
             if held.fetch_seconds:
                 self.link.transfer_sample(len(fetched) * self.block_bytes, held.fetch_seconds)
         return wpb.PrefillResponse(

@@ -126,3 +126,25 @@ def test_a_tenants_priority_is_its_default_and_the_most_a_request_may_ask_for(cl
     assert seen.get((("outcome", "scheduled"), ("priority", "0"), ("tenant", "gold")), 0) == 1
     bad = complete(cluster, GOLD, prompt_of(20, seed=6), 2, priority=101)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+
+
+def test_the_conductor_logs_each_requests_prediction_beside_what_its_workers_measured(cluster):
+    """conductor.audit, as `mooncake up` runs it: a served request's line names its prefill worker, its prompt, and
+    the TTFT its decode worker measured split into the prefill worker's queue and prefill and the rest."""
+    import json
+    import time
+
+    assert complete(cluster, GOLD, prompt_of(37, seed=7), 2).status_code == 200
+    log = cluster.run_dir / "logs" / "conductor-predictions.jsonl"
+    deadline = time.monotonic() + 30  # the decode worker reports its requests' events in batches
+    rows: list[dict] = []
+    while not rows and time.monotonic() < deadline:
+        lines = log.read_text().splitlines() if log.exists() else []
+        rows = [r for r in map(json.loads, lines) if r["prompt_tokens"] == 37]
+        time.sleep(0.2)
+    (row,) = rows
+    assert row["instance"].startswith("prefill-") and row["compute_tokens"] == 37
+    assert row["predicted"]["ttft"] > 0 and row["measured"]["ttft"] > 0
+    measured = row["measured"]
+    assert measured["queue"] + measured["prefill"] > 0  # the prefill worker measured its own parts
+    assert measured["queue"] + measured["prefill"] + measured["transfer"] == pytest.approx(measured["ttft"], abs=2e-4)

@@ -97,3 +97,67 @@ def test_pack_never_makes_a_prompt_cheaper_than_its_steps_fixed_costs():
     inst = prefill(Load(queued_requests=50, queued_s=0.2, queued_tokens=100))  # 50 tiny prompts: 5 s of fixed costs
     queue, prefill_s = pack(inst, 10, 0.2, 0.11, preds)
     assert queue == 0.0 and prefill_s == pytest.approx(0.1)  # one step of 110 tokens: one fixed cost
+
+
+def test_the_prediction_log_has_each_part_predicted_and_measured_and_the_load_it_was_placed_under(tmp_path):
+    """conductor.audit: the request of the first test, its first chunk behind 700 tokens on the one busy worker; its
+    decode worker measures 0.7 s of queue and 0.5 s of prefill in a TTFT of 1.5 s (0.3 s the rest)."""
+    import json
+
+    from conductor.audit import PredictionLog
+
+    c = conductor("none", predictors=PACKED)
+    c.audit = PredictionLog(tmp_path / "logs" / "predictions.jsonl")
+    c.register(prefill(Load()), 0.0)
+    c.heartbeat("p0", Load(queued_requests=2, queued_s=0.9, queued_tokens=700), 0.0)
+    place(c, 100)
+    c.decode_started("new", 2.0, measured_ttft_s=1.5, queue_s=0.7, prefill_s=0.5)
+    c.decode_started("new", 3.0, measured_ttft_s=9.0)  # a second report is not a second line
+    c.audit.close()
+    (line,) = (tmp_path / "logs" / "predictions.jsonl").read_text().splitlines()
+    row = json.loads(line)
+    assert (row["request"], row["instance"], row["prompt_tokens"], row["compute_tokens"]) == ("new", "p0", 100, 100)
+    assert (row["ahead_tokens"], row["busy"], row["after_s"], row["slowdown"]) == (700, 1, 2.0, 1.0)
+    assert row["predicted"] == pytest.approx({"ttft": 1.0, "queue": 0.612, "prefill": 0.388, "transfer": 0.0})
+    assert row["measured"] == pytest.approx({"ttft": 1.5, "queue": 0.7, "prefill": 0.5, "transfer": 0.3})
+
+
+def test_a_prompt_behind_a_running_step_waits_for_what_is_left_of_it_and_then_has_a_step_of_its_own():
+    """430 tokens in the step the worker reports running for 0.3 s of its 0.53 s: 30 new tokens cannot join it. They
+    wait the 0.23 s left of it, then take a step of their own (0.1 s + 30 ms): 0.36 s, where counted as one step with
+    the 430 (the model without a running step) it is 0.56 s. Placed 0.1 s after that heartbeat, 0.1 s less."""
+    c = conductor("none", predictors=PACKED)
+    c.register(prefill(Load()), 0.0)
+    running = Load(queued_requests=1, queued_s=0.53, queued_tokens=430, step_tokens=430, step_elapsed_s=0.3)
+    c.heartbeat("p0", running, 0.0)
+    d = place(c, 30)
+    assert d.predicted.queue_s == pytest.approx(0.23)
+    assert d.predicted.prefill_s == pytest.approx(0.13)
+    assert d.predicted.ttft_s == pytest.approx(0.36)
+
+    c = conductor("none", predictors=PACKED)
+    c.register(prefill(Load()), 0.0)
+    c.heartbeat("p0", Load(queued_requests=1, queued_s=0.53, queued_tokens=430), 0.0)  # no step reported
+    assert place(c, 30).predicted.ttft_s == pytest.approx(0.56)
+
+    c = conductor("none", predictors=PACKED)
+    c.register(prefill(Load()), 0.0)
+    c.heartbeat("p0", running, 0.0)
+    c.register(Instance("d0", Role.DECODE, "10.0.1.1:7000", node="kv9"), 0.0)
+    later = c.schedule(ScheduleRequest("later", KEYS[:1], 30, 16), 0.1)
+    # 0.13 s left of the step: 0.26 s. The drain takes its 0.1 s off the queue's seconds and tokens alike, fixed cost
+    # included, not off the running step's first: the mean per token moves, and it comes out at 0.227 s
+    assert later.predicted.ttft_s == pytest.approx(0.26, abs=0.04)
+
+
+def test_a_step_running_behind_a_full_one_counts_only_what_the_engine_runs_now():
+    """700 tokens ahead of which 512 run now (0.612 s, 0.2 s in): 100 new tokens ride on the step after it with the
+    other 188 (0.1 s + 288 ms); the queue is what is left of the running step."""
+    c = conductor("none", predictors=PACKED)
+    c.register(prefill(Load()), 0.0)
+    c.heartbeat(
+        "p0", Load(queued_requests=2, queued_s=0.9, queued_tokens=700, step_tokens=512, step_elapsed_s=0.2), 0.0
+    )
+    d = place(c, 100)
+    assert d.predicted.queue_s == pytest.approx(0.412)
+    assert d.predicted.prefill_s == pytest.approx(0.388)

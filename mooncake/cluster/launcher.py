@@ -383,6 +383,7 @@ class LocalCluster:
             redis_url=c.redis_url,
             **(provider if self._control else {}),
             operator_token_file=self.operator_token_file,
+            prediction_log=self.run_dir / "logs" / f"{name}-predictions.jsonl",  # conductor.audit
         )
         return Component(name, argv, self.run_dir / "logs" / f"{name}.log", nice=c.control_nice)
 

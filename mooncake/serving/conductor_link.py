@@ -3,6 +3,7 @@
     link = ConductorLink("127.0.0.1:7000", pb.RegisterRequest(id="p0", role=pb.PREFILL, ...), load=lambda: pb.Load(...))
     link.start()                             # registers (retrying until the Conductor answers), then heartbeats
     link.prefill_sample(prompt, cached, s)   # queued; sent in one Report with the others
+    link.beat_soon()                         # the load changed (a prefill ended): heartbeat now, not at the interval
     link.close()                             # deregisters: the Conductor stops sending work at once
 
 One daemon thread per link. A Conductor that restarted without Redis answers a heartbeat
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 10_000
 REPORT_EVERY_S = 0.2
 RETRY_S = 0.25  # while the Conductor does not answer: a restarted one has every worker back within about this
+MIN_BEAT_GAP_S = 0.05  # beat_soon's heartbeats come at most this often
 
 
 class ConductorLink:
@@ -43,12 +45,18 @@ class ConductorLink:
         interval_s: float | None = None,
         rpc_timeout_s: float = 3.0,
         on_heartbeat: Callable[[pb.HeartbeatResponse], None] | None = None,
+        busy: Callable[[], int] | None = None,
+        busy_interval_s: float | None = None,
     ) -> None:
-        """``on_heartbeat``: called (on the link's thread) with each answer to a heartbeat of a known instance."""
+        """``on_heartbeat``: called (on the link's thread) with each answer to a heartbeat of a known instance.
+        ``busy`` and ``busy_interval_s``: while ``busy()`` is above 0 the link beats at least every
+        ``busy_interval_s`` (a prefill worker's queue: between heartbeats the Conductor only guesses how it drains)."""
         self.conductors = Conductors(address)
         self.registration = registration
         self._load = load
         self._interval = interval_s
+        self._busy, self._busy_interval = busy, busy_interval_s
+        self._beat_soon = False
         self._rpc_timeout = rpc_timeout_s
         self._on_heartbeat = on_heartbeat
         self._channel = tls.grpc_channel(self.address, options=RECONNECT_OPTIONS)
@@ -107,6 +115,12 @@ class ConductorLink:
         ``queue_s`` and ``prefill_s``: its parts, when not reported with DECODE_STARTED."""
         self._event(pb.RequestEvent.FINISHED, request_id, measured_ttft_s, handoff_s, queue_s, prefill_s)
 
+    def beat_soon(self) -> None:
+        """The load changed (a prefill worker's prompt ended): heartbeat now (at most every ``MIN_BEAT_GAP_S``), so the
+        Conductor places the next request on the queue as it is, not as its drain guessed it since the last beat."""
+        self._beat_soon = True
+        self._wake.set()
+
     def _event(self, kind, request_id: str, ttft_s: float, handoff_s: float, queue_s: float, prefill_s: float) -> None:
         self._events.append(
             pb.RequestEvent(
@@ -124,7 +138,7 @@ class ConductorLink:
 
     def _run(self) -> None:
         down_since = None
-        next_beat = 0.0
+        next_beat = last_beat = 0.0
         while not self._stop.is_set():
             try:
                 if not self.registered.is_set():
@@ -137,11 +151,15 @@ class ConductorLink:
                     log.info("registered %s with the Conductor at %s", self.registration.id, self.address)
                     next_beat = 0.0
                 now = time.monotonic()
+                if self._beat_soon and now >= last_beat + MIN_BEAT_GAP_S:
+                    next_beat = now
                 if now >= next_beat:
+                    self._beat_soon = False
+                    load, interval = self._load(), self._next_interval()  # busy as this load stands
                     beat = self.stub.Heartbeat(
-                        pb.HeartbeatRequest(id=self.registration.id, load=self._load()), timeout=self._rpc_timeout
+                        pb.HeartbeatRequest(id=self.registration.id, load=load), timeout=self._rpc_timeout
                     )
-                    next_beat = now + self._interval
+                    last_beat, next_beat = now, now + interval
                     if not beat.known:
                         log.warning(
                             "the Conductor does not know %s (it restarted): registering again", self.registration.id
@@ -170,6 +188,12 @@ class ConductorLink:
                 continue
             self._wake.wait(min(REPORT_EVERY_S, max(0.0, next_beat - time.monotonic())))
             self._wake.clear()
+
+    def _next_interval(self) -> float:
+        """Seconds to the next heartbeat: the Conductor's interval, or ``busy_interval_s`` while busy."""
+        if self._busy_interval is not None and self._busy is not None and self._busy() > 0:
+            return min(self._interval, self._busy_interval)
+        return self._interval
 
     @property
     def address(self) -> str:

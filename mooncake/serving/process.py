@@ -161,6 +161,7 @@ class WorkerProcess:
     max_rpc_threads: int = 32
     register_wait_s: float = 10.0  # how long to wait for the Conductor's answer before printing READY
     on_heartbeat: Callable[[object], None] | None = None  # the Conductor's answer to each heartbeat (ConductorLink)
+    busy_beat_s: float | None = None  # while ``busy``, heartbeat at least this often (ConductorLink's busy_interval_s)
 
 
 def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) -> int:
@@ -189,7 +190,14 @@ def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) 
     link = None
     if args.conductor:
         spec.registration.address = address
-        link = ConductorLink(args.conductor, spec.registration, spec.load, on_heartbeat=spec.on_heartbeat)
+        link = ConductorLink(
+            args.conductor,
+            spec.registration,
+            spec.load,
+            on_heartbeat=spec.on_heartbeat,
+            busy=spec.busy,
+            busy_interval_s=spec.busy_beat_s,
+        )
         worker.link = link
         link.start()
         link.settled.wait(spec.register_wait_s)  # a Conductor that is away: serve anyway, the link keeps trying

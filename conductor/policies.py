@@ -112,29 +112,16 @@ def pack(
     whole is ``queue_s + prefill_s`` less ``k + 1`` prompts' fixed costs plus one per step,
     ``ceil((R + new) / B)`` steps; the queue is the ``floor(R / B)`` steps before the one its
     first chunk rides on, each a fixed cost and ``B`` tokens at the whole's mean per token.
-
-    A step the worker reported running (``Load.step_tokens``, the first ``S`` of ``R``) takes
-    no more prompts: the request's steps come after what is left of it (its time less
-    ``step_elapsed_s`` and the time since that heartbeat), ``ceil((R - S + new) / B)`` of them.
-    Counted as one with it, a short prompt behind a step about to end was predicted that whole
-    step (30 tokens behind a running 430: 1.9 s predicted, 0.3 s served).
     """
     budget, ahead = inst.capacity, inst.load.queued_tokens
     if inst.pipeline_stages > 1 or budget <= 0 or ahead <= 0 or queue_s <= 0.0:
         return queue_s, prefill_s
     c0 = predictors.prefill.coef[0] * inst.slowdown
-    running = min(inst.load.step_tokens, budget)
-    rest = max(ahead - running, 0)  # (the drain takes tokens off all of them alike: beats come often while busy)
-    after = -(-(rest + new_tokens) // budget)  # its steps and those of the rest, packed
-    steps = (1 if running else 0) + after
+    steps = -(-(ahead + new_tokens) // budget)
     whole = max(queue_s + prefill_s - c0 * (max(inst.load.queued_requests, 1) + 1) + c0 * steps, c0 * steps)
     per_token = (whole - c0 * steps) / (ahead + new_tokens)
-    queue = (rest // budget) * (c0 + budget * per_token)
-    if not running:
-        return queue, whole - queue
-    elapsed = inst.load.step_elapsed_s + max(inst.queue_at - inst.last_heartbeat, 0.0)
-    left = max(c0 + running * per_token - elapsed, 0.0)
-    return left + queue, after * c0 + (rest + new_tokens) * per_token - queue
+    queue = (ahead // budget) * (c0 + budget * per_token)
+    return queue, whole - queue
 
 
 class PrefillPolicy(abc.ABC):

@@ -475,8 +475,6 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.step_batch,
         msg.step_context_tokens,
         msg.queued_tokens,
-        msg.step_tokens,
-        msg.step_elapsed_s,
     )
 
 
@@ -494,8 +492,6 @@ def load_to_pb(load: Load) -> pb.Load:
         step_batch=load.step_batch,
         step_context_tokens=load.step_context_tokens,
         queued_tokens=load.queued_tokens,
-        step_tokens=load.step_tokens,
-        step_elapsed_s=load.step_elapsed_s,
     )
 
 

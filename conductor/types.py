@@ -59,8 +59,6 @@ class Load:
     step_batch: float = 0.0  # decode: the mean batch of the steps step_s is the mean time of (0: not reported)
     step_context_tokens: float = 0.0  # decode: and their mean context tokens
     queued_tokens: int = 0  # prefill: prompt tokens its prefills in flight still have to compute (0: not reported)
-    step_tokens: int = 0  # prefill: of them, those of the engine step running now (0: none, or not reported)
-    step_elapsed_s: float = 0.0  # prefill: how long that step had run at the heartbeat
 
 
 @dataclass(slots=True)

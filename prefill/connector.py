@@ -135,7 +135,6 @@ class PoolConnector(KVConnector):
             0,
             [],
         )  # this step's start, its tokens, (job, its tokens) of each job
-        self._running: tuple[float, int] | None = None  # (start, prompt tokens) of the step running now (running_step)
 
     def bind(
         self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None, staged: bool | None = None
@@ -180,7 +179,6 @@ class PoolConnector(KVConnector):
         self._active = []
         now = time.perf_counter()
         self._step = (now, sum(r.num_new_tokens for r in step.requests), [])
-        self._running = (now, self._step[1])
         for sreq in step.requests:
             job = self.jobs.get(sreq.request_id)
             if job is None:
@@ -359,7 +357,6 @@ class PoolConnector(KVConnector):
         with this step), or when a request leaves the engine (``request_finished``): a job's KV is whole on the
         decode worker before its first token is returned."""
         started, tokens, shares = self._step
-        self._running = None
         # each job's share of the step: its tokens of the step's (prompts batched together share steps). On the CPU the
         # step has run by now; a CUDA step has only been queued (its jobs keep their wall time: unmeasured there)
         if tokens and self._staging is None:
@@ -373,12 +370,6 @@ class PoolConnector(KVConnector):
         self._active = []
         if self._staging is None or done:
             self._settle()
-
-    def running_step(self) -> tuple[int, float]:
-        """(tokens, seconds it has run) of the engine step running now; (0, 0.0) between steps. What a heartbeat
-        reports: a prompt placed now joins the step after it (conductor.policies.pack). Any thread."""
-        running = self._running
-        return (0, 0.0) if running is None else (running[1], time.perf_counter() - running[0])
 
     def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
         """A request finished or was aborted: its pushes end before its blocks (and its landing slots) are let go.

@@ -192,13 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics.registry.register(TransferCollector(worker.transfer))
 
     def load() -> cpb.Load:
-        step_tokens, step_elapsed_s = worker.connector.running_step()
         return cpb.Load(
             queued_requests=worker.num_inflight,
             queued_s=worker.queued_seconds(),
             queued_tokens=worker.queued_tokens(),
-            step_tokens=step_tokens,
-            step_elapsed_s=step_elapsed_s,
             received_requests=worker.received,
             running_requests=worker.num_running,
             free_kv_blocks=worker.engine.num_free_blocks,

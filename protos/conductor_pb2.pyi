@@ -32,7 +32,7 @@ DEAD: InstanceState
 SUSPECT: InstanceState
 
 class Load(_message.Message):
-    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks", "received_requests", "step_batch", "step_context_tokens", "queued_tokens", "step_tokens", "step_elapsed_s")
+    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks", "received_requests", "step_batch", "step_context_tokens", "queued_tokens")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -45,8 +45,6 @@ class Load(_message.Message):
     STEP_BATCH_FIELD_NUMBER: _ClassVar[int]
     STEP_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STEP_ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_s: float
     running_requests: int
@@ -59,9 +57,7 @@ class Load(_message.Message):
     step_batch: float
     step_context_tokens: float
     queued_tokens: int
-    step_tokens: int
-    step_elapsed_s: float
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., step_tokens: _Optional[int] = ..., step_elapsed_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ..., queued_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport", "step_tokens", "block_bytes")

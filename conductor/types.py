@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MAX_IN_TRANSIT = 256  # placements an instance remembers for Instance.in_transit
+# a prefill worker heartbeats this often while it holds prompts, and at once when one ends (prefill/server.py; the
+# simulator's workers too): between heartbeats the Conductor only guesses how its queue drains (Instance.drain)
+PREFILL_BUSY_BEAT_S = 0.5
 
 
 class Role(str, enum.Enum):

@@ -10,6 +10,7 @@ import threading
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from conductor.types import PREFILL_BUSY_BEAT_S
 from kvstore.client import KVStoreUnavailable
 from mooncake.cliargs import field_arg
 from mooncake.engine.config import EngineConfig
@@ -26,10 +27,6 @@ from transfer import TransportChoice
 from transfer.metrics import TransferCollector
 
 log = logging.getLogger(__name__)
-
-# while prompts are in flight the Conductor hears the queue this often (and at once when one ends: beat_soon); between
-# heartbeats it drains its copy at the predicted pace, and a worker slower than predicted looked idle too early
-BUSY_BEAT_S = 0.5
 
 OUTCOME = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid",
@@ -226,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         health=lambda: _health(args.id, worker),
         busy=lambda: worker.num_inflight,
-        busy_beat_s=BUSY_BEAT_S,
+        busy_beat_s=PREFILL_BUSY_BEAT_S,  # and at once when a prompt ends (PrefillWorker: beat_soon)
         drain_timeout_s=args.drain_timeout,
     )
     return run_worker(args, worker, spec, metrics.registry)

@@ -55,7 +55,8 @@ Model and assumptions (sources in benchmarks/sim/model.py, ModelConfig):
   worker's, so 512, 2,048 and 4,096; for a pipeline group its chunk; ``--no-calibrate``:
   none), then every prefill as it ends.
 - Heartbeats: a prefill instance reports its queue every ``--heartbeat-s`` (2.5 s, a real
-  worker's period), and the Conductor drains it a second each second in between
+  worker's period; every 0.5 s while it holds prompts, and as each prefill ends, as a real
+  worker does), and the Conductor drains it a second each second in between
   (``Instance.drain``); ``--heartbeat-s 0`` reports it on every change (fresher than real).
 - TTFT predictions: as benchmarks/replay.py scores a real cluster's (``prediction_errors``):
   (predicted - measured) / measured over the served requests, at p10 / p50 / p90, and the
@@ -230,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=HEARTBEAT_S,
         help="a prefill instance reports its queue to the Conductor this often, as a real worker does "
-        "(default %(default)s: the Conductor's 10 s heartbeat timeout x 0.25); 0: on every change of its "
-        "queue (fresher than a real worker)",
+        "(default %(default)s: the Conductor's 10 s heartbeat timeout x 0.25; every 0.5 s while it holds prompts, "
+        "and as each prefill ends); 0: on every change of its queue (fresher than a real worker)",
     )
     p.add_argument(
         "--no-calibrate",

@@ -14,10 +14,13 @@ What the Conductor hears, and when (all on simulated time):
   step budget a prefill worker runs as it starts, prefill.worker's ``calibrate``);
 - ``stored`` / ``removed`` for every block entering or leaving a tier of a node (exact index);
 - a prefill instance's heartbeat every ``heartbeat_s`` (2.5 s, a real worker's period: the
-  service's heartbeat timeout of 10 s x its HEARTBEAT_INTERVAL_FRACTION of 0.25), the
-  instances' phases spread evenly over the period, with ``queued_s`` = the predicted time
-  left on the running prefill plus the predictions of the queued ones. Between two, the
-  Conductor takes a second of predicted prefill off the reported queue each second
+  service's heartbeat timeout of 10 s x its HEARTBEAT_INTERVAL_FRACTION of 0.25), every
+  ``busy_beat_s`` (0.5 s) instead once a beat finds it holding prompts, and one as each of
+  its prefills ends, as a real worker beats (``PREFILL_BUSY_BEAT_S``); the instances'
+  phases spread evenly over the period, with ``queued_s`` = the running prefill's prediction
+  for the share of it not yet done (as a real worker counts it: one running past its
+  prediction still has some left) plus the predictions of the queued ones. Between two, the Conductor
+  takes a second of predicted prefill off the reported queue each second
   (``Instance.drain``). ``heartbeat_s = 0``: a heartbeat whenever the queue changes, and
   every tick (fresher than a real worker's: the drain then has little to correct);
 - a decode instance's heartbeat when requests join it, when one leaves (with the batch,
@@ -70,7 +73,17 @@ from conductor.forecast import ForecastKind
 from conductor.local import LocalPrefill
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
-from conductor.types import Decision, Instance, Load, Rejection, Role, ScheduleRequest, Slo, Wait
+from conductor.types import (
+    PREFILL_BUSY_BEAT_S,
+    Decision,
+    Instance,
+    Load,
+    Rejection,
+    Role,
+    ScheduleRequest,
+    Slo,
+    Wait,
+)
 from kvstore.events import Tier
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
@@ -115,6 +128,9 @@ class SimConfig:
     heartbeat_s: float = (
         HEARTBEAT_S  # a prefill instance's heartbeat period (0: on every change of its queue, and every tick)
     )
+    # its period while it holds prompts, with a beat as each prefill ends (heartbeat_s > 0; the shorter wins);
+    # 0: neither, only the periodic beats (workers before PREFILL_BUSY_BEAT_S)
+    busy_beat_s: float = PREFILL_BUSY_BEAT_S
     calibrate: bool = (
         True  # each prefill instance sends calibration samples before the first request (prefill.worker's)
     )
@@ -188,12 +204,14 @@ class PrefillInstance:
         self.queue: deque[Record] = deque()
         self.queued_predicted_s = 0.0
         self.running: Record | None = None
-        self.running_predicted_end = 0.0
         self.busy_s = 0.0
         self.received = 0  # requests placed here (they arrive at once: none is ever on its way)
 
     def load(self, now: float) -> Load:
-        left = max(0.0, self.running_predicted_end - now) if self.running else 0.0
+        left = 0.0
+        if (rec := self.running) is not None:  # as a real worker counts it: the predicted cost of what is left to do
+            took = rec.load_s + rec.compute_s
+            left = rec.predicted_s * max(0.0, 1.0 - (now - rec.prefill_start) / took) if took > 0 else 0.0
         return Load(
             queued_requests=len(self.queue) + (self.running is not None),
             queued_s=left + self.queued_predicted_s,
@@ -432,9 +450,12 @@ class Cluster:
         self._push(now + self.config.tick_s, _TICK, None)
 
     def _beat(self, p: PrefillInstance) -> None:
-        """A prefill instance's periodic heartbeat (``heartbeat_s`` > 0), and the next one."""
+        """A prefill instance's periodic heartbeat (``heartbeat_s`` > 0), and the next one: ``busy_beat_s`` later while
+        it holds prompts, as a real worker's (ConductorLink's busy interval)."""
         self.conductor.heartbeat(p.inst.id, p.load(self.now), self.now)
-        self._push(self.now + self.config.heartbeat_s, _BEAT, p)
+        busy = self.config.busy_beat_s > 0 and (p.running is not None or bool(p.queue))
+        period = min(self.config.heartbeat_s, self.config.busy_beat_s) if busy else self.config.heartbeat_s
+        self._push(self.now + period, _BEAT, p)
 
     def _queue_changed(self, p: PrefillInstance) -> None:
         """With ``heartbeat_s`` = 0 the Conductor hears of every change of a prefill queue at once; otherwise at the
@@ -507,7 +528,6 @@ class Cluster:
         rec.compute_s = m.pipelined_prefill_s(prompt, cached, x, self.config.prefill_chunk) * self.jitter()
         rec.prefill_start = now
         p.running = rec
-        p.running_predicted_end = now + rec.predicted_s
         self._push(now + rec.load_s + rec.compute_s, _PREFILL_DONE, p)
         if fetched:
             self.conductor.transfer_sample(fetched * m.block_bytes, net_s)
@@ -536,6 +556,8 @@ class Cluster:
             self._start_prefill(p)
         else:
             self._queue_changed(p)
+        if self.config.heartbeat_s and self.config.busy_beat_s:  # a real worker beats as a prompt ends (beat_soon)
+            c.heartbeat(p.inst.id, p.load(now), now)
 
     # -- decode ------------------------------------------------------------------------------------
 

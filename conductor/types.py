@@ -138,10 +138,11 @@ class Instance:
         return n, sum(tokens for *_, tokens in itertools.islice(reversed(self.placed), n))
 
     def drain(self, now: float) -> None:
-        """Take the time since ``queue_at`` off a prefill instance's queue. Between heartbeats (2.5 s apart by default)
-        the instance computes what it reported and what was placed there since, a second of predicted prefill each
-        second: counted as it stood at the heartbeat, a short prompt placed behind a long one was predicted seconds
-        later than it came. A worker slower than its predictions corrects this at its next heartbeat."""
+        """Take the time since ``queue_at`` off a prefill instance's queue. Between heartbeats (PREFILL_BUSY_BEAT_S
+        apart while it is busy, 2.5 s when idle, and one as each prompt ends) the instance computes what it reported
+        and what was placed there since, a second of predicted prefill each second: counted as it stood at the
+        heartbeat, a short prompt placed behind a long one was predicted seconds later than it came. A worker slower
+        than its predictions corrects this at its next heartbeat."""
         if self.load.queued_s > 0.0 and now > self.queue_at:
             left = max(0.0, self.load.queued_s - (now - self.queue_at))
             self.load.queued_tokens = int(self.load.queued_tokens * left / self.load.queued_s)  # at the same pace

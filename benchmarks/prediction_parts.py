@@ -31,8 +31,10 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from conductor.metrics import MIN_SCORED_PART_S
+
 METRIC = "mooncake_conductor_prediction_ratio"
-WITHIN = (0.75, 1.25)  # predicted over measured within 25%: the buckets' bounds (conductor.service)
+WITHIN = (0.75, 1.25)  # predicted over measured within 25%: the buckets' bounds (conductor.metrics)
 
 Buckets = dict[str, dict[float, float]]  # part -> upper bound -> cumulative count
 
@@ -88,7 +90,6 @@ def describe_parts(parts: dict) -> str:
 
 PARTS = ("ttft", "queue", "prefill", "transfer")
 PROMPT_BINS = (0, 128, 384, 768)  # prompt tokens: the lower bounds of the rows "by prompt"
-MIN_PART_S = 0.05  # as the Conductor scores them (conductor.metrics.MIN_SCORED_PART_S)
 
 
 def read_log(paths: list[Path]) -> list[dict]:
@@ -104,12 +105,13 @@ def read_log(paths: list[Path]) -> list[dict]:
 
 
 def part_errors(rows: list[dict], part: str) -> np.ndarray:
-    """(predicted - measured) / measured of ``part``, for the rows where either is at least MIN_PART_S."""
+    """(predicted - measured) / measured of ``part``, for the rows where either is at least MIN_SCORED_PART_S (as the
+    Conductor scores them), and for a part of the TTFT only where the decode worker measured the parts."""
     out = [
         (r["predicted"][part] - r["measured"][part]) / r["measured"][part] if r["measured"][part] > 0 else float("inf")
         for r in rows
-        if max(r["predicted"][part], r["measured"][part]) >= MIN_PART_S
-        and (part in ("ttft",) or r["measured"]["queue"] + r["measured"]["prefill"] > 0)
+        if max(r["predicted"][part], r["measured"][part]) >= MIN_SCORED_PART_S
+        and (part == "ttft" or r["measured"]["queue"] + r["measured"]["prefill"] > 0)
     ]
     return np.array(out, dtype=np.float64)
 
@@ -121,7 +123,7 @@ def describe_rows(rows: list[dict], label: str) -> str:
         if not len(e):
             cells.append(f"{part} -")
             continue
-        within = float(np.mean(np.abs(e) <= 0.25))
+        within = float(np.mean((e >= WITHIN[0] - 1) & (e <= WITHIN[1] - 1)))
         p10, p50, p90 = np.percentile(np.clip(e, -10, 10), [10, 50, 90])
         cells.append(f"{part} {within:4.0%} ({p10:+.0%} {p50:+.0%} {p90:+.0%})")
     return f"{label:<18} {len(rows):>5}  " + "  ".join(cells)

@@ -1,7 +1,7 @@
 """The prediction log (``--prediction-log``): one JSON line per admitted request whose TTFT came out, what the
 Conductor predicted for it part by part beside what its workers measured, and what the instance held when it was
 placed. Where the Prometheus histogram (``mooncake_conductor_prediction_ratio``) says how often a part is off, this
-says which requests and under what load: what ``benchmarks/prediction_parts.py --log`` reads.
+says which requests and under what load: what ``python -m benchmarks.prediction_parts FILE`` reads.
 
     {"at": 1764387000.1, "request": "r1", "instance": "prefill-0", "prompt_tokens": 345, "compute_tokens": 329,
      "ahead_tokens": 1024, "busy": 2, "slowdown": 1.31, "after_s": 3.41,
@@ -33,7 +33,6 @@ class PredictionLog:
     def __init__(self, path: str | Path, max_bytes: int = MAX_BYTES) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
         self._handler = RotatingFileHandler(path, maxBytes=max_bytes, backupCount=1, encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
 

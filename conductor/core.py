@@ -60,7 +60,7 @@ class Placed:
     prompt_tokens: int = 0
     compute_tokens: int = 0  # of them, those its prefill computes (not cached, not fetched)
     ahead_tokens: int = 0  # the tokens the instance had still to compute ahead of it (reported, in transit, placed)
-    busy: int = 0  # prefill instances with work queued then, before it
+    busy: int = 0  # prefill instances with work queued then, before it (counted only for ``audit``)
 
 
 class ConductorConfig(BaseModel):
@@ -637,7 +637,7 @@ class Conductor(Registry, Overload):
                 req.prompt_tokens,
                 choice.plan.compute_tokens,
                 load.queued_tokens,
-                self._busy_prefill(),
+                self._busy_prefill() if self.audit is not None else 0,  # only the log reads it: not on every Schedule
             )
         # its own part (not the hand-off), as the instance reports its queue: one prompt after the other
         own = choice.work_s if choice.work_s >= 0 else choice.prefill_s + choice.transfer_s - self.handoff_s
@@ -665,7 +665,7 @@ class Conductor(Registry, Overload):
                 now,
                 req.prompt_tokens,
                 local.plan.compute_tokens,
-                busy=self._busy_prefill(),
+                busy=self._busy_prefill() if self.audit is not None else 0,
             )
         d.local_queue_s += local.transfer_s + local.prefill_s
         self.forecast.scheduled(

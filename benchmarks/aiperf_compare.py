@@ -91,7 +91,7 @@ NOT_HERE = (
 
 PASSED_ON = """\
 Every other flag is compare.py's (`python -m benchmarks.compare --help` lists them) and means what it means there:
---model, --prefill 2, --decode 1, --worker-threads 1, --worker-nice 0, --admission early_predictive, \
+--model, --prefill 2, --decode 1, --worker-threads (mooncake up's), --worker-nice 0, --admission early_predictive, \
 --local-prefill never,
 --ttft-slo 10, --tbt-slo 0.5, --speed 0.25, --trace, --block-tokens, --max-input, --output-scale, \
 --max-output, --no-spread,
@@ -603,7 +603,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 "decode": args.decode,
                 "policy": args.policy,
                 "admission": args.admission,
-                "threads_per_worker": 1,
+                "threads_per_worker": compare.worker_threads(args),
             },
             "max_model_len": args.max_model_len,
             "traces": [

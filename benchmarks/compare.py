@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -65,6 +64,7 @@ from benchmarks.benchutil import (
     shielded,
 )
 from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster
+from mooncake.localproc import usable_cpus
 from mooncake.serving.process import component_argv
 
 MODEL_NAME = "bench"
@@ -92,8 +92,10 @@ class SystemRun:
 # -- the systems ----------------------------------------------------------------------------------------
 
 
-def usable_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+def worker_threads(args: argparse.Namespace) -> int:
+    """The torch threads each cluster worker runs: ``--worker-threads``, or what ``mooncake up`` chooses."""
+    config = ClusterConfig(model="-", model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode)
+    return args.worker_threads or config.threads or 1
 
 
 def _stop(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
@@ -521,8 +523,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--worker-threads",
         type=int,
-        default=1,
-        help="torch threads of each cluster worker (default 1: one core each, however many workers share the machine)",
+        default=None,
+        help="torch threads of each cluster worker (default: mooncake up's, the usable cores shared evenly among the "
+        "workers that compute, at least 1)",
     )
     p.add_argument(
         "--worker-nice",
@@ -583,7 +586,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown systems {bad}; choose from {', '.join(SYSTEM_KINDS)}")
     if not args.systems:
         p.error("--systems names nothing to run")
-    if min(args.prefill, args.decode, args.coupled_threads, args.worker_threads, args.limit) < 1:
+    if min(args.prefill, args.decode, args.coupled_threads, args.worker_threads or 1, args.limit) < 1:
         p.error("--prefill, --decode, --coupled-threads, --worker-threads and --limit must be >= 1")
     return args
 
@@ -639,7 +642,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 "prefill": args.prefill,
                 "decode": args.decode,
                 "admission": args.admission,
-                "threads_per_worker": args.worker_threads,
+                "threads_per_worker": worker_threads(args),
             },
             "coupled_threads": args.coupled_threads,
             "max_model_len": args.max_model_len,

@@ -42,6 +42,7 @@ from benchmarks.vllm_worker import VLLM_RESULT_PREFIX
 from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
 from mooncake.engine.registry import default_cache_dir, pull
 from mooncake.engine.weights import count_parameters, load_hf_config
+from mooncake.localproc import usable_cpus
 from mooncake.vllm_engine import cpu_preload
 
 MODEL_NAME = "smollm2-135m"
@@ -211,13 +212,6 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     """``count`` prompts of ``length`` uniformly random token ids, reproducible from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(FIRST_SAFE_TOKEN_ID, vocab_size, (count, length), generator=gen).tolist()
-
-
-def usable_cpus() -> list[int]:
-    """The CPU ids this process may run on (every core, where affinity is unknown)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
 
 
 def synchronize(device: torch.device) -> None:

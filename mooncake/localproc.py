@@ -6,6 +6,7 @@ starts a cluster on one machine.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -14,6 +15,13 @@ import time
 from pathlib import Path
 
 _HANDED_OUT: set[int] = set()
+
+
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on (every core, where affinity is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

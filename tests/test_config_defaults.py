@@ -142,6 +142,35 @@ def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_s
     assert parsed["gateway"].api_key == "k" and parsed["gateway"].tenants is None
 
 
+def test_mooncake_up_shares_the_usable_cores_among_the_workers_that_compute(tiny_dir, tmp_path, monkeypatch):
+    """No --threads on the CPU: each prefill and decode worker computes with its share of the cores this process may
+    use (a pipelined group counts its stages), at least one; torch's default, a thread per core in every worker,
+    oversubscribed them. On CUDA, or with --threads, nothing is chosen for the user."""
+    from mooncake.cluster import launcher
+    from mooncake.serving.process import COMPONENTS, component_parser
+
+    monkeypatch.setattr(launcher, "usable_cpus", lambda: list(range(16)))
+    by_module = {run: name for name, (run, _) in COMPONENTS.items()}
+
+    def threads(**fields) -> dict[str, int | None]:
+        config = ClusterConfig(model=str(tiny_dir), model_name="tiny", workdir=str(tmp_path), **fields)
+        got = {}
+        for wave in launcher.LocalCluster(config)._plan():
+            for comp in wave:
+                if comp.name.startswith(("prefill", "decode")):
+                    module = comp.argv[comp.argv.index("-m") + 1]
+                    args = component_parser(by_module[module]).parse_args(comp.argv[comp.argv.index("-m") + 2 :])
+                    got[comp.name] = args.threads
+        return got
+
+    assert threads(prefill=2, decode=1) == {"prefill-0": 5, "prefill-1": 5, "decode-0": 5}  # 16 cores // 3
+    # a group of 3 stages, a plain prefill worker and 2 decode workers: 6 computing processes
+    assert set(threads(prefill=2, prefill_groups=1, group_size=3, decode=2).values()) == {2}
+    assert set(threads(prefill=8, decode=12).values()) == {1}  # never 0
+    assert set(threads(prefill=2, decode=1, threads=7).values()) == {7}
+    assert set(threads(prefill=1, decode=1, device="cuda").values()) == {None}  # torch's own
+
+
 # What a chart must set for itself: where a component listens and whom it dials, its name, sizes from the chart's
 # model and its pod's resources. Every other flag the chart passes must carry the component's own default.
 CHART_WIRING = {

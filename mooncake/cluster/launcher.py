@@ -36,7 +36,7 @@ from mooncake import tls
 from mooncake.engine.config import default_batched_tokens
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
-from mooncake.localproc import free_port
+from mooncake.localproc import free_port, usable_cpus
 from mooncake.serving.process import component_argv, parse_ready
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,12 @@ class ClusterConfig(BaseModel):
         description="Native workers on CUDA: run every step eagerly, without capturing decode steps as CUDA graphs",
     )
     decode_max_seqs: int = 32
-    threads: int | None = Field(None, description="torch threads per worker [default: torch's]")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per worker [default on the CPU: the usable cores shared evenly among the processes "
+        "that compute (prefill and decode workers, a pipelined group's stages), at least 1; on CUDA: torch's]",
+    )
     policy: str = Field("kvcache_centric", description="Prefill placement policy")
     admission: str = Field(
         "early_predictive",
@@ -185,6 +190,19 @@ class ClusterConfig(BaseModel):
         if self.prefill_groups and self.engine != "native":
             raise ValueError("pipelined prefill groups run the native engine")
         return self
+
+    @model_validator(mode="after")
+    def _threads(self) -> "ClusterConfig":
+        """No ``threads`` on the CPU: each computing process gets its share of the usable cores. torch's own default, a
+        thread per core in every process, oversubscribes them as soon as two workers compute at once (2P+1D on 2
+        cores: 6 threads), and the client on the same cores waits behind them."""
+        if self.threads is None and self.device == "cpu":
+            self.threads = max(1, len(usable_cpus()) // self.computing_processes())
+        return self
+
+    def computing_processes(self) -> int:
+        """The processes that run the model: a prefill worker (a pipelined group's stages, each), a decode worker."""
+        return self.prefill - self.prefill_groups + self.prefill_groups * self.group_size + self.decode
 
     @model_validator(mode="after")
     def _block_size(self) -> "ClusterConfig":

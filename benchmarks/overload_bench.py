@@ -32,6 +32,7 @@ import random
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from rich.console import Console
@@ -154,6 +155,38 @@ async def _events(reader: asyncio.StreamReader):
                 if data == b"[DONE]":
                     return
                 yield json.loads(data)
+
+
+SHED_METRIC = "mooncake_gateway_rejection_seconds"  # the gateway's own: arrival to a 429's response
+
+
+def gateway_shedding(url: str) -> dict[float, float]:
+    """The gateway's histogram of its 429s' latency, as it measured them (from its ``/metrics``): cumulative count
+    by upper bound (s). Empty where the server has no such histogram (not ours)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == SHED_METRIC
+        for sample in family.samples
+        if sample.name == f"{SHED_METRIC}_bucket"
+    }
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The upper bound of the histogram bucket that holds quantile ``q`` (0..1) of what was observed between the two
+    reads (None: nothing was)."""
+    counts = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return None
+    return next(le for le, n in counts if n >= q * total)
 
 
 async def capacity(url: str, args, rng: random.Random) -> tuple[float, list[RequestResult]]:
@@ -281,6 +314,12 @@ def render(phases: dict[str, dict], capacity_rps: float, args, console: Console)
         )
     console.print(table)
     for name, s in phases.items():
+        if s.get("gateway_reject_p99_le_s") is not None:
+            console.print(
+                f"{name}: the gateway's own 429 latency (arrival to response, its histogram): p99 <= "
+                f"{_ms(s['gateway_reject_p99_le_s'])} ms; the rest of the client's figure is the client and the "
+                "network (and, here, the client waiting for the cores it shares)"
+            )
         if s["reasons"]:
             console.print(
                 f"{name}: 429s by reason (count, p99 ms): "
@@ -317,8 +356,13 @@ def local_cluster(args, console: Console):
     workdir = Path(tempfile.mkdtemp(prefix="overload-bench-"))
     model_dir, args.model_label = resolve_model(args, workdir)
     config = ClusterConfig(
-        model=str(model_dir), model_name=args.model_name, port=0, restart=False, workdir=workdir, local_prefill="never"
-    )  # as recorded in benchmarks/README.md
+        model=str(model_dir),
+        model_name=args.model_name,
+        port=0,
+        restart=False,
+        workdir=workdir,
+        local_prefill=args.local_prefill or ClusterConfig.model_fields["local_prefill"].default,
+    )
     cluster = LocalCluster(config, lambda msg: console.log(msg))
     try:
         cluster.start()
@@ -342,13 +386,21 @@ async def run_phases(url: str, ttft_slo_s: float, tbt_slo_s: float, args, consol
         phases["capacity"] = summarize(cap_results, args.capacity_s, ttft_slo_s, tbt_slo_s)
         rate = args.factor * cap
     console.log(f"open loop: {rate:.1f} requests/s ({args.factor:g} x {cap:.2f}) for {args.open_s:.0f} s")
+    before = await asyncio.to_thread(gateway_shedding, url)
     phases["open loop"] = summarize(
         await open_loop(url, rate, args.open_s, args, rng), args.open_s, ttft_slo_s, tbt_slo_s
+    )
+    phases["open loop"]["gateway_reject_p99_le_s"] = bucket_quantile(
+        before, await asyncio.to_thread(gateway_shedding, url), 0.99
     )
     if args.burst:
         await asyncio.sleep(args.settle_s)
         console.log(f"burst: {args.burst} requests at once")
+        before = await asyncio.to_thread(gateway_shedding, url)
         phases["burst"] = summarize(await burst(url, args.burst, args, rng), 0.0, ttft_slo_s, tbt_slo_s)
+        phases["burst"]["gateway_reject_p99_le_s"] = bucket_quantile(
+            before, await asyncio.to_thread(gateway_shedding, url), 0.99
+        )
     return {"capacity_rps": cap, "offered_rate_rps": rate, "phases": phases}
 
 
@@ -369,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--open-s", type=float, default=30.0)
     p.add_argument("--burst", type=int, default=300, help="requests sent at once (0: no burst)")
     p.add_argument("--settle-s", type=float, default=5.0, help="pause before the burst")
+    p.add_argument(
+        "--local-prefill",
+        choices=("never", "auto", "always"),
+        help="where the started cluster computes prompts (default: mooncake up's, auto)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write every number to this file")
     args = p.parse_args(argv)

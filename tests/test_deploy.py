@@ -281,6 +281,21 @@ def test_pool_provider_none_renders_no_kubernetes_flags():
     assert conductor["--pool-provider"] == "none" and "--prefill-deployment" not in conductor
 
 
+def test_the_prediction_log_is_off_by_default_and_on_its_own_volume_when_asked():
+    from conductor.__main__ import parse_args
+    from conductor.audit import MAX_BYTES
+
+    assert "--prediction-log" not in flags(container(pod_spec(render(), "conductor"), "conductor"))
+    docs = render("--set", "conductor.predictionLog=true")
+    spec = pod_spec(docs, "conductor")
+    c = container(spec, "conductor")
+    path = parse_args(expanded_args(docs, c)).prediction_log
+    assert path == "/var/log/mooncake/conductor-predictions.jsonl"
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
+    assert volume["emptyDir"]["sizeLimit"] == "160Mi" and 2 * MAX_BYTES < 160 << 20  # the log and its rolled-over file
+
+
 @pytest.mark.parametrize("service_port", [None, 80])
 def test_gateway_service_reaches_the_gateway_port(service_port):
     docs = render(*(["--set", f"gateway.service.port={service_port}"] if service_port else []))

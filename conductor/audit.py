@@ -21,8 +21,7 @@ import time
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
-from conductor.core import Placed
-from conductor.types import Measured
+from conductor.types import Measured, Placed
 
 MAX_BYTES = 64 << 20  # a line is about 400 bytes: some 160,000 requests before it rolls over
 

@@ -30,6 +30,7 @@ from conductor.types import (
     Decision,
     Instance,
     Measured,
+    Placed,
     Prediction,
     PrefixPlan,
     Rejection,
@@ -47,20 +48,6 @@ SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or m
 SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
 SLOWDOWN_RANGE = (0.5, 8.0)
 MAX_PENDING_TTFTS = 100_000  # predictions awaiting their measured TTFT (a worker that never reports cannot grow it)
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """What a placement predicted, and what the instance held then, awaiting the request's measured TTFT."""
-
-    instance: str
-    predicted: Prediction
-    slowdown: float  # the instance's, then (``_measured`` learns from it)
-    at: float  # when it was placed
-    prompt_tokens: int = 0
-    compute_tokens: int = 0  # of them, those its prefill computes (not cached, not fetched)
-    ahead_tokens: int = 0  # the tokens the instance had still to compute ahead of it (reported, in transit, placed)
-    busy: int = 0  # prefill instances with work queued then, before it (counted only for ``audit``)
 
 
 class ConductorConfig(BaseModel):

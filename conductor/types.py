@@ -328,3 +328,17 @@ class Measured:
     @property
     def transfer_s(self) -> float:
         return max(0.0, self.ttft_s - self.queue_s - self.prefill_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """What a placement predicted, and what the instance held then, awaiting the request's measured TTFT."""
+
+    instance: str
+    predicted: Prediction
+    slowdown: float  # the instance's, then (``_measured`` learns from it)
+    at: float  # when it was placed
+    prompt_tokens: int = 0
+    compute_tokens: int = 0  # of them, those its prefill computes (not cached, not fetched)
+    ahead_tokens: int = 0  # the tokens the instance had still to compute ahead of it (reported, in transit, placed)
+    busy: int = 0  # prefill instances with work queued then, before it (counted only for ``audit``)

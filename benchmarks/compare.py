@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -92,10 +93,13 @@ class SystemRun:
 # -- the systems ----------------------------------------------------------------------------------------
 
 
-def worker_threads(args: argparse.Namespace) -> int:
-    """The torch threads each cluster worker runs: ``--worker-threads``, or what ``mooncake up`` chooses."""
-    config = ClusterConfig(model="-", model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode)
-    return args.worker_threads or config.threads or 1
+def worker_threads(args: argparse.Namespace) -> int | None:
+    """The torch threads each cluster worker runs: ``--worker-threads``, or what ``mooncake up`` chooses (None on
+    CUDA: torch's)."""
+    config = ClusterConfig(
+        model="-", model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode, device=args.device
+    )
+    return args.worker_threads or config.threads
 
 
 def _stop(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
@@ -120,7 +124,9 @@ def coupled_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Ca
         model_name=MODEL_NAME,
         port=0,
         max_model_len=args.max_model_len,
-        threads=args.coupled_threads,
+        threads=args.coupled_threads if args.device == "cpu" else None,
+        device=args.device,
+        dtype=args.dtype,
         log_level="WARNING",
         max_batched_tokens=args.coupled_batched_tokens,
     )
@@ -160,6 +166,8 @@ def cluster_server(
         tbt_slo_s=args.tbt_slo,
         workdir=workdir / f"cluster-{engine}-{policy}",
         max_model_len=args.max_model_len,
+        device=args.device,
+        dtype=args.dtype,
         threads=args.worker_threads,
         restart=False,
         ready_timeout_s=args.vllm_timeout if vllm else 300.0,
@@ -505,7 +513,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"disaggregated prefill policies, comma-separated (default: {','.join(ALL_POLICIES)})",
     )
     p.add_argument(
-        "--prefill", type=int, default=2, help="prefill workers of the cluster (each with its own pool node)"
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:N]: the cluster's workers and the coupled engine on that GPU (one GPU: a prefill and a "
+        "decode worker share it), the trace at GPU_SCALE (benchmarks/trace.py) where its flags are not given; "
+        "vllm-cpu is left out",
+    )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on the CPU, bfloat16 on CUDA"
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help="prefill workers of the cluster, each with its own pool node (default: 2 on the CPU, 1 on CUDA)",
     )
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
     p.add_argument(
@@ -572,9 +593,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     rp.add_trace_args(p)
     args = p.parse_args(argv)
-    tr.apply_preset(args)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        p.error(f"--device: cpu or cuda[:N], got {args.device!r}")
+    cuda = args.device.startswith("cuda")
+    scale = tr.GPU_SCALE if cuda else tr.DEFAULTS
+    tr.apply_preset(args, scale)
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.prefill = args.prefill or (1 if cuda else 2)
     args.limit = args.limit or (QUICK["limit"] if args.quick else tr.DEFAULTS["limit"])
-    args.speed = args.speed or (QUICK["speed"] if args.quick else tr.DEFAULTS["speed"])
+    args.speed = args.speed or (QUICK["speed"] if args.quick else scale["speed"])
     args.factors = [1.0] if args.quick and not args.sweep else (args.sweep or [1.0])
     policies = args.policies or ("kvcache_centric" if args.quick else ",".join(ALL_POLICIES))
     args.policies = [x.strip() for x in policies.split(",") if x.strip()]
@@ -586,6 +613,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown systems {bad}; choose from {', '.join(SYSTEM_KINDS)}")
     if not args.systems:
         p.error("--systems names nothing to run")
+    if cuda and (vllm := [x for x in args.systems if "vllm" in x]):
+        p.error(f"--device {args.device}: {', '.join(vllm)} run vllm-cpu, on the CPU; leave them out")
     if min(args.prefill, args.decode, args.coupled_threads, args.worker_threads or 1, args.limit) < 1:
         p.error("--prefill, --decode, --coupled-threads, --worker-threads and --limit must be >= 1")
     return args
@@ -641,6 +670,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             "cluster": {
                 "prefill": args.prefill,
                 "decode": args.decode,
+                "device": args.device,
+                "dtype": args.dtype,
                 "admission": args.admission,
                 "threads_per_worker": worker_threads(args),
             },

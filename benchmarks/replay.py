@@ -575,10 +575,12 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-tokens",
         type=int,
-        default=d["block_tokens"],
-        help="token ids per trace hash id (lengths scale by this / 512)",
+        default=None,
+        help=f"token ids per trace hash id (lengths scale by this / 512; default {d['block_tokens']})",
     )
-    p.add_argument("--max-input", type=int, default=d["max_input"], help="longest prompt, in tokens (after scaling)")
+    p.add_argument(
+        "--max-input", type=int, default=None, help=f"longest prompt, in tokens once scaled (default {d['max_input']})"
+    )
     p.add_argument(
         "--preset",
         choices=list(PRESETS),
@@ -602,12 +604,12 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send the requests of one trace timestamp together (default: spread to the next)",
     )
-    p.add_argument("--ttft-slo", type=float, default=d["ttft_slo_s"], help="seconds")
+    p.add_argument("--ttft-slo", type=float, default=None, help=f"seconds (default {d['ttft_slo_s']:g})")
     p.add_argument(
         "--tbt-slo",
         type=float,
-        default=d["tbt_slo_s"],
-        help="seconds (the paper's TBT: mean of the longest 10%% of gaps)",
+        default=None,
+        help=f"seconds (the paper's TBT: mean of the longest 10%% of gaps; default {d['tbt_slo_s']:g})",
     )
     p.add_argument(
         "--effective-target",

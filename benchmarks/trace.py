@@ -64,6 +64,9 @@ DEFAULTS = dict(
     tbt_slo_s=0.5,
     effective_target=0.9,
 )
+# compare.py --device cuda: the trace nearer its own scale, for one GPU serving a model of a billion parameters or so
+# (longer prompts, real time, SLOs a GPU can be held to). A first guess, not yet run on a GPU; each is a flag.
+GPU_SCALE = dict(block_tokens=128, max_input=8192, speed=1.0, ttft_slo_s=2.0, tbt_slo_s=0.1)
 # Output scalings by workload (``--preset``): the conversation trace as compare.py has always scaled it, and a
 # prefill-heavy one (outputs of 1 to 8 tokens: the prefill pool and the Conductor's TTFT predictions are what binds)
 PRESETS = {
@@ -270,8 +273,17 @@ def vocab_size_of(model_dir: Path | str) -> int:
     return int(size)
 
 
-def apply_preset(args: argparse.Namespace) -> None:
-    """Fill --output-scale and --max-output from --preset where they were not given."""
-    for name, value in PRESETS[args.preset].items():
+def apply_preset(args: argparse.Namespace, scale: dict | None = None) -> None:
+    """Fill --output-scale and --max-output from --preset, and --block-tokens, --max-input and the SLOs from ``scale``
+    (default: DEFAULTS, this CPU's; GPU_SCALE for a GPU), where they were not given."""
+    scale = {**DEFAULTS, **(scale or {})}
+    given = {
+        "block_tokens": scale["block_tokens"],
+        "max_input": scale["max_input"],
+        "ttft_slo": scale["ttft_slo_s"],
+        "tbt_slo": scale["tbt_slo_s"],
+        **PRESETS[args.preset],
+    }
+    for name, value in given.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

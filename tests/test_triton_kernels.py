@@ -123,3 +123,112 @@ def test_the_fused_activation_is_silu_then_mul():
     gate, up = x.split(1500, dim=-1)
     assert torch.allclose(silu_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6)
     assert silu_mul(x[:0]).shape == (0, 1500)
+
+
+def mixed_step(dtype, seqs, num_blocks=40, block_size=8, hkv=2, group=3, d=16, seed=2):
+    """A step's q, k, v and cache: ``seqs`` is (new tokens, context) per sequence, decodes (1 new token) first as the
+    runner lays them out; each sequence's blocks out of order, its new tokens' K/V written to their slots."""
+    from mooncake.engine.attention import write_kv
+
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
+    t = sum(n for n, _ in seqs)
+    q = torch.randn(t, hkv * group, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(DEVICE, dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots, starts, row = [], [], [], 0
+    for n, ctx in seqs:
+        blocks = [perm.pop() for _ in range(-(-ctx // block_size))]
+        tables.append(blocks)
+        starts.append(row)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)]
+        row += n
+    write_kv(k_cache, v_cache, k, v, torch.tensor(slots, device=DEVICE))
+    return q, k, v, k_cache, v_cache, tables, starts
+
+
+def eager(q, k, v, k_cache, v_cache, seqs, tables, starts, scale, num_decodes):
+    """The engine's own path without kernels: the padded SDPA of the first ``num_decodes`` sequences (one token each)
+    and one causal SDPA per prompt chunk after them."""
+    from mooncake.engine.attention import AttentionMetadata, PrefillSegment, paged_attention
+
+    width = max(len(t) for t in tables[:num_decodes])
+    ctx = torch.tensor([c for _, c in seqs[:num_decodes]], dtype=torch.long)
+    mask = torch.arange(width * k_cache.shape[1])[None, :] < ctx[:, None]
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_decodes=num_decodes,
+        decode_block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables[:num_decodes]]).to(DEVICE),
+        decode_ctx_lens=ctx.to(DEVICE),
+        decode_mask=mask[:, None, None, :].to(DEVICE),
+        prefills=[
+            PrefillSegment(starts[i], n, c, torch.tensor(tables[i], device=DEVICE))
+            for i, (n, c) in enumerate(seqs)
+            if i >= num_decodes
+        ],
+    )
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def varlen(q, k_cache, v_cache, seqs, tables, starts, scale):
+    from mooncake.engine.kernels.triton_varlen import paged_varlen
+
+    width = max(len(t) for t in tables)
+    return paged_varlen(
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        torch.tensor([n for n, _ in seqs], dtype=torch.int32, device=DEVICE),
+        torch.tensor([c for _, c in seqs], dtype=torch.int32, device=DEVICE),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        max(n for n, _ in seqs),
+        scale,
+    )
+
+
+# 3 decodes, of 1, 9 and 64 tokens of context; a chunk of 20 behind a cached prefix of 30 (not a whole block); a
+# prompt of 33 with none (more than one tile of new tokens); a chunk of 16 behind 64 (whole blocks); a one-token prompt
+MIXED = [(1, 1), (1, 9), (1, 64), (20, 50), (33, 33), (16, 80), (1, 1)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_one_varlen_call_is_the_eager_steps_attention_for_decodes_and_chunks_together(group):
+    """Every row of a mixed step, decodes and prompt chunks (cached prefixes read in place through the block table),
+    as the eager path computes it: one SDPA per chunk after the decodes' padded one."""
+    q, k, v, kc, vc, tables, starts = mixed_step(torch.float32, MIXED, group=group)
+    want = eager(q, k, v, kc, vc, MIXED, tables, starts, 0.25, num_decodes=3)
+    got = varlen(q, kc, vc, MIXED, tables, starts, 0.25)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@needs_kernels
+def test_the_varlen_call_reads_nothing_past_a_sequences_context_nor_after_a_tokens_position():
+    """NaN in the cache past each context and in the table past each sequence's blocks changes nothing; nor does a
+    later token's K/V for an earlier token (causal): the first chunk alone gives its rows the same outputs."""
+    seqs = [(1, 9), (20, 50)]
+    q, k, v, kc, vc, tables, starts = mixed_step(torch.float32, seqs, block_size=8)
+    want = varlen(q, kc, vc, seqs, tables, starts, 0.25)
+    for (n, ctx), blocks in zip(seqs, tables):
+        last = blocks[(ctx - 1) // 8]
+        kc[last, (ctx - 1) % 8 + 1 :] = float("nan")
+        vc[last, (ctx - 1) % 8 + 1 :] = float("nan")
+    assert torch.equal(varlen(q, kc, vc, seqs, tables, starts, 0.25), want)
+    # the chunk's first 5 tokens as a chunk of their own: the same rows (they never saw the 15 after them)
+    short = [(1, 9), (5, 35)]
+    got = varlen(q[:6], kc, vc, short, tables, starts, 0.25)
+    assert torch.allclose(got, want[:6], atol=1e-6)
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 on the interpreter is numpy's emulation; checked on CUDA")
+def test_the_varlen_call_in_bfloat16_is_the_eager_path_within_rounding():
+    seqs = [(1, 100), (1, 191), (300, 300), (64, 1000)]
+    q, k, v, kc, vc, tables, starts = mixed_step(
+        torch.bfloat16, seqs, num_blocks=120, block_size=16, hkv=8, group=4, d=64
+    )
+    want = eager(q, k, v, kc, vc, seqs, tables, starts, 64**-0.5, num_decodes=2)
+    got = varlen(q, kc, vc, seqs, tables, starts, 64**-0.5)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2)

@@ -232,3 +232,29 @@ def test_the_varlen_call_in_bfloat16_is_the_eager_path_within_rounding():
     want = eager(q, k, v, kc, vc, seqs, tables, starts, 64**-0.5, num_decodes=2)
     got = varlen(q, kc, vc, seqs, tables, starts, 64**-0.5)
     assert torch.allclose(got.float(), want.float(), atol=2e-2)
+
+
+@needs_kernels
+def test_an_engine_attending_each_mixed_step_in_one_varlen_call_generates_the_same_greedy_tokens(tiny_dir):
+    """Four prompts at once through 16-token steps (chunks behind cached prefixes, riding beside decodes, one prompt
+    sharing another's blocks) and 8 tokens each: the tokens of the engine whose steps with prompt chunks go through
+    kernels/triton_varlen.py (as on CUDA) are the tokens of the eager path's."""
+    from conftest import make_engine
+
+    from mooncake.engine import SamplingParams
+    from mooncake.engine.kernels.triton_varlen import paged_varlen
+
+    prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9], list(range(100, 123)), [11, 12, 13]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager_engine = make_engine(tiny_dir, use_kernels=False, max_num_batched_tokens=16)
+    want = [o.output_token_ids for o in eager_engine.generate(prompts, params)]
+    engine = make_engine(tiny_dir, use_kernels=False, max_num_batched_tokens=16)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[4].tolist())  # each sequence's new tokens (q_lens)
+        return paged_varlen(*args)
+
+    engine.runner.step_kernel = counted  # the CUDA engine's choice (engine.py), made here on the CPU
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+    assert any(len(c) > 1 and 1 in c and max(c) > 1 for c in calls)  # a step of decodes and chunks, in one call

@@ -10,11 +10,13 @@ A step's tokens are flattened into one [T] batch, decodes first, then prefill ch
     tokens:  | d0 d1 ... d(B-1) | chunk of req p0 ... | chunk of req p1 ... |
              '--- one query each '--- q_len queries at positions ctx-q_len .. ctx-1
 
-Decodes are attended together: by a kernel that reads K/V rows in place from their blocks
-(kernels/triton_decode.py on CUDA, kernels/paged_attention.cpp on the CPU), or else by one
-padded SDPA call over gathered blocks (GQA folded into the query axis, so K/V are never
-repeated). Each prefill chunk is one causal SDPA call whose key range is its whole context
-(cached prefix + the chunk).
+On CUDA a step with prompt chunks in it is attended by one kernel call per layer
+(kernels/triton_varlen.py: ``StepAttention``), decodes and chunks together, each cached
+prefix read in place. Otherwise decodes are attended together: by a kernel that reads K/V
+rows in place from their blocks (kernels/triton_decode.py on CUDA, kernels/paged_attention.cpp
+on the CPU), or else by one padded SDPA call over gathered blocks (GQA folded into the query
+axis, so K/V are never repeated); and each prefill chunk is one causal SDPA call whose key
+range is its whole context (cached prefix + the chunk).
 """
 
 from __future__ import annotations
@@ -38,6 +40,24 @@ class PrefillSegment:
 
 
 @dataclass(slots=True)
+class StepAttention:
+    """Every sequence of a step for one varlen kernel call: where its new tokens start in the [T] batch, how many, the
+    context each attends to, its blocks (int32, on the device)."""
+
+    starts: torch.Tensor  # [S]
+    q_lens: torch.Tensor  # [S]
+    ctx_lens: torch.Tensor  # [S]
+    table: torch.Tensor  # [S, W], padded with block 0
+    max_q_len: int
+    kernel: Callable  # kernels/triton_varlen.paged_varlen
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.kernel(
+            q, k_cache, v_cache, self.starts, self.q_lens, self.ctx_lens, self.table, self.max_q_len, scale
+        )
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where the step's tokens live in the cache and whom each attends to.
 
@@ -51,6 +71,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool (torch path only)
     prefills: list[PrefillSegment]
     decode_kernel: Callable | None = None  # compiled in-place kernel (kernels/), else torch
+    step: StepAttention | None = None  # the whole step in one kernel call (CUDA, steps with prompt chunks)
 
 
 def write_kv(
@@ -76,6 +97,8 @@ def paged_attention(
     q: [T, H, D] (any strides, the last contiguous); k, v: [T, Hkv, D] (this step's new K/V, already written to the
     cache). Returns [T, H, D]. Called once per layer per step.
     """
+    if meta.step is not None:
+        return meta.step(q, k_cache, v_cache, scale)
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv

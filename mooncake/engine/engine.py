@@ -26,7 +26,7 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.grammar import GrammarBook
-from mooncake.engine.kernels import load_paged_decode, load_triton_decode
+from mooncake.engine.kernels import load_paged_decode, load_triton_decode, load_triton_varlen
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
 from mooncake.engine.request import (
     FinishReason,
@@ -115,11 +115,11 @@ class LLMEngine:
             self.max_model_len,
             on_finish=self._on_finish,
         )
-        kernel = None
+        kernel = step_kernel = None
         if config.use_kernels and self.device.type == "cpu" and config.torch_dtype == torch.float32:
             kernel = load_paged_decode(config.kernel_dir)
         elif self.device.type == "cuda":
-            kernel = load_triton_decode()
+            kernel, step_kernel = load_triton_decode(), load_triton_varlen()
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -129,6 +129,7 @@ class LLMEngine:
             config.torch_dtype,
             config.seed,
             decode_kernel=kernel,
+            step_kernel=step_kernel,
             kv_buffer=kv_cache_buffer(num_blocks * self.block_bytes) if kv_cache_buffer is not None else None,
         )
         if config.decode_graphs:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mooncake.engine.attention import AttentionMetadata, PrefillSegment
+from mooncake.engine.attention import AttentionMetadata, PrefillSegment, StepAttention
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
 from mooncake.engine.decode_graph import DecodeGraphs, decode_attention_for
@@ -46,10 +46,12 @@ class ModelRunner:
         seed: int,
         decode_kernel=None,
         kv_buffer=None,
+        step_kernel=None,
     ):
         args = model.args
         self.model = model
         self.decode_kernel = decode_kernel  # used for float32 on CPU only
+        self.step_kernel = step_kernel  # a step with prompt chunks in one call a layer (kernels/triton_varlen.py)
         self.block_size = block_size
         self.device = device
         self.vocab_size = args.vocab_size  # the width of the logits (and of each sampling draw)
@@ -318,10 +320,28 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=segments,
             decode_kernel=kernel,
+            step=self._step_attention(decodes, prefills) if prefills and self.step_kernel is not None else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.cat(pos_parts).to(dev)
         return input_ids, positions, meta, ConnectorStep(self.step_id, step_reqs), sample_rows
+
+    def _step_attention(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]) -> StepAttention:
+        """The step's sequences, decodes then prompt chunks as ``_prepare`` lays out their tokens, for one kernel call:
+        two host-to-device copies."""
+        bs = self.block_size
+        seqs = [(1, s.num_computed_tokens + 1, s.request.block_ids) for s in decodes]
+        seqs += [(s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens, s.request.block_ids) for s in prefills]
+        tables = [list(blocks[: -(-ctx // bs)]) for _, ctx, blocks in seqs]
+        width = max(len(t) for t in tables)
+        starts, row = [], 0
+        for n, _, _ in seqs:
+            starts.append(row)
+            row += n
+        lens = torch.tensor([starts, [n for n, _, _ in seqs], [c for _, c, _ in seqs]], dtype=torch.int32)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens, table = lens.to(self.device), table.to(self.device)
+        return StepAttention(lens[0], lens[1], lens[2], table, max(n for n, _, _ in seqs), self.step_kernel)
 
 
 @dataclass(slots=True)

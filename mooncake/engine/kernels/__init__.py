@@ -79,3 +79,13 @@ def load_triton_decode() -> Callable | None:
         log.warning("Triton is not installed, decode attention on CUDA uses the padded torch path: %s", e)
         return None
     return paged_decode
+
+
+def load_triton_varlen() -> Callable | None:
+    """The Triton attention of a whole mixed step (triton_varlen.paged_varlen) for CUDA engines; None without Triton."""
+    try:
+        from mooncake.engine.kernels.triton_varlen import paged_varlen
+    except ImportError as e:
+        log.warning("Triton is not installed, steps with prompt chunks on CUDA attend chunk by chunk: %s", e)
+        return None
+    return paged_varlen

@@ -99,3 +99,35 @@ def test_penalties_change_greedy_output_and_a_neutral_one_does_not(tiny_llama):
     # a token generated many times is penalised: the most repeated token is repeated less
     top = max(set(plain), key=plain.count)
     assert penalised.count(top) < plain.count(top)
+
+
+def test_counts_kept_from_step_to_step_shape_exactly_as_counted_afresh():
+    """A PenaltyBook grows a request's counts by its new tokens only; each step's shaped logits equal those from its
+    whole history counted again (bit for bit), ids outside the vocabulary ignored, and outputs taken back (a
+    shorter history) are counted afresh."""
+    from mooncake.engine.sampler import PenaltyBook
+
+    params = SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4)
+    book = PenaltyBook(VOCAB)
+    prompt = [1, 2, 2, 9, VOCAB + 5]
+    outputs: list[int] = []
+    for token in (2, 5, 5, 11, 0, 5):
+        outputs.append(token)
+        history = History(prompt, list(outputs))
+        kept = shape_logits(logits(), params, history, book.counts("r", history))
+        assert torch.equal(kept, shape_logits(logits(), params, history))
+        assert kept.tolist() == pytest.approx(reference(logits().tolist(), params, history))
+    shorter = History(prompt, outputs[:2])
+    assert torch.equal(
+        shape_logits(logits(), params, shorter, book.counts("r", shorter)), shape_logits(logits(), params, shorter)
+    )
+    assert len(book) == 1
+    book.drop("r")
+    assert len(book) == 0
+
+
+def test_an_engine_keeps_counts_only_while_a_penalized_request_runs(tiny_llama):
+    engine = make_engine(tiny_llama.path)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, frequency_penalty=1.0)
+    engine.generate([[5, 17, 42, 8, 99, 5, 17], [3, 4, 5]], params)
+    assert len(engine.runner.penalties) == 0

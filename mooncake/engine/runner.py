@@ -26,7 +26,7 @@ from mooncake.engine.decode_graph import DecodeGraphs, decode_attention_for
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.model import CausalLM
 from mooncake.engine.request import TokenLogprob
-from mooncake.engine.sampler import History, sample, token_logprobs
+from mooncake.engine.sampler import History, PenaltyBook, penalizes, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -66,6 +66,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.penalties = PenaltyBook(args.vocab_size, device)  # penalized requests' token counts, step to step
         self.grammars: GrammarBook | None = None  # set by an engine with a tokenizer (constrained decoding)
         self.step_id = 0
         self.graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
@@ -100,6 +101,7 @@ class ModelRunner:
 
     def drop_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.penalties.drop(request_id)
         if self.grammars is not None:
             self.grammars.drop(request_id)
 
@@ -225,9 +227,13 @@ class ModelRunner:
         logprobs."""
         logits = self.model.compute_logits(hidden)
         params = [r.sampling_params for r in reqs]
-        histories = None
+        histories = counts = None
         if any(p.shapes_logits for p in params):
             histories = [History(r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in reqs]
+            counts = [
+                self.penalties.counts(r.request_id, h) if penalizes(p) else None
+                for r, p, h in zip(reqs, params, histories)
+            ]
         constrained = [i for i, r in enumerate(reqs) if self.grammars is not None and r.request_id in self.grammars]
         masked = logits
         if constrained:
@@ -235,7 +241,7 @@ class ModelRunner:
             for i in constrained:
                 self.grammars.mask_(masked[i], reqs[i].request_id)
         tokens = sample(
-            masked, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories
+            masked, params, [self.generators.get(r.request_id) for r in reqs], self.default_generator, histories, counts
         )
         for i in constrained:
             self.grammars.accept(reqs[i].request_id, tokens[i])

@@ -39,23 +39,81 @@ class History:
     eos_token_ids: frozenset[int] = frozenset()
 
 
-def shape_logits(logits: torch.Tensor, p: SamplingParams, history: History) -> torch.Tensor:
+@dataclass(slots=True)
+class TokenCounts:
+    """A request's tokens as its penalties read them, on the device: which its prompt and outputs hold, how often it
+    generated each, and how many of its outputs are counted."""
+
+    seen: torch.Tensor  # [V] bool
+    generated: torch.Tensor  # [V] int32
+    outputs: int = 0
+
+    @classmethod
+    def of(cls, history: History, vocab: int, device: torch.device | str = "cpu") -> TokenCounts:
+        counts = cls(
+            torch.zeros(vocab, dtype=torch.bool, device=device), torch.zeros(vocab, dtype=torch.int32, device=device)
+        )
+        counts.seen[_ids(history.prompt_token_ids, vocab, device)] = True
+        return counts.add(history.output_token_ids)
+
+    def add(self, outputs: Sequence[int]) -> TokenCounts:
+        """Count the outputs past those counted already (usually one token a step)."""
+        new = _ids(outputs[self.outputs :], self.seen.shape[0], self.seen.device)
+        self.seen[new] = True
+        self.generated.index_put_((new,), torch.ones_like(new, dtype=torch.int32), accumulate=True)
+        self.outputs = len(outputs)
+        return self
+
+
+def _ids(tokens: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    return ids[(ids >= 0) & (ids < vocab)].to(device)
+
+
+class PenaltyBook:
+    """Each penalized request's TokenCounts, kept from step to step and grown by its new tokens only: a step's penalties
+    are then a few tensor operations a row, where each row built a Python set of its whole prompt every step."""
+
+    def __init__(self, vocab: int, device: torch.device | str = "cpu") -> None:
+        self.vocab, self.device = vocab, device
+        self._counts: dict[str, TokenCounts] = {}
+
+    def counts(self, request_id: str, history: History) -> TokenCounts:
+        c = self._counts.get(request_id)
+        if c is None or len(history.output_token_ids) < c.outputs:  # new, or its outputs were taken back: afresh
+            c = self._counts[request_id] = TokenCounts.of(history, self.vocab, self.device)
+        return c.add(history.output_token_ids)
+
+    def drop(self, request_id: str) -> None:
+        self._counts.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+def penalizes(p: SamplingParams) -> bool:
+    """Whether ``p`` reads the tokens seen so far (repetition, frequency or presence penalty)."""
+    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+
+
+def shape_logits(
+    logits: torch.Tensor, p: SamplingParams, history: History, counts: TokenCounts | None = None
+) -> torch.Tensor:
     """Apply ``p``'s penalties, biases and ``min_tokens`` to one row of logits [V] (a new tensor), in vLLM's order:
     repetition penalty (prompt and output tokens), then frequency and presence (output tokens), then the biases,
-    then the ban on ending before ``min_tokens``."""
+    then the ban on ending before ``min_tokens``. ``counts``: the request's, kept by a PenaltyBook (else counted
+    from ``history`` here)."""
     logits = logits.clone()
     vocab = logits.shape[-1]
+    if penalizes(p) and counts is None:
+        counts = TokenCounts.of(history, vocab, logits.device)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted({t for t in (*history.prompt_token_ids, *history.output_token_ids) if t < vocab}), dtype=torch.long
+        logits = torch.where(
+            counts.seen, torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty), logits
         )
-        if len(seen):
-            x = logits[seen]
-            logits[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and history.output_token_ids:
-        outputs = torch.tensor(list(history.output_token_ids), dtype=torch.long, device=logits.device)
-        counts = torch.bincount(outputs, minlength=vocab)[:vocab]
-        logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.frequency_penalty or p.presence_penalty:
+        g = counts.generated.to(logits.dtype)
+        logits -= p.frequency_penalty * g + p.presence_penalty * (counts.generated > 0).to(logits.dtype)
     for token, bias in p.logit_bias:
         if 0 <= token < vocab:
             logits[token] += bias
@@ -72,15 +130,21 @@ def sample(
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator,
     histories: Sequence[History] | None = None,
+    counts: Sequence[TokenCounts | None] | None = None,
 ) -> list[int]:
     """Pick one token per row of ``logits`` [N, V] (float32). Called once per step.
 
-    ``histories`` (one per row) are needed only when some request shapes its logits."""
+    ``histories`` (one per row) are needed only when some request shapes its logits; ``counts`` (a PenaltyBook's, one
+    per row or None) spare counting a penalized row's tokens again."""
     if any(p.shapes_logits for p in params):
         if histories is None:
             raise ValueError("penalties, biases and min_tokens need each request's history")
+        counts = counts or [None] * len(params)
         logits = torch.stack(
-            [shape_logits(row, p, h) if p.shapes_logits else row for row, p, h in zip(logits, params, histories)]
+            [
+                shape_logits(row, p, h, c) if p.shapes_logits else row
+                for row, p, h, c in zip(logits, params, histories, counts)
+            ]
         )
     picked = logits.argmax(dim=-1)  # [N], on the device: greedy rows keep it
     drawn = [row for row, p in enumerate(params) if not p.greedy]

@@ -56,6 +56,23 @@ def test_a_cuda_batch_is_each_request_alone(tiny_llama):
         assert list(together[str(i)].output_token_ids) == list(run_to_completion(alone)["a"].output_token_ids)
 
 
+def test_a_step_attended_in_one_varlen_call_gives_the_chunk_by_chunk_tokens(tiny_llama):
+    """A CUDA engine attends a step with prompt chunks in one kernel call (kernels/triton_varlen.py); without it, one
+    SDPA call a chunk after the decodes': the same greedy tokens for prompts chunked behind cached prefixes and
+    riding beside decodes (a shared prefix among them)."""
+    base = prompt_of(150, seed=9)
+    prompts = [base, base + prompt_of(40, seed=10), prompt_of(33, seed=11), prompt_of(5, seed=12)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for varlen in (True, False):
+        engine = make_engine(tiny_llama.path, device=DEVICE, max_model_len=1024)
+        assert (engine.runner.step_kernel is not None) == DEVICE.startswith("cuda")  # the CUDA engine's default
+        if not varlen:
+            engine.runner.step_kernel = None
+        outputs.append([o.output_token_ids for o in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+
+
 # -- the prefill connector's pushes from a CUDA cache ---------------------------------------------
 
 

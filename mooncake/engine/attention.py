@@ -71,7 +71,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool (torch path only)
     prefills: list[PrefillSegment]
     decode_kernel: Callable | None = None  # compiled in-place kernel (kernels/), else torch
-    step: StepAttention | None = None  # the whole step in one kernel call (CUDA, steps with prompt chunks)
+    step: StepAttention | None = None  # the whole step in one call (CUDA, with prompt chunks): the rest left empty
 
 
 def write_kv(

@@ -26,7 +26,7 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.connector import KVConnector
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.grammar import GrammarBook
-from mooncake.engine.kernels import load_paged_decode, load_triton_decode, load_triton_varlen
+from mooncake.engine.kernels import load_paged_decode, load_triton_attention
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
 from mooncake.engine.request import (
     FinishReason,
@@ -119,7 +119,7 @@ class LLMEngine:
         if config.use_kernels and self.device.type == "cpu" and config.torch_dtype == torch.float32:
             kernel = load_paged_decode(config.kernel_dir)
         elif self.device.type == "cuda":
-            kernel, step_kernel = load_triton_decode(), load_triton_varlen()
+            kernel, step_kernel = load_triton_attention()
         self.runner = ModelRunner(
             self.model,
             num_blocks,

@@ -280,9 +280,10 @@ class ModelRunner:
             max_blocks = max(max_blocks, p // bs + 1)
             if s.samples:
                 sample_rows.append((j, j))
+        whole_step = bool(prefills) and self.step_kernel is not None  # one varlen call a layer attends it all
         decode_table = decode_mask = ctx = None
         kernel = self.decode_kernel
-        if decodes:
+        if decodes and not whole_step:
             table = [s.request.block_ids[: s.num_computed_tokens // bs + 1] for s in decodes]
             decode_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long)
             ctx = torch.tensor([s.num_computed_tokens + 1 for s in decodes], dtype=torch.long)
@@ -302,7 +303,8 @@ class ModelRunner:
             p = torch.arange(c, c + n)
             pos_parts.append(p)
             slot_parts.append(table[p // bs] * bs + p % bs)  # tensor ops: no Python per token
-            segments.append(PrefillSegment(start, n, c + n, table.to(dev)))
+            if not whole_step:
+                segments.append(PrefillSegment(start, n, c + n, table.to(dev)))
             if s.samples:
                 sample_rows.append((start + n - 1, j))
         slot_t = torch.cat(slot_parts).to(dev)
@@ -326,7 +328,7 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=segments,
             decode_kernel=kernel,
-            step=self._step_attention(decodes, prefills) if prefills and self.step_kernel is not None else None,
+            step=self._step_attention(decodes, prefills) if whole_step else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.cat(pos_parts).to(dev)

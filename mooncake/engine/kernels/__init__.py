@@ -71,21 +71,13 @@ def load_paged_decode(build_dir: str | Path) -> Callable | None:
     return fn
 
 
-def load_triton_decode() -> Callable | None:
-    """The Triton paged decode attention (triton_decode.paged_decode) for CUDA engines; None without Triton."""
+def load_triton_attention() -> tuple[Callable | None, Callable | None]:
+    """The Triton attention of CUDA engines: (triton_decode.paged_decode, for decode-only steps and their graphs;
+    triton_varlen.paged_varlen, for a whole step with prompt chunks); (None, None) without Triton."""
     try:
         from mooncake.engine.kernels.triton_decode import paged_decode
-    except ImportError as e:
-        log.warning("Triton is not installed, decode attention on CUDA uses the padded torch path: %s", e)
-        return None
-    return paged_decode
-
-
-def load_triton_varlen() -> Callable | None:
-    """The Triton attention of a whole mixed step (triton_varlen.paged_varlen) for CUDA engines; None without Triton."""
-    try:
         from mooncake.engine.kernels.triton_varlen import paged_varlen
     except ImportError as e:
-        log.warning("Triton is not installed, steps with prompt chunks on CUDA attend chunk by chunk: %s", e)
-        return None
-    return paged_varlen
+        log.warning("Triton is not installed, attention on CUDA uses the torch paths: %s", e)
+        return None, None
+    return paged_decode, paged_varlen

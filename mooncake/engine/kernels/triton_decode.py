@@ -33,6 +33,66 @@ BLOCK_N = 64  # context tokens per inner iteration
 
 
 @triton.jit
+def attend_range(
+    q,
+    K,
+    V,
+    table_row,
+    lo,
+    hi,
+    pos,
+    kvh,
+    d,
+    d_ok,
+    scale,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Flash attention of the query rows ``q`` [ROWS, D] over context tokens [lo, hi) of one sequence (its block ids at
+    ``table_row``), KV head ``kvh``, each row seeing the keys at positions up to its ``pos`` [ROWS]: the running max,
+    sum of exponentials and weighted sum of V (float32), for the caller to divide or merge. Every row must see a key
+    of the range's first tile (its max is finite from there on); an empty range leaves max -inf and sums 0. The
+    kernels of triton_decode (one query a sequence) and triton_varlen (a sequence's new tokens) share it."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_P], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        block = tl.load(table_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        row = n % BLOCK_SIZE
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            K + block[:, None] * stride_kb + row[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )  # [N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, N], float32
+        s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])  # [ROWS, N]
+        alpha = tl.exp(m - m_new)
+        v = tl.load(
+            V + block[:, None] * stride_vb + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )  # [N, D]
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _decode_partial(
     Q,
     K,
@@ -80,33 +140,30 @@ def _decode_partial(
     per_split = ((ctx + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole tiles per split
     lo = split * per_split
     hi = tl.minimum(lo + per_split, ctx)
-    m = tl.full([GROUP_P], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(Table + b * stride_tb + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        row = n % BLOCK_SIZE
-        kv_ok = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            K + block[:, None] * stride_kb + row[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        )  # [N, D]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N], float32
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])  # [G, N]
-        alpha = tl.exp(m - m_new)
-        v = tl.load(
-            V + block[:, None] * stride_vb + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        )  # [N, D]
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    m, l, acc = attend_range(
+        q,
+        K,
+        V,
+        Table + b * stride_tb,
+        lo,
+        hi,
+        tl.zeros([GROUP_P], tl.int32) + ctx - 1,  # one query, at the context's last position: it sees every key
+        kvh,
+        d,
+        d_ok,
+        scale,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        BLOCK_SIZE,
+        GROUP_P,
+        HEAD_DIM_P,
+        BLOCK_N,
+        PRECISION,
+    )
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mooncake.engine.kernels.triton_decode import attend_range
+
 BLOCK_M = 16  # new tokens of one sequence per program (times the group's heads: at least tl.dot's 16 rows)
 BLOCK_N = 64  # context tokens per inner iteration
 
@@ -86,36 +88,32 @@ def _varlen_attention(
         other=0.0,
     )  # [R, D]
 
-    m = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_P, HEAD_DIM_P], tl.float32)
     hi = tl.minimum(ctx, ctx - q_len + tl.minimum((mblk + 1) * BLOCK_M, q_len))  # past the tile's last position
-    for lo in range(0, hi, BLOCK_N):
-        n = lo + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(Table + s * stride_tb + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = n % BLOCK_SIZE
-        kv_ok = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            K + block[:, None] * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        )  # [N, D]
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [R, N], float32
-        # every row sees key 0 in the first tile (pos >= 0), so its running max is finite from there on
-        sc = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        p = tl.exp(sc - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        v = tl.load(
-            V + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        )  # [N, D]
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-
+    # every row sees key 0 in the first tile (pos >= 0; a padded row's pos is past the context)
+    m, l, acc = attend_range(
+        q,
+        K,
+        V,
+        Table + s * stride_tb,
+        0,
+        hi,
+        pos,
+        kvh,
+        d,
+        d_ok,
+        scale,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        BLOCK_SIZE,
+        BLOCK_M * GROUP_P,
+        HEAD_DIM_P,
+        BLOCK_N,
+        PRECISION,
+    )
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
         Out + (start + i)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],

@@ -105,15 +105,14 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether the logits depend on the tokens seen so far (repetition, frequency or presence penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether the logits are changed before sampling (penalties, biases, min_tokens)."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.logit_bias
-            or self.min_tokens
-        )
+        return bool(self.penalizes or self.logit_bias or self.min_tokens)
 
 
 def checked_prompt(

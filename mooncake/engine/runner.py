@@ -26,7 +26,7 @@ from mooncake.engine.decode_graph import DecodeGraphs, decode_attention_for
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.model import CausalLM
 from mooncake.engine.request import TokenLogprob
-from mooncake.engine.sampler import History, PenaltyBook, penalizes, sample, token_logprobs
+from mooncake.engine.sampler import History, PenaltyBook, sample, token_logprobs
 from mooncake.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -231,7 +231,7 @@ class ModelRunner:
         if any(p.shapes_logits for p in params):
             histories = [History(r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in reqs]
             counts = [
-                self.penalties.counts(r.request_id, h) if penalizes(p) else None
+                self.penalties.counts(r.request_id, h) if p.penalizes else None
                 for r, p, h in zip(reqs, params, histories)
             ]
         constrained = [i for i, r in enumerate(reqs) if self.grammars is not None and r.request_id in self.grammars]

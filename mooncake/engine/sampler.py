@@ -81,7 +81,8 @@ class PenaltyBook:
     def counts(self, request_id: str, history: History) -> TokenCounts:
         c = self._counts.get(request_id)
         if c is None or len(history.output_token_ids) < c.outputs:  # new, or its outputs were taken back: afresh
-            c = self._counts[request_id] = TokenCounts.of(history, self.vocab, self.device)
+            self._counts[request_id] = TokenCounts.of(history, self.vocab, self.device)
+            return self._counts[request_id]
         return c.add(history.output_token_ids)
 
     def drop(self, request_id: str) -> None:
@@ -89,11 +90,6 @@ class PenaltyBook:
 
     def __len__(self) -> int:
         return len(self._counts)
-
-
-def penalizes(p: SamplingParams) -> bool:
-    """Whether ``p`` reads the tokens seen so far (repetition, frequency or presence penalty)."""
-    return bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
 
 
 def shape_logits(
@@ -105,7 +101,7 @@ def shape_logits(
     from ``history`` here)."""
     logits = logits.clone()
     vocab = logits.shape[-1]
-    if penalizes(p) and counts is None:
+    if p.penalizes and counts is None:
         counts = TokenCounts.of(history, vocab, logits.device)
     if p.repetition_penalty != 1.0:
         logits = torch.where(

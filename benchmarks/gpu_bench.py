@@ -12,8 +12,9 @@ embeddings) and measures, greedy, random prompt ids:
       eager (sdpa, dynamic cache) and compiled (static cache, torch.compile mode="reduce-overhead" of one decoding
       forward, the gpt-fast pattern transformers documents)
   throughput of 64 requests of 512 prompt / 128 output tokens (output tokens/s): ours, transformers' generate
-  one 4,096-token prompt: time to the first token at the CUDA default step budget and at 512 to 8,192; one
-      transformers forward
+  one 4,096-token prompt: time to the first token at the CUDA default step budget and at 512 to 8,192, and at the
+      default once more with torch's kernels between the matmuls instead of kernels/triton_fused.py's and
+      triton_mlp.py's (whether fusing them pays); one transformers forward
 
 and the limits of the same device in the same run: the device copy rate (bytes read + written per second by a
 1 GiB ``copy_``), which bounds a decode step at (weights + the KV it reads) / rate, and the bf16 matmul rate
@@ -33,10 +34,12 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
+from mooncake.engine import model as engine_model
 from mooncake.engine.tiny import make_tiny
 
 SHAPES = {
@@ -370,20 +373,21 @@ def report(r: dict, shape: Shape, rate: float, flops: float) -> list[tuple[str, 
                 "-",
             )
         )
-    o = r.get("ours_ttft_default")
-    rows.append(
-        (
-            f"{LONG_PROMPT}-token prompt, default steps",
-            ms(o),
-            "-",
-            ms(r.get("hf_prefill")),
-            "-",
-            ms(limit),
-            ratio(o, limit),
-            ratio(r.get("hf_prefill"), o),
-            "-",
+    for key, what in (("ours_ttft_default", "default steps"), ("ours_ttft_default_unfused", "torch's elementwise")):
+        o = r.get(key)
+        rows.append(
+            (
+                f"{LONG_PROMPT}-token prompt, {what}",
+                ms(o),
+                "-",
+                ms(r.get("hf_prefill")),
+                "-",
+                ms(limit),
+                ratio(o, limit),
+                ratio(r.get("hf_prefill"), o),
+                "-",
+            )
         )
-    )
     return rows
 
 
@@ -440,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     results.measure("ours_throughput", lambda: ours_throughput(engine, vocab))
     default = engine.config.max_num_batched_tokens
     results.measure("ours_ttft_default", lambda: ours_ttft(engine, vocab, default, args.repeats))
+    with mock.patch.object(engine_model, "fused", lambda x, name: None):  # torch's kernels between the matmuls
+        results.measure("ours_ttft_default_unfused", lambda: ours_ttft(engine, vocab, default, args.repeats))
     for budget in BUDGETS:
         results.measure(f"ours_ttft_{budget}", lambda: ours_ttft(engine, vocab, budget, args.repeats))
     engine = graphs = None  # freed before the baselines load their copy of the model

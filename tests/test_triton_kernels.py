@@ -1,5 +1,6 @@
 """The Triton kernels of the CUDA engine against torch written out by hand: the paged decode attention
-(mooncake/engine/kernels/triton_decode.py) and the MLP's fused activation (triton_mlp.py).
+(mooncake/engine/kernels/triton_decode.py and triton_varlen.py), the MLP's fused activation (triton_mlp.py), and the
+residual add with its RMSNorm and RoPE in one kernel each (triton_fused.py).
 
 On a CUDA GPU it runs compiled; elsewhere under Triton's interpreter (TRITON_INTERPRET=1, in a child process), which
 runs the same kernels on CPU tensors. Skipped where Triton is not installed.
@@ -25,6 +26,9 @@ from mooncake.engine.kernels.triton_decode import paged_decode  # noqa: E402
 needs_kernels = pytest.mark.skipif(
     not (CUDA or INTERPRETED), reason="runs compiled on CUDA, or in the interpreter child"
 )
+# An engine made here runs on the CPU, where only the interpreter runs Triton; on CUDA the engine makes these choices
+# itself, and tests/test_cuda.py and test_decode_graphs.py check its tokens against the eager path's.
+interpreted_engine = pytest.mark.skipif(not INTERPRETED, reason="a CPU engine through Triton: the interpreter child")
 
 
 def test_the_kernels_pass_under_the_interpreter_on_a_machine_without_a_gpu():
@@ -123,6 +127,86 @@ def test_the_fused_activation_is_silu_then_mul():
     gate, up = x.split(1500, dim=-1)
     assert torch.allclose(silu_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6)
     assert silu_mul(x[:0]).shape == (0, 1500)
+
+
+@needs_kernels
+def test_the_fused_residual_add_and_norm_is_the_eager_norm_of_the_sum():
+    from mooncake.engine.kernels.triton_fused import add_rms_norm
+    from mooncake.engine.model import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(7, 1100, generator=g).to(DEVICE)
+    x, delta = wide[:, :1000], torch.randn(7, 1000, generator=g).to(DEVICE)  # x strided as a view of a wider row
+    norm = RMSNorm(1000, 1e-5).to(DEVICE)
+    norm.weight.data = torch.randn(1000, generator=g).to(DEVICE)
+    normed, summed = add_rms_norm(delta, x, norm.weight, norm.eps)
+    assert torch.equal(summed, x + delta)
+    assert torch.allclose(normed, norm(x + delta), atol=1e-5)
+    assert [t.shape for t in add_rms_norm(delta[:0], x[:0], norm.weight, 1e-5)] == [(0, 1000)] * 2
+    with pytest.raises(ValueError):
+        add_rms_norm(delta[:, :999], x, norm.weight, 1e-5)
+
+
+@needs_kernels
+def test_the_fused_rope_is_the_eager_rotation_of_q_and_k_read_where_the_projection_wrote_them():
+    from mooncake.engine.kernels.triton_fused import rope
+    from mooncake.engine.model import apply_rope
+
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(9, (6 + 2 + 2) * 24, generator=g).to(DEVICE)
+    qk = qkv[:, : 8 * 24].view(9, 8, 24)  # q and k heads, rows strided by the whole projection's width
+    angles = torch.randn(9, 1, 12, generator=g).to(DEVICE)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    got = rope(qk, cos, sin)
+    assert got.is_contiguous() and torch.allclose(got, apply_rope(qk, cos, sin), atol=1e-6)
+    assert not torch.allclose(got, qk, atol=1e-2)  # it rotated something
+    with pytest.raises(ValueError):
+        rope(qk[..., :23], cos, sin)
+
+
+@interpreted_engine
+def test_an_engine_with_the_fused_norms_rope_and_activation_generates_the_eager_paths_greedy_tokens(
+    tiny_dir, monkeypatch
+):
+    """The layers with every add+norm, RoPE and activation through the Triton kernels (as CUDA runs them in a graph
+    or a long step), here on the CPU: prompts chunked beside decodes, the same greedy tokens as torch's kernels."""
+    from conftest import make_engine
+
+    from mooncake.engine import SamplingParams, model
+
+    prompts = [list(range(5, 45)), list(range(100, 123)), [11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [
+        o.output_token_ids
+        for o in make_engine(tiny_dir, use_kernels=False, max_num_batched_tokens=16).generate(prompts, params)
+    ]
+    used = set()
+
+    def always(x, name):
+        used.add(name)
+        return model._triton_kernels()[name]
+
+    monkeypatch.setattr(model, "fused", always)
+    engine = make_engine(tiny_dir, use_kernels=False, max_num_batched_tokens=16)
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+    assert used == {"add_rms_norm", "rope", "silu_mul"}
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 on the interpreter is numpy's emulation; checked on CUDA")
+def test_the_fused_norm_and_rope_in_bfloat16_are_the_eager_paths_within_one_rounding():
+    from mooncake.engine.kernels.triton_fused import add_rms_norm, rope
+    from mooncake.engine.model import RMSNorm, apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    x, delta = (torch.randn(300, 2048, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    norm = RMSNorm(2048, 1e-5).to(DEVICE, torch.bfloat16)
+    normed, summed = add_rms_norm(delta, x, norm.weight, norm.eps)
+    assert torch.equal(summed, x + delta)
+    assert torch.allclose(normed.float(), norm(x + delta).float(), rtol=1e-2, atol=1e-2)
+    qk = torch.randn(100, 40, 64, generator=g).to(DEVICE, torch.bfloat16)  # under FUSED_MIN_TOKENS: torch's own
+    angles = torch.randn(100, 1, 32, generator=g).to(DEVICE)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    assert torch.allclose(rope(qk, cos, sin).float(), apply_rope(qk, cos, sin).float(), rtol=1e-2, atol=1e-2)
 
 
 def mixed_step(dtype, seqs, num_blocks=40, block_size=8, hkv=2, group=3, d=16, seed=2):
@@ -234,7 +318,7 @@ def test_the_varlen_call_in_bfloat16_is_the_eager_path_within_rounding():
     assert torch.allclose(got.float(), want.float(), atol=2e-2)
 
 
-@needs_kernels
+@interpreted_engine
 def test_an_engine_attending_each_mixed_step_in_one_varlen_call_generates_the_same_greedy_tokens(tiny_dir):
     """Four prompts at once through 16-token steps (chunks behind cached prefixes, riding beside decodes, one prompt
     sharing another's blocks) and 8 tokens each: the tokens of the engine whose steps with prompt chunks go through

@@ -21,6 +21,28 @@ from mooncake.engine.attention import AttentionMetadata, paged_attention, write_
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.model_args import ModelArgs
 
+FUSED_MIN_TOKENS = 256  # eager steps of fewer tokens keep torch's kernels
+
+
+def fused(x: torch.Tensor, name: str):
+    """The Triton kernel ``name`` of kernels/triton_mlp.py or triton_fused.py where it pays for activations x: on CUDA,
+    in a graph being captured or a step of at least FUSED_MIN_TOKENS tokens. Launched from Python, one such kernel
+    costs more host time than the few torch kernels it replaces, which only a graph or a step of many tokens repays.
+    None otherwise, and where Triton is missing: the caller then runs torch's kernels."""
+    if not x.is_cuda or not (x.shape[0] >= FUSED_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
+        return None
+    return _triton_kernels().get(name)
+
+
+@functools.cache
+def _triton_kernels() -> dict:
+    try:
+        from mooncake.engine.kernels.triton_fused import add_rms_norm, rope
+        from mooncake.engine.kernels.triton_mlp import silu_mul
+    except ImportError:
+        return {}
+    return {"add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -39,12 +61,25 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_norm(self, delta: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + delta, x + delta): the residual add and the norm after it, in one kernel where that
+        pays (``fused``)."""
+        kernel = fused(x, "add_rms_norm")
+        if kernel is not None:
+            return kernel(delta, x, self.weight, self.eps)
+        x = x + delta
+        return self(x), x
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x * cos + cat(-x2, x1) * sin, without building the rotated copy.
+    """Rotate-half RoPE: x * cos + cat(-x2, x1) * sin, without building the rotated copy (in one kernel where that
+    pays: ``fused``).
 
     x: [T, heads, D]; cos, sin: [T, 1, D]. Returns a new tensor.
     """
+    kernel = fused(x, "rope")
+    if kernel is not None:
+        return kernel(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = x * cos
@@ -100,9 +135,6 @@ class Attention(nn.Module):
         return self.o_proj(o.view(t, self.q_size))
 
 
-FUSED_MLP_MIN_TOKENS = 256  # eager steps of fewer tokens keep torch's silu_ and mul_
-
-
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -112,23 +144,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        fused = _cuda_silu_mul() if x.is_cuda else None
-        if fused is not None and (x.shape[0] >= FUSED_MLP_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
-            # One kernel instead of two; launched from Python it costs more host time than torch's two, which only
-            # a graph or a step of many tokens repays.
-            return self.down_proj(fused(gate_up))
+        kernel = fused(x, "silu_mul")
+        if kernel is not None:
+            return self.down_proj(kernel(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
-
-
-@functools.cache
-def _cuda_silu_mul():
-    """kernels/triton_mlp.silu_mul, or None where Triton is missing (torch's two kernels then)."""
-    try:
-        from mooncake.engine.kernels.triton_mlp import silu_mul
-    except ImportError:
-        return None
-    return silu_mul
 
 
 class DecoderLayer(nn.Module):
@@ -139,9 +159,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, connector, step) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, connector, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, kv_cache, meta, connector, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, the MLP's output not yet added to it): the add is left to the next norm, which does
+        it in its own kernel where that pays. ``delta`` is the previous layer's MLP output, None before the first."""
+        h, x = (self.input_layernorm(x), x) if delta is None else self.input_layernorm.add_norm(delta, x)
+        h, x = self.post_attention_layernorm.add_norm(self.self_attn(h, cos, sin, kv_cache, meta, connector, step), x)
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -215,10 +238,10 @@ class CausalLM(nn.Module):
                     f"a stage starting at layer {self.layer_range.start} takes hidden states, not token ids"
                 )
             hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        x = hidden
+        x, delta = hidden, None
         for j, layer in enumerate(self.model.layers.values()):
-            x = layer(x, cos, sin, kv_caches[j], meta, connector, step)
-        return self.model.norm(x) if self.is_last else x  # [T, hidden]
+            x, delta = layer(x, delta, cos, sin, kv_caches[j], meta, connector, step)
+        return self.model.norm.add_norm(delta, x)[0] if self.is_last else x + delta  # [T, hidden]
 
     def owns(self, name: str) -> bool:
         """Whether the Hugging Face-named parameter ``name`` belongs to this model (or stage)."""

@@ -64,7 +64,7 @@ from benchmarks import compare
 from benchmarks import replay as rp
 from benchmarks import trace as tr
 from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded
-from mooncake.cluster.launcher import ClusterConfig
+from mooncake.cluster.config import ClusterConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -67,11 +67,12 @@ from benchmarks.benchutil import describe_machine, make_progress, resolve_model,
 from benchmarks.chaos_report import Replay, Report, RequestRecord, render, summarize
 from mooncake import tls
 from mooncake.blocks import model_fingerprint
-from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+from mooncake.cluster.config import ClusterConfig
+from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.loader import model_identity
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.serving.cluster import ClusterBackend
-from mooncake.serving.recovery import RecoveryConfig
+from mooncake.gateway.cluster_backend import ClusterBackend
+from mooncake.gateway.recovery import RecoveryConfig
 from mooncake.serving.types import BackendError, GenerationRequest
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc

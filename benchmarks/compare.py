@@ -64,9 +64,10 @@ from benchmarks.benchutil import (
     scratch_dir,
     shielded,
 )
-from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster
+from mooncake.cluster.components import component_argv
+from mooncake.cluster.config import ClusterConfig
+from mooncake.cluster.launcher import Component, LocalCluster
 from mooncake.localproc import usable_cpus
-from mooncake.serving.process import component_argv
 
 MODEL_NAME = "bench"
 ALL_POLICIES = ("kvcache_centric", "cache_aware_local", "least_loaded", "random")

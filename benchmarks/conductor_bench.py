@@ -42,10 +42,12 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.benchutil import describe_machine, percentile
-from conductor.core import Conductor, ConductorConfig
+from conductor.config import ConductorConfig
+from conductor.core import Conductor
 from conductor.fastpath import start_fast_path
 from conductor.index import ROOT, chain_parents
-from conductor.service import ConductorService, ConductorServicer, start_server
+from conductor.service import ConductorService
+from conductor.servicer import ConductorServicer, start_server
 from conductor.types import Instance, KeyChain, Load, Role, ScheduleRequest, Slo
 from kvstore.events import Tier
 from mooncake import tls
@@ -192,9 +194,9 @@ def wire_client(
         send = lambda name, msg: getattr(stub, name)(msg, timeout=10)
     else:
         from conductor.fastpath import METHODS
-        from kvstore.control import ControlAddress, ControlChannel
+        from mooncake.runtime.framed import ControlAddress, ControlChannel
 
-        channel = ControlChannel(ControlAddress(address), methods=METHODS)
+        channel = ControlChannel(ControlAddress(address), METHODS)
         send = lambda name, msg: channel.call(name, msg, 10)
     pid = os.getpid()
     if method == "Schedule":

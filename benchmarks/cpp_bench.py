@@ -171,7 +171,8 @@ def main() -> None:
 def _cluster_bench(args, model_dir: Path, model_name: str, num_layers: int, vocab: int) -> None:
     import httpx
 
-    from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+    from mooncake.cluster.config import ClusterConfig
+    from mooncake.cluster.launcher import LocalCluster
 
     def first_token_s(endpoint: str, prompt: list[int]) -> float:
         t = time.perf_counter()

@@ -68,11 +68,13 @@ from rich.table import Table
 
 from benchmarks.benchutil import describe_machine, make_progress, resolve_model, run_interruptible, shielded
 from mooncake import tls
-from mooncake.cluster.launcher import ClusterConfig, Component, LocalCluster
+from mooncake.cluster.components import component_argv
+from mooncake.cluster.config import ClusterConfig
+from mooncake.cluster.launcher import Component, LocalCluster
 from mooncake.engine.config import DTYPES
+from mooncake.engine.interface import parse_vllm_args
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.serving.engines import parse_vllm_args
-from mooncake.serving.process import component_argv, default_block_size
+from mooncake.serving.worker_args import default_block_size
 
 GOAL_OVERLAP = {"native": 1.15, "vllm": 1.10}  # prefill with KV streaming and pool writes on / off, at most
 GOAL_POOL_CUT = 5.0  # vLLM: cold TTFT / TTFT with the prefix from the pool, at the longest prompt, at least

@@ -45,7 +45,7 @@ from rich.table import Table
 from benchmarks.benchutil import describe_machine, human, make_progress, parse_size, timed_loop
 from kvstore.client import KVStoreClient
 from mooncake.localproc import RedisServer
-from mooncake.serving.process import parse_ready
+from mooncake.runtime.process import parse_ready
 from transfer import BackendKind, TransferConfig, TransferEngine
 
 REPO = Path(__file__).resolve().parent.parent

@@ -351,7 +351,8 @@ def render(phases: dict[str, dict], capacity_rps: float, args, console: Console)
 @contextlib.contextmanager
 def local_cluster(args, console: Console):
     """The cluster ``mooncake up`` starts, on free ports; yields (its OpenAI base URL, its TTFT and TBT SLOs)."""
-    from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+    from mooncake.cluster.config import ClusterConfig
+    from mooncake.cluster.launcher import LocalCluster
 
     workdir = Path(tempfile.mkdtemp(prefix="overload-bench-"))
     model_dir, args.model_label = resolve_model(args, workdir)

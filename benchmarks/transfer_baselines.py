@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.benchutil import p50_us, timed_loop
-from mooncake.serving.process import parse_ready
+from mooncake.runtime.process import parse_ready
 
 DEFAULT_MOONCAKE_PATH = (
     Path.home() / ".cache" / "mooncake" / "mooncake-te"

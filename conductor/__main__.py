@@ -19,17 +19,18 @@ from prometheus_client import start_http_server
 
 from conductor.audit import PredictionLog
 from conductor.auth import TOKEN_FILE_ENV, read_token_file
-from conductor.core import ConductorConfig
+from conductor.config import ConductorConfig
 from conductor.fastpath import start_fast_path
 from conductor.leader import LeaderLease
 from conductor.persistence import RedisStore, make_store
 from conductor.policies import PolicyConfig
 from conductor.pool import make_provider
 from conductor.predictors import PredictorConfig
-from conductor.service import ConductorService, ConductorServicer, start_server
+from conductor.service import ConductorService
+from conductor.servicer import ConductorServicer, start_server
 from conductor.types import DEFAULT_SLO, Role, Slo
 from mooncake.cliargs import field_arg
-from mooncake.serving.process import print_ready
+from mooncake.runtime.process import print_ready
 
 SWITCH_INTERVAL_S = 0.0005  # the thread answering a Schedule gets the GIL this soon (Python's default: 5 ms)
 

@@ -15,18 +15,17 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field
-
 from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode
-from conductor.forecast import DecodeForecast, ForecastKind
+from conductor.config import ConductorConfig
+from conductor.forecast import DecodeForecast
 from conductor.index import KVIndex, PrefixMatch
+from conductor.learning import Learning
 from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local, step_at_cap
 from conductor.overload import MIN_RETRY_S, WAITABLE, Overload, clamp_retry
-from conductor.policies import PolicyConfig, PolicyKind, PrefillChoice, make_policy
-from conductor.predictors import PredictorConfig, Predictors
+from conductor.policies import PolicyKind, PrefillChoice, make_policy
+from conductor.predictors import Predictors
 from conductor.registry import Registry
 from conductor.types import (
-    DEFAULT_SLO,
     Decision,
     Instance,
     Measured,
@@ -43,89 +42,7 @@ from conductor.types import (
 from conductor.waiting import SHEDDABLE_LOAD, WAIT_GAP_S, FairShare, WaitQueue
 from kvstore.events import Tier
 
-HANDOFF_ALPHA = 0.1  # how far one measured hand-off moves the learnt one
-SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or more) moves its instance's slowdown
-SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
-SLOWDOWN_RANGE = (0.5, 8.0)
 MAX_PENDING_TTFTS = 100_000  # predictions awaiting their measured TTFT (a worker that never reports cannot grow it)
-
-
-class ConductorConfig(BaseModel):
-    policy: PolicyKind = Field(
-        PolicyKind.KVCACHE_CENTRIC, description="prefill placement policy (a value persisted in Redis wins)"
-    )
-    admission: AdmissionKind = Field(
-        AdmissionKind.EARLY_PREDICTIVE,
-        description="admission (early rejection) policy (a value persisted in Redis wins); early_wait is "
-        "early_predictive whose requests predicted to meet their SLOs if placed a little later wait at their "
-        "gateway instead of being refused (conductor.admission)",
-    )
-    slo_classes: dict[str, Slo] = Field(default_factory=lambda: {"default": DEFAULT_SLO})
-    block_bytes: int = Field(
-        320 * 1024 * 16,
-        gt=0,
-        description="bytes of one KV block for transfer estimates until a pool node registers its own (which replaces "
-        "this)",
-    )
-    heartbeat_timeout_s: float = Field(10.0, gt=0, description="seconds of silence before an instance is dead")
-    suspect_hold_s: float = Field(
-        1.0,
-        ge=0,
-        description="an instance reported failing gets nothing new until a heartbeat "
-        "sent this long after the report (a dead one sends none, and is dead after heartbeat_timeout_s)",
-    )
-    default_decode_s: float = Field(10.0, gt=0, description="t_d before any decode has finished")
-    decode_forecast: ForecastKind = Field(
-        ForecastKind.SURVIVAL,
-        description="early_predictive's decode forecast: survival (measured decode durations, each request weighed "
-        "by how long it has run, plus the joins to come at the recent rate) or uniform (the paper's: every decode "
-        "lasts t_d)",
-    )
-    local_prefill: LocalPrefill = Field(
-        LocalPrefill.AUTO,
-        description="where prompts are computed: auto (a prefill worker or the decode worker itself, whichever is "
-        "predicted to reach the first token sooner with its steps within the TBT SLO, the decode worker only "
-        "while it has time to spare (--local-max-load): a short prompt, or a short new part of a prompt whose "
-        "prefix is in the pool, skips the hand-off; conductor.local), never (a prefill worker; the paper's "
-        "disaggregation) or always (the decode worker, where it runs our engine)",
-    )
-    local_max_load: float = Field(
-        0.5,
-        gt=0,
-        le=1.0,
-        description="auto: a decode worker computes prompts only while its batch's predicted step is at most this "
-        "share of the TBT limit (0 < x <= 1; a busier one has no time to spare: every chunk lengthens every running "
-        "request's step)",
-    )
-    local_chunk_tokens: int = Field(
-        512,
-        ge=1,
-        description="a decode worker's token budget per step where it does not register its own (ours do: their "
-        "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes",
-    )
-    default_handoff_s: float = Field(
-        0.0,
-        ge=0,
-        description="what handing a prompt's KV from a prefill worker to a decode "
-        "worker costs before any is measured (decode workers report each; the first replaces this)",
-    )
-    tbt_headroom: float = Field(
-        1.0,
-        gt=0,
-        le=1.0,
-        description="admit while the predicted mean decode step stays under this share of the TBT SLO (0 < x <= 1; "
-        "the SLO is on a request's slowest gaps, not its mean); the decode workers' batch cap holds their step at the "
-        "same share (decode_cap: the Conductor's step model, sent with each heartbeat's answer)",
-    )
-    wait_queue: int = Field(
-        64,
-        ge=1,
-        description="early_wait: the most requests of one priority waiting at once (past it they are refused)",
-    )
-    predictors: PredictorConfig = Field(default_factory=PredictorConfig)
-    policy_config: PolicyConfig = Field(default_factory=PolicyConfig)
-
-    model_config = {"arbitrary_types_allowed": True}
 
 
 @dataclass
@@ -150,7 +67,7 @@ class Counters:
     local: int = 0  # of the scheduled, computed on their decode worker (conductor.local)
 
 
-class Conductor(Registry, Overload):
+class Conductor(Registry, Learning, Overload):
     def __init__(self, config: ConductorConfig | None = None) -> None:
         self.config = config or ConductorConfig()
         self.instances: dict[str, Instance] = {}
@@ -204,83 +121,6 @@ class Conductor(Registry, Overload):
 
     def snapshot(self, node: str, blocks: list[tuple[bytes, Tier, bytes | None]]) -> None:
         self.index.reset_node(node, blocks)
-
-    # -- measurements ----------------------------------------------------------------------
-
-    def prefill_sample(
-        self, prompt_tokens: int, cached_tokens: int, seconds: float, instance: str | None = None
-    ) -> None:
-        """One measured prefill; ``instance`` (its id) says whose: a pipeline group's samples fit its own predictor."""
-        inst = self.instances.get(instance) if instance is not None else None
-        predictor = (
-            self.predictors.prefill
-            if inst is None
-            else self.predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk)
-        )
-        predictor.observe(prompt_tokens, cached_tokens, seconds)
-
-    def transfer_sample(self, num_bytes: int, seconds: float) -> None:
-        self.predictors.transfer.observe(num_bytes, seconds)
-
-    def decode_started(
-        self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
-    ) -> Prediction | None:
-        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known), of
-        which ``queue_s`` and ``prefill_s`` in its prefill worker's queue and prefill (0: not measured). Returns what
-        was predicted for it when this measured TTFT is its first (``_measured``)."""
-        self.forecast.decode_started(request_id, now)
-        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
-
-    def finished(
-        self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
-    ) -> Prediction | None:
-        """``request_id`` left its decode worker: done, failed, cancelled, or answered with its first token alone
-        (``measured_ttft_s`` > 0: it got one, without joining a batch). Returns as ``decode_started`` does."""
-        self.forecast.finished(request_id, now)
-        self.shares.finished(request_id)
-        self.waiting.release(request_id)
-        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
-
-    def handoff_sample(self, seconds: float) -> None:
-        """A decode worker measured one hand-off: its TTFT less the prefill worker's own queue and prefill. The first
-        replaces the default; the later ones are averaged in."""
-        if seconds < 0:
-            raise ValueError(f"bad hand-off sample: {seconds} s")
-        self.handoff_s = (
-            seconds if not self._handoffs else (1 - HANDOFF_ALPHA) * self.handoff_s + HANDOFF_ALPHA * seconds
-        )
-        self._handoffs += 1
-
-    def _measured(self, request_id: str, measured: Measured, now: float) -> Prediction | None:
-        """A request's TTFT came out (first report only): its prefill instance's ``slowdown`` moves toward what it
-        implies; its predicted prefill and queue times scale by it. A worker's predictor learns what a prompt's steps
-        cost; what the client waits for also holds the time between steps, the hops, and cores shared with the other
-        workers (on 2 cores, two prefill workers and a decode worker came out at twice their predictions as soon as all
-        were busy). A prediction of well under a second weighs less: its fixed hops are most of it. No TTFT: it ended
-        before its prefill (its decode worker turned it away), so it never reached the instance.
-
-        Returns its prediction (None: no prediction is held for it, or no TTFT was measured)."""
-        made = self._ttfts.pop(request_id, None)
-        if made is None:
-            return None
-        predicted, slowdown = made.predicted, made.slowdown
-        measured_ttft_s = measured.ttft_s
-        inst = self.instances.get(made.instance)
-        if measured_ttft_s <= 0.0:
-            if inst is not None:
-                inst.lose(request_id)
-            return None
-        if self.audit is not None:
-            self.audit(request_id, made, measured, now)
-        transfer = predicted.transfer_s
-        work = predicted.ttft_s - transfer
-        if inst is not None and work > 0.0:
-            implied = slowdown * min(max((measured_ttft_s - transfer) / work, SLOWDOWN_STEP[0]), SLOWDOWN_STEP[1])
-            weight = SLOWDOWN_ALPHA * min(1.0, work)
-            inst.slowdown = min(
-                max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1]
-            )
-        return predicted
 
     # -- decisions -------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 A gRPC unary call from Python costs about 0.6 ms of CPU on these 2-core machines, more
 than a decision itself (conductor/index.py: tens of microseconds for a 100k-token
 prompt). Schedule (and Heartbeat and Report, which workers send all the time) therefore
-also travel as framed protobuf on a plain tcp port (kvstore/control.py: the same
+also travel as framed protobuf on a plain tcp port (mooncake/runtime/framed.py: the same
 messages, the same servicer methods, the same status codes), which the Conductor
 advertises in ``ListInstancesResponse.control_port``. Everything else stays on gRPC.
 
@@ -24,8 +24,8 @@ import contextlib
 import logging
 import socket
 
-from kvstore.control import MAX_MESSAGE, REQUEST, RESPONSE, ControlError, ControlServer, status_code
 from mooncake import tls
+from mooncake.runtime.framed import MAX_MESSAGE, REQUEST, RESPONSE, ControlError, ControlServer, status_code
 from protos import conductor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def start_fast_path(servicer, host: str, port: int = 0) -> ControlServer:
 
     No busy polling between calls (the kvstore's control port spins for the next call of
     a worker; a Conductor's clients are many and it shares its cores)."""
-    return ControlServer(servicer, host, port, spin_s=0.0, methods=METHODS, name="conductor-fast")
+    return ControlServer(servicer, METHODS, host, port, spin_s=0.0, name="conductor-fast")
 
 
 class AsyncFastChannel:

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from mooncake.engine.config import EngineConfig, nest_engine_fields
-from mooncake.serving.engines import EngineKind
+from mooncake.engine.interface import EngineKind
 from transfer import TransportChoice
 
 # a decode worker's engine: prompts arrive computed (the pool is the prefix cache, so none of its own)

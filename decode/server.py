@@ -12,9 +12,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from decode.config import DECODE_ENGINE_DEFAULTS, DecodeConfig
 from decode.worker import DecodeWorker, Failed
 from mooncake.cliargs import field_arg
-from mooncake.serving.engines import parse_vllm_args
-from mooncake.serving.process import WorkerProcess, engine_fields, run_worker, worker_parser
+from mooncake.engine.interface import parse_vllm_args
+from mooncake.runtime.process import WorkerProcess, run_worker
 from mooncake.serving.status import WORKER_STATUS, Busy
+from mooncake.serving.worker_args import engine_fields, worker_parser
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransportChoice

@@ -24,183 +24,53 @@ client has) runs the same steps with prompt + those tokens as the sequence to pr
 Ownership: a request's state (``DecodeState``) says what it holds: cache blocks or landing
 slots while PREFILLING (from step 2 until it joins the batch, or fails: blocks of a prefill
 that never answered return ``write_grace_s`` later, so a straggling write lands in nothing
-anyone attends), a place in the engine's batch while DECODING; ``_Decoding.close`` frees
+anyone attends), a place in the engine's batch while DECODING; ``Decoding.close`` frees
 whichever, in one place. Writes through the transfer server are refused outside the blocks
 granted to a live Prefill call (``_cache_guard``, ``_landing_guard``).
+
+The parts: a request's state and what it holds (decode/run.py: ``Decoding.close`` is the one place that frees
+it and reports FINISHED to the Conductor), the hand-off from a prefill worker (decode/handoff.py), a prompt
+computed here (decode/local_prefill.py), and write-behind (decode/writeback.py).
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import grpc
-import torch
 
 from decode.config import DecodeConfig
+from decode.handoff import RemotePrefill
+from decode.local_prefill import LocalPrefill
+from decode.run import DecodeState, Decoding, Failed
 from decode.writeback import BlockWriter
-from kvstore.client import KVStoreClient, KVStoreUnavailable
-from kvstore.wire import segment_to_pb
+from kvstore.client import KVStoreClient
 from mooncake import tls
-from mooncake.blocks import block_keys
+from mooncake.engine.interface import EngineKind
 from mooncake.engine.request import SamplingParams, match_stop_string
 from mooncake.engine.tokenizer import Tokenizer
+from mooncake.runtime.channels import ByAddress, client_options
+from mooncake.runtime.conductor_link import ConductorLink
 from mooncake.serving.build import build_engine
-from mooncake.serving.channels import ByAddress, client_options
-from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
-from mooncake.serving.status import REQUEST_CODES, WORKER_STATUS, Busy
+from mooncake.serving.status import WORKER_STATUS, Busy
 from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransferConfig, TransferEngine
-from transfer.types import TransferError, host_id
 
 log = logging.getLogger(__name__)
 
 
-class Failed(Exception):
-    """A status to end the stream with: ``code``, a message, and the instance that failed when it was not this one
-    (the prefill worker: the gateway's retry reports it to the Conductor)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, failed_instance: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.failed_instance = failed_instance
-
-
-class DecodeState(enum.Enum):
-    """Where one request stands on this worker; ``_Decoding.close`` frees what each state holds."""
-
-    PREFILLING = "prefilling"  # holds landing slots; the prefill worker writes them
-    DECODING = "decoding"  # in the engine's batch (the slots were copied into its cache and freed)
-    DONE = "done"  # finished (the engine dropped it, or it never joined)
-
-
-class _Decoding:
-    """One request's resources on this worker, by state: who frees what, in one place.
-
-    While PREFILLING it holds either landing slots (``slots``) or blocks of the engine's own cache (``blocks``,
-    written in place by the prefill). Blocks of a prefill that did not answer (cancelled, timed out, its worker
-    unreachable) may still see a straggling write: they go back to the engine only ``write_grace_s`` later."""
-
-    def __init__(self, worker: "DecodeWorker", request_id: str, slots: list[int], blocks: list[int]) -> None:
-        self.worker, self.request_id, self.slots, self.blocks = worker, request_id, slots, blocks
-        self.state = DecodeState.PREFILLING
-        self.answered = False  # the prefill worker answered (its writes are over, whatever the answer)
-        self.ttft_s = 0.0  # from the request's arrival here to its first token (0: it never got one)
-        self.handoff_s = 0.0  # of it, all but the prefill worker's own queue and prefill (0: not measured, or reported)
-        self.parts = (0.0, 0.0)  # and those two: the prefill worker's own queue and prefill (the Conductor's errors)
-        self.written = None  # its write-behind (decode.writeback.Written), once it has one
-        self._left = False  # counted out of the worker's requests in prefill
-        with worker._count_lock:
-            worker._in_prefill += 1
-
-    def join(
-        self,
-        sink: queue.Queue,
-        prompt: list[int],
-        params: SamplingParams,
-        outputs: list[int],
-        num_landed: int,
-        cache_salt: str | None,
-    ) -> None:
-        """PREFILLING -> DECODING: add the request to the batch, its prompt's KV already in its blocks (or copied out of
-        the landing slots, which are freed)."""
-        w = self.worker
-        kv: dict[str, Any] = (
-            {"kv_block_ids": self.blocks}
-            if self.blocks
-            else {"external_kv": w.landing.index_select(0, torch.tensor(self.slots, dtype=torch.long))}
-        )  # [n, L, 2, bs, Hkv, D]
-        self._free_slots()
-        future = w.loop.submit_nowait(
-            sink.put,
-            prompt_token_ids=prompt,
-            sampling_params=params,
-            request_id=self.request_id,
-            num_external_tokens=num_landed,
-            initial_output_token_ids=outputs,
-            cache_salt=cache_salt,
-            **kv,
-        )
-        try:
-            future.result()
-        except ValueError as e:
-            self.state = DecodeState.DONE  # the engine did not take the blocks: close() returns them
-            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
-        self.blocks = []  # the request's now: the engine frees them with it
-        self._leave_prefill()
-        self.state = DecodeState.DECODING
-
-    def _leave_prefill(self) -> None:
-        if not self._left:
-            self._left = True
-            with self.worker._count_lock:
-                self.worker._in_prefill -= 1
-
-    def _free_slots(self) -> None:
-        if self.slots:
-            self.worker.slots.free(self.slots)
-        self.slots = []
-
-    def free_blocks(self, now: bool = False) -> None:
-        """Give the cache blocks back: at once when the prefill answered (or ``now``: it answered without writing
-        them), else ``write_grace_s`` later."""
-        blocks, self.blocks = self.blocks, []
-        if not blocks:
-            return
-        release = functools.partial(self.worker.release_blocks, blocks)
-        if now or self.answered:
-            release()
-        else:
-            timer = threading.Timer(self.worker.config.write_grace_s, release)
-            timer.daemon = True
-            timer.start()
-
-    def close(self) -> None:
-        """However the request ended (finished, failed, the client gone): release what its state holds."""
-        self._free_slots()
-        self.free_blocks()
-        self._leave_prefill()
-        if self.state is DecodeState.DECODING:
-            self.worker.loop.abort(self.request_id)  # a no-op once it finished
-        if self.worker.link is not None:
-            self.worker.link.finished(
-                self.request_id, self.ttft_s, self.handoff_s, *self.parts
-            )  # out of the Conductor's decode forecast
-        self.state = DecodeState.DONE
-
-
-@dataclass(slots=True)
-class FirstToken:
-    token: int
-    cached_tokens: int
-    by_tier: dict[str, int]
-    logprobs: list  # [wpb.TokenLogprob] of the token, when the sampling asked
-    prompt_logprobs: list  # [wpb.TokenLogprob] of prompt tokens 1.., when the sampling asked
-    queue_s: float = 0.0  # the prefill worker's own queue
-    prefill_s: float = 0.0  # and its own prefill
-
-    @property
-    def worker_s(self) -> float:
-        return self.queue_s + self.prefill_s
-
-
-class DecodeWorker:
+class DecodeWorker(RemotePrefill, LocalPrefill):
     """Owns the engine, the landing segment and the prefill channels. ``generate`` runs on gRPC threads."""
 
     def __init__(self, config: DecodeConfig, link: ConductorLink | None = None) -> None:
@@ -393,6 +263,7 @@ class DecodeWorker:
         prompt, outputs = list(req.prompt_token_ids), list(req.output_token_ids)
         sequence = prompt + outputs  # what the prefill computes (its KV lands here)
         local = req.placement.local_prefill
+        run = Decoding(self, req.request_id, [], [])  # however it ends, run.close() tells the Conductor (FINISHED)
         try:
             params = self._params(req, prompt, len(outputs), local)
             if not local and not req.placement.prefill_address:
@@ -407,17 +278,13 @@ class DecodeWorker:
                     "it cannot compute a prompt itself",
                 )
             self._admit()
-            if local:
-                slots, blocks = [], []  # the engine gives it blocks as it computes
-            else:
-                slots, blocks = self._reserve(
+            if not local:  # (a local prompt: the engine gives it blocks as it computes)
+                run.slots, run.blocks = self._reserve(
                     -(-len(sequence) // self.config.engine_config.block_size), req.placement.prefill_address
                 )
         except (Busy, Failed):
-            if self.link is not None:  # the Conductor counted it here when it scheduled it
-                self.link.finished(req.request_id)
+            run.close()
             raise
-        run = _Decoding(self, req.request_id, slots, blocks)
         if local:
             try:
                 yield from self._local(req, prompt, outputs, params, run, context, t0)
@@ -473,7 +340,7 @@ class DecodeWorker:
 
     def _stream(
         self,
-        run: _Decoding,
+        run: Decoding,
         outputs_queue: queue.Queue,
         stream: TextStream,
         usage: dict,
@@ -511,85 +378,6 @@ class DecodeWorker:
             if run.written is not None:  # the newest token's KV is computed by the next step
                 self.writer.progress(run.written, num_prompt + len(out.output_token_ids) - 1)
 
-    def _local(
-        self,
-        req: wpb.GenerateRequest,
-        prompt: list[int],
-        outputs: list[int],
-        params: SamplingParams,
-        run: _Decoding,
-        context,
-        t0: float,
-    ) -> Iterator[wpb.GenerateChunk]:
-        """Compute the prompt here (the Conductor's local placement, conductor.local): read the planned prefix from
-        the pool node, run the rest through this engine (in chunks of its token budget, between the batch's decode
-        steps), stream as a handed-over request streams; the prompt's new blocks go into the pool as they fill, as
-        generated ones do (write-behind), so the next turn finds them there."""
-        rid, plan = req.request_id, req.placement.plan
-        salt = req.cache_salt if req.HasField("cache_salt") else None
-        sequence = prompt + outputs
-        external, cached = None, 0
-        if (
-            plan.fetch_blocks and plan.fetch_address and params.prompt_logprobs is None
-        ):  # (those need the whole prompt here)
-            external, cached = self._read_prefix(plan.fetch_address, sequence, salt, plan.fetch_blocks)
-        outputs_queue: queue.Queue = queue.Queue()
-        future = self.loop.submit_nowait(
-            outputs_queue.put,
-            prompt_token_ids=prompt,
-            sampling_params=params,
-            request_id=rid,
-            initial_output_token_ids=outputs,
-            cache_salt=salt,
-            external_kv=external,
-            num_external_tokens=cached,
-            chunk_tokens=req.placement.local_chunk_tokens,
-        )
-        try:
-            future.result()
-        except ValueError as e:
-            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
-        run.state = DecodeState.DECODING
-        context.add_callback(lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
-        usage = dict(
-            prompt_tokens=len(prompt), cached_tokens=cached, cached_tokens_by_tier={"remote": cached} if cached else {}
-        )
-
-        def first(out) -> dict:
-            run.ttft_s = time.perf_counter() - t0
-            run._leave_prefill()
-            if self.writer is not None:  # from the first block not read from the pool: the prompt's own, then generated
-                run.written = self.writer.start(rid, req.placement.prefill_node_address, cached)
-            if self.link is not None and not out.finished:
-                self.link.decode_started(rid, run.ttft_s)
-            return {"prompt_logprobs": [logprob_to_pb(lp) for lp in out.prompt_logprobs or ()]}
-
-        stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
-        yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context, first)
-
-    def _read_prefix(
-        self, address: str, sequence: list[int], salt: str | None, planned: int
-    ) -> tuple[torch.Tensor | None, int]:
-        """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine
-        imports them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last
-        token).
-        Fewer when the node has fewer by now (evicted), none when it cannot be read: the engine computes the rest."""
-        bs = self.config.engine_config.block_size
-        keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[:planned]
-        if not keys:
-            return None, 0
-        try:
-            got = self._pool.get(address).get(keys)
-        except (KVStoreUnavailable, TransferError, TimeoutError, KeyError, grpc.RpcError) as e:
-            log.info("prefix of %d blocks from %s unreadable (%s): computed here instead", len(keys), address, e)
-            return None, 0
-        if not got.num_blocks:
-            return None, 0
-        kv = slot_tensor(got.data, self.engine.block_shape, self.engine_dtype)
-        return kv, min(
-            got.num_blocks * bs, len(sequence) - 1
-        )  # its last token is computed here (the first output needs it)
-
     def _params(
         self, req: wpb.GenerateRequest, prompt: list[int], num_outputs: int, local: bool = False
     ) -> SamplingParams:
@@ -612,117 +400,6 @@ class DecodeWorker:
             )  # a prefill worker computes those
         except ValueError as e:
             raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
-
-    def _prefill(
-        self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context
-    ) -> FirstToken:
-        try:
-            return self._granted_prefill(req, sequence, num_outputs, run, context)
-        except Failed as e:
-            if e.code is not grpc.StatusCode.FAILED_PRECONDITION or not run.blocks:
-                raise
-        # that prefill worker cannot write this engine's CUDA cache (another host, or no GPU):
-        # landing slots, from now on
-        log.info(
-            "prefill worker at %s cannot write this decode engine's cache: it lands in slots",
-            req.placement.prefill_address,
-        )
-        self._staged_prefills.add(req.placement.prefill_address)
-        run.free_blocks(now=True)
-        run.slots, _ = self._reserve(
-            -(-len(sequence) // self.config.engine_config.block_size), req.placement.prefill_address
-        )
-        return self._granted_prefill(req, sequence, num_outputs, run, context)
-
-    def _granted_prefill(
-        self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context
-    ) -> FirstToken:
-        token = secrets.token_hex(16)
-        with self._grants_lock:
-            self._grants[token] = frozenset(run.blocks or run.slots)
-        try:
-            return self._call_prefill(req, sequence, num_outputs, run, context, token)
-        finally:
-            with self._grants_lock:
-                del self._grants[token]  # a straggling write after the call (a cancelled prefill's) is refused
-
-    def _landing(self, run: _Decoding, token: str) -> wpb.Landing:
-        """Where the prefill writes: the granted cache blocks (in place) or landing slots."""
-        if not run.blocks:
-            return wpb.Landing(
-                segment=segment_to_pb(self.landing_segment),
-                offsets=[s * self.block_bytes for s in run.slots],
-                block_bytes=self.block_bytes,
-                token=token,
-            )
-        segment = segment_to_pb(self.cache_segment) if self.cache_segment is not None else None
-        return wpb.Landing(
-            segment=segment,
-            block_bytes=self.block_bytes,
-            token=token,
-            cache_blocks=run.blocks,
-            cache_num_blocks=self.cache_num_blocks,
-            cuda_ipc=self.cuda_ipc,
-            host=host_id(),
-        )
-
-    def _call_prefill(
-        self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: _Decoding, context, token: str
-    ) -> FirstToken:
-        """Have the planned prefill worker write the KV of ``sequence`` (the prompt and, resuming, the ``num_outputs``
-        tokens streamed so far) where ``run`` lands it; return the token after it."""
-        placement = req.placement
-        landing = self._landing(run, token)
-        call = self._prefills.get(placement.prefill_address).Prefill.future(
-            wpb.PrefillRequest(
-                request_id=req.request_id,
-                prompt_token_ids=sequence,
-                sampling=req.sampling,
-                cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
-                plan=placement.plan,
-                landing=landing,
-                num_output_tokens=num_outputs,
-            ),
-            timeout=self.config.prefill_timeout_s,
-        )
-        context.add_callback(call.cancel)  # the client went away: so does the prefill
-        try:
-            resp = call.result()
-        except grpc.FutureCancelledError:
-            raise Failed(grpc.StatusCode.CANCELLED, "the client cancelled the request") from None
-        except grpc.RpcError as e:
-            code = e.code()
-            run.answered = code not in (
-                grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.UNAVAILABLE,
-            )
-            if code in REQUEST_CODES:  # the request's own fate: passed on as it is (mooncake.serving.status)
-                raise Failed(code, e.details()) from None
-            raise Failed(
-                grpc.StatusCode.UNAVAILABLE,
-                f"prefill worker {placement.prefill_id} at {placement.prefill_address} failed: "
-                f"{code.name} {e.details()}",
-                failed_instance=placement.prefill_id,
-            ) from None
-        run.answered = True
-        by_tier = {}
-        if resp.local_tokens:
-            by_tier["dram"] = resp.local_tokens - resp.ssd_tokens
-            if resp.ssd_tokens:
-                by_tier["ssd"] = resp.ssd_tokens
-        if resp.fetched_tokens:
-            by_tier["remote"] = resp.fetched_tokens
-        logprobs = [resp.first_logprob] if resp.HasField("first_logprob") else []
-        return FirstToken(
-            resp.first_token,
-            resp.cached_tokens,
-            {k: v for k, v in by_tier.items() if v},
-            logprobs,
-            list(resp.prompt_logprobs),
-            resp.queue_s,
-            resp.prefill_s,
-        )
 
     def _check_late_admission(self, context_tokens: int) -> None:
         """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted); the

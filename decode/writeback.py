@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
-from mooncake.serving.channels import ByAddress
+from mooncake.runtime.channels import ByAddress
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import tensor_bytes
 from transfer import TransferEngine, TransferError

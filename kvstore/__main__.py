@@ -16,9 +16,9 @@ from kvstore.config import StoreConfig
 from kvstore.metrics import store_registry
 from kvstore.service import KVStoreNode, start_server
 from mooncake.cliargs import field_arg
-from mooncake.serving.conductor_link import ConductorLink
-from mooncake.serving.process import print_ready, wait_for_signal
-from mooncake.serving.status_http import start_status_server
+from mooncake.runtime.conductor_link import ConductorLink
+from mooncake.runtime.process import print_ready, wait_for_signal
+from mooncake.runtime.status_http import start_status_server
 from protos import conductor_pb2 as cpb
 from transfer import TransferConfig, TransportChoice, add_transport_args, make_registry
 from transfer.metrics import TransferCollector

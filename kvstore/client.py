@@ -11,7 +11,7 @@ the node's DRAM segment::
         hit.num_blocks, hit.data            # the longest stored prefix and its bytes
 
 Errors: ``ValueError`` for bad input (wrong block size, bad keys), ``KeyError`` for an
-unknown reservation or lease, :class:`~kvstore.store.StoreFull` when the node cannot make
+unknown reservation or lease, :class:`~kvstore.records.StoreFull` when the node cannot make
 room, :class:`KVStoreUnavailable` when the node cannot be reached,
 :class:`~transfer.TransferError` when the bytes could not be moved.
 """
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvstore.control import METHOD_IDS, ControlAddress, ControlChannel, ControlError
+from kvstore.control import METHOD_IDS, METHODS
 from kvstore.errors import KVSTORE_STATUS, KVStoreUnavailable
-from kvstore.store import LookupResult, StoreFull
+from kvstore.records import LookupResult, StoreFull
 from kvstore.wire import GRPC_OPTIONS, PB_TO_TIER, segment_from_pb
 from mooncake import tls
+from mooncake.runtime.framed import ControlAddress, ControlChannel, ControlError
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from transfer import Segment, Slice, TransferConfig, TransferEngine, TransferError
@@ -119,9 +120,9 @@ class KVStoreClient:
     def _control_channel(self, stats: pb.StatsResponse) -> ControlChannel | None:
         local = bool(stats.control_uds) and stats.segment.host == host_id() and os.path.exists(stats.control_uds)
         if self._control_mode == "auto" and local:
-            return ControlChannel(ControlAddress("unix:" + stats.control_uds))
+            return ControlChannel(ControlAddress("unix:" + stats.control_uds), METHODS)
         if stats.control_port:
-            return ControlChannel(ControlAddress(f"{self.address.rpartition(':')[0]}:{stats.control_port}"))
+            return ControlChannel(ControlAddress(f"{self.address.rpartition(':')[0]}:{stats.control_port}"), METHODS)
         return None
 
     # -- control calls (one RPC each) -----------------------------------------------

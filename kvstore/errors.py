@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvstore.store import StoreFull
+from kvstore.records import StoreFull
 from mooncake.faults import StatusTable
 from transfer import TransferError
 

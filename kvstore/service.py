@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.config import StoreConfig
-from kvstore.control import ControlServer
+from kvstore.control import METHODS
 from kvstore.errors import KVSTORE_STATUS
 from kvstore.ssd import SsdTier
 from kvstore.store import BlockStore
 from kvstore.wire import GRPC_OPTIONS, KIND_TO_PB, TIER_TO_PB, segment_from_pb, segment_to_pb
 from mooncake import tls
-from mooncake.serving.channels import SERVER_OPTIONS
+from mooncake.runtime.channels import SERVER_OPTIONS
+from mooncake.runtime.framed import ControlServer
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from transfer import Slice, TransferConfig, TransferEngine
@@ -293,7 +294,7 @@ def start_server(
     """Start the gRPC service and the control fast path (tcp ``control_port``, Unix socket ``control_uds``) for
     ``node``."""
     servicer = KVStoreServicer(node)
-    control = ControlServer(servicer, host, control_port, control_uds)
+    control = ControlServer(servicer, METHODS, host, control_port, control_uds, name="kvstore-control")
     servicer.control_port, servicer.control_uds = control.port, control_uds or ""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-rpc"),

@@ -1,4 +1,5 @@
-"""Local helper processes: a free loopback port, a throwaway redis-server.
+"""Local helper processes: a free loopback port, a throwaway redis-server, the cores this process may use, CPU
+priority for the processes it starts.
 
 Used by the tests and benchmarks (real Redis, never a fake), and by anything that
 starts a cluster on one machine.
@@ -104,3 +105,33 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may start others above normal CPU priority (a negative nice): root, or CAP_SYS_NICE."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    effective = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+    return bool(int(effective, 16) & (1 << 23))  # CAP_SYS_NICE
+
+
+def nice_session(pid: int, nice: int) -> bool:
+    """Give the session ``pid`` leads the CPU priority ``nice``; False where the kernel has no autogroups.
+
+    With autogroups (Linux's default on desktops and most VMs: kernel.sched_autogroup_enabled)
+    the scheduler shares the CPUs fairly between sessions first, and a process's own nice
+    orders it only against the other processes of its session. A component alone in its
+    session would compete with the Conductor and the gateway as an equal, whatever its nice:
+    measured with ``benchmarks/overload_bench.py``, the gateway's event loop then sat
+    runnable but off the CPU for 20 to 95 ms at a time while both workers computed, and
+    that was the whole tail of the 429 latency.
+    """
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:
+        return False
+    return True

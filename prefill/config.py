@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from mooncake.engine.config import EngineConfig, nest_engine_fields
-from mooncake.serving.engines import EngineKind
+from mooncake.engine.interface import EngineKind
 from transfer import TransportChoice
 
 # a prefill worker's engine: a small cache and batch (it holds prompts only while computing them), no prefix

@@ -34,11 +34,11 @@ from collections.abc import Callable
 
 import torch
 
+from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.pipeline import PipelinePrefill
 from mooncake.engine.stage import split_layers
-from mooncake.serving.engines import EngineKind, engine_fingerprint
 from prefill.stage_process import ProcessPipeline, StageRequest, StageSpec
 
 log = logging.getLogger(__name__)

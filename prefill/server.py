@@ -14,10 +14,11 @@ from conductor.types import PREFILL_BUSY_BEAT_S
 from kvstore.client import KVStoreUnavailable
 from mooncake.cliargs import field_arg
 from mooncake.engine.config import EngineConfig
+from mooncake.engine.interface import parse_vllm_args
 from mooncake.faults import message
-from mooncake.serving.engines import parse_vllm_args
-from mooncake.serving.process import WorkerProcess, engine_fields, run_worker, worker_parser
+from mooncake.runtime.process import WorkerProcess, run_worker
 from mooncake.serving.status import WORKER_STATUS
+from mooncake.serving.worker_args import engine_fields, worker_parser
 from prefill.config import PREFILL_ENGINE_DEFAULTS, PrefillConfig
 from prefill.stage import read_key
 from prefill.worker import PrefillWorker

@@ -28,7 +28,7 @@ from mooncake.engine.config import DTYPES, EngineConfig
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.stage import split_layers
-from mooncake.serving.process import print_ready
+from mooncake.runtime.process import print_ready
 from prefill.stage_process import StageRuntime, StageSpec
 
 log = logging.getLogger(__name__)

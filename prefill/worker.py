@@ -32,33 +32,33 @@ import math
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import torch
 
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
-from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
+from kvstore.client import KVStoreClient
 from kvstore.wire import segment_from_pb
 from mooncake.blocks import block_keys
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.engine import RequestOutput
+from mooncake.engine.interface import EngineKind
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import tokenizer_or_none
+from mooncake.runtime.channels import ByAddress
+from mooncake.runtime.conductor_link import ConductorLink
 from mooncake.serving.build import build_engine
-from mooncake.serving.channels import ByAddress
-from mooncake.serving.conductor_link import ConductorLink
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.serving.engines import EngineKind
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from mooncake.serving.status import Cancelled, Unreachable
 from prefill.config import PrefillConfig
 from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import StageGroup
+from prefill.leases import Held, PoolLeases
 from prefill.stage_process import StagePush, StageRequest
 from protos import worker_pb2 as wpb
-from transfer import Segment, SharedRegion, Slice, TransferConfig, TransferEngine, TransferError
+from transfer import Segment, SharedRegion, TransferConfig, TransferEngine, TransferError
 from transfer.types import host_id
 
 log = logging.getLogger(__name__)
@@ -66,28 +66,7 @@ log = logging.getLogger(__name__)
 CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # calibrate's prompts, in step budgets: 64, 256 and 512 tokens on the CPU
 
 
-@dataclass(eq=False)
-class _Held:
-    """Pool resources a prefill holds until it ends: leases to release, reservations to commit or abort."""
-
-    local_lease: str | None = None
-    remote: tuple[KVStoreClient, str] | None = None  # (client, lease id)
-    fetch_reservation: str | None = None
-    keep_fetched: bool = True
-    new_reservation: str | None = None
-    fetch_batches: list = field(default_factory=list)  # one transfer batch per layer
-    fetch_started: float = 0.0
-    fetch_seconds: float = 0.0  # issue to the last layer landing (as the engine waited for it)
-    io_timeout_s: float = 30.0
-
-    def wait_layer(self, layer: int) -> None:
-        """Block until layer ``layer`` of the pull has landed (the engine calls it just before that layer)."""
-        self.fetch_batches[layer].wait(self.io_timeout_s)
-        if layer == len(self.fetch_batches) - 1:
-            self.fetch_seconds = time.perf_counter() - self.fetch_started
-
-
-class PrefillWorker:
+class PrefillWorker(PoolLeases):
     """Owns the engine, the connector, the pool clients. ``prefill`` is called from gRPC threads."""
 
     def __init__(self, config: PrefillConfig, link: ConductorLink | None = None) -> None:
@@ -244,7 +223,7 @@ class PrefillWorker:
         salt = req.cache_salt if req.HasField("cache_salt") else None
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
         job = self._job(req, num_blocks)
-        held = _Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
+        held = Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
         prefix = None
         self.received += 1  # the Conductor counts what it placed beyond this as on its way (Instance.in_transit)
         # queued from its arrival (the heartbeat reports it), as the plan says until the pool says what it holds
@@ -418,7 +397,7 @@ class PrefillWorker:
             )
         return cache
 
-    def _stored(self, held: "_Held", ok: bool) -> None:
+    def _stored(self, held: "Held", ok: bool) -> None:
         """The pool write of a finished prefill ended (on the connector's writer thread): commit what it wrote (or
         abort it when it failed: the pool lacks these blocks, nobody's request fails), release the leases."""
         if ok:
@@ -473,7 +452,7 @@ class PrefillWorker:
         prefix_tokens: list[str],
         cached: int,
         job: PrefillJob,
-        held: _Held,
+        held: Held,
         cancelled: threading.Event,
     ) -> None:
         """Run the request through the pipelined group: every stage reads its layers of the prefix from the pool
@@ -514,121 +493,6 @@ class PrefillWorker:
             out.prompt_logprobs or [],
         )
         job.finished_at = time.perf_counter()
-
-    # -- the pool ----------------------------------------------------------------------------------
-
-    def _load_plan(self, plan, keys: list[bytes], held: _Held) -> tuple[list[int], int, list[int]]:
-        """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched
-        slots)."""
-        local: list[int] = []
-        ssd_hits = 0
-        want = min(plan.local_blocks, len(keys))
-        if want:
-            got = self.kv.get_locations(keys[:want])
-            held.local_lease = got.lease_id
-            local = [s.offset // self.block_bytes for s in got.slots]
-            ssd_hits = got.ssd_hits
-        fetched: list[int] = []
-        n = min(plan.fetch_blocks, len(keys) - want)
-        if (
-            n > 0 and plan.fetch_address and len(local) == want
-        ):  # the fetch continues the local prefix only if it is whole
-            try:
-                fetched = self._start_fetch(
-                    plan.fetch_address, keys[want : want + n], want, held, keys[want - 1] if want else None
-                )
-            except (KVStoreUnavailable, TransferError, StoreFull, KeyError) as e:
-                log.warning("fetching %d blocks from %s failed (%s): computing them instead", n, plan.fetch_node, e)
-                self._release_fetch(held)
-                fetched = []
-        return local, ssd_hits, fetched
-
-    def _start_fetch(self, address: str, keys: list[bytes], first: int, held: _Held, parent: bytes | None) -> list[int]:
-        remote = self._remote.get(address)
-        got = remote.get_locations(keys)
-        held.remote = (remote, got.lease_id)
-        n = len(got.slots)
-        if not n:
-            return []
-        res = self.kv.reserve(
-            keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s, parent=parent
-        )
-        held.fetch_reservation = res.reservation_id
-        if res.existing:  # stored here meanwhile: not worth the bookkeeping, compute instead
-            self._release_fetch(held)
-            return []
-        slot_of = {bytes(s.key): s.offset for s in res.slots}
-        local_offsets = [slot_of[k] for k in keys[:n]]
-        seg = remote._segment(got.segment)
-        lb = self.layer_bytes
-        held.fetch_started = time.perf_counter()
-        for layer in range(self.block_shape[0]):
-            slices = [
-                Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb, got.lease_id)
-                for i in range(n)
-            ]
-            held.fetch_batches.append(self.transfer.read(self._pool_bytes, slices))
-        return [o // self.block_bytes for o in local_offsets]
-
-    def _reserve_new(self, keys: list[bytes], first: int, held: _Held) -> dict[int, int]:
-        """Reserve pool slots for full blocks ``first..`` (those the pool lacks); return {block index: slot}."""
-        new = keys[first:]
-        if not new or not self.config.store_new_blocks:
-            return {}
-        try:
-            res = self.kv.reserve(
-                new,
-                positions=list(range(first, len(keys))),
-                ttl_s=self.config.reservation_ttl_s,
-                parent=keys[first - 1] if first else None,
-            )
-        except StoreFull as e:
-            log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
-            return {}
-        held.new_reservation = res.reservation_id
-        index = {k: first + i for i, k in enumerate(new)}
-        return {index[bytes(s.key)]: s.offset // self.block_bytes for s in res.slots}
-
-    def _commit(self, held: _Held) -> None:
-        """Make the pulled (when kept) and new blocks visible in the pool. The request does not depend on it: its KV
-        is on the decode worker already, so a reservation that expired only costs the pool these blocks."""
-        for name in ("fetch_reservation", "new_reservation"):
-            rid = getattr(held, name)
-            if rid is None:
-                continue
-            setattr(held, name, None)
-            try:
-                if name == "fetch_reservation" and not held.keep_fetched:
-                    self.kv.abort(rid)
-                else:
-                    self.kv.commit(rid)
-            except KeyError as e:
-                log.warning("pool reservation %s ended before its commit (%s): these blocks are not stored", rid, e)
-
-    def _release(self, held: _Held) -> None:
-        """Release leases; abort what was not committed (after every pull has stopped touching the slots)."""
-        self._release_fetch(held)
-        for rid in (held.new_reservation,):
-            if rid is not None:
-                _quietly(self.kv.abort, rid)
-        held.new_reservation = None
-        if held.local_lease is not None:
-            _quietly(self.kv.release, held.local_lease, False)
-            held.local_lease = None
-
-    def _release_fetch(self, held: _Held) -> None:
-        for batch in held.fetch_batches:
-            try:
-                batch.wait(self.config.io_timeout_s)
-            except TransferError:
-                pass
-        if held.fetch_reservation is not None:
-            _quietly(self.kv.abort, held.fetch_reservation)
-            held.fetch_reservation = None
-        if held.remote is not None:
-            client, lease = held.remote
-            _quietly(client.release, lease, False)
-            held.remote = None
 
     # -- load ------------------------------------------------------------------------------------
 
@@ -692,10 +556,3 @@ def _prefill_params(req: wpb.PrefillRequest, prompt: list[int]):
 
 def _started(job: PrefillJob) -> None:
     job.started_at = time.perf_counter()
-
-
-def _quietly(fn, *args) -> None:
-    try:
-        fn(*args)
-    except (KeyError, KVStoreUnavailable):
-        pass  # expired or the node is gone: nothing left to free

@@ -11,13 +11,14 @@ import torch
 from conductor.auth import bearer
 from mooncake import tls
 from mooncake.blocks import model_fingerprint
-from mooncake.cluster.launcher import ClusterConfig, LocalCluster
+from mooncake.cluster.config import ClusterConfig
+from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
 from mooncake.engine.loader import model_identity
 from mooncake.engine.request import SamplingParams
-from mooncake.serving.cluster import ClusterBackend
-from mooncake.serving.recovery import RecoveryConfig
+from mooncake.gateway.cluster_backend import ClusterBackend
+from mooncake.gateway.recovery import RecoveryConfig
 from mooncake.serving.types import GenerationChunk, GenerationRequest
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
-from conductor.core import Conductor, ConductorConfig
+from conductor.config import ConductorConfig
+from conductor.core import Conductor
 from conductor.index import KVIndex, PrefixMatch, chain_parents
 from conductor.predictors import PredictorConfig, Predictors
 from conductor.types import Instance, Load, Rejection, Role, ScheduleRequest, Slo

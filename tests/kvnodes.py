@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mooncake.localproc import RedisServer, free_port  # noqa: F401  (the tests' fixtures use both)
-from mooncake.serving.process import parse_ready
+from mooncake.runtime.process import parse_ready
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""mooncake.serving.channels: ByAddress, the one cache of clients by peer address (prefill and decode workers, the
+"""mooncake.runtime.channels: ByAddress, the one cache of clients by peer address (prefill and decode workers, the
 write-behind), and Conductors, the one Conductor failover (the gateway and every worker's link)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from mooncake.serving.channels import ByAddress, Conductors
+from mooncake.runtime.channels import ByAddress, Conductors
 
 
 class Client:

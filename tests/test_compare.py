@@ -66,7 +66,7 @@ def test_on_cuda_the_trace_slos_and_cluster_take_a_gpus_scale_unless_given(capsy
 def test_a_gpu_run_puts_both_systems_on_the_gpu(tiny_dir, tmp_path, monkeypatch):
     """The coupled engine and every cluster worker get --device and --dtype: the argv and config compare.py's own
     coupled_server and cluster_server build, stopped before any process starts."""
-    from mooncake.serving.process import COMPONENTS, component_parser
+    from mooncake.cluster.components import COMPONENTS, component_parser
 
     class NotHere(Exception):
         pass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from conductor.core import Conductor, ConductorConfig
+from conductor.config import ConductorConfig
+from conductor.core import Conductor
 from conductor.types import Decision, Instance, InstanceState, Rejection, RejectReason, Role, ScheduleRequest
 
 BT = 16

@@ -15,10 +15,10 @@ import pytest
 from kvnodes import start_conductor
 
 from conductor.fastpath import AsyncFastChannel
-from kvstore.control import ControlError
 from mooncake import tls
 from mooncake.blocks import block_keys, model_fingerprint
-from mooncake.serving.cluster import ClusterBackend
+from mooncake.gateway.cluster_backend import ClusterBackend
+from mooncake.runtime.framed import ControlError
 from mooncake.serving.types import GenerationRequest, InvalidRequest, Rejected
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc

@@ -12,7 +12,7 @@ from kvnodes import wait_for
 
 from conductor.leader import LEADER_KEY, LeaderLease
 from mooncake.localproc import free_port
-from mooncake.serving.process import parse_ready
+from mooncake.runtime.process import parse_ready
 
 LEASE_S = 0.3
 

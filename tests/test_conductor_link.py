@@ -1,4 +1,4 @@
-"""A worker's line to the Conductor (mooncake.serving.conductor_link) against a real Conductor over gRPC: the
+"""A worker's line to the Conductor (mooncake.runtime.conductor_link) against a real Conductor over gRPC: the
 heartbeats that carry a prefill worker's queue come when the queue changes and often while it is busy, so the
 Conductor places requests on the queue as it is."""
 
@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import time
 
-from conductor.core import ConductorConfig
-from conductor.service import ConductorService, start_server
-from mooncake.serving.conductor_link import ConductorLink
+from conductor.config import ConductorConfig
+from conductor.service import ConductorService
+from conductor.servicer import start_server
+from mooncake.runtime.conductor_link import ConductorLink
 from protos import conductor_pb2 as pb
 
 

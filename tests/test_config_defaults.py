@@ -10,11 +10,11 @@ import yaml
 from typer.testing import CliRunner
 
 from conductor.__main__ import parse_args as conductor_args
-from conductor.core import ConductorConfig
+from conductor.config import ConductorConfig
 from conductor.types import DEFAULT_SLO
 from decode.config import DecodeConfig
 from mooncake.cli.main import app
-from mooncake.cluster.launcher import ClusterConfig
+from mooncake.cluster.config import ClusterConfig
 from mooncake.engine.config import EngineConfig
 from prefill.config import PrefillConfig
 
@@ -78,7 +78,7 @@ def test_a_switch_that_defaults_to_on_must_be_named_by_hand():
 
 def test_the_engine_flags_become_the_workers_engine_config():
     from decode.server import parse_args as decode_args
-    from mooncake.serving.process import engine_fields
+    from mooncake.serving.worker_args import engine_fields
 
     args = decode_args(["--model", "m", "--engine", "vllm", "--threads", "3", "--enforce-eager"])
     config = DecodeConfig(engine="vllm", engine_config=engine_fields(args))
@@ -88,7 +88,7 @@ def test_the_engine_flags_become_the_workers_engine_config():
 
 def test_to_argv_spells_the_components_own_flags_and_refuses_what_it_would():
     from mooncake.cliargs import to_argv
-    from mooncake.serving.process import worker_parser
+    from mooncake.serving.worker_args import worker_parser
 
     p = worker_parser("w", "a worker", "w-0", {"num_kv_blocks": 8, "max_num_seqs": 4})
     argv = to_argv(p, model="m", threads=3, max_model_len=None, enforce_eager=True, vllm_arg=["a=1", "b=2"])
@@ -106,8 +106,8 @@ def test_to_argv_spells_the_components_own_flags_and_refuses_what_it_would():
 def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_settings(tiny_dir, tmp_path):
     """`mooncake up`'s argv for every component parses with that component's parser (the launcher renders it from
     the parser), and carries ClusterConfig's settings: its SLO, dtype, block size, engine and limits."""
+    from mooncake.cluster.components import COMPONENTS, component_parser
     from mooncake.cluster.launcher import LocalCluster
-    from mooncake.serving.process import COMPONENTS, component_parser
 
     config = ClusterConfig(
         model=str(tiny_dir),
@@ -147,7 +147,7 @@ def test_mooncake_up_shares_the_usable_cores_among_the_workers_that_compute(tiny
     use (a pipelined group counts its stages), at least one; torch's default, a thread per core in every worker,
     oversubscribed them. On CUDA, or with --threads, nothing is chosen for the user."""
     from mooncake.cluster import launcher
-    from mooncake.serving.process import COMPONENTS, component_parser
+    from mooncake.cluster.components import COMPONENTS, component_parser
 
     monkeypatch.setattr(launcher, "usable_cpus", lambda: list(range(16)))
     by_module = {run: name for name, (run, _) in COMPONENTS.items()}
@@ -189,7 +189,7 @@ def test_the_charts_defaults_are_the_components_own():
     in the component's config model, and a changed default reaches the chart (or this test says where it differs)."""
     from charts import expanded_args, mooncake_containers, render
 
-    from mooncake.serving.process import component_parser
+    from mooncake.cluster.components import component_parser
 
     docs = render()
     seen = set()

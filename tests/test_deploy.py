@@ -56,7 +56,7 @@ from charts import (
     run,
 )
 
-from mooncake.serving.process import parse_ready
+from mooncake.runtime.process import parse_ready
 
 # -- lint, render, validate ------------------------------------------------------------
 
@@ -333,7 +333,7 @@ def test_every_variable_in_a_command_line_is_defined(values):
 def test_command_lines_parse_with_the_components_own_parsers(values):
     """Each container's args, with the variables expanded as Kubernetes would, are accepted by
     ``mooncake serve <component>``'s argument parser, and the shared settings agree."""
-    from mooncake.serving.process import COMPONENTS
+    from mooncake.cluster.components import COMPONENTS
 
     docs = render(*VALUE_SETS[values])
     config = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]
@@ -388,7 +388,7 @@ def test_vllm_on_gpus_asks_for_the_vllm_cuda_image_and_a_gpu_per_worker(values):
 def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vllm_engine():
     """Each of engine.vllmArgs is one --vllm-arg of every prefill and decode worker, and the workers turn them
     into vLLM EngineArgs keywords (JSON values parsed); the gateway and the native engine get none."""
-    from mooncake.serving.engines import parse_vllm_args
+    from mooncake.engine.interface import parse_vllm_args
 
     wanted = ["enforce_eager=true", "gpu_memory_utilization=0.85", 'compilation_config={"level": 0}']
     sets = ["--set-json", f"engine.vllmArgs={json.dumps(wanted)}"]

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import GatewayConfig, create_app
+from mooncake.gateway.local_backend import LocalBackend
 from mooncake.localproc import free_port
-from mooncake.serving.local import LocalBackend
 from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, Rejected, Unavailable
 
 pytestmark = pytest.mark.timeout(120)

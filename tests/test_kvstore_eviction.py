@@ -7,7 +7,8 @@ import pytest
 from kvstore.config import StoreConfig
 from kvstore.events import EventKind
 from kvstore.eviction import LengthAwarePolicy, LFUPolicy, LRUPolicy, make_policy
-from kvstore.store import BlockStore, StoreFull
+from kvstore.records import StoreFull
+from kvstore.store import BlockStore
 
 BB = 64
 A, B, C, D, E, F, G, H = (bytes([i]) * 16 for i in range(1, 9))

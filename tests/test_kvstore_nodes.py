@@ -16,11 +16,12 @@ import pytest
 from kvnodes import REPO, free_port, start_node
 
 from kvstore.client import KVStoreClient, KVStoreUnavailable
-from kvstore.control import ControlAddress, ControlChannel, ControlError
+from kvstore.control import METHODS
 from kvstore.events import Tier
-from kvstore.store import StoreFull
+from kvstore.records import StoreFull
 from mooncake import tls
 from mooncake.blocks import block_keys, model_fingerprint
+from mooncake.runtime.framed import ControlAddress, ControlChannel, ControlError
 from protos import kvstore_pb2 as pb
 from transfer import RedisRegistry, TransferConfig, TransferEngine
 
@@ -139,7 +140,7 @@ def test_hot_calls_take_the_control_fast_path_with_the_same_answers(nodes):
             fast.release("nope")
     with KVStoreClient(a.grpc, control="tcp") as remote:  # the tcp port, as another host reaches it
         assert remote.get(keys).dram_hits == 3 and remote._control.address.target == a.info["control"]
-    chan = ControlChannel(ControlAddress(a.info["control"]))
+    chan = ControlChannel(ControlAddress(a.info["control"]), METHODS)
     try:
         got = chan.call("Get", pb.GetRequest(keys=keys, block_bytes=BB), timeout=5)
         assert [s.key for s in got.slots] == keys and got.segment.name == a.info["segment"]

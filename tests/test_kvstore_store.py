@@ -11,8 +11,9 @@ import xxhash
 
 from kvstore.config import StoreConfig
 from kvstore.events import EventKind, Tier
+from kvstore.records import StoreFull
 from kvstore.ssd import HEADER_V1, MAGIC, CorruptBlock, SsdTier
-from kvstore.store import BlockStore, StoreFull
+from kvstore.store import BlockStore
 
 BB = 4096 + 100  # not a multiple of the SSD alignment on purpose
 

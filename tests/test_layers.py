@@ -1,4 +1,5 @@
-"""The code's layers point one way: no module imports, directly or through others, a module that imports it.
+"""The code's layers point one way: packages import only packages below them (``ORDER``), and no module imports,
+directly or through others, a module that imports it.
 
 Read from the source (every ``import``, at the top or inside a function, except under
 ``if TYPE_CHECKING:``), so a cycle shows here before it shows as a half-initialised module
@@ -12,6 +13,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("mooncake", "conductor", "prefill", "decode", "kvstore", "transfer", "protos", "benchmarks")
+
+# The packages from the bottom up: each imports only packages of the layers before its own (a module of a package
+# listed here belongs to the longest name it starts with). A new package must be placed here.
+ORDER = (
+    ("transfer", "protos"),  # the transfer engine; the generated wire types
+    ("mooncake", "mooncake.blocks", "mooncake.tls", "mooncake.faults", "mooncake.cliargs", "mooncake.localproc"),
+    ("mooncake.runtime",),  # process plumbing: READY, signals, channels, the Conductor link, /metrics, framed RPC
+    ("mooncake.engine",),  # our engine, and the interface both engines implement
+    ("mooncake.vllm_engine",),
+    ("mooncake.serving",),  # what the workers share above the engines
+    ("kvstore",),
+    ("conductor",),
+    ("prefill", "decode"),
+    ("mooncake.gateway",),  # the OpenAI API and its backends (the cluster's, one engine's)
+    ("mooncake.cluster",),  # mooncake up's launcher
+    ("mooncake.cli",),
+    ("benchmarks",),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -118,6 +137,33 @@ def test_no_module_imports_itself_through_others():
     assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+def _package(module: str) -> str | None:
+    listed = [p for layer in ORDER for p in layer if module == p or module.startswith(p + ".")]
+    return max(listed, key=len, default=None)
+
+
+def test_packages_import_only_the_layers_below_them():
+    rank = {p: i for i, layer in enumerate(ORDER) for p in layer}
+    graph = _graph()
+    unplaced = sorted(m for m in graph if _package(m) is None)
+    assert unplaced == [], f"modules of packages ORDER does not place: {unplaced}"
+    against = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if _package(m) != _package(d) and rank[_package(m)] <= rank[_package(d)]
+    )
+    assert against == [], "imports against the package order: " + "; ".join(against)
+
+
+def test_the_order_is_checked_both_ways():
+    assert _package("mooncake.engine.model") == "mooncake.engine" and _package("mooncake.tls") == "mooncake.tls"
+    assert _package("mooncake.gateway.app") == "mooncake.gateway" and _package("elsewhere") is None
+    graph = _graph()
+    assert "mooncake.runtime.framed" in graph["kvstore.client"]  # a low package, imported from above
+    assert "kvstore.client" in graph["prefill.worker"]
+
+
 def test_the_transfer_engine_and_the_wire_types_stand_alone():
     """transfer/ is the bottom layer (the pool, the workers and the Conductor's fast path sit on it): it imports
     nothing of the project outside itself; protos/ (generated) imports only protos/."""
@@ -131,3 +177,17 @@ def test_the_transfer_engine_and_the_wire_types_stand_alone():
             if d.split(".")[0] != package
         }
         assert outside == set(), f"{package}/ reaches out: {sorted(outside)}"
+
+
+MAX_LINES = 600  # past it a module holds more than one concern: split it by concern before adding to it
+PRODUCT = ("mooncake", "conductor", "prefill", "decode", "kvstore", "transfer")
+
+
+def test_no_product_file_is_over_600_lines():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for package in PRODUCT
+        for path in (ROOT / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"files over {MAX_LINES} lines: {long}"

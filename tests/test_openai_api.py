@@ -23,8 +23,8 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import GatewayConfig, create_app
 from mooncake.gateway import tools as tool_format
+from mooncake.gateway.local_backend import LocalBackend
 from mooncake.gateway.protocol import ToolDefinition
-from mooncake.serving.local import LocalBackend
 from mooncake.serving.types import GenerationBackend, GenerationRequest, Rejected, Unavailable
 
 MESSAGES = [{"role": "user", "content": "Tell me about the quick brown fox."}]

@@ -29,7 +29,8 @@ from kvnodes import REPO, rdma_unavailable, start_node, wait_for
 from kvstore.client import KVStoreClient
 from kvstore.wire import segment_from_pb, segment_to_pb
 from transfer import MemoryRegistry, RedisRegistry, Segment, TransferConfig, TransferEngine
-from transfer.rdma import CONSTANTS, RdmaUnavailable, _pyverbs, probe, qp_attr, send_chain
+from transfer.rdma import RdmaUnavailable, _pyverbs, probe
+from transfer.rdma_structs import CONSTANTS, qp_attr, send_chain
 from transfer.verbs import PortInfo, QPSettings, rc_transitions
 
 needs_pyverbs = pytest.mark.skipif(

@@ -1,8 +1,8 @@
-"""A request's recovery decisions (mooncake.serving.recovery), driven directly with round-number clocks."""
+"""A request's recovery decisions (mooncake.gateway.recovery), driven directly with round-number clocks."""
 
 from __future__ import annotations
 
-from mooncake.serving.recovery import Action, Fault, Phase, RecoveryConfig, RequestProgress
+from mooncake.gateway.recovery import Action, Fault, Phase, RecoveryConfig, RequestProgress
 
 CONFIG = RecoveryConfig(hold_s=10.0, retry_budget_s=30.0, max_attempts=4, backoff_s=0.5, backoff_max_s=2.0)
 

@@ -20,8 +20,8 @@ import pytest
 from kvnodes import REPO, start_conductor, start_node
 
 from kvstore.client import KVStoreClient
-from kvstore.control import REQUEST as CONTROL_REQUEST
 from mooncake import tls
+from mooncake.runtime.framed import REQUEST as CONTROL_REQUEST
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
 from protos import kvstore_pb2 as kpb

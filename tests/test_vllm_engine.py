@@ -25,10 +25,10 @@ from clusters import conductor, generate, instances, start_cluster, tokens
 
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
+from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.serving.cluster import ClusterBackend
-from mooncake.serving.engines import EngineKind, engine_fingerprint
+from mooncake.gateway.cluster_backend import ClusterBackend
 from protos import conductor_pb2 as cpb
 
 pytest.importorskip("vllm", reason="vLLM is installed by `make test` (the project's vllm extra)")

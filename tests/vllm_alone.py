@@ -94,9 +94,9 @@ def _layout(args: dict) -> str:
     import torch
 
     from mooncake.engine.config import EngineConfig
+    from mooncake.engine.interface import EngineKind
     from mooncake.engine.request import SamplingParams
     from mooncake.serving.build import build_engine
-    from mooncake.serving.engines import EngineKind
 
     class Capture:
         """Stands where the prefill worker's PoolConnector does: keeps each layer of the prompt's blocks."""

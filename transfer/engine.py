@@ -33,7 +33,8 @@ from pydantic import BaseModel, Field
 from transfer.backend import Backend, Job, ShmBackend
 from transfer.batch import TransferBatch
 from transfer.handshake import load_identity
-from transfer.rdma import DeviceChoice, RdmaBackend, RdmaUnavailable, buffer_address, probe
+from transfer.rdma import DeviceChoice, RdmaBackend, RdmaUnavailable, probe
+from transfer.rdma_structs import buffer_address
 from transfer.region import SharedRegion
 from transfer.registry import MemoryRegistry, SegmentRegistry
 from transfer.tcp import Guard, TcpBackend, TcpServer

@@ -68,7 +68,8 @@ import numpy as np
 
 from benchmarks.sim.model import Jitter, ModelConfig, NodeCache, TraceRequest
 from conductor.admission import AdmissionKind
-from conductor.core import Conductor, ConductorConfig
+from conductor.config import ConductorConfig
+from conductor.core import Conductor
 from conductor.forecast import ForecastKind
 from conductor.local import LocalPrefill
 from conductor.policies import PolicyConfig, PolicyKind

@@ -17,8 +17,9 @@ import typer
 from rich.console import Console
 
 from mooncake.cli.chat_cmd import CacheOpt, ModelOpt, _model_dir
-from mooncake.cluster.launcher import ClusterConfig, LocalCluster
-from mooncake.serving.process import COMPONENTS
+from mooncake.cluster.components import COMPONENTS
+from mooncake.cluster.config import ClusterConfig
+from mooncake.cluster.launcher import LocalCluster
 
 console = Console(stderr=True)
 

@@ -273,7 +273,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # -- what a worker reads and sets (mooncake.serving.engines.WorkerEngine) ---------------
+    # -- what a worker reads and sets (mooncake.engine.interface.WorkerEngine) ---------------
 
     @property
     def block_shape(self) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """``python -m mooncake.gateway``: the OpenAI-compatible HTTP gateway as a process (``mooncake serve gateway``).
 
-With ``--conductor`` it serves the disaggregated cluster (mooncake.serving.cluster); with
+With ``--conductor`` it serves the disaggregated cluster (mooncake.gateway.cluster_backend); with
 ``--local`` it runs one engine in this process instead (prefill and decode coupled: the
 baseline shape, no pool, no Conductor). Prints ``READY {json}`` once it listens.
 """
@@ -17,13 +17,14 @@ import uvicorn
 
 from mooncake.cliargs import field_arg
 from mooncake.engine.config import DTYPES, EngineConfig
+from mooncake.engine.interface import EngineKind, engine_fingerprint, parse_vllm_args
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.engine.weights import load_hf_config
 from mooncake.gateway.app import GatewayConfig, create_app
-from mooncake.serving.engines import EngineKind, engine_fingerprint, parse_vllm_args
-from mooncake.serving.process import add_engine_kind_args, default_block_size, print_ready
-from mooncake.serving.recovery import RecoveryConfig
+from mooncake.gateway.recovery import RecoveryConfig
+from mooncake.runtime.process import print_ready
+from mooncake.serving.worker_args import add_engine_kind_args, default_block_size
 
 LOCAL_KV_BLOCKS = 2048  # --local: the engine's paged cache, in blocks
 SWITCH_INTERVAL_S = 0.0005  # a thread holding the GIL hands it over this soon (Python's default: 5 ms)
@@ -77,7 +78,7 @@ def build_backend(args: argparse.Namespace):
     name = args.model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
     args.block_size = args.block_size or default_block_size(args.engine)
     if args.local:
-        from mooncake.serving.local import LocalBackend
+        from mooncake.gateway.local_backend import LocalBackend
 
         config = EngineConfig(
             model=args.model,
@@ -92,7 +93,7 @@ def build_backend(args: argparse.Namespace):
         return LocalBackend(
             config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)
         ), name
-    from mooncake.serving.cluster import ClusterBackend
+    from mooncake.gateway.cluster_backend import ClusterBackend
 
     model_args = ModelArgs.from_hf_config(load_hf_config(args.model))
     max_len = min(args.max_model_len or model_args.max_position_embeddings, model_args.max_position_embeddings)

@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import openapi, tenants
+from mooncake.gateway.errors import ApiError
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
     ChatCompletionChunk,
@@ -50,7 +51,7 @@ from mooncake.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from mooncake.gateway.serving import ApiError, EventStream, OpenAIServing, PreparedRequest
+from mooncake.gateway.serving import EventStream, OpenAIServing, PreparedRequest
 from mooncake.gateway.tenants import Tenants
 from mooncake.serving.types import BackendError, GenerationBackend
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -43,17 +42,16 @@ from mooncake.engine.grammar import JSON_OBJECT_SCHEMA, grammar_for
 from mooncake.engine.request import SamplingParams, TokenLogprob
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import tenants, tools
+from mooncake.gateway.errors import ApiError
 from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, Echo, TokenTexts
+from mooncake.gateway.messages import template_message
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
     SEED_MAX,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -68,50 +66,6 @@ DONE_EVENT = "data: [DONE]\n\n"
 MAX_PROMPTS = 64  # generations per request: prompts x (best_of or n)
 INLINE_CHARS = 16_384  # shorter texts tokenize on the event loop (see _off_loop_if_long)
 TOP_K_MAX = 2**31 - 1  # a top_k over the vocabulary cuts nothing; larger ones are clamped to fit the wire
-
-
-class ApiError(Exception):
-    """An error response: HTTP ``status`` and OpenAI's ``{"error": {...}}`` body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        error_type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.error_type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
-
-    @classmethod
-    def from_backend(cls, error: BackendError) -> ApiError:
-        """The response for a backend's error; a 429 always says when to retry (whole seconds, at least 1)."""
-        headers = {}
-        if error.retry_after_s is not None or error.status == 429:
-            retry_after = (
-                error.retry_after_s if error.retry_after_s is not None and math.isfinite(error.retry_after_s) else 1
-            )
-            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        return cls(
-            error.status,
-            error.message,
-            error_type=error.error_type,
-            param=error.param,
-            code=error.code,
-            headers=headers,
-        )
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -206,7 +160,7 @@ class OpenAIServing:
             raise ApiError(400, message, param=param) from None
         native = tools.template_supports_tools(self.tokenizer.chat_template)
         messages, variables = tools.render_messages(
-            [_template_message(m, i) for i, m in enumerate(req.messages)], tool_plan, native
+            [template_message(m, i) for i, m in enumerate(req.messages)], tool_plan, native
         )
         try:
             chars = sum(len(str(m.get("content") or "")) for m in messages)
@@ -435,7 +389,7 @@ class OpenAIServing:
                 400, "Send either 'prompt' (text) or 'messages' (a conversation), not both or neither", param="prompt"
             )
         if req.messages is not None:
-            messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+            messages = [template_message(m, i) for i, m in enumerate(req.messages)]
             try:
                 ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, req.add_generation_prompt)
             except ValueError as e:
@@ -627,50 +581,3 @@ def _choice_seed(seed: int | None, choice: int) -> int | None:
 def _unfinished(prepared: PreparedRequest) -> ApiError:
     log.error("the backend ended request %s without a finish_reason", prepared.request_id)
     return ApiError(500, "The backend ended the request without finishing it", error_type="server_error")
-
-
-def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
-    """The chat template's view of a message: text content (text parts joined by newlines, as vLLM does)."""
-    content = message.content
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise ApiError(
-                    400,
-                    f"Content parts of type '{part.type}' are not supported; only 'text' parts are",
-                    param=f"messages[{index}].content[{j}]",
-                )
-            texts.append(part.text)
-        text = "\n".join(texts)
-    rendered: dict[str, Any] = {"role": message.role, "content": text}
-    if message.name is not None:
-        rendered["name"] = message.name
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
-        rendered["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, index, k)},
-            }
-            for k, c in enumerate(message.tool_calls)
-        ]
-    return rendered
-
-
-def _arguments(arguments: str, index: int, call: int) -> Any:
-    """A call's arguments as the templates take them (a JSON object); ApiError when they are not JSON."""
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        raise ApiError(
-            400,
-            "A tool call's arguments are not JSON",
-            param=f"messages[{index}].tool_calls[{call}].function.arguments",
-        ) from None

@@ -1,1 +1,3 @@
-"""What the gateway and the workers share: generation requests and chunks, the backend interface, the engine loop."""
+"""What the workers share above the engine: the engine loop and its thread, the engines' factory, the workers' flags,
+the KV layout on the wire, CUDA IPC, sampling and text on the wire, the gateway contract (types) and the error table
+(status)."""

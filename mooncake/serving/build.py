@@ -1,4 +1,4 @@
-"""Build the engine a worker hosts (the interface and the kinds: :mod:`mooncake.serving.engines`).
+"""Build the engine a worker hosts (the interface and the kinds: :mod:`mooncake.engine.interface`).
 
 The one module that knows every implementation, so that none of them imports it back.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from mooncake.engine.config import EngineConfig
-from mooncake.serving.engines import EngineKind, WorkerEngine
+from mooncake.engine.interface import EngineKind, WorkerEngine
 
 
 def build_engine(

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from mooncake.engine.engine import RequestOutput
-from mooncake.serving.engines import WorkerEngine
+from mooncake.engine.interface import WorkerEngine
 
 log = logging.getLogger(__name__)
 

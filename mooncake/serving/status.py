@@ -6,8 +6,9 @@ worker and the gateway.
     Busy                                RESOURCE_EXHAUSTED   Rejected (429; "reason: message", Retry-After)
     Unreachable                         FAILED_PRECONDITION  the decode worker asks again with landing slots
     Cancelled                           CANCELLED            (the caller went away)
-    KVStoreUnavailable, TransferError,  UNAVAILABLE          Unavailable (503): a retry places the request again
-    RuntimeError (draining, the engine)
+    ConnectionError,                    UNAVAILABLE          Unavailable (503): a retry places the request again
+    TransferError, RuntimeError
+    (a peer gone, draining, the engine)
 
 A decode worker passes on what its prefill answered when it is the request's own fate
 (``REQUEST_CODES``: bad input, refused, cancelled, the cache unreachable); any other code is
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import grpc
 
-from kvstore.errors import KVStoreUnavailable
 from mooncake.faults import StatusTable
 from mooncake.serving.types import BackendError, InvalidRequest, Rejected, Unavailable
 from transfer import TransferError
@@ -47,7 +47,8 @@ WORKER_STATUS = StatusTable(
         (Busy, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (Unreachable, grpc.StatusCode.FAILED_PRECONDITION),  # a CUDA cache it cannot map: the decode worker sends slots
         (Cancelled, grpc.StatusCode.CANCELLED),
-        (KVStoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # a pool node is gone: the gateway places the request again
+        # a pool node or another peer is gone (kvstore.errors.KVStoreUnavailable is one): the gateway places it again
+        (ConnectionError, grpc.StatusCode.UNAVAILABLE),
         (TransferError, grpc.StatusCode.UNAVAILABLE),
         (RuntimeError, grpc.StatusCode.UNAVAILABLE),  # draining, or the engine failed
     ],

@@ -3,9 +3,9 @@
     gateway (mooncake.gateway) --GenerationRequest--> GenerationBackend.generate()
                                <--GenerationChunk ...-- (an async iterator)
 
-Two backends implement it: ``ClusterBackend`` (mooncake.serving.cluster: the Conductor
+Two backends implement it: ``ClusterBackend`` (mooncake.gateway.cluster_backend: the Conductor
 schedules, a decode worker streams, a prefill worker prefills) and ``LocalBackend``
-(mooncake.serving.local: one engine in this process, prefill and decode coupled). Errors
+(mooncake.gateway.local_backend: one engine in this process, prefill and decode coupled). Errors
 a client should see are ``BackendError`` subclasses carrying the HTTP status and the
 OpenAI error type; anything else is a bug (a 500).
 """
@@ -74,7 +74,7 @@ class GenerationChunk:
 
 @dataclass(slots=True)
 class Recovery:
-    """What outliving failures cost one request (mooncake.serving.recovery)."""
+    """What outliving failures cost one request (mooncake.gateway.recovery)."""
 
     faults: list[str]  # each failure, "decode:decode-0" (kind:instance)
     fault_times: list[float]  # when each was seen (time.monotonic() in the gateway)

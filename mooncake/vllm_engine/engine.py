@@ -1,6 +1,6 @@
 """VllmEngine: a stock vLLM (v1) engine, in this process, behind the worker engine interface.
 
-The worker engine interface is ``mooncake.serving.engines.WorkerEngine``. vLLM runs
+The worker engine interface is ``mooncake.engine.interface.WorkerEngine``. vLLM runs
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its EngineCore and, with TP = 1, its
 model runner share this process), stepped by ``EngineLoop`` on one thread like our own
 engine. KV moves through ``MooncakePoolConnector`` (connector.py), which vLLM builds from
@@ -39,11 +39,11 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.grammar import GrammarBook
+from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.request import FinishReason, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
 from mooncake.engine.weights import load_hf_config
-from mooncake.serving.engines import EngineKind, engine_fingerprint
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ even the cheapest request (``shed_s``, conductor.core.Conductor.shed_s) makes th
 refuse new requests itself, before tokenizing them (``shedding``), while a background
 probe asks the Conductor again every time the verdict runs out; the first probe that
 hears otherwise ends it. A component that fails the request is
-outlived where it can be (mooncake.serving.recovery): a prefill or decode worker that
+outlived where it can be (mooncake.gateway.recovery): a prefill or decode worker that
 fails it before its first token gets it placed elsewhere (the Conductor hears which one
 failed), a decode worker dying mid-stream gets it resumed on another one from the pool's
 KV, and while the Conductor or every worker of a role is away it waits. What cannot be
@@ -34,11 +34,11 @@ import grpc
 import grpc.aio
 
 from conductor.fastpath import AsyncFastChannel
-from kvstore.control import ControlError
 from mooncake import tls
 from mooncake.blocks import block_keys
-from mooncake.serving.channels import Conductors, client_options
-from mooncake.serving.recovery import Action, Fault, RecoveryConfig, RequestProgress
+from mooncake.gateway.recovery import Action, Fault, RecoveryConfig, RequestProgress
+from mooncake.runtime.channels import Conductors, client_options
+from mooncake.runtime.framed import ControlError
 from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
 from mooncake.serving.status import client_error
 from mooncake.serving.types import (
@@ -261,7 +261,7 @@ class ClusterBackend(GenerationBackend):
         return self._fast
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
-        """Stream ``request``, placing it again when a component fails it (see mooncake.serving.recovery)."""
+        """Stream ``request``, placing it again when a component fails it (see mooncake.gateway.recovery)."""
         progress = RequestProgress(time.monotonic(), self.recovery)
         received = False
         try:

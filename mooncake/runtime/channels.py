@@ -2,7 +2,7 @@
 
 Restarts: gRPC's default reconnect backoff grows from 1 s to 120 s, so a channel to a
 component that was down for a few seconds keeps failing calls fast for up to two minutes
-after it is back. Calls here retry on their own schedule (mooncake.serving.recovery, the
+after it is back. Calls here retry on their own schedule (mooncake.gateway.recovery, the
 Conductor link's loop), so the channel reconnects about as often as they do.
 
 Partitions: a killed process resets its connections at once, but a host that drops off the

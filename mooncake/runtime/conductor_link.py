@@ -24,7 +24,7 @@ from collections.abc import Callable
 import grpc
 
 from mooncake import tls
-from mooncake.serving.channels import RECONNECT_OPTIONS, Conductors
+from mooncake.runtime.channels import RECONNECT_OPTIONS, Conductors
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 

@@ -2,7 +2,7 @@
 
 The coupled baseline (a single engine, no pool, no Conductor: the paper's vLLM-shaped
 baseline) and the simplest way to serve a model. The disaggregated path is
-mooncake.serving.cluster.
+mooncake.gateway.cluster_backend.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator
 
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
+from mooncake.engine.interface import EngineKind
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.build import build_engine
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.serving.engines import EngineKind
 from mooncake.serving.text import TextStream
 from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Unavailable
 

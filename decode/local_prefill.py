@@ -1,0 +1,112 @@
+"""The decode worker computing a prompt itself (the Conductor's local placement, conductor.local): the planned prefix
+read from the pool node, the rest through this worker's engine between the batch's decode steps.
+
+A part of ``decode.worker.DecodeWorker`` (which inherits it): it reads the worker's config, engine loop, pool clients
+(``_pool``), write-behind (``writer``) and Conductor link, and streams through the worker's ``_stream``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from decode.run import DecodeState, Decoding, Failed
+from kvstore.client import KVStoreUnavailable
+from mooncake.blocks import block_keys
+from mooncake.engine.request import SamplingParams
+from mooncake.serving.kvlayout import slot_tensor
+from mooncake.serving.sampling import logprob_to_pb
+from mooncake.serving.status import WORKER_STATUS
+from mooncake.serving.text import TextStream
+from protos import worker_pb2 as wpb
+from transfer.types import TransferError
+
+log = logging.getLogger(__name__)
+
+
+class LocalPrefill:
+    """Prefill on this decode worker (mixed into DecodeWorker)."""
+
+    def _local(
+        self,
+        req: wpb.GenerateRequest,
+        prompt: list[int],
+        outputs: list[int],
+        params: SamplingParams,
+        run: Decoding,
+        context,
+        t0: float,
+    ) -> Iterator[wpb.GenerateChunk]:
+        """Compute the prompt here (the Conductor's local placement, conductor.local): read the planned prefix from
+        the pool node, run the rest through this engine (in chunks of its token budget, between the batch's decode
+        steps), stream as a handed-over request streams; the prompt's new blocks go into the pool as they fill, as
+        generated ones do (write-behind), so the next turn finds them there."""
+        rid, plan = req.request_id, req.placement.plan
+        salt = req.cache_salt if req.HasField("cache_salt") else None
+        sequence = prompt + outputs
+        external, cached = None, 0
+        if (
+            plan.fetch_blocks and plan.fetch_address and params.prompt_logprobs is None
+        ):  # (those need the whole prompt here)
+            external, cached = self._read_prefix(plan.fetch_address, sequence, salt, plan.fetch_blocks)
+        outputs_queue: queue.Queue = queue.Queue()
+        future = self.loop.submit_nowait(
+            outputs_queue.put,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            request_id=rid,
+            initial_output_token_ids=outputs,
+            cache_salt=salt,
+            external_kv=external,
+            num_external_tokens=cached,
+            chunk_tokens=req.placement.local_chunk_tokens,
+        )
+        try:
+            future.result()
+        except ValueError as e:
+            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
+        run.state = DecodeState.DECODING
+        context.add_callback(lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
+        usage = dict(
+            prompt_tokens=len(prompt), cached_tokens=cached, cached_tokens_by_tier={"remote": cached} if cached else {}
+        )
+
+        def first(out) -> dict:
+            run.ttft_s = time.perf_counter() - t0
+            run._leave_prefill()
+            if self.writer is not None:  # from the first block not read from the pool: the prompt's own, then generated
+                run.written = self.writer.start(rid, req.placement.prefill_node_address, cached)
+            if self.link is not None and not out.finished:
+                self.link.decode_started(rid, run.ttft_s)
+            return {"prompt_logprobs": [logprob_to_pb(lp) for lp in out.prompt_logprobs or ()]}
+
+        stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
+        yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context, first)
+
+    def _read_prefix(
+        self, address: str, sequence: list[int], salt: str | None, planned: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """Up to ``planned`` leading blocks of ``sequence``'s KV from the pool node at ``address``, as the engine
+        imports them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last
+        token).
+        Fewer when the node has fewer by now (evicted), none when it cannot be read: the engine computes the rest."""
+        bs = self.config.engine_config.block_size
+        keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[:planned]
+        if not keys:
+            return None, 0
+        try:
+            got = self._pool.get(address).get(keys)
+        except (KVStoreUnavailable, TransferError, TimeoutError, KeyError, grpc.RpcError) as e:
+            log.info("prefix of %d blocks from %s unreadable (%s): computed here instead", len(keys), address, e)
+            return None, 0
+        if not got.num_blocks:
+            return None, 0
+        kv = slot_tensor(got.data, self.engine.block_shape, self.engine_dtype)
+        return kv, min(
+            got.num_blocks * bs, len(sequence) - 1
+        )  # its last token is computed here (the first output needs it)

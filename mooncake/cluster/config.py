@@ -1,0 +1,189 @@
+"""ClusterConfig: what ``mooncake up`` starts (how many of each component, the engine, SLOs, ports, TLS), checked
+as a whole before anything starts, with the settings it derives (threads per computing process, block size and
+bytes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+
+from conductor.types import DEFAULT_SLO
+from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.weights import load_hf_config
+from mooncake.localproc import usable_cpus
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ClusterConfig(BaseModel):
+    """What ``mooncake up`` starts (its flags fill this)."""
+
+    model: str = Field(description="model directory")
+    model_name: str = Field(description="the name clients send as `model`")
+    prefill: int = Field(1, ge=1, description="Prefill workers (each gets its own pool node)")
+    prefill_groups: int = Field(
+        0,
+        ge=0,
+        description="Of the prefill workers, this many run as pipelined groups (chunked pipeline parallelism): "
+        "the model's layers split over --group-size stage processes, one core each; long prompts go there",
+    )
+    group_size: int = Field(2, ge=2, description="Stage processes per pipelined prefill group")
+    decode: int = Field(1, ge=1, description="Decode workers")
+    host: str = Field("127.0.0.1", description="Address every component binds")
+    port: int = Field(8000, ge=0, le=65535, description="The gateway's HTTP port (0: any free port)")
+    api_key: str | None = Field(None, description="Require `Authorization: Bearer <key>` on /v1/*")
+    tenants_file: Path | None = Field(
+        None,
+        description="API keys by tenant (YAML or JSON), instead of --api-key: each tenant "
+        "gets a KV cache of its own and its own rate limit and cap on requests in flight",
+    )
+    redis_url: str | None = Field(None, description="Persist the Conductor's registry and settings here")
+    workdir: Path = Field(
+        default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run", description="Logs (and SSD files) go here"
+    )
+    dtype: str = "float32"
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="Native workers' device: cpu, or cuda[:N] (every worker on that GPU; a pipelined group's stages "
+        "spread over the GPUs with plain `cuda`)",
+    )
+    engine: str = Field(
+        "native",
+        pattern="^(native|vllm)$",
+        description="Workers' engine: native (ours) or vllm (stock vLLM, installed with the project's `vllm` extra)",
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="KEY=VALUE vLLM engine argument for every worker, repeatable "
+        "(e.g. enforce_eager=true, gpu_memory_utilization=0.85)",
+    )
+    block_size: int | None = Field(None, ge=1, description="Tokens per KV block [default: 16 native, 32 vllm]")
+    pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node (MiB)")
+    pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (MiB; 0: none)")
+    max_model_len: int | None = Field(None, description="Context limit [default: the model's]")
+    prefill_batched_tokens: int | None = Field(
+        None, ge=1, description="a prefill step's token budget (a group's chunk); default: 512 on the CPU, 4096 on CUDA"
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Native workers on CUDA: run every step eagerly, without capturing decode steps as CUDA graphs",
+    )
+    decode_max_seqs: int = 32
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per worker [default on the CPU: the usable cores shared evenly among the processes "
+        "that compute (prefill and decode workers, a pipelined group's stages), at least 1; on CUDA: torch's]",
+    )
+    policy: str = Field("kvcache_centric", description="Prefill placement policy")
+    admission: str = Field(
+        "early_predictive",
+        description="none | baseline | early | early_predictive | early_wait (conductor.admission)",
+    )
+    local_prefill: str = Field(
+        "auto",
+        description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
+        "never (a prefill worker) or always (the decode worker itself)",
+    )
+    ttft_slo_s: float = Field(DEFAULT_SLO.ttft_s, gt=0, description="TTFT SLO in seconds")
+    tbt_slo_s: float = Field(
+        DEFAULT_SLO.tbt_s, gt=0, description="TBT SLO in seconds (CPU decode steps are tens of ms)"
+    )
+    gateway: bool = True
+    restart: bool = Field(True, description="restart a component that dies")
+    hold_s: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds the gateway holds a request while the Conductor (or every worker of a role) is away, "
+        "before answering 503",
+    )
+    network_hosts: bool = Field(
+        False,
+        description="put each prefill worker (with its pool node) and each decode worker "
+        "on a network host of its own (a namespace on a bridge; root only), so links can be cut",
+    )
+    detect_s: float = Field(
+        2.0,
+        gt=0,
+        description="a worker silent this long on a live connection (a host off the "
+        "network) is taken for dead by its callers",
+    )
+    conductors: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Conductors; more than one needs --redis-url: one leads, the others stand by and take over when "
+        "it dies",
+    )
+    insecure: bool = Field(
+        False,
+        description="No TLS between the components (development only). By default they present certificates from "
+        "a CA made in the run directory (or $MOONCAKE_TLS_DIR's) and refuse any peer without one",
+    )
+    ready_timeout_s: float = 180.0
+    worker_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="Run the workers and pool nodes this much below normal CPU priority (nice, and the same for the "
+        "session each runs in, which the kernel's autogroups schedule as one). 0: as a client on the same cores "
+        "runs (at nice 10, a load generator such as aiperf starved them: 0.23x the goodput of nice 0)",
+    )
+    control_nice: int = Field(
+        -10,
+        ge=-20,
+        le=0,
+        description="Run the Conductor and the gateway this much above normal CPU priority where the kernel allows it "
+        "(root or CAP_SYS_NICE; elsewhere at normal priority), so that decisions and refusals stay fast however busy "
+        "the workers and a client on the same cores are",
+    )
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "ClusterConfig":
+        if self.api_key and self.tenants_file:
+            raise ValueError("give --api-key or --tenants, not both (a tenants file can hold any number of keys)")
+        return self
+
+    @model_validator(mode="after")
+    def _standbys_need_redis(self) -> "ClusterConfig":
+        if self.conductors > 1 and not self.redis_url:
+            raise ValueError("standby Conductors elect their leader in Redis: give --redis-url with --conductors > 1")
+        return self
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> "ClusterConfig":
+        if self.prefill_groups > self.prefill:
+            raise ValueError(
+                f"--prefill-groups {self.prefill_groups} exceeds the {self.prefill} prefill workers: the groups "
+                "are the first of them (add --prefill)"
+            )
+        if self.prefill_groups and self.engine != "native":
+            raise ValueError("pipelined prefill groups run the native engine")
+        return self
+
+    @model_validator(mode="after")
+    def _threads(self) -> "ClusterConfig":
+        """No ``threads`` on the CPU: each computing process gets its share of the usable cores. torch's own default, a
+        thread per core in every process, oversubscribes them as soon as two workers compute at once (2P+1D on 2
+        cores: 6 threads), and the client on the same cores waits behind them."""
+        if self.threads is None and self.device == "cpu":
+            self.threads = max(1, len(usable_cpus()) // self.computing_processes())
+        return self
+
+    def computing_processes(self) -> int:
+        """The processes that run the model: a prefill worker (a pipelined group's stages, each), a decode worker."""
+        return self.prefill - self.prefill_groups + self.prefill_groups * self.group_size + self.decode
+
+    @model_validator(mode="after")
+    def _block_size(self) -> "ClusterConfig":
+        if self.block_size is None:
+            from mooncake.serving.worker_args import default_block_size
+
+            self.block_size = default_block_size(self.engine)
+        return self
+
+    def block_bytes(self) -> int:
+        args = ModelArgs.from_hf_config(load_hf_config(self.model))
+        return args.num_layers * 2 * self.block_size * args.num_kv_heads * args.head_dim * DTYPE_BYTES[self.dtype]

@@ -1,0 +1,164 @@
+"""What a prefill holds on the pool until it ends, and how it takes and gives it back: the plan's local prefix leased
+(read in place), its fetched blocks pulled layer by layer from another node into slots reserved here, the prompt's
+new full blocks' slots reserved, then committed (the blocks become visible) or aborted, and the leases released.
+
+A part of ``prefill.worker.PrefillWorker`` (which inherits it): it reads the worker's config, pool client (``kv``),
+other nodes' clients (``_remote``), transfer engine and the pool's layout (``block_bytes``, ``layer_bytes``,
+``block_shape``, ``_pool_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
+from transfer import Slice, TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Held:
+    """Pool resources a prefill holds until it ends: leases to release, reservations to commit or abort."""
+
+    local_lease: str | None = None
+    remote: tuple[KVStoreClient, str] | None = None  # (client, lease id)
+    fetch_reservation: str | None = None
+    keep_fetched: bool = True
+    new_reservation: str | None = None
+    fetch_batches: list = field(default_factory=list)  # one transfer batch per layer
+    fetch_started: float = 0.0
+    fetch_seconds: float = 0.0  # issue to the last layer landing (as the engine waited for it)
+    io_timeout_s: float = 30.0
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` of the pull has landed (the engine calls it just before that layer)."""
+        self.fetch_batches[layer].wait(self.io_timeout_s)
+        if layer == len(self.fetch_batches) - 1:
+            self.fetch_seconds = time.perf_counter() - self.fetch_started
+
+
+class PoolLeases:
+    """The pool's side of a prefill (mixed into PrefillWorker)."""
+
+    def _load_plan(self, plan, keys: list[bytes], held: Held) -> tuple[list[int], int, list[int]]:
+        """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched
+        slots)."""
+        local: list[int] = []
+        ssd_hits = 0
+        want = min(plan.local_blocks, len(keys))
+        if want:
+            got = self.kv.get_locations(keys[:want])
+            held.local_lease = got.lease_id
+            local = [s.offset // self.block_bytes for s in got.slots]
+            ssd_hits = got.ssd_hits
+        fetched: list[int] = []
+        n = min(plan.fetch_blocks, len(keys) - want)
+        if (
+            n > 0 and plan.fetch_address and len(local) == want
+        ):  # the fetch continues the local prefix only if it is whole
+            try:
+                fetched = self._start_fetch(
+                    plan.fetch_address, keys[want : want + n], want, held, keys[want - 1] if want else None
+                )
+            except (KVStoreUnavailable, TransferError, StoreFull, KeyError) as e:
+                log.warning("fetching %d blocks from %s failed (%s): computing them instead", n, plan.fetch_node, e)
+                self._release_fetch(held)
+                fetched = []
+        return local, ssd_hits, fetched
+
+    def _start_fetch(self, address: str, keys: list[bytes], first: int, held: Held, parent: bytes | None) -> list[int]:
+        remote = self._remote.get(address)
+        got = remote.get_locations(keys)
+        held.remote = (remote, got.lease_id)
+        n = len(got.slots)
+        if not n:
+            return []
+        res = self.kv.reserve(
+            keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s, parent=parent
+        )
+        held.fetch_reservation = res.reservation_id
+        if res.existing:  # stored here meanwhile: not worth the bookkeeping, compute instead
+            self._release_fetch(held)
+            return []
+        slot_of = {bytes(s.key): s.offset for s in res.slots}
+        local_offsets = [slot_of[k] for k in keys[:n]]
+        seg = remote._segment(got.segment)
+        lb = self.layer_bytes
+        held.fetch_started = time.perf_counter()
+        for layer in range(self.block_shape[0]):
+            slices = [
+                Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb, got.lease_id)
+                for i in range(n)
+            ]
+            held.fetch_batches.append(self.transfer.read(self._pool_bytes, slices))
+        return [o // self.block_bytes for o in local_offsets]
+
+    def _reserve_new(self, keys: list[bytes], first: int, held: Held) -> dict[int, int]:
+        """Reserve pool slots for full blocks ``first..`` (those the pool lacks); return {block index: slot}."""
+        new = keys[first:]
+        if not new or not self.config.store_new_blocks:
+            return {}
+        try:
+            res = self.kv.reserve(
+                new,
+                positions=list(range(first, len(keys))),
+                ttl_s=self.config.reservation_ttl_s,
+                parent=keys[first - 1] if first else None,
+            )
+        except StoreFull as e:
+            log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
+            return {}
+        held.new_reservation = res.reservation_id
+        index = {k: first + i for i, k in enumerate(new)}
+        return {index[bytes(s.key)]: s.offset // self.block_bytes for s in res.slots}
+
+    def _commit(self, held: Held) -> None:
+        """Make the pulled (when kept) and new blocks visible in the pool. The request does not depend on it: its KV
+        is on the decode worker already, so a reservation that expired only costs the pool these blocks."""
+        for name in ("fetch_reservation", "new_reservation"):
+            rid = getattr(held, name)
+            if rid is None:
+                continue
+            setattr(held, name, None)
+            try:
+                if name == "fetch_reservation" and not held.keep_fetched:
+                    self.kv.abort(rid)
+                else:
+                    self.kv.commit(rid)
+            except KeyError as e:
+                log.warning("pool reservation %s ended before its commit (%s): these blocks are not stored", rid, e)
+
+    def _release(self, held: Held) -> None:
+        """Release leases; abort what was not committed (after every pull has stopped touching the slots)."""
+        self._release_fetch(held)
+        for rid in (held.new_reservation,):
+            if rid is not None:
+                _quietly(self.kv.abort, rid)
+        held.new_reservation = None
+        if held.local_lease is not None:
+            _quietly(self.kv.release, held.local_lease, False)
+            held.local_lease = None
+
+    def _release_fetch(self, held: Held) -> None:
+        for batch in held.fetch_batches:
+            try:
+                batch.wait(self.config.io_timeout_s)
+            except TransferError:
+                pass
+        if held.fetch_reservation is not None:
+            _quietly(self.kv.abort, held.fetch_reservation)
+            held.fetch_reservation = None
+        if held.remote is not None:
+            client, lease = held.remote
+            _quietly(client.release, lease, False)
+            held.remote = None
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except (KeyError, KVStoreUnavailable):
+        pass  # expired or the node is gone: nothing left to free

@@ -15,7 +15,7 @@ import grpc
 
 from decode.run import Decoding, Failed, FirstToken
 from kvstore.wire import segment_to_pb
-from mooncake.serving.status import REQUEST_CODES
+from mooncake.serving.status import REQUEST_CODES, Cancelled
 from protos import worker_pb2 as wpb
 from transfer.types import host_id
 
@@ -101,7 +101,7 @@ class RemotePrefill:
         try:
             resp = call.result()
         except grpc.FutureCancelledError:
-            raise Failed(grpc.StatusCode.CANCELLED, "the client cancelled the request") from None
+            raise Cancelled("the client cancelled the request") from None
         except grpc.RpcError as e:
             code = e.code()
             run.answered = code not in (

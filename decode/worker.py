@@ -46,7 +46,7 @@ import grpc
 from decode.config import DecodeConfig
 from decode.handoff import RemotePrefill
 from decode.local_prefill import LocalPrefill
-from decode.run import DecodeState, Decoding, Failed
+from decode.run import DecodeState, Decoding
 from decode.writeback import BlockWriter
 from kvstore.client import KVStoreClient
 from mooncake import tls
@@ -60,7 +60,7 @@ from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
-from mooncake.serving.status import WORKER_STATUS, Busy
+from mooncake.serving.status import Busy
 from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -237,7 +237,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
 
     def _admit(self) -> None:
         if self.draining:
-            raise Failed(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.config.id} is draining")
+            raise RuntimeError(f"decode worker {self.config.id} is draining")
         # Requests still in their prefill hold landing room (``_reserve`` refuses when it runs out), not a place in the
         # batch: whether the batch has a place when one lands is the Conductor's forecast (early_predictive). Refused
         # here only: a whole batch of requests already landed and waiting for a place.
@@ -267,22 +267,17 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
         try:
             params = self._params(req, prompt, len(outputs), local)
             if not local and not req.placement.prefill_address:
-                raise Failed(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "the request has no placement (a prefill address from the Conductor)",
-                )
+                raise ValueError("the request has no placement (a prefill address from the Conductor)")
             if local and self.config.engine is not EngineKind.NATIVE:
-                raise Failed(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"decode worker {self.config.id} runs {self.config.engine.value}: "
-                    "it cannot compute a prompt itself",
+                raise ValueError(
+                    f"decode worker {self.config.id} runs {self.config.engine.value}: it cannot compute a prompt itself"
                 )
             self._admit()
             if not local:  # (a local prompt: the engine gives it blocks as it computes)
                 run.slots, run.blocks = self._reserve(
                     -(-len(sequence) // self.config.engine_config.block_size), req.placement.prefill_address
                 )
-        except (Busy, Failed):
+        except BaseException:
             run.close()
             raise
         if local:
@@ -358,7 +353,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
                     return
                 continue
             if isinstance(out, BaseException):
-                raise Failed(grpc.StatusCode.UNAVAILABLE, f"the decode engine failed: {out}")
+                raise RuntimeError(f"the decode engine failed: {out}")
             extra = first(out) if first is not None else {}
             first = None
             # a finished output's text is the engine's, cut before a stop string the new token completed
@@ -383,23 +378,16 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
     ) -> SamplingParams:
         s = req.sampling
         if not prompt:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+            raise ValueError("the prompt is empty")
         if num_outputs >= s.max_tokens:
-            raise Failed(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a resumed stream with {num_outputs} tokens already has its max_tokens ({s.max_tokens})",
-            )
+            raise ValueError(f"a resumed stream with {num_outputs} tokens already has its max_tokens ({s.max_tokens})")
         if len(prompt) + s.max_tokens > self.max_model_len:
-            raise Failed(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}",
+            raise ValueError(
+                f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}"
             )
-        try:
-            return (
-                params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)
-            )  # a prefill worker computes those
-        except ValueError as e:
-            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
+        return (
+            params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)
+        )  # a prefill worker computes those
 
     def _check_late_admission(self, context_tokens: int) -> None:
         """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted); the

@@ -138,6 +138,7 @@ def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_s
         assert (args.model, args.dtype, args.block_size, args.max_model_len) == (str(tiny_dir), "float32", 16, 256)
     assert (parsed["prefill-0"].pipeline_stages, parsed["prefill-1"].pipeline_stages) == (2, 1)
     assert parsed["kv0"].ssd_mib == 4 and parsed["kv0"].block_bytes == config.block_bytes()
+    assert parsed["conductor"].block_bytes == config.block_bytes()  # as the chart gives it
     assert parsed["decode-0"].max_num_seqs == config.decode_max_seqs
     assert parsed["gateway"].api_key == "k" and parsed["gateway"].tenants is None
 

@@ -66,7 +66,7 @@ class DecodeMetrics:
             "engine cache blocks reserved for prompts a prefill is writing in place "
             "(and those of prefills that did not answer, for write_grace_s)",
             registry=r,
-        ).set_function(lambda: getattr(worker.engine, "num_reserved_blocks", 0))
+        ).set_function(lambda: worker.engine.num_reserved_blocks)
         Gauge(
             "mooncake_decode_blocks_written",
             "generated blocks put into the pool (write-behind; written, or there already)",

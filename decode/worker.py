@@ -207,7 +207,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
     @property
     def step_tokens(self) -> int:
         """Its engine's token budget per step (0: an engine that does not say): it registers it with the Conductor."""
-        return int(getattr(getattr(self.engine, "scheduler", None), "max_num_batched_tokens", 0) or 0)
+        return self.engine.step_tokens
 
     def learn_step_times(self) -> int:
         """The mean decode step since the last call (``step_mean``: the Conductor's step model learns from it); apply

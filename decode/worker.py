@@ -26,7 +26,7 @@ slots while PREFILLING (from step 2 until it joins the batch, or fails: blocks o
 that never answered return ``write_grace_s`` later, so a straggling write lands in nothing
 anyone attends), a place in the engine's batch while DECODING; ``Decoding.close`` frees
 whichever, in one place. Writes through the transfer server are refused outside the blocks
-granted to a live Prefill call (``_cache_guard``, ``_landing_guard``).
+granted to a live Prefill call (``_cache_guard``, ``_landing_guard``: decode/handoff.py).
 
 The parts: a request's state and what it holds (decode/run.py: ``Decoding.close`` is the one place that frees
 it and reports FINISHED to the Conductor), the hand-off from a prefill worker (decode/handoff.py), a prompt
@@ -133,31 +133,6 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
         """The engine's cache, in a shared-memory segment served to prefill workers (the engine calls it once)."""
         self.cache_segment = self.transfer.allocate("kvcache", nbytes, guard=self._cache_guard)
         return self.transfer.buffer(self.cache_segment.name)
-
-    def _cache_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
-        """The cache segment's capability check (transfer server): bytes of the cache blocks granted to one Prefill
-        call, while it runs. The cache is [L, 2, blocks, ...] in units of one block's K or V of one layer: unit u is
-        block u % blocks."""
-        half = self.block_bytes // (2 * self.engine.block_shape[0])
-        units = range(offset // half, (offset + length - 1) // half + 1)
-        blocks = (u % self.cache_num_blocks for u in units)
-        return self._check_grant(token, blocks, f"cache blocks at bytes {offset}..{offset + length}")
-
-    def _landing_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
-        """The landing segment's capability check (transfer server, every request): bytes of slots granted to one
-        Prefill call, while it runs."""
-        first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
-        return self._check_grant(token, range(first, last + 1), f"landing slots {first}..{last}")
-
-    def _check_grant(self, token: str, indices, what: str) -> str | None:
-        """None when every one of ``indices`` (slots or cache blocks) is granted to the live Prefill call ``token``."""
-        with self._grants_lock:
-            granted = self._grants.get(token)
-        if granted is None:
-            return "no live landing grant with that token (one Prefill call's, while it runs)"
-        if not all(i in granted for i in indices):
-            return f"{what} are not all granted to that prefill"
-        return None
 
     def release_blocks(self, blocks: list[int]) -> None:
         """Give reserved cache blocks back to the engine (a prefill that failed, or was left behind)."""

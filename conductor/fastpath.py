@@ -25,13 +25,13 @@ import logging
 import socket
 
 from mooncake import tls
-from mooncake.runtime.framed import MAX_MESSAGE, REQUEST, RESPONSE, ControlError, ControlServer, status_code
+from mooncake.runtime.framed import MAX_MESSAGE, REQUEST, RESPONSE, ControlError, ControlServer, Methods, status_code
 from protos import conductor_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 # method id -> (servicer method name, request type, response type); ids are the wire format
-METHODS: dict[int, tuple[str, type, type]] = {
+METHODS: Methods = {
     1: ("Schedule", pb.ScheduleRequest, pb.ScheduleResponse),
     2: ("Heartbeat", pb.HeartbeatRequest, pb.HeartbeatResponse),
     3: ("Report", pb.ReportRequest, pb.ReportResponse),

@@ -9,7 +9,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from mooncake.engine.config import EngineConfig, nest_engine_fields
 from mooncake.engine.interface import EngineKind
-from transfer import TransportChoice
+from mooncake.runtime.channels import DETECT_S, LOCAL_HOST
+from transfer import TransferConfig, TransportChoice
 
 # a decode worker's engine: prompts arrive computed (the pool is the prefix cache, so none of its own)
 DECODE_ENGINE_DEFAULTS = {"num_kv_blocks": 2048, "max_num_seqs": 32, "enable_prefix_caching": False}
@@ -21,7 +22,7 @@ class DecodeConfig(BaseModel):
     id: str = Field("decode-0", min_length=1, description="instance id, unique in the cluster")
     engine: EngineKind = Field(EngineKind.NATIVE, description="native: ours; vllm: stock vLLM in this process")
     vllm_args: dict[str, Any] = Field(default_factory=dict, description="vLLM EngineArgs keywords (--engine vllm)")
-    host: str = Field("127.0.0.1", description="address of its transfer server (landing slots over tcp)")
+    host: str = Field(LOCAL_HOST, description="address of its transfer server (landing slots over tcp)")
     engine_config: EngineConfig = Field(
         description="the engine it hosts: its model, device, cache and batch (max_num_seqs: the most requests in "
         "it); EngineConfig's keywords may also be given flat, over DECODE_ENGINE_DEFAULTS"
@@ -38,7 +39,7 @@ class DecodeConfig(BaseModel):
     )
     prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
     detect_s: float = Field(
-        2.0,
+        DETECT_S,
         gt=0,
         description="a prefill worker silent this long (a host off the network) fails "
         "the request's prefill, about a second later; the gateway places it again",
@@ -60,7 +61,9 @@ class DecodeConfig(BaseModel):
         "out, unreachable) go back to the engine this much later: a straggling write lands in "
         "nothing another request attends",
     )
-    shm_dir: str = Field("/dev/shm/mooncake", description="tmpfs directory of the landing segment")
+    shm_dir: str = Field(
+        TransferConfig.model_fields["shm_dir"].default, description="tmpfs directory of the landing segment"
+    )
     transport: TransportChoice = Field(default_factory=TransportChoice, description="how KV reaches other hosts")
 
     @model_validator(mode="before")

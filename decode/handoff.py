@@ -15,7 +15,7 @@ import grpc
 
 from decode.run import Decoding, Failed, FirstToken
 from kvstore.wire import segment_to_pb
-from mooncake.serving.status import REQUEST_CODES
+from mooncake.serving.status import REQUEST_CODES, Cancelled
 from protos import worker_pb2 as wpb
 from transfer.types import host_id
 
@@ -24,6 +24,31 @@ log = logging.getLogger(__name__)
 
 class RemotePrefill:
     """Prefill on a prefill worker, its KV landing here (mixed into DecodeWorker)."""
+
+    def _cache_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        """The cache segment's capability check (transfer server): bytes of the cache blocks granted to one Prefill
+        call, while it runs. The cache is [L, 2, blocks, ...] in units of one block's K or V of one layer: unit u is
+        block u % blocks."""
+        half = self.block_bytes // (2 * self.engine.block_shape[0])
+        units = range(offset // half, (offset + length - 1) // half + 1)
+        blocks = (u % self.cache_num_blocks for u in units)
+        return self._check_grant(token, blocks, f"cache blocks at bytes {offset}..{offset + length}")
+
+    def _landing_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        """The landing segment's capability check (transfer server, every request): bytes of slots granted to one
+        Prefill call, while it runs."""
+        first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
+        return self._check_grant(token, range(first, last + 1), f"landing slots {first}..{last}")
+
+    def _check_grant(self, token: str, indices, what: str) -> str | None:
+        """None when every one of ``indices`` (slots or cache blocks) is granted to the live Prefill call ``token``."""
+        with self._grants_lock:
+            granted = self._grants.get(token)
+        if granted is None:
+            return "no live landing grant with that token (one Prefill call's, while it runs)"
+        if not all(i in granted for i in indices):
+            return f"{what} are not all granted to that prefill"
+        return None
 
     def _prefill(
         self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, run: Decoding, context
@@ -101,7 +126,7 @@ class RemotePrefill:
         try:
             resp = call.result()
         except grpc.FutureCancelledError:
-            raise Failed(grpc.StatusCode.CANCELLED, "the client cancelled the request") from None
+            raise Cancelled("the client cancelled the request") from None
         except grpc.RpcError as e:
             code = e.code()
             run.answered = code not in (

@@ -15,13 +15,12 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from decode.run import DecodeState, Decoding, Failed
+from decode.run import DecodeState, Decoding
 from kvstore.client import KVStoreUnavailable
 from mooncake.blocks import block_keys
 from mooncake.engine.request import SamplingParams
 from mooncake.serving.kvlayout import slot_tensor
 from mooncake.serving.sampling import logprob_to_pb
-from mooncake.serving.status import WORKER_STATUS
 from mooncake.serving.text import TextStream
 from protos import worker_pb2 as wpb
 from transfer.types import TransferError
@@ -66,10 +65,7 @@ class LocalPrefill:
             num_external_tokens=cached,
             chunk_tokens=req.placement.local_chunk_tokens,
         )
-        try:
-            future.result()
-        except ValueError as e:
-            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
+        future.result()  # a ValueError (the request's own: INVALID_ARGUMENT) ends it here
         run.state = DecodeState.DECODING
         context.add_callback(lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
         usage = dict(

@@ -16,7 +16,6 @@ import grpc
 import torch
 
 from mooncake.engine.request import SamplingParams
-from mooncake.serving.status import WORKER_STATUS
 
 if TYPE_CHECKING:
     from decode.worker import DecodeWorker
@@ -89,9 +88,9 @@ class Decoding:
         )
         try:
             future.result()
-        except ValueError as e:
+        except ValueError:
             self.state = DecodeState.DONE  # the engine did not take the blocks: close() returns them
-            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
+            raise
         self.blocks = []  # the request's now: the engine frees them with it
         self._leave_prefill()
         self.state = DecodeState.DECODING

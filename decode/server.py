@@ -10,11 +10,13 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from decode.config import DECODE_ENGINE_DEFAULTS, DecodeConfig
-from decode.worker import DecodeWorker, Failed
+from decode.run import Failed
+from decode.worker import DecodeWorker
 from mooncake.cliargs import field_arg
 from mooncake.engine.interface import parse_vllm_args
+from mooncake.faults import message
 from mooncake.runtime.process import WorkerProcess, run_worker
-from mooncake.serving.status import WORKER_STATUS, Busy
+from mooncake.serving.status import FAILED_INSTANCE_KEY, RETRY_AFTER_KEY, WORKER_STATUS, Busy
 from mooncake.serving.worker_args import engine_fields, worker_parser
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -22,9 +24,6 @@ from transfer import TransportChoice
 from transfer.metrics import TransferCollector
 
 log = logging.getLogger(__name__)
-
-RETRY_AFTER_KEY = "retry-after-s"  # trailing metadata of a RESOURCE_EXHAUSTED answer
-FAILED_INSTANCE_KEY = "failed-instance"  # trailing metadata of an UNAVAILABLE answer: the prefill worker that failed
 
 
 class DecodeMetrics:
@@ -67,7 +66,7 @@ class DecodeMetrics:
             "engine cache blocks reserved for prompts a prefill is writing in place "
             "(and those of prefills that did not answer, for write_grace_s)",
             registry=r,
-        ).set_function(lambda: getattr(worker.engine, "num_reserved_blocks", 0))
+        ).set_function(lambda: worker.engine.num_reserved_blocks)
         Gauge(
             "mooncake_decode_blocks_written",
             "generated blocks put into the pool (write-behind; written, or there already)",
@@ -114,6 +113,12 @@ class DecodeServicer(wpb_grpc.DecodeServicer):
             if e.failed_instance:
                 context.set_trailing_metadata(((FAILED_INSTANCE_KEY, e.failed_instance),))
             context.abort(e.code, str(e))
+        except Exception as e:  # what the worker raised: answered with the status table's code; a bug propagates
+            code = WORKER_STATUS.code_of(e)
+            if code is None:
+                raise
+            outcome = code.name.lower()
+            context.abort(code, message(e))
         finally:
             m.requests.labels(outcome).inc()
 

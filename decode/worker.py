@@ -26,7 +26,7 @@ slots while PREFILLING (from step 2 until it joins the batch, or fails: blocks o
 that never answered return ``write_grace_s`` later, so a straggling write lands in nothing
 anyone attends), a place in the engine's batch while DECODING; ``Decoding.close`` frees
 whichever, in one place. Writes through the transfer server are refused outside the blocks
-granted to a live Prefill call (``_cache_guard``, ``_landing_guard``).
+granted to a live Prefill call (``_cache_guard``, ``_landing_guard``: decode/handoff.py).
 
 The parts: a request's state and what it holds (decode/run.py: ``Decoding.close`` is the one place that frees
 it and reports FINISHED to the Conductor), the hand-off from a prefill worker (decode/handoff.py), a prompt
@@ -46,7 +46,7 @@ import grpc
 from decode.config import DecodeConfig
 from decode.handoff import RemotePrefill
 from decode.local_prefill import LocalPrefill
-from decode.run import DecodeState, Decoding, Failed
+from decode.run import DecodeState, Decoding
 from decode.writeback import BlockWriter
 from kvstore.client import KVStoreClient
 from mooncake import tls
@@ -60,7 +60,7 @@ from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
-from mooncake.serving.status import WORKER_STATUS, Busy
+from mooncake.serving.status import Busy
 from mooncake.serving.text import TextStream
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -134,31 +134,6 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
         self.cache_segment = self.transfer.allocate("kvcache", nbytes, guard=self._cache_guard)
         return self.transfer.buffer(self.cache_segment.name)
 
-    def _cache_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
-        """The cache segment's capability check (transfer server): bytes of the cache blocks granted to one Prefill
-        call, while it runs. The cache is [L, 2, blocks, ...] in units of one block's K or V of one layer: unit u is
-        block u % blocks."""
-        half = self.block_bytes // (2 * self.engine.block_shape[0])
-        units = range(offset // half, (offset + length - 1) // half + 1)
-        blocks = (u % self.cache_num_blocks for u in units)
-        return self._check_grant(token, blocks, f"cache blocks at bytes {offset}..{offset + length}")
-
-    def _landing_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
-        """The landing segment's capability check (transfer server, every request): bytes of slots granted to one
-        Prefill call, while it runs."""
-        first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
-        return self._check_grant(token, range(first, last + 1), f"landing slots {first}..{last}")
-
-    def _check_grant(self, token: str, indices, what: str) -> str | None:
-        """None when every one of ``indices`` (slots or cache blocks) is granted to the live Prefill call ``token``."""
-        with self._grants_lock:
-            granted = self._grants.get(token)
-        if granted is None:
-            return "no live landing grant with that token (one Prefill call's, while it runs)"
-        if not all(i in granted for i in indices):
-            return f"{what} are not all granted to that prefill"
-        return None
-
     def release_blocks(self, blocks: list[int]) -> None:
         """Give reserved cache blocks back to the engine (a prefill that failed, or was left behind)."""
         self.loop.call(lambda engine: engine.release_blocks(blocks))
@@ -207,7 +182,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
     @property
     def step_tokens(self) -> int:
         """Its engine's token budget per step (0: an engine that does not say): it registers it with the Conductor."""
-        return int(getattr(getattr(self.engine, "scheduler", None), "max_num_batched_tokens", 0) or 0)
+        return self.engine.step_tokens
 
     def learn_step_times(self) -> int:
         """The mean decode step since the last call (``step_mean``: the Conductor's step model learns from it); apply
@@ -237,7 +212,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
 
     def _admit(self) -> None:
         if self.draining:
-            raise Failed(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.config.id} is draining")
+            raise RuntimeError(f"decode worker {self.config.id} is draining")
         # Requests still in their prefill hold landing room (``_reserve`` refuses when it runs out), not a place in the
         # batch: whether the batch has a place when one lands is the Conductor's forecast (early_predictive). Refused
         # here only: a whole batch of requests already landed and waiting for a place.
@@ -267,22 +242,17 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
         try:
             params = self._params(req, prompt, len(outputs), local)
             if not local and not req.placement.prefill_address:
-                raise Failed(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "the request has no placement (a prefill address from the Conductor)",
-                )
+                raise ValueError("the request has no placement (a prefill address from the Conductor)")
             if local and self.config.engine is not EngineKind.NATIVE:
-                raise Failed(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"decode worker {self.config.id} runs {self.config.engine.value}: "
-                    "it cannot compute a prompt itself",
+                raise ValueError(
+                    f"decode worker {self.config.id} runs {self.config.engine.value}: it cannot compute a prompt itself"
                 )
             self._admit()
             if not local:  # (a local prompt: the engine gives it blocks as it computes)
                 run.slots, run.blocks = self._reserve(
                     -(-len(sequence) // self.config.engine_config.block_size), req.placement.prefill_address
                 )
-        except (Busy, Failed):
+        except BaseException:
             run.close()
             raise
         if local:
@@ -358,7 +328,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
                     return
                 continue
             if isinstance(out, BaseException):
-                raise Failed(grpc.StatusCode.UNAVAILABLE, f"the decode engine failed: {out}")
+                raise RuntimeError(f"the decode engine failed: {out}")
             extra = first(out) if first is not None else {}
             first = None
             # a finished output's text is the engine's, cut before a stop string the new token completed
@@ -383,23 +353,16 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
     ) -> SamplingParams:
         s = req.sampling
         if not prompt:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+            raise ValueError("the prompt is empty")
         if num_outputs >= s.max_tokens:
-            raise Failed(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a resumed stream with {num_outputs} tokens already has its max_tokens ({s.max_tokens})",
-            )
+            raise ValueError(f"a resumed stream with {num_outputs} tokens already has its max_tokens ({s.max_tokens})")
         if len(prompt) + s.max_tokens > self.max_model_len:
-            raise Failed(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}",
+            raise ValueError(
+                f"{len(prompt)} prompt tokens + {s.max_tokens} max_tokens exceed the context of {self.max_model_len}"
             )
-        try:
-            return (
-                params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)
-            )  # a prefill worker computes those
-        except ValueError as e:
-            raise Failed(WORKER_STATUS.code_of(e), str(e)) from None
+        return (
+            params_from_pb(s) if local else params_from_pb(s, prompt_logprobs=None)
+        )  # a prefill worker computes those
 
     def _check_late_admission(self, context_tokens: int) -> None:
         """The Conductor's baseline admission rejects here, after the prefill (its prefill is then wasted); the

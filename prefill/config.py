@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from mooncake.engine.config import EngineConfig, nest_engine_fields
 from mooncake.engine.interface import EngineKind
-from transfer import TransportChoice
+from transfer import TransferConfig, TransportChoice
 
 # a prefill worker's engine: a small cache and batch (it holds prompts only while computing them), no prefix
 # caching (the pool is its prefix cache), no decode graphs (it never decodes)
@@ -33,7 +33,7 @@ class PrefillConfig(BaseModel):
         "and a group's chunk); EngineConfig's keywords may also be given flat, over PREFILL_ENGINE_DEFAULTS"
     )
     store_new_blocks: bool = Field(True, description="write the prompt's new full blocks into the pool")
-    io_timeout_s: float = Field(30.0, gt=0)
+    io_timeout_s: float = Field(TransferConfig.model_fields["io_timeout_s"].default, gt=0)
     reservation_ttl_s: float = Field(
         600.0,
         gt=0,

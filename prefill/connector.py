@@ -11,7 +11,8 @@ some of its prompt, after each layer:
                          (tcp/rdma); or into its landing slots (stock vLLM decode workers, a
                          cache out of reach)
 
-so pushing layer l overlaps computing layer l + 1, and the request's KV is on the decode
+(one class per mechanism, chosen once per job: prefill/landing.py), so pushing layer l overlaps computing layer
+l + 1, and the request's KV is on the decode
 worker when its prefill ends. The prompt's new full blocks go to this node's pool **after**
 the answer (``store_later``): the engine keeps the request's blocks when it finishes
 (``request_finished`` returns True), a ``PoolWriter`` thread copies them into the reserved pool
@@ -46,10 +47,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mooncake.engine.blockcopy import block_runs, copy_blocks
+from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.request import TokenLogprob
 from mooncake.serving.kvlayout import tensor_bytes
+from prefill.landing import Landing, landing_for
 from transfer import Slice, TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,11 @@ class PrefillJob:
     def fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
+
+    @functools.cached_property
+    def landing(self) -> Landing:
+        """Where its KV lands, by mechanism (prefill/landing.py): chosen once, at its first push."""
+        return landing_for(self)
 
     def landing_at(self, block: int, layer: int, kv: int, half: int) -> int:
         """Byte offset in the landing segment of K (kv=0) or V (kv=1) of one layer of prompt block ``block``; ``half``
@@ -159,10 +166,10 @@ class PoolConnector(KVConnector):
             self._bytes = tensor_bytes(kv_cache)
             self.transfer.pin(self._bytes)  # every push reads it: registered with an RDMA device once, not per push
         layers, _, num_blocks = kv_cache.shape[:3]
-        self._half = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # K (or V) of one block and layer
+        self.half = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # K (or V) of one block and layer
         self._num_blocks = num_blocks
-        self._layer_bytes = 2 * self._half
-        self._first_layer = first_layer
+        self._layer_bytes = 2 * self.half
+        self.first_layer = first_layer
         self._block_bytes = (num_layers or layers) * self._layer_bytes  # a whole block in the pool layout
 
     @property
@@ -170,8 +177,8 @@ class PoolConnector(KVConnector):
         """Pushes go through pinned host staging (a CUDA cache), not straight from the bound cache."""
         return self._staging is not None
 
-    def _offset(self, layer: int, kv: int, block: int) -> int:
-        return (((layer - self._first_layer) * 2 + kv) * self._num_blocks + block) * self._half
+    def offset(self, layer: int, kv: int, block: int) -> int:
+        return (((layer - self.first_layer) * 2 + kv) * self._num_blocks + block) * self.half
 
     # -- the engine's hooks ---------------------------------------------------------------
 
@@ -198,66 +205,42 @@ class PoolConnector(KVConnector):
         if self._staging is not None:
             self._save_from_device(layer)
             return
-        half = self._half
         for job, table, start, end in self._active:
             if job.error is not None:
                 continue
-            slices = []
-            if job.mapped_cache is not None:  # the decode engine's cache, mapped here: one copy of the layer's blocks
-                try:
-                    copy_blocks(
-                        job.mapped_cache[layer].transpose(0, 1),
-                        job.landing_blocks[start:end],
-                        self.kv_cache[layer - self._first_layer].transpose(0, 1),
-                        table[start:end],
-                    )
-                except (RuntimeError, IndexError) as e:
-                    job.fail(TransferError(f"writing the decode engine's cache failed: {e}"))
-                    continue
-            elif (
-                job.landing_blocks is not None
-            ):  # through its segment: a slice per run of blocks consecutive on both sides
-                for src, dst, k in block_runs(table[start:end], job.landing_blocks[start:end]):
-                    for kv in (0, 1):
-                        slices.append(
-                            Slice(
-                                self._offset(layer, kv, src),
-                                job.landing_segment,
-                                job.cache_at(dst, layer, kv, half),
-                                k * half,
-                                job.landing_token,
-                            )
-                        )
-            for b in range(start, end):
-                block = table[b]
-                if job.landing_blocks is None:  # landing slots (the pool layout)
-                    for kv in (0, 1):
-                        slices.append(
-                            Slice(
-                                self._offset(layer, kv, block),
-                                job.landing_segment,
-                                job.landing_at(b, layer, kv, half),
-                                half,
-                                job.landing_token,
-                            )
-                        )
-                slot = job.pool_slots.get(b)
-                if slot is None or job.store_later:
-                    continue
-                if job.pool_segment is None:
-                    self.pool[slot, layer].copy_(self.kv_cache[layer - self._first_layer, :, block])
-                else:
-                    at = slot * self._block_bytes + layer * self._layer_bytes
-                    slices.append(Slice(self._offset(layer, 0, block), job.pool_segment, at, half, job.pool_token))
-                    slices.append(
-                        Slice(self._offset(layer, 1, block), job.pool_segment, at + half, half, job.pool_token)
-                    )
+            slices = job.landing.from_cache(self, layer, table, start, end)
+            if job.error is not None:  # a mapped cache it could not write
+                continue
+            slices += self._pool_from_cache(job, layer, table, start, end)
             if not slices:
                 continue
             try:
                 self._batches.append((job, self.transfer.write(self._bytes, slices), None))
             except TransferError as e:
                 job.fail(e)
+
+    def _pool_from_cache(self, job: PrefillJob, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
+        """Layer ``layer`` of the job's blocks start..end into its reserved pool slots now (unless it stores them
+        later): copied into the bound pool tensor, or slices through the pool's segment (a pipeline stage's)."""
+        if job.store_later:
+            return []
+        slices = []
+        for b in range(start, end):
+            slot = job.pool_slots.get(b)
+            if slot is None:
+                continue
+            block = table[b]
+            if job.pool_segment is None:
+                self.pool[slot, layer].copy_(self.kv_cache[layer - self.first_layer, :, block])
+                continue
+            at = slot * self._block_bytes + layer * self._layer_bytes
+            for kv in (0, 1):
+                slices.append(
+                    Slice(
+                        self.offset(layer, kv, block), job.pool_segment, at + kv * self.half, self.half, job.pool_token
+                    )
+                )
+        return slices
 
     def _save_staged(self, layer: int, cache: torch.Tensor) -> None:
         """Push layer ``layer`` of each active job's completed blocks from ``export``'s pool-layout copy of them."""
@@ -269,12 +252,11 @@ class PoolConnector(KVConnector):
         """Layer ``layer`` of each active job's completed blocks, gathered and copied to pinned host memory on the
         staging side stream (after the layer's compute), then pushed by the staging thread: the engine goes on to the
         next layer meanwhile."""
-        cache = self.kv_cache[layer - self._first_layer]  # [2, num_blocks, bs, Hkv, D]
+        cache = self.kv_cache[layer - self.first_layer]  # [2, num_blocks, bs, Hkv, D]
         for job, table, start, end in self._active:
             if job.error is not None:
                 continue
-            if job.mapped_cache is not None:  # the decode engine's cache on this host: device to device, no host memory
-                self._staging.copy_to(cache, table[start:end], job.mapped_cache[layer], job.landing_blocks[start:end])
+            if job.landing.from_device(self._staging, cache, layer, table, start, end):  # no host memory
                 if not job.store_later and any(b in job.pool_slots for b in range(start, end)):
                     self._staging.submit(
                         cache, table[start:end], functools.partial(self._pool_or_fail, job, layer, start, end)
@@ -305,21 +287,7 @@ class PoolConnector(KVConnector):
         kv_major = self.export is None  # host staging's [2, n, ...]: K of consecutive blocks are contiguous
         half = staged[0, 0].numel() * staged.element_size()
         at = (lambda i, kv: (kv * n + i) * half) if kv_major else (lambda i, kv: (i * 2 + kv) * half)
-        slices = []
-        if landing and job.landing_blocks is not None and kv_major:
-            slices = [
-                Slice(at(i, kv), job.landing_segment, job.cache_at(d, layer, kv, half), k * half, job.landing_token)
-                for i, d, k in block_runs(range(n), job.landing_blocks[start:end])
-                for kv in (0, 1)
-            ]
-        elif landing:
-            slices = [
-                Slice(
-                    at(i, kv), job.landing_segment, job.landing_at(start + i, layer, kv, half), half, job.landing_token
-                )
-                for i in range(n)
-                for kv in (0, 1)
-            ]
+        slices = job.landing.from_staged(layer, start, end, half, at, kv_major) if landing else []
         to_pool = (
             []
             if job.store_later
@@ -385,7 +353,7 @@ class PoolConnector(KVConnector):
         if not pairs:
             return False
         if self._writer is None:
-            self._writer = PoolWriter(self.kv_cache, self.pool, self._first_layer, self._release)
+            self._writer = PoolWriter(self.kv_cache, self.pool, self.first_layer, self._release)
         job.writing = True
         self._writer.submit(job, pairs, block_ids)
         return True

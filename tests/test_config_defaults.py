@@ -138,6 +138,7 @@ def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_s
         assert (args.model, args.dtype, args.block_size, args.max_model_len) == (str(tiny_dir), "float32", 16, 256)
     assert (parsed["prefill-0"].pipeline_stages, parsed["prefill-1"].pipeline_stages) == (2, 1)
     assert parsed["kv0"].ssd_mib == 4 and parsed["kv0"].block_bytes == config.block_bytes()
+    assert parsed["conductor"].block_bytes == config.block_bytes()  # as the chart gives it
     assert parsed["decode-0"].max_num_seqs == config.decode_max_seqs
     assert parsed["gateway"].api_key == "k" and parsed["gateway"].tenants is None
 
@@ -146,10 +147,11 @@ def test_mooncake_up_shares_the_usable_cores_among_the_workers_that_compute(tiny
     """No --threads on the CPU: each prefill and decode worker computes with its share of the cores this process may
     use (a pipelined group counts its stages), at least one; torch's default, a thread per core in every worker,
     oversubscribed them. On CUDA, or with --threads, nothing is chosen for the user."""
+    from mooncake.cluster import config as cluster_config
     from mooncake.cluster import launcher
     from mooncake.cluster.components import COMPONENTS, component_parser
 
-    monkeypatch.setattr(launcher, "usable_cpus", lambda: list(range(16)))
+    monkeypatch.setattr(cluster_config, "usable_cpus", lambda: list(range(16)))
     by_module = {run: name for name, (run, _) in COMPONENTS.items()}
 
     def threads(**fields) -> dict[str, int | None]:
@@ -205,3 +207,68 @@ def test_the_charts_defaults_are_the_components_own():
         assert not overrides, f"{component}: the chart overrides the component's defaults: {overrides}"
         seen.add(component)
     assert seen == set(CHART_WIRING)
+
+
+# fields of the same name that mean different things (a sampling seed, a placement policy's random seed)
+NOT_ONE_SETTING = {"seed"}
+
+
+def _written_defaults() -> dict[str, list[tuple[str, object]]]:
+    """Each pydantic config field whose default is written as a number or a string where it is declared: field name
+    -> [(where, value)], over the product's packages (the OpenAI wire schemas of gateway/protocol.py aside)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    found: dict[str, list[tuple[str, object]]] = {}
+    for package in ("mooncake", "conductor", "prefill", "decode", "kvstore", "transfer"):
+        for path in (root / package).rglob("*.py"):
+            if path.name == "protocol.py":
+                continue
+            for cls in ast.walk(ast.parse(path.read_text())):
+                if not (
+                    isinstance(cls, ast.ClassDef) and any(getattr(b, "id", None) == "BaseModel" for b in cls.bases)
+                ):
+                    continue
+                for stmt in cls.body:
+                    if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value):
+                        continue
+                    value = stmt.value
+                    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "Field":
+                        value = value.args[0] if value.args else None
+                    try:
+                        literal = ast.literal_eval(value) if value is not None else None
+                    except ValueError:
+                        continue  # a name or an expression: the default is read from where it is kept
+                    if isinstance(literal, (int, float, str)) and not isinstance(literal, bool):
+                        found.setdefault(stmt.target.id, []).append((f"{path.relative_to(root)}:{cls.name}", literal))
+    return found
+
+
+def test_no_two_configs_write_the_same_default():
+    """A setting two configs share (the same field name, the same default) is written once and read by the other
+    (``Other.model_fields[name].default``, or a constant both import): one place to change it."""
+    written = _written_defaults()
+    restated = {
+        name: where
+        for name, where in written.items()
+        if name not in NOT_ONE_SETTING and len(where) > 1 and len({value for _, value in where}) < len(where)
+    }
+    assert restated == {}
+    assert ("transfer/engine.py:TransferConfig", "/dev/shm/mooncake") in written["shm_dir"]  # the scan sees them
+    assert len(written["shm_dir"]) == 1  # DecodeConfig reads TransferConfig's
+
+
+def test_every_cluster_setting_is_a_mooncake_up_option():
+    import typer.main
+
+    from mooncake.cli.up_cmd import up
+
+    command = typer.main.get_command_from_info(
+        typer.models.CommandInfo(name="up", callback=up), pretty_exceptions_short=True, rich_markup_mode=None
+    )
+    dests = {p.name for p in command.params}
+    assert set(ClusterConfig.model_fields) - dests == {"model_name"}  # from --model (a name, or a directory)
+    out = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "400"}).output
+    assert "--local-prefill" in out and "--detect-s" in out and "--decode-max-seqs" in out
+    switches = {p.name: (p.opts, p.secondary_opts) for p in command.params if p.name in ("gateway", "insecure")}
+    assert switches == {"gateway": (["--gateway"], ["--no-gateway"]), "insecure": (["--insecure"], [])}

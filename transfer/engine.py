@@ -103,7 +103,7 @@ class TransportChoice(BaseModel):
     backend: BackendKind = Field(default_factory=default_backend)
     rdma_device: str | None = None
     rdma_port: int | None = Field(None, ge=1)
-    rdma_gid_index: int = Field(0, ge=0)
+    rdma_gid_index: int = Field(TransferConfig.model_fields["rdma_gid_index"].default, ge=0)
 
     @classmethod
     def from_args(cls, args) -> "TransportChoice":

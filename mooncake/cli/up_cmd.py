@@ -4,12 +4,15 @@ it)."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import types
+import typing
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,47 +39,57 @@ def _opt(field: str, flag: str, **extra: Any) -> Any:
     return typer.Option(info.get_default(call_default_factory=True), flag, help=info.description, **bounds, **extra)
 
 
-def up(
-    model: str = ModelOpt,
-    cache_dir: Optional[Path] = CacheOpt,
-    prefill: int = _opt("prefill", "--prefill"),
-    prefill_groups: int = _opt("prefill_groups", "--prefill-groups"),
-    group_size: int = _opt("group_size", "--group-size"),
-    decode: int = _opt("decode", "--decode"),
-    port: int = _opt("port", "--port"),
-    host: str = _opt("host", "--host"),
-    redis_url: Optional[str] = _opt("redis_url", "--redis-url"),
-    api_key: Optional[str] = _opt("api_key", "--api-key"),
-    tenants: Optional[Path] = _opt("tenants_file", "--tenants", exists=True, dir_okay=False),
-    pool_dram_mib: int = _opt("pool_dram_mib", "--pool-dram-mib"),
-    pool_ssd_mib: int = _opt("pool_ssd_mib", "--pool-ssd-mib"),
-    max_model_len: Optional[int] = _opt("max_model_len", "--max-model-len"),
-    threads: Optional[int] = _opt("threads", "--threads"),
-    policy: str = _opt("policy", "--policy"),
-    admission: str = _opt("admission", "--admission"),
-    ttft_slo: float = _opt("ttft_slo_s", "--ttft-slo"),
-    tbt_slo: float = _opt("tbt_slo_s", "--tbt-slo"),
-    workdir: Path = _opt("workdir", "--workdir"),
-    engine: str = _opt("engine", "--engine"),
-    vllm_arg: list[str] = _opt("vllm_args", "--vllm-arg"),
-    device: str = _opt("device", "--device"),
-    enforce_eager: bool = _opt("enforce_eager", "--enforce-eager"),
-    block_size: Optional[int] = _opt("block_size", "--block-size"),
-    conductors: int = _opt("conductors", "--conductors"),
-    hold: float = _opt("hold_s", "--hold"),
-    worker_nice: int = _opt("worker_nice", "--worker-nice"),
-    control_nice: int = _opt("control_nice", "--control-nice"),
-    insecure: bool = _opt("insecure", "--insecure"),
-) -> None:
+# ClusterConfig's fields by another flag than their own name's (--name-with-dashes); model and model_name come from
+# --model (a name `mooncake model pull` knows, or a directory)
+FLAGS = {
+    "tenants_file": "--tenants",
+    "ttft_slo_s": "--ttft-slo",
+    "tbt_slo_s": "--tbt-slo",
+    "hold_s": "--hold",
+    "vllm_args": "--vllm-arg",
+}
+FROM_MODEL = ("model", "model_name")
+
+
+def _typer_type(annotation: Any) -> Any:
+    """``X | None`` as typer reads it (Optional[X])."""
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return Optional[inner[0]]  # noqa: UP045 - typer reads Optional
+    return annotation
+
+
+def _flag(name: str) -> str:
+    """A field's flag: ``--name-with-dashes`` (or FLAGS's); a switch that is on by default also gets its ``--no-``."""
+    flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+    return f"{flag}/--no-{flag[2:]}" if ClusterConfig.model_fields[name].default is True else flag
+
+
+def _options() -> list[inspect.Parameter]:
+    """One option per ClusterConfig field (but the model's): the flags are generated, so every field is settable."""
+    return [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=_opt(name, _flag(name), **_PATH_CHECKS.get(name, {})),
+            annotation=_typer_type(info.annotation),
+        )
+        for name, info in ClusterConfig.model_fields.items()
+        if name not in FROM_MODEL
+    ]
+
+
+_PATH_CHECKS = {"tenants_file": {"exists": True, "dir_okay": False}}
+
+
+def up(model: str = ModelOpt, cache_dir: Optional[Path] = CacheOpt, **settings: Any) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 
     Starts the Conductor, a pool node per prefill worker, the prefill and decode workers
     and the gateway as separate processes, waits until all are healthy, prints the
     endpoint, restarts a component that dies, and stops everything on Ctrl-C or SIGTERM.
     """
-    if engine not in ("native", "vllm"):
-        console.print(f"[red]error:[/red] --engine must be native or vllm, got {engine!r}")
-        raise typer.Exit(2)
     try:
         model_dir = _model_dir(model, cache_dir)
     except (ValueError, RuntimeError) as e:
@@ -84,36 +97,7 @@ def up(
         raise typer.Exit(2) from None
     try:
         config = ClusterConfig(
-            model=str(model_dir),
-            model_name=model if "/" not in model else model_dir.name,
-            prefill=prefill,
-            decode=decode,
-            prefill_groups=prefill_groups,
-            group_size=group_size,
-            host=host,
-            port=port,
-            api_key=api_key,
-            tenants_file=tenants,
-            redis_url=redis_url,
-            workdir=workdir,
-            pool_dram_mib=pool_dram_mib,
-            pool_ssd_mib=pool_ssd_mib,
-            max_model_len=max_model_len,
-            threads=threads,
-            policy=policy,
-            admission=admission,
-            ttft_slo_s=ttft_slo,
-            tbt_slo_s=tbt_slo,
-            engine=engine,
-            vllm_args=vllm_arg,
-            block_size=block_size,
-            device=device,
-            enforce_eager=enforce_eager,
-            conductors=conductors,
-            hold_s=hold,
-            worker_nice=worker_nice,
-            control_nice=control_nice,
-            insecure=insecure,
+            model=str(model_dir), model_name=model if "/" not in model else model_dir.name, **settings
         )
     except ValueError as e:  # pydantic's ValidationError is one
         console.print(f"[red]error:[/red] {e}")
@@ -123,7 +107,9 @@ def up(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        with console.status(f"starting {prefill} prefill + {decode} decode workers for {config.model_name}"):
+        with console.status(
+            f"starting {config.prefill} prefill + {config.decode} decode workers for {config.model_name}"
+        ):
             cluster.start()
     except RuntimeError as e:
         console.print(f"[red]error:[/red] {e}")
@@ -133,7 +119,7 @@ def up(
         f"OpenAI endpoint: [bold]{cluster.endpoint}[/bold]  (model: {config.model_name}); "
         f"Conductor {cluster.conductor_address} (`mooncake status`, `mooncake pool scale`)"
     )
-    current = workdir / "current.json"
+    current = config.workdir / "current.json"
     current.write_text(
         json.dumps(
             {
@@ -150,6 +136,11 @@ def up(
     console.print("stopping every component")
     current.unlink(missing_ok=True)
     cluster.stop()
+
+
+up.__signature__ = inspect.Signature(  # what typer reads: --model, --cache-dir, then ClusterConfig's fields
+    [*list(inspect.signature(up).parameters.values())[:2], *_options()], return_annotation=None
+)
 
 
 def serve(ctx: typer.Context, component: str = typer.Argument(..., help=" | ".join(COMPONENTS))) -> None:

@@ -8,12 +8,21 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, model_validator
 
+from conductor.config import ConductorConfig
 from conductor.types import DEFAULT_SLO
+from decode.config import DECODE_ENGINE_DEFAULTS
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.interface import EngineKind
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
+from mooncake.gateway.recovery import RecoveryConfig
 from mooncake.localproc import usable_cpus
+from mooncake.runtime.channels import DETECT_S, LOCAL_HOST
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+_ENGINE = EngineConfig.model_fields
+_CONDUCTOR = ConductorConfig.model_fields  # (enums: the flags pass their values)
 
 
 class ClusterConfig(BaseModel):
@@ -30,7 +39,7 @@ class ClusterConfig(BaseModel):
     )
     group_size: int = Field(2, ge=2, description="Stage processes per pipelined prefill group")
     decode: int = Field(1, ge=1, description="Decode workers")
-    host: str = Field("127.0.0.1", description="Address every component binds")
+    host: str = Field(LOCAL_HOST, description="Address every component binds")
     port: int = Field(8000, ge=0, le=65535, description="The gateway's HTTP port (0: any free port)")
     api_key: str | None = Field(None, description="Require `Authorization: Bearer <key>` on /v1/*")
     tenants_file: Path | None = Field(
@@ -42,15 +51,15 @@ class ClusterConfig(BaseModel):
     workdir: Path = Field(
         default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run", description="Logs (and SSD files) go here"
     )
-    dtype: str = "float32"
+    dtype: str = Field(_ENGINE["dtype"].default, description="Workers' dtype (float32, bfloat16 or float16)")
     device: str = Field(
-        "cpu",
+        _ENGINE["device"].default,
         pattern=r"^(cpu|cuda(:\d+)?)$",
         description="Native workers' device: cpu, or cuda[:N] (every worker on that GPU; a pipelined group's stages "
         "spread over the GPUs with plain `cuda`)",
     )
     engine: str = Field(
-        "native",
+        EngineKind.NATIVE.value,
         pattern="^(native|vllm)$",
         description="Workers' engine: native (ours) or vllm (stock vLLM, installed with the project's `vllm` extra)",
     )
@@ -70,20 +79,22 @@ class ClusterConfig(BaseModel):
         False,
         description="Native workers on CUDA: run every step eagerly, without capturing decode steps as CUDA graphs",
     )
-    decode_max_seqs: int = 32
+    decode_max_seqs: int = Field(
+        DECODE_ENGINE_DEFAULTS["max_num_seqs"], ge=1, description="Requests each decode worker runs at once, at most"
+    )
     threads: int | None = Field(
         None,
         ge=1,
         description="torch threads per worker [default on the CPU: the usable cores shared evenly among the processes "
         "that compute (prefill and decode workers, a pipelined group's stages), at least 1; on CUDA: torch's]",
     )
-    policy: str = Field("kvcache_centric", description="Prefill placement policy")
+    policy: str = Field(_CONDUCTOR["policy"].default.value, description="Prefill placement policy")
     admission: str = Field(
-        "early_predictive",
+        _CONDUCTOR["admission"].default.value,
         description="none | baseline | early | early_predictive | early_wait (conductor.admission)",
     )
     local_prefill: str = Field(
-        "auto",
+        _CONDUCTOR["local_prefill"].default.value,
         description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
         "never (a prefill worker) or always (the decode worker itself)",
     )
@@ -91,10 +102,10 @@ class ClusterConfig(BaseModel):
     tbt_slo_s: float = Field(
         DEFAULT_SLO.tbt_s, gt=0, description="TBT SLO in seconds (CPU decode steps are tens of ms)"
     )
-    gateway: bool = True
+    gateway: bool = Field(True, description="Start the OpenAI gateway (off: the cluster without its front door)")
     restart: bool = Field(True, description="restart a component that dies")
     hold_s: float = Field(
-        10.0,
+        RecoveryConfig.model_fields["hold_s"].default,
         ge=0,
         description="Seconds the gateway holds a request while the Conductor (or every worker of a role) is away, "
         "before answering 503",
@@ -105,7 +116,7 @@ class ClusterConfig(BaseModel):
         "on a network host of its own (a namespace on a bridge; root only), so links can be cut",
     )
     detect_s: float = Field(
-        2.0,
+        DETECT_S,
         gt=0,
         description="a worker silent this long on a live connection (a host off the "
         "network) is taken for dead by its callers",
@@ -122,7 +133,9 @@ class ClusterConfig(BaseModel):
         description="No TLS between the components (development only). By default they present certificates from "
         "a CA made in the run directory (or $MOONCAKE_TLS_DIR's) and refuse any peer without one",
     )
-    ready_timeout_s: float = 180.0
+    ready_timeout_s: float = Field(
+        180.0, gt=0, description="Seconds each component has to print READY before `mooncake up` gives up"
+    )
     worker_nice: int = Field(
         0,
         ge=0,

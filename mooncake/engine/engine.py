@@ -253,6 +253,10 @@ class LLMEngine:
     def num_reserved_blocks(self) -> int:
         return len(self._reserved)
 
+    @property
+    def step_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
     def _grammars(self) -> GrammarBook:
         """The engine's constrained requests (built on first use: llguidance reads the tokenizer once, ~0.2 s)."""
         if self.runner.grammars is None:

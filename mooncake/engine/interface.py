@@ -57,6 +57,18 @@ class WorkerEngine(Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Cache blocks held for KV still to arrive (a decode worker's landings); 0 where the engine holds none."""
+        ...
+
+    @property
+    def step_tokens(self) -> int:
+        """Its token budget per step (0: the engine does not say): a decode worker registers it with the Conductor."""
+        ...
+
+    last_step_tokens: int  # tokens its last step computed (the engine loop's step-time samples)
+
     def add_request(
         self,
         prompt_token_ids: list[int],

@@ -40,7 +40,7 @@ from mooncake.gateway.recovery import Action, Fault, RecoveryConfig, RequestProg
 from mooncake.runtime.channels import Conductors, client_options
 from mooncake.runtime.framed import ControlError
 from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
-from mooncake.serving.status import client_error
+from mooncake.serving.status import FAILED_INSTANCE_KEY, RETRY_AFTER_KEY, client_error
 from mooncake.serving.types import (
     BackendError,
     GenerationBackend,
@@ -57,8 +57,6 @@ from protos import worker_pb2_grpc as wpb_grpc
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_KEY = "retry-after-s"  # decode.server's trailing metadata on RESOURCE_EXHAUSTED
-FAILED_INSTANCE_KEY = "failed-instance"  # and on UNAVAILABLE, when the prefill worker failed
 UNAVAILABLE_REASONS = ("no_prefill_instance", "no_decode_instance")
 SHED_PROBE_LEAD_S = 0.05  # a shedding gateway probes the Conductor this long before the verdict runs out
 FAST_PATH_RECHECK_S = 5.0  # how often to ask a Conductor without a (working) fast path whether it has one now

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
+from mooncake.runtime.channels import DETECT_S
+
 
 class Phase(enum.Enum):
     SCHEDULING = "scheduling"  # asking the Conductor for a placement
@@ -75,7 +77,7 @@ class RecoveryConfig(BaseModel):
     )
     max_attempts: int = Field(4, ge=1, description="most placements one request gets")
     detect_s: float = Field(
-        2.0,
+        DETECT_S,
         gt=0,
         description="a decode worker (or the Conductor) silent this long (no answer to a "
         "keepalive ping: a host off the network) is taken for dead, about a second later",

@@ -26,6 +26,7 @@ RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
+LOCAL_HOST = "127.0.0.1"  # where a component binds by default: this host only
 DETECT_S = 2.0  # default: a silent peer is declared failed after about this long (plus one ping interval)
 PING_INTERVAL_MS = 1000
 

@@ -143,12 +143,7 @@ class EngineLoop:
             self.num_running, self.context_tokens = engine.load()
             if outputs:
                 # tokens it computed: more than one a request when a prompt's chunk rode on it
-                # (engines that do not say: one)
-                self.steps.append(
-                    StepSample(
-                        len(outputs), self.context_tokens, seconds, getattr(engine, "last_step_tokens", len(outputs))
-                    )
-                )
+                self.steps.append(StepSample(len(outputs), self.context_tokens, seconds, engine.last_step_tokens))
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if out.finished:

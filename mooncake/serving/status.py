@@ -56,6 +56,11 @@ WORKER_STATUS = StatusTable(
     fallback=Unavailable,
 )
 
+RETRY_AFTER_KEY = "retry-after-s"  # a decode worker's trailing metadata on RESOURCE_EXHAUSTED: when to retry
+FAILED_INSTANCE_KEY = (
+    "failed-instance"  # and on UNAVAILABLE when its prefill worker failed: which (the Conductor hears)
+)
+
 REQUEST_CODES = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,

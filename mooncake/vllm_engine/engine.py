@@ -179,6 +179,10 @@ class VllmEngine:
     def num_free_blocks(self) -> int:
         return self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks()
 
+    num_reserved_blocks = 0  # its cache is vLLM's: KV lands in slots and joins through the connector
+    step_tokens = 0  # vLLM's own scheduler decides a step's tokens
+    last_step_tokens = 0  # vLLM does not say what a step computed: one token per output (set by step)
+
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -310,6 +314,7 @@ class VllmEngine:
                     prompt_logprobs=self._prompt_logprobs(tracked, out),
                 )
             )
+        self.last_step_tokens = len(results)
         return results
 
     @staticmethod

@@ -358,22 +358,9 @@ def report(r: dict, shape: Shape, rate: float, flops: float) -> list[tuple[str, 
         )
     )
     limit = shape.prefill_flops(LONG_PROMPT) / flops
-    for budget in BUDGETS:
-        o = r.get(f"ours_ttft_{budget}")
-        rows.append(
-            (
-                f"{LONG_PROMPT}-token prompt, {budget}-token steps",
-                ms(o),
-                "-",
-                ms(r.get("hf_prefill")),
-                "-",
-                ms(limit),
-                ratio(o, limit),
-                ratio(r.get("hf_prefill"), o),
-                "-",
-            )
-        )
-    for key, what in (("ours_ttft_default", "default steps"), ("ours_ttft_default_unfused", "torch's elementwise")):
+    prompts = [(f"ours_ttft_{b}", f"{b}-token steps") for b in BUDGETS]
+    prompts += [("ours_ttft_default", "default steps"), ("ours_ttft_default_unfused", "torch's elementwise")]
+    for key, what in prompts:
         o = r.get(key)
         rows.append(
             (

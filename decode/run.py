@@ -10,15 +10,12 @@ import functools
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import torch
 
 from mooncake.engine.request import SamplingParams
-
-if TYPE_CHECKING:
-    from decode.worker import DecodeWorker
 
 
 class Failed(Exception):
@@ -46,7 +43,7 @@ class Decoding:
     written in place by the prefill). Blocks of a prefill that did not answer (cancelled, timed out, its worker
     unreachable) may still see a straggling write: they go back to the engine only ``write_grace_s`` later."""
 
-    def __init__(self, worker: "DecodeWorker", request_id: str, slots: list[int], blocks: list[int]) -> None:
+    def __init__(self, worker, request_id: str, slots: list[int], blocks: list[int]) -> None:
         self.worker, self.request_id, self.slots, self.blocks = worker, request_id, slots, blocks
         self.state = DecodeState.PREFILLING
         self.answered = False  # the prefill worker answered (its writes are over, whatever the answer)

@@ -10,20 +10,18 @@
 
 Each takes a layer's blocks from one of the connector's three sources: the bound cache in place (``from_cache``; a
 CPU cache), a copy made by host staging or a vLLM export (``from_staged``), or, for a mapped GPU cache, the device
-itself (``from_device``). The pool's slots, written beside the landing unless the job stores them later, are the
-connector's part (prefill/connector.py).
+itself (``from_device``): ``conn`` is the PoolConnector (its bound cache, ``offset``, ``half``, ``first_layer``),
+``job`` a PrefillJob, ``staging`` its HostStaging (untyped here: this module sits below the connector). The
+pool's slots, written beside the landing unless the job stores them later, are the connector's part
+(prefill/connector.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from mooncake.engine.blockcopy import block_runs, copy_blocks
 from transfer import Slice, TransferError
-
-if TYPE_CHECKING:
-    from prefill.connector import HostStaging, PoolConnector, PrefillJob
 
 # where block i's K (kv=0) or V (kv=1) starts in a staged copy of blocks start..end of one layer
 StagedAt = Callable[[int, int], int]
@@ -32,10 +30,10 @@ StagedAt = Callable[[int, int], int]
 class Landing:
     """Landing slots (the pool layout): a slice per block, per K and V."""
 
-    def __init__(self, job: PrefillJob) -> None:
+    def __init__(self, job) -> None:
         self.job = job
 
-    def from_cache(self, conn: PoolConnector, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
+    def from_cache(self, conn, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
         """Slices writing layer ``layer`` of blocks start..end (cache blocks ``table[start:end]``) from the bound
         cache in place; a landing written here by copies returns none."""
         job, half = self.job, conn.half
@@ -61,7 +59,7 @@ class Landing:
             for kv in (0, 1)
         ]
 
-    def from_device(self, staging: HostStaging, cache, layer: int, table: list[int], start: int, end: int) -> bool:
+    def from_device(self, staging, cache, layer: int, table: list[int], start: int, end: int) -> bool:
         """Write on the device itself, if this landing can (True); else the connector stages a host copy."""
         return False
 
@@ -73,7 +71,7 @@ class CacheSegment(Landing):
     """Blocks of the decode engine's cache, through its segment: a slice per run of blocks consecutive on both
     sides, per K and V."""
 
-    def from_cache(self, conn: PoolConnector, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
+    def from_cache(self, conn, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
         job, half = self.job, conn.half
         return [
             Slice(
@@ -102,7 +100,7 @@ class MappedCache(CacheSegment):
     """The decode engine's cache mapped here: each layer's blocks copied into it, no slices (an export, which never
     maps one, would go through the segment as CacheSegment does)."""
 
-    def from_cache(self, conn: PoolConnector, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
+    def from_cache(self, conn, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
         job = self.job
         try:
             copy_blocks(
@@ -115,12 +113,12 @@ class MappedCache(CacheSegment):
             job.fail(TransferError(f"writing the decode engine's cache failed: {e}"))
         return []
 
-    def from_device(self, staging: HostStaging, cache, layer: int, table: list[int], start: int, end: int) -> bool:
+    def from_device(self, staging, cache, layer: int, table: list[int], start: int, end: int) -> bool:
         staging.copy_to(cache, table[start:end], self.job.mapped_cache[layer], self.job.landing_blocks[start:end])
         return True
 
 
-def landing_for(job: PrefillJob) -> Landing:
+def landing_for(job) -> Landing:
     """The job's landing, by what its decode worker granted and this worker could map."""
     if job.mapped_cache is not None:
         return MappedCache(job)

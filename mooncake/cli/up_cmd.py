@@ -49,6 +49,7 @@ FLAGS = {
     "vllm_args": "--vllm-arg",
 }
 FROM_MODEL = ("model", "model_name")
+_PATH_CHECKS = {"tenants_file": {"exists": True, "dir_okay": False}}  # --tenants names a file that exists
 
 
 def _typer_type(annotation: Any) -> Any:
@@ -78,9 +79,6 @@ def _options() -> list[inspect.Parameter]:
         for name, info in ClusterConfig.model_fields.items()
         if name not in FROM_MODEL
     ]
-
-
-_PATH_CHECKS = {"tenants_file": {"exists": True, "dir_okay": False}}
 
 
 def up(model: str = ModelOpt, cache_dir: Optional[Path] = CacheOpt, **settings: Any) -> None:

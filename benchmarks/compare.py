@@ -129,7 +129,7 @@ def coupled_server(args, model_dir: Path, workdir: Path, run: SystemRun, say: Ca
         device=args.device,
         dtype=args.dtype,
         log_level="WARNING",
-        max_batched_tokens=args.coupled_batched_tokens,
+        max_num_batched_tokens=args.coupled_batched_tokens,
     )
     run.config = {"argv": argv}
     gateway = Component("coupled-gateway", argv, workdir / "coupled" / "gateway.log")

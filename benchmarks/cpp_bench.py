@@ -205,7 +205,7 @@ def _cluster_bench(args, model_dir: Path, model_name: str, num_layers: int, voca
                 group_size=max(x, 2),
                 decode=1,
                 max_model_len=min(args.long + 64, limit),
-                prefill_batched_tokens=args.chunk,
+                max_num_batched_tokens=args.chunk,
                 pool_dram_mib=max(64, 2 * args.long // 16 + 64),
                 ready_timeout_s=600,
                 ttft_slo_s=3600,

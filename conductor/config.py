@@ -10,6 +10,7 @@ from conductor.local import LocalPrefill
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
 from conductor.types import DEFAULT_SLO, Slo
+from mooncake.engine.config import CPU_BATCHED_TOKENS
 
 
 class ConductorConfig(BaseModel):
@@ -60,10 +61,10 @@ class ConductorConfig(BaseModel):
         "request's step)",
     )
     local_chunk_tokens: int = Field(
-        512,
+        CPU_BATCHED_TOKENS,
         ge=1,
-        description="a decode worker's token budget per step where it does not register its own (ours do: their "
-        "--max-num-batched-tokens): the most of a prompt it computes itself that one step takes",
+        description="a decode worker's token budget per step where it registers none (both our engines register "
+        "theirs, --max-num-batched-tokens): the most of a prompt it computes itself that one step takes",
     )
     default_handoff_s: float = Field(
         0.0,

@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from conductor.types import PREFILL_BUSY_BEAT_S
 from kvstore.client import KVStoreUnavailable
 from mooncake.cliargs import field_arg
-from mooncake.engine.config import EngineConfig
 from mooncake.engine.interface import parse_vllm_args
 from mooncake.faults import message
 from mooncake.runtime.process import WorkerProcess, run_worker
@@ -131,7 +130,6 @@ def parser() -> argparse.ArgumentParser:
         PREFILL_ENGINE_DEFAULTS,
     )
     p.add_argument("--kvstore", required=True, help="gRPC address of this worker's pool node, on this host")
-    field_arg(p, EngineConfig, "max_num_batched_tokens")
     p.add_argument("--no-store", action="store_true", help="do not write new blocks into the pool")
     field_arg(p, PrefillConfig, "reservation_ttl_s", "--reservation-ttl")
     field_arg(p, PrefillConfig, "pipeline_stages")
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             engine=args.engine,
             vllm_args=parse_vllm_args(args.vllm_arg),
             kvstore=args.kvstore,
-            engine_config={**engine_fields(args), "max_num_batched_tokens": args.max_num_batched_tokens},
+            engine_config=engine_fields(args),
             store_new_blocks=not args.no_store,
             reservation_ttl_s=args.reservation_ttl,
             pipeline_stages=stages,

@@ -1,6 +1,6 @@
 """A stage server of a pipelined prefill group: one contiguous range of a model's layers on this node.
 
-    python -m prefill.stage --model DIR --stage I --stages X --host ADDR --port P --key-file F
+    python -m prefill.stage --model DIR --stage I --stages X --chunk N --host ADDR --port P --key-file F
 
 The group's prefill worker (``python -m prefill --pipeline-stages X --stage-addresses
 A0,A1,..``) dials every stage server with the group's key (a shared secret: the same file
@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(p, EngineConfig, "block_size")
     field_arg(p, EngineConfig, "num_kv_blocks", default=1024, help="this stage's cache, in blocks")
     field_arg(p, EngineConfig, "max_model_len")
-    p.add_argument("--chunk", type=int, default=512, help="the group's chunk (its worker's --max-num-batched-tokens)")
+    p.add_argument("--chunk", type=int, required=True, help="the group's chunk (its worker's --max-num-batched-tokens)")
     p.add_argument("--shm-dir", default="/dev/shm/mooncake")
     p.add_argument("--log-level", default="INFO")
     return p

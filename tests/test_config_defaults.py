@@ -118,6 +118,7 @@ def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_s
         group_size=2,
         tbt_slo_s=0.25,
         max_model_len=256,
+        max_num_batched_tokens=64,
         threads=1,
         pool_ssd_mib=4,
         api_key="k",
@@ -140,6 +141,8 @@ def test_mooncake_up_starts_each_component_with_its_own_flags_and_the_clusters_s
     assert parsed["kv0"].ssd_mib == 4 and parsed["kv0"].block_bytes == config.block_bytes()
     assert parsed["conductor"].block_bytes == config.block_bytes()  # as the chart gives it
     assert parsed["decode-0"].max_num_seqs == config.decode_max_seqs
+    # one step budget, one spelling: every engine's --max-num-batched-tokens
+    assert {parsed[n].max_num_batched_tokens for n in ("prefill-0", "prefill-1", "decode-0")} == {64}
     assert parsed["gateway"].api_key == "k" and parsed["gateway"].tenants is None
 
 

@@ -32,7 +32,7 @@ def cluster(tiny_dir, tmp_path_factory):
         prefill_groups=1,
         group_size=2,
         decode=1,
-        prefill_batched_tokens=64,
+        max_num_batched_tokens=64,
         network_hosts=True,
     )
     yield c

@@ -37,7 +37,7 @@ def cluster(tiny_dir, tmp_path_factory):
         group_size=2,
         decode=1,
         api_key=KEY,
-        prefill_batched_tokens=64,
+        max_num_batched_tokens=64,
     )
     yield c
     c.stop()

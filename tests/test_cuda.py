@@ -107,7 +107,7 @@ def gpu_cluster(request, tiny_dir, tmp_path_factory):
         prefill=1,
         decode=1,
         device=DEVICE,
-        prefill_batched_tokens=64,
+        max_num_batched_tokens=64,
         **group,
     )
     c.kind = request.param

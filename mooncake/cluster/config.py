@@ -72,8 +72,11 @@ class ClusterConfig(BaseModel):
     pool_dram_mib: int = Field(1024, ge=1, description="DRAM tier of each pool node (MiB)")
     pool_ssd_mib: int = Field(0, ge=0, description="SSD tier of each pool node (MiB; 0: none)")
     max_model_len: int | None = Field(None, description="Context limit [default: the model's]")
-    prefill_batched_tokens: int | None = Field(
-        None, ge=1, description="a prefill step's token budget (a group's chunk); default: 512 on the CPU, 4096 on CUDA"
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="every worker engine's token budget per step (a prefill group's chunk; the prompt chunk a decode "
+        "worker computes itself). " + str(EngineConfig.model_fields["max_num_batched_tokens"].description),
     )
     enforce_eager: bool = Field(
         False,

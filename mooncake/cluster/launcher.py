@@ -174,6 +174,7 @@ class LocalCluster:
             block_size=c.block_size,
             device=c.device,
             max_model_len=c.max_model_len,
+            max_num_batched_tokens=c.max_num_batched_tokens,
             threads=c.threads,
             engine=c.engine,
             enforce_eager=c.enforce_eager,
@@ -182,7 +183,7 @@ class LocalCluster:
 
     def _chunk(self) -> int:
         c = self.config
-        return c.prefill_batched_tokens or default_batched_tokens(c.device)
+        return c.max_num_batched_tokens or default_batched_tokens(c.device)
 
     def _worker_env(self) -> dict[str, str] | None:
         """A vLLM worker's environment: tcmalloc and Intel OpenMP preloaded where present (vLLM's CPU guide); with
@@ -266,7 +267,6 @@ class LocalCluster:
                 conductor=self.conductor_addresses,
                 host=h,
                 port=self._port(f"prefill-{i}", h),
-                max_num_batched_tokens=self._chunk(),
                 **self._engine(),
                 **group,
             ),

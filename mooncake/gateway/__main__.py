@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(local, EngineConfig, "num_kv_blocks", default=LOCAL_KV_BLOCKS)
     field_arg(local, EngineConfig, "num_threads", "--threads")
     field_arg(local, EngineConfig, "device")
-    field_arg(local, EngineConfig, "max_num_batched_tokens", "--max-batched-tokens")
+    field_arg(local, EngineConfig, "max_num_batched_tokens")
     recovery = p.add_argument_group("recovery", "the cluster's: how long a request waits for it (RecoveryConfig)")
     field_arg(recovery, RecoveryConfig, "hold_s")
     field_arg(recovery, RecoveryConfig, "retry_budget_s")
@@ -87,7 +87,7 @@ def build_backend(args: argparse.Namespace):
             num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len,
             num_threads=args.threads,
-            max_num_batched_tokens=args.max_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             device=args.device,
         )
         return LocalBackend(

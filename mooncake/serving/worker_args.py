@@ -31,6 +31,7 @@ def worker_parser(
     field_arg(p, EngineConfig, "num_kv_blocks", default=engine_defaults["num_kv_blocks"])
     field_arg(p, EngineConfig, "max_num_seqs", default=engine_defaults["max_num_seqs"])
     field_arg(p, EngineConfig, "max_model_len")
+    field_arg(p, EngineConfig, "max_num_batched_tokens")
     field_arg(p, EngineConfig, "num_threads", "--threads")
     field_arg(p, EngineConfig, "device")
     field_arg(p, EngineConfig, "enforce_eager")
@@ -67,6 +68,7 @@ def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
         enforce_eager=args.enforce_eager,
     )

@@ -144,6 +144,7 @@ class VllmEngine:
         if self.block_size != config.block_size:
             raise ValueError(f"vLLM chose block size {self.block_size}; the cluster's is {config.block_size}")
         self.max_model_len = mc.max_model_len
+        self.step_tokens = vc.scheduler_config.max_num_batched_tokens  # its budget, --vllm-arg's where one was given
         self.vocab_size = mc.get_vocab_size()
         self._block_shape = (
             mc.get_num_layers(vc.parallel_config),
@@ -180,7 +181,6 @@ class VllmEngine:
         return self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks()
 
     num_reserved_blocks = 0  # its cache is vLLM's: KV lands in slots and joins through the connector
-    step_tokens = 0  # vLLM's own scheduler decides a step's tokens
     last_step_tokens = 0  # vLLM does not say what a step computed: one token per output (set by step)
 
     def add_request(

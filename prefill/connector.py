@@ -52,7 +52,7 @@ from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.request import TokenLogprob
 from mooncake.serving.kvlayout import tensor_bytes
 from prefill.landing import Landing, landing_for
-from transfer import Slice, TransferEngine, TransferError
+from transfer import Segment, Slice, TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,9 @@ class PrefillJob:
     pool_segment: str | None = None  # the pool's segment, written through the transfer engine (None: the bound tensor)
     pool_token: str = ""  # the reservation of pool_slots (Slice.token: the pool node checks it)
     landing_token: str = ""  # the decode worker's grant of the landing slots (Landing.token)
+    landing_spec: Segment | None = None  # the landing segment itself (a pipelined group's stages write it)
+    prefix_tokens: list[str] = field(default_factory=list)  # the lease holding each prefix slot (a group's stages read
+    # the prefix from the pool's segment under them)
     landing_blocks: list[int] | None = None  # set: the destinations are these blocks of the decode engine's cache
     landing_num_blocks: int = 0  # that cache's blocks (the stride of its layout [L, 2, blocks, bs, Hkv, D])
     mapped_cache: torch.Tensor | None = None  # that cache itself, mapped here (on this GPU by CUDA IPC, or its shared

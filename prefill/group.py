@@ -18,11 +18,13 @@ stage servers on other nodes (``python -m prefill.stage``, one per stage, each o
 own host) that the worker dials with the group's key: hidden states then cross hosts
 over tcp, and each stage pushes to the landing slots and the pool node over tcp.
 
-One prefill runs at a time (the stages overlap its chunks, not requests); others wait
-their turn. A stage that fails or dies fails the prefill in flight (UNAVAILABLE: the
-gateway places it again) and the group starts its stages anew in the background (or,
-for stage servers, dials them again until they answer: a supervisor restarts a dead
-one), refusing prefills (UNAVAILABLE) until they are up.
+The worker drives a group as it drives an engine: ``GroupEngine`` is a ``WorkerEngine``
+whose step is one request's pipelined prefill. One prefill runs at a time (the stages
+overlap its chunks, not requests); others wait their turn in its queue. A stage that
+fails or dies fails the prefill in flight (UNAVAILABLE: the gateway places it again)
+and the group starts its stages anew in the background (or, for stage servers, dials
+them again until they answer: a supervisor restarts a dead one), refusing prefills
+(UNAVAILABLE) until they are up.
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from mooncake.engine.engine import RequestOutput
 from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.pipeline import PipelinePrefill
+from mooncake.engine.request import FinishReason, SamplingParams
 from mooncake.engine.stage import split_layers
-from prefill.stage_process import ProcessPipeline, StageRequest, StageSpec
+from mooncake.serving.kvlayout import SlotKV
+from prefill.connector import PrefillJob
+from prefill.stage_process import ProcessPipeline, StagePush, StageRequest, StageSpec
+from transfer import Segment
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +113,7 @@ class StageGroup:
     ) -> PipelinePrefill:
         """Run ``request`` through the stages when its turn comes. Raises ValueError (bad request), RuntimeError
         (a stage failed: the group restarts), PushFailed (the KV could not be pushed), TimeoutError."""
-        if len(request.prompt) > self.max_model_len:
-            raise ValueError(f"{len(request.prompt)} tokens exceed max_model_len {self.max_model_len}")
-        if -(-len(request.prompt) // self.block_size) > self.num_kv_blocks:
-            raise ValueError(
-                f"{len(request.prompt)} tokens need more than the {self.num_kv_blocks} KV blocks of each stage"
-            )
+        self.check(request.prompt)
         while not self._turn.acquire(timeout=0.05):
             if cancelled.is_set():
                 raise InterruptedError("cancelled while waiting for the pipeline")
@@ -133,6 +136,13 @@ class StageGroup:
                 raise
         finally:
             self._turn.release()
+
+    def check(self, prompt: list[int]) -> None:
+        """Raises ValueError for a prompt the stages cannot hold."""
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"{len(prompt)} tokens exceed max_model_len {self.max_model_len}")
+        if -(-len(prompt) // self.block_size) > self.num_kv_blocks:
+            raise ValueError(f"{len(prompt)} tokens need more than the {self.num_kv_blocks} KV blocks of each stage")
 
     def _watch(self, every_s: float = 1.0) -> None:
         """Between prefills, a stage that died is noticed within ``every_s`` and the stages start anew (so the next
@@ -207,6 +217,135 @@ class StageGroup:
             pipeline, self.pipeline = self.pipeline, None
         if pipeline is not None:
             pipeline.close()
+
+
+class GroupEngine:
+    """A group as the prefill worker's ``WorkerEngine``: ``add_request`` queues a prompt, each ``step`` runs the next
+    one through the stages (its whole prefill: the stages push its KV themselves, to where its ``PrefillJob`` in
+    ``jobs`` says) and returns its first token. A request aborted before its turn never runs."""
+
+    eos_token_ids: frozenset[int] = frozenset()  # a prefill samples one token: stop tokens do not matter
+    num_reserved_blocks = 0
+
+    def __init__(
+        self, group: StageGroup, jobs: dict[str, PrefillJob], pool: Segment, io_timeout_s: float, timeout_s: float
+    ) -> None:
+        self.group, self.jobs, self.pool = group, jobs, pool
+        self.io_timeout_s, self.timeout_s = io_timeout_s, timeout_s
+        self.block_size, self.block_bytes = group.block_size, group.block_bytes
+        self.fingerprint, self.max_model_len = group.fingerprint, group.max_model_len
+        self.step_tokens = group.chunk
+        self.last_step_tokens = 0
+        self._queue: deque[tuple[str, list[int], SamplingParams, int, SlotKV | None, int]] = deque()
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return self.group.block_shape
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.group.num_free_blocks
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        external_kv: SlotKV | None = None,
+        num_external_tokens: int = 0,
+        initial_output_token_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a prefill; raises ValueError for a prompt the stages cannot hold. ``external_kv``: the prefix's pool
+        slots (the stages read them from the pool's segment)."""
+        if request_id is None or request_id not in self.jobs:
+            raise ValueError("a group prefills only requests with a PrefillJob (where the stages push the KV)")
+        outputs = list(initial_output_token_ids or ())
+        prompt = [*prompt_token_ids, *outputs]
+        self.group.check(prompt)
+        params = sampling_params or SamplingParams()
+        self._queue.append((request_id, prompt, params, len(outputs), external_kv, num_external_tokens))
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """The next queued prefill, whole; a failure fails its job (the worker raises the job's error)."""
+        rid, prompt, params, num_outputs, prefix, cached = self._queue.popleft()
+        job = self.jobs[rid]
+        self.last_step_tokens = len(prompt) - cached
+        try:
+            out = self.group.prefill(
+                StageRequest(
+                    rid,
+                    prompt,
+                    params,
+                    self.group.chunk,
+                    num_outputs=num_outputs,
+                    num_prefix_tokens=cached,
+                    push=self._push(job, prefix, cached),
+                ),
+                threading.Event(),
+                self.timeout_s,
+                on_start=lambda: setattr(job, "started_at", time.perf_counter()),
+            )
+        except Exception as e:  # noqa: BLE001 - the request's failure, raised by the worker from its job
+            job.fail(e)
+            tokens, logprobs, prompt_logprobs, reason = [], None, None, FinishReason.ABORT
+        else:
+            tokens = [*prompt[len(prompt) - num_outputs :], out.first_token]
+            logprobs = [out.logprob] if out.logprob is not None else None
+            prompt_logprobs, reason = out.prompt_logprobs, FinishReason.LENGTH
+        return [
+            RequestOutput(
+                rid,
+                tokens,
+                tokens[-1:],
+                True,
+                reason,
+                len(prompt) - num_outputs,
+                cached,
+                new_logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        ]
+
+    def _push(self, job: PrefillJob, prefix: SlotKV | None, cached: int) -> StagePush:
+        """Where the stages push the KV and read the prefix (its pulled blocks landed first)."""
+        for layer in range(self.block_shape[0] if prefix is not None else 0):
+            prefix.wait(layer)
+        n = -(-cached // self.block_size)
+        return StagePush(
+            job.landing_spec,
+            job.landing_offsets,
+            self.pool,
+            job.pool_slots,
+            prefix.indices[:n] if prefix is not None else None,
+            self.io_timeout_s,
+            pool_token=job.pool_token,
+            prefix_tokens=job.prefix_tokens[:n] if prefix is not None else None,
+            landing_token=job.landing_token,
+            landing_blocks=job.landing_blocks,
+            landing_num_blocks=job.landing_num_blocks,
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        before = len(self._queue)
+        self._queue = deque(q for q in self._queue if q[0] != request_id)
+        return len(self._queue) < before
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue)
+
+    def load(self) -> tuple[int, int]:
+        return min(1, len(self._queue)), 0  # one prefill at a time: the rest wait their turn
+
+    def set_max_num_seqs(self, n: int) -> None:
+        pass  # one at a time already
+
+    def computed_blocks(self, request_id: str, first_block: int):
+        raise NotImplementedError("a group keeps no blocks after a prefill (a decode worker's write-behind)")
+
+    def close(self) -> None:
+        self.group.close()
 
 
 def stage_device(device: str, stage: int) -> str:

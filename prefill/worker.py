@@ -54,9 +54,8 @@ from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from mooncake.serving.status import Cancelled, Unreachable
 from prefill.config import PrefillConfig
 from prefill.connector import PoolConnector, PrefillJob
-from prefill.group import StageGroup
+from prefill.group import GroupEngine, StageGroup
 from prefill.leases import Held, PoolLeases
-from prefill.stage_process import StagePush, StageRequest
 from protos import worker_pb2 as wpb
 from transfer import Segment, SharedRegion, TransferConfig, TransferEngine, TransferError
 from transfer.types import host_id
@@ -97,12 +96,14 @@ class PrefillWorker(PoolLeases):
         self._region = SharedRegion.open(stats.segment.shm_path)
         self._pool_segment = segment_from_pb(stats.segment)
         self.connector = PoolConnector(self.transfer, None, config.engine_config.block_size, config.io_timeout_s)
-        self.group: StageGroup | None = None
-        self.loop: EngineLoop | None = None
+        self.group: StageGroup | None = None  # its stages (health, status)
+        # what its own engine does that a pipelined group's stages or vLLM do not: write the pool after the first token,
+        # write a decode engine's cache mapped here, time calibration prompts
+        self._single_native = config.engine is EngineKind.NATIVE and config.pipeline_stages == 1
         if config.pipeline_stages > 1:
             if config.engine is not EngineKind.NATIVE:
                 raise ValueError("a pipelined prefill group runs the native engine only")
-            self.engine = self.group = StageGroup(
+            self.group = StageGroup(
                 config.engine_config.model,
                 config.pipeline_stages,
                 dtype=engine_config.torch_dtype,
@@ -113,6 +114,9 @@ class PrefillWorker(PoolLeases):
                 device=config.engine_config.device,
                 stage_addresses=config.stage_addresses or None,
                 authkey=config.stage_key,
+            )
+            self.engine = GroupEngine(
+                self.group, self.connector.jobs, self._pool_segment, config.io_timeout_s, config.prefill_timeout_s
             )
         else:
             self.engine = build_engine(
@@ -135,8 +139,7 @@ class PrefillWorker(PoolLeases):
         self.layer_bytes = self.block_bytes // self.block_shape[0]
         self._pool_bytes = memoryview(self._region.buffer).cast("B")
         self.transfer.pin(self._pool_bytes)  # fetches land in it: registered with an RDMA device once, not per fetch
-        if self.group is None:
-            self.loop = EngineLoop(self.engine, name="prefill-engine")
+        self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._cuda_caches = CudaCaches()  # decode engines' CUDA caches on this host, mapped once each
         self._prefix_copier = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefix-copy")  # pool -> decode cache
         self._remote = ByAddress(
@@ -146,7 +149,7 @@ class PrefillWorker(PoolLeases):
             PipelinePrefillPredictor(
                 PredictorConfig(), config.pipeline_stages, config.engine_config.max_num_batched_tokens
             )
-            if self.group is not None
+            if config.pipeline_stages > 1
             else PrefillPredictor(PredictorConfig())
         )
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
@@ -173,7 +176,7 @@ class PrefillWorker(PoolLeases):
         start from this machine's speed. Without them the first requests were predicted from the default rate (a
         GPU's): on this CPU at 4% of their TTFT, until enough prompts had been served. Our engine on a single
         worker only (a pipelined group or vLLM starts from the default)."""
-        if self.loop is None or self.config.engine is not EngineKind.NATIVE:
+        if not self._single_native:
             return []
         vocab = self.engine.args.vocab_size
         limit = self.engine.max_model_len - 1  # the config's may be None: the model's context
@@ -240,7 +243,7 @@ class PrefillWorker(PoolLeases):
             cached_blocks = len(local) + len(fetched)
             cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
             job.pool_slots = self._reserve_new(keys, cached_blocks, held)
-            if job.pool_slots and self.group is None and self.config.engine is EngineKind.NATIVE:
+            if job.pool_slots and self._single_native:
                 job.store_later, job.on_stored = True, functools.partial(self._stored, held)
             external = None
             if cached > 0:
@@ -249,12 +252,10 @@ class PrefillWorker(PoolLeases):
                 )
             prefix = self._copy_prefix(job, local, cached)
             self._inflight[req.request_id] = (len(prompt), cached)
-            if self.group is not None:
-                tokens = [held.local_lease or ""] * len(local) + [held.fetch_reservation or ""] * len(fetched)
-                self._run_group(req, prompt, local + fetched, tokens, cached, job, held, cancelled)
-            else:
-                self.connector.jobs[req.request_id] = job
-                self._run(req, prompt, salt, external, cached, job, cancelled)
+            job.pool_token = held.new_reservation or ""
+            job.prefix_tokens = [held.local_lease or ""] * len(local) + [held.fetch_reservation or ""] * len(fetched)
+            self.connector.jobs[req.request_id] = job
+            self._run(req, prompt, salt, external, cached, job, cancelled)
             if prefix is not None and prefix.exception() is not None:
                 job.fail(
                     TransferError(f"copying the prefix into the decode engine's cache failed: {prefix.exception()}")
@@ -318,6 +319,7 @@ class PrefillWorker(PoolLeases):
             list(landing.offsets),
             landing_token=landing.token,
         )
+        job.landing_spec = segment_from_pb(landing.segment)
         if direct:
             if landing.cache_num_blocks <= max(landing.cache_blocks):
                 raise ValueError(
@@ -327,10 +329,9 @@ class PrefillWorker(PoolLeases):
         if landing.cuda_ipc:
             job.mapped_cache = self._device_cache(landing)
         else:
-            segment = segment_from_pb(landing.segment)
-            self.transfer.add_segment(segment)
+            self.transfer.add_segment(job.landing_spec)
             if direct:
-                job.mapped_cache = self._host_cache(segment, landing.cache_num_blocks)
+                job.mapped_cache = self._host_cache(job.landing_spec, landing.cache_num_blocks)
         return job
 
     def _host_cache(self, segment: Segment, num_blocks: int) -> torch.Tensor | None:
@@ -338,7 +339,7 @@ class PrefillWorker(PoolLeases):
         pushes from a CPU cache and reaches that segment by shared memory; None: it is written through the transfer
         engine (another host, or a staged push). Each layer's blocks are then two tensor operations, not a slice per
         block and layer (at 4,096 tokens of SmolLM2, 15,360 slices)."""
-        if self.connector.staged or self.group is not None or self.config.engine is not EngineKind.NATIVE:
+        if self.connector.staged or not self._single_native:
             return None
         try:
             view = self.transfer.mapped(segment)
@@ -373,11 +374,7 @@ class PrefillWorker(PoolLeases):
 
     def _device_cache(self, landing: wpb.Landing):
         """The decode engine's CUDA cache, mapped here once per decode worker."""
-        if (
-            not self.config.engine_config.device.startswith("cuda")
-            or self.group is not None
-            or self.config.engine is not EngineKind.NATIVE
-        ):
+        if not self.config.engine_config.device.startswith("cuda") or not self._single_native:
             raise Unreachable(
                 f"prefill worker {self.config.id} writes no CUDA cache by IPC "
                 f"(device {self.config.engine_config.device}, "
@@ -438,61 +435,12 @@ class PrefillWorker(PoolLeases):
         while not job.done.wait(0.05):
             if cancelled.is_set():
                 self.loop.abort(req.request_id)
-                # the abort runs between steps: once this no-op has run too, no step touches the job's slots
-                self.loop.call(lambda engine: None).result(timeout=self.config.io_timeout_s)
+                # the abort runs between steps: once this no-op has run too, no step touches the job's slots (a
+                # group's step is a whole prefill)
+                self.loop.call(lambda engine: None).result(timeout=self.config.prefill_timeout_s)
                 raise Cancelled(f"prefill of {req.request_id} cancelled by the caller")
         if job.first_token is None and job.error is None:
             job.fail(RuntimeError(f"the engine ended {req.request_id} without a token"))
-
-    def _run_group(
-        self,
-        req,
-        prompt,
-        prefix_slots: list[int],
-        prefix_tokens: list[str],
-        cached: int,
-        job: PrefillJob,
-        held: Held,
-        cancelled: threading.Event,
-    ) -> None:
-        """Run the request through the pipelined group: every stage reads its layers of the prefix from the pool
-        and pushes its layers of the KV (prefill/group.py). Cancellation is seen only while it waits its turn."""
-        num_outputs, params = _prefill_params(req, prompt)
-        for layer in range(len(held.fetch_batches)):  # the stages read the pulled blocks from the pool
-            held.wait_layer(layer)
-        n = -(-cached // self.config.engine_config.block_size)
-        push = StagePush(
-            segment_from_pb(req.landing.segment),
-            list(req.landing.offsets),
-            self._pool_segment,
-            job.pool_slots,
-            prefix_slots[:n] if cached else None,
-            self.config.io_timeout_s,
-            pool_token=held.new_reservation or "",
-            prefix_tokens=prefix_tokens[:n] if cached else None,
-            landing_token=req.landing.token,
-            landing_blocks=job.landing_blocks,
-            landing_num_blocks=job.landing_num_blocks,
-        )
-        request = StageRequest(
-            req.request_id,
-            prompt,
-            params,
-            self.config.engine_config.max_num_batched_tokens,
-            num_outputs=num_outputs,
-            num_prefix_tokens=cached,
-            push=push,
-        )
-        try:
-            out = self.group.prefill(request, cancelled, self.config.prefill_timeout_s, on_start=lambda: _started(job))
-        except InterruptedError as e:
-            raise Cancelled(f"prefill of {req.request_id} cancelled by the caller") from e
-        job.first_token, job.first_logprob, job.prompt_logprobs = (
-            out.first_token,
-            out.logprob,
-            out.prompt_logprobs or [],
-        )
-        job.finished_at = time.perf_counter()
 
     # -- load ------------------------------------------------------------------------------------
 
@@ -521,13 +469,10 @@ class PrefillWorker(PoolLeases):
 
     @property
     def num_running(self) -> int:
-        if self.group is not None:
-            return min(1, len(self._inflight))
         return self.loop.num_running
 
     def close(self) -> None:
-        if self.loop is not None:
-            self.loop.close()
+        self.loop.close()
         self.engine.close()
         self._prefix_copier.shutdown(wait=True)
         self._remote.close()
@@ -552,7 +497,3 @@ def _prefill_params(req: wpb.PrefillRequest, prompt: list[int]):
         **({"prompt_logprobs": None} if num_outputs else {}),
     )
     return num_outputs, params
-
-
-def _started(job: PrefillJob) -> None:
-    job.started_at = time.perf_counter()

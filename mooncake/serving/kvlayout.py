@@ -81,12 +81,20 @@ class SlotKV(ExternalKV):
         self._wait_layer = wait_layer
         self.shape = (len(self._indices), *slots.shape[1:])
 
-    def layer(self, layer: int, start: int, end: int) -> torch.Tensor:
+    @property
+    def indices(self) -> list[int]:
+        """The slots holding the blocks, in order."""
+        return self._indices.tolist()
+
+    def wait(self, layer: int) -> None:
+        """Block until layer ``layer`` of every block is in place (at once when nothing is landing)."""
         if self._wait_layer is not None:
             self._wait_layer(layer)
+
+    def layer(self, layer: int, start: int, end: int) -> torch.Tensor:
+        self.wait(layer)
         return self._slots[:, layer].index_select(0, self._indices[start:end])  # [n, 2, bs, Hkv, D]
 
     def source(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, list[int]]:
-        if self._wait_layer is not None:
-            self._wait_layer(layer)
+        self.wait(layer)
         return self._slots[:, layer], self._indices[start:end].tolist()

@@ -97,8 +97,8 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
             config.engine, engine_config, vllm_args=config.vllm_args, tokenizer=self.tokenizer, kv_cache_buffer=place
         )
         if native and config.engine_config.device != "cpu":
-            self.cuda_ipc = export_cuda_tensor(self.engine.runner.kv_cache)
-        self.cache_num_blocks = self.engine.runner.kv_cache.shape[2] if native else 0
+            self.cuda_ipc = export_cuda_tensor(self.engine.kv_cache)
+        self.cache_num_blocks = self.engine.kv_cache.shape[2] if native else 0
         self._staged_prefills: set[str] = set()  # prefill workers that cannot write this cache (another host, no GPU)
         self.max_model_len = self.engine.max_model_len
         self.block_bytes = self.engine.block_bytes

@@ -73,7 +73,7 @@ class StageGroup:
         if stage_addresses and (len(stage_addresses) != num_stages or not authkey):
             raise ValueError(f"a group of {num_stages} stage servers needs {num_stages} addresses and the group's key")
         args = ModelArgs.from_hf_config(load_hf_config(model))
-        self.num_stages = num_stages
+        self.num_stages, self.vocab_size = num_stages, args.vocab_size
         self.layers = split_layers(args.num_layers, num_stages)
         self.block_size = block_size
         self.block_shape = (args.num_layers, 2, block_size, args.num_kv_heads, args.head_dim)
@@ -226,6 +226,7 @@ class GroupEngine:
 
     eos_token_ids: frozenset[int] = frozenset()  # a prefill samples one token: stop tokens do not matter
     num_reserved_blocks = 0
+    kv_cache = None  # the stages' own, in their processes
 
     def __init__(
         self, group: StageGroup, jobs: dict[str, PrefillJob], pool: Segment, io_timeout_s: float, timeout_s: float
@@ -234,7 +235,7 @@ class GroupEngine:
         self.io_timeout_s, self.timeout_s = io_timeout_s, timeout_s
         self.block_size, self.block_bytes = group.block_size, group.block_bytes
         self.fingerprint, self.max_model_len = group.fingerprint, group.max_model_len
-        self.step_tokens = group.chunk
+        self.step_tokens, self.vocab_size = group.chunk, group.vocab_size
         self.last_step_tokens = 0
         self._queue: deque[tuple[str, list[int], SamplingParams, int, SlotKV | None, int]] = deque()
 

@@ -178,7 +178,7 @@ class PrefillWorker(PoolLeases):
         worker only (a pipelined group or vLLM starts from the default)."""
         if not self._single_native:
             return []
-        vocab = self.engine.args.vocab_size
+        vocab = self.engine.vocab_size
         limit = self.engine.max_model_len - 1  # the config's may be None: the model's context
         lengths = [
             min(limit, max(2, round(share * self.config.engine_config.max_num_batched_tokens))) for share in shares

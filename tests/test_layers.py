@@ -191,3 +191,41 @@ def test_no_product_file_is_over_600_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}, f"files over {MAX_LINES} lines: {long}"
+
+
+# Every class a worker hosts as its engine, by file: each must have all that WorkerEngine declares.
+ENGINES = {
+    "mooncake/engine/engine.py": "LLMEngine",
+    "mooncake/vllm_engine/engine.py": "VllmEngine",
+    "prefill/group.py": "GroupEngine",
+}
+
+
+def _members(path: str, name: str, *, assigned: bool = True) -> set[str]:
+    """What class ``name`` of ``path`` defines: its methods and properties, the names its body assigns, and (with
+    ``assigned``) every ``self.x`` any of its methods assigns."""
+    tree = ast.parse((ROOT / path).read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    out = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(cls) if assigned else ():
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                out.add(node.attr)
+    return out
+
+
+def test_every_engine_a_worker_hosts_has_the_whole_interface():
+    """The workers call only what ``WorkerEngine`` declares, with no ``getattr`` fallbacks: so ours, vLLM's and a
+    pipelined group's engine must each have every member of it."""
+    declared = _members("mooncake/engine/interface.py", "WorkerEngine", assigned=False)
+    assert {"add_request", "step", "kv_cache", "num_reserved_blocks", "block_bytes"} <= declared
+    for path, name in ENGINES.items():
+        missing = declared - _members(path, name)
+        assert not missing, f"{name} ({path}) lacks {sorted(missing)} of WorkerEngine"

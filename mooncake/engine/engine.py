@@ -288,6 +288,15 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """Its paged cache [L, 2, blocks, bs, Hkv, D]: prefills write reserved blocks of it in place."""
+        return self.runner.kv_cache
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
     def load(self) -> tuple[int, int]:
         """(requests in the engine, their tokens so far); read on the engine's thread after a step."""
         requests = self.scheduler.requests

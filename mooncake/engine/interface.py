@@ -1,4 +1,5 @@
-"""The engine a worker hosts: one small interface, two implementations (ours and stock vLLM).
+"""The engine a worker hosts: one small interface, three implementations (ours, stock vLLM, and a pipelined prefill
+group's stages, ``prefill.group.GroupEngine``, whose step is one request's whole prefill).
 
 A prefill or decode worker needs only this of its engine; ``EngineLoop`` steps it on one
 thread, and every call below happens on that thread:
@@ -11,7 +12,8 @@ thread, and every call below happens on that thread:
 
 and, fixed at start-up: ``block_size``, ``block_shape`` and ``block_bytes`` (a block in the
 pool layout, DESIGN §4), ``fingerprint`` (the root of our block keys), ``max_model_len``,
-``eos_token_ids``, ``num_free_blocks``. New KV leaves the engine through the prefill
+``eos_token_ids``, ``num_free_blocks``, ``vocab_size``, and ``kv_cache`` (ours: its paged cache, which
+prefills may write in place; None for vLLM). New KV leaves the engine through the prefill
 worker's ``PoolConnector``, which each engine calls after every layer of a step.
 
 ``--engine native`` (the default) is ``mooncake.engine.LLMEngine``; ``--engine vllm`` is
@@ -56,6 +58,14 @@ class WorkerEngine(Protocol):
 
     @property
     def num_free_blocks(self) -> int: ...
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        """Its paged cache [L, 2, blocks, bs, Hkv, D] where prefills may write it in place (ours); None where the
+        engine keeps it to itself (vLLM)."""
+        ...
+
+    vocab_size: int
 
     @property
     def num_reserved_blocks(self) -> int:

@@ -30,7 +30,7 @@ def build_engine(
 
         engine = LLMEngine(config, connector=connector, tokenizer=tokenizer, kv_cache_buffer=kv_cache_buffer)
         if connector is not None:
-            connector.bind(engine.runner.kv_cache)
+            connector.bind(engine.kv_cache)
         return engine
     if kind is EngineKind.VLLM:
         from mooncake.vllm_engine.engine import VllmEngine

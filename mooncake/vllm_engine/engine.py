@@ -181,6 +181,7 @@ class VllmEngine:
         return self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks()
 
     num_reserved_blocks = 0  # its cache is vLLM's: KV lands in slots and joins through the connector
+    kv_cache = None  # vLLM's own: nothing outside writes it
     last_step_tokens = 0  # vLLM does not say what a step computed: one token per output (set by step)
 
     def add_request(

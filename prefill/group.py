@@ -256,9 +256,13 @@ class GroupEngine:
         external_kv: SlotKV | None = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
+        kv_block_ids: list[int] | None = None,
+        chunk_tokens: int = 0,
     ) -> str:
         """Queue a prefill; raises ValueError for a prompt the stages cannot hold. ``external_kv``: the prefix's pool
         slots (the stages read them from the pool's segment)."""
+        if kv_block_ids or chunk_tokens:
+            raise ValueError("a group computes its prompts whole, in its stages' own caches")
         if request_id is None or request_id not in self.jobs:
             raise ValueError("a group prefills only requests with a PrefillJob (where the stages push the KV)")
         outputs = list(initial_output_token_ids or ())
@@ -341,6 +345,12 @@ class GroupEngine:
 
     def set_max_num_seqs(self, n: int) -> None:
         pass  # one at a time already
+
+    def reserve_blocks(self, n: int) -> None:
+        return None  # a prefill's KV is its own: none comes from outside
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        pass
 
     def computed_blocks(self, request_id: str, first_block: int):
         raise NotImplementedError("a group keeps no blocks after a prefill (a decode worker's write-behind)")

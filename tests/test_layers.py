@@ -226,6 +226,18 @@ def test_every_engine_a_worker_hosts_has_the_whole_interface():
     pipelined group's engine must each have every member of it."""
     declared = _members("mooncake/engine/interface.py", "WorkerEngine", assigned=False)
     assert {"add_request", "step", "kv_cache", "num_reserved_blocks", "block_bytes"} <= declared
+    wanted = _parameters("mooncake/engine/interface.py", "WorkerEngine", "add_request")
+    assert {"external_kv", "kv_block_ids", "chunk_tokens"} <= wanted
     for path, name in ENGINES.items():
         missing = declared - _members(path, name)
         assert not missing, f"{name} ({path}) lacks {sorted(missing)} of WorkerEngine"
+        missing = wanted - _parameters(path, name, "add_request")
+        assert not missing, f"{name}.add_request ({path}) takes no {sorted(missing)}"
+
+
+def _parameters(path: str, name: str, method: str) -> set[str]:
+    """The parameter names of ``name.method`` in ``path``."""
+    tree = ast.parse((ROOT / path).read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    return {a.arg for a in fn.args.args + fn.args.kwonlyargs}

@@ -6,7 +6,9 @@ thread, and every call below happens on that thread:
 
     add_request(prompt_token_ids, sampling_params, request_id,
                 external_kv=..., num_external_tokens=...,    the prompt's leading KV, in the pool
-                initial_output_token_ids=...)                layout, imported layer by layer
+                initial_output_token_ids=...,                layout, imported layer by layer (or,
+                kv_block_ids=..., chunk_tokens=...)          ours: already in reserved blocks)
+    reserve_blocks(n), release_blocks(ids)                    cache blocks a prefill writes in place (ours)
     step() -> [RequestOutput]                                 one scheduling step
     abort_request(request_id), has_unfinished(), load(), set_max_num_seqs(n)
 
@@ -88,6 +90,8 @@ class WorkerEngine(Protocol):
         external_kv: Any = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
+        kv_block_ids: list[int] | None = None,  # blocks from reserve_blocks the prompt's KV was written into
+        chunk_tokens: int = 0,  # the most of its tokens one step computes (0: the step's budget)
     ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...
@@ -99,6 +103,16 @@ class WorkerEngine(Protocol):
     def load(self) -> tuple[int, int]: ...
 
     def set_max_num_seqs(self, n: int) -> None: ...
+
+    def reserve_blocks(self, n: int) -> list[int] | None:
+        """``n`` blocks of ``kv_cache`` held for KV a prefill elsewhere writes in place, or None (fewer are free, or the
+        engine lends none: vLLM's KV lands in slots). They are the caller's until ``add_request(kv_block_ids=)``
+        (ours) or ``release_blocks``."""
+        ...
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give reserved blocks that never went to a request back (their prefill failed)."""
+        ...
 
     def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None]:
         """A running request's computed full blocks from ``first_block`` on: (block keys, pool-layout KV).

@@ -182,6 +182,13 @@ class VllmEngine:
 
     num_reserved_blocks = 0  # its cache is vLLM's: KV lands in slots and joins through the connector
     kv_cache = None  # vLLM's own: nothing outside writes it
+
+    def reserve_blocks(self, n: int) -> None:
+        return None  # KV for it lands in the decode worker's slots
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        pass
+
     last_step_tokens = 0  # vLLM does not say what a step computed: one token per output (set by step)
 
     def add_request(
@@ -193,8 +200,14 @@ class VllmEngine:
         external_kv: Any = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
+        kv_block_ids: list[int] | None = None,
+        chunk_tokens: int = 0,
     ) -> str:
-        """Queue a request (see the module docstring for what vLLM is given). Raises ValueError for bad input."""
+        """Queue a request (see the module docstring for what vLLM is given). Raises ValueError for bad input, and
+        for what only our engine does (``kv_block_ids``: it lends no blocks; ``chunk_tokens``: vLLM's scheduler
+        chunks)."""
+        if kv_block_ids or chunk_tokens:
+            raise ValueError("kv_block_ids and chunk_tokens are our engine's: vLLM lends no blocks and chunks itself")
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 

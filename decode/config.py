@@ -38,6 +38,7 @@ class DecodeConfig(BaseModel):
         "model at its TBT SLO and headroom (its answer to each heartbeat), one fit for every decode worker",
     )
     prefill_timeout_s: float = Field(300.0, gt=0, description="longest a prefill may take")
+    drain_timeout_s: float = Field(60.0, gt=0, description="on SIGTERM, seconds to let running requests finish")
     detect_s: float = Field(
         DETECT_S,
         gt=0,

@@ -143,9 +143,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(p, DecodeConfig, "tbt_slo_s", "--tbt-slo")
     field_arg(p, DecodeConfig, "detect_s")
     field_arg(p, DecodeConfig, "shm_dir")
-    p.add_argument(
-        "--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to let running requests finish"
-    )
+    field_arg(p, DecodeConfig, "drain_timeout_s", "--drain-timeout")
     return p
 
 

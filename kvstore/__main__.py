@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(p, StoreConfig, "lease_ttl_s", "--lease-ttl")
     field_arg(p, StoreConfig, "reservation_ttl_s", "--reservation-ttl")
     p.add_argument("--redis-url", help="publish the DRAM segment in this Redis (none: an in-process registry)")
-    p.add_argument("--shm-dir", default="/dev/shm/mooncake", help="tmpfs directory for the DRAM segment")
+    field_arg(p, TransferConfig, "shm_dir", help="tmpfs directory for the DRAM segment")
     add_transport_args(p, "--backend")
     p.add_argument(
         "--conductor",

@@ -48,6 +48,7 @@ class PrefillConfig(BaseModel):
         "--max-num-batched-tokens overlap across the stages. The group registers as one instance",
     )
     prefill_timeout_s: float = Field(3600.0, gt=0, description="a group's prefill fails after this")
+    drain_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, seconds to let in-flight prefills end")
     stage_addresses: list[tuple[str, int]] = Field(
         default_factory=list,
         description="a group's stage servers (python -m prefill.stage), in layer order; empty: spawn the stages here",

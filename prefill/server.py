@@ -142,9 +142,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stage-key-file", help="the group's key, which its stage servers hold too (default: $MOONCAKE_STAGE_KEY)"
     )
-    p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let in-flight prefills end"
-    )
+    field_arg(p, PrefillConfig, "drain_timeout_s", "--drain-timeout")
     p.add_argument(
         "--no-calibrate",
         action="store_true",

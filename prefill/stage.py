@@ -30,6 +30,7 @@ from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.stage import split_layers
 from mooncake.runtime.process import print_ready
 from prefill.stage_process import StageRuntime, StageSpec
+from transfer import TransferConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(p, EngineConfig, "num_kv_blocks", default=1024, help="this stage's cache, in blocks")
     field_arg(p, EngineConfig, "max_model_len")
     p.add_argument("--chunk", type=int, required=True, help="the group's chunk (its worker's --max-num-batched-tokens)")
-    p.add_argument("--shm-dir", default="/dev/shm/mooncake")
+    field_arg(p, TransferConfig, "shm_dir")
     p.add_argument("--log-level", default="INFO")
     return p
 

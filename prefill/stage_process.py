@@ -44,6 +44,7 @@ import torch
 from mooncake.engine.pipeline import PipelinePrefill
 from mooncake.engine.request import SamplingParams
 from mooncake.serving.kvlayout import tensor_bytes
+from transfer.engine import SHM_DIR
 from transfer.types import Segment
 
 SLOTS = 2  # chunks in flight between two stages
@@ -57,7 +58,7 @@ class StageSpec:
     block_size: int
     max_model_len: int
     max_chunk: int  # tokens: sizes the inbox slots
-    shm_dir: str = "/dev/shm/mooncake"
+    shm_dir: str = SHM_DIR
     dtype: torch.dtype = torch.float32
     device: str = "cpu"  # cuda[:N]: the stage's layers and cache on that GPU (hidden states cross through the host)
     host: str = "127.0.0.1"  # the address its transfer server and its link listener bind (and peers dial)

@@ -257,8 +257,12 @@ def test_no_two_configs_write_the_same_default():
         if name not in NOT_ONE_SETTING and len(where) > 1 and len({value for _, value in where}) < len(where)
     }
     assert restated == {}
-    assert ("transfer/engine.py:TransferConfig", "/dev/shm/mooncake") in written["shm_dir"]  # the scan sees them
-    assert len(written["shm_dir"]) == 1  # DecodeConfig reads TransferConfig's
+    # the scan sees them: two configs with a drain timeout each, of different values (the shared name is allowed)
+    assert sorted(written["drain_timeout_s"]) == [
+        ("decode/config.py:DecodeConfig", 60.0),
+        ("prefill/config.py:PrefillConfig", 30.0),
+    ]
+    assert "shm_dir" not in written  # TransferConfig and DecodeConfig read transfer.engine.SHM_DIR
 
 
 def test_every_cluster_setting_is_a_mooncake_up_option():

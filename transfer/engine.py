@@ -44,6 +44,7 @@ from transfer.verbs import QPSettings
 log = logging.getLogger(__name__)
 
 BACKEND_ENV = "MOONCAKE_TRANSFER_BACKEND"  # the default backend where a config or flag names none (auto unset)
+SHM_DIR = "/dev/shm/mooncake"  # where shared-memory segments live when a config names no other tmpfs directory
 TLS_ENV = "MOONCAKE_TLS_DIR"  # the default certificate directory (mooncake.tls: the whole cluster's identity)
 
 
@@ -74,7 +75,7 @@ class TransferConfig(BaseModel):
     rdma_qp_depth: int = Field(256, ge=1, description="send queue depth of each queue pair (capped by the device)")
     rdma_signal_every: int = Field(16, ge=1, description="one signalled completion per this many work requests")
     rdma_queue_pairs: int = Field(1, ge=1, le=16, description="queue pairs per peer")
-    shm_dir: str = Field("/dev/shm/mooncake", description="where shared-memory segments live (a tmpfs)")
+    shm_dir: str = Field(SHM_DIR, description="where shared-memory segments live (a tmpfs)")
     listen_host: str = Field("127.0.0.1", description="address the tcp server binds")
     advertise_host: str | None = Field(None, description="address peers dial (default: listen_host)")
     port: int = Field(0, ge=0, le=65535, description="tcp server port (0: any free port)")

@@ -21,6 +21,8 @@ from transfer.types import host_id
 
 log = logging.getLogger(__name__)
 
+ABORT_TIMEOUT_S = 2.5  # a prefill worker's Abort answers within 2 s (prefill.server.ABORT_WAIT_S); then the grace
+
 
 class RemotePrefill:
     """Prefill on a prefill worker, its KV landing here (mixed into DecodeWorker)."""
@@ -83,6 +85,18 @@ class RemotePrefill:
             with self._grants_lock:
                 del self._grants[token]  # a straggling write after the call (a cancelled prefill's) is refused
 
+    def _stop_prefill(self, address: str, request_id: str, token: str) -> bool:
+        """Have the prefill worker end the call we gave up on; True once it says that call writes nothing more (its
+        blocks or slots go back now), False when it does not say so in time (they go back ``write_grace_s`` later)."""
+        try:
+            # wait_for_ready: a connection its keepalive dropped (a worker stopped a while) comes back within the wait
+            stub = self._prefills.get(address)
+            abort = wpb.AbortRequest(request_id=request_id, landing_token=token)
+            return stub.Abort(abort, timeout=ABORT_TIMEOUT_S, wait_for_ready=True).stopped
+        except grpc.RpcError as e:
+            log.info("prefill worker at %s did not confirm the end of %s: %s", address, request_id, e.code().name)
+            return False
+
     def _landing(self, run: Decoding, token: str) -> wpb.Landing:
         """Where the prefill writes: the granted cache blocks (in place) or landing slots."""
         if not run.blocks:
@@ -126,6 +140,7 @@ class RemotePrefill:
         try:
             resp = call.result()
         except grpc.FutureCancelledError:
+            run.answered = self._stop_prefill(placement.prefill_address, req.request_id, token)
             raise Cancelled("the client cancelled the request") from None
         except grpc.RpcError as e:
             code = e.code()
@@ -134,6 +149,8 @@ class RemotePrefill:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.UNAVAILABLE,
             )
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                run.answered = self._stop_prefill(placement.prefill_address, req.request_id, token)
             if code in REQUEST_CODES:  # the request's own fate: passed on as it is (mooncake.serving.status)
                 raise Failed(code, e.details()) from None
             raise Failed(

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import threading
+import time
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,11 +23,15 @@ from prefill.config import PREFILL_ENGINE_DEFAULTS, PrefillConfig
 from prefill.stage import read_key
 from prefill.worker import PrefillWorker
 from protos import conductor_pb2 as cpb
+from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 from transfer import TransportChoice
 from transfer.metrics import TransferCollector
 
 log = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 2.0  # longest an Abort waits for its call's writes to end (then the caller keeps its blocks a while)
+ABORTED_KEPT_S = 60.0  # how long a call aborted before it arrived is remembered (and refused, should it come)
 
 OUTCOME = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid",
@@ -70,9 +75,20 @@ class PrefillMetrics:
 class PrefillServicer(wpb_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, metrics: PrefillMetrics) -> None:
         self.worker, self.metrics = worker, metrics
+        self._calls: dict[str, tuple[threading.Event, threading.Event]] = {}  # landing token -> (cancel it, it ended)
+        self._aborted: dict[str, float] = {}  # tokens of calls aborted before they arrived -> when
+        self._lock = threading.Lock()
 
     def Prefill(self, request, context):
-        cancelled = threading.Event()
+        token = request.landing.token
+        cancelled, ended = threading.Event(), threading.Event()
+        with self._lock:
+            late = bool(token) and self._aborted.pop(token, None) is not None
+            if token and not late:
+                self._calls[token] = (cancelled, ended)
+        if late:  # its caller gave up before it came: it writes nothing
+            self.metrics.requests.labels("cancelled").inc()
+            context.abort(grpc.StatusCode.CANCELLED, f"prefill {request.request_id} was aborted before it arrived")
         context.add_callback(cancelled.set)
         m = self.metrics
         m.inflight.inc()
@@ -86,6 +102,9 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             context.abort(code, f"prefill {request.request_id} failed: {message(e)}")
         finally:
             m.inflight.dec()
+            ended.set()  # its writes are over: the worker returns (or raises) only after they settle
+            with self._lock:
+                self._calls.pop(token, None)
         m.requests.labels("ok").inc()
         m.seconds.observe(resp.prefill_s)
         m.queue.observe(resp.queue_s)
@@ -101,6 +120,23 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             resp.fetched_tokens // self.worker.config.engine_config.block_size * self.worker.block_bytes
         )
         return resp
+
+    def Abort(self, request, context):
+        """End the Prefill call of ``landing_token`` and answer once its writes are over (``stopped``), or after
+        ``ABORT_WAIT_S`` without (a group's prefill runs to its end). A call not here yet is refused when it comes."""
+        token = request.landing_token
+        if not token:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Abort needs the call's landing token")
+        now = time.monotonic()
+        with self._lock:
+            call = self._calls.get(token)
+            if call is None:
+                self._aborted = {t: at for t, at in self._aborted.items() if now - at < ABORTED_KEPT_S}
+                self._aborted[token] = now
+                return wpb.AbortResponse(stopped=True)
+        cancel, ended = call
+        cancel.set()
+        return wpb.AbortResponse(stopped=ended.wait(ABORT_WAIT_S))
 
 
 def _health(worker_id: str, worker: PrefillWorker) -> tuple[bool, dict]:

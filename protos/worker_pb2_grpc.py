@@ -39,6 +39,11 @@ class PrefillStub:
                 request_serializer=protos_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/mooncake.worker.Prefill/Abort',
+                request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -50,6 +55,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """A caller that gave up on a Prefill call (its client went away, its deadline passed): end the call and answer once
+        its writes into the caller's cache or landing slots are over, so the caller frees them at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +70,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=protos_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +104,33 @@ class Prefill:
             '/mooncake.worker.Prefill/Prefill',
             protos_dot_worker__pb2.PrefillRequest.SerializeToString,
             protos_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.worker.Prefill/Abort',
+            protos_dot_worker__pb2.AbortRequest.SerializeToString,
+            protos_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -521,7 +521,7 @@ def test_a_client_that_goes_away_cancels_its_request_everywhere(cluster):
 def test_a_client_gone_mid_prefill_gives_the_decode_workers_cache_blocks_back_at_once(cluster):
     """The prefill workers are stopped (SIGSTOP) while a prompt is on its way to one: the decode worker holds cache
     blocks for its KV. The client goes away; the workers go on. The prefill worker confirms the abandoned call writes
-    nothing more (Prefill.Abort), so the blocks are back within a second: not the write grace later (3 s, kept for a
+    nothing more (Prefill.Abort), so the blocks are back at once: not the write grace later (3 s, kept for a
     prefill worker that does not answer), which would leave an abort storm's blocks held long after it."""
     decode_status = f"http://{cluster.component('decode-0').info['metrics']}"
 
@@ -557,7 +557,9 @@ def test_a_client_gone_mid_prefill_gives_the_decode_workers_cache_blocks_back_at
         time.sleep(0.01)
     back_s = time.monotonic() - resumed
     assert metric(reserved) == 0
-    assert back_s < 1.0
+    # released on the prefill worker's word (0.06 s here), not by the write grace: that would be 3 s after the
+    # decode worker gave up, which was 0.5 s before the workers went on
+    assert back_s < 1.5
     print(f"the reserved blocks were back {back_s:.3f} s after the prefill workers went on")
     assert metric(cancelled) == cancelled_before + 1
 

@@ -457,7 +457,10 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
         assert not cache[:, :, [b for b in range(24) if b not in written]].any()  # nothing outside the grants
         assert ("shm", "write") not in worker.transfer.moved()  # tensor copies only: no slices through the engine
 
-        # the queue a prefill worker reports counts what its prefills in flight still have to compute
+        # the queue a prefill worker reports counts what its prefills in flight still have to compute. The rates are
+        # set: those learnt from this test's few prefills can fit a rate of 0 per token on a busy machine (all of it
+        # overhead), and a prompt's rest would then cost as much as all of it
+        worker.predictor.coef = (0.002, 1e-5, 1e-9)
         worker._inflight["queued"] = (200, 0)
         whole = worker.queued_seconds()
         assert whole == pytest.approx(worker.predictor.predict(200, 0)) and whole > 0

@@ -122,6 +122,7 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while not self._closed:
+            added = bool(self._commands)
             while self._commands:
                 self._commands.popleft()()
             if not engine.has_unfinished():
@@ -129,6 +130,8 @@ class EngineLoop:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
+            if added:  # what just came in counts while the step runs (a group's step is a whole prefill)
+                self.num_running, self.context_tokens = engine.load()
             start = time.perf_counter()
             try:
                 outputs = engine.step()

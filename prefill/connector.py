@@ -32,6 +32,11 @@ the cache (``bind``). Another engine's cache (vLLM's) is read through ``export``
 copies one layer of the completed blocks into a staging tensor in the pool layout; the
 pushes read that tensor, kept alive until the step's transfers are done.
 
+A push that fails (a connection reset, a slice past its timeout, an RDMA work error) is sent once
+more before its job fails: the transfer engine's next batch to a peer reconnects (a new tcp
+connection, a new queue pair), so a transient fault costs one resend, not the request, and never
+the pair (``PUSH_ATTEMPTS``, counted in ``push_retries``).
+
 Runs on the engine's thread; jobs are added and removed from request threads.
 """
 
@@ -55,6 +60,8 @@ from prefill.landing import Landing, landing_for
 from transfer import Segment, Slice, TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
+
+PUSH_ATTEMPTS = 2  # a failed push is sent again once; a second failure fails its job
 
 
 @dataclass(eq=False)
@@ -118,6 +125,18 @@ class PrefillJob:
 Export = Callable[[int, torch.Tensor, list[int]], torch.Tensor]  # (layer, its cache, block ids) -> [n, 2, bs, Hkv, D]
 
 
+@dataclass(eq=False)
+class Push:
+    """One batch of a job's slices under way, and what it takes to send it again: the bytes it reads (the bound cache,
+    or a staged copy kept alive until it settles) and the slices."""
+
+    job: PrefillJob
+    batch: object  # the TransferBatch
+    local: object  # the buffer the slices read
+    slices: list[Slice]
+    attempts: int = 1
+
+
 class PoolConnector(KVConnector):
     def __init__(
         self,
@@ -134,8 +153,9 @@ class PoolConnector(KVConnector):
         self.export = export  # None: push from the bound cache, which is in the pool layout
         self.jobs: dict[str, PrefillJob] = {}
         self._active: list[tuple[PrefillJob, list[int], int, int]] = []  # (job, block table, first block, end)
-        self._batches: list[tuple[PrefillJob, object, torch.Tensor | None]] = []  # (job, transfer, staging it reads)
-        self._lock = threading.Lock()  # _batches: the staging thread appends too
+        self._pushes: list[Push] = []  # under way, not yet waited for
+        self._lock = threading.Lock()  # _pushes: the staging thread appends too
+        self.push_retries = 0  # pushes sent again after a transfer fault
         self._staging: HostStaging | None = None
         self._unsettled: set[PrefillJob] = set()  # jobs with pushes started and not yet waited for
         self._writer: PoolWriter | None = None  # started by the first job that stores later
@@ -215,12 +235,8 @@ class PoolConnector(KVConnector):
             if job.error is not None:  # a mapped cache it could not write
                 continue
             slices += self._pool_from_cache(job, layer, table, start, end)
-            if not slices:
-                continue
-            try:
-                self._batches.append((job, self.transfer.write(self._bytes, slices), None))
-            except TransferError as e:
-                job.fail(e)
+            if slices:
+                self._push(job, self._bytes, slices)
 
     def _pool_from_cache(self, job: PrefillJob, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
         """Layer ``layer`` of the job's blocks start..end into its reserved pool slots now (unless it stores them
@@ -312,14 +328,7 @@ class PoolConnector(KVConnector):
                 for i, slot in to_pool
                 for kv in (0, 1)
             ]
-        raw = tensor_bytes(staged)
-        try:
-            batch = self.transfer.write(raw, slices)
-        except TransferError as e:
-            job.fail(e)
-            return
-        with self._lock:
-            self._batches.append((job, batch, staged))
+        self._push(job, tensor_bytes(staged), slices)
 
     def wait_for_save(self) -> None:
         """End of step. Pushes from the cache itself (or an export) are waited for now: the engine may write those
@@ -374,17 +383,49 @@ class PoolConnector(KVConnector):
         """Wait until every pool write started so far is done (tests, benchmarks, a drain); False on a timeout."""
         return self._writer is None or self._writer.flush(timeout)
 
+    def _push(self, job: PrefillJob, local, slices: list[Slice]) -> None:
+        """Start writing ``slices`` from ``local`` (engine or staging thread); one that cannot start is tried once more
+        (the next batch to a peer reconnects), then fails its job."""
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            try:
+                push = Push(job, self.transfer.write(local, slices), local, slices, attempt)
+            except TransferError as e:
+                if attempt == PUSH_ATTEMPTS or not self._retrying(job, e):
+                    job.fail(e)
+                    return
+                continue
+            with self._lock:
+                self._pushes.append(push)
+            return
+
+    def _retrying(self, job: PrefillJob, error: TransferError) -> bool:
+        """A push of ``job`` failed: True if it is to be sent again (its job has not failed otherwise)."""
+        if job.error is not None:
+            return False
+        self.push_retries += 1
+        log.warning("a push of %s failed, sending it again: %s", job.request_id, error)
+        return True
+
     def _settle(self) -> None:
-        """Wait for every push started so far; a failed one fails its job."""
+        """Wait for every push started so far; a failed one is sent again once, a second failure fails its job."""
         if self._staging is not None:
             self._staging.drain()
         with self._lock:
-            batches, self._batches = self._batches, []
-        for job, batch, _ in batches:
-            try:
-                batch.wait(self.io_timeout_s)
-            except TransferError as e:
-                job.fail(e)
+            pushes, self._pushes = self._pushes, []
+        for push in pushes:
+            while True:
+                try:
+                    push.batch.wait(self.io_timeout_s)
+                    break
+                except TransferError as e:
+                    if push.attempts >= PUSH_ATTEMPTS or not self._retrying(push.job, e):
+                        push.job.fail(e)
+                        break
+                try:  # wait() returned: no backend touches the buffer any more, so it can be sent again
+                    push.batch, push.attempts = self.transfer.write(push.local, push.slices), push.attempts + 1
+                except TransferError as again:
+                    push.job.fail(again)
+                    break
         for job in self._unsettled:
             if job.error is None:
                 job.pushed = job.issued

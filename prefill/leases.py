@@ -29,13 +29,21 @@ class Held:
     keep_fetched: bool = True
     new_reservation: str | None = None
     fetch_batches: list = field(default_factory=list)  # one transfer batch per layer
+    fetch_slices: list = field(default_factory=list)  # each layer's slices (a failed pull is sent again once)
+    fetch_read: object = None  # slices -> a new batch reading them (the worker's transfer engine)
     fetch_started: float = 0.0
     fetch_seconds: float = 0.0  # issue to the last layer landing (as the engine waited for it)
     io_timeout_s: float = 30.0
 
     def wait_layer(self, layer: int) -> None:
-        """Block until layer ``layer`` of the pull has landed (the engine calls it just before that layer)."""
-        self.fetch_batches[layer].wait(self.io_timeout_s)
+        """Block until layer ``layer`` of the pull has landed (the engine calls it just before that layer). A pull that
+        fails (a connection reset, a timeout) is sent again once: a second failure fails the engine's step."""
+        try:
+            self.fetch_batches[layer].wait(self.io_timeout_s)
+        except TransferError as e:
+            log.warning("pulling layer %d of a prefix failed, pulling it again: %s", layer, e)
+            self.fetch_batches[layer] = self.fetch_read(self.fetch_slices[layer])
+            self.fetch_batches[layer].wait(self.io_timeout_s)
         if layer == len(self.fetch_batches) - 1:
             self.fetch_seconds = time.perf_counter() - self.fetch_started
 
@@ -93,7 +101,9 @@ class PoolLeases:
                 Slice(local_offsets[i] + layer * lb, seg.name, got.slots[i].offset + layer * lb, lb, got.lease_id)
                 for i in range(n)
             ]
+            held.fetch_slices.append(slices)
             held.fetch_batches.append(self.transfer.read(self._pool_bytes, slices))
+        held.fetch_read = lambda slices: self.transfer.read(self._pool_bytes, slices)
         return [o // self.block_bytes for o in local_offsets]
 
     def _reserve_new(self, keys: list[bytes], first: int, held: Held) -> dict[int, int]:

@@ -10,6 +10,7 @@ import time
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from conductor.types import PREFILL_BUSY_BEAT_S
 from kvstore.client import KVStoreUnavailable
@@ -70,6 +71,21 @@ class PrefillMetrics:
             registry=r,
         )
         self.inflight = Gauge("mooncake_prefill_inflight", "prefills in this worker (queued or running)", registry=r)
+
+
+class PushRetries:
+    """``mooncake_prefill_push_retries_total``: pushes of this worker's engine sent again after a transfer fault
+    (prefill/connector.py ``PUSH_ATTEMPTS``); a pipelined group's stages count their own."""
+
+    def __init__(self, connector) -> None:
+        self._connector = connector
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "mooncake_prefill_push_retries",
+            "KV pushes to decode workers and the pool sent again after a transfer fault",
+            value=self._connector.push_retries,
+        )
 
 
 class PrefillServicer(wpb_grpc.PrefillServicer):
@@ -220,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     metrics = PrefillMetrics()
     metrics.registry.register(TransferCollector(worker.transfer))
+    metrics.registry.register(PushRetries(worker.connector))
 
     def load() -> cpb.Load:
         return cpb.Load(

@@ -403,6 +403,21 @@ def transport(request, monkeypatch):
         shutil.rmtree(shared, ignore_errors=True)
 
 
+@pytest.fixture
+def fabric(monkeypatch):
+    """Every engine made in the test gets tests/fakeverbs.py's in-process fabric as its RDMA device (64 KiB max
+    message, 8-deep queues)."""
+    from fakeverbs import Fabric
+
+    import transfer.engine
+
+    fab = Fabric(max_msg=64 << 10)
+    monkeypatch.setattr("transfer.rdma._pyverbs", fab.modules)
+    transfer.engine._probe.cache_clear()
+    yield fab
+    transfer.engine._probe.cache_clear()
+
+
 def pytest_terminal_summary(terminalreporter):
     if NEAR_TIES:
         terminalreporter.section("greedy near-ties accepted")

@@ -221,20 +221,6 @@ def test_the_chart_gives_rdma_pods_the_nic_ipc_lock_and_the_flags():
 
 
 @pytest.fixture
-def fabric(monkeypatch):
-    """Every engine made in the test gets the fake fabric as its RDMA device (64 KiB max message, 8-deep queues)."""
-    from fakeverbs import Fabric
-
-    import transfer.engine
-
-    fab = Fabric(max_msg=64 << 10)
-    monkeypatch.setattr("transfer.rdma._pyverbs", fab.modules)
-    transfer.engine._probe.cache_clear()
-    yield fab
-    transfer.engine._probe.cache_clear()
-
-
-@pytest.fixture
 def rdma_pair(fabric, shm_dir):
     registry = MemoryRegistry()
     owner = TransferEngine(TransferConfig(node="owner", shm_dir=shm_dir), registry)  # auto: registers its segments

@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -20,6 +21,8 @@ from typing import Literal
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+REPO = Path(__file__).resolve().parent.parent  # the checkout
 
 
 def make_progress(console: Console, disable: bool = False) -> Progress:
@@ -180,3 +183,30 @@ def run_interruptible(run, console) -> object | None:
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]: every process this benchmark started has been stopped")
         return None
+
+
+def git_state() -> str:
+    """The commit checked out, with " + changes" when tracked files differ from it ("unknown" outside a git
+    checkout)."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "")
+
+
+def code_mtimes() -> dict[str, float]:
+    """Modification times of the code the cluster's processes import (a restarted component imports it again)."""
+    out = {}
+    for top in ("mooncake", "conductor", "decode", "prefill", "kvstore", "transfer", "protos"):
+        for f in (REPO / top).rglob("*.py"):
+            out[str(f.relative_to(REPO))] = f.stat().st_mtime
+    return out

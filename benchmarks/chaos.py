@@ -47,7 +47,6 @@ import random
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -63,7 +62,16 @@ from rich.progress import (
     Progress,
 )
 
-from benchmarks.benchutil import describe_machine, make_progress, resolve_model, run_interruptible, shielded
+from benchmarks import trace as tr
+from benchmarks.benchutil import (
+    code_mtimes,
+    describe_machine,
+    git_state,
+    make_progress,
+    resolve_model,
+    run_interruptible,
+    shielded,
+)
 from benchmarks.chaos_report import Replay, Report, RequestRecord, render, summarize
 from mooncake import tls
 from mooncake.blocks import model_fingerprint
@@ -73,11 +81,10 @@ from mooncake.engine.loader import model_identity
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway.cluster_backend import ClusterBackend
 from mooncake.gateway.recovery import RecoveryConfig
-from mooncake.serving.types import BackendError, GenerationRequest
+from mooncake.serving.types import BackendError, GenerationRequest, Rejected
 from protos import conductor_pb2 as cpb
 from protos import conductor_pb2_grpc as cpb_grpc
 
-REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("chaos")
 
 SHARED_PREFIXES = 4
@@ -112,6 +119,19 @@ def workload(n: int, max_tokens: int, vocab: int) -> list[GenerationRequest]:
     ]
 
 
+def trace_workload(n: int, vocab: int, load: float) -> tuple[list[GenerationRequest], dict[str, float]]:
+    """The first ``n`` requests of the conversation trace, scaled as ``benchmarks.replay`` scales it (its preset and
+    defaults), greedy; and when each is sent (seconds after the start) at ``load`` x the trace's default speed, the
+    rate benchmarks/README.md measured as this cluster's capacity (x1)."""
+    scaled = tr.load_trace(tr.DEFAULT_TRACE, limit=n, vocab_size=vocab, **tr.PRESETS["conversation"])
+    speed = tr.DEFAULTS["speed"] * load
+    requests = [
+        GenerationRequest.of(f"chaos-{t.index}", t.prompt(), t.max_tokens, temperature=0.0, ignore_eos=True)
+        for t in scaled
+    ]
+    return requests, {r.request_id: t.arrival_s / speed for r, t in zip(requests, scaled)}
+
+
 def make_backend(cluster: LocalCluster) -> ClusterBackend:
     """What the cluster's gateway runs, with its recovery settings (hold_s, the TTFT SLO as the retry budget)."""
     c = cluster.config
@@ -131,8 +151,12 @@ def replay(
     progress: Progress,
     task,
     console: Console,
+    arrivals: dict[str, float] | None = None,
 ) -> None:
-    """Run every request, ``concurrency`` at a time, into ``result``; kill ``result.victim`` once a third stream.
+    """Run every request, ``concurrency`` at a time, into ``result``; kill ``result.victim`` (components joined by
+    ``+``: all at once) once a third stream. With ``arrivals`` (request id -> seconds after the start), each request is
+    sent at its time (open loop, ``concurrency`` is then a cap far above what the cluster holds) and the kill comes
+    when a third have arrived.
 
     After a kill, returns only once the victim is back and registered (``wait_recovered``, watched from the kill on,
     so its times are not bounded by the replay's end).
@@ -148,6 +172,8 @@ def replay(
 
     async def one(req: GenerationRequest, gate: asyncio.Semaphore, be: ClusterBackend, t0: float) -> None:
         nonlocal streaming
+        if arrivals is not None:  # open loop: sent at its time, whatever the others are doing
+            await asyncio.sleep(max(0.0, t0 + arrivals[req.request_id] - time.perf_counter()))
         async with gate:
             rec = records[req.request_id]
             arrival = time.perf_counter()
@@ -163,6 +189,10 @@ def replay(
                         rec.recovery = asdict(chunk.recovery)
                     if chunk.finish_reason:
                         rec.finish_reason = chunk.finish_reason
+            except Rejected as e:  # 429: turned away before any work when nothing streamed yet
+                rec.error, rec.refused = f"Rejected: {e.message}", not rec.token_ids
+                if not rec.refused:
+                    console.log(f"[red]{req.request_id} refused[/] after {len(rec.token_ids)} tokens: {rec.error}")
             except BackendError as e:
                 rec.error = f"{type(e).__name__}: {e.message}"
                 console.log(f"[red]{req.request_id} failed[/] after {len(rec.token_ids)} tokens: {rec.error}")
@@ -179,18 +209,20 @@ def replay(
             failures.append(e)
 
     async def kill_when_busy(t0: float) -> None:
-        while streaming < len(requests) // 3 and not done.is_set():
+        if arrivals is not None:  # under load: once a third of the requests have arrived (many may be refused)
+            await asyncio.sleep(max(0.0, t0 + sorted(arrivals.values())[len(requests) // 3] - time.perf_counter()))
+        while arrivals is None and streaming < len(requests) // 3 and not done.is_set():
             await asyncio.sleep(0.02)
         if done.is_set():
             return
-        comp = cluster.component(result.victim)
-        pid = comp.proc.pid
-        cpu.before_kill(pid)
-        os.kill(pid, signal.SIGKILL)
+        pids = [cluster.component(v).proc.pid for v in victims(result.victim)]
+        for pid in pids:  # all at once
+            cpu.before_kill(pid)
+            os.kill(pid, signal.SIGKILL)
         killed_at = time.perf_counter()
-        result.kill_s, result.killed_pid, result.streaming_at_kill = killed_at - t0, pid, streaming
+        result.kill_s, result.killed_pid, result.streaming_at_kill = killed_at - t0, pids[0], streaming
         console.log(
-            f"killed {result.victim} (pid {pid}) at {result.kill_s:.1f} s, {streaming} of "
+            f"killed {result.victim} (pid {', '.join(map(str, pids))}) at {result.kill_s:.1f} s, {streaming} of "
             f"{len(requests)} requests streaming"
         )
         watcher.append(threading.Thread(target=watch, args=(killed_at,), name="chaos-recovery-watch", daemon=True))
@@ -224,7 +256,7 @@ def replay(
         )
     for name, n in decode_ok(cluster).items():
         before = served.get(name)
-        restarted = name == result.victim or before is None or (n is not None and n < before)
+        restarted = name in victims(result.victim or "") or before is None or (n is not None and n < before)
         result.decode_ok[name] = n if n is None or restarted else n - before
 
 
@@ -248,15 +280,18 @@ class Events:
 
 
 def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, killed_at: float, timeout_s: float) -> None:
-    """Until the launcher restarted the victim and the Conductor lists every worker and pool node alive."""
+    """Until the launcher restarted every victim and the Conductor lists every worker and pool node alive."""
     victim, deadline = result.victim, time.monotonic() + timeout_s
-    while not (back := [when for when, m in events.since(killed_at) if m == f"{victim} is back"]):
-        if failed := [m for _, m in events.since(killed_at) if m.startswith(f"{victim} did not come back")]:
-            raise RuntimeError(f"the launcher could not restart {victim}: {failed[0]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{victim} was not restarted within {timeout_s:.0f} s")
-        time.sleep(0.05)
-    result.back_after_s = back[0] - killed_at
+    back = []
+    for name in victims(victim):
+        while not (now_back := [when for when, m in events.since(killed_at) if m == f"{name} is back"]):
+            if failed := [m for _, m in events.since(killed_at) if m.startswith(f"{name} did not come back")]:
+                raise RuntimeError(f"the launcher could not restart {name}: {failed[0]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} was not restarted within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        back.append(now_back[0])
+    result.back_after_s = max(back) - killed_at
     c = cluster.config
     want = (
         {f"kv{i}" for i in range(c.prefill)}
@@ -280,6 +315,11 @@ def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, killed
                 )
             time.sleep(0.05)
     result.registered_after_s = time.perf_counter() - killed_at
+
+
+def victims(victim: str) -> list[str]:
+    """The components of one replay's victim: ``decode-0+prefill-1`` is two, killed together."""
+    return victim.split("+")
 
 
 # -- what else ran: CPU time, which decode worker served, whether the code changed ----------------
@@ -353,33 +393,6 @@ def decode_ok(cluster: LocalCluster) -> dict[str, int | None]:
     return out
 
 
-def git_state() -> str:
-    """The commit checked out, with " + changes" when tracked files differ from it ("unknown" outside a git
-    checkout)."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "")
-
-
-def code_mtimes() -> dict[str, float]:
-    """Modification times of the code the cluster's processes import (a restarted component imports it again)."""
-    out = {}
-    for top in ("mooncake", "conductor", "decode", "prefill", "kvstore", "transfer", "protos"):
-        for f in (REPO / top).rglob("*.py"):
-            out[str(f.relative_to(REPO))] = f.stat().st_mtime
-    return out
-
-
 # -- the run ---------------------------------------------------------------------------------------
 
 
@@ -391,8 +404,11 @@ def run(args: argparse.Namespace, console: Console) -> Report:
     try:
         model_dir, model = resolve_model(args, workdir)
         vocab = Tokenizer.from_dir(str(model_dir)).vocab_size
-        requests = workload(args.requests, args.max_tokens, vocab)
-        longest = max(len(r.prompt_token_ids) for r in requests) + args.max_tokens
+        if args.load:
+            requests, arrivals = trace_workload(args.requests, vocab, args.load)
+        else:
+            requests, arrivals = workload(args.requests, args.max_tokens, vocab), None
+        longest = max(len(r.prompt_token_ids) + r.sampling.max_tokens for r in requests)
         base = {
             "model": str(model_dir),
             "model_name": MODEL_NAME,
@@ -404,13 +420,13 @@ def run(args: argparse.Namespace, console: Console) -> Report:
             "threads": args.threads,
             "workdir": workdir / "cluster",
             "max_model_len": -(-longest // 512) * 512,
-            "ttft_slo_s": 300.0,
-            "tbt_slo_s": 10.0,
             "hold_s": args.hold_s,
             "ready_timeout_s": 600.0,
         }
+        if not args.load:  # quiet: nothing turned away; under load the SLOs stay at their defaults (rejection live)
+            base |= {"ttft_slo_s": 300.0, "tbt_slo_s": 10.0}
         block_size = ClusterConfig(**base).block_size
-        blocks = sum(-(-(len(r.prompt_token_ids) + args.max_tokens) // block_size) for r in requests) + 64
+        blocks = sum(-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // block_size) for r in requests) + 64
         config = ClusterConfig(
             **base, pool_dram_mib=max(64, math.ceil(blocks * ClusterConfig(**base).block_bytes() / 2**20))
         )
@@ -427,10 +443,14 @@ def run(args: argparse.Namespace, console: Console) -> Report:
             block_size=block_size,
             victims=list(args.victims),
             config={"cluster": config.model_dump(mode="json")},
+            load=args.load,
+            slo=(config.ttft_slo_s, config.tbt_slo_s),
         )
         console.print(
             f"model {model} ({model_dir}); {args.prefill} prefill + {args.decode} decode workers, {args.threads} torch "
-            f"thread(s) each; {args.requests} requests, {args.concurrency} at a time; victims {', '.join(args.victims)}"
+            f"thread(s) each; {args.requests} requests, "
+            + (f"the trace open loop at x{args.load:g}" if args.load else f"{args.concurrency} at a time")
+            + f"; victims {', '.join(args.victims)}"
         )
         progress = make_progress(console, args.no_progress)
         with progress:
@@ -443,7 +463,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
             )
             cluster.start()
             report.startup_s = time.perf_counter() - t0
-            unknown = [v for v in args.victims if v not in cluster.components]
+            unknown = [v for vs in args.victims for v in victims(vs) if v not in cluster.components]
             if unknown:
                 raise ValueError(
                     f"no component {', '.join(unknown)} in this cluster; it has {', '.join(cluster.components)}"
@@ -453,12 +473,14 @@ def run(args: argparse.Namespace, console: Console) -> Report:
                     task, description=f"{name}: {args.requests} requests" + (f", killing {victim}" if victim else "")
                 )
                 result = Replay(name, victim)
-                replay(cluster, requests, args.concurrency, result, events, progress, task, console)
+                concurrency = len(requests) if args.load else args.concurrency
+                replay(cluster, requests, concurrency, result, events, progress, task, console, arrivals)
                 report.replays.append(result)
-                failed = sum(not r.ok for r in result.requests)
+                refused = sum(r.refused for r in result.requests)
+                failed = sum(not r.ok for r in result.requests) - refused
                 served = ", ".join(f"{k} {'?' if v is None else v}" for k, v in sorted(result.decode_ok.items()))
                 console.log(
-                    f"{name}: {args.requests - failed} ok, {failed} failed, "
+                    f"{name}: {args.requests - failed - refused} ok, {refused} refused, {failed} failed, "
                     f"{sum(r.recovery is not None for r in result.requests)} outlived a fault, {result.wall_s:.1f} s; "
                     f"requests per decode worker: {served}; CPU used by other processes "
                     f"{result.cpu_machine_s - result.cpu_cluster_s:.0f} s of {result.cpu_machine_s:.0f} s"
@@ -491,12 +513,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--requests", type=int, help=f"requests per replay (default {FULL['requests']}, quick {QUICK['requests']})"
     )
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight at once (default 6)")
+    p.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="under load: the conversation trace open loop at this multiple of the cluster's capacity (1, 2), the "
+        "SLOs at their defaults (early rejection live), instead of --concurrency synthetic requests; --max-tokens is "
+        "then the trace's (at most 32)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument(
         "--victims",
         default=DEFAULT_VICTIMS,
         help=f"components to kill, comma-separated, one replay each (default {DEFAULT_VICTIMS}; any of "
-        "conductor, kv<i>, prefill-<i>, decode-<i>; the gateway is not on the requests' path here)",
+        "conductor, kv<i>, prefill-<i>, decode-<i>, or several joined by + killed at once: conductor+kv0; the "
+        "gateway is not on the requests' path here)",
     )
     p.add_argument("--prefill", type=int, default=2, help="prefill workers, each with its pool node (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
@@ -523,8 +554,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         or args.threads < 1
         or args.prefill < 1
         or args.decode < 1
+        or (args.load is not None and args.load <= 0)
     ):
-        p.error("--requests must be >= 3, --max-tokens >= 2, --concurrency, --threads, --prefill and --decode >= 1")
+        p.error(
+            "--requests must be >= 3, --max-tokens >= 2, --concurrency, --threads, --prefill and --decode >= 1, "
+            "--load > 0"
+        )
     return args
 
 

@@ -12,9 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.benchutil import percentile
+from benchmarks.replay import tail_tbt
 
 GOAL_RECOMPUTED_BLOCKS = 1  # a resumed stream recomputes at most this many blocks
 GOAL_GAP_S = 2.0  # the gap between two tokens of a resumed stream, across the failure, under this
+GOAL_EXTRA_P99_S = 5.0  # under load: the extra latency p99 of the requests that outlived a kill, under this
 
 
 @dataclass
@@ -29,6 +31,7 @@ class RequestRecord:
     e2e_s: float | None = None  # arrival -> last chunk (or the error)
     finish_reason: str | None = None
     error: str | None = None
+    refused: bool = False  # turned away before any work (429 with Retry-After), not a failure after admission
     recovery: dict | None = None  # mooncake.serving.types.Recovery of the last chunk, as a dict
 
     @property
@@ -38,6 +41,12 @@ class RequestRecord:
     def max_gap_s(self) -> float | None:
         t = self.token_times_s
         return max((b - a for a, b in pairwise(t)), default=None)
+
+    def within(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+        """Served, its first token within ``ttft_slo_s`` and its TBT (the paper's: the mean of the longest 10% of its
+        gaps) within ``tbt_slo_s``."""
+        t = self.token_times_s
+        return self.ok and bool(t) and t[0] <= ttft_slo_s and tail_tbt([b - a for a, b in pairwise(t)]) <= tbt_slo_s
 
 
 @dataclass
@@ -75,6 +84,8 @@ class Report:
     block_size: int
     victims: list[str]
     config: dict[str, object] = field(default_factory=dict)
+    load: float | None = None  # --load: the trace open loop at this multiple of the cluster's capacity (None: quiet)
+    slo: tuple[float, float] = (0.0, 0.0)  # the cluster's (TTFT, TBT) SLOs, s: what counts toward goodput
     startup_s: float = 0.0
     replays: list[Replay] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # the launcher's, seconds after the cluster started
@@ -97,10 +108,13 @@ def summarize(report: Report) -> tuple[list[dict], list[dict], dict]:
     bs = report.block_size
     rows, kind_rows = [], []
     resumed_all: list[RequestRecord] = []
+    good_base = sum(r.within(*report.slo) for r in baseline.requests)
     for rep in report.replays:
         if rep.name == "warm-up":
             continue
         ok = [r for r in rep.requests if r.ok]
+        refused = [r for r in rep.requests if r.refused]
+        good = sum(r.within(*report.slo) for r in rep.requests)
         outlived = [r for r in ok if r.recovery]
         extra = {r.request_id: r.e2e_s - base[r.request_id].e2e_s for r in outlived if base[r.request_id].ok}
         resumed = [r for r in ok if r.recovery and r.recovery["resumes"] > 0]
@@ -113,8 +127,11 @@ def summarize(report: Report) -> tuple[list[dict], list[dict], dict]:
                 "replay": rep.name,
                 "victim": rep.victim,
                 "ok": len(ok),
-                "failed": len(rep.requests) - len(ok),
-                "failed_ids": [r.request_id for r in rep.requests if not r.ok],
+                "refused": len(refused),
+                "failed": len(rep.requests) - len(ok) - len(refused),  # after admission: the number that must be 0
+                "failed_ids": [r.request_id for r in rep.requests if not r.ok and not r.refused],
+                "good": good,  # served within both SLOs
+                "goodput_vs_baseline": good / good_base if good_base else None,
                 "outlived": len(outlived),
                 "faults": dict(Counter(f for r in outlived for f in r.recovery["faults"])),
                 "extra_latency_s": extra,
@@ -177,6 +194,15 @@ def summarize(report: Report) -> tuple[list[dict], list[dict], dict]:
         "gap_met": (max(gaps) < GOAL_GAP_S) if gaps else None,
         "warmup_differs_from_baseline": unstable,
     }
+    killed = [r for r in rows if r["victim"]]
+    if report.load is not None and killed:
+        p99 = [r["extra_p99_s"] for r in killed if r["extra_p99_s"] is not None]
+        goals |= {
+            "failed_after_admission": sum(r["failed"] for r in killed),
+            "differ_from_baseline": sum(len(r["differ_from_baseline"]) for r in killed),
+            "max_extra_p99_s": max(p99, default=None),
+            "extra_goal_s": GOAL_EXTRA_P99_S,
+        }
     return rows, kind_rows, goals
 
 
@@ -186,11 +212,19 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
     def s(v: float | None) -> str:
         return "" if v is None else f"{v:.2f}"
 
+    load = report.load is not None
+    how = (
+        f"the trace open loop at x{report.load:g} of the cluster's capacity, SLOs TTFT {report.slo[0]:g} s / TBT "
+        f"{report.slo[1]:g} s"
+        if load
+        else f"{report.concurrency} at a time, {report.max_tokens} output tokens"
+    )
     table = Table(
-        title=f"Chaos: one component SIGKILLed once a third of {report.requests} requests stream; {report.model}, "
-        f"{report.concurrency} at a time, {report.max_tokens} output tokens, block size {report.block_size}, "
-        f"{m['cpu_model']} ({m['logical_cores']} cores)",
-        caption="extra = e2e latency minus the same request's in the baseline (requests that outlived a fault), s; "
+        title=f"Chaos: components SIGKILLed once a third of {report.requests} requests stream; {report.model}, {how}, "
+        f"block size {report.block_size}, {m['cpu_model']} ({m['logical_cores']} cores)",
+        caption="failed: after admission (refused: 429 before any work, apart); good: served within both SLOs "
+        "(x the baseline's); extra = e2e latency minus the same request's in the baseline (requests that "
+        "outlived a fault), s; "
         "recomputed / loaded: resumed streams' tokens computed again / loaded from the pool; gap: the "
         "largest gap between two tokens of a resumed stream, s; back / registered: kill -> the victim "
         "READY again / the Conductor lists every instance alive, s; e2e p50 over all requests of the "
@@ -200,7 +234,9 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
     for col in (
         "victim",
         "ok",
+        *(("refused",) if load else ()),
         "failed",
+        *(("good",) if load else ()),
         "outlived",
         "extra p50",
         "extra p99",
@@ -225,10 +261,13 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
         rl = f"{r['recomputed_tokens']} / {r['loaded_tokens']}" if r["resumed"] else ""
         back = f"{s(r['back_after_s'])} / {s(r['registered_after_s'])}" if r["back_after_s"] is not None else ""
         failed = f"[red]{r['failed']}[/]" if r["failed"] else "0"
+        ratio = "" if r["victim"] is None or r["goodput_vs_baseline"] is None else f" ({r['goodput_vs_baseline']:.2f}x)"
         table.add_row(
             r["victim"] or "baseline",
             str(r["ok"]),
+            *((str(r["refused"]),) if load else ()),
             failed,
+            *((f"{r['good']}{ratio}",) if load else ()),
             str(r["outlived"]) if r["victim"] else "",
             s(r["extra_p50_s"]),
             s(r["extra_p99_s"]),
@@ -282,6 +321,21 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
         + (f"largest {goals['max_gap_s']:.2f} s over {n} resumed streams " if n else "")
         + mark(goals["gap_met"])
     )
+    if "failed_after_admission" in goals:
+        p99 = goals["max_extra_p99_s"]
+        console.print(
+            f"goal: 0 failed after admission: {goals['failed_after_admission']} "
+            + mark(goals["failed_after_admission"] == 0)
+        )
+        console.print(
+            f"goal: every completed output equals the baseline's: {goals['differ_from_baseline']} differ "
+            + mark(goals["differ_from_baseline"] == 0)
+        )
+        console.print(
+            f"goal: survivors' extra latency p99 < {GOAL_EXTRA_P99_S:g} s: "
+            + ("none outlived a fault " if p99 is None else f"at most {p99:.2f} s ")
+            + mark(None if p99 is None else p99 < GOAL_EXTRA_P99_S)
+        )
     if goals["warmup_differs_from_baseline"]:
         console.print(
             f"[yellow]note[/]: the two undisturbed replays differ on {len(goals['warmup_differs_from_baseline'])} "

@@ -195,6 +195,13 @@ class PoolConnector(KVConnector):
         self.first_layer = first_layer
         self._block_bytes = (num_layers or layers) * self._layer_bytes  # a whole block in the pool layout
 
+    def set_pool(self, pool: torch.Tensor) -> None:
+        """This node's pool tensor (mapped again after its pool node restarted): where pool slots are written from now
+        on, by the steps and by the writer after the answer."""
+        self.pool = pool
+        if self._writer is not None:
+            self._writer.pool = pool
+
     @property
     def staged(self) -> bool:
         """Pushes go through pinned host staging (a CUDA cache), not straight from the bound cache."""

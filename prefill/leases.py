@@ -5,6 +5,13 @@ new full blocks' slots reserved, then committed (the blocks become visible) or a
 A part of ``prefill.worker.PrefillWorker`` (which inherits it): it reads the worker's config, pool client (``kv``),
 other nodes' clients (``_remote``), transfer engine and the pool's layout (``block_bytes``, ``layer_bytes``,
 ``block_shape``, ``_pool_bytes``).
+
+The worker reads and writes its pool node's DRAM tier in place, mapped from the node's shared-memory file. A pool
+node that restarted serves a new file: slots it names are not in the old mapping, so a reply naming another owner
+(``_same_node``) is not used (its lease released, its reservation aborted: the prompt is computed and not stored),
+new prefills go without the pool, and the worker maps the new file (``_map_pool``) once no prefill holds anything
+of the old one (``_enter_pool``). Writing the new node's slots through the old mapping would commit blocks whose
+bytes never reached the node: another request's prefix would then read garbage.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class Held:
     fetch_started: float = 0.0
     fetch_seconds: float = 0.0  # issue to the last layer landing (as the engine waited for it)
     io_timeout_s: float = 30.0
+    uses_pool: bool = False  # counted among the prefills that hold the pool's mapping (``_enter_pool``)
 
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` of the pull has landed (the engine calls it just before that layer). A pull that
@@ -51,6 +59,44 @@ class Held:
 class PoolLeases:
     """The pool's side of a prefill (mixed into PrefillWorker)."""
 
+    _pool_users = 0  # prefills holding slots of the mapped pool (until ``_release``)
+    _remap_pending = False  # the pool node restarted: map its new memory once ``_pool_users`` is 0
+
+    def _enter_pool(self, held: Held) -> bool:
+        """Whether this prefill may use the pool (True: it counts as a user until ``_release``). After a pool node
+        restart, not until every prefill that used the old mapping has ended; the first one after that maps the new
+        memory."""
+        with self._pool_lock:
+            if self._remap_pending and self._pool_users == 0:
+                try:
+                    self._map_pool(self.kv.stats().segment)
+                    self._remap_pending = False
+                except (KVStoreUnavailable, OSError, ValueError) as e:
+                    log.warning("mapping pool node %s's memory again failed (%s): prefilling without it", self.node, e)
+            if self._remap_pending:
+                return False
+            self._pool_users += 1
+            held.uses_pool = True
+            return True
+
+    def _same_node(self, segment) -> bool:
+        """Whether ``segment`` (in a reply of this worker's pool node) is the memory this worker mapped; if not, the
+        node restarted: its slots are not used, and the worker maps its new memory when it can."""
+        mapped = self._pool_segment
+        if segment.pid == mapped.pid and (segment.shm_path or None) == mapped.shm_path:
+            return True
+        with self._pool_lock:
+            if not self._remap_pending:
+                log.warning(
+                    "pool node %s restarted (its memory is owned by pid %d, not %d): prefilling without the pool until "
+                    "no prefill holds the old memory, then mapping the new",
+                    self.node,
+                    segment.pid,
+                    mapped.pid,
+                )
+            self._remap_pending = True
+        return False
+
     def _load_plan(self, plan, keys: list[bytes], held: Held) -> tuple[list[int], int, list[int]]:
         """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched
         slots)."""
@@ -60,6 +106,8 @@ class PoolLeases:
         if want:
             got = self.kv.get_locations(keys[:want])
             held.local_lease = got.lease_id
+            if got.slots and not self._same_node(got.segment):
+                return [], 0, []
             local = [s.offset // self.block_bytes for s in got.slots]
             ssd_hits = got.ssd_hits
         fetched: list[int] = []
@@ -88,8 +136,8 @@ class PoolLeases:
             keys[:n], positions=list(range(first, first + n)), ttl_s=self.config.reservation_ttl_s, parent=parent
         )
         held.fetch_reservation = res.reservation_id
-        if res.existing:  # stored here meanwhile: not worth the bookkeeping, compute instead
-            self._release_fetch(held)
+        if res.existing or (res.slots and not self._same_node(res.segment)):
+            self._release_fetch(held)  # stored here meanwhile (not worth the bookkeeping), or not in our mapping
             return []
         slot_of = {bytes(s.key): s.offset for s in res.slots}
         local_offsets = [slot_of[k] for k in keys[:n]]
@@ -103,7 +151,8 @@ class PoolLeases:
             ]
             held.fetch_slices.append(slices)
             held.fetch_batches.append(self.transfer.read(self._pool_bytes, slices))
-        held.fetch_read = lambda slices: self.transfer.read(self._pool_bytes, slices)
+        pool_bytes = self._pool_bytes
+        held.fetch_read = lambda slices: self.transfer.read(pool_bytes, slices)
         return [o // self.block_bytes for o in local_offsets]
 
     def _reserve_new(self, keys: list[bytes], first: int, held: Held) -> dict[int, int]:
@@ -122,6 +171,10 @@ class PoolLeases:
             log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
             return {}
         held.new_reservation = res.reservation_id
+        if res.slots and not self._same_node(res.segment):
+            _quietly(self.kv.abort, res.reservation_id)  # its slots are not in our mapping: never committed
+            held.new_reservation = None
+            return {}
         index = {k: first + i for i, k in enumerate(new)}
         return {index[bytes(s.key)]: s.offset // self.block_bytes for s in res.slots}
 
@@ -151,6 +204,10 @@ class PoolLeases:
         if held.local_lease is not None:
             _quietly(self.kv.release, held.local_lease, False)
             held.local_lease = None
+        if held.uses_pool:
+            held.uses_pool = False
+            with self._pool_lock:
+                self._pool_users -= 1
 
     def _release_fetch(self, held: Held) -> None:
         for batch in held.fetch_batches:

@@ -93,8 +93,6 @@ class PrefillWorker(PoolLeases):
             raise ValueError(f"pool node {config.kvstore} reports no block size")
         if not stats.segment.shm_path:
             raise ValueError(f"pool node {self.node} is not on this host (its DRAM tier has no shared-memory file)")
-        self._region = SharedRegion.open(stats.segment.shm_path)
-        self._pool_segment = segment_from_pb(stats.segment)
         self.connector = PoolConnector(self.transfer, None, config.engine_config.block_size, config.io_timeout_s)
         self.group: StageGroup | None = None  # its stages (health, status)
         # what its own engine does that a pipelined group's stages or vLLM do not: write the pool after the first token,
@@ -116,7 +114,11 @@ class PrefillWorker(PoolLeases):
                 authkey=config.stage_key,
             )
             self.engine = GroupEngine(
-                self.group, self.connector.jobs, self._pool_segment, config.io_timeout_s, config.prefill_timeout_s
+                self.group,
+                self.connector.jobs,
+                segment_from_pb(stats.segment),
+                config.io_timeout_s,
+                config.prefill_timeout_s,
             )
         else:
             self.engine = build_engine(
@@ -133,12 +135,11 @@ class PrefillWorker(PoolLeases):
                 f"dtype {engine_config.dtype})"
             )
         self.block_shape = self.engine.block_shape
-        self.pool = slot_tensor(self._region.buffer, self.block_shape, engine_config.torch_dtype)
-        self.connector.pool = self.pool
         self.block_bytes = stats.block_bytes
         self.layer_bytes = self.block_bytes // self.block_shape[0]
-        self._pool_bytes = memoryview(self._region.buffer).cast("B")
-        self.transfer.pin(self._pool_bytes)  # fetches land in it: registered with an RDMA device once, not per fetch
+        self._region: SharedRegion | None = None
+        self._pool_lock = threading.Lock()  # the mapping and its users (prefill/leases.py)
+        self._map_pool(stats.segment)
         self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._cuda_caches = CudaCaches()  # decode engines' CUDA caches on this host, mapped once each
         self._prefix_copier = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefix-copy")  # pool -> decode cache
@@ -227,6 +228,7 @@ class PrefillWorker(PoolLeases):
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
         job = self._job(req, num_blocks)
         held = Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
+        use_pool = self._enter_pool(held)  # False for a while after the pool node restarted
         prefix = None
         self.received += 1  # the Conductor counts what it placed beyond this as on its way (Instance.in_transit)
         # queued from its arrival (the heartbeat reports it), as the plan says until the pool says what it holds
@@ -236,13 +238,12 @@ class PrefillWorker(PoolLeases):
         )
         try:
             # prompt logprobs need every prompt token computed: nothing is loaded
-            plan = (
-                type(req.plan)() if req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens else req.plan
-            )
+            logprobs = req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens
+            plan = type(req.plan)() if logprobs or not use_pool else req.plan
             local, ssd_hits, fetched = self._load_plan(plan, keys, held)
             cached_blocks = len(local) + len(fetched)
             cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
-            job.pool_slots = self._reserve_new(keys, cached_blocks, held)
+            job.pool_slots = self._reserve_new(keys, cached_blocks, held) if use_pool else {}
             if job.pool_slots and self._single_native:
                 job.store_later, job.on_stored = True, functools.partial(self._stored, held)
             external = None
@@ -393,6 +394,24 @@ class PrefillWorker(PoolLeases):
                 f"{self.connector.kv_cache.dtype}"
             )
         return cache
+
+    def _map_pool(self, segment) -> None:
+        """Map the pool node's DRAM tier (``segment``: its shared-memory file) as this worker's pool: the slots prefixes
+        are read from in place, pulls land in and new blocks are written to. Again after the node restarted, once no
+        prefill holds anything of the old mapping (prefill/leases.py)."""
+        old = self._region
+        self._region = SharedRegion.open(segment.shm_path)
+        self._pool_segment = segment_from_pb(segment)
+        self.pool = slot_tensor(self._region.buffer, self.block_shape, self.config.engine_config.torch_dtype)
+        self.connector.set_pool(self.pool)
+        if self.group is not None:
+            self.engine.pool = self._pool_segment  # the stages write it through the transfer engine
+        if old is not None:
+            self.transfer.unpin(self._pool_bytes)
+            old.close()
+            log.info("mapped pool node %s's memory again (owner pid %d)", self.node, segment.pid)
+        self._pool_bytes = memoryview(self._region.buffer).cast("B")
+        self.transfer.pin(self._pool_bytes)  # fetches land in it: registered with an RDMA device once, not per fetch
 
     def _stored(self, held: "Held", ok: bool) -> None:
         """The pool write of a finished prefill ended (on the connector's writer thread): commit what it wrote (or

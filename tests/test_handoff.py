@@ -523,3 +523,51 @@ def test_a_disaggregated_request_lands_in_the_decode_cache_and_its_prompt_reache
         time.sleep(0.3)
     assert warm[-1].cached_tokens == 96
     assert prefill_metric(cluster, 'mooncake_prefill_handoff_bytes_total{path="slots"}') == 0
+
+
+def test_blocks_stored_after_the_pool_node_restarted_hold_the_prompts_kv(cluster, tiny_dir):
+    """A pool node that restarts serves its DRAM tier from a new shared-memory file; the prefill worker, which wrote
+    the old file in place, maps the new one before it stores there. The blocks of a prompt served after the restart,
+    read back from the node, are that prompt's KV (written through the old mapping, they would be the new file's
+    zeros under the prompt's keys: another request's prefix would read them)."""
+    import os
+    import random
+    import signal
+
+    from replays import wait_restarted
+
+    from mooncake.blocks import block_keys
+    from transfer import TransferConfig, TransferEngine
+
+    if cluster.config.network_hosts:
+        pytest.skip("one host: the prefill worker maps its pool node's memory the same way on both")
+    c = cluster.config
+    os.kill(cluster.component("kv0").proc.pid, signal.SIGKILL)
+    wait_restarted(cluster, "kv0")
+    rng = random.Random(12)
+    prompt = [rng.randrange(10, 440) for _ in range(85)]  # 5 full blocks of 16 and a partial one
+    reference = reference_tokens(tiny_dir, prompt, 8)
+    be = backend(cluster)
+    deadline = time.monotonic() + 30
+    stored = 0
+    while not stored and time.monotonic() < deadline:  # the first prefills after the restart may go without the pool
+        got = generate(be, f"after-restart-{rng.random()}", prompt, 8, temperature=0.0, ignore_eos=True)
+        assert tokens(got) == reference
+        stored = got[-1].cached_tokens
+        time.sleep(0.3)
+    assert stored == 80  # stored on the new node and loaded from it
+
+    engine = make_engine(tiny_dir, block_size=c.block_size)
+    rid = engine.add_request(prompt, greedy())
+    while not any(out.output_token_ids for out in engine.step()):
+        pass
+    want = engine.export_kv(engine.request_block_ids(rid)[:5])  # [5, L, 2, bs, Hkv, D], computed alone
+    keys = block_keys(prompt, c.block_size, engine.fingerprint, None)[:5]
+    with TransferEngine(TransferConfig(node="test-reader", serve=False)) as reader:
+        from kvstore.client import KVStoreClient
+
+        with KVStoreClient(cluster.address("kv0"), engine=reader, control="grpc", timeout_s=5) as kv:
+            read = kv.get(keys)
+    assert read.num_blocks == 5
+    got_kv = torch.frombuffer(bytearray(read.data), dtype=want.dtype).view(want.shape)
+    assert got_kv.abs().sum() > 0 and torch.allclose(got_kv, want, atol=1e-4)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -72,8 +73,8 @@ from benchmarks.benchutil import (
     run_interruptible,
     shielded,
 )
+from benchmarks.chaos_faults import DRAIN, Events, drain, victims, wait_drained, wait_recovered
 from benchmarks.chaos_report import Replay, Report, RequestRecord, render, summarize
-from mooncake import tls
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
@@ -82,8 +83,6 @@ from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway.cluster_backend import ClusterBackend
 from mooncake.gateway.recovery import RecoveryConfig
 from mooncake.serving.types import BackendError, GenerationRequest, Rejected
-from protos import conductor_pb2 as cpb
-from protos import conductor_pb2_grpc as cpb_grpc
 
 log = logging.getLogger("chaos")
 
@@ -204,7 +203,8 @@ def replay(
 
     def watch(killed_at: float) -> None:
         try:
-            wait_recovered(cluster, events, result, killed_at, timeout_s=cluster.config.ready_timeout_s + 120)
+            wait = wait_drained if result.victim.startswith(DRAIN) else functools.partial(wait_recovered, events=events)
+            wait(cluster, result=result, since=killed_at, timeout_s=cluster.config.ready_timeout_s + 120)
         except Exception as e:  # noqa: BLE001  (raised in the caller's thread once the replay is done)
             failures.append(e)
 
@@ -214,6 +214,13 @@ def replay(
         while arrivals is None and streaming < len(requests) // 3 and not done.is_set():
             await asyncio.sleep(0.02)
         if done.is_set():
+            return
+        if result.victim.startswith(DRAIN):
+            drain(cluster, victims(result.victim)[0])
+            result.kill_s = time.perf_counter() - t0
+            console.log(f"drained {victims(result.victim)[0]} at {result.kill_s:.1f} s, {streaming} streaming")
+            watcher.append(threading.Thread(target=watch, args=(time.perf_counter(),), daemon=True))
+            watcher[0].start()
             return
         pids = [cluster.component(v).proc.pid for v in victims(result.victim)]
         for pid in pids:  # all at once
@@ -258,68 +265,6 @@ def replay(
         before = served.get(name)
         restarted = name in victims(result.victim or "") or before is None or (n is not None and n < before)
         result.decode_ok[name] = n if n is None or restarted else n - before
-
-
-class Events:
-    """The launcher's messages (it calls ``on_event`` from its supervisor thread), with when they came."""
-
-    def __init__(self, console: Console) -> None:
-        self._console = console
-        self._lock = threading.Lock()
-        self.seen: list[tuple[float, str]] = []  # (perf_counter, message)
-
-    def on_event(self, msg: str) -> None:
-        with self._lock:
-            self.seen.append((time.perf_counter(), msg))
-        if "exited" in msg or "back" in msg:
-            self._console.log(f"launcher: {msg}")
-
-    def since(self, t: float) -> list[tuple[float, str]]:
-        with self._lock:
-            return [(when, m) for when, m in self.seen if when >= t]
-
-
-def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, killed_at: float, timeout_s: float) -> None:
-    """Until the launcher restarted every victim and the Conductor lists every worker and pool node alive."""
-    victim, deadline = result.victim, time.monotonic() + timeout_s
-    back = []
-    for name in victims(victim):
-        while not (now_back := [when for when, m in events.since(killed_at) if m == f"{name} is back"]):
-            if failed := [m for _, m in events.since(killed_at) if m.startswith(f"{name} did not come back")]:
-                raise RuntimeError(f"the launcher could not restart {name}: {failed[0]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not restarted within {timeout_s:.0f} s")
-            time.sleep(0.05)
-        back.append(now_back[0])
-    result.back_after_s = max(back) - killed_at
-    c = cluster.config
-    want = (
-        {f"kv{i}" for i in range(c.prefill)}
-        | {f"prefill-{i}" for i in range(c.prefill)}
-        | {f"decode-{i}" for i in range(c.decode)}
-    )
-    with tls.grpc_channel(cluster.conductor_address) as channel:
-        stub = cpb_grpc.ConductorStub(channel)
-        while True:
-            try:
-                listing = stub.ListInstances(cpb.ListInstancesRequest(), timeout=5)
-                alive = {i.id for i in listing.instances if i.state == cpb.ALIVE}
-            except grpc.RpcError:
-                alive = set()
-            if want <= alive:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"after {victim} was killed, the Conductor lists only {sorted(alive)} alive "
-                    f"within {timeout_s:.0f} s"
-                )
-            time.sleep(0.05)
-    result.registered_after_s = time.perf_counter() - killed_at
-
-
-def victims(victim: str) -> list[str]:
-    """The components of one replay's victim: ``decode-0+prefill-1`` is two, killed together."""
-    return victim.split("+")
 
 
 # -- what else ran: CPU time, which decode worker served, whether the code changed ----------------
@@ -526,8 +471,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--victims",
         default=DEFAULT_VICTIMS,
         help=f"components to kill, comma-separated, one replay each (default {DEFAULT_VICTIMS}; any of "
-        "conductor, kv<i>, prefill-<i>, decode-<i>, or several joined by + killed at once: conductor+kv0; the "
-        "gateway is not on the requests' path here)",
+        "conductor, kv<i>, prefill-<i>, decode-<i>, or several joined by + killed at once: conductor+kv0, or "
+        "drain:prefill-<i> / drain:decode-<i>, drained as `mooncake pool drain` does and not restarted, so put drains "
+        "last; the gateway is not on the requests' path here)",
     )
     p.add_argument("--prefill", type=int, default=2, help="prefill workers, each with its pool node (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")

@@ -15,6 +15,7 @@ import grpc
 
 from decode.run import Decoding, Failed, FirstToken
 from kvstore.wire import segment_to_pb
+from mooncake.runtime.process import when_gone
 from mooncake.serving.status import REQUEST_CODES, Cancelled
 from protos import worker_pb2 as wpb
 from transfer.types import host_id
@@ -136,7 +137,7 @@ class RemotePrefill:
             ),
             timeout=self.config.prefill_timeout_s,
         )
-        context.add_callback(call.cancel)  # the client went away: so does the prefill
+        when_gone(context, call.cancel)  # the client went away: so does the prefill
         try:
             resp = call.result()
         except grpc.FutureCancelledError:

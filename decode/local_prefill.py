@@ -19,6 +19,7 @@ from decode.run import DecodeState, Decoding
 from kvstore.client import KVStoreUnavailable
 from mooncake.blocks import block_keys
 from mooncake.engine.request import SamplingParams
+from mooncake.runtime.process import when_gone
 from mooncake.serving.kvlayout import slot_tensor
 from mooncake.serving.sampling import logprob_to_pb
 from mooncake.serving.text import TextStream
@@ -67,7 +68,7 @@ class LocalPrefill:
         )
         future.result()  # a ValueError (the request's own: INVALID_ARGUMENT) ends it here
         run.state = DecodeState.DECODING
-        context.add_callback(lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
+        when_gone(context, lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
         usage = dict(
             prompt_tokens=len(prompt), cached_tokens=cached, cached_tokens_by_tier={"remote": cached} if cached else {}
         )

@@ -17,7 +17,7 @@ from kvstore.client import KVStoreUnavailable
 from mooncake.cliargs import field_arg
 from mooncake.engine.interface import parse_vllm_args
 from mooncake.faults import message
-from mooncake.runtime.process import WorkerProcess, run_worker
+from mooncake.runtime.process import WorkerProcess, run_worker, when_gone
 from mooncake.serving.status import WORKER_STATUS
 from mooncake.serving.worker_args import engine_fields, worker_parser
 from prefill.config import PREFILL_ENGINE_DEFAULTS, PrefillConfig
@@ -105,7 +105,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         if late:  # its caller gave up before it came: it writes nothing
             self.metrics.requests.labels("cancelled").inc()
             context.abort(grpc.StatusCode.CANCELLED, f"prefill {request.request_id} was aborted before it arrived")
-        context.add_callback(cancelled.set)
+        when_gone(context, cancelled.set)  # a caller already gone: no work at all
         m = self.metrics
         m.inflight.inc()
         try:
@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         health=lambda: _health(args.id, worker),
         busy=lambda: worker.num_inflight,
+        # each queued Prefill holds a thread while it waits for the engine, and the Abort calls that end cancelled ones
+        # need threads too: a storm of 100 (benchmarks/abort_storm.py) queues more than the default 32
+        max_rpc_threads=128,
         busy_beat_s=PREFILL_BUSY_BEAT_S,  # and at once when a prompt ends (PrefillWorker: beat_soon)
         drain_timeout_s=args.drain_timeout,
     )

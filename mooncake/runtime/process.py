@@ -69,6 +69,14 @@ class WorkerProcess:
     busy_beat_s: float | None = None  # while ``busy``, heartbeat at least this often (ConductorLink's busy_interval_s)
 
 
+def when_gone(context, fn: Callable[[], object]) -> None:
+    """Call ``fn`` once the caller of this RPC is gone (cancelled, timed out, disconnected): at once if it already is
+    (``add_callback`` then returns False and never calls it: a caller that left between the handler's start and this
+    call would go unnoticed, and its work run whole for nobody)."""
+    if not context.add_callback(fn):
+        fn()
+
+
 def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) -> int:
     """Serve ``worker`` until SIGTERM: gRPC, Conductor registration and heartbeats, /metrics and /health, drain.
 

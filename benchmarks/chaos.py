@@ -257,10 +257,13 @@ def replay(
         watcher[0].join()
         if failures:
             raise failures[0]
-        console.log(
-            f"{result.victim} back {result.back_after_s:.1f} s after the kill, every instance registered "
-            f"{result.registered_after_s:.1f} s after it"
-        )
+        if result.victim.startswith(DRAIN):
+            console.log(f"{victims(result.victim)[0]} stopped {result.back_after_s:.1f} s after the drain")
+        else:
+            console.log(
+                f"{result.victim} back {result.back_after_s:.1f} s after the kill, every instance registered "
+                f"{result.registered_after_s:.1f} s after it"
+            )
     for name, n in decode_ok(cluster).items():
         before = served.get(name)
         restarted = name in victims(result.victim or "") or before is None or (n is not None and n < before)

@@ -394,10 +394,11 @@ class PoolConnector(KVConnector):
         """Start writing ``slices`` from ``local`` (engine or staging thread); one that cannot start is tried once more
         (the next batch to a peer reconnects), then fails its job."""
         for attempt in range(1, PUSH_ATTEMPTS + 1):
+            started = time.monotonic()
             try:
                 push = Push(job, self.transfer.write(local, slices), local, slices, attempt)
             except TransferError as e:
-                if attempt == PUSH_ATTEMPTS or not self._retrying(job, e):
+                if attempt == PUSH_ATTEMPTS or not self._retrying(job, e, time.monotonic() - started):
                     job.fail(e)
                     return
                 continue
@@ -405,9 +406,11 @@ class PoolConnector(KVConnector):
                 self._pushes.append(push)
             return
 
-    def _retrying(self, job: PrefillJob, error: TransferError) -> bool:
-        """A push of ``job`` failed: True if it is to be sent again (its job has not failed otherwise)."""
-        if job.error is not None:
+    def _retrying(self, job: PrefillJob, error: TransferError, took_s: float = 0.0) -> bool:
+        """A push of ``job`` failed after ``took_s``: True if it is to be sent again. Not when its job failed
+        otherwise, nor after a wait of half ``io_timeout_s`` or more: a silent peer (a host cut off) would keep the
+        engine waiting as long again, where a reset or an error answer fails at once."""
+        if job.error is not None or took_s >= self.io_timeout_s / 2:
             return False
         self.push_retries += 1
         log.warning("a push of %s failed, sending it again: %s", job.request_id, error)
@@ -425,7 +428,8 @@ class PoolConnector(KVConnector):
                     push.batch.wait(self.io_timeout_s)
                     break
                 except TransferError as e:
-                    if push.attempts >= PUSH_ATTEMPTS or not self._retrying(push.job, e):
+                    took = (push.batch.finished_at or time.monotonic()) - push.batch.started_at
+                    if push.attempts >= PUSH_ATTEMPTS or not self._retrying(push.job, e, took):
                         push.job.fail(e)
                         break
                 try:  # wait() returned: no backend touches the buffer any more, so it can be sent again

@@ -45,10 +45,14 @@ class Held:
 
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` of the pull has landed (the engine calls it just before that layer). A pull that
-        fails (a connection reset, a timeout) is sent again once: a second failure fails the engine's step."""
+        fails at once (a connection reset, an error answer) is sent again once: a second failure, or one after half the
+        timeout, fails the engine's step."""
         try:
             self.fetch_batches[layer].wait(self.io_timeout_s)
         except TransferError as e:
+            failed = self.fetch_batches[layer]
+            if (failed.finished_at or time.monotonic()) - failed.started_at >= self.io_timeout_s / 2:
+                raise  # a silent peer, not a reset: pulling again would wait as long again
             log.warning("pulling layer %d of a prefix failed, pulling it again: %s", layer, e)
             self.fetch_batches[layer] = self.fetch_read(self.fetch_slices[layer])
             self.fetch_batches[layer].wait(self.io_timeout_s)

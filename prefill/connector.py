@@ -32,10 +32,11 @@ the cache (``bind``). Another engine's cache (vLLM's) is read through ``export``
 copies one layer of the completed blocks into a staging tensor in the pool layout; the
 pushes read that tensor, kept alive until the step's transfers are done.
 
-A push that fails (a connection reset, a slice past its timeout, an RDMA work error) is sent once
+A push that fails fast (a connection reset, an error answer, an RDMA work error) is sent once
 more before its job fails: the transfer engine's next batch to a peer reconnects (a new tcp
 connection, a new queue pair), so a transient fault costs one resend, not the request, and never
-the pair (``PUSH_ATTEMPTS``, counted in ``push_retries``).
+the pair (``PUSH_ATTEMPTS``, counted in ``push_retries``). One that failed after half the I/O
+timeout (a silent peer) is not: its request is placed again elsewhere.
 
 Runs on the engine's thread; jobs are added and removed from request threads.
 """

@@ -12,6 +12,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -210,3 +211,16 @@ def code_mtimes() -> dict[str, float]:
         for f in (REPO / top).rglob("*.py"):
             out[str(f.relative_to(REPO))] = f.stat().st_mtime
     return out
+
+
+def log_console(level: str) -> Console:
+    """A console for a benchmark's tables (170 columns when not a terminal) that also shows its log records."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
+    logging.basicConfig(
+        level=level.upper(), format="%(name)s: %(message)s", handlers=[RichHandler(console=console, show_path=False)]
+    )
+    return console

@@ -58,7 +58,6 @@ from pathlib import Path
 import grpc
 import torch
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.progress import (
     Progress,
 )
@@ -68,6 +67,7 @@ from benchmarks.benchutil import (
     code_mtimes,
     describe_machine,
     git_state,
+    log_console,
     make_progress,
     resolve_model,
     run_interruptible,
@@ -514,12 +514,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-    )
+    console = log_console(args.log_level)
     report = run_interruptible(lambda: run(args, console), console)
     if report is None:
         return 130

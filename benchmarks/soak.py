@@ -52,13 +52,13 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.table import Table
 
 from benchmarks import trace as tr
 from benchmarks.benchutil import (
     describe_machine,
     git_state,
+    log_console,
     make_progress,
     percentile,
     resolve_model,
@@ -578,12 +578,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 170, log_path=False)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-    )
+    console = log_console(args.log_level)
     report = run_interruptible(lambda: run(args, console), console)
     if report is None:
         return 130

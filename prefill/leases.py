@@ -12,6 +12,10 @@ node that restarted serves a new file: slots it names are not in the old mapping
 new prefills go without the pool, and the worker maps the new file (``_map_pool``) once no prefill holds anything
 of the old one (``_enter_pool``). Writing the new node's slots through the old mapping would commit blocks whose
 bytes never reached the node: another request's prefix would then read garbage.
+
+A pool node that does not answer (killed, restarting) does not stop the worker: the prefill that finds it gone computes
+its whole prompt and stores nothing, and the prefills after it go without the pool for ``POOL_RETRY_S`` before one asks
+the node again (``_pool_gone``). The Conductor's index drops a node's blocks once it misses its heartbeats.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from kvstore.client import KVStoreClient, KVStoreUnavailable, StoreFull
 from transfer import Slice, TransferError
 
 log = logging.getLogger(__name__)
+
+POOL_RETRY_S = 1.0  # how long prefills go without a pool node that did not answer before one asks it again
 
 
 @dataclass(eq=False)
@@ -65,11 +71,14 @@ class PoolLeases:
 
     _pool_users = 0  # prefills holding slots of the mapped pool (until ``_release``)
     _remap_pending = False  # the pool node restarted: map its new memory once ``_pool_users`` is 0
+    _pool_away_until = 0.0  # monotonic: the pool node did not answer; prefills go without it until then
 
     def _enter_pool(self, held: Held) -> bool:
-        """Whether this prefill may use the pool (True: it counts as a user until ``_release``). After a pool node
-        restart, not until every prefill that used the old mapping has ended; the first one after that maps the new
-        memory."""
+        """Whether this prefill may use the pool (True: it counts as a user until ``_release``). Not for a while after
+        the node did not answer (``_pool_gone``). After a pool node restart, not until every prefill that used the old
+        mapping has ended; the first one after that maps the new memory."""
+        if time.monotonic() < self._pool_away_until:
+            return False
         with self._pool_lock:
             if self._remap_pending and self._pool_users == 0:
                 try:
@@ -101,14 +110,30 @@ class PoolLeases:
             self._remap_pending = True
         return False
 
+    def _pool_gone(self, e: Exception) -> None:
+        """The pool node did not answer: prefills go without it (computing whole prompts, storing nothing) for
+        ``POOL_RETRY_S``, then one asks it again."""
+        if time.monotonic() >= self._pool_away_until:
+            log.warning(
+                "pool node %s did not answer (%s): prefilling without the pool, asking it again every %.0f s",
+                self.node,
+                e,
+                POOL_RETRY_S,
+            )
+        self._pool_away_until = time.monotonic() + POOL_RETRY_S
+
     def _load_plan(self, plan, keys: list[bytes], held: Held) -> tuple[list[int], int, list[int]]:
         """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched
-        slots)."""
+        slots). Nothing when the pool node does not answer."""
         local: list[int] = []
         ssd_hits = 0
         want = min(plan.local_blocks, len(keys))
         if want:
-            got = self.kv.get_locations(keys[:want])
+            try:
+                got = self.kv.get_locations(keys[:want])
+            except KVStoreUnavailable as e:
+                self._pool_gone(e)
+                return [], 0, []
             held.local_lease = got.lease_id
             if got.slots and not self._same_node(got.segment):
                 return [], 0, []
@@ -162,7 +187,7 @@ class PoolLeases:
     def _reserve_new(self, keys: list[bytes], first: int, held: Held) -> dict[int, int]:
         """Reserve pool slots for full blocks ``first..`` (those the pool lacks); return {block index: slot}."""
         new = keys[first:]
-        if not new or not self.config.store_new_blocks:
+        if not new or not self.config.store_new_blocks or time.monotonic() < self._pool_away_until:
             return {}
         try:
             res = self.kv.reserve(
@@ -173,6 +198,9 @@ class PoolLeases:
             )
         except StoreFull as e:
             log.info("pool node %s is full (%s): not storing this prompt's blocks", self.node, e)
+            return {}
+        except KVStoreUnavailable as e:
+            self._pool_gone(e)
             return {}
         held.new_reservation = res.reservation_id
         if res.slots and not self._same_node(res.segment):
@@ -195,7 +223,7 @@ class PoolLeases:
                     self.kv.abort(rid)
                 else:
                     self.kv.commit(rid)
-            except KeyError as e:
+            except (KeyError, KVStoreUnavailable) as e:
                 log.warning("pool reservation %s ended before its commit (%s): these blocks are not stored", rid, e)
 
     def _release(self, held: Held) -> None:

@@ -571,3 +571,31 @@ def test_blocks_stored_after_the_pool_node_restarted_hold_the_prompts_kv(cluster
     assert read.num_blocks == 5
     got_kv = torch.frombuffer(bytearray(read.data), dtype=want.dtype).view(want.shape)
     assert got_kv.abs().sum() > 0 and torch.allclose(got_kv, want, atol=1e-4)
+
+
+def test_while_its_pool_node_is_down_the_prefill_worker_computes_whole_prompts_with_one_engines_tokens(
+    cluster, tiny_dir
+):
+    """A prefill worker whose pool node is gone (killed, not yet back) keeps serving: it computes each prompt whole
+    and stores nothing, rather than failing every request it gets until the node returns. With one prefill worker,
+    failing them would leave nobody to serve."""
+    import random
+
+    kv0 = cluster.component("kv0")
+    restarts = kv0.restarts
+    kv0.stopping = True  # the supervisor leaves it down until the end of the test
+    try:
+        kv0.kill()
+        rng = random.Random(13)
+        be = backend(cluster)
+        for i in range(3):
+            prompt = [rng.randrange(10, 440) for _ in range(40 + 20 * i)]
+            got = generate(be, f"pool-down-{i}", prompt, 6, temperature=0.0, ignore_eos=True)
+            assert tokens(got) == reference_tokens(tiny_dir, prompt, 6)
+            assert got[-1].cached_tokens == 0
+    finally:
+        kv0.stopping = False  # the supervisor brings it back
+    deadline = time.monotonic() + 60
+    while not (kv0.alive and kv0.info and kv0.restarts > restarts):
+        assert time.monotonic() < deadline, "kv0 was not restarted"
+        time.sleep(0.2)

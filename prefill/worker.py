@@ -218,6 +218,8 @@ class PrefillWorker(PoolLeases):
         """
         if self.draining:
             raise RuntimeError(f"prefill worker {self.config.id} is draining")
+        if cancelled.is_set():  # its caller left while it waited for a thread: nothing leased, nothing computed
+            raise Cancelled(f"prefill of {req.request_id} cancelled by the caller before it began")
         t0 = time.perf_counter()
         prompt = list(req.prompt_token_ids)
         bs = self.config.engine_config.block_size
@@ -426,6 +428,8 @@ class PrefillWorker(PoolLeases):
 
     def _run(self, req, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
         """Run the request through the engine until its first token (or a failure, or the caller leaves)."""
+        if cancelled.is_set():  # the caller left while the pool was asked: the engine is not given the prompt
+            raise Cancelled(f"prefill of {req.request_id} cancelled by the caller before it was computed")
         num_outputs, params = _prefill_params(req, prompt)
         split = len(prompt) - num_outputs
 

@@ -125,6 +125,29 @@ def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny-chat") / "model", "llama")
 
 
+SERVING_KEY = "sk-test"
+_serving: list = []  # the running serving cluster, for pytest_runtest_teardown
+_last_serving_test = None  # the last collected test that uses it (pytest_collection_modifyitems)
+
+
+@pytest.fixture(scope="session")
+def serving_cluster(tiny_dir, tmp_path_factory):
+    """Conductor, 2 pool nodes with their prefill workers, a decode worker and the gateway (key ``SERVING_KEY``) on
+    ``tiny_dir``: one cluster for test_serving_cluster.py and test_serving_cluster_cancel.py (it takes about 20 s to
+    start). It is stopped after the last test that uses it (``pytest_runtest_teardown``), not at the session's end."""
+    from clusters import start_cluster
+
+    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("run"), prefill=2, decode=1, api_key=SERVING_KEY)
+    _serving.append(c)
+    yield c
+    c.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _serving and item is _last_serving_test:
+        _serving.pop().stop()  # no later test needs it: its processes stop now, not after every later module
+
+
 @pytest.fixture(scope="session")
 def tok(tiny_dir):
     """``tiny_dir``'s tokenizer."""
@@ -351,6 +374,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    global _last_serving_test
+    _last_serving_test = next((it for it in reversed(items) if "serving_cluster" in it.fixturenames), None)
     rdma = [item for item in items if item.get_closest_marker("rdma")]
     if rdma:
         from kvnodes import rdma_unavailable

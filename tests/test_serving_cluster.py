@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 
 import grpc
@@ -20,6 +19,7 @@ import jsonschema
 import openai
 import pytest
 from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+from conftest import SERVING_KEY
 from rich.console import Console
 
 from mooncake import tls
@@ -32,15 +32,13 @@ from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
 
-KEY = "sk-test"
+KEY = SERVING_KEY
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot that learned to read."}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dir, tmp_path_factory):
-    c = start_cluster(tiny_dir, tmp_path_factory.mktemp("run"), prefill=2, decode=1, api_key=KEY)
-    yield c
-    c.stop()
+def cluster(serving_cluster):
+    return serving_cluster  # shared with test_serving_cluster_cancel.py (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -487,98 +485,6 @@ def test_smollm2_disaggregated_equals_one_engine_with_and_without_the_pool(smoll
         assert text == tok.decode(ref)
     finally:
         c.stop()
-
-
-def test_a_client_that_goes_away_cancels_its_request_everywhere(cluster):
-    """Close a stream after its first token: the decode worker drops the request and its landing slots come back."""
-    decode_status = f"http://{cluster.component('decode-0').info['metrics']}"
-
-    def metric(name: str) -> float:
-        lines = httpx.get(f"{decode_status}/metrics").text.splitlines()
-        return float(next((line.split()[-1] for line in lines if line.startswith(name)), 0))
-
-    slots_before = metric("mooncake_decode_landing_free_slots")
-    cancelled = 'mooncake_decode_requests_total{outcome="cancelled"}'
-    assert metric(cancelled) == 0
-    with httpx.stream(
-        "POST",
-        f"{cluster.endpoint}/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=30,
-        json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "stream": True, "ignore_eos": True},
-    ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                break  # one chunk, then the client goes away
-    deadline = time.monotonic() + 10
-    while metric(cancelled) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(cancelled) == 1  # it ended as cancelled, not with its 1,000 tokens
-    assert httpx.get(f"{decode_status}/health").json()["running"] == 0
-    assert metric("mooncake_decode_landing_free_slots") == slots_before
-
-
-def test_a_client_gone_mid_prefill_gives_the_decode_workers_cache_blocks_back_at_once(cluster):
-    """The prefill workers are stopped (SIGSTOP) while a prompt is on its way to one: the decode worker holds cache
-    blocks for its KV. The client goes away; the workers go on. The prefill worker confirms the abandoned call writes
-    nothing more (Prefill.Abort), so the blocks are back at once: not the write grace later (3 s, kept for a
-    prefill worker that does not answer), which would leave an abort storm's blocks held long after it."""
-    decode_status = f"http://{cluster.component('decode-0').info['metrics']}"
-
-    def metric(name: str) -> float:
-        lines = httpx.get(f"{decode_status}/metrics").text.splitlines()
-        return float(next((line.split()[-1] for line in lines if line.startswith(name)), 0))
-
-    reserved, cancelled = "mooncake_decode_reserved_cache_blocks", 'mooncake_decode_requests_total{outcome="cancelled"}'
-    cancelled_before = metric(cancelled)
-    assert metric(reserved) == 0
-    workers = [cluster.component(f"prefill-{i}").proc.pid for i in range(2)]
-    body = json.dumps({"model": "tiny", "prompt": prompt_of(300, seed=7), "max_tokens": 8}).encode()
-    url = httpx.URL(cluster.endpoint)
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        with socket.create_connection((url.host, url.port)) as client:
-            client.sendall(
-                f"POST {url.path}/completions HTTP/1.1\r\nHost: {url.host}\r\nAuthorization: Bearer {KEY}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            deadline = time.monotonic() + 20
-            while metric(reserved) == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert metric(reserved) == 19  # 300 tokens in blocks of 16, for the prefill's writes
-        time.sleep(0.5)  # the client is gone: the gateway and the decode worker have given the request up
-    finally:
-        resumed = time.monotonic()
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
-    while metric(reserved) > 0 and time.monotonic() - resumed < 10:
-        time.sleep(0.01)
-    back_s = time.monotonic() - resumed
-    assert metric(reserved) == 0
-    # released on the prefill worker's word (0.06 s here), not by the write grace: that would be 3 s after the
-    # decode worker gave up, which was 0.5 s before the workers went on
-    assert back_s < 1.5
-    print(f"the reserved blocks were back {back_s:.3f} s after the prefill workers went on")
-    assert metric(cancelled) == cancelled_before + 1
-
-
-def test_a_prefill_call_aborted_before_it_arrives_is_refused_when_it_comes(cluster):
-    """Prefill.Abort for a call the worker has not seen (its caller gave up while it was on its way) answers at once
-    that it writes nothing; the call, should it come after all, is refused before it touches anything."""
-    stub = wpb_grpc.PrefillStub(tls.grpc_channel(instances(cluster)["prefill-0"].address))
-    token = os.urandom(8).hex()
-
-    def prefill(landing_token: str) -> grpc.StatusCode:
-        landing = wpb.Landing(token=landing_token)
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Prefill(wpb.PrefillRequest(request_id="late", prompt_token_ids=[5, 6, 7], landing=landing), timeout=5)
-        return e.value.code()
-
-    assert stub.Abort(wpb.AbortRequest(request_id="late", landing_token=token), timeout=5).stopped
-    assert prefill(token) is grpc.StatusCode.CANCELLED
-    assert prefill(token + "0") is grpc.StatusCode.INVALID_ARGUMENT  # not aborted: looked at, and its landing is wrong
 
 
 def test_with_no_decode_worker_alive_requests_wait_hold_s_then_get_503_with_retry_after(tiny_dir, tmp_path):

@@ -6,6 +6,8 @@ import enum
 
 from pydantic import BaseModel, Field, model_validator
 
+MIN_EVENTS = 4096  # the event log's least default length
+
 
 class EvictionKind(str, enum.Enum):
     LRU = "lru"
@@ -28,7 +30,16 @@ class StoreConfig(BaseModel):
     low_watermark: float = Field(0.85, gt=0, le=1, description="DRAM use that eviction brings it back to")
     lease_ttl_s: float = Field(30.0, gt=0, description="default lease lifetime when a get names none")
     reservation_ttl_s: float = Field(30.0, gt=0, description="an uncommitted put is aborted after this long")
-    max_events: int = Field(1 << 20, gt=0, description="events kept for subscribers that fall behind")
+    max_events: int | None = Field(
+        None,
+        gt=0,
+        description="events kept for subscribers that fall behind (default: as many as the node holds blocks, "
+        f"{MIN_EVENTS} at least: a subscriber further behind gets a snapshot, which costs no more than those events)",
+    )
+
+    @property
+    def events_kept(self) -> int:
+        return self.max_events or max(MIN_EVENTS, self.dram_blocks + self.ssd_blocks)
 
     @model_validator(mode="after")
     def _check(self) -> "StoreConfig":

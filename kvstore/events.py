@@ -1,8 +1,12 @@
 """The store's event stream: every block that enters or leaves a tier, in order, with a sequence number.
 
 Subscribers (the Conductor's global index) read from a sequence number onwards and block
-until there is something new. The log keeps the last ``max_events``; a subscriber that
-fell further behind is told so (``reset``) and should take a snapshot instead.
+until there is something new. The log keeps the last ``StoreConfig.events_kept``; a subscriber
+that fell further behind is told so (``reset``) and should take a snapshot instead. By default
+that is as many events as the node holds blocks (4096 at least): replaying more would cost more
+than the snapshot. A fixed 2**20 let a busy node's log grow by some 275 bytes an event (measured
+with tracemalloc) for hours, to about 290 MB: the hour-long soak saw each node's private memory
+grow 16%.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class BlockStore:
         self._corrupt = 0
         self._tick = itertools.count(1)
         self._lock = threading.RLock()
-        self.events = EventLog(config.max_events)
+        self.events = EventLog(config.events_kept)
         self.adopted = self._adopt() if ssd else 0
 
     # -- helpers --------------------------------------------------------------------

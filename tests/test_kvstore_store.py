@@ -291,3 +291,19 @@ def test_release_owner_refuses_an_empty_owner_and_keeps_anonymous_holdings():
         store.release_owner("")
     assert store.stats().reservations == 1
     assert store.commit(res.reservation_id) == (1, 0)
+
+
+def test_the_event_log_keeps_as_many_events_as_the_node_holds_blocks_and_a_subscriber_further_behind_is_told():
+    """A busy node stores and evicts for hours: its event log must not grow with that (a fixed 2**20 events let it
+    reach hundreds of MB). It keeps as many as the node holds blocks (4096 at least); a subscriber that fell
+    further behind is told (``lost``) and takes a snapshot instead."""
+    from kvstore.config import MIN_EVENTS
+
+    store = make(dram_blocks=8)
+    for k in keys(MIN_EVENTS):  # once full, every put evicts a block: two events each
+        store.put([k], blocks(1, seed=3))
+    events, lost = store.events.read(1, timeout=0)
+    assert lost and events[0].seq == store.events.next_seq - MIN_EVENTS
+    assert make(dram_blocks=8, ssd_dir=None).config.events_kept == MIN_EVENTS
+    assert StoreConfig(block_bytes=BB, dram_blocks=6000, ssd_dir="/x", ssd_blocks=4000).events_kept == 10000
+    assert StoreConfig(block_bytes=BB, dram_blocks=8, max_events=100).events_kept == 100

@@ -5,8 +5,8 @@ until there is something new. The log keeps the last ``StoreConfig.events_kept``
 that fell further behind is told so (``reset``) and should take a snapshot instead. By default
 that is as many events as the node holds blocks (4096 at least): replaying more would cost more
 than the snapshot. A fixed 2**20 let a busy node's log grow by some 275 bytes an event (measured
-with tracemalloc) for hours, to about 290 MB: the hour-long soak saw each node's private memory
-grow 16%.
+with tracemalloc) for hours, to about 290 MB: in the hour-long soak each node's private memory grew
+about 6 MiB an hour (benchmarks/results/2026-11-29-soak.md).
 """
 
 from __future__ import annotations

@@ -247,6 +247,28 @@ class KVIndex:
     def nodes(self) -> list[str]:
         return list(self._held)
 
+    def chains(self, node: str) -> list[list[bytes]]:
+        """The key chains ``node`` holds whole, each from its first block to a block nothing on ``node`` continues
+        (a tree of shared prefixes gives one chain per leaf; blocks behind a hole are left out): what another node
+        must copy to serve every prefix ``node`` serves. Chains with more blocks in DRAM first."""
+        held, kids = self._held.get(node, {}), self._kids.get(node, {})
+
+        def whole(key: bytes) -> bool:
+            record = held.get(key)
+            return record is not None and record[_SSD] >= 0
+
+        out = []
+        for key, record in held.items():
+            if record[_SSD] < 0 or any(whole(k) for k in kids.get(key, ())):
+                continue
+            chain = [key]
+            while held[chain[-1]][_PARENT] != ROOT:
+                chain.append(held[chain[-1]][_PARENT])
+            chain.reverse()
+            out.append((record[_SSD] - len(chain), chain))  # -(blocks in DRAM)
+        out.sort(key=lambda c: c[0])
+        return [chain for _, chain in out]
+
     def holders(self, key: bytes) -> dict[str, Tier]:
         """Who holds ``key`` (whether or not its prefix is whole), with the fastest tier each has it in."""
         out = {}

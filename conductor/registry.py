@@ -87,13 +87,20 @@ class Registry:
         inst.state, inst.suspect_until = InstanceState.SUSPECT, now + self.config.suspect_hold_s
         return True
 
-    def drain(self, instance_id: str, remove: bool = False) -> None:
-        """Send ``instance_id`` nothing new; with ``remove``, stop it once it is idle (``idle_to_remove``)."""
+    def drain(self, instance_id: str, remove: bool = False) -> list[str]:
+        """Send ``instance_id`` nothing new; with ``remove``, stop it once it is idle (``idle_to_remove``). A pool node
+        goes with the prefill workers on it: with ``remove`` they are drained and removed too, and the node's blocks
+        move to the nodes that stay before it stops (``conductor.rehome``). Returns the instances drained."""
         inst = self._get(instance_id)
-        if inst.state in (InstanceState.ALIVE, InstanceState.SUSPECT):
-            inst.state = InstanceState.DRAINING
-        if remove and inst.role is not Role.KVSTORE:
-            self.retiring.add(instance_id)
+        drained = [inst]
+        if remove and inst.role is Role.KVSTORE:
+            drained += [i for i in self.instances.values() if i.role is Role.PREFILL and i.node == inst.node]
+        for i in drained:
+            if i.state in (InstanceState.ALIVE, InstanceState.SUSPECT):
+                i.state = InstanceState.DRAINING
+            if remove and i.role is not Role.KVSTORE:
+                self.retiring.add(i.id)
+        return [i.id for i in drained]
 
     def scale_plan(self, role: Role | str, replicas: int) -> tuple[int, list[str]]:
         """How to reach ``replicas`` schedulable instances of ``role``: (how many to add, which to drain and remove).

@@ -20,6 +20,7 @@ from conductor.core import Conductor
 from conductor.metrics import Metrics
 from conductor.persistence import MemoryStore
 from conductor.pool import NoProvider, PoolProvider
+from conductor.rehome import rehome, wait_leases_ended
 from conductor.types import (
     Decision,
     Instance,
@@ -59,7 +60,7 @@ class _Watcher:
                 for batch in self._client.subscribe(snapshot=True):  # a fresh snapshot on every connect
                     if self._stop.is_set():
                         break
-                    self.service.apply_events(self.inst.node, batch)
+                    self.service.apply_events(self.inst.node, batch, self._stop)
             except (KVStoreUnavailable, ValueError, RuntimeError) as e:
                 log.debug("events of %s: %s", self.inst.node, e)
             finally:
@@ -220,10 +221,9 @@ class ConductorService:
                 "or start the Conductor with --pool-provider local or kubernetes"
             )
         with self._lock:
-            self.conductor.drain(instance_id, remove)
-            inst = self.conductor.instances[instance_id]
-            self.store.save_instance(inst)
-            return inst.state
+            for iid in self.conductor.drain(instance_id, remove):
+                self.store.save_instance(self.conductor.instances[iid])
+            return self.conductor.instances[instance_id].state
 
     def scale(self, role: Role, replicas: int) -> tuple[int, list[str], list[str]]:
         """Bring ``role``'s pool to ``replicas`` (see Conductor.scale_plan); return (alive before, started,
@@ -319,9 +319,12 @@ class ConductorService:
             for priority in self._priorities:
                 self.metrics.waiting.labels(str(priority)).set(waiting.get(priority, 0))
 
-    def apply_events(self, node: str, batch) -> None:
-        """One batch of a kvstore node's event stream (``reset``: a snapshot replaces what the index had)."""
+    def apply_events(self, node: str, batch, stopped: threading.Event | None = None) -> None:
+        """One batch of a kvstore node's event stream (``reset``: a snapshot replaces what the index had); not once
+        ``stopped`` is set (the node left the index while the batch was on its way)."""
         with self._lock:
+            if stopped is not None and stopped.is_set():
+                return
             if batch.reset:
                 self.conductor.snapshot(node, [(bytes(e.key), KV_TIER[e.tier], _parent(e)) for e in batch.events])
             else:
@@ -393,6 +396,8 @@ class ConductorService:
 
     def _remove(self, inst: Instance) -> None:
         log.info("%s is drained and idle: stopping it (%s provider)", inst.id, self.provider.kind)
+        if inst.role is Role.PREFILL:
+            self._hand_off_node(inst.node)
         try:
             self.provider.remove(inst)
         except (RuntimeError, ValueError) as e:
@@ -403,6 +408,47 @@ class ConductorService:
         with self._lock:  # it deregisters itself as it stops; until then it stays drained
             self.conductor.retiring.discard(inst.id)
             self._removing.discard(inst.id)
+
+    def _hand_off_node(self, node: str) -> None:
+        """The last prefill worker on pool node ``node`` is leaving, and the provider stops the node with it: move the
+        node's blocks to the nodes that stay, take it out of the index, and wait for the reads in flight on it
+        (``conductor.rehome``)."""
+        with self._lock:
+            instances, retiring = self.conductor.instances.values(), self.conductor.retiring
+            staying = {i.node for i in instances if i.role is Role.PREFILL and i.id not in retiring}
+            if node in staying:
+                return  # another prefill worker keeps using it
+            leaving = next((i for i in instances if i.role is Role.KVSTORE and i.node == node), None)
+            if leaving is None or leaving.state is InstanceState.DEAD:
+                return
+            gone = {i.node for i in instances if i.role is Role.PREFILL and i.id in retiring} - staying
+            targets = {  # not a node whose prefill workers all leave too
+                i.node: i.address
+                for i in instances
+                if i.role is Role.KVSTORE and i.schedulable and i.node != node and i.node not in gone
+            }
+            chains = self.conductor.index.chains(node)
+            if leaving.state is not InstanceState.DRAINING:
+                self.conductor.drain(leaving.id)
+                self.store.save_instance(leaving)
+        moved = rehome(chains, leaving.address, targets)
+        log.info(
+            "pool node %s leaves: %d of its %d chains copied to %s (%d blocks, %d there already, %d chains left: "
+            "no room or a failed copy) in %.1f s",
+            node,
+            moved.chains,
+            len(chains),
+            ", ".join(sorted(targets)) or "no other node",
+            moved.blocks,
+            moved.already,
+            moved.left,
+            moved.seconds,
+        )
+        self._unwatch(leaving.id)
+        with self._lock:
+            self.conductor.index.reset_node(node)  # no plan reads from it any more
+            self.metrics.index_blocks.set(self.conductor.index.num_blocks)
+        wait_leases_ended(leaving.address, self.retire_quiet_s)
 
     def close(self) -> None:
         self._stop.set()

@@ -257,6 +257,26 @@ def test_key_in_dram_and_ssd_removed_from_dram_still_counts_for_any_tier_only():
     assert index.num_blocks == 2
 
 
+def test_chains_are_what_another_node_must_copy_to_serve_every_prefix_a_node_serves():
+    """One chain per leaf of a node's tree of prefixes, from the chain's first block; blocks behind a hole and other
+    nodes' blocks are left out; chains with more blocks in DRAM come first (the hand-off copies those first)."""
+    index = KVIndex()
+    branch = [key(100), key(101)]  # continues K[:3] another way
+    put_chain(index, "a", K[:6], Tier.SSD)
+    index.stored_many("a", branch, Tier.DRAM, chain_parents(K[:3] + branch)[3:])
+    put_chain(index, "a", [key(200), key(201), key(202)])  # a second tree, all in DRAM
+    index.stored("a", key(301), Tier.DRAM, key(300))  # its parent is not held: behind a hole
+    index.stored("a", key(400), Tier.DRAM, UNKNOWN)
+    put_chain(index, "b", [key(500), key(501)])  # another node's
+    chains = index.chains("a")
+    assert sorted(chains) == sorted([K[:6], K[:3] + branch, [key(200), key(201), key(202)]])
+    assert chains[0] == [key(200), key(201), key(202)]  # 3 in DRAM, then 2 of 5 (the branch), then 0 of 6
+    assert chains[1] == K[:3] + branch
+    assert index.chains("nobody") == []
+    index.removed("a", K[1], Tier.SSD)  # a hole at K[1]: only what hangs off the root before it stays whole
+    assert sorted(index.chains("a")) == sorted([[K[0]], [key(200), key(201), key(202)]])
+
+
 def test_holders_report_the_fastest_tier():
     index = KVIndex()
     put(index, "a", K[0], Tier.SSD)

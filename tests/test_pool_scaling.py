@@ -85,8 +85,19 @@ def decode_served(cluster, name: str) -> float:
     )
 
 
+PROMPT = " ".join(f"line {i}: the pool keeps what it was given." for i in range(20))
+
+
+def complete(cluster, prompt: str) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=cluster.endpoint, api_key="none", max_retries=0, timeout=60)
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+
+
 def test_scaling_both_pools_up_and_down_under_traffic_loses_no_request(tiny_dir, tmp_path):
+    """Prefill 1 -> 2, then `mooncake pool drain kv0` (the first pool node, with prefill-0 on it) under traffic:
+    what kv0 held is served from kv1 afterwards, with the same tokens."""
     c = start_cluster(tiny_dir, tmp_path, prefill=1, decode=1)
+    first = complete(c, PROMPT)  # its blocks are on kv0, the only pool node
     traffic = Traffic(c.endpoint)
     try:
         time.sleep(1)
@@ -97,16 +108,17 @@ def test_scaling_both_pools_up_and_down_under_traffic_loses_no_request(tiny_dir,
             assert time.monotonic() < deadline, "prefill-1 was never given a request"
             time.sleep(0.2)
         prefill_procs = {n: c.component(n).proc for n in ("prefill-0", "prefill-1", "kv0", "kv1")}
-        r = scale(c, cpb.PREFILL, 1)
-        (drained,) = r.draining
-        node = "kv" + drained.removeprefix("prefill-")
-        assert (
-            prefill_procs[drained].wait(30) == 0 and prefill_procs[node].wait(30) == 0
-        )  # stopped cleanly, with its pool node
+        drained = conductor(c).Drain(cpb.DrainRequest(id="kv0", remove=True), timeout=30)
+        assert drained.state == cpb.DRAINING
+        scale(c, cpb.PREFILL, 1)  # waits until prefill-0, drained with its node, has gone
+        assert prefill_procs["prefill-0"].wait(30) == 0 and prefill_procs["kv0"].wait(30) == 0  # stopped cleanly
         deadline = time.monotonic() + 30
-        while node in alive(c, cpb.KVSTORE):  # and its blocks left the index with it
+        while "kv0" in alive(c, cpb.KVSTORE):  # and its blocks left the index with it
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        again = complete(c, PROMPT)  # kv0's blocks were copied to kv1 before it went
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16 - 1)
 
         r = scale(c, cpb.DECODE, 2)
         assert r.started == ["decode-1"]

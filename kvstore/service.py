@@ -22,7 +22,7 @@ import grpc
 
 from kvstore.config import StoreConfig
 from kvstore.control import METHODS
-from kvstore.errors import KVSTORE_STATUS
+from kvstore.errors import KVSTORE_STATUS, KVStoreUnavailable
 from kvstore.ssd import SsdTier
 from kvstore.store import BlockStore
 from kvstore.wire import GRPC_OPTIONS, KIND_TO_PB, TIER_TO_PB, segment_from_pb, segment_to_pb
@@ -53,6 +53,8 @@ class KVStoreNode:
             )
         self.store = BlockStore(config, self.engine.buffer(self.segment.name), ssd)
         self._stop = threading.Event()
+        self._peers: dict = {}  # gRPC address -> KVStoreClient: the nodes this one pulls from (``pull``)
+        self._peers_lock = threading.Lock()
         self._housekeeper = threading.Thread(target=self._housekeep, name="kvstore-expire", daemon=True)
         self._housekeeper.start()
 
@@ -70,32 +72,49 @@ class KVStoreNode:
 
     def pull(self, peer: str, keys: list[bytes]) -> tuple[int, int, int]:
         """Copy the longest prefix of ``keys`` stored on ``peer`` into this node; return (pulled, already, missing)."""
+        client = self._peer(peer)
+        try:
+            got = client.get_locations(keys)
+        except KVStoreUnavailable:
+            with self._peers_lock:  # connect again next time
+                if self._peers.get(peer) is client:
+                    del self._peers[peer]
+            raise
+        try:
+            remote = segment_from_pb(got.segment)
+            self.engine.add_segment(remote)
+            found = [s.key for s in got.slots]
+            res = self.store.reserve(found)
+            try:
+                where = {s.key: s for s in got.slots}
+                bb = self.config.block_bytes
+                slices = [Slice(slot * bb, remote.name, where[key].offset, bb, got.lease_id) for key, slot in res.slots]
+                self.engine.read(self.segment.name, slices).wait(self.engine.config.io_timeout_s)
+            except BaseException:
+                self.store.abort(res.reservation_id)
+                raise
+            stored, _ = self.store.commit(res.reservation_id)
+        finally:
+            client.release(got.lease_id)
+        return stored, len(res.existing), len(keys) - len(found)
+
+    def _peer(self, address: str):
+        """This node's client of the node at ``address`` (one per peer: a node leaving hands over its chains one Pull
+        each)."""
         from kvstore.client import KVStoreClient  # the node is a client of its peer
 
-        with KVStoreClient(peer, engine=self.engine) as client:
-            got = client.get_locations(keys)
-            try:
-                remote = segment_from_pb(got.segment)
-                self.engine.add_segment(remote)
-                found = [s.key for s in got.slots]
-                res = self.store.reserve(found)
-                try:
-                    where = {s.key: s for s in got.slots}
-                    bb = self.config.block_bytes
-                    slices = [
-                        Slice(slot * bb, remote.name, where[key].offset, bb, got.lease_id) for key, slot in res.slots
-                    ]
-                    self.engine.read(self.segment.name, slices).wait(self.engine.config.io_timeout_s)
-                except BaseException:
-                    self.store.abort(res.reservation_id)
-                    raise
-                stored, _ = self.store.commit(res.reservation_id)
-            finally:
-                client.release(got.lease_id)
-        return stored, len(res.existing), len(keys) - len(found)
+        with self._peers_lock:
+            client = self._peers.get(address)
+            if client is None:
+                client = self._peers[address] = KVStoreClient(address, engine=self.engine)
+            return client
 
     def close(self) -> None:
         self._stop.set()
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for client in peers:
+            client.close()
         self.store.close()
         self.engine.close()
 

@@ -215,14 +215,22 @@ def scale(
 
 @app.command("drain")
 def drain(
-    instance: str = typer.Argument(..., help="An instance id (`mooncake status` lists them)"),
+    instance: str = typer.Argument(
+        ...,
+        help="An instance id (`mooncake status` lists them). A pool node goes with the prefill workers on it; its "
+        "blocks are copied to the nodes that stay before it stops",
+    ),
     conductor: Optional[str] = ConductorOpt,
     token_file: Optional[Path] = OperatorOpt,
     remove: bool = typer.Option(
         True, "--remove/--keep", help="Stop it once idle (needs a pool provider) or keep it drained"
     ),
 ) -> None:
-    """Send an instance no new work; let what it runs finish; then (by default) stop it."""
+    """Send an instance no new work; let what it runs finish; then (by default) stop it.
+
+    A pool node (kv0) is drained with the prefill workers on it. Once they are idle, the Conductor has the nodes that
+    stay copy the chains it holds (as much as their free DRAM takes), stops reading from it, and stops it when no read
+    holds it; the prompts it held are served from the copies."""
     address = conductor_address(conductor)
     r = _call(_stub(address).Drain, pb.DrainRequest(id=instance, remove=remove), address, operator_token(token_file))
     console.print(f"{instance}: {pb.InstanceState.Name(r.state).lower()}" + (" (stopped once idle)" if remove else ""))

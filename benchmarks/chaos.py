@@ -475,7 +475,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_VICTIMS,
         help=f"components to kill, comma-separated, one replay each (default {DEFAULT_VICTIMS}; any of "
         "conductor, kv<i>, prefill-<i>, decode-<i>, or several joined by + killed at once: conductor+kv0, or "
-        "drain:prefill-<i> / drain:decode-<i>, drained as `mooncake pool drain` does and not restarted, so put drains "
+        "drain:prefill-<i> / drain:decode-<i> / drain:kv<i> (with its prefill worker, its blocks copied to the other "
+        "nodes first), drained as `mooncake pool drain` does and not restarted, so put drains "
         "last; the gateway is not on the requests' path here)",
     )
     p.add_argument("--prefill", type=int, default=2, help="prefill workers, each with its pool node (default 2)")

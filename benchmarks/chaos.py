@@ -82,6 +82,7 @@ from mooncake.engine.loader import model_identity
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway.cluster_backend import ClusterBackend
 from mooncake.gateway.recovery import RecoveryConfig
+from mooncake.localproc import RedisServer
 from mooncake.serving.types import BackendError, GenerationRequest, Rejected
 
 log = logging.getLogger("chaos")
@@ -136,8 +137,8 @@ def make_backend(cluster: LocalCluster) -> ClusterBackend:
     c = cluster.config
     recovery = RecoveryConfig(hold_s=c.hold_s, retry_budget_s=c.ttft_slo_s)
     fingerprint = model_fingerprint(model_identity(c.model, getattr(torch, c.dtype)))
-    return ClusterBackend(
-        cluster.conductor_address, c.model_name, c.max_model_len, c.block_size, fingerprint, recovery=recovery
+    return ClusterBackend(  # every Conductor: the gateway's code follows whichever leads
+        cluster.conductor_addresses, c.model_name, c.max_model_len, c.block_size, fingerprint, recovery=recovery
     )
 
 
@@ -348,7 +349,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     ok = False
-    cluster = None
+    cluster = redis = None
     try:
         model_dir, model = resolve_model(args, workdir)
         vocab = Tokenizer.from_dir(str(model_dir)).vocab_size
@@ -371,6 +372,9 @@ def run(args: argparse.Namespace, console: Console) -> Report:
             "hold_s": args.hold_s,
             "ready_timeout_s": 600.0,
         }
+        if args.conductors > 1:  # standbys elect their leader in Redis
+            redis = RedisServer(workdir)
+            base |= {"conductors": args.conductors, "redis_url": redis.url}
         if not args.load:  # quiet: nothing turned away; under load the SLOs stay at their defaults (rejection live)
             base |= {"ttft_slo_s": 300.0, "tbt_slo_s": 10.0}
         block_size = ClusterConfig(**base).block_size
@@ -442,6 +446,8 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         with shielded():
             if cluster is not None:
                 cluster.stop()
+            if redis is not None:
+                redis.stop()
             if args.keep_logs or (not ok and args.keep_logs_on_failure):
                 console.print(f"logs kept in {workdir / 'cluster'}")
             else:
@@ -481,6 +487,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--prefill", type=int, default=2, help="prefill workers, each with its pool node (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
+    p.add_argument(
+        "--conductors",
+        type=int,
+        default=1,
+        help="Conductors (default 1); more: one leads, the others stand by (a Redis server is started), so the "
+        "victim `conductor` (the first, which leads at the start) is taken over by a standby",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument(
         "--hold-s", type=float, default=30.0, help="how long a request waits while the Conductor is away (default 30)"

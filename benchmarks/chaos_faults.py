@@ -55,22 +55,19 @@ def wait_recovered(cluster: LocalCluster, events: Events, result: Replay, since:
         | {f"prefill-{i}" for i in range(c.prefill)}
         | {f"decode-{i}" for i in range(c.decode)}
     )
-    with tls.grpc_channel(cluster.conductor_address) as channel:
-        stub = cpb_grpc.ConductorStub(channel)
-        while True:
-            try:
-                listing = stub.ListInstances(cpb.ListInstancesRequest(), timeout=5)
-                alive = {i.id for i in listing.instances if i.state == cpb.ALIVE}
-            except grpc.RpcError:
-                alive = set()
-            if want <= alive:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"after {victim} was killed, the Conductor lists only {sorted(alive)} alive "
-                    f"within {timeout_s:.0f} s"
-                )
-            time.sleep(0.05)
+    while True:
+        try:
+            listing = leader_call(cluster, "ListInstances", cpb.ListInstancesRequest())
+            alive = {i.id for i in listing.instances if i.state == cpb.ALIVE}
+        except grpc.RpcError:
+            alive = set()
+        if want <= alive:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"after {victim} was killed, the Conductor lists only {sorted(alive)} alive within {timeout_s:.0f} s"
+            )
+        time.sleep(0.05)
     result.registered_after_s = time.perf_counter() - since
 
 
@@ -85,9 +82,19 @@ def victims(victim: str) -> list[str]:
 
 def drain(cluster: LocalCluster, name: str) -> None:
     """What ``mooncake pool drain NAME`` does: the Conductor sends it no new work and stops it once idle."""
-    with tls.grpc_channel(cluster.conductor_address) as channel:
-        stub = cpb_grpc.ConductorStub(channel)
-        stub.Drain(cpb.DrainRequest(id=name, remove=True), timeout=10, metadata=bearer(cluster.operator_token))
+    leader_call(cluster, "Drain", cpb.DrainRequest(id=name, remove=True), metadata=bearer(cluster.operator_token))
+
+
+def leader_call(cluster: LocalCluster, method: str, request, **kw):
+    """``method`` on the Conductor that answers: the only one, or (``--conductors``) whichever leads now."""
+    error = None
+    for address in cluster.conductor_addresses.split(","):
+        with tls.grpc_channel(address) as channel:
+            try:
+                return getattr(cpb_grpc.ConductorStub(channel), method)(request, timeout=5, **kw)
+            except grpc.RpcError as e:  # down, or a standby refusing
+                error = e
+    raise error
 
 
 def wait_drained(cluster: LocalCluster, result: Replay, since: float, timeout_s: float) -> None:

@@ -89,11 +89,11 @@ class Registry:
 
     def drain(self, instance_id: str, remove: bool = False) -> list[str]:
         """Send ``instance_id`` nothing new; with ``remove``, stop it once it is idle (``idle_to_remove``). A pool node
-        goes with the prefill workers on it: with ``remove`` they are drained and removed too, and the node's blocks
-        move to the nodes that stay before it stops (``conductor.rehome``). Returns the instances drained."""
+        is drained with the prefill workers on it (with ``remove``: removed with them, its blocks moved to the nodes
+        that stay before it stops, ``conductor.rehome``). Returns the instances drained."""
         inst = self._get(instance_id)
         drained = [inst]
-        if remove and inst.role is Role.KVSTORE:
+        if inst.role is Role.KVSTORE:
             drained += [i for i in self.instances.values() if i.role is Role.PREFILL and i.node == inst.node]
         for i in drained:
             if i.state in (InstanceState.ALIVE, InstanceState.SUSPECT):

@@ -1,4 +1,6 @@
-"""A pool node's blocks moved before the node goes (``mooncake pool drain kv1``, or scaling its prefill workers down).
+"""A pool node's blocks moved before the node goes: ``mooncake pool drain kv1``, scaling its prefill workers down, or
+the node itself as it stops on SIGTERM (``--hand-off-s``, on by default: the helm chart's pod deleted or evicted;
+Deregister with ``hand_off``, the node serving its blocks until the call returns).
 
 The Conductor knows from its index every chain the leaving node holds whole (``Index.chains``). It asks the pool
 nodes that stay to copy them (each node pulls a chain from the leaving one: kvstore's ``Pull``, the bytes moving
@@ -35,8 +37,15 @@ class Moved:
     seconds: float = 0.0
 
 
-def rehome(chains: list[list[bytes]], source: str, targets: dict[str, str], timeout_s: float = PULL_TIMEOUT_S) -> Moved:
-    """Copy ``chains`` from the node at ``source`` (a gRPC address) to ``targets`` (node -> gRPC address)."""
+def rehome(
+    chains: list[list[bytes]],
+    source: str,
+    targets: dict[str, str],
+    deadline: float = float("inf"),
+    timeout_s: float = PULL_TIMEOUT_S,
+) -> Moved:
+    """Copy ``chains`` from the node at ``source`` (a gRPC address) to ``targets`` (node -> gRPC address), until
+    ``deadline`` (monotonic): the chains not begun by then are left."""
     started = time.monotonic()
     moved = Moved()
     clients = {node: KVStoreClient(address, control="grpc", timeout_s=timeout_s) for node, address in targets.items()}
@@ -50,11 +59,12 @@ def rehome(chains: list[list[bytes]], source: str, targets: dict[str, str], time
                 log.warning("pool node %s does not answer (%s): not moving blocks there", node, e)
         for chain in chains:
             node = max(room, key=room.get, default=None)
-            if node is None or room[node] < len(chain):
+            left_s = deadline - time.monotonic()
+            if node is None or room[node] < len(chain) or left_s <= 0:
                 moved.left += 1
                 continue
             try:
-                got = clients[node].pull(source, chain, timeout_s)
+                got = clients[node].pull(source, chain, min(timeout_s, left_s))
             except StoreFull:
                 room[node] = 0
                 moved.left += 1
@@ -75,12 +85,12 @@ def rehome(chains: list[list[bytes]], source: str, targets: dict[str, str], time
     return moved
 
 
-def wait_leases_ended(address: str, quiet_s: float, timeout_s: float = LEASES_WAIT_S) -> bool:
+def wait_leases_ended(address: str, quiet_s: float, deadline: float = float("inf")) -> bool:
     """Wait ``quiet_s`` (a plan made just before the node left the index may not have reached its worker yet), then
-    until the node at ``address`` holds no lease or reservation; False if that took more than ``timeout_s``. A node
-    that does not answer has nothing to wait for."""
-    time.sleep(quiet_s)
-    deadline = time.monotonic() + timeout_s
+    until the node at ``address`` holds no lease or reservation; False if that took more than ``LEASES_WAIT_S`` or
+    passed ``deadline`` (monotonic). A node that does not answer has nothing to wait for."""
+    deadline = min(deadline, time.monotonic() + quiet_s + LEASES_WAIT_S)
+    time.sleep(max(0.0, min(quiet_s, deadline - time.monotonic())))
     with KVStoreClient(address, control="grpc", timeout_s=5) as client:
         while True:
             try:

@@ -17,6 +17,7 @@ import time
 from conductor.audit import PredictionLog
 from conductor.config import ConductorConfig
 from conductor.core import Conductor
+from conductor.index import chains_of
 from conductor.metrics import Metrics
 from conductor.persistence import MemoryStore
 from conductor.pool import NoProvider, PoolProvider
@@ -397,7 +398,7 @@ class ConductorService:
     def _remove(self, inst: Instance) -> None:
         log.info("%s is drained and idle: stopping it (%s provider)", inst.id, self.provider.kind)
         if inst.role is Role.PREFILL:
-            self._hand_off_node(inst.node)
+            self.hand_off(inst.node)
         try:
             self.provider.remove(inst)
         except (RuntimeError, ValueError) as e:
@@ -409,14 +410,16 @@ class ConductorService:
             self.conductor.retiring.discard(inst.id)
             self._removing.discard(inst.id)
 
-    def _hand_off_node(self, node: str) -> None:
-        """The last prefill worker on pool node ``node`` is leaving, and the provider stops the node with it: move the
-        node's blocks to the nodes that stay, take it out of the index, and wait for the reads in flight on it
-        (``conductor.rehome``)."""
+    def hand_off(self, node: str, timeout_s: float = float("inf"), stopping: bool = False) -> None:
+        """Pool node ``node`` leaves: move its blocks to the nodes that stay, take it out of the index, and wait for the
+        reads in flight on it (``conductor.rehome``), all within ``timeout_s``. Called when the last prefill worker on
+        it is removed (the provider stops the node with it; nothing happens while another prefill worker stays on it),
+        and by the node itself as it stops (``stopping``: Deregister with ``hand_off``)."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             instances, retiring = self.conductor.instances.values(), self.conductor.retiring
             staying = {i.node for i in instances if i.role is Role.PREFILL and i.id not in retiring}
-            if node in staying:
+            if node in staying and not stopping:
                 return  # another prefill worker keeps using it
             leaving = next((i for i in instances if i.role is Role.KVSTORE and i.node == node), None)
             if leaving is None or leaving.state is InstanceState.DEAD:
@@ -427,11 +430,12 @@ class ConductorService:
                 for i in instances
                 if i.role is Role.KVSTORE and i.schedulable and i.node != node and i.node not in gone
             }
-            chains = self.conductor.index.chains(node)
+            tree = self.conductor.index.node_tree(node)
             if leaving.state is not InstanceState.DRAINING:
                 self.conductor.drain(leaving.id)
                 self.store.save_instance(leaving)
-        moved = rehome(chains, leaving.address, targets)
+        chains = chains_of(*tree)  # not under the lock: a walk over every block the node holds
+        moved = rehome(chains, leaving.address, targets, deadline)
         log.info(
             "pool node %s leaves: %d of its %d chains copied to %s (%d blocks, %d there already, %d chains left: "
             "no room or a failed copy) in %.1f s",
@@ -448,7 +452,7 @@ class ConductorService:
         with self._lock:
             self.conductor.index.reset_node(node)  # no plan reads from it any more
             self.metrics.index_blocks.set(self.conductor.index.num_blocks)
-        wait_leases_ended(leaving.address, self.retire_quiet_s)
+        wait_leases_ended(leaving.address, self.retire_quiet_s, deadline)
 
     def close(self) -> None:
         self._stop.set()

@@ -273,6 +273,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         inst = self.service.conductor.instances.get(request.id)
         if not (inst is not None and same_token(bytes(request.instance_token), inst.token)):
             self.operator.require(context, f"Deregister of {request.id} without its instance token")
+        if request.hand_off and inst is not None and inst.role is Role.KVSTORE:
+            self.service.hand_off(inst.node, max(0.0, (context.time_remaining() or 60.0) - 1.0), stopping=True)
         self.service.deregister(request.id)
         return pb.DeregisterResponse()
 

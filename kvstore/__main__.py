@@ -71,6 +71,15 @@ def parser() -> argparse.ArgumentParser:
         "enter the Conductor's index); none: standalone",
     )
     p.add_argument(
+        "--hand-off-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, before it stops, have the Conductor get the other pool nodes to copy the chains this node "
+        "holds, for up to this many seconds, while it still serves them (0: none; the helm chart's pods stop this "
+        "way). `mooncake up` passes 0: it has the Conductor hand a node off before it stops one, and stops them all "
+        "at once at the end",
+    )
+    p.add_argument(
         "--metrics-port", type=int, default=-1, help="/metrics and /health port (0: any free port; -1: none)"
     )
     p.add_argument("--log-level", default="INFO")
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print_ready(ready)
     wait_for_signal()
     if link is not None:
-        link.close()
+        link.close(hand_off_s=args.hand_off_s)  # the node serves its blocks until the copies are made
     if status is not None:
         status.shutdown()
     service.stop(grace=2)

@@ -399,12 +399,14 @@ class DrainResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[InstanceState, str]] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("id", "instance_token")
+    __slots__ = ("id", "instance_token", "hand_off")
     ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
     id: str
     instance_token: bytes
-    def __init__(self, id: _Optional[str] = ..., instance_token: _Optional[bytes] = ...) -> None: ...
+    hand_off: bool
+    def __init__(self, id: _Optional[str] = ..., instance_token: _Optional[bytes] = ..., hand_off: _Optional[bool] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()

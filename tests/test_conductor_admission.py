@@ -428,6 +428,20 @@ def test_drain_stops_new_work_to_an_instance():
         c.drain("nobody")
 
 
+def test_a_pool_node_is_drained_with_the_prefill_workers_on_it():
+    """`mooncake pool drain kv1`: kv1's prefill worker gets nothing new either, and with remove it is retired (the
+    node's blocks move, and it stops, when that worker is removed); the node itself is not retired."""
+    c = conductor("none", policy="cache_aware_local")
+    cluster(c, prefills=2)
+    c.register(Instance("kv1", Role.KVSTORE, "10.0.2.1:7100", node="kv1"), 0.0)
+    assert sorted(c.drain("kv1", remove=True)) == ["kv1", "p1"]
+    assert {c.instances[i].state for i in ("kv1", "p1")} == {InstanceState.DRAINING}
+    assert c.retiring == {"p1"}
+    for n in range(3):
+        assert c.schedule(request(f"a{n}"), 0.0).prefill == "p0"
+    assert c.drain("p0") == ["p0"]  # a worker alone
+
+
 def test_policy_and_admission_switch_at_run_time():
     c = conductor("none", policy="round_robin")
     cluster(c, prefills=2)

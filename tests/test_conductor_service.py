@@ -10,7 +10,7 @@ import urllib.request
 
 import grpc
 import pytest
-from kvnodes import start_conductor, start_node
+from kvnodes import start_conductor, start_node, wait_for
 
 from kvstore.client import KVStoreClient
 from mooncake import tls
@@ -292,3 +292,36 @@ def test_a_restarted_conductor_recovers_from_redis(cluster, redis_url):
     stub.SetPolicy(pb.SetPolicyRequest(policy="cache_aware_local"))
     placed = cluster.schedule(keys).placement
     assert (placed.prefill_id, placed.plan.local_blocks) == ("p0", 5)
+
+
+def test_a_pool_node_stopping_hands_its_chains_to_the_node_that_stays(shm_dir):
+    """SIGTERM to a pool node (--hand-off-s, on by default: the helm chart's pool nodes, as their pod is deleted):
+    before it stops, the Conductor has the other node copy every chain it holds. The copies hold the same bytes, and
+    the Conductor's index has them on the node that stays."""
+    procs = [start_conductor("--heartbeat-timeout", "1.5")]
+    try:
+        address = procs[0].info["grpc"]
+        kv_a = start_node("kvA", BB, 64, "--conductor", address, shm_dir=shm_dir)
+        kv_b = start_node("kvB", BB, 64, "--conductor", address, shm_dir=shm_dir)
+        procs += [kv_a, kv_b]
+        stub = pb_grpc.ConductorStub(tls.grpc_channel(address))
+
+        def indexed() -> dict[str, int]:
+            listed = stub.ListInstances(pb.ListInstancesRequest(role=pb.KVSTORE)).instances
+            return {i.id: i.indexed_blocks for i in listed}
+
+        chains = {tuple(chain(6, seed=5)): os.urandom(6 * BB), tuple(chain(3, seed=6)): os.urandom(3 * BB)}
+        with KVStoreClient(kv_a.grpc) as kv:
+            for keys, data in chains.items():
+                kv.put(list(keys), data)
+        wait_for(lambda: indexed() == {"kvA": 9, "kvB": 0})
+        kv_a.proc.send_signal(signal.SIGTERM)
+        assert kv_a.proc.wait(30) == 0
+        with KVStoreClient(kv_b.grpc) as kv:
+            for keys, data in chains.items():
+                got = kv.get(list(keys))
+                assert got.num_blocks == len(keys) and bytes(got.data) == data
+        wait_for(lambda: indexed() == {"kvB": 9})
+    finally:
+        for p in procs:
+            p.stop()

@@ -347,6 +347,7 @@ def test_command_lines_parse_with_the_components_own_parsers(values):
             pytest.fail(f"`mooncake serve {component}` rejects the chart's args: {args}")
     asked = merged_values(values)
     assert parsed["kvstore"].block_bytes == parsed["conductor"].block_bytes == asked["model"]["blockBytes"]
+    assert parsed["kvstore"].hand_off_s == asked["prefill"]["kvstore"]["handOffSeconds"] > 0  # it hands off as it goes
     block_size = asked["model"]["blockSize"]
     assert parsed["prefill"].block_size == parsed["decode"].block_size == parsed["gateway"].block_size == block_size
     # one engine for the cluster: it is part of the block keys the gateway computes and the workers store
@@ -495,6 +496,11 @@ def test_service_monitor_scrapes_every_components_metrics_port():
     "bad, message",
     [
         (["--set", "decode.terminationGracePeriodSeconds=30"], "decode.terminationGracePeriodSeconds (30) must exceed"),
+        (
+            ["--set", "prefill.kvstore.handOffSeconds=20"],
+            "prefill.terminationGracePeriodSeconds (45) must exceed prefill.drainTimeoutSeconds + "
+            "prefill.kvstore.handOffSeconds (30 + 20)",
+        ),
         (
             [
                 "--set",

@@ -247,6 +247,7 @@ class LocalCluster:
                 shm_dir=self.shm_dir,
                 conductor=self.conductor_addresses,
                 metrics_port=0,
+                hand_off_s=0,  # the Conductor hands a node off before the launcher stops it (scaling down)
                 **ssd,
             ),
             self.run_dir / "logs" / f"kv{i}.log",

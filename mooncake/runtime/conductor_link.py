@@ -227,8 +227,9 @@ class ConductorLink:
             self._events.extendleft(reversed(batch.requests))
             raise
 
-    def close(self, deregister: bool = True) -> None:
-        """Stop the thread; deregister (so nothing new is sent here) unless told not to."""
+    def close(self, deregister: bool = True, hand_off_s: float = 0.0) -> None:
+        """Stop the thread; deregister (so nothing new is sent here) unless told not to. A pool node with
+        ``hand_off_s``: the Conductor has the other nodes copy its chains first, for up to that long."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
@@ -237,7 +238,8 @@ class ConductorLink:
             try:
                 self._flush()
                 self.stub.Deregister(
-                    pb.DeregisterRequest(id=self.registration.id, instance_token=self._token), timeout=self._rpc_timeout
+                    pb.DeregisterRequest(id=self.registration.id, instance_token=self._token, hand_off=hand_off_s > 0),
+                    timeout=hand_off_s or self._rpc_timeout,
                 )
             except grpc.RpcError:
                 pass  # the Conductor will expire us

@@ -47,10 +47,11 @@ def test_a_component_killed_mid_run_loses_no_request_and_changes_no_token(cluste
     if victim.startswith("decode"):
         resumed = [r for r in recoveries if r.resumes]
         assert resumed, recoveries
-        # the generated blocks were written behind into the pool: a resume recomputes its last, partial block, and
-        # at most one more whose write was still on its way
+        # the generated blocks were written behind into the pool: a resume recomputes its last, partial block, at
+        # most one more whose write was still on its way, and one whose write had landed but whose event had not yet
+        # reached the Conductor's index (a resume is placed at once; CI saw 45 tokens recomputed of 189, once)
         bs = cluster.config.block_size
-        assert all(r.recomputed_tokens <= 2 * bs * r.resumes for r in resumed), [
+        assert all(r.recomputed_tokens <= 3 * bs * r.resumes for r in resumed), [
             (r.loaded_tokens, r.recomputed_tokens) for r in resumed
         ]
     wait_restarted(cluster, victim)

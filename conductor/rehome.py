@@ -2,13 +2,13 @@
 the node itself as it stops on SIGTERM (``--hand-off-s``, on by default: the helm chart's pod deleted or evicted;
 Deregister with ``hand_off``, the node serving its blocks until the call returns).
 
-The Conductor knows from its index every chain the leaving node holds whole (``Index.chains``). It asks the pool
-nodes that stay to copy them (each node pulls a chain from the leaving one: kvstore's ``Pull``, the bytes moving
-node to node over the transfer engine, never through the Conductor), the chains with most blocks in DRAM first,
-each to the node with the most free DRAM, and no more than their free DRAM holds: a hand-off does not evict what
-the nodes that stay serve. The copies reach the index through those nodes' event streams, so the next request for
-one of those prefixes reads it there. Then the leaving node is taken out of the index; once the reads in flight
-on it have ended (its leases at 0) the provider stops it.
+The Conductor knows from its index every chain the leaving node holds whole (``conductor.index.chains_of``). It asks
+the pool nodes that stay to copy them (each node pulls a chain from the leaving one: kvstore's ``Pull``, the bytes
+moving node to node over the transfer engine, never through the Conductor), the chains with most blocks in DRAM first,
+each to the node with the most free DRAM, and no more than their free DRAM holds: a hand-off does not evict what the
+nodes that stay serve. The copies reach the index through those nodes' event streams, so the next request for one of
+those prefixes reads it there. Then the leaving node is taken out of the index; once the reads in flight on it have
+ended (its leases at 0) the provider stops it.
 """
 
 from __future__ import annotations

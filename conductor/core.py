@@ -22,7 +22,7 @@ from conductor.index import KVIndex, PrefixMatch
 from conductor.learning import Learning
 from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local, step_at_cap
 from conductor.overload import MIN_RETRY_S, WAITABLE, Overload, clamp_retry
-from conductor.policies import PolicyKind, PrefillChoice, make_policy
+from conductor.policies import PolicyKind, PrefillChoice, ahead_of_queue, make_policy
 from conductor.predictors import Predictors
 from conductor.registry import Registry
 from conductor.types import (
@@ -202,7 +202,11 @@ class Conductor(Registry, Learning, Overload):
                 shed_s=self.shed_s(now),
             )
         match = self.index.match(req.keys)
-        choice = self.policy.choose(req, prefills, match, self.predictors)
+        if req.retry:  # it goes ahead of each queue (Placement.ahead): the policy sees the queues as it will meet them
+            choice = self.policy.choose(req, ahead_of_queue(prefills), match, self.predictors)
+            choice = dataclasses.replace(choice, instance=self.instances[choice.instance.id])
+        else:
+            choice = self.policy.choose(req, prefills, match, self.predictors)
         if self.handoff_s:  # the KV's way to the decode worker: a fixed cost, like the prefix's transfer
             choice = dataclasses.replace(choice, transfer_s=choice.transfer_s + self.handoff_s)
         batch_of = self._batch_at(now + choice.ttft_s, now, len(decodes))
@@ -247,6 +251,7 @@ class Conductor(Registry, Learning, Overload):
             predicted,
             self.policy.kind.value,
             admit_at_decode=self.admission is AdmissionKind.BASELINE,
+            ahead=req.retry,
         )
 
     def _local(

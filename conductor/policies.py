@@ -124,6 +124,25 @@ def pack(
     return queue, whole - queue
 
 
+def ahead_of_queue(instances: list[Instance]) -> list[Instance]:
+    """``instances`` as a retry meets them (``Decision.ahead``: its prefill worker's engine takes it before the prompts
+    waiting there): it waits for the prompt in progress only, counted as one prompt's share of the queue. Copies; the
+    instances themselves are untouched."""
+    seen = []
+    for inst in instances:
+        k = inst.load.queued_requests
+        if k > 1:
+            load = dataclasses.replace(
+                inst.load,
+                queued_s=inst.load.queued_s / k,
+                queued_tokens=inst.load.queued_tokens // k,
+                queued_requests=1,
+            )
+            inst = dataclasses.replace(inst, load=load)
+        seen.append(inst)
+    return seen
+
+
 class PrefillPolicy(abc.ABC):
     kind: PolicyKind
 

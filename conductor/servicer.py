@@ -151,6 +151,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             tenant=request.tenant,
             tenant_weight=request.tenant_weight or 1.0,
             waited_s=request.waited_s,
+            retry=request.retry,
         )
         outcome, info = self.service.schedule(req)
         p = outcome.predicted
@@ -182,6 +183,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 local_prefill=outcome.local,
                 local_chunk_tokens=outcome.chunk_tokens,
                 admit_at_decode=outcome.admit_at_decode,
+                ahead=outcome.ahead,
                 plan=pb.PrefixPlan(
                     local_blocks=plan.local_blocks,
                     fetch_node=plan.fetch_node or "",

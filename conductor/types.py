@@ -220,6 +220,7 @@ class ScheduleRequest:
     tenant: str = ""  # who sent it: under pressure, tenants of one priority share the cluster by weight
     tenant_weight: float = 1.0  # its tenant's weight (the tenants file's)
     waited_s: float = 0.0  # early_wait: how long its gateway has held it already (part of its TTFT)
+    retry: bool = False  # admitted before and outlived a failure: its prefill goes ahead of the queue (Decision.ahead)
 
     def validate(self) -> None:
         if not self.request_id:
@@ -288,6 +289,7 @@ class Decision:
     local: bool = False  # its decode worker computes the prompt itself (conductor.local); ``prefill`` is then ""
     chunk_tokens: int = 0  # local: the most of the prompt's tokens one of its steps computes (the TBT SLO's)
     admit_at_decode: bool = False  # the decode worker asks again when the prefill ends (baseline admission only)
+    ahead: bool = False  # a retry: its prefill worker runs it before the prompts waiting in its queue
 
 
 @dataclass(frozen=True, slots=True)

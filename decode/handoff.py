@@ -134,6 +134,7 @@ class RemotePrefill:
                 plan=placement.plan,
                 landing=landing,
                 num_output_tokens=num_outputs,
+                ahead=placement.ahead,
             ),
             timeout=self.config.prefill_timeout_s,
         )

@@ -258,9 +258,10 @@ class GroupEngine:
         initial_output_token_ids: list[int] | None = None,
         kv_block_ids: list[int] | None = None,
         chunk_tokens: int = 0,
+        ahead: bool = False,
     ) -> str:
-        """Queue a prefill; raises ValueError for a prompt the stages cannot hold. ``external_kv``: the prefix's pool
-        slots (the stages read them from the pool's segment)."""
+        """Queue a prefill (``ahead``: before those queued); raises ValueError for a prompt the stages cannot hold.
+        ``external_kv``: the prefix's pool slots (the stages read them from the pool's segment)."""
         if kv_block_ids or chunk_tokens:
             raise ValueError("a group computes its prompts whole, in its stages' own caches")
         if request_id is None or request_id not in self.jobs:
@@ -269,7 +270,11 @@ class GroupEngine:
         prompt = [*prompt_token_ids, *outputs]
         self.group.check(prompt)
         params = sampling_params or SamplingParams()
-        self._queue.append((request_id, prompt, params, len(outputs), external_kv, num_external_tokens))
+        entry = (request_id, prompt, params, len(outputs), external_kv, num_external_tokens)
+        if ahead:
+            self._queue.appendleft(entry)
+        else:
+            self._queue.append(entry)
         return request_id
 
     def step(self) -> list[RequestOutput]:

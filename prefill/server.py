@@ -71,6 +71,11 @@ class PrefillMetrics:
             registry=r,
         )
         self.inflight = Gauge("mooncake_prefill_inflight", "prefills in this worker (queued or running)", registry=r)
+        self.ahead = Counter(
+            "mooncake_prefill_ahead",
+            "prefills taken before those waiting in the engine: requests placed again after a failure",
+            registry=r,
+        )
 
 
 class PushRetries:
@@ -108,6 +113,8 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         when_gone(context, cancelled.set)  # a caller already gone: no work at all
         m = self.metrics
         m.inflight.inc()
+        if request.ahead:
+            m.ahead.inc()
         try:
             resp = self.worker.prefill(request, cancelled)
         except Exception as e:

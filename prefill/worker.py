@@ -453,6 +453,7 @@ class PrefillWorker(PoolLeases):
             external_kv=external,
             num_external_tokens=cached if external else 0,
             initial_output_token_ids=prompt[split:],
+            ahead=req.ahead,
         )
         future.result()  # ValueError for a request the engine refuses
         while not job.done.wait(0.05):

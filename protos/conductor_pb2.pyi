@@ -174,7 +174,7 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed", "probe", "priority", "tenant", "waited_s", "tenant_weight")
+    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed", "probe", "priority", "tenant", "waited_s", "tenant_weight", "retry")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class ScheduleRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
@@ -201,7 +202,8 @@ class ScheduleRequest(_message.Message):
     tenant: str
     waited_s: float
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., waited_s: _Optional[float] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    retry: bool
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., waited_s: _Optional[float] = ..., tenant_weight: _Optional[float] = ..., retry: _Optional[bool] = ...) -> None: ...
 
 class PrefixPlan(_message.Message):
     __slots__ = ("local_blocks", "fetch_node", "fetch_address", "fetch_blocks", "compute_tokens", "keep_fetched")
@@ -234,7 +236,7 @@ class Prediction(_message.Message):
     def __init__(self, ttft_s: _Optional[float] = ..., tbt_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address", "local_prefill", "local_chunk_tokens", "admit_at_decode")
+    __slots__ = ("prefill_id", "prefill_address", "prefill_node", "decode_id", "decode_address", "plan", "policy", "prefill_node_address", "local_prefill", "local_chunk_tokens", "admit_at_decode", "ahead")
     PREFILL_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +248,7 @@ class Placement(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_AT_DECODE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     prefill_id: str
     prefill_address: str
     prefill_node: str
@@ -257,7 +260,8 @@ class Placement(_message.Message):
     local_prefill: bool
     local_chunk_tokens: int
     admit_at_decode: bool
-    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., local_chunk_tokens: _Optional[int] = ..., admit_at_decode: _Optional[bool] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., local_chunk_tokens: _Optional[int] = ..., admit_at_decode: _Optional[bool] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("reason", "message", "retry_after_s")

@@ -86,7 +86,7 @@ class Landing(_message.Message):
     def __init__(self, segment: _Optional[_Union[_kvstore_pb2.SegmentInfo, _Mapping]] = ..., offsets: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., token: _Optional[str] = ..., cache_blocks: _Optional[_Iterable[int]] = ..., cache_num_blocks: _Optional[int] = ..., cuda_ipc: _Optional[bytes] = ..., host: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "plan", "landing", "num_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "plan", "landing", "num_output_tokens", "ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class PrefillRequest(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     LANDING_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
@@ -101,7 +102,8 @@ class PrefillRequest(_message.Message):
     plan: _conductor_pb2.PrefixPlan
     landing: Landing
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_salt: _Optional[str] = ..., plan: _Optional[_Union[_conductor_pb2.PrefixPlan, _Mapping]] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_salt: _Optional[str] = ..., plan: _Optional[_Union[_conductor_pb2.PrefixPlan, _Mapping]] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "cached_tokens", "local_tokens", "ssd_tokens", "fetched_tokens", "computed_tokens", "queue_s", "prefill_s", "first_logprob", "prompt_logprobs")

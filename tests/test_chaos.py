@@ -14,7 +14,7 @@ import random
 
 import httpx
 import pytest
-from clusters import backend, start_cluster
+from clusters import backend, prefill_metric, start_cluster
 from replays import replay, undisturbed_run, wait_idle, wait_restarted
 
 from mooncake import tls
@@ -44,6 +44,8 @@ def test_a_component_killed_mid_run_loses_no_request_and_changes_no_token(cluste
     if victim.startswith(("decode", "prefill")):
         # the kill hit requests in flight, and they were placed again (a resumed stream for a decode worker)
         assert any(f.endswith(victim) for r in recoveries for f in r.faults), recoveries
+    if victim == "prefill-0":  # the prompts it failed were placed again ahead of the survivor's queue
+        assert prefill_metric(cluster, "mooncake_prefill_ahead_total", "prefill-1") > 0
     if victim.startswith("decode"):
         resumed = [r for r in recoveries if r.resumes]
         assert resumed, recoveries

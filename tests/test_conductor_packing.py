@@ -120,3 +120,24 @@ def test_the_prediction_log_has_each_part_predicted_and_measured_and_the_load_it
     assert (row["ahead_tokens"], row["busy"], row["after_s"], row["slowdown"]) == (700, 1, 2.0, 1.0)
     assert row["predicted"] == pytest.approx({"ttft": 1.0, "queue": 0.612, "prefill": 0.388, "transfer": 0.0})
     assert row["measured"] == pytest.approx({"ttft": 1.5, "queue": 0.7, "prefill": 0.5, "transfer": 0.3})
+
+
+def test_a_retry_goes_ahead_of_the_queue_and_is_predicted_so_where_a_new_request_is_refused():
+    """A request placed again after a failure (ScheduleRequest.retry) is run before the prompts waiting at its prefill
+    worker (Decision.ahead): it waits for the prompt in progress only, one of the 5 queued (1 s of the 5 s). Against
+    a 2 s TTFT SLO a new request behind the whole queue is refused, the retry admitted; its own work still joins the
+    queue the others see."""
+    c = conductor("early", predictors=PACKED)
+    c.register(prefill(Load()), 0.0)
+    c.register(Instance("d0", Role.DECODE, "10.0.1.1:7000", node="kv9"), 0.0)
+    c.heartbeat("p0", Load(queued_requests=5, queued_s=5.0, queued_tokens=2500), 0.0)
+    new = c.schedule(ScheduleRequest("new", KEYS[:6], 100, 16), 0.0)
+    assert not isinstance(new, Decision) and new.reason.value == "ttft_slo"
+    retry = c.schedule(ScheduleRequest("again", KEYS[:6], 100, 16, retry=True), 0.0)
+    assert isinstance(retry, Decision) and retry.ahead and retry.prefill == "p0"
+    # the prompt in progress (1 s, 500 tokens) and its own 100 tokens (0.2 s): 600 tokens, two steps of 512
+    assert retry.predicted.ttft_s == pytest.approx(1.2)
+    assert c.instances["p0"].load.queued_s == pytest.approx(5.0 + 0.2)
+    assert c.instances["p0"].load.queued_requests == 6
+    plain = c.schedule(ScheduleRequest("later", KEYS[:6], 100, 16), 0.0)
+    assert not isinstance(plain, Decision) and not getattr(plain, "ahead", False)

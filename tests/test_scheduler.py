@@ -60,6 +60,21 @@ def test_token_budget_is_respected_every_step():
     assert not sched.has_unfinished()
 
 
+def test_a_request_added_ahead_starts_before_those_waiting_but_not_before_those_running():
+    """A prefill worker's retry (``ahead``) jumps the queue of waiting prompts, not the prompt being computed."""
+    sched = make_scheduler(budget=8)
+    sched.add_request(make_request("a", range(12), max_tokens=2))
+    out, _, _ = step(sched)
+    assert plan(out) == [("a", 8)]
+    sched.add_request(make_request("b", range(20, 28), max_tokens=2))
+    sched.add_request(make_request("c", range(30, 38), max_tokens=2))
+    sched.add_request(make_request("r", range(40, 44), max_tokens=2), ahead=True)
+    out, _, _ = step(sched)
+    assert plan(out) == [("a", 4), ("r", 4)]  # a's last chunk first, then the retry, before b and c
+    out, _, _ = step(sched)
+    assert plan(out) == [("a", 1), ("r", 1), ("b", 6)]
+
+
 def test_long_prompt_is_chunked_and_running_decodes_go_first():
     sched = make_scheduler(budget=8)
     sched.add_request(make_request("a", range(5), max_tokens=20))

@@ -158,6 +158,7 @@ class LLMEngine:
         initial_output_token_ids: list[int] | None = None,
         kv_block_ids: list[int] | None = None,
         chunk_tokens: int = 0,
+        ahead: bool = False,
     ) -> str:
         """Queue a request; return its id. Raises ValueError for bad input.
 
@@ -172,6 +173,8 @@ class LLMEngine:
         and starts with that KV computed, with no copy. Preempted, it recomputes it.
 
         ``chunk_tokens``: the most of its tokens one step computes (0: as many as the step's budget leaves).
+        ``ahead``: it starts before the requests already waiting (not before those running): a prefill worker's retry
+        of a request that outlived a failure.
         """
         params = sampling_params or SamplingParams()
         prompt = checked_prompt(
@@ -214,7 +217,7 @@ class LLMEngine:
         if params.grammar is not None:
             self._grammars().add(rid, params.grammar, outputs)
         try:
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request, ahead=ahead)
         except ValueError:
             self.runner.drop_request(rid)
             raise

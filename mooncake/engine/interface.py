@@ -7,7 +7,8 @@ thread, and every call below happens on that thread:
     add_request(prompt_token_ids, sampling_params, request_id,
                 external_kv=..., num_external_tokens=...,    the prompt's leading KV, in the pool
                 initial_output_token_ids=...,                layout, imported layer by layer (or,
-                kv_block_ids=..., chunk_tokens=...)          ours: already in reserved blocks)
+                kv_block_ids=..., chunk_tokens=...,          ours: already in reserved blocks)
+                ahead=...)                                   before those waiting (vLLM: ignored)
     reserve_blocks(n), release_blocks(ids)                    cache blocks a prefill writes in place (ours)
     step() -> [RequestOutput]                                 one scheduling step
     abort_request(request_id), has_unfinished(), load(), set_max_num_seqs(n)
@@ -92,6 +93,7 @@ class WorkerEngine(Protocol):
         initial_output_token_ids: list[int] | None = None,
         kv_block_ids: list[int] | None = None,  # blocks from reserve_blocks the prompt's KV was written into
         chunk_tokens: int = 0,  # the most of its tokens one step computes (0: the step's budget)
+        ahead: bool = False,  # before the requests waiting to start (a retry that outlived a failure)
     ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...

@@ -86,7 +86,8 @@ class Scheduler:
 
     # -- queue management ------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, ahead: bool = False) -> None:
+        """Queue ``request`` behind those waiting, or (``ahead``) before them."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         blocks_needed = -(-min(request.num_prompt_tokens + 1, self.max_model_len) // self.block_size)
@@ -96,7 +97,10 @@ class Scheduler:
                 f"the cache has {self.pool.num_blocks}"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if ahead:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is and free its blocks; None if unknown or done."""

@@ -141,6 +141,7 @@ class ClusterBackend(GenerationBackend):
             priority=request.priority,
             tenant=request.tenant,
             tenant_weight=request.tenant_weight,
+            retry=progress is not None and progress.attempts > 0,  # placed before: it goes ahead of the queue now
         )
         started = time.monotonic()
         while True:

@@ -202,10 +202,12 @@ class VllmEngine:
         initial_output_token_ids: list[int] | None = None,
         kv_block_ids: list[int] | None = None,
         chunk_tokens: int = 0,
+        ahead: bool = False,
     ) -> str:
         """Queue a request (see the module docstring for what vLLM is given). Raises ValueError for bad input, and
         for what only our engine does (``kv_block_ids``: it lends no blocks; ``chunk_tokens``: vLLM's scheduler
-        chunks)."""
+        chunks). ``ahead`` is ignored: vLLM's first-come-first-served scheduler takes no request out of turn (its
+        priority policy would, but it also preempts running requests by priority)."""
         if kv_block_ids or chunk_tokens:
             raise ValueError("kv_block_ids and chunk_tokens are our engine's: vLLM lends no blocks and chunks itself")
         from vllm import SamplingParams as VllmSamplingParams

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncake.engine.blockcopy import copy_blocks
-from mooncake.engine.connector import ConnectorStep, KVConnector
+from mooncake.engine.connector import ConnectorStep, KVConnector, StepCancelled
 from mooncake.engine.request import TokenLogprob
 from mooncake.serving.kvlayout import tensor_bytes
 from prefill.landing import Landing, landing_for
@@ -99,6 +99,7 @@ class PrefillJob:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the sampling asked for prompt_logprobs
     error: BaseException | None = None
     writing: bool = False  # its new blocks are being written to the pool after the first token (``on_stored`` ends it)
+    cancelled: threading.Event | None = None  # its caller's: once set for every job of a step, the step stops mid-way
     done: threading.Event = field(default_factory=threading.Event)
 
     def fail(self, error: BaseException) -> None:
@@ -161,6 +162,7 @@ class PoolConnector(KVConnector):
         self._unsettled: set[PrefillJob] = set()  # jobs with pushes started and not yet waited for
         self._writer: PoolWriter | None = None  # started by the first job that stores later
         self._released: list[int] = []  # blocks the writer is done with (the engine frees them)
+        self._step_jobs: list[PrefillJob | None] = []  # this step's requests' jobs (None: a request with no job)
         self._step: tuple[float, int, list] = (
             0.0,
             0,
@@ -215,6 +217,7 @@ class PoolConnector(KVConnector):
 
     def start_step(self, step: ConnectorStep) -> None:
         self._active = []
+        self._step_jobs = [self.jobs.get(r.request_id) for r in step.requests]
         now = time.perf_counter()
         self._step = (now, sum(r.num_new_tokens for r in step.requests), [])
         for sreq in step.requests:
@@ -230,6 +233,7 @@ class PoolConnector(KVConnector):
                 self._active.append((job, sreq.block_ids, job.issued, end))
 
     def save_layer(self, layer, k_cache, v_cache, step) -> None:
+        self._stop_if_cancelled()
         if self.export is not None:
             self._save_staged(layer, k_cache)
             return
@@ -245,6 +249,18 @@ class PoolConnector(KVConnector):
             slices += self._pool_from_cache(job, layer, table, start, end)
             if slices:
                 self._push(job, self._bytes, slices)
+
+    def _stop_if_cancelled(self) -> None:
+        """Raise StepCancelled when every request of this step is a job whose caller has left (an abort storm: 100
+        clients hang up, and a step of their prompts would run on for seconds). What the step pushed so far settles
+        first: the engine frees the blocks those pushes read, and the decode workers their destinations."""
+        jobs = self._step_jobs
+        if not jobs or not all(j is not None and j.cancelled is not None and j.cancelled.is_set() for j in jobs):
+            return
+        self._unsettled.update(job for job, *_ in self._active)
+        self._active, self._step_jobs = [], []
+        self._settle()
+        raise StepCancelled(f"the callers of {', '.join(j.request_id for j in jobs)} left")
 
     def _pool_from_cache(self, job: PrefillJob, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
         """Layer ``layer`` of the job's blocks start..end into its reserved pool slots now (unless it stores them

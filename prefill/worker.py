@@ -229,6 +229,7 @@ class PrefillWorker(PoolLeases):
         salt = req.cache_salt if req.HasField("cache_salt") else None
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
         job = self._job(req, num_blocks)
+        job.cancelled = cancelled  # set for every job of a step, the step stops after the layer it is in
         held = Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
         use_pool = self._enter_pool(held)  # False for a while after the pool node restarted
         prefix = None

@@ -312,6 +312,68 @@ def test_prompts_batched_together_each_count_their_share_of_the_steps(tiny_llama
         node.close()
 
 
+class LeftAfter:
+    """A caller's cancel event that reads as set from its ``n``-th look on: the moment a client hangs up, placed
+    between two layers of a step (a real hang-up lands wherever the step happens to be)."""
+
+    def __init__(self, n: int) -> None:
+        self.looks, self.n = 0, n
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n
+
+
+def test_a_step_whose_every_prompt_was_cancelled_stops_at_its_layer_frees_its_blocks_and_caches_nothing(tiny_llama):
+    """An abort storm (benchmarks/abort_storm.py): the callers of every prompt in a step hang up while it runs. The
+    step stops after the layer it is in: layer 0 reached the decode worker's cache, no later layer did; the engine
+    holds nothing and every block is free; nothing half-computed went to the prefix cache (the same prompt again
+    computes every token and gives one engine's first token). A step with one prompt still wanted runs whole."""
+    node = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", serve=False))
+    try:
+        connector = PoolConnector(node, None, BS, io_timeout_s=30)
+        prefill = make_engine(tiny_llama.path, connector=connector, max_num_batched_tokens=128, num_kv_blocks=64)
+        connector.bind(prefill.runner.kv_cache)
+        free = prefill.num_free_blocks
+        cache = torch.zeros_like(prefill.runner.kv_cache)  # a decode cache, mapped (no transfers)
+        assert cache.shape[0] >= 2  # a layer after the one the cancel lands in
+        a, b = prompt_of(40, seed=1), prompt_of(40, seed=2)
+
+        def submit(rid, prompt, first, cancelled) -> None:
+            n = blocks_for(len(prompt))
+            connector.jobs[rid] = PrefillJob(
+                rid,
+                len(prompt),
+                n,
+                "unused",
+                [],
+                landing_blocks=list(range(first, first + n)),
+                landing_num_blocks=cache.shape[2],
+                mapped_cache=cache,
+                cancelled=cancelled,
+            )
+            prefill.add_request(prompt, greedy(1), request_id=rid)
+
+        gone = LeftAfter(2)  # not yet at layer 0's push, gone by layer 1's
+        submit("a", a, 0, gone)
+        submit("b", b, 10, gone)
+        assert prefill.step() == []
+        assert not prefill.has_unfinished() and prefill.num_free_blocks == free
+        assert cache[0].any() and not cache[1:].any()
+        connector.jobs.clear()
+
+        submit("a-again", a, 20, None)
+        submit("b-gone", b, 30, LeftAfter(1))
+        outs = {}
+        while prefill.has_unfinished():
+            outs.update({o.request_id: o for o in prefill.step()})
+        assert outs["a-again"].num_cached_tokens == 0
+        assert outs["a-again"].output_token_ids[0] == alone(tiny_llama.path, a, 1)[0]
+        assert cache[1:, :, 20 : 20 + blocks_for(len(a))].any()  # every layer landed
+    finally:
+        node.close()
+
+
 def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_dir, shm_dir):
     """From another host a prefill reaches the decode engine's cache through the decode worker's transfer server,
     which lets in only the bytes of blocks granted to a live Prefill call's token (``_cache_guard``)."""

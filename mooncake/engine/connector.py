@@ -10,6 +10,9 @@ connector that moves KV between the paged cache and the pool while layers comput
         save_layer(layer, k, v, step)   after the layer; push this layer's new K/V
     wait_for_save()                     after the last layer; the step ends after it
 
+A hook may raise ``StepCancelled`` when every request of the step is cancelled: the step stops
+there (a cancelled 512-token prefill on the CPU frees its blocks after a layer, not seconds later).
+
 ``step.requests`` says, per scheduled request, which cache slots its new tokens were
 written to (``slots``) and its whole block table, so a connector can copy one layer of
 the new tokens (``k_cache.view(-1, Hkv, D)[slots]``) or whole finished blocks.
@@ -41,6 +44,13 @@ class ConnectorStep:
 
     step_id: int
     requests: list[StepRequest]
+
+
+class StepCancelled(Exception):
+    """Raised by a connector's hook mid-step when every request of the step has been cancelled by its caller: the
+    engine drops the rest of the step and aborts those requests (the blocks it was filling were never offered to the
+    prefix cache, so nothing half-computed is ever read). The connector settles what the step started (pushes still
+    reading the cache) before it raises."""
 
 
 class KVConnector:

@@ -23,7 +23,7 @@ import torch
 from mooncake.blocks import KeyChain, model_fingerprint
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.connector import KVConnector
+from mooncake.engine.connector import KVConnector, StepCancelled
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.kernels import load_paged_decode, load_triton_attention
@@ -344,7 +344,13 @@ class LLMEngine:
             self.pool.free(released)
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_batched_tokens  # what the step computed (EngineLoop's samples)
-        sampled = self.runner.execute(out, self.connector)
+        try:
+            sampled = self.runner.execute(out, self.connector)
+        except StepCancelled:  # every request of the step was cancelled by its caller: dropped mid-step, as aborts
+            for s in out.scheduled:
+                self.scheduler.abort(s.request.request_id)
+            log.info("a step of %d requests stopped mid-way: all of them were cancelled", len(out.scheduled))
+            return []
         for rid, entries in sampled.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
             for position, entry in entries:

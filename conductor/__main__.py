@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
         "--leader-lease",
         type=float,
         default=3.0,
-        help="with --redis-url: seconds a leader's lease lasts unrenewed (a standby takes over within 0.25 s of its end)",
+        help="with --redis-url: seconds a leader's lease lasts unrenewed (a standby takes it within 0.25 s of its end)",
     )
     field_arg(p, ConductorConfig, "policy")
     field_arg(p, ConductorConfig, "admission")

@@ -8,6 +8,7 @@ checked by ``_cache_guard`` and ``_landing_guard``, open only while the call run
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 
@@ -153,6 +154,8 @@ class RemotePrefill:
             )
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 run.answered = self._stop_prefill(placement.prefill_address, req.request_id, token)
+            elif not run.answered:  # the blocks go back once the worker says the call writes nothing (run.free_blocks)
+                run.confirm = functools.partial(self._stop_prefill, placement.prefill_address, req.request_id, token)
             if code in REQUEST_CODES:  # the request's own fate: passed on as it is (mooncake.serving.status)
                 raise Failed(code, e.details()) from None
             raise Failed(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ import grpc
 import torch
 
 from mooncake.engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class Failed(Exception):
@@ -36,6 +39,19 @@ class DecodeState(enum.Enum):
     DONE = "done"  # finished (the engine dropped it, or it never joined)
 
 
+class _Once:
+    """``fn`` called at most once, from whichever thread comes first."""
+
+    def __init__(self, fn) -> None:
+        self._fn, self._lock = fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 class Decoding:
     """One request's resources on this worker, by state: who frees what, in one place.
 
@@ -47,6 +63,7 @@ class Decoding:
         self.worker, self.request_id, self.slots, self.blocks = worker, request_id, slots, blocks
         self.state = DecodeState.PREFILLING
         self.answered = False  # the prefill worker answered (its writes are over, whatever the answer)
+        self.confirm = None  # unanswered: asks the prefill worker whether its writes are over (True: yes, now)
         self.ttft_s = 0.0  # from the request's arrival here to its first token (0: it never got one)
         self.handoff_s = 0.0  # of it, all but the prefill worker's own queue and prefill (0: not measured, or reported)
         self.parts = (0.0, 0.0)  # and those two: the prefill worker's own queue and prefill (the Conductor's errors)
@@ -105,17 +122,28 @@ class Decoding:
 
     def free_blocks(self, now: bool = False) -> None:
         """Give the cache blocks back: at once when the prefill answered (or ``now``: it answered without writing
-        them), else ``write_grace_s`` later."""
+        them), else ``write_grace_s`` later, or as soon as ``confirm`` (off this thread) has the prefill worker say its
+        writes are over: a call that failed to connect (a storm of 100 hang-ups saw that) wrote nothing."""
         blocks, self.blocks = self.blocks, []
         if not blocks:
             return
-        release = functools.partial(self.worker.release_blocks, blocks)
+        release = _Once(functools.partial(self.worker.release_blocks, blocks))
         if now or self.answered:
             release()
-        else:
-            timer = threading.Timer(self.worker.config.write_grace_s, release)
-            timer.daemon = True
-            timer.start()
+            return
+        grace = self.worker.config.write_grace_s
+        log.info(
+            "%d cache blocks of %s go back within %.1f s: its prefill has not answered",
+            len(blocks),
+            self.request_id,
+            grace,
+        )
+        timer = threading.Timer(grace, release)
+        timer.daemon = True
+        timer.start()
+        if self.confirm is not None:
+            confirm = self.confirm
+            threading.Thread(target=lambda: confirm() and release(), name="confirm-writes", daemon=True).start()
 
     def close(self) -> None:
         """However the request ended (finished, failed, the client gone): release what its state holds."""

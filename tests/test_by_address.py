@@ -64,3 +64,32 @@ def test_conductors_move_to_the_next_once_however_many_callers_saw_the_failure()
     assert alone.failed("a:1") is False and alone.current == "a:1"
     with pytest.raises(ValueError, match="no Conductor address"):
         Conductors(" , ")
+
+
+def test_a_new_connection_to_a_peer_slow_to_answer_waits_for_it_and_the_call_succeeds(tmp_path):
+    """A peer that takes 0.5 s to answer a new connection (its process stopped meanwhile; under load, the TLS handshake
+    on saturated cores): the call on a fresh channel gets its answer. With gRPC's least connect attempt at 100 ms, the
+    attempt timed out before the server's SETTINGS frame and the call failed UNAVAILABLE at once (an abort storm saw
+    prefill calls fail so)."""
+    import os
+    import signal
+    import threading
+
+    from kvnodes import start_node
+
+    from mooncake import tls
+    from mooncake.runtime.channels import client_options
+    from protos import kvstore_pb2 as kpb
+    from protos import kvstore_pb2_grpc as kpb_grpc
+
+    node = start_node("slow", 4096, 8, shm_dir=str(tmp_path / "shm"))
+    try:
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (node.proc.pid, signal.SIGCONT)).start()
+        channel = tls.grpc_channel(node.grpc, options=client_options())
+        stats = kpb_grpc.KVStoreStub(channel).Stats(kpb.StatsRequest(), timeout=10)
+        assert stats.node == "slow"
+        channel.close()
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+        node.stop()

@@ -20,14 +20,17 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-
 LOCAL_HOST = "127.0.0.1"  # where a component binds by default: this host only
 DETECT_S = 2.0  # default: a silent peer is declared failed after about this long (plus one ping interval)
+
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    # gRPC reads this as the least time a connection attempt gets (TCP, the TLS handshake and the server's first
+    # HTTP/2 frame): at 100 ms, new connections on 2 saturated cores timed out before the server's SETTINGS frame and
+    # failed their calls (an abort storm of 100 saw prefill calls fail so). A silent peer gets as long (DETECT_S).
+    ("grpc.min_reconnect_backoff_ms", int(DETECT_S * 1000)),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 PING_INTERVAL_MS = 1000
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (

@@ -238,6 +238,7 @@ class GroupEngine:
         self.step_tokens, self.vocab_size = group.chunk, group.vocab_size
         self.last_step_tokens = 0
         self._queue: deque[tuple[str, list[int], SamplingParams, int, SlotKV | None, int]] = deque()
+        self._ahead: set[str] = set()  # requests queued ahead (at the front of _queue)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -271,8 +272,10 @@ class GroupEngine:
         self.group.check(prompt)
         params = sampling_params or SamplingParams()
         entry = (request_id, prompt, params, len(outputs), external_kv, num_external_tokens)
-        if ahead:
-            self._queue.appendleft(entry)
+        if ahead:  # behind those that came ahead before it
+            at = next((i for i, queued in enumerate(self._queue) if queued[0] not in self._ahead), len(self._queue))
+            self._queue.insert(at, entry)
+            self._ahead.add(request_id)
         else:
             self._queue.append(entry)
         return request_id
@@ -280,6 +283,7 @@ class GroupEngine:
     def step(self) -> list[RequestOutput]:
         """The next queued prefill, whole; a failure fails its job (the worker raises the job's error)."""
         rid, prompt, params, num_outputs, prefix, cached = self._queue.popleft()
+        self._ahead.discard(rid)
         job = self.jobs[rid]
         self.last_step_tokens = len(prompt) - cached
         try:
@@ -340,6 +344,7 @@ class GroupEngine:
     def abort_request(self, request_id: str) -> bool:
         before = len(self._queue)
         self._queue = deque(q for q in self._queue if q[0] != request_id)
+        self._ahead.discard(request_id)
         return len(self._queue) < before
 
     def has_unfinished(self) -> bool:

@@ -73,6 +73,10 @@ def test_a_request_added_ahead_starts_before_those_waiting_but_not_before_those_
     assert plan(out) == [("a", 4), ("r", 4)]  # a's last chunk first, then the retry, before b and c
     out, _, _ = step(sched)
     assert plan(out) == [("a", 1), ("r", 1), ("b", 6)]
+    # two more retries: the first one first, both before c
+    sched.add_request(make_request("r2", range(50, 54), max_tokens=1), ahead=True)
+    sched.add_request(make_request("r3", range(60, 64), max_tokens=1), ahead=True)
+    assert [r.request_id for r in sched.waiting] == ["r2", "r3", "c"]
 
 
 def test_long_prompt_is_chunked_and_running_decodes_go_first():

@@ -182,6 +182,7 @@ class Request:
         0  # the most of its tokens one step computes (0: the step's budget): a decode worker computing a
     )
     # prompt keeps each step of its batch within the TBT SLO (conductor.local)
+    ahead: bool = False  # queued before the requests waiting when it came (a retry that outlived a failure)
     output_text: str = ""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs asked)
 

@@ -87,7 +87,8 @@ class Scheduler:
     # -- queue management ------------------------------------------------------------
 
     def add_request(self, request: Request, ahead: bool = False) -> None:
-        """Queue ``request`` behind those waiting, or (``ahead``) before them."""
+        """Queue ``request`` behind those waiting, or (``ahead``) before them: behind those that came ahead before it
+        and those preempted, which wait at the front already."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         blocks_needed = -(-min(request.num_prompt_tokens + 1, self.max_model_len) // self.block_size)
@@ -98,7 +99,13 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         if ahead:
-            self.waiting.appendleft(request)
+            request.ahead = True
+            at = 0
+            while at < len(self.waiting) and (
+                self.waiting[at].ahead or self.waiting[at].status == RequestStatus.PREEMPTED
+            ):
+                at += 1
+            self.waiting.insert(at, request)
         else:
             self.waiting.append(request)
 

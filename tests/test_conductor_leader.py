@@ -71,7 +71,7 @@ def test_standby_conductors_elect_a_leader_in_redis_and_only_the_leader_is_ready
     probe = conductor["readinessProbe"]["exec"]["command"]
     assert probe[:3] == ["python", "-m", "conductor.probe"]
     # a lone Conductor keeps Recreate and its tcp probe
-    lone = render()
+    lone = render("--set", "conductor.replicas=1")
     single = next(d for d in lone if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-conductor"))
     assert single["spec"]["strategy"]["type"] == "Recreate"
     assert "tcpSocket" in container(pod_spec(lone, "conductor"), "conductor")["readinessProbe"]
@@ -126,3 +126,16 @@ def test_the_conductor_probe_says_ready_only_for_a_leader(redis_url):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_the_charts_default_is_a_standby_conductor_with_redis_and_one_conductor_without():
+    """``conductor.replicas: auto``: the chart runs its Redis by default, so two Conductors (one stands by); without
+    Redis, one, replaced with Recreate (two would each think they lead)."""
+    with_redis = next(d for d in render() if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-conductor"))
+    assert with_redis["spec"]["replicas"] == 2 and with_redis["spec"]["strategy"]["type"] == "RollingUpdate"
+    alone = next(
+        d
+        for d in render("--set", "redis.enabled=false")
+        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-conductor")
+    )
+    assert alone["spec"]["replicas"] == 1 and alone["spec"]["strategy"]["type"] == "Recreate"

@@ -157,9 +157,13 @@ def test_probes_ask_health_on_the_metrics_ports(values):
     seen = set()
     for component, c, _ in mooncake_containers(docs):
         f = flags(c)
-        if component == "conductor":  # no HTTP health: a tcp probe on the gRPC port
-            for probe in ("readinessProbe", "livenessProbe"):
-                assert port_number(c, c[probe]["tcpSocket"]["port"]) == int(f["--port"])
+        if component == "conductor":  # no HTTP health: a tcp probe on the gRPC port (ready: the leader's probe)
+            assert port_number(c, c["livenessProbe"]["tcpSocket"]["port"]) == int(f["--port"])
+            ready = c["readinessProbe"]
+            if "exec" in ready:  # standbys (conductor.replicas auto with Redis): ready while it leads
+                assert f"--address=127.0.0.1:{f['--port']}" in ready["exec"]["command"]
+            else:
+                assert port_number(c, ready["tcpSocket"]["port"]) == int(f["--port"])
         else:
             port = int(f["--port"] if component == "gateway" else f["--metrics-port"])
             ready = c["readinessProbe"]["httpGet"]
@@ -427,7 +431,8 @@ def test_defaults_run_redis_in_the_release_and_leave_the_extras_off():
     url = {e["name"]: e for e in conductor["env"]}["MOONCAKE_REDIS_URL"]["value"]
     assert url == f"redis://{PREFIX}-redis:6379/0"
     assert find(docs, "Service", f"{PREFIX}-redis")["spec"]["ports"][0]["port"] == 6379
-    assert find(docs, "Deployment", f"{PREFIX}-conductor")["spec"]["strategy"] == {"type": "Recreate"}
+    conductors = find(docs, "Deployment", f"{PREFIX}-conductor")["spec"]
+    assert conductors["replicas"] == 2 and conductors["strategy"] == {"type": "RollingUpdate"}  # a standby, on Redis
     for component in ("prefill", "decode"):
         assert find(docs, "Deployment", f"{PREFIX}-{component}")["spec"]["replicas"] == 1
         pdb = find(docs, "PodDisruptionBudget", f"{PREFIX}-{component}")
@@ -552,6 +557,7 @@ class PodProcesses:
     def __init__(self, docs: list[dict], env: dict[str, str], logs: Path, shm_dir: str) -> None:
         self.docs, self.env, self.logs, self.shm_dir = docs, env, logs, shm_dir
         self.running: list[tuple[str, subprocess.Popen, int]] = []  # (container, process, pod's grace seconds)
+        self.envs: dict[str, dict[str, str]] = {}  # container -> its environment (exec probes run in it)
 
     def start(self, component: str, timeout_s: float = 300) -> None:
         spec = pod_spec(self.docs, component)
@@ -561,6 +567,7 @@ class PodProcesses:
             env |= {e["name"]: e["value"] for e in c.get("env", []) if "value" in e and e["name"] != "HOME"}
             env = {k: _moved(v, mounts) for k, v in env.items()}
             env |= self.env  # what the cluster's DNS names resolve to here
+            self.envs[c["name"]] = env
             args = [
                 _moved(a.replace("/dev/shm/mooncake", self.shm_dir), mounts) for a in expanded_args(self.docs, c, env)
             ]
@@ -579,6 +586,11 @@ class PodProcesses:
             while parse_ready(line := proc.stdout.readline()) is None:
                 if (not line and proc.poll() is not None) or time.monotonic() > deadline:
                     pytest.fail(f"{c['name']} did not start: {(self.logs / (c['name'] + '.log')).read_text()[-3000:]}")
+
+    def exec_probe(self, c: dict, command: list[str]) -> int:
+        """An exec probe's exit status, run as the container would run it (the image's python is this one)."""
+        argv = [sys.executable if a == "python" else a for a in command]
+        return subprocess.run(argv, env={**os.environ, **self.envs[c["name"]]}, timeout=30).returncode
 
     def _secret_mounts(self, spec: dict, c: dict) -> dict[str, str]:
         """The container's mounts of the chart's Secrets, written out here: {mount path: local directory}."""
@@ -687,7 +699,9 @@ def test_rendered_pods_run_answer_their_probes_serve_and_stop_within_their_grace
                     probe = c.get(kind)
                     if probe is None:
                         continue
-                    if "tcpSocket" in probe:
+                    if "exec" in probe:  # a Conductor with standbys: ready while it leads (this one, alone)
+                        assert pods.exec_probe(c, probe["exec"]["command"]) == 0, f"{c['name']} {kind}"
+                    elif "tcpSocket" in probe:
                         socket.create_connection(
                             ("127.0.0.1", port_number(c, probe["tcpSocket"]["port"])), timeout=2
                         ).close()

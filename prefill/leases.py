@@ -122,15 +122,22 @@ class PoolLeases:
             )
         self._pool_away_until = time.monotonic() + POOL_RETRY_S
 
-    def _load_plan(self, plan, keys: list[bytes], held: Held) -> tuple[list[int], int, list[int]]:
+    def _load_plan(self, plan, keys: list[bytes], held: Held, extend: bool = False) -> tuple[list[int], int, list[int]]:
         """Lease the local prefix and start pulling the fetched blocks; return (local slots, SSD hits, fetched
-        slots). Nothing when the pool node does not answer."""
+        slots). Nothing when the pool node does not answer.
+
+        ``extend`` (a resumed stream whose plan fetches nothing): lease as long a prefix as the node holds, not just
+        the plan's. The plan comes from the Conductor's index, which hears of a commit a moment after the node has it:
+        a stream resumed at once after its decode worker died was planned without the blocks that worker wrote just
+        before (tests/test_chaos.py saw 45 tokens computed again where one block was due). A new prompt keeps to its
+        plan (a tier-aware plan may stop its prefix short of SSD blocks on purpose)."""
         local: list[int] = []
         ssd_hits = 0
         want = min(plan.local_blocks, len(keys))
-        if want:
+        ask = len(keys) if extend and not plan.fetch_blocks else want
+        if ask:
             try:
-                got = self.kv.get_locations(keys[:want])
+                got = self.kv.get_locations(keys[:ask])
             except KVStoreUnavailable as e:
                 self._pool_gone(e)
                 return [], 0, []

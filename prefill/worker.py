@@ -243,7 +243,9 @@ class PrefillWorker(PoolLeases):
             # prompt logprobs need every prompt token computed: nothing is loaded
             logprobs = req.sampling.HasField("prompt_logprobs") and not req.num_output_tokens
             plan = type(req.plan)() if logprobs or not use_pool else req.plan
-            local, ssd_hits, fetched = self._load_plan(plan, keys, held)
+            # a resumed stream: its decode worker wrote its blocks just before it died, maybe after the plan was made
+            resumed = use_pool and not logprobs and req.num_output_tokens > 0
+            local, ssd_hits, fetched = self._load_plan(plan, keys, held, extend=resumed)
             cached_blocks = len(local) + len(fetched)
             cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
             job.pool_slots = self._reserve_new(keys, cached_blocks, held) if use_pool else {}

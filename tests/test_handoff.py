@@ -488,11 +488,12 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
         copy_prefix = worker._copy_prefix
         worker._copy_prefix = lambda job, local, cached: copies.append(len(local)) or copy_prefix(job, local, cached)
 
-        def prefill(rid: str, blocks: list[int], local_blocks: int):
+        def prefill(rid: str, blocks: list[int], local_blocks: int, num_output_tokens: int = 0):
             req = wpb.PrefillRequest(
                 request_id=rid,
                 prompt_token_ids=prompt,
-                sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
+                num_output_tokens=num_output_tokens,
+                sampling=wpb.Sampling(max_tokens=1 + num_output_tokens, temperature=0.0, ignore_eos=True),
                 plan=cpb.PrefixPlan(local_blocks=local_blocks),
                 landing=wpb.Landing(
                     segment=segment_to_pb(segment), cache_blocks=blocks, cache_num_blocks=24, block_bytes=block_bytes
@@ -515,7 +516,12 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
             # the last block: the engine's (its first 5 tokens computed again, from the same prefix)
             assert torch.allclose(cache[:, :, blocks[4]], cache[:, :, cold_blocks[4]], atol=1e-5)
         assert copies[-2:] == [4, 4]
-        written = set(cold_blocks) | {10, 11, 12, 13, 20, 19, 7, 15, 1, 22}
+        # a resumed stream (its last token generated) whose plan says nothing is held, as the Conductor's index had not
+        # heard of the commit yet: the node's 4 blocks are loaded all the same; a new prompt keeps to its plan
+        lagging = prefill("the-index-lags", [14, 16, 17, 18, 21], 0, num_output_tokens=1)
+        assert lagging.cached_tokens == 64 and lagging.first_token == cold.first_token
+        assert prefill("a-new-prompt", [14, 16, 17, 18, 21], 0).cached_tokens == 0
+        written = set(cold_blocks) | {10, 11, 12, 13, 20, 19, 7, 15, 1, 22, 14, 16, 17, 18, 21}
         assert not cache[:, :, [b for b in range(24) if b not in written]].any()  # nothing outside the grants
         assert ("shm", "write") not in worker.transfer.moved()  # tensor copies only: no slices through the engine
 

@@ -332,6 +332,7 @@ def test_a_step_whose_every_prompt_was_cancelled_stops_at_its_layer_frees_its_bl
     node = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", serve=False))
     try:
         connector = PoolConnector(node, None, BS, io_timeout_s=30)
+        connector.stops_cancelled_steps = True  # as a prefill worker on our engine sets it (not on vLLM)
         prefill = make_engine(tiny_llama.path, connector=connector, max_num_batched_tokens=128, num_kv_blocks=64)
         connector.bind(prefill.runner.kv_cache)
         free = prefill.num_free_blocks

@@ -164,11 +164,8 @@ class PoolConnector(KVConnector):
         self._released: list[int] = []  # blocks the writer is done with (the engine frees them)
         self._step_jobs: list[PrefillJob | None] = []  # this step's requests' jobs (None: a request with no job)
         self.stops_cancelled_steps = False  # raise StepCancelled (only an engine that catches it: ours)
-        self._step: tuple[float, int, list] = (
-            0.0,
-            0,
-            [],
-        )  # this step's start, its tokens, (job, its tokens) of each job
+        # this step's start, its tokens, (job, its tokens) of each job
+        self._step: tuple[float, int, list] = (0.0, 0, [])
 
     def bind(
         self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None, staged: bool | None = None
@@ -256,11 +253,7 @@ class PoolConnector(KVConnector):
         clients hang up, and a step of their prompts would run on for seconds). What the step pushed so far settles
         first: the engine frees the blocks those pushes read, and the decode workers their destinations."""
         jobs = self._step_jobs
-        if (
-            not self.stops_cancelled_steps
-            or not jobs
-            or not all(j is not None and j.cancelled is not None and j.cancelled.is_set() for j in jobs)
-        ):
+        if not (self.stops_cancelled_steps and jobs and all(j and j.cancelled and j.cancelled.is_set() for j in jobs)):
             return
         self._unsettled.update(job for job, *_ in self._active)
         self._active, self._step_jobs = [], []

@@ -163,7 +163,6 @@ class PoolConnector(KVConnector):
         self._writer: PoolWriter | None = None  # started by the first job that stores later
         self._released: list[int] = []  # blocks the writer is done with (the engine frees them)
         self._step_jobs: list[PrefillJob | None] = []  # this step's requests' jobs (None: a request with no job)
-        self.stops_cancelled_steps = False  # raise StepCancelled (only an engine that catches it: ours)
         # this step's start, its tokens, (job, its tokens) of each job
         self._step: tuple[float, int, list] = (0.0, 0, [])
 

@@ -237,8 +237,8 @@ class GroupEngine:
         self.fingerprint, self.max_model_len = group.fingerprint, group.max_model_len
         self.step_tokens, self.vocab_size = group.chunk, group.vocab_size
         self.last_step_tokens = 0
-        self._queue: deque[tuple[str, list[int], SamplingParams, int, SlotKV | None, int]] = deque()
-        self._ahead: set[str] = set()  # requests queued ahead (at the front of _queue)
+        # (request id, prompt, params, outputs, prefix slots, cached tokens, queued ahead)
+        self._queue: deque[tuple[str, list[int], SamplingParams, int, SlotKV | None, int, bool]] = deque()
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -271,19 +271,16 @@ class GroupEngine:
         prompt = [*prompt_token_ids, *outputs]
         self.group.check(prompt)
         params = sampling_params or SamplingParams()
-        entry = (request_id, prompt, params, len(outputs), external_kv, num_external_tokens)
+        entry = (request_id, prompt, params, len(outputs), external_kv, num_external_tokens, ahead)
         if ahead:  # behind those that came ahead before it
-            at = next((i for i, queued in enumerate(self._queue) if queued[0] not in self._ahead), len(self._queue))
-            self._queue.insert(at, entry)
-            self._ahead.add(request_id)
+            self._queue.insert(next((i for i, q in enumerate(self._queue) if not q[-1]), len(self._queue)), entry)
         else:
             self._queue.append(entry)
         return request_id
 
     def step(self) -> list[RequestOutput]:
         """The next queued prefill, whole; a failure fails its job (the worker raises the job's error)."""
-        rid, prompt, params, num_outputs, prefix, cached = self._queue.popleft()
-        self._ahead.discard(rid)
+        rid, prompt, params, num_outputs, prefix, cached, _ = self._queue.popleft()
         job = self.jobs[rid]
         self.last_step_tokens = len(prompt) - cached
         try:
@@ -344,7 +341,6 @@ class GroupEngine:
     def abort_request(self, request_id: str) -> bool:
         before = len(self._queue)
         self._queue = deque(q for q in self._queue if q[0] != request_id)
-        self._ahead.discard(request_id)
         return len(self._queue) < before
 
     def has_unfinished(self) -> bool:

@@ -96,10 +96,8 @@ class PrefillWorker(PoolLeases):
         self.connector = PoolConnector(self.transfer, None, config.engine_config.block_size, config.io_timeout_s)
         self.group: StageGroup | None = None  # its stages (health, status)
         # what its own engine does that a pipelined group's stages or vLLM do not: write the pool after the first token,
-        # write a decode engine's cache mapped here, time calibration prompts, stop a step whose callers all left (vLLM
-        # calls the connector inside its own forward, which must not be broken off)
+        # write a decode engine's cache mapped here, time calibration prompts
         self._single_native = config.engine is EngineKind.NATIVE and config.pipeline_stages == 1
-        self.connector.stops_cancelled_steps = self._single_native
         if config.pipeline_stages > 1:
             if config.engine is not EngineKind.NATIVE:
                 raise ValueError("a pipelined prefill group runs the native engine only")

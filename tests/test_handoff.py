@@ -65,6 +65,22 @@ def prefilled(model_dir, prompt: list[int]) -> tuple[int, torch.Tensor]:
     return first, engine.export_kv(engine.request_block_ids(rid)[: blocks_for(len(prompt))])
 
 
+def mapped_job(rid: str, prompt: list[int], cache: torch.Tensor, first: int, **kw) -> PrefillJob:
+    """A prefill of ``prompt`` landing in blocks ``first``.. of ``cache``, a decode engine's cache mapped here."""
+    n = blocks_for(len(prompt))
+    return PrefillJob(
+        rid,
+        len(prompt),
+        n,
+        "unused",
+        [],
+        landing_blocks=list(range(first, first + n)),
+        landing_num_blocks=cache.shape[2],
+        mapped_cache=cache,
+        **kw,
+    )
+
+
 def land(engine: LLMEngine, block_ids: list[int], kv: torch.Tensor) -> None:
     """Write pool-layout KV [n, L, 2, bs, Hkv, D] into ``block_ids`` of the engine's cache, from outside the engine
     (as a prefill worker writes a decode worker's cache)."""
@@ -288,18 +304,7 @@ def test_prompts_batched_together_each_count_their_share_of_the_steps(tiny_llama
         long, short = prompt_of(120, seed=1), prompt_of(24, seed=2)
         jobs = {}
         for rid, prompt, first in (("long", long, 0), ("short", short, 20)):
-            n = blocks_for(len(prompt))
-            jobs[rid] = PrefillJob(
-                rid,
-                len(prompt),
-                n,
-                "unused",
-                [],
-                landing_blocks=list(range(first, first + n)),
-                landing_num_blocks=cache.shape[2],
-                mapped_cache=cache,
-            )
-            connector.jobs[rid] = jobs[rid]
+            jobs[rid] = connector.jobs[rid] = mapped_job(rid, prompt, cache, first)
             prefill.add_request(prompt, greedy(1), request_id=rid)
         t0 = time.perf_counter()
         while prefill.has_unfinished():
@@ -332,7 +337,6 @@ def test_a_step_whose_every_prompt_was_cancelled_stops_at_its_layer_frees_its_bl
     node = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", serve=False))
     try:
         connector = PoolConnector(node, None, BS, io_timeout_s=30)
-        connector.stops_cancelled_steps = True  # as a prefill worker on our engine sets it (not on vLLM)
         prefill = make_engine(tiny_llama.path, connector=connector, max_num_batched_tokens=128, num_kv_blocks=64)
         connector.bind(prefill.runner.kv_cache)
         free = prefill.num_free_blocks
@@ -341,18 +345,7 @@ def test_a_step_whose_every_prompt_was_cancelled_stops_at_its_layer_frees_its_bl
         a, b = prompt_of(40, seed=1), prompt_of(40, seed=2)
 
         def submit(rid, prompt, first, cancelled) -> None:
-            n = blocks_for(len(prompt))
-            connector.jobs[rid] = PrefillJob(
-                rid,
-                len(prompt),
-                n,
-                "unused",
-                [],
-                landing_blocks=list(range(first, first + n)),
-                landing_num_blocks=cache.shape[2],
-                mapped_cache=cache,
-                cancelled=cancelled,
-            )
+            connector.jobs[rid] = mapped_job(rid, prompt, cache, first, cancelled=cancelled)
             prefill.add_request(prompt, greedy(1), request_id=rid)
 
         gone = LeftAfter(2)  # not yet at layer 0's push, gone by layer 1's

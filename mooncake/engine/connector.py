@@ -56,6 +56,8 @@ class StepCancelled(Exception):
 class KVConnector:
     """Base connector: every hook is a no-op. Subclass and override what you need."""
 
+    stops_cancelled_steps = False  # its engine catches StepCancelled (ours sets it; vLLM's forward must not break off)
+
     def start_step(self, step: ConnectorStep) -> None:
         """Called before the first layer of every step."""
 

@@ -135,6 +135,7 @@ class LLMEngine:
         if config.decode_graphs:
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=config.captures_graphs)
         self.connector = connector or KVConnector()
+        self.connector.stops_cancelled_steps = True  # step() catches StepCancelled
         self.tokenizer = tokenizer
         self.last_step_tokens = 0  # tokens the last step computed
         self.eos_token_ids = (

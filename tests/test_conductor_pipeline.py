@@ -9,7 +9,7 @@ import random
 import pytest
 from conductor_helpers import BT, ROUND, conductor, decode, key, prefill
 
-from benchmarks.sim.model import ModelConfig
+from conductor.planner.costs import ModelConfig
 from conductor.predictors import PipelinePrefillPredictor, PredictorConfig
 from conductor.types import Instance, Load, Role, ScheduleRequest
 

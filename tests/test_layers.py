@@ -24,7 +24,11 @@ ORDER = (
     ("mooncake.vllm_engine",),
     ("mooncake.serving",),  # what the workers share above the engines
     ("kvstore",),
-    ("conductor",),
+    ("conductor",),  # the Conductor's decisions: pure, time passed in
+    ("conductor.planner",),  # capacity: the planner and the twin it checks plans on (runs the decisions above)
+    ("conductor.service",),  # the Conductor's process around both: its state and threads,
+    ("conductor.servicer",),  # its gRPC adapter,
+    ("conductor.__main__",),  # and its command line
     ("prefill", "decode"),
     ("mooncake.gateway",),  # the OpenAI API and its backends (the cluster's, one engine's)
     ("mooncake.cluster",),  # mooncake up's launcher

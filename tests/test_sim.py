@@ -13,11 +13,14 @@ import math
 import pytest
 
 from benchmarks.sim import cli as sim
-from benchmarks.sim.cluster import Cluster, SimConfig
-from benchmarks.sim.model import ModelConfig, NodeCache, TraceRequest, block_key, load_trace, model_config
+from benchmarks.sim.model import block_key, load_trace
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
 from conductor.local import LocalPrefill
+from conductor.planner.costs import ModelConfig, model_config
+from conductor.planner.nodecache import NodeCache
+from conductor.planner.state import SimConfig, TraceRequest
+from conductor.planner.twin import Cluster
 from conductor.policies import PolicyKind
 from conductor.types import KeyChain
 from kvstore.events import Tier

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.sim import cli as sim
-from benchmarks.sim.cluster import HEARTBEAT_S, SimConfig
-from benchmarks.sim.model import load_trace, model_config
+from benchmarks.sim.model import load_trace
+from conductor.planner.costs import model_config
+from conductor.planner.state import HEARTBEAT_S, SimConfig
 from conductor.types import Instance
 
 TRACE = sim.DEFAULT_TRACE

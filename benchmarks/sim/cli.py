@@ -11,9 +11,9 @@ Conductor.
 Every scheduling decision is made by ``conductor.core.Conductor`` (the same object the gRPC
 service wraps), with its policies, admission, predictors and KV index; the simulator only
 supplies time, the cost of work, and the reports a real cluster would send back
-(benchmarks/sim/cluster.py). The cost models and the trace are in benchmarks/sim/model.py.
+(conductor/planner/twin.py). The cost models are in conductor/planner/costs.py, the trace in benchmarks/sim/model.py.
 
-Model and assumptions (sources in benchmarks/sim/model.py, ModelConfig):
+Model and assumptions (sources in conductor/planner/costs.py, ModelConfig):
 
 - Trace: Mooncake's conversation trace (benchmarks/traces/README.md). ``hash_ids`` name 512-token
   blocks and are already prefix-chained, so the key of id h is blake2b(h, 16 bytes); only
@@ -75,8 +75,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks.sim.cluster import HEARTBEAT_S, STEP_BUDGET_TOKENS, SimConfig
-from benchmarks.sim.model import DECODE_PROFILES, model_config
 from benchmarks.sim.run import (
     DEFAULT_TRACE,
     EVICTIONS,
@@ -90,6 +88,8 @@ from benchmarks.sim.run import (
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
 from conductor.local import LocalPrefill
+from conductor.planner.costs import DECODE_PROFILES, model_config
+from conductor.planner.state import HEARTBEAT_S, STEP_BUDGET_TOKENS, SimConfig
 from conductor.policies import PolicyKind
 from conductor.predictors import PredictorConfig
 
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay the Mooncake trace on a simulated cluster whose every placement and admission "
         "decision is made by the real Conductor (conductor.core). Models and assumptions: "
         "the module docstring of benchmarks/sim/cli.py and benchmarks/README.md.",
-        epilog="Model (every constant and its source: benchmarks/sim/model.py, ModelConfig; benchmarks/README.md):\n"
+        epilog="Model (every constant and its source: conductor/planner/costs.py, ModelConfig; benchmarks/README.md):\n"
         "  LLaMA3-70B-shaped model, 320 KiB of KV a token (a 512-token block is 160 MiB), one node of\n"
         "  8 x A800 per instance. Prefill: 20 ms + 0.141 ms a new token + attention (40% MFU), one\n"
         "  request at a time, FIFO. Decode: continuous batching, 12.4 ms + 0.1 ms a request + 28.7 ns\n"

@@ -18,11 +18,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.sim.cluster import SimConfig
-from benchmarks.sim.model import load_trace, model_config
+from benchmarks.sim.model import load_trace
 from benchmarks.sim.run import DEFAULT_TRACE, simulate
 from conductor.admission import AdmissionKind
 from conductor.local import LocalPrefill
+from conductor.planner.costs import model_config
+from conductor.planner.state import SimConfig
 
 FIGURES = (
     "requests",

@@ -41,10 +41,11 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.sim import run as sim
-from benchmarks.sim.cluster import HEARTBEAT_S, STEP_BUDGET_TOKENS, SimConfig
-from benchmarks.sim.model import load_trace, model_config
+from benchmarks.sim.model import load_trace
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
+from conductor.planner.costs import model_config
+from conductor.planner.state import HEARTBEAT_S, STEP_BUDGET_TOKENS, SimConfig
 from conductor.policies import PolicyKind
 
 NODES = 8

@@ -13,9 +13,10 @@ from rich.table import Table
 
 from benchmarks.benchutil import percentile
 from benchmarks.replay import describe_predictions, prediction_errors
-from benchmarks.sim.cluster import REJECTED_AT_DECODE, Cluster, Record, SimConfig
 from benchmarks.sim.model import load_trace
 from benchmarks.trace import DEFAULT_TRACE
+from conductor.planner.state import REJECTED_AT_DECODE, Record, SimConfig
+from conductor.planner.twin import Cluster
 
 EVICTIONS = ("lru", "lfu", "length")
 

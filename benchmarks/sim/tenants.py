@@ -25,11 +25,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.sim.cluster import Cluster, Record, SimConfig
-from benchmarks.sim.model import load_trace, model_config
+from benchmarks.sim.model import load_trace
 from benchmarks.sim.run import DEFAULT_TRACE, summarize
 from conductor.admission import AdmissionKind
 from conductor.forecast import ForecastKind
+from conductor.planner.costs import model_config
+from conductor.planner.state import Record, SimConfig
+from conductor.planner.twin import Cluster
 
 SHARE = 4  # one request in SHARE is tenant b / the high class
 

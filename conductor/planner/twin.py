@@ -59,229 +59,29 @@ arrived on its node after the decision are not used (the Conductor did not plan 
 from __future__ import annotations
 
 import heapq
-import math
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.sim.model import Jitter, ModelConfig, NodeCache, TraceRequest
-from conductor.admission import AdmissionKind
 from conductor.config import ConductorConfig
 from conductor.core import Conductor
-from conductor.forecast import ForecastKind
-from conductor.local import LocalPrefill
-from conductor.policies import PolicyConfig, PolicyKind
-from conductor.predictors import PredictorConfig
-from conductor.types import (
-    PREFILL_BUSY_BEAT_S,
-    Decision,
-    Instance,
-    Load,
-    Rejection,
-    Role,
-    ScheduleRequest,
-    Slo,
-    Wait,
+from conductor.planner.costs import Jitter
+from conductor.planner.nodecache import NodeCache
+from conductor.planner.state import (
+    CALIBRATION_SHARES,
+    REJECTED_AT_DECODE,
+    DecodeInstance,
+    PrefillInstance,
+    Record,
+    SimConfig,
+    TraceRequest,
+    tbt_of,
 )
+from conductor.policies import PolicyConfig
+from conductor.types import Instance, Load, Rejection, Role, ScheduleRequest, Slo, Wait
 from kvstore.events import Tier
 
-REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
 _PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT, _LOCAL_READY, _ASK_AGAIN = 0, 1, 2, 3, 4, 5, 6
-HEARTBEAT_S = 2.5  # a real worker's heartbeat period: ConductorConfig.heartbeat_timeout_s (10 s) x conductor.service's
-# HEARTBEAT_INTERVAL_FRACTION (0.25), which the Conductor hands each worker as it registers
-CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # prefill.worker's calibrate: prompts of these shares of its step budget
-STEP_BUDGET_TOKENS = (
-    4096  # a worker's step budget on a GPU (mooncake.engine.config's CUDA_BATCHED_TOKENS; not imported:
-)
-# that module pulls in torch)
-
-
-@dataclass
-class SimConfig:
-    prefill: int = 8  # prefill nodes
-    decode: int = 8
-    group_size: int = 1  # prefill nodes per chunked-pipeline group (one prefill instance each; 1: every node alone)
-    pipeline_groups: int | None = None  # how many groups (the other nodes serve alone); None: every node in one
-    prefill_chunk: int = 2048  # *free*: a pipeline group's chunk of a prompt (tokens)
-    policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
-    admission: AdmissionKind = AdmissionKind.NONE
-    cache_blocks: int | None = None  # DRAM blocks per prefill node (None: unbounded)
-    ssd_blocks: int = 0  # SSD blocks per prefill node (0: no SSD tier)
-    eviction: str = "lru"
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.1
-    tbt_headroom: float = (
-        0.9  # the Conductor's and each decode instance's: mean step held under this share of the TBT SLO
-    )
-    decode_forecast: ForecastKind = ForecastKind.SURVIVAL
-    local_prefill: LocalPrefill = LocalPrefill.NEVER  # where prompts are computed (conductor.local)
-    local_chunk: int = STEP_BUDGET_TOKENS  # a decode instance's step budget: the chunk of a prompt it computes itself
-    local_max_load: float = ConductorConfig.model_fields[
-        "local_max_load"
-    ].default  # auto: a decode instance computes prompts
-    # while its step is at most this share of the TBT limit
-    threshold: float = 1.5  # kvcache_balancing_threshold
-    tier_aware: bool = False
-    seed: int = 0
-    tick_s: float = 0.5
-    heartbeat_s: float = (
-        HEARTBEAT_S  # a prefill instance's heartbeat period (0: on every change of its queue, and every tick)
-    )
-    # its period while it holds prompts, with a beat as each prefill ends (heartbeat_s > 0; the shorter wins);
-    # 0: neither, only the periodic beats (workers before PREFILL_BUSY_BEAT_S)
-    busy_beat_s: float = PREFILL_BUSY_BEAT_S
-    calibrate: bool = (
-        True  # each prefill instance sends calibration samples before the first request (prefill.worker's)
-    )
-    step_budget: int = (
-        STEP_BUDGET_TOKENS  # a node alone's step budget: only its calibration prompts follow it (1/8, 1/2, 1)
-    )
-    model: ModelConfig = field(default_factory=ModelConfig)
-    predictors: PredictorConfig = field(default_factory=PredictorConfig)  # the Conductor's priors (its defaults)
-
-    def validate(self) -> None:
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError(f"need at least one prefill and one decode instance, got {self.prefill} and {self.decode}")
-        grouped = self.prefill if self.pipeline_groups is None else self.pipeline_groups * self.group_size
-        if self.group_size < 1 or grouped % self.group_size or not 0 <= grouped <= self.prefill:
-            raise ValueError(
-                f"{self.prefill} prefill nodes do not hold {self.pipeline_groups} groups of {self.group_size}"
-            )
-        if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
-            raise ValueError("SLOs must be positive")
-        if not 0 < self.tbt_headroom <= 1:
-            raise ValueError(f"tbt_headroom must be in (0, 1], got {self.tbt_headroom}")
-        if self.step_budget < 16:
-            raise ValueError(f"step_budget must be at least 16 tokens, got {self.step_budget}")
-        timeout = ConductorConfig().heartbeat_timeout_s
-        if not 0 <= self.heartbeat_s < timeout:
-            raise ValueError(
-                f"heartbeat_s must be in [0, {timeout}) (the Conductor's heartbeat timeout), got {self.heartbeat_s}"
-            )
-
-    def prefill_shapes(self) -> list[int]:
-        """Each prefill instance's nodes: the groups first, then the nodes alone."""
-        groups = self.prefill // self.group_size if self.pipeline_groups is None else self.pipeline_groups
-        return [self.group_size] * groups + [1] * (self.prefill - groups * self.group_size)
-
-
-@dataclass(slots=True)
-class Record:
-    """What happened to one request."""
-
-    req: TraceRequest
-    rid: str
-    decision: Decision | None = None
-    rejected: str | None = None  # a RejectReason value, or REJECTED_AT_DECODE
-    predicted_ttft_s: float = 0.0
-    predicted_s: float = 0.0  # the Conductor's predicted transfer + prefill time (what it queued)
-    waits: int = 0  # times early_wait told it to wait and ask again
-    tenant: str = ""  # who sent it, its tenant's weight and its priority (benchmarks.sim.tenants; "": no tenants)
-    weight: float = 1.0
-    priority: int = 0
-    prefill_start: float = math.nan
-    prefill_end: float = math.nan
-    local_blocks: int = 0
-    fetched_blocks: int = 0
-    ssd_blocks: int = 0
-    cached_tokens: int = 0
-    load_s: float = 0.0  # SSD reads and the fetch
-    compute_s: float = 0.0
-    join_step: int = -1
-    first_token: float = math.nan
-    finish: float = math.nan
-    tbt_s: float = math.nan
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token - self.req.arrival_s
-
-
-class PrefillInstance:
-    def __init__(self, inst: Instance, cache: NodeCache) -> None:
-        self.inst, self.cache = inst, cache
-        self.queue: deque[Record] = deque()
-        self.queued_predicted_s = 0.0
-        self.running: Record | None = None
-        self.busy_s = 0.0
-        self.received = 0  # requests placed here (they arrive at once: none is ever on its way)
-
-    def load(self, now: float) -> Load:
-        left = 0.0
-        if (rec := self.running) is not None:  # as a real worker counts it: the predicted cost of what is left to do
-            took = rec.load_s + rec.compute_s
-            left = rec.predicted_s * max(0.0, 1.0 - (now - rec.prefill_start) / took) if took > 0 else 0.0
-        return Load(
-            queued_requests=len(self.queue) + (self.running is not None),
-            queued_s=left + self.queued_predicted_s,
-            received_requests=self.received,
-        )
-
-
-class DecodeInstance:
-    """A decode instance's batch, advanced a *run* of steps at a time.
-
-    Between a join and a leave nothing changes but the context (each step adds one token
-    per running request), so the steps up to the next leave are computed at once (numpy)
-    and one event ends them; a request that arrives meanwhile cuts the run short at the
-    first step boundary after it, where it joins. ``durations[i]`` is step i's time.
-    """
-
-    def __init__(self, inst: Instance, kv_tokens: int) -> None:
-        self.inst = inst
-        self.kv_tokens = kv_tokens
-        self.kv_used = 0  # tokens reserved: prompt + output of every running request
-        self.waiting: deque[Record] = deque()
-        self.batch = 0
-        self.context = 0  # at the start of the current run
-        self.finishing: list[tuple[int, int, Record]] = []  # (step count after which it is done, seq, record)
-        self.steps = 0  # completed steps (at the start of the current run)
-        self.durations = np.zeros(1 << 14)
-        self.busy = False
-        self.run_start = 0.0
-        self.run_ends = np.zeros(0)  # offsets from run_start at which the run's steps end
-        self.run_steps = 0  # steps of the current run that will happen (cut short by a join)
-        self.version = 0  # the live run's number: an end event of an older one is ignored
-        self.peak_batch = 0
-        self.last_heartbeat = -math.inf
-        self.locals: deque[Record] = deque()  # prompts it computes itself (conductor.local), first come first served
-        self.local: Record | None = None  # the one computing: its chunks ride on steps [local_from, local_end)
-        self.local_from = self.local_end = 0
-        self.local_chunk_s = 0.0  # what each of its chunks adds to a step (its first also carries its prefix's load)
-
-    def reserve(self, n: int) -> None:
-        while self.steps + n > len(self.durations):
-            self.durations = np.concatenate([self.durations, np.zeros_like(self.durations)])
-
-    def progress(self, now: float) -> int:
-        """Steps of the current run completed by ``now``."""
-        if not self.busy:
-            return 0
-        return min(self.run_steps, int(np.searchsorted(self.run_ends, now - self.run_start, side="right")))
-
-    def load(self, now: float) -> Load:
-        """The heartbeat: batch and context now, and the last completed step's time (with its batch and context)."""
-        done = self.progress(now)
-        load = Load(
-            queued_requests=len(self.waiting),
-            running_requests=self.batch,
-            context_tokens=self.context + done * self.batch,
-            free_kv_blocks=(self.kv_tokens - self.kv_used) // 512,
-        )
-        if done and self.local is None and self.batch:  # (a step a prompt's chunk rode on is no decode step)
-            load.context_tokens -= self.batch  # the completed step's context, to go with its time
-            load.step_s = float(self.durations[self.steps + done - 1])
-        return load
-
-
-def tbt_of(gaps: np.ndarray) -> float:
-    """The paper's TBT: the mean of the longest 10% of a request's token gaps (0 with no gaps)."""
-    if not len(gaps):
-        return 0.0
-    k = max(1, math.ceil(0.1 * len(gaps)))
-    return float(np.partition(gaps, len(gaps) - k)[len(gaps) - k :].mean())
 
 
 class Cluster:

@@ -11,6 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from benchmarks.rate_profile import RateProfile
 from benchmarks.trace import TRACE_BLOCK_TOKENS, open_trace
 from conductor.planner.state import TraceRequest
 from conductor.types import KeyChain
@@ -21,8 +22,11 @@ def block_key(hash_id: int) -> bytes:
     return hashlib.blake2b(hash_id.to_bytes(8, "little"), digest_size=16).digest()
 
 
-def load_trace(path: Path, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake trace (JSON lines); arrival = timestamp / speed. Only full blocks get keys."""
+def load_trace(
+    path: Path, speed: float = 1.0, limit: int | None = None, profile: RateProfile | None = None
+) -> list[TraceRequest]:
+    """Read a Mooncake trace (JSON lines); arrival = timestamp / speed, re-timed by ``profile`` (benchmarks.rate_profile)
+    when given. Only full blocks get keys."""
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     keys_of: dict[int, bytes] = {}
@@ -52,4 +56,7 @@ def load_trace(path: Path, speed: float = 1.0, limit: int | None = None) -> list
                     KeyChain(b"".join(keys)),
                 )
             )
+    if profile is not None and profile.kind != "flat":
+        for r, t in zip(out, profile.retime([r.arrival_s for r in out])):
+            r.arrival_s = float(t)
     return out

@@ -84,6 +84,9 @@ class SimConfig:
     step_budget: int = (
         STEP_BUDGET_TOKENS  # a node alone's step budget: only its calibration prompts follow it (1/8, 1/2, 1)
     )
+    start_s: float = 60.0  # an instance the autoscaler asks for serves this long after (conductor.planner.elastic)
+    plan_interval_s: float = 30.0  # the autoscaler's period
+    retire_quiet_s: float = 3.0  # a drained instance stops once idle and nothing was placed there for this long
     model: ModelConfig = field(default_factory=ModelConfig)
     predictors: PredictorConfig = field(default_factory=PredictorConfig)  # the Conductor's priors (its defaults)
 
@@ -153,6 +156,7 @@ class PrefillInstance:
         self.running: Record | None = None
         self.busy_s = 0.0
         self.received = 0  # requests placed here (they arrive at once: none is ever on its way)
+        self.gone = False  # stopped (conductor.planner.elastic): its beats end
 
     def load(self, now: float) -> Load:
         left = 0.0

@@ -66,9 +66,22 @@ import numpy as np
 from conductor.config import ConductorConfig
 from conductor.core import Conductor
 from conductor.planner.costs import Jitter
+from conductor.planner.elastic import (
+    _ASK_AGAIN,
+    _BEAT,
+    _DECODE_ARRIVE,
+    _LOCAL_READY,
+    _PLAN,
+    _PREFILL_DONE,
+    _READY,
+    _STEP_END,
+    _TICK,
+    Autoscaler,
+    Elastic,
+    Observer,
+)
 from conductor.planner.nodecache import NodeCache
 from conductor.planner.state import (
-    CALIBRATION_SHARES,
     REJECTED_AT_DECODE,
     DecodeInstance,
     PrefillInstance,
@@ -78,16 +91,23 @@ from conductor.planner.state import (
     tbt_of,
 )
 from conductor.policies import PolicyConfig
-from conductor.types import Instance, Load, Rejection, Role, ScheduleRequest, Slo, Wait
+from conductor.types import Load, Rejection, ScheduleRequest, Slo, Wait
 from kvstore.events import Tier
 
-_PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT, _LOCAL_READY, _ASK_AGAIN = 0, 1, 2, 3, 4, 5, 6
 
+class Cluster(Elastic):
+    """One simulation: build with a config and the trace's requests, then ``run()``.
 
-class Cluster:
-    """One simulation: build with a config and the trace's requests, then ``run()``."""
+    ``autoscaler`` (conductor.planner.elastic) changes the pools as it runs; ``observer`` (the planner's
+    ``observe_schedule``, ``observe_decode_started``, ``observe_finished``) hears what the Conductor hears."""
 
-    def __init__(self, config: SimConfig, requests: list[TraceRequest]) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        requests: list[TraceRequest],
+        autoscaler: Autoscaler | None = None,
+        observer: Observer | None = None,
+    ) -> None:
         config.validate()
         self.config = config
         self.model = m = config.model
@@ -112,34 +132,17 @@ class Cluster:
                 ),
             )
         )
-        c = self.conductor
+        self._init_elastic(autoscaler)
+        self.observer = observer
         self.prefills: list[PrefillInstance] = []
         self.caches: dict[str, NodeCache] = {}
-        # a pipeline group of X nodes is one prefill instance; each stage's node holds its layers' 1/X of every
-        # block, so the group's cache is one of X times a node's blocks (and its SSD's)
-        for i, x in enumerate(config.prefill_shapes()):
-            group_blocks = None if config.cache_blocks is None else config.cache_blocks * x
-            node = f"kv{i}"
-            inst = Instance(
-                f"p{i}",
-                Role.PREFILL,
-                f"sim:p{i}",
-                node=node,
-                pipeline_stages=x,
-                pipeline_chunk=config.prefill_chunk if x > 1 else 0,
-            )
-            c.register(inst, 0.0)
-            c.register(Instance(node, Role.KVSTORE, f"sim:{node}", node=node, capacity=group_blocks or 0), 0.0)
-            cache = NodeCache(node, group_blocks, config.ssd_blocks * x, config.eviction, self._index_events)
-            self.caches[node] = cache
-            self.prefills.append(PrefillInstance(inst, cache))
+        self.prefill_of: dict[str, PrefillInstance] = {}
         self.decodes: list[DecodeInstance] = []
-        for i in range(config.decode):
-            inst = Instance(f"d{i}", Role.DECODE, f"sim:d{i}", node=f"kvd{i}")
-            c.register(inst, 0.0)
-            self.decodes.append(DecodeInstance(inst, m.decode_kv_tokens))
-        self.prefill_of = {p.inst.id: p for p in self.prefills}
-        self.decode_of = {d.inst.id: d for d in self.decodes}
+        self.decode_of: dict[str, DecodeInstance] = {}
+        for x in config.prefill_shapes():
+            self._join(self._new_prefill(x, 0.0), 0.0)
+        for _ in range(config.decode):
+            self._join(self._new_decode(0.0), 0.0)
         self.records = [Record(r, f"r{r.index}") for r in requests]
         self.jitter = Jitter(m.noise, config.seed)
         self._heap: list[tuple[float, int, int, object]] = []
@@ -150,19 +153,11 @@ class Cluster:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        """Each prefill instance's start, as prefill.worker's ``calibrate``: the compute time of made-up prompts of
-        1/8, 1/2 and 1 step budget (a pipeline group's: its chunk, as a real group's is its step budget; a node
-        alone's: ``step_budget``, 4,096 tokens by default, a GPU worker's) goes to the Conductor as prefill samples,
-        so its predictors fit from the first request instead of predicting from their priors. (A real pipeline group
-        does not calibrate yet; here it does.) The noise is drawn from its own stream, so the requests' draws are
-        the same with and without it. Called once, before the first request."""
-        m, chunk = self.model, self.config.prefill_chunk
-        jitter = Jitter(m.noise, (self.config.seed, 1))
+        """Each prefill instance calibrates before the first request (``Elastic.calibrate``). The noise is drawn from
+        its own stream, so the requests' draws are the same with and without it."""
+        jitter = Jitter(self.model.noise, (self.config.seed, 1))
         for p in self.prefills:
-            x = p.inst.pipeline_stages
-            budget = chunk if x > 1 else self.config.step_budget
-            for n in (max(2, round(share * budget)) for share in CALIBRATION_SHARES):
-                self.conductor.prefill_sample(n, 0, m.pipelined_prefill_s(n, 0, x, chunk) * jitter(), p.inst.id)
+            self.calibrate(p, jitter)
 
     def _index_events(self, node: str, events: list[tuple[bool, bytes, Tier, bytes | None]]) -> None:
         """A node's block events, in order, to the Conductor's index.
@@ -208,8 +203,11 @@ class Cluster:
         if beat_s:
             for i, p in enumerate(self.prefills):  # the workers started at different moments: phases spread evenly
                 self._push((i + 1) * beat_s / len(self.prefills), _BEAT, p)
-        periodic = 1 + (len(self.prefills) if beat_s else 0)  # the tick and the beats: always in the heap
-        while nxt < len(records) or len(heap) > periodic:
+            self._periodic += len(self.prefills)
+        if self.autoscaler is not None:
+            self._periodic += 1
+            self._push(self.config.plan_interval_s, _PLAN, None)
+        while nxt < len(records) or len(heap) > self._periodic:
             if nxt < len(records) and (not heap or records[nxt].req.arrival_s <= heap[0][0]):
                 rec = records[nxt]
                 nxt += 1
@@ -233,6 +231,10 @@ class Cluster:
                 self._local_ready(*what)
             elif kind == _ASK_AGAIN:
                 self._arrive(what)
+            elif kind == _READY:
+                self._ready(what)
+            elif kind == _PLAN:
+                self._plan()
             else:
                 self._tick()
         if progress is not None:
@@ -248,11 +250,16 @@ class Cluster:
         for d in self.decodes:
             c.heartbeat(d.inst.id, d.load(now), now)
         c.expire(now)
+        if c.retiring:
+            self._retire_idle()
         self._push(now + self.config.tick_s, _TICK, None)
 
     def _beat(self, p: PrefillInstance) -> None:
         """A prefill instance's periodic heartbeat (``heartbeat_s`` > 0), and the next one: ``busy_beat_s`` later while
-        it holds prompts, as a real worker's (ConductorLink's busy interval)."""
+        it holds prompts, as a real worker's (ConductorLink's busy interval). A stopped one beats no more."""
+        if p.gone:
+            self._periodic -= 1
+            return
         self.conductor.heartbeat(p.inst.id, p.load(self.now), self.now)
         busy = self.config.busy_beat_s > 0 and (p.running is not None or bool(p.queue))
         period = min(self.config.heartbeat_s, self.config.busy_beat_s) if busy else self.config.heartbeat_s
@@ -270,19 +277,19 @@ class Cluster:
         """A request arrives (or, told to wait by early_wait, asks again)."""
         r = rec.req
         waited = self.now - r.arrival_s
-        out = self.conductor.schedule(
-            ScheduleRequest(
-                rec.rid,
-                r.chain,
-                r.prompt_tokens,
-                self.model.block_tokens,
-                priority=rec.priority,
-                tenant=rec.tenant,
-                tenant_weight=rec.weight,
-                waited_s=waited,
-            ),
-            self.now,
+        req = ScheduleRequest(
+            rec.rid,
+            r.chain,
+            r.prompt_tokens,
+            self.model.block_tokens,
+            priority=rec.priority,
+            tenant=rec.tenant,
+            tenant_weight=rec.weight,
+            waited_s=waited,
         )
+        out = self.conductor.schedule(req, self.now)
+        if self.observer is not None:
+            self.observer.observe_schedule(self.now, req, out)
         if isinstance(out, Wait):
             rec.waits += 1
             self._push(self.now + out.wait_s, _ASK_AGAIN, rec)
@@ -312,8 +319,8 @@ class Cluster:
         m, now, keys, plan = self.model, self.now, rec.req.keys, rec.decision.plan
         local = p.cache.leading(keys, 0, plan.local_blocks)
         fetched = 0
-        if plan.fetch_blocks and local == plan.local_blocks:
-            src = self.caches[plan.fetch_node]
+        src = self.caches.get(plan.fetch_node) if plan.fetch_blocks else None  # (None: its node has stopped since)
+        if src is not None and local == plan.local_blocks:
             fetched = src.leading(keys, local, local + plan.fetch_blocks)
         p.cache.leased = set(keys[: local + fetched])  # before the reads: a promotion may evict, never these
         ssd = p.cache.read(keys[:local])
@@ -404,6 +411,8 @@ class Cluster:
             self.conductor.decode_started(
                 rec.rid, now, rec.prefill_end - rec.req.arrival_s
             )  # as a decode worker: its prefill answered
+            if self.observer is not None:
+                self.observer.observe_decode_started(rec.rid, now)
         if d.local is None and d.locals:
             self._start_local(d)
         if not d.batch and d.local is None:
@@ -513,6 +522,8 @@ class Cluster:
             d.context -= rec.req.prompt_tokens + rec.req.output_tokens
             d.kv_used -= rec.req.prompt_tokens + rec.req.output_tokens
             c.finished(rec.rid, now)
+            if self.observer is not None:
+                self.observer.observe_finished(rec.rid, now, rec.req.output_tokens)
         d.busy = False
         c.heartbeat(d.inst.id, load, now)
         self._start_run(d)

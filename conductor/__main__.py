@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 
+import pydantic
 from prometheus_client import start_http_server
 
 from conductor.audit import PredictionLog
@@ -23,6 +24,7 @@ from conductor.config import ConductorConfig
 from conductor.fastpath import start_fast_path
 from conductor.leader import LeaderLease
 from conductor.persistence import RedisStore, make_store
+from conductor.planner.planner import PlannerConfig
 from conductor.policies import PolicyConfig
 from conductor.pool import make_provider
 from conductor.predictors import PredictorConfig
@@ -106,6 +108,20 @@ def parser() -> argparse.ArgumentParser:
         "kubernetes (the pools' Deployments), none (refused)",
     )
     p.add_argument("--pool-control", help="local: the launcher's control URL")
+    g = p.add_argument_group(
+        "capacity planner (conductor.planner)",
+        "every interval it forecasts the load, sizes both pools to the SLOs from the learnt predictors, checks the "
+        "counts on its twin, and scales through the pool provider (`mooncake plan` shows its reasoning)",
+    )
+    g.add_argument(
+        "--planner",
+        choices=["off", "act", "advise"],
+        default="off",
+        help="act: scale the pools to the plans (needs --pool-provider); advise: plan and export "
+        "mooncake_planner_desired_instances for KEDA or an HPA, scaling nothing; off: plan only when asked",
+    )
+    for name in ("interval_s", "start_s", "cooldown_s", "min_prefill", "max_prefill", "min_decode", "max_decode"):
+        field_arg(g, PlannerConfig, name, "--planner-" + name.removesuffix("_s").replace("_", "-"))
     p.add_argument("--namespace", default="default", help="kubernetes: the pools' namespace")
     p.add_argument("--prefill-deployment", default="mooncake-prefill", help="kubernetes: the prefill pool's Deployment")
     p.add_argument("--decode-deployment", default="mooncake-decode", help="kubernetes: the decode pool's Deployment")
@@ -160,6 +176,25 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
     )
 
 
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    try:
+        config = PlannerConfig(
+            interval_s=args.planner_interval,
+            start_s=args.planner_start,
+            cooldown_s=args.planner_cooldown,
+            min_prefill=args.planner_min_prefill,
+            max_prefill=args.planner_max_prefill,
+            min_decode=args.planner_min_decode,
+            max_decode=args.planner_max_decode,
+        )
+    except pydantic.ValidationError as e:
+        raise ValueError(f"bad planner setting: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+    for role in ("prefill", "decode"):
+        if getattr(config, f"min_{role}") > getattr(config, f"max_{role}"):
+            raise ValueError(f"--planner-min-{role} is above --planner-max-{role}")
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s conductor[%(process)d] %(message)s")
@@ -173,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             args.namespace,
             {Role.PREFILL: args.prefill_deployment, Role.DECODE: args.decode_deployment},
         )
+        planner = None if args.planner == "off" else planner_config(args)
+        if args.planner == "act" and args.pool_provider == "none":
+            raise ValueError("--planner act scales the pools: it needs --pool-provider local or kubernetes")
     except (ValueError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -183,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         provider=provider,
         standby=elected,
         prediction_log=PredictionLog(args.prediction_log) if args.prediction_log else None,
+        planner=planner,
+        planner_acts=args.planner == "act",
     )
     try:
         server, port = start_server(service, args.host, args.port, operator_token=operator_token)
@@ -222,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "local_prefill": c.local_prefill.value,
         "recovered_instances": len(c.instances),
         "leading": service.leading.is_set(),
+        "planner": args.planner,
     }
     gc.freeze()  # what start-up made stays out of every full collection (a pause there delays every decision)
     sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -75,6 +75,24 @@ class Metrics:
             "the Conductor has learnt it (decode workers report each)",
             registry=r,
         )
+        # the capacity planner (conductor.planning): what KEDA or an HPA scales on when the planner only advises
+        self.planner_desired = Gauge(
+            "mooncake_planner_desired_instances", "The planner's count for each pool", ["role"], registry=r
+        )
+        self.planner_forecast = {  # what the last plan forecast for the next interval
+            name: Gauge(f"mooncake_planner_forecast_{name}", text, registry=r)
+            for name, text in (
+                ("rate", "Requests a second"),
+                ("prompt_tokens", "A prompt's mean tokens"),
+                ("uncached_tokens", "A prompt's mean tokens not in the pool (what prefill computes)"),
+                ("output_tokens", "An answer's mean tokens"),
+            )
+        }
+        self.planner_twin_attainment = Gauge(
+            "mooncake_planner_twin_attainment",
+            "The share of the window's requests within both SLOs on the twin, with the planned counts",
+            registry=r,
+        )
 
     def admitted(self, tenant: str, priority: int, outcome: str) -> None:
         """One Schedule outcome (scheduled, wait, or a refusal's reason) of ``tenant`` at ``priority``."""

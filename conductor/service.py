@@ -20,6 +20,8 @@ from conductor.core import Conductor
 from conductor.index import chains_of
 from conductor.metrics import Metrics
 from conductor.persistence import MemoryStore
+from conductor.planner.planner import PlannerConfig
+from conductor.planning import PlannerLoop
 from conductor.pool import NoProvider, PoolProvider
 from conductor.rehome import rehome, wait_leases_ended
 from conductor.types import (
@@ -87,9 +89,13 @@ class ConductorService:
         retire_quiet_s: float = 3.0,
         standby: bool = False,
         prediction_log: PredictionLog | None = None,
+        planner: PlannerConfig | None = None,
+        planner_acts: bool = False,
     ) -> None:
         """``standby``: start without serving (another Conductor leads); ``take_over`` makes it the leader.
-        ``prediction_log``: where each scored prediction goes (conductor.audit; None: nowhere)."""
+        ``prediction_log``: where each scored prediction goes (conductor.audit; None: nowhere). ``planner``: plan
+        every interval (conductor.planning; None: only when asked, ``plan_now``), and with ``planner_acts`` scale
+        the pools to the plans."""
         self.config = config
         self.prediction_log = prediction_log
         self.conductor = Conductor(config)
@@ -108,6 +114,9 @@ class ConductorService:
         )
         if not standby:
             self.take_over()
+        self.planning = PlannerLoop(self, planner or PlannerConfig(), acting=planner_acts)
+        if planner is not None:
+            self.planning.start()
         self._expirer = threading.Thread(
             target=self._expire_loop, args=(expire_every_s,), name="conductor-expire", daemon=True
         )
@@ -257,7 +266,9 @@ class ConductorService:
     def schedule(self, req: ScheduleRequest):
         started = time.perf_counter()
         with self._lock:
-            outcome = self.conductor.schedule(req, time.monotonic())
+            now = time.monotonic()
+            outcome = self.conductor.schedule(req, now)
+            self.planning.planner.observe_schedule(now, req, outcome)
             policy = self.conductor.policy.kind.value
             if isinstance(outcome, Decision):
                 addresses = {i.id: i.address for i in self.conductor.instances.values()}
@@ -307,10 +318,13 @@ class ConductorService:
                     self.conductor.handoff_sample(e.handoff_s)
                     self.metrics.handoff.set(self.conductor.handoff_s)
                 parts = e.measured_ttft_s, e.queue_s, e.prefill_s
+                planner = self.planning.planner
                 if e.kind == pb.RequestEvent.DECODE_STARTED:
                     predicted = self.conductor.decode_started(e.request_id, now, *parts)
+                    planner.observe_decode_started(e.request_id, now)
                 elif e.kind == pb.RequestEvent.FINISHED:
                     predicted = self.conductor.finished(e.request_id, now, *parts)
+                    planner.observe_finished(e.request_id, now, e.output_tokens)
                 else:
                     raise ValueError(f"request event of unknown kind {e.kind} for {e.request_id!r}")
                 if predicted is not None:  # its first measured TTFT
@@ -456,6 +470,7 @@ class ConductorService:
 
     def close(self) -> None:
         self._stop.set()
+        self.planning.stop()
         for instance_id in list(self._watchers):
             self._unwatch(instance_id)
 

@@ -5,6 +5,7 @@ answers UNAVAILABLE), the operator's calls checked (conductor.auth), and the ser
 from __future__ import annotations
 
 import functools
+import time
 from concurrent import futures
 
 import grpc
@@ -250,7 +251,21 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             control_port=self.service.control_port,
             admin_open=self.operator.open,
             insecure=tls.identity() is None,
+            plan=self._plan_pb(self.service.planning.last),
         )
+
+    def _plan_pb(self, plan) -> pb.PlanResponse:
+        loop = self.service.planning
+        out = pb.PlanResponse(acting=loop.acting, interval_s=loop.config.interval_s)
+        if plan is not None:
+            out.prefill, out.decode, out.forecast_rate = plan.prefill, plan.decode, plan.rate
+            out.age_s, out.reasoning = max(0.0, time.monotonic() - plan.at), plan.describe()
+        return out
+
+    @_status
+    def Plan(self, request, context):
+        """The planner's last plan, or (``now``) one made now on a copy of it: asking changes nothing."""
+        return self._plan_pb(self.service.planning.plan_now() if request.now else self.service.planning.last)
 
     @_status
     def Drain(self, request, context):

@@ -68,6 +68,7 @@ class Decoding:
         self.handoff_s = 0.0  # of it, all but the prefill worker's own queue and prefill (0: not measured, or reported)
         self.parts = (0.0, 0.0)  # and those two: the prefill worker's own queue and prefill (the Conductor's errors)
         self.written = None  # its write-behind (decode.writeback.Written), once it has one
+        self.output_tokens = 0  # generated so far (the Conductor's planner learns output lengths from the last count)
         self._left = False  # counted out of the worker's requests in prefill
         with worker._count_lock:
             worker._in_prefill += 1
@@ -154,7 +155,7 @@ class Decoding:
             self.worker.loop.abort(self.request_id)  # a no-op once it finished
         if self.worker.link is not None:
             self.worker.link.finished(
-                self.request_id, self.ttft_s, self.handoff_s, *self.parts
+                self.request_id, self.ttft_s, self.handoff_s, *self.parts, output_tokens=self.output_tokens
             )  # out of the Conductor's decode forecast
         self.state = DecodeState.DONE
 

@@ -331,6 +331,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
                 raise RuntimeError(f"the decode engine failed: {out}")
             extra = first(out) if first is not None else {}
             first = None
+            run.output_tokens = len(out.output_token_ids)
             # a finished output's text is the engine's, cut before a stop string the new token completed
             text = stream.finish(out.text) if out.finished else stream.push(out.new_token_ids)
             yield wpb.GenerateChunk(

@@ -134,7 +134,7 @@ class TransferSample(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class RequestEvent(_message.Message):
-    __slots__ = ("request_id", "kind", "measured_ttft_s", "handoff_s", "queue_s", "prefill_s")
+    __slots__ = ("request_id", "kind", "measured_ttft_s", "handoff_s", "queue_s", "prefill_s", "output_tokens")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RequestEvent.Kind]
@@ -149,13 +149,15 @@ class RequestEvent(_message.Message):
     HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: RequestEvent.Kind
     measured_ttft_s: float
     handoff_s: float
     queue_s: float
     prefill_s: float
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("id", "prefill", "transfer", "requests")
@@ -360,7 +362,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., placed_in_prefill: _Optional[int] = ..., placed_decoding: _Optional[int] = ..., landing_held: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port", "admin_open", "insecure")
+    __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port", "admin_open", "insecure", "plan")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +379,7 @@ class ListInstancesResponse(_message.Message):
     CONTROL_PORT_FIELD_NUMBER: _ClassVar[int]
     ADMIN_OPEN_FIELD_NUMBER: _ClassVar[int]
     INSECURE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     policy: str
     admission: str
@@ -386,7 +389,8 @@ class ListInstancesResponse(_message.Message):
     control_port: int
     admin_open: bool
     insecure: bool
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., control_port: _Optional[int] = ..., admin_open: _Optional[bool] = ..., insecure: _Optional[bool] = ...) -> None: ...
+    plan: PlanResponse
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., control_port: _Optional[int] = ..., admin_open: _Optional[bool] = ..., insecure: _Optional[bool] = ..., plan: _Optional[_Union[PlanResponse, _Mapping]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("id", "remove")
@@ -451,3 +455,27 @@ class ScalePoolResponse(_message.Message):
     started: _containers.RepeatedScalarFieldContainer[str]
     draining: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, provider: _Optional[str] = ..., alive: _Optional[int] = ..., started: _Optional[_Iterable[str]] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("now",)
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    now: bool
+    def __init__(self, now: _Optional[bool] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("acting", "prefill", "decode", "forecast_rate", "age_s", "reasoning", "interval_s")
+    ACTING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_RATE_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    acting: bool
+    prefill: int
+    decode: int
+    forecast_rate: float
+    age_s: float
+    reasoning: str
+    interval_s: float
+    def __init__(self, acting: _Optional[bool] = ..., prefill: _Optional[int] = ..., decode: _Optional[int] = ..., forecast_rate: _Optional[float] = ..., age_s: _Optional[float] = ..., reasoning: _Optional[str] = ..., interval_s: _Optional[float] = ...) -> None: ...

@@ -84,6 +84,11 @@ class ConductorStub:
                 request_serializer=protos_dot_conductor__pb2.ScalePoolRequest.SerializeToString,
                 response_deserializer=protos_dot_conductor__pb2.ScalePoolResponse.FromString,
                 _registered_method=True)
+        self.Plan = channel.unary_unary(
+                '/mooncake.conductor.Conductor/Plan',
+                request_serializer=protos_dot_conductor__pb2.PlanRequest.SerializeToString,
+                response_deserializer=protos_dot_conductor__pb2.PlanResponse.FromString,
+                _registered_method=True)
 
 
 class ConductorServicer:
@@ -150,6 +155,12 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Plan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +213,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.ScalePool,
                     request_deserializer=protos_dot_conductor__pb2.ScalePoolRequest.FromString,
                     response_serializer=protos_dot_conductor__pb2.ScalePoolResponse.SerializeToString,
+            ),
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=protos_dot_conductor__pb2.PlanRequest.FromString,
+                    response_serializer=protos_dot_conductor__pb2.PlanResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +490,33 @@ class Conductor:
             '/mooncake.conductor.Conductor/ScalePool',
             protos_dot_conductor__pb2.ScalePoolRequest.SerializeToString,
             protos_dot_conductor__pb2.ScalePoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.conductor.Conductor/Plan',
+            protos_dot_conductor__pb2.PlanRequest.SerializeToString,
+            protos_dot_conductor__pb2.PlanResponse.FromString,
             options,
             channel_credentials,
             insecure,

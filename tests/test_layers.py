@@ -26,6 +26,7 @@ ORDER = (
     ("kvstore",),
     ("conductor",),  # the Conductor's decisions: pure, time passed in
     ("conductor.planner",),  # capacity: the planner and the twin it checks plans on (runs the decisions above)
+    ("conductor.planning",),  # the planner in the running Conductor: its thread, metrics, acting
     ("conductor.service",),  # the Conductor's process around both: its state and threads,
     ("conductor.servicer",),  # its gRPC adapter,
     ("conductor.__main__",),  # and its command line

@@ -1,13 +1,13 @@
 """Who sizes the simulated pools: the Conductor's planner, or a reactive baseline as an HPA would run it.
 
-    planner   conductor.planner: the Conductor's forecast, its sizing from its learnt predictors, each plan checked
-              on the twin (a simulation inside the simulation, of the window it saw), hysteresis and cool-down
-    queue     the Kubernetes HPA's rule on queue length: desired = ceil(current x metric / target), left alone
-              within 10% of the target, scaling down to the highest desire of the last 5 minutes (the HPA's
-              stabilization window). Metrics: prompts waiting or running per prefill instance (target
-              ``prefill_queue``), requests waiting to join a batch per decode instance (target ``decode_queue``)
-              plus a share of their batch's room used (``decode_batch``: running requests over the batch the
-              TBT cap allows, measured as the HPA would see a utilization metric)
+planner   conductor.planner: the Conductor's forecast, its sizing from its learnt predictors, each plan checked
+          on the twin (a simulation inside the simulation, of the window it saw), hysteresis and cool-down
+queue     the Kubernetes HPA's rule on queue length: desired = ceil(current x metric / target), left alone
+          within 10% of the target, scaling down to the highest desire of the last 5 minutes (the HPA's
+          stabilization window). Metrics: prompts waiting or running per prefill instance (target
+          ``prefill_queue``), requests waiting to join a batch per decode instance (target ``decode_queue``)
+          plus a share of their batch's room used (``decode_batch``: running requests over the batch the
+          TBT cap allows, measured as the HPA would see a utilization metric)
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ def block_key(hash_id: int) -> bytes:
 def load_trace(
     path: Path, speed: float = 1.0, limit: int | None = None, profile: RateProfile | None = None
 ) -> list[TraceRequest]:
-    """Read a Mooncake trace (JSON lines); arrival = timestamp / speed, re-timed by ``profile`` (benchmarks.rate_profile)
-    when given. Only full blocks get keys."""
+    """Read a Mooncake trace (JSON lines); arrival = timestamp / speed, re-timed by ``profile``
+    (benchmarks.rate_profile) when given. Only full blocks get keys."""
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     keys_of: dict[int, bytes] = {}

@@ -17,6 +17,7 @@ app.command("chat")(chat_cmd.chat)
 app.command("generate")(chat_cmd.generate)
 app.command("up")(up_cmd.up)
 app.command("status")(pool_cmd.status)
+app.command("plan")(pool_cmd.plan)
 app.add_typer(pool_cmd.app, name="pool")
 app.command(
     "serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}

@@ -1,5 +1,5 @@
-"""The operator's commands: ``mooncake status``, ``mooncake pool scale``, ``mooncake pool drain`` (through the
-Conductor)."""
+"""The operator's commands: ``mooncake status``, ``mooncake plan``, ``mooncake pool scale``, ``mooncake pool drain``
+(through the Conductor)."""
 
 from __future__ import annotations
 
@@ -117,6 +117,7 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             if listing.insecure
             else ""
         )
+        + _plan_line(listing.plan)
     )
     for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
         t.add_column(c, justify="left" if c in ("instance", "role", "address", "state") else "right")
@@ -150,6 +151,37 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             load = running = hit = "-"
         t.add_row(i.id, role, i.address, state, load, running, kv, hit, f"{i.heartbeat_age_s:.1f} s ago")
     return t
+
+
+def _plan_line(plan: pb.PlanResponse) -> str:
+    if not plan.prefill:
+        return ""
+    mode = "scaling to it" if plan.acting else "advice only"
+    return (
+        f"\nplanner ({mode}): {plan.prefill} prefill, {plan.decode} decode for {plan.forecast_rate:.2f} req/s, "
+        f"planned {plan.age_s:.0f} s ago (`mooncake plan` says why)"
+    )
+
+
+def plan(
+    conductor: Optional[str] = ConductorOpt,
+    last: bool = typer.Option(
+        False, "--last", help="The plan the Conductor made last (what it acted on), not one made now"
+    ),
+) -> None:
+    """The capacity planner's reasoning: the forecast load, each pool's count and what set it, the twin's runs.
+
+    By default the Conductor makes a plan now from what it holds (its window of requests and its learnt predictors)
+    on a copy of its planner: nothing is scaled and its next plan is unchanged. Started with --planner act, the
+    Conductor scales the pools to its plans every interval; with --planner advise it only exports them."""
+    address = conductor_address(conductor)
+    r = _call(_stub(address).Plan, pb.PlanRequest(now=not last), address)
+    if not r.reasoning:
+        console.print("no plan yet: the planner has not planned (it plans every interval with --planner)")
+        return
+    mode = "acting: it scales the pools to its plans" if r.acting else "advising: it scales nothing"
+    console.print(f"[bold]planner[/bold] ({mode}; every {r.interval_s:.0f} s)")
+    console.print(r.reasoning, markup=False, highlight=False)
 
 
 def status(

@@ -101,6 +101,13 @@ class ClusterConfig(BaseModel):
         description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
         "never (a prefill worker) or always (the decode worker itself)",
     )
+    planner: str = Field(
+        "off",
+        pattern="^(off|act|advise)$",
+        description="The Conductor's capacity planner: act (scale the prefill and decode pools to its plans every "
+        "interval), advise (plan and export them, scale nothing) or off (`mooncake plan` still asks for one)",
+    )
+    planner_interval_s: float = Field(30.0, gt=0, description="Seconds between the planner's plans")
     ttft_slo_s: float = Field(DEFAULT_SLO.ttft_s, gt=0, description="TTFT SLO in seconds")
     tbt_slo_s: float = Field(
         DEFAULT_SLO.tbt_s, gt=0, description="TBT SLO in seconds (CPU decode steps are tens of ms)"

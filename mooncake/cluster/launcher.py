@@ -224,6 +224,7 @@ class LocalCluster:
             tbt_slo=c.tbt_slo_s,
             redis_url=c.redis_url,
             **(provider if self._control else {}),
+            **(dict(planner=c.planner, planner_interval=c.planner_interval_s) if c.planner != "off" else {}),
             operator_token_file=self.operator_token_file,
             prediction_log=self.run_dir / "logs" / f"{name}-predictions.jsonl",  # conductor.audit
         )

@@ -110,10 +110,12 @@ class ConductorLink:
         handoff_s: float = 0.0,
         queue_s: float = 0.0,
         prefill_s: float = 0.0,
+        output_tokens: int = 0,
     ) -> None:
         """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``,
-        ``queue_s`` and ``prefill_s``: its parts, when not reported with DECODE_STARTED."""
-        self._event(pb.RequestEvent.FINISHED, request_id, measured_ttft_s, handoff_s, queue_s, prefill_s)
+        ``queue_s`` and ``prefill_s``: its parts, when not reported with DECODE_STARTED; ``output_tokens``: what it
+        generated (0: not known)."""
+        self._event(pb.RequestEvent.FINISHED, request_id, measured_ttft_s, handoff_s, queue_s, prefill_s, output_tokens)
 
     def beat_soon(self) -> None:
         """The load changed (a prefill worker's prompt ended): heartbeat now (at most every ``MIN_BEAT_GAP_S``), so the
@@ -121,7 +123,16 @@ class ConductorLink:
         self._beat_soon = True
         self._wake.set()
 
-    def _event(self, kind, request_id: str, ttft_s: float, handoff_s: float, queue_s: float, prefill_s: float) -> None:
+    def _event(
+        self,
+        kind,
+        request_id: str,
+        ttft_s: float,
+        handoff_s: float,
+        queue_s: float,
+        prefill_s: float,
+        output_tokens: int = 0,
+    ) -> None:
         self._events.append(
             pb.RequestEvent(
                 request_id=request_id,
@@ -130,6 +141,7 @@ class ConductorLink:
                 handoff_s=handoff_s,
                 queue_s=queue_s,
                 prefill_s=prefill_s,
+                output_tokens=output_tokens,
             )
         )
         self._wake.set()

@@ -314,6 +314,7 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
                 concurrency_limit=args.concurrency_limit,
                 timeout_s=args.timeout,
                 conductor_metrics=run.conductor_metrics,
+                profile=args.rate_profile,
             )
             run.runs, run.capacity = result["runs"], result["capacity"]
             say(f"{run.name}: stopping")

@@ -44,6 +44,7 @@ from rich.table import Table
 
 from benchmarks.benchutil import make_progress, percentile
 from benchmarks.prediction_parts import describe_parts, part_shares, scrape
+from benchmarks.rate_profile import RateProfile
 from benchmarks.trace import (
     DEFAULT_TRACE,
     DEFAULTS,
@@ -197,7 +198,7 @@ async def _replay(
     prompts: list[list[int]],
     url: str,
     model: str,
-    speed: float,
+    dues: list[float],
     concurrency_limit: int | None,
     api_key: str | None,
     timeout_s: float,
@@ -205,15 +206,13 @@ async def _replay(
 ) -> tuple[list[RequestResult], float]:
     headers = _headers(api_key)
     gate = asyncio.Semaphore(concurrency_limit) if concurrency_limit else None
-    first = requests[0].arrival_s
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False
     ) as client:
         clock0 = time.perf_counter() + 0.05  # every request is scheduled before the first is due
 
-        async def one(req: TraceRequest, prompt: list[int]) -> RequestResult:
-            due = (req.arrival_s - first) / speed
+        async def one(req: TraceRequest, prompt: list[int], due: float) -> RequestResult:
             await asyncio.sleep(max(0.0, clock0 + due - time.perf_counter()))
             r = RequestResult(req.index, due, 0.0, len(prompt), req.max_tokens)
             body = _body(model, prompt, req.max_tokens)
@@ -225,7 +224,7 @@ async def _replay(
             on_done(r)
             return r
 
-        results = await asyncio.gather(*(one(q, p) for q, p in zip(requests, prompts)))
+        results = await asyncio.gather(*(one(q, p, d) for q, p, d in zip(requests, prompts, dues)))
     return list(results), time.perf_counter() - clock0
 
 
@@ -244,6 +243,7 @@ def replay(
     progress: Progress | None = None,
     label: str = "replay",
     conductor_metrics: str | None = None,
+    profile: RateProfile | None = None,
 ) -> dict:
     """Replay ``requests`` open loop at ``speed`` against ``url`` (an OpenAI base URL; ``/v1`` is added if missing).
 
@@ -251,7 +251,8 @@ def replay(
     ``salt``, ``summary`` (see ``summarize``) and ``requests`` (every ``RequestResult``).
     Prompts are built before the clock starts. With ``conductor_metrics`` (a Conductor's
     /metrics URL) the summary also has ``prediction_parts``: each part of its TTFT
-    predictions against what came out (benchmarks.prediction_parts).
+    predictions against what came out (benchmarks.prediction_parts). ``profile`` re-times the arrivals (after the
+    speed) so the rate follows it (benchmarks.rate_profile: a step 1x -> 3x -> 1x, a day).
     """
     if not requests:
         raise ValueError("no requests to replay")
@@ -271,18 +272,23 @@ def replay(
                 description=f"{label}: {counts['ok']} ok, {counts['rejected']} rejected, {counts['error']} errors",
             )
 
+    first = requests[0].arrival_s
+    dues = [(q.arrival_s - first) / speed for q in requests]
+    if profile is not None:
+        dues = [float(t) for t in profile.retime(dues)]
     before = scrape(conductor_metrics)
     results, wall = asyncio.run(
-        _replay(requests, prompts, _base_url(url), model, speed, concurrency_limit, api_key, timeout_s, on_done)
+        _replay(requests, prompts, _base_url(url), model, dues, concurrency_limit, api_key, timeout_s, on_done)
     )
     if before is not None:
         time.sleep(PARTS_SETTLE_S)  # the last first tokens' reports reach the Conductor
     parts = part_shares(before, scrape(conductor_metrics))
     if progress is not None:
         progress.remove_task(task)
-    span = (requests[-1].arrival_s - requests[0].arrival_s) / speed
+    span = dues[-1]
     return {
         "speed": speed,
+        "profile": profile.describe() if profile is not None else None,
         "salt": salt,
         "summary": {**summarize(results, ttft_slo_s, tbt_slo_s, span, wall), "prediction_parts": parts},
         "requests": [asdict(r) for r in results],
@@ -556,6 +562,13 @@ def factor_list(text: str) -> list[float]:
     return out
 
 
+def rate_profile(text: str) -> RateProfile:
+    try:
+        return RateProfile.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_trace_args(p: argparse.ArgumentParser) -> None:
     """The flags replay.py and compare.py share: scaling, SLOs, rates."""
     d = DEFAULTS
@@ -565,6 +578,14 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help=f"time compression: arrival = timestamp / speed (default {d['speed']})",
+    )
+    p.add_argument(
+        "--rate-profile",
+        type=rate_profile,
+        default=None,
+        metavar="PROFILE",
+        help="a rate that moves (benchmarks.rate_profile): step:1,3,1 (equal spans at 1x, 3x, 1x the rate) or "
+        "day:1,4 (from 1x to 4x and back over the run); default: the trace's own times",
     )
     p.add_argument(
         "--sweep",
@@ -668,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrency_limit=args.concurrency_limit,
         api_key=args.api_key,
         timeout_s=args.timeout,
+        profile=args.rate_profile,
     )
     with make_progress(console, args.no_progress) as progress:
         result = sweep(

@@ -39,7 +39,7 @@ class PlannerLoop:
         self.service = service
         self.config = config
         self.acting = acting
-        self.planner = Planner(config)
+        self.planner = Planner(config, started=time.monotonic())
         self.last: Plan | None = None
         self._asked: dict[Role, tuple[int, float]] = {}  # role -> (the count last asked for, when)
         self._stop = threading.Event()

@@ -29,7 +29,7 @@ class PlannerScaler:
     """The Conductor's planner as the simulated cluster's autoscaler (and the observer it learns the load from)."""
 
     def __init__(self, config: PlannerConfig) -> None:
-        self.planner = Planner(config)
+        self.planner = Planner(config, started=0.0)
         self.plans = []
 
     def __call__(self, cluster: Cluster) -> dict[Role, int]:
@@ -78,3 +78,17 @@ class QueueScaler:
                 window.popleft()
             out[role] = desired if desired >= current else max(d for _, d in window)
         return out
+
+
+AUTOSCALERS = ("none", "planner", "queue")
+
+
+def make_scaler(kind: str, bounds: tuple[int, int] = (1, 64)) -> PlannerScaler | QueueScaler | None:
+    """The autoscaler called ``kind`` (``AUTOSCALERS``); None for none."""
+    if kind == "none":
+        return None
+    if kind == "planner":
+        return PlannerScaler(PlannerConfig(min_prefill=bounds[0], max_prefill=bounds[1], max_decode=bounds[1]))
+    if kind == "queue":
+        return QueueScaler(bounds=bounds)
+    raise ValueError(f"unknown autoscaler {kind!r}; choose from {', '.join(AUTOSCALERS)}")

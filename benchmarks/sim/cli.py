@@ -75,6 +75,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from benchmarks.replay import rate_profile
+from benchmarks.sim.autoscale import AUTOSCALERS
 from benchmarks.sim.run import (
     DEFAULT_TRACE,
     EVICTIONS,
@@ -149,6 +151,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--speed", type=float, default=1.0, help="replay speed: inter-arrival times are divided by it (default 1)"
     )
+    p.add_argument(
+        "--rate-profile",
+        type=rate_profile,
+        default=None,
+        metavar="PROFILE",
+        help="a rate that moves (benchmarks.rate_profile): step:1,3,1 or day:1,4 (over the run, on top of --speed)",
+    )
+    p.add_argument(
+        "--autoscale",
+        choices=AUTOSCALERS,
+        default="none",
+        help="who sizes the pools as the run goes (benchmarks.sim.autoscale): the Conductor's planner, the "
+        "queue-length baseline (an HPA's rule), or none (--prefill and --decode throughout); instances start "
+        "--start-s after they are asked for",
+    )
+    p.add_argument("--start-s", type=float, default=60.0, help="with --autoscale: seconds an instance takes to start")
     p.add_argument(
         "--cache-blocks",
         type=int,
@@ -285,6 +303,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         threshold=args.threshold,
         tier_aware=args.tier_aware,
         seed=args.seed,
+        start_s=args.start_s,
         tbt_headroom=args.tbt_headroom,
         decode_forecast=ForecastKind(args.decode_forecast),
         heartbeat_s=args.heartbeat_s,
@@ -315,7 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         console.print(f"[red]{e}[/red]")
         return 2
-    summary = simulate(cfg, args.trace, args.speed, args.limit, progress=not args.no_progress, console=console)
+    summary = simulate(
+        cfg,
+        args.trace,
+        args.speed,
+        args.limit,
+        progress=not args.no_progress,
+        console=console,
+        profile=args.rate_profile,
+        autoscale=args.autoscale,
+    )
     console.print(run_table(summary, cfg))
     if args.json:
         out = {

@@ -12,7 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.benchutil import percentile
+from benchmarks.rate_profile import RateProfile
 from benchmarks.replay import describe_predictions, prediction_errors
+from benchmarks.sim.autoscale import make_scaler
 from benchmarks.sim.model import load_trace
 from benchmarks.trace import DEFAULT_TRACE
 from conductor.planner.state import REJECTED_AT_DECODE, Record, SimConfig
@@ -29,15 +31,20 @@ def simulate(
     progress: bool = False,
     console: Console | None = None,
     requests=None,
+    profile: RateProfile | None = None,
+    autoscale: str = "none",
 ) -> dict:
     """Run one simulation; return its summary (``summarize``) with the per-request records under ``"_records"``.
 
-    ``requests`` (a list from ``load_trace``) skips reading the trace again.
+    ``requests`` (a list from ``load_trace``) skips reading the trace again; ``profile`` re-times the trace
+    (benchmarks.rate_profile); ``autoscale`` sizes the pools as it runs: none, planner or queue
+    (benchmarks.sim.autoscale).
     """
     if requests is None:
-        requests = load_trace(trace, speed, limit)
+        requests = load_trace(trace, speed, limit, profile)
     start = time.perf_counter()
-    cluster = Cluster(config, requests)
+    scaler = make_scaler(autoscale)
+    cluster = Cluster(config, requests, autoscaler=scaler, observer=getattr(scaler, "planner", None))
     if progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -80,7 +87,10 @@ def summarize(cluster: Cluster, records: list[Record], wall_s: float) -> dict:
     predicted = np.array([r.predicted_ttft_s for r in prefilled])
     actual = np.array([r.prefill_end - r.req.arrival_s for r in prefilled])
     steps = sum(d.steps for d in cluster.decodes)
+    seconds = cluster.instance_seconds(end)
     return {
+        "instance_s": sum(seconds.values()),  # every instance from when it was asked for (elastic runs: its start)
+        "scalings": len(cluster.scalings),
         "requests": len(records),
         "served": len(done),
         "rejected": sum(rejected.values()),

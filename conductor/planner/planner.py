@@ -41,7 +41,9 @@ class PlannerConfig(BaseModel):
     interval_s: float = Field(30.0, gt=0, description="seconds between two plans")
     window_s: float = Field(120.0, gt=0, description="the plan's statistics (lengths, cache hits) cover this long")
     start_s: float = Field(60.0, ge=0, description="how long a new instance takes to serve: forecasts look ahead so")
-    cooldown_s: float = Field(90.0, ge=0, description="no scale-down within this long of the last change")
+    cooldown_s: float | None = Field(
+        None, ge=0, description="no scale-down within this long of the role's last change [default: 3 intervals]"
+    )
     down_after: int = Field(2, ge=1, description="plans in a row that want fewer instances before there are fewer")
     min_prefill: int = Field(1, ge=1)
     max_prefill: int = Field(16, ge=1)
@@ -55,6 +57,10 @@ class PlannerConfig(BaseModel):
     twin: bool = Field(True, description="check each plan on the twin before acting (conductor.planner.check)")
     twin_target: float = Field(0.99, gt=0, le=1.0, description="the twin's share within both SLOs a plan must reach")
     act: bool = Field(True, description="scale the pools (off: only export the desired counts, for KEDA or an HPA)")
+
+    @property
+    def cooldown(self) -> float:
+        return 3 * self.interval_s if self.cooldown_s is None else self.cooldown_s
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role is Role.PREFILL else (self.min_decode, self.max_decode)
@@ -160,13 +166,15 @@ Check = Callable[[Snapshot, "Plan", int, int], TwinOutcome]  # (snapshot, plan, 
 class Planner:
     """The observations, the forecast's state and the hysteresis between plans. Pure: time is passed in."""
 
-    def __init__(self, config: PlannerConfig | None = None) -> None:
+    def __init__(self, config: PlannerConfig | None = None, started: float | None = None) -> None:
+        """``started``: when it began to observe (the first rate counts from then; None: from the first arrival, so
+        a lone request just before the first plan reads as a rate of one per the time between the two)."""
         self.config = config or PlannerConfig()
         self._seen: dict[str, Seen] = {}  # request id -> what was seen of it (the window's, and those still running)
         self._order: deque[tuple[float, str]] = deque()  # (arrival, id) oldest first
         self._durations: deque[tuple[float, float]] = deque()  # (finish, decode seconds) of the window's finishes
         self._outputs: deque[tuple[float, int]] = deque()  # (finish, output tokens) of those that reported them
-        self._since: float | None = None  # when the arrivals counted now began (the last plan, or the first arrival)
+        self._since = started  # when the arrivals counted now began (the last plan, its start, or the first arrival)
         self._arrivals = 0
         self.rates: deque[float] = deque(maxlen=64)  # each plan's observed arrival rate since the one before
         self._level: float | None = None
@@ -360,9 +368,9 @@ class Planner:
                 if len(below) < c.down_after:
                     new = current
                     held.append(f"{role.value} waits for {c.down_after - len(below)} more plan(s) below {current}")
-                elif now - self.last_change[role] < c.cooldown_s:
+                elif now - self.last_change[role] < (cooldown := c.cooldown):
                     new = current
-                    held.append(f"{role.value} cools down for {c.cooldown_s - (now - self.last_change[role]):.0f} s")
+                    held.append(f"{role.value} cools down for {cooldown - (now - self.last_change[role]):.0f} s")
                 else:
                     new = max(below)
                     below.clear()

@@ -108,6 +108,7 @@ class ClusterConfig(BaseModel):
         "interval), advise (plan and export them, scale nothing) or off (`mooncake plan` still asks for one)",
     )
     planner_interval_s: float = Field(30.0, gt=0, description="Seconds between the planner's plans")
+    planner_max: int = Field(4, ge=1, description="The most instances the planner runs in each of the two pools")
     ttft_slo_s: float = Field(DEFAULT_SLO.ttft_s, gt=0, description="TTFT SLO in seconds")
     tbt_slo_s: float = Field(
         DEFAULT_SLO.tbt_s, gt=0, description="TBT SLO in seconds (CPU decode steps are tens of ms)"

@@ -224,11 +224,20 @@ class LocalCluster:
             tbt_slo=c.tbt_slo_s,
             redis_url=c.redis_url,
             **(provider if self._control else {}),
-            **(dict(planner=c.planner, planner_interval=c.planner_interval_s) if c.planner != "off" else {}),
+            **(self._planner_flags() if c.planner != "off" else {}),
             operator_token_file=self.operator_token_file,
             prediction_log=self.run_dir / "logs" / f"{name}-predictions.jsonl",  # conductor.audit
         )
         return Component(name, argv, self.run_dir / "logs" / f"{name}.log", nice=c.control_nice)
+
+    def _planner_flags(self) -> dict:
+        c = self.config
+        return dict(
+            planner=c.planner,
+            planner_interval=c.planner_interval_s,
+            planner_max_prefill=c.planner_max,
+            planner_max_decode=c.planner_max,
+        )
 
     def _prefill_pair(self, i: int) -> tuple[Component, Component]:
         """Pool node ``kv{i}`` and ``prefill-{i}`` on it (one host, ``p{i}``)."""

@@ -12,6 +12,7 @@ import math
 import pytest
 
 from conductor.planner.planner import MAX_UP, TWIN_STEPS, Planner, PlannerConfig, Snapshot, TwinOutcome
+from conductor.planner.poolsize import advise_pool, hit_ratio, reuse_distances
 from conductor.planner.sizing import (
     DecodeLoad,
     PrefillLoad,
@@ -410,3 +411,58 @@ def test_a_single_request_just_before_the_first_plan_does_not_scale_prefill_up()
     # one 1 s prompt in the first 30 s interval keeps one instance a thirtieth busy
     assert plan.rate <= 1 / 30 + 1e-9
     assert plan.prefill == 1
+
+
+# -- pool sizing (conductor.planner.poolsize) ------------------------------------------------------------------------
+
+
+def key(name: str) -> bytes:
+    return name.encode().ljust(16, b".")
+
+
+def test_a_reuse_distance_counts_the_other_blocks_read_since_the_last_read_of_the_same_one():
+    # A B C A B B: A again after B and C (2 others), B after C and A (2), B right after B (0); firsts are -1
+    reads = [key(k) for k in "ABCABB"]
+    assert reuse_distances(reads).tolist() == [-1, -1, -1, 2, 2, 0]
+
+
+def test_the_hit_curve_is_the_share_of_reads_an_lru_cache_of_that_size_would_have_served():
+    reads = [key(k) for k in "ABCABB"]  # distances -1 -1 -1 2 2 0
+    d = reuse_distances(reads)
+    assert hit_ratio(d, 1) == pytest.approx(1 / 6)  # only the B right after B
+    assert hit_ratio(d, 2) == pytest.approx(1 / 6)
+    assert hit_ratio(d, 3) == pytest.approx(3 / 6)  # all three re-reads; the three first reads always miss
+
+
+def test_a_pool_node_is_recommended_when_its_extra_hits_save_enough_prefill():
+    # a cycle over 30 keys read 10 times: every re-read has distance 29, so a pool below 30 blocks hits nothing and one
+    # of 30 or more hits every re-read (270 of 300 reads)
+    reads = [key(f"k{i}") for _ in range(10) for i in range(30)]
+    # 2 nodes of 10 blocks (20) hit 0; a third (30) hits 90%. At 10 reads/s and 0.1 s of prefill per block, the
+    # third saves 0.9 x 10 x 0.1 = 0.9 prefill-seconds a second >= 0.5: recommended; a fourth saves nothing more
+    advice = advise_pool(reads, nodes=2, node_blocks=10, reads_per_s=10, prefill_s_per_block=0.1, min_gain=0.5)
+    assert advice.hit_now == 0.0
+    assert dict(advice.curve)[3] == pytest.approx(0.9)
+    assert advice.recommended == 3
+    assert advice.saved_s_per_s == pytest.approx(0.9)
+    # at 5 reads/s the third saves 0.45 < 0.5: not worth running
+    assert advise_pool(reads, 2, 10, 5, 0.1, 0.5).recommended == 2
+
+
+def test_the_planner_plans_the_prefill_workers_that_come_with_the_pool_nodes_it_recommends():
+    # the same cycle as above, read by prompts of 3 blocks (10 distinct prompts, over and over), one a second
+    planner = Planner(started=0.0)
+    for i in range(100):
+        keys = [key(f"k{(3 * i + j) % 30}") for j in range(3)]
+        planner.observe_schedule(float(i), ScheduleRequest(f"r{i}", keys, 3 * 512, 512), Wait(f"r{i}", 1.0, "x"))
+    snap = snapshot(planner, 100.0, prefill_coef=(0.0, 0.001, 0.0))
+    snap.pool_nodes, snap.node_blocks, snap.block_tokens = 2, 10, 512
+    snap.reads = list(planner.reads)
+    # 3 reads a second (1 req/s x 3 blocks); a block of 512 tokens at 1 ms a token is 0.512 s of prefill: the third
+    # node saves 0.9 x 3 x 0.512 = 1.38 s a second, a fourth nothing; prefill alone (1.536 s a prompt, a = 1.536)
+    # needs ceil(1.536 / 0.95) = 2
+    plan = planner.decide(snap)
+    assert plan.prefill_sizing.instances == 2
+    assert plan.pool is not None and plan.pool.recommended == 3
+    assert plan.prefill == 3
+    assert "3 nodes recommended" in plan.describe()

@@ -70,6 +70,8 @@ def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int 
     prefills = [i for i in alive if i.role is Role.PREFILL]
     decodes = [i for i in alive if i.role is Role.DECODE]
     steps = [i.load.step_s for i in decodes if i.load.step_s > 0]
+    nodes = [i for i in alive if i.role is Role.KVSTORE]
+    sized = [i.capacity for i in nodes if i.capacity > 0]
     p = conductor.predictors
     c0, c1, c2 = (float(x) for x in p.prefill.coef)
     d0, d1, d2 = (float(x) for x in p.decode.coef)
@@ -91,6 +93,9 @@ def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int 
         kv_tokens=kv_tokens,
         transfer=(p.transfer.latency_s, p.transfer.bytes_per_s),
         handoff_s=conductor.handoff_s,
+        pool_nodes=len(nodes),
+        node_blocks=float(np.mean(sized)) if sized else 0.0,
+        reads=list(planner.reads),
         admission=cfg.admission,
         policy=cfg.policy,
         local_prefill=cfg.local_prefill,

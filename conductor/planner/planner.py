@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 
 from conductor.admission import AdmissionKind
 from conductor.local import LocalPrefill
+from conductor.planner.poolsize import READS_KEPT, PoolAdvice, advise_pool
 from conductor.planner.sizing import DecodeLoad, PrefillLoad, Sizing, StepModel, size_decode, size_prefill
 from conductor.policies import PolicyKind
 from conductor.types import Decision, InstanceState, Rejection, Role, ScheduleRequest, Wait
@@ -56,6 +57,12 @@ class PlannerConfig(BaseModel):
     trend_beta: float = Field(0.3, ge=0, le=1.0, description="Holt smoothing of the rate's trend")
     twin: bool = Field(True, description="check each plan on the twin before acting (conductor.planner.check)")
     twin_target: float = Field(0.99, gt=0, le=1.0, description="the twin's share within both SLOs a plan must reach")
+    pool_gain: float = Field(
+        0.5,
+        gt=0,
+        description="a pool node (with its prefill worker) is planned when the prefill seconds its extra cache hits "
+        "save are at least this share of an instance's time (conductor.planner.poolsize)",
+    )
     act: bool = Field(True, description="scale the pools (off: only export the desired counts, for KEDA or an HPA)")
 
     @property
@@ -100,6 +107,9 @@ class Snapshot:
     kv_tokens: int  # a decode instance's KV in tokens (0: not known)
     transfer: tuple[float, float]  # (latency s, bytes/s)
     handoff_s: float
+    pool_nodes: int = 0  # the pool nodes registered, and a node's mean DRAM blocks (0: not known)
+    node_blocks: float = 0.0
+    reads: list[bytes] = field(default_factory=list)  # the recent block reads (Planner.reads), oldest first
     admission: AdmissionKind = AdmissionKind.EARLY_PREDICTIVE  # the Conductor's, for the twin's
     policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
     local_prefill: LocalPrefill = LocalPrefill.NEVER
@@ -136,6 +146,7 @@ class Plan:
     prefill_sizing: Sizing
     decode_sizing: Sizing
     twin: list[TwinOutcome] = field(default_factory=list)  # every candidate the twin ran, in order
+    pool: PoolAdvice | None = None  # what more pool nodes would do (None: no reads or no capacity known)
     held: str = ""  # why the counts are not the sized ones ("" : they are)
 
     def describe(self) -> str:
@@ -149,6 +160,8 @@ class Plan:
             f"decode: {d.instances} sized ({d.limit}: batch {d.utilization:.0%} of the TBT cap's, step "
             f"{d.predicted * 1000:.1f} ms)",
         ]
+        if self.pool is not None:
+            lines.append(self.pool.describe())
         lines += [
             f"twin {t.prefill}P {t.decode}D: {t.attainment:.1%} within both SLOs, TTFT p99 {t.ttft_p99_s:.2f} s, "
             f"TBT p99 {t.tbt_p99_s * 1000:.1f} ms"
@@ -184,6 +197,7 @@ class Planner:
         self.target: dict[Role, int] = {}  # the counts last acted on (a starting instance is not registered yet)
         self.last: Plan | None = None
         self.block_tokens = 0  # the requests' block size (their ScheduleRequest's)
+        self.reads: deque[bytes] = deque(maxlen=READS_KEPT)  # the arrivals' block keys, in order (pool sizing)
 
     # -- observations (called under the Conductor's lock, once per event) ---------------------------
 
@@ -198,6 +212,7 @@ class Planner:
             self.block_tokens = req.block_tokens
             keys = req.keys.blob if hasattr(req.keys, "blob") else b"".join(req.keys)
             seen = self._seen[req.request_id] = Seen(now, req.prompt_tokens, keys)
+            self.reads.extend(keys[i : i + 16] for i in range(0, len(keys), 16))
             self._order.append((now, req.request_id))
             self._trim(now)
         if seen is not None and isinstance(outcome, Decision) and seen.cached_tokens < 0:
@@ -308,11 +323,31 @@ class Planner:
             pre,
             dec,
         )
+        self._pool(plan, snap)
         if check is not None and c.twin and reqs and rate > 0:
             self._check(plan, snap, check)
         self._hold(plan, snap)
         self.last = plan
         return plan
+
+    def _pool(self, plan: Plan, snap: Snapshot) -> None:
+        """The pool's advice (conductor.planner.poolsize); nodes come with prefill workers, so the prefill count is at
+        least the nodes it recommends."""
+        if not snap.reads or snap.pool_nodes < 1 or snap.node_blocks <= 0 or not snap.requests:
+            return
+        keys_per_request = sum(len(s.keys) // 16 for s in snap.requests) / len(snap.requests)
+        c0, c1, c2 = snap.prefill_coef
+        block = snap.block_tokens or 1
+        plan.pool = advise_pool(
+            snap.reads,
+            snap.pool_nodes,
+            snap.node_blocks,
+            plan.rate * keys_per_request,
+            c1 * block * snap.slowdown,
+            self.config.pool_gain,
+        )
+        if plan.pool.recommended > plan.prefill:
+            plan.prefill = min(plan.pool.recommended, self.config.max_prefill)
 
     def _check(self, plan: Plan, snap: Snapshot, check: Check) -> None:
         """Keep the cheapest counts that meet the SLOs on the twin, from the sized ones: while they miss there, one
@@ -330,6 +365,8 @@ class Planner:
             return outcome
 
         p, d = plan.prefill, plan.decode
+        if plan.pool is not None:  # never below the pool nodes worth running (each comes with a prefill worker)
+            lo_p = max(lo_p, plan.pool.recommended)
         best = run(p, d)
         for _ in range(TWIN_STEPS):  # short: add where the SLO broke
             if best.attainment >= target:

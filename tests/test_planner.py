@@ -466,3 +466,16 @@ def test_the_planner_plans_the_prefill_workers_that_come_with_the_pool_nodes_it_
     assert plan.pool is not None and plan.pool.recommended == 3
     assert plan.prefill == 3
     assert "3 nodes recommended" in plan.describe()
+
+
+def test_pool_nodes_that_would_add_nothing_do_not_keep_prefill_workers_the_load_no_longer_needs():
+    # reads that never repeat: no node count hits anything, so the advice is the nodes now (2); the load needs one
+    planner = Planner(PlannerConfig(down_after=1, cooldown_s=0), started=0.0)
+    for i in range(30):
+        planner.observe_schedule(float(i), ScheduleRequest(f"r{i}", [key(f"u{i}")], 512, 512), Wait(f"r{i}", 1, "x"))
+    snap = snapshot(planner, 30.0, prefill=2, prefill_coef=every_prompt(0.1))
+    snap.pool_nodes, snap.node_blocks, snap.reads = 2, 10, list(planner.reads)
+    plan = planner.decide(snap)
+    assert plan.pool is not None and plan.pool.recommended == 2 and plan.pool.hit_now == 0.0
+    assert plan.prefill_sizing.instances == 1
+    assert plan.prefill == 1  # drained to what the load needs

@@ -171,6 +171,7 @@ class Plan:
         return "\n".join(lines)
 
 
+MAX_AHEAD = 2.0  # the most intervals the forecast follows the rate's trend ahead
 MAX_UP = 4  # a plan adds at most this many instances of a role, or doubles it if that is more
 TWIN_STEPS = 3  # the most instances a twin search moves a role from its sized count
 Check = Callable[[Snapshot, "Plan", int, int], TwinOutcome]  # (snapshot, plan, prefill, decode) -> the twin's outcome
@@ -253,12 +254,13 @@ class Planner:
                 done.popleft()
 
     def forecast_rate(self, now: float) -> float:
-        """Arrivals a second over the next interval, looking ``start_s`` ahead (Holt: the level and trend of the rates
-        seen between plans), never below the last observed rate."""
+        """Arrivals a second over the next interval, looking ``start_s`` ahead but at most ``MAX_AHEAD`` intervals (Holt:
+        the level and trend of the rates seen between plans), never below the last observed rate."""
         c = self.config
         if self._level is None:
             return self.rates[-1] if self.rates else 0.0
-        ahead = max(c.start_s, c.interval_s) / c.interval_s
+        # the trend of rates a few seconds apart is mostly noise: it is followed two intervals ahead at most
+        ahead = min(max(c.start_s, c.interval_s) / c.interval_s, MAX_AHEAD)
         return max(0.0, self._level + self._trend * ahead, self.rates[-1])
 
     def _observe_rate(self, now: float) -> None:
@@ -346,7 +348,7 @@ class Planner:
             c1 * block * snap.slowdown,
             self.config.pool_gain,
         )
-        if plan.pool.recommended > plan.prefill:
+        if plan.pool.recommended > max(plan.pool.nodes, plan.prefill):  # more nodes pay for themselves
             plan.prefill = min(plan.pool.recommended, self.config.max_prefill)
 
     def _check(self, plan: Plan, snap: Snapshot, check: Check) -> None:
@@ -365,7 +367,7 @@ class Planner:
             return outcome
 
         p, d = plan.prefill, plan.decode
-        if plan.pool is not None:  # never below the pool nodes worth running (each comes with a prefill worker)
+        if plan.pool is not None and plan.pool.recommended > plan.pool.nodes:  # nor below the pool nodes worth adding
             lo_p = max(lo_p, plan.pool.recommended)
         best = run(p, d)
         for _ in range(TWIN_STEPS):  # short: add where the SLO broke

@@ -285,3 +285,17 @@ allows one (the gateway and the Conductor write nothing but /tmp, an emptyDir): 
 {{- end }}
 {{- toYaml $sc }}
 {{- end }}
+
+{{/*
+A pool's replicas: the values' count, except under conductor.planner=act, where the Deployment that exists keeps the
+count the planner gave it (an upgrade does not undo its plans; `helm template` sees no cluster and renders the values').
+*/}}
+{{- define "mooncake.plannedReplicas" -}}
+{{- $replicas := .replicas -}}
+{{- if and .planned (eq (toString .ctx.Values.conductor.planner) "act") -}}
+{{- with lookup "apps/v1" "Deployment" .ctx.Release.Namespace .name -}}
+{{- $replicas = .spec.replicas -}}
+{{- end -}}
+{{- end -}}
+{{- $replicas -}}
+{{- end -}}

@@ -20,22 +20,32 @@ import copy
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from conductor.core import Conductor
+from conductor.metrics import Metrics
 from conductor.planner.check import snapshot, twin_check
 from conductor.planner.planner import Plan, Planner, PlannerConfig
 from conductor.types import Role
 
-if TYPE_CHECKING:
-    from conductor.service import ConductorService
-
 log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """What the planner uses of the Conductor's service (conductor.service.ConductorService)."""
+
+    conductor: Conductor
+    metrics: Metrics
+    leading: threading.Event
+    _lock: threading.Lock
+
+    def scale(self, role: Role, replicas: int) -> tuple[int, list[str], list[str]]: ...
 
 
 class PlannerLoop:
     """The planner of one Conductor service: always observing; planning on its thread when started."""
 
-    def __init__(self, service: ConductorService, config: PlannerConfig, acting: bool = False) -> None:
+    def __init__(self, service: Service, config: PlannerConfig, acting: bool = False) -> None:
         self.service = service
         self.config = config
         self.acting = acting

@@ -18,6 +18,7 @@ from conductor.planner.sizing import (
     PrefillLoad,
     StepModel,
     batch_at,
+    drain_count,
     erlang_c,
     max_batch,
     size_decode,
@@ -479,3 +480,29 @@ def test_pool_nodes_that_would_add_nothing_do_not_keep_prefill_workers_the_load_
     assert plan.pool is not None and plan.pool.recommended == 2 and plan.pool.hit_now == 0.0
     assert plan.prefill_sizing.instances == 1
     assert plan.prefill == 1  # drained to what the load needs
+
+
+def test_a_queue_the_pool_fell_behind_on_is_cleared_within_the_ttft_slo_once_new_instances_serve():
+    # a = 6 instances' worth of work on 3 instances, 60 s of queued work (20 s a wait each: over half the 30 s SLO);
+    # by the time new ones serve (60 s) it holds 60 + (6 - 3) x 60 = 240 s; N clears it in 30 s when N - 6 >= 8
+    assert drain_count(a=6.0, current=3, backlog_s=60.0, start_s=60.0, drain_s=30.0) == 14
+    # a queue of 10 s a wait is the pool's usual one at its load (under half the SLO): nothing to clear
+    assert drain_count(a=2.5, current=3, backlog_s=30.0, start_s=60.0, drain_s=30.0) == 0
+    assert drain_count(a=2.5, current=3, backlog_s=0.0, start_s=60.0, drain_s=30.0) == 0
+
+
+def test_the_planner_sizes_prefill_to_clear_a_queue_it_fell_behind_on():
+    # one arrival a second, 6 s of prefill each: a = 6 on the 3 instances there are, with 60 s of work queued
+    planner = Planner(started=0.0)
+    arrive_every(planner, 0.0, 30.0)
+    snap = snapshot(planner, 30.0, prefill=3, prefill_coef=every_prompt(6.0), ttft_slo_s=30.0)
+    snap.backlog_s = 60.0
+    plan = planner.decide(snap)
+    # as worked above: 60 + 3 x 60 = 240 s queued when new ones serve, cleared in 30 s by 6 + 8 = 14
+    assert (plan.prefill_sizing.instances, plan.prefill_sizing.limit) == (14, "backlog")
+    assert plan.prefill == 7  # a surge: at most max(2 x 3, 3 + 4) = 7 this plan
+    # the same load without the queue: its own count, ceil(6 / 0.95) = 7 at least, set by the load, not a queue
+    calm = Planner(started=0.0)
+    arrive_every(calm, 0.0, 30.0)
+    snap = snapshot(calm, 30.0, prefill=3, prefill_coef=every_prompt(6.0), ttft_slo_s=30.0)
+    assert calm.decide(snap).prefill_sizing.limit in ("utilization", "slo")

@@ -93,6 +93,7 @@ def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int 
         kv_tokens=kv_tokens,
         transfer=(p.transfer.latency_s, p.transfer.bytes_per_s),
         handoff_s=conductor.handoff_s,
+        backlog_s=sum(i.load.queued_s for i in prefills),
         pool_nodes=len(nodes),
         node_blocks=float(np.mean(sized)) if sized else 0.0,
         reads=list(planner.reads),

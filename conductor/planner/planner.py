@@ -31,7 +31,16 @@ from pydantic import BaseModel, Field
 from conductor.admission import AdmissionKind
 from conductor.local import LocalPrefill
 from conductor.planner.poolsize import READS_KEPT, PoolAdvice, advise_pool
-from conductor.planner.sizing import DecodeLoad, PrefillLoad, Sizing, StepModel, size_decode, size_prefill
+from conductor.planner.sizing import (
+    DecodeLoad,
+    PrefillLoad,
+    Sizing,
+    StepModel,
+    drain_count,
+    late_share,
+    size_decode,
+    size_prefill,
+)
 from conductor.policies import PolicyKind
 from conductor.types import Decision, InstanceState, Rejection, Role, ScheduleRequest, Wait
 
@@ -107,6 +116,7 @@ class Snapshot:
     kv_tokens: int  # a decode instance's KV in tokens (0: not known)
     transfer: tuple[float, float]  # (latency s, bytes/s)
     handoff_s: float
+    backlog_s: float = 0.0  # the prefill instances' queued work (predicted seconds, their heartbeats')
     pool_nodes: int = 0  # the pool nodes registered, and a node's mean DRAM blocks (0: not known)
     node_blocks: float = 0.0
     reads: list[bytes] = field(default_factory=list)  # the recent block reads (Planner.reads), oldest first
@@ -254,8 +264,8 @@ class Planner:
                 done.popleft()
 
     def forecast_rate(self, now: float) -> float:
-        """Arrivals a second over the next interval, looking ``start_s`` ahead but at most ``MAX_AHEAD`` intervals (Holt:
-        the level and trend of the rates seen between plans), never below the last observed rate."""
+        """Arrivals a second over the next interval, looking ``start_s`` ahead but at most ``MAX_AHEAD`` intervals
+        (Holt: the level and trend of the rates seen between plans), never below the last observed rate."""
         c = self.config
         if self._level is None:
             return self.rates[-1] if self.rates else 0.0
@@ -307,6 +317,11 @@ class Planner:
             c.max_utilization,
             c.bounds(Role.PREFILL),
         )
+        a = pre.utilization * pre.instances
+        drain = drain_count(a, snap.prefill, snap.backlog_s, c.start_s, snap.ttft_slo_s)
+        if drain > pre.instances:  # a queue built up (a step up outran the pool): clear it within the TTFT SLO
+            n = min(drain, c.max_prefill)
+            pre = Sizing(n, a / n, late_share(n, PrefillLoad(rate, tuple(seconds)), snap.ttft_slo_s), "backlog")
         out = self.output_tokens(snap.step_s)
         prompt = float(np.mean([s.prompt_tokens for s in reqs])) if reqs else 0.0
         load = DecodeLoad(rate, out, prompt + out / 2, prompt + out)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+NORMAL_WAIT = 0.5  # a prefill queue whose wait is under this share of the TTFT SLO is the pool's usual one
 Z_99 = 2.33  # the standard normal's 99th percentile
 
 
@@ -138,6 +139,17 @@ def size_prefill(
     if n > hi:
         n, limit = hi, "max"
     return Sizing(n, a / n, late_share(n, load, ttft_slo_s), limit)
+
+
+def drain_count(a: float, current: int, backlog_s: float, start_s: float, drain_s: float) -> int:
+    """The prefill instances that clear a queue within ``drain_s`` once the new ones serve: the queue holds
+    ``backlog_s`` of work now and grows by ``a - current`` a second until they do, ``start_s`` from now; N instances
+    then take ``N - a`` off it a second. 0 while the queue is one the pool keeps at its load: a wait under
+    ``NORMAL_WAIT`` of ``drain_s`` for each instance's share of it."""
+    if current < 1 or backlog_s / current <= drain_s * NORMAL_WAIT:  # a queue the pool keeps, not one it fell behind
+        return 0
+    queued = backlog_s + max(0.0, a - current) * start_s
+    return math.ceil(a + queued / drain_s)
 
 
 def batch_at(rate_per_instance: float, load: DecodeLoad, steps: StepModel) -> float:

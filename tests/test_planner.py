@@ -506,3 +506,16 @@ def test_the_planner_sizes_prefill_to_clear_a_queue_it_fell_behind_on():
     arrive_every(calm, 0.0, 30.0)
     snap = snapshot(calm, 30.0, prefill=3, prefill_coef=every_prompt(6.0), ttft_slo_s=30.0)
     assert calm.decide(snap).prefill_sizing.limit in ("utilization", "slo")
+
+
+def test_a_step_model_without_fixed_cost_counts_a_batch_of_one_and_a_second_instance_when_tokens_outrun_it():
+    # 10 ms per running request a step and nothing fixed (a CPU decode worker's fit): one instance makes 100 tokens/s
+    steps = StepModel(base_s=0.0, per_request_s=0.01, per_token_s=0.0)
+    load = DecodeLoad(rate=5.0, mean_output_tokens=16, mean_context_tokens=900)
+    # k = 5 x 16 = 80 tokens/s asked: the fixed point k base / (1 - k slope) is 0; one request runs 80% of the time
+    assert batch_at(5.0, load, steps) == pytest.approx(0.8)
+    assert size_decode(load, steps, cap_s=1.0).instances == 1
+    # 7 requests/s ask 112 tokens/s, more than 100: one instance never catches up, two do (56 each)
+    busy = DecodeLoad(rate=7.0, mean_output_tokens=16, mean_context_tokens=900)
+    assert batch_at(7.0, busy, steps) == math.inf
+    assert size_decode(busy, steps, cap_s=1.0).instances == 2

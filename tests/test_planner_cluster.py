@@ -1,7 +1,8 @@
 """The planner acting on a real cluster: `mooncake up --planner act` under a 1x -> 3x -> 1x replay.
 
-A random-weight model big enough that a 900-token prompt takes about 0.3 s on this machine; 1.5 requests a second
-at 1x keep one prefill worker under half busy, 4.5 a second need a second one. The
+A random-weight model big enough that a 900-token prompt takes about 0.3 s on this machine; 1.2 requests a second
+at 1x keep one prefill worker about a third busy, 3.6 a second need a second one (and stay within the decode worker's
+2,048 cache blocks, 36 prompts' worth, while they queue). The
 replay is benchmarks.replay's command line with ``--rate-profile step:1,3,1``. While it runs, the Conductor's
 plans and pools are read every half second. What a user would see:
 
@@ -30,7 +31,7 @@ from protos import conductor_pb2 as cpb
 
 INTERVAL_S = 4.0
 STEP_S = 30.0  # each level of the profile lasts this long
-RATE = 1.5  # requests a second at 1x: a prompt's prefill takes about 0.3 s, so about 0.45 of a worker, and 1.35 at 3x
+RATE = 1.2  # requests a second at 1x: a prompt's prefill takes about 0.3 s, so about 0.36 of a worker, and 1.08 at 3x
 
 
 class Watch:
@@ -112,7 +113,7 @@ def test_the_planner_scales_prefill_up_for_a_load_step_and_back_down_without_fai
         c.stop()
     (run,) = json.loads(out.read_text())["runs"]
     failed = [q for q in run["requests"] if q["outcome"] != "ok" or q["completion_tokens"] != OUTPUT_TOKENS]
-    assert not failed, failed[:3]
+    assert not failed, [(q["index"], q["outcome"], q["http_status"], q["error"]) for q in failed[:5]]
     assert len(run["requests"]) == n
     print(f"step up at {step_up:.1f} s, down at {step_down:.1f} s; (t, planned, alive, draining):")
     print([row for i, row in enumerate(watch.rows) if i == 0 or row[1:] != watch.rows[i - 1][1:]])

@@ -158,7 +158,10 @@ def batch_at(rate_per_instance: float, load: DecodeLoad, steps: StepModel) -> fl
     slope = steps.per_request_s + steps.per_token_s * load.mean_context_tokens
     if k * slope >= 1.0:
         return math.inf
-    return k * steps.base_s / (1.0 - k * slope)
+    m = k * steps.base_s / (1.0 - k * slope)
+    # a step carries one request at least: below one (a step model with little fixed cost), the batch is the share of
+    # the time one request is running, at the step of one
+    return m if m >= 1.0 else k * (steps.base_s + slope)
 
 
 def max_batch(load: DecodeLoad, steps: StepModel, cap_s: float, kv_tokens: int = 0) -> float:

@@ -27,6 +27,7 @@ restarted under that id hands back, as it starts, what its last run held on its 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import threading
@@ -153,7 +154,11 @@ class PrefillWorker(PoolLeases):
             if config.pipeline_stages > 1
             else PrefillPredictor(PredictorConfig())
         )
-        self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, cached tokens)
+        self._inflight: dict[str, tuple[int, int]] = {}  # call id -> (prompt tokens, cached tokens)
+        # each call's id in the engine, the connector's jobs and the queue: its request id and a number of its own, so
+        # a request placed here again (a retry after its decode worker was cut off) never shares them with the call
+        # still ending for it (its abort would take the retry's place in the engine, its end the retry's job)
+        self._calls = itertools.count()
         self.received = 0  # Prefill calls since it started
         self._link: ConductorLink | None = None
         self.calibration: list[tuple[int, int, float]] = []  # (prompt, cached, seconds) of ``calibrate``'s prefills
@@ -228,14 +233,15 @@ class PrefillWorker(PoolLeases):
         num_blocks = -(-len(prompt) // bs)
         salt = req.cache_salt if req.HasField("cache_salt") else None
         keys = block_keys(prompt, bs, self.engine.fingerprint, salt)
-        job = self._job(req, num_blocks)
+        rid = f"{req.request_id}#{next(self._calls)}"
+        job = self._job(req, num_blocks, rid)
         job.cancelled = cancelled  # set for every job of a step, the step stops after the layer it is in
         held = Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
         use_pool = self._enter_pool(held)  # False for a while after the pool node restarted
         prefix = None
         self.received += 1  # the Conductor counts what it placed beyond this as on its way (Instance.in_transit)
         # queued from its arrival (the heartbeat reports it), as the plan says until the pool says what it holds
-        self._inflight[req.request_id] = (
+        self._inflight[rid] = (
             len(prompt),
             min((req.plan.local_blocks + req.plan.fetch_blocks) * bs, len(prompt) - 1),
         )
@@ -257,11 +263,11 @@ class PrefillWorker(PoolLeases):
                     self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None
                 )
             prefix = self._copy_prefix(job, local, cached)
-            self._inflight[req.request_id] = (len(prompt), cached)
+            self._inflight[rid] = (len(prompt), cached)
             job.pool_token = held.new_reservation or ""
             job.prefix_tokens = [held.local_lease or ""] * len(local) + [held.fetch_reservation or ""] * len(fetched)
-            self.connector.jobs[req.request_id] = job
-            self._run(req, prompt, salt, external, cached, job, cancelled)
+            self.connector.jobs[rid] = job
+            self._run(req, rid, prompt, salt, external, cached, job, cancelled)
             if prefix is not None and prefix.exception() is not None:
                 job.fail(
                     TransferError(f"copying the prefix into the decode engine's cache failed: {prefix.exception()}")
@@ -275,8 +281,8 @@ class PrefillWorker(PoolLeases):
                 prefix is not None
             ):  # before the leases go and the grant ends: it reads pool slots, writes granted blocks
                 futures.wait([prefix])
-            self.connector.jobs.pop(req.request_id, None)
-            self._inflight.pop(req.request_id, None)
+            self.connector.jobs.pop(rid, None)
+            self._inflight.pop(rid, None)
             if not job.writing:  # a job cancelled after its last step is still written: _stored releases ``held``
                 self._release(held)
         compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
@@ -302,7 +308,7 @@ class PrefillWorker(PoolLeases):
             prompt_logprobs=[logprob_to_pb(lp) for lp in job.prompt_logprobs],
         )
 
-    def _job(self, req: wpb.PrefillRequest, num_blocks: int) -> PrefillJob:
+    def _job(self, req: wpb.PrefillRequest, num_blocks: int, rid: str) -> PrefillJob:
         """The request's PrefillJob: where its KV lands (landing slots, or the decode engine's cache in place: through
         its segment, or on this GPU by CUDA IPC). Raises ValueError for a landing that does not fit the prompt and
         ``Unreachable`` for a CUDA cache this process cannot map."""
@@ -318,7 +324,7 @@ class PrefillWorker(PoolLeases):
                 f"landing blocks of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}"
             )
         job = PrefillJob(
-            req.request_id,
+            rid,
             len(req.prompt_token_ids),
             num_blocks,
             landing.segment.name,
@@ -429,7 +435,7 @@ class PrefillWorker(PoolLeases):
         """Wait until the pool writes of every prefill answered so far are committed (tests, benchmarks, a drain)."""
         return self.connector.flush(timeout)
 
-    def _run(self, req, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
+    def _run(self, req, rid: str, prompt, salt, external, cached, job: PrefillJob, cancelled: threading.Event) -> None:
         """Run the request through the engine until its first token (or a failure, or the caller leaves)."""
         if cancelled.is_set():  # the caller left while the pool was asked: the engine is not given the prompt
             raise Cancelled(f"prefill of {req.request_id} cancelled by the caller before it was computed")
@@ -451,7 +457,7 @@ class PrefillWorker(PoolLeases):
             sink,
             prompt_token_ids=prompt[:split],
             sampling_params=params,
-            request_id=req.request_id,
+            request_id=rid,
             cache_salt=salt,
             external_kv=external,
             num_external_tokens=cached if external else 0,
@@ -461,7 +467,7 @@ class PrefillWorker(PoolLeases):
         future.result()  # ValueError for a request the engine refuses
         while not job.done.wait(0.05):
             if cancelled.is_set():
-                self.loop.abort(req.request_id)
+                self.loop.abort(rid)
                 # the abort runs between steps: once this no-op has run too, no step touches the job's slots (a
                 # group's step is a whole prefill)
                 self.loop.call(lambda engine: None).result(timeout=self.config.prefill_timeout_s)

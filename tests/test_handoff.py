@@ -537,6 +537,99 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
         node.stop()
 
 
+def test_a_request_placed_again_on_the_same_prefill_worker_runs_beside_the_call_still_ending_for_it(tiny_dir, shm_dir):
+    """A request whose decode host was cut off is placed again, and its retry can reach the prefill worker while the
+    first call for it is still there (its caller gone unseen). The two calls share a request id; each runs in the
+    engine under one of its own, so the retry is not refused as a duplicate, and the first call's abort cannot take
+    the retry's place. Here the engine's loop is held until both are in, then the first call's caller leaves."""
+    import threading
+
+    from kvnodes import start_node
+
+    from kvstore.wire import segment_to_pb
+    from prefill.config import PrefillConfig
+    from prefill.worker import Cancelled, PrefillWorker
+    from protos import conductor_pb2 as cpb
+    from protos import worker_pb2 as wpb
+
+    bs, prompt = 16, prompt_of(40, seed=8)  # 3 blocks
+    probe = make_engine(tiny_dir, block_size=bs)
+    block_bytes = probe.block_bytes
+    node = start_node("kv-twice", block_bytes, 16, shm_dir=shm_dir)
+    decode_node = TransferEngine(TransferConfig(node=f"decode-{uuid.uuid4().hex[:6]}", shm_dir=shm_dir, serve=False))
+    worker = None
+    try:
+        segment = decode_node.allocate("kvcache", 8 * block_bytes)
+        worker = PrefillWorker(
+            PrefillConfig(
+                id=f"prefill-{uuid.uuid4().hex[:6]}",
+                model=str(tiny_dir),
+                kvstore=node.grpc,
+                block_size=bs,
+                num_kv_blocks=32,
+                max_model_len=256,
+            )
+        )
+
+        def request(blocks: list[int]) -> wpb.PrefillRequest:
+            return wpb.PrefillRequest(
+                request_id="chaos-28",
+                prompt_token_ids=prompt,
+                sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
+                plan=cpb.PrefixPlan(),
+                landing=wpb.Landing(
+                    segment=segment_to_pb(segment), cache_blocks=blocks, cache_num_blocks=8, block_bytes=block_bytes
+                ),
+            )
+
+        gate = threading.Event()
+        held = worker.loop.call(lambda engine: gate.wait(30))  # the engine takes nothing until both calls are in
+        outcome: dict[str, object] = {}
+        first_gone = threading.Event()
+
+        def call(name: str, blocks: list[int], cancelled: threading.Event) -> None:
+            try:
+                outcome[name] = worker.prefill(request(blocks), cancelled)
+            except Exception as e:  # noqa: BLE001 - what each call ended with is the test's
+                outcome[name] = e
+
+        first = threading.Thread(target=call, args=("first", [0, 1, 2], first_gone))
+        first.start()
+        deadline = time.monotonic() + 30
+        while not worker.connector.jobs and time.monotonic() < deadline:  # the first call's job is in
+            time.sleep(0.01)
+        retry = threading.Thread(target=call, args=("retry", [4, 5, 6], threading.Event()))
+        retry.start()
+        while len(worker.connector.jobs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first_gone.set()  # the first call's caller is gone: it aborts its own run
+        gate.set()
+        held.result(30)
+        first.join(60)
+        retry.join(60)
+        assert isinstance(outcome["first"], Cancelled) or hasattr(outcome["first"], "first_token"), outcome["first"]
+        assert hasattr(outcome["retry"], "first_token"), outcome["retry"]  # the retry answered, with its first token
+        alone = worker.prefill(
+            wpb.PrefillRequest(
+                request_id="alone",
+                prompt_token_ids=prompt,
+                sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
+                plan=cpb.PrefixPlan(),
+                landing=wpb.Landing(
+                    segment=segment_to_pb(segment), cache_blocks=[0, 1, 2], cache_num_blocks=8, block_bytes=block_bytes
+                ),
+            ),
+            threading.Event(),
+        )
+        assert outcome["retry"].first_token == alone.first_token
+        assert not worker.connector.jobs and not worker._inflight  # nothing of either call left behind
+    finally:
+        if worker is not None:
+            worker.close()
+        decode_node.close()
+        node.stop()
+
+
 def prefilled_tokens_kv(model_dir, prompt: list[int]) -> torch.Tensor:
     """The prompt's KV computed by one engine alone, token by token: [L, 2, tokens, Hkv, D]."""
     _, kv = prefilled(model_dir, prompt)  # [n, L, 2, bs, Hkv, D]

@@ -174,7 +174,8 @@ def twin_check(snap: Snapshot, plan: Plan, prefill: int, decode: int) -> TwinOut
     for r, s in zip(requests, snap.requests[-len(requests) :]):  # what the real pool held for it
         blocks = max(0, s.cached_tokens) // block_tokens
         if blocks and r.keys:
-            node = cluster.prefills[hash(r.keys[0]) % len(cluster.prefills)].cache
+            root = int.from_bytes(r.keys[0][:8], "little")  # not hash(): a process's salt would move the twin's runs
+            node = cluster.prefills[root % len(cluster.prefills)].cache
             node.put(r.keys[:blocks])
     records = cluster.run()
     good = 0

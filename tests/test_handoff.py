@@ -454,8 +454,6 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
     from kvnodes import start_node
 
     from kvstore.wire import segment_to_pb
-    from prefill.config import PrefillConfig
-    from prefill.worker import PrefillWorker
     from protos import conductor_pb2 as cpb
     from protos import worker_pb2 as wpb
 
@@ -468,16 +466,7 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
     try:
         segment = decode_node.allocate("kvcache", 24 * block_bytes)
         cache = torch.frombuffer(decode_node.buffer(segment.name), dtype=torch.float32).view(layers, 2, 24, *shape)
-        worker = PrefillWorker(
-            PrefillConfig(
-                id=f"prefill-{uuid.uuid4().hex[:6]}",
-                model=str(tiny_dir),
-                kvstore=node.grpc,
-                block_size=bs,
-                num_kv_blocks=32,
-                max_model_len=256,
-            )
-        )
+        worker = prefill_worker(tiny_dir, node.grpc, bs)
         copies = []
         copy_prefix = worker._copy_prefix
         worker._copy_prefix = lambda job, local, cached: copies.append(len(local)) or copy_prefix(job, local, cached)
@@ -547,8 +536,7 @@ def test_a_request_placed_again_on_the_same_prefill_worker_runs_beside_the_call_
     from kvnodes import start_node
 
     from kvstore.wire import segment_to_pb
-    from prefill.config import PrefillConfig
-    from prefill.worker import Cancelled, PrefillWorker
+    from prefill.worker import Cancelled
     from protos import conductor_pb2 as cpb
     from protos import worker_pb2 as wpb
 
@@ -560,20 +548,11 @@ def test_a_request_placed_again_on_the_same_prefill_worker_runs_beside_the_call_
     worker = None
     try:
         segment = decode_node.allocate("kvcache", 8 * block_bytes)
-        worker = PrefillWorker(
-            PrefillConfig(
-                id=f"prefill-{uuid.uuid4().hex[:6]}",
-                model=str(tiny_dir),
-                kvstore=node.grpc,
-                block_size=bs,
-                num_kv_blocks=32,
-                max_model_len=256,
-            )
-        )
+        worker = prefill_worker(tiny_dir, node.grpc, bs)
 
-        def request(blocks: list[int]) -> wpb.PrefillRequest:
+        def request(blocks: list[int], rid: str = "chaos-28") -> wpb.PrefillRequest:
             return wpb.PrefillRequest(
-                request_id="chaos-28",
+                request_id=rid,
                 prompt_token_ids=prompt,
                 sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
                 plan=cpb.PrefixPlan(),
@@ -609,18 +588,7 @@ def test_a_request_placed_again_on_the_same_prefill_worker_runs_beside_the_call_
         retry.join(60)
         assert isinstance(outcome["first"], Cancelled) or hasattr(outcome["first"], "first_token"), outcome["first"]
         assert hasattr(outcome["retry"], "first_token"), outcome["retry"]  # the retry answered, with its first token
-        alone = worker.prefill(
-            wpb.PrefillRequest(
-                request_id="alone",
-                prompt_token_ids=prompt,
-                sampling=wpb.Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
-                plan=cpb.PrefixPlan(),
-                landing=wpb.Landing(
-                    segment=segment_to_pb(segment), cache_blocks=[0, 1, 2], cache_num_blocks=8, block_bytes=block_bytes
-                ),
-            ),
-            threading.Event(),
-        )
+        alone = worker.prefill(request([0, 1, 2], "alone"), threading.Event())
         assert outcome["retry"].first_token == alone.first_token
         assert not worker.connector.jobs and not worker._inflight  # nothing of either call left behind
     finally:
@@ -628,6 +596,23 @@ def test_a_request_placed_again_on_the_same_prefill_worker_runs_beside_the_call_
             worker.close()
         decode_node.close()
         node.stop()
+
+
+def prefill_worker(model_dir, kvstore: str, block_size: int):
+    """A prefill worker in this process, on the pool node at ``kvstore``."""
+    from prefill.config import PrefillConfig
+    from prefill.worker import PrefillWorker
+
+    return PrefillWorker(
+        PrefillConfig(
+            id=f"prefill-{uuid.uuid4().hex[:6]}",
+            model=str(model_dir),
+            kvstore=kvstore,
+            block_size=block_size,
+            num_kv_blocks=32,
+            max_model_len=256,
+        )
+    )
 
 
 def prefilled_tokens_kv(model_dir, prompt: list[int]) -> torch.Tensor:

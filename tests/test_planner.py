@@ -57,7 +57,6 @@ def snapshot(
     return Snapshot(
         now=now,
         requests=planner.window(now),
-        rates=list(planner.rates),
         prefill=prefill,
         decode=decode,
         prefill_coef=prefill_coef,

@@ -58,14 +58,7 @@ def trace(speed: float, limit: int | None, profile: RateProfile | None, preset: 
 
 
 def good(records, cfg: SimConfig) -> int:
-    return sum(
-        1
-        for r in records
-        if r.rejected is None
-        and not math.isnan(r.first_token)
-        and r.ttft_s <= cfg.ttft_slo_s
-        and (math.isnan(r.tbt_s) or r.tbt_s <= cfg.tbt_slo_s)
-    )
+    return sum(r.within_slos(cfg.ttft_slo_s, cfg.tbt_slo_s) for r in records)
 
 
 def run(cfg: SimConfig, requests, scaler=None) -> dict:

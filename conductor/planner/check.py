@@ -78,7 +78,6 @@ def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int 
     return Snapshot(
         now=now,
         requests=planner.window(now),
-        rates=list(planner.rates),
         prefill=len(prefills),
         decode=len(decodes),
         prefill_coef=(c0, c1, c2),
@@ -185,7 +184,7 @@ def twin_check(snap: Snapshot, plan: Plan, prefill: int, decode: int) -> TwinOut
             continue
         ttft.append(rec.ttft_s)
         tbt.append(0.0 if math.isnan(rec.tbt_s) else rec.tbt_s)
-        good += rec.ttft_s <= snap.ttft_slo_s and (math.isnan(rec.tbt_s) or rec.tbt_s <= snap.tbt_slo_s)
+        good += rec.within_slos(snap.ttft_slo_s, snap.tbt_slo_s)
     return TwinOutcome(
         prefill,
         decode,

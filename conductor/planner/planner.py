@@ -42,7 +42,7 @@ from conductor.planner.sizing import (
     size_prefill,
 )
 from conductor.policies import PolicyKind
-from conductor.types import Decision, InstanceState, Rejection, Role, ScheduleRequest, Wait
+from conductor.types import Decision, Rejection, Role, ScheduleRequest, Wait
 
 
 class PlannerConfig(BaseModel):
@@ -101,7 +101,6 @@ class Snapshot:
 
     now: float
     requests: list[Seen]  # the window's, oldest first
-    rates: list[float]  # arrivals a second in each finished interval, oldest first
     prefill: int  # schedulable instances of each role now (starting ones not counted: see ``Planner.pending``)
     decode: int
     prefill_coef: tuple[float, float, float]  # the prefill predictor: c0 + c1 new + c2 new (prompt + cached) / 2
@@ -449,7 +448,3 @@ class Planner:
     def settle(self, role: Role, count: int) -> None:
         """The pool's count is known to be ``count`` (a scale that failed, or a count set by hand)."""
         self.target[role] = count
-
-
-def schedulable(instances, role: Role) -> int:
-    return sum(1 for i in instances if i.role is role and i.state in (InstanceState.ALIVE, InstanceState.SUSPECT))

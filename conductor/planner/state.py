@@ -147,6 +147,15 @@ class Record:
     def ttft_s(self) -> float:
         return self.first_token - self.req.arrival_s
 
+    def within_slos(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+        """Served, its first token within the TTFT SLO and its gaps within the TBT SLO (a one-token answer has none)."""
+        return (
+            self.rejected is None
+            and not math.isnan(self.first_token)
+            and self.ttft_s <= ttft_slo_s
+            and (math.isnan(self.tbt_s) or self.tbt_s <= tbt_slo_s)
+        )
+
 
 class PrefillInstance:
     def __init__(self, inst: Instance, cache: NodeCache) -> None:

@@ -118,7 +118,7 @@ class Snapshot:
     backlog_s: float = 0.0  # the prefill instances' queued work (predicted seconds, their heartbeats')
     pool_nodes: int = 0  # the pool nodes registered, and a node's mean DRAM blocks (0: not known)
     node_blocks: float = 0.0
-    reads: list[bytes] = field(default_factory=list)  # the recent block reads (Planner.reads), oldest first
+    reads: list[bytes] = field(default_factory=list)  # the arrivals' key chains (Planner.reads), oldest first
     admission: AdmissionKind = AdmissionKind.EARLY_PREDICTIVE  # the Conductor's, for the twin's
     policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
     local_prefill: LocalPrefill = LocalPrefill.NEVER
@@ -207,7 +207,10 @@ class Planner:
         self.target: dict[Role, int] = {}  # the counts last acted on (a starting instance is not registered yet)
         self.last: Plan | None = None
         self.block_tokens = 0  # the requests' block size (their ScheduleRequest's)
-        self.reads: deque[bytes] = deque(maxlen=READS_KEPT)  # the arrivals' block keys, in order (pool sizing)
+        # the arrivals' key chains, in order (pool sizing): a chain each, split into keys only on the planner's thread
+        # (a Schedule of a 100k-token prompt does not pay for 6,000 slices), about READS_KEPT keys in all
+        self.reads: deque[bytes] = deque()
+        self._read_keys = 0
 
     # -- observations (called under the Conductor's lock, once per event) ---------------------------
 
@@ -222,7 +225,10 @@ class Planner:
             self.block_tokens = req.block_tokens
             keys = req.keys.blob if hasattr(req.keys, "blob") else b"".join(req.keys)
             seen = self._seen[req.request_id] = Seen(now, req.prompt_tokens, keys)
-            self.reads.extend(keys[i : i + 16] for i in range(0, len(keys), 16))
+            self.reads.append(keys)
+            self._read_keys += len(keys) // 16
+            while self._read_keys - len(self.reads[0]) // 16 >= READS_KEPT:
+                self._read_keys -= len(self.reads.popleft()) // 16
             self._order.append((now, req.request_id))
             self._trim(now)
         if seen is not None and isinstance(outcome, Decision) and seen.cached_tokens < 0:
@@ -354,8 +360,9 @@ class Planner:
         keys_per_request = sum(len(s.keys) // 16 for s in snap.requests) / len(snap.requests)
         c0, c1, c2 = snap.prefill_coef
         block = snap.block_tokens or 1
+        reads = [chain[i : i + 16] for chain in snap.reads for i in range(0, len(chain), 16)][-READS_KEPT:]
         plan.pool = advise_pool(
-            snap.reads,
+            reads,
             snap.pool_nodes,
             snap.node_blocks,
             plan.rate * keys_per_request,

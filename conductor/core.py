@@ -21,7 +21,7 @@ from conductor.forecast import DecodeForecast
 from conductor.index import KVIndex, PrefixMatch
 from conductor.learning import Learning
 from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local, step_at_cap
-from conductor.overload import MIN_RETRY_S, WAITABLE, Overload, clamp_retry
+from conductor.overload import MAX_WAIT_S, MIN_RETRY_S, MIN_WAIT_S, WAITABLE, Overload, clamp_retry
 from conductor.policies import PolicyKind, PrefillChoice, ahead_of_queue, make_policy
 from conductor.predictors import Predictors
 from conductor.registry import Registry
@@ -89,6 +89,10 @@ class Conductor(Registry, Learning, Overload):
         self.audit: Callable[[str, Placed, Measured, float], None] | None = None
         self.waiting = WaitQueue(self.config.wait_queue)  # early_wait's order (conductor.waiting)
         self.shares = FairShare()  # requests in flight per priority and tenant
+        # The planner acting (conductor.planning sets it): when the next decode instance it started is predicted to
+        # serve (inf: none is starting; one may come with its next plan). None: no planner adds decode instances, so a
+        # prompt no decode worker has room for is refused (decode_busy) instead of held at its gateway (_hold_for_room)
+        self.decode_due: float | None = None
 
     # -- configuration at run time -------------------------------------------------------
 
@@ -197,6 +201,9 @@ class Conductor(Registry, Learning, Overload):
         )  # what its prompt's KV takes of a decode worker's landing slots
         takers = self._takers(decodes, blocks)
         if not takers:
+            held = self._hold_for_room(req, decodes, blocks, now, slo)
+            if held is not None:
+                return held
             return dataclasses.replace(
                 self._reject(req, RejectReason.DECODE_BUSY, self._busy_message(decodes, blocks), MIN_RETRY_S),
                 shed_s=self.shed_s(now),
@@ -300,34 +307,69 @@ class Conductor(Registry, Learning, Overload):
         )
 
     def _takers(self, decodes: list[Instance], blocks: int) -> list[Instance]:
-        """The decode instances that would take one more request of ``blocks`` landing blocks now; under the early
-        admissions, those whose worker would not refuse it as ``decode.worker.DecodeWorker.generate`` does.
+        """The decode instances that would take one more request of ``blocks`` landing blocks now: those whose worker
+        would not refuse it as ``decode.worker.DecodeWorker.generate`` does (its batch check only under the early
+        admissions: the others leave it to the worker).
 
-        A worker refuses when the requests running past its batch cap (``Load.batch_cap``: what
-        its TBT SLO allows, in every heartbeat; they have landed and wait for a place) come to a
-        whole batch, or when its landing room (``Load.landing_blocks``) has no room for the
-        prompt's KV beside that of the requests in prefill there. A request in prefill holds
-        landing room, not a place in the batch: whether the batch has a place for it when it
-        lands is the forecast's question (early_predictive's TBT check), asked at the time its
-        prefill ends. Those requests come from the forecast's bookkeeping
-        (scheduled here, their decode start and end reported by the worker), as fresh as the
-        last report; what a worker does not report is not checked here. Refused here, such a
-        request hears 429 in a fraction of a millisecond instead of after a round trip to a
-        busy worker, and while every worker is full the gateway sheds.
+        A worker refuses when its KV has no room for the prompt's blocks (``kv_held``: the
+        requests in prefill there hold theirs, and where the batch shares the cache, the
+        running requests theirs), or when the requests running past its batch cap
+        (``Load.batch_cap``: what its TBT SLO allows, in every heartbeat; they have landed and
+        wait for a place) come to a whole batch. A request in prefill holds landing room, not
+        a place in the batch: whether the batch has a place for it when it lands is the
+        forecast's question (early_predictive's TBT check), asked at the time its prefill
+        ends. Those requests come from the forecast's bookkeeping (scheduled here, their
+        decode start and end reported by the worker), so a placement made between two
+        heartbeats counts at once; what a worker does not report is not checked here.
+        Refused here, such a request hears 429 in a fraction of a millisecond instead of
+        after a round trip to a busy worker, and while every worker is full the gateway
+        sheds; with the planner acting it waits for room instead (``_hold_for_room``).
         """
-        if self.admission is AdmissionKind.EARLY or self.admission.predictive:
-            return [inst for inst in decodes if not self._refusal(inst, blocks)]
-        return decodes
+        return [inst for inst in decodes if not self._refusal(inst, blocks)]
+
+    def kv_held(self, inst: Instance) -> int:
+        """The blocks of decode ``inst``'s KV capacity (``Instance.kv_blocks``) held now, as the Conductor counts them:
+        the landings of the requests it placed there that are still in prefill and, where the running batch shares the
+        cache, the batch's: its prompts' blocks and a block of output each, or what the worker's last heartbeat
+        counted (``Load.running_blocks``) when that is more (longer outputs, requests placed before a restart)."""
+        landing, prompts = self.forecast.blocks_held(inst.id)
+        if not inst.kv_shared:
+            return landing
+        _, decoding, _ = self.forecast.occupancy(inst.id)
+        return landing + max(prompts + decoding, inst.load.running_blocks)
 
     def _refusal(self, inst: Instance, blocks: int) -> str:
         """Why ``inst``'s worker would refuse a request of ``blocks`` landing blocks now ("": it would take it)."""
         _, decoding, landing = self.forecast.occupancy(inst.id)
         cap, room = inst.load.batch_cap, inst.load.landing_blocks
-        if cap and decoding - cap >= cap:
+        batch_check = self.admission is AdmissionKind.EARLY or self.admission.predictive
+        if batch_check and cap and decoding - cap >= cap:
             return f"{inst.id}: {decoding - cap} waiting for a place in a batch of {cap}"
-        if room and landing + blocks > room:
+        if inst.kv_blocks:
+            held = self.kv_held(inst)
+            if held + blocks > inst.kv_blocks:
+                return f"{inst.id}: {held} of {inst.kv_blocks} KV blocks held, {blocks} more needed"
+        elif room and landing + blocks > room:  # a worker that registered no capacity: its heartbeat's room
             return f"{inst.id}: {landing} of {room} landing blocks held, {blocks} more needed"
         return ""
+
+    def _hold_for_room(
+        self, req: ScheduleRequest, decodes: list[Instance], blocks: int, now: float, slo: Slo
+    ) -> Wait | Rejection | None:
+        """With the planner acting (``decode_due`` set), a request no decode worker has room for now waits at its
+        gateway and asks again: room frees as requests finish, and the planner counts decode KV and adds a decode
+        instance when it runs out (conductor.planner.sizing). It asks again within ``MAX_WAIT_S`` (a quarter of a
+        mean decode, at least ``MIN_WAIT_S``); when even that would pass its TTFT SLO it is refused, with a
+        Retry-After the planner's next decode instance is predicted to meet. None: refused as before (no planner
+        acts, or a prompt larger than any worker's whole capacity, which no wait helps)."""
+        if self.decode_due is None or blocks > max(i.kv_blocks or i.load.landing_blocks for i in decodes):
+            return None
+        why = self._busy_message(decodes, blocks)
+        wait = min(MAX_WAIT_S, max(MIN_WAIT_S, self.forecast.t_d / 4))
+        if wait < slo.ttft_s:
+            return Wait(req.request_id, wait, f"waiting {wait:.2f} s for decode room: {why}")
+        due = self.decode_due - now if self.decode_due > now else self.forecast.t_d / 2
+        return self._reject(req, RejectReason.DECODE_BUSY, why, clamp_retry(due))
 
     def _busy_message(self, decodes: list[Instance], blocks: int) -> str:
         why = "; ".join(self._refusal(inst, blocks) for inst in decodes[:4])

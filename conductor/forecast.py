@@ -71,6 +71,7 @@ class DecodeForecast:
         self._pending: list[int] = []  # by decode number: live flights not yet decoding
         self._decoding: list[int] = []  # and decoding
         self._landing: list[int] = []  # the landing blocks the ones not yet decoding hold
+        self._batch_blocks: list[int] = []  # and the prompt blocks the decoding ones still hold
         self._decode = np.zeros(0, np.int64)
         self._start = np.zeros(0)  # when its decode starts (predicted until reported)
         self._context = np.zeros(0)
@@ -108,6 +109,7 @@ class DecodeForecast:
             self._pending.append(0)
             self._decoding.append(0)
             self._landing.append(0)
+            self._batch_blocks.append(0)
         row = self._free.pop() if self._free else self._grow()
         self._pending[number] += 1
         self._landing[number] += landing_blocks
@@ -125,6 +127,7 @@ class DecodeForecast:
             self._pending[number] -= 1
             self._decoding[number] += 1
             self._landing[number] -= int(self._blocks[row])
+            self._batch_blocks[number] += int(self._blocks[row])
         self._start[row], self._started[row] = now, True
         context = int(self._context[row])
         self._starts.append((now, context))
@@ -175,6 +178,14 @@ class DecodeForecast:
             return 0, 0, 0
         return self._pending[number], self._decoding[number], self._landing[number]
 
+    def blocks_held(self, decode: str) -> tuple[int, int]:
+        """(landing blocks held by the requests sent to ``decode`` and not decoding yet, prompt blocks held by those
+        decoding there), as reported so far: a request's prompt blocks are its until it finishes."""
+        number = self._decode_number.get(decode)
+        if number is None:
+            return 0, 0
+        return self._landing[number], self._batch_blocks[number]
+
     def _grow(self) -> int:
         """A fresh row (the columns double when full)."""
         row = len(self._ids)
@@ -194,6 +205,7 @@ class DecodeForecast:
             number = int(self._decode[row])
             if self._started[row]:
                 self._decoding[number] -= 1
+                self._batch_blocks[number] -= int(self._blocks[row])
             else:
                 self._pending[number] -= 1
                 self._landing[number] -= int(self._blocks[row])

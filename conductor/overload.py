@@ -152,8 +152,8 @@ class Overload:
         )
         takers = self._takers(decodes, 1)
         if not takers:
-            if self.admission is not AdmissionKind.EARLY_WAIT:
-                return SHED_BUSY_S
+            if self.admission is not AdmissionKind.EARLY_WAIT and self.decode_due is None:
+                return SHED_BUSY_S  # (with the planner acting, requests wait for room: Conductor._hold_for_room)
             takers = decodes  # full now; a request may wait for a place (the forecast's, below)
         probe = ScheduleRequest("shed-probe", (), 1, 1)
         choice = min(

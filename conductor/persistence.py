@@ -36,6 +36,8 @@ def instance_to_json(inst: Instance) -> str:
             "engine": inst.engine,
             "token": inst.token.hex(),
             "block_bytes": inst.block_bytes,
+            "kv_blocks": inst.kv_blocks,
+            "kv_shared": inst.kv_shared,
         }
     )
 
@@ -54,6 +56,8 @@ def instance_from_json(text: str | bytes) -> Instance:
         engine=d.get("engine", ""),
         token=bytes.fromhex(d.get("token", "")),
         block_bytes=int(d.get("block_bytes", 0)),
+        kv_blocks=int(d.get("kv_blocks", 0)),
+        kv_shared=bool(d.get("kv_shared", False)),
     )
 
 

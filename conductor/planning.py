@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from typing import Protocol
@@ -56,7 +57,12 @@ class PlannerLoop:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Plan every ``interval_s`` from now on (the thread logs a failed plan and goes on)."""
+        """Plan every ``interval_s`` from now on (the thread logs a failed plan and goes on). Acting, it tells the
+        Conductor that decode instances may come (``Conductor.decode_due``): a prompt no decode worker has room for
+        then waits for room at its gateway instead of being refused."""
+        if self.acting:
+            with self.service._lock:
+                self.service.conductor.decode_due = math.inf
         self._thread = threading.Thread(target=self._run, name="conductor-planner", daemon=True)
         self._thread.start()
 
@@ -129,3 +135,6 @@ class PlannerLoop:
                 self.planner.settle(role, alive[role])
                 continue
             self._asked[role] = (want, now)
+            if role is Role.DECODE and want > alive[role]:
+                with self.service._lock:  # a prompt waiting for decode room hears when this one is predicted to serve
+                    self.service.conductor.decode_due = now + self.config.start_s

@@ -354,7 +354,8 @@ class ConductorService:
         self, role: Role | None = None
     ) -> list[tuple[Instance, float, int, int, object, bool, tuple]]:
         """(instance, seconds since its heartbeat, blocks the index has on its node, of those in DRAM, what it was
-        served (prefill), retiring, what the forecast counts there (decode)) for the admin API."""
+        served (prefill), retiring, what the forecast counts there (decode: requests in prefill, decoding, landing
+        blocks held, KV blocks held)) for the admin API."""
         now = time.monotonic()
         c = self.conductor
         with self._lock:
@@ -366,7 +367,7 @@ class ConductorService:
                     c.index.node_dram_blocks(i.node),
                     c.served.get(i.id),
                     i.id in c.retiring,
-                    c.forecast.occupancy(i.id),
+                    (*c.forecast.occupancy(i.id), c.kv_held(i) if i.role is Role.DECODE else 0),
                 )
                 for i in c.instances.values()
                 if role is None or i.role is role

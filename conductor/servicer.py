@@ -66,6 +66,8 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.step_batch,
         msg.step_context_tokens,
         msg.queued_tokens,
+        msg.running_blocks,
+        msg.landing_held_blocks,
     )
 
 
@@ -83,6 +85,8 @@ def load_to_pb(load: Load) -> pb.Load:
         step_batch=load.step_batch,
         step_context_tokens=load.step_context_tokens,
         queued_tokens=load.queued_tokens,
+        running_blocks=load.running_blocks,
+        landing_held_blocks=load.landing_held_blocks,
     )
 
 
@@ -113,6 +117,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             pipeline_chunk=request.pipeline_chunk,
             step_tokens=request.step_tokens,
             block_bytes=request.block_bytes,
+            kv_blocks=request.kv_blocks,
+            kv_shared=request.kv_shared,
             token=new_instance_token(),
         )
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
@@ -215,7 +221,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
         rows = self.service.snapshot_instances(role)
         c = self.service.conductor
         infos = []
-        for i, age, blocks, dram, served, retiring, (in_prefill, decoding, landing) in rows:
+        for i, age, blocks, dram, served, retiring, (in_prefill, decoding, landing, kv_held) in rows:
             info = pb.InstanceInfo(
                 id=i.id,
                 role=ROLE_TO_PB[i.role],
@@ -236,6 +242,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 placed_decoding=decoding,
                 landing_held=landing,
                 transport=i.transport,
+                kv_blocks=i.kv_blocks,
+                kv_held=kv_held,
             )
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks

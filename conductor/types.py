@@ -62,6 +62,8 @@ class Load:
     step_batch: float = 0.0  # decode: the mean batch of the steps step_s is the mean time of (0: not reported)
     step_context_tokens: float = 0.0  # decode: and their mean context tokens
     queued_tokens: int = 0  # prefill: prompt tokens its prefills in flight still have to compute (0: not reported)
+    running_blocks: int = 0  # decode: blocks of its KV capacity (Instance.kv_blocks) its running batch holds
+    landing_held_blocks: int = 0  # decode: and those held for prompts still in prefill
 
 
 @dataclass(slots=True)
@@ -89,6 +91,8 @@ class Instance:
     pipeline_chunk: int = 0  # prefill with stages > 1: its chunk of a prompt (tokens)
     step_tokens: int = 0  # decode: its engine's token budget per step (0: not said)
     block_bytes: int = 0  # kvstore: bytes of one block, as it registered (0: not said)
+    kv_blocks: int = 0  # decode: the blocks a prompt's KV lands in (0: not said: Load.landing_blocks stands)
+    kv_shared: bool = False  # decode: its running batch holds blocks of kv_blocks too (the engine's own cache)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = (

@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> cpb.Load:
         cap = worker.learn_step_times()
         batch, context, seconds = worker.step_mean or (0.0, 0.0, 0.0)
+        running_blocks, landing_held = worker.kv_held
         return cpb.Load(
             queued_requests=worker.num_in_prefill,
             running_requests=worker.loop.num_running,
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             step_context_tokens=context,
             batch_cap=cap,
             landing_blocks=worker.landing_room,
+            running_blocks=running_blocks,
+            landing_held_blocks=landing_held,
         )
 
     spec = WorkerProcess(
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             capacity=args.max_num_seqs,
             transport=worker.transfer.transport,
             step_tokens=worker.step_tokens,
+            kv_blocks=worker.kv_blocks,
+            kv_shared=worker.kv_shared,
         ),
         load=load,
         on_heartbeat=lambda beat: worker.set_batch_cap(beat.batch_cap),

@@ -143,11 +143,31 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
         return (self.cache_segment is not None or bool(self.cuda_ipc)) and prefill_address not in self._staged_prefills
 
     @property
+    def kv_shared(self) -> bool:
+        """Do prompts land in the engine's own cache, which the running batch holds blocks of too (else: in landing
+        slots, which only prompts in prefill hold)?"""
+        return self.cache_segment is not None or bool(self.cuda_ipc)
+
+    @property
+    def kv_blocks(self) -> int:
+        """The blocks a prompt's KV lands in (registered with the Conductor: it places a prompt only where it fits)."""
+        return self.cache_num_blocks if self.kv_shared else self.slots.num_slots
+
+    @property
+    def kv_held(self) -> tuple[int, int]:
+        """(blocks of ``kv_blocks`` the running batch holds, blocks held for prompts still in prefill): every
+        heartbeat reports them. Read off the engine's counts without its thread: a heartbeat's snapshot."""
+        if not self.kv_shared:
+            return 0, self.slots.num_slots - self.slots.num_free
+        reserved = self.engine.num_reserved_blocks
+        return max(0, self.cache_num_blocks - self.engine.num_free_blocks - reserved), reserved
+
+    @property
     def landing_room(self) -> int:
         """Blocks prompts can land in (``Load.landing_blocks``: the Conductor counts the blocks its requests not yet
         decoding hold against it): where prefills write the engine's cache itself, its free blocks and those reserved
         for prefills under way; otherwise the landing slots."""
-        if self.cache_segment is not None or self.cuda_ipc:
+        if self.kv_shared:
             return self.engine.num_free_blocks + self.engine.num_reserved_blocks
         return self.slots.num_slots
 

@@ -63,7 +63,9 @@ class LearntCosts(ModelConfig):
 
 
 def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int = 0) -> Snapshot:
-    """What the next plan is made from, read off the Conductor (call under its lock; a few milliseconds)."""
+    """What the next plan is made from, read off the Conductor (call under its lock; a few milliseconds).
+    ``kv_tokens``: a decode instance's KV in tokens (0: from the capacity the decode workers registered, where their
+    running batch holds it)."""
     cfg = conductor.config
     slo = cfg.slo_classes.get("default") or next(iter(cfg.slo_classes.values()))
     alive = [i for i in conductor.instances.values() if i.state in (InstanceState.ALIVE, InstanceState.SUSPECT)]
@@ -72,6 +74,11 @@ def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int 
     steps = [i.load.step_s for i in decodes if i.load.step_s > 0]
     nodes = [i for i in alive if i.role is Role.KVSTORE]
     sized = [i.capacity for i in nodes if i.capacity > 0]
+    kv = [i for i in decodes if i.kv_blocks > 0]
+    kv_blocks = float(np.mean([i.kv_blocks for i in kv])) if kv else 0.0
+    kv_shared = all(i.kv_shared for i in kv)
+    if not kv_tokens and kv_shared:
+        kv_tokens = int(kv_blocks * planner.block_tokens)
     p = conductor.predictors
     c0, c1, c2 = (float(x) for x in p.prefill.coef)
     d0, d1, d2 = (float(x) for x in p.decode.coef)
@@ -99,6 +106,8 @@ def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int 
         admission=cfg.admission,
         policy=cfg.policy,
         local_prefill=cfg.local_prefill,
+        kv_blocks=kv_blocks,
+        kv_shared=kv_shared,
     )
 
 

@@ -122,6 +122,8 @@ class Snapshot:
     admission: AdmissionKind = AdmissionKind.EARLY_PREDICTIVE  # the Conductor's, for the twin's
     policy: PolicyKind = PolicyKind.KVCACHE_CENTRIC
     local_prefill: LocalPrefill = LocalPrefill.NEVER
+    kv_blocks: float = 0.0  # a decode instance's KV capacity in blocks, as registered (the mean; 0: not known)
+    kv_shared: bool = True  # its running batch holds blocks of it too (else only prompts in prefill do)
 
     def prefill_s(self, prompt: int, cached: int) -> float:
         new = prompt - cached
@@ -166,7 +168,7 @@ class Plan:
             f"{self.mean_output_tokens:.0f} tokens",
             f"prefill: {p.instances} sized ({p.limit}: utilization {p.utilization:.0%}, {p.predicted:.2%} of prompts "
             "predicted late)",
-            f"decode: {d.instances} sized ({d.limit}: batch {d.utilization:.0%} of the TBT cap's, step "
+            f"decode: {d.instances} sized ({d.limit}: batch or KV {d.utilization:.0%} of what one holds, step "
             f"{d.predicted * 1000:.1f} ms)",
         ]
         if self.pool is not None:
@@ -178,6 +180,24 @@ class Plan:
         ]
         lines.append(f"plan: {self.prefill} prefill, {self.decode} decode" + (f" ({self.held})" if self.held else ""))
         return "\n".join(lines)
+
+
+def kv_residence(snap: Snapshot, prefills: int, seconds: list[float], prompt: float, out: float) -> tuple[float, float]:
+    """(seconds a request holds its decode KV, blocks it holds) for the decode sizing's KV term (0, 0: KV not known).
+
+    It holds its prompt's blocks from its placement: through the wait for its prefill (the queue there now, spread
+    over the instances the plan will have, which a backlog a step up left behind makes long), its prefill and the
+    hand-off; where the batch shares the cache, on through its decode (its output's steps) with its output's blocks.
+    """
+    if snap.kv_blocks <= 0 or not snap.block_tokens or prompt <= 0:
+        return 0.0, 0.0
+    wait = snap.backlog_s / max(1, prefills, snap.prefill)
+    residence = wait + (float(np.mean(seconds)) if seconds else 0.0) + snap.handoff_s
+    tokens = prompt
+    if snap.kv_shared:
+        residence += out * max(snap.step_s, snap.steps.step_s(1.0, prompt + out / 2))
+        tokens += out
+    return residence, math.ceil(tokens / snap.block_tokens)
 
 
 MAX_AHEAD = 2.0  # the most intervals the forecast follows the rate's trend ahead
@@ -329,9 +349,16 @@ class Planner:
             pre = Sizing(n, a / n, late_share(n, PrefillLoad(rate, tuple(seconds)), snap.ttft_slo_s), "backlog")
         out = self.output_tokens(snap.step_s)
         prompt = float(np.mean([s.prompt_tokens for s in reqs])) if reqs else 0.0
-        load = DecodeLoad(rate, out, prompt + out / 2, prompt + out)
+        residence, blocks = kv_residence(snap, pre.instances, seconds, prompt, out)
+        load = DecodeLoad(rate, out, prompt + out / 2, prompt + out, residence, blocks)
         dec = size_decode(
-            load, snap.steps, snap.tbt_slo_s * snap.tbt_headroom, snap.kv_tokens, c.batch_z, c.bounds(Role.DECODE)
+            load,
+            snap.steps,
+            snap.tbt_slo_s * snap.tbt_headroom,
+            snap.kv_tokens,
+            c.batch_z,
+            c.bounds(Role.DECODE),
+            snap.kv_blocks,
         )
         plan = Plan(
             now,

@@ -27,6 +27,16 @@ A request stays for its output's steps, so each of N instances runs (Little's la
 
 and N is the least with ``m + z sqrt(m) <= B*``: the batch, Poisson about m, passes B* for 1% of the
 time at z = 2.33.
+
+Decode KV. A request holds its blocks on its decode instance from its placement (the landing its
+prefill writes) until it finishes: through its wait in the prefill queue, its prefill and hand-off,
+and (where the batch shares the cache) its decode. So each instance holds, by Little's law,
+
+    h = (rate / N) x residence    requests' blocks, ``blocks_per_request`` each
+
+and N is also the least with ``h + z sqrt(h) <= kv_blocks / blocks_per_request``: a prefill queue
+that grows (a step up the prefill pool has not caught up with) runs decode's KV out long before
+its batch reaches the TBT cap.
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ class DecodeLoad:
     mean_output_tokens: float
     mean_context_tokens: float  # a running request's mean context: its prompt and half its output
     kv_tokens_per_request: float = 0.0  # prompt + output it reserves (0: KV not limiting)
+    residence_s: float = 0.0  # decode KV: how long a request holds its blocks there (placement to finish, or to its
+    # decode start where the batch does not share them)
+    blocks_per_request: float = 0.0  # and how many (0: KV not counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +99,7 @@ class Sizing:
     """One role's count and the numbers behind it (the planner logs and exports these)."""
 
     instances: int
-    utilization: float  # prefill: a / N; decode: m / B*
+    utilization: float  # prefill: a / N; decode: m / B*, or the KV's share held when that is more
     predicted: float  # prefill: the share of prompts predicted late; decode: the step at the mean batch (s)
     limit: str  # what set the count: "slo", "utilization", "min", "max", "idle"
 
@@ -173,6 +186,13 @@ def max_batch(load: DecodeLoad, steps: StepModel, cap_s: float, kv_tokens: int =
     return max(b, 1.0)
 
 
+def kv_fits(load: DecodeLoad, kv_blocks: float) -> float:
+    """The requests whose blocks one decode instance's KV holds at once (inf: KV not counted)."""
+    if kv_blocks <= 0 or load.blocks_per_request <= 0 or load.residence_s <= 0:
+        return math.inf
+    return kv_blocks / load.blocks_per_request
+
+
 def size_decode(
     load: DecodeLoad,
     steps: StepModel,
@@ -180,16 +200,28 @@ def size_decode(
     kv_tokens: int = 0,
     z: float = Z_99,
     bounds: tuple[int, int] = (1, 64),
+    kv_blocks: float = 0.0,
 ) -> Sizing:
-    """The fewest decode instances (within ``bounds``) whose batch stays within B* but for ``z`` deviations."""
+    """The fewest decode instances (within ``bounds``) whose batch stays within B*, and whose KV (``kv_blocks`` each;
+    0: not counted) holds the requests in flight there, both but for ``z`` deviations. ``limit`` says which set the
+    count: "slo" (the batch at the TBT cap) or "kv"."""
     lo, hi = bounds
-    if load.rate <= 0 or load.mean_output_tokens <= 0:
+    if load.rate <= 0 or (load.mean_output_tokens <= 0 and load.residence_s <= 0):
         return Sizing(lo, 0.0, steps.base_s, "idle")
-    cap_b = max_batch(load, steps, cap_s, kv_tokens)
+    cap_b, fits = max_batch(load, steps, cap_s, kv_tokens), kv_fits(load, kv_blocks)
+
+    def over(n: int) -> str:
+        m = batch_at(load.rate / n, load, steps) if load.mean_output_tokens > 0 else 0.0
+        if m + z * math.sqrt(m) > cap_b:
+            return "slo"
+        h = load.rate / n * load.residence_s
+        return "kv" if h + z * math.sqrt(h) > fits else ""
+
     n, limit = lo, "min"
-    while n <= hi and (m := batch_at(load.rate / n, load, steps)) + z * math.sqrt(m) > cap_b:
-        n, limit = n + 1, "slo"
+    while n <= hi and (why := over(n)):
+        n, limit = n + 1, why
     if n > hi:
         n, limit = hi, "max"
-    m = batch_at(load.rate / n, load, steps)
-    return Sizing(n, m / cap_b, steps.step_s(m, load.mean_context_tokens), limit)
+    m = batch_at(load.rate / n, load, steps) if load.mean_output_tokens > 0 else 0.0
+    held = load.rate / n * load.residence_s / fits if fits < math.inf else 0.0
+    return Sizing(n, max(m / cap_b, held), steps.step_s(m, load.mean_context_tokens), limit)

@@ -1,7 +1,7 @@
 """The planner on this machine: `mooncake up --planner act` under a 1x -> 3x -> 1x replay, each plan against what
 followed.
 
-    python -m benchmarks.planner_live [--rate 1.2] [--step-s 30] [--interval-s 4] [--json PATH]
+    python -m benchmarks.planner_live [--rate 1.5] [--step-s 30] [--interval-s 4] [--json PATH]
 
 A random-weight Llama (hidden 512, 8 layers: a 900-token prompt's prefill takes about 0.3 s on 2 cores), one prefill
 and one decode worker to start, the planner acting (at most 2 of each); a steady trace of 900-token prompts with
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--rate", type=float, default=1.2, help="requests a second at 1x")
+    ap.add_argument("--rate", type=float, default=1.5, help="requests a second at 1x")
     ap.add_argument("--step-s", type=float, default=30.0, help="seconds at each level")
     ap.add_argument("--interval-s", type=float, default=4.0, help="the planner's interval")
     ap.add_argument("--json", type=Path)

@@ -330,9 +330,12 @@ class Conductor(Registry, Learning, Overload):
     def kv_held(self, inst: Instance) -> int:
         """The blocks of decode ``inst``'s KV capacity (``Instance.kv_blocks``) held now, as the Conductor counts them:
         the landings of the requests it placed there that are still in prefill and, where the running batch shares the
-        cache, the batch's: its prompts' blocks and a block of output each, or what the worker's last heartbeat
-        counted (``Load.running_blocks``) when that is more (longer outputs, requests placed before a restart)."""
+        cache, the batch's: its prompts' blocks and a block of output each. Where the worker's last heartbeat counted
+        more of either (``Load.landing_held_blocks``, ``Load.running_blocks``: longer outputs, requests placed before a
+        restart or whose report was lost), that. A request that started decoding since that heartbeat counts twice
+        until the next one: the count errs on the side the worker does not refuse."""
         landing, prompts = self.forecast.blocks_held(inst.id)
+        landing = max(landing, inst.load.landing_held_blocks)
         if not inst.kv_shared:
             return landing
         _, decoding, _ = self.forecast.occupancy(inst.id)

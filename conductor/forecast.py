@@ -157,10 +157,13 @@ class DecodeForecast:
         if number is not None:
             self._drop_rows(np.flatnonzero(self._live & (self._decode == number)))
 
-    def expire(self, now: float) -> None:
-        """Drop flights long past any end seen (a lost report must not inflate the load forever)."""
+    def expire(self, now: float, pending_s: float = 0.0) -> None:
+        """Drop flights long past any end seen (a lost report must not inflate the load forever); one not decoding yet
+        ``pending_s`` later still (the TTFT SLO: a prefill queue running behind its predictions makes starts late, and
+        a flight dropped early would leave its landing blocks uncounted while the worker still holds them)."""
         longest = max(4 * self.t_d, 2 * self._sorted[-1] if self._sorted else 0.0)
-        self._drop_rows(np.flatnonzero(self._live & (now > self._start + longest)))
+        late = self._start + longest + np.where(self._started, 0.0, pending_s)
+        self._drop_rows(np.flatnonzero(self._live & (now > late)))
 
     def __len__(self) -> int:
         return len(self._row)

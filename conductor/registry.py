@@ -158,8 +158,9 @@ class Registry:
                 inst.state = InstanceState.DEAD
                 self._forget(inst)
                 dead.append(inst.id)
-        self.forecast.expire(now)
-        self.shares.expire(now, 4 * self.forecast.t_d + max(s.ttft_s for s in self.config.slo_classes.values()))
+        ttft_s = max(s.ttft_s for s in self.config.slo_classes.values())
+        self.forecast.expire(now, ttft_s)
+        self.shares.expire(now, 4 * self.forecast.t_d + ttft_s)
         return dead
 
     def _forget(self, inst: Instance) -> None:

@@ -1,8 +1,10 @@
 """The planner acting on a real cluster: `mooncake up --planner act` under a 1x -> 3x -> 1x replay.
 
-A random-weight model big enough that a 900-token prompt takes about 0.3 s on this machine; 1.2 requests a second
-at 1x keep one prefill worker about a third busy, 3.6 a second need a second one (and stay within the decode worker's
-2,048 cache blocks, 36 prompts' worth, while they queue). The
+A random-weight model big enough that a 900-token prompt takes about 0.3 s on this machine; 1.5 requests a second
+at 1x keep one prefill worker about half busy, 4.5 a second need a second one and more than this machine's 2 cores
+give: the prompts queue for prefill, each holding 56 of its decode worker's 2,048 cache blocks (36 prompts' worth)
+while it waits. The Conductor places a prompt only where its blocks fit, holds it at its gateway while no decode
+worker has room (the planner acts), and the planner sizes decode by the KV the waiting prompts hold. The
 replay is benchmarks.replay's command line with ``--rate-profile step:1,3,1``. While it runs, the Conductor's
 plans and pools are read every half second. What a user would see:
 
@@ -31,7 +33,7 @@ from protos import conductor_pb2 as cpb
 
 INTERVAL_S = 4.0
 STEP_S = 30.0  # each level of the profile lasts this long
-RATE = 1.2  # requests a second at 1x: a prompt's prefill takes about 0.3 s, so about 0.36 of a worker, and 1.08 at 3x
+RATE = 1.5  # requests a second at 1x: a prompt's prefill takes about 0.3 s, so about 0.45 of a worker, and 1.35 at 3x
 
 
 class Watch:

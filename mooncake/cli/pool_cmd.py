@@ -143,6 +143,8 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             )
         elif i.role == pb.DECODE:
             load = f"{i.load.queued_requests} in prefill"
+            if i.kv_blocks:  # its KV capacity, and the blocks the Conductor counts held (landings and the batch)
+                kv = f"{i.kv_held} of {i.kv_blocks} held"
             running = str(i.load.running_requests) + (f" of {i.load.batch_cap}" if i.load.batch_cap else "")
             running += f" ({i.load.step_s * 1e3:.0f} ms/step)" if i.load.step_s else ""
             # the prompts it computed itself (the Conductor's local placement), and how much of them came from the pool

@@ -93,3 +93,46 @@ def test_the_heartbeat_reports_the_mean_step_since_the_last_one(tiny_dir, shm_di
         assert worker.step_mean is None  # the next heartbeat: no step since
     finally:
         worker.close()
+
+
+def test_the_kv_a_worker_registers_and_reports_is_what_it_refuses_by(tiny_dir, shm_dir):
+    """Its capacity (the engine's cache: prompts land there), the blocks its batch holds and those held for prompts in
+    prefill, as its heartbeat reports them: a prompt's blocks are reserved exactly when they leave room for them,
+    which is what the Conductor checks before it places one there (conductor.core.Conductor.kv_held)."""
+    worker = DecodeWorker(
+        DecodeConfig(
+            id=f"decode-{uuid.uuid4().hex[:6]}",
+            model=str(tiny_dir),
+            block_size=16,
+            num_kv_blocks=64,
+            max_model_len=256,
+            write_behind=False,
+            shm_dir=shm_dir,
+        )
+    )
+    try:
+        assert (worker.kv_blocks, worker.kv_shared, worker.kv_held) == (64, True, (0, 0))
+        _, landing = worker._reserve(40, "127.0.0.1:1")  # a prompt of 40 blocks in its prefill
+        assert worker.kv_held == (0, 40)
+        params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+        worker.loop.submit_nowait([].append, prompt_token_ids=[11] * 100, sampling_params=params, request_id="a")
+        deadline = time.monotonic() + 10
+        while worker.loop.num_running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        def between_steps(engine):  # (on the engine's thread: no step runs meanwhile)
+            running, held = worker.kv_held
+            room = worker.kv_blocks - running - held
+            over, fits = engine.reserve_blocks(room + 1), engine.reserve_blocks(room)
+            engine.release_blocks(fits)
+            return running, held, over, len(fits)
+
+        running, held, over, fits = worker.loop.call(between_steps).result(10)
+        assert held == 40 and 7 <= running <= 16  # 100 tokens and those generated so far, 16 to a block
+        assert over is None and fits == 64 - 40 - running
+        with pytest.raises(Busy, match="has no 64 free cache blocks"):
+            worker._reserve(64, "127.0.0.1:1")
+        worker.release_blocks(landing)
+    finally:
+        worker.close()

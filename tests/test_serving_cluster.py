@@ -249,10 +249,14 @@ def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_
         time.sleep(0.2)
     # prompts land in its engine's own cache: the room it reports is that cache's free blocks (none reserved now)
     assert decode.load.landing_blocks == decode.load.free_kv_blocks > 0
+    # and it registered that cache as its KV capacity, shared with its batch: idle, nothing of it is held
+    assert decode.kv_blocks == decode.load.free_kv_blocks and decode.kv_held == 0
+    assert decode.load.running_blocks == decode.load.landing_held_blocks == 0
     console = Console(record=True, width=200)
     console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
     shown = console.export_text()
     assert f" of {decode.load.batch_cap}" in shown  # `mooncake status` shows the running batch against its cap
+    assert f"0 of {decode.kv_blocks} held" in shown  # and its KV: the blocks held of its capacity
     # and how each component's KV crosses hosts: tcp on this machine (no RDMA device), the reason in ListInstances
     assert "decode (native, KV over tcp)" in shown and "kvstore (pool, KV over tcp)" in shown
     assert instances(cluster)["decode-0"].transport.startswith("tcp (no RDMA device")

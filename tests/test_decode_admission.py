@@ -16,19 +16,24 @@ from decode.worker import Busy, DecodeWorker
 from mooncake.engine.request import SamplingParams
 
 
-def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waiting_is_refused(tiny_dir, shm_dir):
-    worker = DecodeWorker(
+def decode_worker(tiny_dir, shm_dir, **config) -> DecodeWorker:
+    """A real decode worker on the tiny model: 64 cache blocks of 16 tokens, no write-behind."""
+    return DecodeWorker(
         DecodeConfig(
             id=f"decode-{uuid.uuid4().hex[:6]}",
             model=str(tiny_dir),
             block_size=16,
             num_kv_blocks=64,
             max_model_len=256,
-            max_num_seqs=1,
             write_behind=False,
             shm_dir=shm_dir,
+            **config,
         )
     )
+
+
+def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waiting_is_refused(tiny_dir, shm_dir):
+    worker = decode_worker(tiny_dir, shm_dir, max_num_seqs=1)
     try:
         assert worker.batch_cap == 1
         worker._in_prefill = 5  # five requests between admission and their first token (each holds landing room)
@@ -53,18 +58,7 @@ def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waitin
 def test_the_heartbeat_reports_the_mean_step_since_the_last_one(tiny_dir, shm_dir):
     """The Conductor's decode predictor learns from one sample per heartbeat: the mean of the steps between two, not
     the last step alone (which swung with whatever else the cores were doing at that moment)."""
-    worker = DecodeWorker(
-        DecodeConfig(
-            id=f"decode-{uuid.uuid4().hex[:6]}",
-            model=str(tiny_dir),
-            block_size=16,
-            num_kv_blocks=64,
-            max_model_len=256,
-            max_num_seqs=4,
-            write_behind=False,
-            shm_dir=shm_dir,
-        )
-    )
+    worker = decode_worker(tiny_dir, shm_dir, max_num_seqs=4)
     try:
         worker.learn_step_times()
         assert worker.step_mean is None  # no step yet: nothing to report
@@ -99,17 +93,7 @@ def test_the_kv_a_worker_registers_and_reports_is_what_it_refuses_by(tiny_dir, s
     """Its capacity (the engine's cache: prompts land there), the blocks its batch holds and those held for prompts in
     prefill, as its heartbeat reports them: a prompt's blocks are reserved exactly when they leave room for them,
     which is what the Conductor checks before it places one there (conductor.core.Conductor.kv_held)."""
-    worker = DecodeWorker(
-        DecodeConfig(
-            id=f"decode-{uuid.uuid4().hex[:6]}",
-            model=str(tiny_dir),
-            block_size=16,
-            num_kv_blocks=64,
-            max_model_len=256,
-            write_behind=False,
-            shm_dir=shm_dir,
-        )
-    )
+    worker = decode_worker(tiny_dir, shm_dir)
     try:
         assert (worker.kv_blocks, worker.kv_shared, worker.kv_held) == (64, True, (0, 0))
         _, landing = worker._reserve(40, "127.0.0.1:1")  # a prompt of 40 blocks in its prefill

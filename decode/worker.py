@@ -8,7 +8,9 @@
       2. reserve blocks of the engine's own paged cache, one per prompt block (native engine:
          the cache is a shared-memory segment on the CPU, also served over tcp/rdma, and is
          exported by CUDA IPC on a GPU); stock vLLM, or a prefill worker that cannot reach the
-         cache, gets landing slots in a separate segment instead
+         cache, gets landing slots in a separate segment instead. The worker registers that
+         capacity (``kv_blocks``) and every heartbeat reports what its batch and its landings
+         hold of it (``kv_held``): the Conductor places a prompt only where its blocks fit
       3. Prefill(plan, landing) on the planned prefill worker: it writes the prompt's KV
          into those blocks (or slots) layer by layer and answers with the first token
       4. add the request to the running batch with its KV already in its blocks (landing

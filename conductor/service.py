@@ -128,8 +128,10 @@ class ConductorService:
         """Start serving: rebuild the registry and settings from the store (Redis: what the previous leader wrote;
         every instance gets a fresh heartbeat deadline) and the index from the pool nodes' snapshots."""
         with self._lock:
+            due = self.conductor.decode_due  # the planner's, which outlives a takeover (conductor.planning)
             self.conductor = Conductor(self.config)
             self.conductor.audit = self.prediction_log
+            self.conductor.decode_due = due
             self._recover()
         self.leading.set()
 

@@ -334,12 +334,9 @@ class Conductor(Registry, Learning, Overload):
         more of either (``Load.landing_held_blocks``, ``Load.running_blocks``: longer outputs, requests placed before a
         restart or whose report was lost), that. A request that started decoding since that heartbeat counts twice
         until the next one: the count errs on the side the worker does not refuse."""
-        landing, prompts = self.forecast.blocks_held(inst.id)
+        landing, batch = self.forecast.blocks_held(inst.id)
         landing = max(landing, inst.load.landing_held_blocks)
-        if not inst.kv_shared:
-            return landing
-        _, decoding, _ = self.forecast.occupancy(inst.id)
-        return landing + max(prompts + decoding, inst.load.running_blocks)
+        return landing + max(batch, inst.load.running_blocks) if inst.kv_shared else landing
 
     def _refusal(self, inst: Instance, blocks: int) -> str:
         """Why ``inst``'s worker would refuse a request of ``blocks`` landing blocks now ("": it would take it)."""

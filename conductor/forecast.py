@@ -72,11 +72,12 @@ class DecodeForecast:
         self._decoding: list[int] = []  # and decoding
         self._landing: list[int] = []  # the landing blocks the ones not yet decoding hold
         self._batch_blocks: list[int] = []  # and the prompt blocks the decoding ones still hold
-        # flights ``expire`` dropped from the forecast while still in prefill (late for their predicted start): their
-        # landing blocks stay held on the worker, so they stay counted until their decode starts, they finish, or a
-        # TTFT SLO later (request id -> (decode number, blocks, when to forget them))
-        self._late: dict[str, tuple[int, int, float]] = {}
-        self._late_blocks: list[int] = []
+        # flights ``expire`` dropped from the forecast while still in prefill (late for their predicted start): the
+        # worker holds their blocks until they finish, so they stay counted (``blocks_held``) until then, or until a
+        # TTFT SLO and a longest decode later (a report lost): request id -> [decode number, blocks, until, decoding]
+        self._late: dict[str, list] = {}
+        self._late_landing: list[int] = []  # by decode number: their blocks, still landing
+        self._late_batch: list[int] = []  # and decoding (with a block of output each)
         self._decode = np.zeros(0, np.int64)
         self._start = np.zeros(0)  # when its decode starts (predicted until reported)
         self._context = np.zeros(0)
@@ -115,7 +116,8 @@ class DecodeForecast:
             self._decoding.append(0)
             self._landing.append(0)
             self._batch_blocks.append(0)
-            self._late_blocks.append(0)
+            self._late_landing.append(0)
+            self._late_batch.append(0)
         self._forget_late(request_id)
         row = self._free.pop() if self._free else self._grow()
         self._pending[number] += 1
@@ -126,7 +128,12 @@ class DecodeForecast:
         self._started[row], self._live[row] = False, True
 
     def decode_started(self, request_id: str, now: float) -> None:
-        self._forget_late(request_id)
+        late = self._late.get(request_id)
+        if late is not None and not late[3]:  # its blocks now hold its running request
+            number, blocks = late[0], late[1]
+            self._late_landing[number] -= blocks
+            self._late_batch[number] += blocks + 1
+            late[3] = True
         row = self._row.get(request_id)
         if row is None:
             return
@@ -165,27 +172,30 @@ class DecodeForecast:
         number = self._decode_number.get(decode)
         if number is not None:
             self._drop_rows(np.flatnonzero(self._live & (self._decode == number)))
-            for request_id in [r for r, (n, _, _) in self._late.items() if n == number]:
+            for request_id in [r for r, late in self._late.items() if late[0] == number]:
                 self._forget_late(request_id)
 
     def expire(self, now: float, pending_s: float = 0.0) -> None:
         """Drop flights long past any end seen (a lost report must not inflate the load forever). One dropped before
-        its decode started keeps its landing blocks counted (``blocks_held``) ``pending_s`` longer: a prefill queue
-        running behind its predictions makes starts late, and the worker holds those blocks until they land."""
+        its decode started (a prefill queue running behind its predictions makes starts late) keeps its blocks counted
+        (``blocks_held``) until it finishes, as its worker holds them, or ``pending_s`` and twice the longest decode
+        later (its report lost)."""
         longest = max(4 * self.t_d, 2 * self._sorted[-1] if self._sorted else 0.0)
         rows = np.flatnonzero(self._live & (now > self._start + longest))
         for row in rows[~self._started[rows] & (self._blocks[rows] > 0)].tolist():
             number, blocks = int(self._decode[row]), int(self._blocks[row])
-            self._late[self._ids[row]] = (number, blocks, float(self._start[row]) + longest + pending_s)
-            self._late_blocks[number] += blocks
+            self._late[self._ids[row]] = [number, blocks, float(self._start[row]) + 2 * longest + pending_s, False]
+            self._late_landing[number] += blocks
         self._drop_rows(rows)
-        for request_id in [r for r, (_, _, until) in self._late.items() if now > until]:
+        for request_id in [r for r, late in self._late.items() if now > late[2]]:
             self._forget_late(request_id)
 
     def _forget_late(self, request_id: str) -> None:
         late = self._late.pop(request_id, None)
-        if late is not None:
-            self._late_blocks[late[0]] -= late[1]
+        if late is not None and late[3]:
+            self._late_batch[late[0]] -= late[1] + 1
+        elif late is not None:
+            self._late_landing[late[0]] -= late[1]
 
     def __len__(self) -> int:
         return len(self._row)
@@ -204,13 +214,14 @@ class DecodeForecast:
         return self._pending[number], self._decoding[number], self._landing[number]
 
     def blocks_held(self, decode: str) -> tuple[int, int]:
-        """(landing blocks held by the requests sent to ``decode`` and not decoding yet, those ``expire`` dropped as
-        late included, prompt blocks held by those decoding there), as reported so far: a request's prompt blocks are
-        its until it finishes."""
+        """(landing blocks held by the requests sent to ``decode`` and not decoding yet, blocks held by those decoding
+        there: their prompts' and a block of output each), as reported so far, those ``expire`` dropped as late
+        included: a request's blocks are its until it finishes."""
         number = self._decode_number.get(decode)
         if number is None:
             return 0, 0
-        return self._landing[number] + self._late_blocks[number], self._batch_blocks[number]
+        batch = self._batch_blocks[number] + self._decoding[number] + self._late_batch[number]
+        return self._landing[number] + self._late_landing[number], batch
 
     def _grow(self) -> int:
         """A fresh row (the columns double when full)."""

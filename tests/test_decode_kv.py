@@ -79,19 +79,21 @@ def test_landing_slots_are_free_again_once_a_request_decodes():
 
 def test_a_prompt_whose_prefill_runs_far_later_than_predicted_keeps_its_landing_counted():
     """A prefill queue behind its predictions: the decode forecast drops a flight long past its predicted start (4
-    mean decodes: 40 s before any is measured), but the worker holds its landing blocks until it lands, so they stay
-    counted a TTFT SLO (here 2 s) longer, or until its decode starts or it finishes."""
+    mean decodes: 40 s before any is measured), but the worker holds its blocks until the request finishes, so they
+    stay counted until then (or, its report lost, twice that longest decode and a TTFT SLO, here 2 s, later)."""
     forecast = DecodeForecast()
     for rid in ("a", "b", "c"):
         forecast.scheduled(rid, "d0", 1.0, 160, 0.0, landing_blocks=10)
     forecast.expire(41.5, pending_s=2.0)  # past 1 + 40 s: out of the forecast's batches, not out of the KV count
     assert len(forecast) == 0 and forecast.occupancy("d0") == (0, 0, 0)
     assert forecast.blocks_held("d0") == (30, 0)
-    forecast.decode_started("a", 42.0)  # it landed: the worker's heartbeat counts its blocks in the batch now
+    forecast.decode_started("a", 42.0)  # it landed: its blocks hold its running request, and one more its output
     forecast.finished("b", 42.0)
+    assert forecast.blocks_held("d0") == (10, 11)
+    forecast.finished("a", 43.0)
     assert forecast.blocks_held("d0") == (10, 0)
-    forecast.expire(43.5, pending_s=2.0)  # and "c", a TTFT SLO past that, is forgotten (a report lost)
-    assert forecast.blocks_held("d0") == (0, 0)
+    forecast.expire(83.5, pending_s=2.0)  # "c", twice the longest decode and a TTFT SLO late, is forgotten (a report
+    assert forecast.blocks_held("d0") == (0, 0)  # lost)
 
 
 def test_a_batch_the_worker_counts_larger_than_the_conductor_does_is_believed():

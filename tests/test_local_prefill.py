@@ -51,10 +51,12 @@ def test_a_one_token_answer_computed_on_the_decode_worker(cluster, tiny_dir):
 def test_the_prompts_blocks_reach_the_pool_and_the_next_turn_reads_its_prefix_from_there(cluster, tiny_dir):
     shared = prompt_of(320, seed=99)  # 20 blocks of 16
     be = backend(cluster)
+    # the earlier tests' prompts are on kv0 too (a 700-token one: 43 blocks): this one's 20 come on top of them
+    before = instances(cluster)["kv0"].indexed_blocks
     first = generate(be, "turn-1", shared + prompt_of(10, seed=1), 8, temperature=0.0, ignore_eos=True)
     assert first[-1].cached_tokens == 0
     deadline = time.monotonic() + 10  # written behind by the decode worker; the Conductor's index hears of it
-    while instances(cluster)["kv0"].indexed_blocks < 20:
+    while instances(cluster)["kv0"].indexed_blocks < before + 20:
         assert time.monotonic() < deadline, "the decode worker did not write the prompt's blocks to the pool"
         time.sleep(0.1)
     prompt = shared + prompt_of(30, seed=2)

@@ -211,7 +211,7 @@ def size_decode(
     cap_b, fits = max_batch(load, steps, cap_s, kv_tokens), kv_fits(load, kv_blocks)
 
     def over(n: int) -> str:
-        m = batch_at(load.rate / n, load, steps) if load.mean_output_tokens > 0 else 0.0
+        m = batch_at(load.rate / n, load, steps)  # (0 with no output seen yet)
         if m + z * math.sqrt(m) > cap_b:
             return "slo"
         h = load.rate / n * load.residence_s
@@ -222,6 +222,6 @@ def size_decode(
         n, limit = n + 1, why
     if n > hi:
         n, limit = hi, "max"
-    m = batch_at(load.rate / n, load, steps) if load.mean_output_tokens > 0 else 0.0
+    m = batch_at(load.rate / n, load, steps)
     held = load.rate / n * load.residence_s / fits if fits < math.inf else 0.0
     return Sizing(n, max(m / cap_b, held), steps.step_s(m, load.mean_context_tokens), limit)

@@ -82,7 +82,14 @@ class LocalPrefill:
                 self.link.decode_started(rid, run.ttft_s)
             return {"prompt_logprobs": [logprob_to_pb(lp) for lp in out.prompt_logprobs or ()]}
 
-        stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
+        stream = TextStream(
+            self.tokenizer,
+            prompt,
+            params.stop,
+            output_ids=outputs,
+            shown=req.text_shown,
+            skip_special_tokens=params.skip_special_tokens,
+        )
         yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context, first)
 
     def _read_prefix(

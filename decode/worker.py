@@ -290,7 +290,14 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
             run.parts = (first.queue_s, first.prefill_s)
             if req.placement.admit_at_decode:
                 self._check_late_admission(len(sequence))
-            stream = TextStream(self.tokenizer, prompt, params.stop, output_ids=outputs, shown=req.text_shown)
+            stream = TextStream(
+                self.tokenizer,
+                prompt,
+                params.stop,
+                output_ids=outputs,
+                shown=req.text_shown,
+                skip_special_tokens=params.skip_special_tokens,
+            )
             finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
             usage = dict(
                 prompt_tokens=len(prompt), cached_tokens=first.cached_tokens, cached_tokens_by_tier=first.by_tier
@@ -408,7 +415,8 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
         previous = stream.text
         stream.add([token])
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.eos_token_ids):
-            return "stop", stream.finish()
+            # the ending token's text shows only with include_stop_str_in_output (shown_output_ids)
+            return "stop", stream.finish(None if params.include_stop_str_in_output else previous)
         if params.stop:
             cut, stop = match_stop_string(stream.text, previous, params)
             if stop is not None:

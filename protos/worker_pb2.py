@@ -26,7 +26,7 @@ from protos import conductor_pb2 as protos_dot_conductor__pb2
 from protos import kvstore_pb2 as protos_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0fmooncake.worker\x1a\x16protos/conductor.proto\x1a\x14protos/kvstore.proto\"\x87\x04\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.mooncake.worker.Sampling.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"\xbe\x01\n\x07Landing\x12.\n\x07segment\x18\x01 \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\r\n\x05token\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_blocks\x18\x05 \x03(\r\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\x06 \x01(\r\x12\x10\n\x08\x63uda_ipc\x18\x07 \x01(\x0c\x12\x0c\n\x04host\x18\x08 \x01(\t\"\x96\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.mooncake.worker.Sampling\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12,\n\x04plan\x18\x05 \x01(\x0b\x32\x1e.mooncake.conductor.PrefixPlan\x12)\n\x07landing\x18\x06 \x01(\x0b\x32\x18.mooncake.worker.Landing\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61head\x18\x08 \x01(\x08\x42\r\n\x0b_cache_salt\"\xaa\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x14\n\x0clocal_tokens\x18\x03 \x01(\r\x12\x12\n\nssd_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x66\x65tched_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x34\n\rfirst_logprob\x18\t \x01(\x0b\x32\x1d.mooncake.worker.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.mooncake.worker.TokenLogprob\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.mooncake.worker.Sampling\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x30\n\tplacement\x18\x05 \x01(\x0b\x32\x1d.mooncake.conductor.Placement\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x12\n\ntext_shown\x18\x07 \x01(\rB\r\n\x0b_cache_salt\"\x8b\x03\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12U\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x07 \x03(\x0b\x32\x36.mooncake.worker.GenerateChunk.CachedTokensByTierEntry\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.mooncake.worker.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.mooncake.worker.TokenLogprob\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"9\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rlanding_token\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07stopped\x18\x01 \x01(\x08\x32\x9f\x01\n\x07Prefill\x12L\n\x07Prefill\x12\x1f.mooncake.worker.PrefillRequest\x1a .mooncake.worker.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.mooncake.worker.AbortRequest\x1a\x1e.mooncake.worker.AbortResponse2X\n\x06\x44\x65\x63ode\x12N\n\x08Generate\x12 .mooncake.worker.GenerateRequest\x1a\x1e.mooncake.worker.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0fmooncake.worker\x1a\x16protos/conductor.proto\x1a\x14protos/kvstore.proto\"\xb3\x04\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.mooncake.worker.Sampling.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\x1b\n\x13keep_special_tokens\x18\x13 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"\xbe\x01\n\x07Landing\x12.\n\x07segment\x18\x01 \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\r\n\x05token\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_blocks\x18\x05 \x03(\r\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\x06 \x01(\r\x12\x10\n\x08\x63uda_ipc\x18\x07 \x01(\x0c\x12\x0c\n\x04host\x18\x08 \x01(\t\"\x96\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.mooncake.worker.Sampling\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12,\n\x04plan\x18\x05 \x01(\x0b\x32\x1e.mooncake.conductor.PrefixPlan\x12)\n\x07landing\x18\x06 \x01(\x0b\x32\x18.mooncake.worker.Landing\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\r\n\x05\x61head\x18\x08 \x01(\x08\x42\r\n\x0b_cache_salt\"\xaa\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x14\n\x0clocal_tokens\x18\x03 \x01(\r\x12\x12\n\nssd_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x66\x65tched_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x34\n\rfirst_logprob\x18\t \x01(\x0b\x32\x1d.mooncake.worker.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1d.mooncake.worker.TokenLogprob\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.mooncake.worker.Sampling\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x30\n\tplacement\x18\x05 \x01(\x0b\x32\x1d.mooncake.conductor.Placement\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\x12\x12\n\ntext_shown\x18\x07 \x01(\rB\r\n\x0b_cache_salt\"\x8b\x03\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12U\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x07 \x03(\x0b\x32\x36.mooncake.worker.GenerateChunk.CachedTokensByTierEntry\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.mooncake.worker.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.mooncake.worker.TokenLogprob\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"9\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rlanding_token\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07stopped\x18\x01 \x01(\x08\x32\x9f\x01\n\x07Prefill\x12L\n\x07Prefill\x12\x1f.mooncake.worker.PrefillRequest\x1a .mooncake.worker.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.mooncake.worker.AbortRequest\x1a\x1e.mooncake.worker.AbortResponse2X\n\x06\x44\x65\x63ode\x12N\n\x08Generate\x12 .mooncake.worker.GenerateRequest\x1a\x1e.mooncake.worker.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATECHUNK_CACHEDTOKENSBYTIERENTRY']._loaded_options = None
   _globals['_GENERATECHUNK_CACHEDTOKENSBYTIERENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLING']._serialized_start=87
-  _globals['_SAMPLING']._serialized_end=606
-  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=516
-  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=564
-  _globals['_TOKENLOGPROB']._serialized_start=608
-  _globals['_TOKENLOGPROB']._serialized_end=696
-  _globals['_LANDING']._serialized_start=699
-  _globals['_LANDING']._serialized_end=889
-  _globals['_PREFILLREQUEST']._serialized_start=892
-  _globals['_PREFILLREQUEST']._serialized_end=1170
-  _globals['_PREFILLRESPONSE']._serialized_start=1173
-  _globals['_PREFILLRESPONSE']._serialized_end=1471
-  _globals['_GENERATEREQUEST']._serialized_start=1474
-  _globals['_GENERATEREQUEST']._serialized_end=1718
-  _globals['_GENERATECHUNK']._serialized_start=1721
-  _globals['_GENERATECHUNK']._serialized_end=2116
-  _globals['_GENERATECHUNK_CACHEDTOKENSBYTIERENTRY']._serialized_start=2059
-  _globals['_GENERATECHUNK_CACHEDTOKENSBYTIERENTRY']._serialized_end=2116
-  _globals['_ABORTREQUEST']._serialized_start=2118
-  _globals['_ABORTREQUEST']._serialized_end=2175
-  _globals['_ABORTRESPONSE']._serialized_start=2177
-  _globals['_ABORTRESPONSE']._serialized_end=2209
-  _globals['_PREFILL']._serialized_start=2212
-  _globals['_PREFILL']._serialized_end=2371
-  _globals['_DECODE']._serialized_start=2373
-  _globals['_DECODE']._serialized_end=2461
+  _globals['_SAMPLING']._serialized_end=650
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=560
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=608
+  _globals['_TOKENLOGPROB']._serialized_start=652
+  _globals['_TOKENLOGPROB']._serialized_end=740
+  _globals['_LANDING']._serialized_start=743
+  _globals['_LANDING']._serialized_end=933
+  _globals['_PREFILLREQUEST']._serialized_start=936
+  _globals['_PREFILLREQUEST']._serialized_end=1214
+  _globals['_PREFILLRESPONSE']._serialized_start=1217
+  _globals['_PREFILLRESPONSE']._serialized_end=1515
+  _globals['_GENERATEREQUEST']._serialized_start=1518
+  _globals['_GENERATEREQUEST']._serialized_end=1762
+  _globals['_GENERATECHUNK']._serialized_start=1765
+  _globals['_GENERATECHUNK']._serialized_end=2160
+  _globals['_GENERATECHUNK_CACHEDTOKENSBYTIERENTRY']._serialized_start=2103
+  _globals['_GENERATECHUNK_CACHEDTOKENSBYTIERENTRY']._serialized_end=2160
+  _globals['_ABORTREQUEST']._serialized_start=2162
+  _globals['_ABORTREQUEST']._serialized_end=2219
+  _globals['_ABORTRESPONSE']._serialized_start=2221
+  _globals['_ABORTRESPONSE']._serialized_end=2253
+  _globals['_PREFILL']._serialized_start=2256
+  _globals['_PREFILL']._serialized_end=2415
+  _globals['_DECODE']._serialized_start=2417
+  _globals['_DECODE']._serialized_end=2505
 # @@protoc_insertion_point(module_scope)

@@ -35,6 +35,7 @@ from mooncake.engine.request import (
     TokenLogprob,
     checked_prompt,
     match_stop_string,
+    shown_output_ids,
 )
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import Scheduler
@@ -374,7 +375,8 @@ class LLMEngine:
                     # the stop string is the reason (the request is already freed).
                     req.finish_reason, req.stop_reason = FinishReason.STOP, stop
             elif done and self.tokenizer is not None:
-                req.output_text = self.tokenizer.decode(req.output_token_ids)
+                shown = shown_output_ids(req.output_token_ids, req.sampling_params, isinstance(req.stop_reason, int))
+                req.output_text = self.tokenizer.decode(shown, req.sampling_params.skip_special_tokens)
             results.append(
                 RequestOutput(
                     request_id=req.request_id,
@@ -397,7 +399,9 @@ class LLMEngine:
     def _match_stop_string(self, req: Request) -> str | None:
         """Update ``req.output_text``; return the earliest stop string it now contains, if any."""
         req.output_text, stop = match_stop_string(
-            self.tokenizer.decode(req.output_token_ids), req.output_text, req.sampling_params
+            self.tokenizer.decode(req.output_token_ids, req.sampling_params.skip_special_tokens),
+            req.output_text,
+            req.sampling_params,
         )
         return stop
 

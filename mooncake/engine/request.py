@@ -51,6 +51,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (after temperature); 0 = off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -67,6 +68,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's (after the first), and this many of the likeliest; the
     # whole prompt is then computed (no prefix-cache hits, no imported KV)
     grammar: str | None = None  # llguidance grammar text the output must follow (mooncake.engine.grammar.grammar_for)
+    skip_special_tokens: bool = True  # the output's text leaves special tokens (EOS, control tokens) out
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -77,6 +79,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -129,6 +133,14 @@ def checked_prompt(
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need an engine built with a tokenizer")
     return prompt
+
+
+def shown_output_ids(output_ids: Sequence[int], params: SamplingParams, ended_by_token: bool) -> Sequence[int]:
+    """The output ids whose text a finished request shows: all of them, except the token that ended it (an EOS or
+    one of ``stop_token_ids``: ``ended_by_token``), which shows only with ``include_stop_str_in_output`` (as vLLM)."""
+    if ended_by_token and output_ids and not params.include_stop_str_in_output:
+        return output_ids[:-1]
+    return output_ids
 
 
 def match_stop_string(text: str, previous_text: str, params: SamplingParams) -> tuple[str, str | None]:

@@ -1,4 +1,5 @@
-"""Token sampling: penalties and biases, then greedy, temperature, top-k, top-p, with per-request seeded generators.
+"""Token sampling: penalties and biases, then greedy, temperature, min-p, top-k, top-p, with per-request seeded
+generators.
 
 A request with a seed owns a ``torch.Generator`` seeded once, so its tokens depend only
 on its own logits and seed, not on which other requests share the batch. Sampling uses
@@ -28,6 +29,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens less likely than ``min_p`` times the likeliest one (vLLM's min-p). logits: [V],
+    after temperature. The likeliest token always stays."""
+    if min_p <= 0:
+        return logits
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+    cut = logits.max() + torch.log(torch.tensor(min_p, dtype=logits.dtype, device=logits.device))
+    return logits.masked_fill(logits < cut, float("-inf"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +159,7 @@ def sample(
         choices = []
         for row in drawn:  # per row: each request's own generator draws one noise vector over the vocabulary
             p = params[row]
-            x = apply_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+            x = apply_top_k_top_p(apply_min_p(logits[row] / p.temperature, p.min_p), p.top_k, p.top_p)
             probs = x.softmax(-1)
             noise = torch.empty_like(probs).exponential_(generator=generators[row] or default_generator)
             choices.append((probs / noise).argmax())

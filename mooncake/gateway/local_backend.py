@@ -57,7 +57,12 @@ class LocalBackend(GenerationBackend):
         except asyncio.CancelledError:  # the client left while the request was being added: it may be in already
             self.loop.abort(request.request_id)
             raise
-        stream = TextStream(self.tokenizer, request.prompt_token_ids, request.sampling.stop)
+        stream = TextStream(
+            self.tokenizer,
+            request.prompt_token_ids,
+            request.sampling.stop,
+            skip_special_tokens=request.sampling.skip_special_tokens,
+        )
         finished = sent = False
         try:
             while not finished:

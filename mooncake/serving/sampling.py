@@ -21,6 +21,7 @@ def sampling_to_pb(req: SamplingParams) -> wpb.Sampling:
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
+        min_p=req.min_p,
         seed=seed,
         stop=list(req.stop),
         stop_token_ids=list(req.stop_token_ids),
@@ -34,6 +35,7 @@ def sampling_to_pb(req: SamplingParams) -> wpb.Sampling:
         logprobs=req.logprobs,
         grammar=req.grammar or "",
         prompt_logprobs=req.prompt_logprobs,
+        keep_special_tokens=not req.skip_special_tokens,
     )
 
 
@@ -44,6 +46,7 @@ def params_from_pb(s: wpb.Sampling, **overrides) -> SamplingParams:
         temperature=s.temperature,
         top_p=s.top_p or 1.0,
         top_k=s.top_k,
+        min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
@@ -57,6 +60,7 @@ def params_from_pb(s: wpb.Sampling, **overrides) -> SamplingParams:
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         grammar=s.grammar or None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        skip_special_tokens=not s.keep_special_tokens,
     )
     fields.update(overrides)
     return SamplingParams(**fields)

@@ -30,10 +30,12 @@ class TextStream:
         stop: Sequence[str] = (),
         output_ids: Sequence[int] = (),
         shown: int = 0,
+        skip_special_tokens: bool = True,
     ) -> None:
         """``output_ids`` and ``shown``: a resumed stream, whose tokens so far and ``shown`` characters of
-        their text were already returned (by another worker); only the text after that comes out."""
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        their text were already returned (by another worker); only the text after that comes out.
+        ``skip_special_tokens``: the request's (SamplingParams), whether special tokens' text is left out."""
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._text = ""  # everything decoded so far
         self._shown = 0  # characters of it already returned

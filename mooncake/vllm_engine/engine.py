@@ -42,7 +42,14 @@ from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.model_args import ModelArgs
-from mooncake.engine.request import FinishReason, SamplingParams, TokenLogprob, checked_prompt, match_stop_string
+from mooncake.engine.request import (
+    FinishReason,
+    SamplingParams,
+    TokenLogprob,
+    checked_prompt,
+    match_stop_string,
+    shown_output_ids,
+)
 from mooncake.engine.weights import load_hf_config
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 
@@ -253,6 +260,7 @@ class VllmEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
+            min_p=params.min_p,
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
@@ -304,14 +312,17 @@ class VllmEngine:
             stop_reason = comp.stop_reason if done else None
             if tracked.params.stop:
                 tracked.text, stop = match_stop_string(
-                    self.tokenizer.decode(tracked.outputs), tracked.text, tracked.params
+                    self.tokenizer.decode(tracked.outputs, tracked.params.skip_special_tokens),
+                    tracked.text,
+                    tracked.params,
                 )
                 if stop is not None:
                     if not done:
                         self._llm.abort_request([out.request_id])
                     done, reason, stop_reason = True, FinishReason.STOP, stop
             elif done and self.tokenizer is not None:
-                tracked.text = self.tokenizer.decode(tracked.outputs)
+                shown = shown_output_ids(tracked.outputs, tracked.params, reason == FinishReason.STOP)
+                tracked.text = self.tokenizer.decode(shown, tracked.params.skip_special_tokens)
             if done:
                 self._forget(out.request_id)
             results.append(

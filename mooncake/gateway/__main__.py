@@ -18,12 +18,12 @@ import uvicorn
 from mooncake.cliargs import field_arg
 from mooncake.engine.config import DTYPES, EngineConfig
 from mooncake.engine.interface import EngineKind, engine_fingerprint, parse_vllm_args
-from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.engine.weights import load_hf_config
 from mooncake.gateway.app import GatewayConfig, create_app
 from mooncake.gateway.recovery import RecoveryConfig
 from mooncake.runtime.process import print_ready
+from mooncake.serving.model_support import context_length
 from mooncake.serving.worker_args import add_engine_kind_args, default_block_size
 
 LOCAL_KV_BLOCKS = 2048  # --local: the engine's paged cache, in blocks
@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
     auth = p.add_mutually_exclusive_group()
     field_arg(auth, GatewayConfig, "api_key")
     field_arg(auth, GatewayConfig, "tenants_file", "--tenants", metavar="FILE")
+    field_arg(p, GatewayConfig, "reasoning_parser")
+    field_arg(p, GatewayConfig, "tool_call_parser")
     field_arg(p, EngineConfig, "dtype")
     add_engine_kind_args(
         p, "the workers' engine (part of the block keys: a cluster runs one kind)", "--local --engine vllm"
@@ -95,8 +97,15 @@ def build_backend(args: argparse.Namespace):
         ), name
     from mooncake.gateway.cluster_backend import ClusterBackend
 
-    model_args = ModelArgs.from_hf_config(load_hf_config(args.model))
-    max_len = min(args.max_model_len or model_args.max_position_embeddings, model_args.max_position_embeddings)
+    # what it needs of the model besides the tokenizer: the context (any architecture: no engine reads it here)
+    cfg = load_hf_config(args.model)
+    try:
+        model_len = context_length(cfg, args.model)
+    except ValueError:
+        if not args.max_model_len:
+            raise
+        model_len = args.max_model_len
+    max_len = min(args.max_model_len or model_len, model_len)
     fingerprint = engine_fingerprint(EngineKind(args.engine), args.model, DTYPES[args.dtype])
     recovery = RecoveryConfig(hold_s=args.hold_s, retry_budget_s=args.retry_budget_s, detect_s=args.detect_s)
     return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint, recovery=recovery), name
@@ -109,7 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = Tokenizer.from_dir(args.model)
         backend, name = build_backend(args)
         app = create_app(
-            backend, tokenizer, GatewayConfig(served_model_name=name, api_key=args.api_key, tenants_file=args.tenants)
+            backend,
+            tokenizer,
+            GatewayConfig(
+                served_model_name=name,
+                api_key=args.api_key,
+                tenants_file=args.tenants,
+                reasoning_parser=args.reasoning_parser,
+                tool_call_parser=args.tool_call_parser,
+                generation_config=args.model,
+            ),
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import openapi, tenants
 from mooncake.gateway.errors import ApiError
+from mooncake.gateway.generation_defaults import GenerationDefaults
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
     ChatCompletionChunk,
@@ -51,8 +52,10 @@ from mooncake.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from mooncake.gateway.reasoning import ReasoningParser
 from mooncake.gateway.serving import EventStream, OpenAIServing, PreparedRequest
 from mooncake.gateway.tenants import Tenants
+from mooncake.gateway.tool_parsers import ToolCallParser
 from mooncake.serving.types import BackendError, GenerationBackend
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,21 @@ class GatewayConfig(BaseModel):
     default_max_tokens: int = Field(
         4096, ge=1, description="max_tokens when a request leaves it out: the rest of the context, at most this"
     )
+    reasoning_parser: ReasoningParser = Field(
+        ReasoningParser.AUTO,
+        description="how reasoning is split from the answer into reasoning_content: qwen3, deepseek_r1, none, or "
+        "auto (from the model's tokenizer: <think> tokens)",
+    )
+    tool_call_parser: ToolCallParser = Field(
+        ToolCallParser.AUTO,
+        description="the format tool calls are read in: hermes, llama3_json, mistral, pythonic, or auto (from the "
+        "chat template)",
+    )
+    generation_config: str | None = Field(
+        None,
+        description="a model directory whose generation_config.json gives the sampling defaults of what requests "
+        "leave unset (vLLM's --generation-config auto); None: neutral defaults",
+    )
 
 
 def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: GatewayConfig) -> FastAPI:
@@ -98,7 +116,16 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
         else (Tenants.single(config.api_key) if config.api_key is not None else None)
     )
     metrics = GatewayMetrics()
-    serving = OpenAIServing(backend, tokenizer, config.served_model_name, metrics, config.default_max_tokens)
+    serving = OpenAIServing(
+        backend,
+        tokenizer,
+        config.served_model_name,
+        metrics,
+        config.default_max_tokens,
+        reasoning_parser=config.reasoning_parser,
+        tool_call_parser=config.tool_call_parser,
+        defaults=GenerationDefaults.from_dir(config.generation_config),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -294,6 +321,15 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if first.get("type") == "json_invalid":
         reason = first.get("ctx", {}).get("error", "")
         return ApiError(400, f"The body is not valid JSON: {reason}".rstrip(": "), code="invalid_json")
+    unknown = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden" and e.get("loc")]
+    if unknown:  # neither OpenAI's API nor vLLM's knows it: say so, rather than generate as if it were not sent
+        plural = "s" if len(unknown) > 1 else ""
+        return ApiError(
+            400,
+            f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
     param = _param_of(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value"))
     others = len({_param_of(tuple(e.get("loc", ()))) for e in errors}) - 1  # a union's members repeat one field

@@ -44,6 +44,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] | None = None
     echo: Echo | None = None  # completions' echo: the prompt shown first
+    reasoning: str | None = None  # chat's reasoning_content (reasoning.py)
 
 
 @dataclass(slots=True)
@@ -112,7 +113,9 @@ class ChatFormat(_Format):
         out = [
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=None if c.tool_calls else c.text, tool_calls=c.tool_calls),
+                message=AssistantMessage(
+                    content=None if c.tool_calls else c.text, tool_calls=c.tool_calls, reasoning_content=c.reasoning
+                ),
                 logprobs=self._logprobs(c.logprobs),
                 finish_reason=c.finish_reason,
             )
@@ -129,10 +132,15 @@ class ChatFormat(_Format):
     def opening(self, index: int) -> list[dict[str, Any]]:
         return [self._chunk(index, Delta(role="assistant", content=""))]
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def text(
+        self, index: int, text: str, logprobs: list[TokenLogprob] | None, reasoning: str = ""
+    ) -> dict[str, Any] | None:
+        """A delta of the content (and of the reasoning_content, when there is some); None when nothing changed."""
         shown = self._logprobs(logprobs)
-        if not text and shown is None:
+        if not text and not reasoning and shown is None:
             return None
+        if reasoning:
+            return self._chunk(index, Delta(reasoning_content=reasoning, content=text or None), logprobs=shown)
         return self._chunk(index, Delta(content=text), logprobs=shown)
 
     def tool_call(self, index: int, call_index: int, call: ToolCall) -> dict[str, Any]:
@@ -225,8 +233,10 @@ class CompletionFormat(_Format):
     def opening(self, index: int) -> list[dict[str, Any]]:
         return []
 
-    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        shown = self._logprobs(index, logprobs)
+    def text(
+        self, index: int, text: str, logprobs: list[TokenLogprob] | None, reasoning: str = ""
+    ) -> dict[str, Any] | None:
+        shown = self._logprobs(index, logprobs)  # completions have no reasoning to show
         if not text and shown is None:
             return None
         return self._chunk(index, text, logprobs=shown)

@@ -31,6 +31,9 @@ def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": text}
     if message.name is not None:
         rendered["name"] = message.name
+    thought = (message.model_extra or {}).get("reasoning_content")
+    if message.role == "assistant" and isinstance(thought, str):  # an earlier turn's, for templates that show it
+        rendered["reasoning_content"] = thought
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     if message.tool_calls:

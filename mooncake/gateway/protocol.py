@@ -1,11 +1,18 @@
 """The OpenAI wire format: request and response schemas of the gateway (pydantic).
 
-Requests accept and ignore fields they do not know (clients send things like
-``service_tier``); a field OpenAI defines that this server cannot honour (``suffix``) is
-declared here so that serving.py can refuse it when set, instead of silently generating
-something else.
-Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``cache_salt``, and vLLM's
-``repetition_penalty`` and ``min_tokens``.
+A chat or completion request may carry every field of OpenAI's API and of vLLM's
+extensions, and nothing else: a field neither knows is a 400 naming it (app.py), never
+silence. Of the known fields, each is one of:
+
+- honoured (most of them, vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,
+  ``min_tokens``, ``stop_token_ids``, ``chat_template_kwargs``, ``guided_*`` ... included);
+- ``IGNORED``: accepted because it cannot change what this server generates
+  (``store``, ``metadata``, ``service_tier``, ``prediction`` ...);
+- ``UNSUPPORTED``: declared so that serving.py refuses it (400, ``unsupported_parameter``)
+  when set to anything but its no-op value, instead of silently generating something else.
+
+Our own extensions: ``ignore_eos``, ``cache_salt``, ``priority`` (as vLLM names them).
+Messages, tools and the other nested objects still accept fields they do not know.
 
 Responses are built here and dumped with ``model_dump()``; their shapes follow OpenAI's
 exactly (``finish_reason: null`` and ``logprobs: null`` are present, a stream's deltas
@@ -87,8 +94,58 @@ class ToolDefinition(_Request):
     function: FunctionDefinition
 
 
+# Known fields that cannot change what this server generates: accepted and ignored.
+IGNORED: frozenset[str] = frozenset(
+    {
+        # OpenAI's
+        "store",
+        "metadata",
+        "service_tier",
+        "prediction",  # a latency hint: the output is the same without it
+        "modalities",  # text is what this server answers with
+        "audio",
+        "web_search_options",
+        "reasoning_effort",
+        "verbosity",
+        "prompt_cache_key",  # a routing hint; our prefix cache needs none
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "safety_identifier",
+        "moderation",
+        # vLLM's
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "mm_processor_kwargs",
+        "kv_transfer_params",  # vLLM's own disaggregation; ours is the cluster's
+        "vllm_xargs",
+        "request_id",
+        "spaces_between_special_tokens",  # has no effect on fast tokenizers (ours), nor in vLLM
+    }
+)
+
+# Known fields this server cannot honour: (their no-op values, what to say). serving.py refuses any other value.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": ((None, []), "the deprecated 'functions' are not supported; send 'tools'"),
+    "function_call": ((None, "none"), "the deprecated 'function_call' is not supported; send 'tool_choice'"),
+    "use_beam_search": ((None, False), "beam search is not supported by this server"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which this server does not support"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported; use logit_bias or a grammar (guided_*)"),
+    "bad_words": ((None, []), "bad_words is not supported by this server"),
+    "logits_processors": ((None, []), "custom logits processors are not supported by this server"),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not supported; completions with echo and logprobs show them"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported by this server"),
+    "return_token_ids": ((None, False), "return_token_ids is not supported by this server"),
+    "chat_template": ((None,), "a request's own chat template is not accepted; the model's is used"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported by this server"),
+    "prompt_embeds": ((None,), "prompt_embeds are not supported by this server"),
+    "structural_tag": ((None,), "structural_tag is not supported; use response_format or guided_json"),
+}
+
+
 class _SamplingFields(_Request):
-    """What chat and completion requests share."""
+    """What chat and completion requests share. Unknown fields are refused (the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
@@ -123,6 +180,54 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(
         None, ge=0, description="Extension (vLLM's): no EOS or stop token before this many tokens"
     )
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="Extension (vLLM's): drop tokens less likely than min_p times the likeliest"
+    )
+    stop_token_ids: list[int] | None = Field(None, description="Extension (vLLM's): token ids that end the output")
+    include_stop_str_in_output: bool = Field(
+        False, description="Extension (vLLM's): the stop string (or stop token's text) that ended the output is shown"
+    )
+    skip_special_tokens: bool = Field(True, description="Extension (vLLM's): special tokens' text is left out")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="Extension (vLLM's): keep only the prompt's last k tokens"
+    )
+    add_special_tokens: bool | None = Field(
+        None,
+        description="Extension (vLLM's): add the tokenizer's BOS/EOS to the prompt (completions' default: true; "
+        "chat's: false, the template has them)",
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extension (vLLM's): output valid JSON for it")
+    guided_regex: str | None = Field(None, description="Extension (vLLM's): output matching this regex")
+    guided_choice: list[str] | None = Field(None, description="Extension (vLLM's): output exactly one of these")
+    guided_grammar: str | None = Field(None, description="Extension (vLLM's): output in this Lark grammar")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="Extension (vLLM's newer name): {json|regex|choice|grammar: ...}"
+    )
+    # accepted, ignored (IGNORED) or refused unless a no-op (UNSUPPORTED): declared so they are known
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    safety_identifier: Any = None
+    moderation: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    mm_processor_kwargs: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    request_id: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    structural_tag: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -178,6 +283,24 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extension (vLLM's): extra variables for the chat template (Qwen3's enable_thinking)"
+    )
+    add_generation_prompt: bool = Field(True, description="Extension (vLLM's): end the prompt with the reply's opening")
+    documents: list[dict[str, Any]] | None = Field(None, description="Extension (vLLM's): for RAG chat templates")
+    include_reasoning: bool = Field(True, description="Extension (vLLM's): false drops reasoning_content")
+    echo: bool | None = None  # vLLM's chat echo: UNSUPPORTED
+    # OpenAI's, accepted and ignored or refused (IGNORED, UNSUPPORTED)
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
+    continue_final_message: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -188,6 +311,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
+    response_format: ResponseFormat | None = Field(None, description="Extension (vLLM's): as chat's")
+    prompt_embeds: Any = None  # UNSUPPORTED
 
 
 # -- responses --------------------------------------------------------------------------
@@ -249,12 +374,14 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM's: the model's reasoning, apart from its answer (reasoning.py)
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -286,6 +413,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

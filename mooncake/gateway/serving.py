@@ -41,21 +41,26 @@ from typing import Any
 from mooncake.engine.grammar import JSON_OBJECT_SCHEMA, grammar_for
 from mooncake.engine.request import SamplingParams, TokenLogprob
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.gateway import tenants, tools
+from mooncake.gateway import reasoning, tenants, tool_parsers, tools
 from mooncake.gateway.errors import ApiError
 from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, Echo, TokenTexts
+from mooncake.gateway.generation_defaults import GenerationDefaults
 from mooncake.gateway.messages import template_message
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import (
     SEED_MAX,
+    UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ResponseFormat,
     TokenizeRequest,
     TokenizeResponse,
 )
+from mooncake.gateway.reasoning import ReasoningParser, ReasoningSplit
 from mooncake.gateway.runs import Fanout
+from mooncake.gateway.tool_parsers import ToolCallParser
 from mooncake.gateway.tools import ToolPlan
 from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
 
@@ -87,6 +92,13 @@ class PreparedRequest:
     arrival: float  # time.monotonic() when the route got it
     echo: list[str] | None = None  # completions' echo: each prompt's text, shown before its choices
     tools: ToolPlan | None = None
+    tool_parser: ToolCallParser = ToolCallParser.HERMES  # the format tool calls are read in (tool_parsers.effective)
+    reasoning: bool | None = None  # chat with a reasoning model: whether the output starts inside the reasoning
+    include_reasoning: bool = True
+
+    def reasoning_split(self) -> ReasoningSplit | None:
+        """A new choice's reasoning state (None when the output has no reasoning to split)."""
+        return ReasoningSplit(self.reasoning) if self.reasoning is not None else None
 
     @property
     def generation(self) -> GenerationRequest:
@@ -137,13 +149,26 @@ class OpenAIServing:
         model_name: str,
         metrics: GatewayMetrics,
         default_max_tokens: int = 4096,
+        reasoning_parser: ReasoningParser = ReasoningParser.AUTO,
+        tool_call_parser: ToolCallParser = ToolCallParser.AUTO,
+        defaults: GenerationDefaults | None = None,
     ) -> None:
+        """``reasoning_parser`` and ``tool_call_parser``: the model's family, or AUTO (from its tokenizer and chat
+        template); ``defaults``: its generation_config.json's, for what requests leave unset."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
-        self.default_max_tokens = default_max_tokens
+        self.defaults = defaults or GenerationDefaults()
+        self.default_max_tokens = min(default_max_tokens, self.defaults.max_tokens or default_max_tokens)
         self.token_texts = TokenTexts(tokenizer)
+        self.reasoning_parser = reasoning.resolve(ReasoningParser(reasoning_parser), tokenizer)
+        tool_call_parser = ToolCallParser(tool_call_parser)
+        self.tool_call_parser = (
+            tool_parsers.detect(tokenizer.chat_template)
+            if tool_call_parser == ToolCallParser.AUTO
+            else tool_call_parser
+        )
 
     # -- preparing --------------------------------------------------------------------------
 
@@ -152,6 +177,10 @@ class OpenAIServing:
         ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
+        if req.echo:
+            raise ApiError(
+                400, "'echo' is not supported for chat completions", param="echo", code="unsupported_parameter"
+            )
         self._refuse_if_shedding()
         try:
             tool_plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -162,11 +191,21 @@ class OpenAIServing:
         messages, variables = tools.render_messages(
             [template_message(m, i) for i, m in enumerate(req.messages)], tool_plan, native
         )
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}", param="chat_template_kwargs")
+        if req.documents is not None:
+            kwargs["documents"] = req.documents
+        variables = {**kwargs, **variables}  # the request's tools win over a 'tools' keyword
         try:
             chars = sum(len(str(m.get("content") or "")) for m in messages)
-            prompt = await _off_loop_if_long(chars, self.tokenizer.encode_chat, messages, True, **variables)
+            text, prompt = await _off_loop_if_long(
+                chars, self._render_chat, messages, req.add_generation_prompt, bool(req.add_special_tokens), variables
+            )
         except ValueError as e:
             raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
+        prompt = _truncated(prompt, req.truncate_prompt_tokens)
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -176,19 +215,99 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        prepared = self._prepared(req, [prompt], max_tokens, ChatFormat, arrival, logprobs=logprobs, grammar=grammar)
+        parser = tool_parsers.effective(self.tool_call_parser, tool_plan) if tool_plan is not None else None
+        # [TOOL_CALLS] is a special token: a request that may call tools keeps special tokens in its text (as vLLM)
+        keep_special = parser == ToolCallParser.MISTRAL
+        prepared = self._prepared(
+            req,
+            [prompt],
+            max_tokens,
+            ChatFormat,
+            arrival,
+            logprobs=logprobs,
+            grammar=grammar,
+            keep_special=keep_special,
+        )
         prepared.tools = tool_plan
+        prepared.tool_parser = parser or ToolCallParser.HERMES
+        if self.reasoning_parser != ReasoningParser.NONE:
+            prepared.reasoning = reasoning.opens_reasoning(self.reasoning_parser, text)
+            prepared.include_reasoning = req.include_reasoning
         return prepared
 
-    def _chat_grammar(self, req: ChatCompletionRequest, tool_plan: tools.ToolPlan | None) -> str | None:
-        """The grammar the output must follow (response_format, or a forced tool call); ApiError when it does not
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, add_special_tokens: bool, variables: dict
+    ) -> tuple[str, list[int]]:
+        """The conversation's prompt text and its token ids (BOS/EOS added only when asked: the template has
+        them). ValueError when the template refuses it."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **variables)
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _guided_grammar(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
+        """vLLM's guided_json / guided_regex / guided_choice / guided_grammar (or structured_outputs' json, regex,
+        choice, grammar) as (the param, a grammar); None when none is set. ApiError when two are set or one does not
         compile."""
+        asked = [
+            (name, value)
+            for name, value in (
+                ("guided_json", req.guided_json),
+                ("guided_regex", req.guided_regex),
+                ("guided_choice", req.guided_choice),
+                ("guided_grammar", req.guided_grammar),
+            )
+            if value is not None
+        ]
+        for key, value in (req.structured_outputs or {}).items():
+            if value is not None and key in ("json", "regex", "choice", "grammar"):
+                asked.append((f"structured_outputs.{key}", value))
+            elif value is not None and key not in ("disable_fallback", "disable_any_whitespace", "whitespace_pattern"):
+                raise ApiError(
+                    400,
+                    f"structured_outputs.{key} is not supported",
+                    param=f"structured_outputs.{key}",
+                    code="unsupported_parameter",
+                )
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise ApiError(400, "Give at most one guided_* constraint", param=asked[1][0])
+        param, value = asked[0]
+        kind = param.rsplit(".", 1)[-1].removeprefix("guided_")
+        try:
+            if kind == "json":
+                schema = json.loads(value) if isinstance(value, str) else value
+                return param, grammar_for(json_schema=schema)
+            if kind == "regex":
+                return param, grammar_for(regex=value)
+            if kind == "choice":
+                if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                    raise ValueError("the choices must be a non-empty list of strings")
+                return param, grammar_for(regex="|".join(_regex_literal(c) for c in value))
+            return param, grammar_for(lark=value)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"The {param} constraint cannot be compiled into a grammar: {e}", param=param) from None
+
+    def _chat_grammar(self, req: ChatCompletionRequest, tool_plan: tools.ToolPlan | None) -> str | None:
+        """The grammar the output must follow (response_format, a guided_* constraint, or a forced tool call);
+        ApiError when it does not compile."""
         fmt = req.response_format
         lark = tools.lark_grammar(tool_plan) if tool_plan is not None else None
         if lark is not None and fmt is not None and fmt.type != "text":
             raise ApiError(
                 400, "response_format cannot be combined with a tool_choice that forces a call", param="response_format"
             )
+        guided = self._guided_grammar(req)
+        if guided is not None and (lark is not None or (fmt is not None and fmt.type != "text")):
+            raise ApiError(
+                400, f"{guided[0]} cannot be combined with response_format or a forced tool call", param=guided[0]
+            )
+        if guided is not None:
+            return guided[1]
+        return self._format_grammar(fmt, lark)
+
+    def _format_grammar(self, fmt: ResponseFormat | None, lark: str | None = None) -> str | None:
+        """The grammar of a response_format (or of a forced tool call's ``lark``); ApiError when it does not
+        compile."""
         try:
             if lark is not None:
                 return grammar_for(lark=lark)
@@ -213,6 +332,10 @@ class OpenAIServing:
         """Check ``req`` and tokenize its prompts (long text on a thread; token ids as given). Raises ApiError."""
         arrival = time.monotonic()
         self._check_common(req)
+        guided = self._guided_grammar(req)
+        if guided is not None and req.response_format is not None and req.response_format.type != "text":
+            raise ApiError(400, f"{guided[0]} cannot be combined with response_format", param=guided[0])
+        grammar = guided[1] if guided is not None else self._format_grammar(req.response_format)
         self._refuse_if_shedding()
         if req.suffix:
             raise ApiError(
@@ -232,13 +355,14 @@ class OpenAIServing:
         vocab = self.tokenizer.vocab_size
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids = await _off_loop_if_long(len(prompt), self.tokenizer.encode, prompt) if prompt else []
+                special = req.add_special_tokens is not False
+                ids = await _off_loop_if_long(len(prompt), self.tokenizer.encode, prompt, special) if prompt else []
             else:
                 ids = list(prompt)
                 bad = [i for i in ids if not 0 <= i < vocab]
                 if bad:
                     raise ApiError(400, f"Token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
-            ids_list.append(ids)
+            ids_list.append(_truncated(ids, req.truncate_prompt_tokens))
         max_tokens = min(self._max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens") for ids in ids_list)
         # echo with logprobs: the prompt's too (each prompt is then computed whole, never from a cache)
         prompt_logprobs = req.logprobs if req.echo else None
@@ -249,6 +373,7 @@ class OpenAIServing:
             CompletionFormat,
             arrival,
             logprobs=req.logprobs,
+            grammar=grammar,
             best_of=req.best_of,
             prompt_logprobs=prompt_logprobs,
         )
@@ -271,6 +396,10 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+        for name, (no_ops, reason) in UNSUPPORTED.items():
+            value = getattr(req, name, None)
+            if not any(value == v and type(value) is type(v) or value is v for v in no_ops):
+                raise ApiError(400, f"'{name}': {reason}", param=name, code="unsupported_parameter")
 
     def _max_tokens(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> int:
         """The completion's token budget; ApiError when the prompt or prompt + max_tokens overflows the context."""
@@ -310,12 +439,19 @@ class OpenAIServing:
         grammar: str | None = None,
         best_of: int | None = None,
         prompt_logprobs: int | None = None,
+        keep_special: bool = False,
     ) -> PreparedRequest:
         request_id = f"{format_cls.id_prefix}{uuid.uuid4().hex}"
         bias = tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items()))
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t, _ in bias):
             raise ApiError(400, f"logit_bias names token ids outside the vocabulary [0, {vocab})", param="logit_bias")
+        stop_ids = tuple(req.stop_token_ids or ())
+        if any(not 0 <= t < vocab for t in stop_ids):
+            raise ApiError(
+                400, f"stop_token_ids names token ids outside the vocabulary [0, {vocab})", param="stop_token_ids"
+            )
+        d = self.defaults  # the model's generation_config.json, for what the request leaves unset
         if (req.min_tokens or 0) > max_tokens:
             raise ApiError(
                 400, f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens"
@@ -341,15 +477,19 @@ class OpenAIServing:
             sampling = [
                 SamplingParams(
                     max_tokens=max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=min(max(req.top_k or 0, 0), TOP_K_MAX),
+                    temperature=_first(req.temperature, d.temperature, 1.0),
+                    top_p=_first(req.top_p, d.top_p, 1.0),
+                    top_k=min(max(_first(req.top_k, d.top_k, 0), 0), TOP_K_MAX),
+                    min_p=_first(req.min_p, d.min_p, 0.0),
                     seed=_choice_seed(req.seed, j),
                     stop=req.stop_sequences(),
+                    stop_token_ids=stop_ids,
                     ignore_eos=req.ignore_eos,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens and not keep_special,
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
-                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    repetition_penalty=_first(req.repetition_penalty, d.repetition_penalty, 1.0),
                     logit_bias=bias,
                     min_tokens=req.min_tokens or 0,
                     logprobs=sampled_logprobs,
@@ -453,11 +593,15 @@ class OpenAIServing:
                 group = sorted(group, key=lambda i: -sum(lp.logprob for lp in logprobs[i]))[: prepared.n]
             for j, i in enumerate(group):
                 text = "".join(pieces[i])
+                thought = None
+                if prepared.reasoning is not None:
+                    thought, text = reasoning.split(text, prepared.reasoning)
                 result = ChoiceResult(p * prepared.n + j, text, finish[i] or "stop", logprobs[i])
+                result.reasoning = thought if prepared.include_reasoning else None
                 if prepared.echo is not None:
                     result.echo = self._echo(prepared, i, prompt_logprobs[i])
                 if prepared.tools is not None:
-                    content, calls = tools.parse(text, prepared.tools)
+                    content, calls = tool_parsers.parse(text, prepared.tools, prepared.tool_parser)
                     if calls:
                         result.text, result.tool_calls, result.finish_reason = content or "", calls, "tool_calls"
                 choices.append(result)
@@ -493,7 +637,8 @@ class OpenAIServing:
             for event in fmt.opening(i):
                 yield sse(event)
         echoed: set[int] = set()
-        held = [_HeldToolText() if prepared.tools is not None else None for _ in range(choices)]
+        held = [_HeldToolText(prepared.tool_parser) if prepared.tools is not None else None for _ in range(choices)]
+        splits = [prepared.reasoning_split() for _ in range(choices)]
         item = first
         try:
             while item is not None:
@@ -502,14 +647,21 @@ class OpenAIServing:
                     echoed.add(i)
                     if (event := fmt.echo(i, self._echo(prepared, i, chunk.prompt_logprobs))) is not None:
                         yield sse(event)
-                text = held[i].push(chunk.text) if held[i] is not None else chunk.text
-                event = fmt.text(i, text, chunk.logprobs)
+                text, thought = chunk.text, ""
+                if splits[i] is not None:  # reasoning until </think>, then content
+                    thought, text = splits[i].push(text)
+                    if chunk.finish_reason is not None:
+                        rest = splits[i].finish()
+                        thought, text = thought + rest[0], text + rest[1]
+                    thought = thought if prepared.include_reasoning else ""
+                text = held[i].push(text) if held[i] is not None else text
+                event = fmt.text(i, text, chunk.logprobs, thought)
                 if event is not None:
                     yield sse(event)
                 if chunk.finish_reason is not None:
                     reason = chunk.finish_reason
                     if held[i] is not None:
-                        content, calls = tools.parse(held[i].flush(), prepared.tools)
+                        content, calls = tool_parsers.parse(held[i].flush(), prepared.tools, prepared.tool_parser)
                         if content and (event := fmt.text(i, content, None)) is not None:
                             yield sse(event)
                         for k, call in enumerate(calls):
@@ -540,16 +692,23 @@ class OpenAIServing:
 
 
 class _HeldToolText:
-    """A streamed choice's text, held back from the point where it may be a tool call (tools.may_open_call)."""
+    """A streamed choice's text, held back from the point where it may be a tool call (tool_parsers.may_open_call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: ToolCallParser) -> None:
         self.held = ""
+        self.parser = parser
+        self.started = False  # formats whose call is the whole output (llama3_json, pythonic) decide at its start
 
     def push(self, text: str) -> str:
         """What can be shown now of the new ``text``."""
         self.held += text
-        if tools.may_open_call(self.held):
+        whole = self.parser in (ToolCallParser.LLAMA3_JSON, ToolCallParser.PYTHONIC)
+        if whole and self.started:
+            shown, self.held = self.held, ""
+            return shown
+        if tool_parsers.may_open_call(self.held, self.parser):
             return ""
+        self.started = self.started or bool(self.held.strip())
         shown, self.held = self.held, ""
         return shown
 
@@ -569,6 +728,21 @@ async def _off_loop_if_long(chars: int, fn, *args, **kwargs):
     if chars < INLINE_CHARS:
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def _first(*values):
+    """The first value that is not None (a request's field, then the model's default, then the neutral one)."""
+    return next(v for v in values if v is not None)
+
+
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens (all of them when None)."""
+    return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex matching exactly it (llguidance's regex dialect has no \\Q...\\E)."""
+    return "".join("\\" + c if c in r".^$*+?()[]{}|\/-" else c for c in text)
 
 
 def _choice_seed(seed: int | None, choice: int) -> int | None:

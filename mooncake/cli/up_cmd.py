@@ -14,15 +14,16 @@ import threading
 import types
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
+import pydantic
 import typer
 from rich.console import Console
 
 from mooncake.cli.chat_cmd import CacheOpt, ModelOpt, _model_dir
 from mooncake.cluster.components import COMPONENTS
 from mooncake.cluster.config import ClusterConfig
-from mooncake.cluster.launcher import LocalCluster
+from mooncake.cluster.launcher import ComponentRefused, LocalCluster
 
 console = Console(stderr=True)
 
@@ -81,6 +82,20 @@ def _options() -> list[inspect.Parameter]:
     ]
 
 
+def _fail(e: Exception, code: int = 2) -> NoReturn:
+    """Stop with one line on stderr (never a traceback): ``error: <why>``, and exit status ``code`` (2: the model or
+    the configuration is refused)."""
+    if isinstance(e, pydantic.ValidationError):
+        why = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()
+        )
+    else:
+        why = " ".join(str(e).split())
+    typer.echo(f"error: {why}", err=True)  # not rich: it would wrap a long line at the terminal's width
+    raise typer.Exit(code)
+
+
 def up(model: str = ModelOpt, cache_dir: Optional[Path] = CacheOpt, **settings: Any) -> None:
     """Start the whole disaggregated system on this machine and serve the OpenAI API.
 
@@ -90,17 +105,13 @@ def up(model: str = ModelOpt, cache_dir: Optional[Path] = CacheOpt, **settings: 
     """
     try:
         model_dir = _model_dir(model, cache_dir)
-    except (ValueError, RuntimeError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
-    try:
         config = ClusterConfig(
             model=str(model_dir), model_name=model if "/" not in model else model_dir.name, **settings
         )
-    except ValueError as e:  # pydantic's ValidationError is one
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
-    cluster = LocalCluster(config, on_event=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+        # reads the model as the workers' engine will (the pool's block bytes): refuses what it cannot serve
+        cluster = LocalCluster(config, on_event=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    except (ValueError, RuntimeError) as e:  # pydantic's ValidationError is a ValueError
+        _fail(e)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -109,6 +120,8 @@ def up(model: str = ModelOpt, cache_dir: Optional[Path] = CacheOpt, **settings: 
             f"starting {config.prefill} prefill + {config.decode} decode workers for {config.model_name}"
         ):
             cluster.start()
+    except ComponentRefused as e:  # a worker refused the model or the configuration at start
+        _fail(e)
     except RuntimeError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None

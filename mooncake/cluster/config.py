@@ -12,14 +12,10 @@ from conductor.config import ConductorConfig
 from conductor.types import DEFAULT_SLO
 from decode.config import DECODE_ENGINE_DEFAULTS
 from mooncake.engine.config import EngineConfig
-from mooncake.engine.interface import EngineKind
-from mooncake.engine.model_args import ModelArgs
-from mooncake.engine.weights import load_hf_config
+from mooncake.engine.interface import EngineKind, parse_vllm_args
 from mooncake.gateway.recovery import RecoveryConfig
 from mooncake.localproc import usable_cpus
 from mooncake.runtime.channels import DETECT_S, LOCAL_HOST
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 _ENGINE = EngineConfig.model_fields
 _CONDUCTOR = ConductorConfig.model_fields  # (enums: the flags pass their values)
@@ -209,5 +205,12 @@ class ClusterConfig(BaseModel):
         return self
 
     def block_bytes(self) -> int:
-        args = ModelArgs.from_hf_config(load_hf_config(self.model))
-        return args.num_layers * 2 * self.block_size * args.num_kv_heads * args.head_dim * DTYPE_BYTES[self.dtype]
+        """Bytes of one block in the pool layout, as the workers' engine will lay the model out (the pool nodes are
+        sized by it before any worker starts): ours by its own model arguments, vLLM by its reading of the model
+        (imports vLLM: seconds). Raises ValueError (one line, naming the model) for a model the engine cannot serve
+        or whose KV the pool cannot carry."""
+        from mooncake.serving.model_support import kv_layout
+
+        return kv_layout(self.engine, self.model, self.dtype, parse_vllm_args(self.vllm_args)).block_bytes(
+            self.block_size
+        )

@@ -39,6 +39,13 @@ from mooncake.runtime.process import parse_ready
 log = logging.getLogger(__name__)
 
 
+REFUSED_EXIT = 2  # a component's exit status for a configuration it refuses (it printed "error: ..." and why)
+
+
+class ComponentRefused(RuntimeError):
+    """A component refused its configuration at start (exit status 2): the message is its one-line reason."""
+
+
 @dataclass(eq=False)
 class Component:
     """One process of the cluster."""
@@ -87,8 +94,11 @@ class Component:
         reader.start()
         reader.join(timeout_s)
         if not result:
-            why = "exited" if self.proc.poll() is not None else f"was not ready after {timeout_s:.0f} s"
+            code = self.proc.poll()
+            why = "exited" if code is not None else f"was not ready after {timeout_s:.0f} s"
             self.kill()
+            if code == REFUSED_EXIT and (line := last_error(self.log_path)) is not None:
+                raise ComponentRefused(f"{self.name}: {line}")
             raise RuntimeError(f"{self.name} {why}; the end of {self.log_path}:\n{tail(self.log_path)}")
         self.info = result[0]
         threading.Thread(target=self._drain_stdout, daemon=True).start()
@@ -596,3 +606,12 @@ def tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def last_error(path: Path) -> str | None:
+    """The last ``error: ...`` line of a component's log (its refusal), without the prefix; None if there is none."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((ln[len("error: ") :] for ln in reversed(lines) if ln.startswith("error: ")), None)

@@ -27,7 +27,9 @@ def build_engine(
     """
     if kind is EngineKind.NATIVE:
         from mooncake.engine.engine import LLMEngine
+        from mooncake.serving.model_support import check_native
 
+        check_native(config.model)  # an architecture ours lacks: refused in one line naming the model
         engine = LLMEngine(config, connector=connector, tokenizer=tokenizer, kv_cache_buffer=kv_cache_buffer)
         if connector is not None:
             connector.bind(engine.kv_cache)

@@ -1,0 +1,107 @@
+"""Which models each engine serves, and the KV layout a model's blocks have under it.
+
+Every component that reads a model directory before an engine has loaded it asks here:
+
+    the launcher      kv_layout(engine, model, ...)  the pool nodes' block bytes, before any worker starts
+    a worker          check_native(model)            ours refuses what it cannot build, naming the model
+    the gateway       context_length(config)         it tokenizes and checks lengths, needs no engine
+
+The architecture list (``SUPPORTED_ARCHS``, mooncake.engine.model_args) is our engine's alone: ``--engine vllm``
+serves what vLLM serves, its layout read by vLLM (mooncake.vllm_engine.kv_spec), before loading here and from the
+KV cache vLLM built once loaded (what the worker registers). A layout the pool connector cannot carry is refused
+with a ``ValueError`` of one line naming the model, the field and what is supported; every entry point prints it as
+``error: ...`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mooncake.engine.interface import EngineKind
+
+# keys that bound a model's context in config.json, as vLLM reads them (the smallest present wins)
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """One token's KV as the pool carries it: every layer the same, ``num_kv_heads`` K and V vectors of ``head_dim``
+    each, in ``dtype``. A block is ``[num_layers][2][block_size][num_kv_heads][head_dim]`` (DESIGN §4)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    def block_bytes(self, block_size: int) -> int:
+        return math.prod(self.block_shape(block_size)) * self.dtype.itemsize
+
+
+def refuse(model: str | Path, engine: EngineKind | str, what: str) -> ValueError:
+    """The one-line error for a model ``engine`` cannot serve: ``what`` names the field and what is supported."""
+    kind = engine.value if isinstance(engine, EngineKind) else engine
+    return ValueError(f"model {model} (--engine {kind}): {_one_line(what)}")
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def check_native(model: str | Path):
+    """Our engine's arguments for ``model`` (mooncake.engine.model_args.ModelArgs); raises ValueError naming the model
+    when our engine cannot build it (an architecture outside SUPPORTED_ARCHS, a config it cannot honour)."""
+    from mooncake.engine.model_args import ModelArgs
+    from mooncake.engine.weights import load_hf_config
+
+    try:
+        return ModelArgs.from_hf_config(load_hf_config(model))
+    except ValueError as e:
+        hint = "" if "vllm" in str(e).lower() else " (--engine vllm serves what vLLM serves)"
+        raise refuse(model, EngineKind.NATIVE, f"{e}{hint}") from None
+
+
+def kv_layout(
+    engine: EngineKind | str, model: str | Path, dtype: str, vllm_args: dict[str, Any] | None = None
+) -> KVLayout:
+    """The KV layout ``engine`` will give ``model`` in ``dtype`` (a name: float32, bfloat16, float16), read before any
+    engine loads it (the launcher sizes the pool nodes' blocks by it). Raises ValueError (one line) for a model the
+    engine cannot serve or whose KV the pool cannot carry. For vLLM this imports vLLM and reads the model's config
+    through it (seconds); the worker checks the layout again from the cache vLLM built."""
+    from mooncake.engine.config import DTYPES
+
+    kind = EngineKind(engine)
+    if kind is EngineKind.NATIVE:
+        args = check_native(model)
+        return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[dtype])
+    from mooncake.vllm_engine.kv_spec import layout_before_load
+
+    return layout_before_load(str(model), dtype, vllm_args or {})
+
+
+def context_length(config: dict[str, Any], model: str | Path = "") -> int:
+    """The context a model was built for, from its config.json (``text_config`` for a multimodal one), as vLLM
+    reads it: the smallest of CONTEXT_KEYS present. Raises ValueError when it names none."""
+    sources = [config, config.get("text_config") or {}]
+    found = [int(src[key]) for src in sources for key in CONTEXT_KEYS if isinstance(src.get(key), int | float)]
+    if not found:
+        raise ValueError(
+            f"model {model}: config.json names no context length ({', '.join(CONTEXT_KEYS)}); give --max-model-len"
+        )
+    return min(found)

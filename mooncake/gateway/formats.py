@@ -113,8 +113,10 @@ class ChatFormat(_Format):
         out = [
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(
-                    content=None if c.tool_calls else c.text, tool_calls=c.tool_calls, reasoning_content=c.reasoning
+                message=AssistantMessage(  # with calls, content is the text before them (as vLLM's)
+                    content=(c.text or None) if c.tool_calls else c.text,
+                    tool_calls=c.tool_calls,
+                    reasoning_content=c.reasoning,
                 ),
                 logprobs=self._logprobs(c.logprobs),
                 finish_reason=c.finish_reason,

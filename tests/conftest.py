@@ -83,8 +83,97 @@ TINY_SPECS: dict[str, tuple[str, str, dict]] = {
             ),
         ),
     ),
+    # Mistral with its sliding window shorter than the tests' prompts: every layer attends to its last 12 keys.
+    "mistral_window": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_hidden_layers=2, tie_word_embeddings=False, head_dim=16, sliding_window=12),
+    ),
+    # yarn: interpolation blended with extrapolation, cos/sin times its attention factor.
+    "yarn_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256
+            ),
+        ),
+    ),
+    # Phi-3: fused qkv and gate-up in the checkpoint, half the head rotated, longrope's short factors and attention
+    # factor (the tests' prompts stay below original_max_position_embeddings).
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=512,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                original_max_position_embeddings=512,
+                short_factor=[1.0, 1.5, 2.0, 3.0],
+                long_factor=[2.0, 4.0, 8.0, 16.0],
+            ),
+        ),
+    ),
+    # Gemma 2: a sliding layer then a global one, attention and final soft-capping, its own query scale.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=12,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Gemma 3: two sliding layers with their local rope, a global one with a linearly scaled rope, q/k norms.
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=12,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen3-MoE: 8 experts, 2 a token, renormalised; the second layer a dense MLP (mlp_only_layers).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
 }
 TINY_ARCHS = list(TINY_SPECS)
+EAGER_REFERENCE = {"gemma2"}  # transformers applies attention soft-capping in its eager attention only
 
 
 def build_tiny_model(name: str, out_dir: Path, seed: int = 0) -> TinyModel:
@@ -94,6 +183,8 @@ def build_tiny_model(name: str, out_dir: Path, seed: int = 0) -> TinyModel:
     config_cls, model_cls, overrides = TINY_SPECS[name]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**_COMMON, **overrides})
+    if name in EAGER_REFERENCE:
+        config._attn_implementation = "eager"
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():

@@ -51,9 +51,21 @@ class StepAttention:
     max_q_len: int
     kernel: Callable  # kernels/triton_varlen.paged_varlen
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int, softcap: float
+    ) -> torch.Tensor:
         return self.kernel(
-            q, k_cache, v_cache, self.starts, self.q_lens, self.ctx_lens, self.table, self.max_q_len, scale
+            q,
+            k_cache,
+            v_cache,
+            self.starts,
+            self.q_lens,
+            self.ctx_lens,
+            self.table,
+            self.max_q_len,
+            scale,
+            window,
+            softcap,
         )
 
 
@@ -91,30 +103,38 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of the step's queries over the paged cache.
 
     q: [T, H, D] (any strides, the last contiguous); k, v: [T, Hkv, D] (this step's new K/V, already written to the
-    cache). Returns [T, H, D]. Called once per layer per step.
+    cache). ``window``: a query at position p sees keys p - window + 1 .. p (0: all up to p); ``softcap``: scores
+    become softcap * tanh(scores / softcap) before the softmax (0: not). Returns [T, H, D]. Called once per layer
+    per step.
     """
     if meta.step is not None:
-        return meta.step(q, k_cache, v_cache, scale)
+        return meta.step(q, k_cache, v_cache, scale, window, softcap)
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv
     b = meta.num_decodes
-    if b == t and meta.decode_kernel is not None:  # decodes only: the kernel's output is the step's
-        return meta.decode_kernel(q, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale)
+    kernel = meta.decode_kernel
+    if b == t and kernel is not None:  # decodes only: the kernel's output is the step's
+        return kernel(q, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale, window, softcap)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if b and meta.decode_kernel is not None:
-        out[:b] = meta.decode_kernel(q[:b], k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale)
+    if b and kernel is not None:
+        out[:b] = kernel(q[:b], k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale, window, softcap)
     elif b:
         qd = q[:b].view(b, hkv, group, d)  # [B, Hkv, G, D]: a decode's G heads share one K/V head
         bt = meta.decode_block_table
         kd = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:b] = od.reshape(b, h, d)
+        mask = meta.decode_mask
+        if window:  # [B, 1, 1, L]: also no key before ctx - window
+            keys = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (keys[None, :] >= (meta.decode_ctx_lens - window)[:, None])[:, None, None, :]
+        out[:b] = _attend(qd, kd, vd, mask, scale, softcap).reshape(b, h, d)
     for seg in meta.prefills:
         s, n = seg.q_start, seg.q_len
         qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -122,20 +142,40 @@ def paged_attention(
             # No cached prefix: the chunk's own K/V are the whole context.
             ks = k[s : s + n]  # [n, Hkv, D]
             vs = v[s : s + n]
-            mask = None
         else:
             ks = k_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]  # [ctx, Hkv, D]
             vs = v_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]
+        ks = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        vs = vs.transpose(0, 1).unsqueeze(0)
+        if softcap or (window and window < seg.ctx_len):
+            # Query i sits at position ctx-n+i and sees keys ctx-n+i-window+1 .. ctx-n+i.
+            mask = torch.ones(n, seg.ctx_len, dtype=torch.bool, device=q.device).tril(seg.ctx_len - n)
+            if window:
+                mask = mask.triu(seg.ctx_len - n - window + 1)
+            qg = qs.reshape(1, hkv, group * n, d)  # a K/V head's G query heads one after another
+            os_ = _attend(qg, ks, vs, mask.repeat(group, 1), scale, softcap).view(1, h, n, d)
+        elif seg.ctx_len == n:
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
             # Query i sits at position ctx-n+i and sees keys 0..ctx-n+i: causal, aligned to the lower right. On CUDA
             # torch's flash kernel takes that alignment without a mask (a [n, ctx] mask would force a slower kernel).
             if q.is_cuda:
                 mask = causal_lower_right(n, seg.ctx_len)
             else:
                 mask = torch.ones(n, seg.ctx_len, dtype=torch.bool, device=q.device).tril(seg.ctx_len - n)
-        ks = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        vs = vs.transpose(0, 1).unsqueeze(0)
-        os_ = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
-        )  # [1, H, n, D]
-        out[s : s + n] = os_[0].transpose(0, 1)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        out[s : s + n] = os_[0].transpose(0, 1)  # [n, H, D]
     return out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) masked) v, written out (SDPA has no soft-capping): q [..., M, D], k and v
+    [..., N, D], mask broadcast to [..., M, N] (True: attend). Scores in float32."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [..., M, N]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

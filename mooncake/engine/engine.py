@@ -96,11 +96,6 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
-        if args.sliding_window and self.max_model_len > args.sliding_window:
-            # Attention here is full, not windowed: identical to the model only within
-            # the window, so the context stops there.
-            log.warning("max_model_len %d clamped to the sliding window %d", self.max_model_len, args.sliding_window)
-            self.max_model_len = args.sliding_window
         self.block_size = config.block_size
         elem = torch.tensor([], dtype=config.torch_dtype).element_size()
         self.block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem

@@ -50,7 +50,6 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(args, layers)
     model = model.to_empty(device=device).to(dtype)
-    model._inv_freq = args.inv_freq().to(device)  # to_empty left the buffer uninitialised
     model.load_hf_state_dict(load_hf_weights(model_dir, dtype=dtype, device=str(device), only=model.owns))
     return model.eval()
 

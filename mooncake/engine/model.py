@@ -1,9 +1,10 @@
-"""A Llama-family decoder in plain torch, over a paged KV cache.
+"""A decoder in plain torch, over a paged KV cache.
 
-One module serves llama, mistral, qwen2 (qkv bias) and qwen3 (q/k RMSNorm); ModelArgs
-says which parts exist. Parameter names follow Hugging Face (``model.layers.N...``),
-except that q/k/v and gate/up are fused into one matmul each (``load_hf_state_dict``
-concatenates them), because on CPU one wide matmul beats three narrow ones.
+One module serves every architecture of model_args.py; ModelArgs says which parts exist (qkv bias, q/k norms,
+Gemma's norms around attention and the MLP, soft-capping, each layer's sliding window and rope, a mixture of experts
+in moe.py). Parameter names follow Hugging Face (``model.layers.N...``), except that q/k/v and gate/up are fused into
+one matmul each (``load_hf_state_dict`` concatenates them, as Phi-3's checkpoints already are), because on CPU one wide
+matmul beats three narrow ones, and that a layer's experts are stacked.
 
 Tokens arrive flattened: ``input_ids`` and ``positions`` are [T] over every request in
 the step; attention.py knows which token belongs to whom.
@@ -20,6 +21,7 @@ from torch import nn
 from mooncake.engine.attention import AttentionMetadata, paged_attention, write_kv
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.moe import SparseMoE, activation, stack_expert_weights
 
 FUSED_MIN_TOKENS = 256  # eager steps of fewer tokens keep torch's kernels
 
@@ -45,12 +47,19 @@ def _triton_kernels() -> dict:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm times ``weight``; a ``gemma`` norm stores w - 1 and scales by (1 + w), all in float32 (Gemma's order)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
         if x.is_cuda:
@@ -64,7 +73,7 @@ class RMSNorm(nn.Module):
     def add_norm(self, delta: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of x + delta, x + delta): the residual add and the norm after it, in one kernel where that
         pays (``fused``)."""
-        kernel = fused(x, "add_rms_norm")
+        kernel = None if self.gemma else fused(x, "add_rms_norm")
         if kernel is not None:
             return kernel(delta, x, self.weight, self.eps)
         x = x + delta
@@ -75,11 +84,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE: x * cos + cat(-x2, x1) * sin, without building the rotated copy (in one kernel where that
     pays: ``fused``).
 
-    x: [T, heads, D]; cos, sin: [T, 1, D]. Returns a new tensor.
+    x: [T, heads, D]; cos, sin: [T, 1, R] where the first R <= D dimensions rotate (partial rotary: the rest pass
+    through). Returns a new tensor.
     """
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     kernel = fused(x, "rope")
     if kernel is not None:
         return kernel(x, cos, sin)
+    return _rotate(x, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = x * cos
@@ -97,19 +114,21 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.scale = args.head_dim**-0.5
+        self.scale = args.scale
+        self.window = args.window(layer) or 0  # 0: the whole context
+        self.softcap = args.attn_softcap or 0.0  # 0: none
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.gemma_norms)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.gemma_norms)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D]
+        cos: torch.Tensor,  # [T, 1, R]
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, bs, Hkv, D]
         meta: AttentionMetadata,
@@ -130,7 +149,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         connector.wait_for_layer_load(self.layer)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)  # [T, H, D]
         connector.save_layer(self.layer, k_cache, v_cache, step)
         return self.o_proj(o.view(t, self.q_size))
 
@@ -139,32 +158,59 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.intermediate = args.intermediate_size
+        self.silu = args.hidden_act == "silu"
+        self.act = activation(args.hidden_act)
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        kernel = fused(x, "silu_mul")
+        kernel = fused(x, "silu_mul") if self.silu else None
         if kernel is not None:
             return self.down_proj(kernel(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        if self.silu:
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        eps, gemma = args.rms_norm_eps, args.gemma_norms
+        self.rope_local = args.rope_local is not None and args.window(layer) is not None  # Gemma 3's local layers
         self.self_attn = Attention(args, layer)
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.is_moe(layer):
+            self.mlp = SparseMoE(
+                args.hidden_size,
+                args.moe_intermediate_size,
+                args.num_experts,
+                args.num_experts_per_tok,
+                args.norm_topk_prob,
+                args.hidden_act,
+            )
+        else:
+            self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, gemma)
+        if args.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention's output instead
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, gemma)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
-    def forward(self, x, delta, cos, sin, kv_cache, meta, connector, step) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, delta, ropes, kv_cache, meta, connector, step) -> tuple[torch.Tensor, torch.Tensor]:
         """(the residual stream, the MLP's output not yet added to it): the add is left to the next norm, which does
-        it in its own kernel where that pays. ``delta`` is the previous layer's MLP output, None before the first."""
+        it in its own kernel where that pays. ``delta`` is the previous layer's MLP output, None before the first;
+        ``ropes`` the step's (cos, sin) of the global layers, then of the local ones."""
+        cos, sin = ropes[1] if self.rope_local else ropes[0]
         h, x = (self.input_layernorm(x), x) if delta is None else self.input_layernorm.add_norm(delta, x)
-        h, x = self.post_attention_layernorm.add_norm(self.self_attn(h, cos, sin, kv_cache, meta, connector, step), x)
-        return x, self.mlp(h)
+        a = self.self_attn(h, cos, sin, kv_cache, meta, connector, step)
+        if self.pre_feedforward_layernorm is None:
+            h, x = self.post_attention_layernorm.add_norm(a, x)
+            return x, self.mlp(h)
+        h, x = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(a), x)
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Backbone(nn.Module):
@@ -179,7 +225,7 @@ class Backbone(nn.Module):
             nn.Embedding(args.vocab_size, args.hidden_size) if first or (last and args.tie_word_embeddings) else None
         )
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in layers})
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.gemma_norms) if last else None
 
 
 class CausalLM(nn.Module):
@@ -202,19 +248,15 @@ class CausalLM(nn.Module):
             if self.is_last and not args.tie_word_embeddings
             else None
         )
-        # cos/sin for every position, float32, computed the way transformers does.
-        self.register_buffer("_inv_freq", args.inv_freq(), persistent=False)
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_cache: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
-    def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables [max_len, D] in the model dtype (built once, then cached)."""
-        if self._rope_cache is None or self._rope_cache[0].shape[0] < max_len:
-            inv = self._inv_freq.float()
-            pos = torch.arange(max_len, device=inv.device, dtype=torch.int64).float()
-            freqs = pos[:, None] * inv[None, :]  # [L, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-            dtype = next(self.parameters()).dtype
-            self._rope_cache = (emb.cos().to(dtype), emb.sin().to(dtype))
+    def rope_tables(self, max_len: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(cos, sin) tables [max_len, R] in the model dtype, of the global layers' rope and then the local layers'
+        where they have their own (built once, then cached)."""
+        if self._rope_cache is None or self._rope_cache[0][0].shape[0] < max_len:
+            p = next(self.parameters())
+            ropes = [self.args.rope] + ([self.args.rope_local] if self.args.rope_local is not None else [])
+            self._rope_cache = tuple(r.tables(max_len, p.dtype, p.device) for r in ropes)
         return self._rope_cache
 
     def forward(
@@ -229,18 +271,20 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after this model's layers (``kv_caches[j]`` is its j-th layer's cache); normed
         on the last stage."""
-        cos_t, sin_t = self._rope_cache  # built by the runner for max_model_len
-        cos = cos_t[positions].unsqueeze(1)  # [T, 1, D]
-        sin = sin_t[positions].unsqueeze(1)
+        ropes = [(c[positions].unsqueeze(1), s[positions].unsqueeze(1)) for c, s in self._rope_cache]  # [T, 1, R]
+        if len(ropes) == 1:
+            ropes.append(ropes[0])
         if hidden is None:
             if not self.is_first:
                 raise ValueError(
                     f"a stage starting at layer {self.layer_range.start} takes hidden states, not token ids"
                 )
             hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+            if self.args.embed_scale is not None:
+                hidden = hidden * torch.tensor(self.args.embed_scale, dtype=hidden.dtype)
         x, delta = hidden, None
         for j, layer in enumerate(self.model.layers.values()):
-            x, delta = layer(x, delta, cos, sin, kv_caches[j], meta, connector, step)
+            x, delta = layer(x, delta, ropes, kv_caches[j], meta, connector, step)
         return self.model.norm.add_norm(delta, x)[0] if self.is_last else x + delta  # [T, hidden]
 
     def owns(self, name: str) -> bool:
@@ -256,19 +300,26 @@ class CausalLM(nn.Module):
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for the given hidden rows [N, hidden]."""
+        """Logits [N, vocab] in float32 for the given hidden rows [N, hidden] (soft-capped where the model is)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # W @ h^T rather than h @ W^T: with few rows and a 50k-row vocabulary MKL runs
         # this order faster on CPU (benchmarks/matmul_shapes.py). The result is a transposed view.
-        return (weight @ hidden.t()).t().float()  # [N, V]
+        logits = (weight @ hidden.t()).t()  # [N, V]
+        cap = self.args.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up. Raises ValueError on a mismatch."""
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up and stacking experts. Raises ValueError on a
+        mismatch."""
         fused: dict[str, torch.Tensor] = {}
         for name, tensor in weights.items():
             if "rotary_emb" in name or not self.owns(name):
                 continue
             fused[name] = tensor
+        if self.args.num_experts:
+            stack_expert_weights(fused, self.layer_range, self.args.num_experts)
         for i in self.layer_range:
             p = f"model.layers.{i}."
             for kind in ("weight", "bias"):

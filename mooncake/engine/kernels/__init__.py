@@ -63,8 +63,8 @@ def load_paged_decode(build_dir: str | Path) -> Callable | None:
             )
         compiled = mod.paged_decode_attention
 
-        def fn(q, k_cache, v_cache, block_table, ctx_lens, scale):  # the kernel reads q densely
-            return compiled(q.contiguous(), k_cache, v_cache, block_table, ctx_lens, scale)
+        def fn(q, k_cache, v_cache, block_table, ctx_lens, scale, window=0, softcap=0.0):  # it reads q densely
+            return compiled(q.contiguous(), k_cache, v_cache, block_table, ctx_lens, scale, window, softcap)
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("paged attention kernel unavailable, using the torch path: %s", e)
     _loaded[build_dir] = fn

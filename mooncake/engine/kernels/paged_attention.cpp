@@ -4,6 +4,8 @@
 //   k_cache:     [NB, BS, Hkv, D]       float32 (v_cache the same)
 //   block_table: [B, MAXB]              int64, block ids of each sequence in order
 //   ctx_lens:    [B]                    int64, tokens each query attends to
+//   window:      > 0: only the last `window` of them (a sliding-window layer); 0: all
+//   softcap:     > 0: scores become softcap * tanh(score / softcap) before the softmax; 0: not
 //   returns      [B, H, D]
 //
 // Work item = one sequence: a token's K (or V) row holds every kv head contiguously,
@@ -23,7 +25,8 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor ctx_lens, double scale) {
+                                     torch::Tensor block_table, torch::Tensor ctx_lens, double scale,
+                                     int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_table.dtype() == torch::kInt64 && ctx_lens.dtype() == torch::kInt64, "int64 tables");
@@ -40,22 +43,28 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* cl = cl_c.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
   const int64_t row = Hkv * D;  // floats between consecutive tokens of one block
 
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(H * D);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = cl[b];
-      TORCH_CHECK(L >= 1 && L <= MAXB * BS, "context length out of range");
+      const int64_t ctx = cl[b];
+      TORCH_CHECK(ctx >= 1 && ctx <= MAXB * BS, "context length out of range");
+      const int64_t first = window > 0 && ctx > window ? ctx - window : 0;  // the first key the query sees
+      const int64_t L = ctx - first;
       const float* qb = qp + b * H * D;
       const int64_t* blocks = bt + b * MAXB;
       scores.resize(H * L);
       // Pass 1: scores. A token's row holds all Hkv heads contiguously; read it once.
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t t = first + i;
         const float* kr = kp + (blocks[t / BS] * BS + t % BS) * row;
-        for (int64_t h = 0; h < H; ++h) scores[h * L + t] = dot(qb + h * D, kr + (h / G) * D, D) * sc;
+        for (int64_t h = 0; h < H; ++h) scores[h * L + i] = dot(qb + h * D, kr + (h / G) * D, D) * sc;
       }
+      if (cap > 0.f)
+        for (auto& s : scores) s = cap * std::tanh(s / cap);
       for (int64_t h = 0; h < H; ++h) {
         float* s = scores.data() + h * L;
         float m = -std::numeric_limits<float>::infinity();
@@ -70,10 +79,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       }
       // Pass 2: the probability-weighted sum of V rows.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t t = first + i;
         const float* vr = vp + (blocks[t / BS] * BS + t % BS) * row;
         for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * L + t];
+          const float p = scores[h * L + i];
           const float* v = vr + (h / G) * D;
           float* a = acc.data() + h * D;
 #pragma omp simd

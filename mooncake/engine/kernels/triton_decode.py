@@ -45,6 +45,8 @@ def attend_range(
     d,
     d_ok,
     scale,
+    window,
+    softcap,
     stride_kb,
     stride_kt,
     stride_kh,
@@ -56,11 +58,13 @@ def attend_range(
     HEAD_DIM_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Flash attention of the query rows ``q`` [ROWS, D] over context tokens [lo, hi) of one sequence (its block ids at
     ``table_row``), KV head ``kvh``, each row seeing the keys at positions up to its ``pos`` [ROWS]: the running max,
-    sum of exponentials and weighted sum of V (float32), for the caller to divide or merge. Every row must see a key
-    of the range's first tile (its max is finite from there on); an empty range leaves max -inf and sums 0. The
+    sum of exponentials and weighted sum of V (float32), for the caller to divide or merge. A ``window`` above 0 hides
+    the keys at or before ``pos - window`` (a sliding-window layer); ``SOFTCAP`` caps the scores at ``softcap`` (cap *
+    tanh(s / cap)). A row that sees no key of a tile keeps its sums; an empty range leaves max -inf and sums 0. The
     kernels of triton_decode (one query a sequence) and triton_varlen (a sequence's new tokens) share it."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
@@ -77,10 +81,14 @@ def attend_range(
             other=0.0,
         )  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, N], float32
-        s = tl.where(n_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+        if SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        seen = n_ok[None, :] & (n[None, :] <= pos[:, None]) & ((window == 0) | (n[None, :] > pos[:, None] - window))
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])  # [ROWS, N]
-        alpha = tl.exp(m - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: sums stay 0
+        p = tl.exp(s - m_safe[:, None])  # [ROWS, N]
+        alpha = tl.exp(m - m_safe)
         v = tl.load(
             V + block[:, None] * stride_vb + row[:, None] * stride_vt + kvh * stride_vh + d[None, :],
             mask=kv_ok,
@@ -104,6 +112,8 @@ def _decode_partial(
     PartMax,
     PartSum,
     scale,
+    window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -123,6 +133,7 @@ def _decode_partial(
     HEAD_DIM_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -137,8 +148,10 @@ def _decode_partial(
         Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
     )
 
-    per_split = ((ctx + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole tiles per split
-    lo = split * per_split
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the window's first key
+    span = ctx - first
+    per_split = ((span + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole tiles per split
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, ctx)
     m, l, acc = attend_range(
         q,
@@ -152,6 +165,8 @@ def _decode_partial(
         d,
         d_ok,
         scale,
+        window,
+        softcap,
         stride_kb,
         stride_kt,
         stride_kh,
@@ -163,6 +178,7 @@ def _decode_partial(
         HEAD_DIM_P,
         BLOCK_N,
         PRECISION,
+        SOFTCAP,
     )
 
     if NUM_SPLITS == 1:
@@ -225,9 +241,12 @@ def paged_decode(
     table: torch.Tensor,
     ctx_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context; returns [B, H, D] in q's dtype.
+    """Attention of one query token per sequence over its paged context (the last ``window`` tokens of it where
+    ``window`` > 0; scores soft-capped at ``softcap`` where > 0); returns [B, H, D] in q's dtype.
 
     ``num_splits`` (a power of two) defaults to ``num_splits_for``; a CUDA graph fixes it when captured. Launches
     one kernel, or two with splits; allocates its output and partials (inside a graph: from the graph's pool).
@@ -263,6 +282,8 @@ def paged_decode(
         part_max,
         part_sum,
         scale,
+        int(window),
+        float(softcap),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -282,6 +303,7 @@ def paged_decode(
         HEAD_DIM_P=d_p,
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=bool(softcap),
     )
     if splits > 1:
         _decode_merge[(b, h)](

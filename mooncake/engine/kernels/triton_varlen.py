@@ -45,6 +45,8 @@ def _varlen_attention(
     CtxLens,
     Table,
     scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -64,6 +66,7 @@ def _varlen_attention(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -89,19 +92,22 @@ def _varlen_attention(
     )  # [R, D]
 
     hi = tl.minimum(ctx, ctx - q_len + tl.minimum((mblk + 1) * BLOCK_M, q_len))  # past the tile's last position
-    # every row sees key 0 in the first tile (pos >= 0; a padded row's pos is past the context)
+    # with a window, the keys before the tile's first row's window no row sees: start at that tile
+    lo = tl.where(window > 0, tl.maximum(ctx - q_len + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
     m, l, acc = attend_range(
         q,
         K,
         V,
         Table + s * stride_tb,
-        0,
+        lo,
         hi,
         pos,
         kvh,
         d,
         d_ok,
         scale,
+        window,
+        softcap,
         stride_kb,
         stride_kt,
         stride_kh,
@@ -113,6 +119,7 @@ def _varlen_attention(
         HEAD_DIM_P,
         BLOCK_N,
         PRECISION,
+        SOFTCAP,
     )
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
@@ -132,10 +139,13 @@ def paged_varlen(
     table: torch.Tensor,
     max_q_len: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of every sequence's new tokens over its paged context (see the module docstring); returns [T, H, D]
-    in q's dtype. ``max_q_len`` (the most new tokens of any sequence) sizes the launch; rows of q that no sequence
-    names are left unwritten. One launch."""
+    """Attention of every sequence's new tokens over its paged context (see the module docstring; ``window`` and
+    ``softcap`` as triton_decode.attend_range's, 0 for none); returns [T, H, D] in q's dtype. ``max_q_len`` (the
+    most new tokens of any sequence) sizes the launch; rows of q that no sequence names are left unwritten. One
+    launch."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     if h % hkv:
@@ -157,6 +167,8 @@ def paged_varlen(
         ctx_lens,
         table,
         scale,
+        int(window),
+        float(softcap),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -176,5 +188,6 @@ def paged_varlen(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=bool(softcap),
     )
     return out

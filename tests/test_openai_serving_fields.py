@@ -507,3 +507,42 @@ def test_the_official_client_with_most_of_its_parameters_gets_no_400(real):
         extra_body={"top_k": 10, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True},
     )
     assert completion.choices[0].text.startswith("Once upon a time")
+
+
+# -- across the prefill/decode hand-off ----------------------------------------------------------------------
+
+
+def test_min_p_stop_token_ids_and_special_tokens_hold_across_the_prefill_decode_hand_off(
+    serving_cluster, tok, tiny_dir
+):
+    """The prefill worker samples the first token, the decode worker the rest: both read the fields off the wire."""
+    from clusters import reference_tokens
+    from conftest import SERVING_KEY
+
+    client = openai.OpenAI(base_url=serving_cluster.endpoint, api_key=SERVING_KEY, max_retries=0, timeout=60)
+    prompt = tok.encode("Once upon a time there was a robot")
+    ids = reference_tokens(tiny_dir, prompt, 8)
+    ask = dict(model="tiny", prompt=prompt, max_tokens=8)
+    for seed in range(2):
+        out = client.completions.create(**ask, temperature=1.0, seed=seed, extra_body={**IGNORE_EOS, "min_p": 1.0})
+        assert out.choices[0].text == tok.decode(ids)
+    at = next(k for k in range(2, len(ids)) if ids[k] not in ids[:k])
+    for stop, shown in ((ids[0], 0), (ids[at], at)):  # the prefill's token, then one of the decode worker's
+        out = client.completions.create(**ask, temperature=0, extra_body={**IGNORE_EOS, "stop_token_ids": [stop]})
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (tok.decode(ids[:shown]), "stop")
+        out = client.completions.create(
+            **ask,
+            temperature=0,
+            extra_body={**IGNORE_EOS, "stop_token_ids": [stop], "include_stop_str_in_output": True},
+        )
+        assert out.choices[0].text == tok.decode(ids[: shown + 1])
+    end = tok.token_to_id("<|im_end|>")
+    special = client.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(end): 100},
+        extra_body={**IGNORE_EOS, "skip_special_tokens": False},
+    )
+    assert special.choices[0].text == "<|im_end|>" * 3

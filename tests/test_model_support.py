@@ -137,3 +137,18 @@ def test_vllm_caches_the_connector_cannot_carry_are_refused_naming_what():
         message = str(e.value)
         assert "\n" not in message and message.startswith("model /models/x (--engine vllm): ")
         assert "supported: " in message
+
+
+def test_a_component_that_refuses_at_start_stops_the_cluster_with_its_one_line(tmp_path):
+    from mooncake.cluster.launcher import Component, ComponentRefused
+
+    script = "import sys; print('loading', file=sys.stderr); print('error: model m: no', file=sys.stderr); sys.exit(2)"
+    comp = Component("prefill-0", [sys.executable, "-c", script], tmp_path / "prefill-0.log")
+    comp.start()
+    with pytest.raises(ComponentRefused, match=r"^prefill-0: model m: no$"):
+        comp.wait_ready(30)
+    crashed = Component("decode-0", [sys.executable, "-c", "import sys; sys.exit(1)"], tmp_path / "decode-0.log")
+    crashed.start()
+    with pytest.raises(RuntimeError, match="decode-0 exited") as e:
+        crashed.wait_ready(30)
+    assert not isinstance(e.value, ComponentRefused)  # a crash is not a refusal: the log's tail, `mooncake up` exits 1

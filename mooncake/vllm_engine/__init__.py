@@ -1,4 +1,5 @@
-"""Stock vLLM as a worker engine: ``VllmEngine`` (engine.py), its KV connector (connector.py), the layout (layout.py).
+"""Stock vLLM as a worker engine: ``VllmEngine`` (engine.py), its KV connector (connector.py), the layout (layout.py),
+which models' KV it carries (kv_spec.py).
 
 Importing this package does not import vLLM; ``mooncake.serving.build.build_engine``
 imports ``engine.py`` only for ``--engine vllm``.

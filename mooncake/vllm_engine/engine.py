@@ -25,7 +25,6 @@ vLLM still applies EOS, stop token ids and max_tokens itself.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import uuid
@@ -41,7 +40,6 @@ from mooncake.engine.engine import RequestOutput
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.loader import generation_eos_ids
-from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.request import (
     FinishReason,
     SamplingParams,
@@ -51,7 +49,9 @@ from mooncake.engine.request import (
     shown_output_ids,
 )
 from mooncake.engine.weights import load_hf_config
+from mooncake.serving.model_support import refuse
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
+from mooncake.vllm_engine.kv_spec import layout_of_kv_cache, layout_of_model_config, vllm_reason
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,6 @@ class VllmEngine:
         register_bridge(self._bridge_id, self.bridge)
         if pusher is not None:
             pusher.export = self._export
-        args = ModelArgs.from_hf_config(load_hf_config(config.model))
-        elem = torch.tensor([], dtype=config.torch_dtype).element_size()
-        block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
         kwargs: dict[str, Any] = dict(
             model=config.model,
             dtype=config.dtype,
@@ -122,9 +119,6 @@ class VllmEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             seed=config.seed,
         )
-        if "gpu_memory_utilization" not in vllm_args and "kv_cache_memory_bytes" not in vllm_args:
-            blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
-            kwargs["kv_cache_memory_bytes"] = (blocks + 1) * block_bytes  # + vLLM's null block
         for key in ("kv_transfer_config", "enable_prefix_caching", "block_size"):
             if key in vllm_args:
                 raise ValueError(
@@ -141,10 +135,12 @@ class VllmEngine:
             kv_connector_extra_config={"bridge": self._bridge_id},
         )
         try:
-            self._llm = VllmLLMEngine.from_engine_args(EngineArgs(**kwargs))
-        except TypeError as e:  # an EngineArgs keyword that does not exist
+            self._llm = self._start(
+                config, EngineArgs, VllmLLMEngine, kwargs, sized="gpu_memory_utilization" in vllm_args
+            )
+        except BaseException:
             unregister_bridge(self._bridge_id)
-            raise ValueError(f"vLLM refused the engine arguments: {e}") from None
+            raise
         vc = self._llm.vllm_config
         mc = vc.model_config
         self.block_size = vc.cache_config.block_size
@@ -153,17 +149,14 @@ class VllmEngine:
         self.max_model_len = mc.max_model_len
         self.step_tokens = vc.scheduler_config.max_num_batched_tokens  # its budget, --vllm-arg's where one was given
         self.vocab_size = mc.get_vocab_size()
-        self._block_shape = (
-            mc.get_num_layers(vc.parallel_config),
-            2,
-            self.block_size,
-            mc.get_num_kv_heads(vc.parallel_config),
-            mc.get_head_size(),
-        )
-        self.block_bytes = math.prod(self._block_shape) * torch.tensor([], dtype=mc.dtype).element_size()
-        self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, config.torch_dtype)
+        # the layout of the cache vLLM built for the layers it loaded: what this worker reports and the pool must hold
+        layout = layout_of_kv_cache(config.model, self._scheduler().kv_cache_config, mc.dtype)
+        self._block_shape = layout.block_shape(self.block_size)
+        self.block_bytes = layout.block_bytes(self.block_size)
+        # the dtype vLLM computes KV in, as the gateway's keys name it (it reads --dtype: the same, checked in _start)
+        self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, mc.dtype)
         self.eos_token_ids = (
-            frozenset(args.eos_token_ids)
+            frozenset(_config_eos_ids(load_hf_config(config.model)))
             | generation_eos_ids(config.model)
             | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         )
@@ -175,6 +168,41 @@ class VllmEngine:
             self._block_shape,
             self.block_bytes,
             self.max_model_len,
+        )
+
+    @staticmethod
+    def _start(config: EngineConfig, engine_args_cls, engine_cls, kwargs: dict[str, Any], sized: bool):
+        """Build vLLM's engine from ``kwargs``: its config first (vLLM's reading of the model, refused here when the
+        pool connector cannot carry its KV), the cache memory sized from that layout (``config.num_kv_blocks`` or
+        ``kv_cache_memory_gib``, unless ``sized``: --vllm-arg gpu_memory_utilization), then the engine, which loads
+        the weights. Raises ValueError (one line, naming the model) for what vLLM or the connector refuses."""
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.executor import Executor
+
+        try:
+            engine_args = engine_args_cls(**kwargs)
+        except TypeError as e:  # an EngineArgs keyword that does not exist
+            raise ValueError(f"vLLM refused the engine arguments: {e}") from None
+        try:
+            vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        except (ValueError, OSError, KeyError) as e:  # pydantic's ValidationError is a ValueError
+            raise refuse(config.model, EngineKind.VLLM, f"vLLM cannot serve it: {vllm_reason(e)}") from None
+        mc = vllm_config.model_config
+        if mc.dtype != config.torch_dtype:
+            raise refuse(config.model, EngineKind.VLLM, f"vLLM chose dtype {mc.dtype}; --dtype is {config.dtype}")
+        layout = layout_of_model_config(
+            config.model, mc, vllm_config.parallel_config, vllm_config.cache_config.cache_dtype
+        )
+        cache = vllm_config.cache_config
+        if not sized and cache.kv_cache_memory_bytes is None:  # (VLLM_CPU_KVCACHE_SPACE sets it on the CPU)
+            block_bytes = layout.block_bytes(config.block_size)
+            blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
+            cache.kv_cache_memory_bytes = (blocks + 1) * block_bytes  # + vLLM's null block
+        return engine_cls(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=not engine_args.disable_log_stats,
+            usage_context=UsageContext.ENGINE_CONTEXT,
         )
 
     # -- the interface ------------------------------------------------------------------------
@@ -440,3 +468,11 @@ def _entry(token: int, entries: dict, k: int) -> TokenLogprob:
     """One position's TokenLogprob from vLLM's {token id: Logprob(logprob, rank)} (the token and the top k)."""
     top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda te: te[1].rank)
     return TokenLogprob(int(token), float(entries[token].logprob), tuple((int(t), float(e.logprob)) for t, e in top))
+
+
+def _config_eos_ids(cfg: dict[str, Any]) -> list[int]:
+    """config.json's eos_token_id: one id, a list, or none."""
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos])]

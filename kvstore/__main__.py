@@ -19,6 +19,7 @@ from mooncake.cliargs import field_arg
 from mooncake.runtime.conductor_link import ConductorLink
 from mooncake.runtime.process import print_ready, wait_for_signal
 from mooncake.runtime.status_http import start_status_server
+from mooncake.serving.worker_args import add_engine_kind_args
 from protos import conductor_pb2 as cpb
 from transfer import TransferConfig, TransportChoice, add_transport_args, make_registry
 from transfer.metrics import TransferCollector
@@ -44,12 +45,23 @@ def parser() -> argparse.ArgumentParser:
         help="port of the control fast path (the hot calls without gRPC; 0: any free port)",
     )
     p.add_argument("--transfer-port", type=int, default=0, help="transfer (tcp) server port (0: any free port)")
-    p.add_argument(
+    block = p.add_mutually_exclusive_group(required=True)
+    block.add_argument(
         "--block-bytes",
         type=int,
-        required=True,
         help="bytes of one block's KV: layers * 2 * block_size * kv_heads * head_dim * dtype bytes",
     )
+    block.add_argument(
+        "--model",
+        help="the workers' model directory: the block bytes their engine gives it, with --block-size, --dtype, "
+        "--engine and --vllm-arg as the workers have them (instead of --block-bytes; the helm chart starts pool "
+        "nodes this way)",
+    )
+    p.add_argument("--block-size", type=int, help="with --model: tokens per block, the workers' --block-size")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="with --model: the workers' --dtype (their KV's)"
+    )
+    add_engine_kind_args(p, "with --model: the workers' engine (its reading of the model lays out the blocks)")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--dram-blocks", type=int, help="DRAM tier size in blocks")
     size.add_argument("--dram-mib", type=int, help="DRAM tier size in MiB (rounded down to whole blocks)")
@@ -90,11 +102,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
+def block_bytes(args: argparse.Namespace) -> int:
+    """The block bytes the flags give: --block-bytes, or worked out from --model with the workers' --block-size,
+    --dtype, --engine and --vllm-arg (mooncake.serving.kvsize: a child process, seconds). ValueError, one line, for
+    a missing companion flag or a model the engine cannot serve (or no model there at all)."""
+    if args.block_bytes is not None:
+        return args.block_bytes
+    if args.block_size is None or args.dtype is None:
+        raise ValueError("--model needs --block-size and --dtype: the workers' own (their blocks are the pool's)")
+    from mooncake.serving.kvsize import kv_block_bytes
+
+    return kv_block_bytes(args.engine, args.model, args.dtype, args.block_size, args.vllm_arg)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s kvstore[%(process)d] %(message)s")
-    bb = args.block_bytes
     try:
+        bb = block_bytes(args)
         dram_blocks = args.dram_blocks or (args.dram_mib * MIB) // bb
         ssd_blocks = args.ssd_blocks or (args.ssd_mib * MIB) // bb
         config = StoreConfig(

@@ -28,7 +28,7 @@ VLLM_ON_PRODUCTION = [
     "--set",
     "engine.vllmArgs={enforce_eager=true}",
 ]
-# stock vLLM on the CPU: its attention needs 32-token blocks (SmolLM2-135M, float32: 30 x 2 x 32 x 3 x 64 x 4 bytes)
+# stock vLLM on the CPU: its attention needs 32-token blocks (the pool nodes size theirs from the model)
 VLLM_ON_CPU = [
     "--set",
     "engine.kind=vllm",
@@ -36,8 +36,6 @@ VLLM_ON_CPU = [
     "image.variant=vllm-cpu",
     "--set",
     "model.blockSize=32",
-    "--set",
-    "model.blockBytes=1474560",
 ]
 VALUE_SETS = {
     "default": [],
@@ -46,6 +44,17 @@ VALUE_SETS = {
     "production-vllm": ["-f", str(PRODUCTION), *VLLM_ON_PRODUCTION],
     "vllm-cpu": VLLM_ON_CPU,
     "groups": ["--set", "prefill.groups.replicas=2", "--set", "prefill.groups.stages=3"],
+    # the model from elsewhere than the image (test_deploy_model.py)
+    "model-pvc": ["--set", "model.source=pvc", "--set", "model.pvc.claimName=models"],
+    "model-hostpath": ["--set", "model.source=hostPath", "--set", "model.hostPath.path=/srv/models/smollm2"],
+    "model-hub": [
+        "--set",
+        "model.source=hub",
+        "--set",
+        "model.hub.id=HuggingFaceTB/SmolLM2-135M-Instruct",
+        "--set",
+        "model.hub.tokenSecret.name=hf",
+    ],
 }
 
 
@@ -168,13 +177,14 @@ def expanded_args(docs: list[dict], c: dict, env: dict[str, str] | None = None) 
 
 
 def mooncake_containers(docs: list[dict]) -> list[tuple[str, dict, dict]]:
-    """(component, container, pod spec) of every container running the mooncake image."""
+    """(component, container, pod spec) of every container running a component (``mooncake serve``, the image's
+    entrypoint); a container of the image with a command of its own (the model download) is none."""
     out = []
     for d in docs:
         if d["kind"] != "Deployment":
             continue
         spec = d["spec"]["template"]["spec"]
         for c in spec.get("initContainers", []) + spec["containers"]:
-            if "mooncake-serve" in c["image"]:
+            if "mooncake-serve" in c["image"] and "command" not in c:
                 out.append((c["args"][0], c, spec))
     return out

@@ -179,10 +179,11 @@ def test_mooncake_up_shares_the_usable_cores_among_the_workers_that_compute(tiny
 # What a chart must set for itself: where a component listens and whom it dials, its name, sizes from the chart's
 # model and its pod's resources. Every other flag the chart passes must carry the component's own default.
 CHART_WIRING = {
-    "conductor": {"host", "port", "metrics_port", "control_port", "redis_url", "block_bytes", "pool_provider"}
+    "conductor": {"host", "port", "metrics_port", "control_port", "redis_url", "pool_provider"}
     | {"namespace", "prefill_deployment", "decode_deployment"},
-    "kvstore": {"node", "host", "port", "control_port", "transfer_port", "block_bytes", "dram_mib", "conductor"}
-    | {"metrics_port"},
+    # its block bytes from the workers' model, block size and dtype
+    "kvstore": {"node", "host", "port", "control_port", "transfer_port", "model", "block_size", "dtype", "dram_mib"}
+    | {"conductor", "metrics_port"},
     "prefill": {"id", "model", "conductor", "host", "port", "metrics_port", "block_size", "threads", "kvstore"},
     "decode": {"id", "model", "conductor", "host", "port", "metrics_port", "block_size", "threads", "tbt_slo"},
     "gateway": {"conductor", "model", "model_name", "host", "block_size"},

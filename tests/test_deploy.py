@@ -102,7 +102,8 @@ def test_prefill_pod_pairs_its_pool_node_as_a_sidecar_on_a_shared_tmpfs(values):
     docs = render(*VALUE_SETS[values])
     spec = pod_spec(docs, "prefill")
     kv, worker = container(spec, "kvstore"), container(spec, "prefill")
-    assert [c["name"] for c in spec["initContainers"]] == ["kvstore"]
+    # the model's download, from the hub, comes first: the pool node reads the model's config.json
+    assert [c["name"] for c in spec["initContainers"] if c["name"] != "model-download"] == ["kvstore"]
     assert kv["restartPolicy"] == "Always"  # a native sidecar: up (startup probe passed) before the worker starts
     assert kv["startupProbe"]["httpGet"]["path"] == "/health"
     shm = {v["name"]: v for v in spec["volumes"]}["shm"]
@@ -350,7 +351,15 @@ def test_command_lines_parse_with_the_components_own_parsers(values):
         except SystemExit:
             pytest.fail(f"`mooncake serve {component}` rejects the chart's args: {args}")
     asked = merged_values(values)
-    assert parsed["kvstore"].block_bytes == parsed["conductor"].block_bytes == asked["model"]["blockBytes"]
+    # the pool node sizes its blocks from the workers' model, block size and dtype; the Conductor takes its figure
+    assert parsed["kvstore"].block_bytes is None and parsed["kvstore"].model == config["MOONCAKE_MODEL_DIR"]
+    kvstore, prefill = parsed["kvstore"], parsed["prefill"]
+    assert (kvstore.block_size, kvstore.dtype, kvstore.engine, kvstore.vllm_arg) == (
+        prefill.block_size,
+        prefill.dtype,
+        prefill.engine,
+        prefill.vllm_arg,
+    )
     assert parsed["kvstore"].hand_off_s == asked["prefill"]["kvstore"]["handOffSeconds"] > 0  # it hands off as it goes
     block_size = asked["model"]["blockSize"]
     assert parsed["prefill"].block_size == parsed["decode"].block_size == parsed["gateway"].block_size == block_size
@@ -363,15 +372,6 @@ def test_command_lines_parse_with_the_components_own_parsers(values):
     assert parsed["prefill"].kvstore == f"10.1.2.3:{parsed['kvstore'].port}"
     assert parsed["decode"].tbt_slo == parsed["conductor"].tbt_slo
     assert parsed["conductor"].redis_url == "redis://r:6379/0"
-
-
-@pytest.mark.parametrize("values", VALUE_SETS)
-def test_block_bytes_match_the_model_in_each_values_file(values):
-    """blockBytes = layers x 2 x blockSize x kv_heads x head_dim x dtype bytes (SmolLM2-135M: 30 layers,
-    3 KV heads of 64); the prefill worker refuses a pool node whose block size differs."""
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}
-    model = merged_values(values)["model"]
-    assert model["blockBytes"] == 30 * 2 * model["blockSize"] * 3 * 64 * size[model["dtype"]]
 
 
 @pytest.mark.parametrize("values", ["vllm-gpu", "production-vllm"])
@@ -391,8 +391,9 @@ def test_vllm_on_gpus_asks_for_the_vllm_cuda_image_and_a_gpu_per_worker(values):
 
 
 def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vllm_engine():
-    """Each of engine.vllmArgs is one --vllm-arg of every prefill and decode worker, and the workers turn them
-    into vLLM EngineArgs keywords (JSON values parsed); the gateway and the native engine get none."""
+    """Each of engine.vllmArgs is one --vllm-arg of every prefill and decode worker (and of the pool nodes, whose
+    blocks follow vLLM's reading of the model under them), and they turn them into vLLM EngineArgs keywords (JSON
+    values parsed); the gateway and the native engine get none."""
     from mooncake.engine.interface import parse_vllm_args
 
     wanted = ["enforce_eager=true", "gpu_memory_utilization=0.85", 'compilation_config={"level": 0}']
@@ -400,8 +401,9 @@ def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vll
     docs = render(*VALUE_SETS["vllm-gpu"], *sets)
     workers = set()
     for component, c, _ in mooncake_containers(docs):
-        if component in ("prefill", "decode"):
-            args = importlib.import_module(f"{component}.server").parse_args(expanded_args(docs, c))
+        if component in ("prefill", "decode", "kvstore"):
+            module = "kvstore.__main__" if component == "kvstore" else f"{component}.server"
+            args = importlib.import_module(module).parse_args(expanded_args(docs, c))
             workers.add(component)
             assert args.engine == "vllm"
             assert parse_vllm_args(args.vllm_arg) == {
@@ -411,7 +413,7 @@ def test_vllm_args_reach_both_worker_kinds_as_engine_keywords_only_under_the_vll
             }
         else:
             assert not any(a.startswith("--vllm-arg") for a in c["args"]), component
-    assert workers == {"prefill", "decode"}
+    assert workers == {"prefill", "decode", "kvstore"}
     native = render("--set-json", f"engine.vllmArgs={json.dumps(wanted)}")
     for _, c, _ in mooncake_containers(native):
         assert not any(a.startswith("--vllm-arg") for a in c["args"]), c["name"]

@@ -194,8 +194,23 @@ class ConductorService:
 
     def _check_compatible(self, inst: Instance) -> None:
         """Prefill and decode workers exchange KV and share pool blocks: one fingerprint (model, dtype, engine) for
-        all."""
-        if inst.role is Role.KVSTORE or not inst.fingerprint:
+        all, and one block size in bytes, as each worker's engine laid the model out and the pool nodes hold it."""
+        if inst.role is Role.KVSTORE:
+            return
+        if inst.block_bytes:
+            for other in self.conductor.instances.values():
+                if (
+                    other.id != inst.id
+                    and other.block_bytes
+                    and other.state is not InstanceState.DEAD
+                    and other.block_bytes != inst.block_bytes
+                ):
+                    raise Mismatch(
+                        f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: its engine's "
+                        f"KV blocks are {inst.block_bytes} bytes, {other.id}'s are {other.block_bytes}. A cluster's "
+                        "workers and pool nodes hold blocks of one layout (model, dtype, engine, block size)."
+                    )
+        if not inst.fingerprint:
             return
         for other in self.conductor.instances.values():
             if (

@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             fingerprint=worker.engine.fingerprint,
             engine=args.engine,
+            block_bytes=worker.block_bytes,  # its engine's layout of the model it loaded
             capacity=args.max_num_seqs,
             transport=worker.transfer.transport,
             step_tokens=worker.step_tokens,

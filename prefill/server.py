@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             fingerprint=worker.engine.fingerprint,
             engine=args.engine,
+            block_bytes=worker.engine.block_bytes,  # its engine's layout of the model it loaded
             capacity=config.engine_config.max_num_batched_tokens,
             pipeline_stages=stages,
             pipeline_chunk=config.engine_config.max_num_batched_tokens if stages > 1 else 0,

@@ -245,6 +245,37 @@ def test_a_worker_whose_kv_differs_from_the_clusters_is_refused_at_registration(
     assert set(listed) == {"p0", "d1"} and listed["p0"].engine == "native"
 
 
+def test_a_worker_whose_engine_lays_out_blocks_unlike_the_pool_is_refused_at_registration(cluster):
+    """The pool nodes hold blocks of the bytes they registered; a worker's engine reports its own (vLLM's from the
+    cache it built): one that differs (another --block-size, a layout vLLM chose) is refused, both named."""
+    stub = cluster.start_conductor()
+    stub.Register(
+        pb.RegisterRequest(id="kvB", role=pb.KVSTORE, address="127.0.0.1:8", node="kvB", block_bytes=4096), timeout=5
+    )
+
+    def register(instance_id, block_bytes):
+        return stub.Register(
+            pb.RegisterRequest(
+                id=instance_id,
+                role=pb.PREFILL,
+                address="127.0.0.1:9",
+                node="kvB",
+                model="m",
+                fingerprint=FP,
+                engine="vllm",
+                block_bytes=block_bytes,
+            ),
+            timeout=5,
+        )
+
+    with pytest.raises(grpc.RpcError) as err:
+        register("p0", 8192)
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "blocks are 8192 bytes, kvB's are 4096" in err.value.details()
+    register("p1", 4096)  # the pool's layout joins
+    register("p2", 0)  # and a worker that does not say
+
+
 def test_dead_instances_leave_scheduling_and_their_blocks_leave_the_index(cluster):
     stub = cluster.start_conductor()
     cluster.register_all()

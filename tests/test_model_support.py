@@ -53,6 +53,19 @@ def test_mooncake_up_refuses_a_model_our_engine_lacks_in_one_line_with_status_2(
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # nothing was started
 
 
+@pytest.mark.vllm
+def test_mooncake_up_refuses_a_model_vllm_cannot_serve_in_one_line_with_status_2(tmp_path, tiny_dir):
+    """--engine vllm asks vLLM, not our architecture list: a model_type transformers and vLLM do not know is
+    refused by vLLM's reading of the model, before anything starts."""
+    pytest.importorskip("vllm")
+    model = foo_model(tmp_path, tiny_dir)
+    proc = run_cli("up", "--model", str(model), "--engine", "vllm", "--workdir", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: model {model} (--engine vllm): vLLM cannot serve it: ") and "foo" in last
+
+
 def test_a_worker_started_alone_refuses_the_model_in_one_line_with_status_2(tmp_path, tiny_dir):
     model = foo_model(tmp_path, tiny_dir)
     proc = run_cli("serve", "decode", "--model", str(model))

@@ -233,7 +233,7 @@ def mixed_step(dtype, seqs, num_blocks=40, block_size=8, hkv=2, group=3, d=16, s
     return q, k, v, k_cache, v_cache, tables, starts
 
 
-def eager(q, k, v, k_cache, v_cache, seqs, tables, starts, scale, num_decodes):
+def eager(q, k, v, k_cache, v_cache, seqs, tables, starts, scale, num_decodes, window=0, softcap=0.0):
     """The engine's own path without kernels: the padded SDPA of the first ``num_decodes`` sequences (one token each)
     and one causal SDPA per prompt chunk after them."""
     from mooncake.engine.attention import AttentionMetadata, PrefillSegment, paged_attention
@@ -253,10 +253,10 @@ def eager(q, k, v, k_cache, v_cache, seqs, tables, starts, scale, num_decodes):
             if i >= num_decodes
         ],
     )
-    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
-def varlen(q, k_cache, v_cache, seqs, tables, starts, scale):
+def varlen(q, k_cache, v_cache, seqs, tables, starts, scale, window=0, softcap=0.0):
     from mooncake.engine.kernels.triton_varlen import paged_varlen
 
     width = max(len(t) for t in tables)
@@ -270,6 +270,8 @@ def varlen(q, k_cache, v_cache, seqs, tables, starts, scale):
         torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
         max(n for n, _ in seqs),
         scale,
+        window,
+        softcap,
     )
 
 
@@ -305,6 +307,26 @@ def test_the_varlen_call_reads_nothing_past_a_sequences_context_nor_after_a_toke
     short = [(1, 9), (5, 35)]
     got = varlen(q[:6], kc, vc, short, tables, starts, 0.25)
     assert torch.allclose(got, want[:6], atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window,softcap", [(12, 0.0), (0, 2.0), (7, 1.5)])
+def test_a_sliding_window_and_soft_capped_scores_are_the_eager_paths_in_both_kernels(window, softcap):
+    """Gemma's and Mistral's attention: each token sees only its last ``window`` keys (a window shorter than a tile,
+    than a chunk, and not a multiple of the block size) and the scores are soft-capped, in the decode kernel (with
+    splits) and in one varlen call, as the eager path computes it (the path transformers' tokens are checked on)."""
+    q, k, v, kc, vc, tables, starts = mixed_step(torch.float32, MIXED, group=2)
+    want = eager(q, k, v, kc, vc, MIXED, tables, starts, 0.25, num_decodes=3, window=window, softcap=softcap)
+    plain = eager(q, k, v, kc, vc, MIXED, tables, starts, 0.25, num_decodes=3)
+    assert not torch.allclose(want, plain, atol=1e-3)  # the window and cap change the answer
+    got = varlen(q, kc, vc, MIXED, tables, starts, 0.25, window, softcap)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    width = max(len(t) for t in tables[:3])
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]], device=DEVICE)
+    ctx = torch.tensor([c for _, c in MIXED[:3]], device=DEVICE)
+    for splits in (1, 4):
+        decoded = paged_decode(q[:3].contiguous(), kc, vc, table, ctx, 0.25, window, softcap, num_splits=splits)
+        assert torch.allclose(decoded, want[:3], atol=1e-5), (splits, (decoded - want[:3]).abs().max())
 
 
 @pytest.mark.skipif(not CUDA, reason="bfloat16 on the interpreter is numpy's emulation; checked on CUDA")

@@ -9,12 +9,16 @@ special tokens and template.
 
 Architectures differ as the real ones do: ``qwen2`` has random q/k/v biases, ``qwen3``
 per-head q/k RMSNorm weights, ``llama`` an untied ``lm_head`` (the qwens tie it to the
-embedding). Weight scales are chosen so logits are spread (top-2 gaps well above
-1e-3) while activations stay small; norm weights are random around 1 so an engine
-that forgets one is caught.
+embedding); ``mistral`` a 32-token sliding window; ``phi3`` fused qkv and gate-up tensors;
+``gemma2`` and ``gemma3_text`` a sliding layer then a global one, Gemma's norms (stored as
+w - 1), GeGLU and soft-capping (gemma2) or q/k norms and a local rope (gemma3_text);
+``qwen3_moe`` 8 experts and ``mixtral`` 4, two a token, under their own checkpoint names.
+Weight scales are chosen so logits are spread (top-2 gaps well above 1e-3) while
+activations stay small; norm weights are random around 1 (Gemma's around 0) so an
+engine that forgets one is caught.
 
-The tokenizer follows the architecture too: SmolLM2-style splitting for ``llama``,
-Qwen-style (NFC + Qwen's regex) for the qwens.
+The tokenizer follows the architecture too: Qwen-style (NFC + Qwen's regex) for the
+qwens, SmolLM2-style splitting for the others.
 
 Does not import transformers (a dev-only dependency).
 """
@@ -40,7 +44,20 @@ from mooncake.engine.weights import (
     write_json,
 )
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
+_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+_QWEN = ("qwen2", "qwen3", "qwen3_moe")
+_GEMMA = ("gemma2", "gemma3_text")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_VOCAB_SIZE = 512
 
@@ -97,6 +114,7 @@ _ALLOWED_OVERRIDES = frozenset(
         "rms_norm_eps",
         "rope_theta",
         "rope_scaling",
+        "sliding_window",
         "tie_word_embeddings",
         "vocab_size",
     }
@@ -167,7 +185,8 @@ def tiny_config(arch: str, vocab_size: int, dtype: torch.dtype, overrides: dict[
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "rope_scaling": None,
-        "tie_word_embeddings": arch != "llama",
+        "tie_word_embeddings": arch in ("qwen2", "qwen3") or arch in _GEMMA,
+        "sliding_window": 32 if arch in ("mistral", *_GEMMA) else None,
     }
     shape.update(overrides)
     for key in (
@@ -198,12 +217,12 @@ def tiny_config(arch: str, vocab_size: int, dtype: torch.dtype, overrides: dict[
             needed = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
             if not needed <= set(scaling):
                 raise ValueError(f"llama3 rope_scaling needs {sorted(needed)}, got {sorted(scaling)}")
-    classes = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    window = shape.pop("sliding_window")
     config: dict[str, Any] = {
-        "architectures": [classes[arch]],
+        "architectures": [_CLASSES[arch]],
         "model_type": arch,
         **shape,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if arch in _GEMMA else "silu",
         "attention_bias": arch == "qwen2",
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -211,12 +230,31 @@ def tiny_config(arch: str, vocab_size: int, dtype: torch.dtype, overrides: dict[
         "eos_token_id": 2,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
+        "sliding_window": window,
     }
     if arch == "llama":
         config["mlp_bias"] = False
-    else:
-        config["use_sliding_window"] = False
-        config["sliding_window"] = None
+    if arch in _QWEN:
+        config["use_sliding_window"] = window is not None
+    if arch in _GEMMA:
+        config["hidden_activation"] = config.pop("hidden_act")
+        config["query_pre_attn_scalar"] = shape["head_dim"]
+        config["layer_types"] = [
+            "full_attention" if window is None or i % 2 else "sliding_attention"
+            for i in range(shape["num_hidden_layers"])
+        ]
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = 50.0
+        config["final_logit_softcapping"] = 30.0
+    if arch == "gemma3_text":
+        config["rope_local_base_freq"] = 10000.0
+    if arch == "qwen3_moe":
+        config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    if arch == "mixtral":
+        config.update(num_local_experts=4, num_experts_per_tok=2)
+    if arch == "phi3":
+        config["original_max_position_embeddings"] = shape["max_position_embeddings"]
+        config["pad_token_id"] = 0  # transformers' Phi-3 default (32000) lies outside a tiny vocabulary
     return config
 
 
@@ -227,34 +265,72 @@ def tiny_weights(config: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[
     def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * std + mean).to(dtype)
 
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    hidden = config["hidden_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    arch = config["model_type"]
     proj_std, embed_std, norm_std, bias_std = 0.15, 0.25, 0.1, 0.1
+    norm_mean = 0.0 if arch in _GEMMA else 1.0  # Gemma stores w - 1
     weights: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=embed_std)
     }
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        weights[p + "input_layernorm.weight"] = normal(hidden, std=norm_std, mean=1.0)
-        weights[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden, std=proj_std)
-        weights[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden, std=proj_std)
-        weights[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden, std=proj_std)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if arch in _GEMMA:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
+            weights[p + norm + ".weight"] = normal(hidden, std=norm_std, mean=norm_mean)
+        if arch == "phi3":
+            weights[p + "self_attn.qkv_proj.weight"] = normal(q_size + 2 * kv_size, hidden, std=proj_std)
+        else:
+            weights[p + "self_attn.q_proj.weight"] = normal(q_size, hidden, std=proj_std)
+            weights[p + "self_attn.k_proj.weight"] = normal(kv_size, hidden, std=proj_std)
+            weights[p + "self_attn.v_proj.weight"] = normal(kv_size, hidden, std=proj_std)
         if config["attention_bias"]:
-            weights[p + "self_attn.q_proj.bias"] = normal(heads * head_dim, std=bias_std)
-            weights[p + "self_attn.k_proj.bias"] = normal(kv_heads * head_dim, std=bias_std)
-            weights[p + "self_attn.v_proj.bias"] = normal(kv_heads * head_dim, std=bias_std)
-        weights[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim, std=proj_std)
-        if config["model_type"] == "qwen3":
-            weights[p + "self_attn.q_norm.weight"] = normal(head_dim, std=norm_std, mean=1.0)
-            weights[p + "self_attn.k_norm.weight"] = normal(head_dim, std=norm_std, mean=1.0)
-        weights[p + "post_attention_layernorm.weight"] = normal(hidden, std=norm_std, mean=1.0)
-        weights[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=proj_std)
-        weights[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=proj_std)
-        weights[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=proj_std)
-    weights["model.norm.weight"] = normal(hidden, std=norm_std, mean=1.0)
+            weights[p + "self_attn.q_proj.bias"] = normal(q_size, std=bias_std)
+            weights[p + "self_attn.k_proj.bias"] = normal(kv_size, std=bias_std)
+            weights[p + "self_attn.v_proj.bias"] = normal(kv_size, std=bias_std)
+        weights[p + "self_attn.o_proj.weight"] = normal(hidden, q_size, std=proj_std)
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
+            weights[p + "self_attn.q_norm.weight"] = normal(head_dim, std=norm_std, mean=norm_mean)
+            weights[p + "self_attn.k_norm.weight"] = normal(head_dim, std=norm_std, mean=norm_mean)
+        weights.update(_mlp_weights(config, p, normal, proj_std))
+    weights["model.norm.weight"] = normal(hidden, std=norm_std, mean=norm_mean)
     if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = normal(config["vocab_size"], hidden, std=embed_std)
     return weights
+
+
+def _mlp_weights(config: dict[str, Any], p: str, normal, std: float) -> dict[str, torch.Tensor]:
+    """One layer's MLP (or experts and router) under the architecture's checkpoint names."""
+    arch, hidden = config["model_type"], config["hidden_size"]
+    if arch == "phi3":
+        inter = config["intermediate_size"]
+        return {
+            p + "mlp.gate_up_proj.weight": normal(2 * inter, hidden, std=std),
+            p + "mlp.down_proj.weight": normal(hidden, inter, std=std),
+        }
+    if arch in ("qwen3_moe", "mixtral"):
+        inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+        experts = config.get("num_experts") or config["num_local_experts"]
+        prefix, names = (
+            (p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+            if arch == "qwen3_moe"
+            else (p + "block_sparse_moe.", ("w1", "w3", "w2"))
+        )
+        out = {prefix + "gate.weight": normal(experts, hidden, std=1.0)}  # decisive routing: no near-ties
+        for e in range(experts):
+            out[f"{prefix}experts.{e}.{names[0]}.weight"] = normal(inter, hidden, std=std)
+            out[f"{prefix}experts.{e}.{names[1]}.weight"] = normal(inter, hidden, std=std)
+            out[f"{prefix}experts.{e}.{names[2]}.weight"] = normal(hidden, inter, std=std)
+        return out
+    inter = config["intermediate_size"]
+    return {
+        p + "mlp.gate_proj.weight": normal(inter, hidden, std=std),
+        p + "mlp.up_proj.weight": normal(inter, hidden, std=std),
+        p + "mlp.down_proj.weight": normal(hidden, inter, std=std),
+    }
 
 
 def make_tiny(
@@ -266,7 +342,7 @@ def make_tiny(
     max_shard_bytes: int | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a tiny random-weight ``arch`` model (llama, qwen2, qwen3) to ``out_dir``.
+    """Write a tiny random-weight ``arch`` model (one of TINY_ARCHS) to ``out_dir``.
 
     ``overrides`` replace config values (hidden_size, num_hidden_layers, head_dim,
     rope_scaling such as ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -280,7 +356,7 @@ def make_tiny(
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
-    tokenizer = train_tiny_tokenizer("smollm" if arch == "llama" else "qwen2")
+    tokenizer = train_tiny_tokenizer("qwen2" if arch in _QWEN else "smollm")
     config = tiny_config(arch, tokenizer.get_vocab_size(with_added_tokens=True), dtype, dict(overrides))
     weights = tiny_weights(config, seed, dtype)
     tokenizer_config = {

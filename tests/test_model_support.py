@@ -165,3 +165,42 @@ def test_a_component_that_refuses_at_start_stops_the_cluster_with_its_one_line(t
     with pytest.raises(RuntimeError, match="decode-0 exited") as e:
         crashed.wait_ready(30)
     assert not isinstance(e.value, ComponentRefused)  # a crash is not a refusal: the log's tail, `mooncake up` exits 1
+
+
+@pytest.mark.vllm
+def test_vllm_models_whose_kv_the_pool_cannot_carry_are_refused_before_anything_starts(tmp_path, tiny_dir):
+    """An MLA model (DeepSeek-V2) stops `mooncake up --engine vllm` in one line naming the latent cache; a
+    state-space model (Mamba) is refused by the same reading. Config files only: nothing is loaded."""
+    pytest.importorskip("vllm")
+    transformers = pytest.importorskip("transformers")
+    mla = tmp_path / "tiny-deepseek-v2"
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+    )
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    cfg.save_pretrained(mla)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (mla / name).write_bytes((tiny_dir / name).read_bytes())
+    proc = run_cli("up", "--model", str(mla), "--engine", "vllm", "--workdir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: model {mla} (--engine vllm): an MLA latent KV cache") and "supported: " in last
+
+    mamba = tmp_path / "tiny-mamba"
+    cfg = transformers.MambaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2)
+    cfg.architectures = ["MambaForCausalLM"]
+    cfg.save_pretrained(mamba)
+    with pytest.raises(ValueError, match=r"^model .*tiny-mamba \(--engine vllm\): an attention-free model"):
+        kv_layout("vllm", mamba, "float32")

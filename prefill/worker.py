@@ -51,6 +51,7 @@ from mooncake.serving.build import build_engine
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import SlotKV, slot_tensor
+from mooncake.serving.model_support import check_native
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from mooncake.serving.status import Cancelled, Unreachable
 from prefill.config import PrefillConfig
@@ -102,6 +103,7 @@ class PrefillWorker(PoolLeases):
         if config.pipeline_stages > 1:
             if config.engine is not EngineKind.NATIVE:
                 raise ValueError("a pipelined prefill group runs the native engine only")
+            check_native(config.engine_config.model)  # an architecture ours lacks: one line naming the model
             self.group = StageGroup(
                 config.engine_config.model,
                 config.pipeline_stages,

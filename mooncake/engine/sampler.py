@@ -8,6 +8,7 @@ the exponential race (argmax of p / Exp(1)), which draws from p with one random 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     if min_p <= 0:
         return logits
     # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
-    cut = logits.max() + torch.log(torch.tensor(min_p, dtype=logits.dtype, device=logits.device))
+    cut = logits.max() + math.log(min_p)
     return logits.masked_fill(logits < cut, float("-inf"))
 
 

@@ -216,6 +216,10 @@ def test_enable_thinking_false_in_chat_template_kwargs_closes_the_think_block_in
     not_thinking = qwen3.decode(backend.last.prompt_token_ids, skip_special_tokens=False)
     assert not thinking.endswith("</think>\n\n")
     assert not_thinking == thinking + "<think>\n\n</think>\n\n"
+    counted = httpx.post(
+        f"{g.url}/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert counted.json()["tokens"] == backend.last.prompt_token_ids  # /tokenize renders it the same way
 
 
 def test_a_prompt_that_opens_think_starts_the_output_in_reasoning(tok, gateway_of):

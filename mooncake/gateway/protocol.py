@@ -479,6 +479,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as in a chat request
 
 
 class TokenizeResponse(BaseModel):

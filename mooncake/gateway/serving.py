@@ -531,7 +531,12 @@ class OpenAIServing:
         if req.messages is not None:
             messages = [template_message(m, i) for i, m in enumerate(req.messages)]
             try:
-                ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, req.add_generation_prompt)
+                kwargs = {
+                    k: v
+                    for k, v in (req.chat_template_kwargs or {}).items()
+                    if k not in ("messages", "add_generation_prompt")
+                }
+                ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, req.add_generation_prompt, **kwargs)
             except ValueError as e:
                 raise ApiError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
         else:

@@ -220,6 +220,11 @@ def test_enable_thinking_false_in_chat_template_kwargs_closes_the_think_block_in
         f"{g.url}/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
     )
     assert counted.json()["tokens"] == backend.last.prompt_token_ids  # /tokenize renders it the same way
+    odd = httpx.post(
+        f"{g.url}/v1/chat/completions",
+        json={"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"messages": []}},
+    )
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_a_prompt_that_opens_think_starts_the_output_in_reasoning(tok, gateway_of):

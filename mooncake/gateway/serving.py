@@ -240,7 +240,11 @@ class OpenAIServing:
     ) -> tuple[str, list[int]]:
         """The conversation's prompt text and its token ids (BOS/EOS added only when asked: the template has
         them). ValueError when the template refuses it."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **variables)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **variables)
+        except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError) as e:
+            # a template fed odd chat_template_kwargs or documents (ints where it iterates): the caller's mistake
+            raise ValueError(f"{type(e).__name__}: {e}") from None
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _guided_grammar(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:

@@ -160,3 +160,26 @@ def test_each_rope_scaling_has_transformers_frequencies(kind):
     want, scale = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
     rope = Rope.from_config(dict(params), {"max_position_embeddings": 512}, 32, 10000.0)
     assert torch.allclose(rope.inv_freq(), want) and math.isclose(rope.attention_factor, scale)
+
+
+def test_the_loader_reads_each_tensor_into_place_converting_and_naming_what_does_not_fit(tmp_path):
+    """Weights stored in bfloat16 load into a float32 model with exactly their values (Mixtral's per-expert tensors
+    into their slices of the stacked experts); a checkpoint missing a tensor or holding a foreign one is refused
+    naming it."""
+    from safetensors.torch import save_file
+
+    from mooncake.engine.loader import load_model
+    from mooncake.engine.weights import load_hf_weights
+
+    path = make_tiny(tmp_path / "m", "mixtral", dtype=torch.bfloat16)
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    files = load_hf_weights(path, torch.float32)
+    w1 = files["model.layers.1.block_sparse_moe.experts.3.w1.weight"]
+    assert torch.equal(model.model.layers["1"].mlp.experts_gate_up[3, : w1.shape[0]], w1)
+    assert torch.equal(model.lm_head.weight, files["lm_head.weight"])
+    weights = {n: t.to(torch.bfloat16) for n, t in files.items()}
+    del weights["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
+    weights["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.0.mlp.experts_gate_up'\].*mlp.extra"):
+        load_model(path, torch.float32, torch.device("cpu"))

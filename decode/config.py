@@ -12,8 +12,9 @@ from mooncake.engine.interface import EngineKind
 from mooncake.runtime.channels import DETECT_S, LOCAL_HOST
 from transfer import TransferConfig, TransportChoice
 
-# a decode worker's engine: prompts arrive computed (the pool is the prefix cache, so none of its own)
-DECODE_ENGINE_DEFAULTS = {"num_kv_blocks": 2048, "max_num_seqs": 32, "enable_prefix_caching": False}
+# a decode worker's engine: prompts arrive computed (the pool is the prefix cache, so none of its own); its cache sized
+# from memory (kv_sizing.py): on the CPU 2 GiB, at most 32 full-length sequences
+DECODE_ENGINE_DEFAULTS = {"kv_cache_memory_gib": 2.0, "max_num_seqs": 32, "enable_prefix_caching": False}
 
 
 class DecodeConfig(BaseModel):

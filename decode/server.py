@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         ready={
             "landing": worker.landing_segment.name,
             "max_model_len": worker.max_model_len,
+            "kv_blocks": worker.kv_blocks,  # its cache, as sized (--num-kv-blocks, else from memory)
             "engine": args.engine,
             "transport": worker.transfer.transport,
             "tcp": worker.transfer.tcp_addr,

@@ -14,7 +14,7 @@ from transfer import TransferConfig, TransportChoice
 # a prefill worker's engine: a small cache and batch (it holds prompts only while computing them), no prefix
 # caching (the pool is its prefix cache), no decode graphs (it never decodes)
 PREFILL_ENGINE_DEFAULTS = {
-    "num_kv_blocks": 1024,
+    "kv_cache_memory_gib": 1.0,  # on the CPU (kv_sizing.py), at most 8 full-length prompts
     "max_num_seqs": 8,
     "enable_prefix_caching": False,
     "decode_graphs": False,

@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         ready={
             "node": worker.node,
             "block_bytes": worker.block_bytes,
+            "kv_blocks": worker.engine.num_free_blocks,  # its cache, as sized (--num-kv-blocks, else from memory)
             "engine": args.engine,
             "transport": worker.transfer.transport,
             **({"stages": worker.group.stages()} if worker.group is not None else {}),

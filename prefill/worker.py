@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # calibrate's prompts, in step budgets: 64, 256 and 512 tokens on the CPU
 
+GROUP_STAGE_BLOCKS = 1024  # each stage's cache where no count is given (it holds the prompt being prefilled)
+
 
 class PrefillWorker(PoolLeases):
     """Owns the engine, the connector, the pool clients. ``prefill`` is called from gRPC threads."""
@@ -109,7 +111,7 @@ class PrefillWorker(PoolLeases):
                 config.pipeline_stages,
                 dtype=engine_config.torch_dtype,
                 block_size=config.engine_config.block_size,
-                num_kv_blocks=config.engine_config.num_kv_blocks,
+                num_kv_blocks=config.engine_config.num_kv_blocks or GROUP_STAGE_BLOCKS,
                 max_model_len=config.engine_config.max_model_len,
                 chunk=config.engine_config.max_num_batched_tokens,
                 device=config.engine_config.device,

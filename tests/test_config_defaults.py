@@ -46,7 +46,8 @@ def test_a_workers_engine_is_an_engineconfig_with_the_workers_defaults():
     assert not prefill.engine_config.enable_prefix_caching and not prefill.engine_config.decode_graphs
     assert prefill.engine_config.max_num_batched_tokens == 512  # resolved for the CPU, once, by EngineConfig
     decode = DecodeConfig(model="m", engine_config={"model": "m", "max_num_seqs": 4})
-    assert (decode.engine_config.max_num_seqs, decode.engine_config.num_kv_blocks) == (4, 2048)
+    engine = decode.engine_config
+    assert (engine.max_num_seqs, engine.num_kv_blocks, engine.kv_cache_memory_gib) == (4, None, 2.0)  # from memory
 
 
 def test_a_workers_flags_are_read_off_its_config():
@@ -59,9 +60,14 @@ def test_a_workers_flags_are_read_off_its_config():
     assert (d.detect_s, d.tbt_slo, d.shm_dir) == tuple(
         DecodeConfig.model_fields[f].default for f in ("detect_s", "tbt_slo_s", "shm_dir")
     )
-    assert (d.max_num_seqs, d.num_kv_blocks) == (DECODE_ENGINE_DEFAULTS["max_num_seqs"], 2048)
+    assert (d.max_num_seqs, d.num_kv_blocks, d.kv_cache_memory_gib) == (
+        DECODE_ENGINE_DEFAULTS["max_num_seqs"],
+        None,
+        2.0,
+    )
     p = prefill_args(["--model", "m", "--kvstore", "k:1", "--dtype", "bfloat16", "--enforce-eager"])
-    assert (p.max_num_seqs, p.num_kv_blocks, p.pipeline_stages) == (PREFILL_ENGINE_DEFAULTS["max_num_seqs"], 1024, 1)
+    assert (p.max_num_seqs, p.num_kv_blocks, p.pipeline_stages) == (PREFILL_ENGINE_DEFAULTS["max_num_seqs"], None, 1)
+    assert (p.kv_cache_memory_gib, p.gpu_memory_utilization) == (1.0, 0.9)
     assert (p.dtype, p.enforce_eager, p.reservation_ttl) == ("bfloat16", True, 600.0)
     with pytest.raises(SystemExit):  # the Literal's choices
         prefill_args(["--model", "m", "--kvstore", "k:1", "--dtype", "int8"])

@@ -13,9 +13,12 @@ from conductor.types import DEFAULT_SLO
 from decode.config import DECODE_ENGINE_DEFAULTS
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.interface import EngineKind, parse_vllm_args
+from mooncake.gateway.reasoning import ReasoningParser
 from mooncake.gateway.recovery import RecoveryConfig
+from mooncake.gateway.tool_parsers import ToolCallParser
 from mooncake.localproc import usable_cpus
 from mooncake.runtime.channels import DETECT_S, LOCAL_HOST
+from prefill.config import PREFILL_ENGINE_DEFAULTS
 
 _ENGINE = EngineConfig.model_fields
 _CONDUCTOR = ConductorConfig.model_fields  # (enums: the flags pass their values)
@@ -80,6 +83,29 @@ class ClusterConfig(BaseModel):
     )
     decode_max_seqs: int = Field(
         DECODE_ENGINE_DEFAULTS["max_num_seqs"], ge=1, description="Requests each decode worker runs at once, at most"
+    )
+    gpu_memory_utilization: float = Field(
+        EngineConfig.model_fields["gpu_memory_utilization"].default,
+        gt=0,
+        le=1,
+        description="Native workers on CUDA: the fraction of each GPU a worker's engine takes (weights, activations, "
+        "KV cache: vLLM's meaning); its KV cache is what is left",
+    )
+    decode_kv_memory_gib: float = Field(
+        DECODE_ENGINE_DEFAULTS["kv_cache_memory_gib"],
+        gt=0,
+        description="On the CPU, each decode worker's KV cache in GiB (at most decode-max-seqs full-length sequences)",
+    )
+    prefill_kv_memory_gib: float = Field(
+        PREFILL_ENGINE_DEFAULTS["kv_cache_memory_gib"],
+        gt=0,
+        description="On the CPU, each prefill worker's KV cache in GiB (at most its batch of full-length prompts)",
+    )
+    reasoning_parser: ReasoningParser = Field(
+        ReasoningParser.AUTO, description="The gateway's split of reasoning into reasoning_content (gateway --help)"
+    )
+    tool_call_parser: ToolCallParser = Field(
+        ToolCallParser.AUTO, description="The format the gateway reads tool calls in (gateway --help)"
     )
     threads: int | None = Field(
         None,

@@ -29,8 +29,8 @@ def default_batched_tokens(device: str) -> int:
 class EngineConfig(BaseModel):
     """Everything one engine instance needs to know; one config per process.
 
-    ``num_kv_blocks`` fixes the paged cache size directly; otherwise it is derived from
-    ``kv_cache_memory_gib`` once the model's per-block size is known.
+    ``num_kv_blocks`` fixes the paged cache size directly; otherwise it is sized from memory once the model's
+    per-block size is known (``gpu_memory_utilization`` on CUDA, ``kv_cache_memory_gib`` on the CPU: kv_sizing.py).
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -50,8 +50,23 @@ class EngineConfig(BaseModel):
         description="tokens per KV block, the pool's and the Conductor's (a worker's default: 16 native, 32 vllm: "
         "vLLM's CPU attention needs a multiple of 32)",
     )
-    num_kv_blocks: int | None = Field(None, ge=1, description="the paged cache, in blocks")
-    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="the paged cache, in blocks; default: sized from memory (mooncake.engine.kv_sizing)"
+    )
+    kv_cache_memory_gib: float = Field(
+        1.0,
+        gt=0,
+        description="on the CPU, the KV cache's memory when --num-kv-blocks is not given (no more blocks than "
+        "max_num_seqs full-length sequences hold)",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="on CUDA, the fraction of the device's memory this engine may take (weights, activations, "
+        "KV cache: vLLM's meaning); the cache gets what the weights and a step leave, when --num-kv-blocks is "
+        "not given",
+    )
     max_num_seqs: int = Field(64, ge=1, description="most requests in the engine's batch at once")
     max_num_batched_tokens: int | None = Field(
         None,

@@ -27,6 +27,7 @@ from mooncake.engine.connector import KVConnector, StepCancelled
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.kernels import load_paged_decode, load_triton_attention
+from mooncake.engine.kv_sizing import cache_blocks
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
 from mooncake.engine.request import (
     FinishReason,
@@ -99,7 +100,7 @@ class LLMEngine:
         self.block_size = config.block_size
         elem = torch.tensor([], dtype=config.torch_dtype).element_size()
         self.block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // self.block_bytes)
+        num_blocks = cache_blocks(config, args, self.block_bytes, self.max_model_len)
         identity = config.model_fingerprint or model_identity(config.model, config.torch_dtype)
         self.fingerprint = model_fingerprint(identity)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)

@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -143,3 +146,31 @@ def parse_vllm_args(pairs: Sequence[str]) -> dict[str, Any]:
             value = raw
         out[key.strip().lstrip("-").replace("-", "_")] = value
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """One token's KV as the pool carries it: every layer the same, ``num_kv_heads`` K and V vectors of ``head_dim``
+    each, in ``dtype``. A block is ``[num_layers][2][block_size][num_kv_heads][head_dim]`` (DESIGN §4)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    def block_bytes(self, block_size: int) -> int:
+        return math.prod(self.block_shape(block_size)) * self.dtype.itemsize
+
+
+def refuse(model: str | Path, engine: EngineKind | str, what: str) -> ValueError:
+    """The one-line error for a model ``engine`` cannot serve: ``what`` names the field and what is supported."""
+    kind = engine.value if isinstance(engine, EngineKind) else engine
+    return ValueError(f"model {model} (--engine {kind}): {_one_line(what)}")
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

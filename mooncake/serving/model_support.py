@@ -15,14 +15,10 @@ with a ``ValueError`` of one line naming the model, the field and what is suppor
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mooncake.engine.interface import EngineKind
+from mooncake.engine.interface import EngineKind, KVLayout, refuse  # noqa: F401 - KVLayout: this module's callers'
 
 # keys that bound a model's context in config.json, as vLLM reads them (the smallest present wins)
 CONTEXT_KEYS = (
@@ -34,34 +30,6 @@ CONTEXT_KEYS = (
     "max_seq_length",
     "seq_len",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """One token's KV as the pool carries it: every layer the same, ``num_kv_heads`` K and V vectors of ``head_dim``
-    each, in ``dtype``. A block is ``[num_layers][2][block_size][num_kv_heads][head_dim]`` (DESIGN §4)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
-
-    def block_bytes(self, block_size: int) -> int:
-        return math.prod(self.block_shape(block_size)) * self.dtype.itemsize
-
-
-def refuse(model: str | Path, engine: EngineKind | str, what: str) -> ValueError:
-    """The one-line error for a model ``engine`` cannot serve: ``what`` names the field and what is supported."""
-    kind = engine.value if isinstance(engine, EngineKind) else engine
-    return ValueError(f"model {model} (--engine {kind}): {_one_line(what)}")
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def check_native(model: str | Path):

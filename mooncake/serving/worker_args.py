@@ -28,7 +28,9 @@ def worker_parser(
     field_arg(p, EngineConfig, "dtype")
     add_engine_kind_args(p)
     field_arg(p, EngineConfig, "block_size", default=None)  # default_block_size(engine) once the engine is known
-    field_arg(p, EngineConfig, "num_kv_blocks", default=engine_defaults["num_kv_blocks"])
+    field_arg(p, EngineConfig, "num_kv_blocks", default=engine_defaults.get("num_kv_blocks"))
+    field_arg(p, EngineConfig, "kv_cache_memory_gib", default=engine_defaults.get("kv_cache_memory_gib", 1.0))
+    field_arg(p, EngineConfig, "gpu_memory_utilization")
     field_arg(p, EngineConfig, "max_num_seqs", default=engine_defaults["max_num_seqs"])
     field_arg(p, EngineConfig, "max_model_len")
     field_arg(p, EngineConfig, "max_num_batched_tokens")
@@ -66,6 +68,8 @@ def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         block_size=args.block_size or default_block_size(args.engine),
         num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

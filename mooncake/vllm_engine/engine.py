@@ -38,7 +38,7 @@ from mooncake.engine.config import EngineConfig
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.grammar import GrammarBook
-from mooncake.engine.interface import EngineKind, engine_fingerprint
+from mooncake.engine.interface import EngineKind, engine_fingerprint, refuse
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.request import (
     FinishReason,
@@ -49,7 +49,6 @@ from mooncake.engine.request import (
     shown_output_ids,
 )
 from mooncake.engine.weights import load_hf_config
-from mooncake.serving.model_support import refuse
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 from mooncake.vllm_engine.kv_spec import layout_of_kv_cache, layout_of_model_config, vllm_reason
 
@@ -196,7 +195,9 @@ class VllmEngine:
         cache = vllm_config.cache_config
         if not sized and cache.kv_cache_memory_bytes is None:  # (VLLM_CPU_KVCACHE_SPACE sets it on the CPU)
             block_bytes = layout.block_bytes(config.block_size)
-            blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
+            per_seq = -(-mc.max_model_len // config.block_size)  # as ours (kv_sizing.py): no more than the batch holds
+            budget = int(config.kv_cache_memory_gib * 2**30) // block_bytes
+            blocks = config.num_kv_blocks or max(1, min(budget, config.max_num_seqs * per_seq))
             cache.kv_cache_memory_bytes = (blocks + 1) * block_bytes  # + vLLM's null block
         return engine_cls(
             vllm_config=vllm_config,

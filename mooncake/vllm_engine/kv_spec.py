@@ -10,7 +10,7 @@ model twice here, by the same rule:
     after loading    layout_of_kv_cache: the KV cache specs vLLM built for the layers it loaded (the scheduler's
                      KVCacheConfig): what the worker reports as its block shape and bytes
 
-Refused, each with one line naming it (mooncake.serving.model_support.refuse): MLA latent caches, state-space
+Refused, each with one line naming it (mooncake.engine.interface.refuse): MLA latent caches, state-space
 (mamba) layers, attention-free models, sliding-window or chunked-local layers that vLLM keeps only a window of,
 per-layer different KV head counts or head sizes, quantized or packed caches, more than one KV cache group.
 """
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mooncake.engine.interface import EngineKind
-from mooncake.serving.model_support import KVLayout, refuse
+from mooncake.engine.interface import EngineKind, KVLayout, refuse
 
 SUPPORTED = (
     "supported: attention layers that keep K and V for every token, one KV head count and head size in every layer, "

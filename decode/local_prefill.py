@@ -82,14 +82,7 @@ class LocalPrefill:
                 self.link.decode_started(rid, run.ttft_s)
             return {"prompt_logprobs": [logprob_to_pb(lp) for lp in out.prompt_logprobs or ()]}
 
-        stream = TextStream(
-            self.tokenizer,
-            prompt,
-            params.stop,
-            output_ids=outputs,
-            shown=req.text_shown,
-            skip_special_tokens=params.skip_special_tokens,
-        )
+        stream = TextStream.of_request(self.tokenizer, prompt, params, outputs, req.text_shown)
         yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context, first)
 
     def _read_prefix(

@@ -290,14 +290,7 @@ class DecodeWorker(RemotePrefill, LocalPrefill):
             run.parts = (first.queue_s, first.prefill_s)
             if req.placement.admit_at_decode:
                 self._check_late_admission(len(sequence))
-            stream = TextStream(
-                self.tokenizer,
-                prompt,
-                params.stop,
-                output_ids=outputs,
-                shown=req.text_shown,
-                skip_special_tokens=params.skip_special_tokens,
-            )
+            stream = TextStream.of_request(self.tokenizer, prompt, params, outputs, req.text_shown)
             finish, text = self._first_token_finish(first.token, params, stream, len(outputs))
             usage = dict(
                 prompt_tokens=len(prompt), cached_tokens=first.cached_tokens, cached_tokens_by_tier=first.by_tier

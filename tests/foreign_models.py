@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mooncake.engine.tiny import CHATML_TEMPLATE, train_tiny_tokenizer
+from mooncake.engine.tiny import tiny_tokenizer_config, train_tiny_tokenizer
 
 NEOX_LAYERS, NEOX_KV_HEADS, NEOX_HEAD_DIM = 2, 2, 64
 
@@ -43,17 +43,6 @@ def make_gpt_neox(out_dir: Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 2048,
-        "chat_template": CHATML_TEMPLATE,
-    }
+    tokenizer_config = tiny_tokenizer_config(2048)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return out

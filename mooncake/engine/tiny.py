@@ -336,6 +336,22 @@ def _mlp_weights(config: dict[str, Any], p: str, normal, std: float) -> dict[str
     }
 
 
+def tiny_tokenizer_config(max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json for the tiny tokenizer (train_tiny_tokenizer): ChatML, no BOS, ``<|im_end|>`` ends."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHATML_TEMPLATE,
+    }
+
+
 def make_tiny(
     out_dir: str | os.PathLike[str],
     arch: str = "llama",
@@ -362,18 +378,7 @@ def make_tiny(
     tokenizer = train_tiny_tokenizer("qwen2" if arch in _QWEN else "smollm")
     config = tiny_config(arch, tokenizer.get_vocab_size(with_added_tokens=True), dtype, dict(overrides))
     weights = tiny_weights(config, seed, dtype)
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-        "chat_template": CHATML_TEMPLATE,
-    }
+    tokenizer_config = tiny_tokenizer_config(config["max_position_embeddings"])
     generation_config = {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0}
     with atomic_model_dir(out_dir) as staging:
         write_json(staging / CONFIG_FILE, config)

@@ -46,6 +46,14 @@ class TextStream:
                 self.add([token])
             self._shown = min(shown, len(self._text))
 
+    @classmethod
+    def of_request(
+        cls, tokenizer: Tokenizer, prompt_ids: Sequence[int], params, output_ids: Sequence[int], shown: int
+    ) -> "TextStream":
+        """The stream of a request sampled with ``params`` (SamplingParams: its stop strings and
+        skip_special_tokens), resumed after ``output_ids`` and ``shown`` characters (see ``__init__``)."""
+        return cls(tokenizer, prompt_ids, params.stop, output_ids, shown, params.skip_special_tokens)
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Add generated ids; return the new text that can be shown."""
         self.add(token_ids)

@@ -562,3 +562,85 @@ def test_cli_convert_writes_a_model_or_names_the_problem(tmp_path):
     assert load_hf_config(tmp_path / "out")["model_type"] == "qwen2"
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "nope.gguf"), str(tmp_path / "x")])
     assert result.exit_code == 1 and "nope.gguf" in result.output
+
+
+# -- SentencePiece vocabularies ------------------------------------------------------------
+
+SPM_PIECES = {  # normal tokens and their scores (higher merges first)
+    "\u2581": -1.0,
+    "h": -2.0,
+    "e": -3.0,
+    "l": -4.0,
+    "o": -5.0,
+    "w": -6.0,
+    "ll": -7.0,
+    "he": -8.0,
+    "\u2581h": -9.0,
+    "llo": -10.0,
+    "lo": -11.0,
+    "\u2581hello": -12.0,
+    "hel": -13.0,
+    "\u2581w": -14.0,
+    "wo": -15.0,
+    "ow": -16.0,
+}
+
+
+def _spm_metadata(add_space_prefix: bool) -> dict:
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES, "<tag>"]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(SPM_PIECES)), 4]
+    scores = [0.0] * 259 + list(SPM_PIECES.values()) + [0.0]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": add_space_prefix,
+    }
+
+
+def _llama_cpp_spm(text: str, metadata: dict) -> list[int]:
+    """llama.cpp's llm_tokenizer_spm, written out plainly: merge the best-scoring adjacent pair (leftmost
+    on a tie) while any pair joins into a token, then spell unknown symbols as byte tokens. BOS first."""
+    tokens, scores = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.scores"]
+    ids = {t: i for i, t in enumerate(tokens)}
+    out = [1]
+    for k, piece in enumerate(text.split("<tag>")):  # the user-defined token, matched in the raw text first
+        if k:
+            out.append(ids["<tag>"])
+        if not piece:
+            continue
+        if metadata["tokenizer.ggml.add_space_prefix"]:
+            piece = " " + piece  # llama.cpp: at the start and after every special token
+        symbols = list(piece.replace(" ", "\u2581"))
+        while True:
+            pairs = [(scores[ids[a + b]], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in ids]
+            if not pairs:
+                break
+            i = -max(pairs)[1]
+            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+        for symbol in symbols:
+            out += [ids[symbol]] if symbol in ids else [ids[f"<0x{b:02X}>"] for b in symbol.encode("utf-8")]
+    return out
+
+
+@pytest.mark.parametrize("add_space_prefix", [False, True], ids=["gemma-style", "llama2-style"])
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(add_space_prefix):
+    from mooncake.engine.gguf_vocab import build_gguf_tokenizer
+
+    metadata = _spm_metadata(add_space_prefix)
+    tokenizer = build_gguf_tokenizer(metadata)
+    rng = np.random.default_rng(0)
+    alphabet = list("helowx ") + ["é", "<tag>"]
+    texts = ["hello", "hello world", "hellohello", "  hello", "x", "héllo<tag>wow", "<tag>hello"]
+    texts += ["".join(rng.choice(alphabet, size=rng.integers(1, 16))) for _ in range(300)]
+    for text in texts:
+        ids = tokenizer.encode(text).ids
+        assert ids == _llama_cpp_spm(text, metadata), text
+        if not add_space_prefix or "<tag>" not in text:  # a prefixed space after <tag> decodes as a space
+            assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer.encode("x").tokens[-1] == "<0x78>"  # byte fallback for a character that is no token

@@ -163,7 +163,7 @@ def test_gateway_completions_are_the_reference_greedy_text(gemma3_dir, hf, tok):
     backend = LocalBackend(config, "gemma3-270m")
     served = Served(create_app(backend, tok, GatewayConfig(served_model_name="gemma3-270m")))
     try:
-        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=600)
         reply = client.completions.create(model="gemma3-270m", prompt=PROMPTS[1], max_tokens=16, temperature=0)
     finally:
         served.stop()

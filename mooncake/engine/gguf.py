@@ -23,7 +23,7 @@ rows, llama.cpp stores HF row order::
     GGUF:  [r0, r_h, r1, r_{h+1}, ..., r_{h-1}, r_{2h-1}]      (interleaved)
 
 so undoing it views each head's rows as ``[h, 2]`` and transposes to ``[2, h]``.
-Qwen2/Qwen3 use NeoX-style RoPE in ggml and are stored unpermuted.
+Qwen2/Qwen3 and Gemma 3 use NeoX-style RoPE in ggml and are stored unpermuted.
 """
 
 from __future__ import annotations

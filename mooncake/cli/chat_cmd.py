@@ -20,7 +20,11 @@ from mooncake.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 console = Console(stderr=True)
 
 ModelOpt = typer.Option(
-    "smollm2-135m", "--model", "-m", help="A known model name (pulled on first use) or an HF model directory"
+    "smollm2-135m",
+    "--model",
+    "-m",
+    help="A known model name (pulled on first use), a Hugging Face model directory, or a hub id "
+    "(org/name: from huggingface_hub's cache, downloaded where the hub is reachable)",
 )
 CacheOpt = typer.Option(None, "--cache-dir", help="Model cache directory [default: ~/.cache/mooncake/models]")
 MaxTokOpt = typer.Option(256, "--max-tokens", min=1, help="Most tokens to generate per reply")

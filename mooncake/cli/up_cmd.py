@@ -24,6 +24,7 @@ from mooncake.cli.chat_cmd import CacheOpt, ModelOpt, _model_dir
 from mooncake.cluster.components import COMPONENTS
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import ComponentRefused, LocalCluster
+from mooncake.engine.hub import is_hub_id
 
 console = Console(stderr=True)
 
@@ -105,9 +106,9 @@ def up(model: str = ModelOpt, cache_dir: Optional[Path] = CacheOpt, **settings: 
     """
     try:
         model_dir = _model_dir(model, cache_dir)
-        config = ClusterConfig(
-            model=str(model_dir), model_name=model if "/" not in model else model_dir.name, **settings
-        )
+        # served as the name it was asked by: a known model's, a hub id (org/name), else the directory's name
+        name = model if "/" not in model or (is_hub_id(model) and not Path(model).exists()) else model_dir.name
+        config = ClusterConfig(model=str(model_dir), model_name=name, **settings)
         # reads the model as the workers' engine will (the pool's block bytes): refuses what it cannot serve
         cluster = LocalCluster(config, on_event=lambda msg: console.print(f"[dim]{msg}[/dim]"))
     except (ValueError, RuntimeError) as e:  # pydantic's ValidationError is a ValueError

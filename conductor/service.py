@@ -197,35 +197,36 @@ class ConductorService:
         all, and one block size in bytes, as each worker's engine laid the model out and the pool nodes hold it."""
         if inst.role is Role.KVSTORE:
             return
-        if inst.block_bytes:
-            for other in self.conductor.instances.values():
-                if (
-                    other.id != inst.id
-                    and other.block_bytes
-                    and other.state is not InstanceState.DEAD
-                    and other.block_bytes != inst.block_bytes
-                ):
-                    raise Mismatch(
-                        f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: its engine's "
-                        f"KV blocks are {inst.block_bytes} bytes, {other.id}'s are {other.block_bytes}. A cluster's "
-                        "workers and pool nodes hold blocks of one layout (model, dtype, engine, block size)."
-                    )
-        if not inst.fingerprint:
-            return
-        for other in self.conductor.instances.values():
-            if (
-                other.id != inst.id
-                and other.role is not Role.KVSTORE
-                and other.fingerprint
-                and other.state is not InstanceState.DEAD
-                and other.fingerprint != inst.fingerprint
-            ):
-                raise Mismatch(
-                    f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: {other.id} runs "
-                    f"the {other.engine or 'unknown'} engine on {other.model}, and their KV caches differ (block-key "
-                    f"fingerprints {inst.fingerprint.hex()[:12]} and {other.fingerprint.hex()[:12]}). A cluster's "
-                    "prefill and decode workers run one engine on one model and dtype."
-                )
+        other = inst.block_bytes and self._live_other(
+            inst, lambda o: o.block_bytes and o.block_bytes != inst.block_bytes
+        )
+        if other:
+            raise Mismatch(
+                f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: its engine's "
+                f"KV blocks are {inst.block_bytes} bytes, {other.id}'s are {other.block_bytes}. A cluster's "
+                "workers and pool nodes hold blocks of one layout (model, dtype, engine, block size)."
+            )
+        other = inst.fingerprint and self._live_other(
+            inst, lambda o: o.role is not Role.KVSTORE and o.fingerprint and o.fingerprint != inst.fingerprint
+        )
+        if other:
+            raise Mismatch(
+                f"{inst.id} ({inst.engine or 'unknown'} engine, model {inst.model}) cannot join: {other.id} runs "
+                f"the {other.engine or 'unknown'} engine on {other.model}, and their KV caches differ (block-key "
+                f"fingerprints {inst.fingerprint.hex()[:12]} and {other.fingerprint.hex()[:12]}). A cluster's "
+                "prefill and decode workers run one engine on one model and dtype."
+            )
+
+    def _live_other(self, inst: Instance, differs) -> Instance | None:
+        """Another registered instance, not dead, for which ``differs`` holds; None if there is none."""
+        return next(
+            (
+                o
+                for o in self.conductor.instances.values()
+                if o.id != inst.id and o.state is not InstanceState.DEAD and differs(o)
+            ),
+            None,
+        )
 
     def heartbeat(self, instance_id: str, load: Load) -> tuple[bool, int]:
         """(whether ``instance_id`` is known, the batch cap a decode worker is to apply: ``Conductor.decode_cap``)."""

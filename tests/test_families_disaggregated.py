@@ -1,7 +1,7 @@
-"""The families added to our engine, served disaggregated: a prefill worker computes the prompt, hands its KV to the
+"""Every family added to our engine, served disaggregated: a prefill worker computes the prompt, hands its KV to the
 decode worker's cache and stores its blocks in the pool; the tokens equal one engine alone's, cold and again with
-the prompt's prefix read back from the pool. The prompt (100 tokens) is longer than the gemmas' 32-token sliding
-windows, so the windowed layers attend through the handed-off and pooled blocks too.
+the prompt's prefix read back from the pool. The prompt (100 tokens) is longer than the 32-token sliding windows
+of mistral and the gemmas, so the windowed layers attend through the handed-off and pooled blocks too.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from clusters import backend, generate, reference_tokens, start_cluster, tokens
 
 from mooncake.engine.tiny import make_tiny
 
-# one of each kind: fused checkpoint tensors and partial rotary; soft-capping and alternating windows; a local rope
-# and q/k norms; experts (mistral's window and mixtral's experts are the same paths: test_model_families runs them)
-FAMILIES = ["phi3", "gemma2", "gemma3_text", "qwen3_moe"]
+FAMILIES = ["mistral", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -157,9 +157,6 @@ class ModelArgs:
         """The keys layer ``layer``'s queries see (their own included), None: the whole context."""
         return self.layer_windows[layer] if self.layer_windows else None
 
-    def rope_of(self, layer: int) -> Rope:
-        return self.rope_local if self.rope_local is not None and self.window(layer) is not None else self.rope
-
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 

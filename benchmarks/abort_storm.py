@@ -56,6 +56,7 @@ from benchmarks.benchutil import describe_machine, make_progress, percentile, re
 from benchmarks.chaos import make_backend
 from benchmarks.overload_bench import _body, _events, _split
 from mooncake import tls
+from mooncake.blocks import blocks_for
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.tokenizer import Tokenizer
@@ -438,7 +439,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         }
         sizing = ClusterConfig(**base)
         requests = args.streams + args.probes + args.after + 2 + PREFIXES
-        blocks = requests * -(-longest // sizing.block_size) + 64
+        blocks = requests * blocks_for(longest, sizing.block_size) + 64
         config = ClusterConfig(**base, pool_dram_mib=max(64, math.ceil(blocks * sizing.block_bytes() / 2**20)))
         report = {
             "command": shlex.join([sys.executable, *sys.argv]),

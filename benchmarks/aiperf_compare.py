@@ -64,6 +64,7 @@ from benchmarks import compare
 from benchmarks import replay as rp
 from benchmarks import trace as tr
 from benchmarks.benchutil import describe_machine, resolve_model, run_interruptible, scratch_dir, shielded
+from mooncake.blocks import blocks_for
 from mooncake.cluster.config import ClusterConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,7 +206,7 @@ def aiperf_records(requests: list[tr.TraceRequest], speed: float, salt: int, blo
     first = requests[0].arrival_s
     records, block_size = [], {}
     for q in requests:
-        ids = [h + salt * stride for h in q.hash_ids[: -(-q.prompt_tokens // block_tokens)]]
+        ids = [h + salt * stride for h in q.hash_ids[: blocks_for(q.prompt_tokens, block_tokens)]]
         for i, h in enumerate(ids):  # every block is full but a prompt's last, which holds the rest
             size = block_tokens if i < len(ids) - 1 else q.prompt_tokens - block_tokens * (len(ids) - 1)
             if block_size.setdefault(h, size) != size:

@@ -75,7 +75,7 @@ from benchmarks.benchutil import (
 )
 from benchmarks.chaos_faults import DRAIN, Events, drain, victims, wait_drained, wait_recovered
 from benchmarks.chaos_report import Replay, Report, RequestRecord, render, summarize
-from mooncake.blocks import model_fingerprint
+from mooncake.blocks import blocks_for, model_fingerprint
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.loader import model_identity
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace, console: Console) -> Report:
         if not args.load:  # quiet: nothing turned away; under load the SLOs stay at their defaults (rejection live)
             base |= {"ttft_slo_s": 300.0, "tbt_slo_s": 10.0}
         block_size = ClusterConfig(**base).block_size
-        blocks = sum(-(-(len(r.prompt_token_ids) + r.sampling.max_tokens) // block_size) for r in requests) + 64
+        blocks = sum(blocks_for(len(r.prompt_token_ids) + r.sampling.max_tokens, block_size) for r in requests) + 64
         config = ClusterConfig(
             **base, pool_dram_mib=max(64, math.ceil(blocks * ClusterConfig(**base).block_bytes() / 2**20))
         )

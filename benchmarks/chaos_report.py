@@ -3,7 +3,6 @@ the goals, the tables."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -13,6 +12,7 @@ from rich.table import Table
 
 from benchmarks.benchutil import percentile
 from benchmarks.replay import tail_tbt
+from mooncake.blocks import blocks_for
 
 GOAL_RECOMPUTED_BLOCKS = 1  # a resumed stream recomputes at most this many blocks
 GOAL_GAP_S = 2.0  # the gap between two tokens of a resumed stream, across the failure, under this
@@ -141,7 +141,7 @@ def summarize(report: Report) -> tuple[list[dict], list[dict], dict]:
                 "recomputed_tokens": sum(recomputed),
                 "loaded_tokens": sum(r.recovery["loaded_tokens"] for r in resumed),
                 "max_recomputed_tokens": max(recomputed, default=None),
-                "max_recomputed_blocks": math.ceil(max(recomputed) / bs) if recomputed else None,
+                "max_recomputed_blocks": blocks_for(max(recomputed), bs) if recomputed else None,
                 "gap_p50_s": percentile(gaps, 50),
                 "gap_max_s": max(gaps, default=None),
                 "differ_from_baseline": differ,
@@ -310,7 +310,7 @@ def render(report: Report, rows: list[dict], kind_rows: list[dict], goals: dict,
         f"goal: a resumed stream recomputes at most {GOAL_RECOMPUTED_BLOCKS} block "
         f"({goals['recompute_goal_tokens']} tokens): "
         + (
-            f"at most {most} tokens ({math.ceil(most / report.block_size)} block(s)) over {n} resumed streams "
+            f"at most {most} tokens ({blocks_for(most, report.block_size)} block(s)) over {n} resumed streams "
             if n
             else ""
         )

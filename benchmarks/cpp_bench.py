@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.benchutil import describe_machine, resolve_model
+from mooncake.blocks import blocks_for
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.pipeline import LocalPipeline
 from mooncake.engine.request import SamplingParams
@@ -94,7 +95,7 @@ def main() -> None:
         vocab = 250 if args.quick else 40000
         long_prompt = [rng.randrange(3, vocab) for _ in range(args.long)]
         short_prompt = long_prompt[: args.short]
-        blocks = -(-args.long // 16) + 8
+        blocks = blocks_for(args.long, 16) + 8
 
         def pipeline(x: int):
             if args.processes:

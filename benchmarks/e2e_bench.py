@@ -68,6 +68,7 @@ from rich.table import Table
 
 from benchmarks.benchutil import describe_machine, make_progress, resolve_model, run_interruptible, shielded
 from mooncake import tls
+from mooncake.blocks import blocks_for
 from mooncake.cluster.components import component_argv
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import Component, LocalCluster
@@ -263,7 +264,7 @@ class IndexWatch:
 def run_disaggregated(
     args, model_dir: Path, workdir: Path, vocab: int, report: Report, progress: Progress, task, console
 ) -> None:
-    blocks = (1 + args.reps) * sum(-(-s // BLOCK_SIZE) for s in args.sizes) + 64  # every prompt stays in the pool
+    blocks = (1 + args.reps) * sum(blocks_for(s, BLOCK_SIZE) for s in args.sizes) + 64  # every prompt stays in the pool
     engine = dict(
         engine=args.engine, vllm_args=args.vllm_arg, block_size=BLOCK_SIZE, device=args.device, dtype=args.dtype
     )
@@ -396,7 +397,7 @@ def run_overlap(
     from protos import worker_pb2 as wpb
     from transfer import TransferConfig, TransferEngine
 
-    largest = -(-max(args.overlap_sizes) // BLOCK_SIZE)
+    largest = blocks_for(max(args.overlap_sizes), BLOCK_SIZE)
     block_bytes = ClusterConfig(
         model=str(model_dir), model_name=MODEL_NAME, block_size=BLOCK_SIZE, dtype=args.dtype
     ).block_bytes()
@@ -427,7 +428,7 @@ def run_overlap(
         counter = iter(range(1 << 30))
 
         def streamed(prompt: list[int], rep: int) -> OverlapRun:
-            n = -(-len(prompt) // BLOCK_SIZE)
+            n = blocks_for(len(prompt), BLOCK_SIZE)
             req = wpb.PrefillRequest(
                 request_id=f"overlap-{next(counter)}",
                 prompt_token_ids=prompt,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.config import DTYPES
 from mooncake.engine.request import SamplingParams
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     bs = 16
-    n = -(-args.tokens // bs)
+    n = blocks_for(args.tokens, bs)
     owner = TransferEngine(TransferConfig(node=f"bench-land-{uuid.uuid4().hex[:6]}", serve=False))
     sender = TransferEngine(TransferConfig(node=f"bench-push-{uuid.uuid4().hex[:6]}", serve=False))
     connector = PoolConnector(sender, None, bs, io_timeout_s=60)

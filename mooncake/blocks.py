@@ -31,6 +31,15 @@ FINGERPRINT_BYTES = 16
 BlockKey = bytes
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Return how many blocks of ``block_size`` tokens hold ``num_tokens`` (a partial last block counts).
+
+    The one ceiling division of the code: KV slots to allocate, a block table's width, how
+    many blocks to load or push. Pure; ``num_tokens`` of 0 needs 0 blocks.
+    """
+    return -(-num_tokens // block_size)
+
+
 def model_fingerprint(identity: str | bytes) -> bytes:
     """Return the 16-byte fingerprint of a model from a stable identity string.
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from mooncake.blocks import KEY_BYTES, KeyChain, block_keys, chain_key, model_fingerprint, root_key
+from mooncake.blocks import KEY_BYTES, KeyChain, block_keys, blocks_for, chain_key, model_fingerprint, root_key
 
 GOLDEN_FILE = Path(__file__).with_name("golden_block_keys.json")
 FINGERPRINT = model_fingerprint("mooncake-golden")
@@ -86,6 +86,11 @@ def test_partial_block_has_no_key():
     assert hexes(block_keys(TOKENS[:31], BLOCK_SIZE, FINGERPRINT)) == KEYS_HEX[:1]
     assert hexes(block_keys(TOKENS[:32], BLOCK_SIZE, FINGERPRINT)) == KEYS_HEX
     assert block_keys([], BLOCK_SIZE, FINGERPRINT) == []
+
+
+def test_blocks_for_counts_a_partial_last_block_as_a_whole_one():
+    assert [blocks_for(n, 16) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
+    assert blocks_for(37, 8) == 5 == len(block_keys(list(range(37)), 8, b"f" * 16)) + 1
 
 
 def test_salt_changes_every_key():

@@ -17,6 +17,7 @@ import torch
 from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
 from conftest import assert_greedy_close, make_engine, run_to_completion
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.request import SamplingParams
 
 # MOONCAKE_TEST_DEVICE=cpu runs the same tests on the CPU (a dry run of their logic on a machine without a GPU)
@@ -150,7 +151,7 @@ def test_a_prompt_chunk_over_a_cached_prefix_attends_like_the_masked_reference()
     dtype = torch.bfloat16 if DEVICE.startswith("cuda") else torch.float32
     nb, bs, hkv, h, d, ctx, n = 40, 16, 2, 8, 64, 300, 44
     kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(DEVICE, dtype) for _ in range(2))
-    blocks = torch.randperm(nb, generator=g)[: -(-ctx // bs)].to(DEVICE)
+    blocks = torch.randperm(nb, generator=g)[: blocks_for(ctx, bs)].to(DEVICE)
     q = torch.randn(n, h, d, generator=g).to(DEVICE, dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(n, dtype=torch.long, device=DEVICE),

@@ -9,6 +9,7 @@ import uuid
 
 import torch
 
+from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.request import SamplingParams
 from prefill.connector import PoolConnector, PrefillJob
@@ -32,7 +33,7 @@ def _push(
     tensor; the landing segment's bytes, the pool, and the request's blocks as the engine's cache holds them at the
     end ([L, 2, bs, Hkv, D] each, on the CPU)."""
     bs = 16
-    n = -(-len(prompt) // bs)
+    n = blocks_for(len(prompt), bs)
     owner = TransferEngine(TransferConfig(node=f"land-{uuid.uuid4().hex[:6]}", serve=False))
     sender = TransferEngine(TransferConfig(node=f"push-{uuid.uuid4().hex[:6]}", serve=False))
     connector = _TableConnector(sender, None, bs, io_timeout_s=30)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import make_engine
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.request import SamplingParams
 from prefill.connector import PoolConnector, PrefillJob
 from prefill.server import PushRetries
@@ -28,7 +29,7 @@ from transfer import MemoryRegistry, TransferConfig, TransferEngine
 
 BS = 8  # make_engine's block size
 PROMPT = [(7 * i + 3) % 280 + 10 for i in range(37)]  # 5 blocks, the last partial; 3 engine steps of 16 tokens
-BLOCKS = -(-len(PROMPT) // BS)
+BLOCKS = blocks_for(len(PROMPT), BS)
 
 
 class OneFault:

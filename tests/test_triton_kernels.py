@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from mooncake.blocks import blocks_for
+
 CUDA = torch.cuda.is_available()
 # Triton reads TRITON_INTERPRET when it defines its own library's kernels, at its first import, which torch may make
 # before this module runs: on the CPU this file runs again in a child process that sets it from the start.
@@ -224,7 +226,7 @@ def mixed_step(dtype, seqs, num_blocks=40, block_size=8, hkv=2, group=3, d=16, s
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, slots, starts, row = [], [], [], 0
     for n, ctx in seqs:
-        blocks = [perm.pop() for _ in range(-(-ctx // block_size))]
+        blocks = [perm.pop() for _ in range(blocks_for(ctx, block_size))]
         tables.append(blocks)
         starts.append(row)
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)]

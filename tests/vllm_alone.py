@@ -93,6 +93,7 @@ def _fields(params) -> dict:
 def _layout(args: dict) -> str:
     import torch
 
+    from mooncake.blocks import blocks_for
     from mooncake.engine.config import EngineConfig
     from mooncake.engine.interface import EngineKind
     from mooncake.engine.request import SamplingParams
@@ -112,7 +113,7 @@ def _layout(args: dict) -> str:
 
         def save_layer(self, layer, cache, _v, _step) -> None:
             for table, done in self.active:
-                self.layers[layer] = self.export(layer, cache, table[: -(-done // args["block_size"])])
+                self.layers[layer] = self.export(layer, cache, table[: blocks_for(done, args["block_size"])])
 
         def wait_for_save(self) -> None:
             pass

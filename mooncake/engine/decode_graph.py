@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.attention import AttentionMetadata
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.model import CausalLM
@@ -71,7 +72,7 @@ class DecodeGraphs:
         self.device = kv_cache.device
         self.block_size = kv_cache.shape[3]
         self.max_num_seqs = max_num_seqs
-        self.width = -(-max_model_len // self.block_size)
+        self.width = blocks_for(max_model_len, self.block_size)
         self.buckets = graph_buckets(max_num_seqs)
         s, w = max_num_seqs, self.width
         self._host = torch.zeros(4 * s + s * w, dtype=torch.long, pin_memory=self.device.type == "cuda")

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.model_args import ModelArgs
 
@@ -29,7 +30,7 @@ def cache_blocks(config: EngineConfig, args: ModelArgs, block_bytes: int, max_mo
     ValueError when the memory left holds not even one sequence of ``max_model_len``, naming the setting to change."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    per_seq = -(-max_model_len // config.block_size)
+    per_seq = blocks_for(max_model_len, config.block_size)
     device = torch.device(config.device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

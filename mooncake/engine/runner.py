@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment, StepAttention
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
@@ -298,7 +299,7 @@ class ModelRunner:
             req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
             start = len(ids)
             ids.extend(req.all_token_ids[c : c + n])
-            nblk = -(-(c + n) // bs)
+            nblk = blocks_for(c + n, bs)
             table = torch.tensor(req.block_ids[:nblk], dtype=torch.long)
             p = torch.arange(c, c + n)
             pos_parts.append(p)
@@ -340,7 +341,7 @@ class ModelRunner:
         bs = self.block_size
         seqs = [(1, s.num_computed_tokens + 1, s.request.block_ids) for s in decodes]
         seqs += [(s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens, s.request.block_ids) for s in prefills]
-        tables = [list(blocks[: -(-ctx // bs)]) for _, ctx, blocks in seqs]
+        tables = [list(blocks[: blocks_for(ctx, bs)]) for _, ctx, blocks in seqs]
         width = max(len(t) for t in tables)
         starts, row = [], 0
         for n, _, _ in seqs:

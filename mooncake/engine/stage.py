@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.attention import AttentionMetadata, PrefillSegment
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
@@ -121,7 +122,7 @@ class PipelineStage:
             raise ValueError(f"chunk of {request_id} at {start}, but {self._done.get(request_id, 0)} tokens ran here")
         if start + n > self.max_model_len:
             raise ValueError(f"{start + n} tokens exceed max_model_len {self.max_model_len}")
-        need = -(-(start + n) // self.block_size) - len(table)
+        need = blocks_for(start + n, self.block_size) - len(table)
         if need > self.pool.num_free_blocks:
             raise ValueError(f"stage {self.layers} has {self.pool.num_free_blocks} free KV blocks, {need} needed")
         table.extend(b.block_id for b in self.pool.allocate(max(0, need)))
@@ -153,7 +154,7 @@ class PipelineStage:
         blocks, [n, local L, 2, block_size, Hkv, D], from the pool); its chunks then start there."""
         if request_id in self.tables:
             raise ValueError(f"{request_id} already has blocks here")
-        n = -(-num_tokens // self.block_size)
+        n = blocks_for(num_tokens, self.block_size)
         if (
             tuple(kv.shape[1:]) != (len(self.layers), *self.kv_cache.shape[1:2], *self.kv_cache.shape[3:])
             or kv.shape[0] < n

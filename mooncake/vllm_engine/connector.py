@@ -34,6 +34,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.connector import ConnectorStep, StepRequest
 from mooncake.vllm_engine.layout import BlockLayout
 
@@ -267,7 +268,7 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         layer = self._layers[layer_name]
         layout = self.bridge.layout
         for spec, load, slots in self._meta_loads:
-            n = -(-spec.num_tokens // self.block_size)
+            n = blocks_for(spec.num_tokens, self.block_size)
             src = load.source
             kv = src.layer(layer, 0, n) if hasattr(src, "layer") else src[:n, layer]
             layout.import_tokens(self._writers[layer], kv, slots)

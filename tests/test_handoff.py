@@ -27,6 +27,7 @@ import torch
 from clusters import backend, generate, prefill_metric, reference_tokens, start_cluster, tokens
 from conftest import RecordingConnector, make_engine
 
+from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.request import SamplingParams
 from prefill.connector import PoolConnector, PrefillJob
@@ -44,10 +45,6 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 280 + 10 for i in range(n)]
 
 
-def blocks_for(n: int) -> int:
-    return -(-n // BS)
-
-
 def alone(model_dir, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     """Greedy tokens of one engine computing the whole prompt itself (the bar for every hand-off)."""
     return list(make_engine(model_dir).generate([prompt], greedy(max_tokens))[0].output_token_ids)
@@ -62,12 +59,12 @@ def prefilled(model_dir, prompt: list[int]) -> tuple[int, torch.Tensor]:
     while first is None:
         for out in engine.step():
             first = out.output_token_ids[0]
-    return first, engine.export_kv(engine.request_block_ids(rid)[: blocks_for(len(prompt))])
+    return first, engine.export_kv(engine.request_block_ids(rid)[: blocks_for(len(prompt), BS)])
 
 
 def mapped_job(rid: str, prompt: list[int], cache: torch.Tensor, first: int, **kw) -> PrefillJob:
     """A prefill of ``prompt`` landing in blocks ``first``.. of ``cache``, a decode engine's cache mapped here."""
-    n = blocks_for(len(prompt))
+    n = blocks_for(len(prompt), BS)
     return PrefillJob(
         rid,
         len(prompt),
@@ -208,7 +205,7 @@ class _TableConnector(PoolConnector):
 @pytest.mark.parametrize("path", ["in-place", "mapped", "staged", "staged-runs", "device-copy"])
 def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache(tiny_llama, path, store_later):
     prompt = prompt_of(37, seed=4)  # 5 blocks, the last partial; 3 engine steps of 16 tokens
-    n = blocks_for(len(prompt))
+    n = blocks_for(len(prompt), BS)
     decode_node = TransferEngine(TransferConfig(node=f"decode-{uuid.uuid4().hex[:6]}", serve=False))
     prefill_node = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", serve=False))
     segments = []
@@ -363,7 +360,7 @@ def test_a_step_whose_every_prompt_was_cancelled_stops_at_its_layer_frees_its_bl
             outs.update({o.request_id: o for o in prefill.step()})
         assert outs["a-again"].num_cached_tokens == 0
         assert outs["a-again"].output_token_ids[0] == alone(tiny_llama.path, a, 1)[0]
-        assert cache[1:, :, 20 : 20 + blocks_for(len(a))].any()  # every layer landed
+        assert cache[1:, :, 20 : 20 + blocks_for(len(a), BS)].any()  # every layer landed
     finally:
         node.close()
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mooncake.blocks import block_keys
+from mooncake.blocks import block_keys, blocks_for
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
@@ -195,7 +195,8 @@ class VllmEngine:
         cache = vllm_config.cache_config
         if not sized and cache.kv_cache_memory_bytes is None:  # (VLLM_CPU_KVCACHE_SPACE sets it on the CPU)
             block_bytes = layout.block_bytes(config.block_size)
-            per_seq = -(-mc.max_model_len // config.block_size)  # as ours (kv_sizing.py): no more than the batch holds
+            # as ours (kv_sizing.py): no more than the batch holds
+            per_seq = blocks_for(mc.max_model_len, config.block_size)
             budget = int(config.kv_cache_memory_gib * 2**30) // block_bytes
             blocks = config.num_kv_blocks or max(1, min(budget, config.max_num_seqs * per_seq))
             cache.kv_cache_memory_bytes = (blocks + 1) * block_bytes  # + vLLM's null block

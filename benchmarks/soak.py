@@ -389,6 +389,9 @@ def render(report: dict, console: Console) -> None:
     def f(v, digits=0) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
+    def slash(r: dict, *keys: str, digits: int = 0) -> str:
+        return "/".join(f(r[k], digits) for k in keys)
+
     rows = report["windows"]
     t = Table(title="per window (requests that ended in it; pool, decode and index at its end)")
     columns = (
@@ -397,14 +400,21 @@ def render(report: dict, console: Console) -> None:
     )
     for col in columns.split("|"):
         t.add_column(col, justify="right")
+
     for r in rows:
         t.add_row(
-            str(r["window"]), f(r["end_s"]), f"{r['ok']}/{r['refused']}/{r['failed']}",
-            f"{f(r['ttft_p50_s'], 2)}/{f(r['ttft_p99_s'], 2)}", f"{f(r['tbt_p50_s'], 3)}/{f(r['tbt_p99_s'], 3)}",
-            f"{f(r['pool_used'])}/{f(r['pool_reserved'])}/{f(r['pool_leases'])}", f(r["pool_evictions"]),
-            f"{f(r['decode_used'])}/{f(r['decode_reserved'])}/{f(r['decode_running'])}",
-            f"{f(r['index_blocks'])}/{f(r['index_by_node'])}", gap(r["index_gap"]), f(r["cpu_other_s"]),
-        )  # fmt: skip
+            str(r["window"]),
+            f(r["end_s"]),
+            f"{r['ok']}/{r['refused']}/{r['failed']}",
+            slash(r, "ttft_p50_s", "ttft_p99_s", digits=2),
+            slash(r, "tbt_p50_s", "tbt_p99_s", digits=3),
+            slash(r, "pool_used", "pool_reserved", "pool_leases"),
+            f(r["pool_evictions"]),
+            slash(r, "decode_used", "decode_reserved", "decode_running"),
+            slash(r, "index_blocks", "index_by_node"),
+            gap(r["index_gap"]),
+            f(r["cpu_other_s"]),
+        )
     console.print(t)
     m = Table(title="each process: RSS MiB / private MiB / descriptors")
     names = report["processes"]
@@ -446,10 +456,16 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         longest = max(t.prompt_tokens + t.max_tokens for t in trace)
         # max_model_len in 512s, as chaos.py and the tests; SLOs and the pool at their defaults
         config = ClusterConfig(
-            model=str(model_dir), model_name=MODEL_NAME, prefill=args.prefill, decode=args.decode, port=0,
-            threads=args.threads, workdir=workdir / "cluster", max_model_len=-(-longest // 512) * 512,
-            ready_timeout_s=600.0
-        )  # fmt: skip
+            model=str(model_dir),
+            model_name=MODEL_NAME,
+            prefill=args.prefill,
+            decode=args.decode,
+            port=0,
+            threads=args.threads,
+            workdir=workdir / "cluster",
+            max_model_len=-(-longest // 512) * 512,
+            ready_timeout_s=600.0,
+        )
         speed, duration = tr.DEFAULTS["speed"] * args.load, args.minutes * 60.0
         report: dict = {
             "command": shlex.join([sys.executable, *sys.argv]),

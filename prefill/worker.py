@@ -50,7 +50,7 @@ from mooncake.runtime.conductor_link import ConductorLink
 from mooncake.serving.build import build_engine
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.serving.kvlayout import SlotKV, slot_tensor
+from mooncake.serving.kvlayout import SlotKV
 from mooncake.serving.model_support import check_native
 from mooncake.serving.sampling import logprob_to_pb, params_from_pb
 from mooncake.serving.status import Cancelled, Unreachable
@@ -59,7 +59,7 @@ from prefill.connector import PoolConnector, PrefillJob
 from prefill.group import GroupEngine, StageGroup
 from prefill.leases import Held, PoolLeases
 from protos import worker_pb2 as wpb
-from transfer import Segment, SharedRegion, TransferConfig, TransferEngine, TransferError
+from transfer import Segment, TransferConfig, TransferEngine, TransferError
 from transfer.types import host_id
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,9 @@ CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # calibrate's prompts, in step budgets: 
 GROUP_STAGE_BLOCKS = 1024  # each stage's cache where no count is given (it holds the prompt being prefilled)
 
 
-class PrefillWorker(PoolLeases):
-    """Owns the engine, the connector, the pool clients. ``prefill`` is called from gRPC threads."""
+class PrefillWorker:
+    """Owns the engine, the connector, the pool clients and the pool's leases (``leases``). ``prefill`` is called from
+    gRPC threads."""
 
     def __init__(self, config: PrefillConfig, link: ConductorLink | None = None) -> None:
         self.config = config
@@ -141,16 +142,26 @@ class PrefillWorker(PoolLeases):
             )
         self.block_shape = self.engine.block_shape
         self.block_bytes = stats.block_bytes
-        self.layer_bytes = self.block_bytes // self.block_shape[0]
-        self._region: SharedRegion | None = None
-        self._pool_lock = threading.Lock()  # the mapping and its users (prefill/leases.py)
-        self._map_pool(stats.segment)
-        self.loop = EngineLoop(self.engine, name="prefill-engine")
         self._cuda_caches = CudaCaches()  # decode engines' CUDA caches on this host, mapped once each
         self._prefix_copier = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefix-copy")  # pool -> decode cache
         self._remote = ByAddress(
             lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id)
         )  # pool nodes
+        self.leases = PoolLeases(
+            self.kv,
+            self.node,
+            self._remote,
+            self.transfer,
+            stats.segment,
+            self.block_shape,
+            self.block_bytes,
+            engine_config.torch_dtype,
+            reservation_ttl_s=config.reservation_ttl_s,
+            store_new_blocks=config.store_new_blocks,
+            io_timeout_s=config.io_timeout_s,
+            on_map=self._pool_mapped,
+        )  # the pool node's memory mapped here, and what each prefill holds on it
+        self.loop = EngineLoop(self.engine, name="prefill-engine")
         self.predictor = (
             PipelinePrefillPredictor(
                 PredictorConfig(), config.pipeline_stages, config.engine_config.max_num_batched_tokens
@@ -241,7 +252,7 @@ class PrefillWorker(PoolLeases):
         job = self._job(req, num_blocks, rid)
         job.cancelled = cancelled  # set for every job of a step, the step stops after the layer it is in
         held = Held(keep_fetched=req.plan.keep_fetched, io_timeout_s=self.config.io_timeout_s)
-        use_pool = self._enter_pool(held)  # False for a while after the pool node restarted
+        use_pool = self.leases.enter(held)  # False for a while after the pool node restarted
         prefix = None
         self.received += 1  # the Conductor counts what it placed beyond this as on its way (Instance.in_transit)
         # queued from its arrival (the heartbeat reports it), as the plan says until the pool says what it holds
@@ -255,16 +266,16 @@ class PrefillWorker(PoolLeases):
             plan = type(req.plan)() if logprobs or not use_pool else req.plan
             # a resumed stream: its decode worker wrote its blocks just before it died, maybe after the plan was made
             resumed = use_pool and not logprobs and req.num_output_tokens > 0
-            local, ssd_hits, fetched = self._load_plan(plan, keys, held, extend=resumed)
+            local, ssd_hits, fetched = self.leases.load_plan(plan, keys, held, extend=resumed)
             cached_blocks = len(local) + len(fetched)
             cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
-            job.pool_slots = self._reserve_new(keys, cached_blocks, held) if use_pool else {}
+            job.pool_slots = self.leases.reserve_new(keys, cached_blocks, held) if use_pool else {}
             if job.pool_slots and self._single_native:
                 job.store_later, job.on_stored = True, functools.partial(self._stored, held)
             external = None
             if cached > 0:
                 external = SlotKV(
-                    self.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None
+                    self.leases.pool, local + fetched, wait_layer=held.wait_layer if held.fetch_batches else None
                 )
             prefix = self._copy_prefix(job, local, cached)
             self._inflight[rid] = (len(prompt), cached)
@@ -279,7 +290,7 @@ class PrefillWorker(PoolLeases):
             if job.error is not None:
                 raise job.error
             if not job.writing:  # else the pool write after the answer commits and releases ``held`` (_stored)
-                self._commit(held)
+                self.leases.commit(held)
         finally:
             if (
                 prefix is not None
@@ -288,7 +299,7 @@ class PrefillWorker(PoolLeases):
             self.connector.jobs.pop(rid, None)
             self._inflight.pop(rid, None)
             if not job.writing:  # a job cancelled after its last step is still written: _stored releases ``held``
-                self._release(held)
+                self.leases.release(held)
         compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
         # the predictors learn what a prompt costs alone: with prompts batched together, its share of their steps (the
         # whole span would count the others' tokens too, and the queue of them again)
@@ -386,7 +397,7 @@ class PrefillWorker(PoolLeases):
             return None
         job.issued = n  # the engine's pushes start after these
         dst = job.mapped_cache.permute(2, 0, 1, 3, 4, 5)  # [blocks, L, 2, bs, Hkv, D]: the pool's layout
-        return self._prefix_copier.submit(copy_blocks, dst, job.landing_blocks[:n], self.pool, local[:n])
+        return self._prefix_copier.submit(copy_blocks, dst, job.landing_blocks[:n], self.leases.pool, local[:n])
 
     def _device_cache(self, landing: wpb.Landing):
         """The decode engine's CUDA cache, mapped here once per decode worker."""
@@ -410,30 +421,20 @@ class PrefillWorker(PoolLeases):
             )
         return cache
 
-    def _map_pool(self, segment) -> None:
-        """Map the pool node's DRAM tier (``segment``: its shared-memory file) as this worker's pool: the slots prefixes
-        are read from in place, pulls land in and new blocks are written to. Again after the node restarted, once no
-        prefill holds anything of the old mapping (prefill/leases.py)."""
-        old = self._region
-        self._region = SharedRegion.open(segment.shm_path)
-        self._pool_segment = segment_from_pb(segment)
-        self.pool = slot_tensor(self._region.buffer, self.block_shape, self.config.engine_config.torch_dtype)
-        self.connector.set_pool(self.pool)
+    def _pool_mapped(self, pool: torch.Tensor, segment: Segment) -> None:
+        """The pool node's memory was mapped (``leases``: as it starts, and again after the node restarted, while no
+        prefill uses the pool): the connector writes new blocks into ``pool``; a pipelined group's stages write
+        ``segment`` through the transfer engine."""
+        self.connector.set_pool(pool)
         if self.group is not None:
-            self.engine.pool = self._pool_segment  # the stages write it through the transfer engine
-        if old is not None:
-            self.transfer.unpin(self._pool_bytes)
-            old.close()
-            log.info("mapped pool node %s's memory again (owner pid %d)", self.node, segment.pid)
-        self._pool_bytes = memoryview(self._region.buffer).cast("B")
-        self.transfer.pin(self._pool_bytes)  # fetches land in it: registered with an RDMA device once, not per fetch
+            self.engine.pool = segment
 
     def _stored(self, held: "Held", ok: bool) -> None:
         """The pool write of a finished prefill ended (on the connector's writer thread): commit what it wrote (or
         abort it when it failed: the pool lacks these blocks, nobody's request fails), release the leases."""
         if ok:
-            self._commit(held)
-        self._release(held)
+            self.leases.commit(held)
+        self.leases.release(held)
 
     def flush_pool_writes(self, timeout: float | None = 30.0) -> bool:
         """Wait until the pool writes of every prefill answered so far are committed (tests, benchmarks, a drain)."""
@@ -515,7 +516,7 @@ class PrefillWorker(PoolLeases):
         self._remote.close()
         self.kv.close()
         self.transfer.close()
-        self._region.close()
+        self.leases.close()
 
 
 def _prefill_params(req: wpb.PrefillRequest, prompt: list[int]):

@@ -55,6 +55,7 @@ from rich.table import Table
 from benchmarks.benchutil import describe_machine, make_progress, percentile, resolve_model, run_interruptible, shielded
 from benchmarks.chaos import make_backend
 from benchmarks.overload_bench import _body, _events, _split
+from conductor.local import LocalPrefill
 from mooncake import tls
 from mooncake.blocks import blocks_for
 from mooncake.cluster.config import ClusterConfig
@@ -431,7 +432,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             "prefill": args.prefill,
             "decode": args.decode,
             "port": 0,
-            "local_prefill": "never",  # every prompt through a prefill worker: the hand-off is what is cut short
+            # every prompt through a prefill worker: the hand-off is what is cut short
+            "local_prefill": LocalPrefill.NEVER,
             "threads": args.threads,
             "workdir": workdir / "cluster",
             "max_model_len": -(-longest // 512) * 512,  # in 512s, as the tests

@@ -697,7 +697,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = compare.parse_args(
         [
             "--local-prefill",  # mooncake up's; compare.py pins "never" for the hand-off (a later flag wins)
-            ClusterConfig.model_fields["local_prefill"].default,
+            ClusterConfig.model_fields["local_prefill"].default.value,
             *rest,
             "--preset",
             own.preset,

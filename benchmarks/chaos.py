@@ -75,6 +75,7 @@ from benchmarks.benchutil import (
 )
 from benchmarks.chaos_faults import DRAIN, Events, drain, victims, wait_drained, wait_recovered
 from benchmarks.chaos_report import Replay, Report, RequestRecord, render, summarize
+from conductor.local import LocalPrefill
 from mooncake.blocks import blocks_for, model_fingerprint
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
@@ -364,7 +365,8 @@ def run(args: argparse.Namespace, console: Console) -> Report:
             "prefill": args.prefill,
             "decode": args.decode,
             "port": 0,
-            "local_prefill": "never",  # every prompt through a prefill worker: the kills hit the hand-off paths
+            # every prompt through a prefill worker: the kills hit the hand-off paths
+            "local_prefill": LocalPrefill.NEVER,
             # max_model_len in 512s, as the tests: a decode worker's landing slots are two full contexts
             "threads": args.threads,
             "workdir": workdir / "cluster",

@@ -64,6 +64,7 @@ from benchmarks.benchutil import (
     scratch_dir,
     shielded,
 )
+from conductor.admission import AdmissionKind
 from mooncake.cluster.components import component_argv
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import Component, LocalCluster
@@ -533,7 +534,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=1, help="decode workers of the cluster")
     p.add_argument(
         "--admission",
-        default=ClusterConfig.model_fields["admission"].default,
+        choices=[kind.value for kind in AdmissionKind],
+        default=ClusterConfig.model_fields["admission"].default.value,
         help="the Conductor's admission policy (default: mooncake up's, %(default)s)",
     )
     p.add_argument(

@@ -172,6 +172,7 @@ def main() -> None:
 def _cluster_bench(args, model_dir: Path, model_name: str, num_layers: int, vocab: int) -> None:
     import httpx
 
+    from conductor.local import LocalPrefill
     from mooncake.cluster.config import ClusterConfig
     from mooncake.cluster.launcher import LocalCluster
 
@@ -210,7 +211,7 @@ def _cluster_bench(args, model_dir: Path, model_name: str, num_layers: int, voca
                 pool_dram_mib=max(64, 2 * args.long // 16 + 64),
                 ready_timeout_s=600,
                 ttft_slo_s=3600,
-                local_prefill="never",
+                local_prefill=LocalPrefill.NEVER,
             )
             cluster = LocalCluster(config).start()
             try:

@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from conductor.auth import bearer
+from conductor.local import LocalPrefill
 from mooncake import tls
 from mooncake.blocks import model_fingerprint
 from mooncake.cluster.config import ClusterConfig
@@ -41,7 +42,7 @@ def start_cluster(model_dir: Path, workdir: Path, **overrides) -> LocalCluster:
         ready_timeout_s=300.0,
         ttft_slo_s=300.0,
         tbt_slo_s=10.0,
-        local_prefill="never",
+        local_prefill=LocalPrefill.NEVER,
     )
     config.update(overrides)
     return LocalCluster(ClusterConfig(**config)).start()

@@ -286,3 +286,34 @@ def test_every_cluster_setting_is_a_mooncake_up_option():
     assert "--local-prefill" in out and "--detect-s" in out and "--decode-max-seqs" in out
     switches = {p.name: (p.opts, p.secondary_opts) for p in command.params if p.name in ("gateway", "insecure")}
     assert switches == {"gateway": (["--gateway"], ["--no-gateway"]), "insecure": (["--insecure"], [])}
+
+
+def test_mooncake_up_takes_the_conductors_policies_by_name_and_refuses_another_in_one_line(tiny_dir, monkeypatch):
+    """--policy, --admission and --local-prefill reach ClusterConfig as the Conductor's own enums; a value that is none
+    of them stops `mooncake up` with one line naming the flag and every choice, before anything starts."""
+    from conductor.admission import AdmissionKind
+    from conductor.local import LocalPrefill
+    from conductor.policies import PolicyKind
+    from mooncake.cli import up_cmd
+
+    seen: list[ClusterConfig] = []
+
+    def cluster(config: ClusterConfig, **_):
+        seen.append(config)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(up_cmd, "LocalCluster", cluster)
+    model = ["up", "--model", str(tiny_dir)]
+    flags = ["--policy", "round_robin", "--admission", "early", "--local-prefill", "never"]
+    CliRunner().invoke(app, [*model, *flags])
+    CliRunner().invoke(app, model)
+    assert [(c.policy, c.admission, c.local_prefill) for c in seen] == [
+        (PolicyKind.ROUND_ROBIN, AdmissionKind.EARLY, LocalPrefill.NEVER),
+        (PolicyKind.KVCACHE_CENTRIC, AdmissionKind.EARLY_PREDICTIVE, LocalPrefill.AUTO),  # the Conductor's defaults
+    ]
+    bad = CliRunner().invoke(app, [*model, "--policy", "fastest"])
+    assert bad.exit_code == 2 and len(seen) == 2
+    assert bad.output == (
+        "error: --policy: Input should be 'random', 'round_robin', 'least_loaded', 'cache_aware_local' or "
+        "'kvcache_centric'\n"
+    )

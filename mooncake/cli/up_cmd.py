@@ -3,6 +3,7 @@ it)."""
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import json
@@ -32,13 +33,17 @@ console = Console(stderr=True)
 def _opt(field: str, flag: str, **extra: Any) -> Any:
     """A `mooncake up` option whose default, help and range are ClusterConfig's: the one place they are written."""
     info = ClusterConfig.model_fields[field]
+    default = info.get_default(call_default_factory=True)
+    if _is_enum(info.annotation):  # passed on as text (_typer_type): the choices shown as typer shows an enum's
+        extra = {"metavar": "[" + "|".join(m.value for m in info.annotation) + "]", **extra}
+        default = default.value
     bounds = {}
     for rule in info.metadata:
         if getattr(rule, "ge", None) is not None:
             bounds["min"] = rule.ge
         if getattr(rule, "le", None) is not None:
             bounds["max"] = rule.le
-    return typer.Option(info.get_default(call_default_factory=True), flag, help=info.description, **bounds, **extra)
+    return typer.Option(default, flag, help=info.description, **bounds, **extra)
 
 
 # ClusterConfig's fields by another flag than their own name's (--name-with-dashes); model and model_name come from
@@ -54,8 +59,15 @@ FROM_MODEL = ("model", "model_name")
 _PATH_CHECKS = {"tenants_file": {"exists": True, "dir_okay": False}}  # --tenants names a file that exists
 
 
+def _is_enum(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, enum.Enum)
+
+
 def _typer_type(annotation: Any) -> Any:
-    """``X | None`` as typer reads it (Optional[X])."""
+    """``X | None`` as typer reads it (Optional[X]); an enum as text, which ClusterConfig checks, so that a bad value
+    is its one-line error naming the choices (``error: policy: Input should be 'random', ...``), not typer's box."""
+    if _is_enum(annotation):
+        return str
     args = typing.get_args(annotation)
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         inner = [a for a in args if a is not type(None)]
@@ -83,14 +95,18 @@ def _options() -> list[inspect.Parameter]:
     ]
 
 
+def _where(loc: tuple) -> str:
+    """Where a ClusterConfig error is: the flag of its field (``--policy``), else the field's path, else ``config``."""
+    if len(loc) == 1 and loc[0] in ClusterConfig.model_fields and loc[0] not in FROM_MODEL:
+        return _flag(loc[0]).split("/")[0]
+    return ".".join(str(p) for p in loc) or "config"
+
+
 def _fail(e: Exception, code: int = 2) -> NoReturn:
     """Stop with one line on stderr (never a traceback): ``error: <why>``, and exit status ``code`` (2: the model or
     the configuration is refused)."""
     if isinstance(e, pydantic.ValidationError):
-        why = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
-            for err in e.errors()
-        )
+        why = "; ".join(f"{_where(err['loc'])}: {err['msg'].removeprefix('Value error, ')}" for err in e.errors())
     else:
         why = " ".join(str(e).split())
     typer.echo(f"error: {why}", err=True)  # not rich: it would wrap a long line at the terminal's width

@@ -8,7 +8,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, model_validator
 
+from conductor.admission import AdmissionKind
 from conductor.config import ConductorConfig
+from conductor.local import LocalPrefill
+from conductor.policies import PolicyKind
 from conductor.types import DEFAULT_SLO
 from decode.config import DECODE_ENGINE_DEFAULTS
 from mooncake.engine.config import EngineConfig
@@ -21,7 +24,7 @@ from mooncake.runtime.channels import DETECT_S, LOCAL_HOST
 from prefill.config import PREFILL_ENGINE_DEFAULTS
 
 _ENGINE = EngineConfig.model_fields
-_CONDUCTOR = ConductorConfig.model_fields  # (enums: the flags pass their values)
+_CONDUCTOR = ConductorConfig.model_fields
 
 
 class ClusterConfig(BaseModel):
@@ -113,13 +116,12 @@ class ClusterConfig(BaseModel):
         description="torch threads per worker [default on the CPU: the usable cores shared evenly among the processes "
         "that compute (prefill and decode workers, a pipelined group's stages), at least 1; on CUDA: torch's]",
     )
-    policy: str = Field(_CONDUCTOR["policy"].default.value, description="Prefill placement policy")
-    admission: str = Field(
-        _CONDUCTOR["admission"].default.value,
-        description="none | baseline | early | early_predictive | early_wait (conductor.admission)",
+    policy: PolicyKind = Field(_CONDUCTOR["policy"].default, description="Prefill placement policy")
+    admission: AdmissionKind = Field(
+        _CONDUCTOR["admission"].default, description="Admission (early rejection) policy (conductor.admission)"
     )
-    local_prefill: str = Field(
-        _CONDUCTOR["local_prefill"].default.value,
+    local_prefill: LocalPrefill = Field(
+        _CONDUCTOR["local_prefill"].default,
         description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
         "never (a prefill worker) or always (the decode worker itself)",
     )

@@ -1,8 +1,8 @@
 """The decode worker computing a prompt itself (the Conductor's local placement, conductor.local): the planned prefix
 read from the pool node, the rest through this worker's engine between the batch's decode steps.
 
-A part of ``decode.worker.DecodeWorker`` (which inherits it): it reads the worker's config, engine loop, pool clients
-(``_pool``), write-behind (``writer``) and Conductor link, and streams through the worker's ``_stream``.
+A part of a decode worker (``decode.worker.DecodeWorker`` holds one, constructed whole): the engine loop, the pool
+clients, write-behind and the Conductor link are given to it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,16 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from decode.run import DecodeState, Decoding
-from kvstore.client import KVStoreUnavailable
+from decode.run import Decoding, stream
+from decode.writeback import BlockWriter
+from kvstore.client import KVStoreClient, KVStoreUnavailable
 from mooncake.blocks import block_keys
 from mooncake.engine.request import SamplingParams
+from mooncake.engine.tokenizer import Tokenizer
+from mooncake.runtime.channels import ByAddress
+from mooncake.runtime.conductor_link import ConductorLink
 from mooncake.runtime.process import when_gone
+from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import slot_tensor
 from mooncake.serving.sampling import logprob_to_pb
 from mooncake.serving.text import TextStream
@@ -30,9 +35,25 @@ log = logging.getLogger(__name__)
 
 
 class LocalPrefill:
-    """Prefill on this decode worker (mixed into DecodeWorker)."""
+    """Prefill on this decode worker."""
 
-    def _local(
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer: Tokenizer,
+        block_size: int,
+        fingerprint: bytes,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pool: ByAddress[KVStoreClient],
+        writer: BlockWriter | None,
+        link: ConductorLink | None,
+    ) -> None:
+        self.loop, self.tokenizer, self.block_size = loop, tokenizer, block_size
+        self.fingerprint, self.block_shape, self.dtype = fingerprint, block_shape, dtype
+        self.pool, self.writer, self.link = pool, writer, link
+
+    def serve(
         self,
         req: wpb.GenerateRequest,
         prompt: list[int],
@@ -67,7 +88,7 @@ class LocalPrefill:
             chunk_tokens=req.placement.local_chunk_tokens,
         )
         future.result()  # a ValueError (the request's own: INVALID_ARGUMENT) ends it here
-        run.state = DecodeState.DECODING
+        run.decoding()
         when_gone(context, lambda: self.loop.abort(rid))  # the client went away: so does the prompt's computation
         usage = dict(
             prompt_tokens=len(prompt), cached_tokens=cached, cached_tokens_by_tier={"remote": cached} if cached else {}
@@ -75,15 +96,19 @@ class LocalPrefill:
 
         def first(out) -> dict:
             run.ttft_s = time.perf_counter() - t0
-            run._leave_prefill()
             if self.writer is not None:  # from the first block not read from the pool: the prompt's own, then generated
                 run.written = self.writer.start(rid, req.placement.prefill_node_address, cached)
             if self.link is not None and not out.finished:
                 self.link.decode_started(rid, run.ttft_s)
             return {"prompt_logprobs": [logprob_to_pb(lp) for lp in out.prompt_logprobs or ()]}
 
-        stream = TextStream.of_request(self.tokenizer, prompt, params, outputs, req.text_shown)
-        yield from self._stream(run, outputs_queue, stream, usage, len(prompt), context, first)
+        text = TextStream.of_request(self.tokenizer, prompt, params, outputs, req.text_shown)
+
+        def progress(n: int) -> None:
+            if run.written is not None:
+                self.writer.progress(run.written, n)
+
+        yield from stream(run, outputs_queue, text, usage, context, first, progress)
 
     def _read_prefix(
         self, address: str, sequence: list[int], salt: str | None, planned: int
@@ -92,18 +117,18 @@ class LocalPrefill:
         imports them ([blocks, *block_shape]), and the tokens they make computed (all they hold but the sequence's last
         token).
         Fewer when the node has fewer by now (evicted), none when it cannot be read: the engine computes the rest."""
-        bs = self.config.engine_config.block_size
-        keys = block_keys(sequence, bs, self.engine.fingerprint, salt)[:planned]
+        bs = self.block_size
+        keys = block_keys(sequence, bs, self.fingerprint, salt)[:planned]
         if not keys:
             return None, 0
         try:
-            got = self._pool.get(address).get(keys)
+            got = self.pool.get(address).get(keys)
         except (KVStoreUnavailable, TransferError, TimeoutError, KeyError, grpc.RpcError) as e:
             log.info("prefix of %d blocks from %s unreadable (%s): computed here instead", len(keys), address, e)
             return None, 0
         if not got.num_blocks:
             return None, 0
-        kv = slot_tensor(got.data, self.engine.block_shape, self.engine_dtype)
+        kv = slot_tensor(got.data, self.block_shape, self.dtype)
         return kv, min(
             got.num_blocks * bs, len(sequence) - 1
         )  # its last token is computed here (the first output needs it)

@@ -10,7 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from decode.config import DECODE_ENGINE_DEFAULTS, DecodeConfig
-from decode.run import Failed
+from decode.handoff import Failed
 from decode.worker import DecodeWorker
 from mooncake.cliargs import field_arg
 from mooncake.engine.interface import parse_vllm_args
@@ -63,10 +63,15 @@ class DecodeMetrics:
         )
         Gauge(
             "mooncake_decode_reserved_cache_blocks",
-            "engine cache blocks reserved for prompts a prefill is writing in place "
-            "(and those of prefills that did not answer, for write_grace_s)",
+            "engine cache blocks held for prompts a prefill writes in place (and for prefills that may still write)",
             registry=r,
-        ).set_function(lambda: worker.engine.num_reserved_blocks)
+        ).set_function(lambda: worker.engine.num_landing_blocks + worker.fence.quarantined_blocks)
+        Gauge(
+            "mooncake_decode_quarantined_cache_blocks",
+            "engine cache blocks of requests that ended while their prefill may still write them: held until it says "
+            "its writes are over or its process is gone (decode/fence.py)",
+            registry=r,
+        ).set_function(lambda: worker.fence.quarantined_blocks)
         Gauge(
             "mooncake_decode_blocks_written",
             "generated blocks put into the pool (write-behind; written, or there already)",

@@ -225,7 +225,7 @@ class GroupEngine:
     ``jobs`` says) and returns its first token. A request aborted before its turn never runs."""
 
     eos_token_ids: frozenset[int] = frozenset()  # a prefill samples one token: stop tokens do not matter
-    num_reserved_blocks = 0
+    num_landing_blocks = 0
     kv_cache = None  # the stages' own, in their processes
 
     def __init__(
@@ -257,13 +257,13 @@ class GroupEngine:
         external_kv: SlotKV | None = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
-        kv_block_ids: list[int] | None = None,
+        remote_kv: bool = False,
         chunk_tokens: int = 0,
         ahead: bool = False,
     ) -> str:
         """Queue a prefill (``ahead``: before those queued); raises ValueError for a prompt the stages cannot hold.
         ``external_kv``: the prefix's pool slots (the stages read them from the pool's segment)."""
-        if kv_block_ids or chunk_tokens:
+        if remote_kv or chunk_tokens:
             raise ValueError("a group computes its prompts whole, in its stages' own caches")
         if request_id is None or request_id not in self.jobs:
             raise ValueError("a group prefills only requests with a PrefillJob (where the stages push the KV)")
@@ -352,10 +352,13 @@ class GroupEngine:
     def set_max_num_seqs(self, n: int) -> None:
         pass  # one at a time already
 
-    def reserve_blocks(self, n: int) -> None:
-        return None  # a prefill's KV is its own: none comes from outside
+    def request_block_ids(self, request_id: str) -> list[int]:
+        return []  # a prefill's KV is its own: none comes from outside
 
-    def release_blocks(self, block_ids: list[int]) -> None:
+    def land(self, request_id: str, token: int, kv=None) -> None:
+        raise ValueError("a group computes its prompts whole: no KV lands in it")
+
+    def reclaim(self) -> None:
         pass
 
     def computed_blocks(self, request_id: str, first_block: int):

@@ -17,7 +17,7 @@ from kvstore.client import KVStoreUnavailable
 from mooncake.cliargs import field_arg
 from mooncake.engine.interface import parse_vllm_args
 from mooncake.faults import message
-from mooncake.runtime.process import WorkerProcess, run_worker, when_gone
+from mooncake.runtime.process import WRITER_METADATA, WorkerProcess, process_identity, run_worker, when_gone
 from mooncake.serving.status import WORKER_STATUS
 from mooncake.serving.worker_args import engine_fields, worker_parser
 from prefill.config import PREFILL_ENGINE_DEFAULTS, PrefillConfig
@@ -99,6 +99,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         self._calls: dict[str, tuple[threading.Event, threading.Event]] = {}  # landing token -> (cancel it, it ended)
         self._aborted: dict[str, float] = {}  # tokens of calls aborted before they arrived -> when
         self._lock = threading.Lock()
+        self.identity = process_identity()
 
     def Prefill(self, request, context):
         token = request.landing.token
@@ -110,6 +111,8 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         if late:  # its caller gave up before it came: it writes nothing
             self.metrics.requests.labels("cancelled").inc()
             context.abort(grpc.StatusCode.CANCELLED, f"prefill {request.request_id} was aborted before it arrived")
+        # who writes: before any write, so a caller that gives up can tell this process's death from its silence
+        context.send_initial_metadata(((WRITER_METADATA, self.identity),))
         when_gone(context, cancelled.set)  # a caller already gone: no work at all
         m = self.metrics
         m.inflight.inc()
@@ -156,10 +159,10 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             if call is None:
                 self._aborted = {t: at for t, at in self._aborted.items() if now - at < ABORTED_KEPT_S}
                 self._aborted[token] = now
-                return wpb.AbortResponse(stopped=True)
+                return wpb.AbortResponse(stopped=True, writer=self.identity)
         cancel, ended = call
         cancel.set()
-        return wpb.AbortResponse(stopped=ended.wait(ABORT_WAIT_S))
+        return wpb.AbortResponse(stopped=ended.wait(ABORT_WAIT_S), writer=self.identity)
 
 
 def _health(worker_id: str, worker: PrefillWorker) -> tuple[bool, dict]:

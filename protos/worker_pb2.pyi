@@ -189,7 +189,9 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., landing_token: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("stopped",)
+    __slots__ = ("stopped", "writer")
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
     stopped: bool
-    def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
+    writer: str
+    def __init__(self, stopped: _Optional[bool] = ..., writer: _Optional[str] = ...) -> None: ...

@@ -36,9 +36,9 @@ def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waitin
     worker = decode_worker(tiny_dir, shm_dir, max_num_seqs=1)
     try:
         assert worker.batch_cap == 1
-        worker._in_prefill = 5  # five requests between admission and their first token (each holds landing room)
+        worker.in_prefill.count = 5  # five requests between admission and their first token (each holds landing room)
         worker._admit()  # taken: none of them is in the batch yet
-        worker._in_prefill = 0
+        worker.in_prefill.count = 0
         outputs = []
         params = SamplingParams(max_tokens=230, temperature=0.0, ignore_eos=True)
         for n in range(2):  # two land: one runs, one waits for its place (a whole batch of one)
@@ -91,14 +91,17 @@ def test_the_heartbeat_reports_the_mean_step_since_the_last_one(tiny_dir, shm_di
 
 def test_the_kv_a_worker_registers_and_reports_is_what_it_refuses_by(tiny_dir, shm_dir):
     """Its capacity (the engine's cache: prompts land there), the blocks its batch holds and those held for prompts in
-    prefill, as its heartbeat reports them: a prompt's blocks are reserved exactly when they leave room for them,
-    which is what the Conductor checks before it places one there (conductor.core.Conductor.kv_held)."""
+    prefill (the engine's own counts), as its heartbeat reports them: a prompt's blocks are taken exactly when they
+    leave room for them, which is what the Conductor checks before it places one there
+    (conductor.core.Conductor.kv_held)."""
     worker = decode_worker(tiny_dir, shm_dir)
     try:
         assert (worker.kv_blocks, worker.kv_shared, worker.kv_held) == (64, True, (0, 0))
-        _, landing = worker._reserve(40, "127.0.0.1:1")  # a prompt of 40 blocks in its prefill
-        assert worker.kv_held == (0, 40)
-        params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for n in range(5):  # five prompts of 10 blocks in their prefills: in the engine, waiting for their KV
+            worker.handoff.admit(f"p{n}", [3 + n] * 160, params, [], None, "127.0.0.1:1", [].append)
+        assert worker.kv_held == (0, 50) and worker.loop.num_running == 0 and worker.landing_room == 64
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
         worker.loop.submit_nowait([].append, prompt_token_ids=[11] * 100, sampling_params=params, request_id="a")
         deadline = time.monotonic() + 10
         while worker.loop.num_running < 1:
@@ -107,16 +110,16 @@ def test_the_kv_a_worker_registers_and_reports_is_what_it_refuses_by(tiny_dir, s
 
         def between_steps(engine):  # (on the engine's thread: no step runs meanwhile)
             running, held = worker.kv_held
-            room = worker.kv_blocks - running - held
-            over, fits = engine.reserve_blocks(room + 1), engine.reserve_blocks(room)
-            engine.release_blocks(fits)
-            return running, held, over, len(fits)
+            return running, held, worker.kv_blocks - running - held, engine.num_free_blocks
 
-        running, held, over, fits = worker.loop.call(between_steps).result(10)
-        assert held == 40 and 7 <= running <= 16  # 100 tokens and those generated so far, 16 to a block
-        assert over is None and fits == 64 - 40 - running
-        with pytest.raises(Busy, match="has no 64 free cache blocks"):
-            worker._reserve(64, "127.0.0.1:1")
-        worker.release_blocks(landing)
+        running, held, room, free = worker.loop.call(between_steps).result(10)
+        assert held == 50 and 7 <= running <= 10  # 100 tokens and those generated so far, 16 to a block
+        assert room == free == 64 - 50 - running
+        with pytest.raises(Busy, match="free KV blocks wanted"):
+            worker.handoff.admit("big", [5] * 240, SamplingParams(max_tokens=16), [], None, "127.0.0.1:1", [].append)
+        for n in range(5):  # their prefills failed: the engine drops them, and their blocks are free again
+            worker.loop.abort(f"p{n}")
+        held = worker.loop.call(lambda engine: worker.kv_held[1]).result(10)
+        assert held == 0
     finally:
         worker.close()

@@ -1,8 +1,9 @@
 """The prefill-to-decode hand-off into the decode engine's own cache, at three levels.
 
-    engine      a second engine reserves blocks, finds a prompt's KV written into them from outside, and decodes
-                from there (``add_request(kv_block_ids=)``): the tokens of one engine alone, with only the new
-                token computed; preempted, it recomputes and still gives them
+    engine      a second engine admits a request waiting for its KV (``add_request(remote_kv=True)``: it gives it
+                blocks), finds the prompt's KV written into them from outside, and decodes from there once the
+                prefill's token lands (``land``): the tokens of one engine alone, with only the new token computed;
+                preempted, it recomputes and still gives them
     connector   a prefill's PoolConnector writes the prompt's KV straight into those blocks of the other engine's
                 cache (a shared-memory segment): through the transfer engine (a slice per run of consecutive
                 blocks), mapped (tensor copies), through host staging, and by device copies (``mapped_cache``,
@@ -30,6 +31,7 @@ from conftest import RecordingConnector, make_engine
 from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.request import SamplingParams
+from mooncake.engine.scheduler import NoRoom
 from prefill.connector import PoolConnector, PrefillJob
 from transfer import TransferConfig, TransferEngine
 
@@ -78,6 +80,27 @@ def mapped_job(rid: str, prompt: list[int], cache: torch.Tensor, first: int, **k
     )
 
 
+def landing(engine: LLMEngine, prompt: list[int], rid: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """A request waiting for the KV of ``prompt`` from outside: the blocks the engine gave it."""
+    engine.add_request(prompt, greedy(max_tokens), request_id=rid, num_external_tokens=len(prompt), remote_kv=True)
+    return engine.request_block_ids(rid)
+
+
+def free_in_order(engine: LLMEngine, first: list[int]) -> None:
+    """Have the engine hand out ``first`` next, in that order (the pool gives out its empty blocks front first)."""
+    taken = [b.block_id for b in engine.pool.allocate(engine.pool.num_free_blocks)]
+    engine.pool.free(first + [b for b in taken if b not in first])
+
+
+def finish(engine: LLMEngine) -> dict:
+    final = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return final
+
+
 def land(engine: LLMEngine, block_ids: list[int], kv: torch.Tensor) -> None:
     """Write pool-layout KV [n, L, 2, bs, Hkv, D] into ``block_ids`` of the engine's cache, from outside the engine
     (as a prefill worker writes a decode worker's cache)."""
@@ -95,21 +118,17 @@ def test_a_request_on_landed_blocks_decodes_one_engines_tokens_computing_only_th
 
     recorder = RecordingConnector(keep_kv=False)
     engine = make_engine(tiny_llama.path, connector=recorder)
-    engine.reserve_blocks(2)  # so the landing blocks are not the prefill engine's block ids
-    blocks = engine.reserve_blocks(3)
+    landing(engine, prompt_of(9, seed=7), "pad")  # 2 blocks: the landing blocks are not the prefill engine's block ids
+    blocks = landing(engine, prompt, "landed")
+    assert len(blocks) == 3 and not engine.has_unfinished()  # waiting for its KV: nothing to step
     land(engine, blocks, kv)
-    rid = engine.add_request(
-        prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first], kv_block_ids=blocks
-    )
-    final = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                final[o.request_id] = o
-    assert final[rid].output_token_ids == reference
+    out = engine.land("landed", first)  # the prefill's token goes out as a sampled one
+    assert out.new_token_ids == [first] and not out.finished
+    final = finish(engine)
+    assert final["landed"].output_token_ids == reference
     # its first step computes the one token after the landed prompt, nothing of the prompt
-    assert recorder.tokens_computed(rid)[0] == (len(prompt), 1)
-    assert engine.num_reserved_blocks == 2  # the landing blocks went to the request, and were freed with it
+    assert recorder.tokens_computed("landed")[0] == (len(prompt), 1)
+    assert engine.num_landing_blocks == 2  # "pad" still waits; the landed request's blocks were freed with it
 
 
 def test_garbage_in_the_landed_blocks_shows_in_the_tokens(tiny_llama):
@@ -118,13 +137,10 @@ def test_garbage_in_the_landed_blocks_shows_in_the_tokens(tiny_llama):
     prompt = prompt_of(21, seed=1)
     first, kv = prefilled(tiny_llama.path, prompt)
     engine = make_engine(tiny_llama.path)
-    blocks = engine.reserve_blocks(3)
+    blocks = landing(engine, prompt, "r")
     land(engine, blocks, torch.zeros_like(kv))
-    rid = engine.add_request(
-        prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first], kv_block_ids=blocks
-    )
-    final = {o.request_id: o for _ in range(100) if engine.has_unfinished() for o in engine.step() if o.finished}
-    assert final[rid].output_token_ids != alone(tiny_llama.path, prompt)
+    engine.land("r", first)
+    assert finish(engine)["r"].output_token_ids != alone(tiny_llama.path, prompt)
 
 
 def test_a_preempted_landed_request_recomputes_its_prompt_and_still_gives_one_engines_tokens(tiny_llama):
@@ -133,60 +149,87 @@ def test_a_preempted_landed_request_recomputes_its_prompt_and_still_gives_one_en
     reference = alone(tiny_llama.path, prompt, max_tokens)
     first, kv = prefilled(tiny_llama.path, prompt)
     engine = make_engine(tiny_llama.path, num_kv_blocks=8)
-    blocks = engine.reserve_blocks(3)
+    blocks = landing(engine, prompt, "landed", max_tokens)
     land(engine, blocks, kv)
     engine.add_request(other, greedy(max_tokens), request_id="other")  # ahead in the batch: the landed one is preempted
-    engine.add_request(
-        prompt,
-        greedy(max_tokens),
-        request_id="landed",
-        num_external_tokens=len(prompt),
-        initial_output_token_ids=[first],
-        kv_block_ids=blocks,
-    )
-    final = {}
-    for _ in range(500):
-        if not engine.has_unfinished():
-            break
-        for o in engine.step():
-            if o.finished:
-                final[o.request_id] = o
+    engine.land("landed", first)
+    final = finish(engine)
     assert engine.scheduler.num_preemptions > 0
     assert final["landed"].output_token_ids == reference
     assert final["other"].output_token_ids == alone(tiny_llama.path, other, max_tokens)
-    assert engine.num_free_blocks == 8 and engine.num_reserved_blocks == 0
+    assert engine.num_free_blocks == 8 and engine.num_landing_blocks == 0
 
 
-def test_reserved_blocks_leave_the_free_count_until_released_and_only_reserved_blocks_are_accepted(tiny_llama):
+def test_a_landing_request_holds_its_blocks_from_admission_and_gives_them_back_however_it_ends(tiny_llama):
     engine = make_engine(tiny_llama.path, num_kv_blocks=16)
-    blocks = engine.reserve_blocks(5)
-    assert len(set(blocks)) == 5 and engine.num_free_blocks == 11 and engine.num_reserved_blocks == 5
-    assert engine.reserve_blocks(12) is None  # all or nothing
-    assert engine.num_free_blocks == 11
-
-    prompt = prompt_of(21, seed=3)
-    landed = dict(num_external_tokens=len(prompt), initial_output_token_ids=[5])
-    unreserved = [b for b in range(16) if b not in blocks][:3]
-    with pytest.raises(ValueError):
-        engine.add_request(prompt, greedy(), kv_block_ids=unreserved, **landed)
-    with pytest.raises(ValueError):  # 21 tokens take 3 blocks, not 2
-        engine.add_request(prompt, greedy(), kv_block_ids=blocks[:2], **landed)
-    with pytest.raises(ValueError):  # the same block twice
-        engine.add_request(prompt, greedy(), kv_block_ids=[blocks[0], blocks[0], blocks[1]], **landed)
-    assert engine.num_reserved_blocks == 5 and not engine.has_unfinished()  # a refused request takes nothing
-
-    engine.add_request(prompt, greedy(), kv_block_ids=blocks[:3], **landed)
-    assert engine.num_reserved_blocks == 2
-    engine.release_blocks(blocks[:3])  # the request's now: releasing them again must not free them twice
-    assert engine.num_free_blocks == 11 and engine.num_reserved_blocks == 2
-    with pytest.raises(ValueError):  # given once already
-        engine.add_request(prompt, greedy(), kv_block_ids=blocks[:3], **landed)
-
-    engine.release_blocks(blocks[3:])
-    assert engine.num_free_blocks == 13 and engine.num_reserved_blocks == 0
-    while engine.has_unfinished():
-        engine.step()
+    prompt = prompt_of(21, seed=3)  # 3 blocks
+    blocks = landing(engine, prompt, "a")
+    assert len(set(blocks)) == 3 and engine.num_free_blocks == 13 and engine.num_landing_blocks == 3
+    with pytest.raises(NoRoom):  # 14 blocks with 13 free: all or nothing
+        landing(engine, prompt_of(110, seed=4), "big")
+    with pytest.raises(ValueError):  # remote KV covers the whole sequence
+        engine.add_request(prompt, greedy(), request_id="b", num_external_tokens=20, remote_kv=True)
+    assert engine.num_free_blocks == 13 and engine.num_landing_blocks == 3  # a refused request takes nothing
+    landing(engine, prompt, "b")
+    assert engine.abort_request("b") and engine.land("b", 5) is None  # aborted: its blocks are back, nothing lands
+    assert engine.num_free_blocks == 13 and engine.num_landing_blocks == 3
+    assert engine.load() == (0, 0)  # a request waiting for its KV is not running
+    engine.land("a", 5)
+    assert engine.num_landing_blocks == 0 and engine.load() == (1, 22)
+    finish(engine)
     assert engine.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("case", ["eos", "stop-token", "length", "stop-string", "stop-string-included", "goes-on"])
+def test_the_prefills_token_is_checked_as_any_sampled_token(tiny_llama, case):
+    """The first token lands through the engine's output path: an EOS, a stop token, max_tokens or a stop string it
+    completes end the request there, as they would for any later token."""
+    prompt = prompt_of(21, seed=1)
+    first, kv = prefilled(tiny_llama.path, prompt)
+    engine = make_engine(tiny_llama.path)
+    params = {
+        "eos": SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        "stop-token": SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=(first,)),
+        "length": greedy(1),
+        "goes-on": greedy(),
+    }.get(case)
+    if params is None:
+        engine.tokenizer = FixedText({first: "ab"})
+        params = SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, stop=("b",), include_stop_str_in_output=case.endswith("included")
+        )
+    if case == "eos":
+        engine.eos_token_ids = frozenset({first})
+    engine.add_request(prompt, params, request_id="r", num_external_tokens=len(prompt), remote_kv=True)
+    land(engine, engine.request_block_ids("r"), kv)
+    out = engine.land("r", first)
+    expected = {
+        "eos": ("stop", first),
+        "stop-token": ("stop", first),
+        "length": ("length", None),
+        "stop-string": ("stop", "b"),
+        "stop-string-included": ("stop", "b"),
+    }.get(case)
+    if expected is None:
+        assert not out.finished and engine.has_unfinished()
+        return
+    assert out.finished and (out.finish_reason.value, out.stop_reason) == expected
+    assert out.output_token_ids == [first] and not engine.has_unfinished()
+    assert engine.num_free_blocks == engine.pool.num_blocks
+    if case.startswith("stop-string"):
+        assert out.text == ("ab" if case.endswith("included") else "a")
+
+
+class FixedText:
+    """A tokenizer whose tokens decode to fixed text (an engine's stop strings need one)."""
+
+    eos_token_ids = ()
+
+    def __init__(self, texts: dict[int, str]) -> None:
+        self.texts = texts
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(self.texts.get(i, "x") for i in ids)
 
 
 # -- the connector: a prefill writing straight into another engine's cache ---------------------------------------
@@ -223,11 +266,8 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         )
         cache = decode.runner.kv_cache
         assert cache.data_ptr() == torch.frombuffer(decode_node.buffer(segments[0].name), dtype=torch.uint8).data_ptr()
-        reserved = decode.reserve_blocks(9)
         # out of order, and not the prefill engine's block ids; or consecutive (one slice per K or V of a layer)
-        landing = reserved[2:7] if path == "staged-runs" else [reserved[i] for i in (8, 3, 6, 1, 5)]
-        assert path != "staged-runs" or landing == list(range(landing[0], landing[0] + 5))
-        decode.release_blocks([b for b in reserved if b not in landing])
+        landing_blocks = list(range(2, 7)) if path == "staged-runs" else [8, 3, 6, 1, 5]
         prefill_node.add_segment(segments[0])
 
         connector = _TableConnector(prefill_node, None, BS, io_timeout_s=30)
@@ -245,7 +285,7 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
             segments[0].name,
             [],
             pool_slots={0: 5, 2: 1},
-            landing_blocks=landing,
+            landing_blocks=landing_blocks,
             landing_num_blocks=cache.shape[2],
             mapped_cache=cache if path in ("mapped", "device-copy") else None,
             store_later=store_later,
@@ -264,8 +304,8 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
 
         source = prefill.runner.kv_cache[:, :, connector.tables["r"][:n]]  # [L, 2, n, bs, Hkv, D]
         assert source.abs().sum() > 0
-        assert torch.equal(cache[:, :, landing], source)  # byte for byte, the partial block's zero tail included
-        others = [b for b in range(cache.shape[2]) if b not in landing]
+        assert torch.equal(cache[:, :, landing_blocks], source)  # byte for byte, the partial block's zero tail included
+        others = [b for b in range(cache.shape[2]) if b not in landing_blocks]
         assert not cache[:, :, others].any()  # nothing outside the grant was written
         # the pool slots got the prompt's blocks 0 and 2 (after the answer when stored later), nothing else
         assert torch.equal(connector.pool[5], source[:, :, 0]) and torch.equal(connector.pool[1], source[:, :, 2])
@@ -278,11 +318,10 @@ def test_a_prefill_writes_the_prompt_into_the_granted_blocks_of_the_decode_cache
         assert prefill.num_free_blocks == 32
 
         # the decode engine takes the landed blocks as they are and decodes one engine's tokens
-        rid = decode.add_request(
-            prompt, greedy(), num_external_tokens=len(prompt), initial_output_token_ids=[first], kv_block_ids=landing
-        )
-        final = {o.request_id: o for _ in range(100) if decode.has_unfinished() for o in decode.step() if o.finished}
-        assert final[rid].output_token_ids == alone(tiny_llama.path, prompt)
+        free_in_order(decode, landing_blocks)
+        assert landing(decode, prompt, "r") == landing_blocks
+        decode.land("r", first)
+        assert finish(decode)["r"].output_token_ids == alone(tiny_llama.path, prompt)
         assert decode.num_free_blocks == 16
     finally:
         prefill_node.close()
@@ -388,11 +427,11 @@ def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_di
     sender = TransferEngine(TransferConfig(node=f"prefill-{uuid.uuid4().hex[:6]}", backend="tcp", serve=False))
     try:
         cache = worker.engine.runner.kv_cache
-        assert worker.cache_segment is not None and worker.cache_num_blocks == cache.shape[2] == 16
+        assert worker.cache_segment is not None and worker.cache.num_blocks == cache.shape[2] == 16
         sender.add_segment(worker.cache_segment)
-        reserved = worker.loop.call(lambda engine: engine.reserve_blocks(6)).result()
+        reserved = list(range(6))  # the cache is the engine's, but no request holds a block of it here
         granted, outside = reserved[1:4][::-1], reserved[5]
-        worker._grants["live"] = frozenset(granted)  # as the decode worker grants them for one Prefill call
+        live = worker.grants.grant(granted)  # as the decode worker grants them for one Prefill call
 
         connector = _TableConnector(sender, None, bs, io_timeout_s=10)
         prefill = make_engine(tiny_dir, connector=connector, block_size=bs, max_num_batched_tokens=16)
@@ -415,24 +454,23 @@ def test_over_tcp_a_prefill_writes_only_the_cache_blocks_its_grant_names(tiny_di
                 prefill.step()
             return job
 
-        job = push("granted", granted, "live")
+        job = push("granted", granted, live)
         assert job.error is None and job.pushed == 3
         source = prefill.runner.kv_cache[:, :, connector.tables["granted"][:3]]
         assert source.abs().sum() > 0 and torch.equal(cache[:, :, granted], source)
 
-        assert isinstance(push("one-block-too-far", granted[:2] + [outside], "live").error, TransferError)
+        assert isinstance(push("one-block-too-far", granted[:2] + [outside], live).error, TransferError)
         assert isinstance(push("no-grant", [outside, reserved[0], reserved[4]], "stale").error, TransferError)
         # blocks consecutive on both sides go as one slice per layer and K or V: one block of it outside the grant
         # refuses the whole slice
-        assert reserved == list(range(reserved[0], reserved[0] + 6))  # a fresh engine hands out consecutive blocks
         lengths = []
         write = sender.write
         sender.write = lambda local, slices: lengths.extend(s.length for s in slices) or write(local, slices)
-        assert isinstance(push("a-run-one-block-too-far", reserved[2:5], "live").error, TransferError)
+        assert isinstance(push("a-run-one-block-too-far", reserved[2:5], live).error, TransferError)
         assert max(lengths) > worker.block_bytes // (2 * cache.shape[0])  # a slice longer than one block's K
         others = [b for b in range(16) if b not in granted]
         assert not cache[:, :, others].any()  # refused writes wrote nothing
-        job = push("a-run", reserved[1:4], "live")
+        job = push("a-run", reserved[1:4], live)
         assert job.error is None and torch.equal(cache[:, :, reserved[1:4]], source)
     finally:
         sender.close()

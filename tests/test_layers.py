@@ -230,9 +230,9 @@ def test_every_engine_a_worker_hosts_has_the_whole_interface():
     """The workers call only what ``WorkerEngine`` declares, with no ``getattr`` fallbacks: so ours, vLLM's and a
     pipelined group's engine must each have every member of it."""
     declared = _members("mooncake/engine/interface.py", "WorkerEngine", assigned=False)
-    assert {"add_request", "step", "kv_cache", "num_reserved_blocks", "block_bytes"} <= declared
+    assert {"add_request", "step", "kv_cache", "num_landing_blocks", "land", "block_bytes"} <= declared
     wanted = _parameters("mooncake/engine/interface.py", "WorkerEngine", "add_request")
-    assert {"external_kv", "kv_block_ids", "chunk_tokens"} <= wanted
+    assert {"external_kv", "remote_kv", "chunk_tokens"} <= wanted
     for path, name in ENGINES.items():
         missing = declared - _members(path, name)
         assert not missing, f"{name} ({path}) lacks {sorted(missing)} of WorkerEngine"

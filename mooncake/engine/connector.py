@@ -58,6 +58,9 @@ class KVConnector:
 
     stops_cancelled_steps = False  # its engine catches StepCancelled (ours sets it; vLLM's forward must not break off)
 
+    def bind(self, kv_cache: torch.Tensor) -> None:
+        """The engine's paged cache, once built (a connector that moves KV out of it keeps it)."""
+
     def start_step(self, step: ConnectorStep) -> None:
         """Called before the first layer of every step."""
 

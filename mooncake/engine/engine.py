@@ -32,6 +32,7 @@ from mooncake.engine.loader import generation_eos_ids, load_model, model_identit
 from mooncake.engine.request import (
     FinishReason,
     Request,
+    RequestStatus,
     SamplingParams,
     TokenLogprob,
     checked_prompt,
@@ -39,7 +40,7 @@ from mooncake.engine.request import (
     shown_output_ids,
 )
 from mooncake.engine.runner import ModelRunner
-from mooncake.engine.scheduler import Scheduler
+from mooncake.engine.scheduler import NoRoom, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,6 @@ class LLMEngine:
             | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         )
         self._ids = itertools.count()
-        self._reserved: set[int] = set()  # blocks out of the pool for KV written from outside (reserve_blocks)
 
     # -- requests -------------------------------------------------------------------
 
@@ -154,7 +154,7 @@ class LLMEngine:
         external_kv: torch.Tensor | None = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
-        kv_block_ids: list[int] | None = None,
+        remote_kv: bool = False,
         chunk_tokens: int = 0,
         ahead: bool = False,
     ) -> str:
@@ -162,13 +162,13 @@ class LLMEngine:
 
         ``external_kv`` [n, L, 2, block_size, Hkv, D] (pool layout) holds the KV of the
         sequence's first ``num_external_tokens`` tokens, imported into the cache when the
-        request is admitted so it starts with ``num_computed_tokens > 0`` (the decode
-        worker's path). ``initial_output_token_ids`` are tokens already generated
-        elsewhere (the prefill worker's first token); they count toward ``max_tokens``.
+        request is admitted so it starts with ``num_computed_tokens > 0``. ``initial_output_token_ids``
+        are tokens already generated elsewhere; they count toward ``max_tokens``.
 
-        ``kv_block_ids`` (instead of ``external_kv``): blocks from ``reserve_blocks`` that already hold the KV of the
-        first ``num_external_tokens`` tokens (a prefill worker wrote them in place); the request owns them from here
-        and starts with that KV computed, with no copy. Preempted, it recomputes it.
+        ``remote_kv`` (instead of ``external_kv``): the KV of the whole sequence (``num_external_tokens`` of it) is
+        written from outside into blocks the request is given now (``request_block_ids``): it waits for it until
+        ``land`` (its connector's scheduler side holds those blocks past an abort while a writer may still write).
+        Raises NoRoom when too few blocks are free.
 
         ``chunk_tokens``: the most of its tokens one step computes (0: as many as the step's budget leaves).
         ``ahead``: it starts before the requests already waiting (not before those running): a prefill worker's retry
@@ -179,19 +179,18 @@ class LLMEngine:
             prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None
         )
         outputs = list(initial_output_token_ids or [])
-        if params.prompt_logprobs is not None and (external_kv is not None or outputs):
+        if params.prompt_logprobs is not None and (external_kv is not None or remote_kv or outputs):
             raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
         if len(outputs) >= params.max_tokens:
             raise ValueError("initial_output_token_ids already reach max_tokens")
-        if external_kv is not None and kv_block_ids is not None:
-            raise ValueError("external_kv and kv_block_ids are two ways of giving the same KV: give one")
-        if external_kv is not None or kv_block_ids is not None:
-            total = len(prompt) + len(outputs)
+        total = len(prompt) + len(outputs)
+        if external_kv is not None and remote_kv:
+            raise ValueError("external_kv and remote_kv are two ways of giving the same KV: give one")
+        if remote_kv and num_external_tokens != total:
+            raise ValueError(f"remote KV covers the whole sequence of {total} tokens, not {num_external_tokens}")
+        if external_kv is not None:
             if not 0 < num_external_tokens < total:
                 raise ValueError(f"num_external_tokens must be in [1, {total - 1}], got {num_external_tokens}")
-        if kv_block_ids is not None:
-            self._check_landed(kv_block_ids, num_external_tokens)
-        if external_kv is not None:
             n_blocks = -(-num_external_tokens // self.block_size)
             if tuple(external_kv.shape[1:]) != self.runner.block_shape or external_kv.shape[0] < n_blocks:
                 raise ValueError(
@@ -208,51 +207,45 @@ class LLMEngine:
             output_token_ids=outputs,
             external_kv=external_kv,
             num_external_tokens=num_external_tokens if external_kv is not None else 0,
-            block_ids=list(kv_block_ids or ()),
-            num_landed_tokens=num_external_tokens if kv_block_ids is not None else 0,
+            num_landed_tokens=num_external_tokens if remote_kv else 0,
             chunk_tokens=max(0, chunk_tokens),
         )
         if params.grammar is not None:
             self._grammars().add(rid, params.grammar, outputs)
         try:
-            self.scheduler.add_request(request, ahead=ahead)
-        except ValueError:
+            if remote_kv:
+                self.scheduler.add_landing(request)
+            else:
+                self.scheduler.add_request(request, ahead=ahead)
+        except (ValueError, NoRoom):
             self.runner.drop_request(rid)
             raise
-        if kv_block_ids is not None:
-            self._reserved.difference_update(kv_block_ids)  # the request's now: freed with it
         if params.seed is not None:
-            self.runner.add_generator(rid, params.seed, num_sampled=len(outputs))
+            self.runner.add_generator(rid, params.seed, num_sampled=len(outputs) + remote_kv)
         return rid
 
-    def _check_landed(self, block_ids: list[int], num_tokens: int) -> None:
-        need = -(-num_tokens // self.block_size)
-        if len(block_ids) != need:
-            raise ValueError(f"{len(block_ids)} blocks given for {num_tokens} tokens, which take {need}")
-        if not self._reserved.issuperset(block_ids) or len(set(block_ids)) != len(block_ids):
-            raise ValueError(
-                "kv_block_ids are not all blocks reserved by reserve_blocks and not yet given to a request"
-            )
-
-    def reserve_blocks(self, n: int) -> list[int] | None:
-        """Take ``n`` free cache blocks out of the pool for KV written from outside (a prefill writing a prompt into
-        this engine's cache), or None when fewer are free. They are the caller's until ``add_request(kv_block_ids=)``
-        or ``release_blocks``. Engine thread only."""
-        if n > self.pool.num_free_blocks:
+    def land(self, request_id: str, token: int, kv: torch.Tensor | None = None) -> RequestOutput | None:
+        """The KV of a ``remote_kv`` request is here and its prefill sampled ``token``: the token's output, made and
+        checked as any sampled token's (finished if it stops the request; else the request decodes from the next
+        step). The KV is in the request's blocks, or in ``kv`` [n, L, 2, bs, Hkv, D] (landing slots), imported into
+        them when it is scheduled. None when the request no longer waits for it (aborted)."""
+        req = self.scheduler.landing.get(request_id)
+        if req is None:
             return None
-        ids = [b.block_id for b in self.pool.allocate(n)]
-        self._reserved.update(ids)
-        return ids
-
-    def release_blocks(self, block_ids: list[int]) -> None:
-        """Give reserved blocks that never went to a request back to the pool (their prefill failed). Engine thread."""
-        mine = [b for b in block_ids if b in self._reserved]
-        self._reserved.difference_update(mine)
-        self.pool.free(mine)
+        if kv is not None:
+            n_blocks = len(req.block_ids)
+            if tuple(kv.shape[1:]) != self.runner.block_shape or kv.shape[0] < n_blocks:
+                raise ValueError(f"landed KV of shape {tuple(kv.shape)} does not hold {n_blocks} blocks")
+            req.external_kv, req.num_external_tokens = kv, req.num_landed_tokens
+        self.scheduler.land(request_id, token)
+        if req.sampling_params.grammar is not None and not req.status.finished:
+            self.runner.grammars.accept(request_id, token)
+        return self._output(req, req.status.finished, None)
 
     @property
-    def num_reserved_blocks(self) -> int:
-        return len(self._reserved)
+    def num_landing_blocks(self) -> int:
+        """Blocks held by requests whose KV is on its way (a decode worker's heartbeat reports them)."""
+        return self.scheduler.num_landing_blocks
 
     @property
     def step_tokens(self) -> int:
@@ -299,9 +292,10 @@ class LLMEngine:
         return self.args.vocab_size
 
     def load(self) -> tuple[int, int]:
-        """(requests in the engine, their tokens so far); read on the engine's thread after a step."""
-        requests = self.scheduler.requests
-        return len(requests), sum(r.num_tokens for r in requests.values())
+        """(requests in the engine, their tokens so far; not those whose KV is on its way); read on the engine's thread
+        after a step."""
+        requests = [r for r in self.scheduler.requests.values() if r.status != RequestStatus.WAITING_FOR_REMOTE_KV]
+        return len(requests), sum(r.num_tokens for r in requests)
 
     def computed_blocks(
         self, request_id: str, first_block: int
@@ -333,13 +327,17 @@ class LLMEngine:
         self.runner.drop_request(request.request_id)
         return bool(self.connector.request_finished(request.request_id, list(request.block_ids)))
 
+    def reclaim(self) -> None:
+        """Free the blocks the connector has let go of (``KVConnector.released_blocks``); every step does first."""
+        released = self.connector.released_blocks()
+        if released:
+            self.pool.free(released)
+
     # -- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs for every request that got a token."""
-        released = self.connector.released_blocks()
-        if released:
-            self.pool.free(released)
+        self.reclaim()
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_batched_tokens  # what the step computed (EngineLoop's samples)
         try:
@@ -358,39 +356,39 @@ class LLMEngine:
         results = []
         for s in out.scheduled:
             req = s.request
-            if req.request_id not in sampled.tokens:
-                continue  # a prompt chunk short of the end: nothing to report yet
-            done = id(req) in finished
-            if req.sampling_params.stop:
-                stop = self._match_stop_string(req)
-                if stop is not None and not done:
-                    self.scheduler.finish(req, FinishReason.STOP, stop)
-                    done = True
-                elif stop is not None:
-                    # The token that hit max_tokens / EOS also completed a stop string:
-                    # the stop string is the reason (the request is already freed).
-                    req.finish_reason, req.stop_reason = FinishReason.STOP, stop
-            elif done and self.tokenizer is not None:
-                shown = shown_output_ids(req.output_token_ids, req.sampling_params, isinstance(req.stop_reason, int))
-                req.output_text = self.tokenizer.decode(shown, req.sampling_params.skip_special_tokens)
-            results.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    output_token_ids=list(req.output_token_ids),
-                    new_token_ids=[req.output_token_ids[-1]],
-                    finished=done,
-                    finish_reason=req.finish_reason if done else None,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens,
-                    text=req.output_text,
-                    stop_reason=req.stop_reason if done else None,
-                    new_logprobs=[sampled.logprobs[req.request_id]] if req.request_id in sampled.logprobs else None,
-                    prompt_logprobs=list(req.prompt_logprobs)
-                    if (len(req.output_token_ids) == 1 or done) and req.sampling_params.prompt_logprobs is not None
-                    else None,
-                )
-            )
+            if req.request_id in sampled.tokens:  # else a prompt chunk short of the end: nothing to report yet
+                results.append(self._output(req, id(req) in finished, sampled.logprobs.get(req.request_id)))
         return results
+
+    def _output(self, req: Request, done: bool, logprob: TokenLogprob | None) -> RequestOutput:
+        """The output of ``req``'s newest token (``done``: the scheduler finished it), after the stop strings."""
+        if req.sampling_params.stop:
+            stop = self._match_stop_string(req)
+            if stop is not None and not done:
+                self.scheduler.finish(req, FinishReason.STOP, stop)
+                done = True
+            elif stop is not None:
+                # The token that hit max_tokens / EOS also completed a stop string:
+                # the stop string is the reason (the request is already freed).
+                req.finish_reason, req.stop_reason = FinishReason.STOP, stop
+        elif done and self.tokenizer is not None:
+            shown = shown_output_ids(req.output_token_ids, req.sampling_params, isinstance(req.stop_reason, int))
+            req.output_text = self.tokenizer.decode(shown, req.sampling_params.skip_special_tokens)
+        return RequestOutput(
+            request_id=req.request_id,
+            output_token_ids=list(req.output_token_ids),
+            new_token_ids=[req.output_token_ids[-1]],
+            finished=done,
+            finish_reason=req.finish_reason if done else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            text=req.output_text,
+            stop_reason=req.stop_reason if done else None,
+            new_logprobs=[logprob] if logprob is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs)
+            if (len(req.output_token_ids) == 1 or done) and req.sampling_params.prompt_logprobs is not None
+            else None,
+        )
 
     def _match_stop_string(self, req: Request) -> str | None:
         """Update ``req.output_text``; return the earliest stop string it now contains, if any."""

@@ -6,10 +6,12 @@ thread, and every call below happens on that thread:
 
     add_request(prompt_token_ids, sampling_params, request_id,
                 external_kv=..., num_external_tokens=...,    the prompt's leading KV, in the pool
-                initial_output_token_ids=...,                layout, imported layer by layer (or,
-                kv_block_ids=..., chunk_tokens=...,          ours: already in reserved blocks)
-                ahead=...)                                   before those waiting (vLLM: ignored)
-    reserve_blocks(n), release_blocks(ids)                    cache blocks a prefill writes in place (ours)
+                initial_output_token_ids=...,                layout, imported layer by layer
+                chunk_tokens=..., ahead=...)                 before those waiting (vLLM: ignored)
+    add_request(..., remote_kv=True)                          the whole sequence's KV comes from a prefill
+    request_block_ids(id), land(id, token, kv)                elsewhere: it waits for it (ours: in blocks given
+                                                              it now, written in place; or kv from slots), then
+                                                              the prefill's token goes out as a sampled one
     step() -> [RequestOutput]                                 one scheduling step
     abort_request(request_id), has_unfinished(), load(), set_max_num_seqs(n)
 
@@ -73,10 +75,7 @@ class WorkerEngine(Protocol):
 
     vocab_size: int
 
-    @property
-    def num_reserved_blocks(self) -> int:
-        """Cache blocks held for KV still to arrive (a decode worker's landings); 0 where the engine holds none."""
-        ...
+    num_landing_blocks: int  # cache blocks held for KV still to arrive (remote_kv requests); 0 where none are
 
     @property
     def step_tokens(self) -> int:
@@ -94,7 +93,7 @@ class WorkerEngine(Protocol):
         external_kv: Any = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
-        kv_block_ids: list[int] | None = None,  # blocks from reserve_blocks the prompt's KV was written into
+        remote_kv: bool = False,  # the whole sequence's KV comes from elsewhere: it waits for ``land``
         chunk_tokens: int = 0,  # the most of its tokens one step computes (0: the step's budget)
         ahead: bool = False,  # before the requests waiting to start (a retry that outlived a failure)
     ) -> str: ...
@@ -109,14 +108,18 @@ class WorkerEngine(Protocol):
 
     def set_max_num_seqs(self, n: int) -> None: ...
 
-    def reserve_blocks(self, n: int) -> list[int] | None:
-        """``n`` blocks of ``kv_cache`` held for KV a prefill elsewhere writes in place, or None (fewer are free, or the
-        engine lends none: vLLM's KV lands in slots). They are the caller's until ``add_request(kv_block_ids=)``
-        (ours) or ``release_blocks``."""
+    def request_block_ids(self, request_id: str) -> list[int]:
+        """The blocks of ``kv_cache`` a request holds (a ``remote_kv`` one's: where a prefill may write its KV in place;
+        none where the engine lends none: vLLM's KV lands in slots)."""
         ...
 
-    def release_blocks(self, block_ids: list[int]) -> None:
-        """Give reserved blocks that never went to a request back (their prefill failed)."""
+    def land(self, request_id: str, token: int, kv: Any = None) -> RequestOutput | None:
+        """A ``remote_kv`` request's KV is here (in its blocks, or ``kv`` from landing slots) and its prefill sampled
+        ``token``: the token's output, checked as any sampled token's. None when the request was aborted."""
+        ...
+
+    def reclaim(self) -> None:
+        """Free the blocks its connector let go of (held past a request's end while a writer might still write)."""
         ...
 
     def computed_blocks(self, request_id: str, first_block: int) -> tuple[list[bytes], torch.Tensor | None]:

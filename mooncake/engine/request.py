@@ -12,6 +12,7 @@ from mooncake.blocks import KeyChain
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its blocks given, a prefill elsewhere writing its KV into them
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"

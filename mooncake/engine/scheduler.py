@@ -13,6 +13,11 @@ half-done prompt takes the next chunk), then waiting requests are admitted with 
 is left. When the block pool runs dry the newest running request is preempted: its
 blocks are freed (they stay in the prefix cache until evicted) and it goes back to the
 front of the queue, to be recomputed.
+
+A request whose prompt's KV a prefill elsewhere computes (a decode worker's) enters with
+``add_landing``: it is given its blocks at once and waits for its KV (vLLM's
+WAITING_FOR_REMOTE_KVS) until ``land`` hands it the prefill's token, which is checked for
+a stop as every sampled token is; then it queues for a place in the batch.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mooncake.engine.block_pool import BlockPool
-from mooncake.engine.request import FinishReason, Request, RequestStatus
+from mooncake.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 
 
 @dataclass(slots=True)
@@ -57,6 +62,10 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class NoRoom(Exception):
+    """Too few free blocks for a landing request's KV now (its worker answers busy; the Conductor places elsewhere)."""
+
+
 class Scheduler:
     """Owns the waiting queue, the running batch and every request's block table."""
 
@@ -81,6 +90,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.landing: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks held, KV on its way
+        self.num_landing_blocks = 0  # their blocks (a count: other threads read it as a snapshot)
         self.num_preemptions = 0
         self._num_named: dict[str, int] = {}  # blocks already offered to the prefix cache
 
@@ -89,14 +100,7 @@ class Scheduler:
     def add_request(self, request: Request, ahead: bool = False) -> None:
         """Queue ``request`` behind those waiting, or (``ahead``) before them: behind those that came ahead before it
         and those preempted, which wait at the front already."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        blocks_needed = -(-min(request.num_prompt_tokens + 1, self.max_model_len) // self.block_size)
-        if blocks_needed > self.pool.num_blocks:
-            raise ValueError(
-                f"prompt of {request.num_prompt_tokens} tokens needs {blocks_needed} KV blocks; "
-                f"the cache has {self.pool.num_blocks}"
-            )
+        self._check_new(request)
         self.requests[request.request_id] = request
         if ahead:
             request.ahead = True
@@ -109,6 +113,43 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
+    def _check_new(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        blocks_needed = -(-min(request.num_prompt_tokens + 1, self.max_model_len) // self.block_size)
+        if blocks_needed > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens needs {blocks_needed} KV blocks; "
+                f"the cache has {self.pool.num_blocks}"
+            )
+
+    def add_landing(self, request: Request) -> None:
+        """Give ``request`` blocks for its first ``num_landed_tokens`` tokens now and hold it there while a prefill
+        elsewhere writes their KV (``block_ids``: where). Raises NoRoom (too few free blocks) or ValueError."""
+        self._check_new(request)
+        need = -(-request.num_landed_tokens // self.block_size)
+        if need > self.pool.num_free_blocks:
+            raise NoRoom(
+                f"{need} free KV blocks wanted for {request.num_landed_tokens} tokens; {self.pool.num_free_blocks} free"
+            )
+        request.block_ids = [b.block_id for b in self.pool.allocate(need)]
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.landing[request.request_id] = request
+        self.num_landing_blocks += need
+
+    def land(self, request_id: str, token: int) -> Request:
+        """The KV of a landing request is in its blocks and its prefill sampled ``token``: the token counts as
+        generated and is checked as any sampled token (a stop finishes the request here); else the request queues for
+        a place in the batch. Raises KeyError for a request not landing (aborted meanwhile)."""
+        req = self.landing.pop(request_id)
+        self.num_landing_blocks -= len(req.block_ids)
+        req.status = RequestStatus.WAITING
+        req.append_output_token(token)
+        self.waiting.append(req)
+        self._stopped(req, token)
+        return req
+
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is and free its blocks; None if unknown or done."""
         request = self.requests.get(request_id)
@@ -116,15 +157,20 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.landing[request_id]
+            self.num_landing_blocks -= len(request.block_ids)
         else:
             self.waiting.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
         return request
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        """End a running request (e.g. the engine matched a stop string)."""
+        """End a running or queued request (e.g. the engine matched a stop string)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
         request.stop_reason = stop_reason
         status = RequestStatus.FINISHED_LENGTH if reason == FinishReason.LENGTH else RequestStatus.FINISHED_STOPPED
         self._finish(request, status, reason)
@@ -197,17 +243,18 @@ class Scheduler:
                 continue
             token = sampled[req.request_id]
             req.append_output_token(token)
-            params = req.sampling_params
-            if token in params.stop_token_ids:
-                self.finish(req, FinishReason.STOP, token)
-            elif not params.ignore_eos and token in req.eos_token_ids:
-                self.finish(req, FinishReason.STOP, token)
-            elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_seq_len:
-                self.finish(req, FinishReason.LENGTH)
-            else:
-                continue
-            finished.append(req)
+            if self._stopped(req, token):
+                finished.append(req)
         return finished
+
+    def _stopped(self, req: Request, token: int) -> bool:
+        """Did ``token``, just appended, end ``req``? (finished here when it did)."""
+        end = token_finish(
+            token, req.sampling_params, req.eos_token_ids, req.num_output_tokens, req.num_tokens, self.max_seq_len
+        )
+        if end is not None:
+            self.finish(req, *end)
+        return end is not None
 
     # -- internals ------------------------------------------------------------------
 
@@ -271,3 +318,21 @@ class Scheduler:
         req.external_kv = None
         self._num_named.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
+
+
+def token_finish(
+    token: int,
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    num_output_tokens: int,
+    num_tokens: int,
+    max_seq_len: int,
+) -> tuple[FinishReason, int | None] | None:
+    """Does ``token``, a request's newest output (its ``num_output_tokens``-th, the sequence then ``num_tokens`` long),
+    end it? (reason, stop reason) or None: a stop or EOS token, ``max_tokens``, or the longest sequence. The one rule
+    for every sampled token, a prefill's first included; stop strings, matched on text, are the engine's."""
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return FinishReason.STOP, token
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_seq_len:
+        return FinishReason.LENGTH, None
+    return None

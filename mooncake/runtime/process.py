@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -15,6 +16,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from mooncake import tls
+from transfer.types import host_id, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +135,31 @@ def run_worker(args: argparse.Namespace, worker, spec: WorkerProcess, registry) 
     status.shutdown()
     worker.close()
     return 0
+
+
+WRITER_METADATA = "mooncake-writer"  # a Prefill call's first metadata: the process that writes (process_identity)
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or "" when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def process_identity() -> str:
+    """This process, as another process can check it is gone: ``host/pid/start``. A pid is reused; with the start time
+    and the host (hostname and boot id) it names one process for ever."""
+    return f"{host_id()}/{os.getpid()}/{_start_time(os.getpid())}"
+
+
+def process_gone(identity: str) -> bool:
+    """Is the process ``identity`` (``process_identity``) proven gone? Only on its own host; False elsewhere (there
+    is no telling), and for an identity that does not parse."""
+    parts = identity.rsplit("/", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or parts[0] != host_id():
+        return False
+    pid, start = int(parts[1]), parts[2]
+    return not pid_alive(pid) or _start_time(pid) != start

@@ -59,8 +59,9 @@ class EngineLoop:
 
     # -- from any thread ---------------------------------------------------------------
 
-    def submit_nowait(self, sink: Sink, **add_request_kwargs) -> Future:
-        """Queue ``engine.add_request(**kwargs)``; the future holds the request id or its ValueError."""
+    def submit_nowait(self, sink: Sink, then: Callable | None = None, **add_request_kwargs) -> Future:
+        """Queue ``engine.add_request(**kwargs)``; the future holds the request id (or ``then(engine, id)``, run right
+        after on the loop thread) or add_request's error."""
         done: Future = Future()
 
         def add() -> None:
@@ -72,7 +73,7 @@ class EngineLoop:
                 done.set_exception(e)
                 return
             self._sinks[rid] = sink
-            done.set_result(rid)
+            done.set_result(then(self.engine, rid) if then is not None else rid)
 
         self._queue(add, done)
         return done
@@ -88,6 +89,19 @@ class EngineLoop:
             self.engine.abort_request(request_id)
 
         self._queue(abort)
+
+    def land(self, request_id: str, token: int, kv=None) -> Future:
+        """``engine.land``: a request's KV landed (in its blocks, or ``kv``) with its prefill's token; the token's
+        output goes to the request's sink as every output does. The future holds whether the request was still there
+        (not aborted)."""
+
+        def land(engine: WorkerEngine) -> bool:
+            out = engine.land(request_id, token, kv)
+            if out is not None:
+                self._deliver([out])
+            return out is not None
+
+        return self.call(land)
 
     def call(self, fn: Callable[[WorkerEngine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps (for reads such as export_kv)."""
@@ -119,6 +133,17 @@ class EngineLoop:
 
     # -- the loop thread ----------------------------------------------------------------
 
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+            if sink is not None:
+                try:
+                    sink(out)
+                except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
+                    log.exception("output sink of %s failed", out.request_id)
+
     def _run(self) -> None:
         engine = self.engine
         while not self._closed:
@@ -147,15 +172,7 @@ class EngineLoop:
             if outputs:
                 # tokens it computed: more than one a request when a prompt's chunk rode on it
                 self.steps.append(StepSample(len(outputs), self.context_tokens, seconds, engine.last_step_tokens))
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if out.finished:
-                    self._sinks.pop(out.request_id, None)
-                if sink is not None:
-                    try:
-                        sink(out)
-                    except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
-                        log.exception("output sink of %s failed", out.request_id)
+            self._deliver(outputs)
         for rid, sink in list(self._sinks.items()):
             sink(RuntimeError("the engine loop closed"))
         self._sinks.clear()

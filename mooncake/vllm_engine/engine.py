@@ -48,6 +48,7 @@ from mooncake.engine.request import (
     match_stop_string,
     shown_output_ids,
 )
+from mooncake.engine.scheduler import token_finish
 from mooncake.engine.weights import load_hf_config
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 from mooncake.vllm_engine.kv_spec import layout_of_kv_cache, layout_of_model_config, vllm_reason
@@ -160,6 +161,7 @@ class VllmEngine:
             | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         )
         self._reqs: dict[str, _Tracked] = {}
+        self._landing: dict[str, dict[str, Any]] = {}  # remote_kv requests waiting for their KV: add_request's keywords
         self._ids = 0
         self._threaded: int | None = None  # the thread whose torch thread count was set
         log.info(
@@ -217,14 +219,53 @@ class VllmEngine:
     def num_free_blocks(self) -> int:
         return self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks()
 
-    num_reserved_blocks = 0  # its cache is vLLM's: KV lands in slots and joins through the connector
+    num_landing_blocks = 0  # its cache is vLLM's: KV lands in slots and joins through the connector
     kv_cache = None  # vLLM's own: nothing outside writes it
 
-    def reserve_blocks(self, n: int) -> None:
-        return None  # KV for it lands in the decode worker's slots
+    def request_block_ids(self, request_id: str) -> list[int]:
+        return []  # a request's KV lands in the decode worker's slots (land)
 
-    def release_blocks(self, block_ids: list[int]) -> None:
+    def reclaim(self) -> None:
         pass
+
+    def land(self, request_id: str, token: int, kv: Any = None) -> RequestOutput | None:
+        """A ``remote_kv`` request's KV is in ``kv`` (landing slots, the pool layout) and its prefill sampled ``token``:
+        the token's output, checked by the rule every engine's scheduler applies (``token_finish``) and our stop
+        strings; unless it ends the request, vLLM is given it (prompt + outputs, their KV loaded). None when the
+        request no longer waits (aborted)."""
+        args = self._landing.pop(request_id, None)
+        if args is None:
+            return None
+        params, prompt = args["sampling_params"] or SamplingParams(), args["prompt_token_ids"]
+        outputs = [*args["initial_output_token_ids"], token]
+        end = token_finish(
+            token, params, self.eos_token_ids, len(outputs), len(prompt) + len(outputs), self.max_model_len
+        )
+        text, stop = "", None
+        if params.stop:
+            text, stop = match_stop_string(self.tokenizer.decode(outputs, params.skip_special_tokens), "", params)
+            if stop is not None:
+                end = (FinishReason.STOP, stop)
+        elif end is not None and self.tokenizer is not None:
+            shown = shown_output_ids(outputs, params, isinstance(end[1], int))
+            text = self.tokenizer.decode(shown, params.skip_special_tokens)
+        if end is None:
+            self.add_request(
+                **dict(args, initial_output_token_ids=outputs),
+                external_kv=kv,
+                num_external_tokens=len(prompt) + len(outputs) - 1,
+            )
+        return RequestOutput(
+            request_id=request_id,
+            output_token_ids=outputs,
+            new_token_ids=[token],
+            finished=end is not None,
+            finish_reason=end[0] if end is not None else None,
+            num_prompt_tokens=len(prompt),
+            num_cached_tokens=0,
+            text=text,
+            stop_reason=end[1] if end is not None else None,
+        )
 
     last_step_tokens = 0  # vLLM does not say what a step computed: one token per output (set by step)
 
@@ -237,16 +278,25 @@ class VllmEngine:
         external_kv: Any = None,
         num_external_tokens: int = 0,
         initial_output_token_ids: list[int] | None = None,
-        kv_block_ids: list[int] | None = None,
+        remote_kv: bool = False,
         chunk_tokens: int = 0,
         ahead: bool = False,
     ) -> str:
         """Queue a request (see the module docstring for what vLLM is given). Raises ValueError for bad input, and
-        for what only our engine does (``kv_block_ids``: it lends no blocks; ``chunk_tokens``: vLLM's scheduler
-        chunks). ``ahead`` is ignored: vLLM's first-come-first-served scheduler takes no request out of turn (its
-        priority policy would, but it also preempts running requests by priority)."""
-        if kv_block_ids or chunk_tokens:
-            raise ValueError("kv_block_ids and chunk_tokens are our engine's: vLLM lends no blocks and chunks itself")
+        for what only our engine does (``chunk_tokens``: vLLM's scheduler chunks). ``ahead`` is ignored: vLLM's
+        first-come-first-served scheduler takes no request out of turn (its priority policy would, but it also preempts
+        running requests by priority). ``remote_kv``: the request waits, outside vLLM, for its KV and its prefill's
+        token (``land``)."""
+        if chunk_tokens:
+            raise ValueError("chunk_tokens are our engine's: vLLM's scheduler chunks itself")
+        if remote_kv:
+            return self._wait_for_kv(
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=sampling_params,
+                request_id=request_id,
+                cache_salt=cache_salt,
+                initial_output_token_ids=list(initial_output_token_ids or []),
+            )
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -320,6 +370,19 @@ class VllmEngine:
         )
         return rid
 
+    def _wait_for_kv(self, **args) -> str:
+        params = args["sampling_params"] or SamplingParams()
+        checked_prompt(
+            args["prompt_token_ids"], params, self.max_model_len, self.vocab_size, self.tokenizer is not None
+        )
+        if len(args["initial_output_token_ids"]) >= params.max_tokens:
+            raise ValueError("initial_output_token_ids already reach max_tokens")
+        rid = args["request_id"] if args["request_id"] is not None else f"req-{self._next_id()}"
+        if rid in self._reqs or rid in self._landing:
+            raise ValueError(f"request {rid!r} is already in the engine")
+        self._landing[rid] = dict(args, request_id=rid)
+        return rid
+
     def step(self) -> list[RequestOutput]:
         if self.config.num_threads and self._threaded != threading.get_ident():
             # OpenMP gives each new thread (the worker's engine loop) a thread per core, whatever vLLM set for the
@@ -384,6 +447,8 @@ class VllmEngine:
         return [_entry(token, step, k) for token, step in zip(tracked.prompt[1:], out.prompt_logprobs[1:])]
 
     def abort_request(self, request_id: str) -> bool:
+        if self._landing.pop(request_id, None) is not None:
+            return True
         if request_id not in self._reqs:
             return False
         self._llm.abort_request([request_id])

@@ -1,37 +1,44 @@
-"""What the Conductor learns from what its workers measure: prefill and transfer samples, the hand-off, and each
-prefill instance's slowdown from the TTFTs that come out against what was predicted for them.
+"""What the Conductor learns from what its workers measure: prefill, transfer and decode-step samples, the hand-off,
+and each prefill instance's slowdown from the TTFTs that come out against what was predicted for them.
 
-A part of ``conductor.core.Conductor`` (which inherits it), apart by concept: it reads and moves the Conductor's
-``predictors``, ``forecast``, ``handoff_s``, ``shares``, ``waiting``, ``instances`` (their ``slowdown``) and the
-predictions awaiting their TTFT (``_ttfts``, which decisions fill). Pure: time is passed in.
+    learning = Learning(config)
+    learning.prefill_sample(inst, prompt_tokens, cached_tokens, seconds)   # the predictors' samples
+    learning.expect(request_id, placed)             # a placement's prediction, kept until its TTFT comes out
+    made = learning.measured(request_id, measured, instances)   # it came out: slowdown moves; the placement
+
+A part of ``conductor.core.Conductor``. It owns the step-time predictors (``predictors``,
+built from the configuration; the decisions read them), the learnt hand-off (``handoff_s``)
+and the predictions awaiting their measured TTFT. The instances whose ``slowdown`` it moves
+are handed to it with each measurement. Pure: time is passed in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 
-from conductor.types import Instance, Measured, Placed, Prediction
+from conductor.config import ConductorConfig
+from conductor.predictors import Predictors
+from conductor.types import Instance, Load, Measured, Placed
 
 HANDOFF_ALPHA = 0.1  # how far one measured hand-off moves the learnt one
 SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or more) moves its instance's slowdown
 SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
 SLOWDOWN_RANGE = (0.5, 8.0)
+MAX_PENDING_TTFTS = 100_000  # predictions awaiting their measured TTFT (a worker that never reports cannot grow it)
 
 
 class Learning:
-    """The measurements' side of the Conductor (mixed into Conductor)."""
+    """The measurements' side of the Conductor: its models, and what moves them."""
 
-    instances: dict[str, Instance]
-    handoff_s: float
-    _handoffs: int
-    _ttfts: dict[str, Placed]  # request id -> its placement, awaiting its measured TTFT
-    audit: Callable[[str, Placed, Measured, float], None] | None
+    def __init__(self, config: ConductorConfig) -> None:
+        self.config = config  # read only: the SLOs a decode worker's batch cap keeps to
+        self.predictors = Predictors.from_config(config.predictors, config.block_bytes)
+        self.handoff_s = config.default_handoff_s  # learnt from decode workers' reports (handoff_sample)
+        self._handoffs = 0
+        self._ttfts: dict[str, Placed] = {}  # request id -> its placement, awaiting its measured TTFT
 
-    def prefill_sample(
-        self, prompt_tokens: int, cached_tokens: int, seconds: float, instance: str | None = None
-    ) -> None:
-        """One measured prefill; ``instance`` (its id) says whose: a pipeline group's samples fit its own predictor."""
-        inst = self.instances.get(instance) if instance is not None else None
+    def prefill_sample(self, inst: Instance | None, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """One measured prefill on ``inst`` (None: not known): a pipeline group's samples fit its own predictor."""
         predictor = (
             self.predictors.prefill
             if inst is None
@@ -42,24 +49,39 @@ class Learning:
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
         self.predictors.transfer.observe(num_bytes, seconds)
 
-    def decode_started(
-        self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
-    ) -> Prediction | None:
-        """``request_id`` joined its decode batch ``measured_ttft_s`` after its decode worker got it (0: not known), of
-        which ``queue_s`` and ``prefill_s`` in its prefill worker's queue and prefill (0: not measured). Returns what
-        was predicted for it when this measured TTFT is its first (``_measured``)."""
-        self.forecast.decode_started(request_id, now)
-        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
+    def pool_block_bytes(self, block_bytes: int) -> None:
+        """A pool node registered its block size: the pool's own figure, not a configured guess, prices transfers."""
+        self.predictors.block_bytes = block_bytes
 
-    def finished(
-        self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
-    ) -> Prediction | None:
-        """``request_id`` left its decode worker: done, failed, cancelled, or answered with its first token alone
-        (``measured_ttft_s`` > 0: it got one, without joining a batch). Returns as ``decode_started`` does."""
-        self.forecast.finished(request_id, now)
-        self.shares.finished(request_id)
-        self.waiting.release(request_id)
-        return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
+    def step_sample(self, load: Load) -> None:
+        """A decode worker's heartbeat: its mean step as a sample of the step model (the steps' own batch where
+        reported: the running one may differ)."""
+        if load.step_s <= 0:
+            return
+        batch, context = (
+            (load.step_batch, load.step_context_tokens)
+            if load.step_batch > 0
+            else (load.running_requests, load.context_tokens)
+        )
+        if batch > 0:
+            self.predictors.decode.observe(batch, context, load.step_s)
+
+    def decode_cap(self, inst: Instance) -> int:
+        """The most running requests ``inst`` may hold with its predicted step within ``tbt_headroom`` of the
+        strictest TBT SLO, at its batch's mean context per request (its registered capacity at most; 0: the step model
+        has no samples yet)."""
+        if not self.predictors.decode.fitted or not self.config.slo_classes:
+            return 0
+        limit = min(s.tbt_s for s in self.config.slo_classes.values()) * self.config.tbt_headroom
+        load = inst.load
+        running = load.running_requests or load.step_batch
+        per_request = (load.context_tokens or load.step_context_tokens) / running if running else 0.0
+        c0, c1, c2 = self.predictors.decode.coef  # step = c0 + n * (c1 + c2 * context per request)
+        slope = c1 + c2 * per_request
+        if slope <= 0:
+            return inst.capacity
+        cap = max(1, int((limit - c0) / slope))
+        return min(cap, inst.capacity) if inst.capacity else cap
 
     def handoff_sample(self, seconds: float) -> None:
         """A decode worker measured one hand-off: its TTFT less the prefill worker's own queue and prefill. The first
@@ -71,27 +93,32 @@ class Learning:
         )
         self._handoffs += 1
 
-    def _measured(self, request_id: str, measured: Measured, now: float) -> Prediction | None:
+    def expect(self, request_id: str, placed: Placed) -> None:
+        """Keep ``placed`` (a placement's prediction) until ``request_id``'s TTFT comes out (``measured``); at most
+        ``MAX_PENDING_TTFTS`` are kept."""
+        if len(self._ttfts) < MAX_PENDING_TTFTS:
+            self._ttfts[request_id] = placed
+
+    def measured(self, request_id: str, measured: Measured, instances: Mapping[str, Instance]) -> Placed | None:
         """A request's TTFT came out (first report only): its prefill instance's ``slowdown`` moves toward what it
         implies; its predicted prefill and queue times scale by it. A worker's predictor learns what a prompt's steps
         cost; what the client waits for also holds the time between steps, the hops, and cores shared with the other
         workers (on 2 cores, two prefill workers and a decode worker came out at twice their predictions as soon as all
         were busy). A prediction of well under a second weighs less: its fixed hops are most of it. No TTFT: it ended
-        before its prefill (its decode worker turned it away), so it never reached the instance.
+        before its prefill (its decode worker turned it away), so it never reached the instance (in ``instances``, by
+        id), which forgets it.
 
-        Returns its prediction (None: no prediction is held for it, or no TTFT was measured)."""
+        Returns its placement (None: no prediction is held for it, or no TTFT was measured)."""
         made = self._ttfts.pop(request_id, None)
         if made is None:
             return None
         predicted, slowdown = made.predicted, made.slowdown
         measured_ttft_s = measured.ttft_s
-        inst = self.instances.get(made.instance)
+        inst = instances.get(made.instance)
         if measured_ttft_s <= 0.0:
             if inst is not None:
                 inst.lose(request_id)
             return None
-        if self.audit is not None:
-            self.audit(request_id, made, measured, now)
         transfer = predicted.transfer_s
         work = predicted.ttft_s - transfer
         if inst is not None and work > 0.0:
@@ -100,4 +127,4 @@ class Learning:
             inst.slowdown = min(
                 max((1.0 - weight) * inst.slowdown + weight * implied, SLOWDOWN_RANGE[0]), SLOWDOWN_RANGE[1]
             )
-        return predicted
+        return made

@@ -440,7 +440,7 @@ class ConductorService:
                 self._removing.discard(inst.id)
             return
         with self._lock:  # it deregisters itself as it stops; until then it stays drained
-            self.conductor.retiring.discard(inst.id)
+            self.conductor.retired(inst.id)
             self._removing.discard(inst.id)
 
     def hand_off(self, node: str, timeout_s: float = float("inf"), stopping: bool = False) -> None:

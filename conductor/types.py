@@ -342,7 +342,7 @@ class Placed:
 
     instance: str
     predicted: Prediction
-    slowdown: float  # the instance's, then (``_measured`` learns from it)
+    slowdown: float  # the instance's, then (``Learning.measured`` learns from it)
     at: float  # when it was placed
     prompt_tokens: int = 0
     compute_tokens: int = 0  # of them, those its prefill computes (not cached, not fetched)

@@ -18,10 +18,39 @@ pool's slots, written beside the landing unless the job stores them later, are t
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Callable
 
 from mooncake.engine.blockcopy import block_runs, copy_blocks
 from transfer import Slice, TransferError
+
+log = logging.getLogger(__name__)
+
+# A fault for tests only (tests/test_write_fence_cluster.py): "PART:SECONDS[,PART:SECONDS...]" stalls, once each, the
+# copy of a layer into a mapped decode cache for a job whose request id contains PART, inside the copy: a worker
+# stalled mid-write
+STALL_ENV = "MOONCAKE_FAULT_STALL_MAPPED_COPY"
+
+
+def _stall(request_id: str) -> None:
+    for part, seconds in list(_stalls.items()):
+        if part in request_id:
+            del _stalls[part]
+            log.warning("fault %s: the copy of %s stalls %.1f s", STALL_ENV, request_id, seconds)
+            time.sleep(seconds)
+
+
+def _parse_stalls(text: str) -> dict[str, float]:
+    stalls = {}
+    for spec in filter(None, text.split(",")):
+        part, _, seconds = spec.rpartition(":")
+        stalls[part] = float(seconds)
+    return stalls
+
+
+_stalls = _parse_stalls(os.environ.get(STALL_ENV, ""))
 
 # where block i's K (kv=0) or V (kv=1) starts in a staged copy of blocks start..end of one layer
 StagedAt = Callable[[int, int], int]
@@ -103,6 +132,7 @@ class MappedCache(CacheSegment):
     def from_cache(self, conn, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
         job = self.job
         try:
+            _stall(job.request_id)
             copy_blocks(
                 job.mapped_cache[layer].transpose(0, 1),
                 job.landing_blocks[start:end],

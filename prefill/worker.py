@@ -474,8 +474,9 @@ class PrefillWorker:
             if cancelled.is_set():
                 self.loop.abort(rid)
                 # the abort runs between steps: once this no-op has run too, no step touches the job's slots (a
-                # group's step is a whole prefill)
-                self.loop.call(lambda engine: None).result(timeout=self.config.prefill_timeout_s)
+                # group's step is a whole prefill). No deadline: this call's end tells its caller that its writes are
+                # over (its Abort answers so), and a step stalled for longer must not say it early
+                self.loop.call(lambda engine: None).result()
                 raise Cancelled(f"prefill of {req.request_id} cancelled by the caller")
         if job.first_token is None and job.error is None:
             job.fail(RuntimeError(f"the engine ended {req.request_id} without a token"))

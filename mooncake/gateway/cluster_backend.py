@@ -13,7 +13,10 @@ worker's RESOURCE_EXHAUSTED is a rejection too. A rejection that says the cluste
 even the cheapest request (``shed_s``, conductor.core.Conductor.shed_s) makes the gateway
 refuse new requests itself, before tokenizing them (``shedding``), while a background
 probe asks the Conductor again every time the verdict runs out; the first probe that
-hears otherwise ends it. A component that fails the request is
+hears otherwise ends it. A refusal of a request of N prompt tokens for a reason that a
+longer prompt only makes worse has the gateway refuse new requests of its admission class
+and at least N tokens itself, before their keys and Schedule, for a moment
+(mooncake.gateway.shedding.RefusedSizes). A component that fails the request is
 outlived where it can be (mooncake.gateway.recovery): a prefill or decode worker that
 fails it before its first token gets it placed elsewhere (the Conductor hears which one
 failed), a decode worker dying mid-stream gets it resumed on another one from the pool's
@@ -37,6 +40,7 @@ from conductor.fastpath import AsyncFastChannel
 from mooncake import tls
 from mooncake.blocks import block_keys
 from mooncake.gateway.recovery import Action, Fault, RecoveryConfig, RequestProgress
+from mooncake.gateway.shedding import AdmissionClass, RefusedSizes
 from mooncake.runtime.channels import Conductors, client_options
 from mooncake.runtime.framed import ControlError
 from mooncake.serving.sampling import logprob_from_pb, sampling_to_pb
@@ -91,6 +95,7 @@ class ClusterBackend(GenerationBackend):
         )
         self._shed_rejection: Rejected | None = None  # the rejection that said so (its reason and retry-after)
         self._shed_task: asyncio.Task | None = None  # the probe that asks again before _shed_until
+        self._refused = RefusedSizes()  # the sizes the Conductor refused a moment ago, by admission class
         self._reports: set[asyncio.Task] = set()  # FINISHED reports on their way (_forget)
         self._decoders: dict[str, wpb_grpc.DecodeStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -163,6 +168,9 @@ class ClusterBackend(GenerationBackend):
             rejected = Rejected(r.message, code=r.reason, retry_after_s=r.retry_after_s)
             if resp.shed_s > 0:
                 self._shed(rejected, resp.shed_s)
+            if not msg.retry and not msg.waited_s:  # what a new request would hear (a retry goes ahead of the
+                # queue; a waiter spent part of its TTFT SLO)
+                self._refused.note_refused(_admission_class(request), msg.prompt_tokens, rejected, time.monotonic())
             if progress is not None and progress.faults:
                 raise _Fault(
                     Fault.BUSY, rejected
@@ -170,6 +178,8 @@ class ClusterBackend(GenerationBackend):
             raise rejected
         if progress is not None and progress.predicted_ttft_s is None and resp.HasField("predicted"):
             progress.predicted_ttft_s = msg.waited_s + resp.predicted.ttft_s  # from its first Schedule
+        if not msg.retry:
+            self._refused.note_placed(_admission_class(request), msg.prompt_tokens)
         return resp.placement
 
     async def _schedule_once(self, msg: cpb.ScheduleRequest, progress: RequestProgress | None):
@@ -276,6 +286,9 @@ class ClusterBackend(GenerationBackend):
         self, request: GenerationRequest, progress: RequestProgress
     ) -> AsyncGenerator[GenerationChunk, None]:
         usage: tuple[int, dict[str, int]] | None = None  # the first prefill's cache hits: what the client is told
+        refused = self._refused.refuses(_admission_class(request), len(request.prompt_token_ids), time.monotonic())
+        if refused is not None:  # before its keys and Schedule: the Conductor refused one as long a moment ago
+            raise refused
         while True:
             try:
                 placement = await self.schedule(request, progress)
@@ -446,6 +459,11 @@ class ClusterBackend(GenerationBackend):
             self._shed_task.cancel()
         for channel in channels:
             await channel.close()
+
+
+def _admission_class(request: GenerationRequest) -> AdmissionClass:
+    """What the Conductor admits a request by besides its size (RefusedSizes keeps refusals apart by it)."""
+    return request.slo_class, request.priority, request.tenant
 
 
 class _Fault(Exception):

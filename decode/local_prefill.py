@@ -27,7 +27,7 @@ from mooncake.runtime.process import when_gone
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import slot_tensor
 from mooncake.serving.sampling import logprob_to_pb
-from mooncake.serving.text import TextStream
+from mooncake.serving.text import OutputText
 from protos import worker_pb2 as wpb
 from transfer.types import TransferError
 
@@ -102,7 +102,7 @@ class LocalPrefill:
                 self.link.decode_started(rid, run.ttft_s)
             return {"prompt_logprobs": [logprob_to_pb(lp) for lp in out.prompt_logprobs or ()]}
 
-        text = TextStream.of_request(self.tokenizer, prompt, params, outputs, req.text_shown)
+        text = OutputText(self.tokenizer, prompt, params, outputs, req.text_shown)
 
         def progress(n: int) -> None:
             if run.written is not None:

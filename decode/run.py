@@ -14,7 +14,7 @@ from decode.handoff import Handoff, Landed
 from mooncake.runtime.conductor_link import ConductorLink
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.sampling import logprob_to_pb
-from mooncake.serving.text import TextStream
+from mooncake.serving.text import OutputText
 from protos import worker_pb2 as wpb
 
 
@@ -84,7 +84,7 @@ class Decoding:
 def stream(
     run: Decoding,
     outputs: queue.Queue,
-    text: TextStream,
+    text: OutputText,
     usage: dict,
     context,
     first: Callable[[object], dict] | None = None,
@@ -102,22 +102,23 @@ def stream(
             continue
         if isinstance(out, BaseException):
             raise RuntimeError(f"the decode engine failed: {out}")
-        run.output_tokens = len(out.output_token_ids)
-        # a finished output's text is the engine's, cut before a stop string the new token completed
-        piece = text.finish(out.text) if out.finished else text.push(out.new_token_ids)
+        piece = text.add(out)  # the one detokenizer: text, and a stop string, which ends the request here
+        run.output_tokens = len(out.output_token_ids) - len(out.new_token_ids) + piece.num_tokens
         fields = dict(
             usage,
-            token_ids=list(out.new_token_ids),
-            text=piece,
-            finish_reason=out.finish_reason.value if out.finished else "",
-            completion_tokens=len(out.output_token_ids),
-            logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs or ()],
+            token_ids=list(out.new_token_ids[: piece.num_tokens]),
+            text=piece.text,
+            finish_reason=piece.finish.value if piece.finish is not None else "",
+            completion_tokens=run.output_tokens,
+            logprobs=[logprob_to_pb(lp) for lp in (out.new_logprobs or ())[: piece.num_tokens]],
         )
         if first is not None:
             fields.update(first(out))
             first = None
         yield wpb.GenerateChunk(**fields)
-        if out.finished:
+        if piece.finish is not None:
+            if piece.stop is not None and not out.finished:
+                run.loop.abort(run.request_id)  # its engine still runs it
             run.state = DecodeState.DONE
             return
         if progress is not None:  # the newest token's KV is computed by the next step

@@ -64,7 +64,7 @@ from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
 from mooncake.serving.sampling import params_from_pb
 from mooncake.serving.status import Busy
-from mooncake.serving.text import TextStream
+from mooncake.serving.text import OutputText
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -340,7 +340,7 @@ class DecodeWorker:
             if run.written is not None:
                 self.writer.progress(run.written, n)
 
-        text = TextStream.of_request(self.tokenizer, prompt, params, outputs, req.text_shown)
+        text = OutputText(self.tokenizer, prompt, params, outputs, req.text_shown)
         yield from stream(run, sink, text, usage, context, started, progress)
 
     def _params(

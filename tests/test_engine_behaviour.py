@@ -13,6 +13,7 @@ import torch
 from conftest import RecordingConnector, make_engine, run_to_completion
 
 from mooncake.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from mooncake.serving.text import generate_text
 
 
 def prompt_of(seed: int, length: int, vocab: int = 300) -> list[int]:
@@ -162,6 +163,11 @@ def _stop_string_case(tokenized_model):
     return engine, tok, prompt, g, m.group(0)
 
 
+# Stop strings are the serving layer's one detokenizer's (mooncake.serving.text): the engine emits token ids, and a
+# request served with stop strings is its tokens through OutputText, which ends it (the engine aborts it) at the first
+# token whose text completes one.
+
+
 def test_stop_string_ends_request_and_trims_text(tokenized_model):
     engine, tok, prompt, g, stop = _stop_string_case(tokenized_model)
     # The first step whose decoded output contains the stop string ends the request.
@@ -169,24 +175,30 @@ def test_stop_string_ends_request_and_trims_text(tokenized_model):
     text_i = tok.decode(g[:i])
     at = text_i.find(stop)
 
-    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=(stop,)))
-    assert out.output_token_ids == g[:i]
-    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
-    assert out.text == text_i[:at]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=(stop,))
+    ((ids, text, finish, stop_reason),) = generate_text(engine, [prompt], params, tok)
+    assert ids == g[:i]
+    assert finish == FinishReason.STOP and stop_reason == stop
+    assert text == text_i[:at]
+    assert not engine.has_unfinished() and engine.num_free_blocks == engine.pool.num_blocks  # aborted in the engine
 
     params = SamplingParams(
         temperature=0.0, max_tokens=32, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True
     )
-    (out,) = engine.generate([prompt], params)
-    assert out.text == text_i[: at + len(stop)]
+    ((_, text, _, _),) = generate_text(engine, [prompt], params, tok)
+    assert text == text_i[: at + len(stop)]
+    with pytest.raises(ValueError, match="stop strings"):  # the engine alone has no text to find them in
+        engine.generate([prompt], params)
 
 
 def test_text_without_stop_strings_is_the_decoded_output(tokenized_model):
     path, tok = tokenized_model
     engine = make_engine(path, tokenizer=tok)
     prompt = tok.encode("The quick brown fox")
-    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    assert out.text == tok.decode(out.output_token_ids) and out.text
+    ((ids, text, _, _),) = generate_text(
+        engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), tok
+    )
+    assert text == tok.decode(ids) and text
 
 
 def test_text_with_unmatched_stop_string_includes_last_token(tokenized_model):
@@ -194,17 +206,18 @@ def test_text_with_unmatched_stop_string_includes_last_token(tokenized_model):
     engine = make_engine(path, tokenizer=tok)
     prompt = tok.encode("The quick brown fox")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=("\x00never\x00",))
-    (out,) = engine.generate([prompt], params)
-    assert out.finish_reason == FinishReason.LENGTH
-    assert out.text == tok.decode(out.output_token_ids)
+    ((ids, text, finish, _),) = generate_text(engine, [prompt], params, tok)
+    assert finish == FinishReason.LENGTH
+    assert text == tok.decode(ids)
 
 
 def test_stop_string_in_the_last_allowed_token_is_a_stop(tokenized_model):
     engine, tok, prompt, g, stop = _stop_string_case(tokenized_model)
     i = next(i for i in range(1, len(g) + 1) if stop in tok.decode(g[:i]))
-    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=i, ignore_eos=True, stop=(stop,)))
-    assert out.output_token_ids == g[:i]
-    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
+    params = SamplingParams(temperature=0.0, max_tokens=i, ignore_eos=True, stop=(stop,))
+    ((ids, _, finish, stop_reason),) = generate_text(engine, [prompt], params, tok)
+    assert ids == g[:i]
+    assert finish == FinishReason.STOP and stop_reason == stop
 
 
 # -- abort ------------------------------------------------------------------------------

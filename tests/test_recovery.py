@@ -92,19 +92,27 @@ def test_a_resumed_text_stream_shows_exactly_the_text_the_dead_worker_had_not(tm
     and miss none, even where a character's bytes are split across tokens (random ids of a byte-fallback vocabulary)."""
     import random
 
+    from mooncake.engine.engine import RequestOutput
+    from mooncake.engine.request import FinishReason, SamplingParams
     from mooncake.engine.tiny import make_tiny
     from mooncake.engine.tokenizer import Tokenizer
-    from mooncake.serving.text import TextStream
+    from mooncake.serving.text import OutputText
 
     tok = Tokenizer.from_dir(make_tiny(tmp_path / "model", "llama"))
     prompt = tok.encode("Once upon a time")
     rng = random.Random(3)
     ids = [rng.randrange(3, tok.vocab_size) for _ in range(120)]
-    whole = TextStream(tok, prompt)
-    full = "".join(whole.push([t]) for t in ids) + whole.finish()
+    params = SamplingParams(max_tokens=len(ids), ignore_eos=True)
+
+    def out(n: int) -> RequestOutput:  # the engine's output of token n (the last one ends the request: length)
+        last = n == len(ids) - 1
+        return RequestOutput("r", ids[: n + 1], [ids[n]], last, FinishReason.LENGTH if last else None, len(prompt), 0)
+
+    def texts(text: OutputText, start: int, end: int) -> str:
+        return "".join(text.add(out(n)).text for n in range(start, end))
+
+    full = texts(OutputText(tok, prompt, params), 0, len(ids))
     for k in range(1, len(ids)):
-        first = TextStream(tok, prompt)
-        shown = "".join(first.push([t]) for t in ids[:k])  # what the client had when its decode worker died
-        resumed = TextStream(tok, prompt, output_ids=ids[:k], shown=len(shown))
-        rest = "".join(resumed.push([t]) for t in ids[k:]) + resumed.finish()
+        shown = texts(OutputText(tok, prompt, params), 0, k)  # what the client had when its decode worker died
+        rest = texts(OutputText(tok, prompt, params, output_ids=ids[:k], shown=len(shown)), k, len(ids))
         assert shown + rest == full, k

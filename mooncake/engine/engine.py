@@ -6,8 +6,9 @@ One step is three hops, owned by three objects:
     runner.execute(...)           imports, forward, sampling (torch; runner.py)
     scheduler.update_from_output  advance, stop checks, free blocks (pure)
 
-The engine adds stop strings (they need the tokenizer) and turns requests into
-RequestOutputs. It is synchronous and not thread-safe: a server runs it in one loop.
+The engine turns requests into RequestOutputs of token ids; their text and stop strings are the
+serving layer's one detokenizer's (mooncake.serving.text). It is synchronous and not thread-safe:
+a server runs it in one loop.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from mooncake.engine.request import (
     SamplingParams,
     TokenLogprob,
     checked_prompt,
-    match_stop_string,
-    shown_output_ids,
 )
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import NoRoom, Scheduler
@@ -56,8 +55,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    text: str = ""  # decoded output (only when the engine has a tokenizer)
-    stop_reason: int | str | None = None
+    stop_reason: int | None = None  # the stop token that ended it (stop strings: mooncake.serving.text)
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (the first and the last output, when asked)
 
@@ -361,19 +359,8 @@ class LLMEngine:
         return results
 
     def _output(self, req: Request, done: bool, logprob: TokenLogprob | None) -> RequestOutput:
-        """The output of ``req``'s newest token (``done``: the scheduler finished it), after the stop strings."""
-        if req.sampling_params.stop:
-            stop = self._match_stop_string(req)
-            if stop is not None and not done:
-                self.scheduler.finish(req, FinishReason.STOP, stop)
-                done = True
-            elif stop is not None:
-                # The token that hit max_tokens / EOS also completed a stop string:
-                # the stop string is the reason (the request is already freed).
-                req.finish_reason, req.stop_reason = FinishReason.STOP, stop
-        elif done and self.tokenizer is not None:
-            shown = shown_output_ids(req.output_token_ids, req.sampling_params, isinstance(req.stop_reason, int))
-            req.output_text = self.tokenizer.decode(shown, req.sampling_params.skip_special_tokens)
+        """The output of ``req``'s newest token (``done``: the scheduler finished it). Token ids only: text and stop
+        strings are the serving layer's one detokenizer's (mooncake.serving.text)."""
         return RequestOutput(
             request_id=req.request_id,
             output_token_ids=list(req.output_token_ids),
@@ -382,7 +369,6 @@ class LLMEngine:
             finish_reason=req.finish_reason if done else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            text=req.output_text,
             stop_reason=req.stop_reason if done else None,
             new_logprobs=[logprob] if logprob is not None else None,
             prompt_logprobs=list(req.prompt_logprobs)
@@ -390,20 +376,14 @@ class LLMEngine:
             else None,
         )
 
-    def _match_stop_string(self, req: Request) -> str | None:
-        """Update ``req.output_text``; return the earliest stop string it now contains, if any."""
-        req.output_text, stop = match_stop_string(
-            self.tokenizer.decode(req.output_token_ids, req.sampling_params.skip_special_tokens),
-            req.output_text,
-            req.sampling_params,
-        )
-        return stop
-
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; return their final outputs in input order."""
+        """Run ``prompts`` to completion; return their final outputs in input order. Token ids only: stop strings need
+        the detokenizer (``mooncake.serving.text.generate_text``)."""
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if any(p is not None and p.stop for p in params):
+            raise ValueError("stop strings are matched on text: mooncake.serving.text.generate_text")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):

@@ -136,34 +136,6 @@ def checked_prompt(
     return prompt
 
 
-def shown_output_ids(output_ids: Sequence[int], params: SamplingParams, ended_by_token: bool) -> Sequence[int]:
-    """The output ids whose text a finished request shows: all of them, except the token that ended it (an EOS or
-    one of ``stop_token_ids``: ``ended_by_token``), which shows only with ``include_stop_str_in_output`` (as vLLM)."""
-    if ended_by_token and output_ids and not params.include_stop_str_in_output:
-        return output_ids[:-1]
-    return output_ids
-
-
-def match_stop_string(text: str, previous_text: str, params: SamplingParams) -> tuple[str, str | None]:
-    """Find the earliest of ``params.stop`` in ``text`` (all output decoded); return (text to show, the stop or None).
-
-    The text is cut before the stop string (or after it, with ``include_stop_str_in_output``).
-    Only the tail is searched: ``previous_text``, the text shown after the last token, held
-    no match. Every engine calls this once per generated token of a request with stops.
-    """
-    window = max(len(s) for s in params.stop) + 16
-    start = max(0, len(previous_text) - window)
-    best = None
-    for s in params.stop:
-        at = text.find(s, start)
-        if at != -1 and (best is None or at < best[0]):
-            best = (at, s)
-    if best is None:
-        return text, None
-    at, s = best
-    return (text[: at + len(s)] if params.include_stop_str_in_output else text[:at]), s
-
-
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress.
@@ -196,7 +168,6 @@ class Request:
     )
     # prompt keeps each step of its batch within the TBT SLO (conductor.local)
     ahead: bool = False  # queued before the requests waiting when it came (a retry that outlived a failure)
-    output_text: str = ""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs asked)
 
     def __post_init__(self) -> None:

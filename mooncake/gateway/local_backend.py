@@ -16,7 +16,7 @@ from mooncake.engine.interface import EngineKind
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.build import build_engine
 from mooncake.serving.engine_loop import EngineLoop
-from mooncake.serving.text import TextStream
+from mooncake.serving.text import OutputText
 from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, InvalidRequest, Unavailable
 
 
@@ -57,35 +57,29 @@ class LocalBackend(GenerationBackend):
         except asyncio.CancelledError:  # the client left while the request was being added: it may be in already
             self.loop.abort(request.request_id)
             raise
-        stream = TextStream(
-            self.tokenizer,
-            request.prompt_token_ids,
-            request.sampling.stop,
-            skip_special_tokens=request.sampling.skip_special_tokens,
-        )
+        text = OutputText(self.tokenizer, request.prompt_token_ids, request.sampling)  # the one detokenizer
         finished = sent = False
         try:
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise Unavailable(f"the engine failed: {out}")
-                finished = out.finished
-                # a finished output's text is the engine's, cut before a stop string the new token completed
-                text = stream.finish(out.text) if finished else stream.push(out.new_token_ids)
+                piece = text.add(out)
+                finished = piece.finish is not None  # a stop string found there ends it (the finally aborts it)
                 yield GenerationChunk(
-                    token_ids=list(out.new_token_ids),
-                    text=text,
-                    finish_reason=out.finish_reason.value if finished and out.finish_reason else None,
+                    token_ids=list(out.new_token_ids[: piece.num_tokens]),
+                    text=piece.text,
+                    finish_reason=piece.finish.value if finished else None,
                     prompt_tokens=out.num_prompt_tokens,
-                    completion_tokens=len(out.output_token_ids),
+                    completion_tokens=len(out.output_token_ids) - len(out.new_token_ids) + piece.num_tokens,
                     cached_tokens=out.num_cached_tokens,
                     cached_tokens_by_tier={"engine": out.num_cached_tokens} if out.num_cached_tokens else {},
-                    logprobs=out.new_logprobs,
+                    logprobs=out.new_logprobs[: piece.num_tokens] if out.new_logprobs is not None else None,
                     prompt_logprobs=out.prompt_logprobs if not sent else None,
                 )
                 sent = True
         finally:
-            if not finished:
+            if not finished or not out.finished:
                 self.loop.abort(rid)
 
     async def health(self) -> dict:

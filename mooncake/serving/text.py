@@ -1,91 +1,148 @@
-"""Streaming a request's text as its tokens arrive, without ever showing a stop string.
+"""A request's output text: the one incremental detokenizer, for every engine and path (vLLM's OutputProcessor shape).
 
-The engine finds stop strings (engine.py cuts ``output_text`` before the first one and
-finishes the request); while the request runs, text that could be the start of a stop
-string is held back, so what was streamed is always a prefix of the final text:
+Engines emit token ids and decide what ends a request by its tokens (EOS, stop token ids, max_tokens: the scheduler's
+``token_finish``). Text is made here, once per request, as its outputs arrive, whether our engine or vLLM computed
+them, on a decode worker (handed over or computed there: the prefill's first token is one more output) or on one
+engine behind the gateway (``--local``):
 
-    stream = TextStream(tokenizer, prompt_ids, stop=("\\n\\n",))
-    stream.push(new_ids)          -> text safe to show now ("" while held back)
-    stream.finish(final_text)     -> the rest of the final text
+    text = OutputText(tokenizer, prompt_ids, params)
+    piece = text.add(out)     -> Piece: the text safe to show now, and the end, if this output ends the request
+    if piece.stop is not None: ...the engine still runs it: abort it there...
 
-A stop string completed at the text's end starts at most ``max(len(stop)) - 1``
-characters before it, and one that started earlier would have been found already, so
-holding back that many characters is enough.
+Stop strings are found here (never by an engine): a stop string completed at the text's end starts at most
+``max(len(stop)) - 1`` characters before it, and one that started earlier would have been found already, so that many
+characters are held back while the request runs, and what was shown is always a prefix of the final text. The final
+text is cut before the stop string (after it with ``include_stop_str_in_output``); a request ended by a token (EOS, a
+stop token id) shows that token's text only with ``include_stop_str_in_output``, as vLLM does.
+
+A resumed stream (another decode worker streamed ``output_ids`` and ``shown`` characters of their text before it died)
+starts from there: only the text after them comes out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
+from mooncake.engine.engine import RequestOutput
+from mooncake.engine.request import FinishReason, SamplingParams
 from mooncake.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-class TextStream:
-    """One request's streamed text. Not thread-safe: one consumer."""
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """What one output adds: ``text`` to show now; ``finish`` and ``stop_reason`` when the request ended with it;
+    ``num_tokens``: how many of its new tokens count (all, unless a stop string ended it at an earlier one)."""
+
+    text: str
+    finish: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_tokens: int = 0
+
+    @property
+    def stop(self) -> str | None:
+        """The stop string that ended the request here (its engine may still be running it), else None."""
+        return self.stop_reason if isinstance(self.stop_reason, str) else None
+
+
+def match_stop_string(text: str, previous_text: str, params: SamplingParams) -> tuple[str, str | None]:
+    """Find the earliest of ``params.stop`` in ``text`` (all output decoded); return (text to show, the stop or None).
+
+    The text is cut before the stop string (or after it, with ``include_stop_str_in_output``).
+    Only the tail is searched: ``previous_text``, the text shown after the last token, held
+    no match. ``OutputText`` calls this once per generated token of a request with stops.
+    """
+    window = max(len(s) for s in params.stop) + 16
+    start = max(0, len(previous_text) - window)
+    best = None
+    for s in params.stop:
+        at = text.find(s, start)
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, s)
+    if best is None:
+        return text, None
+    at, s = best
+    return (text[: at + len(s)] if params.include_stop_str_in_output else text[:at]), s
+
+
+class OutputText:
+    """One request's text. Not thread-safe: one consumer."""
 
     def __init__(
         self,
         tokenizer: Tokenizer,
-        prompt_ids: Sequence[int] = (),
-        stop: Sequence[str] = (),
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
         output_ids: Sequence[int] = (),
         shown: int = 0,
-        skip_special_tokens: bool = True,
     ) -> None:
-        """``output_ids`` and ``shown``: a resumed stream, whose tokens so far and ``shown`` characters of
-        their text were already returned (by another worker); only the text after that comes out.
-        ``skip_special_tokens``: the request's (SamplingParams), whether special tokens' text is left out."""
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
-        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.params = params
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._text = ""  # everything decoded so far
         self._shown = 0  # characters of it already returned
-        if output_ids:
-            # one id at a time, as the worker that streamed them pushed them: the detokenizer's pieces depend on how
-            # the ids are split (a byte-fallback character cut across tokens), and ``shown`` counts the pieces' text
-            for token in output_ids:
-                self.add([token])
-            self._shown = min(shown, len(self._text))
-
-    @classmethod
-    def of_request(
-        cls, tokenizer: Tokenizer, prompt_ids: Sequence[int], params, output_ids: Sequence[int], shown: int
-    ) -> "TextStream":
-        """The stream of a request sampled with ``params`` (SamplingParams: its stop strings and
-        skip_special_tokens), resumed after ``output_ids`` and ``shown`` characters (see ``__init__``)."""
-        return cls(tokenizer, prompt_ids, params.stop, output_ids, shown, params.skip_special_tokens)
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        """Add generated ids; return the new text that can be shown."""
-        self.add(token_ids)
-        return self.reveal()
-
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Decode generated ids without showing anything yet (``text`` then holds them: check it for stops)."""
-        self._text += self._detok.push(token_ids)
-
-    def reveal(self) -> str:
-        """The text that can be shown now and was not yet."""
-        safe = len(self._text) - self._hold
-        if safe <= self._shown:
-            return ""
-        piece = self._text[self._shown : safe]
-        self._shown = safe
-        return piece
-
-    def finish(self, final_text: str | None = None) -> str:
-        """The rest: of ``final_text`` (the engine's, cut at a stop string) or of everything decoded."""
-        if final_text is None:
-            self._text += self._detok.flush()
-            final_text = self._text
-        piece = final_text[self._shown :]
-        self._shown = len(final_text)
-        return piece
+        self.done = False
+        # one id at a time, as the worker that streamed them pushed them: the detokenizer's pieces depend on how the ids
+        # are split (a byte-fallback character cut across tokens), and ``shown`` counts the pieces' text
+        for token in output_ids:
+            self._text += self._detok.push([token])
+        self._shown = min(shown, len(self._text))
 
     @property
     def text(self) -> str:
         """Everything decoded so far (shown or held back)."""
         return self._text
 
-    @property
-    def shown(self) -> int:
-        return self._shown
+    def add(self, out: RequestOutput) -> Piece:
+        """The text of ``out``'s new tokens (see the module docstring). Nothing more comes out once the request
+        ended (a stop string found here ends it before its engine does)."""
+        if self.done:
+            return Piece("")
+        new = list(out.new_token_ids)
+        by_token = out.finished and isinstance(out.stop_reason, int)
+        for n, token in enumerate(new, 1):
+            previous = self._text
+            if by_token and n == len(new) and not self.params.include_stop_str_in_output:
+                break  # the ending token's text shows only with include_stop_str_in_output
+            self._text += self._detok.push([token])
+            if self.params.stop:
+                cut, stop = match_stop_string(self._text, previous, self.params)
+                if stop is not None:
+                    return self._end(cut, FinishReason.STOP, stop, n)
+        if out.finished:
+            self._text += self._detok.flush()
+            return self._end(self._text, out.finish_reason, out.stop_reason, len(new))
+        return Piece(self._reveal(len(self._text) - self._hold), num_tokens=len(new))
+
+    def _end(self, final: str, finish: FinishReason | None, stop_reason, num_tokens: int) -> Piece:
+        self.done = True
+        return Piece(final[self._shown :], finish, stop_reason, num_tokens)
+
+    def _reveal(self, safe: int) -> str:
+        if safe <= self._shown:
+            return ""
+        piece = self._text[self._shown : safe]
+        self._shown = safe
+        return piece
+
+
+def generate_text(engine, prompts: Iterable[Sequence[int]], params: SamplingParams, tokenizer: Tokenizer) -> list:
+    """Run ``prompts`` to completion on ``engine`` (ours, offline), with stop strings: [(token ids, text, finish, stop
+    reason)] in input order, as a server streams them."""
+    texts, final = {}, {}
+    for prompt in prompts:
+        rid = engine.add_request(list(prompt), params)
+        texts[rid] = (OutputText(tokenizer, prompt, params), [], [])
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in final:
+                continue
+            text, ids, shown = texts[out.request_id]
+            piece = text.add(out)
+            ids.extend(out.new_token_ids[: piece.num_tokens])
+            shown.append(piece.text)
+            if piece.finish is not None:
+                final[out.request_id] = (ids, "".join(shown), piece.finish, piece.stop_reason)
+                if piece.stop is not None:
+                    engine.abort_request(out.request_id)
+    return [final[rid] for rid in texts]

@@ -17,9 +17,9 @@ so the decode computes one token's KV, never the prompt. The workers turn vLLM's
 cache off (the pool is the prefix cache: blocks are reused across workers, not just inside
 one); an engine serving alone (``gateway --local``) keeps it.
 
-Stop strings are ours (the same rule as our engine, over every output token, the prefill's
-first token included), so a stop string that spans the first token and the next is found.
-vLLM still applies EOS, stop token ids and max_tokens itself.
+Stop strings are the serving layer's one detokenizer's (mooncake.serving.text), as for our
+engine: this engine emits token ids. vLLM applies EOS, stop token ids and max_tokens itself (a
+prefill's first token: ``land``, by our scheduler's rule).
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ from mooncake.engine.request import (
     SamplingParams,
     TokenLogprob,
     checked_prompt,
-    match_stop_string,
-    shown_output_ids,
 )
 from mooncake.engine.scheduler import token_finish
 from mooncake.engine.weights import load_hf_config
@@ -68,7 +66,6 @@ class _Tracked:
     num_cached_tokens: int
     initial: list[int]
     outputs: list[int] = field(default_factory=list)  # initial + vLLM's tokens
-    text: str = ""
     prompt: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     prompt_logprobs_sent: bool = False
@@ -230,8 +227,9 @@ class VllmEngine:
 
     def land(self, request_id: str, token: int, kv: Any = None) -> RequestOutput | None:
         """A ``remote_kv`` request's KV is in ``kv`` (landing slots, the pool layout) and its prefill sampled ``token``:
-        the token's output, checked by the rule every engine's scheduler applies (``token_finish``) and our stop
-        strings; unless it ends the request, vLLM is given it (prompt + outputs, their KV loaded). None when the
+        the token's output, checked by the rule every engine's scheduler applies (``token_finish``; stop strings are
+        the detokenizer's, mooncake.serving.text); unless it ends the request, vLLM is given it (prompt + outputs,
+        their KV loaded). None when the
         request no longer waits (aborted)."""
         args = self._landing.pop(request_id, None)
         if args is None:
@@ -241,14 +239,6 @@ class VllmEngine:
         end = token_finish(
             token, params, self.eos_token_ids, len(outputs), len(prompt) + len(outputs), self.max_model_len
         )
-        text, stop = "", None
-        if params.stop:
-            text, stop = match_stop_string(self.tokenizer.decode(outputs, params.skip_special_tokens), "", params)
-            if stop is not None:
-                end = (FinishReason.STOP, stop)
-        elif end is not None and self.tokenizer is not None:
-            shown = shown_output_ids(outputs, params, isinstance(end[1], int))
-            text = self.tokenizer.decode(shown, params.skip_special_tokens)
         if end is None:
             self.add_request(
                 **dict(args, initial_output_token_ids=outputs),
@@ -263,7 +253,6 @@ class VllmEngine:
             finish_reason=end[0] if end is not None else None,
             num_prompt_tokens=len(prompt),
             num_cached_tokens=0,
-            text=text,
             stop_reason=end[1] if end is not None else None,
         )
 
@@ -402,20 +391,9 @@ class VllmEngine:
                 continue
             done = out.finished
             reason = FinishReason(comp.finish_reason) if done and comp.finish_reason else None
-            stop_reason = comp.stop_reason if done else None
-            if tracked.params.stop:
-                tracked.text, stop = match_stop_string(
-                    self.tokenizer.decode(tracked.outputs, tracked.params.skip_special_tokens),
-                    tracked.text,
-                    tracked.params,
-                )
-                if stop is not None:
-                    if not done:
-                        self._llm.abort_request([out.request_id])
-                    done, reason, stop_reason = True, FinishReason.STOP, stop
-            elif done and self.tokenizer is not None:
-                shown = shown_output_ids(tracked.outputs, tracked.params, reason == FinishReason.STOP)
-                tracked.text = self.tokenizer.decode(shown, tracked.params.skip_special_tokens)
+            stop_reason = None
+            if reason == FinishReason.STOP:  # a stop token id, or EOS (vLLM says None): the token that ended it
+                stop_reason = comp.stop_reason if isinstance(comp.stop_reason, int) else tracked.outputs[-1]
             if done:
                 self._forget(out.request_id)
             results.append(
@@ -428,7 +406,6 @@ class VllmEngine:
                     num_prompt_tokens=tracked.num_prompt_tokens,
                     num_cached_tokens=tracked.num_cached_tokens
                     or (out.num_cached_tokens or 0),  # ours, else vLLM's prefix cache
-                    text=tracked.text,
                     stop_reason=stop_reason,
                     new_logprobs=_logprobs(comp, before - len(tracked.initial), tracked.params.logprobs),
                     prompt_logprobs=self._prompt_logprobs(tracked, out),

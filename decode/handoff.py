@@ -28,7 +28,7 @@ import torch
 from decode.fence import Fence, Writer
 from kvstore.wire import segment_to_pb
 from mooncake.blocks import blocks_for
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import PromptKV, RequestOptions, SamplingParams
 from mooncake.engine.scheduler import NoRoom
 from mooncake.runtime.channels import ByAddress
 from mooncake.runtime.process import WRITER_METADATA, when_gone
@@ -182,10 +182,8 @@ class Handoff:
                 prompt_token_ids=prompt,
                 sampling_params=params,
                 request_id=request_id,
-                initial_output_token_ids=outputs,
-                cache_salt=cache_salt,
-                num_external_tokens=total,
-                remote_kv=True,
+                kv=PromptKV.landing(total),
+                options=RequestOptions(cache_salt=cache_salt, outputs=tuple(outputs)),
             ).result()
         except NoRoom as e:
             raise Busy(f"decode worker {self.worker_id}: {e}", "decode_busy") from None

@@ -19,7 +19,7 @@ from decode.run import Decoding, stream
 from decode.writeback import BlockWriter
 from kvstore.client import KVStoreClient, KVStoreUnavailable
 from mooncake.blocks import block_keys
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import PromptKV, RequestOptions, SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.runtime.channels import ByAddress
 from mooncake.runtime.conductor_link import ConductorLink
@@ -81,11 +81,10 @@ class LocalPrefill:
             prompt_token_ids=prompt,
             sampling_params=params,
             request_id=rid,
-            initial_output_token_ids=outputs,
-            cache_salt=salt,
-            external_kv=external,
-            num_external_tokens=cached,
-            chunk_tokens=req.placement.local_chunk_tokens,
+            kv=PromptKV(cached, external) if external is not None else None,
+            options=RequestOptions(
+                cache_salt=salt, outputs=tuple(outputs), chunk_tokens=req.placement.local_chunk_tokens
+            ),
         )
         future.result()  # a ValueError (the request's own: INVALID_ARGUMENT) ends it here
         run.decoding()

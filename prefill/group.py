@@ -42,7 +42,7 @@ from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.pipeline import PipelinePrefill
-from mooncake.engine.request import FinishReason, SamplingParams
+from mooncake.engine.request import FinishReason, PromptKV, RequestOptions, SamplingParams
 from mooncake.engine.stage import split_layers
 from mooncake.serving.kvlayout import SlotKV
 from prefill.connector import PrefillJob
@@ -253,26 +253,23 @@ class GroupEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        cache_salt: str | None = None,
-        external_kv: SlotKV | None = None,
-        num_external_tokens: int = 0,
-        initial_output_token_ids: list[int] | None = None,
-        remote_kv: bool = False,
-        chunk_tokens: int = 0,
-        ahead: bool = False,
+        kv: PromptKV | None = None,
+        options: RequestOptions | None = None,
     ) -> str:
         """Queue a prefill (``ahead``: before those queued); raises ValueError for a prompt the stages cannot hold.
-        ``external_kv``: the prefix's pool slots (the stages read them from the pool's segment)."""
-        if remote_kv or chunk_tokens:
+        ``kv``: the prefix's pool slots (a SlotKV: the stages read them from the pool's segment)."""
+        opts = options or RequestOptions()
+        if (kv is not None and kv.remote) or opts.chunk_tokens:
             raise ValueError("a group computes its prompts whole, in its stages' own caches")
         if request_id is None or request_id not in self.jobs:
             raise ValueError("a group prefills only requests with a PrefillJob (where the stages push the KV)")
-        outputs = list(initial_output_token_ids or ())
+        outputs = list(opts.outputs)
         prompt = [*prompt_token_ids, *outputs]
         self.group.check(prompt)
         params = sampling_params or SamplingParams()
-        entry = (request_id, prompt, params, len(outputs), external_kv, num_external_tokens, ahead)
-        if ahead:  # behind those that came ahead before it
+        prefix, cached = (kv.kv, kv.num_tokens) if kv is not None else (None, 0)
+        entry = (request_id, prompt, params, len(outputs), prefix, cached, opts.ahead)
+        if opts.ahead:  # behind those that came ahead before it
             self._queue.insert(next((i for i, q in enumerate(self._queue) if not q[-1]), len(self._queue)), entry)
         else:
             self._queue.append(entry)

@@ -43,7 +43,7 @@ from mooncake.blocks import block_keys
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.interface import EngineKind
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import PromptKV, RequestOptions, SamplingParams
 from mooncake.engine.tokenizer import tokenizer_or_none
 from mooncake.runtime.channels import ByAddress
 from mooncake.runtime.conductor_link import ConductorLink
@@ -463,11 +463,8 @@ class PrefillWorker:
             prompt_token_ids=prompt[:split],
             sampling_params=params,
             request_id=rid,
-            cache_salt=salt,
-            external_kv=external,
-            num_external_tokens=cached if external else 0,
-            initial_output_token_ids=prompt[split:],
-            ahead=req.ahead,
+            kv=PromptKV(cached, external) if external else None,
+            options=RequestOptions(cache_salt=salt, outputs=tuple(prompt[split:]), ahead=req.ahead),
         )
         future.result()  # ValueError for a request the engine refuses
         while not job.done.wait(0.05):

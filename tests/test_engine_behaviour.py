@@ -13,6 +13,7 @@ import torch
 from conftest import RecordingConnector, make_engine, run_to_completion
 
 from mooncake.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from mooncake.engine.request import PromptKV, RequestOptions
 from mooncake.serving.text import generate_text
 
 
@@ -64,7 +65,9 @@ def test_a_seeded_request_resumed_from_its_first_tokens_samples_what_it_would_ha
     engine = make_engine(tiny_llama.path)
     (alone,) = engine.generate([prompt], params)
     for sampled_elsewhere in (1, 9):
-        rid = engine.add_request(prompt, params, initial_output_token_ids=alone.output_token_ids[:sampled_elsewhere])
+        rid = engine.add_request(
+            prompt, params, options=RequestOptions(outputs=tuple(alone.output_token_ids[:sampled_elsewhere]))
+        )
         resumed = run_to_completion(engine)[rid]
         assert resumed.output_token_ids == alone.output_token_ids
 
@@ -321,8 +324,8 @@ def test_bad_requests_raise_value_error(tiny_llama):
     rid = engine.add_request([5, 6], SamplingParams(), request_id="dup")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([7, 8], SamplingParams(), request_id=rid)
-    with pytest.raises(ValueError, match="external_kv"):
-        engine.add_request(list(range(3, 30)), external_kv=torch.zeros(1, 2, 3), num_external_tokens=8)
+    with pytest.raises(ValueError, match="imported KV"):
+        engine.add_request(list(range(3, 30)), kv=PromptKV(8, torch.zeros(1, 2, 3)))
     assert engine.abort_request(rid) and not engine.has_unfinished()
 
 

@@ -25,6 +25,7 @@ from conftest import (
 
 from mooncake.blocks import blocks_for
 from mooncake.engine import FinishReason, LLMEngine, SamplingParams
+from mooncake.engine.request import PromptKV, RequestOptions
 
 
 @dataclass
@@ -271,7 +272,7 @@ def test_kv_export_import_continues_exactly(subject, where):
     num_external = computed if where == "all-computed" else 2 * bs + 3
     engine_b, rec = subject.engine(fresh=True)
     rid_b = engine_b.add_request(
-        prompt, params, external_kv=kv, num_external_tokens=num_external, initial_output_token_ids=list(so_far)
+        prompt, params, kv=PromptKV(num_external, kv), options=RequestOptions(outputs=tuple(so_far))
     )
     engine_b.step()
     # B starts where the external KV ends and computes only the rest.

@@ -1,7 +1,7 @@
 """The prefill-to-decode hand-off into the decode engine's own cache, at three levels.
 
-    engine      a second engine admits a request waiting for its KV (``add_request(remote_kv=True)``: it gives it
-                blocks), finds the prompt's KV written into them from outside, and decodes from there once the
+    engine      a second engine admits a request waiting for its KV (``kv=PromptKV.landing(n)``: it gives it blocks),
+                finds the prompt's KV written into them from outside, and decodes from there once the
                 prefill's token lands (``land``): the tokens of one engine alone, with only the new token computed;
                 preempted, it recomputes and still gives them
     connector   a prefill's PoolConnector writes the prompt's KV straight into those blocks of the other engine's
@@ -30,8 +30,9 @@ from conftest import RecordingConnector, make_engine
 
 from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import PromptKV, SamplingParams
 from mooncake.engine.scheduler import NoRoom
+from mooncake.serving.reports import InFlight
 from prefill.connector import PoolConnector, PrefillJob
 from transfer import TransferConfig, TransferEngine
 
@@ -82,7 +83,7 @@ def mapped_job(rid: str, prompt: list[int], cache: torch.Tensor, first: int, **k
 
 def landing(engine: LLMEngine, prompt: list[int], rid: str, max_tokens: int = MAX_TOKENS) -> list[int]:
     """A request waiting for the KV of ``prompt`` from outside: the blocks the engine gave it."""
-    engine.add_request(prompt, greedy(max_tokens), request_id=rid, num_external_tokens=len(prompt), remote_kv=True)
+    engine.add_request(prompt, greedy(max_tokens), request_id=rid, kv=PromptKV.landing(len(prompt)))
     return engine.request_block_ids(rid)
 
 
@@ -168,7 +169,7 @@ def test_a_landing_request_holds_its_blocks_from_admission_and_gives_them_back_h
     with pytest.raises(NoRoom):  # 14 blocks with 13 free: all or nothing
         landing(engine, prompt_of(110, seed=4), "big")
     with pytest.raises(ValueError):  # remote KV covers the whole sequence
-        engine.add_request(prompt, greedy(), request_id="b", num_external_tokens=20, remote_kv=True)
+        engine.add_request(prompt, greedy(), request_id="b", kv=PromptKV.landing(20))
     assert engine.num_free_blocks == 13 and engine.num_landing_blocks == 3  # a refused request takes nothing
     landing(engine, prompt, "b")
     assert engine.abort_request("b") and engine.land("b", 5) is None  # aborted: its blocks are back, nothing lands
@@ -195,7 +196,7 @@ def test_the_prefills_token_is_checked_as_any_sampled_token(tiny_llama, case):
     }[case]
     if case == "eos":
         engine.eos_token_ids = frozenset({first})
-    engine.add_request(prompt, params, request_id="r", num_external_tokens=len(prompt), remote_kv=True)
+    engine.add_request(prompt, params, request_id="r", kv=PromptKV.landing(len(prompt)))
     land(engine, engine.request_block_ids("r"), kv)
     out = engine.land("r", first)
     expected = {"eos": ("stop", first), "stop-token": ("stop", first), "length": ("length", None)}.get(case)
@@ -518,16 +519,12 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
         assert not cache[:, :, [b for b in range(24) if b not in written]].any()  # nothing outside the grants
         assert ("shm", "write") not in worker.transfer.moved()  # tensor copies only: no slices through the engine
 
-        # the queue a prefill worker reports counts what its prefills in flight still have to compute. The rates are
-        # set: those learnt from this test's few prefills can fit a rate of 0 per token on a busy machine (all of it
-        # overhead), and a prompt's rest would then cost as much as all of it
-        worker.predictor.coef = (0.002, 1e-5, 1e-9)
+        # the queue a prefill worker reports is its prompts in flight, each with what it has computed so far (the
+        # Conductor prices the rest)
         worker._inflight["queued"] = (200, 0)
-        whole = worker.queued_seconds()
-        assert whole == pytest.approx(worker.predictor.predict(200, 0)) and whole > 0
+        assert worker.in_flight() == [InFlight(200, 0)]
         worker.connector.jobs["queued"] = PrefillJob("queued", 200, 13, segment.name, [], issued=10)  # 160 tokens done
-        left = worker.queued_seconds()
-        assert left == pytest.approx(worker.predictor.predict(200, 160)) and left < whole
+        assert worker.in_flight() == [InFlight(200, 160)]
         del worker._inflight["queued"], worker.connector.jobs["queued"]
     finally:
         if worker is not None:

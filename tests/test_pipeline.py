@@ -11,7 +11,7 @@ import torch
 from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.pipeline import LocalPipeline, chunk_bounds
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import PromptKV, RequestOptions, SamplingParams
 from mooncake.engine.stage import PipelineStage, split_layers
 from prefill.stage_process import StageRequest
 
@@ -45,9 +45,7 @@ def decode_after(
 ) -> list[int]:
     """A decode engine taking over from the pipeline: its KV imported, its first token given."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=BLOCK, num_kv_blocks=256, max_model_len=MAX_LEN))
-    rid = engine.add_request(
-        prompt, params, external_kv=kv, num_external_tokens=len(prompt), initial_output_token_ids=[first]
-    )
+    rid = engine.add_request(prompt, params, kv=PromptKV(len(prompt), kv), options=RequestOptions(outputs=(first,)))
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished and out.request_id == rid:
@@ -127,7 +125,7 @@ def test_smollm2_3000_token_prompt_through_2_stages_equals_one_engine(smollm2_di
     ]
     out = LocalPipeline(stages).prefill("long", prompt, params, chunk=512)
     rid = engine.add_request(
-        prompt, params, external_kv=out.kv, num_external_tokens=len(prompt), initial_output_token_ids=[out.first_token]
+        prompt, params, kv=PromptKV(len(prompt), out.kv), options=RequestOptions(outputs=(out.first_token,))
     )
     got = None
     while engine.has_unfinished():

@@ -26,7 +26,7 @@ from mooncake import tls
 from mooncake.cli.pool_cmd import status_table
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.grammar import grammar_for
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import RequestOptions, SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
@@ -435,7 +435,7 @@ def reference_steps(engine: LLMEngine, prompt: list[int], outputs: list[int]) ->
     steps = []
     for i in range(len(outputs)):
         params = SamplingParams(max_tokens=i + 1, temperature=0.0, ignore_eos=True, logprobs=5)
-        rid = engine.add_request(prompt, params, initial_output_token_ids=outputs[:i])
+        rid = engine.add_request(prompt, params, options=RequestOptions(outputs=tuple(outputs[:i])))
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id == rid and out.new_logprobs:

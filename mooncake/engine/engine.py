@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mooncake.blocks import KeyChain, model_fingerprint
+from mooncake.blocks import KeyChain, blocks_for, model_fingerprint
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.connector import KVConnector, StepCancelled
@@ -32,7 +32,9 @@ from mooncake.engine.kv_sizing import cache_blocks
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
 from mooncake.engine.request import (
     FinishReason,
+    PromptKV,
     Request,
+    RequestOptions,
     RequestStatus,
     SamplingParams,
     TokenLogprob,
@@ -148,51 +150,38 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        cache_salt: str | None = None,
-        external_kv: torch.Tensor | None = None,
-        num_external_tokens: int = 0,
-        initial_output_token_ids: list[int] | None = None,
-        remote_kv: bool = False,
-        chunk_tokens: int = 0,
-        ahead: bool = False,
+        kv: PromptKV | None = None,
+        options: RequestOptions | None = None,
     ) -> str:
-        """Queue a request; return its id. Raises ValueError for bad input.
+        """Queue a request; return its id. Raises ValueError for bad input, NoRoom for a ``kv.remote`` request whose
+        blocks are not free.
 
-        ``external_kv`` [n, L, 2, block_size, Hkv, D] (pool layout) holds the KV of the
-        sequence's first ``num_external_tokens`` tokens, imported into the cache when the
-        request is admitted so it starts with ``num_computed_tokens > 0``. ``initial_output_token_ids``
-        are tokens already generated elsewhere; they count toward ``max_tokens``.
-
-        ``remote_kv`` (instead of ``external_kv``): the KV of the whole sequence (``num_external_tokens`` of it) is
-        written from outside into blocks the request is given now (``request_block_ids``): it waits for it until
-        ``land`` (its connector's scheduler side holds those blocks past an abort while a writer may still write).
-        Raises NoRoom when too few blocks are free.
-
-        ``chunk_tokens``: the most of its tokens one step computes (0: as many as the step's budget leaves).
-        ``ahead``: it starts before the requests already waiting (not before those running): a prefill worker's retry
-        of a request that outlived a failure.
+        ``kv``: KV of its leading tokens computed elsewhere (``PromptKV``): imported into the cache when the request is
+        admitted, so it starts with ``num_computed_tokens > 0``; or, ``remote``, the whole sequence's, written from
+        outside into blocks it is given now (``request_block_ids``): it waits for it until ``land`` (its connector's
+        scheduler side holds those blocks past an abort while a writer may still write). ``options``: see
+        ``RequestOptions``.
         """
         params = sampling_params or SamplingParams()
+        opts = options or RequestOptions()
         prompt = checked_prompt(
             prompt_token_ids, params, self.max_model_len, self.args.vocab_size, self.tokenizer is not None
         )
-        outputs = list(initial_output_token_ids or [])
-        if params.prompt_logprobs is not None and (external_kv is not None or remote_kv or outputs):
+        outputs = [int(t) for t in opts.outputs]
+        if params.prompt_logprobs is not None and (kv is not None or outputs):
             raise ValueError("prompt_logprobs need the whole prompt computed here: no imported KV or initial outputs")
         if len(outputs) >= params.max_tokens:
-            raise ValueError("initial_output_token_ids already reach max_tokens")
+            raise ValueError("initial outputs already reach max_tokens")
         total = len(prompt) + len(outputs)
-        if external_kv is not None and remote_kv:
-            raise ValueError("external_kv and remote_kv are two ways of giving the same KV: give one")
-        if remote_kv and num_external_tokens != total:
-            raise ValueError(f"remote KV covers the whole sequence of {total} tokens, not {num_external_tokens}")
-        if external_kv is not None:
-            if not 0 < num_external_tokens < total:
-                raise ValueError(f"num_external_tokens must be in [1, {total - 1}], got {num_external_tokens}")
-            n_blocks = -(-num_external_tokens // self.block_size)
-            if tuple(external_kv.shape[1:]) != self.runner.block_shape or external_kv.shape[0] < n_blocks:
+        if kv is not None and kv.remote and kv.num_tokens != total:
+            raise ValueError(f"remote KV covers the whole sequence of {total} tokens, not {kv.num_tokens}")
+        if kv is not None and not kv.remote:
+            if not 0 < kv.num_tokens < total:
+                raise ValueError(f"imported KV must cover [1, {total - 1}] tokens, got {kv.num_tokens}")
+            n_blocks = blocks_for(kv.num_tokens, self.block_size)
+            if tuple(kv.kv.shape[1:]) != self.runner.block_shape or kv.kv.shape[0] < n_blocks:
                 raise ValueError(
-                    f"external_kv of shape {tuple(external_kv.shape)} does not hold {n_blocks} blocks "
+                    f"imported KV of shape {tuple(kv.kv.shape)} does not hold {n_blocks} blocks "
                     f"of shape {self.runner.block_shape}"
                 )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -200,30 +189,30 @@ class LLMEngine:
             request_id=rid,
             prompt_token_ids=prompt,
             sampling_params=params,
-            key_chain=KeyChain.start(self.block_size, self.fingerprint, cache_salt),
+            key_chain=KeyChain.start(self.block_size, self.fingerprint, opts.cache_salt),
             eos_token_ids=self.eos_token_ids,
             output_token_ids=outputs,
-            external_kv=external_kv,
-            num_external_tokens=num_external_tokens if external_kv is not None else 0,
-            num_landed_tokens=num_external_tokens if remote_kv else 0,
-            chunk_tokens=max(0, chunk_tokens),
+            external_kv=kv.kv if kv is not None and not kv.remote else None,
+            num_external_tokens=kv.num_tokens if kv is not None and not kv.remote else 0,
+            num_landed_tokens=kv.num_tokens if kv is not None and kv.remote else 0,
+            chunk_tokens=max(0, opts.chunk_tokens),
         )
         if params.grammar is not None:
             self._grammars().add(rid, params.grammar, outputs)
         try:
-            if remote_kv:
+            if kv is not None and kv.remote:
                 self.scheduler.add_landing(request)
             else:
-                self.scheduler.add_request(request, ahead=ahead)
+                self.scheduler.add_request(request, ahead=opts.ahead)
         except (ValueError, NoRoom):
             self.runner.drop_request(rid)
             raise
         if params.seed is not None:
-            self.runner.add_generator(rid, params.seed, num_sampled=len(outputs) + remote_kv)
+            self.runner.add_generator(rid, params.seed, num_sampled=len(outputs) + bool(kv is not None and kv.remote))
         return rid
 
     def land(self, request_id: str, token: int, kv: torch.Tensor | None = None) -> RequestOutput | None:
-        """The KV of a ``remote_kv`` request is here and its prefill sampled ``token``: the token's output, made and
+        """The KV of a ``kv.remote`` request is here and its prefill sampled ``token``: the token's output, made and
         checked as any sampled token's (finished if it stops the request; else the request decodes from the next
         step). The KV is in the request's blocks, or in ``kv`` [n, L, 2, bs, Hkv, D] (landing slots), imported into
         them when it is scheduled. None when the request no longer waits for it (aborted)."""

@@ -5,13 +5,13 @@ A prefill or decode worker needs only this of its engine; ``EngineLoop`` steps i
 thread, and every call below happens on that thread:
 
     add_request(prompt_token_ids, sampling_params, request_id,
-                external_kv=..., num_external_tokens=...,    the prompt's leading KV, in the pool
-                initial_output_token_ids=...,                layout, imported layer by layer
-                chunk_tokens=..., ahead=...)                 before those waiting (vLLM: ignored)
-    add_request(..., remote_kv=True)                          the whole sequence's KV comes from a prefill
-    request_block_ids(id), land(id, token, kv)                elsewhere: it waits for it (ours: in blocks given
-                                                              it now, written in place; or kv from slots), then
-                                                              the prefill's token goes out as a sampled one
+                kv=PromptKV(n, kv),                          the prompt's leading KV, in the pool layout,
+                options=RequestOptions(...))                 imported layer by layer; salt, outputs already
+                                                             generated, chunking, ahead (vLLM: ignored)
+    add_request(..., kv=PromptKV.landing(n))                 the whole sequence's KV comes from a prefill
+    request_block_ids(id), land(id, token, kv)               elsewhere: it waits for it (ours: in blocks given
+                                                             it now, written in place; or kv from slots), then
+                                                             the prefill's token goes out as a sampled one
     step() -> [RequestOutput]                                 one scheduling step
     abort_request(request_id), has_unfinished(), load(), set_max_num_seqs(n)
 
@@ -46,7 +46,7 @@ import torch
 from mooncake.blocks import model_fingerprint
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.loader import model_identity
-from mooncake.engine.request import SamplingParams
+from mooncake.engine.request import PromptKV, RequestOptions, SamplingParams
 
 
 class EngineKind(str, enum.Enum):
@@ -89,13 +89,8 @@ class WorkerEngine(Protocol):
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        cache_salt: str | None = None,
-        external_kv: Any = None,
-        num_external_tokens: int = 0,
-        initial_output_token_ids: list[int] | None = None,
-        remote_kv: bool = False,  # the whole sequence's KV comes from elsewhere: it waits for ``land``
-        chunk_tokens: int = 0,  # the most of its tokens one step computes (0: the step's budget)
-        ahead: bool = False,  # before the requests waiting to start (a retry that outlived a failure)
+        kv: PromptKV | None = None,  # KV computed elsewhere: leading tokens to import, or the whole sequence landing
+        options: RequestOptions | None = None,  # cache salt, outputs generated elsewhere, chunk_tokens, ahead
     ) -> str: ...
 
     def step(self) -> list[RequestOutput]: ...

@@ -136,6 +136,37 @@ def checked_prompt(
     return prompt
 
 
+@dataclass(frozen=True, slots=True)
+class PromptKV:
+    """KV of a request's leading tokens computed elsewhere (``add_request(kv=)``).
+
+    ``kv`` [n, L, 2, block_size, Hkv, D] (the pool layout, or an engine's own view of pool slots) holds the first
+    ``num_tokens`` tokens' KV, imported as the request is admitted (fewer than the whole sequence: the rest is
+    computed). ``remote``: the whole sequence's KV is on its way from a prefill elsewhere; the request is given its
+    blocks now and waits for it (``land``)."""
+
+    num_tokens: int
+    kv: Any = None
+    remote: bool = False
+
+    @classmethod
+    def landing(cls, num_tokens: int) -> "PromptKV":
+        return cls(num_tokens, remote=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """The rest of what ``add_request`` takes: ``cache_salt`` (the root of its block keys), ``outputs`` (tokens already
+    generated elsewhere: a prefill's first token, a resumed stream's; they count toward max_tokens),
+    ``chunk_tokens`` (the most of its tokens one step computes; 0: the step's budget) and ``ahead`` (it starts before
+    the requests already waiting: a retry that outlived a failure)."""
+
+    cache_salt: str | None = None
+    outputs: tuple[int, ...] = ()
+    chunk_tokens: int = 0
+    ahead: bool = False
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress.

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.interface import EngineKind
+from mooncake.engine.request import RequestOptions
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.build import build_engine
 from mooncake.serving.engine_loop import EngineLoop
@@ -50,7 +51,7 @@ class LocalBackend(GenerationBackend):
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=request.sampling,
                 request_id=request.request_id,
-                cache_salt=request.cache_salt,
+                options=RequestOptions(cache_salt=request.cache_salt),
             )
         except ValueError as e:
             raise InvalidRequest(str(e)) from None

@@ -24,6 +24,7 @@ prefill's first token: ``land``, by our scheduler's rule).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -42,6 +43,8 @@ from mooncake.engine.interface import EngineKind, engine_fingerprint, refuse
 from mooncake.engine.loader import generation_eos_ids
 from mooncake.engine.request import (
     FinishReason,
+    PromptKV,
+    RequestOptions,
     SamplingParams,
     TokenLogprob,
     checked_prompt,
@@ -158,7 +161,7 @@ class VllmEngine:
             | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         )
         self._reqs: dict[str, _Tracked] = {}
-        self._landing: dict[str, dict[str, Any]] = {}  # remote_kv requests waiting for their KV: add_request's keywords
+        self._landing: dict[str, tuple] = {}  # kv.remote requests waiting for their KV: (prompt, params, options)
         self._ids = 0
         self._threaded: int | None = None  # the thread whose torch thread count was set
         log.info(
@@ -231,19 +234,21 @@ class VllmEngine:
         the detokenizer's, mooncake.serving.text); unless it ends the request, vLLM is given it (prompt + outputs,
         their KV loaded). None when the
         request no longer waits (aborted)."""
-        args = self._landing.pop(request_id, None)
-        if args is None:
+        waiting = self._landing.pop(request_id, None)
+        if waiting is None:
             return None
-        params, prompt = args["sampling_params"] or SamplingParams(), args["prompt_token_ids"]
-        outputs = [*args["initial_output_token_ids"], token]
+        prompt, params, options = waiting
+        outputs = [*options.outputs, token]
         end = token_finish(
             token, params, self.eos_token_ids, len(outputs), len(prompt) + len(outputs), self.max_model_len
         )
         if end is None:
             self.add_request(
-                **dict(args, initial_output_token_ids=outputs),
-                external_kv=kv,
-                num_external_tokens=len(prompt) + len(outputs) - 1,
+                prompt,
+                params,
+                request_id,
+                PromptKV(len(prompt) + len(outputs) - 1, kv),
+                dataclasses.replace(options, outputs=tuple(outputs)),
             )
         return RequestOutput(
             request_id=request_id,
@@ -263,29 +268,22 @@ class VllmEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        cache_salt: str | None = None,
-        external_kv: Any = None,
-        num_external_tokens: int = 0,
-        initial_output_token_ids: list[int] | None = None,
-        remote_kv: bool = False,
-        chunk_tokens: int = 0,
-        ahead: bool = False,
+        kv: PromptKV | None = None,
+        options: RequestOptions | None = None,
     ) -> str:
         """Queue a request (see the module docstring for what vLLM is given). Raises ValueError for bad input, and
         for what only our engine does (``chunk_tokens``: vLLM's scheduler chunks). ``ahead`` is ignored: vLLM's
         first-come-first-served scheduler takes no request out of turn (its priority policy would, but it also preempts
-        running requests by priority). ``remote_kv``: the request waits, outside vLLM, for its KV and its prefill's
+        running requests by priority). ``kv.remote``: the request waits, outside vLLM, for its KV and its prefill's
         token (``land``)."""
-        if chunk_tokens:
+        opts = options or RequestOptions()
+        if opts.chunk_tokens:
             raise ValueError("chunk_tokens are our engine's: vLLM's scheduler chunks itself")
-        if remote_kv:
-            return self._wait_for_kv(
-                prompt_token_ids=prompt_token_ids,
-                sampling_params=sampling_params,
-                request_id=request_id,
-                cache_salt=cache_salt,
-                initial_output_token_ids=list(initial_output_token_ids or []),
-            )
+        if kv is not None and kv.remote:
+            return self._wait_for_kv(prompt_token_ids, sampling_params, request_id, opts)
+        cache_salt, initial_output_token_ids = opts.cache_salt, opts.outputs
+        external_kv = kv.kv if kv is not None else None
+        num_external_tokens = kv.num_tokens if kv is not None else 0
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -359,17 +357,15 @@ class VllmEngine:
         )
         return rid
 
-    def _wait_for_kv(self, **args) -> str:
-        params = args["sampling_params"] or SamplingParams()
-        checked_prompt(
-            args["prompt_token_ids"], params, self.max_model_len, self.vocab_size, self.tokenizer is not None
-        )
-        if len(args["initial_output_token_ids"]) >= params.max_tokens:
-            raise ValueError("initial_output_token_ids already reach max_tokens")
-        rid = args["request_id"] if args["request_id"] is not None else f"req-{self._next_id()}"
+    def _wait_for_kv(self, prompt_token_ids, sampling_params, request_id, options: RequestOptions) -> str:
+        params = sampling_params or SamplingParams()
+        checked_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.tokenizer is not None)
+        if len(options.outputs) >= params.max_tokens:
+            raise ValueError("initial outputs already reach max_tokens")
+        rid = request_id if request_id is not None else f"req-{self._next_id()}"
         if rid in self._reqs or rid in self._landing:
             raise ValueError(f"request {rid!r} is already in the engine")
-        self._landing[rid] = dict(args, request_id=rid)
+        self._landing[rid] = (list(prompt_token_ids), params, options)
         return rid
 
     def step(self) -> list[RequestOutput]:

@@ -59,9 +59,9 @@ class DecodeConfig(BaseModel):
     write_grace_s: float = Field(
         3.0,
         gt=0,
-        description="cache blocks of a prefill that did not answer (cancelled, timed "
-        "out, unreachable) go back to the engine this much later: a straggling write lands in "
-        "nothing another request attends",
+        description="how often a prefill that did not answer (cancelled, timed out, unreachable) is asked again "
+        "whether its writes are over: its cache blocks and slots stay held, never given to another request, until "
+        "it says so or its process is gone (decode/fence.py)",
     )
     shm_dir: str = Field(
         TransferConfig.model_fields["shm_dir"].default, description="tmpfs directory of the landing segment"

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.loader import load_hf_config
@@ -141,7 +142,7 @@ class StageGroup:
         """Raises ValueError for a prompt the stages cannot hold."""
         if len(prompt) > self.max_model_len:
             raise ValueError(f"{len(prompt)} tokens exceed max_model_len {self.max_model_len}")
-        if -(-len(prompt) // self.block_size) > self.num_kv_blocks:
+        if blocks_for(len(prompt), self.block_size) > self.num_kv_blocks:
             raise ValueError(f"{len(prompt)} tokens need more than the {self.num_kv_blocks} KV blocks of each stage")
 
     def _watch(self, every_s: float = 1.0) -> None:
@@ -320,7 +321,7 @@ class GroupEngine:
         """Where the stages push the KV and read the prefix (its pulled blocks landed first)."""
         for layer in range(self.block_shape[0] if prefix is not None else 0):
             prefix.wait(layer)
-        n = -(-cached // self.block_size)
+        n = blocks_for(cached, self.block_size)
         return StagePush(
             job.landing_spec,
             job.landing_offsets,

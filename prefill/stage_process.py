@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.pipeline import PipelinePrefill
 from mooncake.engine.request import SamplingParams
 from mooncake.serving.kvlayout import tensor_bytes
@@ -508,7 +509,7 @@ def _serve(stage, request: StageRequest, link: _Link, connector, is_last: bool) 
         job = PrefillJob(
             rid,
             len(prompt),
-            -(-len(prompt) // stage.block_size),
+            blocks_for(len(prompt), stage.block_size),
             push.landing.name,
             list(push.landing_offsets),
             pool_slots=dict(push.pool_slots or {}),

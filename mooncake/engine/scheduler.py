@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from mooncake.blocks import blocks_for
 from mooncake.engine.block_pool import BlockPool
 from mooncake.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 
@@ -116,7 +117,7 @@ class Scheduler:
     def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        blocks_needed = -(-min(request.num_prompt_tokens + 1, self.max_model_len) // self.block_size)
+        blocks_needed = blocks_for(min(request.num_prompt_tokens + 1, self.max_model_len), self.block_size)
         if blocks_needed > self.pool.num_blocks:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {blocks_needed} KV blocks; "
@@ -127,7 +128,7 @@ class Scheduler:
         """Give ``request`` blocks for its first ``num_landed_tokens`` tokens now and hold it there while a prefill
         elsewhere writes their KV (``block_ids``: where). Raises NoRoom (too few free blocks) or ValueError."""
         self._check_new(request)
-        need = -(-request.num_landed_tokens // self.block_size)
+        need = blocks_for(request.num_landed_tokens, self.block_size)
         if need > self.pool.num_free_blocks:
             raise NoRoom(
                 f"{need} free KV blocks wanted for {request.num_landed_tokens} tokens; {self.pool.num_free_blocks} free"
@@ -215,7 +216,7 @@ class Scheduler:
                 req.num_cached_tokens = len(hits) * self.block_size
             if num_ext > len(hits) * self.block_size:
                 first = len(hits)
-                last = -(-num_ext // self.block_size)
+                last = blocks_for(num_ext, self.block_size)
                 out.imports.append(KVImport(req, first, req.block_ids[first:last]))
                 req.num_imported_tokens = num_ext - first * self.block_size
             req.num_computed_tokens = num_computed
@@ -274,7 +275,7 @@ class Scheduler:
         """Give ``req`` blocks for ``num_tokens`` tokens (taking ``hits`` first); False if short."""
         hits = list(hits)
         have = len(req.block_ids) + len(hits)
-        need = max(0, -(-num_tokens // self.block_size) - have)
+        need = max(0, blocks_for(num_tokens, self.block_size) - have)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # cached blocks now in the free queue
         if need + revived > self.pool.num_free_blocks:
             return False

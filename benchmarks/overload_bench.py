@@ -18,7 +18,9 @@ streamed, ``--max-tokens`` tokens, so tokenization and key hashing are part of t
 For each phase: offered requests and rate, accepted (200), rejected (429), errors; the
 429 latency (request sent to response received) p50/p90/p99/max; the accepted requests'
 TTFT and TBT (the paper's: mean of the longest 10% of a request's gaps) and the share
-meeting the cluster's SLOs. Goals printed: open-loop 429 p99 under 50 ms, burst 429 p99
+meeting the cluster's SLOs; the 429s by reason, those the gateway answered itself (shed
+before any work, or a prompt as long as one the Conductor just refused) apart as
+``reason (gateway)``. Goals printed: open-loop 429 p99 under 50 ms, burst 429 p99
 under 1 s, every accepted request within the SLOs.
 """
 
@@ -44,6 +46,7 @@ from benchmarks.replay import Outcome, RequestResult, tail_tbt
 GOAL_OPEN_P99_S = 0.050
 GOAL_BURST_P99_S = 1.0
 RETRY_PAUSE_S = 0.2
+GATEWAY_REFUSAL = "refused at the gateway"  # in a 429's message when the gateway refused it without the Conductor
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches in old "
     "towns near rivers and mountains where bright stars shine above calm lakes"
@@ -96,7 +99,10 @@ async def send(url: str, body: bytes, r: RequestResult, clock0: float) -> None:
             r.error = f"HTTP {status}: {text[:300]}"
             if status == 429:
                 with contextlib.suppress(ValueError, KeyError, AttributeError, TypeError):
-                    r.error = json.loads(text)["error"]["code"] or "429"  # the reason (ttft_slo, overload ...)
+                    error = json.loads(text)["error"]
+                    r.error = error["code"] or "429"  # the reason (ttft_slo, overload ...)
+                    if GATEWAY_REFUSAL in error["message"]:  # the gateway answered for the Conductor
+                        r.error += " (gateway)"
             return
         async for event in _events(reader):
             if event.get("error"):

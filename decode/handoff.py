@@ -323,7 +323,9 @@ class Handoff:
 
 def _writer_of(call) -> str:
     """The writing process the call's first metadata named ("" when none came: the call never reached a worker, or the
-    worker died first). Read only once the call is over, when it no longer waits."""
+    worker died first). Read once the call is over (ended here if it is not), when reading it no longer waits."""
+    if not call.done():
+        call.cancel()
     try:
         metadata = call.initial_metadata() or ()
     except Exception:  # noqa: BLE001 - a call that never started has none

@@ -62,7 +62,6 @@ from mooncake.serving.build import build_engine
 from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
-from mooncake.serving.reports import StepMean, mean_step
 from mooncake.serving.sampling import params_from_pb
 from mooncake.serving.status import Busy
 from mooncake.serving.text import OutputText
@@ -160,8 +159,9 @@ class DecodeWorker:
         )
         self.in_prefill = InPrefill()
         self._cap = 0  # the Conductor's batch cap (Conductor.decode_cap; 0: none yet)
-        self.step_mean: StepMean | None = None  # the mean decode step between the last two heartbeats (None: no
-        # step; mooncake.serving.reports.mean_step says which steps count)
+        self.step_mean: tuple[float, float, float] | None = None  # (batch, context tokens, seconds) of the mean step
+        # between the last two heartbeats (None: no step): one sample of the last step alone swung with whatever else
+        # the cores were doing at that moment
 
     # -- what the transfer server lets a prefill write ------------------------------------------
 
@@ -241,14 +241,22 @@ class DecodeWorker:
         ``_admit`` would).
 
         Called with every heartbeat."""
-        steps = []  # (batch, context tokens, seconds, new tokens) of each engine step since the last call
+        n = batches = contexts = seconds = 0
         while True:
             try:
-                s = self.loop.steps.popleft()
+                step = self.loop.steps.popleft()
             except IndexError:
                 break
-            steps.append((s.batch, s.context_tokens, s.seconds, s.new_tokens))
-        self.step_mean = mean_step(*zip(*steps)) if steps else None
+            if (
+                step.batch > 0 and step.seconds > 0 and step.new_tokens <= step.batch
+            ):  # (a prompt's chunk in it: not a decode step)
+                n, batches, contexts, seconds = (
+                    n + 1,
+                    batches + step.batch,
+                    contexts + step.context_tokens,
+                    seconds + step.seconds,
+                )
+        self.step_mean = (batches / n, contexts / n, seconds / n) if n else None
         cap = self.batch_cap
         self.loop.call(lambda engine: engine.set_max_num_seqs(cap))
         return cap

@@ -12,8 +12,9 @@ engine behind the gateway (``--local``):
 Stop strings are found here (never by an engine): a stop string completed at the text's end starts at most
 ``max(len(stop)) - 1`` characters before it, and one that started earlier would have been found already, so that many
 characters are held back while the request runs, and what was shown is always a prefix of the final text. The final
-text is cut before the stop string (after it with ``include_stop_str_in_output``); a request ended by a token (EOS, a
-stop token id) shows that token's text only with ``include_stop_str_in_output``, as vLLM does.
+text is cut before the stop string (after it with ``include_stop_str_in_output``); a request that ends otherwise shows
+its whole output decoded once, except the token that ended it (EOS, a stop token id), which shows only with
+``include_stop_str_in_output``, as vLLM does.
 
 A resumed stream (another decode worker streamed ``output_ids`` and ``shown`` characters of their text before it died)
 starts from there: only the text after them comes out.
@@ -77,6 +78,7 @@ class OutputText:
         shown: int = 0,
     ) -> None:
         self.params = params
+        self._tokenizer = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._text = ""  # everything decoded so far
@@ -109,9 +111,12 @@ class OutputText:
                 cut, stop = match_stop_string(self._text, previous, self.params)
                 if stop is not None:
                     return self._end(cut, FinishReason.STOP, stop, n)
-        if out.finished:
-            self._text += self._detok.flush()
-            return self._end(self._text, out.finish_reason, out.stop_reason, len(new))
+        if out.finished:  # the whole output decoded once (a character the prompt's last bytes began is its own here)
+            shown_ids = out.output_token_ids[:-1] if by_token and not self.params.include_stop_str_in_output else None
+            final = self._tokenizer.decode(
+                shown_ids if shown_ids is not None else out.output_token_ids, self.params.skip_special_tokens
+            )
+            return self._end(final, out.finish_reason, out.stop_reason, len(new))
         return Piece(self._reveal(len(self._text) - self._hold), num_tokens=len(new))
 
     def _end(self, final: str, finish: FinishReason | None, stop_reason, num_tokens: int) -> Piece:

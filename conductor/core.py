@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from conductor.admission import AdmissionKind
 from conductor.config import ConductorConfig
 from conductor.forecast import DecodeForecast
-from conductor.index import KVIndex
+from conductor.index import KVIndex, PromptWrites
 from conductor.judge import MIN_RETRY_S, Judge
 from conductor.learning import Learning
 from conductor.local import LocalChoice, LocalPrefill
@@ -57,6 +57,10 @@ from conductor.types import (
 )
 from conductor.waiting import WAIT_GAP_S, FairShare, WaitQueue
 from kvstore.events import Tier
+
+# a prompt's new blocks are written to its node after its first token: one that ``follows`` it may count on them until
+# that predicted time and this long after (the write takes milliseconds; a longer wait means something went wrong)
+WRITE_GRACE_S = 5.0
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Conductor:
     def __init__(self, config: ConductorConfig | None = None) -> None:
         self.config = config or ConductorConfig()
         self.index = KVIndex()
+        self.writes = PromptWrites()  # where placed prompts' new blocks are being written (a ``follows`` request's)
         self.forecast = DecodeForecast(self.config.default_decode_s, kind=self.config.decode_forecast)
         self.registry = Registry(self.config)
         self.learning = Learning(self.config)
@@ -379,6 +384,8 @@ class Conductor:
                 shed_s=self.shed_s(now),
             )
         match = self.index.match(req.keys)
+        if req.follows:
+            match = self.writes.follow(req.follows, req.keys, match, now)
         if req.retry:  # it goes ahead of each queue (Placement.ahead): the policy sees the queues as it will meet them
             choice = self.policy.choose(req, ahead_of_queue(prefills), match, self.predictors)
             choice = dataclasses.replace(choice, instance=self.registry.instances[choice.instance.id])
@@ -415,6 +422,7 @@ class Conductor:
             reason, message, retry = verdict
             return dataclasses.replace(self._reject(req, reason, message, retry, predicted), shed_s=self.shed_s(now))
         self._record(req, choice, decode, now, blocks)
+        self.writes.placed(req.request_id, choice.instance.node, req.keys, now + choice.ttft_s + WRITE_GRACE_S)
         return Decision(
             req.request_id,
             choice.instance.id,

@@ -30,6 +30,7 @@ changed.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class PrefixMatch:
     dram: dict[str, int]  # leading blocks in DRAM
     keys: Sequence[bytes] | None = field(default=None, compare=False, repr=False)
     held: dict[str, dict] | None = field(default=None, compare=False, repr=False)  # the index's per-node records
+    # node -> where its held prefix ends in the index; the blocks after it, up to ``any_tier[node]``, are being
+    # written to its DRAM (``with_coming``)
+    coming: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def blocks(self, node: str) -> int:
         return self.any_tier.get(node, 0)
@@ -66,12 +70,29 @@ class PrefixMatch:
 
     def dram_count(self, node: str, start: int = 0, end: int | None = None) -> int:
         """How many of blocks ``[start, end)`` of ``node``'s prefix it holds in DRAM (the rest are on SSD)."""
-        held = self.held.get(node) if self.held is not None else None
         end = self.blocks(node) if end is None else min(end, self.blocks(node))
+        boundary = self.coming.get(node)
+        if boundary is not None and end > boundary:  # the blocks on their way land in DRAM
+            before = self.dram_count(node, start, boundary) if start < boundary else 0
+            return end - max(start, boundary) + before
+        held = self.held.get(node) if self.held is not None else None
         if held is None or start >= end:
             return 0
         before = held[self.keys[start - 1]][_SSD] if start > 0 else 0
         return (end - start) - (held[self.keys[end - 1]][_SSD] - before)
+
+    def with_coming(self, node: str, blocks: int) -> PrefixMatch:
+        """This match with ``node`` holding ``blocks`` leading blocks in DRAM, those past what it holds being written
+        there now."""
+        if blocks <= self.blocks(node):
+            return self
+        return PrefixMatch(
+            {**self.any_tier, node: blocks},
+            {**self.dram, node: blocks} if self.dram_blocks(node) == self.blocks(node) else self.dram,
+            self.keys,
+            self.held,
+            {**self.coming, node: self.blocks(node)},
+        )
 
     def best(self, exclude: str | None = None) -> tuple[str | None, int]:
         """The node holding the longest prefix (ties: the name that sorts first), and its length."""
@@ -331,3 +352,48 @@ def chains_of(held: dict[bytes, tuple], kids: dict[bytes, tuple]) -> list[list[b
         out.append((record[_SSD] - len(chain), chain))  # -(blocks in DRAM)
     out.sort(key=lambda c: c[0])
     return [chain for _, chain in out]
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    node: str
+    blocks: int
+    last: bytes  # the last of those blocks' keys
+    until: float
+
+
+class PromptWrites:
+    """Where each prompt placed lately has its prefill write its new blocks, so that a request of the same prompt that
+    ``follows`` it (a sibling choice, sent once the first has its first token) is planned with them there.
+
+    The node stores a prefill's new blocks after its answer and its event reaches the index a moment later: a sibling
+    placed in between was planned without them, often on another worker, and computed the whole prompt again
+    (tests/test_serving_cluster.py saw 400 tokens computed for a 100-token prompt of 4 choices, 112 being due). The
+    prefill worker waits for the blocks its plan counts that are being written (``KVStore.get``'s ``wait_s``). Only a
+    request that names the one it follows gets this: others go by what the nodes report. Not thread-safe: the
+    Conductor's owner thread calls it."""
+
+    MAX_KEPT = 65536
+
+    def __init__(self) -> None:
+        self._by_id: OrderedDict[str, _Written] = OrderedDict()
+
+    def placed(self, request_id: str, node: str, keys: Sequence[bytes], until: float) -> None:
+        """``request_id``'s prefill stores ``keys`` (its prompt's full blocks) on ``node``, by ``until``."""
+        self._by_id.pop(request_id, None)
+        if node and len(keys):
+            self._by_id[request_id] = _Written(node, len(keys), bytes(keys[len(keys) - 1]), until)
+        while len(self._by_id) > self.MAX_KEPT:
+            self._by_id.popitem(last=False)
+
+    def follow(self, leader: str, keys: Sequence[bytes], match: PrefixMatch, now: float) -> PrefixMatch:
+        """``match`` (of ``keys``) with the blocks ``leader``'s prefill is writing, when ``keys`` begin with them."""
+        while self._by_id:  # mostly in time order: the oldest go first
+            first = next(iter(self._by_id.values()))
+            if first.until > now:
+                break
+            self._by_id.popitem(last=False)
+        w = self._by_id.get(leader)
+        if w is None or w.until <= now or w.blocks > len(keys) or bytes(keys[w.blocks - 1]) != w.last:
+            return match
+        return match.with_coming(w.node, w.blocks)

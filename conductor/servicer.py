@@ -159,6 +159,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             tenant_weight=request.tenant_weight or 1.0,
             waited_s=request.waited_s,
             retry=request.retry,
+            follows=request.follows,
         )
         outcome, info = self.service.schedule(req)
         p = outcome.predicted

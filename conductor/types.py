@@ -225,6 +225,7 @@ class ScheduleRequest:
     tenant_weight: float = 1.0  # its tenant's weight (the tenants file's)
     waited_s: float = 0.0  # early_wait: how long its gateway has held it already (part of its TTFT)
     retry: bool = False  # admitted before and outlived a failure: its prefill goes ahead of the queue (Decision.ahead)
+    follows: str = ""  # a request of the same prompt placed before it (Conductor.follow): its blocks are on their way
 
     def validate(self) -> None:
         if not self.request_id:

@@ -159,11 +159,13 @@ class KVStoreClient:
         r = self._call("Lookup", pb.LookupRequest(keys=keys))
         return LookupResult(r.prefix_blocks, [PB_TO_TIER[t] for t in r.tiers])
 
-    def get_locations(self, keys: Sequence[bytes], lease_ttl_s: float = 0) -> pb.GetResponse:
-        """Lease the longest stored prefix and return where its bytes are. Release the lease after reading."""
-        return self._call(
-            "Get", pb.GetRequest(keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes, owner=self.owner)
+    def get_locations(self, keys: Sequence[bytes], lease_ttl_s: float = 0, wait_s: float = 0) -> pb.GetResponse:
+        """Lease the longest stored prefix and return where its bytes are. Release the lease after reading.
+        ``wait_s``: wait up to that long for blocks after the prefix that are being written (``KVStore.get``)."""
+        request = pb.GetRequest(
+            keys=keys, lease_ttl_s=lease_ttl_s, block_bytes=self.block_bytes, owner=self.owner, wait_s=wait_s
         )
+        return self._call("Get", request, timeout=self.timeout_s + wait_s if wait_s else None)
 
     def release(self, lease_id: str, wait: bool = True) -> None:
         """End a lease. ``wait=False`` does not wait for the answer on the fast path (an unknown lease is then not

@@ -182,7 +182,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_status
     def Get(self, request, context):
         self.store.check_block_bytes(request.block_bytes)
-        res = self.store.get(list(request.keys), request.lease_ttl_s or None, request.owner)
+        res = self.store.get(list(request.keys), request.lease_ttl_s or None, request.owner, request.wait_s)
         return pb.GetResponse(
             lease_id=res.lease_id,
             segment=self.seg,

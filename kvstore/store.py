@@ -105,6 +105,7 @@ class BlockStore:
         self._corrupt = 0
         self._tick = itertools.count(1)
         self._lock = threading.RLock()
+        self._settled = threading.Condition(self._lock)  # a reservation ended (committed, aborted, expired)
         self.events = EventLog(config.events_kept)
         self.adopted = self._adopt() if ssd else 0
 
@@ -282,6 +283,7 @@ class BlockStore:
                 f"no reservation {reservation_id!r} (never made, already committed or aborted, or timed out)"
             )
         self._reserved_slots -= len(res.slots)
+        self._settled.notify_all()
         return res
 
     def commit(self, reservation_id: str) -> tuple[int, int]:
@@ -343,23 +345,34 @@ class BlockStore:
                 tiers.append(Tier.DRAM if entry.dram_slot is not None else Tier.SSD)
         return LookupResult(len(tiers), tiers)
 
-    def get(self, keys: Sequence[bytes], lease_ttl_s: float | None = None, owner: str = "") -> GetResult:
+    def get(
+        self, keys: Sequence[bytes], lease_ttl_s: float | None = None, owner: str = "", wait_s: float = 0.0
+    ) -> GetResult:
         """Lease the longest stored prefix of ``keys`` in DRAM (promoting SSD blocks) and return its slots.
 
         The caller reads the slots (through the transfer engine or the shared memory)
         and then :meth:`release` s the lease; until then, until the lease times out, or
         until :meth:`release_owner` ends ``owner``'s leases, none of these blocks is
         evicted. A block whose SSD copy fails its checksum is dropped, reported in
-        ``corrupt``, and ends the prefix.
+        ``corrupt``, and ends the prefix. ``wait_s``: while the block after the prefix is
+        being written (a reservation holds it: a prefill of the same prompt answered and
+        writes its blocks now), wait up to that long for the write to end, rather than
+        have the caller compute the block again.
         """
         keys = self._check_keys(keys)
+        deadline = time.monotonic() + wait_s
         with self._lock:
-            prefix: list[Entry] = []
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None:
+            while True:
+                prefix: list[Entry] = []
+                for key in keys:
+                    entry = self._entries.get(key)
+                    if entry is None:
+                        break
+                    prefix.append(entry)
+                left = deadline - time.monotonic()
+                if len(prefix) == len(keys) or left <= 0 or not self._being_written(keys[len(prefix)]):
                     break
-                prefix.append(entry)
+                self._settled.wait(left)
             for entry in prefix:
                 entry.leases += 1  # nothing in the prefix may be evicted to make room for the rest
             corrupt: list[bytes] = []
@@ -398,6 +411,9 @@ class BlockStore:
                 lid, [e.key for e in prefix], deadline, owner, frozenset(e.dram_slot for e in prefix)
             )
             return GetResult(lid, [(e.key, e.dram_slot) for e in prefix], corrupt, len(prefix) - ssd_hits, ssd_hits)
+
+    def _being_written(self, key: bytes) -> bool:
+        return any(key in r.slots for r in self._reservations.values())
 
     def authorize(self, token: str, write: bool, offset: int, length: int) -> str | None:
         """Whether ``token`` grants bytes ``[offset, offset + length)`` of the DRAM tier: None if so, else why not.

@@ -12,14 +12,12 @@ some of its prompt, after each layer:
                          cache out of reach)
 
 (one class per mechanism, chosen once per job: prefill/landing.py), so pushing layer l overlaps computing layer
-l + 1, and the request's KV is on the decode
-worker when its prefill ends. The prompt's new full blocks go to this node's pool **after**
-the answer (``store_later``): the engine keeps the request's blocks when it finishes
-(``request_finished`` returns True), a ``PoolWriter`` thread copies them into the reserved pool
-slots and hands them back (``released_blocks``), and the worker commits the reservation then;
-a failed write loses a cache entry, never a request. A stage of a pipelined group
-(``prefill/group.py``) binds the cache of its own layers and pushes them at their global
-offsets; its pool writes still go layer by layer through the transfer engine
+l + 1, and the request's KV is on the decode worker when its prefill ends. The prompt's new full blocks go to this
+node's pool **after** the answer (``store_later``): the engine keeps the request's blocks when it finishes
+(``request_finished`` returns True), a ``PoolWriter`` thread copies them into the reserved pool slots and hands them
+back (``released_blocks``), and the worker commits the reservation then; a failed write loses a cache entry, never a
+request. A stage of a pipelined group (``prefill/group.py``) binds the cache of its own layers and pushes them at
+their global offsets; its pool writes still go layer by layer through the transfer engine
 (``PrefillJob.pool_segment``), since the pool node is another process's memory. Blocks
 imported from the pool (the reused prefix) are pushed the same way, from the engine's cache,
 in the step that imports them. ``wait_for_save`` waits for the step's transfers before the
@@ -45,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -61,6 +60,10 @@ from prefill.landing import Landing, landing_for
 from transfer import Segment, Slice, TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
+
+# a test's fault: the pool writer waits this long before each write (tests/test_serving_cluster.py's lagging write)
+SLOW_WRITE_ENV = "MOONCAKE_FAULT_SLOW_POOL_WRITE_S"
+SLOW_WRITE_S = float(os.environ.get(SLOW_WRITE_ENV, "0") or 0)
 
 PUSH_ATTEMPTS = 2  # a failed push is sent again once; a second failure fails its job
 
@@ -562,6 +565,8 @@ class PoolWriter:
             job, pairs, block_ids, ready = self._queue.get()
             ok = False
             try:
+                if SLOW_WRITE_S:
+                    time.sleep(SLOW_WRITE_S)  # a test's fault (SLOW_WRITE_ENV)
                 self._write(pairs, ready)
                 ok = True
             except Exception:  # noqa: BLE001 - a lost cache entry, never a lost request

@@ -214,14 +214,18 @@ class PoolLeases:
         the plan's. The plan comes from the Conductor's index, which hears of a commit a moment after the node has it:
         a stream resumed at once after its decode worker died was planned without the blocks that worker wrote just
         before (tests/test_chaos.py saw 45 tokens computed again where one block was due). A new prompt keeps to its
-        plan (a tier-aware plan may stop its prefix short of SSD blocks on purpose)."""
+        plan (a tier-aware plan may stop its prefix short of SSD blocks on purpose).
+
+        Blocks the plan counts that a prefill of the same prompt is writing to the node now are waited for (up to the
+        I/O timeout; a fetch's too), not computed again: a prompt's ``n`` siblings, sent once its first token is out,
+        are planned with the blocks the first's prefill writes after its answer (conductor/index.py ``PromptWrites``)."""
         local: list[int] = []
         ssd_hits = 0
         want = min(plan.local_blocks, len(keys))
         ask = len(keys) if extend and not plan.fetch_blocks else want
         if ask:
             try:
-                got = self._kv.get_locations(keys[:ask])
+                got = self._kv.get_locations(keys[:ask], wait_s=self._io_timeout_s)
             except KVStoreUnavailable as e:
                 self._pool_gone(e)
                 return [], 0, []
@@ -250,7 +254,7 @@ class PoolLeases:
         (``held.wait_layer`` waits for each); return the reserved slots (fewer when the node has fewer, none when they
         are stored here meanwhile or the reservation names memory not mapped here)."""
         remote = self._remote.get(address)
-        got = remote.get_locations(keys)
+        got = remote.get_locations(keys, wait_s=self._io_timeout_s)  # blocks being written there: as load_plan
         held.remote = (remote, got.lease_id)
         n = len(got.slots)
         if not n:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\x10mooncake.kvstore\"\xaa\x01\n\x0bSegmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x10\n\x08tcp_addr\x18\x07 \x01(\t\x12\x0c\n\x04rdma\x18\x08 \x01(\x08\x12\x11\n\trdma_rkey\x18\t \x01(\r\x12\x11\n\trdma_addr\x18\n \x01(\x04\";\n\x0cSlotLocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"t\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tpositions\x18\x02 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x0e\n\x06parent\x18\x06 \x01(\x0c\"\x9a\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12.\n\x07segment\x18\x02 \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12-\n\x05slots\x18\x03 \x03(\x0b\x32\x1e.mooncake.kvstore.SlotLocation\x12\x10\n\x08\x65xisting\x18\x04 \x03(\x0c\"\'\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"6\n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\r\"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"N\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12%\n\x05tiers\x18\x02 \x03(\x0e\x32\x16.mooncake.kvstore.Tier\"S\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\t\"\xb4\x01\n\x0bGetResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12.\n\x07segment\x18\x02 \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12-\n\x05slots\x18\x03 \x03(\x0b\x32\x1e.mooncake.kvstore.SlotLocation\x12\x0f\n\x07\x63orrupt\x18\x04 \x03(\x0c\x12\x11\n\tdram_hits\x18\x05 \x01(\r\x12\x10\n\x08ssd_hits\x18\x06 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"$\n\x13ReleaseOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"<\n\x14ReleaseOwnerResponse\x12\x0e\n\x06leases\x18\x01 \x01(\x04\x12\x14\n\x0creservations\x18\x02 \x01(\x04\"*\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x1e\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\")\n\x0bPullRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"@\n\x0cPullResponse\x12\x0e\n\x06pulled\x18\x01 \x01(\r\x12\x0f\n\x07\x61lready\x18\x02 \x01(\r\x12\x0f\n\x07missing\x18\x03 \x01(\r\"\x0e\n\x0cStatsRequest\"s\n\tTierStats\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x01 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\"\xdd\x02\n\rStatsResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x65viction\x18\x03 \x01(\t\x12)\n\x04\x64ram\x18\x04 \x01(\x0b\x32\x1b.mooncake.kvstore.TierStats\x12(\n\x03ssd\x18\x05 \x01(\x0b\x32\x1b.mooncake.kvstore.TierStats\x12\x0e\n\x06leases\x18\x06 \x01(\x04\x12\x14\n\x0creservations\x18\x07 \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x61\x64opted_blocks\x18\t \x01(\x04\x12\x11\n\tevent_seq\x18\n \x01(\x04\x12.\n\x07segment\x18\x0b \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12\x14\n\x0c\x63ontrol_port\x18\x0c \x01(\r\x12\x13\n\x0b\x63ontrol_uds\x18\r \x01(\t\"6\n\x10SubscribeRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\xde\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.mooncake.kvstore.Event.Kind\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12$\n\x04tier\x18\x04 \x01(\x0e\x32\x16.mooncake.kvstore.Tier\x12\x0c\n\x04time\x18\x05 \x01(\x01\x12\x0e\n\x06parent\x18\x06 \x01(\x0c\x12\x14\n\x0cparent_known\x18\x07 \x01(\x08\"5\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\"d\n\nEventBatch\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.mooncake.kvstore.Event\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x10\n\x08next_seq\x18\x04 \x01(\x04*/\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44RAM\x10\x01\x12\x07\n\x03SSD\x10\x02\x32\xd6\x06\n\x07KVStore\x12N\n\x07Reserve\x12 .mooncake.kvstore.ReserveRequest\x1a!.mooncake.kvstore.ReserveResponse\x12K\n\x06\x43ommit\x12\x1f.mooncake.kvstore.CommitRequest\x1a .mooncake.kvstore.CommitResponse\x12H\n\x05\x41\x62ort\x12\x1e.mooncake.kvstore.AbortRequest\x1a\x1f.mooncake.kvstore.AbortResponse\x12K\n\x06Lookup\x12\x1f.mooncake.kvstore.LookupRequest\x1a .mooncake.kvstore.LookupResponse\x12\x42\n\x03Get\x12\x1c.mooncake.kvstore.GetRequest\x1a\x1d.mooncake.kvstore.GetResponse\x12N\n\x07Release\x12 .mooncake.kvstore.ReleaseRequest\x1a!.mooncake.kvstore.ReleaseResponse\x12]\n\x0cReleaseOwner\x12%.mooncake.kvstore.ReleaseOwnerRequest\x1a&.mooncake.kvstore.ReleaseOwnerResponse\x12\x42\n\x03Pin\x12\x1c.mooncake.kvstore.PinRequest\x1a\x1d.mooncake.kvstore.PinResponse\x12\x45\n\x04Pull\x12\x1d.mooncake.kvstore.PullRequest\x1a\x1e.mooncake.kvstore.PullResponse\x12H\n\x05Stats\x12\x1e.mooncake.kvstore.StatsRequest\x1a\x1f.mooncake.kvstore.StatsResponse\x12O\n\tSubscribe\x12\".mooncake.kvstore.SubscribeRequest\x1a\x1c.mooncake.kvstore.EventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\x10mooncake.kvstore\"\xaa\x01\n\x0bSegmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x10\n\x08shm_path\x18\x06 \x01(\t\x12\x10\n\x08tcp_addr\x18\x07 \x01(\t\x12\x0c\n\x04rdma\x18\x08 \x01(\x08\x12\x11\n\trdma_rkey\x18\t \x01(\r\x12\x11\n\trdma_addr\x18\n \x01(\x04\";\n\x0cSlotLocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"t\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\tpositions\x18\x02 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x12\r\n\x05owner\x18\x05 \x01(\t\x12\x0e\n\x06parent\x18\x06 \x01(\x0c\"\x9a\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12.\n\x07segment\x18\x02 \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12-\n\x05slots\x18\x03 \x03(\x0b\x32\x1e.mooncake.kvstore.SlotLocation\x12\x10\n\x08\x65xisting\x18\x04 \x03(\x0c\"\'\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"6\n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\r\"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"N\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12%\n\x05tiers\x18\x02 \x03(\x0e\x32\x16.mooncake.kvstore.Tier\"c\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\"\xb4\x01\n\x0bGetResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12.\n\x07segment\x18\x02 \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12-\n\x05slots\x18\x03 \x03(\x0b\x32\x1e.mooncake.kvstore.SlotLocation\x12\x0f\n\x07\x63orrupt\x18\x04 \x03(\x0c\x12\x11\n\tdram_hits\x18\x05 \x01(\r\x12\x10\n\x08ssd_hits\x18\x06 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"$\n\x13ReleaseOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"<\n\x14ReleaseOwnerResponse\x12\x0e\n\x06leases\x18\x01 \x01(\x04\x12\x14\n\x0creservations\x18\x02 \x01(\x04\"*\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x1e\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\")\n\x0bPullRequest\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"@\n\x0cPullResponse\x12\x0e\n\x06pulled\x18\x01 \x01(\r\x12\x0f\n\x07\x61lready\x18\x02 \x01(\r\x12\x0f\n\x07missing\x18\x03 \x01(\r\"\x0e\n\x0cStatsRequest\"s\n\tTierStats\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x01 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\"\xdd\x02\n\rStatsResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x65viction\x18\x03 \x01(\t\x12)\n\x04\x64ram\x18\x04 \x01(\x0b\x32\x1b.mooncake.kvstore.TierStats\x12(\n\x03ssd\x18\x05 \x01(\x0b\x32\x1b.mooncake.kvstore.TierStats\x12\x0e\n\x06leases\x18\x06 \x01(\x04\x12\x14\n\x0creservations\x18\x07 \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x61\x64opted_blocks\x18\t \x01(\x04\x12\x11\n\tevent_seq\x18\n \x01(\x04\x12.\n\x07segment\x18\x0b \x01(\x0b\x32\x1d.mooncake.kvstore.SegmentInfo\x12\x14\n\x0c\x63ontrol_port\x18\x0c \x01(\r\x12\x13\n\x0b\x63ontrol_uds\x18\r \x01(\t\"6\n\x10SubscribeRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\xde\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.mooncake.kvstore.Event.Kind\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12$\n\x04tier\x18\x04 \x01(\x0e\x32\x16.mooncake.kvstore.Tier\x12\x0c\n\x04time\x18\x05 \x01(\x01\x12\x0e\n\x06parent\x18\x06 \x01(\x0c\x12\x14\n\x0cparent_known\x18\x07 \x01(\x08\"5\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\"d\n\nEventBatch\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.mooncake.kvstore.Event\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x10\n\x08next_seq\x18\x04 \x01(\x04*/\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x08\n\x04\x44RAM\x10\x01\x12\x07\n\x03SSD\x10\x02\x32\xd6\x06\n\x07KVStore\x12N\n\x07Reserve\x12 .mooncake.kvstore.ReserveRequest\x1a!.mooncake.kvstore.ReserveResponse\x12K\n\x06\x43ommit\x12\x1f.mooncake.kvstore.CommitRequest\x1a .mooncake.kvstore.CommitResponse\x12H\n\x05\x41\x62ort\x12\x1e.mooncake.kvstore.AbortRequest\x1a\x1f.mooncake.kvstore.AbortResponse\x12K\n\x06Lookup\x12\x1f.mooncake.kvstore.LookupRequest\x1a .mooncake.kvstore.LookupResponse\x12\x42\n\x03Get\x12\x1c.mooncake.kvstore.GetRequest\x1a\x1d.mooncake.kvstore.GetResponse\x12N\n\x07Release\x12 .mooncake.kvstore.ReleaseRequest\x1a!.mooncake.kvstore.ReleaseResponse\x12]\n\x0cReleaseOwner\x12%.mooncake.kvstore.ReleaseOwnerRequest\x1a&.mooncake.kvstore.ReleaseOwnerResponse\x12\x42\n\x03Pin\x12\x1c.mooncake.kvstore.PinRequest\x1a\x1d.mooncake.kvstore.PinResponse\x12\x45\n\x04Pull\x12\x1d.mooncake.kvstore.PullRequest\x1a\x1e.mooncake.kvstore.PullResponse\x12H\n\x05Stats\x12\x1e.mooncake.kvstore.StatsRequest\x1a\x1f.mooncake.kvstore.StatsResponse\x12O\n\tSubscribe\x12\".mooncake.kvstore.SubscribeRequest\x1a\x1c.mooncake.kvstore.EventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2292
-  _globals['_TIER']._serialized_end=2339
+  _globals['_TIER']._serialized_start=2308
+  _globals['_TIER']._serialized_end=2355
   _globals['_SEGMENTINFO']._serialized_start=43
   _globals['_SEGMENTINFO']._serialized_end=213
   _globals['_SLOTLOCATION']._serialized_start=215
@@ -54,39 +54,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_start=736
   _globals['_LOOKUPRESPONSE']._serialized_end=814
   _globals['_GETREQUEST']._serialized_start=816
-  _globals['_GETREQUEST']._serialized_end=899
-  _globals['_GETRESPONSE']._serialized_start=902
-  _globals['_GETRESPONSE']._serialized_end=1082
-  _globals['_RELEASEREQUEST']._serialized_start=1084
-  _globals['_RELEASEREQUEST']._serialized_end=1118
-  _globals['_RELEASERESPONSE']._serialized_start=1120
-  _globals['_RELEASERESPONSE']._serialized_end=1137
-  _globals['_RELEASEOWNERREQUEST']._serialized_start=1139
-  _globals['_RELEASEOWNERREQUEST']._serialized_end=1175
-  _globals['_RELEASEOWNERRESPONSE']._serialized_start=1177
-  _globals['_RELEASEOWNERRESPONSE']._serialized_end=1237
-  _globals['_PINREQUEST']._serialized_start=1239
-  _globals['_PINREQUEST']._serialized_end=1281
-  _globals['_PINRESPONSE']._serialized_start=1283
-  _globals['_PINRESPONSE']._serialized_end=1313
-  _globals['_PULLREQUEST']._serialized_start=1315
-  _globals['_PULLREQUEST']._serialized_end=1356
-  _globals['_PULLRESPONSE']._serialized_start=1358
-  _globals['_PULLRESPONSE']._serialized_end=1422
-  _globals['_STATSREQUEST']._serialized_start=1424
-  _globals['_STATSREQUEST']._serialized_end=1438
-  _globals['_TIERSTATS']._serialized_start=1440
-  _globals['_TIERSTATS']._serialized_end=1555
-  _globals['_STATSRESPONSE']._serialized_start=1558
-  _globals['_STATSRESPONSE']._serialized_end=1907
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1909
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1963
-  _globals['_EVENT']._serialized_start=1966
-  _globals['_EVENT']._serialized_end=2188
-  _globals['_EVENT_KIND']._serialized_start=2135
-  _globals['_EVENT_KIND']._serialized_end=2188
-  _globals['_EVENTBATCH']._serialized_start=2190
-  _globals['_EVENTBATCH']._serialized_end=2290
-  _globals['_KVSTORE']._serialized_start=2342
-  _globals['_KVSTORE']._serialized_end=3196
+  _globals['_GETREQUEST']._serialized_end=915
+  _globals['_GETRESPONSE']._serialized_start=918
+  _globals['_GETRESPONSE']._serialized_end=1098
+  _globals['_RELEASEREQUEST']._serialized_start=1100
+  _globals['_RELEASEREQUEST']._serialized_end=1134
+  _globals['_RELEASERESPONSE']._serialized_start=1136
+  _globals['_RELEASERESPONSE']._serialized_end=1153
+  _globals['_RELEASEOWNERREQUEST']._serialized_start=1155
+  _globals['_RELEASEOWNERREQUEST']._serialized_end=1191
+  _globals['_RELEASEOWNERRESPONSE']._serialized_start=1193
+  _globals['_RELEASEOWNERRESPONSE']._serialized_end=1253
+  _globals['_PINREQUEST']._serialized_start=1255
+  _globals['_PINREQUEST']._serialized_end=1297
+  _globals['_PINRESPONSE']._serialized_start=1299
+  _globals['_PINRESPONSE']._serialized_end=1329
+  _globals['_PULLREQUEST']._serialized_start=1331
+  _globals['_PULLREQUEST']._serialized_end=1372
+  _globals['_PULLRESPONSE']._serialized_start=1374
+  _globals['_PULLRESPONSE']._serialized_end=1438
+  _globals['_STATSREQUEST']._serialized_start=1440
+  _globals['_STATSREQUEST']._serialized_end=1454
+  _globals['_TIERSTATS']._serialized_start=1456
+  _globals['_TIERSTATS']._serialized_end=1571
+  _globals['_STATSRESPONSE']._serialized_start=1574
+  _globals['_STATSRESPONSE']._serialized_end=1923
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1925
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1979
+  _globals['_EVENT']._serialized_start=1982
+  _globals['_EVENT']._serialized_end=2204
+  _globals['_EVENT_KIND']._serialized_start=2151
+  _globals['_EVENT_KIND']._serialized_end=2204
+  _globals['_EVENTBATCH']._serialized_start=2206
+  _globals['_EVENTBATCH']._serialized_end=2306
+  _globals['_KVSTORE']._serialized_start=2358
+  _globals['_KVSTORE']._serialized_end=3212
 # @@protoc_insertion_point(module_scope)

@@ -117,16 +117,18 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("keys", "lease_ttl_s", "block_bytes", "owner")
+    __slots__ = ("keys", "lease_ttl_s", "block_bytes", "owner", "wait_s")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_s: float
     block_bytes: int
     owner: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., block_bytes: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ..., block_bytes: _Optional[int] = ..., owner: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("lease_id", "segment", "slots", "corrupt", "dram_hits", "ssd_hits")

@@ -40,8 +40,10 @@ KEYS = [key(i) for i in range(64)]
 PARENTS = chain_parents(KEYS)  # KEYS is one chain
 
 
-def request(rid: str = "r", blocks: int = 10, prompt: int | None = None, slo_class: str = "default") -> ScheduleRequest:
-    return ScheduleRequest(rid, KEYS[:blocks], prompt if prompt is not None else blocks * BT, BT, slo_class=slo_class)
+def request(
+    rid: str = "r", blocks: int = 10, prompt: int | None = None, slo_class: str = "default", keys: list[bytes] = KEYS
+) -> ScheduleRequest:
+    return ScheduleRequest(rid, keys[:blocks], prompt if prompt is not None else blocks * BT, BT, slo_class=slo_class)
 
 
 def prefill(i: int, queued_s: float = 0.0) -> Instance:

@@ -7,11 +7,13 @@ out. The Conductor's admission and state: test_conductor_admission.py.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from conductor_helpers import (
     BT,
+    KEYS,
     ROUND,
     cluster,
     conductor,
@@ -533,3 +535,23 @@ def test_tbt_headroom_keeps_the_predicted_step_under_a_share_of_the_slo():
         assert isinstance(outcome, Decision) is admitted, headroom
         c.set_admission("baseline")
         assert (c.admit_at_decode("d0", 1.0) is None) is admitted
+
+
+def test_a_request_that_follows_a_placed_one_is_planned_with_the_blocks_its_prefill_writes():
+    """A sibling choice, sent once the first has its first token, meets a pool that is still writing the prompt's blocks
+    and an index that has not heard of them: it is placed where they are being written, planned to load them; a
+    request that does not say whom it follows, or whose prompt differs, or that comes long after, is not."""
+    c = conductor("none", ttft_s=100.0)
+    cluster(c, prefills=2)
+    first = c.schedule(request("a", blocks=6, prompt=100), 0.0)
+    assert isinstance(first, Decision) and (first.prefill, first.plan.compute_tokens) == ("p0", 100)
+    alone = c.schedule(request("b", blocks=6, prompt=100), 0.0)
+    assert alone.plan.reused_blocks == 0 and alone.prefill != first.prefill  # p0 has a's prompt queued
+    for n in range(3):
+        sibling = c.schedule(dataclasses.replace(request(f"a-{n}", blocks=6, prompt=100), follows="a"), 0.0)
+        assert (sibling.plan.reused_blocks, sibling.plan.compute_tokens) == (6, 4)  # loaded there or fetched
+        assert sibling.plan.local_blocks == 6 if sibling.prefill == first.prefill else sibling.plan.fetch_node == "kv0"
+    other = c.schedule(dataclasses.replace(request("x", blocks=6, prompt=100, keys=KEYS[10:]), follows="a"), 0.0)
+    assert other.plan.reused_blocks == 0  # not a's prompt
+    late = c.schedule(dataclasses.replace(request("a-late", blocks=6, prompt=100), follows="a"), 60.0)
+    assert late.plan.reused_blocks == 0  # a's blocks never reached the index: nothing is counted on them

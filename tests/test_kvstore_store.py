@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 
 import pytest
@@ -76,6 +77,37 @@ def test_reserved_block_is_invisible_until_commit_and_abort_frees_it():
     res = store.reserve(ks)
     assert store.commit(res.reservation_id) == (2, 0)
     assert store.lookup(ks).prefix_blocks == 2
+
+
+def test_a_get_waits_for_blocks_being_written_only_when_asked_and_only_until_the_write_ends():
+    """A prefill of the same prompt that answered writes its blocks now: a get asked to wait leases them once the
+    writer commits (the bytes it wrote), and stops waiting when the writer gives up; one not asked to wait, or for
+    blocks nobody writes, answers at once."""
+    store = make(dram_blocks=8)
+    ks, data = keys(4), blocks(4)
+    assert store.put(ks[:1], data[:BB]) == (1, 0)
+    res = store.reserve(ks[1:], positions=[1, 2, 3], parent=ks[0])
+    slot_of = dict(res.slots)
+    for i, key in enumerate(ks[1:], start=1):
+        store.slot_view(slot_of[key])[:] = data[i * BB : (i + 1) * BB]
+    assert len(store.get(ks).slots) == 1  # not asked to wait: what is stored now
+    threading.Timer(0.3, store.commit, [res.reservation_id]).start()
+    start = time.monotonic()
+    got = store.get(ks, wait_s=10.0)
+    assert len(got.slots) == 4 and time.monotonic() - start >= 0.25
+    assert b"".join(bytes(store.slot_view(slot)) for _, slot in got.slots) == data
+
+    other = keys(3, salt=5)
+    start = time.monotonic()
+    assert len(store.get(other, wait_s=10.0).slots) == 0 and time.monotonic() - start < 1.0  # nobody writes them
+    res = store.reserve(other)
+    threading.Timer(0.3, store.abort, [res.reservation_id]).start()
+    start = time.monotonic()
+    assert len(store.get(other, wait_s=10.0).slots) == 0 and time.monotonic() - start < 5.0  # the writer gave up
+    res = store.reserve(other)
+    start = time.monotonic()
+    assert len(store.get(other, wait_s=0.3).slots) == 0 and time.monotonic() - start >= 0.25  # waited its time, no more
+    store.abort(res.reservation_id)
 
 
 def test_bad_input_gets_clear_errors():

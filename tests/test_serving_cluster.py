@@ -28,6 +28,7 @@ from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.grammar import grammar_for
 from mooncake.engine.request import RequestOptions, SamplingParams
 from mooncake.engine.tokenizer import Tokenizer
+from prefill.connector import SLOW_WRITE_ENV
 from protos import conductor_pb2 as cpb
 from protos import worker_pb2 as wpb
 from protos import worker_pb2_grpc as wpb_grpc
@@ -443,29 +444,48 @@ def reference_steps(engine: LLMEngine, prompt: list[int], outputs: list[int]) ->
     return steps
 
 
-def test_n_choices_prefill_their_prompt_once(cluster, client):
-    """Choice 0 is prefilled; its siblings start once the prompt's KV is in the pool and compute only the last,
-    partial block (prefill workers' metrics)."""
+def computed_tokens(cluster) -> float:
+    """Prompt tokens the cluster's prefill workers computed (their metrics)."""
+    total = 0.0
+    for name in ("prefill-0", "prefill-1"):
+        lines = httpx.get(f"http://{cluster.component(name).info['metrics']}/metrics", timeout=10).text.splitlines()
+        total += sum(
+            float(x.split()[-1])
+            for x in lines
+            if x.startswith('mooncake_prefill_prompt_tokens_total{source="computed"}')
+        )
+    return total
 
-    def computed() -> float:
-        total = 0.0
-        for name in ("prefill-0", "prefill-1"):
-            lines = httpx.get(f"http://{cluster.component(name).info['metrics']}/metrics", timeout=10).text.splitlines()
-            total += sum(
-                float(x.split()[-1])
-                for x in lines
-                if x.startswith('mooncake_prefill_prompt_tokens_total{source="computed"}')
-            )
-        return total
 
-    prompt = prompt_of(100, seed=21)  # 6 full blocks of 16 and 4 tokens
-    before = computed()
+def assert_n_choices_prefill_their_prompt_once(cluster, client: openai.OpenAI, seed: int) -> None:
+    prompt = prompt_of(100, seed=seed)  # 6 full blocks of 16 and 4 tokens
+    before = computed_tokens(cluster)
     r = client.completions.create(
         model="tiny", prompt=prompt, n=4, max_tokens=6, temperature=1.0, seed=1, extra_body={"ignore_eos": True}
     )
     assert len({c.text for c in r.choices}) == 4
     assert r.usage.prompt_tokens == 100 and r.usage.completion_tokens == 24
-    assert computed() - before == 100 + 3 * 4  # once whole, then each sibling's last 4 tokens
+    assert computed_tokens(cluster) - before == 100 + 3 * 4  # once whole, then each sibling's last 4 tokens
+
+
+def test_n_choices_prefill_their_prompt_once(cluster, client):
+    """Choice 0 is prefilled; its siblings start once it has its first token and compute only the last, partial block
+    (prefill workers' metrics)."""
+    assert_n_choices_prefill_their_prompt_once(cluster, client, seed=21)
+
+
+def test_n_choices_prefill_their_prompt_once_while_the_pool_write_lags(tiny_dir, tmp_path, monkeypatch):
+    """The pool write that follows the first choice's answer lags half a second (a fault): its siblings, sent at its
+    first token, meet neither the blocks in the pool nor the Conductor's index knowing of them. They follow the first
+    choice (the Conductor places them where its blocks are being written) and their prefill waits for the write;
+    without that they computed the whole prompt again (400 tokens), as a loaded CI machine once saw."""
+    monkeypatch.setenv(SLOW_WRITE_ENV, "0.5")  # the cluster's prefill workers inherit it
+    c = start_cluster(tiny_dir, tmp_path, prefill=2, decode=1)
+    try:
+        client = openai.OpenAI(base_url=c.endpoint, api_key="none", max_retries=0, timeout=60)
+        assert_n_choices_prefill_their_prompt_once(c, client, seed=22)
+    finally:
+        c.stop()
 
 
 @pytest.mark.slow

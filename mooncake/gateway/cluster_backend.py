@@ -147,6 +147,7 @@ class ClusterBackend(GenerationBackend):
             tenant=request.tenant,
             tenant_weight=request.tenant_weight,
             retry=progress is not None and progress.attempts > 0,  # placed before: it goes ahead of the queue now
+            follows=request.follows or "",
         )
         started = time.monotonic()
         while True:

@@ -3,8 +3,9 @@
 A request with several choices (``n``, ``best_of``, a batch of prompts) is one backend
 generation per choice. The first choice of each prompt starts at once; its siblings
 start once it has its first chunk, when the prompt's KV is cached (in the engine's prefix
-cache, or in the pool beside the prefill worker that computed it, where the Conductor's
-cache-aware placement sends the siblings). So a prompt is prefilled once and each sibling
+cache, or in the pool beside the prefill worker that computed it: a sibling ``follows`` its
+leader, and the Conductor places it there, its prefill waiting out the pool write that
+follows the leader's first token). So a prompt is prefilled once and each sibling
 computes only the prompt's last, partial block (our engines cache whole blocks). A sibling
 turned away (429) while others of its request stream waits for one of them to finish and
 goes again, so ``n`` may exceed what the cluster decodes at once.
@@ -13,6 +14,7 @@ goes again, so ``n`` may exceed what the cluster decodes at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 
@@ -111,7 +113,12 @@ class Fanout:
         per_prompt: int,
         arrival: float,
     ) -> None:
-        self._backend, self._metrics, self._generations, self._arrival = backend, metrics, generations, arrival
+        self._backend, self._metrics, self._arrival = backend, metrics, arrival
+        # a sibling names its leader: the Conductor places it where the leader's prefill writes the prompt's KV
+        self._generations = [
+            g if i % per_prompt == 0 else dataclasses.replace(g, follows=generations[i - i % per_prompt].request_id)
+            for i, g in enumerate(generations)
+        ]
         self.per_prompt = per_prompt
         self.runs = [self._run(i) for i in range(len(generations))]
         self._a_choice_finished = asyncio.Event()  # replaced each time one finishes

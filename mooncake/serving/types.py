@@ -31,6 +31,7 @@ class GenerationRequest:
     priority: int = 0  # higher goes first under pressure; below 0: sheddable (conductor.waiting)
     tenant: str = ""  # who sent it (the tenants file's name; "": no tenants)
     tenant_weight: float = 1.0  # its tenant's share under pressure
+    follows: str | None = None  # the id of a choice of the same prompt that has its first token (its KV is cached)
 
     @classmethod
     def of(

@@ -217,8 +217,9 @@ class PoolLeases:
         plan (a tier-aware plan may stop its prefix short of SSD blocks on purpose).
 
         Blocks the plan counts that a prefill of the same prompt is writing to the node now are waited for (up to the
-        I/O timeout; a fetch's too), not computed again: a prompt's ``n`` siblings, sent once its first token is out,
-        are planned with the blocks the first's prefill writes after its answer (conductor/index.py ``PromptWrites``)."""
+        I/O timeout; a fetch's too), not computed again: a prompt's ``n`` siblings, sent once its first token is
+        out, are planned with the blocks the first's prefill writes after its answer (``conductor.index.PromptWrites``).
+        """
         local: list[int] = []
         ssd_hits = 0
         want = min(plan.local_blocks, len(keys))

@@ -173,9 +173,10 @@ class Conductor:
             self.learning.pool_block_bytes(inst.block_bytes)
 
     def heartbeat(self, instance_id: str, load: Load, now: float) -> int:
-        """An instance's load. Returns a decode instance's batch cap (``decode_cap``; 0 for the others, or none known
+        """An instance's load (a prefill instance's prompts priced by this Conductor's predictor). Returns a decode
+        instance's batch cap (``decode_cap``; 0 for the others, or none known
         yet): the worker applies it to its engine, so the step model and its headroom have one owner, here."""
-        inst = self.registry.heartbeat(instance_id, load, now)
+        inst = self.registry.heartbeat(instance_id, load, now, self.learning.price_queue)
         if inst.role is not Role.DECODE:
             return 0
         self.learning.step_sample(load)

@@ -3,6 +3,7 @@ and each prefill instance's slowdown from the TTFTs that come out against what w
 
     learning = Learning(config)
     learning.prefill_sample(inst, prompt_tokens, cached_tokens, seconds)   # the predictors' samples
+    learning.price_queue(inst, load)                # a prefill worker's prompts in flight, priced: its queue
     learning.expect(request_id, placed)             # a placement's prediction, kept until its TTFT comes out
     made = learning.measured(request_id, measured, instances)   # it came out: slowdown moves; the placement
 
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from conductor.config import ConductorConfig
 from conductor.predictors import Predictors
 from conductor.types import Instance, Load, Measured, Placed
+from mooncake.serving import reports
 
 HANDOFF_ALPHA = 0.1  # how far one measured hand-off moves the learnt one
 SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or more) moves its instance's slowdown
@@ -45,6 +47,17 @@ class Learning:
             else self.predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk)
         )
         predictor.observe(prompt_tokens, cached_tokens, seconds)
+
+    def price_queue(self, inst: Instance, load: Load) -> None:
+        """A prefill instance's heartbeat: the prompts it holds (``load.prompts``, each from what it has computed so
+        far) priced with its predictor into ``load.queued_s`` and ``load.queued_tokens``, the rules of
+        mooncake.serving.reports. A worker that reports no prompts keeps its own figures (an older worker's, or an idle
+        one's zeros)."""
+        if not load.prompts:
+            return
+        predictor = self.predictors.prefill_for(inst.pipeline_stages, inst.pipeline_chunk)
+        load.queued_s = reports.queued_seconds(load.prompts, predictor.predict)
+        load.queued_tokens = reports.queued_tokens(load.prompts)
 
     def transfer_sample(self, num_bytes: int, seconds: float) -> None:
         self.predictors.transfer.observe(num_bytes, seconds)

@@ -133,6 +133,9 @@ class PrefillPredictor:
         return len(self._samples)
 
 
+MAX_PIPELINE_ROWS = 1 << 16  # a pipeline predictor's remembered rows (a prompt's is a sum over its chunks)
+
+
 class PipelinePrefillPredictor(PrefillPredictor):
     """A chunked-pipeline group's prefill: ``stages`` nodes, each 1/stages of the layers, a prompt's new tokens in
     chunks of ``chunk``. Chunk j (n_j tokens after a_j) costs a stage w_j = r1 * n_j + r2 * n_j * (a_j + n_j / 2); stage
@@ -152,11 +155,21 @@ class PipelinePrefillPredictor(PrefillPredictor):
         self.stages, self.chunk = stages, chunk
         self._prior = np.array([self._prior[0] * stages, self._prior[1] / stages, self._prior[2] / stages])
         self.coef = self._prior
+        # (prompt, cached) -> its row: each heartbeat of a group prices every prompt it holds again (price_queue)
+        self._rows: dict[tuple[int, int], tuple[float, float, float]] = {}
 
     def _features(self, prompt: np.ndarray, cached: np.ndarray) -> np.ndarray:
         return np.array([self._row(int(p), int(c)) for p, c in zip(prompt, cached)], dtype=np.float64).reshape(-1, 3)
 
     def _row(self, prompt: int, cached: int) -> tuple[float, float, float]:
+        row = self._rows.get((prompt, cached))
+        if row is None:
+            if len(self._rows) >= MAX_PIPELINE_ROWS:
+                self._rows.clear()
+            row = self._rows[(prompt, cached)] = self._chunks(prompt, cached)
+        return row
+
+    def _chunks(self, prompt: int, cached: int) -> tuple[float, float, float]:
         new = max(prompt - cached, 0)
         if new == 0:
             return (1.0, 0.0, 0.0)

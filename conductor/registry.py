@@ -39,14 +39,19 @@ class Registry:
         self.instances[inst.id] = inst
         self.retiring.discard(inst.id)
 
-    def heartbeat(self, instance_id: str, load: Load, now: float) -> Instance:
-        """An instance's load (a prefill instance's queue as predicted, with what is on its way there). Returns the
-        instance; raises KeyError for one not registered, or dead."""
+    def heartbeat(
+        self, instance_id: str, load: Load, now: float, price: Callable[[Instance, Load], None] | None = None
+    ) -> Instance:
+        """An instance's load (a prefill instance's queue as predicted, with what is on its way there): ``price`` (the
+        Conductor's predictors, ``Learning.price_queue``) fills a prefill instance's queue fields from the prompts it
+        reports. Returns the instance; raises KeyError for one not registered, or dead."""
         inst = self.instances.get(instance_id)
         if inst is None or inst.state is InstanceState.DEAD:
             raise KeyError(f"instance {instance_id!r} is not registered (register again)")
         inst.load, inst.last_heartbeat, inst.queue_at = load, now, now
         if inst.role is Role.PREFILL:  # predicted seconds of prefill as they come out, and what is on its way there
+            if price is not None:
+                price(inst, load)
             load.queued_s = load.queued_s * inst.slowdown + inst.in_transit()
             requests, tokens = inst.in_transit_tokens()
             load.queued_requests += requests

@@ -16,6 +16,7 @@ from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, R
 from mooncake import tls
 from mooncake.faults import StatusTable
 from mooncake.runtime.channels import SERVER_OPTIONS
+from mooncake.serving.reports import InFlight
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
@@ -68,6 +69,7 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.queued_tokens,
         msg.running_blocks,
         msg.landing_held_blocks,
+        tuple(InFlight(p.prompt_tokens, p.computed_tokens) for p in msg.prompts),
     )
 
 
@@ -87,6 +89,9 @@ def load_to_pb(load: Load) -> pb.Load:
         queued_tokens=load.queued_tokens,
         running_blocks=load.running_blocks,
         landing_held_blocks=load.landing_held_blocks,
+        prompts=[
+            pb.InFlightPrompt(prompt_tokens=p.prompt_tokens, computed_tokens=p.computed_tokens) for p in load.prompts
+        ],
     )
 
 

@@ -12,10 +12,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mooncake.serving.reports import PREFILL_BUSY_BEAT_S as PREFILL_BUSY_BEAT_S  # (prefill/server.py reads it here)
+from mooncake.serving.reports import InFlight
+
 MAX_IN_TRANSIT = 256  # placements an instance remembers for Instance.in_transit
-# a prefill worker heartbeats this often while it holds prompts, and at once when one ends (prefill/server.py; the
-# simulator's workers too): between heartbeats the Conductor only guesses how its queue drains (Instance.drain)
-PREFILL_BUSY_BEAT_S = 0.5
 
 
 class Role(str, enum.Enum):
@@ -46,8 +46,10 @@ class RejectReason(str, enum.Enum):
 class Load:
     """What an instance's heartbeat says about its load.
 
-    Prefill instances fill the queue fields (``queued_s``: the sum of the predicted
-    prefill times of what is queued and running); decode instances the batch fields.
+    Prefill instances report the prompts they hold (``prompts``); the Conductor prices them
+    with its own predictor into the queue fields as the heartbeat arrives (``queued_s``: the
+    sum of the predicted prefill times of what is queued and running; an older worker sends
+    ``queued_s`` itself). Decode instances fill the batch fields.
     """
 
     queued_requests: int = 0
@@ -64,6 +66,7 @@ class Load:
     queued_tokens: int = 0  # prefill: prompt tokens its prefills in flight still have to compute (0: not reported)
     running_blocks: int = 0  # decode: blocks of its KV capacity (Instance.kv_blocks) its running batch holds
     landing_held_blocks: int = 0  # decode: and those held for prompts still in prefill
+    prompts: tuple[InFlight, ...] = ()  # prefill: every prompt it holds, with what it has computed so far
 
 
 @dataclass(slots=True)

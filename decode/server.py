@@ -182,16 +182,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> cpb.Load:
         cap = worker.learn_step_times()
-        batch, context, seconds = worker.step_mean or (0.0, 0.0, 0.0)
+        step = worker.step_mean
         running_blocks, landing_held = worker.kv_held
         return cpb.Load(
             queued_requests=worker.num_in_prefill,
             running_requests=worker.loop.num_running,
             context_tokens=worker.loop.context_tokens,
             free_kv_blocks=worker.engine.num_free_blocks,
-            step_s=seconds,
-            step_batch=batch,
-            step_context_tokens=context,
+            step_s=step.seconds if step is not None else 0.0,
+            step_batch=step.batch if step is not None else 0.0,
+            step_context_tokens=step.context_tokens if step is not None else 0.0,
             batch_cap=cap,
             landing_blocks=worker.landing_room,
             running_blocks=running_blocks,

@@ -62,6 +62,7 @@ from mooncake.serving.build import build_engine
 from mooncake.serving.cuda_ipc import export_cuda_tensor
 from mooncake.serving.engine_loop import EngineLoop
 from mooncake.serving.kvlayout import SlotAllocator, slot_tensor
+from mooncake.serving.reports import StepMean, mean_step
 from mooncake.serving.sampling import params_from_pb
 from mooncake.serving.status import Busy
 from mooncake.serving.text import OutputText
@@ -159,9 +160,8 @@ class DecodeWorker:
         )
         self.in_prefill = InPrefill()
         self._cap = 0  # the Conductor's batch cap (Conductor.decode_cap; 0: none yet)
-        self.step_mean: tuple[float, float, float] | None = None  # (batch, context tokens, seconds) of the mean step
-        # between the last two heartbeats (None: no step): one sample of the last step alone swung with whatever else
-        # the cores were doing at that moment
+        self.step_mean: StepMean | None = None  # the mean decode step between the last two heartbeats (None: no
+        # step; mooncake.serving.reports.mean_step says which steps count)
 
     # -- what the transfer server lets a prefill write ------------------------------------------
 
@@ -241,22 +241,14 @@ class DecodeWorker:
         ``_admit`` would).
 
         Called with every heartbeat."""
-        n = batches = contexts = seconds = 0
+        steps = []  # (batch, context tokens, seconds, new tokens) of each engine step since the last call
         while True:
             try:
-                step = self.loop.steps.popleft()
+                s = self.loop.steps.popleft()
             except IndexError:
                 break
-            if (
-                step.batch > 0 and step.seconds > 0 and step.new_tokens <= step.batch
-            ):  # (a prompt's chunk in it: not a decode step)
-                n, batches, contexts, seconds = (
-                    n + 1,
-                    batches + step.batch,
-                    contexts + step.context_tokens,
-                    seconds + step.seconds,
-                )
-        self.step_mean = (batches / n, contexts / n, seconds / n) if n else None
+            steps.append((s.batch, s.context_tokens, s.seconds, s.new_tokens))
+        self.step_mean = mean_step(*zip(*steps)) if steps else None
         cap = self.batch_cap
         self.loop.call(lambda engine: engine.set_max_num_seqs(cap))
         return cap

@@ -18,6 +18,7 @@ from mooncake.cliargs import field_arg
 from mooncake.engine.interface import parse_vllm_args
 from mooncake.faults import message
 from mooncake.runtime.process import WRITER_METADATA, WorkerProcess, process_identity, run_worker, when_gone
+from mooncake.serving import reports
 from mooncake.serving.status import WORKER_STATUS
 from mooncake.serving.worker_args import engine_fields, worker_parser
 from prefill.config import PREFILL_ENGINE_DEFAULTS, PrefillConfig
@@ -249,10 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     metrics.registry.register(PushRetries(worker.connector))
 
     def load() -> cpb.Load:
+        prompts = worker.in_flight()  # the Conductor prices them with its predictor (queued_s stays 0)
         return cpb.Load(
             queued_requests=worker.num_inflight,
-            queued_s=worker.queued_seconds(),
-            queued_tokens=worker.queued_tokens(),
+            queued_tokens=reports.queued_tokens(prompts),
+            prompts=[
+                cpb.InFlightPrompt(prompt_tokens=p.prompt_tokens, computed_tokens=p.computed_tokens) for p in prompts
+            ],
             received_requests=worker.received,
             running_requests=worker.num_running,
             free_kv_blocks=worker.engine.num_free_blocks,

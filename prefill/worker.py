@@ -36,7 +36,6 @@ from concurrent import futures
 
 import torch
 
-from conductor.predictors import PipelinePrefillPredictor, PredictorConfig, PrefillPredictor
 from kvstore.client import KVStoreClient
 from kvstore.wire import segment_from_pb
 from mooncake.blocks import block_keys
@@ -47,6 +46,7 @@ from mooncake.engine.request import PromptKV, RequestOptions, SamplingParams
 from mooncake.engine.tokenizer import tokenizer_or_none
 from mooncake.runtime.channels import ByAddress
 from mooncake.runtime.conductor_link import ConductorLink
+from mooncake.serving import reports
 from mooncake.serving.build import build_engine
 from mooncake.serving.cuda_ipc import CudaCaches
 from mooncake.serving.engine_loop import EngineLoop
@@ -63,8 +63,6 @@ from transfer import Segment, TransferConfig, TransferEngine, TransferError
 from transfer.types import host_id
 
 log = logging.getLogger(__name__)
-
-CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # calibrate's prompts, in step budgets: 64, 256 and 512 tokens on the CPU
 
 GROUP_STAGE_BLOCKS = 1024  # each stage's cache where no count is given (it holds the prompt being prefilled)
 
@@ -162,13 +160,6 @@ class PrefillWorker:
             on_map=self._pool_mapped,
         )  # the pool node's memory mapped here, and what each prefill holds on it
         self.loop = EngineLoop(self.engine, name="prefill-engine")
-        self.predictor = (
-            PipelinePrefillPredictor(
-                PredictorConfig(), config.pipeline_stages, config.engine_config.max_num_batched_tokens
-            )
-            if config.pipeline_stages > 1
-            else PrefillPredictor(PredictorConfig())
-        )
         self._inflight: dict[str, tuple[int, int]] = {}  # call id -> (prompt tokens, cached tokens)
         # each call's id in the engine, the connector's jobs and the queue: its request id and a number of its own, so
         # a request placed here again (a retry after its decode worker was cut off) never shares them with the call
@@ -176,7 +167,7 @@ class PrefillWorker:
         self._calls = itertools.count()
         self.received = 0  # Prefill calls since it started
         self._link: ConductorLink | None = None
-        self.calibration: list[tuple[int, int, float]] = []  # (prompt, cached, seconds) of ``calibrate``'s prefills
+        self.calibration: list[reports.PrefillSample] = []  # ``calibrate``'s prefills
         self.link = link  # measurements go to the Conductor through it (set by the server)
         self.draining = False
 
@@ -189,21 +180,21 @@ class PrefillWorker:
         """The calibration's samples go with the first report through a new link."""
         self._link = link
         for sample in self.calibration if link is not None else ():
-            link.prefill_sample(*sample)
+            link.prefill_sample(sample.prompt_tokens, sample.cached_tokens, sample.seconds)
 
-    def calibrate(self, shares: tuple[float, ...] = CALIBRATION_SHARES) -> list[tuple[int, int, float]]:
-        """Time prefills of made-up prompts, ``shares`` of the step budget long (after one untimed, which pays the
-        first run's costs), and learn from them as from served prompts: this worker's and the Conductor's predictors
-        start from this machine's speed. Without them the first requests were predicted from the default rate (a
-        GPU's): on this CPU at 4% of their TTFT, until enough prompts had been served. Our engine on a single
-        worker only (a pipelined group or vLLM starts from the default)."""
+    def calibrate(self) -> list[reports.PrefillSample]:
+        """Time prefills of made-up prompts (``reports.calibration_lengths``: shares of the step budget, after one
+        untimed, which pays the first run's costs); they go to the Conductor as samples of served prompts do (with the
+        link's first report), so its predictors start from this machine's speed. Without them the first requests were
+        predicted from the default rate (a GPU's): on this CPU at 4% of their TTFT, until enough prompts had been
+        served. Our engine on a single worker only (a pipelined group or vLLM starts from the default)."""
         if not self._single_native:
             return []
         vocab = self.engine.vocab_size
-        limit = self.engine.max_model_len - 1  # the config's may be None: the model's context
-        lengths = [
-            min(limit, max(2, round(share * self.config.engine_config.max_num_batched_tokens))) for share in shares
-        ]
+        # the config's max_model_len may be None: the model's context
+        lengths = reports.calibration_lengths(
+            self.config.engine_config.max_num_batched_tokens, self.engine.max_model_len - 1
+        )
         for i, n in enumerate([16, *lengths]):
             prompt = [(7 + 31 * (i + t)) % vocab for t in range(n)]
             done = threading.Event()
@@ -222,10 +213,11 @@ class PrefillWorker:
             if not done.wait(self.config.prefill_timeout_s):
                 raise RuntimeError(f"the calibration prefill of {n} tokens took over {self.config.prefill_timeout_s} s")
             if i:
-                self.calibration.append((n, 0, time.perf_counter() - t0))
-        for sample in self.calibration:
-            self.predictor.observe(*sample)
-        log.info("calibrated: %s", ", ".join(f"{n} tokens in {s * 1000:.0f} ms" for n, _, s in self.calibration))
+                self.calibration.append(reports.prefill_sample(n, 0, time.perf_counter() - t0))
+        log.info(
+            "calibrated: %s",
+            ", ".join(f"{c.prompt_tokens} tokens in {c.seconds * 1000:.0f} ms" for c in self.calibration),
+        )
         return self.calibration
 
     # -- the RPC -------------------------------------------------------------------------------
@@ -258,7 +250,7 @@ class PrefillWorker:
         # queued from its arrival (the heartbeat reports it), as the plan says until the pool says what it holds
         self._inflight[rid] = (
             len(prompt),
-            min((req.plan.local_blocks + req.plan.fetch_blocks) * bs, len(prompt) - 1),
+            reports.cached_tokens(req.plan.local_blocks + req.plan.fetch_blocks, bs, len(prompt)),
         )
         try:
             # prompt logprobs need every prompt token computed: nothing is loaded
@@ -268,7 +260,7 @@ class PrefillWorker:
             resumed = use_pool and not logprobs and req.num_output_tokens > 0
             local, ssd_hits, fetched = self.leases.load_plan(plan, keys, held, extend=resumed)
             cached_blocks = len(local) + len(fetched)
-            cached = min(cached_blocks * bs, len(prompt) - 1)  # the last prompt token is always computed
+            cached = reports.cached_tokens(cached_blocks, bs, len(prompt))
             job.pool_slots = self.leases.reserve_new(keys, cached_blocks, held) if use_pool else {}
             if job.pool_slots and self._single_native:
                 job.store_later, job.on_stored = True, functools.partial(self._stored, held)
@@ -301,12 +293,9 @@ class PrefillWorker:
             if not job.writing:  # a job cancelled after its last step is still written: _stored releases ``held``
                 self.leases.release(held)
         compute_s = (job.finished_at or time.perf_counter()) - (job.started_at or t0)
-        # the predictors learn what a prompt costs alone: with prompts batched together, its share of their steps (the
-        # whole span would count the others' tokens too, and the queue of them again)
-        own_s = job.compute_s or compute_s
-        self.predictor.observe(len(prompt), cached, max(own_s, 1e-6))
-        if self.link is not None:
-            self.link.prefill_sample(len(prompt), cached, own_s)
+        if self.link is not None:  # the Conductor's predictors learn what a prompt costs alone
+            sample = reports.prefill_sample(len(prompt), cached, compute_s, job.compute_s)
+            self.link.prefill_sample(sample.prompt_tokens, sample.cached_tokens, sample.seconds)
             self.link.beat_soon()  # its queue is shorter now: the Conductor hears it at once
             if held.fetch_seconds:
                 self.link.transfer_sample(len(fetched) * self.block_bytes, held.fetch_seconds)
@@ -480,24 +469,16 @@ class PrefillWorker:
 
     # -- load ------------------------------------------------------------------------------------
 
-    def queued_seconds(self) -> float:
-        """Predicted seconds of prefill still to compute for the prefills in flight (what the Conductor adds as queueing
-        time): each prompt from what it has computed so far, not from its start."""
-        bs, total = self.config.engine_config.block_size, 0.0
-        for rid, (p, c) in list(self._inflight.items()):
+    def in_flight(self) -> list[reports.InFlight]:
+        """Every prompt in flight, queued or running, with what it has computed so far (the blocks whose KV its
+        engine has started to push; a pipelined group's count none until it ends): each heartbeat reports them, and
+        the Conductor prices what is left with its own predictor."""
+        bs, out = self.config.engine_config.block_size, []
+        for rid, (prompt, cached) in list(self._inflight.items()):
             job = self.connector.jobs.get(rid)
-            done = max(c, min(p - 1, job.issued * bs)) if job is not None else c
-            total += self.predictor.predict(p, done)
-        return total
-
-    def queued_tokens(self) -> int:
-        """Prompt tokens the prefills in flight still have to compute (as ``queued_seconds`` counts them)."""
-        bs, total = self.config.engine_config.block_size, 0
-        for rid, (p, c) in list(self._inflight.items()):
-            job = self.connector.jobs.get(rid)
-            done = max(c, min(p - 1, job.issued * bs)) if job is not None else c
-            total += p - done
-        return total
+            issued = job.issued if job is not None else 0
+            out.append(reports.InFlight(prompt, reports.computed_tokens(prompt, cached, issued, bs)))
+        return out
 
     @property
     def num_inflight(self) -> int:

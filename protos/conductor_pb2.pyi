@@ -31,8 +31,16 @@ DRAINING: InstanceState
 DEAD: InstanceState
 SUSPECT: InstanceState
 
+class InFlightPrompt(_message.Message):
+    __slots__ = ("prompt_tokens", "computed_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    computed_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+
 class Load(_message.Message):
-    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks", "received_requests", "step_batch", "step_context_tokens", "queued_tokens", "running_blocks", "landing_held_blocks")
+    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks", "received_requests", "step_batch", "step_context_tokens", "queued_tokens", "running_blocks", "landing_held_blocks", "prompts")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +55,7 @@ class Load(_message.Message):
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LANDING_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_s: float
     running_requests: int
@@ -61,7 +70,8 @@ class Load(_message.Message):
     queued_tokens: int
     running_blocks: int
     landing_held_blocks: int
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., running_blocks: _Optional[int] = ..., landing_held_blocks: _Optional[int] = ...) -> None: ...
+    prompts: _containers.RepeatedCompositeFieldContainer[InFlightPrompt]
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., running_blocks: _Optional[int] = ..., landing_held_blocks: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[InFlightPrompt, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport", "step_tokens", "block_bytes", "kv_blocks", "kv_shared")

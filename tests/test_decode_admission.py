@@ -79,10 +79,10 @@ def test_the_heartbeat_reports_the_mean_step_since_the_last_one(tiny_dir, shm_di
         steps = [s for s in worker.loop.steps if s.new_tokens <= s.batch]
         assert len(steps) >= 10 and {s.batch for s in steps} >= {2} and len(steps) < len(worker.loop.steps)
         worker.learn_step_times()
-        batch, context, seconds = worker.step_mean
-        assert batch == pytest.approx(sum(s.batch for s in steps) / len(steps))
-        assert context == pytest.approx(sum(s.context_tokens for s in steps) / len(steps))
-        assert seconds == pytest.approx(sum(s.seconds for s in steps) / len(steps))
+        mean = worker.step_mean
+        assert mean.batch == pytest.approx(sum(s.batch for s in steps) / len(steps))
+        assert mean.context_tokens == pytest.approx(sum(s.context_tokens for s in steps) / len(steps))
+        assert mean.seconds == pytest.approx(sum(s.seconds for s in steps) / len(steps))
         worker.learn_step_times()
         assert worker.step_mean is None  # the next heartbeat: no step since
     finally:

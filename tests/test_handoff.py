@@ -32,6 +32,7 @@ from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
 from mooncake.engine.request import PromptKV, SamplingParams
 from mooncake.engine.scheduler import NoRoom
+from mooncake.serving.reports import InFlight
 from prefill.connector import PoolConnector, PrefillJob
 from transfer import TransferConfig, TransferEngine
 
@@ -518,16 +519,12 @@ def test_on_one_host_the_decode_cache_is_mapped_and_a_warm_prefix_goes_from_the_
         assert not cache[:, :, [b for b in range(24) if b not in written]].any()  # nothing outside the grants
         assert ("shm", "write") not in worker.transfer.moved()  # tensor copies only: no slices through the engine
 
-        # the queue a prefill worker reports counts what its prefills in flight still have to compute. The rates are
-        # set: those learnt from this test's few prefills can fit a rate of 0 per token on a busy machine (all of it
-        # overhead), and a prompt's rest would then cost as much as all of it
-        worker.predictor.coef = (0.002, 1e-5, 1e-9)
+        # the queue a prefill worker reports is its prompts in flight, each with what it has computed so far (the
+        # Conductor prices the rest)
         worker._inflight["queued"] = (200, 0)
-        whole = worker.queued_seconds()
-        assert whole == pytest.approx(worker.predictor.predict(200, 0)) and whole > 0
+        assert worker.in_flight() == [InFlight(200, 0)]
         worker.connector.jobs["queued"] = PrefillJob("queued", 200, 13, segment.name, [], issued=10)  # 160 tokens done
-        left = worker.queued_seconds()
-        assert left == pytest.approx(worker.predictor.predict(200, 160)) and left < whole
+        assert worker.in_flight() == [InFlight(200, 160)]
         del worker._inflight["queued"], worker.connector.jobs["queued"]
     finally:
         if worker is not None:

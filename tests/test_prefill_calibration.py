@@ -8,8 +8,9 @@ from conductor.predictors import PredictorConfig
 from kvstore.client import KVStoreClient
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.weights import load_hf_config
+from mooncake.serving.reports import CALIBRATION_SHARES
 from prefill.config import PrefillConfig
-from prefill.worker import CALIBRATION_SHARES, PrefillWorker
+from prefill.worker import PrefillWorker
 
 
 class Samples:
@@ -40,20 +41,18 @@ def test_calibration_times_prompts_of_the_step_budget_and_the_conductor_hears_of
                 max_num_batched_tokens=64,
             )
         )
-        default = worker.predictor.predict(64, 0)
+        assert not hasattr(worker, "predictor")  # it measures and reports; the Conductor alone fits
         free = worker.engine.num_free_blocks
         samples = worker.calibrate()
-        assert [n for n, _, _ in samples] == [round(s * 64) for s in CALIBRATION_SHARES] == [8, 32, 64]
-        assert all(cached == 0 and seconds > 0 for _, cached, seconds in samples)
-        assert worker.predictor.num_samples == 3  # the worker's own queue estimate learns from them
-        assert worker.predictor.predict(64, 0) != default
+        assert [s.prompt_tokens for s in samples] == [round(s * 64) for s in CALIBRATION_SHARES] == [8, 32, 64]
+        assert all(s.cached_tokens == 0 and s.seconds > 0 for s in samples)
         assert worker.engine.num_free_blocks == free  # the made-up prompts hold no cache blocks afterwards
         with KVStoreClient(node.grpc) as kv:
             stats = kv.stats()
             assert stats.dram.used_blocks == 0 and stats.reservations == 0  # and wrote nothing into the pool
         link = Samples()
         worker.link = link  # the server sets the link after calibrating: the samples go with its first report
-        assert link.prefill == samples
+        assert link.prefill == [(s.prompt_tokens, s.cached_tokens, s.seconds) for s in samples]
         assert PredictorConfig().min_samples <= len(samples)  # one worker's calibration fits the Conductor's model
     finally:
         if worker is not None:

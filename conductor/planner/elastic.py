@@ -23,8 +23,9 @@ from typing import Protocol
 from conductor.core import Conductor
 from conductor.planner.costs import Jitter, ModelConfig
 from conductor.planner.nodecache import NodeCache
-from conductor.planner.state import CALIBRATION_SHARES, DecodeInstance, PrefillInstance, SimConfig
+from conductor.planner.state import DecodeInstance, PrefillInstance, SimConfig
 from conductor.types import Decision, Instance, Rejection, Role, ScheduleRequest, Wait
+from mooncake.serving import reports
 
 # the twin's event kinds (conductor.planner.twin's loop; the last two are this module's)
 _PREFILL_DONE, _DECODE_ARRIVE, _STEP_END, _TICK, _BEAT, _LOCAL_READY, _ASK_AGAIN, _READY, _PLAN = range(9)
@@ -84,7 +85,7 @@ class Elastic:
         # block, so the group's cache is one of X times a node's blocks (and its SSD's)
         cache = NodeCache(node, blocks, cfg.ssd_blocks * stages, cfg.eviction, self._index_events)
         self.started_at[inst.id] = now
-        return PrefillInstance(inst, cache)
+        return PrefillInstance(inst, cache, self.model.block_tokens)
 
     def _new_decode(self, now: float) -> DecodeInstance:
         i = self._numbers[Role.DECODE]
@@ -115,8 +116,10 @@ class Elastic:
         does not calibrate yet; here it does.)"""
         m, chunk, x = self.model, self.config.prefill_chunk, p.inst.pipeline_stages
         budget = chunk if x > 1 else self.config.step_budget
-        for n in (max(2, round(share * budget)) for share in CALIBRATION_SHARES):
-            self.conductor.prefill_sample(n, 0, m.pipelined_prefill_s(n, 0, x, chunk) * jitter(), p.inst.id)
+        for n in reports.calibration_lengths(budget):
+            seconds = m.pipelined_prefill_s(n, 0, x, chunk) * jitter()
+            sample = reports.prefill_sample(n, 0, seconds)
+            self.conductor.prefill_sample(sample.prompt_tokens, sample.cached_tokens, sample.seconds, p.inst.id)
 
     # -- scaling ------------------------------------------------------------------------------------
 

@@ -20,12 +20,13 @@ from conductor.planner.costs import ModelConfig
 from conductor.planner.nodecache import NodeCache
 from conductor.policies import PolicyKind
 from conductor.predictors import PredictorConfig
-from conductor.types import PREFILL_BUSY_BEAT_S, Decision, Instance, KeyChain, Load
+from conductor.types import Decision, Instance, KeyChain, Load
+from mooncake.serving import reports
+from mooncake.serving.reports import PREFILL_BUSY_BEAT_S
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
 HEARTBEAT_S = 2.5  # a real worker's heartbeat period: ConductorConfig.heartbeat_timeout_s (10 s) x conductor.service's
 # HEARTBEAT_INTERVAL_FRACTION (0.25), which the Conductor hands each worker as it registers
-CALIBRATION_SHARES = (0.125, 0.5, 1.0)  # prefill.worker's calibrate: prompts of these shares of its step budget
 STEP_BUDGET_TOKENS = (
     4096  # a worker's step budget on a GPU (mooncake.engine.config's CUDA_BATCHED_TOKENS; not imported:
 )
@@ -158,24 +159,35 @@ class Record:
 
 
 class PrefillInstance:
-    def __init__(self, inst: Instance, cache: NodeCache) -> None:
-        self.inst, self.cache = inst, cache
+    def __init__(self, inst: Instance, cache: NodeCache, block_tokens: int) -> None:
+        self.inst, self.cache, self.block_tokens = inst, cache, block_tokens
         self.queue: deque[Record] = deque()
-        self.queued_predicted_s = 0.0
         self.running: Record | None = None
         self.busy_s = 0.0
         self.received = 0  # requests placed here (they arrive at once: none is ever on its way)
         self.gone = False  # stopped (conductor.planner.elastic): its beats end
 
     def load(self, now: float) -> Load:
-        left = 0.0
-        if (rec := self.running) is not None:  # as a real worker counts it: the predicted cost of what is left to do
-            took = rec.load_s + rec.compute_s
-            left = rec.predicted_s * max(0.0, 1.0 - (now - rec.prefill_start) / took) if took > 0 else 0.0
+        """The heartbeat, as a real worker's (prefill.worker's ``in_flight``): every prompt it holds with what it has
+        computed so far, which the Conductor prices with its own predictor. A queued one has its plan's prefix; the
+        running one the whole blocks computed by now (its prefix read, then its compute at an even pace), or, in a
+        pipelined group, none until it ends (a real group's stages report no progress)."""
+        bs, prompts = self.block_tokens, []
+        if (rec := self.running) is not None:
+            prompt, issued = rec.req.prompt_tokens, 0
+            if self.inst.pipeline_stages == 1 and rec.compute_s > 0:
+                share = min(max((now - rec.prefill_start - rec.load_s) / rec.compute_s, 0.0), 1.0)
+                issued = int((rec.cached_tokens + share * (prompt - rec.cached_tokens)) // bs)
+            prompts.append(reports.InFlight(prompt, reports.computed_tokens(prompt, rec.cached_tokens, issued, bs)))
+        for rec in self.queue:
+            plan, prompt = rec.decision.plan, rec.req.prompt_tokens
+            prompts.append(
+                reports.InFlight(prompt, reports.cached_tokens(plan.local_blocks + plan.fetch_blocks, bs, prompt))
+            )
         return Load(
-            queued_requests=len(self.queue) + (self.running is not None),
-            queued_s=left + self.queued_predicted_s,
+            queued_requests=len(prompts),
             received_requests=self.received,
+            prompts=tuple(prompts),
         )
 
 
@@ -185,7 +197,10 @@ class DecodeInstance:
     Between a join and a leave nothing changes but the context (each step adds one token
     per running request), so the steps up to the next leave are computed at once (numpy)
     and one event ends them; a request that arrives meanwhile cuts the run short at the
-    first step boundary after it, where it joins. ``durations[i]`` is step i's time.
+    first step boundary after it, where it joins. ``durations[i]`` is step i's time,
+    ``batches[i]``, ``contexts[i]`` and ``new_tokens[i]`` its requests, their context and the
+    tokens it computed: a heartbeat reports the mean decode step since the last one
+    (``step_report``), by the rule a real worker's heartbeat follows.
     """
 
     def __init__(self, inst: Instance, kv_tokens: int) -> None:
@@ -198,6 +213,10 @@ class DecodeInstance:
         self.finishing: list[tuple[int, int, Record]] = []  # (step count after which it is done, seq, record)
         self.steps = 0  # completed steps (at the start of the current run)
         self.durations = np.zeros(1 << 14)
+        self.batches = np.zeros(1 << 14)
+        self.contexts = np.zeros(1 << 14)
+        self.new_tokens = np.zeros(1 << 14)
+        self.reported = 0  # steps before this one are in a heartbeat already
         self.busy = False
         self.run_start = 0.0
         self.run_ends = np.zeros(0)  # offsets from run_start at which the run's steps end
@@ -209,10 +228,22 @@ class DecodeInstance:
         self.local: Record | None = None  # the one computing: its chunks ride on steps [local_from, local_end)
         self.local_from = self.local_end = 0
         self.local_chunk_s = 0.0  # what each of its chunks adds to a step (its first also carries its prefix's load)
+        self.local_chunk = 0  # and the tokens of each
 
     def reserve(self, n: int) -> None:
         while self.steps + n > len(self.durations):
-            self.durations = np.concatenate([self.durations, np.zeros_like(self.durations)])
+            self.durations, self.batches, self.contexts, self.new_tokens = (
+                np.concatenate([a, np.zeros_like(a)])
+                for a in (self.durations, self.batches, self.contexts, self.new_tokens)
+            )
+
+    def step_report(self, upto: int) -> reports.StepMean | None:
+        """The mean decode step of the steps from the last report to ``upto`` (None: no decode step among them), as a
+        real decode worker's heartbeat reports it; they are reported."""
+        a, self.reported = self.reported, max(self.reported, upto)
+        return reports.mean_step(
+            self.batches[a:upto], self.contexts[a:upto], self.durations[a:upto], self.new_tokens[a:upto]
+        )
 
     def progress(self, now: float) -> int:
         """Steps of the current run completed by ``now``."""
@@ -221,18 +252,24 @@ class DecodeInstance:
         return min(self.run_steps, int(np.searchsorted(self.run_ends, now - self.run_start, side="right")))
 
     def load(self, now: float) -> Load:
-        """The heartbeat: batch and context now, and the last completed step's time (with its batch and context)."""
+        """The heartbeat: batch and context now, and the mean decode step since the last one (``step_report``)."""
         done = self.progress(now)
-        load = Load(
-            queued_requests=len(self.waiting),
-            running_requests=self.batch,
-            context_tokens=self.context + done * self.batch,
-            free_kv_blocks=(self.kv_tokens - self.kv_used) // 512,
+        return step_load(
+            Load(
+                queued_requests=len(self.waiting),
+                running_requests=self.batch,
+                context_tokens=self.context + done * self.batch,
+                free_kv_blocks=(self.kv_tokens - self.kv_used) // 512,
+            ),
+            self.step_report(self.steps + done),
         )
-        if done and self.local is None and self.batch:  # (a step a prompt's chunk rode on is no decode step)
-            load.context_tokens -= self.batch  # the completed step's context, to go with its time
-            load.step_s = float(self.durations[self.steps + done - 1])
-        return load
+
+
+def step_load(load: Load, step: reports.StepMean | None) -> Load:
+    """``load`` with the mean step of a decode heartbeat (none: its step fields stay 0)."""
+    if step is not None:
+        load.step_s, load.step_batch, load.step_context_tokens = step.seconds, step.batch, step.context_tokens
+    return load
 
 
 def tbt_of(gaps: np.ndarray) -> float:

@@ -8,29 +8,29 @@
         Rejection -> counted by reason
         Wait (early_wait) -> asks again wait_s later, with the time it waited
 
-What the Conductor hears, and when (all on simulated time):
-- before the first request, unless ``calibrate`` is off, three ``prefill_sample`` of each
-  prefill instance (``Cluster._calibrate``: the timed made-up prompts of 1/8, 1/2 and 1
-  step budget a prefill worker runs as it starts, prefill.worker's ``calibrate``);
+What the Conductor hears, and when (all on simulated time). What a report holds is decided by
+the workers' own rules (mooncake.serving.reports), which the twin calls as the workers do:
+- before the first request, unless ``calibrate`` is off, a ``prefill_sample`` of each
+  calibration prompt of each prefill instance (``Elastic.calibrate``: ``calibration_lengths``,
+  as prefill.worker's ``calibrate``);
 - ``stored`` / ``removed`` for every block entering or leaving a tier of a node (exact index);
 - a prefill instance's heartbeat every ``heartbeat_s`` (2.5 s, a real worker's period: the
   service's heartbeat timeout of 10 s x its HEARTBEAT_INTERVAL_FRACTION of 0.25), every
-  ``busy_beat_s`` (0.5 s) instead once a beat finds it holding prompts, and one as each of
-  its prefills ends, as a real worker beats (``PREFILL_BUSY_BEAT_S``); the instances'
-  phases spread evenly over the period, with ``queued_s`` = the running prefill's prediction
-  for the share of it not yet done (as a real worker counts it: one running past its
-  prediction still has some left) plus the predictions of the queued ones. Between two, the Conductor
-  takes a second of predicted prefill off the reported queue each second
-  (``Instance.drain``). ``heartbeat_s = 0``: a heartbeat whenever the queue changes, and
-  every tick (fresher than a real worker's: the drain then has little to correct);
-- a decode instance's heartbeat when requests join it, when one leaves (with the batch,
-  context tokens and time of the step just done: the Conductor's decode predictor learns
-  from these), and when it goes idle;
-- ``prefill_sample`` after each prefill (its compute seconds only), ``transfer_sample`` after
-  each fetch, ``decode_started`` / ``finished`` for the decode forecast;
+  ``busy_beat_s`` (``PREFILL_BUSY_BEAT_S``) instead while it holds prompts, and one as each of
+  its prefills ends (``beat_interval``); the instances' phases spread evenly over the period.
+  It holds every prompt queued or running with what it has computed so far (``InFlight``:
+  ``PrefillInstance.load``); the Conductor prices them with its own predictor, as it does a
+  real worker's. Between two, the Conductor takes a second of predicted prefill off the
+  queue each second (``Instance.drain``). ``heartbeat_s = 0``: a heartbeat whenever the queue
+  changes, and every tick (fresher than a real worker's: the drain then has little to correct);
+- a decode instance's heartbeat when requests join it, when one leaves, and when it goes
+  idle, with the mean decode step since its last heartbeat (``mean_step``: the Conductor's
+  decode predictor learns from these);
+- ``prefill_sample`` after each prefill (its compute seconds only: ``prefill_sample``),
+  ``transfer_sample`` after each fetch, ``decode_started`` / ``finished`` for the decode forecast;
 - every ``tick_s`` (0.5 s, the service's expiry period) every decode instance and pool node
-  heartbeats (decode: with its latest completed step; prefill instances too when
-  ``heartbeat_s`` is 0) and ``expire`` runs, as the gRPC service would.
+  heartbeats (prefill instances too when ``heartbeat_s`` is 0) and ``expire`` runs, as the
+  gRPC service would.
 
 Decode heartbeats stay as fresh as they were (on every join and leave, and every tick):
 the TTFT a decision predicts reads no decode load, and the Conductor has no drain for a
@@ -48,7 +48,7 @@ decision's ``chunk_tokens`` on the instance's steps (each step longer by a chunk
 prompt's prefill time; with no batch, the chunks run alone). The step of its last chunk gives
 its first token; its blocks go to the decision's node (a decode worker writes them behind), and
 it joins the batch like a handed-over request, its first gap a step later (a wait for a place
-in the batch is not counted among its gaps). Steps with chunks in them are not decode samples.
+in the batch is not counted among its gaps). Steps with chunks in them are not decode steps (``mean_step``).
 
 A prefill instance follows its plan as made: it reuses its own blocks ``[0, local_blocks)``
 (fewer if some were evicted since), fetches ``[local_blocks, local_blocks + fetch_blocks)``
@@ -88,11 +88,13 @@ from conductor.planner.state import (
     Record,
     SimConfig,
     TraceRequest,
+    step_load,
     tbt_of,
 )
 from conductor.policies import PolicyConfig
 from conductor.types import Load, Rejection, ScheduleRequest, Slo, Wait
 from kvstore.events import Tier
+from mooncake.serving import reports
 
 
 class Cluster(Elastic):
@@ -261,9 +263,10 @@ class Cluster(Elastic):
             self._periodic -= 1
             return
         self.conductor.heartbeat(p.inst.id, p.load(self.now), self.now)
-        busy = self.config.busy_beat_s > 0 and (p.running is not None or bool(p.queue))
-        period = min(self.config.heartbeat_s, self.config.busy_beat_s) if busy else self.config.heartbeat_s
-        self._push(self.now + period, _BEAT, p)
+        holding = p.running is not None or bool(p.queue)
+        self._push(
+            self.now + reports.beat_interval(self.config.heartbeat_s, self.config.busy_beat_s, holding), _BEAT, p
+        )
 
     def _queue_changed(self, p: PrefillInstance) -> None:
         """With ``heartbeat_s`` = 0 the Conductor hears of every change of a prefill queue at once; otherwise at the
@@ -307,7 +310,6 @@ class Cluster(Elastic):
         p = self.prefill_of[out.prefill]
         p.queue.append(rec)
         p.received += 1
-        p.queued_predicted_s += rec.predicted_s
         if p.running is None:
             self._start_prefill(p)
         else:
@@ -315,7 +317,6 @@ class Cluster(Elastic):
 
     def _start_prefill(self, p: PrefillInstance) -> None:
         rec = p.queue.popleft()
-        p.queued_predicted_s = max(0.0, p.queued_predicted_s - rec.predicted_s)
         m, now, keys, plan = self.model, self.now, rec.req.keys, rec.decision.plan
         local = p.cache.leading(keys, 0, plan.local_blocks)
         fetched = 0
@@ -329,7 +330,7 @@ class Cluster(Elastic):
             ssd += self.caches[plan.fetch_node].read(keys[local : local + fetched])
             net_s = m.transfer_s(fetched * m.block_bytes)
         prompt = rec.req.prompt_tokens
-        cached = min((local + fetched) * m.block_tokens, prompt - 1)  # the last token is always computed
+        cached = reports.cached_tokens(local + fetched, m.block_tokens, prompt)
         rec.local_blocks, rec.fetched_blocks, rec.ssd_blocks, rec.cached_tokens = local, fetched, ssd, cached
         x = p.inst.pipeline_stages
         rec.load_s = (m.ssd_s(ssd) + net_s) / x  # a group's stages read their layers in parallel
@@ -345,7 +346,9 @@ class Cluster(Elastic):
         c, now, rec = self.conductor, self.now, p.running
         rec.prefill_end = now
         p.busy_s += rec.load_s + rec.compute_s
-        c.prefill_sample(rec.req.prompt_tokens, rec.cached_tokens, rec.compute_s, p.inst.id)
+        # one prefill at a time: its own share of the steps is all of its compute (its reads are not in it)
+        sample = reports.prefill_sample(rec.req.prompt_tokens, rec.cached_tokens, rec.compute_s)
+        c.prefill_sample(sample.prompt_tokens, sample.cached_tokens, sample.seconds, p.inst.id)
         p.cache.put(rec.req.keys)  # the whole prompt, fetched blocks included (keep_fetched)
         p.cache.leased = set()
         p.running = None
@@ -434,6 +437,9 @@ class Cluster(Elastic):
             step_s += d.local_chunk_s
         d.reserve(n)
         d.durations[d.steps : d.steps + n] = step_s
+        d.batches[d.steps : d.steps + n] = d.batch
+        d.contexts[d.steps : d.steps + n] = context
+        d.new_tokens[d.steps : d.steps + n] = d.batch + (d.local_chunk if d.local is not None else 0)
         d.run_ends = np.cumsum(step_s)
         d.run_start, d.run_steps = now, n
         d.version += 1
@@ -452,9 +458,7 @@ class Cluster(Elastic):
         fetched = src.leading(keys, 0, plan.fetch_blocks) if src is not None else 0
         ssd = src.read(keys[:fetched]) if fetched else 0
         rec.fetched_blocks, rec.ssd_blocks = fetched, ssd
-        rec.cached_tokens = min(
-            fetched * m.block_tokens, rec.req.prompt_tokens - 1
-        )  # the last token is always computed
+        rec.cached_tokens = reports.cached_tokens(fetched, m.block_tokens, rec.req.prompt_tokens)
         net_s = m.transfer_s(fetched * m.block_bytes) if fetched else 0.0
         rec.load_s = m.ssd_s(ssd) + net_s
         rec.prefill_start = self.now
@@ -479,6 +483,7 @@ class Cluster(Elastic):
         chunks = -(-(prompt - rec.cached_tokens) // (rec.decision.chunk_tokens or self.config.local_chunk))
         d.local, d.local_from, d.local_end = rec, d.steps, d.steps + chunks
         d.local_chunk_s = rec.compute_s / chunks
+        d.local_chunk = -(-(prompt - rec.cached_tokens) // chunks)
 
     def _local_done(self, d: DecodeInstance) -> None:
         """Its last chunk's step gave the first token: the prompt's blocks go to the pool node the Conductor named (the
@@ -498,16 +503,12 @@ class Cluster(Elastic):
             return  # a run that a join cut short
         now, c = self.now, self.conductor
         n = d.run_steps
-        # the decode predictor's sample: the run's mean step, as a decode worker's heartbeat reports the mean since the
-        # last (none from steps a prompt's chunks rode on: they are not decode steps)
-        mixed = d.local is not None or not d.batch
-        load = Load(
-            queued_requests=len(d.waiting),
-            running_requests=d.batch,
-            context_tokens=d.context + (n - 1) * d.batch,
-            step_s=0.0 if mixed else float(d.durations[d.steps : d.steps + n].mean()),
-            step_batch=d.batch,
-            step_context_tokens=d.context + (n - 1) / 2 * d.batch,
+        # the decode predictor's sample: the mean decode step since the last heartbeat, as a decode worker reports it
+        load = step_load(
+            Load(
+                queued_requests=len(d.waiting), running_requests=d.batch, context_tokens=d.context + (n - 1) * d.batch
+            ),
+            d.step_report(d.steps + n),
         )
         d.steps += n
         d.context += n * d.batch

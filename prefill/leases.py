@@ -48,6 +48,10 @@ from transfer import Segment, SharedRegion, Slice, TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
 
+# the longest a prefill waits for planned blocks another writer is storing on the pool node (a write after an answer
+# takes milliseconds; a writer that died keeps its reservation until the node's TTL: the blocks are computed instead)
+WRITE_WAIT_S = 2.0
+
 POOL_RETRY_S = 1.0  # how long prefills go without a pool node that did not answer before one asks it again
 
 
@@ -216,9 +220,10 @@ class PoolLeases:
         before (tests/test_chaos.py saw 45 tokens computed again where one block was due). A new prompt keeps to its
         plan (a tier-aware plan may stop its prefix short of SSD blocks on purpose).
 
-        Blocks the plan counts that a prefill of the same prompt is writing to the node now are waited for (up to the
-        I/O timeout; a fetch's too), not computed again: a prompt's ``n`` siblings, sent once its first token is
+        Blocks the plan counts that a prefill of the same prompt is writing to the node now are waited for (up to
+        ``WRITE_WAIT_S``; a fetch's too), not computed again: a prompt's ``n`` siblings, sent once its first token is
         out, are planned with the blocks the first's prefill writes after its answer (``conductor.index.PromptWrites``).
+        Not past the plan (``extend``): a resumed stream's dead decode worker may hold a reservation it never ends.
         """
         local: list[int] = []
         ssd_hits = 0
@@ -226,7 +231,7 @@ class PoolLeases:
         ask = len(keys) if extend and not plan.fetch_blocks else want
         if ask:
             try:
-                got = self._kv.get_locations(keys[:ask], wait_s=self._io_timeout_s)
+                got = self._kv.get_locations(keys[:ask], wait_s=0.0 if extend else WRITE_WAIT_S)
             except KVStoreUnavailable as e:
                 self._pool_gone(e)
                 return [], 0, []
@@ -255,7 +260,7 @@ class PoolLeases:
         (``held.wait_layer`` waits for each); return the reserved slots (fewer when the node has fewer, none when they
         are stored here meanwhile or the reservation names memory not mapped here)."""
         remote = self._remote.get(address)
-        got = remote.get_locations(keys, wait_s=self._io_timeout_s)  # blocks being written there: as load_plan
+        got = remote.get_locations(keys, wait_s=WRITE_WAIT_S)  # blocks being written there: as load_plan
         held.remote = (remote, got.lease_id)
         n = len(got.slots)
         if not n:

@@ -58,25 +58,28 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 # -- the OpenAI API ---------------------------------------------------------------------------------
 
 
-def test_a_streamed_response_carries_the_conductors_ttft_prediction(cluster):
-    """The header benchmarks/replay.py compares with the TTFT it measures (issue 34): the Conductor's prediction for the
-    request's placement, in seconds, positive and of the order of the prefill it predicts."""
+def test_every_response_carries_the_conductors_quote(cluster):
+    """The headers benchmarks/replay.py compares with what it measures (issue 34; issue 63: the TBT too, and on whole
+    responses as well as streamed ones): the Conductor's prediction for the request's placement, in seconds, positive
+    and of the order of the prefill and the decode step it predicts."""
     body = {"model": "tiny", "prompt": prompt_of(200, seed=34), "max_tokens": 4, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     with httpx.stream(
         "POST", f"{cluster.endpoint}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
     ) as r:
         assert r.status_code == 200
-        predicted = float(r.headers["x-mooncake-predicted-ttft"])
+        streamed = float(r.headers["x-mooncake-predicted-ttft"]), float(r.headers["x-mooncake-predicted-tbt"])
         assert any(line.startswith("data: ") and '"text"' in line for line in r.iter_lines())
-    assert 0 < predicted < 60 and time.perf_counter() - t0 < 60
+    assert 0 < streamed[0] < 60 and 0 < streamed[1] < 10 and time.perf_counter() - t0 < 60
     whole = httpx.post(
         f"{cluster.endpoint}/completions",
-        json=body | {"stream": False},
+        json=body | {"stream": False, "prompt": prompt_of(200, seed=35)},
         headers={"Authorization": f"Bearer {KEY}"},
         timeout=60,
     )
-    assert whole.status_code == 200 and "x-mooncake-predicted-ttft" not in whole.headers  # streamed responses only
+    assert whole.status_code == 200 and whole.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert 0 < float(whole.headers["x-mooncake-predicted-ttft"]) < 60
+    assert 0 < float(whole.headers["x-mooncake-predicted-tbt"]) < 10
 
 
 def test_chat_streaming_and_not_give_the_same_greedy_text_and_usage(client, tok):

@@ -57,7 +57,7 @@ from mooncake.gateway.responses import EventStream, PreparedRequest
 from mooncake.gateway.serving import OpenAIServing
 from mooncake.gateway.tenants import Tenants
 from mooncake.gateway.tool_parsers import ToolCallParser
-from mooncake.serving.types import BackendError, GenerationBackend
+from mooncake.serving.types import BackendError, GenerationBackend, Quote
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,9 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, config: Gateway
 # -- routes' helpers ----------------------------------------------------------------------
 
 
-PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft"  # seconds; on streamed responses of a cluster
+# the Conductor's quote for the request (mooncake.serving.types.Quote), in seconds: on a cluster's responses
+PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft"
+PREDICTED_TBT_HEADER = "x-mooncake-predicted-tbt"
 
 
 class _ClientGone(Exception):
@@ -195,11 +197,17 @@ async def _respond(serving: OpenAIServing, request: Request, prepared: PreparedR
     headers = {"x-request-id": prepared.request_id}
     if prepared.stream:
         stream = await _unless_disconnected(request, serving.open_stream(prepared))
-        if stream.predicted_ttft_s is not None:  # what the Conductor predicted: benchmarks compare it with the TTFT
-            headers[PREDICTED_TTFT_HEADER] = f"{stream.predicted_ttft_s:.4f}"
-        return _EventStreamResponse(stream, headers=headers)
-    body = await _unless_disconnected(request, serving.complete(prepared))
-    return JSONResponse(body, headers=headers)
+        return _EventStreamResponse(stream, headers=headers | _quote_headers(stream.quote))
+    body, quote = await _unless_disconnected(request, serving.complete(prepared))
+    return JSONResponse(body, headers=headers | _quote_headers(quote))
+
+
+def _quote_headers(quote: Quote | None) -> dict[str, str]:
+    """What the Conductor predicted for the request, a promise a client can plan on (benchmarks compare it with what
+    they measure)."""
+    if quote is None:
+        return {}
+    return {PREDICTED_TTFT_HEADER: f"{quote.ttft_s:.4f}", PREDICTED_TBT_HEADER: f"{quote.tbt_s:.4f}"}
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -50,6 +50,7 @@ from mooncake.serving.types import (
     GenerationBackend,
     GenerationChunk,
     GenerationRequest,
+    Quote,
     Recovery,
     Rejected,
     Unavailable,
@@ -177,8 +178,8 @@ class ClusterBackend(GenerationBackend):
                     Fault.BUSY, rejected
                 )  # it outlived a failure already: wait for room rather than fail it now
             raise rejected
-        if progress is not None and progress.predicted_ttft_s is None and resp.HasField("predicted"):
-            progress.predicted_ttft_s = msg.waited_s + resp.predicted.ttft_s  # from its first Schedule
+        if progress is not None and progress.quote is None and resp.HasField("predicted"):
+            progress.quote = Quote(msg.waited_s + resp.predicted.ttft_s, resp.predicted.tbt_s)  # its first Schedule's
         if not msg.retry:
             self._refused.note_placed(_admission_class(request), msg.prompt_tokens)
         return resp.placement
@@ -320,7 +321,7 @@ class ClusterBackend(GenerationBackend):
                         prompt_logprobs=[logprob_from_pb(lp) for lp in c.prompt_logprobs]
                         if c.prompt_logprobs
                         else None,
-                        predicted_ttft_s=progress.predicted_ttft_s if head else None,
+                        quote=progress.quote if head else None,
                     )
                     if c.finish_reason:
                         return

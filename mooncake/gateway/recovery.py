@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, Field
 
 from mooncake.runtime.channels import DETECT_S
+from mooncake.serving.types import Quote
 
 
 class Phase(enum.Enum):
@@ -116,9 +117,7 @@ class RequestProgress:
     resumed: int = 0  # placements that went on mid-stream
     loaded_tokens: int = 0  # resumes: KV of prompt + output loaded from the pool
     recomputed_tokens: int = 0  # resumes: computed again
-    predicted_ttft_s: float | None = (
-        None  # the Conductor's TTFT prediction for the first placement (from its arrival there)
-    )
+    quote: Quote | None = None  # the Conductor's prediction for its first placement (TTFT from its arrival there)
     _failed_at: float | None = None  # start of the current outage (None: the last placement is going well)
     _unreported: list[str] = field(default_factory=list)  # failed instances the Conductor has not heard of from us
     _waits: int = 0  # back-offs in the current outage

@@ -32,7 +32,7 @@ from mooncake.gateway.reasoning import ReasoningSplit
 from mooncake.gateway.runs import Fanout
 from mooncake.gateway.tool_parsers import ToolCallParser
 from mooncake.gateway.tools import ToolPlan
-from mooncake.serving.types import BackendError, GenerationChunk, GenerationRequest
+from mooncake.serving.types import BackendError, GenerationChunk, GenerationRequest, Quote
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,15 @@ class EventStream:
     ends); it closes the backend's streams, which cancels requests still running.
     """
 
-    def __init__(
-        self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str, predicted_ttft_s: float | None = None
-    ) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], fanout: Fanout, request_id: str) -> None:
         self._events = events
         self._fanout = fanout
         self.request_id = request_id
-        self.predicted_ttft_s = predicted_ttft_s  # the Conductor's, for the first choice (a cluster backend's)
+
+    @property
+    def quote(self) -> Quote | None:
+        """The Conductor's prediction for the first choice (a cluster backend's; None elsewhere)."""
+        return self._fanout.quote
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._events
@@ -164,8 +166,7 @@ async def open_stream(prepared: PreparedRequest, fanout: Fanout) -> EventStream:
     except BaseException:
         await fanout.close()
         raise
-    predicted = first[1].predicted_ttft_s if first is not None else None
-    return EventStream(_events(prepared, fanout, first), fanout, prepared.request_id, predicted)
+    return EventStream(_events(prepared, fanout, first), fanout, prepared.request_id)
 
 
 async def _events(

@@ -20,7 +20,14 @@ from collections.abc import AsyncGenerator
 
 from mooncake.gateway.metrics import GatewayMetrics
 from mooncake.gateway.protocol import PromptTokensDetails, Usage
-from mooncake.serving.types import BackendError, GenerationBackend, GenerationChunk, GenerationRequest, Rejected
+from mooncake.serving.types import (
+    BackendError,
+    GenerationBackend,
+    GenerationChunk,
+    GenerationRequest,
+    Quote,
+    Rejected,
+)
 
 
 class Run:
@@ -130,6 +137,7 @@ class Fanout:
         ]  # each prompt's leader has a chunk
         self._tasks: list[asyncio.Task] = []
         self._open = len(generations)
+        self.quote: Quote | None = None  # the first the backend gave (the Conductor's, for the first choice placed)
 
     async def next(self) -> tuple[int, GenerationChunk] | None:
         """The next chunk of any choice, or None once every choice finished. Raises the first BackendError."""
@@ -182,6 +190,7 @@ class Fanout:
         try:
             while (chunk := await run.next()) is not None:
                 self._first[prompt].set()
+                self.quote = self.quote or chunk.quote
                 self._queue.put_nowait((index, chunk))
                 if chunk.finish_reason is not None:
                     await run.close()  # the backend lets go of what it held for it now, not when the request ends

@@ -5,7 +5,7 @@ For every request, called once from its route (app.py):
     prepared = await serving.prepare_chat(body)      # or prepare_completion: check, tokenize,
                                                      # size max_tokens -> a GenerationRequest per
                                                      # choice (n, best_of, a batch of prompts)
-    body     = await serving.complete(prepared)      # not streaming: the whole response, or
+    body, quote = await serving.complete(prepared)   # not streaming: the whole response, or
     stream   = await serving.open_stream(prepared)   # streaming: waits for the first chunk, so
                                                      # a rejection is still an HTTP status
     async for event in stream: ...                   # SSE lines, "data: [DONE]" last
@@ -60,7 +60,7 @@ from mooncake.gateway.reasoning import ReasoningParser
 from mooncake.gateway.responses import EventStream, PreparedRequest
 from mooncake.gateway.runs import Fanout
 from mooncake.gateway.tool_parsers import ToolCallParser
-from mooncake.serving.types import GenerationBackend, GenerationRequest
+from mooncake.serving.types import GenerationBackend, GenerationRequest, Quote
 
 MAX_PROMPTS = 64  # generations per request: prompts x (best_of or n)
 INLINE_CHARS = 16_384  # shorter texts tokenize on the event loop (see _off_loop_if_long)
@@ -503,13 +503,14 @@ class OpenAIServing:
     def _fanout(self, prepared: PreparedRequest) -> Fanout:
         return Fanout(self.backend, self.metrics, prepared.generations, prepared.per_prompt, prepared.arrival)
 
-    async def complete(self, prepared: PreparedRequest) -> dict[str, Any]:
-        """Generate every choice whole; the response body (responses.complete). Raises ApiError (the backend's
-        errors included).
+    async def complete(self, prepared: PreparedRequest) -> tuple[dict[str, Any], Quote | None]:
+        """Generate every choice whole; the response body (responses.complete) and the Conductor's quote for the first
+        choice (a cluster backend's; None elsewhere). Raises ApiError (the backend's errors included).
 
         Cancelling the awaiting task cancels the request in the backend.
         """
-        return await responses.complete(prepared, self._fanout(prepared))
+        fanout = self._fanout(prepared)
+        return await responses.complete(prepared, fanout), fanout.quote
 
     async def open_stream(self, prepared: PreparedRequest) -> EventStream:
         """Start generating and wait for the first chunk; the SSE events from there on (responses.open_stream).

@@ -68,9 +68,16 @@ class GenerationChunk:
     recovery: Recovery | None = None  # last chunk of a request that outlived a failure: what it took
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # the first chunk: prompt tokens 1.., when the request asked
-    predicted_ttft_s: float | None = (
-        None  # the first chunk: the Conductor's predicted TTFT (a cluster's; None elsewhere)
-    )
+    quote: Quote | None = None  # the first chunk: what the Conductor predicted for it (a cluster's; None elsewhere)
+
+
+@dataclass(frozen=True, slots=True)
+class Quote:
+    """What the Conductor predicted for a request as it placed it, in seconds: its TTFT (from its arrival at the
+    gateway, a wait it was told to make included) and the time between its tokens. The gateway's headers carry it."""
+
+    ttft_s: float
+    tbt_s: float
 
 
 @dataclass(slots=True)

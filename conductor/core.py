@@ -39,6 +39,7 @@ from conductor.local import LocalChoice, LocalPrefill
 from conductor.overload import WAITABLE, Overload
 from conductor.policies import PolicyKind, PrefillChoice, ahead_of_queue, make_policy
 from conductor.predictors import Predictors
+from conductor.quotes import Quotes
 from conductor.registry import Registry
 from conductor.types import (
     Decision,
@@ -91,6 +92,7 @@ class Conductor:
     def __init__(self, config: ConductorConfig | None = None) -> None:
         self.config = config or ConductorConfig()
         self.index = KVIndex()
+        self.quotes = Quotes()  # what each placement predicted, and how often that held (conductor.quotes)
         self.writes = PromptWrites()  # where placed prompts' new blocks are being written (a ``follows`` request's)
         self.forecast = DecodeForecast(self.config.default_decode_s, kind=self.config.decode_forecast)
         self.registry = Registry(self.config)
@@ -252,18 +254,28 @@ class Conductor:
         return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
 
     def finished(
-        self, request_id: str, now: float, measured_ttft_s: float = 0.0, queue_s: float = 0.0, prefill_s: float = 0.0
+        self,
+        request_id: str,
+        now: float,
+        measured_ttft_s: float = 0.0,
+        queue_s: float = 0.0,
+        prefill_s: float = 0.0,
+        measured_tbt_s: float = 0.0,
     ) -> Prediction | None:
         """``request_id`` left its decode worker: done, failed, cancelled, or answered with its first token alone
-        (``measured_ttft_s`` > 0: it got one, without joining a batch). Returns as ``decode_started`` does."""
+        (``measured_ttft_s`` > 0: it got one, without joining a batch), its tokens ``measured_tbt_s`` apart on average
+        (0: not measured). Returns as ``decode_started`` does."""
         self.forecast.finished(request_id, now)
         self.overload.finished(request_id)
+        self.quotes.ended(request_id, measured_tbt_s)
         return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
 
     def _measured(self, request_id: str, measured: Measured, now: float) -> Prediction | None:
         made = self.learning.measured(request_id, measured, self.registry.instances)
         if made is None:
             return None
+        if measured.ttft_s > 0:
+            self.quotes.came_out("ttft", made.predicted.ttft_s, measured.ttft_s)
         if self.audit is not None:
             self.audit(request_id, made, measured, now)
         return made.predicted
@@ -400,6 +412,7 @@ class Conductor:
             verdict = verdict or self.overload.over_share(req, predicted.ttft_s, decodes, now, slo)
             if verdict is None:
                 self._record_local(req, local, now)
+                self.quotes.quoted(req.request_id, predicted.tbt_s)
                 # its new blocks go to the node holding its prefix,
                 # or (none) to the node of the prefill worker it passed by
                 return Decision(
@@ -423,6 +436,7 @@ class Conductor:
             reason, message, retry = verdict
             return dataclasses.replace(self._reject(req, reason, message, retry, predicted), shed_s=self.shed_s(now))
         self._record(req, choice, decode, now, blocks)
+        self.quotes.quoted(req.request_id, predicted.tbt_s)
         self.writes.placed(req.request_id, choice.instance.node, req.keys, now + choice.ttft_s + WRITE_GRACE_S)
         return Decision(
             req.request_id,

@@ -18,6 +18,12 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.quote_held = Gauge(
+            "mooncake_conductor_quote_held_ratio",
+            "Share of the last 1,000 quotes measured that held: within 25% of what came out (conductor.quotes)",
+            ["part"],
+            registry=r,
+        )
         self.decisions = Counter("mooncake_conductor_decisions", "Schedule outcomes", ["policy", "outcome"], registry=r)
         self.decision_seconds = Histogram(
             "mooncake_conductor_decision_seconds",

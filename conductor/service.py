@@ -23,6 +23,7 @@ from conductor.persistence import MemoryStore
 from conductor.planner.planner import PlannerConfig
 from conductor.planning import PlannerLoop
 from conductor.pool import NoProvider, PoolProvider
+from conductor.quotes import PARTS
 from conductor.rehome import rehome, wait_leases_ended
 from conductor.types import (
     Decision,
@@ -341,12 +342,14 @@ class ConductorService:
                     predicted = self.conductor.decode_started(e.request_id, now, *parts)
                     planner.observe_decode_started(e.request_id, now)
                 elif e.kind == pb.RequestEvent.FINISHED:
-                    predicted = self.conductor.finished(e.request_id, now, *parts)
+                    predicted = self.conductor.finished(e.request_id, now, *parts, e.measured_tbt_s)
                     planner.observe_finished(e.request_id, now, e.output_tokens)
                 else:
                     raise ValueError(f"request event of unknown kind {e.kind} for {e.request_id!r}")
                 if predicted is not None:  # its first measured TTFT
                     self.metrics.score(predicted, Measured(*parts))
+            for part in PARTS:
+                self.metrics.quote_held.labels(part).set(self.conductor.quotes.held(part)[0])
             waiting = self.conductor.waiting.by_priority()
             self._priorities.update(waiting)
             for priority in self._priorities:

@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 
 from conductor.auth import OperatorCheck, new_instance_token, same_token
+from conductor.quotes import PARTS
 from conductor.service import HEARTBEAT_INTERVAL_FRACTION, ConductorService, Mismatch
 from conductor.types import Decision, Instance, InstanceState, KeyChain, Load, Role, ScheduleRequest, Wait
 from mooncake import tls
@@ -266,6 +267,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             admin_open=self.operator.open,
             insecure=tls.identity() is None,
             plan=self._plan_pb(self.service.planning.last),
+            quote_held={part: c.quotes.held(part)[0] for part in PARTS},
+            quotes_measured={part: c.quotes.held(part)[1] for part in PARTS},
         )
 
     def _plan_pb(self, plan) -> pb.PlanResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from decode.handoff import Handoff, Landed
@@ -52,6 +53,8 @@ class Decoding:
         self.parts = (0.0, 0.0)  # and those two: the prefill worker's own queue and prefill (the Conductor's errors)
         self.written = None  # its write-behind (decode.writeback.Written), once it has one
         self.output_tokens = 0  # generated so far (the Conductor's planner learns output lengths from the last count)
+        self.first_at = self.last_at = 0.0  # monotonic: when its first output and its latest reached its stream
+        self.tokens_at_first = 0  # output tokens it had by its first output here (a resumed stream's earlier ones)
         self._left = False  # counted out of the requests in prefill
         in_prefill.add(1)
 
@@ -65,6 +68,13 @@ class Decoding:
             self._left = True
             self.in_prefill.add(-1)
 
+    @property
+    def tbt_s(self) -> float:
+        """The mean time between its tokens here (0: fewer than two reached its stream): what the Conductor's TBT
+        quote is held against."""
+        gaps = self.output_tokens - self.tokens_at_first
+        return (self.last_at - self.first_at) / gaps if gaps > 0 and self.last_at > self.first_at else 0.0
+
     def close(self) -> None:
         """However the request ended (finished, failed, the client gone): the engine drops it (a no-op once it
         finished; blocks a prefill may still write stay with the write fence), landing slots go back once their
@@ -76,7 +86,12 @@ class Decoding:
             self.loop.abort(self.request_id)
         if self.link is not None:
             self.link.finished(
-                self.request_id, self.ttft_s, self.handoff_s, *self.parts, output_tokens=self.output_tokens
+                self.request_id,
+                self.ttft_s,
+                self.handoff_s,
+                *self.parts,
+                output_tokens=self.output_tokens,
+                tbt_s=self.tbt_s,
             )
         self.state = DecodeState.DONE
 
@@ -104,6 +119,9 @@ def stream(
             raise RuntimeError(f"the decode engine failed: {out}")
         piece = text.add(out)  # the one detokenizer: text, and a stop string, which ends the request here
         run.output_tokens = len(out.output_token_ids) - len(out.new_token_ids) + piece.num_tokens
+        run.last_at = time.monotonic()
+        if not run.first_at:
+            run.first_at, run.tokens_at_first = run.last_at, run.output_tokens
         fields = dict(
             usage,
             token_ids=list(out.new_token_ids[: piece.num_tokens]),

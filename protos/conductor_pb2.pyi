@@ -152,7 +152,7 @@ class TransferSample(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class RequestEvent(_message.Message):
-    __slots__ = ("request_id", "kind", "measured_ttft_s", "handoff_s", "queue_s", "prefill_s", "output_tokens")
+    __slots__ = ("request_id", "kind", "measured_ttft_s", "handoff_s", "queue_s", "prefill_s", "output_tokens", "measured_tbt_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[RequestEvent.Kind]
@@ -168,6 +168,7 @@ class RequestEvent(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TBT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kind: RequestEvent.Kind
     measured_ttft_s: float
@@ -175,7 +176,8 @@ class RequestEvent(_message.Message):
     queue_s: float
     prefill_s: float
     output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    measured_tbt_s: float
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[RequestEvent.Kind, str]] = ..., measured_ttft_s: _Optional[float] = ..., handoff_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., output_tokens: _Optional[int] = ..., measured_tbt_s: _Optional[float] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("id", "prefill", "transfer", "requests")
@@ -386,8 +388,22 @@ class InstanceInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., placed_in_prefill: _Optional[int] = ..., placed_decoding: _Optional[int] = ..., landing_held: _Optional[int] = ..., transport: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_held: _Optional[int] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port", "admin_open", "insecure", "plan")
+    __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port", "admin_open", "insecure", "plan", "quote_held", "quotes_measured")
     class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class QuoteHeldEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class QuotesMeasuredEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +420,8 @@ class ListInstancesResponse(_message.Message):
     ADMIN_OPEN_FIELD_NUMBER: _ClassVar[int]
     INSECURE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    QUOTE_HELD_FIELD_NUMBER: _ClassVar[int]
+    QUOTES_MEASURED_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     policy: str
     admission: str
@@ -414,7 +432,9 @@ class ListInstancesResponse(_message.Message):
     admin_open: bool
     insecure: bool
     plan: PlanResponse
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., control_port: _Optional[int] = ..., admin_open: _Optional[bool] = ..., insecure: _Optional[bool] = ..., plan: _Optional[_Union[PlanResponse, _Mapping]] = ...) -> None: ...
+    quote_held: _containers.ScalarMap[str, float]
+    quotes_measured: _containers.ScalarMap[str, int]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., policy: _Optional[str] = ..., admission: _Optional[str] = ..., index_blocks: _Optional[int] = ..., scheduled: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., control_port: _Optional[int] = ..., admin_open: _Optional[bool] = ..., insecure: _Optional[bool] = ..., plan: _Optional[_Union[PlanResponse, _Mapping]] = ..., quote_held: _Optional[_Mapping[str, float]] = ..., quotes_measured: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("id", "remove")

@@ -555,3 +555,21 @@ def test_a_request_that_follows_a_placed_one_is_planned_with_the_blocks_its_pref
     assert other.plan.reused_blocks == 0  # not a's prompt
     late = c.schedule(dataclasses.replace(request("a-late", blocks=6, prompt=100), follows="a"), 60.0)
     assert late.plan.reused_blocks == 0  # a's blocks never reached the index: nothing is counted on them
+
+
+def test_the_conductor_counts_how_often_its_quotes_held():
+    """A quote holds when within 25% of what came out (replay.py's figure): the TTFT with the first token, the TBT
+    once the request leaves its decode worker; the share of the last ones is what `mooncake status` and
+    mooncake_conductor_quote_held_ratio publish."""
+    c = conductor("none", ttft_s=100.0)
+    cluster(c)
+    decisions = [c.schedule(request(f"q{n}", blocks=4, prompt=64), 0.0) for n in range(4)]
+    assert all(isinstance(d, Decision) and d.predicted.ttft_s > 0 and d.predicted.tbt_s > 0 for d in decisions)
+    assert c.quotes.held("ttft") == (0.0, 0) and c.quotes.held("tbt") == (0.0, 0)
+    for n, (d, ttft_factor, tbt_factor) in enumerate(zip(decisions, (1.0, 1.2, 1.5, 0.5), (1.1, 0.9, 2.0, 1.0))):
+        c.decode_started(f"q{n}", 1.0, d.predicted.ttft_s * ttft_factor)
+        c.finished(f"q{n}", 2.0, measured_tbt_s=d.predicted.tbt_s * tbt_factor)
+    # 1.0 and 1.2 held (0.5x is 100% off of what came out, 1.5x is 33% off); TBT: 1.1, 0.9 and 1.0 held
+    assert c.quotes.held("ttft") == (0.5, 4) and c.quotes.held("tbt") == (0.75, 4)
+    c.finished("q0", 3.0, measured_tbt_s=1.0)  # reported twice: counted once
+    assert c.quotes.held("tbt") == (0.75, 4)

@@ -62,7 +62,14 @@ def test_every_response_carries_the_conductors_quote(cluster):
     """The headers benchmarks/replay.py compares with what it measures (issue 34; issue 63: the TBT too, and on whole
     responses as well as streamed ones): the Conductor's prediction for the request's placement, in seconds, positive
     and of the order of the prefill and the decode step it predicts."""
-    body = {"model": "tiny", "prompt": prompt_of(200, seed=34), "max_tokens": 4, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt_of(200, seed=34),
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     with httpx.stream(
         "POST", f"{cluster.endpoint}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
@@ -80,6 +87,17 @@ def test_every_response_carries_the_conductors_quote(cluster):
     assert whole.status_code == 200 and whole.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert 0 < float(whole.headers["x-mooncake-predicted-ttft"]) < 60
     assert 0 < float(whole.headers["x-mooncake-predicted-tbt"]) < 10
+    # what came out reaches the Conductor in the decode worker's reports: how often its quotes held is published
+    deadline = time.monotonic() + 10
+    while (listing := conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)).quotes_measured.get(
+        "tbt", 0
+    ) < 2:
+        assert time.monotonic() < deadline, f"no TBT quote measured: {dict(listing.quotes_measured)}"
+        time.sleep(0.1)
+    assert listing.quotes_measured["ttft"] >= 2 and 0 <= listing.quote_held["ttft"] <= 1
+    console = Console(record=True, width=200)
+    console.print(status_table(listing))
+    assert "quotes held (within 25%): TTFT " in console.export_text()
 
 
 def test_chat_streaming_and_not_give_the_same_greedy_text_and_usage(client, tok):

@@ -117,6 +117,7 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             if listing.insecure
             else ""
         )
+        + _quote_line(listing)
         + _plan_line(listing.plan)
     )
     for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
@@ -153,6 +154,16 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             load = running = hit = "-"
         t.add_row(i.id, role, i.address, state, load, running, kv, hit, f"{i.heartbeat_age_s:.1f} s ago")
     return t
+
+
+def _quote_line(listing: pb.ListInstancesResponse) -> str:
+    """How often the Conductor's quotes held (within 25% of what came out), per part; "" before any came out."""
+    parts = [
+        f"{name} {listing.quote_held[part]:.0%} of {listing.quotes_measured[part]}"
+        for part, name in (("ttft", "TTFT"), ("tbt", "TBT"))
+        if listing.quotes_measured.get(part)
+    ]
+    return f"\nquotes held (within 25%): {', '.join(parts)}" if parts else ""
 
 
 def _plan_line(plan: pb.PlanResponse) -> str:

@@ -111,11 +111,14 @@ class ConductorLink:
         queue_s: float = 0.0,
         prefill_s: float = 0.0,
         output_tokens: int = 0,
+        tbt_s: float = 0.0,
     ) -> None:
         """``request_id`` left; ``measured_ttft_s``: when it got its first token (0: it never did); ``handoff_s``,
         ``queue_s`` and ``prefill_s``: its parts, when not reported with DECODE_STARTED; ``output_tokens``: what it
-        generated (0: not known)."""
-        self._event(pb.RequestEvent.FINISHED, request_id, measured_ttft_s, handoff_s, queue_s, prefill_s, output_tokens)
+        generated (0: not known); ``tbt_s``: the mean time between its tokens (0: not measured)."""
+        self._event(
+            pb.RequestEvent.FINISHED, request_id, measured_ttft_s, handoff_s, queue_s, prefill_s, output_tokens, tbt_s
+        )
 
     def beat_soon(self) -> None:
         """The load changed (a prefill worker's prompt ended): heartbeat now (at most every ``MIN_BEAT_GAP_S``), so the
@@ -132,6 +135,7 @@ class ConductorLink:
         queue_s: float,
         prefill_s: float,
         output_tokens: int = 0,
+        tbt_s: float = 0.0,
     ) -> None:
         self._events.append(
             pb.RequestEvent(
@@ -142,6 +146,7 @@ class ConductorLink:
                 queue_s=queue_s,
                 prefill_s=prefill_s,
                 output_tokens=output_tokens,
+                measured_tbt_s=tbt_s,
             )
         )
         self._wake.set()

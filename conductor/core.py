@@ -534,4 +534,16 @@ class Conductor:
         predicted: Prediction | None = None,
     ) -> Rejection:
         self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1
-        return Rejection(req.request_id, reason, message, retry, predicted)
+        return Rejection(req.request_id, reason, message, retry, predicted, offer_slo_class=self._offer(req, predicted))
+
+    def _offer(self, req: ScheduleRequest, predicted: Prediction | None) -> str:
+        """The strictest other SLO class (by TTFT, then TBT) whose targets ``predicted`` meets: what a refused request
+        could have at once instead of a later start ("": none, or nothing predicted)."""
+        if predicted is None or predicted.ttft_s <= 0:
+            return ""
+        fits = [
+            (slo.ttft_s, slo.tbt_s, name)
+            for name, slo in self.config.slo_classes.items()
+            if name != req.slo_class and predicted.ttft_s <= slo.ttft_s and 0 < predicted.tbt_s <= slo.tbt_s
+        ]
+        return min(fits)[2] if fits else ""

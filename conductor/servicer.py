@@ -180,7 +180,10 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             return pb.ScheduleResponse(wait_s=outcome.wait_s, predicted=predicted)
         if not isinstance(outcome, Decision):
             rejection = pb.Rejection(
-                reason=outcome.reason.value, message=outcome.message, retry_after_s=outcome.retry_after_s
+                reason=outcome.reason.value,
+                message=outcome.message,
+                retry_after_s=outcome.retry_after_s,
+                offer_slo_class=outcome.offer_slo_class,
             )
             return pb.ScheduleResponse(rejection=rejection, predicted=predicted, shed_s=outcome.shed_s)
         prefill_address, decode_address, fetch_address, prefill_node, prefill_node_address = info

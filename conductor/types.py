@@ -308,6 +308,7 @@ class Rejection:
     retry_after_s: float
     predicted: Prediction | None = None
     shed_s: float = 0.0  # every request is refused for at least this long (Conductor.shed_s)
+    offer_slo_class: str = ""  # a configured SLO class whose targets its prediction meets now ("": none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -288,14 +288,16 @@ class Placement(_message.Message):
     def __init__(self, prefill_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., plan: _Optional[_Union[PrefixPlan, _Mapping]] = ..., policy: _Optional[str] = ..., prefill_node_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., local_chunk_tokens: _Optional[int] = ..., admit_at_decode: _Optional[bool] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class Rejection(_message.Message):
-    __slots__ = ("reason", "message", "retry_after_s")
+    __slots__ = ("reason", "message", "retry_after_s", "offer_slo_class")
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    OFFER_SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     reason: str
     message: str
     retry_after_s: float
-    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    offer_slo_class: str
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., offer_slo_class: _Optional[str] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
     __slots__ = ("placement", "rejection", "predicted", "shed_s", "wait_s")

@@ -4,6 +4,7 @@ index, draining, run-time switches. Answers worked out by hand from conductor_he
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -28,7 +29,7 @@ from conductor.admission import reported_batch, select_decode
 from conductor.core import Conductor
 from conductor.overload import SHED_BUSY_S, SHED_S
 from conductor.predictors import DecodePredictor
-from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest
+from conductor.types import Decision, Instance, InstanceState, Load, Rejection, RejectReason, Role, ScheduleRequest, Slo
 from kvstore.events import Tier
 
 # -- the Conductor: admission ---------------------------------------------------------------
@@ -284,6 +285,31 @@ def test_early_rejects_for_ttft_when_the_prefill_queue_is_too_long():
         outcome = c.schedule(request(), 0.0)
         assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TTFT_SLO
         assert_retry_in_bounds(outcome)
+
+
+def test_a_refusal_offers_the_strictest_other_slo_class_its_prediction_meets():
+    """A request of the default class (TTFT 2 s) predicted at 3.16 s is refused; the body it hears offers a start
+    later (its retry-after) or, at once, the strictest class whose targets the prediction meets: "relaxed" (5 s), not
+    "batch" (60 s), nor "tight" (1 s) or "slow_tbt" (its TBT target is below the prediction's)."""
+    c = conductor("early")
+    c.config.slo_classes.update(
+        {
+            "relaxed": Slo(ttft_s=5.0, tbt_s=0.1),
+            "batch": Slo(ttft_s=60.0, tbt_s=1.0),
+            "tight": Slo(ttft_s=1.0, tbt_s=0.1),
+            "slow_tbt": Slo(ttft_s=4.0, tbt_s=0.001),
+        }
+    )
+    cluster(c)
+    c.heartbeat("p0", Load(queued_s=3.0), 0.0)
+    outcome = c.schedule(request(), 0.0)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TTFT_SLO
+    assert outcome.predicted.ttft_s == pytest.approx(3.16) and outcome.offer_slo_class == "relaxed"
+    batch = c.schedule(dataclasses.replace(request("b"), slo_class="batch"), 0.0)
+    assert isinstance(batch, Decision)  # what was offered is served
+    c.heartbeat("p0", Load(queued_s=100.0), 0.0)
+    outcome = c.schedule(request("c"), 0.0)
+    assert isinstance(outcome, Rejection) and outcome.offer_slo_class == ""  # no class would take it now
 
 
 # -- the Conductor: registry, index, run-time switches ----------------------------------------

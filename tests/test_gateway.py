@@ -26,7 +26,7 @@ from mooncake.engine.tokenizer import Tokenizer
 from mooncake.gateway import GatewayConfig, create_app
 from mooncake.gateway.local_backend import LocalBackend
 from mooncake.localproc import free_port
-from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, Rejected, Unavailable
+from mooncake.serving.types import GenerationBackend, GenerationChunk, GenerationRequest, Offer, Rejected, Unavailable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,7 +68,7 @@ class FaultyBackend(GenerationBackend):
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self.generated += 1
         if self.fault == "reject":
-            raise Rejected("the decode instances are over their TBT SLO", retry_after_s=2.5)
+            raise Rejected("the decode instances are over their TBT SLO", retry_after_s=2.5, offer=Offer(2.5, "batch"))
         if self.fault == "unavailable":
             raise Unavailable("no decode worker is alive")
         chunks = self.inner.generate(request)
@@ -532,6 +532,8 @@ def test_backend_rejection_is_429_with_retry_after(faulty):
             r = httpx.post(f"{url}{CHAT}", json={"model": "tiny", "messages": MESSAGES, "stream": stream})
             assert r.status_code == 429 and r.headers["retry-after"] == "3"  # 2.5 s, rounded up
             assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "overloaded"
+            # what the cluster could serve instead: a later start, or another SLO class at once
+            assert r.json()["error"]["offer"] == {"start_in_s": 2.5, "slo_class": "batch"}
         assert metric(url, "mooncake_gateway_rejections_total", reason="overloaded") == 2
         assert metric(url, "mooncake_gateway_requests_total", endpoint=CHAT, status="429") == 2
     finally:

@@ -257,6 +257,10 @@ def test_the_conductors_early_rejection_is_429_with_retry_after(tiny_dir, tmp_pa
         assert r.status_code == 429
         assert int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error" and "TBT" in r.json()["error"]["message"]
+        # what it could have instead: a start later (its Retry-After); no SLO class would take it (there is one)
+        offer = r.json()["error"]["offer"]
+        assert 0 < offer["start_in_s"] <= int(r.headers["Retry-After"])
+        assert offer["slo_class"] is None
     finally:
         c.stop()
 

@@ -50,6 +50,7 @@ from mooncake.serving.types import (
     GenerationBackend,
     GenerationChunk,
     GenerationRequest,
+    Offer,
     Quote,
     Recovery,
     Rejected,
@@ -167,7 +168,8 @@ class ClusterBackend(GenerationBackend):
             r = resp.rejection
             if r.reason in UNAVAILABLE_REASONS:
                 raise _Fault(Fault.NO_INSTANCE, Unavailable(r.message, code=r.reason, retry_after_s=r.retry_after_s))
-            rejected = Rejected(r.message, code=r.reason, retry_after_s=r.retry_after_s)
+            offer = Offer(r.retry_after_s, r.offer_slo_class or None) if r.retry_after_s > 0 else None
+            rejected = Rejected(r.message, code=r.reason, retry_after_s=r.retry_after_s, offer=offer)
             if resp.shed_s > 0:
                 self._shed(rejected, resp.shed_s)
             if not msg.retry and not msg.waited_s:  # what a new request would hear (a retry goes ahead of the

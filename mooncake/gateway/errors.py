@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mooncake.gateway.protocol import ErrorInfo, ErrorResponse
-from mooncake.serving.types import BackendError
+from mooncake.gateway.protocol import ErrorInfo, ErrorOffer, ErrorResponse
+from mooncake.serving.types import BackendError, Rejected
 
 
 class ApiError(Exception):
@@ -22,8 +22,10 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        offer: ErrorOffer | None = None,
     ) -> None:
         super().__init__(message)
+        self.offer = offer
         self.status = status
         self.message = message
         self.error_type = error_type
@@ -32,8 +34,11 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=self.error_type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
+        info = ErrorInfo(message=self.message, type=self.error_type, param=self.param, code=self.code, offer=self.offer)
+        body = ErrorResponse(error=info).model_dump()
+        if self.offer is None:
+            del body["error"]["offer"]  # OpenAI's own fields only
+        return body
 
     @classmethod
     def from_backend(cls, error: BackendError) -> ApiError:
@@ -51,4 +56,10 @@ class ApiError(Exception):
             param=error.param,
             code=error.code,
             headers=headers,
+            offer=_offer(error),
         )
+
+
+def _offer(error: BackendError) -> ErrorOffer | None:
+    offer = error.offer if isinstance(error, Rejected) else None
+    return None if offer is None else ErrorOffer(start_in_s=round(offer.start_in_s, 3), slo_class=offer.slo_class)

@@ -34,11 +34,20 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed tak
 # -- errors -----------------------------------------------------------------------------
 
 
+class ErrorOffer(BaseModel):
+    """What a refused request (429) could have instead, as the Conductor predicts it now: a start ``start_in_s`` from
+    now (the Retry-After, exact), or the SLO class ``slo_class`` at once (absent: none would)."""
+
+    start_in_s: float
+    slo_class: str | None = None
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
     code: str | None = None
+    offer: ErrorOffer | None = None  # a 429 from a cluster's Conductor: what it could serve instead
 
 
 class ErrorResponse(BaseModel):

@@ -118,11 +118,25 @@ class InvalidRequest(BackendError):
 
 
 class Rejected(BackendError):
-    """Turned away to protect the SLOs (the Conductor's early rejection, a full decode batch): HTTP 429."""
+    """Turned away to protect the SLOs (the Conductor's early rejection, a full decode batch): HTTP 429. ``offer``:
+    what the cluster could serve instead (a later start, another SLO class), for the body."""
 
     status = 429
     error_type = "rate_limit_error"
     code = "overloaded"
+
+    def __init__(self, message: str, *, offer: Offer | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.offer = offer
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """What a refused request could have instead: a start ``start_in_s`` from now, or (``slo_class``) another SLO class
+    at once, whose targets what the Conductor predicts for it meets."""
+
+    start_in_s: float
+    slo_class: str | None = None
 
 
 class Unavailable(BackendError):

@@ -71,6 +71,7 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.running_blocks,
         msg.landing_held_blocks,
         tuple(InFlight(p.prompt_tokens, p.computed_tokens) for p in msg.prompts),
+        msg.waiting_requests,
     )
 
 
@@ -93,6 +94,7 @@ def load_to_pb(load: Load) -> pb.Load:
         prompts=[
             pb.InFlightPrompt(prompt_tokens=p.prompt_tokens, computed_tokens=p.computed_tokens) for p in load.prompts
         ],
+        waiting_requests=load.waiting_requests,
     )
 
 

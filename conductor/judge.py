@@ -27,12 +27,6 @@ from conductor.predictors import Predictors
 from conductor.types import Instance, Prediction, Rejection, RejectReason, ScheduleRequest, Slo
 
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0
-# early_predictive counts a decode instance full while more than this share of its batch cap waits there for a place
-# (measured: its heartbeat's Load.waiting_requests), whatever its forecast. On the simulator (3,000 requests of the
-# trace, 8P + 8D): at twice the trace's speed, slow decode profile, 40 ms TBT SLO, 68.7% of those served met both SLOs
-# without it, 95.4% / 95.7% / 96.8% / 94.7% / 92.9% with shares 0 / 0.25 / 0.5 / 0.75 / 1; at 3x and 60 ms, 50.3% and
-# 64.9% (0.5); tests/test_sim.py's decode-bound slice moved only at 0.5 and below (survival 297 -> 269 refused at 0.5)
-BACKLOG_SHARE = 0.5
 
 Verdict = tuple[RejectReason, str, float]  # why a request is turned away: reason, message, retry-after (s)
 
@@ -73,12 +67,7 @@ class Judge:
     def batch_at(self, t: float, now: float, num_decodes: int) -> Callable[[Instance], Batch]:
         """The batch a request joining a decode instance at ``t`` would find there, as this admission sees it.
 
-        early_predictive: the decode forecast at ``t`` (DESIGN §5), but no room where the
-        instance's last heartbeat measured more than ``BACKLOG_SHARE`` of its batch waiting for a
-        place (``Load.waiting_requests``): the closed loop believes the measurement over the
-        forecast until the backlog drains (the forecast counts requests by their predicted starts
-        and durations; a step model or a duration wrong by a factor fills an instance with
-        requests that wait for a place, their first gap past the TBT SLO). The others: the
+        early_predictive: the decode forecast at ``t`` (DESIGN §5). The others: the
         reported batch plus what was sent there and has not started decoding (so requests
         scheduled between two heartbeats spread over the instances).
         """
@@ -88,11 +77,7 @@ class Judge:
 
             def at_t(inst: Instance) -> Batch:
                 n, tokens = batches.get(inst.id, (0.0, 0.0))
-                n, tokens = n + joins_n, tokens + joins_tokens
-                cap = inst.load.batch_cap or inst.capacity
-                if inst.load.waiting_requests > BACKLOG_SHARE * cap:
-                    n = max(n, cap + inst.load.waiting_requests)
-                return n, tokens
+                return n + joins_n, tokens + joins_tokens
 
             return at_t
 

@@ -71,7 +71,6 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.running_blocks,
         msg.landing_held_blocks,
         tuple(InFlight(p.prompt_tokens, p.computed_tokens) for p in msg.prompts),
-        msg.waiting_requests,
     )
 
 
@@ -94,7 +93,6 @@ def load_to_pb(load: Load) -> pb.Load:
         prompts=[
             pb.InFlightPrompt(prompt_tokens=p.prompt_tokens, computed_tokens=p.computed_tokens) for p in load.prompts
         ],
-        waiting_requests=load.waiting_requests,
     )
 
 

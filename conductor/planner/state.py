@@ -258,7 +258,6 @@ class DecodeInstance:
             Load(
                 queued_requests=len(self.waiting),
                 running_requests=self.batch,
-                waiting_requests=len(self.waiting),
                 context_tokens=self.context + done * self.batch,
                 free_kv_blocks=(self.kv_tokens - self.kv_used) // 512,
             ),

@@ -506,10 +506,7 @@ class Cluster(Elastic):
         # the decode predictor's sample: the mean decode step since the last heartbeat, as a decode worker reports it
         load = step_load(
             Load(
-                queued_requests=len(d.waiting),
-                running_requests=d.batch,
-                context_tokens=d.context + (n - 1) * d.batch,
-                waiting_requests=len(d.waiting),
+                queued_requests=len(d.waiting), running_requests=d.batch, context_tokens=d.context + (n - 1) * d.batch
             ),
             d.step_report(d.steps + n),
         )

@@ -89,12 +89,8 @@ def replay(
         if victim.startswith("decode"):  # mid-stream: when it has streams running, not only prefills waiting
             health = f"http://{cluster.component(victim).info['metrics']}/health"
             async with httpx.AsyncClient(timeout=5) as http:
-                while (await http.get(health)).json()["running"] < 2 and len(outputs) + len(errors) < NUM_REQUESTS:
+                while (await http.get(health)).json()["running"] < 2:
                     await asyncio.sleep(0.01)
-            # a request counts as running once its KV has landed, a moment before its first token reaches the client
-            # (a kill in between left CI no stream to resume): its next tokens come within 0.1 s, and it runs on
-            # for 120 to 200 of them
-            await asyncio.sleep(0.1)
         if struck is not None:
             struck.append(time.monotonic())
         await asyncio.to_thread(strike, cluster, victim)

@@ -89,7 +89,7 @@ def replay(
         if victim.startswith("decode"):  # mid-stream: when it has streams running, not only prefills waiting
             health = f"http://{cluster.component(victim).info['metrics']}/health"
             async with httpx.AsyncClient(timeout=5) as http:
-                while (await http.get(health)).json()["running"] < 2:
+                while (await http.get(health)).json()["running"] < 2 and len(outputs) + len(errors) < NUM_REQUESTS:
                     await asyncio.sleep(0.01)
         if struck is not None:
             struck.append(time.monotonic())

@@ -27,25 +27,27 @@ class DecodeState(enum.Enum):
     DONE = "done"  # finished, or never joined
 
 
-class InPrefill:
-    """How many requests are between admission and their first token (the heartbeat's queue)."""
+class Counts:
+    """How many requests are between admission and their first token (``in_prefill``: the heartbeat's queue), and how
+    many stream (``streaming``: a first output out on their stream, not yet ended; the health endpoint's)."""
 
     def __init__(self) -> None:
-        self._lock, self.count = threading.Lock(), 0
+        self._lock, self.in_prefill, self.streaming = threading.Lock(), 0, 0
 
-    def add(self, n: int) -> None:
+    def add(self, in_prefill: int = 0, streaming: int = 0) -> None:
         with self._lock:
-            self.count += n
+            self.in_prefill += in_prefill
+            self.streaming += streaming
 
 
 class Decoding:
     """One request's resources on this worker, and the one place that frees them (``close``)."""
 
     def __init__(
-        self, request_id: str, loop: EngineLoop, handoff: Handoff, in_prefill: InPrefill, link: ConductorLink | None
+        self, request_id: str, loop: EngineLoop, handoff: Handoff, counts: Counts, link: ConductorLink | None
     ) -> None:
         self.request_id, self.loop, self.handoff, self.link = request_id, loop, handoff, link
-        self.in_prefill = in_prefill
+        self.counts = counts
         self.state = DecodeState.PREFILLING
         self.landed: Landed | None = None  # where its KV lands (Handoff.admit)
         self.ttft_s = 0.0  # from the request's arrival here to its first token (0: it never got one)
@@ -56,17 +58,24 @@ class Decoding:
         self.first_at = self.last_at = 0.0  # monotonic: when its first output and its latest reached its stream
         self.tokens_at_first = 0  # output tokens it had by its first output here (a resumed stream's earlier ones)
         self._left = False  # counted out of the requests in prefill
-        in_prefill.add(1)
+        self._streams = False  # counted in the requests streaming
+        counts.add(in_prefill=1)
 
     def decoding(self) -> None:
         """Its first token is out: it decodes in the batch."""
         self.leave_prefill()
         self.state = DecodeState.DECODING
 
+    def first_out(self) -> None:
+        """Its first output reached its stream (at ``last_at``): it counts as streaming until it is closed."""
+        self.first_at, self.tokens_at_first = self.last_at, self.output_tokens
+        self._streams = True
+        self.counts.add(streaming=1)
+
     def leave_prefill(self) -> None:
         if not self._left:
             self._left = True
-            self.in_prefill.add(-1)
+            self.counts.add(in_prefill=-1)
 
     @property
     def tbt_s(self) -> float:
@@ -82,6 +91,9 @@ class Decoding:
         if self.landed is not None:
             self.handoff.release(self.landed)
         self.leave_prefill()
+        if self._streams:
+            self._streams = False
+            self.counts.add(streaming=-1)
         if self.state is not DecodeState.DONE:
             self.loop.abort(self.request_id)
         if self.link is not None:
@@ -121,7 +133,7 @@ def stream(
         run.output_tokens = len(out.output_token_ids) - len(out.new_token_ids) + piece.num_tokens
         run.last_at = time.monotonic()
         if not run.first_at:
-            run.first_at, run.tokens_at_first = run.last_at, run.output_tokens
+            run.first_out()
         fields = dict(
             usage,
             token_ids=list(out.new_token_ids[: piece.num_tokens]),

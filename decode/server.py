@@ -225,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             "transport": worker.transfer.transport,
             "tcp": worker.transfer.tcp_addr,
         },
-        health=lambda: (not worker.draining, {"id": args.id, "running": worker.loop.num_running}),
+        health=lambda: (
+            not worker.draining,
+            {"id": args.id, "running": worker.loop.num_running, "streaming": worker.counts.streaming},
+        ),
         busy=lambda: worker.loop.num_running + worker.num_in_prefill,
         drain_timeout_s=args.drain_timeout,
         max_rpc_threads=64,

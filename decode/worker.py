@@ -49,7 +49,7 @@ from decode.config import DecodeConfig
 from decode.fence import Fence
 from decode.handoff import CacheTarget, Grants, Handoff, ask_abort
 from decode.local_prefill import LocalPrefill
-from decode.run import Decoding, InPrefill, stream
+from decode.run import Counts, Decoding, stream
 from decode.writeback import BlockWriter
 from kvstore.client import KVStoreClient
 from mooncake import tls
@@ -158,7 +158,7 @@ class DecodeWorker:
             self.writer,
             link,
         )
-        self.in_prefill = InPrefill()
+        self.counts = Counts()
         self._cap = 0  # the Conductor's batch cap (Conductor.decode_cap; 0: none yet)
         self.step_mean: StepMean | None = None  # the mean decode step between the last two heartbeats (None: no
         # step; mooncake.serving.reports.mean_step says which steps count)
@@ -215,7 +215,7 @@ class DecodeWorker:
 
     @property
     def num_in_prefill(self) -> int:
-        return self.in_prefill.count
+        return self.counts.in_prefill
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -281,7 +281,7 @@ class DecodeWorker:
         prompt, outputs = list(req.prompt_token_ids), list(req.output_token_ids)
         local = req.placement.local_prefill
         # however it ends, run.close() lets its resources go and tells the Conductor (FINISHED)
-        run = Decoding(req.request_id, self.loop, self.handoff, self.in_prefill, self.link)
+        run = Decoding(req.request_id, self.loop, self.handoff, self.counts, self.link)
         try:
             params = self._params(req, prompt, len(outputs), local)
             if not local and not req.placement.prefill_address:

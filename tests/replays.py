@@ -86,10 +86,10 @@ def replay(
     async def kill_when_busy() -> None:
         while streaming < NUM_REQUESTS // 3:
             await asyncio.sleep(0.02)
-        if victim.startswith("decode"):  # mid-stream: when it has streams running, not only prefills waiting
+        if victim.startswith("decode"):  # mid-stream: when two of its requests have tokens out on their streams
             health = f"http://{cluster.component(victim).info['metrics']}/health"
             async with httpx.AsyncClient(timeout=5) as http:
-                while (await http.get(health)).json()["running"] < 2 and len(outputs) + len(errors) < NUM_REQUESTS:
+                while (await http.get(health)).json()["streaming"] < 2 and len(outputs) + len(errors) < NUM_REQUESTS:
                     await asyncio.sleep(0.01)
         if struck is not None:
             struck.append(time.monotonic())

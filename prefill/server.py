@@ -109,12 +109,24 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             late = bool(token) and self._aborted.pop(token, None) is not None
             if token and not late:
                 self._calls[token] = (cancelled, ended)
-        if late:  # its caller gave up before it came: it writes nothing
-            self.metrics.requests.labels("cancelled").inc()
-            context.abort(grpc.StatusCode.CANCELLED, f"prefill {request.request_id} was aborted before it arrived")
-        # who writes: before any write, so a caller that gives up can tell this process's death from its silence
-        context.send_initial_metadata(((WRITER_METADATA, self.identity),))
-        when_gone(context, cancelled.set)  # a caller already gone: no work at all
+        try:
+            if late:  # its caller gave up before it came: it writes nothing
+                self.metrics.requests.labels("cancelled").inc()
+                context.abort(grpc.StatusCode.CANCELLED, f"prefill {request.request_id} was aborted before it arrived")
+            # who writes: before any write, so a caller that gives up can tell this process's death from its silence.
+            # A caller already gone makes this raise (grpc's RpcError): the call ends here, having written nothing
+            context.send_initial_metadata(((WRITER_METADATA, self.identity),))
+            when_gone(context, cancelled.set)  # a caller already gone: no work at all
+            return self._prefill(request, context, cancelled)
+        finally:
+            # its writes are over (the worker returns or raises only after they settle; or it never began): an Abort
+            # says so from now on. Whatever ended it, even a raise before the worker was called: an entry left here
+            # would have every Abort of it wait and answer "not stopped", its caller's blocks held for good
+            ended.set()
+            with self._lock:
+                self._calls.pop(token, None)
+
+    def _prefill(self, request, context, cancelled: threading.Event):
         m = self.metrics
         m.inflight.inc()
         if request.ahead:
@@ -129,9 +141,6 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
             context.abort(code, f"prefill {request.request_id} failed: {message(e)}")
         finally:
             m.inflight.dec()
-            ended.set()  # its writes are over: the worker returns (or raises) only after they settle
-            with self._lock:
-                self._calls.pop(token, None)
         m.requests.labels("ok").inc()
         m.seconds.observe(resp.prefill_s)
         m.queue.observe(resp.queue_s)

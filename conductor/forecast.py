@@ -37,6 +37,10 @@ from collections import deque
 
 import numpy as np
 
+# a flight not decoding yet is kept this long past its predicted start at most (its worker's report lost): it may wait
+# in its prefill, or for a place in the batch, for minutes under load
+UNSTARTED_KEEP_S = 600.0
+
 
 class ForecastKind(str, enum.Enum):
     UNIFORM = "uniform"
@@ -176,12 +180,17 @@ class DecodeForecast:
                 self._forget_late(request_id)
 
     def expire(self, now: float, pending_s: float = 0.0) -> None:
-        """Drop flights long past any end seen (a lost report must not inflate the load forever). One dropped before
-        its decode started (a prefill queue running behind its predictions makes starts late) keeps its blocks counted
-        (``blocks_held``) until it finishes, as its worker holds them, or ``pending_s`` and twice the longest decode
-        later (its report lost)."""
+        """Drop flights long past any end seen (a lost report must not inflate the load forever): one decoding after
+        the longest decode seen; one not decoding yet (in its prefill, or landed and waiting for a place in the batch)
+        only ``UNSTARTED_KEEP_S`` later, since its worker reports when it starts or ends. It was dropped as soon as a
+        decoding one, and a decode instance whose requests waited minutes for a place, on short decodes, was forecast
+        empty: early_predictive admitted into the backlog (the simulator at twice the trace's speed, slow decode
+        profile, 40 ms TBT SLO: 4% of those served within both SLOs; 69% since). One dropped before its decode
+        started keeps its blocks counted (``blocks_held``) until it finishes, as its worker holds them, or
+        ``pending_s`` and twice the longest decode later (its report lost)."""
         longest = max(4 * self.t_d, 2 * self._sorted[-1] if self._sorted else 0.0)
-        rows = np.flatnonzero(self._live & (now > self._start + longest))
+        keep = np.where(self._started, longest, longest + UNSTARTED_KEEP_S)
+        rows = np.flatnonzero(self._live & (now > self._start + keep))
         for row in rows[~self._started[rows] & (self._blocks[rows] > 0)].tolist():
             number, blocks = int(self._decode[row]), int(self._blocks[row])
             self._late[self._ids[row]] = [number, blocks, float(self._start[row]) + 2 * longest + pending_s, False]

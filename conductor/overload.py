@@ -234,7 +234,10 @@ class Overload:
                 local = judge.local(probe, choice, decode, match, now, len(decodes), slo)
                 if local is not None:
                     _, tbt = select_decode(
-                        probe, [decode], self.predictors.decode, judge.batch_at(now + local.ttft_s, now, len(decodes))
+                        probe,
+                        [decode],
+                        self.predictors.decode,
+                        judge.batch_at(now + local.ttft_s, now, len(decodes), slo),
                     )
                     if judge.admit_local(probe, local, tbt, decodes, now, slo)[1] is None:
                         return 0.0

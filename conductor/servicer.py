@@ -71,6 +71,8 @@ def load_from_pb(msg: pb.Load) -> Load:
         msg.running_blocks,
         msg.landing_held_blocks,
         tuple(InFlight(p.prompt_tokens, p.computed_tokens) for p in msg.prompts),
+        msg.waiting_requests,
+        msg.waiting_s,
     )
 
 
@@ -93,6 +95,8 @@ def load_to_pb(load: Load) -> pb.Load:
         prompts=[
             pb.InFlightPrompt(prompt_tokens=p.prompt_tokens, computed_tokens=p.computed_tokens) for p in load.prompts
         ],
+        waiting_requests=load.waiting_requests,
+        waiting_s=load.waiting_s,
     )
 
 

@@ -67,6 +67,8 @@ class Load:
     running_blocks: int = 0  # decode: blocks of its KV capacity (Instance.kv_blocks) its running batch holds
     landing_held_blocks: int = 0  # decode: and those held for prompts still in prefill
     prompts: tuple[InFlight, ...] = ()  # prefill: every prompt it holds, with what it has computed so far
+    waiting_requests: int = 0  # decode: requests whose KV has landed, waiting for a place in its batch
+    waiting_s: float = 0.0  # decode: how long the longest waiting of them has waited for its next token, now
 
 
 @dataclass(slots=True)

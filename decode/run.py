@@ -28,16 +28,30 @@ class DecodeState(enum.Enum):
 
 
 class Counts:
-    """How many requests are between admission and their first token (``in_prefill``: the heartbeat's queue), and how
-    many stream (``streaming``: a first output out on their stream, not yet ended; the health endpoint's)."""
+    """How many requests are between admission and their first token (``in_prefill``: the heartbeat's queue), and
+    which stream (a first output out on their stream, not yet ended: ``streaming`` counts them for the health endpoint,
+    ``longest_gap`` measures their waits for their next token)."""
 
     def __init__(self) -> None:
-        self._lock, self.in_prefill, self.streaming = threading.Lock(), 0, 0
+        self._lock, self.in_prefill = threading.Lock(), 0
+        self._streams: set[Decoding] = set()
 
-    def add(self, in_prefill: int = 0, streaming: int = 0) -> None:
+    def add(self, in_prefill: int) -> None:
         with self._lock:
             self.in_prefill += in_prefill
-            self.streaming += streaming
+
+    def streams(self, run: Decoding, on: bool) -> None:
+        with self._lock:
+            (self._streams.add if on else self._streams.discard)(run)
+
+    @property
+    def streaming(self) -> int:
+        return len(self._streams)
+
+    def longest_gap(self, now: float) -> float:
+        """How long the stream that has waited longest for its next token has waited by ``now`` (0: none streams)."""
+        with self._lock:
+            return max((now - run.last_at for run in self._streams), default=0.0)
 
 
 class Decoding:
@@ -59,7 +73,7 @@ class Decoding:
         self.tokens_at_first = 0  # output tokens it had by its first output here (a resumed stream's earlier ones)
         self._left = False  # counted out of the requests in prefill
         self._streams = False  # counted in the requests streaming
-        counts.add(in_prefill=1)
+        counts.add(1)
 
     def decoding(self) -> None:
         """Its first token is out: it decodes in the batch."""
@@ -70,12 +84,12 @@ class Decoding:
         """Its first output reached its stream (at ``last_at``): it counts as streaming until it is closed."""
         self.first_at, self.tokens_at_first = self.last_at, self.output_tokens
         self._streams = True
-        self.counts.add(streaming=1)
+        self.counts.streams(self, True)
 
     def leave_prefill(self) -> None:
         if not self._left:
             self._left = True
-            self.counts.add(in_prefill=-1)
+            self.counts.add(-1)
 
     @property
     def tbt_s(self) -> float:
@@ -93,7 +107,7 @@ class Decoding:
         self.leave_prefill()
         if self._streams:
             self._streams = False
-            self.counts.add(streaming=-1)
+            self.counts.streams(self, False)
         if self.state is not DecodeState.DONE:
             self.loop.abort(self.request_id)
         if self.link is not None:

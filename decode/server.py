@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             landing_blocks=worker.landing_room,
             running_blocks=running_blocks,
             landing_held_blocks=landing_held,
+            waiting_requests=worker.num_waiting,
+            waiting_s=worker.waiting_s,
         )
 
     spec = WorkerProcess(

@@ -225,6 +225,19 @@ class DecodeWorker:
         cap = self.config.engine_config.max_num_seqs
         return min(cap, self._cap) if self._cap else cap
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests whose KV has landed, waiting for a place in the batch (the heartbeat reports them, and
+        ``waiting_s``: the Conductor counts this worker full while many have waited past the TBT SLO)."""
+        return max(0, self.loop.num_running - self.batch_cap)
+
+    @property
+    def waiting_s(self) -> float:
+        """How long the longest waiting of them has waited for its next token (0: none waits). A landed request's
+        first token is out at its landing, so a wait for a place is a gap between two of its tokens: the longest gap
+        now open among the streams (one in the batch waits a step at most)."""
+        return self.counts.longest_gap(time.monotonic()) if self.num_waiting else 0.0
+
     def set_batch_cap(self, cap: int) -> None:
         """The Conductor's batch cap, from its answer to a heartbeat (0: none known yet). It owns the step model: one
         fit of the steps every decode worker reports, one headroom (its --tbt-headroom). Applied at the next one."""
@@ -259,8 +272,7 @@ class DecodeWorker:
         # Requests still in their prefill hold landing room (admission refuses when it runs out), not a place in the
         # batch: whether the batch has a place when one lands is the Conductor's forecast (early_predictive). Refused
         # here only: a whole batch of requests already landed and waiting for a place.
-        cap = self.batch_cap
-        waiting = max(0, self.loop.num_running - cap)
+        cap, waiting = self.batch_cap, self.num_waiting
         if waiting >= cap:
             raise Busy(
                 f"decode worker {self.config.id} has a full batch waiting ({waiting} requests waiting for a place in "

@@ -40,7 +40,7 @@ class InFlightPrompt(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks", "received_requests", "step_batch", "step_context_tokens", "queued_tokens", "running_blocks", "landing_held_blocks", "prompts")
+    __slots__ = ("queued_requests", "queued_s", "running_requests", "context_tokens", "free_kv_blocks", "step_s", "batch_cap", "landing_blocks", "received_requests", "step_batch", "step_context_tokens", "queued_tokens", "running_blocks", "landing_held_blocks", "prompts", "waiting_requests", "waiting_s")
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class Load(_message.Message):
     RUNNING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LANDING_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
     queued_requests: int
     queued_s: float
     running_requests: int
@@ -71,7 +73,9 @@ class Load(_message.Message):
     running_blocks: int
     landing_held_blocks: int
     prompts: _containers.RepeatedCompositeFieldContainer[InFlightPrompt]
-    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., running_blocks: _Optional[int] = ..., landing_held_blocks: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[InFlightPrompt, _Mapping]]] = ...) -> None: ...
+    waiting_requests: int
+    waiting_s: float
+    def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., running_blocks: _Optional[int] = ..., landing_held_blocks: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[InFlightPrompt, _Mapping]]] = ..., waiting_requests: _Optional[int] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport", "step_tokens", "block_bytes", "kv_blocks", "kv_shared")

@@ -225,6 +225,21 @@ def test_early_predictive_admits_to_a_full_decode_instance_that_will_have_room()
     assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TBT_SLO
 
 
+def test_early_predictive_counts_a_decode_instance_full_while_it_measures_requests_waiting_past_the_tbt_slo():
+    """The forecast says d0's 4 (its batch cap) will have finished when b's prefill ends; d0's heartbeat says 3 more
+    wait for a place there now, more than half a batch, the longest for 0.2 s, past the 0.1 s TBT SLO (the forecast
+    was wrong: the closed loop believes the measurement). With 2 waiting (half a batch), or 3 that have waited less
+    than the SLO (a short wait misses nothing; a refusal would), the forecast rules again."""
+    c = full_decode("early_predictive", t_d=0.5)
+    c.heartbeat("d0", Load(running_requests=4, context_tokens=400, waiting_requests=3, waiting_s=0.2), 0.5)
+    outcome = c.schedule(request("b", prompt=1000), 0.5)
+    assert isinstance(outcome, Rejection) and outcome.reason in (RejectReason.TBT_SLO, RejectReason.OVERLOAD)
+    c.heartbeat("d0", Load(running_requests=4, context_tokens=400, waiting_requests=3, waiting_s=0.05), 0.6)
+    assert isinstance(c.schedule(request("c", prompt=1000), 0.6), Decision)
+    c.heartbeat("d0", Load(running_requests=4, context_tokens=400, waiting_requests=2, waiting_s=0.2), 0.7)
+    assert isinstance(c.schedule(request("d", prompt=1000), 0.7), Decision)
+
+
 def test_early_predictive_rejects_a_decode_instance_that_will_still_be_full():
     c = full_decode("early_predictive", t_d=60.0)
     outcome = c.schedule(request("b", prompt=1000), 0.5)

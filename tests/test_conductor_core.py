@@ -26,7 +26,7 @@ from conductor_helpers import (
 )
 
 from conductor.admission import decode_load, reported_batch, select_decode
-from conductor.forecast import DecodeForecast
+from conductor.forecast import UNSTARTED_KEEP_S, DecodeForecast
 from conductor.policies import PolicyConfig, make_policy
 from conductor.predictors import DecodePredictor, PredictorConfig, PrefillPredictor, TransferPredictor
 from conductor.types import Decision, Instance, Load, Role
@@ -436,7 +436,12 @@ def test_the_forecast_counts_each_decode_instances_requests_in_prefill_and_decod
         "c2", "d0", 1.1, 100, 1.0, landing_blocks=6
     )  # placed again: its old blocks are not counted twice
     assert forecast.occupancy("d0") == (2, 1, 6)
-    forecast.expire(100.0)  # long past any decode: a lost report does not hold a place forever
+    forecast.expire(100.0)  # long past any decode: the decoding one's report was lost
+    # the two not decoding yet may wait in prefill or for a place that long: they stay, blocks and all
+    assert forecast.occupancy("d0") == (2, 0, 6) and len(forecast) == 2
+    forecast.expire(
+        1.1 + UNSTARTED_KEEP_S + 4.5
+    )  # and go once past that too: a lost report does not hold a place forever
     assert forecast.occupancy("d0") == (0, 0, 0) and len(forecast) == 0
 
 

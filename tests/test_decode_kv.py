@@ -13,7 +13,7 @@ import math
 import pytest
 from conductor_helpers import cluster, conductor, decode, prefill, request
 
-from conductor.forecast import DecodeForecast
+from conductor.forecast import UNSTARTED_KEEP_S, DecodeForecast
 from conductor.overload import MAX_WAIT_S
 from conductor.planner.planner import Planner, PlannerConfig, Snapshot
 from conductor.planner.sizing import DecodeLoad, StepModel, size_decode
@@ -78,22 +78,23 @@ def test_landing_slots_are_free_again_once_a_request_decodes():
 
 
 def test_a_prompt_whose_prefill_runs_far_later_than_predicted_keeps_its_landing_counted():
-    """A prefill queue behind its predictions: the decode forecast drops a flight long past its predicted start (4
-    mean decodes: 40 s before any is measured), but the worker holds its blocks until the request finishes, so they
-    stay counted until then (or, its report lost, twice that longest decode and a TTFT SLO, here 2 s, later)."""
+    """A prefill queue behind its predictions: a flight long past its predicted start (4 mean decodes: 40 s before
+    any is measured) stays in the decode forecast, its blocks counted, while it has not started decoding: it waits in
+    its prefill or for a place, and its worker says when it starts or ends. Only ``UNSTARTED_KEEP_S`` past its start
+    is it taken for a lost report and forgotten."""
     forecast = DecodeForecast()
     for rid in ("a", "b", "c"):
         forecast.scheduled(rid, "d0", 1.0, 160, 0.0, landing_blocks=10)
-    forecast.expire(41.5, pending_s=2.0)  # past 1 + 40 s: out of the forecast's batches, not out of the KV count
-    assert len(forecast) == 0 and forecast.occupancy("d0") == (0, 0, 0)
+    forecast.expire(41.5, pending_s=2.0)  # past 1 + 40 s: still in the forecast's batches and in the KV count
+    assert len(forecast) == 3 and forecast.occupancy("d0") == (3, 0, 30)
     assert forecast.blocks_held("d0") == (30, 0)
     forecast.decode_started("a", 42.0)  # it landed: its blocks hold its running request, and one more its output
     forecast.finished("b", 42.0)
     assert forecast.blocks_held("d0") == (10, 11)
     forecast.finished("a", 43.0)
     assert forecast.blocks_held("d0") == (10, 0)
-    forecast.expire(83.5, pending_s=2.0)  # "c", twice the longest decode and a TTFT SLO late, is forgotten (a report
-    assert forecast.blocks_held("d0") == (0, 0)  # lost)
+    forecast.expire(1.0 + UNSTARTED_KEEP_S + 41.0, pending_s=2.0)  # "c", that late, is forgotten (a report lost)
+    assert len(forecast) == 0 and forecast.blocks_held("d0") == (0, 0)
 
 
 def test_a_batch_the_worker_counts_larger_than_the_conductor_does_is_believed():

@@ -246,13 +246,22 @@ def test_prediction_rejects_fewer_than_current_load_and_survival_fewer_still(dec
     rej = {a: s["rejected"] for a, s in decode_bound.items()}
     ok = {a: s["slo_ok"] for a, s in decode_bound.items()}
     assert rej["early_predictive"] < rej["early"]  # the paper's point: current load turns away what would fit by then
-    assert rej["survival"] < rej["early_predictive"]
-    assert ok["survival"] >= max(ok["early"], ok["early_predictive"])  # and serves at least as many within both SLOs
-    # Fewer than the baseline too, the paper says; here only with the twin's old reports (297 against 300), fresher
-    # than the workers': reporting as they do (a decode heartbeat's mean step since the last one, the Conductor
-    # pricing prefill queues), survival turns away 308 and the baseline 296, which serves the most within both SLOs
-    # (1,190 against survival's 1,163). Admission under load is issue 63's; this keeps survival near the baseline.
-    assert rej["survival"] <= 1.05 * rej["baseline"]
+    assert rej["survival"] < rej["early_predictive"] and rej["survival"] < rej["baseline"]
+    assert ok["survival"] >= max(ok["early"], ok["early_predictive"], ok["baseline"])  # and serves the most in SLOs
+
+
+def test_the_closed_loop_keeps_what_it_admits_within_the_slos_where_the_forecast_is_wrong(requests):
+    """The slow decode profile at twice the trace's speed and a 40 ms TBT SLO: requests that waited minutes for a place
+    once fell out of the decode forecast, and the forecast alone admitted into the backlog (4% of those served met
+    both SLOs). Kept until their worker reports them (the forecast) and counted full while more than half a batch
+    waits there (the decode heartbeat's measured backlog, conductor/judge.py), 95% and more do, and more requests are
+    served within both SLOs than the baseline's check at the decode side serves."""
+    trace = load_trace(TRACE, 2.0, 3000)
+    kw = dict(prefill=8, decode=8, tbt_slo_s=0.04, model=model_config("slow", noise=0.05))
+    closed = run(trace, admission=AdmissionKind.EARLY_PREDICTIVE, **kw)
+    baseline = run(trace, admission=AdmissionKind.BASELINE, **kw)
+    assert closed["slo_attainment_served"] >= 0.9
+    assert closed["slo_ok"] > baseline["slo_ok"]
 
 
 def test_a_decode_instance_keeps_its_step_under_the_tbt_cap_and_makes_the_rest_wait(requests):

@@ -6,6 +6,7 @@ The twin (conductor.planner.twin) moves these; the planner (conductor.planner.pl
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -251,6 +252,11 @@ class DecodeInstance:
             return 0
         return min(self.run_steps, int(np.searchsorted(self.run_ends, now - self.run_start, side="right")))
 
+    def waiting_s(self, now: float) -> float:
+        """How long the longest waiting request has waited for a place in the batch (0: none waits): first come first
+        served, so the head of the queue, or the one behind a prompt computed here (it goes first)."""
+        return max((now - rec.prefill_end for rec in itertools.islice(self.waiting, 2)), default=0.0)
+
     def load(self, now: float) -> Load:
         """The heartbeat: batch and context now, and the mean decode step since the last one (``step_report``)."""
         done = self.progress(now)
@@ -258,6 +264,8 @@ class DecodeInstance:
             Load(
                 queued_requests=len(self.waiting),
                 running_requests=self.batch,
+                waiting_requests=len(self.waiting),
+                waiting_s=self.waiting_s(now),
                 context_tokens=self.context + done * self.batch,
                 free_kv_blocks=(self.kv_tokens - self.kv_used) // 512,
             ),

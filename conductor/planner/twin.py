@@ -506,7 +506,11 @@ class Cluster(Elastic):
         # the decode predictor's sample: the mean decode step since the last heartbeat, as a decode worker reports it
         load = step_load(
             Load(
-                queued_requests=len(d.waiting), running_requests=d.batch, context_tokens=d.context + (n - 1) * d.batch
+                queued_requests=len(d.waiting),
+                running_requests=d.batch,
+                context_tokens=d.context + (n - 1) * d.batch,
+                waiting_requests=len(d.waiting),
+                waiting_s=d.waiting_s(now),
             ),
             d.step_report(d.steps + n),
         )

@@ -10,6 +10,8 @@
     decode worker
       each heartbeat: mean_step() of its engine     ---> one sample of its step model
         steps since the last one
+      each heartbeat: requests waiting for a place  ---> early_predictive counts it full while more
+        in its batch, the longest one's wait               than half a batch wait, past the TBT SLO
 
 Workers measure and report; only the Conductor fits predictors (conductor.predictors), so a
 worker's report never carries a fit of its own. The twin (conductor.planner.twin) plays the

@@ -97,7 +97,7 @@ class Conductor:
         self.forecast = DecodeForecast(self.config.default_decode_s, kind=self.config.decode_forecast)
         self.registry = Registry(self.config)
         self.learning = Learning(self.config)
-        self.judge = Judge(self.config, self.learning.predictors, self.forecast)
+        self.judge = Judge(self.config, self.learning.predictors, self.forecast, self.learning.calibration)
         self.overload = Overload(self.config, self.judge, self.learning.predictors, self.forecast)
         self.policy = make_policy(self.config.policy, self.config.policy_config)
         self.counters = Counters()

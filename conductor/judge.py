@@ -1,6 +1,6 @@
 """The Conductor's judge: a placement against its SLOs, as the admission in force sees the decode side.
 
-    judge = Judge(config, predictors, forecast)
+    judge = Judge(config, predictors, forecast, calibration)
     takers = judge.takers(decodes, blocks)               # the decode workers that would take the prompt's KV now
     decode, tbt, batch_of = judge.pick_decode(req, takers, t, now, len(decodes), slo)
     verdict = judge.admit(req, choice, decode, tbt, decodes, batch_of, slo)  # None: serve it
@@ -21,6 +21,7 @@ from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, rep
 from conductor.config import ConductorConfig
 from conductor.forecast import DecodeForecast
 from conductor.index import PrefixMatch
+from conductor.learning import Calibration
 from conductor.local import LocalChoice, LocalPrefill, can_prefill, estimate_local, step_at_cap
 from conductor.policies import PrefillChoice
 from conductor.predictors import Predictors
@@ -46,10 +47,17 @@ def clamp_retry(seconds: float) -> float:
 class Judge:
     """Whether a placement meets its SLOs, and what the decode side looks like to the admission in force."""
 
-    def __init__(self, config: ConductorConfig, predictors: Predictors, forecast: DecodeForecast) -> None:
+    def __init__(
+        self,
+        config: ConductorConfig,
+        predictors: Predictors,
+        forecast: DecodeForecast,
+        calibration: Calibration | None = None,
+    ) -> None:
         self.config = config
         self.predictors = predictors  # read only: conductor.learning trains them
         self.forecast = forecast  # read only: the Conductor keeps it
+        self.calibration = calibration  # read only: conductor.learning moves its margin (None: 1)
         self.kind = AdmissionKind(config.admission)
         self.local_prefill = LocalPrefill(config.local_prefill)
 
@@ -257,14 +265,18 @@ class Judge:
         ``tbt`` is the predicted TBT on ``decode`` with ``req`` in the batch ``batch_of``
         gives. Plain early judges decode by the current (reported) batches alone, as the
         paper's early rejection does; early_predictive by the batches forecast for when
-        this prefill ends.
+        this prefill ends. Every early kind takes the predicted TTFT at the calibration's
+        margin (``conductor.learning.Calibration``: what predictions near the SLO came out at);
+        the baseline, the paper's, at its value.
         """
         kind = self.kind
         if kind is AdmissionKind.NONE:
             return None
+        margin = 1.0 if kind is AdmissionKind.BASELINE or self.calibration is None else self.calibration.margin
+        at_margin = f" ({margin:.2f}x: what predictions near the SLO came out at)" if margin > 1.0 else ""
         ttft_over = (
             RejectReason.TTFT_SLO,
-            f"predicted TTFT {choice.ttft_s:.2f} s is over the {slo.ttft_s} s SLO",
+            f"predicted TTFT {choice.ttft_s:.2f} s{at_margin} is over the {slo.ttft_s} s SLO",
             clamp_retry(choice.queue_s),
         )
         if kind is AdmissionKind.BASELINE:
@@ -278,7 +290,7 @@ class Judge:
                 req.prompt_tokens + req.expected_output_tokens // 2,
                 self.predictors.decode,
             )
-        prefill_load = choice.ttft_s / slo.ttft_s
+        prefill_load = choice.ttft_s * margin / slo.ttft_s
         load = decode_load(decodes, self.predictors.decode, batch_of, limit)
         if prefill_load > 1.0 and prefill_load >= load:
             return ttft_over

@@ -24,6 +24,12 @@ class Metrics:
             ["part"],
             registry=r,
         )
+        self.ttft_margin = Gauge(
+            "mooncake_conductor_ttft_margin",
+            "The factor admission takes a predicted TTFT at against the SLO: the 80th percentile of measured over "
+            "predicted TTFT of the last 200 predictions near the SLO (conductor.learning.Calibration; 1 before 20)",
+            registry=r,
+        )
         self.decisions = Counter("mooncake_conductor_decisions", "Schedule outcomes", ["policy", "outcome"], registry=r)
         self.decision_seconds = Histogram(
             "mooncake_conductor_decision_seconds",

@@ -350,6 +350,7 @@ class ConductorService:
                     self.metrics.score(predicted, Measured(*parts))
             for part in PARTS:
                 self.metrics.quote_held.labels(part).set(self.conductor.quotes.held(part)[0])
+            self.metrics.ttft_margin.set(self.conductor.learning.calibration.margin)
             waiting = self.conductor.waiting.by_priority()
             self._priorities.update(waiting)
             for priority in self._priorities:

@@ -181,7 +181,7 @@ class Conductor:
         inst = self.registry.heartbeat(instance_id, load, now, self.learning.price_queue)
         if inst.role is not Role.DECODE:
             return 0
-        self.learning.step_sample(load)
+        self.learning.step_sample(inst, load)
         cap = self.learning.decode_cap(inst)
         if cap:
             load.batch_cap = cap

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode
+from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode, step_of
 from conductor.config import ConductorConfig
 from conductor.forecast import DecodeForecast
 from conductor.index import PrefixMatch
@@ -217,16 +217,19 @@ class Judge:
 
         ``auto``: when its batch's step is at most ``local_max_load`` of the TBT limit, the prompt is predicted sooner
         there than the prefill worker's TTFT (with the hand-off), and the steps its chunks ride on stay within the TBT
-        SLO with the batch grown to its cap. ``schedule`` falls back to the prefill worker when admission refuses it."""
+        SLO with the batch grown to its cap; and while the steps it measured since its last heartbeat (``Load.step_s``,
+        the chunks of the prompts it computed riding on them) kept within the TBT limit: a prompt computed there slows
+        its running batch, and a worker whose measured steps are over the limit gets none until they are back under.
+        ``schedule`` falls back to the prefill worker when admission refuses it."""
         if self.local_prefill is LocalPrefill.NEVER or not can_prefill(decode):
             return None
         batch = self.batch_at(now, now, num_decodes, slo)(decode)
         limit = slo.tbt_s * self.config.tbt_headroom
-        if (
-            self.local_prefill is LocalPrefill.AUTO
-            and self.predictors.decode.predict(*batch) > limit * self.config.local_max_load
+        if self.local_prefill is LocalPrefill.AUTO and (
+            step_of(decode, self.predictors.decode, *batch) > limit * self.config.local_max_load
+            or decode.load.step_s > limit
         ):
-            return None  # a busy decode worker has no time to spare for prompts (conductor.local)
+            return None  # a busy decode worker, as predicted or measured, has no time to spare for prompts
         chunk = decode.step_tokens or self.config.local_chunk_tokens  # what its engine takes a step, as it registered
         grown = step_at_cap(decode, batch, req, self.predictors, limit)
         local = estimate_local(req, decode, batch, match, self.predictors, chunk, grown, slo.tbt_s)
@@ -297,7 +300,7 @@ class Judge:
         retry_decode = clamp_retry(self.forecast.t_d / 2)
         if load > 1.0:
             batches = ", ".join(
-                f"{i.id}: {n:.1f} requests, {self.predictors.decode.predict(n, tokens):.3f} s a step"
+                f"{i.id}: {n:.1f} requests, {step_of(i, self.predictors.decode, n, tokens):.3f} s a step"
                 for i in decodes[:4]
                 for n, tokens in [batch_of(i)]
             ) + (", ..." if len(decodes) > 4 else "")

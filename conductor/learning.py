@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from conductor.admission import step_scale
 from conductor.config import ConductorConfig
 from conductor.predictors import Predictors
 from conductor.types import Instance, Load, Measured, Placed
@@ -30,6 +31,12 @@ HANDOFF_ALPHA = 0.1  # how far one measured hand-off moves the learnt one
 SLOWDOWN_ALPHA = 0.1  # how far one measured TTFT (of a second's prediction or more) moves its instance's slowdown
 SLOWDOWN_STEP = (0.5, 2.0)  # the most one measurement can say: a stalled or an instant request is mostly noise
 SLOWDOWN_RANGE = (0.5, 8.0)
+# a decode instance's step ratio (Instance.step_ratio): how far one heartbeat's measured mean step over the step model's
+# prediction moves it, the most one may say, and its range. The step model is one fit of every decode worker's
+# steps; the ratio is what sets one worker apart (another kind of GPU, a noisy neighbour, the prompts it computes)
+STEP_RATIO_ALPHA = 0.2
+STEP_RATIO_STEP = (0.5, 2.0)
+STEP_RATIO_RANGE = (0.25, 8.0)
 MAX_PENDING_TTFTS = 100_000  # predictions awaiting their measured TTFT (a worker that never reports cannot grow it)
 # Admission's TTFT margin (Calibration): measured / predicted TTFT of the last MARGIN_WINDOW predictions near the SLO
 # (of at least MARGIN_NEAR_SLO of the tightest TTFT SLO: a short one's fixed hops are most of it, and it is far from
@@ -103,9 +110,10 @@ class Learning:
         """A pool node registered its block size: the pool's own figure, not a configured guess, prices transfers."""
         self.predictors.block_bytes = block_bytes
 
-    def step_sample(self, load: Load) -> None:
+    def step_sample(self, inst: Instance, load: Load) -> None:
         """A decode worker's heartbeat: its mean step as a sample of the step model (the steps' own batch where
-        reported: the running one may differ)."""
+        reported: the running one may differ), and against the model's prediction for that batch, a move of the
+        instance's ``step_ratio`` (its predicted steps are scaled by it past a dead band: ``admission.step_scale``)."""
         if load.step_s <= 0:
             return
         batch, context = (
@@ -113,16 +121,23 @@ class Learning:
             if load.step_batch > 0
             else (load.running_requests, load.context_tokens)
         )
-        if batch > 0:
-            self.predictors.decode.observe(batch, context, load.step_s)
+        if batch <= 0:
+            return
+        model = self.predictors.decode
+        predicted = model.predict(batch, context) if model.fitted else 0.0
+        if predicted > 0:
+            implied = min(max(load.step_s / predicted, STEP_RATIO_STEP[0]), STEP_RATIO_STEP[1])
+            ratio = (1.0 - STEP_RATIO_ALPHA) * inst.step_ratio + STEP_RATIO_ALPHA * implied
+            inst.step_ratio = min(max(ratio, STEP_RATIO_RANGE[0]), STEP_RATIO_RANGE[1])
+        model.observe(batch, context, load.step_s)
 
     def decode_cap(self, inst: Instance) -> int:
-        """The most running requests ``inst`` may hold with its predicted step within ``tbt_headroom`` of the
-        strictest TBT SLO, at its batch's mean context per request (its registered capacity at most; 0: the step model
-        has no samples yet)."""
+        """The most running requests ``inst`` may hold with its predicted step (the step model's at its
+        ``step_scale``) within ``tbt_headroom`` of the strictest TBT SLO, at its batch's mean context per request (its
+        registered capacity at most; 0: the step model has no samples yet)."""
         if not self.predictors.decode.fitted or not self.config.slo_classes:
             return 0
-        limit = min(s.tbt_s for s in self.config.slo_classes.values()) * self.config.tbt_headroom
+        limit = min(s.tbt_s for s in self.config.slo_classes.values()) * self.config.tbt_headroom / step_scale(inst)
         load = inst.load
         running = load.running_requests or load.step_batch
         per_request = (load.context_tokens or load.step_context_tokens) / running if running else 0.0

@@ -40,7 +40,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from conductor.admission import Batch
+from conductor.admission import Batch, step_of
 from conductor.index import PrefixMatch
 from conductor.predictors import Predictors
 from conductor.types import Instance, PrefixPlan, ScheduleRequest
@@ -93,7 +93,7 @@ def estimate_local(
     cached = min(blocks * req.block_tokens, req.prompt_tokens - 1)  # the last prompt token is always computed
     new = req.prompt_tokens - cached
     n, context = batch
-    step_s = predictors.decode.predict(n, context)  # 0 for an empty batch
+    step_s = step_of(decode, predictors.decode, n, context)  # 0 for an empty batch
     grown_s = max(step_s, grown_step_s)
     prefill = predictors.prefill
     fixed_s = float(prefill.coef[0])  # a prefill's own launches: a chunk rides on a step that pays them already
@@ -123,4 +123,4 @@ def step_at_cap(decode: Instance, batch: Batch, req: ScheduleRequest, predictors
         return limit_s
     n, context = batch
     per_request = context / n if n >= 1 else req.prompt_tokens + req.expected_output_tokens // 2
-    return min(limit_s, predictors.decode.predict(cap, cap * per_request))
+    return min(limit_s, step_of(decode, predictors.decode, cap, cap * per_request))

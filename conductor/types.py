@@ -103,6 +103,7 @@ class Instance:
     slowdown: float = (
         1.0  # prefill: measured TTFT over predicted, learnt (Conductor.decode_started); scales its predictions
     )
+    step_ratio: float = 1.0  # decode: its measured mean step over the step model's, learnt (Learning.step_sample)
     placed: deque = field(
         default_factory=deque
     )  # prefill: (request id, predicted seconds, tokens) of its latest placements

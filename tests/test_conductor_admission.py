@@ -240,6 +240,26 @@ def test_a_ttft_prediction_is_taken_at_what_predictions_near_the_slo_came_out_at
     assert isinstance(c.schedule(request("baseline", blocks=60), 1000.0), Decision)
 
 
+def test_a_decode_worker_whose_steps_run_slower_than_the_step_model_says_is_predicted_slower_and_capped_lower():
+    """Two decode workers, the same batches: d1 measures every step at twice d0's (another kind of GPU, a noisy
+    neighbour). The step model, one fit of both, sits between them; each instance's measured ratio to it
+    (``Instance.step_ratio``) sets them apart: a request goes to d0, predicted at d0's own steps, and d1's batch cap
+    is lower than d0's."""
+    c = conductor("early", tbt_s=0.1)
+    cluster(c, decodes=2)
+    for n in range(60):
+        now = 0.1 * n
+        c.heartbeat("d0", Load(running_requests=2, context_tokens=200, step_s=0.03, step_batch=2), now)
+        c.heartbeat("d1", Load(running_requests=2, context_tokens=200, step_s=0.06, step_batch=2), now)
+    d0, d1 = c.instances["d0"], c.instances["d1"]
+    assert d1.step_ratio / d0.step_ratio == pytest.approx(2.0, rel=0.05)
+    model = c.learning.predictors.decode
+    assert model.predict(2, 200) * d0.step_ratio == pytest.approx(0.03, rel=0.05)  # d0's own steps
+    d = c.schedule(request("r"), 6.0)
+    assert isinstance(d, Decision) and d.decode == "d0"
+    assert c.decode_cap(d1) < c.decode_cap(d0)
+
+
 def test_early_predictive_admits_to_a_full_decode_instance_that_will_have_room():
     c = full_decode("early_predictive", t_d=0.5)  # its 4 finish at t=1.0; b's prefill ends at 1.5
     assert isinstance(c.schedule(request("b", prompt=1000), 0.5), Decision)

@@ -62,6 +62,20 @@ def test_a_decode_batch_near_its_tbt_limit_sends_the_prompt_to_a_prefill_worker(
     assert d.predicted.ttft_s == pytest.approx(0.71)
 
 
+def test_a_decode_worker_whose_measured_steps_are_over_the_tbt_limit_computes_no_prompt_until_they_are_back():
+    """The step model says the batch of 2 steps in 0.03 s; the worker measured 0.12 s a step since its last heartbeat
+    (the chunks of a prompt it computed rode on them, or its cores are shared): over the 0.1 s limit, so auto sends
+    the chat turn to the prefill worker. Once it measures 0.04 s again, the turn is computed there."""
+    c = local_conductor(prefix_blocks=40)
+    c.heartbeat("d0", Load(running_requests=2, batch_cap=4, step_s=0.12, step_batch=2), 0.0)
+    d = c.schedule(request("slow-steps", blocks=41, prompt=660), 0.0)
+    assert isinstance(d, Decision) and not d.local and d.prefill == "p0"
+    c.heartbeat("p0", Load(queued_s=0.5), 0.1)
+    c.heartbeat("d0", Load(running_requests=2, batch_cap=4, step_s=0.04, step_batch=2), 0.1)
+    d = c.schedule(request("back", blocks=41, prompt=660), 0.1)
+    assert isinstance(d, Decision) and d.local and d.decode == "d0"
+
+
 def test_a_batch_that_may_grow_to_its_tbt_limit_leaves_no_room_for_a_prompts_chunks():
     c = local_conductor(prefix_blocks=40, cap=9)
     d = c.schedule(request("chat-turn", blocks=41, prompt=660), 0.0)

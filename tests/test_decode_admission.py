@@ -36,9 +36,9 @@ def test_requests_in_prefill_take_no_place_in_the_batch_but_a_whole_batch_waitin
     worker = decode_worker(tiny_dir, shm_dir, max_num_seqs=1)
     try:
         assert worker.batch_cap == 1
-        worker.in_prefill.count = 5  # five requests between admission and their first token (each holds landing room)
+        worker.counts.in_prefill = 5  # five requests between admission and their first token (each holds landing room)
         worker._admit()  # taken: none of them is in the batch yet
-        worker.in_prefill.count = 0
+        worker.counts.in_prefill = 0
         outputs = []
         params = SamplingParams(max_tokens=230, temperature=0.0, ignore_eos=True)
         for n in range(2):  # two land: one runs, one waits for its place (a whole batch of one)

@@ -57,9 +57,15 @@ class Overload:
         self._shed: tuple[float, float] = (-float("inf"), 0.0)  # (when, verdict) of the last shed_s
 
     def slo_of(self, req: ScheduleRequest, slo: Slo, now: float) -> Slo:
-        """``slo`` (its class's) as ``req`` is judged by it now: less the time it has waited at its gateway
-        (early_wait), and a sheddable one's (priority below 0) cut to ``SHEDDABLE_LOAD`` of it while a higher priority
-        wants more, so that it is refused before those are (conductor.waiting)."""
+        """``slo`` (its class's) as ``req`` is judged by it now: its own targets where tighter (a request may ask for
+        less time, never more), less the time it has waited at its gateway (early_wait), and a sheddable one's
+        (priority below 0) cut to ``SHEDDABLE_LOAD`` of it while a higher priority wants more, so that it is refused
+        before those are (conductor.waiting)."""
+        if req.ttft_slo_s or req.tbt_slo_s:
+            slo = Slo(
+                min(slo.ttft_s, req.ttft_slo_s or slo.ttft_s),
+                min(slo.tbt_s, req.tbt_slo_s or slo.tbt_s),
+            )
         scale = SHEDDABLE_LOAD if req.priority < 0 and self.shares.outranked(req.priority, now) else 1.0
         return Slo(slo.ttft_s * scale - req.waited_s, slo.tbt_s * scale)
 

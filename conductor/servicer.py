@@ -170,6 +170,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             waited_s=request.waited_s,
             retry=request.retry,
             follows=request.follows,
+            ttft_slo_s=request.ttft_slo_s,
+            tbt_slo_s=request.tbt_slo_s,
         )
         outcome, info = self.service.schedule(req)
         p = outcome.predicted

@@ -232,6 +232,8 @@ class ScheduleRequest:
     waited_s: float = 0.0  # early_wait: how long its gateway has held it already (part of its TTFT)
     retry: bool = False  # admitted before and outlived a failure: its prefill goes ahead of the queue (Decision.ahead)
     follows: str = ""  # a request of the same prompt placed before it (Conductor.follow): its blocks are on their way
+    ttft_slo_s: float = 0.0  # its own TTFT target (0: its class's); a target looser than the class's is the class's
+    tbt_slo_s: float = 0.0  # and TBT target
 
     def validate(self) -> None:
         if not self.request_id:
@@ -246,6 +248,8 @@ class ScheduleRequest:
                 f"{self.prompt_tokens // self.block_tokens} full {self.block_tokens}-token blocks "
                 "(mooncake.blocks.block_keys)"
             )
+        if self.ttft_slo_s < 0 or self.tbt_slo_s < 0:
+            raise ValueError(f"SLO targets must be >= 0 (0: the class's), got {self.ttft_slo_s} and {self.tbt_slo_s}")
         if self.waited_s < 0 or self.tenant_weight <= 0:
             raise ValueError(
                 f"waited_s must be >= 0 and tenant_weight > 0, got {self.waited_s} and {self.tenant_weight}"

@@ -200,7 +200,7 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed", "probe", "priority", "tenant", "waited_s", "tenant_weight", "retry", "follows")
+    __slots__ = ("request_id", "keys", "prompt_tokens", "block_tokens", "expected_output_tokens", "slo_class", "key_chain", "failed", "probe", "priority", "tenant", "waited_s", "tenant_weight", "retry", "follows", "ttft_slo_s", "tbt_slo_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,8 @@ class ScheduleRequest(_message.Message):
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompt_tokens: int
@@ -231,7 +233,9 @@ class ScheduleRequest(_message.Message):
     tenant_weight: float
     retry: bool
     follows: str
-    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., waited_s: _Optional[float] = ..., tenant_weight: _Optional[float] = ..., retry: _Optional[bool] = ..., follows: _Optional[str] = ...) -> None: ...
+    ttft_slo_s: float
+    tbt_slo_s: float
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., slo_class: _Optional[str] = ..., key_chain: _Optional[bytes] = ..., failed: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., waited_s: _Optional[float] = ..., tenant_weight: _Optional[float] = ..., retry: _Optional[bool] = ..., follows: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., tbt_slo_s: _Optional[float] = ...) -> None: ...
 
 class PrefixPlan(_message.Message):
     __slots__ = ("local_blocks", "fetch_node", "fetch_address", "fetch_blocks", "compute_tokens", "keep_fetched")

@@ -260,6 +260,25 @@ def test_a_decode_worker_whose_steps_run_slower_than_the_step_model_says_is_pred
     assert c.decode_cap(d1) < c.decode_cap(d0)
 
 
+def test_a_requests_own_slo_targets_are_honoured_where_tighter_than_its_classs():
+    """The class's SLO is TTFT 2 s, TBT 100 ms; a prompt is predicted at 0.96 s and 20 ms. Asking for a 0.5 s TTFT it is
+    refused at the TTFT SLO; asking for 15 ms between tokens, at the TBT SLO; asking for 60 s (looser than its class's:
+    a request may ask for less time, never more) it is judged by its class's 2 s, and a queue of 1.5 s more refuses
+    it."""
+    c = conductor("early_predictive")
+    cluster(c)
+    plain = c.schedule(request("plain", blocks=60), 0.0)
+    assert isinstance(plain, Decision) and plain.predicted.ttft_s == pytest.approx(0.96)
+    c.heartbeat("p0", Load(), 0.1)
+    tight = c.schedule(dataclasses.replace(request("tight", blocks=60), ttft_slo_s=0.5), 0.1)
+    assert isinstance(tight, Rejection) and tight.reason is RejectReason.TTFT_SLO and "0.5 s SLO" in tight.message
+    smooth = c.schedule(dataclasses.replace(request("smooth", blocks=60), tbt_slo_s=0.015), 0.1)
+    assert isinstance(smooth, Rejection) and smooth.reason in (RejectReason.TBT_SLO, RejectReason.OVERLOAD)
+    c.heartbeat("p0", Load(queued_s=1.5), 0.2)
+    loose = c.schedule(dataclasses.replace(request("loose", blocks=60), ttft_slo_s=60.0), 0.2)
+    assert isinstance(loose, Rejection) and loose.reason is RejectReason.TTFT_SLO and "2.0 s SLO" in loose.message
+
+
 def test_early_predictive_admits_to_a_full_decode_instance_that_will_have_room():
     c = full_decode("early_predictive", t_d=0.5)  # its 4 finish at t=1.0; b's prefill ends at 1.5
     assert isinstance(c.schedule(request("b", prompt=1000), 0.5), Decision)

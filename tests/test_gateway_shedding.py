@@ -17,7 +17,7 @@ from mooncake.serving.types import GenerationRequest, Rejected
 from protos import conductor_pb2 as pb
 from protos import conductor_pb2_grpc as pb_grpc
 
-DEFAULT = ("default", 0, "")
+DEFAULT = ("default", 0, "", 0.0, 0.0)
 BUSY = Rejected("every decode worker is full", code="decode_busy", retry_after_s=2.0)
 
 
@@ -29,8 +29,9 @@ def test_a_refusal_of_300_tokens_refuses_longer_prompts_of_its_class_for_a_momen
     assert "refused at the gateway" in refused.message and "300 prompt tokens" in refused.message
     assert sizes.refuses(DEFAULT, 300, now=10.5) is not None
     assert sizes.refuses(DEFAULT, 299, now=10.5) is None
-    assert sizes.refuses(("default", 1, ""), 350, now=10.5) is None  # another priority asks for itself
-    assert sizes.refuses(("default", 0, "acme"), 350, now=10.5) is None  # so does another tenant
+    assert sizes.refuses(("default", 1, "", 0.0, 0.0), 350, now=10.5) is None  # another priority asks for itself
+    assert sizes.refuses(("default", 0, "acme", 0.0, 0.0), 350, now=10.5) is None  # so does another tenant
+    assert sizes.refuses(("default", 0, "", 60.0, 0.0), 350, now=10.5) is None  # and one with its own targets
     assert sizes.refuses(DEFAULT, 350, now=11.0) is None  # lapsed: the next one asks the Conductor
 
 

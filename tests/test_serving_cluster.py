@@ -265,6 +265,27 @@ def test_the_conductors_early_rejection_is_429_with_retry_after(tiny_dir, tmp_pa
         c.stop()
 
 
+def test_a_request_may_name_its_slo_class_and_ask_for_tighter_targets_over_http(cluster):
+    """The SLO extensions of a request body: its own TTFT target, tighter than the class's (300 s here), is what it is
+    admitted by (1 ms: no prefill meets it, 429 saying so); a looser one is the class's (it is served); an SLO class
+    the Conductor does not have, or a target of 0, is a 400 naming the problem."""
+    url, auth = f"{cluster.endpoint}/chat/completions", {"Authorization": f"Bearer {KEY}"}
+
+    def post(**extra) -> httpx.Response:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **extra}
+        return httpx.post(url, json=body, headers=auth, timeout=60)
+
+    r = post(ttft_slo_s=0.001)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error" and "0.001 s SLO" in r.json()["error"]["message"]
+    r = post(ttft_slo_s=3000.0, tbt_slo_s=50.0)  # looser than the class's: the class's
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    r = post(slo_class="no-such-class")
+    assert r.status_code == 400 and "no-such-class" in r.json()["error"]["message"]
+    r = post(tbt_slo_s=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tbt_slo_s"
+
+
 def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_batch(cluster, client):
     """The decode worker reports what it holds (its batch cap, its landing blocks), and the Conductor refuses what it
     would. A request the Conductor placed but the worker then refused (here: malformed) is reported finished: else the

@@ -54,6 +54,7 @@ FLAGS = {
     "tbt_slo_s": "--tbt-slo",
     "hold_s": "--hold",
     "vllm_args": "--vllm-arg",
+    "slo_classes": "--slo-class",
 }
 FROM_MODEL = ("model", "model_name")
 _PATH_CHECKS = {"tenants_file": {"exists": True, "dir_okay": False}}  # --tenants names a file that exists

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from conductor.admission import AdmissionKind
 from conductor.config import ConductorConfig
@@ -137,6 +137,11 @@ class ClusterConfig(BaseModel):
     tbt_slo_s: float = Field(
         DEFAULT_SLO.tbt_s, gt=0, description="TBT SLO in seconds (CPU decode steps are tens of ms)"
     )
+    slo_classes: list[str] = Field(
+        default_factory=list,
+        description="Another SLO class NAME=TTFT,TBT in seconds, repeatable (e.g. batch=120,0.5): a request names "
+        "its class in its body (slo_class; 'default' is --ttft-slo and --tbt-slo's)",
+    )
     gateway: bool = Field(True, description="Start the OpenAI gateway (off: the cluster without its front door)")
     restart: bool = Field(True, description="restart a component that dies")
     hold_s: float = Field(
@@ -187,6 +192,19 @@ class ClusterConfig(BaseModel):
         "(root or CAP_SYS_NICE; elsewhere at normal priority), so that decisions and refusals stay fast however busy "
         "the workers and a client on the same cores are",
     )
+
+    @field_validator("slo_classes")
+    @classmethod
+    def _slo_classes(cls, specs: list[str]) -> list[str]:
+        for spec in specs:
+            name, _, values = spec.partition("=")
+            try:
+                ttft, tbt = (float(v) for v in values.split(","))
+            except ValueError:
+                raise ValueError(f"{spec!r} is not NAME=TTFT,TBT (seconds), such as batch=120,0.5") from None
+            if not name or name == "default" or ttft <= 0 or tbt <= 0:
+                raise ValueError(f"{spec!r}: a name other than 'default' and two positive numbers of seconds")
+        return specs
 
     @model_validator(mode="after")
     def _one_way_in(self) -> "ClusterConfig":

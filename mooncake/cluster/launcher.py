@@ -149,6 +149,7 @@ class LocalCluster:
             block_bytes=self._block_bytes,  # as the chart gives it: the pool nodes' own, before any registers
             ttft_slo=c.ttft_slo_s,
             tbt_slo=c.tbt_slo_s,
+            slo_class=list(c.slo_classes),
             redis_url=c.redis_url,
             **(provider if self._control else {}),
             **(self._planner_flags() if c.planner != "off" else {}),

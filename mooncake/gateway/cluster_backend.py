@@ -150,6 +150,8 @@ class ClusterBackend(GenerationBackend):
             tenant_weight=request.tenant_weight,
             retry=progress is not None and progress.attempts > 0,  # placed before: it goes ahead of the queue now
             follows=request.follows or "",
+            ttft_slo_s=request.ttft_slo_s,
+            tbt_slo_s=request.tbt_slo_s,
         )
         started = time.monotonic()
         while True:
@@ -466,8 +468,9 @@ class ClusterBackend(GenerationBackend):
 
 
 def _admission_class(request: GenerationRequest) -> AdmissionClass:
-    """What the Conductor admits a request by besides its size (RefusedSizes keeps refusals apart by it)."""
-    return request.slo_class, request.priority, request.tenant
+    """What the Conductor admits a request by besides its size (RefusedSizes keeps refusals apart by it): a request
+    asking for its own SLO targets is not refused for another's."""
+    return request.slo_class, request.priority, request.tenant, request.ttft_slo_s, request.tbt_slo_s
 
 
 class _Fault(Exception):

@@ -11,7 +11,9 @@ silence. Of the known fields, each is one of:
 - ``UNSUPPORTED``: declared so that serving.py refuses it (400, ``unsupported_parameter``)
   when set to anything but its no-op value, instead of silently generating something else.
 
-Our own extensions: ``ignore_eos``, ``cache_salt``, ``priority`` (as vLLM names them).
+Our own extensions: ``ignore_eos``, ``cache_salt``, ``priority`` (as vLLM names them), and the request's SLO:
+``slo_class`` (one of the Conductor's ``--slo-class``), ``ttft_slo_s`` and ``tbt_slo_s`` (its own targets, no
+looser than its class's).
 Messages, tools and the other nested objects still accept fields they do not know.
 
 Responses are built here and dumped with ``model_dump()``; their shapes follow OpenAI's
@@ -174,6 +176,24 @@ class _SamplingFields(_Request):
         le=100,
         description="Extension: under load higher goes first and below 0 is refused first (sheddable); default: the "
         "tenant's, which is also the most it may ask for",
+    )
+    slo_class: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="Extension: the SLO class it is admitted by (the Conductor's --slo-class NAME=TTFT,TBT; unknown: "
+        "400); default: 'default'",
+    )
+    ttft_slo_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="Extension: its own time-to-first-token target in seconds: admitted only when predicted to meet "
+        "it (429 otherwise). A target looser than its class's is its class's: a request may ask for less time, never "
+        "more",
+    )
+    tbt_slo_s: float | None = Field(
+        None, gt=0, le=60, description="Extension: its own time-between-tokens target in seconds, as ttft_slo_s"
     )
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)

@@ -443,9 +443,12 @@ class OpenAIServing:
                 prompt_token_ids=prompt,
                 sampling=sampling[j],
                 cache_salt=salt,
+                slo_class=req.slo_class or "default",
                 priority=priority,
                 tenant=tenant,
                 tenant_weight=weight,
+                ttft_slo_s=req.ttft_slo_s or 0.0,
+                tbt_slo_s=req.tbt_slo_s or 0.0,
             )
             for p, prompt in enumerate(prompts)
             for j in range(per_prompt)

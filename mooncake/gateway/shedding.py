@@ -35,7 +35,7 @@ REFUSED_SIZE_S = 0.1  # how long a refusal of N tokens stands for requests of N 
 SIZE_REASONS = frozenset({"ttft_slo", "tbt_slo", "overload", "decode_busy"})
 MAX_CLASSES = 1024  # admission classes remembered at once (tenants are the caller's to name)
 
-AdmissionClass = tuple[str, int, str]  # (slo_class, priority, tenant)
+AdmissionClass = tuple[str, int, str, float, float]  # (slo_class, priority, tenant, its TTFT and TBT targets)
 
 
 @dataclass(slots=True, frozen=True)

@@ -32,6 +32,8 @@ class GenerationRequest:
     tenant: str = ""  # who sent it (the tenants file's name; "": no tenants)
     tenant_weight: float = 1.0  # its tenant's share under pressure
     follows: str | None = None  # the id of a choice of the same prompt that has its first token (its KV is cached)
+    ttft_slo_s: float = 0.0  # its own TTFT target (0: its class's; a looser one is its class's)
+    tbt_slo_s: float = 0.0  # and TBT target
 
     @classmethod
     def of(

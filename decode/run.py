@@ -72,7 +72,6 @@ class Decoding:
         self.first_at = self.last_at = 0.0  # monotonic: when its first output and its latest reached its stream
         self.tokens_at_first = 0  # output tokens it had by its first output here (a resumed stream's earlier ones)
         self._left = False  # counted out of the requests in prefill
-        self._streams = False  # counted in the requests streaming
         counts.add(1)
 
     def decoding(self) -> None:
@@ -83,7 +82,6 @@ class Decoding:
     def first_out(self) -> None:
         """Its first output reached its stream (at ``last_at``): it counts as streaming until it is closed."""
         self.first_at, self.tokens_at_first = self.last_at, self.output_tokens
-        self._streams = True
         self.counts.streams(self, True)
 
     def leave_prefill(self) -> None:
@@ -105,9 +103,7 @@ class Decoding:
         if self.landed is not None:
             self.handoff.release(self.landed)
         self.leave_prefill()
-        if self._streams:
-            self._streams = False
-            self.counts.streams(self, False)
+        self.counts.streams(self, False)  # (a no-op for one that never streamed)
         if self.state is not DecodeState.DONE:
             self.loop.abort(self.request_id)
         if self.link is not None:

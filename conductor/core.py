@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from conductor.admission import AdmissionKind
 from conductor.config import ConductorConfig
+from conductor.drain import Departures
 from conductor.forecast import DecodeForecast
 from conductor.index import KVIndex, PromptWrites
 from conductor.judge import MIN_RETRY_S, Judge
@@ -97,7 +98,10 @@ class Conductor:
         self.forecast = DecodeForecast(self.config.default_decode_s, kind=self.config.decode_forecast)
         self.registry = Registry(self.config)
         self.learning = Learning(self.config)
-        self.judge = Judge(self.config, self.learning.predictors, self.forecast, self.learning.calibration)
+        self.departures = Departures()  # when requests left each decode instance (a refusal's Retry-After)
+        self.judge = Judge(
+            self.config, self.learning.predictors, self.forecast, self.learning.calibration, self.departures
+        )
         self.overload = Overload(self.config, self.judge, self.learning.predictors, self.forecast)
         self.policy = make_policy(self.config.policy, self.config.policy_config)
         self.counters = Counters()
@@ -228,6 +232,7 @@ class Conductor:
             self.index.reset_node(inst.node)  # its blocks are gone from scheduling
         elif inst.role is Role.DECODE:
             self.forecast.forget_instance(inst.id)
+            self.departures.forget(inst.id)
 
     # -- measurements (conductor.learning) ---------------------------------------------------
 
@@ -265,7 +270,9 @@ class Conductor:
         """``request_id`` left its decode worker: done, failed, cancelled, or answered with its first token alone
         (``measured_ttft_s`` > 0: it got one, without joining a batch), its tokens ``measured_tbt_s`` apart on average
         (0: not measured). Returns as ``decode_started`` does."""
-        self.forecast.finished(request_id, now)
+        left = self.forecast.finished(request_id, now)
+        if left is not None:
+            self.departures.left(left, now)
         self.overload.finished(request_id)
         self.quotes.ended(request_id, measured_tbt_s)
         return self._measured(request_id, Measured(measured_ttft_s, queue_s, prefill_s), now)
@@ -430,7 +437,7 @@ class Conductor:
             local is None or self.judge.local_prefill is not LocalPrefill.ALWAYS
         ):  # auto: refused there, a prefill worker may do
             predicted = Prediction(choice.ttft_s, tbt, choice.queue_s, choice.transfer_s, choice.prefill_s)
-            verdict = self.judge.admit(req, choice, decode, tbt, decodes, batch_of, slo)
+            verdict = self.judge.admit(req, choice, decode, tbt, decodes, batch_of, slo, now)
             verdict = verdict or self.overload.over_share(req, choice.ttft_s, decodes, now, slo)
         if verdict is not None:
             reason, message, retry = verdict

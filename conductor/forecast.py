@@ -154,13 +154,17 @@ class DecodeForecast:
         if len(self._starts) > self.window:
             self._start_tokens -= self._starts.popleft()[1]
 
-    def finished(self, request_id: str, now: float) -> None:
-        """The request left its decode instance (done, failed or cancelled)."""
+    def finished(self, request_id: str, now: float) -> str | None:
+        """The request left its decode instance (done, failed or cancelled). Returns that instance when the request
+        was decoding there (it gave a place in the batch back), else None."""
+        late = self._late.get(request_id)
+        left = self._decode_ids[late[0]] if late is not None and late[3] else None
         self._forget_late(request_id)
         row = self._row.get(request_id)
         if row is None:
-            return
+            return left
         started, start = bool(self._started[row]), float(self._start[row])
+        left = self._decode_ids[int(self._decode[row])] if started else None
         self._drop(request_id)
         if started and now > start:
             duration = now - start
@@ -170,6 +174,7 @@ class DecodeForecast:
             if len(self._recent) > self.window:
                 del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
             self._sorted_array = self._prefix = None
+        return left
 
     def forget_instance(self, decode: str) -> None:
         """Drop every flight to ``decode`` (it died or left)."""

@@ -3,22 +3,25 @@
     judge = Judge(config, predictors, forecast, calibration)
     takers = judge.takers(decodes, blocks)               # the decode workers that would take the prompt's KV now
     decode, tbt, batch_of = judge.pick_decode(req, takers, t, now, len(decodes), slo)
-    verdict = judge.admit(req, choice, decode, tbt, decodes, batch_of, slo)  # None: serve it
+    verdict = judge.admit(req, choice, decode, tbt, decodes, batch_of, slo, now)  # None: serve it
 
 A part of ``conductor.core.Conductor``. It owns the admission in force (``kind``) and the
 local-prefill mode (``local_prefill``), both set at run time through its own setters, and
 reads the models it is given at construction: the step-time predictors (which
-``conductor.learning.Learning`` trains) and the decode forecast (which the Conductor keeps
-as requests are placed and reported). It records nothing: every method is a question,
+``conductor.learning.Learning`` trains), the decode forecast and the measured departures
+(``conductor.drain``: a refusal's Retry-After), which the Conductor keeps as requests are
+placed and reported. It records nothing: every method is a question,
 asked on every Schedule, and the caller acts on the answer. Pure: time is passed in.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from conductor.admission import AdmissionKind, Batch, decode_load, join_tbt, reported_batch, select_decode, step_of
 from conductor.config import ConductorConfig
+from conductor.drain import Departures
 from conductor.forecast import DecodeForecast
 from conductor.index import PrefixMatch
 from conductor.learning import Calibration
@@ -53,11 +56,13 @@ class Judge:
         predictors: Predictors,
         forecast: DecodeForecast,
         calibration: Calibration | None = None,
+        departures: Departures | None = None,
     ) -> None:
         self.config = config
         self.predictors = predictors  # read only: conductor.learning trains them
         self.forecast = forecast  # read only: the Conductor keeps it
         self.calibration = calibration  # read only: conductor.learning moves its margin (None: 1)
+        self.departures = departures  # read only: the Conductor records them (None: Retry-After from t_d alone)
         self.kind = AdmissionKind(config.admission)
         self.local_prefill = LocalPrefill(config.local_prefill)
 
@@ -247,9 +252,8 @@ class Judge:
         # a step a chunk rides on was held to the SLO itself (a gap, not the mean step the headroom is for)
         tbt = tbt if local.tbt_s <= slo.tbt_s else max(tbt, local.tbt_s)
         predicted = Prediction(local.ttft_s, tbt, local.queue_s, local.transfer_s, local.prefill_s)
-        return predicted, self.admit(
-            req, local, local.decode, tbt, decodes, self.batch_at(now + local.ttft_s, now, len(decodes), slo), slo
-        )
+        batch_of = self.batch_at(now + local.ttft_s, now, len(decodes), slo)
+        return predicted, self.admit(req, local, local.decode, tbt, decodes, batch_of, slo, now)
 
     # -- verdicts --------------------------------------------------------------------------------
 
@@ -262,6 +266,7 @@ class Judge:
         decodes: list[Instance],
         batch_of: Callable[[Instance], Batch],
         slo: Slo,
+        now: float | None = None,
     ) -> Verdict | None:
         """Why ``req`` must be turned away now (reason, message, retry-after), or None to serve it.
 
@@ -270,7 +275,9 @@ class Judge:
         paper's early rejection does; early_predictive by the batches forecast for when
         this prefill ends. Every early kind takes the predicted TTFT at the calibration's
         margin (``conductor.learning.Calibration``: what predictions near the SLO came out at);
-        the baseline, the paper's, at its value.
+        the baseline, the paper's, at its value. A refusal for the decode side comes back when
+        enough running requests will have left for this one to fit, at the rate they were measured
+        leaving (``decode_retry``; ``now`` None: half a mean decode).
         """
         kind = self.kind
         if kind is AdmissionKind.NONE:
@@ -285,19 +292,14 @@ class Judge:
         if kind is AdmissionKind.BASELINE:
             return ttft_over if choice.ttft_s > slo.ttft_s else None
         limit = slo.tbt_s * self.config.tbt_headroom
+        context = req.prompt_tokens + req.expected_output_tokens // 2  # its KV halfway through its decode
         if kind is AdmissionKind.EARLY:
             batch_of = reported_batch
-            tbt = join_tbt(
-                decode,
-                reported_batch(decode),
-                req.prompt_tokens + req.expected_output_tokens // 2,
-                self.predictors.decode,
-            )
+            tbt = join_tbt(decode, reported_batch(decode), context, self.predictors.decode)
         prefill_load = choice.ttft_s * margin / slo.ttft_s
         load = decode_load(decodes, self.predictors.decode, batch_of, limit)
         if prefill_load > 1.0 and prefill_load >= load:
             return ttft_over
-        retry_decode = clamp_retry(self.forecast.t_d / 2)
         if load > 1.0:
             batches = ", ".join(
                 f"{i.id}: {n:.1f} requests, {step_of(i, self.predictors.decode, n, tokens):.3f} s a step"
@@ -307,18 +309,50 @@ class Judge:
             return (
                 RejectReason.OVERLOAD,
                 f"decode load {load:.2f} of the TBT SLO {when_prefill_ends(kind, choice)} ({batches})",
-                retry_decode,
+                self.decode_retry(
+                    now, sum(self.excess(i, batch_of, limit, context if i is decode else None) for i in decodes)
+                ),
             )
         if tbt == float("inf"):
             cap = decode.load.batch_cap or decode.capacity
             return (
                 RejectReason.TBT_SLO,
                 f"decode {decode.id}'s batch of {cap} is full {when_prefill_ends(kind, choice)}",
-                retry_decode,
+                self.decode_retry(now, 1, decode.id),
             )
         if tbt > limit:
-            return RejectReason.TBT_SLO, f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO", retry_decode
+            return (
+                RejectReason.TBT_SLO,
+                f"predicted TBT {tbt:.3f} s is over the {slo.tbt_s} s SLO",
+                self.decode_retry(now, self.excess(decode, batch_of, limit, context), decode.id),
+            )
         return None
+
+    def excess(self, inst: Instance, batch_of: Callable[[Instance], Batch], limit: float, joining: float | None) -> int:
+        """How many requests must leave ``inst``'s batch (``batch_of``'s) for it to step within ``limit``, with a
+        request of ``joining`` context tokens in it (None: none joins); each leaves with its share of the context.
+        All of them when even that is not enough."""
+        n, tokens = batch_of(inst)
+        per = tokens / n if n > 0 else 0.0
+        lo, hi = 0, math.ceil(n)
+        while lo < hi:  # the fewest leaving: the step only grows with the batch
+            mid = (lo + hi) // 2
+            left = max(0.0, n - mid)
+            size, context = (left, left * per) if joining is None else (left + 1, left * per + joining)
+            if step_of(inst, self.predictors.decode, size, context) <= limit:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def decode_retry(self, now: float | None, needed: float, decode: str | None = None) -> float:
+        """A Retry-After for a refusal the decode side made: the time ``needed`` running requests take to leave
+        ``decode`` (None: any decode instance) at the measured rate (``conductor.drain``); none measured, or no
+        ``now``: half a mean decode, the forecast's."""
+        measured = None
+        if self.departures is not None and now is not None:
+            measured = self.departures.retry_after(needed, now, decode)
+        return clamp_retry(self.forecast.t_d / 2 if measured is None else measured)
 
     def admit_at_decode(self, inst: Instance | None, context_tokens: int = 0) -> Rejection | None:
         """The baseline's late check, made when a prefill has finished: would decode instance ``inst`` (None: not

@@ -164,7 +164,7 @@ class Overload:
         for wait in waits:
             later = dataclasses.replace(choice, queue_s=max(wait, choice.queue_s))
             decode, tbt, batch_of = self.judge.pick_decode(req, decodes, now + later.ttft_s, now, len(decodes), slo)
-            if self.judge.admit(req, later, decode, tbt, decodes, batch_of, slo) is None:
+            if self.judge.admit(req, later, decode, tbt, decodes, batch_of, slo, now) is None:
                 return min(wait, MAX_WAIT_S), Prediction(
                     later.ttft_s, tbt, later.queue_s, later.transfer_s, later.prefill_s
                 )
@@ -252,6 +252,6 @@ class Overload:
             times = [choice.ttft_s + (slo.ttft_s - choice.ttft_s) * k / (SHED_TIMES - 1) for k in range(SHED_TIMES)]
         for t in times:
             decode, tbt, batch_of = judge.pick_decode(probe, takers, now + t, now, len(decodes), slo)
-            if judge.admit(probe, choice, decode, tbt, decodes, batch_of, slo) is None:
+            if judge.admit(probe, choice, decode, tbt, decodes, batch_of, slo, now) is None:
                 return 0.0
         return SHED_S

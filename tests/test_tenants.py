@@ -20,12 +20,13 @@ from clusters import conductor, start_cluster
 from mooncake.gateway.tenants import SALT_JOIN, Tenants
 from protos import conductor_pb2 as cpb
 
-ACME, GLOBEX, INITECH = "sk-acme-000001", "sk-globex-0001", "sk-initech-001"
+ACME, GLOBEX, INITECH, HOOLI = "sk-acme-000001", "sk-globex-0001", "sk-initech-001", "sk-hooli-0001"
 TENANTS = {
     "tenants": [
         {"name": "acme", "keys": [ACME, "sk-acme-000002"]},
         {"name": "globex", "keys": [GLOBEX], "requests_per_s": 0.05, "burst": 3},
         {"name": "initech", "keys": [INITECH], "max_concurrent": 1},
+        {"name": "hooli", "keys": [HOOLI], "slo_classes": ["default"], "min_ttft_slo_s": 300.0},
     ]
 }
 
@@ -212,3 +213,24 @@ def test_a_wrong_or_missing_key_is_401_and_the_key_is_not_logged(cluster):
     logs = "".join(p.read_text(errors="replace") for p in (cluster.run_dir / "logs").glob("*.log"))
     for key in (ACME, GLOBEX, INITECH, "sk-acme-000009"):
         assert key not in logs
+
+
+def test_a_tenants_slo_targets_are_bounded_by_its_own_and_it_names_only_its_classes(cluster):
+    """A request's own TTFT target is served at its tenant's bound when tighter (hooli: 300 s, so a 1 ms target is
+    served; acme has no bound, and 1 ms is refused, 429, as no prefill meets it); an SLO class the tenant may not use
+    is a 403 naming the ones it may."""
+    url = f"{cluster.endpoint}/chat/completions"
+
+    def post(key: str, **extra) -> httpx.Response:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **extra}
+        return httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    r = post(ACME, ttft_slo_s=0.001)
+    assert r.status_code == 429 and "0.001 s SLO" in r.json()["error"]["message"], r.text
+    r = post(HOOLI, ttft_slo_s=0.001)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = post(HOOLI, slo_class="batch")
+    assert r.status_code == 403, r.text
+    error = r.json()["error"]
+    assert error["code"] == "slo_class_not_allowed" and error["param"] == "slo_class"
+    assert "may use: default" in error["message"]

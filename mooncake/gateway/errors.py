@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mooncake.gateway import tenants
 from mooncake.gateway.protocol import ErrorInfo, ErrorOffer, ErrorResponse
 from mooncake.serving.types import BackendError, Rejected
 
@@ -61,5 +62,9 @@ class ApiError(Exception):
 
 
 def _offer(error: BackendError) -> ErrorOffer | None:
+    """What a refusal offers instead: a later start, or an SLO class (only one the request's tenant may use)."""
     offer = error.offer if isinstance(error, Rejected) else None
-    return None if offer is None else ErrorOffer(start_in_s=round(offer.start_in_s, 3), slo_class=offer.slo_class)
+    if offer is None:
+        return None
+    slo_class = offer.slo_class if tenants.may_use(offer.slo_class) else None
+    return ErrorOffer(start_in_s=round(offer.start_in_s, 3), slo_class=slo_class)

@@ -437,18 +437,24 @@ class OpenAIServing:
             raise ApiError(400, str(e)) from None
         salt = tenants.salt_for(req.cache_salt)
         priority, tenant, weight = tenants.admission_for(req.priority)
+        try:
+            slo_class, ttft_slo_s, tbt_slo_s = tenants.slo_for(req.slo_class, req.ttft_slo_s, req.tbt_slo_s)
+        except tenants.SloNotAllowed as e:
+            raise ApiError(
+                403, str(e), error_type="permission_error", param="slo_class", code="slo_class_not_allowed"
+            ) from None
         generations = [
             GenerationRequest(
                 request_id=request_id if len(prompts) * per_prompt == 1 else f"{request_id}-{p}-{j}",
                 prompt_token_ids=prompt,
                 sampling=sampling[j],
                 cache_salt=salt,
-                slo_class=req.slo_class or "default",
+                slo_class=slo_class,
                 priority=priority,
                 tenant=tenant,
                 tenant_weight=weight,
-                ttft_slo_s=req.ttft_slo_s or 0.0,
-                tbt_slo_s=req.tbt_slo_s or 0.0,
+                ttft_slo_s=ttft_slo_s,
+                tbt_slo_s=tbt_slo_s,
             )
             for p, prompt in enumerate(prompts)
             for j in range(per_prompt)

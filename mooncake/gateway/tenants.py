@@ -11,6 +11,10 @@ A tenants file (YAML or JSON; in Kubernetes, a Secret mounted as a file):
         priority: 0                    # under load higher goes first, below 0 is refused first (default 0);
                                        # a request may ask for less (its body's "priority"), never more
         weight: 2                      # its share under load, against tenants of its priority (default 1)
+        slo_classes: [batch, default]  # the SLO classes its requests may name (the first is its default);
+                                       # absent: any of the Conductor's
+        min_ttft_slo_s: 2.0            # the tightest TTFT target a request may ask for (its body's ttft_slo_s);
+        min_tbt_slo_s: 0.1             # and TBT: a tighter one is served at this bound (absent: unbounded)
       - name: globex
         keys: [sk-globex]
 
@@ -23,6 +27,9 @@ hit; a client cannot pick another tenant's salt, because its own is always prefi
 
 Under load the Conductor serves higher priorities first and refuses the lowest first, and
 shares the cluster between the tenants of one priority by weight (conductor.waiting).
+
+A request naming an SLO class its tenant may not use is answered 403 (``slo_class_not_allowed``); a refusal offers
+only classes its tenant may use.
 
 Over its rate or its concurrency cap a tenant's generation request (chat or completion)
 is answered 429 with ``Retry-After``, before any work is spent on it; other tenants are
@@ -67,6 +74,15 @@ class Tenant(BaseModel):
         "below 0 is refused first",
     )
     weight: float = Field(1.0, gt=0, description="its share under load against the tenants of the same priority")
+    slo_classes: list[str] | None = Field(
+        None, min_length=1, description="the SLO classes its requests may name, its default first; None: any"
+    )
+    min_ttft_slo_s: float | None = Field(
+        None, gt=0, description="the tightest TTFT target its requests may ask for; None: unbounded"
+    )
+    min_tbt_slo_s: float | None = Field(
+        None, gt=0, description="the tightest TBT target its requests may ask for; None: unbounded"
+    )
 
     @field_validator("keys")
     @classmethod
@@ -159,7 +175,14 @@ class Tenants:
         return cls(
             [
                 Tenant.model_construct(
-                    name="", keys=[SecretStr(api_key)], requests_per_s=None, burst=None, max_concurrent=None
+                    name="",
+                    keys=[SecretStr(api_key)],
+                    requests_per_s=None,
+                    burst=None,
+                    max_concurrent=None,
+                    slo_classes=None,
+                    min_ttft_slo_s=None,
+                    min_tbt_slo_s=None,
                 )
             ]
         )
@@ -192,3 +215,35 @@ def admission_for(request_priority: int | None) -> tuple[int, str, float]:
         return request_priority or 0, "", 1.0
     asked = tenant.priority if request_priority is None else min(request_priority, tenant.priority)
     return asked, tenant.name, tenant.weight
+
+
+class SloNotAllowed(ValueError):
+    """A request named an SLO class its tenant may not use."""
+
+
+def slo_for(slo_class: str | None, ttft_slo_s: float | None, tbt_slo_s: float | None) -> tuple[str, float, float]:
+    """(SLO class, TTFT target, TBT target; 0: the class's) the current request is admitted with: what it asks for,
+    within its tenant's bounds (``Tenant.slo_classes``, ``min_ttft_slo_s``, ``min_tbt_slo_s``): no class named is the
+    tenant's first, a target tighter than the tenant's bound is served at the bound (as a priority above the tenant's
+    is served at the tenant's). Raises SloNotAllowed for a class the tenant may not name."""
+    tenant = current.get()
+    ttft, tbt = ttft_slo_s or 0.0, tbt_slo_s or 0.0
+    if tenant is None or not tenant.name:
+        return slo_class or "default", ttft, tbt
+    allowed = tenant.slo_classes
+    if allowed is not None and slo_class is not None and slo_class not in allowed:
+        raise SloNotAllowed(
+            f"Tenant '{tenant.name}' may not use the SLO class '{slo_class}'; it may use: {', '.join(allowed)}"
+        )
+    chosen = slo_class or (allowed[0] if allowed else "default")
+    if ttft and tenant.min_ttft_slo_s is not None:
+        ttft = max(ttft, tenant.min_ttft_slo_s)
+    if tbt and tenant.min_tbt_slo_s is not None:
+        tbt = max(tbt, tenant.min_tbt_slo_s)
+    return chosen, ttft, tbt
+
+
+def may_use(slo_class: str | None) -> bool:
+    """Whether the current request's tenant may name ``slo_class`` (a refusal offers only those)."""
+    tenant = current.get()
+    return tenant is None or not tenant.name or tenant.slo_classes is None or slo_class in tenant.slo_classes

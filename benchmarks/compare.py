@@ -299,6 +299,8 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
                     f"{rp._share(s['cache_hit_ratio'])}"
                     + (f"; {rp.describe_predictions(s)}" if s.get("predicted_requests") else "")
                 )
+                for line in rp.describe_phases(r):
+                    console.log(f"{run.name:>32}   {line}")
 
             result = rp.sweep(
                 requests,

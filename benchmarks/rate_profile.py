@@ -73,6 +73,16 @@ class RateProfile:
             return lo + (hi - lo) * (1 - math.cos(2 * math.pi * t / wall_s)) / 2
         return 1.0
 
+    def phases(self, arrivals: np.ndarray | list[float]) -> list[tuple[float, float, float]] | None:
+        """A step's phases for these arrivals (before ``retime``): (level, start, end) in the re-timed run's seconds
+        from its first arrival; None for other profiles."""
+        u = np.asarray(arrivals, dtype=np.float64)
+        if self.kind != "step" or len(u) < 2 or u[-1] <= u[0]:
+            return None
+        wall = float(u[-1] - u[0]) / self.mean
+        k = len(self.levels)
+        return [(level, wall * i / k, wall * (i + 1) / k) for i, level in enumerate(self.levels)]
+
     def retime(self, arrivals: np.ndarray | list[float]) -> np.ndarray:
         """The arrivals (seconds, ascending, from the first) re-timed to follow the profile."""
         u = np.asarray(arrivals, dtype=np.float64)

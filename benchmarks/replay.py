@@ -274,6 +274,7 @@ def replay(
 
     first = requests[0].arrival_s
     dues = [(q.arrival_s - first) / speed for q in requests]
+    phases = profile.phases(dues) if profile is not None else None
     if profile is not None:
         dues = [float(t) for t in profile.retime(dues)]
     before = scrape(conductor_metrics)
@@ -291,8 +292,48 @@ def replay(
         "profile": profile.describe() if profile is not None else None,
         "salt": salt,
         "summary": {**summarize(results, ttft_slo_s, tbt_slo_s, span, wall), "prediction_parts": parts},
+        "phases": phase_summaries(results, phases, ttft_slo_s, tbt_slo_s),
         "requests": [asdict(r) for r in results],
     }
+
+
+def phase_summaries(
+    results: list[RequestResult], phases: list[tuple[float, float, float]] | None, ttft_slo_s: float, tbt_slo_s: float
+) -> list[dict] | None:
+    """A step profile's phases (level, start, end), each with the summary of the requests scheduled in it (``level``,
+    ``start_s``, ``end_s``, ``summary``); None without phases."""
+    if not phases:
+        return None
+    out = []
+    for i, (level, start, end) in enumerate(phases):
+        last = i == len(phases) - 1
+        part = [r for r in results if start <= r.scheduled_s < end or (last and r.scheduled_s >= end)]
+        span = end - start
+        summary = summarize(part, ttft_slo_s, tbt_slo_s, span, span) if part else {"requests": 0}
+        out.append({"level": level, "start_s": start, "end_s": end, "summary": summary})
+    return out
+
+
+def describe_phases(run: dict) -> list[str]:
+    """A line per phase of a step profile's run: its level, admitted, refused, good and how the quotes came out."""
+    lines = []
+    for p in run.get("phases") or ():
+        s = p["summary"]
+        if not s["requests"]:
+            lines.append(f"{p['level']:g}x: no request")
+            continue
+        admitted = s["requests"] - s["rejected"]
+        lines.append(
+            f"{p['level']:g}x ({p['start_s']:.0f}-{p['end_s']:.0f} s): {s['requests']} sent, {admitted} admitted, "
+            f"{s['rejected']} refused, {s['errors']} errors, {s['effective']} within both SLOs, TTFT p90 "
+            f"{_ms(s['ttft_p90_s'])} ms"
+            + (
+                f"; TTFT quotes within 25%: {describe_predictions(s, short=True)}"
+                if s.get("predicted_requests")
+                else ""
+            )
+        )
+    return lines
 
 
 def summarize(results: list[RequestResult], ttft_slo_s: float, tbt_slo_s: float, span_s: float, wall_s: float) -> dict:

@@ -74,3 +74,17 @@ def test_retime_keeps_a_trace_that_does_not_start_at_zero_starting_where_it_did(
     retimed = RateProfile.parse("step:2,2").retime(np.arange(100.0, 200.0))
     # a steady 2x: the same arrivals at half the gaps, from 100 s
     np.testing.assert_allclose(retimed, 100.0 + np.arange(100.0) / 2, atol=1e-6)
+
+
+def test_a_steps_phases_split_the_retimed_run_so_each_holds_its_levels_share_of_the_requests():
+    """benchmarks.replay reports a step's phases apart (admitted, refused, good per level): a phase is the span of
+    wall time at one level, and the re-timed requests fall into it in proportion to that level."""
+    arrivals = np.arange(0.0, 500.0)  # one a second for 500 s
+    step = RateProfile.parse("step:1,4,1")
+    phases = step.phases(arrivals)
+    assert [level for level, _, _ in phases] == [1.0, 4.0, 1.0]
+    assert phases[0][1] == 0.0 and phases[-1][2] == pytest.approx(499.0 / 2)  # the run: the span over the mean
+    t = step.retime(arrivals)
+    counts = [int(((t >= a) & (t < b)).sum()) for _, a, b in phases]
+    assert counts[1] == pytest.approx(4 * counts[0], rel=0.05) and counts[2] == pytest.approx(counts[0], abs=2)
+    assert RateProfile.parse("day:1,4").phases(arrivals) is None and RateProfile().phases(arrivals) is None

@@ -30,6 +30,7 @@ from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.kernels import load_paged_decode, load_triton_attention
 from mooncake.engine.kv_sizing import cache_blocks
 from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
+from mooncake.engine.parallel import SINGLE, TensorParallel
 from mooncake.engine.request import (
     FinishReason,
     PromptKV,
@@ -82,16 +83,20 @@ class LLMEngine:
         connector: KVConnector | None = None,
         tokenizer=None,
         kv_cache_buffer: Callable[[int], Any] | None = None,
+        tp: TensorParallel = SINGLE,
     ):
         """``kv_cache_buffer(nbytes)``, when given (CPU only), returns the writable buffer the paged cache lives in: a
-        decode worker's cache in shared memory, which prefill workers on its host write a prompt's KV into in place."""
+        decode worker's cache in shared memory, which prefill workers on its host write a prompt's KV into in place.
+        ``tp``: this process is one rank of a tensor-parallel engine (mooncake.engine.parallel); every rank is given
+        the same requests and steps alike (its scheduler is deterministic), holding its shard of the model and its
+        KV heads' cache."""
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
-        self.model = load_model(config.model, config.torch_dtype, self.device)
+        self.model = load_model(config.model, config.torch_dtype, self.device, tp=tp)
         args = self.model.args
         self.args = args
         limit = args.max_position_embeddings
@@ -100,7 +105,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
         elem = torch.tensor([], dtype=config.torch_dtype).element_size()
-        self.block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
+        self.block_bytes = args.num_layers * 2 * config.block_size * self.model.num_kv_heads * args.head_dim * elem
         num_blocks = cache_blocks(config, args, self.block_bytes, self.max_model_len)
         identity = config.model_fingerprint or model_identity(config.model, config.torch_dtype)
         self.fingerprint = model_fingerprint(identity)

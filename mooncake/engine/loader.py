@@ -13,6 +13,7 @@ import xxhash
 
 from mooncake.engine.model import CausalLM
 from mooncake.engine.model_args import ModelArgs
+from mooncake.engine.parallel import SINGLE, TensorParallel
 from mooncake.engine.weights import _check_safetensors_size, load_hf_config, read_json_object, weight_files
 
 _SAMPLE = 1 << 20  # bytes hashed from each end and the middle of a weight file
@@ -41,10 +42,14 @@ def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, layers: range | None = None
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    layers: range | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """Read config and weights, build the model (or, with ``layers``, one pipeline stage of it: only those layers'
-    weights are read) in ``dtype`` on ``device``, eval mode.
+    weights are read; with ``tp``, this tensor-parallel rank's shard of it) in ``dtype`` on ``device``, eval mode.
 
     The model is made on the meta device and given memory once, in ``dtype`` on ``device``; the checkpoint's
     tensors are then read one at a time and copied into place (``CausalLM.load_hf_tensors``), so the peak is the
@@ -56,7 +61,7 @@ def load_model(
     """
     args = ModelArgs.from_hf_config(load_hf_config(model_dir))
     with torch.device("meta"):
-        model = CausalLM(args, layers)
+        model = CausalLM(args, layers, tp)
     model = model.to(dtype).to_empty(device=device)
     model.load_hf_tensors(stream_hf_tensors(model_dir, model.owns))
     return model.eval()
@@ -111,6 +116,14 @@ class FileTensor:
     offset: int
     dtype: torch.dtype
     shape: torch.Size
+
+    def rows(self, part: slice) -> FileTensor:
+        """Rows ``part`` of dimension 0 (a contiguous stretch of the file): a tensor-parallel rank's share."""
+        start, stop, _ = part.indices(self.shape[0])
+        row_bytes = self.shape[1:].numel() * self.dtype.itemsize
+        return FileTensor(
+            self.fd, self.offset + start * row_bytes, self.dtype, torch.Size((stop - start, *self.shape[1:]))
+        )
 
     def read_into(self, dest: torch.Tensor) -> None:
         """Fill ``dest`` (this shape) with the tensor: read straight into it when it is a dense CPU tensor of this

@@ -8,6 +8,10 @@ matmul beats three narrow ones, and that a layer's experts are stacked.
 
 Tokens arrive flattened: ``input_ids`` and ``positions`` are [T] over every request in
 the step; attention.py knows which token belongs to whom.
+
+Under tensor parallelism (``tp``, parallel.py) each rank builds its shard: its heads' rows of qkv_proj and columns of
+o_proj, its slice of the MLP's (and each expert's) intermediate, its rows of the vocabulary; a layer's attention and MLP
+outputs are all-reduced, the logits all-gathered. The loader cuts each checkpoint tensor to the rank's part.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from mooncake.engine.attention import AttentionMetadata, paged_attention, write_
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.moe import SparseMoE, activation
+from mooncake.engine.parallel import SINGLE, TensorParallel
 
 FUSED_MIN_TOKENS = 256  # eager steps of fewer tokens keep torch's kernels
 
@@ -109,14 +114,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    """One layer's attention (of this rank's heads: its output is a partial sum under tensor parallelism)."""
+
+    def __init__(self, args: ModelArgs, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer = layer
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
+        q_heads, kv_heads = tp.q_heads(args), tp.kv_heads(args)
+        self.num_heads = q_heads.stop - q_heads.start
+        self.num_kv_heads = kv_heads.stop - kv_heads.start
         self.head_dim = args.head_dim
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
+        self.q_size = self.num_heads * args.head_dim
+        self.kv_size = self.num_kv_heads * args.head_dim
         self.scale = args.scale
         self.window = args.window(layer) or 0  # 0: the whole context
         self.softcap = args.attn_softcap or 0.0  # 0: none
@@ -158,13 +166,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """A gated MLP (of this rank's slice of the intermediate: a partial sum under tensor parallelism)."""
+
+    def __init__(self, args: ModelArgs, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.intermediate = args.intermediate_size
+        self.intermediate = args.intermediate_size // tp.size
         self.silu = args.hidden_act == "silu"
         self.act = activation(args.hidden_act)
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
@@ -178,22 +188,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         eps, gemma = args.rms_norm_eps, args.gemma_norms
+        self.tp = tp
         self.rope_local = args.rope_local is not None and args.window(layer) is not None  # Gemma 3's local layers
-        self.self_attn = Attention(args, layer)
+        self.self_attn = Attention(args, layer, tp)
         if args.is_moe(layer):
             self.mlp = SparseMoE(
                 args.hidden_size,
-                args.moe_intermediate_size,
+                args.moe_intermediate_size // tp.size,
                 args.num_experts,
                 args.num_experts_per_tok,
                 args.norm_topk_prob,
                 args.hidden_act,
             )
         else:
-            self.mlp = MLP(args)
+            self.mlp = MLP(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, eps, gemma)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, gemma)
         if args.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention's output instead
@@ -208,12 +219,12 @@ class DecoderLayer(nn.Module):
         ``ropes`` the step's (cos, sin) of the global layers, then of the local ones."""
         cos, sin = ropes[1] if self.rope_local else ropes[0]
         h, x = (self.input_layernorm(x), x) if delta is None else self.input_layernorm.add_norm(delta, x)
-        a = self.self_attn(h, cos, sin, kv_cache, meta, connector, step)
+        a = self.tp.all_reduce(self.self_attn(h, cos, sin, kv_cache, meta, connector, step))
         if self.pre_feedforward_layernorm is None:
             h, x = self.post_attention_layernorm.add_norm(a, x)
-            return x, self.mlp(h)
+            return x, self.tp.all_reduce(self.mlp(h))
         h, x = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(a), x)
-        return x, self.post_feedforward_layernorm(self.mlp(h))
+        return x, self.post_feedforward_layernorm(self.tp.all_reduce(self.mlp(h)))
 
 
 class Backbone(nn.Module):
@@ -221,13 +232,16 @@ class Backbone(nn.Module):
     embedding where the first layer is (or the last, when the head is tied to it) and the final norm where the last
     is."""
 
-    def __init__(self, args: ModelArgs, layers: range):
+    def __init__(self, args: ModelArgs, layers: range, tp: TensorParallel = SINGLE):
         super().__init__()
         first, last = layers.start == 0, layers.stop == args.num_layers
+        vocab = tp.vocab(args)
         self.embed_tokens = (
-            nn.Embedding(args.vocab_size, args.hidden_size) if first or (last and args.tie_word_embeddings) else None
+            nn.Embedding(vocab.stop - vocab.start, args.hidden_size)
+            if first or (last and args.tie_word_embeddings)
+            else None
         )
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i, tp) for i in layers})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.gemma_norms) if last else None
 
 
@@ -235,9 +249,13 @@ class CausalLM(nn.Module):
     """The model, or one pipeline stage of it (``layers``, a contiguous range of decoder layers): ``forward`` gives
     hidden states (the last stage's normed), ``compute_logits`` the logits (last stage only)."""
 
-    def __init__(self, args: ModelArgs, layers: range | None = None):
+    def __init__(self, args: ModelArgs, layers: range | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
+        tp.check(args)
         self.args = args
+        self.tp = tp
+        kv_heads = tp.kv_heads(args)
+        self.num_kv_heads = kv_heads.stop - kv_heads.start  # this rank's: its KV cache's heads
         self.layer_range = range(args.num_layers) if layers is None else layers
         if not (0 <= self.layer_range.start < self.layer_range.stop <= args.num_layers and self.layer_range.step == 1):
             raise ValueError(
@@ -245,9 +263,10 @@ class CausalLM(nn.Module):
             )
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == args.num_layers
-        self.model = Backbone(args, self.layer_range)
+        self.model = Backbone(args, self.layer_range, tp)
+        vocab = tp.vocab(args)
         self.lm_head = (
-            nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            nn.Linear(args.hidden_size, vocab.stop - vocab.start, bias=False)
             if self.is_last and not args.tie_word_embeddings
             else None
         )
@@ -282,13 +301,24 @@ class CausalLM(nn.Module):
                 raise ValueError(
                     f"a stage starting at layer {self.layer_range.start} takes hidden states, not token ids"
                 )
-            hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+            hidden = self.embed(input_ids)  # [T, hidden]
             if self.args.embed_scale is not None:
                 hidden = hidden * torch.tensor(self.args.embed_scale, dtype=hidden.dtype)
         x, delta = hidden, None
         for j, layer in enumerate(self.model.layers.values()):
             x, delta = layer(x, delta, ropes, kv_caches[j], meta, connector, step)
         return self.model.norm.add_norm(delta, x)[0] if self.is_last else x + delta  # [T, hidden]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden]; under tensor parallelism each rank looks up the ids in its rows of the
+        vocabulary (zero for the others) and the ranks' rows are summed."""
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        vocab = self.tp.vocab(self.args)
+        local = input_ids - vocab.start
+        outside = (local < 0) | (local >= vocab.stop - vocab.start)
+        rows = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0))
 
     def owns(self, name: str) -> bool:
         """Whether the Hugging Face-named parameter ``name`` belongs to this model (or stage)."""
@@ -307,7 +337,9 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # W @ h^T rather than h @ W^T: with few rows and a 50k-row vocabulary MKL runs
         # this order faster on CPU (benchmarks/matmul_shapes.py). The result is a transposed view.
-        logits = (weight @ hidden.t()).t()  # [N, V]
+        logits = (weight @ hidden.t()).t()  # [N, V] (this rank's rows of V under tensor parallelism)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits)[:, : self.args.vocab_size]
         cap = self.args.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -321,12 +353,16 @@ class CausalLM(nn.Module):
     def load_hf_tensors(self, tensors: Iterable[tuple[str, Any]]) -> None:
         """Copy Hugging Face-named tensors (torch tensors, or ``loader.FileTensor``s read in place), one at a time, into
         this model's parameters, converting dtype and device as each is copied: q/k/v into their rows of ``qkv_proj``,
-        gate/up into ``gate_up_proj``, each expert into its slice of the stacked experts. A tensor is not kept after
-        its copy, so loading takes the parameters' memory and at most one tensor's more. Tensors of other pipeline
-        stages are skipped. Raises ValueError naming the tensors when a name is unknown, a shape does not fit, a
-        tensor comes twice, or a parameter is left unfilled."""
+        gate/up into ``gate_up_proj``, each expert into its slice of the stacked experts; under tensor parallelism,
+        only this rank's part of each (``_slots``). A tensor is not kept after its copy, so loading takes the
+        parameters' memory and at most one tensor's more. Tensors of other pipeline stages are skipped. Raises
+        ValueError naming the tensors when a name is unknown, a shape does not fit, a tensor comes twice, or a
+        parameter is left unfilled."""
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)
+        for pname, pad in self._vocab_padding():  # rows past the vocabulary (the last rank's): zero, never read
+            params[pname][pad].zero_()
+            filled[pname] += params[pname][pad].numel()
         seen: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in tensors:
@@ -335,19 +371,20 @@ class CausalLM(nn.Module):
             if name in seen:
                 raise ValueError(f"weight {name} appears twice")
             seen.add(name)
-            target = self._slot(name)
-            if target is None or target[0] not in params:
+            slots = self._slots(name, tuple(tensor.shape))
+            if slots is None or any(pname not in params for pname, _, _ in slots):
                 unexpected.append(name)
                 continue
-            pname, index = target
-            dest = params[pname][index]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            if isinstance(tensor, torch.Tensor):
-                dest.copy_(tensor)
-            else:  # read from its file straight into place (loader.FileTensor)
-                tensor.read_into(dest)
-            filled[pname] += dest.numel()
+            for pname, index, part in slots:
+                dest = params[pname][index]
+                shape = tuple(torch.empty(tensor.shape, device="meta")[part].shape)
+                if shape != tuple(dest.shape):
+                    whole = f" (its part {shape} for this rank)" if part else ""
+                    raise ValueError(
+                        f"weight {name} has shape {tuple(tensor.shape)}{whole}, expected {tuple(dest.shape)}"
+                    )
+                _copy_part(tensor, part, dest)
+                filled[pname] += dest.numel()
         missing = sorted(n for n, p in params.items() if filled[n] != p.numel())
         if missing or unexpected:
             raise ValueError(
@@ -356,27 +393,99 @@ class CausalLM(nn.Module):
                 f"unexpected {sorted(unexpected)[:5]}{'...' if len(unexpected) > 5 else ''}"
             )
 
-    def _slot(self, name: str) -> tuple[str, tuple] | None:
-        """(our parameter, the index of the part of it) the Hugging Face tensor ``name`` fills; the whole parameter
-        where the names agree."""
+    def _vocab_padding(self) -> list[tuple[str, slice]]:
+        """(parameter, rows) of the embedding and LM head past the vocabulary's end on this rank."""
+        vocab = self.tp.vocab(self.args)
+        real = max(0, min(vocab.stop, self.args.vocab_size) - vocab.start)
+        if real == vocab.stop - vocab.start:
+            return []
+        held = (("model.embed_tokens.weight", self.model.embed_tokens), ("lm_head.weight", self.lm_head))
+        return [(name, slice(real, None)) for name, module in held if module is not None]
+
+    def _slots(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple]] | None:
+        """Where the Hugging Face tensor ``name`` (of ``shape``) goes: (our parameter, the index of the part of it,
+        the index of the tensor's part that fills it) for each part; () where whole. None: no parameter takes it."""
+        a, tp = self.args, self.tp
+        d = a.head_dim
+        q_heads, kv_heads = tp.q_heads(a), tp.kv_heads(a)
+        q_rows = slice(q_heads.start * d, q_heads.stop * d)
+        kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
+        nq, nkv = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
+        inter = tp.part(a.intermediate_size, "the MLP's intermediate size")
+        ni = inter.stop - inter.start
+        whole = tp.size == 1
         m = _FUSED.fullmatch(name)
         if m is None:
-            return name, ()
-        p, a = f"model.layers.{m['layer']}.", self.args
+            if whole:
+                return [(name, (), ())]
+            return self._split(name, shape, q_rows, kv_rows, inter)
+        p = f"model.layers.{m['layer']}."
         part = m["part"]
         if part is not None:
-            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            start = {"q": 0, "k": q, "v": q + kv}[part]
-            return f"{p}self_attn.qkv_proj.{m['kind']}", (slice(start, start + (q if part == "q" else kv)),)
+            total_q, total_kv = a.num_heads * d, a.num_kv_heads * d
+            start = {"q": 0, "k": nq, "v": nq + nkv}[part]
+            rows = q_rows if part == "q" else kv_rows
+            if whole:
+                rows = slice(0, total_q if part == "q" else total_kv)
+            size = rows.stop - rows.start
+            return [(f"{p}self_attn.qkv_proj.{m['kind']}", (slice(start, start + size),), () if whole else (rows,))]
         if m["mlp"] is not None:
-            i = a.intermediate_size
-            return f"{p}mlp.gate_up_proj.weight", (slice(0, i) if m["mlp"] == "gate" else slice(i, 2 * i),)
+            dest = slice(0, ni) if m["mlp"] == "gate" else slice(ni, 2 * ni)
+            return [(f"{p}mlp.gate_up_proj.weight", (dest,), () if whole else (inter,))]
         if m["router"] is not None:
-            return f"{p}mlp.gate.weight", ()
-        e, i, proj = int(m["expert"]), a.moe_intermediate_size, m["proj"]
+            return [(f"{p}mlp.gate.weight", (), ())]
+        e, proj = int(m["expert"]), m["proj"]
+        moe = tp.part(a.moe_intermediate_size, "the experts' intermediate size")
+        i = moe.stop - moe.start
         if proj in ("down_proj", "w2"):
-            return f"{p}mlp.experts_down", (e,)
-        return f"{p}mlp.experts_gate_up", (e, slice(0, i) if proj in ("gate_proj", "w1") else slice(i, 2 * i))
+            return [(f"{p}mlp.experts_down", (e,), () if whole else (slice(None), moe))]
+        dest = slice(0, i) if proj in ("gate_proj", "w1") else slice(i, 2 * i)
+        return [(f"{p}mlp.experts_gate_up", (e, dest), () if whole else (moe,))]
+
+    def _split(
+        self, name: str, shape: tuple[int, ...], q_rows: slice, kv_rows: slice, inter: slice
+    ) -> list[tuple[str, tuple, tuple]]:
+        """``_slots`` of a tensor whose name is our parameter's, under tensor parallelism: the vocabulary's rows,
+        o_proj's and down_proj's input columns, the already-fused qkv_proj's and gate_up_proj's rows (Phi-3)."""
+        a = self.args
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            vocab = self.tp.vocab(a)
+            real = slice(vocab.start, min(vocab.stop, a.vocab_size))
+            return [(name, (slice(0, max(0, real.stop - real.start)),), (real,))]
+        if name.endswith("self_attn.o_proj.weight"):
+            return [(name, (), (slice(None), q_rows))]
+        if name.endswith("mlp.down_proj.weight"):
+            return [(name, (), (slice(None), inter))]
+        if name.endswith("self_attn.qkv_proj.weight") or name.endswith("self_attn.qkv_proj.bias"):
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            nq, nkv = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
+            return [
+                (name, (slice(0, nq),), (q_rows,)),
+                (name, (slice(nq, nq + nkv),), (slice(q + kv_rows.start, q + kv_rows.stop),)),
+                (name, (slice(nq + nkv, nq + 2 * nkv),), (slice(q + kv + kv_rows.start, q + kv + kv_rows.stop),)),
+            ]
+        if name.endswith("mlp.gate_up_proj.weight"):
+            i, ni = a.intermediate_size, inter.stop - inter.start
+            return [
+                (name, (slice(0, ni),), (inter,)),
+                (name, (slice(ni, 2 * ni),), (slice(i + inter.start, i + inter.stop),)),
+            ]
+        return [(name, (), ())]  # norms and the like: every rank whole
+
+
+def _copy_part(tensor: Any, part: tuple, dest: torch.Tensor) -> None:
+    """Copy ``tensor[part]`` (a torch tensor, or a ``loader.FileTensor``: its leading rows read in place, any other
+    part through one staging copy) into ``dest``."""
+    if isinstance(tensor, torch.Tensor):
+        dest.copy_(tensor[part] if part else tensor)
+    elif not part:
+        tensor.read_into(dest)
+    elif len(part) == 1 and part[0].step is None:
+        tensor.rows(part[0]).read_into(dest)
+    else:
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype)
+        tensor.read_into(staged)
+        dest.copy_(staged[part])
 
 
 # Hugging Face tensors that fill part of one of our parameters: q/k/v, a dense MLP's gate/up, an expert's projections

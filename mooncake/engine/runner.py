@@ -56,7 +56,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = args.vocab_size  # the width of the logits (and of each sampling draw)
-        shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        shape = (args.num_layers, 2, num_blocks, block_size, model.num_kv_heads, args.head_dim)  # this rank's heads
         if kv_buffer is None:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         else:  # memory another process writes too (a decode worker's cache in shared memory): CPU only

@@ -3,21 +3,30 @@
 Each family `mooncake model make-tiny` writes (MoE included), served by two gloo ranks on the CPU, each holding its
 heads, its slice of every MLP and expert and its rows of the vocabulary: the greedy tokens and log-probabilities of
 the same engine on one rank. At four ranks the two KV heads are each kept by two ranks (replicated). A shape that
-does not split is refused naming it.
+does not split is refused naming it. A worker's engine is rank 0's (``mooncake.engine.ranks.Leader``): the other
+ranks are given nothing but its broadcast calls and generate the same. KV exported at two ranks (every head, gathered)
+continues at one rank, and the reverse: the pool's layout is the same whatever the ranks.
 """
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from conftest import make_engine
-from tp_ranks import run_ranks
+from tp_ranks import run_led, run_ranks
 
+from mooncake.cluster.component import Component
 from mooncake.engine import SamplingParams
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.parallel import TensorParallel
+from mooncake.engine.request import PromptKV, RequestOptions
 from mooncake.engine.tiny import TINY_ARCHS, make_tiny
 from mooncake.engine.weights import load_hf_config
 
@@ -88,3 +97,101 @@ def test_a_rank_holds_its_part_and_a_shape_that_does_not_split_is_refused_naming
                 {**load_hf_config(models["llama"]), "num_key_value_heads": 3, "num_attention_heads": 24}
             )
         )
+
+
+def test_ranks_given_only_rank_0s_calls_generate_what_one_rank_does(models, tmp_path):
+    jobs = [(models[arch], prompts(i)[0], None, 0) for i, arch in enumerate(("llama", "qwen3_moe", "gemma2"))]
+    led = run_led(2, jobs, tmp_path)
+    for (tokens, logprobs, _), (model, prompt, _, _) in zip(led, jobs):
+        assert_same([(tokens, logprobs)], alone(model, [prompt]), str(model))
+
+
+def continue_alone(model_dir, prompt: list[int], exported) -> tuple[list[int], list[float]]:
+    """One rank's engine continuing ``prompt`` from KV exported elsewhere (``((tokens, kv), outputs so far)``)."""
+    (n, kv), so_far = exported
+    kv = torch.from_numpy(kv)
+    engine = make_engine(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+    engine.add_request(prompt, params, kv=PromptKV(n, kv), options=RequestOptions(outputs=tuple(so_far)))
+    tokens, logprobs = list(so_far), []
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            logprobs += [lp.logprob for lp in o.new_logprobs or []]
+    return tokens, logprobs
+
+
+def test_kv_written_at_two_ranks_continues_at_one_and_kv_written_at_one_continues_at_two(models, tmp_path):
+    model, prompt = models["llama"], prompts(3)[0]
+    ((want, want_lp),) = alone(model, [prompt])
+    # two ranks generate 4 tokens, export the request's KV (every head, gathered from both) and stop
+    ((_, _, exported),) = run_led(2, [(model, prompt, None, 4)], tmp_path)
+    (n, kv), so_far = exported
+    assert kv.shape[-2] == 2 and n == len(prompt) + len(so_far) - 1  # both KV heads, as one rank's pool blocks
+    tokens, logprobs = continue_alone(model, prompt, exported)
+    assert_same(
+        [(tokens, [0.0] * len(so_far) + logprobs)], [(want, [0.0] * len(so_far) + want_lp[len(so_far) :])], "2 -> 1"
+    )
+    # the reverse: one rank's KV, each rank importing its head of it
+    engine = make_engine(model)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    rid, so_far = engine.add_request(prompt, params), []
+    while len(so_far) < 4:
+        for o in engine.step():
+            so_far = o.output_token_ids
+    kv = engine.export_kv(engine.request_block_ids(rid)).numpy()  # numpy: a tensor in a queue leaves with its process
+    leading = ((len(prompt) + len(so_far) - 1, kv), list(so_far))
+    (back := tmp_path / "back").mkdir()
+    ((tokens, logprobs, _),) = run_led(2, [(model, prompt, leading, 0)], back)
+    assert_same(
+        [(list(so_far) + tokens, [0.0] * len(so_far) + logprobs)],
+        [(want, [0.0] * len(so_far) + want_lp[len(so_far) :])],
+        "1 -> 2",
+    )
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def completion_text(model, work: Path, tp: int, prompt: list[int]) -> tuple[str, list[int]]:
+    """A --local gateway at ``tp`` ranks: its greedy completion of ``prompt``, and the rank processes it ran."""
+    argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model), "--model-name", "tiny"]
+    argv += ["--port", "0", "--max-model-len", "512", "--threads", "1", "--tensor-parallel-size", str(tp)]
+    gateway = Component(f"gateway-tp{tp}", [*argv, "--log-level", "WARNING"], work / f"gateway-tp{tp}.log")
+    gateway.start()
+    try:
+        url = gateway.wait_ready(150.0)["http"]
+        ranks = [p for p in children(gateway.proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16
+        return r.json()["choices"][0]["text"], ranks
+    finally:
+        gateway.terminate()
+        try:
+            gateway.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
+
+
+def test_a_local_gateway_at_two_ranks_answers_as_at_one_and_its_ranks_end_with_it(models, tmp_path):
+    model, prompt = models["llama"], prompts(5)[0]
+    one, _ = completion_text(model, tmp_path, 1, prompt)
+    two, ranks = completion_text(model, tmp_path, 2, prompt)
+    assert two == one and len(one) > 0
+    assert len(ranks) == 1  # rank 1, started by the gateway (rank 0)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{p}").exists() for p in ranks), "a rank outlived its gateway"

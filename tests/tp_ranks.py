@@ -54,10 +54,14 @@ def _rank(rank: int, size: int, init: str, jobs: list, out) -> None:
 def run_ranks(size: int, jobs: list, work: Path) -> list:
     """Rank 0's results of ``jobs`` on a ``size``-rank engine (processes started fresh); AssertionError with a
     rank's traceback when one fails."""
+    return _spawn(_rank, size, jobs, work)
+
+
+def _spawn(target, size: int, jobs: list, work: Path) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    init = f"file://{work / 'tp-init'}"
-    procs = [ctx.Process(target=_rank, args=(r, size, init, jobs, out), daemon=True) for r in range(size)]
+    init = f"file://{work / f'tp-init-{target.__name__}'}"
+    procs = [ctx.Process(target=target, args=(r, size, init, jobs, out), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -69,3 +73,56 @@ def run_ranks(size: int, jobs: list, work: Path) -> list:
                 p.kill()
     assert status == "ok", value
     return value
+
+
+def _led(rank: int, size: int, init: str, jobs: list, out) -> None:
+    """As ``_rank``, but only rank 0 is given the requests (through ``Leader``); the others ``follow`` it."""
+    try:
+        import torch
+
+        from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
+        from mooncake.engine.parallel import TensorParallel
+        from mooncake.engine.ranks import Leader, follow
+        from mooncake.engine.request import PromptKV, RequestOptions
+
+        torch.set_num_threads(1)
+        tp = TensorParallel.init(rank, size, init, backend="gloo")
+        results = []
+        for model_dir, prompt, leading, export_after in jobs:
+            config = EngineConfig(
+                model=str(model_dir), block_size=8, num_kv_blocks=128, max_num_batched_tokens=32, dtype="float32"
+            )
+            engine = LLMEngine(config, tp=tp)
+            if rank:
+                follow(engine)
+                continue
+            engine = Leader(engine)
+            params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+            kv = options = None
+            if leading is not None:  # (KV of the first n tokens, the tokens already generated)
+                (n, data), outputs = leading  # numpy (a tensor in a queue goes with the process that put it)
+                kv, options = PromptKV(n, torch.from_numpy(data)), RequestOptions(outputs=tuple(outputs))
+            rid = engine.add_request(prompt, params, kv=kv, options=options)
+            tokens, logprobs, exported = [], [], None
+            while engine.has_unfinished():
+                for o in engine.step():
+                    tokens += o.new_token_ids
+                    logprobs += [lp.logprob for lp in o.new_logprobs or []]
+                if export_after and exported is None and len(tokens) >= export_after:
+                    computed = len(prompt) + len(tokens) - 1
+                    kv = engine.export_kv(engine.request_block_ids(rid)).numpy()
+                    exported = ((computed, kv), list(tokens))
+                    engine.abort_request(rid)
+            engine.close()
+            results.append((tokens, logprobs, exported))
+        if rank == 0:
+            out.put(("ok", results))
+    except BaseException:
+        out.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def run_led(size: int, jobs: list, work: Path) -> list:
+    """Rank 0's results of ``jobs`` ([(model_dir, prompt, leading KV or None, export after N tokens or 0)]) on a
+    ``size``-rank engine whose followers are given nothing but rank 0's broadcast calls: per job (tokens,
+    log-probabilities, (exported (tokens, KV), tokens so far) or None)."""
+    return _spawn(_led, size, jobs, work)

@@ -78,6 +78,13 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch threads (default: torch's)")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="native engine: split the model over this many ranks, a process each (gloo on the CPU; NCCL on "
+        "CUDA, rank r on cuda:r): each holds 1/N of the weights and of the KV heads",
+    )
     use_kernels: bool = Field(True, description="Compile and use the CPU paged decode-attention kernel")
     enforce_eager: bool = Field(
         False,

@@ -105,8 +105,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
         elem = torch.tensor([], dtype=config.torch_dtype).element_size()
-        self.block_bytes = args.num_layers * 2 * config.block_size * self.model.num_kv_heads * args.head_dim * elem
-        num_blocks = cache_blocks(config, args, self.block_bytes, self.max_model_len)
+        # a block in the pool layout holds every KV head; this rank's cache block its own (tensor parallelism)
+        self.block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
+        cache_block_bytes = self.block_bytes // args.num_kv_heads * self.model.num_kv_heads
+        num_blocks = cache_blocks(config, args, cache_block_bytes, self.max_model_len)
         identity = config.model_fingerprint or model_identity(config.model, config.torch_dtype)
         self.fingerprint = model_fingerprint(identity)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
@@ -133,7 +135,7 @@ class LLMEngine:
             config.seed,
             decode_kernel=kernel,
             step_kernel=step_kernel,
-            kv_buffer=kv_cache_buffer(num_blocks * self.block_bytes) if kv_cache_buffer is not None else None,
+            kv_buffer=kv_cache_buffer(num_blocks * cache_block_bytes) if kv_cache_buffer is not None else None,
         )
         if config.decode_graphs:
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=config.captures_graphs)
@@ -184,10 +186,10 @@ class LLMEngine:
             if not 0 < kv.num_tokens < total:
                 raise ValueError(f"imported KV must cover [1, {total - 1}] tokens, got {kv.num_tokens}")
             n_blocks = blocks_for(kv.num_tokens, self.block_size)
-            if tuple(kv.kv.shape[1:]) != self.runner.block_shape or kv.kv.shape[0] < n_blocks:
+            if tuple(kv.kv.shape[1:]) != self.runner.pool_block_shape or kv.kv.shape[0] < n_blocks:
                 raise ValueError(
                     f"imported KV of shape {tuple(kv.kv.shape)} does not hold {n_blocks} blocks "
-                    f"of shape {self.runner.block_shape}"
+                    f"of shape {self.runner.pool_block_shape}"
                 )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
@@ -226,7 +228,7 @@ class LLMEngine:
             return None
         if kv is not None:
             n_blocks = len(req.block_ids)
-            if tuple(kv.shape[1:]) != self.runner.block_shape or kv.shape[0] < n_blocks:
+            if tuple(kv.shape[1:]) != self.runner.pool_block_shape or kv.shape[0] < n_blocks:
                 raise ValueError(f"landed KV of shape {tuple(kv.shape)} does not hold {n_blocks} blocks")
             req.external_kv, req.num_external_tokens = kv, req.num_landed_tokens
         self.scheduler.land(request_id, token)
@@ -267,8 +269,8 @@ class LLMEngine:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """One block in the pool layout: (L, 2, block_size, Hkv, D)."""
-        return self.runner.block_shape
+        """One block in the pool layout: (L, 2, block_size, Hkv, D), every KV head (whatever this rank holds)."""
+        return self.runner.pool_block_shape
 
     @property
     def num_free_blocks(self) -> int:
@@ -396,7 +398,8 @@ class LLMEngine:
         return list(request.block_ids)
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """KV of the given blocks in the pool layout, [n, L, 2, block_size, Hkv, D], on the CPU."""
+        """KV of the given blocks in the pool layout, [n, L, 2, block_size, Hkv, D], on the CPU: every KV head, gathered
+        from the ranks under tensor parallelism (a collective: every rank calls it)."""
         if any(not 0 <= b < self.pool.num_blocks for b in block_ids):
             raise ValueError("block id out of range")
         return self.runner.export_blocks(block_ids)

@@ -23,6 +23,7 @@ the one its query heads read. A rank's KV cache holds its KV heads only: ``kv_he
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,13 +42,16 @@ class TensorParallel:
     group: Any = None
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str, backend: str | None = None) -> TensorParallel:
+    def init(
+        cls, rank: int, size: int, init_method: str, backend: str | None = None, timeout: timedelta | None = None
+    ) -> TensorParallel:
         """Join the ``size`` ranks at ``init_method`` (``tcp://host:port`` or ``file:///path``) as ``rank``; the
-        backend is NCCL where CUDA is, else gloo."""
+        backend is NCCL where CUDA is, else gloo; ``timeout``: how long a collective may wait (None: torch's)."""
         if size == 1:
             return cls()
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kwargs)
         return cls(rank, size, None)
 
     # -- what a rank holds ---------------------------------------------------------------------
@@ -96,6 +100,17 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def gather_kv_heads(self, own: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """Every KV head from each rank's own [..., heads, D], in head order: a pool block's (each head once where
+        ranks share one). ``own`` itself at size 1."""
+        if self.size == 1:
+            return own
+        parts = [torch.empty_like(own) for _ in range(self.size)]
+        dist.all_gather(parts, own.contiguous(), group=self.group)
+        if num_kv_heads < self.size:  # rank r keeps head r * num_kv_heads // size: one rank of each head's share
+            parts = parts[:: self.size // num_kv_heads]
+        return torch.cat(parts, dim=-2)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x joined along the last dimension, in rank order (vocabulary-parallel logits)."""

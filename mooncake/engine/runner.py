@@ -57,6 +57,10 @@ class ModelRunner:
         self.device = device
         self.vocab_size = args.vocab_size  # the width of the logits (and of each sampling draw)
         shape = (args.num_layers, 2, num_blocks, block_size, model.num_kv_heads, args.head_dim)  # this rank's heads
+        self.tp = model.tp
+        # where this rank's heads are among a pool block's (None: it holds them all)
+        self.kv_heads = model.tp.kv_heads(args) if model.tp.size > 1 else None
+        self.pool_block_shape = (args.num_layers, 2, block_size, args.num_kv_heads, args.head_dim)
         if kv_buffer is None:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         else:  # memory another process writes too (a decode worker's cache in shared memory): CPU only
@@ -80,7 +84,8 @@ class ModelRunner:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block in the pool layout: [L, 2, block_size, Hkv, D]."""
+        """Shape of one block of this cache: [L, 2, block_size, Hkv, D], this rank's KV heads (``pool_block_shape``:
+        every head, the pool's layout)."""
         layers, two, _, bs, hkv, d = self.kv_cache.shape
         return (layers, two, bs, hkv, d)
 
@@ -107,18 +112,24 @@ class ModelRunner:
             self.grammars.drop(request_id)
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy blocks out in the pool layout: [n, L, 2, block_size, Hkv, D] on the CPU."""
+        """Copy blocks out in the pool layout: [n, L, 2, block_size, Hkv, D] on the CPU, every KV head (gathered from
+        the tensor-parallel ranks: a collective)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        own = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return self.tp.gather_kv_heads(own, self.pool_block_shape[3]).cpu()
+
+    def own_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads of pool-layout KV [..., Hkv, D] (a view; all of it without tensor parallelism)."""
+        return kv if self.kv_heads is None else kv[..., self.kv_heads, :]
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write pool-layout blocks [n, L, 2, block_size, Hkv, D] into the given cache blocks."""
-        if tuple(data.shape[1:]) != self.block_shape or data.shape[0] != len(block_ids):
+        """Write pool-layout blocks [n, L, 2, block_size, Hkv, D] into the given cache blocks (this rank's heads)."""
+        if tuple(data.shape[1:]) != self.pool_block_shape or data.shape[0] != len(block_ids):
             raise ValueError(
-                f"KV blocks of shape {tuple(data.shape)} do not fit {len(block_ids)} blocks of {self.block_shape}"
+                f"KV blocks of shape {tuple(data.shape)} do not fit {len(block_ids)} blocks of {self.pool_block_shape}"
             )
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        src = data.to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
+        src = self.own_heads(data).to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
         self.kv_cache.index_copy_(2, idx, src)
 
     def import_layer(self, layer: int, imp: "_Import") -> None:
@@ -129,7 +140,7 @@ class ModelRunner:
             src, ids = ext[:, layer], range(imp.first_block, imp.first_block + n)  # [N, 2, bs, Hkv, D]
         else:  # a lazy source (ExternalKV): where one layer of its blocks is
             src, ids = ext.source(layer, imp.first_block, imp.first_block + n)
-        copy_blocks(self.kv_cache[layer].transpose(0, 1), imp.block_ids, src, ids)
+        copy_blocks(self.kv_cache[layer].transpose(0, 1), imp.block_ids, self.own_heads(src), ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, connector: KVConnector) -> Sampled:

@@ -64,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(local, EngineConfig, "num_threads", "--threads")
     field_arg(local, EngineConfig, "device")
     field_arg(local, EngineConfig, "max_num_batched_tokens")
+    field_arg(local, EngineConfig, "tensor_parallel_size")
     recovery = p.add_argument_group("recovery", "the cluster's: how long a request waits for it (RecoveryConfig)")
     field_arg(recovery, RecoveryConfig, "hold_s")
     field_arg(recovery, RecoveryConfig, "retry_budget_s")
@@ -91,6 +92,7 @@ def build_backend(args: argparse.Namespace):
             num_threads=args.threads,
             max_num_batched_tokens=args.max_num_batched_tokens,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         return LocalBackend(
             config, name, engine=EngineKind(args.engine), vllm_args=parse_vllm_args(args.vllm_arg)

@@ -88,3 +88,4 @@ class LocalBackend(GenerationBackend):
 
     async def close(self) -> None:
         self.loop.close()
+        self.engine.close()  # a tensor-parallel engine's other ranks end with it

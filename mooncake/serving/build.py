@@ -30,12 +30,24 @@ def build_engine(
         from mooncake.serving.model_support import check_native
 
         check_native(config.model)  # an architecture ours lacks: refused in one line naming the model
+        if config.tensor_parallel_size > 1:
+            if connector is not None or kv_cache_buffer is not None:
+                raise ValueError(
+                    "--tensor-parallel-size above 1 serves from one process (the gateway's --local) for now: a "
+                    "prefill or decode worker's pool writes and hand-off at several ranks are not built yet"
+                )
+            from mooncake.engine.ranks import start_ranks
+
+            return start_ranks(config, tokenizer)
         engine = LLMEngine(config, connector=connector, tokenizer=tokenizer, kv_cache_buffer=kv_cache_buffer)
         if connector is not None:
             connector.bind(engine.kv_cache)
         return engine
     if kind is EngineKind.VLLM:
         from mooncake.vllm_engine.engine import VllmEngine
+
+        if config.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size is our engine's; vLLM takes --vllm-arg tensor_parallel_size=N")
 
         return VllmEngine(config, vllm_args or {}, tokenizer=tokenizer, pusher=connector)
     raise ValueError(f"unknown engine {kind!r}")

@@ -195,3 +195,10 @@ def test_a_local_gateway_at_two_ranks_answers_as_at_one_and_its_ranks_end_with_i
     while any(Path(f"/proc/{p}").exists() for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(Path(f"/proc/{p}").exists() for p in ranks), "a rank outlived its gateway"
+
+
+def test_a_gateway_asked_for_ranks_the_model_does_not_split_into_stops_saying_why(models):
+    argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(models["llama"]), "--port", "0"]
+    done = subprocess.run([*argv, "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "attention heads (4) cannot be split evenly among 3 tensor-parallel ranks" in done.stderr + done.stdout

@@ -59,7 +59,7 @@ class TensorParallel:
     def part(self, n: int, what: str) -> slice:
         """This rank's contiguous 1/size of ``n`` (``what`` names it in the error when ``n`` does not divide)."""
         if n % self.size:
-            raise ValueError(f"{what} ({n}) does not divide among {self.size} tensor-parallel ranks")
+            raise ValueError(f"{what} ({n}) cannot be split evenly among {self.size} tensor-parallel ranks")
         k = n // self.size
         return slice(self.rank * k, (self.rank + 1) * k)
 

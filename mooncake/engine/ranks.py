@@ -30,6 +30,8 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 # what the followers make too: every call that changes an engine's state or that runs a collective
 FOLLOWED = ("add_request", "abort_request", "land", "step", "set_max_num_seqs", "export_kv")
 CLOSE = "close"
-START_TIMEOUT_S = 600.0  # the ranks' rendezvous and their models' loading, at most
+START_TIMEOUT_S = 600.0  # the ranks' rendezvous and their models' loading, at most (the start-up group's timeout)
 # a follower waits for rank 0's next call as long as the engine is idle: the group never times out on its own, and a
 # follower dies with its leader's process instead (PR_SET_PDEATHSIG)
 IDLE_TIMEOUT = timedelta(days=3650)
@@ -118,11 +120,9 @@ def rank_config(config: Any, rank: int) -> Any:
 
 def start_ranks(config: Any, tokenizer: Any = None) -> Leader:
     """A ``config.tensor_parallel_size``-rank engine: the other ranks started as processes here (each loading its
-    shard and following this one), this process rank 0; returns its ``Leader``. Raises ValueError when the model does
-    not split that way, RuntimeError when a rank fails to start (its error in the message)."""
-    from mooncake.engine.engine import LLMEngine
-    from mooncake.engine.parallel import TensorParallel
-
+    shard and following this one), this process rank 0; returns its ``Leader`` once every rank has loaded. Raises
+    ValueError when the model does not split that way, RuntimeError when another rank fails to start (its error in
+    the message) or the ranks do not meet within ``START_TIMEOUT_S``."""
     size = config.tensor_parallel_size
     if config.device == "cpu" and config.num_threads is None:  # the cores shared among the ranks, not each all of them
         config = config.model_copy(update={"num_threads": max(1, (os.cpu_count() or 1) // size)})
@@ -138,18 +138,60 @@ def start_ranks(config: Any, tokenizer: Any = None) -> Leader:
     ]
     for p in followers:
         p.start()
+    started: dict[str, Any] = {}
+
+    def start() -> None:  # on a thread: a rank that dies before the rendezvous would leave it waiting
+        try:
+            started["engine"] = _load(0, size, init, config, tokenizer)
+        except BaseException as e:
+            started["error"] = e
+
+    thread = threading.Thread(target=start, name="tp-start", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(0.2)
+        gone = [p for p in followers if not p.is_alive()]
+        if gone or time.monotonic() > deadline:
+            why = errors.get(timeout=1.0) if gone and _waiting(errors) else None
+            _stop(followers, rendezvous)
+            if why is None:
+                why = (
+                    f"{gone[0].name} exited with {gone[0].exitcode}" if gone else f"not met in {START_TIMEOUT_S:.0f} s"
+                )
+            raise RuntimeError(f"a tensor-parallel rank failed to start: {why}")
+    if "error" in started:
+        _stop(followers, rendezvous)
+        raise started["error"]
+    return Leader(started["engine"], followers, rendezvous)
+
+
+def _waiting(queue: Any) -> bool:
     try:
-        tp = TensorParallel.init(0, size, init, timeout=IDLE_TIMEOUT)
-        engine = LLMEngine(rank_config(config, 0), tokenizer=tokenizer, tp=tp)
-    except BaseException:
-        for p in followers:
-            p.kill()
-        shutil.rmtree(rendezvous, ignore_errors=True)
-        failed = [] if errors.empty() else [errors.get_nowait()]
-        if failed:
-            raise RuntimeError(f"a tensor-parallel rank failed to start: {failed[0]}") from None
-        raise
-    return Leader(engine, followers, rendezvous)
+        return not queue.empty()
+    except (OSError, ValueError):
+        return False
+
+
+def _stop(followers: list, rendezvous: Path) -> None:
+    for p in followers:
+        p.kill()
+    shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _load(rank: int, size: int, init: str, config: Any, tokenizer: Any) -> Any:
+    """Join the ranks, load this rank's shard, and wait until every rank has (a rank that fails to load ends the
+    start-up for all: the others' wait fails at once, its peer gone)."""
+    from mooncake.engine.engine import LLMEngine
+    from mooncake.engine.parallel import TensorParallel
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    TensorParallel.init(rank, size, init, timeout=timedelta(seconds=START_TIMEOUT_S))
+    tp = TensorParallel(rank, size, dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT))
+    engine = LLMEngine(rank_config(config, rank), tokenizer=tokenizer, tp=tp)
+    dist.barrier()  # the start-up group: START_TIMEOUT_S
+    return engine
 
 
 def _follower(rank: int, size: int, init: str, config: Any, with_tokenizer: bool, errors: Any) -> None:
@@ -159,16 +201,11 @@ def _follower(rank: int, size: int, init: str, config: Any, with_tokenizer: bool
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    from mooncake.engine.engine import LLMEngine
-    from mooncake.engine.parallel import TensorParallel
     from mooncake.engine.tokenizer import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_dir(config.model) if with_tokenizer else None
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        tp = TensorParallel.init(rank, size, init, timeout=IDLE_TIMEOUT)
-        engine = LLMEngine(rank_config(config, rank), tokenizer=tokenizer, tp=tp)
+        engine = _load(rank, size, init, config, tokenizer)
     except BaseException as e:
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise

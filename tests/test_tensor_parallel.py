@@ -10,7 +10,9 @@ continues at one rank, and the reverse: the pool's layout is the same whatever t
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from mooncake.cluster.component import Component
 from mooncake.engine import SamplingParams
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.parallel import TensorParallel
+from mooncake.engine.ranks import RANK_LOST_EXIT
 from mooncake.engine.request import PromptKV, RequestOptions
 from mooncake.engine.tiny import TINY_ARCHS, make_tiny
 from mooncake.engine.weights import load_hf_config
@@ -202,3 +205,26 @@ def test_a_gateway_asked_for_ranks_the_model_does_not_split_into_stops_saying_wh
     done = subprocess.run([*argv, "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "attention heads (4) cannot be split evenly among 3 tensor-parallel ranks" in done.stderr + done.stdout
+
+
+def test_a_rank_killed_takes_its_gateway_down_whole_instead_of_serving_half_a_model(models, tmp_path):
+    """The gateway's other rank killed: the next request fails (an error or a dropped connection, never text) and the
+    gateway exits with RANK_LOST_EXIT (a restart serves again) rather than go on without half of every layer."""
+    argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(models["llama"]), "--port", "0"]
+    argv += ["--model-name", "tiny", "--threads", "1", "--tensor-parallel-size", "2", "--log-level", "WARNING"]
+    gateway = Component("gateway-tp-kill", argv, tmp_path / "gateway.log")
+    gateway.start()
+    try:
+        url = gateway.wait_ready(150.0)["http"]
+        (rank,) = [p for p in children(gateway.proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        os.kill(rank, signal.SIGKILL)
+        body = {"model": "tiny", "prompt": prompts(6)[1], "max_tokens": 4, "temperature": 0}
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code >= 500, r.text
+        except httpx.TransportError:
+            pass  # the process went down while answering
+        assert gateway.proc.wait(30) == RANK_LOST_EXIT
+        assert "a tensor-parallel rank is gone" in (tmp_path / "gateway.log").read_text()
+    finally:
+        gateway.kill()

@@ -16,9 +16,9 @@ is added. The scheduler decides by its own state only (no clock, no randomness),
 anything that would make one rank decide apart from the others must be a call made through the leader.
 
 A call that raises on rank 0 raises on the followers too (the same state, the same arguments): they log it and go on.
-``close`` ends the followers' loop; a leader's process that dies leaves its followers blocked in the broadcast until
-their group times out, and a follower that dies leaves the leader's next collective failing: a worker treats either
-as its own death (issue 64: the worker process and its ranks go down together).
+``close`` ends the followers' loop. The ranks go down together: a follower dies with its leader's process
+(PR_SET_PDEATHSIG), and a leader whose follower died (its next broadcast or collective fails) exits at once
+(``rank_lost``, status ``RANK_LOST_EXIT``) rather than serve on with part of the model gone.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # what the followers make too: every call that changes an engine's state or that runs a collective
 FOLLOWED = ("add_request", "abort_request", "land", "step", "set_max_num_seqs", "export_kv")
 CLOSE = "close"
+RANK_LOST_EXIT = 75  # rank 0's exit status when another rank died (EX_TEMPFAIL: a restart serves again)
 START_TIMEOUT_S = 600.0  # the ranks' rendezvous and their models' loading, at most (the start-up group's timeout)
 # a follower waits for rank 0's next call as long as the engine is idle: the group never times out on its own, and a
 # follower dies with its leader's process instead (PR_SET_PDEATHSIG)
@@ -73,8 +74,14 @@ class Leader:
             return attr
 
         def followed(*args, **kwargs):
-            _broadcast(self.tp, [name, args, kwargs])
-            return attr(*args, **kwargs)
+            try:
+                _broadcast(self.tp, [name, args, kwargs])
+            except RuntimeError as e:  # a follower is gone (gloo: its connection closed; NCCL: its communicator)
+                rank_lost(e)
+            try:
+                return attr(*args, **kwargs)
+            except dist.DistError as e:  # a collective inside the call failed: a follower died during it
+                rank_lost(e)
 
         return followed
 
@@ -94,6 +101,15 @@ class Leader:
         self.engine.close()
         if self._rendezvous is not None:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def rank_lost(error: BaseException) -> None:
+    """A rank of this engine is gone: its shard of the model with it. This process goes down whole (its supervisor
+    restarts it, as for any worker death; the cluster places its requests again or resumes them); it never serves
+    on with a part of the model missing."""
+    log.critical("a tensor-parallel rank is gone (%s): this process stops", error)
+    logging.shutdown()
+    os._exit(RANK_LOST_EXIT)
 
 
 def follow(engine: Any) -> int:

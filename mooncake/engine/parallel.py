@@ -34,12 +34,14 @@ from mooncake.engine.model_args import ModelArgs
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """This process's rank among ``size`` that each hold 1/size of the model; ``group``: the process group (None: the
-    default one)."""
+    """This process's rank among ``size`` that each hold 1/size of the model; ``group``: the process group of the
+    model's collectives (None: the default one); ``calls``: a gloo group for the objects rank 0 sends the others
+    (mooncake.engine.ranks; None: ``group``), which on CUDA keeps them off NCCL, and sees a dead peer at once."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    calls: Any = None
 
     @classmethod
     def init(

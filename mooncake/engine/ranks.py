@@ -53,7 +53,7 @@ IDLE_TIMEOUT = timedelta(days=3650)
 
 def _broadcast(tp, call: list | None) -> list:
     box = [call]
-    dist.broadcast_object_list(box, src=0, group=tp.group)
+    dist.broadcast_object_list(box, src=0, group=tp.calls if tp.calls is not None else tp.group)
     return box[0]
 
 
@@ -203,9 +203,16 @@ def _load(rank: int, size: int, init: str, config: Any, tokenizer: Any) -> Any:
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    TensorParallel.init(rank, size, init, timeout=timedelta(seconds=START_TIMEOUT_S))
-    tp = TensorParallel(rank, size, dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT))
-    engine = LLMEngine(rank_config(config, rank), tokenizer=tokenizer, tp=tp)
+    config = rank_config(config, rank)
+    cuda = config.device.startswith("cuda")
+    if cuda:  # NCCL's communicator is this rank's device's
+        torch.cuda.set_device(torch.device(config.device))
+    backend = "nccl" if cuda else "gloo"  # the device's, not whether this machine has CUDA
+    TensorParallel.init(rank, size, init, backend=backend, timeout=timedelta(seconds=START_TIMEOUT_S))
+    ranks = list(range(size))
+    group = dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend=backend)
+    calls = dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo") if cuda else None
+    engine = LLMEngine(config, tokenizer=tokenizer, tp=TensorParallel(rank, size, group, calls))
     dist.barrier()  # the start-up group: START_TIMEOUT_S
     return engine
 

@@ -46,23 +46,19 @@ class Departures:
         """Requests leaving a second, on ``decode`` or (None) on all decode instances together; None: too few
         measured. The window is ``window_s``, or since the first departure seen when that is shorter."""
         decodes = list(self._at) if decode is None else [decode] if decode in self._at else []
-        total, span = 0.0, 0.0
-        for d in decodes:
-            times = self._at[d]
-            self._trim(times, now)
-            n = len(times)
-            if n < MIN_DEPARTURES:
-                continue
-            # from the first departure seen, the first one opens the span and is not counted in it
-            since = self._since[d]
-            d_span = min(self.window_s, now - since)
-            if since > now - self.window_s:
-                n -= 1
-            if d_span <= 0 or n <= 0:
-                continue
-            total += n / d_span
-            span = max(span, d_span)
-        return total if span > 0 else None
+        rates = [r for d in decodes if (r := self._rate_of(d, now)) is not None]
+        return sum(rates) if rates else None
+
+    def _rate_of(self, decode: str, now: float) -> float | None:
+        times = self._at[decode]
+        self._trim(times, now)
+        if len(times) < MIN_DEPARTURES:
+            return None
+        since = self._since[decode]
+        span = min(self.window_s, now - since)
+        # counted from the first departure seen, that one opens the span and is not in it
+        n = len(times) - (since > now - self.window_s)
+        return n / span if span > 0 and n > 0 else None
 
     def retry_after(self, needed: float, now: float, decode: str | None = None) -> float | None:
         """Seconds until ``needed`` more requests will have left (``decode``, or all of them), at the measured rate;

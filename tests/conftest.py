@@ -293,8 +293,9 @@ def smollm2(smollm2_dir) -> RealModel:
 # -- engines --------------------------------------------------------------------------
 
 
-def make_engine(model_dir, connector: KVConnector | None = None, tokenizer=None, **overrides) -> LLMEngine:
-    """An engine in float32 with small defaults; ``overrides`` go into EngineConfig."""
+def make_engine(model_dir, connector: KVConnector | None = None, tokenizer=None, tp=None, **overrides) -> LLMEngine:
+    """An engine in float32 with small defaults; ``overrides`` go into EngineConfig; ``tp``: one rank of a
+    tensor-parallel engine (mooncake.engine.parallel.TensorParallel)."""
     cfg = dict(
         model=str(model_dir),
         block_size=8,
@@ -304,6 +305,8 @@ def make_engine(model_dir, connector: KVConnector | None = None, tokenizer=None,
         dtype="float32",
     )
     cfg.update(overrides)
+    if tp is not None:
+        return LLMEngine(EngineConfig(**cfg), connector=connector, tokenizer=tokenizer, tp=tp)
     return LLMEngine(EngineConfig(**cfg), connector=connector, tokenizer=tokenizer)
 
 

@@ -319,7 +319,7 @@ def test_early_predictive_rejects_when_the_decode_batch_will_still_be_running():
     c.heartbeat("d0", Load(running_requests=25, context_tokens=25 * 200), now)
     outcome = c.schedule(request(blocks=10, prompt=1000), now)
     assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.OVERLOAD
-    assert outcome.retry_after_s == 15.0  # t_d / 2
+    assert outcome.retry_after_s == 15.0  # t_d / 2: no departure measured yet (conductor.drain)
 
 
 def test_t_d_follows_measured_decode_durations():

@@ -1,5 +1,6 @@
 """A refusal for the decode side says when to come back from how fast requests were measured leaving
-(conductor.drain): a client that waits that long finds the room it was refused for."""
+(conductor.drain): a client that waits that long finds the room it was refused for. With nobody measured leaving it is
+half a mean decode: tests/test_conductor_admission.py (test_early_predictive_rejects_when_the_decode_batch_...)."""
 
 from __future__ import annotations
 
@@ -83,16 +84,3 @@ def test_a_slower_drain_says_come_back_later():
     _, slow = overloaded(gap_s=3.0)
     assert fast.retry_after_s < slow.retry_after_s < 60.0
     assert slow.retry_after_s == pytest.approx(3 * fast.retry_after_s, rel=0.05)
-
-
-def test_with_nobody_measured_leaving_the_retry_is_half_a_mean_decode():
-    now = 100.0
-    c = conductor("early_predictive", default_decode_s=30.0)
-    cluster(c, now=now)
-    for n in range(25):
-        c.forecast.scheduled(f"old{n}", "d0", now - 1.0, 200)
-        c.decode_started(f"old{n}", now - 1.0)
-    c.heartbeat("d0", Load(running_requests=25, context_tokens=25 * 200), now)
-    outcome = c.schedule(request(blocks=10, prompt=1000), now)
-    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.OVERLOAD
-    assert outcome.retry_after_s == 15.0

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 from conftest import make_engine
-from tp_ranks import run_led, run_ranks
+from tp_ranks import generate, run_led, run_ranks
 
 from mooncake.cluster.component import Component
 from mooncake.engine import SamplingParams
@@ -43,15 +43,7 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def alone(model_dir, batch: list[list[int]], **overrides) -> list[tuple[list[int], list[float]]]:
-    engine = make_engine(model_dir, **overrides)
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
-    ids = [engine.add_request(p, params, request_id=f"r{n}") for n, p in enumerate(batch)]
-    got = {i: ([], []) for i in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            got[o.request_id][0].extend(o.new_token_ids)
-            got[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs or [])
-    return [got[i] for i in ids]
+    return generate(make_engine(model_dir, **overrides), batch)
 
 
 def assert_same(split, whole, label: str) -> None:
@@ -112,16 +104,9 @@ def test_ranks_given_only_rank_0s_calls_generate_what_one_rank_does(models, tmp_
 def continue_alone(model_dir, prompt: list[int], exported) -> tuple[list[int], list[float]]:
     """One rank's engine continuing ``prompt`` from KV exported elsewhere (``((tokens, kv), outputs so far)``)."""
     (n, kv), so_far = exported
-    kv = torch.from_numpy(kv)
-    engine = make_engine(model_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
-    engine.add_request(prompt, params, kv=PromptKV(n, kv), options=RequestOptions(outputs=tuple(so_far)))
-    tokens, logprobs = list(so_far), []
-    while engine.has_unfinished():
-        for o in engine.step():
-            tokens += o.new_token_ids
-            logprobs += [lp.logprob for lp in o.new_logprobs or []]
-    return tokens, logprobs
+    kv, options = PromptKV(n, torch.from_numpy(kv)), RequestOptions(outputs=tuple(so_far))
+    ((tokens, logprobs),) = generate(make_engine(model_dir), [prompt], kv=kv, options=options)
+    return list(so_far) + tokens, logprobs
 
 
 def test_kv_written_at_two_ranks_continues_at_one_and_kv_written_at_one_continues_at_two(models, tmp_path):

@@ -15,36 +15,38 @@ from pathlib import Path
 TIMEOUT_S = 300.0
 
 
+def greedy():
+    """The sampling every TP test runs: 16 greedy tokens with their log-probabilities."""
+    from mooncake.engine import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+
+
+def generate(engine, prompts: list[list[int]], **add) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's (tokens, log-probabilities) generated on ``engine`` (ids r0, r1, ...; ``add``: add_request's
+    kv and options), run to the end."""
+    ids = [engine.add_request(p, greedy(), request_id=f"r{n}", **add) for n, p in enumerate(prompts)]
+    got = {i: ([], []) for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id][0].extend(o.new_token_ids)
+            got[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs or [])
+    return [got[i] for i in ids]
+
+
 def _rank(rank: int, size: int, init: str, jobs: list, out) -> None:
     try:
         import torch
+        from conftest import make_engine
 
-        from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
         from mooncake.engine.parallel import TensorParallel
 
         torch.set_num_threads(1)
         tp = TensorParallel.init(rank, size, init, backend="gloo")
-        results = []
-        for model_dir, prompts, overrides in jobs:
-            cfg = dict(
-                model=str(model_dir),
-                block_size=8,
-                num_kv_blocks=128,
-                max_num_batched_tokens=32,
-                max_num_seqs=8,
-                dtype="float32",
-                num_threads=1,
-            )
-            cfg.update(overrides)
-            engine = LLMEngine(EngineConfig(**cfg), tp=tp)
-            params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
-            ids = [engine.add_request(p, params, request_id=f"r{n}") for n, p in enumerate(prompts)]
-            got = {i: ([], []) for i in ids}
-            while engine.has_unfinished():
-                for o in engine.step():
-                    got[o.request_id][0].extend(o.new_token_ids)
-                    got[o.request_id][1].extend(lp.logprob for lp in o.new_logprobs or [])
-            results.append([got[i] for i in ids])
+        results = [
+            generate(make_engine(model_dir, tp=tp, num_threads=1, **overrides), prompts)
+            for model_dir, prompts, overrides in jobs
+        ]
         if rank == 0:
             out.put(("ok", results))
     except BaseException:
@@ -79,8 +81,8 @@ def _led(rank: int, size: int, init: str, jobs: list, out) -> None:
     """As ``_rank``, but only rank 0 is given the requests (through ``Leader``); the others ``follow`` it."""
     try:
         import torch
+        from conftest import make_engine
 
-        from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
         from mooncake.engine.parallel import TensorParallel
         from mooncake.engine.ranks import Leader, follow
         from mooncake.engine.request import PromptKV, RequestOptions
@@ -89,20 +91,16 @@ def _led(rank: int, size: int, init: str, jobs: list, out) -> None:
         tp = TensorParallel.init(rank, size, init, backend="gloo")
         results = []
         for model_dir, prompt, leading, export_after in jobs:
-            config = EngineConfig(
-                model=str(model_dir), block_size=8, num_kv_blocks=128, max_num_batched_tokens=32, dtype="float32"
-            )
-            engine = LLMEngine(config, tp=tp)
+            engine = make_engine(model_dir, tp=tp, max_num_seqs=64)
             if rank:
                 follow(engine)
                 continue
             engine = Leader(engine)
-            params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
             kv = options = None
             if leading is not None:  # (KV of the first n tokens, the tokens already generated)
                 (n, data), outputs = leading  # numpy (a tensor in a queue goes with the process that put it)
                 kv, options = PromptKV(n, torch.from_numpy(data)), RequestOptions(outputs=tuple(outputs))
-            rid = engine.add_request(prompt, params, kv=kv, options=options)
+            rid = engine.add_request(prompt, greedy(), kv=kv, options=options)
             tokens, logprobs, exported = [], [], None
             while engine.has_unfinished():
                 for o in engine.step():

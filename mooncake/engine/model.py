@@ -371,7 +371,7 @@ class CausalLM(nn.Module):
             if name in seen:
                 raise ValueError(f"weight {name} appears twice")
             seen.add(name)
-            slots = self._slots(name, tuple(tensor.shape))
+            slots = self._slots(name)
             if slots is None or any(pname not in params for pname, _, _ in slots):
                 unexpected.append(name)
                 continue
@@ -402,8 +402,8 @@ class CausalLM(nn.Module):
         held = (("model.embed_tokens.weight", self.model.embed_tokens), ("lm_head.weight", self.lm_head))
         return [(name, slice(real, None)) for name, module in held if module is not None]
 
-    def _slots(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple]] | None:
-        """Where the Hugging Face tensor ``name`` (of ``shape``) goes: (our parameter, the index of the part of it,
+    def _slots(self, name: str) -> list[tuple[str, tuple, tuple]] | None:
+        """Where the Hugging Face tensor ``name`` goes: (our parameter, the index of the part of it,
         the index of the tensor's part that fills it) for each part; () where whole. None: no parameter takes it."""
         a, tp = self.args, self.tp
         d = a.head_dim
@@ -418,7 +418,7 @@ class CausalLM(nn.Module):
         if m is None:
             if whole:
                 return [(name, (), ())]
-            return self._split(name, shape, q_rows, kv_rows, inter)
+            return self._split(name, q_rows, kv_rows, inter)
         p = f"model.layers.{m['layer']}."
         part = m["part"]
         if part is not None:
@@ -442,9 +442,7 @@ class CausalLM(nn.Module):
         dest = slice(0, i) if proj in ("gate_proj", "w1") else slice(i, 2 * i)
         return [(f"{p}mlp.experts_gate_up", (e, dest), () if whole else (moe,))]
 
-    def _split(
-        self, name: str, shape: tuple[int, ...], q_rows: slice, kv_rows: slice, inter: slice
-    ) -> list[tuple[str, tuple, tuple]]:
+    def _split(self, name: str, q_rows: slice, kv_rows: slice, inter: slice) -> list[tuple[str, tuple, tuple]]:
         """``_slots`` of a tensor whose name is our parameter's, under tensor parallelism: the vocabulary's rows,
         o_proj's and down_proj's input columns, the already-fused qkv_proj's and gate_up_proj's rows (Phi-3)."""
         a = self.args

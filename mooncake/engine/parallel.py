@@ -45,13 +45,13 @@ class TensorParallel:
 
     @classmethod
     def init(
-        cls, rank: int, size: int, init_method: str, backend: str | None = None, timeout: timedelta | None = None
+        cls, rank: int, size: int, init_method: str, backend: str = "gloo", timeout: timedelta | None = None
     ) -> TensorParallel:
         """Join the ``size`` ranks at ``init_method`` (``tcp://host:port`` or ``file:///path``) as ``rank``; the
-        backend is NCCL where CUDA is, else gloo; ``timeout``: how long a collective may wait (None: torch's)."""
+        backend is the engine's device's (gloo for the CPU, nccl for CUDA: the caller says which); ``timeout``: how
+        long a collective may wait (None: torch's)."""
         if size == 1:
             return cls()
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         kwargs = {} if timeout is None else {"timeout": timeout}
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kwargs)
         return cls(rank, size, None)

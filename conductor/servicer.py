@@ -129,6 +129,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             block_bytes=request.block_bytes,
             kv_blocks=request.kv_blocks,
             kv_shared=request.kv_shared,
+            tensor_parallel_size=max(request.tensor_parallel_size, 1),
             token=new_instance_token(),
         )
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
@@ -260,6 +261,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 transport=i.transport,
                 kv_blocks=i.kv_blocks,
                 kv_held=kv_held,
+                tensor_parallel_size=i.tensor_parallel_size,
             )
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks

@@ -98,6 +98,7 @@ class Instance:
     block_bytes: int = 0  # kvstore: bytes of one block, as it registered (0: not said)
     kv_blocks: int = 0  # decode: the blocks a prompt's KV lands in (0: not said: Load.landing_blocks stands)
     kv_shared: bool = False  # decode: its running batch holds blocks of kv_blocks too (the engine's own cache)
+    tensor_parallel_size: int = 1  # workers: its engine's ranks (a device each on a GPU)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = (

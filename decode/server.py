@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             step_tokens=worker.step_tokens,
             kv_blocks=worker.kv_blocks,
             kv_shared=worker.kv_shared,
+            tensor_parallel_size=config.engine_config.tensor_parallel_size,
         ),
         load=load,
         on_heartbeat=lambda beat: worker.set_batch_cap(beat.batch_cap),

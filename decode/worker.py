@@ -102,7 +102,11 @@ class DecodeWorker:
         # The engine's own cache is the landing zone (native engine): on the CPU it lives in a shared-memory segment
         # (prefill workers on this host write it in place, others through the transfer server); on CUDA it is exported
         # by CUDA IPC to prefill workers on this host. Landing slots remain for the rest.
-        native = config.engine is EngineKind.NATIVE and config.direct_landing
+        # (a tensor-parallel cache is split among its ranks' processes: a prompt's KV lands in slots, then each rank's
+        # heads go to it)
+        native = (
+            config.engine is EngineKind.NATIVE and config.direct_landing and engine_config.tensor_parallel_size == 1
+        )
         segment = None
 
         def place(nbytes: int):

@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline_stages=stages,
             pipeline_chunk=config.engine_config.max_num_batched_tokens if stages > 1 else 0,
             transport=worker.transfer.transport,
+            tensor_parallel_size=config.engine_config.tensor_parallel_size,
         ),
         load=load,
         ready={

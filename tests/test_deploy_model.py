@@ -262,6 +262,21 @@ def test_production_runs_the_workers_on_cuda_in_bfloat16_with_a_gpu_each_and_non
         assert not any(a.startswith("--device") for a in container(pod_spec(render(), pool), pool)["args"])
 
 
+def test_a_tensor_parallel_pool_asks_a_gpu_a_rank_and_its_workers_get_the_size():
+    from mooncake.cluster.components import component_parser
+
+    sizes = ["--set", "prefill.tensorParallelSize=2", "--set", "decode.tensorParallelSize=4"]
+    gpus = ["--set", "prefill.gpus=2", "--set", "decode.gpus=4"]
+    docs = render("-f", str(PRODUCTION), *sizes, *gpus)
+    for pool, n in (("prefill", 2), ("decode", 4)):
+        worker = container(pod_spec(docs, pool), pool)
+        assert component_parser(pool).parse_args(expanded_args(docs, worker)).tensor_parallel_size == n, pool
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == n, pool
+    # at one rank (the default) no flag is given: the workers' default
+    for pool in ("prefill", "decode"):
+        assert not any(a.startswith("--tensor-parallel") for a in container(pod_spec(render(), pool), pool)["args"])
+
+
 @pytest.mark.parametrize(
     "bad,message",
     [
@@ -272,6 +287,15 @@ def test_production_runs_the_workers_on_cuda_in_bfloat16_with_a_gpu_each_and_non
         (["--set", "model.blockBytes=737280"], "model.blockBytes is no longer a value"),
         (["--set", "decode.device=cuda"], "decode.device is cuda but the pool asks for no GPU"),
         (["--set", "prefill.device=gpu", "--set", "prefill.gpus=1"], "prefill.device must be cpu or cuda[:N]"),
+        (
+            ["--set", "decode.device=cuda", "--set", "decode.gpus=1", "--set", "decode.tensorParallelSize=2"],
+            "decode.tensorParallelSize is 2 on cuda: a GPU a rank, so decode.gpus must be 2 at least",
+        ),
+        (
+            ["--set", "engine.kind=vllm", "--set", "image.variant=vllm-cpu", "--set", "model.blockSize=32"]
+            + ["--set", "prefill.tensorParallelSize=2"],
+            "prefill.tensorParallelSize is our engine's (engine.kind=native)",
+        ),
     ],
 )
 def test_model_values_no_pod_could_start_with_fail_with_a_message(bad, message):

@@ -126,6 +126,7 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
     order = {pb.PREFILL: 0, pb.KVSTORE: 1, pb.DECODE: 2}
     for i in sorted(listing.instances, key=lambda i: (order.get(i.role, 3), i.id)):
         group = f", {i.pipeline_stages}-stage group, {i.pipeline_chunk}-token chunks" if i.pipeline_stages > 1 else ""
+        group += f", TP {i.tensor_parallel_size}" if i.tensor_parallel_size > 1 else ""
         kv_over = f", KV over {i.transport.split(' ')[0].rstrip(':')}" if i.transport else ""  # rdma or tcp
         role = pb.Role.Name(i.role).lower() + (
             f" ({i.engine or 'pool'}{group}{kv_over})" if i.engine or group or kv_over else ""

@@ -41,6 +41,14 @@ class ClusterConfig(BaseModel):
     )
     group_size: int = Field(2, ge=2, description="Stage processes per pipelined prefill group")
     decode: int = Field(1, ge=1, description="Decode workers")
+    prefill_tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks of each prefill worker (our engine: a process a rank, rank r on cuda:r "
+        "past the worker's device; gloo ranks sharing the cores on the CPU)",
+    )
+    decode_tp: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of each decode worker (as --prefill-tp)")
     host: str = Field(LOCAL_HOST, description="Address every component binds")
     port: int = Field(8000, ge=0, le=65535, description="The gateway's HTTP port (0: any free port)")
     api_key: str | None = Field(None, description="Require `Authorization: Bearer <key>` on /v1/*")

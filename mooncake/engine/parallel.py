@@ -22,7 +22,7 @@ the one its query heads read. A rank's KV cache holds its KV heads only: ``kv_he
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -70,13 +70,17 @@ class TensorParallel:
 
     def kv_heads(self, args: ModelArgs) -> slice:
         """This rank's KV heads: its 1/size of them, or (fewer heads than ranks) the one its query heads read."""
-        if args.num_kv_heads >= self.size:
-            return self.part(args.num_kv_heads, "the KV heads")
-        if self.size % args.num_kv_heads:
+        return self.kv_heads_of(self.rank, args.num_kv_heads)
+
+    def kv_heads_of(self, rank: int, num_kv_heads: int) -> slice:
+        """Rank ``rank``'s KV heads among ``num_kv_heads`` (``kv_heads``)."""
+        if num_kv_heads >= self.size:
+            return replace(self, rank=rank).part(num_kv_heads, "the KV heads")
+        if self.size % num_kv_heads:
             raise ValueError(
-                f"{self.size} tensor-parallel ranks cannot share the model's {args.num_kv_heads} KV heads evenly"
+                f"{self.size} tensor-parallel ranks cannot share the model's {num_kv_heads} KV heads evenly"
             )
-        h = self.rank * args.num_kv_heads // self.size
+        h = rank * num_kv_heads // self.size
         return slice(h, h + 1)
 
     def vocab(self, args: ModelArgs) -> slice:
@@ -113,6 +117,16 @@ class TensorParallel:
         if num_kv_heads < self.size:  # rank r keeps head r * num_kv_heads // size: one rank of each head's share
             parts = parts[:: self.size // num_kv_heads]
         return torch.cat(parts, dim=-2)
+
+    def scatter_kv_heads(self, full: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's KV in the pool layout ``full`` [..., Hkv, D] (None on the other ranks) sent out by heads: each
+        rank's ``out`` [..., its heads, D] (contiguous) gets its own (a collective: every rank calls it)."""
+        parts = None
+        if self.rank == 0:
+            heads = full.shape[-2]
+            parts = [full[..., self.kv_heads_of(r, heads), :].to(out.dtype).contiguous() for r in range(self.size)]
+        dist.scatter(out, parts, src=0, group=self.group)
+        return out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x joined along the last dimension, in rank order (vocabulary-parallel logits)."""

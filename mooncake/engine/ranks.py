@@ -1,24 +1,26 @@
-"""A tensor-parallel engine as one process per rank: rank 0 leads, the others follow its calls.
+"""A tensor-parallel engine as one process per rank: rank 0 schedules, the others run its steps' plans.
 
     engine = LLMEngine(config, tp=tp)     # every rank: its shard of the model, its KV heads' cache
-    rank 0:   engine = Leader(engine)     # the engine a worker hosts (mooncake.engine.interface.WorkerEngine): each
-                                          # call that changes the engine, or that every rank must join (a step, an
-                                          # export of KV), goes to the followers first, one broadcast a call
-    rank r:   follow(engine)              # make rank 0's calls, in its order, until it closes
+    rank 0:   engine = Leader(engine)     # the engine a worker hosts (mooncake.engine.interface.WorkerEngine): its
+                                          # scheduler alone decides; each step's plan and each export of KV go to the
+                                          # other ranks first, one broadcast a call (ModelRunner.followers)
+    rank r:   follow(engine)              # run rank 0's plans on this rank's shard until it closes
 
     engine = start_ranks(config, tokenizer)   # all of it: this process rank 0, the others started here; close() ends
                                               # them (EngineConfig.tensor_parallel_size; mooncake.serving.build)
 
-Every rank holds the same scheduler and is given the same calls in the same order, so each step schedules alike on
-every rank and their collectives meet; a follower's results are dropped. vLLM's multiprocessing executor broadcasts
-the scheduler's output each step instead; here a step is one word, and a request is sent to every rank once, when it
-is added. The scheduler decides by its own state only (no clock, no randomness), which is what keeps the ranks alike:
-anything that would make one rank decide apart from the others must be a call made through the leader.
+This is vLLM's multiprocessing executor's shape: one scheduler, and what it scheduled broadcast each step. A plan
+says, per scheduled request, its new tokens, its block table and whether it samples; the followers keep no requests.
+Everything that decides (the scheduler, the prefix cache, a worker's connector holding blocks past an abort, a
+decode worker's fence) is rank 0's alone, so nothing from outside can make the ranks decide apart. KV imported into
+the cache (a prefix from the pool, a prompt's KV landed from a prefill) is read by rank 0 and sent out by heads
+(``TensorParallel.scatter_kv_heads``); an export gathers every rank's heads. Rank 0 of a prefill worker keeps every
+KV head of its cache besides (``Mirror``: each layer's new KV gathered from the ranks) for its pool connector, whose
+pushes then read the pool layout as at one rank: the ranks' KV leaves through rank 0.
 
-A call that raises on rank 0 raises on the followers too (the same state, the same arguments): they log it and go on.
-``close`` ends the followers' loop. The ranks go down together: a follower dies with its leader's process
-(PR_SET_PDEATHSIG), and a leader whose follower died (its next broadcast or collective fails) exits at once
-(``rank_lost``, status ``RANK_LOST_EXIT``) rather than serve on with part of the model gone.
+The ranks go down together: a follower dies with its leader's process (PR_SET_PDEATHSIG), and a leader whose
+follower died (a broadcast or collective fails), or whose step failed once its plan was out (the ranks may no longer
+agree), exits at once (``rank_lost``, status ``RANK_LOST_EXIT``) rather than serve on with part of the model gone.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,11 +42,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mooncake.blocks import blocks_for
+from mooncake.engine.connector import ConnectorStep, KVConnector
+from mooncake.engine.scheduler import KVImport, ScheduledRequest, SchedulerOutput
+
 log = logging.getLogger(__name__)
 
-# what the followers make too: every call that changes an engine's state or that runs a collective
-FOLLOWED = ("add_request", "abort_request", "land", "step", "set_max_num_seqs", "export_kv")
-CLOSE = "close"
+STEP, EXPORT, CLOSE = "step", "export", "close"  # what rank 0 sends
+COLLECTIVE = ("step", "generate", "export_kv", "computed_blocks")  # rank 0's calls that the other ranks join
 RANK_LOST_EXIT = 75  # rank 0's exit status when another rank died (EX_TEMPFAIL: a restart serves again)
 START_TIMEOUT_S = 600.0  # the ranks' rendezvous and their models' loading, at most (the start-up group's timeout)
 # a follower waits for rank 0's next call as long as the engine is idle: the group never times out on its own, and a
@@ -57,33 +63,139 @@ def _broadcast(tp, call: list | None) -> list:
     return box[0]
 
 
+@dataclass(slots=True)
+class _Params:
+    prompt_logprobs: int | None
+
+
+class _Tokens:
+    """The tokens of a sequence that one step reads, at their positions in it (``all_token_ids[p]``, a slice)."""
+
+    __slots__ = ("start", "tokens")
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.tokens[i.start - self.start : i.stop - self.start]
+        return self.tokens[i - self.start]
+
+
+@dataclass(slots=True)
+class _Planned:
+    """A scheduled request as a follower's runner reads it: what this step needs of it, nothing kept after."""
+
+    request_id: str
+    all_token_ids: _Tokens
+    block_ids: list[int]
+    num_tokens: int
+    num_prompt_tokens: int
+    sampling_params: _Params
+    external_kv: Any = None  # a follower's imports come from rank 0 (ModelRunner.import_layer)
+
+
+def plan(out: SchedulerOutput, block_size: int) -> tuple:
+    """What the other ranks need of a step rank 0 scheduled (sent as one object)."""
+    scheduled = []
+    for s in out.scheduled:
+        r, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
+        scheduled.append(
+            (
+                r.request_id,
+                c,
+                n,
+                list(r.all_token_ids[c : c + n]),
+                list(r.block_ids[: blocks_for(c + n, block_size)]),
+                r.num_tokens,
+                r.num_prompt_tokens,
+                r.sampling_params.prompt_logprobs,
+            )
+        )
+    return scheduled, [imp.block_ids for imp in out.imports]
+
+
+def planned(step: tuple) -> SchedulerOutput:
+    """A follower's SchedulerOutput of rank 0's ``plan``."""
+    scheduled, imports = step
+    out = SchedulerOutput()
+    for rid, c, n, tokens, blocks, total, prompt, prompt_logprobs in scheduled:
+        request = _Planned(rid, _Tokens(c, tokens), blocks, total, prompt, _Params(prompt_logprobs))
+        out.scheduled.append(ScheduledRequest(request, c, n))
+    for blocks in imports:
+        out.imports.append(KVImport(_Planned("", _Tokens(0, []), [], 0, 0, _Params(None)), 0, blocks))
+    return out
+
+
+class Followers:
+    """Rank 0's side of the other ranks (``ModelRunner.followers``): a step's plan, or an export, goes to them before
+    rank 0 runs its own part of it. ``sent`` counts the calls."""
+
+    def __init__(self, tp: Any, block_size: int) -> None:
+        self.tp, self.block_size, self.sent = tp, block_size, 0
+
+    def step(self, out: SchedulerOutput, mirrored: bool) -> None:
+        self._send([STEP, plan(out, self.block_size), mirrored])
+
+    def export(self, block_ids: list[int]) -> None:
+        self._send([EXPORT, list(block_ids), False])
+
+    def _send(self, call: list) -> None:
+        try:
+            _broadcast(self.tp, call)
+        except RuntimeError as e:  # a follower is gone (gloo: its connection closed; NCCL: its communicator)
+            rank_lost(e)
+        self.sent += 1
+
+
 class Leader:
-    """Rank 0's engine: ``FOLLOWED`` calls are broadcast to the other ranks, then made here; everything else (what the
-    engine holds, its counts) is read from this rank's engine."""
+    """Rank 0's engine: its own, whose runner sends the followers each step's plan; ``COLLECTIVE`` calls that fail
+    once the followers were sent something take the process down (``rank_lost``)."""
 
     def __init__(self, engine: Any, followers: list | None = None, rendezvous: Path | None = None) -> None:
         self.engine = engine
-        self.tp = engine.model.tp
+        self.ranks = Followers(engine.model.tp, engine.block_size)
+        engine.runner.followers = self.ranks
         self._followers = followers or []  # the processes start_ranks started (joined at close)
         self._rendezvous = rendezvous
         self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.engine, name)
-        if name not in FOLLOWED:
+        if name not in COLLECTIVE:
             return attr
 
-        def followed(*args, **kwargs):
-            try:
-                _broadcast(self.tp, [name, args, kwargs])
-            except RuntimeError as e:  # a follower is gone (gloo: its connection closed; NCCL: its communicator)
-                rank_lost(e)
+        def joined(*args, **kwargs):
+            sent = self.ranks.sent
             try:
                 return attr(*args, **kwargs)
-            except dist.DistError as e:  # a collective inside the call failed: a follower died during it
+            except dist.DistError as e:  # a collective failed: a follower died during it
                 rank_lost(e)
+            except Exception as e:
+                if self.ranks.sent != sent:  # the followers ran part of it: the ranks may no longer agree
+                    rank_lost(e)
+                raise
 
-        return followed
+        return joined
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        """Every KV head of the cache where rank 0 keeps them (a prefill worker's: ``attach(mirror=True)``); None
+        otherwise (nothing outside writes a tensor-parallel cache in place)."""
+        return self.engine.runner.mirror
+
+    def attach(self, connector: KVConnector) -> None:
+        """Plug a worker's connector in (rank 0's only: the followers' steps carry none). One that reads the cache
+        (it has a ``bind``: a prefill's pushes) is bound to rank 0's copy with every KV head (``Mirror``)."""
+        connector.stops_cancelled_steps = False  # a step runs on every rank to its end: cancelled requests abort after
+        if type(connector).bind is not KVConnector.bind:
+            runner = self.engine.runner
+            layers, two, blocks, bs, _, d = runner.kv_cache.shape
+            shape = (layers, two, blocks, bs, runner.pool_block_shape[3], d)
+            runner.mirror = torch.zeros(shape, dtype=runner.kv_cache.dtype, device=runner.kv_cache.device)
+            connector.bind(runner.mirror)
+            connector = Mirror(connector, runner)
+        self.engine.connector = connector
 
     def close(self) -> None:
         """End the followers' loops and wait for the processes start_ranks started (once)."""
@@ -91,7 +203,7 @@ class Leader:
             return
         self._closed = True
         try:
-            _broadcast(self.tp, [CLOSE, (), {}])
+            _broadcast(self.ranks.tp, [CLOSE, None, False])
         except RuntimeError as e:  # a follower already gone
             log.warning("tensor-parallel ranks could not be told to stop: %s", e)
         for p in self._followers:
@@ -101,6 +213,57 @@ class Leader:
         self.engine.close()
         if self._rendezvous is not None:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _gather_new_kv(runner: Any, k: torch.Tensor, v: torch.Tensor, step: ConnectorStep) -> tuple[torch.Tensor, Any]:
+    """Every KV head of the K and V one layer of ``step`` wrote, from every rank ([2, tokens, Hkv, D]), and the slots
+    it went to (a collective)."""
+    slots = torch.cat([r.slots for r in step.requests]) if step.requests else torch.empty(0, dtype=torch.long)
+    slots = slots.to(k.device)
+    heads, d = k.shape[-2:]
+    own = torch.stack([k.reshape(-1, heads, d)[slots], v.reshape(-1, heads, d)[slots]])
+    return runner.tp.gather_kv_heads(own, runner.pool_block_shape[3]), slots
+
+
+class Mirror(KVConnector):
+    """Rank 0's connector of a prefill worker's ranks: after each layer, the KV it wrote is gathered from every rank
+    into rank 0's copy of the cache with every head (``ModelRunner.mirror``), and the worker's connector sees that
+    copy, in the pool layout, as it would a one-rank cache. The followers' steps join the gather (``follow``)."""
+
+    def __init__(self, inner: KVConnector, runner: Any) -> None:
+        self.inner, self.runner = inner, runner
+
+    def start_step(self, step: ConnectorStep) -> None:
+        self.inner.start_step(step)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.inner.wait_for_layer_load(layer)
+
+    def save_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ConnectorStep) -> None:
+        kv, slots = _gather_new_kv(self.runner, k_cache, v_cache, step)
+        mirror = self.runner.mirror[layer]  # [2, blocks, bs, Hkv, D]
+        for i in range(2):
+            mirror[i].view(-1, *mirror.shape[-2:])[slots] = kv[i]
+        self.inner.save_layer(layer, mirror[0], mirror[1], step)
+
+    def wait_for_save(self) -> None:
+        self.inner.wait_for_save()
+
+    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
+        return self.inner.request_finished(request_id, block_ids)
+
+    def released_blocks(self) -> list[int]:
+        return self.inner.released_blocks()
+
+
+class _Joins(KVConnector):
+    """A follower's connector where rank 0's is a ``Mirror``: it sends this rank's heads of each layer's new KV."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def save_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ConnectorStep) -> None:
+        _gather_new_kv(self.runner, k_cache, v_cache, step)
 
 
 def rank_lost(error: BaseException) -> None:
@@ -113,16 +276,24 @@ def rank_lost(error: BaseException) -> None:
 
 
 def follow(engine: Any) -> int:
-    """Make rank 0's calls on this rank's ``engine`` until it closes; returns how many were made."""
-    tp, made = engine.model.tp, 0
+    """Run rank 0's plans (and join its exports) on this rank's ``engine`` until it closes; returns how many calls
+    were made. A call that fails here failed on rank 0 too, or left the ranks apart: rank 0 then goes down (and this
+    process with it)."""
+    runner = engine.runner
+    runner.samples = False
+    plain, joins = KVConnector(), _Joins(runner)
+    made = 0
     while True:
-        name, args, kwargs = _broadcast(tp, None)
+        name, arg, mirrored = _broadcast(runner.tp, None)
         if name == CLOSE:
             return made
         try:
-            getattr(engine, name)(*args, **kwargs)
-        except Exception as e:  # rank 0 raised the same: its caller hears of it
-            log.debug("rank %d: %s raised %s", tp.rank, name, e)
+            if name == STEP:
+                runner.execute(planned(arg), joins if mirrored else plain)
+            else:
+                runner.export_blocks(arg)
+        except Exception:
+            log.exception("rank %d: %s failed", runner.tp.rank, name)
         made += 1
 
 

@@ -75,6 +75,12 @@ class ModelRunner:
         self.grammars: GrammarBook | None = None  # set by an engine with a tokenizer (constrained decoding)
         self.step_id = 0
         self.graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
+        # tensor parallelism (mooncake.engine.ranks): rank 0's other ranks, sent each step's plan and each export
+        # before rank 0 runs its part; a follower's runner samples nothing (its logits are computed: a collective)
+        self.followers = None
+        self.samples = True
+        # rank 0 of a prefill worker's ranks: every KV head of the cache, for its pool connector (ranks.Mirror)
+        self.mirror: torch.Tensor | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run pure decode steps of up to ``max_num_seqs`` sequences through DecodeGraphs: captured as CUDA graphs
@@ -114,6 +120,8 @@ class ModelRunner:
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy blocks out in the pool layout: [n, L, 2, block_size, Hkv, D] on the CPU, every KV head (gathered from
         the tensor-parallel ranks: a collective)."""
+        if self.followers is not None:
+            self.followers.export(block_ids)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         own = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
         return self.tp.gather_kv_heads(own, self.pool_block_shape[3]).cpu()
@@ -132,15 +140,32 @@ class ModelRunner:
         src = self.own_heads(data).to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
         self.kv_cache.index_copy_(2, idx, src)
 
+    @staticmethod
+    def _heads_buffer(dst: torch.Tensor, n: int) -> torch.Tensor:
+        """Where ``n`` blocks of one layer of this rank's heads arrive (contiguous: a collective writes it whole)."""
+        return torch.empty((n, *dst.shape[1:]), dtype=dst.dtype, device=dst.device)
+
     def import_layer(self, layer: int, imp: "_Import") -> None:
-        """Write one layer of an import's external KV into its cache blocks."""
+        """Write one layer of an import's external KV into its cache blocks (tensor parallelism: rank 0 reads it and
+        sends each rank its heads; a follower's import has no source of its own)."""
         n = len(imp.block_ids)
         ext = imp.external_kv
+        dst = self.kv_cache[layer].transpose(0, 1)  # [blocks, 2, bs, heads, D]
+        if ext is None:
+            src = self.tp.scatter_kv_heads(None, self._heads_buffer(dst, n))
+            copy_blocks(dst, imp.block_ids, src, range(n))
+            return
         if isinstance(ext, torch.Tensor):
             src, ids = ext[:, layer], range(imp.first_block, imp.first_block + n)  # [N, 2, bs, Hkv, D]
         else:  # a lazy source (ExternalKV): where one layer of its blocks is
             src, ids = ext.source(layer, imp.first_block, imp.first_block + n)
-        copy_blocks(self.kv_cache[layer].transpose(0, 1), imp.block_ids, self.own_heads(src), ids)
+        if self.mirror is not None:
+            copy_blocks(self.mirror[layer].transpose(0, 1), imp.block_ids, src, ids)
+        if self.followers is not None:
+            index = torch.as_tensor(list(ids), dtype=torch.long, device=src.device)
+            src = self.tp.scatter_kv_heads(src.index_select(0, index).to(self.device), self._heads_buffer(dst, n))
+            ids = range(n)
+        copy_blocks(dst, imp.block_ids, self.own_heads(src) if self.followers is None else src, ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, connector: KVConnector) -> Sampled:
@@ -149,6 +174,8 @@ class ModelRunner:
         Returns the token of each request that reached the end of its sequence this step
         (the others were mid-prompt chunks), and its log-probabilities if it asked.
         """
+        if self.followers is not None:
+            self.followers.step(out, self.mirror is not None)
         imports = [_Import(imp.block_ids, imp.request.external_kv, imp.first_block) for imp in out.imports]
         if not out.scheduled:
             for imp in imports:
@@ -238,6 +265,8 @@ class ModelRunner:
         """Logits of the sampling rows ``hidden`` [N, hidden] (one per request of ``reqs``), then tokens and
         logprobs."""
         logits = self.model.compute_logits(hidden)
+        if not self.samples:
+            return Sampled({}, {}, prompt)
         params = [r.sampling_params for r in reqs]
         histories = counts = None
         if any(p.shapes_logits for p in params):
@@ -271,6 +300,8 @@ class ModelRunner:
         if n <= 0:
             return []
         logits = self.model.compute_logits(hidden[start : start + n])  # [n, V]
+        if not self.samples:
+            return []
         targets = list(req.prompt_token_ids[c + 1 : c + 1 + n])
         entries = token_logprobs(logits, targets, [req.sampling_params.prompt_logprobs] * n)
         return [(c + 1 + i, e) for i, e in enumerate(entries)]

@@ -31,14 +31,14 @@ def build_engine(
 
         check_native(config.model)  # an architecture ours lacks: refused in one line naming the model
         if config.tensor_parallel_size > 1:
-            if connector is not None or kv_cache_buffer is not None:
-                raise ValueError(
-                    "--tensor-parallel-size above 1 serves from one process (the gateway's --local) for now: a "
-                    "prefill or decode worker's pool writes and hand-off at several ranks are not built yet"
-                )
+            if kv_cache_buffer is not None:
+                raise ValueError("a tensor-parallel engine's cache is its ranks': nothing writes it in place")
             from mooncake.engine.ranks import start_ranks
 
-            return start_ranks(config, tokenizer)
+            leader = start_ranks(config, tokenizer)
+            if connector is not None:
+                leader.attach(connector)
+            return leader
         engine = LLMEngine(config, connector=connector, tokenizer=tokenizer, kv_cache_buffer=kv_cache_buffer)
         if connector is not None:
             connector.bind(engine.kv_cache)

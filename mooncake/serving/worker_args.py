@@ -37,6 +37,7 @@ def worker_parser(
     field_arg(p, EngineConfig, "num_threads", "--threads")
     field_arg(p, EngineConfig, "device")
     field_arg(p, EngineConfig, "enforce_eager")
+    field_arg(p, EngineConfig, "tensor_parallel_size")
     add_transport_args(p)
     p.add_argument("--log-level", default="INFO")
     return p
@@ -75,6 +76,7 @@ def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

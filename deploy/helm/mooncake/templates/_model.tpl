@@ -37,6 +37,16 @@ workers' block size, dtype and engine): nobody works out block bytes by hand.
 {{- if and (hasPrefix "cuda" $device) (not (include "mooncake.asksForGpu" (index $.Values $pool))) }}
 {{- fail (printf "%s.device is %s but the pool asks for no GPU: set %s.gpus (or a GPU resource)" $pool $device $pool) }}
 {{- end }}
+{{- $tp := int (default 1 (index $.Values $pool).tensorParallelSize) }}
+{{- if lt $tp 1 }}
+{{- fail (printf "%s.tensorParallelSize must be 1 or more, not %d" $pool $tp) }}
+{{- end }}
+{{- if and (gt $tp 1) (ne (toString $.Values.engine.kind) "native") }}
+{{- fail (printf "%s.tensorParallelSize is our engine's (engine.kind=native): vLLM workers run at tensor parallel size 1 for now" $pool) }}
+{{- end }}
+{{- if and (gt $tp 1) (hasPrefix "cuda" $device) (lt (int (index $.Values $pool).gpus) $tp) }}
+{{- fail (printf "%s.tensorParallelSize is %d on %s: a GPU a rank, so %s.gpus must be %d at least" $pool $tp $device $pool $tp) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -136,10 +146,15 @@ config.json at the top: nothing the workers could load.
 {{- end }}
 {{- end }}
 
-{{/* A worker's --device when its pool runs on a GPU ((dict "ctx" $ "pool" "prefill")); cpu is the workers' default. */}}
+{{/* A worker's --device when its pool runs on a GPU ((dict "ctx" $ "pool" "prefill")); cpu is the workers' default. And its
+--tensor-parallel-size when its engine is split over more than one rank. */}}
 {{- define "mooncake.deviceArgs" -}}
 {{- $device := toString (index .ctx.Values .pool).device }}
 {{- if ne $device "cpu" }}
 - --device={{ $device }}
+{{- end }}
+{{- $tp := int (default 1 (index .ctx.Values .pool).tensorParallelSize) }}
+{{- if gt $tp 1 }}
+- --tensor-parallel-size={{ $tp }}
 {{- end }}
 {{- end }}

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 from conftest import make_engine
-from tp_ranks import generate, run_led, run_ranks
+from tp_ranks import generate, rank_processes, run_led, run_ranks
 
 from mooncake.cluster.component import Component
 from mooncake.engine import SamplingParams
@@ -138,19 +138,6 @@ def test_kv_written_at_two_ranks_continues_at_one_and_kv_written_at_one_continue
     )
 
 
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
-
-
 def completion_text(model, work: Path, tp: int, prompt: list[int]) -> tuple[str, list[int]]:
     """A --local gateway at ``tp`` ranks: its greedy completion of ``prompt``, and the rank processes it ran."""
     argv = [sys.executable, "-m", "mooncake.gateway", "--local", "--model", str(model), "--model-name", "tiny"]
@@ -159,7 +146,7 @@ def completion_text(model, work: Path, tp: int, prompt: list[int]) -> tuple[str,
     gateway.start()
     try:
         url = gateway.wait_ready(150.0)["http"]
-        ranks = [p for p in children(gateway.proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        ranks = rank_processes(gateway.proc.pid)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -201,7 +188,7 @@ def test_a_rank_killed_takes_its_gateway_down_whole_instead_of_serving_half_a_mo
     gateway.start()
     try:
         url = gateway.wait_ready(150.0)["http"]
-        (rank,) = [p for p in children(gateway.proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        (rank,) = rank_processes(gateway.proc.pid)
         os.kill(rank, signal.SIGKILL)
         body = {"model": "tiny", "prompt": prompts(6)[1], "max_tokens": 4, "temperature": 0}
         try:

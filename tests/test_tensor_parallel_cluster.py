@@ -9,11 +9,15 @@ sizes (DESIGN §4), so no conversion happens anywhere: a rank reads its heads of
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 
 import pytest
 from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
+from replays import replay, undisturbed_run, wait_idle, wait_restarted
+from tp_ranks import rank_processes
 
 from mooncake.engine.tiny import make_tiny
 
@@ -49,5 +53,32 @@ def test_a_prompt_prefilled_at_one_size_and_decoded_at_another_gives_one_engines
         served_cold_and_warm(model, cluster, f"p{prefill_tp}d{decode_tp}")
         sizes = {name: i.tensor_parallel_size for name, i in instances(cluster).items() if i.engine}  # the workers
         assert sizes == {"prefill-0": prefill_tp, "decode-0": decode_tp}
+    finally:
+        cluster.stop()
+
+
+def kill_a_rank(cluster, victim: str) -> None:
+    """SIGKILL one of ``victim``'s tensor-parallel ranks (not rank 0: the worker's own process)."""
+    (rank,) = rank_processes(cluster.component(victim).proc.pid)
+    os.kill(rank, signal.SIGKILL)
+
+
+def test_a_decode_workers_rank_killed_mid_run_loses_no_request_and_changes_no_token(tiny_dir, tmp_path):
+    """The chaos replay (tests/replays.py: 60 streamed greedy requests, 6 at a time) on two decode workers of two
+    ranks each: one rank of decode-0 killed while it streams. Its worker goes down whole (RANK_LOST_EXIT), its streams
+    resume on decode-1 with the tokens of the undisturbed run, and the launcher restarts it."""
+    cluster = start_cluster(
+        tiny_dir, tmp_path, decode=2, decode_tp=2, max_model_len=512, hold_s=30.0, gateway=False, threads=1
+    )
+    try:
+        expected, idle = undisturbed_run(cluster)
+        outputs, errors, recoveries = replay(cluster, "decode-0", strike=kill_a_rank)
+        assert errors == {}, f"{len(errors)} requests failed after a rank of decode-0 was killed"
+        assert outputs == expected
+        assert any(r.resumes for r in recoveries), recoveries  # it struck mid-stream: streams resumed elsewhere
+        wait_restarted(cluster, "decode-0")
+        log = (cluster.run_dir / "logs" / "decode-0.log").read_text()
+        assert "a tensor-parallel rank is gone" in log
+        assert wait_idle(cluster, idle, 40) == idle
     finally:
         cluster.stop()

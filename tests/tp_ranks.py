@@ -15,6 +15,24 @@ from pathlib import Path
 TIMEOUT_S = 300.0
 
 
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The tensor-parallel ranks process ``pid`` started (multiprocessing's spawned children)."""
+    return [p for p in children(pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+
 def greedy():
     """The sampling every TP test runs: 16 greedy tokens with their log-probabilities."""
     from mooncake.engine import SamplingParams

@@ -108,7 +108,8 @@ class LLMEngine:
         # a block in the pool layout holds every KV head; this rank's cache block its own (tensor parallelism)
         self.block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
         cache_block_bytes = self.block_bytes // args.num_kv_heads * self.model.num_kv_heads
-        num_blocks = cache_blocks(config, args, cache_block_bytes, self.max_model_len)
+        # every rank holds rank 0's block ids: the least any rank has room for (a GPU's free memory may differ)
+        num_blocks = tp.least(cache_blocks(config, args, cache_block_bytes, self.max_model_len), self.device)
         identity = config.model_fingerprint or model_identity(config.model, config.torch_dtype)
         self.fingerprint = model_fingerprint(identity)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)

@@ -128,6 +128,14 @@ class TensorParallel:
         dist.scatter(out, parts, src=0, group=self.group)
         return out
 
+    def least(self, n: int, device: torch.device) -> int:
+        """The smallest of every rank's ``n`` (the cache's blocks: every rank must hold rank 0's block ids)."""
+        if self.size == 1:
+            return n
+        x = torch.tensor([n], dtype=torch.long, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return int(x.item())
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x joined along the last dimension, in rank order (vocabulary-parallel logits)."""
         if self.size == 1:

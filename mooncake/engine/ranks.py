@@ -15,8 +15,9 @@ Everything that decides (the scheduler, the prefix cache, a worker's connector h
 decode worker's fence) is rank 0's alone, so nothing from outside can make the ranks decide apart. KV imported into
 the cache (a prefix from the pool, a prompt's KV landed from a prefill) is read by rank 0 and sent out by heads
 (``TensorParallel.scatter_kv_heads``); an export gathers every rank's heads. Rank 0 of a prefill worker keeps every
-KV head of its cache besides (``Mirror``: each layer's new KV gathered from the ranks) for its pool connector, whose
-pushes then read the pool layout as at one rank: the ranks' KV leaves through rank 0.
+KV head of its cache besides, in host memory (``Mirror``: each layer's new KV gathered from the ranks), for its pool
+connector, whose pushes then read the pool layout as at one rank: the ranks' KV leaves through rank 0. Every rank's
+cache has the same blocks (the least any rank has room for).
 
 The ranks go down together: a follower dies with its leader's process (PR_SET_PDEATHSIG), and a leader whose
 follower died (a broadcast or collective fails), or whose step failed once its plan was out (the ranks may no longer
@@ -55,6 +56,7 @@ START_TIMEOUT_S = 600.0  # the ranks' rendezvous and their models' loading, at m
 # a follower waits for rank 0's next call as long as the engine is idle: the group never times out on its own, and a
 # follower dies with its leader's process instead (PR_SET_PDEATHSIG)
 IDLE_TIMEOUT = timedelta(days=3650)
+WATCH_S = 0.2  # how often rank 0 looks for a follower's death
 
 
 def _broadcast(tp, call: list | None) -> list:
@@ -159,6 +161,15 @@ class Leader:
         self._followers = followers or []  # the processes start_ranks started (joined at close)
         self._rendezvous = rendezvous
         self._closed = False
+        if self._followers:  # an idle engine sends nothing that would fail: a rank that dies is seen here at once
+            threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closed:
+            gone = [p for p in self._followers if not p.is_alive()]
+            if gone and not self._closed:
+                rank_lost(RuntimeError(f"{gone[0].name} exited with {gone[0].exitcode}"))
+            time.sleep(WATCH_S)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.engine, name)
@@ -192,7 +203,10 @@ class Leader:
             runner = self.engine.runner
             layers, two, blocks, bs, _, d = runner.kv_cache.shape
             shape = (layers, two, blocks, bs, runner.pool_block_shape[3], d)
-            runner.mirror = torch.zeros(shape, dtype=runner.kv_cache.dtype, device=runner.kv_cache.device)
+            # in host memory whatever the device: the pushes read it there (no staging), and a GPU keeps its memory
+            # for the ranks' caches
+            cuda = runner.kv_cache.device.type == "cuda"
+            runner.mirror = torch.zeros(shape, dtype=runner.kv_cache.dtype, pin_memory=cuda)
             connector.bind(runner.mirror)
             connector = Mirror(connector, runner)
         self.engine.connector = connector
@@ -241,6 +255,7 @@ class Mirror(KVConnector):
 
     def save_layer(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ConnectorStep) -> None:
         kv, slots = _gather_new_kv(self.runner, k_cache, v_cache, step)
+        kv, slots = kv.cpu(), slots.cpu()
         mirror = self.runner.mirror[layer]  # [2, blocks, bs, Hkv, D]
         for i in range(2):
             mirror[i].view(-1, *mirror.shape[-2:])[slots] = kv[i]

@@ -107,13 +107,16 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_kv_heads(self, own: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-        """Every KV head from each rank's own [..., heads, D], in head order: a pool block's (each head once where
-        ranks share one). ``own`` itself at size 1."""
+    def gather_kv_heads(self, own: torch.Tensor, num_kv_heads: int) -> torch.Tensor | None:
+        """Every KV head from each rank's own [..., heads, D], in head order, on rank 0 (None on the others): a pool
+        block's (each head once where ranks share one). Each rank sends its own part only. ``own`` itself at size 1."""
         if self.size == 1:
             return own
-        parts = [torch.empty_like(own) for _ in range(self.size)]
-        dist.all_gather(parts, own.contiguous(), group=self.group)
+        own = own.contiguous()
+        parts = [torch.empty_like(own) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(own, parts, dst=0, group=self.group)
+        if parts is None:
+            return None
         if num_kv_heads < self.size:  # rank r keeps head r * num_kv_heads // size: one rank of each head's share
             parts = parts[:: self.size // num_kv_heads]
         return torch.cat(parts, dim=-2)

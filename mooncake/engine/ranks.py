@@ -230,8 +230,8 @@ class Leader:
 
 
 def _gather_new_kv(runner: Any, k: torch.Tensor, v: torch.Tensor, step: ConnectorStep) -> tuple[torch.Tensor, Any]:
-    """Every KV head of the K and V one layer of ``step`` wrote, from every rank ([2, tokens, Hkv, D]), and the slots
-    it went to (a collective)."""
+    """Every KV head of the K and V one layer of ``step`` wrote, from every rank ([2, tokens, Hkv, D], on rank 0; None
+    on the others, which send theirs), and the slots it went to (a collective)."""
     slots = torch.cat([r.slots for r in step.requests]) if step.requests else torch.empty(0, dtype=torch.long)
     slots = slots.to(k.device)
     heads, d = k.shape[-2:]

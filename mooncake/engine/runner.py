@@ -117,14 +117,15 @@ class ModelRunner:
         if self.grammars is not None:
             self.grammars.drop(request_id)
 
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
         """Copy blocks out in the pool layout: [n, L, 2, block_size, Hkv, D] on the CPU, every KV head (gathered from
-        the tensor-parallel ranks: a collective)."""
+        the tensor-parallel ranks onto rank 0, a collective: a follower sends its heads and gets None)."""
         if self.followers is not None:
             self.followers.export(block_ids)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         own = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return self.tp.gather_kv_heads(own, self.pool_block_shape[3]).cpu()
+        every = self.tp.gather_kv_heads(own, self.pool_block_shape[3])
+        return every.cpu() if every is not None else None  # a follower sent its heads to rank 0
 
     def own_heads(self, kv: torch.Tensor) -> torch.Tensor:
         """This rank's KV heads of pool-layout KV [..., Hkv, D] (a view; all of it without tensor parallelism)."""

@@ -104,6 +104,8 @@ class PrefillWorker:
         if config.pipeline_stages > 1:
             if config.engine is not EngineKind.NATIVE:
                 raise ValueError("a pipelined prefill group runs the native engine only")
+            if engine_config.tensor_parallel_size > 1:
+                raise ValueError("a pipelined prefill group's stages are not split into tensor-parallel ranks yet")
             check_native(config.engine_config.model)  # an architecture ours lacks: one line naming the model
             self.group = StageGroup(
                 config.engine_config.model,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -53,6 +55,11 @@ def test_a_prompt_prefilled_at_one_size_and_decoded_at_another_gives_one_engines
         served_cold_and_warm(model, cluster, f"p{prefill_tp}d{decode_tp}")
         sizes = {name: i.tensor_parallel_size for name, i in instances(cluster).items() if i.engine}  # the workers
         assert sizes == {"prefill-0": prefill_tp, "decode-0": decode_tp}
+        argv = [sys.executable, "-m", "mooncake.cli.main", "status", "--conductor", cluster.conductor_address]
+        status = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=os.environ | {"COLUMNS": "300"})
+        assert status.returncode == 0, status.stderr
+        (split,) = [line for line in status.stdout.splitlines() if "TP 2" in line]  # the worker at two ranks only
+        assert ("prefill-0" if prefill_tp == 2 else "decode-0") in split
     finally:
         cluster.stop()
 
@@ -82,3 +89,18 @@ def test_a_decode_workers_rank_killed_mid_run_loses_no_request_and_changes_no_to
         assert wait_idle(cluster, idle, 40) == idle
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--prefill-tp", "2", "--engine", "vllm"], "--prefill-tp and --decode-tp split our engine (--engine native)"),
+        (["--prefill-tp", "2", "--prefill-groups", "1"], "--prefill-tp above 1 and pipelined prefill groups"),
+        (["--decode-tp", "0"], "--decode-tp"),
+    ],
+)
+def test_mooncake_up_refuses_ranks_it_cannot_start_in_one_line(tiny_dir, flags, why):
+    argv = [sys.executable, "-m", "mooncake.cli.main", "up", "--model", str(tiny_dir), *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and why in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -238,6 +238,14 @@ class ClusterConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _ranks_fit(self) -> "ClusterConfig":
+        if max(self.prefill_tp, self.decode_tp) > 1 and self.engine != "native":
+            raise ValueError("--prefill-tp and --decode-tp split our engine (--engine native); vLLM workers run at 1")
+        if self.prefill_tp > 1 and self.prefill_groups:
+            raise ValueError("--prefill-tp above 1 and pipelined prefill groups (--prefill-groups) do not combine yet")
+        return self
+
+    @model_validator(mode="after")
     def _threads(self) -> "ClusterConfig":
         """No ``threads`` on the CPU: each computing process gets its share of the usable cores. torch's own default, a
         thread per core in every process, oversubscribes them as soon as two workers compute at once (2P+1D on 2

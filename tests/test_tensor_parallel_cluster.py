@@ -97,6 +97,7 @@ def test_a_decode_workers_rank_killed_mid_run_loses_no_request_and_changes_no_to
         (["--prefill-tp", "2", "--engine", "vllm"], "--prefill-tp and --decode-tp split our engine (--engine native)"),
         (["--prefill-tp", "2", "--prefill-groups", "1"], "--prefill-tp above 1 and pipelined prefill groups"),
         (["--decode-tp", "0"], "--decode-tp"),
+        (["--decode-tp", "3"], "--decode-tp 3: the attention heads (4) cannot be split evenly among 3 tensor-parallel"),
     ],
 )
 def test_mooncake_up_refuses_ranks_it_cannot_start_in_one_line(tiny_dir, flags, why):

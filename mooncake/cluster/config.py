@@ -271,8 +271,17 @@ class ClusterConfig(BaseModel):
         sized by it before any worker starts): ours by its own model arguments, vLLM by its reading of the model
         (imports vLLM: seconds). Raises ValueError (one line, naming the model) for a model the engine cannot serve
         or whose KV the pool cannot carry."""
-        from mooncake.serving.model_support import kv_layout
+        from mooncake.serving.model_support import check_native, kv_layout
 
+        if max(self.prefill_tp, self.decode_tp) > 1:  # a size the model does not split into: said before any start
+            from mooncake.engine.parallel import TensorParallel
+
+            args = check_native(self.model)
+            for flag, size in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
+                try:
+                    TensorParallel(0, size).check(args)
+                except ValueError as e:
+                    raise ValueError(f"{flag} {size}: {e}") from None
         return kv_layout(self.engine, self.model, self.dtype, parse_vllm_args(self.vllm_args)).block_bytes(
             self.block_size
         )

@@ -21,7 +21,9 @@ from clusters import backend, generate, instances, reference_tokens, start_clust
 from replays import replay, undisturbed_run, wait_idle, wait_restarted
 from tp_ranks import rank_processes
 
+from mooncake.cli.pool_cmd import _plan_line
 from mooncake.engine.tiny import make_tiny
+from protos import conductor_pb2 as cpb
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +107,14 @@ def test_mooncake_up_refuses_ranks_it_cannot_start_in_one_line(tiny_dir, flags, 
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and why in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_status_line_counts_a_plans_devices_at_the_pools_sizes():
+    plan = cpb.PlanResponse(prefill=2, decode=3, forecast_rate=1.5)
+    split = [
+        cpb.InstanceInfo(id="p", role=cpb.PREFILL, tensor_parallel_size=2),
+        cpb.InstanceInfo(id="d", role=cpb.DECODE),
+    ]
+    assert "2 prefill, 3 decode (7 devices at their TP sizes) for 1.50 req/s" in _plan_line(plan, split)
+    whole = [cpb.InstanceInfo(id="p", role=cpb.PREFILL, tensor_parallel_size=1)]
+    assert "devices" not in _plan_line(plan, whole)  # one device each: the counts say it

@@ -118,7 +118,7 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             else ""
         )
         + _quote_line(listing)
-        + _plan_line(listing.plan)
+        + _plan_line(listing.plan, listing.instances)
     )
     for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
         t.add_column(c, justify="left" if c in ("instance", "role", "address", "state") else "right")
@@ -167,13 +167,17 @@ def _quote_line(listing: pb.ListInstancesResponse) -> str:
     return f"\nquotes held (within 25%): {', '.join(parts)}" if parts else ""
 
 
-def _plan_line(plan: pb.PlanResponse) -> str:
+def _plan_line(plan: pb.PlanResponse, instances=()) -> str:
     if not plan.prefill:
         return ""
     mode = "scaling to it" if plan.acting else "advice only"
+    # a role's instances share their size (mooncake up, the chart): the plan's count is that many devices each
+    sizes = {i.role: max(i.tensor_parallel_size, 1) for i in instances if i.role in (pb.PREFILL, pb.DECODE)}
+    devices = plan.prefill * sizes.get(pb.PREFILL, 1) + plan.decode * sizes.get(pb.DECODE, 1)
+    counted = f" ({devices} devices at their TP sizes)" if any(n > 1 for n in sizes.values()) else ""
     return (
-        f"\nplanner ({mode}): {plan.prefill} prefill, {plan.decode} decode for {plan.forecast_rate:.2f} req/s, "
-        f"planned {plan.age_s:.0f} s ago (`mooncake plan` says why)"
+        f"\nplanner ({mode}): {plan.prefill} prefill, {plan.decode} decode{counted} for {plan.forecast_rate:.2f} "
+        f"req/s, planned {plan.age_s:.0f} s ago (`mooncake plan` says why)"
     )
 
 

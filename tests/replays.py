@@ -23,11 +23,11 @@ CONCURRENCY = 6
 SHARED_PREFIXES = 4  # requests share system-prompt-like prefixes, so the pool and its pulls are exercised
 
 
-def requests() -> list[GenerationRequest]:
+def requests(count: int = NUM_REQUESTS) -> list[GenerationRequest]:
     rng = random.Random(17)
     prefixes = [[rng.randrange(10, 290) for _ in range(48)] for _ in range(SHARED_PREFIXES)]
     out = []
-    for i in range(NUM_REQUESTS):
+    for i in range(count):
         prompt = prefixes[i % SHARED_PREFIXES] + [rng.randrange(10, 290) for _ in range(rng.randrange(8, 60))]
         out.append(
             GenerationRequest.of(
@@ -37,12 +37,14 @@ def requests() -> list[GenerationRequest]:
     return out
 
 
-def undisturbed_run(cluster, settle_s: float = 10.0) -> tuple[dict[str, list[int]], dict[str, int]]:
+def undisturbed_run(
+    cluster, settle_s: float = 10.0, count: int = NUM_REQUESTS
+) -> tuple[dict[str, list[int]], dict[str, int]]:
     """The replay with nothing struck: (its outputs, the idle counts), asserting nothing failed or was recovered and
     everything came back to idle."""
     idle = idle_counts(cluster)
-    outputs, errors, recoveries = replay(cluster)
-    assert not errors and not recoveries and len(outputs) == NUM_REQUESTS, (
+    outputs, errors, recoveries = replay(cluster, count=count)
+    assert not errors and not recoveries and len(outputs) == count, (
         dict(list(errors.items())[:5]),
         recoveries[:5],
     )
@@ -59,6 +61,7 @@ def replay(
     victim: str | None = None,
     strike: Callable = kill,
     struck: list[float] | None = None,
+    count: int = NUM_REQUESTS,
 ) -> tuple[dict[str, list[int]], dict[str, str], list[Recovery]]:
     """Run every request; ``strike(cluster, victim)`` once a third of them are streaming (and, for a decode worker,
     once it streams); its time.monotonic() goes into ``struck``. (tokens, errors, what outliving took)."""
@@ -84,12 +87,12 @@ def replay(
                 errors[req.request_id] = f"{type(e).__name__}: {e.message}"
 
     async def kill_when_busy() -> None:
-        while streaming < NUM_REQUESTS // 3:
+        while streaming < count // 3:
             await asyncio.sleep(0.02)
         if victim.startswith("decode"):  # mid-stream: when two of its requests have tokens out on their streams
             health = f"http://{cluster.component(victim).info['metrics']}/health"
             async with httpx.AsyncClient(timeout=5) as http:
-                while (await http.get(health)).json()["streaming"] < 2 and len(outputs) + len(errors) < NUM_REQUESTS:
+                while (await http.get(health)).json()["streaming"] < 2 and len(outputs) + len(errors) < count:
                     await asyncio.sleep(0.01)
         if struck is not None:
             struck.append(time.monotonic())
@@ -97,7 +100,7 @@ def replay(
 
     async def run() -> None:
         gate = asyncio.Semaphore(CONCURRENCY)
-        tasks = [one(r, gate) for r in requests()]
+        tasks = [one(r, gate) for r in requests(count)]
         if victim is not None:
             tasks.append(kill_when_busy())
         await asyncio.gather(*tasks)

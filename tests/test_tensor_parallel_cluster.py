@@ -20,10 +20,15 @@ import pytest
 from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
 from replays import replay, undisturbed_run, wait_idle, wait_restarted
 from tp_ranks import rank_processes
+from typer.testing import CliRunner
 
+from mooncake.cli.main import app
 from mooncake.cli.pool_cmd import _plan_line
+from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.tiny import make_tiny
 from protos import conductor_pb2 as cpb
+
+REQUESTS = 24  # the chaos replay's: a third streaming when a rank is killed (tests/replays.py runs 60)
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +78,15 @@ def kill_a_rank(cluster, victim: str) -> None:
 
 
 def test_a_decode_workers_rank_killed_mid_run_loses_no_request_and_changes_no_token(tiny_dir, tmp_path):
-    """The chaos replay (tests/replays.py: 60 streamed greedy requests, 6 at a time) on two decode workers of two
+    """The chaos replay (tests/replays.py: 24 streamed greedy requests, 6 at a time) on two decode workers of two
     ranks each: one rank of decode-0 killed while it streams. Its worker goes down whole (RANK_LOST_EXIT), its streams
     resume on decode-1 with the tokens of the undisturbed run, and the launcher restarts it."""
     cluster = start_cluster(
         tiny_dir, tmp_path, decode=2, decode_tp=2, max_model_len=512, hold_s=30.0, gateway=False, threads=1
     )
     try:
-        expected, idle = undisturbed_run(cluster)
-        outputs, errors, recoveries = replay(cluster, "decode-0", strike=kill_a_rank)
+        expected, idle = undisturbed_run(cluster, count=REQUESTS)
+        outputs, errors, recoveries = replay(cluster, "decode-0", strike=kill_a_rank, count=REQUESTS)
         assert errors == {}, f"{len(errors)} requests failed after a rank of decode-0 was killed"
         assert outputs == expected
         assert any(r.resumes for r in recoveries), recoveries  # it struck mid-stream: streams resumed elsewhere
@@ -102,10 +107,23 @@ def test_a_decode_workers_rank_killed_mid_run_loses_no_request_and_changes_no_to
         (["--decode-tp", "3"], "--decode-tp 3: the attention heads (4) cannot be split evenly among 3 tensor-parallel"),
     ],
 )
-def test_mooncake_up_refuses_ranks_it_cannot_start_in_one_line(tiny_dir, flags, why):
-    argv = [sys.executable, "-m", "mooncake.cli.main", "up", "--model", str(tiny_dir), *flags]
+def test_mooncake_up_refuses_ranks_it_cannot_start_in_one_line(tiny_dir, flags, why, monkeypatch):
+    """In this process (the console script's app), with a cluster's start failing the test: each refusal comes
+    before anything starts, in one line, status 2."""
+
+    def started(self):
+        raise AssertionError(f"mooncake up {flags} started the cluster")
+
+    monkeypatch.setattr(LocalCluster, "start", started)
+    done = CliRunner().invoke(app, ["up", "--model", str(tiny_dir), *flags], env={"COLUMNS": "400"})
+    assert done.exit_code == 2 and why in " ".join(done.stderr.split()), done.stderr
+    assert isinstance(done.exception, SystemExit), done.exception  # no traceback: a line and the status
+
+
+def test_the_console_script_refuses_in_one_line_with_status_2(tiny_dir):
+    argv = [sys.executable, "-m", "mooncake.cli.main", "up", "--model", str(tiny_dir), "--decode-tp", "3"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and why in done.stderr, done.stderr
+    assert done.returncode == 2 and "--decode-tp 3: the attention heads (4)" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -116,7 +116,7 @@ def test_mooncake_up_refuses_ranks_it_cannot_start_in_one_line(tiny_dir, flags, 
 
     monkeypatch.setattr(LocalCluster, "start", started)
     done = CliRunner().invoke(app, ["up", "--model", str(tiny_dir), *flags], env={"COLUMNS": "400"})
-    assert done.exit_code == 2 and why in " ".join(done.stderr.split()), done.stderr
+    assert done.exit_code == 2 and why in done.stderr, done.stderr
     assert isinstance(done.exception, SystemExit), done.exception  # no traceback: a line and the status
 
 

@@ -10,7 +10,7 @@ from conductor.local import LocalPrefill
 from conductor.policies import PolicyConfig, PolicyKind
 from conductor.predictors import PredictorConfig
 from conductor.types import DEFAULT_SLO, Slo
-from mooncake.engine.config import CPU_BATCHED_TOKENS
+from mooncake.budgets import CPU_BATCHED_TOKENS
 
 
 class ConductorConfig(BaseModel):

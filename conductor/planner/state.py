@@ -22,16 +22,14 @@ from conductor.planner.nodecache import NodeCache
 from conductor.policies import PolicyKind
 from conductor.predictors import PredictorConfig
 from conductor.types import Decision, Instance, KeyChain, Load
+from mooncake.budgets import CUDA_BATCHED_TOKENS
 from mooncake.serving import reports
 from mooncake.serving.reports import PREFILL_BUSY_BEAT_S
 
 REJECTED_AT_DECODE = "decode_after_prefill"  # the baseline's late rejection: the prefill was wasted
 HEARTBEAT_S = 2.5  # a real worker's heartbeat period: ConductorConfig.heartbeat_timeout_s (10 s) x conductor.service's
 # HEARTBEAT_INTERVAL_FRACTION (0.25), which the Conductor hands each worker as it registers
-STEP_BUDGET_TOKENS = (
-    4096  # a worker's step budget on a GPU (mooncake.engine.config's CUDA_BATCHED_TOKENS; not imported:
-)
-# that module pulls in torch)
+STEP_BUDGET_TOKENS = CUDA_BATCHED_TOKENS  # a worker's step budget on a GPU
 
 
 @dataclass(slots=True)

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from conductor.auth import write_token_file
 from mooncake import tls
+from mooncake.budgets import default_batched_tokens
 from mooncake.cluster.component import Component, ComponentRefused, tail  # noqa: F401 - ComponentRefused: callers'
 from mooncake.cluster.components import component_argv
 from mooncake.cluster.config import ClusterConfig
-from mooncake.engine.config import default_batched_tokens
 from mooncake.localproc import free_port
 
 log = logging.getLogger(__name__)

@@ -4,10 +4,21 @@ Public surface: ``LLMEngine``, ``EngineConfig``, ``SamplingParams``, ``RequestOu
 ``KVConnector``. Everything else is an implementation module.
 """
 
-from mooncake.engine.config import EngineConfig
-from mooncake.engine.connector import ConnectorStep, KVConnector, StepRequest
-from mooncake.engine.engine import EngineStats, LLMEngine, RequestOutput
-from mooncake.engine.request import FinishReason, SamplingParams
+import importlib
+
+# Each public name's module, imported on first use: the gateway and the Conductor read the tokenizer and the step
+# budgets without paying for torch and the model code (seconds at every start).
+_MODULES = {
+    "ConnectorStep": "connector",
+    "EngineConfig": "config",
+    "EngineStats": "engine",
+    "FinishReason": "request",
+    "KVConnector": "connector",
+    "LLMEngine": "engine",
+    "RequestOutput": "engine",
+    "SamplingParams": "request",
+    "StepRequest": "connector",
+}
 
 __all__ = [
     "ConnectorStep",
@@ -20,3 +31,11 @@ __all__ = [
     "SamplingParams",
     "StepRequest",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)
+    globals()[name] = value
+    return value

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(slots=True)
@@ -160,6 +159,9 @@ def paged_attention(
             # Query i sits at position ctx-n+i and sees keys 0..ctx-n+i: causal, aligned to the lower right. On CUDA
             # torch's flash kernel takes that alignment without a mask (a [n, ctx] mask would force a slower kernel).
             if q.is_cuda:
+                # imported here: torch.nn.attention.bias brings torch._dynamo, 2 s of every process's start on a CPU
+                from torch.nn.attention.bias import causal_lower_right
+
                 mask = causal_lower_right(n, seg.ctx_len)
             else:
                 mask = torch.ones(n, seg.ctx_len, dtype=torch.bool, device=q.device).tril(seg.ctx_len - n)

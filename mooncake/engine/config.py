@@ -7,23 +7,13 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mooncake.budgets import CPU_BATCHED_TOKENS, CUDA_BATCHED_TOKENS, default_batched_tokens
+
 DTYPES = {  # the dtypes an engine runs in, by their names on command lines and in configs
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-# Per-step token budgets when none is given. On the CPU a step's time grows with its tokens and 512 keeps decode
-# steps beside a prefill chunk short (benchmarks/README.md). On a GPU a step of a few thousand tokens costs about
-# what 512 do, so a 4,096-token prompt is one step (benchmarks/gpu_bench.py measures 512 to 8,192).
-CPU_BATCHED_TOKENS = 512
-CUDA_BATCHED_TOKENS = 4096
-
-
-def default_batched_tokens(device: str) -> int:
-    """The per-step token budget an engine on ``device`` gets when its configuration names none."""
-    return CUDA_BATCHED_TOKENS if device.startswith("cuda") else CPU_BATCHED_TOKENS
 
 
 class EngineConfig(BaseModel):

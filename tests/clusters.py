@@ -11,12 +11,11 @@ import torch
 from conductor.auth import bearer
 from conductor.local import LocalPrefill
 from mooncake import tls
-from mooncake.blocks import model_fingerprint
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
-from mooncake.engine.loader import model_identity
+from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.request import SamplingParams
 from mooncake.gateway.cluster_backend import ClusterBackend
 from mooncake.gateway.recovery import RecoveryConfig
@@ -59,7 +58,7 @@ def backend(cluster: LocalCluster) -> ClusterBackend:
         cluster.config.model_name,
         MAX_LEN,
         cluster.config.block_size,
-        model_fingerprint(model_identity(model, torch.float32)),
+        engine_fingerprint(EngineKind(cluster.config.engine), str(model), torch.float32),
         recovery=recovery,
     )
 

@@ -71,6 +71,52 @@ def test_a_prompt_prefilled_at_one_size_and_decoded_at_another_gives_one_engines
         cluster.stop()
 
 
+@pytest.mark.vllm
+def test_vllm_workers_split_over_two_ranks_give_vllm_alones_tokens_cold_and_from_the_pool(tmp_path):
+    """Stock vLLM at tensor-parallel size 2 in both workers (its own rank processes; the KV crosses to the worker
+    through the shared copy, vllm_engine/shared_kv.py): prompt to pool to decode, and a prefix read back from the pool,
+    give vLLM alone's greedy tokens at two ranks (no connector, no cluster: tests/vllm_alone.py)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by `make test` (the project's vllm extra)")
+    import vllm_alone
+
+    # vLLM's CPU attention wants head size 64 or more; 4 query heads over 2 KV heads split into 2 ranks of 1
+    model = make_tiny(tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256)
+    prompts = [[(7 * i + 3) % 440 + 5 for i in range(n)] for n in (7, 70, 300)]  # 70's 64 tokens lead 300's
+    alone = vllm_alone.run(
+        "reference",
+        model=str(model),
+        block_size=32,
+        max_model_len=1024,
+        max_tokens=12,
+        prompts=prompts,
+        tensor_parallel_size=2,
+    )
+    cluster = start_cluster(
+        model,
+        tmp_path / "run",
+        engine="vllm",
+        vllm_args=["enforce_eager=true"],
+        block_size=32,
+        prefill_tp=2,
+        decode_tp=2,
+        gateway=False,
+        threads=1,
+    )
+    try:
+        be = backend(cluster)
+        for i, prompt in enumerate(prompts):
+            cold = generate(be, f"cold-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
+            warm = generate(be, f"warm-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
+            assert tokens(cold) == tokens(warm) == alone[i], (i, tokens(cold), tokens(warm), alone[i])
+            assert warm[-1].cached_tokens == len(prompt) // 32 * 32  # (a 7-token prompt has no whole block)
+        assert {name: i.tensor_parallel_size for name, i in instances(cluster).items() if i.engine} == {
+            "prefill-0": 2,
+            "decode-0": 2,
+        }
+    finally:
+        cluster.stop()
+
+
 def kill_a_rank(cluster, victim: str) -> None:
     """SIGKILL one of ``victim``'s tensor-parallel ranks (not rank 0: the worker's own process)."""
     (rank,) = rank_processes(cluster.component(victim).proc.pid)
@@ -101,7 +147,10 @@ def test_a_decode_workers_rank_killed_mid_run_loses_no_request_and_changes_no_to
 @pytest.mark.parametrize(
     ("flags", "why"),
     [
-        (["--prefill-tp", "2", "--engine", "vllm"], "--prefill-tp and --decode-tp split our engine (--engine native)"),
+        (
+            ["--prefill-tp", "3", "--engine", "vllm", "--block-size", "32"],
+            "--prefill-tp 3: Total number of attention heads (4) must be divisible by tensor parallel size (3)",
+        ),
         (["--prefill-tp", "2", "--prefill-groups", "1"], "--prefill-tp above 1 and pipelined prefill groups"),
         (["--decode-tp", "0"], "--decode-tp"),
         (["--decode-tp", "3"], "--decode-tp 3: the attention heads (4) cannot be split evenly among 3 tensor-parallel"),

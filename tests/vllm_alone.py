@@ -5,7 +5,7 @@ interpreter: ``run(mode, **args)`` starts ``python tests/vllm_alone.py`` with th
 as JSON on stdin and returns the JSON it prints.
 
 - ``reference``: greedy tokens of each prompt, one ``vllm.LLM.generate`` per prompt, with
-  no KV connector and prefix caching off: vLLM serving it alone.
+  no KV connector and prefix caching off: vLLM serving it alone (at ``tensor_parallel_size``, 1 by default).
 - ``layout``: the KV our ``VllmEngine`` exports for a prompt, in the pool layout
   [L, 2, T, Hkv, D], saved with ``torch.save`` to ``path``.
 """
@@ -45,8 +45,14 @@ def _reference(args: dict) -> list[list[int]] | list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from mooncake.vllm_engine.shared_kv import bind_cpu_ranks
+
+    tp = args.get("tensor_parallel_size", 1)
+    if tp > 1:
+        bind_cpu_ranks(tp)  # as a worker does: a core each where there are fewer NUMA nodes than ranks
     llm = LLM(
         model=args["model"],
+        tensor_parallel_size=tp,
         dtype="float32",
         block_size=args["block_size"],
         max_model_len=args["max_model_len"],

@@ -45,8 +45,8 @@ class ClusterConfig(BaseModel):
         1,
         ge=1,
         le=64,
-        description="Tensor-parallel ranks of each prefill worker (our engine: a process a rank, rank r on cuda:r "
-        "past the worker's device; gloo ranks sharing the cores on the CPU)",
+        description="Tensor-parallel ranks of each prefill worker, a process a rank (our engine: rank r on cuda:r past "
+        "the worker's device, gloo ranks sharing the cores on the CPU; vLLM: its tensor_parallel_size)",
     )
     decode_tp: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of each decode worker (as --prefill-tp)")
     host: str = Field(LOCAL_HOST, description="Address every component binds")
@@ -239,8 +239,6 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _ranks_fit(self) -> "ClusterConfig":
-        if max(self.prefill_tp, self.decode_tp) > 1 and self.engine != "native":
-            raise ValueError("--prefill-tp and --decode-tp split our engine (--engine native); vLLM workers run at 1")
         if self.prefill_tp > 1 and self.prefill_groups:
             raise ValueError("--prefill-tp above 1 and pipelined prefill groups (--prefill-groups) do not combine yet")
         return self
@@ -271,17 +269,10 @@ class ClusterConfig(BaseModel):
         sized by it before any worker starts): ours by its own model arguments, vLLM by its reading of the model
         (imports vLLM: seconds). Raises ValueError (one line, naming the model) for a model the engine cannot serve
         or whose KV the pool cannot carry."""
-        from mooncake.serving.model_support import check_native, kv_layout
+        from mooncake.serving.model_support import kv_layout
 
-        if max(self.prefill_tp, self.decode_tp) > 1:  # a size the model does not split into: said before any start
-            from mooncake.engine.parallel import TensorParallel
-
-            args = check_native(self.model)
-            for flag, size in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
-                try:
-                    TensorParallel(0, size).check(args)
-                except ValueError as e:
-                    raise ValueError(f"{flag} {size}: {e}") from None
-        return kv_layout(self.engine, self.model, self.dtype, parse_vllm_args(self.vllm_args)).block_bytes(
+        # a size the model does not split into: said before any start
+        splits = {flag: n for flag, n in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)) if n > 1}
+        return kv_layout(self.engine, self.model, self.dtype, parse_vllm_args(self.vllm_args), splits).block_bytes(
             self.block_size
         )

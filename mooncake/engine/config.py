@@ -72,8 +72,8 @@ class EngineConfig(BaseModel):
         1,
         ge=1,
         le=64,
-        description="native engine: split the model over this many ranks, a process each (gloo on the CPU; NCCL on "
-        "CUDA, rank r on cuda:r): each holds 1/N of the weights and of the KV heads",
+        description="split the model over this many ranks, a process each, each holding 1/N of the weights and of "
+        "the KV heads (native: gloo on the CPU, NCCL on CUDA, rank r on cuda:r; vLLM: its tensor_parallel_size)",
     )
     use_kernels: bool = Field(True, description="Compile and use the CPU paged decode-attention kernel")
     enforce_eager: bool = Field(

@@ -46,8 +46,5 @@ def build_engine(
     if kind is EngineKind.VLLM:
         from mooncake.vllm_engine.engine import VllmEngine
 
-        if config.tensor_parallel_size > 1:
-            raise ValueError("--tensor-parallel-size is our engine's; vLLM takes --vllm-arg tensor_parallel_size=N")
-
         return VllmEngine(config, vllm_args or {}, tokenizer=tokenizer, pusher=connector)
     raise ValueError(f"unknown engine {kind!r}")

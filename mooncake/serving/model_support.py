@@ -46,21 +46,33 @@ def check_native(model: str | Path):
 
 
 def kv_layout(
-    engine: EngineKind | str, model: str | Path, dtype: str, vllm_args: dict[str, Any] | None = None
+    engine: EngineKind | str,
+    model: str | Path,
+    dtype: str,
+    vllm_args: dict[str, Any] | None = None,
+    splits: dict[str, int] | None = None,
 ) -> KVLayout:
     """The KV layout ``engine`` will give ``model`` in ``dtype`` (a name: float32, bfloat16, float16), read before any
     engine loads it (the launcher sizes the pool nodes' blocks by it). Raises ValueError (one line) for a model the
-    engine cannot serve or whose KV the pool cannot carry. For vLLM this imports vLLM and reads the model's config
-    through it (seconds); the worker checks the layout again from the cache vLLM built."""
+    engine cannot serve, whose KV the pool cannot carry, or that does not split into one of ``splits``'
+    tensor-parallel sizes (``{flag: size}``, named by its flag). For vLLM this imports vLLM and reads the model's
+    config through it (seconds); the worker checks the layout again from the cache vLLM built."""
     from mooncake.engine.config import DTYPES
 
     kind = EngineKind(engine)
     if kind is EngineKind.NATIVE:
         args = check_native(model)
+        for flag, size in (splits or {}).items():
+            from mooncake.engine.parallel import TensorParallel
+
+            try:
+                TensorParallel(0, size).check(args)
+            except ValueError as e:
+                raise ValueError(f"{flag} {size}: {e}") from None
         return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[dtype])
     from mooncake.vllm_engine.kv_spec import layout_before_load
 
-    return layout_before_load(str(model), dtype, vllm_args or {})
+    return layout_before_load(str(model), dtype, vllm_args or {}, splits)
 
 
 def context_length(config: dict[str, Any], model: str | Path = "") -> int:

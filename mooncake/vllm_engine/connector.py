@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from mooncake.blocks import blocks_for
 from mooncake.engine.connector import ConnectorStep, StepRequest
 from mooncake.vllm_engine.layout import BlockLayout
+from mooncake.vllm_engine.shared_kv import SharedKV, heads_of
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -72,6 +73,8 @@ class Bridge:
     caches: list[torch.Tensor] | None = (
         None  # each layer's cache, in layer order (the decode worker's write-behind reads them)
     )
+    shared: SharedKV | None = None  # at tensor-parallel size > 1: every head of the cache (shared_kv.py)
+    steps: list[PoolConnectorMetadata] = field(default_factory=list)  # at size > 1: steps whose pushes wait
 
 
 _BRIDGES: dict[str, Bridge] = {}
@@ -119,20 +122,24 @@ class PoolConnectorMetadata(KVConnectorMetadata):
 
 
 class MooncakePoolConnector(KVConnectorBase_V1):
-    """See the module docstring. Needs TP = PP = 1 (the whole cache of a layer in this process)."""
+    """See the module docstring. At tensor-parallel size N > 1 the worker side runs in vLLM's rank processes and
+    reaches the scheduling process through the shared copy (shared_kv.py); pipeline parallel size 1 only."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"{CONNECTOR_NAME} supports tensor and pipeline parallel size 1 only "
-                f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
-            )
-        self.bridge = _bridge_for(vllm_config)
+        if parallel.pipeline_parallel_size != 1:
+            raise ValueError(f"{CONNECTOR_NAME} supports pipeline parallel size 1 only")
+        self.world = parallel.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
+        self._name = vllm_config.kv_transfer_config.get_from_extra_config("bridge", None)
+        # at size 1 both sides share the engine's bridge; at N > 1 only the scheduler side is in its process
+        self.bridge = _bridge_for(vllm_config) if self.world == 1 or role == KVConnectorRole.SCHEDULER else None
+        self.shared: SharedKV | None = None
+        if self.bridge is not None and self.world > 1:
+            self.shared = self.bridge.shared = _shared(vllm_config, self._name, kv_cache_config.num_blocks)
         # scheduler side
         self._allocated: dict[str, int] = {}  # request id -> external tokens vLLM allocated for
         self._tables: dict[str, list[int]] = {}  # request id -> block table (group 0)
@@ -140,8 +147,12 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         # worker side
         self._layers: dict[str, int] = {}  # layer name -> index
         self._writers: dict[int, Any] = {}
+        self._layout: BlockLayout | None = None
         self._device = torch.device("cpu")  # the caches'
-        self._meta_loads: list[tuple[LoadSpec, Load, torch.Tensor]] = []  # this step's: (spec, source, token slots)
+        self._meta_loads: list[tuple[LoadSpec, Load | None, torch.Tensor]] = []  # this step's: (spec, source, slots)
+        self._heads, self._writes = slice(None), True  # at N > 1: this rank's KV heads; whether it writes them
+        self._rank = 0
+        self._touched: torch.Tensor | None = None  # at N > 1: the blocks this step writes
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -166,7 +177,10 @@ class MooncakePoolConnector(KVConnectorBase_V1):
             n_ext = self._allocated.pop(new.req_id, 0)
             load = self.bridge.loads.pop(new.req_id, None)  # used once: a preempted request recomputes
             if n_ext and load is not None:
-                self.bridge.loading[new.req_id] = load
+                if self.shared is None:
+                    self.bridge.loading[new.req_id] = load
+                else:
+                    self._share(load, table, n_ext)
                 first = (
                     new.num_computed_tokens - n_ext
                 )  # tokens vLLM had already: none, get_num_new_matched_tokens saw to it
@@ -196,7 +210,19 @@ class MooncakePoolConnector(KVConnectorBase_V1):
                     list(self._tables.get(rid, [])),
                 )
             )
+        if self.shared is not None:
+            self.bridge.steps.append(meta)
         return meta
+
+    def _share(self, load: Load, table: list[int], num_tokens: int) -> None:
+        """At N > 1: a load's KV into the shared copy at the request's blocks, where each rank reads its heads (a pull
+        still landing is waited for here, layer by layer)."""
+        n = blocks_for(num_tokens, self.block_size)
+        index = torch.tensor(table[:n], dtype=torch.long)
+        src = load.source
+        for layer in range(self.shared.kv.shape[1]):
+            kv = src.layer(layer, 0, n) if hasattr(src, "layer") else src[:n, layer]
+            self.shared.kv[index, layer] = kv.to("cpu")
 
     def _worker_id(self, vllm_id: str) -> str:
         return self.bridge.external.get(vllm_id, vllm_id)
@@ -230,14 +256,25 @@ class MooncakePoolConnector(KVConnectorBase_V1):
                 f"{CONNECTOR_NAME} needs a [blocks, heads, block_size, 2*head_size] cache per layer "
                 f"(MLA and other latent caches are not supported); got {tuple(first.shape)}"
             )
-        self.bridge.caches = [kv_caches[name] for name in sorted(kv_caches, key=self._layers.__getitem__)]
         # block 0 is vLLM's null block: never holds a request's KV, safe to probe (and restored after)
-        self.bridge.layout = BlockLayout.probe(first, 0, self._writers[0])
+        self._layout = BlockLayout.probe(first, 0, self._writers[0])
+        if self.world == 1:
+            self.bridge.caches = [kv_caches[name] for name in sorted(kv_caches, key=self._layers.__getitem__)]
+            self.bridge.layout = self._layout
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = get_tensor_model_parallel_rank()
+            self.shared = _shared(self._vllm_config, self._name, first.shape[0])
+            self._heads, self._writes = heads_of(self._rank, self.world, self.shared.kv.shape[4])
         log.info(
-            "vLLM KV cache: %d layers of %s %s, converted to the pool layout by a probed permutation",
+            "vLLM KV cache: %d layers of %s %s, converted to the pool layout by a probed permutation%s",
             len(kv_caches),
             tuple(first.shape),
             first.dtype,
+            f" (rank {self._rank} of {self.world}: KV heads {self._heads.start}..{self._heads.stop - 1})"
+            if self.world > 1
+            else "",
         )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -248,16 +285,29 @@ class MooncakePoolConnector(KVConnectorBase_V1):
             raise RuntimeError(f"{CONNECTOR_NAME} got metadata of type {type(meta).__name__}")
         self._meta_loads = []
         for spec in meta.loads:
-            load = self.bridge.loading.pop(spec.request_id, None)
-            if load is not None:
-                table = torch.tensor(spec.block_ids, dtype=torch.long, device=self._device)
-                slots = (table[:, None] * self.block_size + torch.arange(self.block_size, device=self._device)).reshape(
-                    -1
-                )
-                self._meta_loads.append((spec, load, slots[: spec.num_tokens]))
+            load = self.bridge.loading.pop(spec.request_id, None) if self.shared is None else None
+            if load is not None or self.shared is not None:
+                self._meta_loads.append((spec, load, self._slots(spec.block_ids)[: spec.num_tokens]))
+        if self.shared is not None:
+            self._touched = self._written_blocks(meta.requests)
+            return
         pusher = self.bridge.pusher
         if pusher is not None:
             pusher.start_step(ConnectorStep(meta.step_id, meta.requests))
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:
+        table = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+        return (table[:, None] * self.block_size + torch.arange(self.block_size, device=self._device)).reshape(-1)
+
+    def _written_blocks(self, requests: list[StepRequest]) -> torch.Tensor | None:
+        """The blocks a step writes new KV into: each request's from its first new token's to its last's."""
+        bs, ids = self.block_size, []
+        for r in requests:
+            if r.num_new_tokens > 0:
+                ids += r.block_ids[
+                    r.num_computed_tokens // bs : blocks_for(r.num_computed_tokens + r.num_new_tokens, bs)
+                ]
+        return torch.tensor(ids, dtype=torch.long, device=self._device) if ids else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Nothing to start: each layer's load happens in ``wait_for_layer_load``, just before that layer."""
@@ -266,19 +316,37 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         if not self._meta_loads:
             return
         layer = self._layers[layer_name]
-        layout = self.bridge.layout
         for spec, load, slots in self._meta_loads:
             n = blocks_for(spec.num_tokens, self.block_size)
-            src = load.source
-            kv = src.layer(layer, 0, n) if hasattr(src, "layer") else src[:n, layer]
-            layout.import_tokens(self._writers[layer], kv, slots)
+            if load is None:  # N > 1: this rank's heads of the shared copy
+                kv = self.shared.kv[torch.tensor(spec.block_ids[:n], dtype=torch.long), layer][..., self._heads, :]
+            else:
+                src = load.source
+                kv = src.layer(layer, 0, n) if hasattr(src, "layer") else src[:n, layer]
+            self._layout.import_tokens(self._writers[layer], kv, slots)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.shared is not None:
+            if self._writes and self._touched is not None:
+                blocks = self._layout.export_blocks(kv_layer, self._touched).cpu()  # [n, 2, bs, heads here, D]
+                self.shared.kv[self._touched.cpu(), self._layers[layer_name], :, :, self._heads] = blocks
+            return
         pusher = self.bridge.pusher
         if pusher is not None:
             pusher.save_layer(self._layers[layer_name], kv_layer, None, None)
 
     def wait_for_save(self) -> None:
+        if self.shared is not None:
+            self.shared.done[self._rank] = self._get_connector_metadata().step_id  # the copy holds this step
+            return
         pusher = self.bridge.pusher
         if pusher is not None:
             pusher.wait_for_save()
+
+
+def _shared(vllm_config: VllmConfig, name: str, num_blocks: int) -> SharedKV:
+    """The shared copy of the cache of the engine named ``name`` (every head: the pool's block shape)."""
+    mc = vllm_config.model_config
+    shape = (mc.get_num_layers(vllm_config.parallel_config), 2, vllm_config.cache_config.block_size)
+    shape += (mc.get_total_num_kv_heads(), mc.get_head_size())
+    return SharedKV(name, num_blocks, shape, mc.dtype, vllm_config.parallel_config.tensor_parallel_size)

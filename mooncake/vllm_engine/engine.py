@@ -24,18 +24,18 @@ prefill's first token: ``land``, by our scheduler's rule).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from mooncake.blocks import block_keys, blocks_for
 from mooncake.engine.config import EngineConfig
+from mooncake.engine.connector import ConnectorStep
 from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.engine import RequestOutput
 from mooncake.engine.grammar import GrammarBook
@@ -53,6 +53,7 @@ from mooncake.engine.scheduler import token_finish
 from mooncake.engine.weights import load_hf_config
 from mooncake.vllm_engine.connector import CONNECTOR_NAME, Bridge, Load, register_bridge, unregister_bridge
 from mooncake.vllm_engine.kv_spec import layout_of_kv_cache, layout_of_model_config, vllm_reason
+from mooncake.vllm_engine.shared_kv import bind_cpu_ranks
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class VllmEngine:
                     "the cluster's block size, --block-size)"
                 )
         kwargs.update(vllm_args)
+        self.world = _parallel_args(config, kwargs)
         kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), GrammarLogitsProcessor]
         self._grammars: GrammarBook | None = None  # checks constrained requests' grammars (built on first use)
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -151,6 +153,11 @@ class VllmEngine:
         self.vocab_size = mc.get_vocab_size()
         # the layout of the cache vLLM built for the layers it loaded: what this worker reports and the pool must hold
         layout = layout_of_kv_cache(config.model, self._scheduler().kv_cache_config, mc.dtype)
+        if self.world > 1:  # each rank's cache holds its share of the heads; the pool every head
+            layout = replace(layout, num_kv_heads=mc.get_total_num_kv_heads())
+            self.bridge.shared.unlink()  # every process has it mapped by now: nothing is left behind at exit
+            if pusher is not None:
+                pusher.stops_cancelled_steps = False  # vLLM's ranks run each step to its end
         self._block_shape = layout.block_shape(self.block_size)
         self.block_bytes = layout.block_bytes(self.block_size)
         # the dtype vLLM computes KV in, as the gateway's keys name it (it reads --dtype: the same, checked in _start)
@@ -248,7 +255,7 @@ class VllmEngine:
                 params,
                 request_id,
                 PromptKV(len(prompt) + len(outputs) - 1, kv),
-                dataclasses.replace(options, outputs=tuple(outputs)),
+                replace(options, outputs=tuple(outputs)),
             )
         return RequestOutput(
             request_id=request_id,
@@ -375,7 +382,10 @@ class VllmEngine:
             _set_num_threads(self.config.num_threads)
             self._threaded = threading.get_ident()
         results = []
-        for out in self._llm.step():
+        outputs = self._llm.step()
+        if self.world > 1:
+            self._after_step()
+        for out in outputs:
             tracked = self._reqs.get(out.request_id)
             if tracked is None or not out.outputs:
                 continue
@@ -454,7 +464,7 @@ class VllmEngine:
         request is gone. Engine thread only, between steps."""
         tracked = self._reqs.get(request_id)
         caches, layout = self.bridge.caches, self.bridge.layout
-        if tracked is None or caches is None or layout is None:
+        if tracked is None or (self.world == 1 and (caches is None or layout is None)):
             return [], None, None
         scheduler = self._scheduler()
         req = scheduler.requests.get(tracked.internal_id)
@@ -468,16 +478,38 @@ class VllmEngine:
         tokens = (tracked.prompt + tracked.outputs)[: end * bs]
         chain = block_keys(tokens, bs, self.fingerprint, tracked.cache_salt)
         keys, parent = chain[first_block:end], chain[first_block - 1] if first_block else None
+        if self.world > 1:
+            return keys, self.bridge.shared.kv[torch.tensor(block_ids, dtype=torch.long)], parent
         index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
         kv = torch.stack([layout.export_blocks(cache, index) for cache in caches], dim=1)  # [n, L, 2, bs, Hkv, D]
         return keys, kv.cpu(), parent
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _export(self, layer: int, cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-        """The pusher's view of a layer: blocks ``block_ids`` in the pool layout, on the CPU."""
+    def _export(self, layer: int, cache: torch.Tensor | None, block_ids: list[int]) -> torch.Tensor:
+        """The pusher's view of a layer: blocks ``block_ids`` in the pool layout, on the CPU (at size N > 1 from the
+        shared copy: ``cache`` is None)."""
+        if self.world > 1:
+            return self.bridge.shared.kv[torch.tensor(block_ids, dtype=torch.long), layer]
         out = self.bridge.layout.export_blocks(cache, torch.tensor(block_ids, dtype=torch.long, device=cache.device))
         return out.cpu()
+
+    def _after_step(self) -> None:
+        """At size N > 1, once vLLM's step is done: wait for every rank's heads of its new KV in the shared copy,
+        then push the step's completed blocks from there (a prefill worker's; the pusher's own step, layer by
+        layer, as the connector drives it at size 1)."""
+        executor = self._llm.engine_core.engine_core.model_executor
+        pusher, shared = self.bridge.pusher, self.bridge.shared
+        steps, self.bridge.steps = self.bridge.steps, []
+        for meta in steps:
+            if not any(r.num_new_tokens for r in meta.requests):
+                continue  # (no forward ran)
+            shared.wait_for(meta.step_id, alive=lambda: not getattr(executor, "is_failed", False))
+            if pusher is not None:
+                pusher.start_step(ConnectorStep(meta.step_id, meta.requests))
+                for layer in range(shared.kv.shape[1]):
+                    pusher.save_layer(layer, None, None, None)
+                pusher.wait_for_save()
 
     def _forget(self, request_id: str) -> None:
         tracked = self._reqs.pop(request_id, None)
@@ -492,6 +524,29 @@ class VllmEngine:
     def _next_id(self) -> int:
         self._ids += 1
         return self._ids
+
+
+def _parallel_args(config: EngineConfig, kwargs: dict[str, Any]) -> int:
+    """vLLM's tensor-parallel size, from --tensor-parallel-size or --vllm-arg tensor_parallel_size (both: the same).
+    At N > 1 steps run one at a time (no async scheduling: the worker pushes each step's KV after it), on vLLM's
+    multiprocessing executor, and on the CPU each rank gets its share of the cores where vLLM's own binding (a NUMA
+    node a rank) has too few nodes."""
+    given = kwargs.get("tensor_parallel_size")
+    world = config.tensor_parallel_size
+    if given is not None and world > 1 and int(given) != world:
+        raise ValueError(f"--tensor-parallel-size {world} and --vllm-arg tensor_parallel_size={given} disagree")
+    world = int(given) if given is not None else world
+    if world > 1:
+        if kwargs.get("async_scheduling"):
+            raise ValueError(
+                "--vllm-arg async_scheduling: at tensor_parallel_size > 1 the worker pushes each step's KV once it "
+                "is done, so steps run one at a time"
+            )
+        kwargs.update(tensor_parallel_size=world, async_scheduling=False)
+        kwargs.setdefault("distributed_executor_backend", "mp")
+        if not torch.cuda.is_available():
+            bind_cpu_ranks(world)
+    return world
 
 
 def _logprobs(completion, start: int, k: int | None) -> list[TokenLogprob] | None:

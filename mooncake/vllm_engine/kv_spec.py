@@ -31,10 +31,13 @@ def _refuse(model: str, what: str) -> ValueError:
     return refuse(model, EngineKind.VLLM, f"{what}: the pool connector cannot carry it; {SUPPORTED}")
 
 
-def layout_before_load(model: str, dtype: str, vllm_args: dict[str, Any]) -> KVLayout:
+def layout_before_load(
+    model: str, dtype: str, vllm_args: dict[str, Any], splits: dict[str, int] | None = None
+) -> KVLayout:
     """The layout vLLM will give ``model`` in ``dtype`` under ``vllm_args`` (EngineArgs keywords), from vLLM's own
     ModelConfig (imports vLLM, reads config.json through transformers: seconds). Raises ValueError (one line) for a
-    model vLLM cannot serve or whose KV the connector cannot carry."""
+    model vLLM cannot serve, whose KV the connector cannot carry, or that does not split into one of ``splits``'
+    tensor-parallel sizes (by the flag that gave it)."""
     from vllm import EngineArgs
     from vllm.config import ParallelConfig
 
@@ -47,11 +50,13 @@ def layout_before_load(model: str, dtype: str, vllm_args: dict[str, Any]) -> KVL
         model_config = engine_args.create_model_config()
     except (ValueError, OSError, RuntimeError, KeyError) as e:  # pydantic's ValidationError is a ValueError
         raise refuse(model, EngineKind.VLLM, f"vLLM cannot serve it: {vllm_reason(e)}") from None
-    parallel = ParallelConfig(
-        tensor_parallel_size=engine_args.tensor_parallel_size,
-        pipeline_parallel_size=engine_args.pipeline_parallel_size,
-    )
-    return layout_of_model_config(model, model_config, parallel, engine_args.kv_cache_dtype)
+    for flag, size in (splits or {}).items():
+        try:
+            model_config.verify_with_parallel_config(ParallelConfig(tensor_parallel_size=size))
+        except (ValueError, NotImplementedError) as e:
+            raise refuse(model, EngineKind.VLLM, f"{flag} {size}: {e}") from None
+    # the pool's layout: every layer and head, whatever the engine's parallel sizes split among its ranks
+    return layout_of_model_config(model, model_config, ParallelConfig(), engine_args.kv_cache_dtype)
 
 
 def layout_of_model_config(model: str, model_config, parallel_config, cache_dtype: str = "auto") -> KVLayout:

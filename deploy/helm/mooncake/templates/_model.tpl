@@ -41,9 +41,6 @@ workers' block size, dtype and engine): nobody works out block bytes by hand.
 {{- if lt $tp 1 }}
 {{- fail (printf "%s.tensorParallelSize must be 1 or more, not %d" $pool $tp) }}
 {{- end }}
-{{- if and (gt $tp 1) (ne (toString $.Values.engine.kind) "native") }}
-{{- fail (printf "%s.tensorParallelSize is our engine's (engine.kind=native): vLLM workers run at tensor parallel size 1 for now" $pool) }}
-{{- end }}
 {{- if and (gt $tp 1) (hasPrefix "cuda" $device) (lt (int (index $.Values $pool).gpus) $tp) }}
 {{- fail (printf "%s.tensorParallelSize is %d on %s: a GPU a rank, so %s.gpus must be %d at least" $pool $tp $device $pool $tp) }}
 {{- end }}
@@ -156,5 +153,22 @@ config.json at the top: nothing the workers could load.
 {{- $tp := int (default 1 (index .ctx.Values .pool).tensorParallelSize) }}
 {{- if gt $tp 1 }}
 - --tensor-parallel-size={{ $tp }}
+{{- end }}
+{{- end }}
+
+{{/* A split worker's /dev/shm ((dict "ctx" $ "pool" "prefill")): its ranks talk through shared memory (vLLM's queues,
+NCCL's buffers, vLLM's shared copy of the cache in the pool layout), more than a container's 64 MiB default. Its
+mount, then its volume. */}}
+{{- define "mooncake.rankShmMount" -}}
+{{- if gt (int (default 1 (index .ctx.Values .pool).tensorParallelSize)) 1 }}
+- name: rank-shm
+  mountPath: /dev/shm
+{{- end }}
+{{- end }}
+{{- define "mooncake.rankShmVolume" -}}
+{{- if gt (int (default 1 (index .ctx.Values .pool).tensorParallelSize)) 1 }}
+- name: rank-shm
+  emptyDir:
+    medium: Memory
 {{- end }}
 {{- end }}

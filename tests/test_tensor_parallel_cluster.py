@@ -80,7 +80,9 @@ def test_vllm_workers_split_over_two_ranks_give_vllm_alones_tokens_cold_and_from
     import vllm_alone
 
     # vLLM's CPU attention wants head size 64 or more; 4 query heads over 2 KV heads split into 2 ranks of 1
-    model = make_tiny(tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256)
+    model = make_tiny(
+        tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256, head_dim=64
+    )
     prompts = [[(7 * i + 3) % 440 + 5 for i in range(n)] for n in (7, 70, 300)]  # 70's 64 tokens lead 300's
     alone = vllm_alone.run(
         "reference",

@@ -53,6 +53,8 @@ class PlannerLoop:
         self.planner = Planner(config, started=time.monotonic())
         self.last: Plan | None = None
         self._asked: dict[Role, tuple[int, float]] = {}  # role -> (the count last asked for, when)
+        self._started = time.monotonic()
+        self._seen: set[Role] = set()  # roles with an instance alive at some plan
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,12 +116,17 @@ class PlannerLoop:
 
     def _act(self, plan: Plan) -> None:
         """Scale each role whose count differs from the plan's: start what is missing beyond the instances still
-        starting (asked for within ``2 x start_s`` and not registered yet), or drain down to the plan. A refusal is
-        logged; the next plan tries again."""
+        starting (asked for within ``2 x start_s`` and not registered yet), or drain down to the plan. A pool with no
+        instance yet within ``2 x start_s`` of the planner's start is left alone: the cluster is still coming up (its
+        deployment's or launcher's instances would otherwise be doubled). A refusal is logged; the next plan tries
+        again."""
         now = time.monotonic()
         with self.service._lock:
             alive = {role: len(self.service.conductor.alive(role)) for role in (Role.PREFILL, Role.DECODE)}
+        self._seen.update(role for role, n in alive.items() if n)
         for role, want in ((Role.PREFILL, plan.prefill), (Role.DECODE, plan.decode)):
+            if role not in self._seen and now - self._started < 2 * max(self.config.start_s, 10.0):
+                continue  # the pool's first instances are still starting (the cluster is coming up): not to fill
             asked, at = self._asked.get(role, (0, -float("inf")))
             starting = max(0, asked - alive[role]) if now - at < 2 * max(self.config.start_s, 10.0) else 0
             if want > alive[role] + starting:

@@ -518,3 +518,41 @@ def test_a_step_model_without_fixed_cost_counts_a_batch_of_one_and_a_second_inst
     busy = DecodeLoad(rate=7.0, mean_output_tokens=16, mean_context_tokens=900)
     assert batch_at(7.0, busy, steps) == math.inf
     assert size_decode(busy, steps, cap_s=1.0).instances == 2
+
+
+class _Pools:
+    """The service the acting planner scales (conductor.planning.Service): alive counts set by hand, scales kept."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.counts = {Role.PREFILL: 0, Role.DECODE: 0}
+        self.scaled: list[tuple[Role, int]] = []
+        self._lock = threading.Lock()
+        self.conductor = self  # the planner asks the Conductor for alive(role)
+
+    def alive(self, role: Role) -> list[None]:
+        return [None] * self.counts[role]
+
+    def scale(self, role: Role, replicas: int):
+        self.scaled.append((role, replicas))
+        return self.counts[role], [], []
+
+
+def test_the_acting_planner_leaves_pools_whose_first_instances_are_still_starting_alone():
+    """At a cluster's start the planner plans before the workers register: a pool at 0 then is coming up, not to be
+    filled (the launcher's or the deployment's instances would be doubled); once it has had an instance, it is."""
+    from types import SimpleNamespace
+
+    from conductor.planning import PlannerLoop
+
+    pools = _Pools()
+    loop = PlannerLoop(pools, PlannerConfig(start_s=60.0), acting=True)
+    loop._act(SimpleNamespace(prefill=1, decode=1))
+    assert pools.scaled == []  # nothing registered yet, just after the start: the first ones are starting
+    pools.counts[Role.PREFILL] = 1
+    loop._act(SimpleNamespace(prefill=2, decode=1))
+    assert pools.scaled == [(Role.PREFILL, 2)]  # prefill has had an instance: scaled; decode is still starting
+    loop._started -= 121.0  # two start_s after the start, a pool still at 0 is the planner's to fill
+    loop._act(SimpleNamespace(prefill=2, decode=1))
+    assert pools.scaled[-1] == (Role.DECODE, 1)

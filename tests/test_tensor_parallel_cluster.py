@@ -171,6 +171,23 @@ def test_mooncake_up_refuses_ranks_it_cannot_start_in_one_line(tiny_dir, flags, 
     assert isinstance(done.exception, SystemExit), done.exception  # no traceback: a line and the status
 
 
+@pytest.mark.parametrize(
+    ("flags", "size"),
+    [
+        ([], 1),
+        (["--tensor-parallel-size", "2"], 2),
+        (["--engine", "vllm", "--vllm-arg", "tensor_parallel_size=2"], 2),  # vLLM's own keyword: the same size
+        (["--vllm-arg", "tensor_parallel_size=2"], 1),  # (our engine reads no vLLM keyword)
+    ],
+)
+def test_a_worker_runs_and_registers_the_size_its_flags_give(flags, size):
+    from mooncake.cluster.components import component_parser
+    from mooncake.serving.worker_args import engine_fields
+
+    args = component_parser("decode").parse_args(["--model", "m", "--conductor", "127.0.0.1:1", *flags])
+    assert engine_fields(args)["tensor_parallel_size"] == size
+
+
 def test_the_console_script_refuses_in_one_line_with_status_2(tiny_dir):
     argv = [sys.executable, "-m", "mooncake.cli.main", "up", "--model", str(tiny_dir), "--decode-tp", "3"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)

@@ -76,8 +76,18 @@ def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
         enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=_tensor_parallel_size(args),
     )
+
+
+def _tensor_parallel_size(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, or for vLLM --vllm-arg tensor_parallel_size where the flag is not given: the size the
+    worker runs at and registers."""
+    if args.tensor_parallel_size == 1 and getattr(args, "engine", "native") == "vllm":
+        from mooncake.engine.interface import parse_vllm_args
+
+        return int(parse_vllm_args(getattr(args, "vllm_arg", None) or []).get("tensor_parallel_size", 1))
+    return args.tensor_parallel_size
 
 
 def default_block_size(engine: str) -> int:

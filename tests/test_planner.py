@@ -272,6 +272,20 @@ def test_the_forecast_follows_a_rising_rate_looking_an_instances_start_ahead():
     assert plan.rate == pytest.approx(3.03)
 
 
+def test_a_plan_asked_for_just_after_one_keeps_its_rate():
+    """`mooncake plan` a moment after the running planner's plan (a copy of it, plan_now): the few milliseconds since
+    hold no arrival, and are no reading of the rate."""
+    import copy
+
+    planner = Planner()
+    arrive_every(planner, 0.0, 30.0, gap=0.5)
+    assert planner.decide(snapshot(planner, 30.0)).rate == pytest.approx(2.0)
+    now = copy.deepcopy(planner).decide(snapshot(planner, 30.01))
+    assert (now.rate, now.observed_rate) == (pytest.approx(2.0), pytest.approx(2.0))
+    arrive_every(planner, 30.0, 45.0, gap=0.25)  # half an interval later it is one: 4 a second so far
+    assert copy.deepcopy(planner).decide(snapshot(planner, 45.0)).observed_rate == pytest.approx(4.0)
+
+
 # -- hysteresis ----------------------------------------------------------------------------------
 # The rate stays at 1 arrival a second and the SLO at 1000 s, so the prefill count wanted is set by the seconds a
 # prompt takes: a = 1/s x c0, N = ceil(c0 / 0.95) (the utilization bound; the SLO never binds).

@@ -33,7 +33,7 @@ from mooncake.engine.tiny import make_tiny
 from protos import conductor_pb2 as cpb
 
 INTERVAL_S = 4.0
-STEP_S = 20.0  # each level of the profile lasts this long
+STEP_S = 25.0  # each level of the profile lasts this long
 RATE = 0.6  # requests a second at 1x: a prompt's prefill takes about 0.75 s, so about 0.45 of a worker, and 1.35 at 3x
 
 

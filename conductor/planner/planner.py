@@ -299,8 +299,9 @@ class Planner:
         return max(0.0, self._level + self._trend * ahead, self.rates[-1])
 
     def _observe_rate(self, now: float) -> None:
-        """The arrival rate since the last plan, into the Holt forecast."""
-        if self._since is None or now <= self._since:
+        """The arrival rate since the last plan, into the Holt forecast; none from a span under a quarter of an
+        interval (``mooncake plan`` asked just after a plan: its few arrivals, often none, say nothing of the rate)."""
+        if self._since is None or now - self._since < 0.25 * self.config.interval_s:
             return
         rate = self._arrivals / (now - self._since)
         self._since, self._arrivals = now, 0

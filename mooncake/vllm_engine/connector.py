@@ -152,7 +152,8 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         self._meta_loads: list[tuple[LoadSpec, Load | None, torch.Tensor]] = []  # this step's: (spec, source, slots)
         self._heads, self._writes = slice(None), True  # at N > 1: this rank's KV heads; whether it writes them
         self._rank = 0
-        self._touched: torch.Tensor | None = None  # at N > 1: the blocks this step writes
+        self._touched: torch.Tensor | None = None  # at N > 1: the blocks this step writes (the cache's device)
+        self._touched_rows: torch.Tensor | None = None  # the same, indexing the shared copy (host)
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -290,6 +291,7 @@ class MooncakePoolConnector(KVConnectorBase_V1):
                 self._meta_loads.append((spec, load, self._slots(spec.block_ids)[: spec.num_tokens]))
         if self.shared is not None:
             self._touched = self._written_blocks(meta.requests)
+            self._touched_rows = self._touched.cpu() if self._touched is not None else None  # once a step
             return
         pusher = self.bridge.pusher
         if pusher is not None:
@@ -318,8 +320,8 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         layer = self._layers[layer_name]
         for spec, load, slots in self._meta_loads:
             n = blocks_for(spec.num_tokens, self.block_size)
-            if load is None:  # N > 1: this rank's heads of the shared copy
-                kv = self.shared.kv[torch.tensor(spec.block_ids[:n], dtype=torch.long), layer][..., self._heads, :]
+            if load is None:  # N > 1: this rank's heads of the shared copy (its rows: the first n of spec's blocks)
+                kv = self.shared.kv[spec.block_ids[:n], layer][..., self._heads, :]
             else:
                 src = load.source
                 kv = src.layer(layer, 0, n) if hasattr(src, "layer") else src[:n, layer]
@@ -329,7 +331,7 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         if self.shared is not None:
             if self._writes and self._touched is not None:
                 blocks = self._layout.export_blocks(kv_layer, self._touched).cpu()  # [n, 2, bs, heads here, D]
-                self.shared.kv[self._touched.cpu(), self._layers[layer_name], :, :, self._heads] = blocks
+                self.shared.kv[self._touched_rows, self._layers[layer_name], :, :, self._heads] = blocks
             return
         pusher = self.bridge.pusher
         if pusher is not None:

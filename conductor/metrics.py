@@ -91,6 +91,12 @@ class Metrics:
         self.planner_desired = Gauge(
             "mooncake_planner_desired_instances", "The planner's count for each pool", ["role"], registry=r
         )
+        self.planner_devices = Gauge(
+            "mooncake_planner_desired_devices",
+            "The devices the planner's count takes in each pool (instances x their tensor-parallel size)",
+            ["role"],
+            registry=r,
+        )
         self.planner_forecast = {  # what the last plan forecast for the next interval
             name: Gauge(f"mooncake_planner_forecast_{name}", text, registry=r)
             for name, text in (

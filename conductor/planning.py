@@ -4,8 +4,8 @@
     every interval (PlannerConfig.interval_s, 30 s), on the planner's thread:
       1. snapshot       under the service's lock (milliseconds): the window, the learnt predictors, the pools
       2. decide         outside it: forecast, sizing, the twin's runs (a second or two), hysteresis
-      3. export         mooncake_planner_desired_instances{role}, mooncake_planner_forecast_* (KEDA or an HPA can
-                        scale on these instead: ``--planner-advise``)
+      3. export         mooncake_planner_desired_instances{role}, _desired_devices{role} (x their TP size),
+                        mooncake_planner_forecast_* (KEDA or an HPA can scale on these instead: ``--planner-advise``)
       4. act            with ``--planner``: service.scale(role, count) for a role whose count differs; the pool
                         provider starts instances, or the Conductor drains the least busy and stops them once idle
                         (no request placed there fails: it finishes where it is)
@@ -105,6 +105,8 @@ class PlannerLoop:
         m = self.service.metrics
         m.planner_desired.labels(Role.PREFILL.value).set(plan.prefill)
         m.planner_desired.labels(Role.DECODE.value).set(plan.decode)
+        for role in (Role.PREFILL, Role.DECODE):
+            m.planner_devices.labels(role.value).set(plan.devices(role))
         f = m.planner_forecast
         f["rate"].set(plan.rate)
         f["prompt_tokens"].set(plan.mean_prompt_tokens)

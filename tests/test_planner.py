@@ -570,3 +570,34 @@ def test_the_acting_planner_leaves_pools_whose_first_instances_are_still_startin
     loop._started -= 121.0  # two start_s after the start, a pool still at 0 is the planner's to fill
     loop._act(SimpleNamespace(prefill=2, decode=1))
     assert pools.scaled[-1] == (Role.DECODE, 1)
+
+
+def test_a_plan_counts_the_devices_its_instances_take_at_their_tensor_parallel_sizes():
+    """Prefill workers registered at TP 2 and decode workers at TP 4: the plan's instances take that many devices
+    each, in what it says (``mooncake plan``) and in what it exports for an autoscaler that provisions devices."""
+    import dataclasses
+
+    from conductor_helpers import conductor, decode, prefill
+    from prometheus_client import generate_latest
+
+    from conductor.metrics import Metrics
+    from conductor.planner.check import snapshot as conductor_snapshot
+    from conductor.planning import PlannerLoop
+
+    c = conductor("none")
+    for i in range(2):
+        c.register(dataclasses.replace(prefill(i), tensor_parallel_size=2), 0.0)
+    c.register(dataclasses.replace(decode(0), tensor_parallel_size=4), 0.0)
+    planner = Planner(PlannerConfig(interval_s=10.0, twin=False, min_prefill=2), started=0.0)
+    plan = planner.decide(conductor_snapshot(planner, c, 10.0))
+    assert (plan.prefill, plan.decode) == (2, 1)
+    assert (plan.devices(Role.PREFILL), plan.devices(Role.DECODE)) == (4, 4)
+    assert plan.describe().splitlines()[-1] == "plan: 2 prefill, 1 decode, 8 devices (prefill at TP 2, decode at TP 4)"
+
+    loop = PlannerLoop.__new__(PlannerLoop)  # its export alone: the service's metrics
+    loop.service = type("Service", (), {"metrics": Metrics()})()
+    loop._export(plan)
+    text = generate_latest(loop.service.metrics.registry).decode()
+    assert 'mooncake_planner_desired_devices{role="prefill"} 4.0' in text
+    assert 'mooncake_planner_desired_devices{role="decode"} 4.0' in text
+    assert 'mooncake_planner_desired_instances{role="prefill"} 2.0' in text

@@ -108,6 +108,8 @@ def snapshot(planner: Planner, conductor: Conductor, now: float, kv_tokens: int 
         local_prefill=cfg.local_prefill,
         kv_blocks=kv_blocks,
         kv_shared=kv_shared,
+        prefill_tp=max((i.tensor_parallel_size for i in prefills), default=1),
+        decode_tp=max((i.tensor_parallel_size for i in decodes), default=1),
     )
 
 

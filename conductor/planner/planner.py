@@ -124,6 +124,8 @@ class Snapshot:
     local_prefill: LocalPrefill = LocalPrefill.NEVER
     kv_blocks: float = 0.0  # a decode instance's KV capacity in blocks, as registered (the mean; 0: not known)
     kv_shared: bool = True  # its running batch holds blocks of it too (else only prompts in prefill do)
+    prefill_tp: int = 1  # an instance's devices (its tensor-parallel size; a role's instances share theirs)
+    decode_tp: int = 1
 
     def prefill_s(self, prompt: int, cached: int) -> float:
         new = prompt - cached
@@ -159,6 +161,12 @@ class Plan:
     twin: list[TwinOutcome] = field(default_factory=list)  # every candidate the twin ran, in order
     pool: PoolAdvice | None = None  # what more pool nodes would do (None: no reads or no capacity known)
     held: str = ""  # why the counts are not the sized ones ("" : they are)
+    prefill_tp: int = 1  # the devices an instance of each role takes (its tensor-parallel size)
+    decode_tp: int = 1
+
+    def devices(self, role: Role) -> int:
+        """The devices the plan's instances of ``role`` take: instances x their tensor-parallel size."""
+        return self.prefill * self.prefill_tp if role is Role.PREFILL else self.decode * self.decode_tp
 
     def describe(self) -> str:
         p, d = self.prefill_sizing, self.decode_sizing
@@ -178,7 +186,13 @@ class Plan:
             f"TBT p99 {t.tbt_p99_s * 1000:.1f} ms"
             for t in self.twin
         ]
-        lines.append(f"plan: {self.prefill} prefill, {self.decode} decode" + (f" ({self.held})" if self.held else ""))
+        sized = ""
+        if self.prefill_tp > 1 or self.decode_tp > 1:
+            total = self.devices(Role.PREFILL) + self.devices(Role.DECODE)
+            sized = f", {total} devices (prefill at TP {self.prefill_tp}, decode at TP {self.decode_tp})"
+        lines.append(
+            f"plan: {self.prefill} prefill, {self.decode} decode{sized}" + (f" ({self.held})" if self.held else "")
+        )
         return "\n".join(lines)
 
 
@@ -372,6 +386,8 @@ class Planner:
             out,
             pre,
             dec,
+            prefill_tp=snap.prefill_tp,
+            decode_tp=snap.decode_tp,
         )
         self._pool(plan, snap)
         if check is not None and c.twin and reqs and rate > 0:

@@ -1,15 +1,16 @@
 """The planner acting on a real cluster: `mooncake up --planner act` under a 1x -> 3x -> 1x replay.
 
-A random-weight model big enough that a 900-token prompt takes about 0.3 s on this machine; 1.5 requests a second
-at 1x keep one prefill worker about half busy, 4.5 a second need a second one and more than this machine's 2 cores
-give: the prompts queue for prefill, each holding 56 of its decode worker's 2,048 cache blocks (36 prompts' worth)
+A random-weight model big enough that a 900-token prompt takes about half a second here. The rate is set from a
+prefill measured on the cluster before the replay (the prefill worker's engine time, alone): at 1x a prefill worker
+is busy ``BUSY_1X`` of the time, and 3x that is more than one worker can take: the prompts queue
+for prefill, each holding 56 of its decode worker's 2,048 cache blocks (36 prompts' worth)
 while it waits. The Conductor places a prompt only where its blocks fit, holds it at its gateway while no decode
 worker has room (the planner acts), and the planner sizes decode by the KV the waiting prompts hold. The
 replay is benchmarks.replay's command line with ``--rate-profile step:1,3,1``. While it runs, the Conductor's
 plans and pools are read every half second. What a user would see:
 
-- the planner asks for a second prefill worker within two of its intervals of the step up (the launcher starts
-  it; it takes work),
+- the planner plans one prefill worker before the step up and asks for a second within two of its intervals of it
+  (the launcher starts it; it takes work),
 - after the step down it drains one and the pool is back to one (the drained worker finished what it had and
   exited), and
 - no request failed, from first to last: every one completed with all its tokens;
@@ -27,13 +28,32 @@ import time
 import httpx
 from clusters import conductor, start_cluster
 
-from benchmarks.planner_live import MODEL_SHAPE, OUTPUT_TOKENS, replay_command, write_steady_trace
+from benchmarks.planner_live import MODEL_SHAPE, OUTPUT_TOKENS, PROMPT_TOKENS, replay_command, write_steady_trace
 from mooncake.engine.tiny import make_tiny
 from protos import conductor_pb2 as cpb
 
 INTERVAL_S = 4.0
 STEP_S = 30.0  # each level of the profile lasts this long
-RATE = 1.5  # requests a second at 1x: a prompt's prefill takes about 0.3 s, so about 0.45 of a worker, and 1.35 at 3x
+BUSY_1X = 0.4  # at 1x, a prefill worker's busy share by its engine time alone: 1.2 at 3x, more than one worker can take
+
+
+def measured_prefill_s(cluster) -> float:
+    """A prompt's prefill on the prefill worker with nothing else running (its engine time: first step to first
+    token, ``mooncake_prefill_seconds``): the mean of three 900-token prompts with nothing in common, as the trace's,
+    sent one at a time."""
+    with httpx.Client(base_url=cluster.endpoint + "/", timeout=60) as client:
+        for i in range(3):
+            prompt = [10 + (i * 7919 + j * 31) % 200 for j in range(PROMPT_TOKENS)]
+            r = client.post("completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+    metrics = httpx.get(f"http://{cluster.component('prefill-0').info['metrics']}/metrics", timeout=5).text
+    sums = dict(
+        line.split()
+        for line in metrics.splitlines()
+        if line.startswith(("mooncake_prefill_seconds_sum", "mooncake_prefill_seconds_count"))
+    )
+    assert float(sums["mooncake_prefill_seconds_count"]) == 3, sums
+    return float(sums["mooncake_prefill_seconds_sum"]) / 3
 
 
 class Watch:
@@ -71,10 +91,6 @@ class Watch:
 
 def test_the_planner_scales_prefill_up_for_a_load_step_and_back_down_without_failing_a_request(tmp_path):
     model = make_tiny(tmp_path / "model", "llama", **MODEL_SHAPE)
-    trace = tmp_path / "steady.jsonl"
-    # the step:1,3,1 profile presses the trace into equal spans at 1x, 3x and 1x: it holds 1 x 30 + 3 x 30 + 1 x 30
-    # seconds' worth of arrivals at 1x
-    n = write_steady_trace(trace, RATE, 5 * STEP_S)
     c = start_cluster(
         model,
         tmp_path / "run",
@@ -85,6 +101,17 @@ def test_the_planner_scales_prefill_up_for_a_load_step_and_back_down_without_fai
         planner_max=2,
         admission="none",
     )
+    try:
+        prefill_s = measured_prefill_s(c)
+    except BaseException:
+        c.stop()
+        raise
+    rate = BUSY_1X / prefill_s
+    print(f"a prefill alone: {prefill_s:.3f} s; {rate:.2f} requests a second at 1x")
+    trace = tmp_path / "steady.jsonl"
+    # the step:1,3,1 profile presses the trace into equal spans at 1x, 3x and 1x: it holds 1 x 30 + 3 x 30 + 1 x 30
+    # seconds' worth of arrivals at 1x
+    n = write_steady_trace(trace, rate, 5 * STEP_S)
     watch = Watch(c)
     try:
         out = tmp_path / "replay.json"
@@ -120,6 +147,8 @@ def test_the_planner_scales_prefill_up_for_a_load_step_and_back_down_without_fai
     print(f"step up at {step_up:.1f} s, down at {step_down:.1f} s; (t, planned, alive, draining):")
     print([row for i, row in enumerate(watch.rows) if i == 0 or row[1:] != watch.rows[i - 1][1:]])
 
+    before = [p for t, p, _, _ in watch.rows if t < step_up]
+    assert before and before[-1] == 1, (before, watch.rows)  # one worker was enough at 1x
     asked = watch.first(lambda p, a, d: p >= 2, after=step_up - INTERVAL_S)
     assert asked is not None, watch.rows
     # decided within two intervals of the step (a plan sees the step in the rate of the interval it ends; the watch

@@ -9,6 +9,7 @@ sizes (DESIGN §4), so no conversion happens anywhere: a rank reads its heads of
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import random
 import signal
@@ -28,7 +29,7 @@ from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.tiny import make_tiny
 from protos import conductor_pb2 as cpb
 
-REQUESTS = 24  # the chaos replay's: a third streaming when a rank is killed (tests/replays.py runs 60)
+REQUESTS = 24  # the chaos replay's: a third streaming when a rank is killed (tests/replays.py runs 36)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,9 @@ def test_vllm_workers_split_over_two_ranks_give_vllm_alones_tokens_cold_and_from
         tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256, head_dim=64
     )
     prompts = [[(7 * i + 3) % 440 + 5 for i in range(n)] for n in (7, 70, 300)]  # 70's 64 tokens lead 300's
-    alone = vllm_alone.run(
+    # the reference runs while the cluster starts (each is mostly vLLM's start: imports, a process per rank)
+    reference = concurrent.futures.ThreadPoolExecutor(1).submit(
+        vllm_alone.run,
         "reference",
         model=str(model),
         block_size=32,
@@ -105,6 +108,7 @@ def test_vllm_workers_split_over_two_ranks_give_vllm_alones_tokens_cold_and_from
         threads=1,
     )
     try:
+        alone = reference.result(timeout=600)
         be = backend(cluster)
         for i, prompt in enumerate(prompts):
             cold = generate(be, f"cold-{i}", prompt, 12, temperature=0.0, ignore_eos=True)

@@ -9,6 +9,7 @@ start-up takes seconds rather than a minute of graph compilation.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -49,7 +50,8 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir, tmp_path_factory):
+def cluster(smollm2_dir, tmp_path_factory, alone_run):
+    """(``alone_run``: the references run while the cluster starts, each mostly vLLM's start.)"""
     c = start_cluster(
         smollm2_dir,
         tmp_path_factory.mktemp("vllm-run"),
@@ -73,10 +75,12 @@ def be(cluster) -> ClusterBackend:
 
 
 @pytest.fixture(scope="module")
-def alone(smollm2_dir) -> dict[tuple[int, ...], dict]:
-    """vLLM alone, greedy, 16 tokens and their top-5 logprobs: every prompt the equivalence tests send."""
+def alone_run(smollm2_dir) -> tuple[list[list[int]], concurrent.futures.Future]:
+    """vLLM alone, greedy, 16 tokens and their top-5 logprobs: every prompt the equivalence tests send (started on a
+    thread: ``alone`` waits for it)."""
     prompts = [prompt_of(n, seed=n) for n in LENGTHS] + [PULL_SHARED + PULL_TAIL]
-    out = vllm_alone.run(
+    out = concurrent.futures.ThreadPoolExecutor(1).submit(
+        vllm_alone.run,
         "reference",
         model=str(smollm2_dir),
         block_size=BLOCK,
@@ -86,7 +90,13 @@ def alone(smollm2_dir) -> dict[tuple[int, ...], dict]:
         logprobs=5,
         prompt_logprobs_of=[LENGTHS.index(100)],
     )
-    return {tuple(p): o for p, o in zip(prompts, out)}
+    return prompts, out
+
+
+@pytest.fixture(scope="module")
+def alone(alone_run) -> dict[tuple[int, ...], dict]:
+    prompts, out = alone_run
+    return {tuple(p): o for p, o in zip(prompts, out.result(timeout=900))}
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ start on this CPU).
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import pytest
 import torch
@@ -58,22 +60,26 @@ def prompts(neox_dir) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(neox_dir, prompts) -> dict[str, list[int]]:
-    """vLLM alone (no connector, no prefix cache), greedy, past EOS."""
-    names = list(prompts)
-    out = vllm_alone.run(
+def references_run(neox_dir, prompts) -> concurrent.futures.Future:
+    """vLLM alone (no connector, no prefix cache), greedy, past EOS, on a thread (``references`` waits for it)."""
+    return concurrent.futures.ThreadPoolExecutor(1).submit(
+        vllm_alone.run,
         "reference",
         model=str(neox_dir),
         block_size=BLOCK,
         max_model_len=MAX_LEN,
         max_tokens=MAX_TOKENS,
-        prompts=[prompts[n] for n in names],
+        prompts=list(prompts.values()),
     )
-    return dict(zip(names, out))
 
 
 @pytest.fixture(scope="module")
-def cluster(neox_dir, references, tmp_path_factory):  # after the references: one vLLM at a time on these cores
+def references(prompts, references_run) -> dict[str, list[int]]:
+    return dict(zip(prompts, references_run.result(timeout=900)))
+
+
+@pytest.fixture(scope="module")
+def cluster(neox_dir, references_run, tmp_path_factory):  # the references run while it starts (mostly vLLM's start)
     c = start_cluster(
         neox_dir,
         tmp_path_factory.mktemp("vllm-neox-run"),

@@ -18,7 +18,7 @@ from clusters import backend
 from kvstore.client import KVStoreClient
 from mooncake.serving.types import BackendError, GenerationRequest, Recovery
 
-NUM_REQUESTS = 36  # 6 at a time: a third started when a component is struck, two thirds outlive it
+NUM_REQUESTS = 60
 CONCURRENCY = 6
 SHARED_PREFIXES = 4  # requests share system-prompt-like prefixes, so the pool and its pulls are exercised
 

@@ -1,7 +1,7 @@
 """No request lost when a component dies (issue 17), on a real cluster: 2 prefill workers (each with its pool
 node) and 2 decode workers, every component its own process.
 
-The same 36 streamed greedy requests are replayed, 6 at a time: once undisturbed, then once per victim with
+The same 60 streamed greedy requests are replayed, 6 at a time: once undisturbed, then once per victim with
 that component SIGKILLed mid-run (the launcher restarts it). Every request must complete with the tokens of
 the undisturbed run, and afterwards the pool's leases and reservations and the decode workers' landing slots
 must be back at their idle values.

@@ -92,7 +92,7 @@ def two_decoders(tiny_dir, tmp_path_factory):
 
 
 def test_a_decode_worker_killed_while_computing_and_streaming_prompts_loses_no_request(two_decoders):
-    """tests/test_chaos.py's replay (36 streamed greedy requests, 6 at a time) with every prompt computed on its
+    """tests/test_chaos.py's replay (60 streamed greedy requests, 6 at a time) with every prompt computed on its
     decode worker, decode-0 SIGKILLed mid-run: every request completes with the undisturbed run's tokens (resumed on
     decode-1, which computes prompt + streamed tokens itself), and the pool comes back to idle."""
     expected, idle = undisturbed_run(two_decoders)

@@ -29,7 +29,7 @@ from mooncake.cluster.launcher import LocalCluster
 from mooncake.engine.tiny import make_tiny
 from protos import conductor_pb2 as cpb
 
-REQUESTS = 24  # the chaos replay's: a third streaming when a rank is killed (tests/replays.py runs 36)
+REQUESTS = 24  # the chaos replay's: a third streaming when a rank is killed (tests/replays.py runs 60)
 
 
 @pytest.fixture(scope="module")

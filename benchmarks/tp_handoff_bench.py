@@ -118,7 +118,7 @@ def rank_main(rank: int, tp: int, layout: str, args: argparse.Namespace, barrier
     engine.add_segment(args.segment)
     own = np.ascontiguousarray(full_kv(args)[..., rank_heads(rank, tp, args.kv_heads), :])
     layers = plan(args, tp, rank, layout)
-    spans, moved = [], 0
+    spans, moved = [], sum(s.length for slices in layers for s in slices)
     for i in range(args.warmup + args.repeat):
         barrier.wait()
         start = time.monotonic()
@@ -132,7 +132,6 @@ def rank_main(rank: int, tp: int, layout: str, args: argparse.Namespace, barrier
         end = time.monotonic()
         if i >= args.warmup:
             spans.append((start, end))
-        moved = sum(s.length for slices in layers for s in slices)
     results.put((rank, moved, spans, sum(len(s) for s in layers)))
     engine.close()
 

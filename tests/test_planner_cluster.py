@@ -147,8 +147,9 @@ def test_the_planner_scales_prefill_up_for_a_load_step_and_back_down_without_fai
     print(f"step up at {step_up:.1f} s, down at {step_down:.1f} s; (t, planned, alive, draining):")
     print([row for i, row in enumerate(watch.rows) if i == 0 or row[1:] != watch.rows[i - 1][1:]])
 
-    before = [p for t, p, _, _ in watch.rows if t < step_up]
-    assert before and before[-1] == 1, (before, watch.rows)  # one worker was enough at 1x
+    # one worker until the step (the planner neither doubled the pool while it came up nor sized 1x at two)
+    before = [(p, a) for t, p, a, _ in watch.rows if t < step_up]
+    assert before and all(row == (1, 1) for row in before), watch.rows
     asked = watch.first(lambda p, a, d: p >= 2, after=step_up - INTERVAL_S)
     assert asked is not None, watch.rows
     # decided within two intervals of the step (a plan sees the step in the rate of the interval it ends; the watch

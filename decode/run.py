@@ -48,6 +48,11 @@ class Counts:
     def streaming(self) -> int:
         return len(self._streams)
 
+    def stream_ids(self) -> list[str]:
+        """The request ids of the streams (what /health lists beside their count)."""
+        with self._lock:
+            return sorted(run.request_id for run in self._streams)
+
     def longest_gap(self, now: float) -> float:
         """How long the stream that has waited longest for its next token has waited by ``now`` (0: none streams)."""
         with self._lock:

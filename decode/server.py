@@ -230,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         health=lambda: (
             not worker.draining,
-            {"id": args.id, "running": worker.loop.num_running, "streaming": worker.counts.streaming},
+            {
+                "id": args.id,
+                "running": worker.loop.num_running,
+                "streaming": worker.counts.streaming,
+                "streams": worker.counts.stream_ids(),  # which requests: an operator (and the chaos tests) can ask
+            },
         ),
         busy=lambda: worker.loop.num_running + worker.num_in_prefill,
         drain_timeout_s=args.drain_timeout,

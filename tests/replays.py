@@ -64,17 +64,19 @@ def replay(
     count: int = NUM_REQUESTS,
 ) -> tuple[dict[str, list[int]], dict[str, str], list[Recovery]]:
     """Run every request; ``strike(cluster, victim)`` once a third of them are streaming (and, for a decode worker,
-    once it streams); its time.monotonic() goes into ``struck``. (tokens, errors, what outliving took)."""
+    once two of its streams have tokens at their client); its time.monotonic() goes into ``struck``. (tokens,
+    errors, what outliving took)."""
     be = backend(cluster)
     outputs: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     recoveries: list[Recovery] = []
     streaming = 0
+    received: dict[str, list[int]] = {}  # each request's tokens at its client so far
 
     async def one(req: GenerationRequest, gate: asyncio.Semaphore) -> None:
         nonlocal streaming
         async with gate:
-            got: list[int] = []
+            got = received.setdefault(req.request_id, [])
             try:
                 async for chunk in be.generate(req):
                     if not got:
@@ -89,10 +91,16 @@ def replay(
     async def kill_when_busy() -> None:
         while streaming < count // 3:
             await asyncio.sleep(0.02)
-        if victim.startswith("decode"):  # mid-stream: when two of its requests have tokens out on their streams
+        if victim.startswith("decode"):
+            # mid-stream: when two of its streams have tokens at their client. Its own count of streams is not enough:
+            # a stream counts there once its first output is sent, which the gateway may not have read yet, and a
+            # request whose client has no token yet is placed again from the start, not resumed
             health = f"http://{cluster.component(victim).info['metrics']}/health"
             async with httpx.AsyncClient(timeout=5) as http:
-                while (await http.get(health)).json()["streaming"] < 2 and len(outputs) + len(errors) < count:
+                while len(outputs) + len(errors) < count:
+                    streams = (await http.get(health)).json()["streams"]
+                    if sum(bool(received.get(rid)) for rid in streams) >= 2:
+                        break
                     await asyncio.sleep(0.01)
         if struck is not None:
             struck.append(time.monotonic())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import xxhash
+from torch import nn
 
 from mooncake.engine.model import CausalLM
 from mooncake.engine.model_args import ModelArgs
@@ -62,9 +63,26 @@ def load_model(
     args = ModelArgs.from_hf_config(load_hf_config(model_dir))
     with torch.device("meta"):
         model = CausalLM(args, layers, tp)
-    model = model.to(dtype).to_empty(device=device)
+    _materialize(model, dtype, device)
     model.load_hf_tensors(stream_hf_tensors(model_dir, model.owns))
     return model.eval()
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give a model made on the meta device uninitialised memory on ``device``, floating tensors in ``dtype`` (what
+    ``model.to(dtype).to_empty(device=device)`` does, without the Python reference kernels that the meta tensors'
+    ``empty_like`` goes through: their first use costs about half a second of a worker's start on a CPU)."""
+    made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: a tensor two modules share stays shared
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and id(t) not in made:
+                    new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    made[id(t)] = (
+                        nn.Parameter(new, requires_grad=t.requires_grad) if table is module._parameters else new
+                    )
+                if t is not None:
+                    table[name] = made[id(t)]
 
 
 def stream_hf_tensors(model_dir: str | Path, only: Callable[[str], bool]) -> Iterator[tuple[str, "FileTensor"]]:

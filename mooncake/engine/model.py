@@ -236,8 +236,11 @@ class Backbone(nn.Module):
         super().__init__()
         first, last = layers.start == 0, layers.stop == args.num_layers
         vocab = tp.vocab(args)
+        # its weight given (uninitialised: the checkpoint's is copied in): Embedding's own random init would import
+        # torch._dynamo, about 2 s of every worker's start on a CPU
+        rows = vocab.stop - vocab.start
         self.embed_tokens = (
-            nn.Embedding(vocab.stop - vocab.start, args.hidden_size)
+            nn.Embedding(rows, args.hidden_size, _weight=torch.empty(rows, args.hidden_size))
             if first or (last and args.tie_word_embeddings)
             else None
         )

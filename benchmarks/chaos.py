@@ -79,8 +79,8 @@ from conductor.local import LocalPrefill
 from mooncake.blocks import blocks_for, model_fingerprint
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
-from mooncake.engine.loader import model_identity
 from mooncake.engine.tokenizer import Tokenizer
+from mooncake.engine.weights import model_identity
 from mooncake.gateway.cluster_backend import ClusterBackend
 from mooncake.gateway.recovery import RecoveryConfig
 from mooncake.localproc import RedisServer

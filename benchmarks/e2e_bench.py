@@ -72,7 +72,7 @@ from mooncake.blocks import blocks_for
 from mooncake.cluster.components import component_argv
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import Component, LocalCluster
-from mooncake.engine.config import DTYPES
+from mooncake.engine.config import DTYPE_NAMES
 from mooncake.engine.interface import parse_vllm_args
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.serving.worker_args import default_block_size
@@ -727,7 +727,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--device", default="cpu", help="native engines' device: cpu, or cuda[:N] (every engine on that GPU)"
     )
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="every engine's dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="every engine's dtype")
     p.add_argument(
         "--vllm-arg",
         action="append",

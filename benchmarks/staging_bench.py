@@ -33,7 +33,7 @@ import torch
 
 from mooncake.blocks import blocks_for
 from mooncake.engine import EngineConfig, LLMEngine
-from mooncake.engine.config import DTYPES
+from mooncake.engine.config import DTYPE_NAMES
 from mooncake.engine.request import SamplingParams
 from mooncake.serving.kvlayout import slot_tensor
 from prefill.connector import PoolConnector, PrefillJob
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a model directory")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     ap.add_argument("--tokens", type=int, default=4096, help="the prompt's tokens")
     ap.add_argument("--chunk", type=int, default=512, help="tokens per engine step")
     ap.add_argument("--reps", type=int, default=3, help="timed runs of each mode (after one warm-up each)")

@@ -24,7 +24,7 @@ from multiprocessing.connection import AuthenticationError, Listener
 from pathlib import Path
 
 from mooncake.cliargs import field_arg
-from mooncake.engine.config import DTYPES, EngineConfig
+from mooncake.engine.config import EngineConfig, dtype_of
 from mooncake.engine.loader import load_hf_config
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.stage import split_layers
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=max_len,
             max_chunk=args.chunk,
             shm_dir=args.shm_dir,
-            dtype=DTYPES[args.dtype],
+            dtype=dtype_of(args.dtype),
             device=args.device,
             host=args.host,
         )

@@ -9,13 +9,17 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
-from mooncake.engine import EngineConfig, LLMEngine, SamplingParams
 from mooncake.engine.registry import KNOWN_MODELS, default_cache_dir, pull, resolve_model
+from mooncake.engine.request import SamplingParams
 from mooncake.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from mooncake.engine import LLMEngine
 
 console = Console(stderr=True)
 
@@ -45,6 +49,8 @@ def _load(model: str, cache_dir: Path | None, device: str) -> tuple[LLMEngine, T
     path = _model_dir(model, cache_dir)
     with console.status(f"loading {path.name} (the first start compiles a kernel, about a minute)"):
         tokenizer = Tokenizer.from_dir(path)
+        from mooncake.engine import EngineConfig, LLMEngine  # here: the CLI's other commands start without torch
+
         engine = LLMEngine(EngineConfig(model=str(path), device=device), tokenizer=tokenizer)
     return engine, tokenizer
 

@@ -15,9 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mooncake.engine.gguf import convert_gguf_to_hf
 from mooncake.engine.registry import KNOWN_MODELS, ModelCacheConfig, list_models, pull
-from mooncake.engine.tiny import TINY_ARCHS, make_tiny
+from mooncake.engine.tiny import TINY_ARCHS
 
 app = typer.Typer(
     help=(
@@ -86,6 +85,8 @@ def convert_command(
     and chat template, and recovers Llama 3.1 rope scaling from a rope_freqs tensor.
     """
     try:
+        from mooncake.engine.gguf import convert_gguf_to_hf  # torch: imported by the commands that make weights
+
         path = convert_gguf_to_hf(gguf_file, out_dir, progress=not quiet)
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -107,6 +108,8 @@ def make_tiny_command(
     """
     overrides = {} if layers is None else {"num_hidden_layers": layers}
     try:
+        from mooncake.engine.tiny import make_tiny
+
         path = make_tiny(out_dir, arch, seed, **overrides)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mooncake.budgets import CPU_BATCHED_TOKENS, CUDA_BATCHED_TOKENS, default_batched_tokens
 
-DTYPES = {  # the dtypes an engine runs in, by their names on command lines and in configs
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+if TYPE_CHECKING:
+    import torch
+
+# the dtypes an engine runs in, by their names on command lines and in configs (names, not torch's objects: the
+# gateway, the launcher and the CLI read this module and do not import torch)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of one of ``DTYPE_NAMES``."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r}: one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
 
 
 class EngineConfig(BaseModel):
@@ -112,11 +121,13 @@ class EngineConfig(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return dtype_of(self.dtype)
 
 
 def check_cuda_device(device: str) -> None:
     """ValueError, saying what is missing, unless ``device`` (cuda or cuda:N) is a GPU this process can use."""
+    import torch
+
     if not torch.cuda.is_available():
         raise ValueError(
             f"device {device!r}: no CUDA GPU here (torch {torch.__version__}, "

@@ -29,7 +29,7 @@ from mooncake.engine.cpu import keep_freed_memory
 from mooncake.engine.grammar import GrammarBook
 from mooncake.engine.kernels import load_paged_decode, load_triton_attention
 from mooncake.engine.kv_sizing import cache_blocks
-from mooncake.engine.loader import generation_eos_ids, load_model, model_identity
+from mooncake.engine.loader import generation_eos_ids, load_model
 from mooncake.engine.parallel import SINGLE, TensorParallel
 from mooncake.engine.request import (
     FinishReason,
@@ -43,6 +43,7 @@ from mooncake.engine.request import (
 )
 from mooncake.engine.runner import ModelRunner
 from mooncake.engine.scheduler import NoRoom, Scheduler
+from mooncake.engine.weights import model_identity
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the gateway reads this module (JSON_LAYOUT, checking grammars) and does not import torch
+    import torch
 
 # JSON as Python's json.dumps writes it (a schema's "x-guidance" may say otherwise): no free whitespace, so a
 # sampled output cannot wander off into blank lines.
@@ -120,6 +122,8 @@ class Constraint:
         allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: logits.shape[-1]]
         if not allowed.any():  # the matcher failed; leave the row alone rather than sample from nothing
             return
+        import torch
+
         logits.masked_fill_(torch.from_numpy(allowed == 0).to(logits.device), float("-inf"))
 
     def accept(self, token_id: int) -> None:

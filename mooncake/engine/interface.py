@@ -39,14 +39,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mooncake.blocks import model_fingerprint
-from mooncake.engine.engine import RequestOutput
-from mooncake.engine.loader import model_identity
 from mooncake.engine.request import PromptKV, RequestOptions, SamplingParams
+from mooncake.engine.weights import model_identity
+
+if TYPE_CHECKING:  # the gateway, the launcher and the CLI read this module and do not import torch
+    import torch
+
+    from mooncake.engine.engine import RequestOutput
 
 
 class EngineKind(str, enum.Enum):
@@ -125,8 +127,9 @@ class WorkerEngine(Protocol):
     def close(self) -> None: ...
 
 
-def engine_fingerprint(kind: EngineKind, model: str, dtype: torch.dtype) -> bytes:
-    """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model``."""
+def engine_fingerprint(kind: EngineKind, model: str, dtype: str | torch.dtype) -> bytes:
+    """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model`` in ``dtype`` (a
+    torch dtype or its name)."""
     identity = model_identity(model, dtype)
     return model_fingerprint(identity if kind is EngineKind.NATIVE else f"{kind.value}:{identity}")
 

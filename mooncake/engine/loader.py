@@ -9,37 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 from torch import nn
 
 from mooncake.engine.model import CausalLM
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.parallel import SINGLE, TensorParallel
-from mooncake.engine.weights import _check_safetensors_size, load_hf_config, read_json_object, weight_files
-
-_SAMPLE = 1 << 20  # bytes hashed from each end and the middle of a weight file
-
-
-def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
-    """A content-derived identity string for block keys (mooncake.blocks.model_fingerprint).
-
-    Equal on every node that holds the same files, whatever their paths or mtimes:
-    config.json, the dtype the KV is computed in, and for each weight file its name,
-    size, and an xxh3 of its first, middle and last MiB (the safetensors header, which
-    names every tensor with its offsets, is in the first). Reads ~3 MiB per file.
-    """
-    root = Path(model_dir)
-    h = xxhash.xxh3_128()
-    h.update(json.dumps(load_hf_config(root), sort_keys=True).encode())
-    h.update(str(dtype).encode())
-    for f in sorted(root.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            for off in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
-                fh.seek(off)
-                h.update(fh.read(_SAMPLE))
-    return h.hexdigest()
+from mooncake.engine.weights import (
+    _check_safetensors_size,
+    load_hf_config,
+    read_json_object,
+    weight_files,
+)
 
 
 def load_model(

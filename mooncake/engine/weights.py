@@ -29,10 +29,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:  # imported where tensors are read or written: the gateway and the CLI read this module
+    import torch
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -164,6 +167,8 @@ def load_hf_weights(
     naming the file for a truncated or corrupt safetensors file, or for a name that
     appears in two shards. Called once per model load.
     """
+    import torch
+
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
     tensors: dict[str, torch.Tensor] = {}
@@ -227,6 +232,8 @@ def save_hf_weights(
             shard_bytes = 0
         shards[-1][name] = tensor.detach().contiguous().cpu()
         shard_bytes += nbytes
+    from safetensors.torch import save_file
+
     metadata = {"format": "pt"}
     if len(shards) == 1:
         file = path / SINGLE_WEIGHTS_FILE
@@ -279,3 +286,29 @@ def atomic_model_dir(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+_SAMPLE = 1 << 20  # bytes hashed from each end and the middle of a weight file
+
+
+def model_identity(model_dir: str | Path, dtype: str | torch.dtype) -> str:
+    """A content-derived identity string for block keys (mooncake.blocks.model_fingerprint).
+
+    Equal on every node that holds the same files, whatever their paths or mtimes:
+    config.json, the dtype the KV is computed in, and for each weight file its name,
+    size, and an xxh3 of its first, middle and last MiB (the safetensors header, which
+    names every tensor with its offsets, is in the first). Reads ~3 MiB per file. ``dtype``: a torch dtype or
+    its name (one of mooncake.engine.config.DTYPE_NAMES), the same identity either way.
+    """
+    root = Path(model_dir)
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(load_hf_config(root), sort_keys=True).encode())
+    h.update((f"torch.{dtype}" if isinstance(dtype, str) else str(dtype)).encode())  # by name too, without torch
+    for f in sorted(root.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            for off in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
+                fh.seek(off)
+                h.update(fh.read(_SAMPLE))
+    return h.hexdigest()

@@ -16,7 +16,7 @@ import sys
 import uvicorn
 
 from mooncake.cliargs import field_arg
-from mooncake.engine.config import DTYPES, EngineConfig
+from mooncake.engine.config import EngineConfig
 from mooncake.engine.interface import EngineKind, engine_fingerprint, parse_vllm_args
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.engine.weights import load_hf_config
@@ -108,7 +108,7 @@ def build_backend(args: argparse.Namespace):
             raise
         model_len = args.max_model_len
     max_len = min(args.max_model_len or model_len, model_len)
-    fingerprint = engine_fingerprint(EngineKind(args.engine), args.model, DTYPES[args.dtype])
+    fingerprint = engine_fingerprint(EngineKind(args.engine), args.model, args.dtype)
     recovery = RecoveryConfig(hold_s=args.hold_s, retry_budget_s=args.retry_budget_s, detect_s=args.detect_s)
     return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint, recovery=recovery), name
 

@@ -57,7 +57,7 @@ def kv_layout(
     engine cannot serve, whose KV the pool cannot carry, or that does not split into one of ``splits``'
     tensor-parallel sizes (``{flag: size}``, named by its flag). For vLLM this imports vLLM and reads the model's
     config through it (seconds); the worker checks the layout again from the cache vLLM built."""
-    from mooncake.engine.config import DTYPES
+    from mooncake.engine.config import dtype_of
 
     kind = EngineKind(engine)
     if kind is EngineKind.NATIVE:
@@ -69,7 +69,7 @@ def kv_layout(
                 TensorParallel(0, size).check(args)
             except ValueError as e:
                 raise ValueError(f"{flag} {size}: {e}") from None
-        return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[dtype])
+        return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, dtype_of(dtype))
     from mooncake.vllm_engine.kv_spec import layout_before_load
 
     return layout_before_load(str(model), dtype, vllm_args or {}, splits)

@@ -1,8 +1,7 @@
 """``python -m decode``: run one decode worker (see decode/server.py and ``--help``)."""
 
-import sys
-
 from decode.server import main
+from mooncake.runtime.process import exit_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -17,7 +17,7 @@ from kvstore.metrics import store_registry
 from kvstore.service import KVStoreNode, start_server
 from mooncake.cliargs import field_arg
 from mooncake.runtime.conductor_link import ConductorLink
-from mooncake.runtime.process import print_ready, wait_for_signal
+from mooncake.runtime.process import exit_process, print_ready, wait_for_signal
 from mooncake.runtime.status_http import start_status_server
 from mooncake.serving.worker_args import add_engine_kind_args
 from protos import conductor_pb2 as cpb
@@ -200,4 +200,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

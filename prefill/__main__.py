@@ -1,8 +1,7 @@
 """``python -m prefill``: run one prefill worker (see prefill/server.py and ``--help``)."""
 
-import sys
-
+from mooncake.runtime.process import exit_process
 from prefill.server import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -40,3 +40,16 @@ def test_the_cli_still_makes_a_tiny_model_when_asked(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "m" / "model.safetensors").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kind", ["native", "vllm"])
+def test_the_gateways_block_keys_from_a_dtype_name_are_the_workers_from_the_torch_dtype(tiny_dir, kind):
+    """The gateway names the dtype; the workers hold torch's: both must key a block alike, or nothing is a hit."""
+    import torch
+
+    from mooncake.engine.interface import EngineKind, engine_fingerprint
+
+    for name in ("float32", "bfloat16", "float16"):
+        by_name = engine_fingerprint(EngineKind(kind), str(tiny_dir), name)
+        assert by_name == engine_fingerprint(EngineKind(kind), str(tiny_dir), getattr(torch, name))
+    assert engine_fingerprint(EngineKind(kind), str(tiny_dir), "float32") != by_name  # the dtype is in the key

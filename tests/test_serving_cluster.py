@@ -290,9 +290,14 @@ def test_a_request_the_decode_worker_refuses_leaves_the_conductors_count_of_its_
     """The decode worker reports what it holds (its batch cap, its landing blocks), and the Conductor refuses what it
     would. A request the Conductor placed but the worker then refused (here: malformed) is reported finished: else the
     Conductor would count it in the worker's batch, and after a batch of them refuse everything (decode_busy)."""
+
+    def idle(d: cpb.InstanceInfo) -> bool:  # the previous test's request gone from its heartbeat too
+        held = d.load.running_blocks + d.load.landing_held_blocks + d.kv_held
+        return d.load.batch_cap > 0 and held == 0 and d.load.free_kv_blocks == d.kv_blocks
+
     deadline = time.monotonic() + 30
-    while not (decode := next(i for i in instances(cluster).values() if i.role == cpb.DECODE)).load.batch_cap:
-        assert time.monotonic() < deadline, "the decode worker's heartbeat never carried its batch cap"
+    while not idle(decode := next(i for i in instances(cluster).values() if i.role == cpb.DECODE)):
+        assert time.monotonic() < deadline, f"the decode worker's heartbeat never said it was idle: {decode.load}"
         time.sleep(0.2)
     # prompts land in its engine's own cache: the room it reports is that cache's free blocks (none reserved now)
     assert decode.load.landing_blocks == decode.load.free_kv_blocks > 0

@@ -308,14 +308,10 @@ class LocalCluster:
         self._next = {"prefill": self.config.prefill, "decode": self.config.decode}
         standbys = [self._conductor(i) for i in range(1, self.config.conductors)]  # after the first: it leads
         stage_servers = [comp for comps in self._stage_servers.values() for comp in comps]
-        # the gateway (no torch, no model: a second's start) comes up with the pool nodes, not after the workers; what
-        # reaches it before they register waits for them, as it would for a worker restarting
-        gateway = [self._gateway()] if self.config.gateway else []
-        return [
-            [self._conductor()],
-            standbys + [n for n, _ in pairs] + stage_servers + gateway,
-            [p for _, p in pairs] + decodes,
-        ]
+        waves = [[self._conductor()], standbys + [n for n, _ in pairs] + stage_servers, [p for _, p in pairs] + decodes]
+        if self.config.gateway:
+            waves.append([self._gateway()])
+        return waves
 
     # -- lifecycle ----------------------------------------------------------------------------------
 

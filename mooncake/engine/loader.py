@@ -56,13 +56,14 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
-                if t is not None and id(t) not in made:
+                if t is None:
+                    continue
+                if id(t) not in made:
                     new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
                     made[id(t)] = (
                         nn.Parameter(new, requires_grad=t.requires_grad) if table is module._parameters else new
                     )
-                if t is not None:
-                    table[name] = made[id(t)]
+                table[name] = made[id(t)]
 
 
 def stream_hf_tensors(model_dir: str | Path, only: Callable[[str], bool]) -> Iterator[tuple[str, "FileTensor"]]:

@@ -132,7 +132,7 @@ class DecodeWorker:
         self.landing_segment = self.transfer.allocate("landing", slots * self.block_bytes, guard=self._landing_guard)
         self.slots = SlotAllocator(slots)
         landing = slot_tensor(
-            self.transfer.buffer(self.landing_segment.name), self.engine.block_shape, engine_config.torch_dtype
+            self.transfer.buffer(self.landing_segment.name), self.engine.block_shape, engine_config.kv_torch_dtype
         )
         self.loop = EngineLoop(self.engine, name="decode-engine")
         self.writer = BlockWriter(self.loop, self.transfer, config.id, bs) if config.write_behind else None
@@ -157,7 +157,7 @@ class DecodeWorker:
             bs,
             self.engine.fingerprint,
             self.engine.block_shape,
-            engine_config.torch_dtype,
+            engine_config.kv_torch_dtype,
             self._pool,
             self.writer,
             link,

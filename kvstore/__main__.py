@@ -61,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="with --model: the workers' --dtype (their KV's)"
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="with --model: the workers' --kv-cache-dtype (fp8: their blocks in float8, a byte an element)",
+    )
     add_engine_kind_args(p, "with --model: the workers' engine (its reading of the model lays out the blocks)")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--dram-blocks", type=int, help="DRAM tier size in blocks")
@@ -110,9 +116,11 @@ def block_bytes(args: argparse.Namespace) -> int:
         return args.block_bytes
     if args.block_size is None or args.dtype is None:
         raise ValueError("--model needs --block-size and --dtype: the workers' own (their blocks are the pool's)")
+    from mooncake.engine.config import kv_dtype_name
     from mooncake.serving.kvsize import kv_block_bytes
 
-    return kv_block_bytes(args.engine, args.model, args.dtype, args.block_size, args.vllm_arg)
+    kv_dtype = kv_dtype_name(args.dtype, args.kv_cache_dtype)
+    return kv_block_bytes(args.engine, args.model, kv_dtype, args.block_size, args.vllm_arg)
 
 
 def main(argv: list[str] | None = None) -> int:

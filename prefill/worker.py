@@ -106,6 +106,8 @@ class PrefillWorker:
                 raise ValueError("a pipelined prefill group runs the native engine only")
             if engine_config.tensor_parallel_size > 1:
                 raise ValueError("a pipelined prefill group's stages are not split into tensor-parallel ranks yet")
+            if engine_config.kv_cache_dtype != "auto":
+                raise ValueError("a pipelined prefill group's stages keep KV in the model's dtype (no fp8 cache yet)")
             check_native(config.engine_config.model)  # an architecture ours lacks: one line naming the model
             self.group = StageGroup(
                 config.engine_config.model,
@@ -155,7 +157,7 @@ class PrefillWorker:
             stats.segment,
             self.block_shape,
             self.block_bytes,
-            engine_config.torch_dtype,
+            engine_config.kv_torch_dtype,
             reservation_ttl_s=config.reservation_ttl_s,
             store_new_blocks=config.store_new_blocks,
             io_timeout_s=config.io_timeout_s,

@@ -6,14 +6,13 @@ import asyncio
 from pathlib import Path
 
 import grpc
-import torch
 
 from conductor.auth import bearer
 from conductor.local import LocalPrefill
 from mooncake import tls
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
-from mooncake.engine.config import EngineConfig
+from mooncake.engine.config import EngineConfig, kv_dtype_name
 from mooncake.engine.engine import LLMEngine
 from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.request import SamplingParams
@@ -58,7 +57,12 @@ def backend(cluster: LocalCluster) -> ClusterBackend:
         cluster.config.model_name,
         MAX_LEN,
         cluster.config.block_size,
-        engine_fingerprint(EngineKind(cluster.config.engine), str(model), torch.float32),
+        engine_fingerprint(
+            EngineKind(cluster.config.engine),
+            str(model),
+            cluster.config.dtype,
+            kv_dtype_name(cluster.config.dtype, cluster.config.kv_cache_dtype),
+        ),
         recovery=recovery,
     )
 

@@ -62,6 +62,12 @@ class ClusterConfig(BaseModel):
         default_factory=lambda: Path.home() / ".cache" / "mooncake" / "run", description="Logs (and SSD files) go here"
     )
     dtype: str = Field(_ENGINE["dtype"].default, description="Workers' dtype (float32, bfloat16 or float16)")
+    kv_cache_dtype: str = Field(
+        _ENGINE["kv_cache_dtype"].default,
+        pattern="^(auto|fp8|fp8_e4m3)$",
+        description="What the workers' KV caches, the pool and the hand-offs keep K and V in: auto (the dtype "
+        "above) or fp8 (float8 e4m3, a per-layer scale: a quarter of float32's bytes, half of bfloat16's)",
+    )
     device: str = Field(
         _ENGINE["device"].default,
         pattern=r"^(cpu|cuda(:\d+)?)$",
@@ -244,6 +250,19 @@ class ClusterConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _kv_dtype_fits(self) -> "ClusterConfig":
+        if self.kv_cache_dtype == "auto":
+            return self
+        if self.engine != "native":
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype}: our engine's cache only, for now (vLLM's FP8 blocks are not "
+                "carried yet)"
+            )
+        if self.prefill_groups:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} and pipelined prefill groups do not combine yet")
+        return self
+
+    @model_validator(mode="after")
     def _threads(self) -> "ClusterConfig":
         """No ``threads`` on the CPU: each computing process gets its share of the usable cores. torch's own default, a
         thread per core in every process, oversubscribes them as soon as two workers compute at once (2P+1D on 2
@@ -273,6 +292,9 @@ class ClusterConfig(BaseModel):
 
         # a size the model does not split into: said before any start
         splits = {flag: n for flag, n in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)) if n > 1}
-        return kv_layout(self.engine, self.model, self.dtype, parse_vllm_args(self.vllm_args), splits).block_bytes(
+        from mooncake.engine.config import kv_dtype_name
+
+        kv_dtype = kv_dtype_name(self.dtype, self.kv_cache_dtype)
+        return kv_layout(self.engine, self.model, kv_dtype, parse_vllm_args(self.vllm_args), splits).block_bytes(
             self.block_size
         )

@@ -97,6 +97,7 @@ class LocalCluster:
         return dict(
             model=c.model,
             dtype=c.dtype,
+            kv_cache_dtype=c.kv_cache_dtype,
             block_size=c.block_size,
             device=c.device,
             max_model_len=c.max_model_len,
@@ -288,6 +289,7 @@ class LocalCluster:
             host=self.root_host,
             port=self.ports["gateway"],
             dtype=c.dtype,
+            kv_cache_dtype=c.kv_cache_dtype,
             block_size=c.block_size,
             engine=c.engine,
             retry_budget_s=c.ttft_slo_s,

@@ -85,11 +85,52 @@ class AttentionMetadata:
     step: StepAttention | None = None  # the whole step in one call (CUDA, with prompt chunks): the rest left empty
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value: a cast beyond it gives NaN, so values are clamped first
+
+
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """One layer's FP8 cache scales (vLLM's k_scale and v_scale): stored = x / scale, read = stored * scale."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+def quantized(cache: torch.Tensor) -> bool:
+    """Whether a cache keeps K/V in float8 (``kv_cache_dtype`` fp8)."""
+    return cache.dtype == FP8
+
+
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` stored in float8 e4m3: divided by ``scale`` in float32 and clamped to e4m3's range."""
+    x = x.float()
+    if scale != 1.0:
+        x = x / scale
+    return x.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def from_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Stored float8 values as ``dtype``, times ``scale`` (in float32, as the compiled kernel's table holds them)."""
+    if scale == 1.0:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    scales: KVScales | None = None,
 ) -> None:
-    """Store the new tokens' K/V ([T, Hkv, D] each) at their cache slots."""
+    """Store the new tokens' K/V ([T, Hkv, D] each) at their cache slots (an FP8 cache's: quantized by ``scales``)."""
     nb, bs, hkv, d = k_cache.shape
+    if quantized(k_cache):  # bytes copied as bytes: torch has no index_copy for float8 on the CPU
+        scales = scales or KVScales()
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k, v = to_fp8(k, scales.k).view(torch.uint8), to_fp8(v, scales.v).view(torch.uint8)
     k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k)
     v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, v)
 
@@ -104,13 +145,16 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over the paged cache.
 
     q: [T, H, D] (any strides, the last contiguous); k, v: [T, Hkv, D] (this step's new K/V, already written to the
     cache). ``window``: a query at position p sees keys p - window + 1 .. p (0: all up to p); ``softcap``: scores
     become softcap * tanh(scores / softcap) before the softmax (0: not). Returns [T, H, D]. Called once per layer
-    per step.
+    per step. An FP8 cache (``scales``: its layer's) is read dequantized, and a prompt chunk attends to its own K/V
+    as the cache holds them: so a token's attention is the same whether its context was computed in this step, an
+    earlier chunk, another engine or the pool.
     """
     if meta.step is not None:
         return meta.step(q, k_cache, v_cache, scale, window, softcap)
@@ -119,16 +163,23 @@ def paged_attention(
     group = h // hkv
     b = meta.num_decodes
     kernel = meta.decode_kernel
+    fp8 = quantized(k_cache)
+    scales = scales or KVScales()
+    ks_, vs_ = (scales.k, scales.v) if fp8 else (None, None)  # None: read as stored
+    dequant = (ks_, vs_) if fp8 else ()  # an FP8 cache's scales, for the kernel (one that reads float8)
     if b == t and kernel is not None:  # decodes only: the kernel's output is the step's
-        return kernel(q, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale, window, softcap)
+        return kernel(
+            q, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale, window, softcap, *dequant
+        )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b and kernel is not None:
-        out[:b] = kernel(q[:b], k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale, window, softcap)
+        bt, ctx = meta.decode_block_table, meta.decode_ctx_lens
+        out[:b] = kernel(q[:b], k_cache, v_cache, bt, ctx, scale, window, softcap, *dequant)
     elif b:
         qd = q[:b].view(b, hkv, group, d)  # [B, Hkv, G, D]: a decode's G heads share one K/V head
         bt = meta.decode_block_table
-        kd = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+        kd = _read(k_cache[bt], ks_, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _read(v_cache[bt], vs_, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
         mask = meta.decode_mask
         if window:  # [B, 1, 1, L]: also no key before ctx - window
             keys = torch.arange(mask.shape[-1], device=mask.device)
@@ -137,13 +188,13 @@ def paged_attention(
     for seg in meta.prefills:
         s, n = seg.q_start, seg.q_len
         qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if seg.ctx_len == n:
+        if seg.ctx_len == n and not fp8:
             # No cached prefix: the chunk's own K/V are the whole context.
             ks = k[s : s + n]  # [n, Hkv, D]
             vs = v[s : s + n]
         else:
-            ks = k_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]  # [ctx, Hkv, D]
-            vs = v_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len]
+            ks = _read(k_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len], ks_, q.dtype)  # [ctx, Hkv, D]
+            vs = _read(v_cache[seg.block_ids].flatten(0, 1)[: seg.ctx_len], vs_, q.dtype)
         ks = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
         vs = vs.transpose(0, 1).unsqueeze(0)
         if softcap or (window and window < seg.ctx_len):
@@ -168,6 +219,11 @@ def paged_attention(
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[s : s + n] = os_[0].transpose(0, 1)  # [n, H, D]
     return out
+
+
+def _read(cached: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """K or V read from the cache, in ``dtype`` (dequantized where ``scale`` is given: an FP8 cache)."""
+    return cached if scale is None else from_fp8(cached, scale, dtype)
 
 
 def _attend(

@@ -18,6 +18,13 @@ from collections.abc import Sequence
 import torch
 
 MIN_RUN = 4  # on the CPU, copy run by run when the runs average at least this many blocks
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor (an FP8 cache's KV) as its bytes, a uint8 view of the same shape: what moves it where torch
+    has no float8 kernel (index_copy on the CPU, gloo's collectives). Any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
 
 
 def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -41,6 +48,9 @@ def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, sr
         raise ValueError(f"{len(src_ids)} source blocks for {n} destination blocks")
     if n == 0:
         return
+    if (src.dtype in _FLOAT8) != (dst.dtype in _FLOAT8):  # a conversion would quantize without the layer's scale
+        raise ValueError(f"KV blocks in {src.dtype} cannot go into a cache of {dst.dtype}")
+    dst, src = as_bytes(dst), as_bytes(src)
     if src.device != dst.device or src.dtype != dst.dtype:
         src = src.index_select(0, torch.as_tensor(list(src_ids), dtype=torch.long, device=src.device)).to(
             dst.device, dst.dtype

@@ -14,15 +14,28 @@ if TYPE_CHECKING:
 # the dtypes an engine runs in, by their names on command lines and in configs (names, not torch's objects: the
 # gateway, the launcher and the CLI read this module and do not import torch)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# vLLM's --kv-cache-dtype names for what a KV cache may hold: auto (the engine's dtype) or fp8 (= fp8_e4m3: float8
+# e4m3 with a per-layer scale); FP8_KV is the torch dtype's name, the one block keys and the pool's sizing name
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV = "float8_e4m3fn"
 
 
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype of one of ``DTYPE_NAMES``."""
     import torch
 
-    if name not in DTYPE_NAMES:
+    if name not in (*DTYPE_NAMES, FP8_KV):
         raise ValueError(f"dtype {name!r}: one of {', '.join(DTYPE_NAMES)}")
     return getattr(torch, name)
+
+
+def kv_dtype_name(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """The name of the dtype a cache keeps K and V in: the engine's ``dtype`` for ``auto``, float8 e4m3 for fp8."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return FP8_KV
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 class EngineConfig(BaseModel):
@@ -36,6 +49,12 @@ class EngineConfig(BaseModel):
 
     model: str = Field(description="Path to a Hugging Face layout model directory")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the weights' and the KV cache's")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="what the KV cache, the pool and the hand-off keep K and V in (vLLM's flag and meaning): auto, "
+        "the dtype above; fp8 (= fp8_e4m3), float8 e4m3 with a per-layer scale (the checkpoint's k_scale and "
+        "v_scale, else 1.0): a block holds its tokens in a quarter of float32's bytes, half of bfloat16's",
+    )
     device: str = Field(
         "cpu",
         pattern=r"^(cpu|cuda(:\d+)?)$",
@@ -122,6 +141,15 @@ class EngineConfig(BaseModel):
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_of(self.dtype)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The name of the dtype K and V are kept in (``kv_dtype_name``)."""
+        return kv_dtype_name(self.dtype, self.kv_cache_dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return dtype_of(self.kv_dtype)
 
 
 def check_cuda_device(device: str) -> None:

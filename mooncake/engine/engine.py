@@ -105,13 +105,13 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
         self.block_size = config.block_size
-        elem = torch.tensor([], dtype=config.torch_dtype).element_size()
+        elem = config.kv_torch_dtype.itemsize  # a float8 cache's block: a byte an element
         # a block in the pool layout holds every KV head; this rank's cache block its own (tensor parallelism)
         self.block_bytes = args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim * elem
         cache_block_bytes = self.block_bytes // args.num_kv_heads * self.model.num_kv_heads
         # every rank holds rank 0's block ids: the least any rank has room for (a GPU's free memory may differ)
         num_blocks = tp.least(cache_blocks(config, args, cache_block_bytes, self.max_model_len), self.device)
-        identity = config.model_fingerprint or model_identity(config.model, config.torch_dtype)
+        identity = config.model_fingerprint or model_identity(config.model, config.dtype, config.kv_dtype)
         self.fingerprint = model_fingerprint(identity)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -125,7 +125,7 @@ class LLMEngine:
         kernel = step_kernel = None
         if config.use_kernels and self.device.type == "cpu" and config.torch_dtype == torch.float32:
             kernel = load_paged_decode(config.kernel_dir)
-        elif self.device.type == "cuda":
+        elif self.device.type == "cuda" and config.kv_cache_dtype == "auto":  # (FP8 KV: the torch path, for now)
             kernel, step_kernel = load_triton_attention()
         self.runner = ModelRunner(
             self.model,
@@ -133,7 +133,7 @@ class LLMEngine:
             config.block_size,
             self.max_model_len,
             self.device,
-            config.torch_dtype,
+            config.kv_torch_dtype,
             config.seed,
             decode_kernel=kernel,
             step_kernel=step_kernel,

@@ -127,10 +127,12 @@ class WorkerEngine(Protocol):
     def close(self) -> None: ...
 
 
-def engine_fingerprint(kind: EngineKind, model: str, dtype: str | torch.dtype) -> bytes:
-    """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model`` in ``dtype`` (a
-    torch dtype or its name)."""
-    identity = model_identity(model, dtype)
+def engine_fingerprint(
+    kind: EngineKind, model: str, dtype: str | torch.dtype, kv_dtype: str | torch.dtype | None = None
+) -> bytes:
+    """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model`` in ``dtype``, its
+    KV kept in ``kv_dtype`` (default: ``dtype``; torch dtypes or their names)."""
+    identity = model_identity(model, dtype, kv_dtype)
     return model_fingerprint(identity if kind is EngineKind.NATIVE else f"{kind.value}:{identity}")
 
 

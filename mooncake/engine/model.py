@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mooncake.engine.attention import AttentionMetadata, paged_attention, write_kv
+from mooncake.engine.attention import AttentionMetadata, KVScales, paged_attention, write_kv
 from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.moe import SparseMoE, activation
@@ -128,6 +128,7 @@ class Attention(nn.Module):
         self.scale = args.scale
         self.window = args.window(layer) or 0  # 0: the whole context
         self.softcap = args.attn_softcap or 0.0  # 0: none
+        self.kv_scales = KVScales()  # an FP8 cache's (the checkpoint's k_scale and v_scale, else 1.0)
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         if args.qk_norm:
@@ -159,8 +160,10 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, Hkv, D]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         connector.wait_for_layer_load(self.layer)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)  # [T, H, D]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
+        o = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.kv_scales
+        )  # [T, H, D]
         connector.save_layer(self.layer, k_cache, v_cache, step)
         return self.o_proj(o.view(t, self.q_size))
 
@@ -374,6 +377,13 @@ class CausalLM(nn.Module):
             if name in seen:
                 raise ValueError(f"weight {name} appears twice")
             seen.add(name)
+            scale = _KV_SCALE.fullmatch(name)
+            if scale:  # an FP8 KV cache's scale of one layer (compressed-tensors' and ModelOpt's name)
+                attention = self.model.layers[scale[1]].self_attn
+                value = _scalar(name, tensor)
+                kv = attention.kv_scales
+                attention.kv_scales = KVScales(value, kv.v) if scale[2] == "k" else KVScales(kv.k, value)
+                continue
             slots = self._slots(name)
             if slots is None or any(pname not in params for pname, _, _ in slots):
                 unexpected.append(name)
@@ -487,6 +497,20 @@ def _copy_part(tensor: Any, part: tuple, dest: torch.Tensor) -> None:
         staged = torch.empty(tensor.shape, dtype=tensor.dtype)
         tensor.read_into(staged)
         dest.copy_(staged[part])
+
+
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def _scalar(name: str, tensor: Any) -> float:
+    """The one value of a checkpoint's scalar tensor (a torch tensor or a ``loader.FileTensor``)."""
+    if tensor.shape.numel() != 1:
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}: a KV cache scale is one value a layer")
+    if not isinstance(tensor, torch.Tensor):
+        value = torch.empty(tensor.shape, dtype=torch.float32)
+        tensor.read_into(value)
+        tensor = value
+    return float(tensor.float().reshape(-1)[0])
 
 
 # Hugging Face tensors that fill part of one of our parameters: q/k/v, a dense MLP's gate/up, an expert's projections

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mooncake.engine.blockcopy import as_bytes
 from mooncake.engine.model_args import ModelArgs
 
 
@@ -112,14 +113,15 @@ class TensorParallel:
         block's (each head once where ranks share one). Each rank sends its own part only. ``own`` itself at size 1."""
         if self.size == 1:
             return own
-        own = own.contiguous()
+        dtype = own.dtype
+        own = as_bytes(own.contiguous())  # (gloo has no float8: an FP8 cache's KV goes as its bytes)
         parts = [torch.empty_like(own) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(own, parts, dst=0, group=self.group)
         if parts is None:
             return None
         if num_kv_heads < self.size:  # rank r keeps head r * num_kv_heads // size: one rank of each head's share
             parts = parts[:: self.size // num_kv_heads]
-        return torch.cat(parts, dim=-2)
+        return torch.cat(parts, dim=-2).view(dtype)
 
     def scatter_kv_heads(self, full: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """Rank 0's KV in the pool layout ``full`` [..., Hkv, D] (None on the other ranks) sent out by heads: each
@@ -127,8 +129,10 @@ class TensorParallel:
         parts = None
         if self.rank == 0:
             heads = full.shape[-2]
-            parts = [full[..., self.kv_heads_of(r, heads), :].to(out.dtype).contiguous() for r in range(self.size)]
-        dist.scatter(out, parts, src=0, group=self.group)
+            parts = [
+                as_bytes(full[..., self.kv_heads_of(r, heads), :].to(out.dtype).contiguous()) for r in range(self.size)
+            ]
+        dist.scatter(as_bytes(out), parts, src=0, group=self.group)
         return out
 
     def least(self, n: int, device: torch.device) -> int:

@@ -137,9 +137,7 @@ class ModelRunner:
             raise ValueError(
                 f"KV blocks of shape {tuple(data.shape)} do not fit {len(block_ids)} blocks of {self.pool_block_shape}"
             )
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        src = self.own_heads(data).to(device=self.device, dtype=self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
-        self.kv_cache.index_copy_(2, idx, src)
+        copy_blocks(self.kv_cache.transpose(0, 2), block_ids, self.own_heads(data).transpose(1, 2), range(len(data)))
 
     @staticmethod
     def _heads_buffer(dst: torch.Tensor, n: int) -> torch.Tensor:

@@ -291,19 +291,23 @@ def atomic_model_dir(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
 _SAMPLE = 1 << 20  # bytes hashed from each end and the middle of a weight file
 
 
-def model_identity(model_dir: str | Path, dtype: str | torch.dtype) -> str:
+def model_identity(model_dir: str | Path, dtype: str | torch.dtype, kv_dtype: str | torch.dtype | None = None) -> str:
     """A content-derived identity string for block keys (mooncake.blocks.model_fingerprint).
 
     Equal on every node that holds the same files, whatever their paths or mtimes:
-    config.json, the dtype the KV is computed in, and for each weight file its name,
+    config.json, the dtype the KV is computed in, the dtype it is kept in where that differs (``kv_dtype``: an FP8
+    cache's blocks are other bytes, never mixed with the model dtype's), and for each weight file its name,
     size, and an xxh3 of its first, middle and last MiB (the safetensors header, which
-    names every tensor with its offsets, is in the first). Reads ~3 MiB per file. ``dtype``: a torch dtype or
-    its name (one of mooncake.engine.config.DTYPE_NAMES), the same identity either way.
+    names every tensor with its offsets, is in the first). Reads ~3 MiB per file. ``dtype``, ``kv_dtype``: torch
+    dtypes or their names (mooncake.engine.config.DTYPE_NAMES, FP8_KV), the same identity either way.
     """
     root = Path(model_dir)
     h = xxhash.xxh3_128()
     h.update(json.dumps(load_hf_config(root), sort_keys=True).encode())
-    h.update((f"torch.{dtype}" if isinstance(dtype, str) else str(dtype)).encode())  # by name too, without torch
+    named = [(f"torch.{d}" if isinstance(d, str) else str(d)) for d in (dtype, kv_dtype or dtype)]  # torch-free too
+    h.update(named[0].encode())
+    if named[1] != named[0]:
+        h.update(f"kv:{named[1]}".encode())
     for f in sorted(root.glob("*.safetensors")):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())

@@ -85,6 +85,10 @@ class VllmEngine:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
             )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if config.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"--kv-cache-dtype {config.kv_cache_dtype}: our engine's cache only, for now (--engine native)"
+            )
         multiple = 16 if torch.cuda.is_available() else 32  # FLASH_ATTN's kernel blocks; CPU_ATTN's
         if config.block_size % multiple:
             raise ValueError(

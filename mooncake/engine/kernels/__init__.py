@@ -16,6 +16,7 @@ builder can hold it; torch would otherwise wait on it forever.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import platform
@@ -62,13 +63,33 @@ def load_paged_decode(build_dir: str | Path) -> Callable | None:
                 name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(target), verbose=False
             )
         compiled = mod.paged_decode_attention
+        import torch
 
-        def fn(q, k_cache, v_cache, block_table, ctx_lens, scale, window=0, softcap=0.0):  # it reads q densely
-            return compiled(q.contiguous(), k_cache, v_cache, block_table, ctx_lens, scale, window, softcap)
+        none = torch.empty(0)
+
+        def fn(q, k_cache, v_cache, block_table, ctx_lens, scale, window=0, softcap=0.0, k_scale=None, v_scale=None):
+            # it reads q densely; an FP8 cache (its scales given) as bytes, through each scale's table
+            if k_scale is None:
+                return compiled(
+                    q.contiguous(), k_cache, v_cache, block_table, ctx_lens, scale, window, softcap, none, none
+                )
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+            k_lut, v_lut = fp8_table(k_scale), fp8_table(v_scale)
+            return compiled(
+                q.contiguous(), k_cache, v_cache, block_table, ctx_lens, scale, window, softcap, k_lut, v_lut
+            )
     except Exception as e:  # noqa: BLE001 - any build failure means "use the torch path"
         log.warning("paged attention kernel unavailable, using the torch path: %s", e)
     _loaded[build_dir] = fn
     return fn
+
+
+@functools.cache
+def fp8_table(scale: float):
+    """Each float8 e4m3 byte's value times ``scale``, in float32 (torch's own conversion: the torch path's values)."""
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float() * scale
 
 
 def load_triton_attention() -> tuple[Callable | None, Callable | None]:

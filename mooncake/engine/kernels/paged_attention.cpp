@@ -1,11 +1,12 @@
 // Decode attention over the paged KV cache, reading K/V blocks in place (no gather).
 //
 //   q:           [B, H, D]              float32, one query token per sequence
-//   k_cache:     [NB, BS, Hkv, D]       float32 (v_cache the same)
+//   k_cache:     [NB, BS, Hkv, D]       float32, or uint8: an FP8 cache's float8 e4m3 bytes (v_cache the same)
 //   block_table: [B, MAXB]              int64, block ids of each sequence in order
 //   ctx_lens:    [B]                    int64, tokens each query attends to
 //   window:      > 0: only the last `window` of them (a sliding-window layer); 0: all
 //   softcap:     > 0: scores become softcap * tanh(score / softcap) before the softmax; 0: not
+//   k_lut, v_lut: [256] float32, for a uint8 cache: each byte's value times the layer's scale (empty otherwise)
 //   returns      [B, H, D]
 //
 // Work item = one sequence: a token's K (or V) row holds every kv head contiguously,
@@ -17,6 +18,15 @@
 #include <limits>
 #include <vector>
 
+// A token's K or V row (Hkv * D values) as float32: in place for a float32 cache, else decoded into `buf`.
+static inline const float* row_of(const float* fp, const uint8_t* bp, const float* lut, int64_t at, int64_t n,
+                                  float* buf) {
+  if (lut == nullptr) return fp + at;
+  const uint8_t* src = bp + at;
+  for (int64_t i = 0; i < n; ++i) buf[i] = lut[src[i]];
+  return buf;
+}
+
 static inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -26,8 +36,13 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor ctx_lens, double scale,
-                                     int64_t window, double softcap) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
+                                     int64_t window, double softcap, torch::Tensor k_lut, torch::Tensor v_lut) {
+  const bool fp8 = k_cache.dtype() == torch::kUInt8;
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && (fp8 || k_cache.dtype() == torch::kFloat32), "float32 (or fp8) only");
+  TORCH_CHECK(v_cache.dtype() == k_cache.dtype(), "K and V caches of one dtype");
+  TORCH_CHECK(!fp8 || (k_lut.numel() == 256 && v_lut.numel() == 256 && k_lut.dtype() == torch::kFloat32 &&
+                       v_lut.dtype() == torch::kFloat32 && k_lut.is_contiguous() && v_lut.is_contiguous()),
+              "an fp8 cache needs its two 256-entry float32 tables");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_table.dtype() == torch::kInt64 && ctx_lens.dtype() == torch::kInt64, "int64 tables");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -37,8 +52,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto cl_c = ctx_lens.contiguous();
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const float* kp = fp8 ? nullptr : k_cache.data_ptr<float>();
+  const float* vp = fp8 ? nullptr : v_cache.data_ptr<float>();
+  const uint8_t* kb = fp8 ? k_cache.data_ptr<uint8_t>() : nullptr;
+  const uint8_t* vb = fp8 ? v_cache.data_ptr<uint8_t>() : nullptr;
+  const float* kl = fp8 ? k_lut.data_ptr<float>() : nullptr;
+  const float* vl = fp8 ? v_lut.data_ptr<float>() : nullptr;
   const int64_t* bt = bt_c.data_ptr<int64_t>();
   const int64_t* cl = cl_c.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -49,6 +68,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(H * D);
+    std::vector<float> buf(fp8 ? row : 0);  // an fp8 row, decoded
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ctx = cl[b];
       TORCH_CHECK(ctx >= 1 && ctx <= MAXB * BS, "context length out of range");
@@ -60,7 +80,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       // Pass 1: scores. A token's row holds all Hkv heads contiguously; read it once.
       for (int64_t i = 0; i < L; ++i) {
         const int64_t t = first + i;
-        const float* kr = kp + (blocks[t / BS] * BS + t % BS) * row;
+        const float* kr = row_of(kp, kb, kl, (blocks[t / BS] * BS + t % BS) * row, row, buf.data());
         for (int64_t h = 0; h < H; ++h) scores[h * L + i] = dot(qb + h * D, kr + (h / G) * D, D) * sc;
       }
       if (cap > 0.f)
@@ -81,7 +101,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < L; ++i) {
         const int64_t t = first + i;
-        const float* vr = vp + (blocks[t / BS] * BS + t % BS) * row;
+        const float* vr = row_of(vp, vb, vl, (blocks[t / BS] * BS + t % BS) * row, row, buf.data());
         for (int64_t h = 0; h < H; ++h) {
           const float p = scores[h * L + i];
           const float* v = vr + (h / G) * D;
@@ -97,5 +117,5 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (float32, CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (float32 or fp8, CPU)");
 }

@@ -38,6 +38,8 @@ def instance_to_json(inst: Instance) -> str:
             "block_bytes": inst.block_bytes,
             "kv_blocks": inst.kv_blocks,
             "kv_shared": inst.kv_shared,
+            "block_size": inst.block_size,
+            "kv_dtype": inst.kv_dtype,
         }
     )
 
@@ -58,6 +60,8 @@ def instance_from_json(text: str | bytes) -> Instance:
         block_bytes=int(d.get("block_bytes", 0)),
         kv_blocks=int(d.get("kv_blocks", 0)),
         kv_shared=bool(d.get("kv_shared", False)),
+        block_size=int(d.get("block_size", 0)),
+        kv_dtype=d.get("kv_dtype", ""),
     )
 
 

@@ -130,6 +130,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             kv_blocks=request.kv_blocks,
             kv_shared=request.kv_shared,
             tensor_parallel_size=max(request.tensor_parallel_size, 1),
+            block_size=request.block_size,
+            kv_dtype=request.kv_dtype,
             token=new_instance_token(),
         )
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
@@ -262,6 +264,8 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 kv_blocks=i.kv_blocks,
                 kv_held=kv_held,
                 tensor_parallel_size=i.tensor_parallel_size,
+                block_size=i.block_size,
+                kv_dtype=i.kv_dtype,
             )
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks

@@ -99,6 +99,8 @@ class Instance:
     kv_blocks: int = 0  # decode: the blocks a prompt's KV lands in (0: not said: Load.landing_blocks stands)
     kv_shared: bool = False  # decode: its running batch holds blocks of kv_blocks too (the engine's own cache)
     tensor_parallel_size: int = 1  # workers: its engine's ranks (a device each on a GPU)
+    block_size: int = 0  # workers: tokens per KV block (0: not said)
+    kv_dtype: str = ""  # workers: what its KV is kept in (a torch dtype's name; "": not said)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = (

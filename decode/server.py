@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_blocks=worker.kv_blocks,
             kv_shared=worker.kv_shared,
             tensor_parallel_size=config.engine_config.tensor_parallel_size,
+            block_size=config.engine_config.block_size,
+            kv_dtype=config.engine_config.kv_dtype,
         ),
         load=load,
         on_heartbeat=lambda beat: worker.set_batch_cap(beat.batch_cap),

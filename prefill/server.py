@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             pipeline_chunk=config.engine_config.max_num_batched_tokens if stages > 1 else 0,
             transport=worker.transfer.transport,
             tensor_parallel_size=config.engine_config.tensor_parallel_size,
+            block_size=config.engine_config.block_size,
+            kv_dtype=config.engine_config.kv_dtype,
         ),
         load=load,
         ready={

@@ -20,17 +20,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from clusters import backend, generate, reference_tokens, start_cluster, tokens
+from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 from conftest import assert_greedy_close, make_engine, run_to_completion
+from rich.console import Console
 from safetensors.torch import load_file, save_file
 from tp_ranks import run_ranks
 
+from mooncake.cli.pool_cmd import status_table
 from mooncake.engine import SamplingParams
 from mooncake.engine.attention import FP8_MAX
 from mooncake.engine.config import FP8_KV, EngineConfig
 from mooncake.engine.interface import EngineKind, engine_fingerprint
 from mooncake.engine.request import PromptKV, RequestOptions
 from mooncake.engine.tiny import make_tiny
+from protos import conductor_pb2 as cpb
 
 FAMILIES = ["llama", "mistral_window", "gemma2", "qwen3_moe"]  # dense; a 32-token window; soft-capping; experts
 
@@ -198,5 +201,11 @@ def test_prefilled_at_two_ranks_and_decoded_at_one_through_the_pool_in_fp8_gives
                 break
             time.sleep(0.3)
         assert warm[-1].cached_tokens == 64  # four whole blocks of 16, read back from the pool in FP8
+        console = Console(record=True, width=250)  # `mooncake status`: what KV is kept in, and as tokens
+        console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
+        shown = console.export_text()
+        assert "KV: 16-token blocks in fp8 (float8 e4m3)" in shown, shown
+        decode = next(i for i in instances(cluster).values() if i.role == cpb.DECODE)
+        assert f"of {decode.kv_blocks} held ({decode.kv_blocks * 16:,} tokens)" in shown, shown
     finally:
         cluster.stop()

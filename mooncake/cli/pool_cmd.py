@@ -117,12 +117,14 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             if listing.insecure
             else ""
         )
+        + _kv_line(listing.instances)
         + _quote_line(listing)
         + _plan_line(listing.plan, listing.instances)
     )
     for c in ("instance", "role", "address", "state", "load", "running", "KV (DRAM / all)", "cache hit", "heartbeat"):
         t.add_column(c, justify="left" if c in ("instance", "role", "address", "state") else "right")
     nodes = {i.node: i for i in listing.instances if i.role == pb.KVSTORE}
+    bs = max((i.block_size for i in listing.instances), default=0)  # a cluster's workers share one (0: none said)
     order = {pb.PREFILL: 0, pb.KVSTORE: 1, pb.DECODE: 2}
     for i in sorted(listing.instances, key=lambda i: (order.get(i.role, 3), i.id)):
         group = f", {i.pipeline_stages}-stage group, {i.pipeline_chunk}-token chunks" if i.pipeline_stages > 1 else ""
@@ -137,6 +139,7 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             node = nodes.get(i.node)
             if node is not None:
                 kv = f"{node.dram_blocks} / {node.indexed_blocks}" + (f" of {node.capacity}" if node.capacity else "")
+                kv += f" ({node.indexed_blocks * bs:,} tokens)" if bs else ""
         if i.role == pb.PREFILL:
             load = f"{i.load.queued_requests} queued, {i.load.queued_s:.2f} s"
             running, hit = (
@@ -146,7 +149,7 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
         elif i.role == pb.DECODE:
             load = f"{i.load.queued_requests} in prefill"
             if i.kv_blocks:  # its KV capacity, and the blocks the Conductor counts held (landings and the batch)
-                kv = f"{i.kv_held} of {i.kv_blocks} held"
+                kv = f"{i.kv_held} of {i.kv_blocks} held" + (f" ({i.kv_blocks * bs:,} tokens)" if bs else "")
             running = str(i.load.running_requests) + (f" of {i.load.batch_cap}" if i.load.batch_cap else "")
             running += f" ({i.load.step_s * 1e3:.0f} ms/step)" if i.load.step_s else ""
             # the prompts it computed itself (the Conductor's local placement), and how much of them came from the pool
@@ -155,6 +158,14 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
             load = running = hit = "-"
         t.add_row(i.id, role, i.address, state, load, running, kv, hit, f"{i.heartbeat_age_s:.1f} s ago")
     return t
+
+
+def _kv_line(instances) -> str:
+    """What the workers keep KV in and by how many tokens a block ("" before any said)."""
+    said = sorted({(i.block_size, i.kv_dtype) for i in instances if i.block_size and i.kv_dtype})
+    names = {"float8_e4m3fn": "fp8 (float8 e4m3)"}
+    kept = ", ".join(f"{bs}-token blocks in {names.get(dtype, dtype)}" for bs, dtype in said)
+    return f"\nKV: {kept}" if kept else ""
 
 
 def _quote_line(listing: pb.ListInstancesResponse) -> str:

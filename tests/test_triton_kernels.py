@@ -235,7 +235,7 @@ def mixed_step(dtype, seqs, num_blocks=40, block_size=8, hkv=2, group=3, d=16, s
     return q, k, v, k_cache, v_cache, tables, starts
 
 
-def eager(q, k, v, k_cache, v_cache, seqs, tables, starts, scale, num_decodes, window=0, softcap=0.0):
+def eager(q, k, v, k_cache, v_cache, seqs, tables, starts, scale, num_decodes, window=0, softcap=0.0, scales=None):
     """The engine's own path without kernels: the padded SDPA of the first ``num_decodes`` sequences (one token each)
     and one causal SDPA per prompt chunk after them."""
     from mooncake.engine.attention import AttentionMetadata, PrefillSegment, paged_attention
@@ -255,10 +255,10 @@ def eager(q, k, v, k_cache, v_cache, seqs, tables, starts, scale, num_decodes, w
             if i >= num_decodes
         ],
     )
-    return paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, scales)
 
 
-def varlen(q, k_cache, v_cache, seqs, tables, starts, scale, window=0, softcap=0.0):
+def varlen(q, k_cache, v_cache, seqs, tables, starts, scale, window=0, softcap=0.0, *dequant):
     from mooncake.engine.kernels.triton_varlen import paged_varlen
 
     width = max(len(t) for t in tables)
@@ -274,6 +274,7 @@ def varlen(q, k_cache, v_cache, seqs, tables, starts, scale, window=0, softcap=0
         scale,
         window,
         softcap,
+        *dequant,
     )
 
 
@@ -331,6 +332,31 @@ def test_a_sliding_window_and_soft_capped_scores_are_the_eager_paths_in_both_ker
         assert torch.allclose(decoded, want[:3], atol=1e-5), (splits, (decoded - want[:3]).abs().max())
 
 
+@needs_kernels
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (7, 1.5)])
+def test_fp8_caches_are_read_in_both_kernels_as_the_eager_path_reads_them(window, softcap):
+    """An FP8 cache (``kv_cache_dtype`` fp8: float8 e4m3, a scale per layer for K and one for V): both kernels read each
+    value times its scale, as the eager path dequantizes, for decodes and prompt chunks together."""
+    from mooncake.engine.attention import KVScales, to_fp8
+
+    q, k, v, kc, vc, tables, starts = mixed_step(torch.float32, MIXED, group=2)
+    scales = KVScales(0.5, 3.0)
+    kc8, vc8 = to_fp8(kc, scales.k), to_fp8(vc, scales.v)  # every slot as write_kv stores it
+    want = eager(q, k, v, kc8, vc8, MIXED, tables, starts, 0.25, 3, window, softcap, scales)
+    full = eager(q, k, v, kc, vc, MIXED, tables, starts, 0.25, 3, window, softcap)
+    assert 1e-4 < (want - full).abs().max() < 0.5  # FP8 changes the answer, a little
+    got = varlen(q, kc8, vc8, MIXED, tables, starts, 0.25, window, softcap, scales.k, scales.v)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    width = max(len(t) for t in tables[:3])
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]], device=DEVICE)
+    ctx = torch.tensor([c for _, c in MIXED[:3]], device=DEVICE)
+    for splits in (1, 4):
+        decoded = paged_decode(
+            q[:3].contiguous(), kc8, vc8, table, ctx, 0.25, window, softcap, 0.5, 3.0, num_splits=splits
+        )
+        assert torch.allclose(decoded, want[:3], atol=1e-5), (splits, (decoded - want[:3]).abs().max())
+
+
 @pytest.mark.skipif(not CUDA, reason="bfloat16 on the interpreter is numpy's emulation; checked on CUDA")
 def test_the_varlen_call_in_bfloat16_is_the_eager_path_within_rounding():
     seqs = [(1, 100), (1, 191), (300, 300), (64, 1000)]
@@ -366,3 +392,21 @@ def test_an_engine_attending_each_mixed_step_in_one_varlen_call_generates_the_sa
     engine.runner.step_kernel = counted  # the CUDA engine's choice (engine.py), made here on the CPU
     assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
     assert any(len(c) > 1 and 1 in c and max(c) > 1 for c in calls)  # a step of decodes and chunks, in one call
+
+
+@interpreted_engine
+def test_an_fp8_engine_through_both_kernels_generates_the_torch_paths_greedy_tokens(tiny_dir):
+    """With ``kv_cache_dtype="fp8"``: the engine whose mixed steps go through the varlen kernel and whose decode-only
+    steps go through the decode kernel (as on CUDA) gives the greedy tokens of the torch path's FP8 engine."""
+    from conftest import make_engine
+
+    from mooncake.engine import SamplingParams
+    from mooncake.engine.kernels.triton_varlen import paged_varlen
+
+    prompts = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9], list(range(100, 123)), [11, 12, 13]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    torch_path = make_engine(tiny_dir, kv_cache_dtype="fp8", use_kernels=False, max_num_batched_tokens=16)
+    want = [o.output_token_ids for o in torch_path.generate(prompts, params)]
+    engine = make_engine(tiny_dir, kv_cache_dtype="fp8", use_kernels=False, max_num_batched_tokens=16)
+    engine.runner.step_kernel, engine.runner.decode_kernel = paged_varlen, paged_decode  # the CUDA engine's choices
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == want

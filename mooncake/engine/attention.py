@@ -51,7 +51,14 @@ class StepAttention:
     kernel: Callable  # kernels/triton_varlen.paged_varlen
 
     def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int, softcap: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int,
+        softcap: float,
+        *dequant: float,
     ) -> torch.Tensor:
         return self.kernel(
             q,
@@ -65,6 +72,7 @@ class StepAttention:
             scale,
             window,
             softcap,
+            *dequant,  # an FP8 cache's k_scale and v_scale
         )
 
 
@@ -156,17 +164,17 @@ def paged_attention(
     as the cache holds them: so a token's attention is the same whether its context was computed in this step, an
     earlier chunk, another engine or the pool.
     """
+    fp8 = quantized(k_cache)
+    scales = scales or KVScales()
+    ks_, vs_ = (scales.k, scales.v) if fp8 else (None, None)  # None: read as stored
+    dequant = (ks_, vs_) if fp8 else ()  # an FP8 cache's scales, for the kernels (each reads float8)
     if meta.step is not None:
-        return meta.step(q, k_cache, v_cache, scale, window, softcap)
+        return meta.step(q, k_cache, v_cache, scale, window, softcap, *dequant)
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv
     b = meta.num_decodes
     kernel = meta.decode_kernel
-    fp8 = quantized(k_cache)
-    scales = scales or KVScales()
-    ks_, vs_ = (scales.k, scales.v) if fp8 else (None, None)  # None: read as stored
-    dequant = (ks_, vs_) if fp8 else ()  # an FP8 cache's scales, for the kernel (one that reads float8)
     if b == t and kernel is not None:  # decodes only: the kernel's output is the step's
         return kernel(
             q, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale, window, softcap, *dequant

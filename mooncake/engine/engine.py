@@ -125,8 +125,10 @@ class LLMEngine:
         kernel = step_kernel = None
         if config.use_kernels and self.device.type == "cpu" and config.torch_dtype == torch.float32:
             kernel = load_paged_decode(config.kernel_dir)
-        elif self.device.type == "cuda" and config.kv_cache_dtype == "auto":  # (FP8 KV: the torch path, for now)
+        elif self.device.type == "cuda":
             kernel, step_kernel = load_triton_attention()
+            if config.kv_cache_dtype != "auto" and torch.cuda.get_device_capability(self.device) < (8, 9):
+                kernel = step_kernel = None  # Triton reads float8 e4m3 from Ada and Hopper on: the torch path
         self.runner = ModelRunner(
             self.model,
             num_blocks,

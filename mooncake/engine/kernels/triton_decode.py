@@ -47,6 +47,8 @@ def attend_range(
     scale,
     window,
     softcap,
+    k_scale,
+    v_scale,
     stride_kb,
     stride_kt,
     stride_kh,
@@ -59,13 +61,16 @@ def attend_range(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Flash attention of the query rows ``q`` [ROWS, D] over context tokens [lo, hi) of one sequence (its block ids at
     ``table_row``), KV head ``kvh``, each row seeing the keys at positions up to its ``pos`` [ROWS]: the running max,
     sum of exponentials and weighted sum of V (float32), for the caller to divide or merge. A ``window`` above 0 hides
     the keys at or before ``pos - window`` (a sliding-window layer); ``SOFTCAP`` caps the scores at ``softcap`` (cap *
-    tanh(s / cap)). A row that sees no key of a tile keeps its sums; an empty range leaves max -inf and sums 0. The
-    kernels of triton_decode (one query a sequence) and triton_varlen (a sequence's new tokens) share it."""
+    tanh(s / cap)). A row that sees no key of a tile keeps its sums; an empty range leaves max -inf and sums 0. ``FP8``:
+    the caches hold float8 e4m3, read as their value times ``k_scale`` / ``v_scale`` in float32 and then in q's dtype
+    (attention.from_fp8's values). The kernels of triton_decode (one query a sequence) and triton_varlen (a sequence's
+    new tokens) share it."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_P], tl.float32)
@@ -80,6 +85,8 @@ def attend_range(
             mask=kv_ok,
             other=0.0,
         )  # [N, D]
+        if FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, N], float32
         if SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
@@ -94,6 +101,8 @@ def attend_range(
             mask=kv_ok,
             other=0.0,
         )  # [N, D]
+        if FP8:
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
@@ -114,6 +123,8 @@ def _decode_partial(
     scale,
     window,
     softcap,
+    k_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -134,6 +145,7 @@ def _decode_partial(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -167,6 +179,8 @@ def _decode_partial(
         scale,
         window,
         softcap,
+        k_scale,
+        v_scale,
         stride_kb,
         stride_kt,
         stride_kh,
@@ -179,6 +193,7 @@ def _decode_partial(
         BLOCK_N,
         PRECISION,
         SOFTCAP,
+        FP8,
     )
 
     if NUM_SPLITS == 1:
@@ -243,10 +258,13 @@ def paged_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context (the last ``window`` tokens of it where
-    ``window`` > 0; scores soft-capped at ``softcap`` where > 0); returns [B, H, D] in q's dtype.
+    ``window`` > 0; scores soft-capped at ``softcap`` where > 0); returns [B, H, D] in q's dtype. An FP8 cache
+    (float8 e4m3) is read through its layer's ``k_scale`` and ``v_scale`` (attend_range).
 
     ``num_splits`` (a power of two) defaults to ``num_splits_for``; a CUDA graph fixes it when captured. Launches
     one kernel, or two with splits; allocates its output and partials (inside a graph: from the graph's pool).
@@ -284,6 +302,8 @@ def paged_decode(
         scale,
         int(window),
         float(softcap),
+        float(k_scale or 1.0),
+        float(v_scale or 1.0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -304,6 +324,7 @@ def paged_decode(
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=bool(softcap),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
     if splits > 1:
         _decode_merge[(b, h)](

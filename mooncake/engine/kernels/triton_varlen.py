@@ -47,6 +47,8 @@ def _varlen_attention(
     scale,
     window,
     softcap,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -67,6 +69,7 @@ def _varlen_attention(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -108,6 +111,8 @@ def _varlen_attention(
         scale,
         window,
         softcap,
+        k_scale,
+        v_scale,
         stride_kb,
         stride_kt,
         stride_kh,
@@ -120,6 +125,7 @@ def _varlen_attention(
         BLOCK_N,
         PRECISION,
         SOFTCAP,
+        FP8,
     )
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(
@@ -141,9 +147,12 @@ def paged_varlen(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of every sequence's new tokens over its paged context (see the module docstring; ``window`` and
-    ``softcap`` as triton_decode.attend_range's, 0 for none); returns [T, H, D] in q's dtype. ``max_q_len`` (the
+    """Attention of every sequence's new tokens over its paged context (see the module docstring; ``window``,
+    ``softcap`` and an FP8 cache's ``k_scale`` and ``v_scale`` as triton_decode.attend_range's, 0 or None for none);
+    returns [T, H, D] in q's dtype. ``max_q_len`` (the
     most new tokens of any sequence) sizes the launch; rows of q that no sequence names are left unwritten. One
     launch."""
     t, h, d = q.shape
@@ -169,6 +178,8 @@ def paged_varlen(
         scale,
         int(window),
         float(softcap),
+        float(k_scale or 1.0),
+        float(v_scale or 1.0),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -189,5 +200,6 @@ def paged_varlen(
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=bool(softcap),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
     return out

@@ -116,11 +116,11 @@ def block_bytes(args: argparse.Namespace) -> int:
         return args.block_bytes
     if args.block_size is None or args.dtype is None:
         raise ValueError("--model needs --block-size and --dtype: the workers' own (their blocks are the pool's)")
-    from mooncake.engine.config import kv_dtype_name
     from mooncake.serving.kvsize import kv_block_bytes
 
-    kv_dtype = kv_dtype_name(args.dtype, args.kv_cache_dtype)
-    return kv_block_bytes(args.engine, args.model, kv_dtype, args.block_size, args.vllm_arg)
+    return kv_block_bytes(
+        args.engine, args.model, args.dtype, args.block_size, args.vllm_arg, kv_cache_dtype=args.kv_cache_dtype
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

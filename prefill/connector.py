@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mooncake.engine.blockcopy import copy_blocks
+from mooncake.engine.blockcopy import as_bytes, copy_blocks
 from mooncake.engine.connector import ConnectorStep, KVConnector, StepCancelled
 from mooncake.engine.request import TokenLogprob
 from mooncake.serving.kvlayout import tensor_bytes
@@ -337,9 +337,9 @@ class PoolConnector(KVConnector):
             else [(i, job.pool_slots[b]) for i, b in enumerate(range(start, end)) if b in job.pool_slots]
         )
         if to_pool and job.pool_segment is None:  # one copy (the GIL let go while it runs), not one per block
-            rows, slots = (torch.tensor(x, dtype=torch.long) for x in zip(*to_pool))
+            rows, slots = torch.tensor([i for i, _ in to_pool], dtype=torch.long), [s for _, s in to_pool]
             blocks = staged.index_select(1, rows).transpose(0, 1) if kv_major else staged.index_select(0, rows)
-            self.pool[:, layer].index_copy_(0, slots, blocks)
+            copy_blocks(self.pool[:, layer], slots, blocks, range(len(slots)))  # (float8 as bytes)
         elif to_pool:
             slices += [
                 Slice(
@@ -510,7 +510,7 @@ class HostStaging:
             self.stream.wait_event(ready)
             src = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
             dst = torch.tensor(dest_ids, dtype=torch.long).pin_memory().to(dest.device, non_blocking=True)
-            dest.index_copy_(1, dst, cache.index_select(1, src).to(dest.device, non_blocking=True))
+            as_bytes(dest).index_copy_(1, dst, as_bytes(cache.index_select(1, src)).to(dest.device, non_blocking=True))
             done = self.stream.record_event()
         self._queue.put((done, None, None))
 

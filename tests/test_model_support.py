@@ -144,6 +144,8 @@ def test_vllm_caches_the_connector_cannot_carry_are_refused_naming_what():
             (layers, FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8))
         ),
     }
+    fp8 = _config((layers, FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8)))
+    assert layout_of_kv_cache("m", fp8, f32, "fp8") == KVLayout(2, 2, 64, torch.float8_e4m3fn)  # --kv-cache-dtype fp8
     for what, config in cases.items():
         with pytest.raises(ValueError, match=what) as e:
             layout_of_kv_cache("/models/x", config, f32)

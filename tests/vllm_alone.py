@@ -60,6 +60,7 @@ def _reference(args: dict) -> list[list[int]] | list[dict]:
         enable_prefix_caching=False,
         kv_cache_memory_bytes=512 * 2**20,
         seed=0,
+        kv_cache_dtype=args.get("kv_cache_dtype", "auto"),
     )
     k = args.get("logprobs")
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, logprobs=k)

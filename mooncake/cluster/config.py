@@ -253,11 +253,8 @@ class ClusterConfig(BaseModel):
     def _kv_dtype_fits(self) -> "ClusterConfig":
         if self.kv_cache_dtype == "auto":
             return self
-        if self.engine != "native":
-            raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype}: our engine's cache only, for now (vLLM's FP8 blocks are not "
-                "carried yet)"
-            )
+        if self.engine != "native" and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with vLLM's ranks: not carried yet (TP 1)")
         if self.prefill_groups:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} and pipelined prefill groups do not combine yet")
         return self
@@ -292,9 +289,7 @@ class ClusterConfig(BaseModel):
 
         # a size the model does not split into: said before any start
         splits = {flag: n for flag, n in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)) if n > 1}
-        from mooncake.engine.config import kv_dtype_name
-
-        kv_dtype = kv_dtype_name(self.dtype, self.kv_cache_dtype)
-        return kv_layout(self.engine, self.model, kv_dtype, parse_vllm_args(self.vllm_args), splits).block_bytes(
+        args = parse_vllm_args(self.vllm_args)
+        return kv_layout(self.engine, self.model, self.dtype, args, splits, self.kv_cache_dtype).block_bytes(
             self.block_size
         )

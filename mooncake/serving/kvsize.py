@@ -22,7 +22,13 @@ from collections.abc import Sequence
 
 
 def kv_block_bytes(
-    engine: str, model: str, dtype: str, block_size: int, vllm_args: Sequence[str] = (), timeout_s: float = 600.0
+    engine: str,
+    model: str,
+    dtype: str,
+    block_size: int,
+    vllm_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Bytes of one block of ``model`` under ``engine`` (native or vllm; ``vllm_args`` as --vllm-arg KEY=VALUE
     strings) with ``block_size``-token blocks in ``dtype``, worked out in a child interpreter (seconds; for vLLM,
@@ -30,7 +36,8 @@ def kv_block_bytes(
     whose KV the pool cannot carry, for a missing directory or config.json, and for a child that gave no figure."""
     if block_size < 1:
         raise ValueError(f"block size must be at least 1 token, got {block_size}")
-    argv = [sys.executable, "-m", __name__, engine, str(model), dtype, str(block_size), *vllm_args]
+    kept = [f"kv_cache_dtype={kv_cache_dtype}"] if kv_cache_dtype != "auto" else []  # (its own flag in the workers)
+    argv = [sys.executable, "-m", __name__, engine, str(model), dtype, str(block_size), *vllm_args, *kept]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -53,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mooncake.serving.model_support import kv_layout
 
     try:
-        print(kv_layout(engine, model, dtype, parse_vllm_args(vllm_args)).block_bytes(int(block_size)))
+        given = parse_vllm_args(vllm_args)
+        kv = str(given.pop("kv_cache_dtype", "auto"))
+        print(kv_layout(engine, model, dtype, given, kv_cache_dtype=kv).block_bytes(int(block_size)))
     except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: a volume not mounted, a download unfinished
         print(f"error: model {model}: {e}" if isinstance(e, FileNotFoundError) else f"error: {e}", file=sys.stderr)
         return 2

@@ -51,13 +51,15 @@ def kv_layout(
     dtype: str,
     vllm_args: dict[str, Any] | None = None,
     splits: dict[str, int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> KVLayout:
-    """The KV layout ``engine`` will give ``model`` in ``dtype`` (a name: float32, bfloat16, float16), read before any
-    engine loads it (the launcher sizes the pool nodes' blocks by it). Raises ValueError (one line) for a model the
-    engine cannot serve, whose KV the pool cannot carry, or that does not split into one of ``splits``'
-    tensor-parallel sizes (``{flag: size}``, named by its flag). For vLLM this imports vLLM and reads the model's
-    config through it (seconds); the worker checks the layout again from the cache vLLM built."""
-    from mooncake.engine.config import dtype_of
+    """The KV layout ``engine`` will give ``model`` in ``dtype`` (a name: float32, bfloat16, float16) with its KV kept
+    as ``kv_cache_dtype`` says (auto: in ``dtype``; fp8: float8 e4m3), read before any engine loads it (the launcher
+    sizes the pool nodes' blocks by it). Raises ValueError (one line) for a model the engine cannot serve, whose KV
+    the pool cannot carry, or that does not split into one of ``splits``' tensor-parallel sizes (``{flag: size}``,
+    named by its flag). For vLLM this imports vLLM and reads the model's config through it (seconds); the worker
+    checks the layout again from the cache vLLM built."""
+    from mooncake.engine.config import dtype_of, kv_dtype_name
 
     kind = EngineKind(engine)
     if kind is EngineKind.NATIVE:
@@ -69,10 +71,13 @@ def kv_layout(
                 TensorParallel(0, size).check(args)
             except ValueError as e:
                 raise ValueError(f"{flag} {size}: {e}") from None
-        return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, dtype_of(dtype))
+        return KVLayout(
+            args.num_layers, args.num_kv_heads, args.head_dim, dtype_of(kv_dtype_name(dtype, kv_cache_dtype))
+        )
     from mooncake.vllm_engine.kv_spec import layout_before_load
 
-    return layout_before_load(str(model), dtype, vllm_args or {}, splits)
+    given = {**(vllm_args or {}), **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {})}
+    return layout_before_load(str(model), dtype, given, splits)
 
 
 def context_length(config: dict[str, Any], model: str | Path = "") -> int:

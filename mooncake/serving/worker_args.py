@@ -58,7 +58,7 @@ def add_engine_kind_args(
         default=[],
         metavar="KEY=VALUE",
         help=f"a vLLM EngineArgs keyword for {vllm_scope}, repeatable; values parse as JSON when they can "
-        "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true, kv_cache_dtype=auto)",
+        "(tensor_parallel_size=1, gpu_memory_utilization=0.9, enforce_eager=true)",
     )
 
 

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from mooncake.blocks import blocks_for
 from mooncake.engine.connector import ConnectorStep, StepRequest
-from mooncake.vllm_engine.layout import BlockLayout
+from mooncake.vllm_engine.layout import BlockLayout, fp8_writer
 from mooncake.vllm_engine.shared_kv import SharedKV, heads_of
 
 if TYPE_CHECKING:
@@ -242,12 +242,16 @@ class MooncakePoolConnector(KVConnectorBase_V1):
         from vllm.model_executor.models.utils import extract_layer_index
 
         attention = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
+        dtype = self._vllm_config.model_config.dtype
         for name, cache in kv_caches.items():
             index = self._layers[name] = extract_layer_index(name)
             layer = attention[name]
-            self._writers[index] = lambda k, v, s, layer=layer, cache=cache: layer.impl.do_kv_cache_update(
+            write = self._writers[index] = lambda k, v, s, layer=layer, cache=cache: layer.impl.do_kv_cache_update(
                 layer, k, v, cache, s
             )
+            if cache.dtype == torch.uint8:  # an FP8 cache: float8 K/V in, each times its scale (layout.fp8_writer)
+                scales = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
+                self._writers[index] = fp8_writer(write, *scales, dtype)
         if sorted(self._layers.values()) != list(range(len(kv_caches))):
             raise RuntimeError(f"cannot order the attention layers {list(kv_caches)}")
         first = next(cache for name, cache in kv_caches.items() if self._layers[name] == 0)

@@ -85,10 +85,6 @@ class VllmEngine:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
             )
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if config.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"--kv-cache-dtype {config.kv_cache_dtype}: our engine's cache only, for now (--engine native)"
-            )
         multiple = 16 if torch.cuda.is_available() else 32  # FLASH_ATTN's kernel blocks; CPU_ATTN's
         if config.block_size % multiple:
             raise ValueError(
@@ -123,15 +119,18 @@ class VllmEngine:
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.block_size),
             enable_prefix_caching=config.enable_prefix_caching,
             seed=config.seed,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
-        for key in ("kv_transfer_config", "enable_prefix_caching", "block_size"):
+        for key in ("kv_transfer_config", "enable_prefix_caching", "block_size", "kv_cache_dtype"):
             if key in vllm_args:
                 raise ValueError(
                     f"--vllm-arg {key} is set by the worker (the pool connector; the pool as prefix cache; "
-                    "the cluster's block size, --block-size)"
+                    "the cluster's block size, --block-size; the KV dtype, --kv-cache-dtype)"
                 )
         kwargs.update(vllm_args)
         self.world = _parallel_args(config, kwargs)
+        if self.world > 1 and config.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} with vLLM's ranks: not carried yet (size 1)")
         kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), GrammarLogitsProcessor]
         self._grammars: GrammarBook | None = None  # checks constrained requests' grammars (built on first use)
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -156,7 +155,7 @@ class VllmEngine:
         self.step_tokens = vc.scheduler_config.max_num_batched_tokens  # its budget, --vllm-arg's where one was given
         self.vocab_size = mc.get_vocab_size()
         # the layout of the cache vLLM built for the layers it loaded: what this worker reports and the pool must hold
-        layout = layout_of_kv_cache(config.model, self._scheduler().kv_cache_config, mc.dtype)
+        layout = layout_of_kv_cache(config.model, self._scheduler().kv_cache_config, mc.dtype, config.kv_cache_dtype)
         if self.world > 1:  # each rank's cache holds its share of the heads; the pool every head
             layout = replace(layout, num_kv_heads=mc.get_total_num_kv_heads())
             self.bridge.shared.unlink()  # every process has it mapped by now: nothing is left behind at exit
@@ -165,7 +164,7 @@ class VllmEngine:
         self._block_shape = layout.block_shape(self.block_size)
         self.block_bytes = layout.block_bytes(self.block_size)
         # the dtype vLLM computes KV in, as the gateway's keys name it (it reads --dtype: the same, checked in _start)
-        self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, mc.dtype)
+        self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, mc.dtype, layout.dtype)
         self.eos_token_ids = (
             frozenset(_config_eos_ids(load_hf_config(config.model)))
             | generation_eos_ids(config.model)

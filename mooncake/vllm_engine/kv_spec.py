@@ -21,9 +21,11 @@ from typing import Any
 
 from mooncake.engine.interface import EngineKind, KVLayout, refuse
 
+FP8_NAMES = ("fp8", "fp8_e4m3")  # vLLM's names of the float8 e4m3 cache the connector carries
+
 SUPPORTED = (
     "supported: attention layers that keep K and V for every token, one KV head count and head size in every layer, "
-    "in the model's dtype"
+    "in the model's dtype (or float8 e4m3 bytes with --kv-cache-dtype fp8)"
 )
 
 
@@ -67,8 +69,10 @@ def layout_of_model_config(model: str, model_config, parallel_config, cache_dtyp
         raise _refuse(model, "an attention-free model (state-space layers only)")
     if model_config.is_hybrid:
         raise _refuse(model, "state-space (mamba) layers beside its attention layers")
-    if str(cache_dtype) != "auto":
-        raise _refuse(model, f"kv_cache_dtype {cache_dtype} (a quantized cache)")
+    if str(cache_dtype) not in ("auto", *FP8_NAMES):
+        raise _refuse(model, f"kv_cache_dtype {cache_dtype} (fp8 = fp8_e4m3 is carried, as float8 e4m3)")
+    import torch
+
     arch = model_config.model_arch_config
     overrides = getattr(arch, "per_layer_overrides", None)
     if overrides:
@@ -79,13 +83,16 @@ def layout_of_model_config(model: str, model_config, parallel_config, cache_dtyp
         num_layers=model_config.get_num_layers(parallel_config),
         num_kv_heads=model_config.get_num_kv_heads(parallel_config),
         head_dim=model_config.get_head_size(),
-        dtype=model_config.dtype,
+        dtype=model_config.dtype if str(cache_dtype) == "auto" else torch.float8_e4m3fn,
     )
 
 
-def layout_of_kv_cache(model: str, kv_cache_config, model_dtype) -> KVLayout:
+def layout_of_kv_cache(model: str, kv_cache_config, model_dtype, cache_dtype: str = "auto") -> KVLayout:
     """The layout of the KV cache vLLM built (``KVCacheConfig``, the scheduler's), the one the worker registers:
-    refuses what the connector cannot carry."""
+    refuses what the connector cannot carry. An FP8 cache (``cache_dtype`` fp8: vLLM's uint8 bytes) is float8 e4m3."""
+    import torch
+
+    kept = model_dtype if str(cache_dtype) == "auto" else torch.uint8
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         FullAttentionSpec,
@@ -112,7 +119,7 @@ def layout_of_kv_cache(model: str, kv_cache_config, model_dtype) -> KVLayout:
             raise _refuse(model, f"{type(spec).__name__} layers (vLLM keeps only part of their KV)")
         if spec.head_size_v != spec.head_size:
             raise _refuse(model, f"K head size {spec.head_size} and V head size {spec.head_size_v} differ")
-        if spec.dtype != model_dtype or spec.num_head_slots is not None or spec.state_content_bytes is not None:
+        if spec.dtype != kept or spec.num_head_slots is not None or spec.state_content_bytes is not None:
             raise _refuse(model, f"a quantized or packed KV cache ({spec.dtype}; the model's dtype is {model_dtype})")
     shapes = {(s.num_kv_heads, s.head_size) for s in specs.values()}
     if len(shapes) > 1:
@@ -120,7 +127,8 @@ def layout_of_kv_cache(model: str, kv_cache_config, model_dtype) -> KVLayout:
     if len(kv_cache_config.kv_cache_groups) > 1:
         raise _refuse(model, f"{len(kv_cache_config.kv_cache_groups)} KV cache groups (one block table per request)")
     heads, head_dim = shapes.pop()
-    return KVLayout(num_layers=len(specs), num_kv_heads=heads, head_dim=head_dim, dtype=model_dtype)
+    dtype = model_dtype if kept is model_dtype else torch.float8_e4m3fn
+    return KVLayout(num_layers=len(specs), num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
 
 
 def vllm_reason(e: Exception) -> str:

@@ -16,9 +16,12 @@ converter asks the backend itself once, at start-up:
     import: the same writer, given K and V in the pool layout and the tokens' slots,
             so packing is the backend's own and only the tokens asked for are written
 
-A writer that is not a permutation of elements (an FP8 cache scales values) fails the
-probe with a clear error. Codes are written in base-128 digits, a pass per digit,
-because bfloat16 holds integers exactly only up to 256.
+A writer that is not a permutation of elements fails the probe with a clear error. Codes are written in base-128
+digits, a pass per digit, because bfloat16 holds integers exactly only up to 256. An FP8 cache (``kv_cache_dtype``
+fp8: vLLM keeps float8 e4m3 bytes, uint8 to torch) is probed in base-16 digits, which e4m3 holds exactly: the digits
+go to the writer as float8 values, which ``fp8_writer`` turns into the layer's values (times its scale) and vLLM's
+writer quantizes back to the same bytes; its blocks leave as float8 (the pool layout's bytes) and come back through
+the same writer.
 """
 
 from __future__ import annotations
@@ -30,7 +33,19 @@ import torch
 
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (key [T,H,D], value [T,H,D], slots [T])
 _DIGIT = 128
+_FP8_DIGIT = 16  # e4m3 holds 0..15 exactly
 _EXACT_INTEGERS = (torch.float32, torch.float16, torch.bfloat16)  # each holds 0.._DIGIT exactly
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_writer(write: Writer, k_scale: float, v_scale: float, dtype: torch.dtype) -> Writer:
+    """A writer of float8 K and V (the pool layout's values of an FP8 cache) through vLLM's ``write``, which takes the
+    layer's values in ``dtype`` and quantizes them by its scales: each float8 value times its scale, in float32."""
+
+    def fp8_write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        write((key.float() * k_scale).to(dtype), (value.float() * v_scale).to(dtype), slots)
+
+    return fp8_write
 
 
 class BlockLayout:
@@ -51,17 +66,20 @@ class BlockLayout:
         d = two_d // 2
         n = bs * heads * d
         codes = torch.arange(2 * n, dtype=torch.long)  # pool order: [2][bs][Hkv][D]
-        if cache.dtype not in _EXACT_INTEGERS:
+        fp8 = cache.dtype == torch.uint8  # an FP8 cache's bytes (the writer given: fp8_writer's)
+        if cache.dtype not in _EXACT_INTEGERS and not fp8:
             raise ValueError(f"cannot probe a KV cache of dtype {cache.dtype} (quantized caches are not supported)")
+        base, written = (_FP8_DIGIT, FP8) if fp8 else (_DIGIT, cache.dtype)
         saved = cache[block].clone()
         slots = torch.arange(block * bs, (block + 1) * bs, dtype=torch.long, device=cache.device)
         found = torch.zeros(heads * bs * two_d, dtype=torch.long)
         try:
-            for p in range(max(1, math.ceil(math.log(2 * n, _DIGIT)))):
-                digits = (codes // _DIGIT**p) % _DIGIT
-                kv = digits.to(cache.dtype).view(2, bs, heads, d).to(cache.device)
+            for p in range(max(1, math.ceil(math.log(2 * n, base)))):
+                digits = (codes // base**p) % base
+                kv = digits.to(written).view(2, bs, heads, d).to(cache.device)
                 write(kv[0].contiguous(), kv[1].contiguous(), slots)
-                found += cache[block].reshape(-1).to("cpu", torch.long) * _DIGIT**p
+                read = cache[block].reshape(-1).to("cpu")
+                found += (read.view(FP8).float() if fp8 else read).to(torch.long) * base**p
         finally:
             cache[block].copy_(saved)
         if not torch.equal(found.sort().values, codes):
@@ -78,7 +96,8 @@ class BlockLayout:
         device."""
         blocks = cache.index_select(0, block_ids).reshape(len(block_ids), -1)  # [n, Hkv*bs*2D] logical order
         out = blocks.index_select(1, self.gather)
-        return out.view(len(block_ids), 2, self.block_size, self.num_kv_heads, self.head_size)
+        out = out.view(len(block_ids), 2, self.block_size, self.num_kv_heads, self.head_size)
+        return out.view(FP8) if out.dtype == torch.uint8 else out  # an FP8 cache's bytes are float8
 
     def import_tokens(self, write: Writer, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the first ``len(slots)`` tokens of ``kv`` ([n, 2, bs, Hkv, D], pool layout) to cache slots

@@ -235,9 +235,6 @@ at start; failing here saves a rollout of crash-looping pods.
 {{- if not (has .Values.model.kvCacheDtype (list "auto" "fp8" "fp8_e4m3")) }}
 {{- fail (printf "model.kvCacheDtype must be auto, fp8 or fp8_e4m3, not %q" (toString .Values.model.kvCacheDtype)) }}
 {{- end }}
-{{- if and (eq $e.kind "vllm") (ne .Values.model.kvCacheDtype "auto") }}
-{{- fail (printf "model.kvCacheDtype %s is our engine's (engine.kind native) for now: vLLM's FP8 blocks are not carried yet" .Values.model.kvCacheDtype) }}
-{{- end }}
 {{- if eq $e.kind "vllm" }}
 {{- $blockSize := int .Values.model.blockSize }}
 {{- if mod $blockSize 16 }}

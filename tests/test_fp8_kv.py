@@ -177,6 +177,23 @@ def test_two_ranks_with_an_fp8_cache_generate_what_one_rank_does(tiny_models, tm
     assert [t for t, _ in split] == whole
 
 
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"kv_cache_dtype": "int4"}, "String should match pattern"),
+        ({"kv_cache_dtype": "fp8", "prefill": 2, "prefill_groups": 1}, "pipelined prefill groups do not combine"),
+        ({"kv_cache_dtype": "fp8", "engine": "vllm", "decode_tp": 2}, "with vLLM's ranks: not carried yet"),
+    ],
+)
+def test_what_an_fp8_cache_does_not_combine_with_yet_is_refused_before_anything_starts(tiny_dir, fields, why):
+    from pydantic import ValidationError
+
+    from mooncake.cluster.config import ClusterConfig
+
+    with pytest.raises(ValidationError, match=why):
+        ClusterConfig(model=str(tiny_dir), model_name="tiny", **fields)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("model") / "llama", "llama")

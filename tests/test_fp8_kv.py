@@ -79,16 +79,24 @@ def greedy(engine, batch: list[list[int]], max_tokens: int = 16) -> list[list[in
     return [list(done[i].output_token_ids) for i in ids]
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+PATHS = {  # the compiled decode kernel, the torch path, the graph-ready decode step (uncaptured on the CPU)
+    "kernel": {},
+    "torch": {"use_kernels": False},
+    "graphs": {"decode_graphs": True},
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_greedy_tokens_are_transformers_with_its_kv_rounded_as_the_fp8_cache_keeps_it(tiny_models, arch, kernel):
+def test_greedy_tokens_are_transformers_with_its_kv_rounded_as_the_fp8_cache_keeps_it(tiny_models, arch, path):
     tiny = tiny_models[arch]
     reference = fp8_reference(tiny.path)
-    engine = make_engine(tiny.path, kv_cache_dtype="fp8", use_kernels=kernel)
+    engine = make_engine(tiny.path, kv_cache_dtype="fp8", **PATHS[path])
     assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert (engine.runner.graphs is not None) == (path == "graphs")
     batch = prompts(FAMILIES.index(arch), tiny.vocab_size)
     for prompt, ours in zip(batch, greedy(engine, batch)):
-        assert_greedy_close(ours, reference, prompt, 16, label=f"{arch}, fp8 kv, {'kernel' if kernel else 'torch'}")
+        assert_greedy_close(ours, reference, prompt, 16, label=f"{arch}, fp8 kv, {path}")
 
 
 def test_the_checkpoints_scales_are_read_and_used(tiny_models, tmp_path):

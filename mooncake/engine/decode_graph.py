@@ -80,7 +80,7 @@ class DecodeGraphs:
         self._dev = self._host.to(self.device) if self.device.type != "cpu" else self._host.clone()
         self._ids, self._pos, self._slots, self._ctx = (self._dev[i * s : (i + 1) * s] for i in range(4))
         self._table = self._dev[4 * s :].view(s, w)
-        dtype = kv_cache.dtype
+        dtype = next(model.parameters()).dtype  # the model's (an FP8 cache's dtype is not what it computes in)
         self.hidden = torch.zeros(s, model.args.hidden_size, dtype=dtype, device=self.device)  # [S, hidden]
         self._attention = {b: decode_attention(b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

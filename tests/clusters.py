@@ -142,3 +142,38 @@ def conductor(cluster: LocalCluster, operator: bool = True) -> cpb_grpc.Conducto
 
 def instances(cluster: LocalCluster) -> dict[str, cpb.InstanceInfo]:
     return {i.id: i for i in conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5).instances}
+
+
+def vllm_served_as_alone(workdir: Path, model: Path, prompts: list[list[int]], alone: dict, **cluster) -> LocalCluster:
+    """Stock vLLM workers (``cluster``: start_cluster's overrides past the engine, its block size and one thread)
+    answer each prompt, cold and again with its blocks read back from the pool, with vLLM alone's greedy tokens
+    (``alone``: tests/vllm_alone.py's reference arguments, run while the cluster starts: each is mostly vLLM's start).
+    Returns the cluster, still running, for the caller's own checks; the caller stops it. 12 tokens a prompt."""
+    import concurrent.futures
+
+    import vllm_alone
+
+    args = dict(model=str(model), block_size=32, max_model_len=1024, max_tokens=12, prompts=prompts, **alone)
+    reference = concurrent.futures.ThreadPoolExecutor(1).submit(vllm_alone.run, "reference", **args)
+    c = start_cluster(
+        model,
+        workdir,
+        engine="vllm",
+        vllm_args=["enforce_eager=true"],
+        block_size=32,
+        gateway=False,
+        threads=1,
+        **cluster,
+    )
+    try:
+        want = reference.result(timeout=600)
+        be = backend(c)
+        for i, prompt in enumerate(prompts):
+            cold = generate(be, f"cold-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
+            warm = generate(be, f"warm-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
+            assert tokens(cold) == tokens(warm) == want[i], (i, tokens(cold), tokens(warm), want[i])
+            assert warm[-1].cached_tokens == len(prompt) // 32 * 32  # (a 7-token prompt has no whole block)
+    except BaseException:
+        c.stop()
+        raise
+    return c

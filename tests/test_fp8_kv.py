@@ -20,7 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from clusters import backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+from clusters import (
+    backend,
+    conductor,
+    generate,
+    instances,
+    reference_tokens,
+    start_cluster,
+    tokens,
+    vllm_served_as_alone,
+)
 from conftest import assert_greedy_close, make_engine, run_to_completion
 from rich.console import Console
 from safetensors.torch import load_file, save_file
@@ -241,43 +250,13 @@ def test_vllm_workers_with_an_fp8_cache_give_vllm_alones_tokens_cold_and_from_th
     workers: the connector probes its cache in base-16 digits and carries its bytes unchanged, so prompt to pool to
     decode, and a prefix read back from the pool, give vLLM alone's greedy tokens with the same flag."""
     pytest.importorskip("vllm", reason="vLLM is installed by `make test` (the project's vllm extra)")
-    import concurrent.futures
-
-    import vllm_alone
-
     # vLLM's CPU attention wants head size 64 or more
     model = make_tiny(
         tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256, head_dim=64
     )
     prompts = [[(7 * i + 3) % 440 + 5 for i in range(n)] for n in (7, 70)]
-    reference = concurrent.futures.ThreadPoolExecutor(1).submit(
-        vllm_alone.run,
-        "reference",
-        model=str(model),
-        block_size=32,
-        max_model_len=1024,
-        max_tokens=12,
-        prompts=prompts,
-        kv_cache_dtype="fp8",
-    )
-    cluster = start_cluster(
-        model,
-        tmp_path / "run",
-        engine="vllm",
-        vllm_args=["enforce_eager=true"],
-        block_size=32,
-        kv_cache_dtype="fp8",
-        gateway=False,
-        threads=1,
-    )
+    cluster = vllm_served_as_alone(tmp_path / "run", model, prompts, {"kv_cache_dtype": "fp8"}, kv_cache_dtype="fp8")
     try:
-        alone = reference.result(timeout=600)
-        be = backend(cluster)
-        for i, prompt in enumerate(prompts):
-            cold = generate(be, f"vllm-fp8-cold-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
-            warm = generate(be, f"vllm-fp8-warm-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
-            assert tokens(cold) == tokens(warm) == alone[i], (i, tokens(cold), tokens(warm), alone[i])
-            assert warm[-1].cached_tokens == len(prompt) // 32 * 32  # (a 7-token prompt has no whole block)
         kinds = {i.kv_dtype for i in instances(cluster).values() if i.engine}
         assert kinds == {FP8_KV}, kinds
     finally:

@@ -9,7 +9,6 @@ sizes (DESIGN §4), so no conversion happens anywhere: a rank reads its heads of
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import random
 import signal
@@ -18,7 +17,7 @@ import sys
 import time
 
 import pytest
-from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens
+from clusters import backend, generate, instances, reference_tokens, start_cluster, tokens, vllm_served_as_alone
 from replays import replay, undisturbed_run, wait_idle, wait_restarted
 from tp_ranks import rank_processes
 from typer.testing import CliRunner
@@ -78,43 +77,15 @@ def test_vllm_workers_split_over_two_ranks_give_vllm_alones_tokens_cold_and_from
     through the shared copy, vllm_engine/shared_kv.py): prompt to pool to decode, and a prefix read back from the pool,
     give vLLM alone's greedy tokens at two ranks (no connector, no cluster: tests/vllm_alone.py)."""
     pytest.importorskip("vllm", reason="vLLM is installed by `make test` (the project's vllm extra)")
-    import vllm_alone
-
     # vLLM's CPU attention wants head size 64 or more; 4 query heads over 2 KV heads split into 2 ranks of 1
     model = make_tiny(
         tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256, head_dim=64
     )
     prompts = [[(7 * i + 3) % 440 + 5 for i in range(n)] for n in (7, 70, 300)]  # 70's 64 tokens lead 300's
-    # the reference runs while the cluster starts (each is mostly vLLM's start: imports, a process per rank)
-    reference = concurrent.futures.ThreadPoolExecutor(1).submit(
-        vllm_alone.run,
-        "reference",
-        model=str(model),
-        block_size=32,
-        max_model_len=1024,
-        max_tokens=12,
-        prompts=prompts,
-        tensor_parallel_size=2,
-    )
-    cluster = start_cluster(
-        model,
-        tmp_path / "run",
-        engine="vllm",
-        vllm_args=["enforce_eager=true"],
-        block_size=32,
-        prefill_tp=2,
-        decode_tp=2,
-        gateway=False,
-        threads=1,
+    cluster = vllm_served_as_alone(
+        tmp_path / "run", model, prompts, {"tensor_parallel_size": 2}, prefill_tp=2, decode_tp=2
     )
     try:
-        alone = reference.result(timeout=600)
-        be = backend(cluster)
-        for i, prompt in enumerate(prompts):
-            cold = generate(be, f"cold-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
-            warm = generate(be, f"warm-{i}", prompt, 12, temperature=0.0, ignore_eos=True)
-            assert tokens(cold) == tokens(warm) == alone[i], (i, tokens(cold), tokens(warm), alone[i])
-            assert warm[-1].cached_tokens == len(prompt) // 32 * 32  # (a 7-token prompt has no whole block)
         assert {name: i.tensor_parallel_size for name, i in instances(cluster).items() if i.engine} == {
             "prefill-0": 2,
             "decode-0": 2,

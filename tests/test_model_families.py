@@ -98,7 +98,10 @@ def _config(**overrides) -> dict:
     "overrides,field",
     [
         (dict(model_type="deepseek_v3"), "model_type 'deepseek_v3'"),
-        (dict(quantization_config={"quant_method": "awq", "bits": 4}), "quant_method 'awq'"),
+        (
+            dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
+            "quant_method 'bitsandbytes'",
+        ),
         (dict(rope_scaling={"rope_type": "mrope", "factor": 2.0}), "rope scaling type 'mrope'"),
         (dict(hidden_act="relu2"), "hidden_act 'relu2'"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3 rope scaling lacks"),

@@ -51,15 +51,18 @@ def load_model(
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Give a model made on the meta device uninitialised memory on ``device``, floating tensors in ``dtype`` (what
     ``model.to(dtype).to_empty(device=device)`` does, without the Python reference kernels that the meta tensors'
-    ``empty_like`` goes through: their first use costs about half a second of a worker's start on a CPU)."""
+    ``empty_like`` goes through: their first use costs about half a second of a worker's start on a CPU); a quantized
+    layer's values and scales keep their own dtypes."""
     made: dict[int, torch.Tensor] = {}  # by the meta tensor's id: a tensor two modules share stays shared
     for module in model.modules():
         for table in (module._parameters, module._buffers):
+            keep = table is module._buffers and getattr(module, "keeps_dtypes", False)  # quant.QuantLinear's
             for name, t in table.items():
                 if t is None:
                     continue
                 if id(t) not in made:
-                    new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    to = dtype if t.is_floating_point() and not keep else t.dtype
+                    new = torch.empty(t.shape, dtype=to, device=device)
                     made[id(t)] = (
                         nn.Parameter(new, requires_grad=t.requires_grad) if table is module._parameters else new
                     )

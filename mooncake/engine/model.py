@@ -30,6 +30,7 @@ from mooncake.engine.connector import ConnectorStep, KVConnector
 from mooncake.engine.model_args import ModelArgs
 from mooncake.engine.moe import SparseMoE, activation
 from mooncake.engine.parallel import SINGLE, TensorParallel
+from mooncake.engine.quant import linear, read_quantized, units
 
 FUSED_MIN_TOKENS = 256  # eager steps of fewer tokens keep torch's kernels
 
@@ -129,8 +130,12 @@ class Attention(nn.Module):
         self.window = args.window(layer) or 0  # 0: the whole context
         self.softcap = args.attn_softcap or 0.0  # 0: none
         self.kv_scales = KVScales()  # an FP8 cache's (the checkpoint's k_scale and v_scale, else 1.0)
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        p = f"model.layers.{layer}.self_attn."
+        fused = ("qkv_proj",) if args.arch == "phi3" else ("q_proj", "k_proj", "v_proj")
+        self.qkv_proj = linear(
+            args.quant, args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, tuple(p + n for n in fused)
+        )
+        self.o_proj = linear(args.quant, self.q_size, args.hidden_size, False, (p + "o_proj",))
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.gemma_norms)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.gemma_norms)
@@ -171,13 +176,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """A gated MLP (of this rank's slice of the intermediate: a partial sum under tensor parallelism)."""
 
-    def __init__(self, args: ModelArgs, tp: TensorParallel = SINGLE):
+    def __init__(self, args: ModelArgs, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.intermediate = args.intermediate_size // tp.size
         self.silu = args.hidden_act == "silu"
         self.act = activation(args.hidden_act)
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, args.hidden_size, bias=False)
+        p = f"model.layers.{layer}.mlp."
+        fused = ("gate_up_proj",) if args.arch == "phi3" else ("gate_proj", "up_proj")
+        self.gate_up_proj = linear(
+            args.quant, args.hidden_size, 2 * self.intermediate, False, tuple(p + n for n in fused)
+        )
+        self.down_proj = linear(args.quant, self.intermediate, args.hidden_size, False, (p + "down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
@@ -207,7 +216,7 @@ class DecoderLayer(nn.Module):
                 args.hidden_act,
             )
         else:
-            self.mlp = MLP(args, tp)
+            self.mlp = MLP(args, layer, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, eps, gemma)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, gemma)
         if args.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention's output instead
@@ -364,8 +373,10 @@ class CausalLM(nn.Module):
         parameters' memory and at most one tensor's more. Tensors of other pipeline stages are skipped. Raises
         ValueError naming the tensors when a name is unknown, a shape does not fit, a tensor comes twice, or a
         parameter is left unfilled."""
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters()) | dict(self.named_buffers())  # quantized layers' values are buffers
         filled = dict.fromkeys(params, 0)
+        if self.args.quant is not None:
+            tensors = read_quantized(tensors, self.args.quant)
         for pname, pad in self._vocab_padding():  # rows past the vocabulary (the last rank's): zero, never read
             params[pname][pad].zero_()
             filled[pname] += params[pname][pad].numel()
@@ -384,7 +395,7 @@ class CausalLM(nn.Module):
                 kv = attention.kv_scales
                 attention.kv_scales = KVScales(value, kv.v) if scale[2] == "k" else KVScales(kv.k, value)
                 continue
-            slots = self._slots(name)
+            slots = self._slots(name, tensor.shape)
             if slots is None or any(pname not in params for pname, _, _ in slots):
                 unexpected.append(name)
                 continue
@@ -415,7 +426,7 @@ class CausalLM(nn.Module):
         held = (("model.embed_tokens.weight", self.model.embed_tokens), ("lm_head.weight", self.lm_head))
         return [(name, slice(real, None)) for name, module in held if module is not None]
 
-    def _slots(self, name: str) -> list[tuple[str, tuple, tuple]] | None:
+    def _slots(self, name: str, shape: torch.Size) -> list[tuple[str, tuple, tuple]] | None:
         """Where the Hugging Face tensor ``name`` goes: (our parameter, the index of the part of it,
         the index of the tensor's part that fills it) for each part; () where whole. None: no parameter takes it."""
         a, tp = self.args, self.tp
@@ -431,7 +442,7 @@ class CausalLM(nn.Module):
         if m is None:
             if whole:
                 return [(name, (), ())]
-            return self._split(name, q_rows, kv_rows, inter)
+            return self._split(name, shape, q_rows, kv_rows, inter)
         p = f"model.layers.{m['layer']}."
         part = m["part"]
         if part is not None:
@@ -444,7 +455,7 @@ class CausalLM(nn.Module):
             return [(f"{p}self_attn.qkv_proj.{m['kind']}", (slice(start, start + size),), () if whole else (rows,))]
         if m["mlp"] is not None:
             dest = slice(0, ni) if m["mlp"] == "gate" else slice(ni, 2 * ni)
-            return [(f"{p}mlp.gate_up_proj.weight", (dest,), () if whole else (inter,))]
+            return [(f"{p}mlp.gate_up_proj.{m['mkind']}", (dest,), () if whole else (inter,))]
         if m["router"] is not None:
             return [(f"{p}mlp.gate.weight", (), ())]
         e, proj = int(m["expert"]), m["proj"]
@@ -455,19 +466,23 @@ class CausalLM(nn.Module):
         dest = slice(0, i) if proj in ("gate_proj", "w1") else slice(i, 2 * i)
         return [(f"{p}mlp.experts_gate_up", (e, dest), () if whole else (moe,))]
 
-    def _split(self, name: str, q_rows: slice, kv_rows: slice, inter: slice) -> list[tuple[str, tuple, tuple]]:
+    def _split(
+        self, name: str, shape: torch.Size, q_rows: slice, kv_rows: slice, inter: slice
+    ) -> list[tuple[str, tuple, tuple]]:
         """``_slots`` of a tensor whose name is our parameter's, under tensor parallelism: the vocabulary's rows,
-        o_proj's and down_proj's input columns, the already-fused qkv_proj's and gate_up_proj's rows (Phi-3)."""
+        o_proj's and down_proj's input columns (a quantized layer's: its values' and scales' columns, quant.units), the
+        already-fused qkv_proj's and gate_up_proj's rows (Phi-3)."""
         a = self.args
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             vocab = self.tp.vocab(a)
             real = slice(vocab.start, min(vocab.stop, a.vocab_size))
             return [(name, (slice(0, max(0, real.stop - real.start)),), (real,))]
-        if name.endswith("self_attn.o_proj.weight"):
-            return [(name, (), (slice(None), q_rows))]
-        if name.endswith("mlp.down_proj.weight"):
-            return [(name, (), (slice(None), inter))]
-        if name.endswith("self_attn.qkv_proj.weight") or name.endswith("self_attn.qkv_proj.bias"):
+        module, kind = name.rsplit(".", 1)
+        if module.endswith("self_attn.o_proj") and kind != "bias":
+            return [(name, (), (slice(None), units(q_rows, shape[1], a.num_heads * a.head_dim, name)))]
+        if module.endswith("mlp.down_proj"):
+            return [(name, (), (slice(None), units(inter, shape[1], a.intermediate_size, name)))]
+        if module.endswith("self_attn.qkv_proj"):
             q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
             nq, nkv = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
             return [
@@ -475,7 +490,7 @@ class CausalLM(nn.Module):
                 (name, (slice(nq, nq + nkv),), (slice(q + kv_rows.start, q + kv_rows.stop),)),
                 (name, (slice(nq + nkv, nq + 2 * nkv),), (slice(q + kv + kv_rows.start, q + kv + kv_rows.stop),)),
             ]
-        if name.endswith("mlp.gate_up_proj.weight"):
+        if module.endswith("mlp.gate_up_proj"):
             i, ni = a.intermediate_size, inter.stop - inter.start
             return [
                 (name, (slice(0, ni),), (inter,)),
@@ -517,8 +532,8 @@ def _scalar(name: str, tensor: Any) -> float:
 # (Qwen3-MoE's and Mixtral's names), Mixtral's router.
 _FUSED = re.compile(
     r"model\.layers\.(?P<layer>\d+)\.(?:"
-    r"self_attn\.(?P<part>q|k|v)_proj\.(?P<kind>weight|bias)"
-    r"|mlp\.(?P<mlp>gate|up)_proj\.weight"
+    r"self_attn\.(?P<part>q|k|v)_proj\.(?P<kind>weight|bias|qweight|scales|zeros)"
+    r"|mlp\.(?P<mlp>gate|up)_proj\.(?P<mkind>weight|qweight|scales|zeros)"
     r"|(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
     r"|block_sparse_moe\.(?P<router>gate)\.weight)"
 )

@@ -13,8 +13,8 @@ Supported architectures (one module in model.py; ModelArgs says which parts exis
     qwen3_moe    qwen3 with a top-k mixture of experts (moe.py) in place of the MLP
     mixtral      mistral with a top-k mixture of experts
 
-Rope scalings: rope.py (linear, llama3, dynamic, yarn, longrope). A quantized checkpoint is refused here, naming its
-format (the quantization issue reads them).
+Rope scalings: rope.py (linear, llama3, dynamic, yarn, longrope). Quantized weights: quant.py reads the formats (a
+format it does not read is refused here, naming it).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mooncake.engine.quant import WeightQuant, weight_quant
 from mooncake.engine.rope import Rope
 
 SUPPORTED_ARCHS = (
@@ -72,6 +73,7 @@ class ModelArgs:
     moe_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quant: WeightQuant | None = None  # the checkpoint's weight quantization (quant.py), None: float weights
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
@@ -82,13 +84,9 @@ class ModelArgs:
                 f"model_type {arch!r} is not supported by the mooncake engine (supported: {', '.join(SUPPORTED_ARCHS)};"
                 " --engine vllm serves what vLLM serves)"
             )
-        quant = cfg.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-            raise ValueError(
-                f"quantization_config.quant_method {method!r}: quantized checkpoints are not supported by the mooncake "
-                "engine yet (unquantized float16, bfloat16 or float32 weights only)"
-            )
+        quant = weight_quant(cfg)
+        if quant is not None and arch in MOE:
+            raise ValueError(f"quantized {arch} experts are not read by the mooncake engine yet ({quant.describe()})")
         try:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])
@@ -138,6 +136,7 @@ class ModelArgs:
             final_softcap=_cap(cfg.get("final_logit_softcapping")) if gemma else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quant=quant,
             **moe,
         )
 

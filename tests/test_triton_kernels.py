@@ -410,3 +410,85 @@ def test_an_fp8_engine_through_both_kernels_generates_the_torch_paths_greedy_tok
     engine = make_engine(tiny_dir, kv_cache_dtype="fp8", use_kernels=False, max_num_batched_tokens=16)
     engine.runner.step_kernel, engine.runner.decode_kernel = paged_varlen, paged_decode  # the CUDA engine's choices
     assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+
+
+def quantized_layer(kind: str, n: int, k: int, group: int, bias: bool, seed: int = 0):
+    """A QuantLinear of random values (``kind`` fp8, int8 or int4) and scales, zero points for the integers."""
+    from mooncake.engine.quant import QuantLinear, WeightQuant
+
+    gen = torch.Generator().manual_seed(seed)
+    quant = WeightQuant("test", "test", "fp8" if kind == "fp8" else "int", 4 if kind == "int4" else 8, group)
+    layer = QuantLinear(k, n, bias, quant, "layer")
+    if kind == "fp8":
+        layer.qweight.copy_((torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn))
+    else:
+        layer.qweight.copy_(torch.randint(0, 256, layer.qweight.shape, generator=gen, dtype=torch.uint8))
+        layer.zeros.copy_(torch.randint(0, 16 if kind == "int4" else 256, layer.zeros.shape, generator=gen).float())
+    layer.scales.copy_(torch.rand(layer.scales.shape, generator=gen) * 0.01 + 1e-4)
+    if bias:
+        layer.bias.data.copy_(torch.randn(n, generator=gen))
+    return layer.to(DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_the_quantized_matmul_is_the_dequantized_weights_matmul(kind, tokens):
+    """Every shape off the tiles (N 40, K 96 in groups of 32, tokens 1 to 40), with and without a bias."""
+    from mooncake.engine.kernels.triton_quant import quant_matmul
+
+    for bias in (False, True):
+        layer = quantized_layer(kind, 40, 96, 32, bias, seed=tokens)
+        x = torch.randn(tokens, 96, device=DEVICE)
+        want = torch.nn.functional.linear(x, layer.dequantized(torch.float32), layer.bias)
+        got = quant_matmul(x, layer.qweight, layer.scales, layer.zeros, layer.bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # 16-bit: the weight rounded to x's dtype as the torch path rounds it, summed in float32 (bfloat16 compiled
+        # only: the interpreter's tl.dot misreads bfloat16 operands, a 16x16 product off by 1e10 in Triton 3.9)
+        for dtype in (torch.float16, torch.bfloat16) if CUDA else (torch.float16,):
+            xh, bh = x.to(dtype), None if layer.bias is None else layer.bias.to(dtype)
+            want16 = torch.nn.functional.linear(xh, layer.dequantized(dtype), bh)
+            got16 = quant_matmul(xh, layer.qweight, layer.scales, layer.zeros, bh)
+            torch.testing.assert_close(got16.float(), want16.float(), rtol=2e-2, atol=2e-2)
+
+
+@interpreted_engine
+@pytest.mark.parametrize("scheme", ["int4-group-asym", "fp8-channel"])
+def test_an_engine_through_the_quantized_matmul_generates_the_dequantizing_paths_tokens(tiny_models, tmp_path, scheme):
+    """A quantized checkpoint (tests/quantized.py) whose layers go through the kernel, as on CUDA: the CPU path's
+    greedy tokens (each layer dequantized, then torch's matmul)."""
+    from conftest import make_engine
+    from quantized import compressed_tensors_checkpoint
+
+    import mooncake.engine.quant as quant
+    from mooncake.engine import SamplingParams
+
+    pytest.importorskip("compressed_tensors")
+    bits, kind, group = (4, "int", 16) if scheme.startswith("int4") else (8, "float", None)
+    strategy = "group" if group else "channel"
+    path = compressed_tensors_checkpoint(
+        tiny_models["llama"].path,
+        tmp_path / scheme,
+        bits=bits,
+        kind=kind,
+        strategy=strategy,
+        symmetric=group is None,
+        group=group,
+    )
+    prompts = [list(range(5, 45)), [11, 12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.output_token_ids for o in make_engine(path).generate(prompts, params)]
+    calls = []
+    kernel = quant._triton_quant()
+
+    def always(x):
+        calls.append(x.shape[0])
+        return kernel
+
+    original = quant.quant_kernel
+    quant.quant_kernel = always
+    try:
+        got = [o.output_token_ids for o in make_engine(path).generate(prompts, params)]
+    finally:
+        quant.quant_kernel = original
+    assert calls and got == want

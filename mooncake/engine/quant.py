@@ -16,11 +16,14 @@ integers, a float32 zero point [out, groups]: ``w = (q - zero) * scale`` over ea
 a channel's scale is one group a row; a block's, its rows' groups). Rows concatenate, so q/k/v and gate/up are rows of
 one layer as our float layers are, and a tensor-parallel rank cuts its rows, or its groups of columns, as a float
 weight's. Activations stay in the model's dtype: a checkpoint that quantizes them too (W8A8) is computed weight-only,
-its input scales unread. Weights are dequantized one layer at a time as it runs, never a whole dequantized copy.
+its input scales unread. On CUDA a Triton kernel dequantizes each tile of a weight as the matmul loads it
+(kernels/triton_quant.py); on the CPU a layer is dequantized as it runs (what measured fastest there), never the whole
+model at once.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -229,17 +232,43 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in ``dtype`` (computed in float32: the value times its group's scale)."""
-        q = self.qweight
+        q, scales = self.qweight, self.scales
         if self.packed:
             q = torch.stack((q & 15, q >> 4), dim=-1).view(q.shape[0], -1)
+        if q.dtype == torch.float8_e4m3fn and not q.is_cuda:
+            # torch converts float8 on the CPU five times slower than this: e4m3's bits shifted into a float16's are
+            # its value over 256 (normal and subnormal alike), and float16 converts fast; the 256 joins the scale
+            b = q.view(torch.uint8).to(torch.int16)
+            q = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).view(torch.float16)
+            scales = scales * 256.0
         rows, cols = q.shape
-        w = q.to(torch.float32).view(rows, self.scales.shape[1], -1)
+        w = q.to(torch.float32).view(rows, scales.shape[1], -1)
         if self.zeros is not None:
             w.sub_(self.zeros.unsqueeze(-1))
-        return w.mul_(self.scales.unsqueeze(-1)).view(rows, cols).to(dtype)
+        return w.mul_(scales.unsqueeze(-1)).view(rows, cols).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = quant_kernel(x)
+        if kernel is not None:
+            return kernel(x, self.qweight, self.scales, self.zeros, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+
+def quant_kernel(x: torch.Tensor):
+    """kernels/triton_quant.py's matmul for activations ``x`` on CUDA (dequantizing in the kernel); None on the CPU,
+    where dequantizing the layer and torch's matmul measured fastest (docs/models.md), and where Triton is missing."""
+    if not x.is_cuda or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    return _triton_quant()
+
+
+@functools.cache
+def _triton_quant():
+    try:
+        from mooncake.engine.kernels.triton_quant import quant_matmul
+    except ImportError:
+        return None
+    return quant_matmul
 
 
 def linear(

@@ -28,11 +28,19 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 
 def compressed_tensors_checkpoint(
-    src: Path, dst: Path, *, bits: int, kind: str, strategy: str, symmetric: bool = True, group: int | None = None
+    src: Path,
+    dst: Path,
+    *,
+    bits: int,
+    kind: str,
+    strategy: str,
+    symmetric: bool = True,
+    group: int | None = None,
+    dynamic_activations: bool = False,
 ) -> Path:
-    """``src`` quantized by compressed-tensors and written in its format for the scheme (``kind`` "float": FP8
-    float-quantized; "int": 4 bits pack-quantized, 8 bits naive-quantized); ``group``: the group size, or a block's
-    side for strategy "block"."""
+    """``src`` quantized by compressed-tensors and written in the format it chooses for the scheme (weights only: FP8
+    and 8-bit integers naive-quantized, 4-bit pack-quantized); ``kind`` "float" (FP8) or "int"; ``group``: the group
+    size, or a block's side for strategy "block"; ``dynamic_activations``: FP8 activations too (W8A8)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -53,7 +61,10 @@ def compressed_tensors_checkpoint(
         group_size=group if strategy == "group" else None,
         block_structure=[group, group] if strategy == "block" else None,
     )
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    activations = None
+    if dynamic_activations:  # W8A8: each token's activations rounded at run time (FP8_DYNAMIC: float-quantized)
+        activations = QuantizationArgs(num_bits=8, type=kind, strategy="token", symmetric=True, dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=activations)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is None:
@@ -73,8 +84,7 @@ def compressed_tensors_checkpoint(
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
         module.quantization_status = QuantizationStatus.FROZEN
-    fmt = "float-quantized" if kind == "float" else "pack-quantized" if bits == 4 else "naive-quantized"
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor = ModelCompressor.from_pretrained_model(model)  # the format the library chooses for the scheme
     compressor.compress_model(model)
     shutil.rmtree(dst, ignore_errors=True)
     model.save_pretrained(dst)

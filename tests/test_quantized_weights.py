@@ -42,13 +42,16 @@ SCHEMES = {  # compressed-tensors' schemes: (bits, type, strategy, symmetric, gr
     "int4-group": (4, "int", "group", True, 16),
     "int4-group-asym": (4, "int", "group", False, 16),
     "int4-channel-asym": (4, "int", "channel", False, None),
+    "fp8-dynamic": (8, "float", "channel", True, None),  # W8A8: activations FP8 per token (FP8_DYNAMIC)
+    "int8-dynamic": (8, "int", "channel", True, None),  # W8A8: activations int8 per token
 }
 
 
 def ct(src: Path, dst: Path, scheme: str) -> Path:
     bits, kind, strategy, symmetric, group = SCHEMES[scheme]
+    dynamic = scheme.endswith("-dynamic")
     return compressed_tensors_checkpoint(
-        src, dst, bits=bits, kind=kind, strategy=strategy, symmetric=symmetric, group=group
+        src, dst, bits=bits, kind=kind, strategy=strategy, symmetric=symmetric, group=group, dynamic_activations=dynamic
     )
 
 
@@ -96,14 +99,23 @@ def test_other_families_quantized(tiny_models, tmp_path, arch, scheme):
 
 @pytest.mark.parametrize("block", [None, 16])
 def test_the_fp8_format_per_tensor_and_in_blocks(tiny_models, tmp_path, block):
-    """vLLM's and transformers' ``fp8`` (``weight_scale`` per tensor; ``weight_block_size`` with
-    ``weight_scale_inv``): the values of a compressed-tensors checkpoint, so its dequantized model is the reference."""
+    """vLLM's and transformers' ``fp8``: the values of a compressed-tensors checkpoint renamed. In blocks
+    (``weight_block_size``, ``weight_scale_inv``) transformers reads it itself (dequantizing on a CPU, as it does
+    without a GPU of compute capability 8.9): its model is the reference; per tensor (``weight_scale``, vLLM's) the
+    source checkpoint's dequantized model is."""
+    from transformers import AutoModelForCausalLM
+
     tiny = tiny_models["llama"]
     scheme = "fp8-block" if block else "fp8-tensor"
     source = ct(tiny.path, tmp_path / "ct", scheme)
     path = fp8_checkpoint(source, tmp_path / "fp8", block)
     assert json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
-    assert_library_tokens(path, library_model(source), tiny.vocab_size, f"fp8 format {scheme}")
+    if block:
+        pytest.importorskip("accelerate")  # transformers' FP8 loader asks for it
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    else:
+        reference = library_model(source)
+    assert_library_tokens(path, reference, tiny.vocab_size, f"fp8 format {scheme}")
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

@@ -1,9 +1,9 @@
 """Quantized checkpoints: the weight formats our engine reads (config.json's ``quantization_config``) and the linear
 layer that computes with them.
 
-    compressed-tensors  float-quantized: FP8 e4m3 weights, a scale per tensor, output channel, group or block;
-                        pack-quantized (int32-packed), naive- and int-quantized (int8): integers of 4 or 8 bits, a
-                        scale and, asymmetric, a zero point per channel or group
+    compressed-tensors  FP8 e4m3 weights (float- or naive-quantized), a scale per tensor, output channel, group or
+                        block; integers of 4 or 8 bits (pack-quantized: int32-packed; naive- and int-quantized: a
+                        byte each), a scale and, asymmetric, a zero point per channel or group
     fp8                 vLLM's and transformers' FP8: ``weight_scale`` per tensor or channel, or 2-D blocks
                         (``weight_block_size``) with ``weight_scale_inv``
     awq                 AutoAWQ's GEMM layout: ``qweight`` [in, out/8] in AWQ's nibble order, ``qzeros``, ``scales``
@@ -15,10 +15,11 @@ Every format is put in one form as it is read (``read_quantized``), the form ``Q
 integers, a float32 zero point [out, groups]: ``w = (q - zero) * scale`` over each group of input columns (a tensor's or
 a channel's scale is one group a row; a block's, its rows' groups). Rows concatenate, so q/k/v and gate/up are rows of
 one layer as our float layers are, and a tensor-parallel rank cuts its rows, or its groups of columns, as a float
-weight's. Activations stay in the model's dtype: a checkpoint that quantizes them too (W8A8) is computed weight-only,
-its input scales unread. On CUDA a Triton kernel dequantizes each tile of a weight as the matmul loads it
-(kernels/triton_quant.py); on the CPU a layer is dequantized as it runs (what measured fastest there), never the whole
-model at once.
+weight's. Activations stay in the model's dtype, except where a compressed-tensors scheme rounds each token's to 8 bits
+as it runs (FP8_DYNAMIC, W8A8 int8): they are rounded so, as its own model does (``quantized_tokens``); the ``fp8``
+format's are computed weight-only, as transformers' model of it is on a CPU. On CUDA a Triton kernel dequantizes each
+tile of a weight as the matmul loads it (kernels/triton_quant.py); on the CPU a layer is dequantized as it runs (what
+measured fastest there), never the whole model at once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-READ = "compressed-tensors (float-, pack-, naive- and int-quantized), fp8, awq (gemm), gptq"
+READ = "compressed-tensors (float-, naive-, int- and pack-quantized), fp8, awq (gemm), gptq"
 _CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantized")
 _ACTIVATION_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale")
 
@@ -53,6 +54,7 @@ class WeightQuant:
     ignore_substrings: bool = False  # transformers' modules_to_not_convert: a name containing one is left
     targets: tuple[str, ...] = ("Linear",)
     gptq_v1: bool = False  # GPTQ's first format: zero points stored less one
+    activations: str | None = None  # "fp8" or "int8": each token's activations rounded so at run time (W8A8)
 
     def describe(self) -> str:
         """As ``mooncake status`` and errors say it: "compressed-tensors int4, groups of 128, asymmetric"."""
@@ -128,10 +130,13 @@ def _compressed_tensors(q: dict[str, Any]) -> WeightQuant:
         raise _refuse("compressed-tensors weights quantized dynamically")
     if kind == "float" and bits != 8 or kind == "int" and bits not in (4, 8) or kind not in ("float", "int"):
         raise _refuse(f"compressed-tensors {kind} weights of {bits} bits")
-    if kind == "float" and fmt != "float-quantized" or kind == "int" and fmt == "float-quantized":
+    if (
+        kind == "float"
+        and fmt not in ("float-quantized", "naive-quantized")
+        or kind == "int"
+        and fmt == "float-quantized"
+    ):
         raise _refuse(f"compressed-tensors {kind} weights in format {fmt!r}")
-    if kind == "int" and bits == 4 and fmt != "pack-quantized":
-        raise _refuse(f"compressed-tensors 4-bit weights in format {fmt!r}")
     group, rows = None, 1
     if strategy == "group":
         group = int(w["group_size"])
@@ -141,6 +146,7 @@ def _compressed_tensors(q: dict[str, Any]) -> WeightQuant:
         raise _refuse(f"compressed-tensors weight strategy {strategy!r}")
     if kind == "float" and not w["symmetric"]:
         raise _refuse("compressed-tensors asymmetric FP8 weights")
+    activations = _ct_activations(next(iter(schemes)), q["config_groups"])
     return WeightQuant(
         "compressed-tensors",
         fmt,
@@ -151,7 +157,25 @@ def _compressed_tensors(q: dict[str, Any]) -> WeightQuant:
         bool(w["symmetric"]),
         tuple(q.get("ignore") or ()),
         targets=targets,
+        activations=activations,
     )
+
+
+def _ct_activations(name: str, groups: dict[str, Any]) -> str | None:
+    """The activations' quantization of a compressed-tensors scheme: None, or "fp8" / "int8" for symmetric 8-bit
+    scales computed for each token as it runs (FP8_DYNAMIC, W8A8); other kinds refused."""
+    a = groups[name].get("input_activations")
+    if not a:
+        return None
+    kind = "fp8" if a.get("type") == "float" else "int8"
+    if a.get("dynamic") is not True or a.get("strategy") != "token" or int(a.get("num_bits") or 8) != 8:
+        raise _refuse(
+            f"compressed-tensors input activations {a.get('type')}{a.get('num_bits')} {a.get('strategy')} "
+            f"{'dynamic' if a.get('dynamic') else 'static (input_scale)'} (dynamic per-token 8-bit ones are read)"
+        )
+    if not a.get("symmetric", True):
+        raise _refuse("compressed-tensors asymmetric input activations")
+    return kind
 
 
 _CT_ARGS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic")
@@ -229,6 +253,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("zeros", torch.empty(out_features, groups) if quant.kind == "int" else None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.activations = quant.activations
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in ``dtype`` (computed in float32: the value times its group's scale)."""
@@ -248,10 +273,26 @@ class QuantLinear(nn.Module):
         return w.mul_(scales.unsqueeze(-1)).view(rows, cols).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations is not None:
+            x = quantized_tokens(x, self.activations)
         kernel = quant_kernel(x)
         if kernel is not None:
             return kernel(x, self.qweight, self.scales, self.zeros, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+
+def quantized_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Each row of ``x`` as a W8A8 layer's input sees it (compressed-tensors' dynamic per-token rounding, in x's
+    dtype): a scale of its largest magnitude over 448 (FP8) or 127.5 (int8), the row over it clamped and rounded to
+    e4m3 or to an integer of [-128, 127], times the scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = amax / (448.0 if kind == "fp8" else 127.5)
+    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    if kind == "fp8":
+        rounded = (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+    else:
+        rounded = (x / scale).clamp(-128.0, 127.0).round()
+    return rounded * scale
 
 
 def quant_kernel(x: torch.Tensor):
@@ -382,7 +423,7 @@ def _canonical(module: str, t: dict[str, torch.Tensor], quant: WeightQuant):
         return weight, scales, None
     zero = t.get("weight_zero_point")
     zeros = torch.full(scales.shape, 0.0) if zero is None else _per_row(module, zero.float(), rows, cols, quant)
-    return (weight.to(torch.int16) + offset).to(torch.uint8), scales, zeros + offset
+    return _pack((weight.to(torch.int16) + offset).to(torch.uint8), quant.bits), scales, zeros + offset
 
 
 def _per_row(module: str, scale: torch.Tensor, rows: int, cols: int, quant: WeightQuant) -> torch.Tensor:

@@ -157,7 +157,7 @@ class DecodeWorker:
             bs,
             self.engine.fingerprint,
             self.engine.block_shape,
-            engine_config.kv_torch_dtype,
+            engine_config.pool_torch_dtype,  # the pool's blocks (the engine converts them as it imports them)
             self._pool,
             self.writer,
             link,

@@ -235,6 +235,7 @@ class GroupEngine:
         self.group, self.jobs, self.pool = group, jobs, pool
         self.io_timeout_s, self.timeout_s = io_timeout_s, timeout_s
         self.block_size, self.block_bytes = group.block_size, group.block_bytes
+        self.pool_block_bytes = self.block_bytes  # (a group's pool blocks are its stages' cache's: no pool_kv_dtype)
         self.fingerprint, self.max_model_len = group.fingerprint, group.max_model_len
         self.step_tokens, self.vocab_size = group.chunk, group.vocab_size
         self.last_step_tokens = 0

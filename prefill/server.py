@@ -149,7 +149,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         m.tokens.labels("pool_ssd").inc(resp.ssd_tokens)
         m.tokens.labels("remote").inc(resp.fetched_tokens)
         landing = request.landing
-        pushed = (len(landing.cache_blocks) or len(landing.offsets)) * self.worker.block_bytes
+        pushed = (len(landing.cache_blocks) or len(landing.offsets)) * self.worker.engine.block_bytes
         m.kv_bytes.labels("pushed").inc(pushed)
         m.handoff.labels("cuda_ipc" if landing.cuda_ipc else "cache" if landing.cache_blocks else "slots").inc(pushed)
         m.kv_bytes.labels("pulled").inc(
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             fingerprint=worker.engine.fingerprint,
             engine=args.engine,
-            block_bytes=worker.engine.block_bytes,  # its engine's layout of the model it loaded
+            block_bytes=worker.engine.pool_block_bytes,  # a block of the model it loaded, as the pool keeps it
             capacity=config.engine_config.max_num_batched_tokens,
             pipeline_stages=stages,
             pipeline_chunk=config.engine_config.max_num_batched_tokens if stages > 1 else 0,

@@ -106,7 +106,7 @@ class PrefillWorker:
                 raise ValueError("a pipelined prefill group runs the native engine only")
             if engine_config.tensor_parallel_size > 1:
                 raise ValueError("a pipelined prefill group's stages are not split into tensor-parallel ranks yet")
-            if engine_config.kv_cache_dtype != "auto":
+            if engine_config.kv_cache_dtype != "auto" or engine_config.pool_kv_dtype != "auto":
                 raise ValueError("a pipelined prefill group's stages keep KV in the model's dtype (no fp8 cache yet)")
             check_native(config.engine_config.model)  # an architecture ours lacks: one line naming the model
             self.group = StageGroup(
@@ -136,11 +136,11 @@ class PrefillWorker:
                 connector=self.connector,
                 tokenizer=tokenizer_or_none(config.engine_config.model),
             )
-        if self.engine.block_bytes != stats.block_bytes:
+        if self.engine.pool_block_bytes != stats.block_bytes:
             raise ValueError(
                 f"pool node {self.node} stores {stats.block_bytes}-byte blocks; this model's blocks "
-                f"are {self.engine.block_bytes} bytes (block size {engine_config.block_size}, "
-                f"dtype {engine_config.dtype})"
+                f"are {self.engine.pool_block_bytes} bytes in the pool (block size {engine_config.block_size}, "
+                f"dtype {engine_config.dtype}, kept in {engine_config.pool_dtype})"
             )
         self.block_shape = self.engine.block_shape
         self.block_bytes = stats.block_bytes
@@ -157,7 +157,7 @@ class PrefillWorker:
             stats.segment,
             self.block_shape,
             self.block_bytes,
-            engine_config.kv_torch_dtype,
+            engine_config.pool_torch_dtype,
             reservation_ttl_s=config.reservation_ttl_s,
             store_new_blocks=config.store_new_blocks,
             io_timeout_s=config.io_timeout_s,
@@ -327,9 +327,9 @@ class PrefillWorker:
             raise ValueError(
                 f"{have} landing blocks for a {len(req.prompt_token_ids)}-token prompt of {num_blocks} blocks"
             )
-        if landing.block_bytes != self.block_bytes:
+        if landing.block_bytes != self.engine.block_bytes:  # the decode engine's blocks: the cache's dtype
             raise ValueError(
-                f"landing blocks of {landing.block_bytes} bytes; this model's blocks are {self.block_bytes}"
+                f"landing blocks of {landing.block_bytes} bytes; this model's blocks are {self.engine.block_bytes}"
             )
         job = PrefillJob(
             rid,

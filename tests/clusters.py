@@ -12,9 +12,9 @@ from conductor.local import LocalPrefill
 from mooncake import tls
 from mooncake.cluster.config import ClusterConfig
 from mooncake.cluster.launcher import LocalCluster
-from mooncake.engine.config import EngineConfig, kv_dtype_name
+from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
-from mooncake.engine.interface import EngineKind, engine_fingerprint
+from mooncake.engine.interface import EngineKind, flags_fingerprint
 from mooncake.engine.request import SamplingParams
 from mooncake.gateway.cluster_backend import ClusterBackend
 from mooncake.gateway.recovery import RecoveryConfig
@@ -57,11 +57,12 @@ def backend(cluster: LocalCluster) -> ClusterBackend:
         cluster.config.model_name,
         MAX_LEN,
         cluster.config.block_size,
-        engine_fingerprint(
+        flags_fingerprint(
             EngineKind(cluster.config.engine),
             str(model),
             cluster.config.dtype,
-            kv_dtype_name(cluster.config.dtype, cluster.config.kv_cache_dtype),
+            cluster.config.kv_cache_dtype,
+            cluster.config.pool_kv_dtype,
         ),
         recovery=recovery,
     )

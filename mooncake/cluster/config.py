@@ -68,6 +68,13 @@ class ClusterConfig(BaseModel):
         description="What the workers' KV caches, the pool and the hand-offs keep K and V in: auto (the dtype "
         "above) or fp8 (float8 e4m3, a per-layer scale: a quarter of float32's bytes, half of bfloat16's)",
     )
+    pool_kv_dtype: str = Field(
+        _ENGINE["pool_kv_dtype"].default,
+        pattern="^(auto|fp8|fp8_e4m3)$",
+        description="What the pool's blocks keep K and V in where the caches keep them wider: auto (as the caches) "
+        "or fp8 (float8 e4m3 at scale 1.0, converted as blocks go into and out of the pool: 4x float32's tokens in the "
+        "same pool DRAM, and a prefix fetched from another node moves a quarter of the bytes); our engine only",
+    )
     device: str = Field(
         _ENGINE["device"].default,
         pattern=r"^(cpu|cuda(:\d+)?)$",
@@ -251,6 +258,14 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kv_dtype_fits(self) -> "ClusterConfig":
+        if self.pool_kv_dtype != "auto":
+            if self.kv_cache_dtype != "auto":
+                raise ValueError("--pool-kv-dtype with --kv-cache-dtype fp8: the pool keeps what an fp8 cache keeps")
+            if self.engine != "native" or self.prefill_groups:
+                raise ValueError(
+                    f"--pool-kv-dtype {self.pool_kv_dtype}: our engine's workers only (not vLLM's, nor pipelined "
+                    "prefill groups) for now"
+                )
         if self.kv_cache_dtype == "auto":
             return self
         if self.engine != "native" and max(self.prefill_tp, self.decode_tp) > 1:
@@ -281,15 +296,14 @@ class ClusterConfig(BaseModel):
         return self
 
     def block_bytes(self) -> int:
-        """Bytes of one block in the pool layout, as the workers' engine will lay the model out (the pool nodes are
-        sized by it before any worker starts): ours by its own model arguments, vLLM by its reading of the model
-        (imports vLLM: seconds). Raises ValueError (one line, naming the model) for a model the engine cannot serve
-        or whose KV the pool cannot carry."""
+        """Bytes of one block in the pool layout and dtype, as the workers' engine will lay the model out (the pool
+        nodes are sized by it before any worker starts): ours by its own model arguments, vLLM by its reading of the
+        model (imports vLLM: seconds). Raises ValueError (one line, naming the model) for a model the engine cannot
+        serve or whose KV the pool cannot carry."""
         from mooncake.serving.model_support import kv_layout
 
         # a size the model does not split into: said before any start
         splits = {flag: n for flag, n in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)) if n > 1}
         args = parse_vllm_args(self.vllm_args)
-        return kv_layout(self.engine, self.model, self.dtype, args, splits, self.kv_cache_dtype).block_bytes(
-            self.block_size
-        )
+        kept = self.kv_cache_dtype if self.pool_kv_dtype == "auto" else self.pool_kv_dtype  # what the pool holds
+        return kv_layout(self.engine, self.model, self.dtype, args, splits, kept).block_bytes(self.block_size)

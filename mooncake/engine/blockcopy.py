@@ -42,14 +42,17 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int
 
 def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` along dimension 0 of both (views: pass a transposed cache for its block
-    dimension). Across devices or dtypes the source blocks are gathered where they are first, then converted."""
+    dimension). Across devices or dtypes the source blocks are gathered where they are first, then converted: float8
+    and a float dtype meet only where the pool is kept narrower than the cache (``pool_kv_dtype``), whose blocks are
+    float8 at scale 1.0 (an FP8 cache's own scaled blocks move as bytes, never converted)."""
     n = len(dst_ids)
     if len(src_ids) != n:
         raise ValueError(f"{len(src_ids)} source blocks for {n} destination blocks")
     if n == 0:
         return
-    if (src.dtype in _FLOAT8) != (dst.dtype in _FLOAT8):  # a conversion would quantize without the layer's scale
-        raise ValueError(f"KV blocks in {src.dtype} cannot go into a cache of {dst.dtype}")
+    if (src.dtype in _FLOAT8) != (dst.dtype in _FLOAT8):  # a pool narrower than the cache (--pool-kv-dtype)
+        src = src.index_select(0, torch.as_tensor(list(src_ids), dtype=torch.long, device=src.device))
+        src, src_ids = src.to(dst.device, dst.dtype), range(n)  # at scale 1.0, saturating at e4m3's +-448
     dst, src = as_bytes(dst), as_bytes(src)
     if src.device != dst.device or src.dtype != dst.dtype:
         src = src.index_select(0, torch.as_tensor(list(src_ids), dtype=torch.long, device=src.device)).to(

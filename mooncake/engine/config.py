@@ -55,6 +55,12 @@ class EngineConfig(BaseModel):
         "the dtype above; fp8 (= fp8_e4m3), float8 e4m3 with a per-layer scale (the checkpoint's k_scale and "
         "v_scale, else 1.0): a block holds its tokens in a quarter of float32's bytes, half of bfloat16's",
     )
+    pool_kv_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="what the pool's blocks keep K and V in where the cache keeps them wider: auto, as the cache; "
+        "fp8 (= fp8_e4m3), float8 e4m3 at scale 1.0, converted as blocks are written and read: the pool holds "
+        "4x float32's tokens (2x bfloat16's) and a prefix fetched from another node moves as many fewer bytes",
+    )
     device: str = Field(
         "cpu",
         pattern=r"^(cpu|cuda(:\d+)?)$",
@@ -127,6 +133,11 @@ class EngineConfig(BaseModel):
             check_cuda_device(self.device)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = default_batched_tokens(self.device)
+        if self.pool_kv_dtype != "auto" and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"pool_kv_dtype {self.pool_kv_dtype} with kv_cache_dtype {self.kv_cache_dtype}: the pool keeps what an "
+                "fp8 cache keeps (set one of them)"
+            )
         if self.decode_graphs is None:
             self.decode_graphs = self.device.startswith("cuda") and not self.enforce_eager
         elif self.decode_graphs and self.enforce_eager:
@@ -150,6 +161,15 @@ class EngineConfig(BaseModel):
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         return dtype_of(self.kv_dtype)
+
+    @property
+    def pool_dtype(self) -> str:
+        """The name of the dtype the pool's blocks keep K and V in (the cache's, unless ``pool_kv_dtype``)."""
+        return self.kv_dtype if self.pool_kv_dtype == "auto" else kv_dtype_name(self.dtype, self.pool_kv_dtype)
+
+    @property
+    def pool_torch_dtype(self) -> torch.dtype:
+        return dtype_of(self.pool_dtype)
 
 
 def check_cuda_device(device: str) -> None:

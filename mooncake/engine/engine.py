@@ -111,7 +111,11 @@ class LLMEngine:
         cache_block_bytes = self.block_bytes // args.num_kv_heads * self.model.num_kv_heads
         # every rank holds rank 0's block ids: the least any rank has room for (a GPU's free memory may differ)
         num_blocks = tp.least(cache_blocks(config, args, cache_block_bytes, self.max_model_len), self.device)
-        identity = config.model_fingerprint or model_identity(config.model, config.dtype, config.kv_dtype)
+        # a block as the pool keeps it (--pool-kv-dtype: narrower than the cache) and the identity behind its keys
+        self.pool_block_bytes = self.block_bytes // elem * config.pool_torch_dtype.itemsize
+        identity = config.model_fingerprint or model_identity(
+            config.model, config.dtype, config.kv_dtype, config.pool_dtype
+        )
         self.fingerprint = model_fingerprint(identity)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -301,7 +305,7 @@ class LLMEngine:
         """Full blocks ``first_block..`` of a request in the engine whose KV is computed: their block keys, their
         KV in the pool layout, [n, L, 2, block_size, Hkv, D] (a copy), and the key before them (None for block 0).
         ``([], None, None)`` when there are none yet or the request is gone. Engine thread only, between steps
-        (the decode worker's write-behind calls it)."""
+        (the decode worker's write-behind calls it). In the pool's dtype (``pool_kv_dtype``)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return [], None, None
@@ -310,7 +314,10 @@ class LLMEngine:
         if end <= first_block:
             return [], None, None
         parent = keys[first_block - 1] if first_block else None
-        return keys[first_block:end], self.runner.export_blocks(req.block_ids[first_block:end]), parent
+        kv = self.runner.export_blocks(req.block_ids[first_block:end])
+        if kv.dtype != self.config.pool_torch_dtype:  # a pool kept narrower (--pool-kv-dtype): float8 at scale 1.0
+            kv = kv.to(self.config.pool_torch_dtype)
+        return keys[first_block:end], kv, parent
 
     def close(self) -> None:
         """Nothing to release: the engine's memory goes with it."""

@@ -59,6 +59,7 @@ class EngineKind(str, enum.Enum):
 class WorkerEngine(Protocol):
     block_size: int
     block_bytes: int
+    pool_block_bytes: int  # a block as the pool keeps it (fewer bytes where --pool-kv-dtype keeps it narrower)
     fingerprint: bytes
     max_model_len: int
     eos_token_ids: frozenset[int]
@@ -128,12 +129,29 @@ class WorkerEngine(Protocol):
 
 
 def engine_fingerprint(
-    kind: EngineKind, model: str, dtype: str | torch.dtype, kv_dtype: str | torch.dtype | None = None
+    kind: EngineKind,
+    model: str,
+    dtype: str | torch.dtype,
+    kv_dtype: str | torch.dtype | None = None,
+    pool_dtype: str | torch.dtype | None = None,
 ) -> bytes:
     """The 16-byte fingerprint behind every block key of a cluster running ``kind`` on ``model`` in ``dtype``, its
-    KV kept in ``kv_dtype`` (default: ``dtype``; torch dtypes or their names)."""
-    identity = model_identity(model, dtype, kv_dtype)
+    KV kept in ``kv_dtype`` (default: ``dtype``; torch dtypes or their names), its pool's in ``pool_dtype`` (default:
+    ``kv_dtype``)."""
+    identity = model_identity(model, dtype, kv_dtype, pool_dtype)
     return model_fingerprint(identity if kind is EngineKind.NATIVE else f"{kind.value}:{identity}")
+
+
+def flags_fingerprint(
+    kind: EngineKind, model: str, dtype: str, kv_cache_dtype: str = "auto", pool_kv_dtype: str = "auto"
+) -> bytes:
+    """``engine_fingerprint`` from the workers' flags (--dtype, --kv-cache-dtype, --pool-kv-dtype): what a gateway
+    keys prompts with, equal to the workers' engines' own."""
+    from mooncake.engine.config import kv_dtype_name
+
+    kv = kv_dtype_name(dtype, kv_cache_dtype)
+    pool = kv if pool_kv_dtype == "auto" else kv_dtype_name(dtype, pool_kv_dtype)
+    return engine_fingerprint(kind, model, dtype, kv, pool)
 
 
 def parse_vllm_args(pairs: Sequence[str]) -> dict[str, Any]:

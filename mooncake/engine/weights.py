@@ -291,12 +291,19 @@ def atomic_model_dir(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
 _SAMPLE = 1 << 20  # bytes hashed from each end and the middle of a weight file
 
 
-def model_identity(model_dir: str | Path, dtype: str | torch.dtype, kv_dtype: str | torch.dtype | None = None) -> str:
+def model_identity(
+    model_dir: str | Path,
+    dtype: str | torch.dtype,
+    kv_dtype: str | torch.dtype | None = None,
+    pool_dtype: str | torch.dtype | None = None,
+) -> str:
     """A content-derived identity string for block keys (mooncake.blocks.model_fingerprint).
 
     Equal on every node that holds the same files, whatever their paths or mtimes:
     config.json, the dtype the KV is computed in, the dtype it is kept in where that differs (``kv_dtype``: an FP8
-    cache's blocks are other bytes, never mixed with the model dtype's), and for each weight file its name,
+    cache's blocks are other bytes, never mixed with the model dtype's), the dtype the pool keeps them in where that
+    differs again (``pool_dtype``: converted at scale 1.0, apart from an FP8 cache's scaled blocks), and for each
+    weight file its name,
     size, and an xxh3 of its first, middle and last MiB (the safetensors header, which
     names every tensor with its offsets, is in the first). Reads ~3 MiB per file. ``dtype``, ``kv_dtype``: torch
     dtypes or their names (mooncake.engine.config.DTYPE_NAMES, FP8_KV), the same identity either way.
@@ -304,10 +311,12 @@ def model_identity(model_dir: str | Path, dtype: str | torch.dtype, kv_dtype: st
     root = Path(model_dir)
     h = xxhash.xxh3_128()
     h.update(json.dumps(load_hf_config(root), sort_keys=True).encode())
-    named = [(f"torch.{d}" if isinstance(d, str) else str(d)) for d in (dtype, kv_dtype or dtype)]  # torch-free too
-    h.update(named[0].encode())
+    named = [(f"torch.{d}" if isinstance(d, str) else str(d)) for d in (dtype, kv_dtype or dtype, pool_dtype)]
+    h.update(named[0].encode())  # (names: torch-free too)
     if named[1] != named[0]:
         h.update(f"kv:{named[1]}".encode())
+    if pool_dtype is not None and named[2] != named[1]:  # a pool narrower than the cache: its own blocks (scale 1.0)
+        h.update(f"pool:{named[2]}".encode())
     for f in sorted(root.glob("*.safetensors")):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())

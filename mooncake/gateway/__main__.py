@@ -16,8 +16,8 @@ import sys
 import uvicorn
 
 from mooncake.cliargs import field_arg
-from mooncake.engine.config import EngineConfig, kv_dtype_name
-from mooncake.engine.interface import EngineKind, engine_fingerprint, parse_vllm_args
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.interface import EngineKind, flags_fingerprint, parse_vllm_args
 from mooncake.engine.tokenizer import Tokenizer
 from mooncake.engine.weights import load_hf_config
 from mooncake.gateway.app import GatewayConfig, create_app
@@ -55,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(p, GatewayConfig, "tool_call_parser")
     field_arg(p, EngineConfig, "dtype")
     field_arg(p, EngineConfig, "kv_cache_dtype")
+    field_arg(p, EngineConfig, "pool_kv_dtype")
     add_engine_kind_args(
         p, "the workers' engine (part of the block keys: a cluster runs one kind)", "--local --engine vllm"
     )
@@ -110,8 +111,8 @@ def build_backend(args: argparse.Namespace):
             raise
         model_len = args.max_model_len
     max_len = min(args.max_model_len or model_len, model_len)
-    fingerprint = engine_fingerprint(
-        EngineKind(args.engine), args.model, args.dtype, kv_dtype_name(args.dtype, args.kv_cache_dtype)
+    fingerprint = flags_fingerprint(
+        EngineKind(args.engine), args.model, args.dtype, args.kv_cache_dtype, args.pool_kv_dtype
     )
     recovery = RecoveryConfig(hold_s=args.hold_s, retry_budget_s=args.retry_budget_s, detect_s=args.detect_s)
     return ClusterBackend(args.conductor, name, max_len, args.block_size, fingerprint, recovery=recovery), name

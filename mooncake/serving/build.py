@@ -46,5 +46,10 @@ def build_engine(
     if kind is EngineKind.VLLM:
         from mooncake.vllm_engine.engine import VllmEngine
 
+        if config.pool_kv_dtype != "auto":
+            raise ValueError(
+                f"--pool-kv-dtype {config.pool_kv_dtype}: our engine only (vLLM's pool blocks are its cache's)"
+            )
+
         return VllmEngine(config, vllm_args or {}, tokenizer=tokenizer, pusher=connector)
     raise ValueError(f"unknown engine {kind!r}")

@@ -27,6 +27,7 @@ def worker_parser(
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics and /health port (0: any free port)")
     field_arg(p, EngineConfig, "dtype")
     field_arg(p, EngineConfig, "kv_cache_dtype")
+    field_arg(p, EngineConfig, "pool_kv_dtype")
     add_engine_kind_args(p)
     field_arg(p, EngineConfig, "block_size", default=None)  # default_block_size(engine) once the engine is known
     field_arg(p, EngineConfig, "num_kv_blocks", default=engine_defaults.get("num_kv_blocks"))
@@ -68,6 +69,7 @@ def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        pool_kv_dtype=args.pool_kv_dtype,
         device=args.device,
         block_size=args.block_size or default_block_size(args.engine),
         num_kv_blocks=args.num_kv_blocks,

@@ -163,6 +163,7 @@ class VllmEngine:
                 pusher.stops_cancelled_steps = False  # vLLM's ranks run each step to its end
         self._block_shape = layout.block_shape(self.block_size)
         self.block_bytes = layout.block_bytes(self.block_size)
+        self.pool_block_bytes = self.block_bytes  # (vLLM's pool blocks are its cache's: no pool_kv_dtype)
         # the dtype vLLM computes KV in, as the gateway's keys name it (it reads --dtype: the same, checked in _start)
         self.fingerprint = engine_fingerprint(EngineKind.VLLM, config.model, mc.dtype, layout.dtype)
         self.eos_token_ids = (

@@ -235,6 +235,12 @@ at start; failing here saves a rollout of crash-looping pods.
 {{- if not (has .Values.model.kvCacheDtype (list "auto" "fp8" "fp8_e4m3")) }}
 {{- fail (printf "model.kvCacheDtype must be auto, fp8 or fp8_e4m3, not %q" (toString .Values.model.kvCacheDtype)) }}
 {{- end }}
+{{- if not (has .Values.model.poolKvDtype (list "auto" "fp8" "fp8_e4m3")) }}
+{{- fail (printf "model.poolKvDtype must be auto, fp8 or fp8_e4m3, not %q" (toString .Values.model.poolKvDtype)) }}
+{{- end }}
+{{- if and (ne .Values.model.poolKvDtype "auto") (or (ne .Values.model.kvCacheDtype "auto") (ne $e.kind "native")) }}
+{{- fail "model.poolKvDtype needs engine.kind native and model.kvCacheDtype auto (an fp8 cache's pool is fp8 already)" }}
+{{- end }}
 {{- if eq $e.kind "vllm" }}
 {{- $blockSize := int .Values.model.blockSize }}
 {{- if mod $blockSize 16 }}

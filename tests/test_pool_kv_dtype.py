@@ -1,0 +1,117 @@
+"""A pool narrower than the engines' caches (``--pool-kv-dtype fp8``): float32 engines, the pool's blocks in float8
+e4m3 at scale 1.0, converted as blocks go into the pool and out of it.
+
+A block in the pool is a quarter of the cache's bytes (the pool nodes are sized so and the Conductor learns it); its
+keys are their own (a block of this pool is never read as another configuration's). Disaggregated, a cold request
+gives one float32 engine alone's tokens (nothing passed through the pool); a warm one, whose prompt prefix comes back
+from the pool in FP8, gives the tokens of one engine alone continuing from that prefix rounded to e4m3 (the prefix
+KV exported, rounded, imported: ``rounded_prefix_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from clusters import MAX_LEN, backend, generate, reference_tokens, start_cluster, tokens
+from conftest import make_engine, run_to_completion
+
+from mooncake.engine import SamplingParams
+from mooncake.engine.blockcopy import copy_blocks
+from mooncake.engine.config import EngineConfig
+from mooncake.engine.engine import LLMEngine
+from mooncake.engine.interface import EngineKind, flags_fingerprint
+from mooncake.engine.request import PromptKV
+from mooncake.engine.tiny import make_tiny
+
+
+def test_a_block_copy_between_a_float_cache_and_an_fp8_pool_rounds_to_e4m3_and_saturates():
+    cache = torch.tensor([[0.1, -3.3, 500.0, -1e4], [1e-3, 2.0, 448.0, 7.7]]).view(2, 4)
+    pool = torch.zeros(3, 4, dtype=torch.float8_e4m3fn)
+    copy_blocks(pool, [2, 0], cache, [0, 1])
+    assert pool[2].float().tolist() == cache[0].to(torch.float8_e4m3fn).float().tolist()
+    assert pool[2].float()[2:].tolist() == [448.0, -448.0]  # beyond e4m3's range: its largest value, not NaN
+    back = torch.zeros(2, 4)
+    copy_blocks(back, [1, 0], pool, [2, 0])  # and back: exact (every e4m3 value is a float32)
+    assert back[1].tolist() == pool[2].float().tolist() and back[0].tolist() == pool[0].float().tolist()
+
+
+def test_the_pool_keeps_a_quarter_of_the_bytes_under_keys_of_its_own(tiny_dir):
+    full = make_engine(tiny_dir)
+    narrow = make_engine(tiny_dir, pool_kv_dtype="fp8")
+    assert narrow.block_bytes == full.block_bytes  # the engine's cache, and the hand-off, stay float32
+    assert narrow.pool_block_bytes * 4 == full.pool_block_bytes == full.block_bytes
+    fingerprints = {
+        flags_fingerprint(EngineKind.NATIVE, str(tiny_dir), "float32", kv, pool)
+        for kv, pool in (("auto", "auto"), ("fp8", "auto"), ("auto", "fp8"))
+    }
+    assert len(fingerprints) == 3  # an FP8 cache's scaled blocks and this pool's unit-scale ones never mix
+    assert narrow.fingerprint == flags_fingerprint(EngineKind.NATIVE, str(tiny_dir), "float32", "auto", "fp8")
+    rid = narrow.add_request(list(range(5, 40)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    for _ in range(2):
+        narrow.step()
+    keys, kv, _ = narrow.computed_blocks(rid, 0)  # what a decode worker writes behind into the pool
+    assert len(keys) == kv.shape[0] > 0 and kv.dtype == torch.float8_e4m3fn
+
+
+def test_an_fp8_cache_and_an_fp8_pool_are_not_both_asked_for():
+    with pytest.raises(ValueError, match="the pool keeps what an fp8 cache keeps"):
+        EngineConfig(model="m", kv_cache_dtype="fp8", pool_kv_dtype="fp8")
+
+
+def rounded_prefix_tokens(model: Path, prompt: list[int], blocks: int, max_tokens: int) -> list[int]:
+    """One float32 engine alone continuing ``prompt`` from its first ``blocks`` blocks' KV rounded to e4m3 (as the
+    pool gives them back), the rest of the prompt computed."""
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(model), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN))
+
+    first = engine()
+    rid = first.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while not first.scheduler.requests[rid].output_token_ids:
+        first.step()
+    kv = first.export_kv(first.request_block_ids(rid)[:blocks])
+    rounded = kv.to(torch.float8_e4m3fn).float()
+    second = engine()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = second.add_request(prompt, params, kv=PromptKV(blocks * 16, rounded))
+    return list(run_to_completion(second)[out].output_token_ids)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("model") / "llama", "llama")
+
+
+def test_disaggregated_with_an_fp8_pool_cold_is_one_engine_and_warm_is_one_engine_from_the_rounded_prefix(
+    model, tmp_path
+):
+    cluster = start_cluster(model, tmp_path, pool_kv_dtype="fp8", gateway=False, threads=1)
+    try:
+        config = json.loads((model / "config.json").read_text())
+        rng = random.Random(7)
+        prompt = [rng.randrange(10, config["vocab_size"]) for _ in range(70)]
+        cold_reference = reference_tokens(model, prompt, 12)
+        warm_reference = rounded_prefix_tokens(model, prompt, 4, 12)
+        assert warm_reference != cold_reference  # (the rounding changes this tiny model's tokens: the test can fail)
+        be = backend(cluster)
+        cold = generate(be, "pool-cold", prompt, 12, temperature=0.0, ignore_eos=True)
+        assert tokens(cold) == cold_reference and cold[-1].cached_tokens == 0
+        deadline = time.monotonic() + 10  # the prompt's blocks reach the pool after the answer (a background write)
+        for attempt in range(100):
+            warm = generate(be, f"pool-warm-{attempt}", prompt, 12, temperature=0.0, ignore_eos=True)
+            if warm[-1].cached_tokens or time.monotonic() > deadline:
+                break
+            assert tokens(warm) == cold_reference
+            time.sleep(0.3)
+        assert warm[-1].cached_tokens == 64  # four whole blocks of 16, read back from the pool in FP8
+        assert tokens(warm) == warm_reference
+        # the pool nodes were sized in FP8 blocks, and the workers registered that layout (the Conductor refuses a
+        # worker whose blocks differ from the pool nodes': the cluster would not have started)
+        assert cluster.config.block_bytes() * 4 == make_engine(model, block_size=16).block_bytes
+    finally:
+        cluster.stop()

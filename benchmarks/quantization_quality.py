@@ -13,7 +13,8 @@ teacher-forced (``prompt_logprobs``: the text and the reference continuation as 
 chunks): at each continuation position, whether its likeliest next token is the reference's (agreement), and how far
 its log-probability of the reference token is from the full-precision engine's (drift: mean and largest absolute
 difference). Each also runs free (greedy, on its own tokens): the tokens it shares with the reference before the first
-difference. Bytes: one block of each cache and the tokens 1 GiB holds; the weights as held (quantized layers as
+difference. Bytes: one block of each cache (what a hand-off and the pool move and hold per 16 tokens) and the tokens
+1 GiB holds; the weights as held (quantized layers as
 stored). Speed: each free run's decode tokens a second, one engine after the other in this process (2 cores: compare
 the variants, not the figures across machines).
 """
@@ -142,12 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{Path(model).name} in {args.dtype}, {len(reference)} reference tokens (teacher-forced against them):")
     print(
         f"  {'variant':<13} {'agreement':>9} {'drift mean':>10} {'drift max':>9} {'free run':>8} "
-        f"{'KV tokens/GiB':>13} {'weights MiB':>11} {'decode tok/s':>12} {'vs full':>7}"
+        f"{'block bytes':>11} {'KV tokens/GiB':>13} {'weights MiB':>11} {'decode tok/s':>12} {'vs full':>7}"
     )
     for name, v in figures["variants"].items():
         print(
             f"  {name:<13} {v['agreement']:>9.1%} {v['logprob_drift_mean']:>10.4f} {v['logprob_drift_max']:>9.4f} "
-            f"{v['free_run_tokens_before_first_difference']:>8} {v['tokens_per_gib']:>13,} "
+            f"{v['free_run_tokens_before_first_difference']:>8} {v['block_bytes']:>11,} {v['tokens_per_gib']:>13,} "
             f"{v['weight_bytes'] / 2**20:>11.1f} {v['decode_tokens_per_s']:>12.1f} "
             f"{v['decode_tokens_per_s'] / full['decode_tokens_per_s']:>6.2f}x"
         )

@@ -40,6 +40,7 @@ def instance_to_json(inst: Instance) -> str:
             "kv_shared": inst.kv_shared,
             "block_size": inst.block_size,
             "kv_dtype": inst.kv_dtype,
+            "pool_kv_dtype": inst.pool_kv_dtype,
         }
     )
 
@@ -62,6 +63,7 @@ def instance_from_json(text: str | bytes) -> Instance:
         kv_shared=bool(d.get("kv_shared", False)),
         block_size=int(d.get("block_size", 0)),
         kv_dtype=d.get("kv_dtype", ""),
+        pool_kv_dtype=d.get("pool_kv_dtype", ""),
     )
 
 

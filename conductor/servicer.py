@@ -132,6 +132,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
             tensor_parallel_size=max(request.tensor_parallel_size, 1),
             block_size=request.block_size,
             kv_dtype=request.kv_dtype,
+            pool_kv_dtype=request.pool_kv_dtype,
             token=new_instance_token(),
         )
         self.service.register(inst)  # Mismatch: FAILED_PRECONDITION (CONDUCTOR_STATUS)
@@ -266,6 +267,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 tensor_parallel_size=i.tensor_parallel_size,
                 block_size=i.block_size,
                 kv_dtype=i.kv_dtype,
+                pool_kv_dtype=i.pool_kv_dtype,
             )
             if served is not None:
                 info.decisions, info.prompt_blocks = served.decisions, served.prompt_blocks

@@ -101,6 +101,7 @@ class Instance:
     tensor_parallel_size: int = 1  # workers: its engine's ranks (a device each on a GPU)
     block_size: int = 0  # workers: tokens per KV block (0: not said)
     kv_dtype: str = ""  # workers: what its KV is kept in (a torch dtype's name; "": not said)
+    pool_kv_dtype: str = ""  # workers: what the pool's blocks keep it in where narrower (--pool-kv-dtype; "": the same)
     token: bytes = b""  # this registration's secret (conductor.auth): it may deregister itself with it
     queue_at: float = 0.0  # prefill: when ``load.queued_s`` was last brought up to date (``drain``)
     slowdown: float = (

@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=config.engine_config.tensor_parallel_size,
             block_size=config.engine_config.block_size,
             kv_dtype=config.engine_config.kv_dtype,
+            pool_kv_dtype=config.engine_config.pool_dtype if config.engine_config.pool_kv_dtype != "auto" else "",
         ),
         load=load,
         ready={

@@ -78,7 +78,7 @@ class Load(_message.Message):
     def __init__(self, queued_requests: _Optional[int] = ..., queued_s: _Optional[float] = ..., running_requests: _Optional[int] = ..., context_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., step_s: _Optional[float] = ..., batch_cap: _Optional[int] = ..., landing_blocks: _Optional[int] = ..., received_requests: _Optional[int] = ..., step_batch: _Optional[float] = ..., step_context_tokens: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., running_blocks: _Optional[int] = ..., landing_held_blocks: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[InFlightPrompt, _Mapping]]] = ..., waiting_requests: _Optional[int] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport", "step_tokens", "block_bytes", "kv_blocks", "kv_shared", "tensor_parallel_size", "block_size", "kv_dtype")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "fingerprint", "engine", "pipeline_stages", "pipeline_chunk", "transport", "step_tokens", "block_bytes", "kv_blocks", "kv_shared", "tensor_parallel_size", "block_size", "kv_dtype", "pool_kv_dtype")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class RegisterRequest(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    POOL_KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -115,7 +116,8 @@ class RegisterRequest(_message.Message):
     tensor_parallel_size: int
     block_size: int
     kv_dtype: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., transport: _Optional[str] = ..., step_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_shared: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    pool_kv_dtype: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., transport: _Optional[str] = ..., step_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_shared: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., pool_kv_dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "instance_token")
@@ -350,7 +352,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks", "dram_blocks", "decisions", "prompt_blocks", "reused_blocks", "fetched_blocks", "retiring", "engine", "pipeline_stages", "pipeline_chunk", "placed_in_prefill", "placed_decoding", "landing_held", "transport", "kv_blocks", "kv_held", "tensor_parallel_size", "block_size", "kv_dtype")
+    __slots__ = ("id", "role", "address", "node", "model", "capacity", "state", "heartbeat_age_s", "load", "indexed_blocks", "dram_blocks", "decisions", "prompt_blocks", "reused_blocks", "fetched_blocks", "retiring", "engine", "pipeline_stages", "pipeline_chunk", "placed_in_prefill", "placed_decoding", "landing_held", "transport", "kv_blocks", "kv_held", "tensor_parallel_size", "block_size", "kv_dtype", "pool_kv_dtype")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +381,7 @@ class InstanceInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    POOL_KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: Role
     address: str
@@ -407,7 +410,8 @@ class InstanceInfo(_message.Message):
     tensor_parallel_size: int
     block_size: int
     kv_dtype: str
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., placed_in_prefill: _Optional[int] = ..., placed_decoding: _Optional[int] = ..., landing_held: _Optional[int] = ..., transport: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_held: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    pool_kv_dtype: str
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., model: _Optional[str] = ..., capacity: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., heartbeat_age_s: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., decisions: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., reused_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., retiring: _Optional[bool] = ..., engine: _Optional[str] = ..., pipeline_stages: _Optional[int] = ..., pipeline_chunk: _Optional[int] = ..., placed_in_prefill: _Optional[int] = ..., placed_decoding: _Optional[int] = ..., landing_held: _Optional[int] = ..., transport: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., kv_held: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., pool_kv_dtype: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances", "policy", "admission", "index_blocks", "scheduled", "rejected", "control_port", "admin_open", "insecure", "plan", "quote_held", "quotes_measured")

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from clusters import MAX_LEN, backend, generate, reference_tokens, start_cluster, tokens
+from clusters import MAX_LEN, backend, conductor, generate, reference_tokens, start_cluster, tokens
 from conftest import make_engine, run_to_completion
+from rich.console import Console
 
+from mooncake.cli.pool_cmd import status_table
 from mooncake.engine import SamplingParams
 from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.config import EngineConfig
@@ -27,6 +29,7 @@ from mooncake.engine.engine import LLMEngine
 from mooncake.engine.interface import EngineKind, flags_fingerprint
 from mooncake.engine.request import PromptKV
 from mooncake.engine.tiny import make_tiny
+from protos import conductor_pb2 as cpb
 
 
 def test_a_block_copy_between_a_float_cache_and_an_fp8_pool_rounds_to_e4m3_and_saturates():
@@ -113,5 +116,8 @@ def test_disaggregated_with_an_fp8_pool_cold_is_one_engine_and_warm_is_one_engin
         # the pool nodes were sized in FP8 blocks, and the workers registered that layout (the Conductor refuses a
         # worker whose blocks differ from the pool nodes': the cluster would not have started)
         assert cluster.config.block_bytes() * 4 == make_engine(model, block_size=16).block_bytes
+        console = Console(record=True, width=250)  # `mooncake status`: what the caches and the pool keep KV in
+        console.print(status_table(conductor(cluster).ListInstances(cpb.ListInstancesRequest(), timeout=5)))
+        assert "KV: 16-token blocks in float32, in the pool fp8 (float8 e4m3)" in console.export_text()
     finally:
         cluster.stop()

@@ -161,10 +161,14 @@ def status_table(listing: pb.ListInstancesResponse) -> Table:
 
 
 def _kv_line(instances) -> str:
-    """What the workers keep KV in and by how many tokens a block ("" before any said)."""
-    said = sorted({(i.block_size, i.kv_dtype) for i in instances if i.block_size and i.kv_dtype})
+    """What the workers keep KV in (and the pool, where narrower) and by how many tokens a block ("" before any
+    said)."""
+    said = sorted({(i.block_size, i.kv_dtype, i.pool_kv_dtype) for i in instances if i.block_size and i.kv_dtype})
     names = {"float8_e4m3fn": "fp8 (float8 e4m3)"}
-    kept = ", ".join(f"{bs}-token blocks in {names.get(dtype, dtype)}" for bs, dtype in said)
+    kept = ", ".join(
+        f"{bs}-token blocks in {names.get(dtype, dtype)}" + (f", in the pool {names.get(pool, pool)}" if pool else "")
+        for bs, dtype, pool in said
+    )
     return f"\nKV: {kept}" if kept else ""
 
 

@@ -121,3 +121,27 @@ def test_disaggregated_with_an_fp8_pool_cold_is_one_engine_and_warm_is_one_engin
         assert "KV: 16-token blocks in float32, in the pool fp8 (float8 e4m3)" in console.export_text()
     finally:
         cluster.stop()
+
+
+def test_a_decode_worker_writes_its_blocks_behind_in_fp8_and_reads_a_prefix_back_from_the_pool(model, tmp_path):
+    """The Conductor's local placement (``--local-prefill always``): the decode worker computes each prompt, writes
+    its blocks behind into the pool (converted to FP8), and the next turn's prefix comes back from there."""
+    cluster = start_cluster(model, tmp_path, pool_kv_dtype="fp8", local_prefill="always", gateway=False, threads=1)
+    try:
+        rng = random.Random(15)  # a prompt whose tokens the rounded prefix changes
+        shared = [rng.randrange(10, 440) for _ in range(160)]  # 10 blocks of 16
+        be = backend(cluster)
+        first = generate(be, "turn-1", shared + [7, 8, 9], 4, temperature=0.0, ignore_eos=True)
+        assert first[-1].cached_tokens == 0
+        prompt = shared + [rng.randrange(10, 440) for _ in range(20)]
+        deadline = time.monotonic() + 10  # written behind by the decode worker: read once the pool has them
+        while True:
+            got = generate(be, f"turn-2-{time.monotonic()}", prompt, 12, temperature=0.0, ignore_eos=True)
+            if got[-1].cached_tokens or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert got[-1].cached_tokens == 160 and got[-1].cached_tokens_by_tier == {"remote": 160}
+        assert tokens(got) == rounded_prefix_tokens(model, prompt, 10, 12)
+        assert tokens(got) != reference_tokens(model, prompt, 12)  # (the rounding shows: the test can fail)
+    finally:
+        cluster.stop()

@@ -70,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
     field_arg(p, ConductorConfig, "policy")
     field_arg(p, ConductorConfig, "admission")
     field_arg(p, ConductorConfig, "local_prefill")
+    field_arg(p, ConductorConfig, "narrow_handoff")
     field_arg(p, ConductorConfig, "local_max_load")
     field_arg(p, ConductorConfig, "local_chunk_tokens")
     field_arg(p, ConductorConfig, "decode_forecast")
@@ -169,6 +170,7 @@ def build_config(args: argparse.Namespace) -> ConductorConfig:
         tbt_headroom=args.tbt_headroom,
         wait_queue=args.wait_queue,
         local_prefill=args.local_prefill,
+        narrow_handoff=args.narrow_handoff,
         local_chunk_tokens=args.local_chunk_tokens,
         local_max_load=args.local_max_load,
         predictors=PredictorConfig(prefill_tokens_per_s=args.prefill_tokens_per_s),

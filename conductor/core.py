@@ -60,6 +60,8 @@ from conductor.types import (
 from conductor.waiting import WAIT_GAP_S, FairShare, WaitQueue
 from kvstore.events import Tier
 
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # the KV dtypes workers register, by name
+
 # a prompt's new blocks are written to its node after its first token: one that ``follows`` it may count on them until
 # that predicted time and this long after (the write takes milliseconds; a longer wait means something went wrong)
 WRITE_GRACE_S = 5.0
@@ -454,7 +456,26 @@ class Conductor:
             self.policy.kind.value,
             admit_at_decode=self.judge.kind is AdmissionKind.BASELINE,
             ahead=req.retry,
+            narrow=self._narrow(choice.instance, decode, blocks),
         )
+
+    def _narrow(self, prefill: Instance, decode: Instance, blocks: int) -> bool:
+        """Whether a prompt of ``blocks`` blocks moves to ``decode`` in the pool's narrower dtype (``narrow_handoff``):
+        never where the pool is not narrower; under auto only between hosts (on one host the decode engine's cache is
+        written in place) and where the narrower bytes plus converting them both ways are predicted to arrive sooner
+        than the cache's bytes, at the pool bandwidth learnt from prefix fetches (the same network)."""
+        mode = self.config.narrow_handoff
+        narrow = ITEMSIZE.get(decode.pool_kv_dtype, 0)
+        if mode == "never" or not narrow or not ITEMSIZE.get(decode.kv_dtype):
+            return False
+        if mode == "always":
+            return True
+        if prefill.address.rpartition(":")[0] == decode.address.rpartition(":")[0]:
+            return False
+        pool_bytes = blocks * self.predictors.block_bytes  # the pool's block bytes (its nodes registered them)
+        full_bytes = pool_bytes * ITEMSIZE[decode.kv_dtype] // narrow
+        t = self.predictors.transfer
+        return t.predict(pool_bytes) + full_bytes / self.config.narrow_convert_bytes_per_s < t.predict(full_bytes)
 
     def _record(
         self, req: ScheduleRequest, choice: PrefillChoice, decode: Instance, now: float, landing_blocks: int

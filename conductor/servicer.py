@@ -211,6 +211,7 @@ class ConductorServicer(pb_grpc.ConductorServicer):
                 local_chunk_tokens=outcome.chunk_tokens,
                 admit_at_decode=outcome.admit_at_decode,
                 ahead=outcome.ahead,
+                narrow_handoff=outcome.narrow,
                 plan=pb.PrefixPlan(
                     local_blocks=plan.local_blocks,
                     fetch_node=plan.fetch_node or "",

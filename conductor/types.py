@@ -309,6 +309,7 @@ class Decision:
     chunk_tokens: int = 0  # local: the most of the prompt's tokens one of its steps computes (the TBT SLO's)
     admit_at_decode: bool = False  # the decode worker asks again when the prefill ends (baseline admission only)
     ahead: bool = False  # a retry: its prefill worker runs it before the prompts waiting in its queue
+    narrow: bool = False  # its KV moves to the decode worker in the pool's narrower dtype (Placement.narrow_handoff)
 
 
 @dataclass(frozen=True, slots=True)

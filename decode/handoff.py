@@ -127,10 +127,23 @@ class CacheTarget:
 
 
 class Landed:
-    """One request's landing: the blocks the engine gave it (the prefill writes them in place) or landing slots."""
+    """One request's landing: the blocks the engine gave it (the prefill writes them in place) or landing slots
+    (``narrow``: the narrow ones, in the pool's dtype)."""
 
     def __init__(self, request_id: str, blocks: list[int], slots: list[int]) -> None:
         self.request_id, self.blocks, self.slots = request_id, blocks, slots
+        self.narrow = False
+
+
+@dataclass(frozen=True)
+class NarrowSlots:
+    """Landing slots in the pool's dtype where it is narrower than the cache (--pool-kv-dtype): a hand-off the
+    Conductor chose to move narrow (Placement.narrow_handoff) lands here and is converted as it joins the engine."""
+
+    segment: object
+    tensor: torch.Tensor  # [slots, L, 2, bs, Hkv, D] in the pool's dtype
+    slots: SlotAllocator
+    block_bytes: int
 
 
 class Handoff:
@@ -150,12 +163,14 @@ class Handoff:
         landing_segment,
         landing: torch.Tensor,
         slots: SlotAllocator,
+        narrow: NarrowSlots | None = None,
     ) -> None:
         self.worker_id, self.block_size, self.block_bytes = worker_id, block_size, block_bytes
         self.prefill_timeout_s = prefill_timeout_s
         self.loop, self.fence, self.grants, self.prefills = loop, fence, grants, prefills
         self.cache = cache
         self.landing_segment, self.landing, self.slots = landing_segment, landing, slots
+        self.narrow = narrow
 
     def direct(self, prefill_address: str) -> bool:
         """Does this prefill worker's KV land in the engine's cache itself (not in landing slots)?"""
@@ -170,10 +185,12 @@ class Handoff:
         cache_salt: str | None,
         prefill_address: str,
         sink: Sink,
+        narrow: bool = False,
     ) -> Landed:
         """The request enters the engine waiting for its KV (ours gives it its blocks now); where that KV cannot land
-        in the engine's cache it gets landing slots too. Raises Busy when there is no room, ValueError for what the
-        engine refuses."""
+        in the engine's cache, or is to move narrow (``narrow``, the Conductor's choice, where this worker has narrow
+        slots), it gets landing slots too. Raises Busy when there is no room, ValueError for what the engine
+        refuses."""
         total = len(prompt) + len(outputs)
         try:
             blocks = self.loop.submit_nowait(
@@ -188,27 +205,34 @@ class Handoff:
         except NoRoom as e:
             raise Busy(f"decode worker {self.worker_id}: {e}", "decode_busy") from None
         landed = Landed(request_id, blocks, [])
-        if not self.direct(prefill_address):
+        if narrow and self.narrow is not None:
+            self._take_slots(landed, total, narrow=True)
+        elif not self.direct(prefill_address):
             self._take_slots(landed, total)
         return landed
 
-    def _take_slots(self, landed: Landed, num_tokens: int) -> None:
+    def _allocator(self, narrow: bool) -> SlotAllocator:
+        return self.narrow.slots if narrow else self.slots
+
+    def _take_slots(self, landed: Landed, num_tokens: int, narrow: bool = False) -> None:
         n = blocks_for(num_tokens, self.block_size)
-        slots = self.slots.allocate(n)
+        allocator = self._allocator(narrow)
+        slots = allocator.allocate(n)
         if slots is None:
             raise Busy(
-                f"decode worker {self.worker_id} has no {n} free landing slots ({self.slots.num_free} free)",
+                f"decode worker {self.worker_id} has no {n} free landing slots ({allocator.num_free} free)",
                 "decode_busy",
             )
-        landed.slots = slots
+        landed.slots, landed.narrow = slots, narrow
 
     def join(self, landed: Landed, token: int) -> bool:
         """The prefill answered with ``token``: the request goes on in the engine, whose output path says whether the
         token ends it (slots: their KV copied in, and they are freed). False when it was aborted meanwhile."""
         kv = None
         if landed.slots:
-            kv = self.landing.index_select(0, torch.tensor(landed.slots, dtype=torch.long))  # [n, L, 2, bs, Hkv, D]
-            self.slots.free(landed.slots)
+            source = self.narrow.tensor if landed.narrow else self.landing  # (narrow: converted as the engine imports)
+            kv = source.index_select(0, torch.tensor(landed.slots, dtype=torch.long))  # [n, L, 2, bs, Hkv, D]
+            self._allocator(landed.narrow).free(landed.slots)
             landed.slots = []
         return self.loop.land(landed.request_id, token, kv).result()
 
@@ -217,7 +241,8 @@ class Handoff:
         engine's: aborting the request frees them, past the fence)."""
         slots, landed.slots = landed.slots, []
         if slots:
-            self.fence.after_writes(landed.request_id, lambda: self.slots.free(slots))
+            allocator = self._allocator(landed.narrow)
+            self.fence.after_writes(landed.request_id, lambda: allocator.free(slots))
 
     def prefill(
         self, req: wpb.GenerateRequest, sequence: list[int], num_outputs: int, landed: Landed, context
@@ -246,10 +271,15 @@ class Handoff:
 
     def _landing_pb(self, landed: Landed, token: str) -> wpb.Landing:
         if landed.slots:
+            segment, block_bytes = (
+                (self.narrow.segment, self.narrow.block_bytes)
+                if landed.narrow
+                else (self.landing_segment, self.block_bytes)
+            )
             return wpb.Landing(
-                segment=segment_to_pb(self.landing_segment),
-                offsets=[s * self.block_bytes for s in landed.slots],
-                block_bytes=self.block_bytes,
+                segment=segment_to_pb(segment),
+                offsets=[s * block_bytes for s in landed.slots],
+                block_bytes=block_bytes,  # (narrow: the pool's, which tells the prefill worker to convert)
                 token=token,
             )
         segment = segment_to_pb(self.cache.segment) if self.cache.segment is not None else None

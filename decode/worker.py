@@ -47,7 +47,7 @@ import grpc
 
 from decode.config import DecodeConfig
 from decode.fence import Fence
-from decode.handoff import CacheTarget, Grants, Handoff, ask_abort
+from decode.handoff import CacheTarget, Grants, Handoff, NarrowSlots, ask_abort
 from decode.local_prefill import LocalPrefill
 from decode.run import Counts, Decoding, stream
 from decode.writeback import BlockWriter
@@ -134,6 +134,14 @@ class DecodeWorker:
         landing = slot_tensor(
             self.transfer.buffer(self.landing_segment.name), self.engine.block_shape, engine_config.kv_torch_dtype
         )
+        self.narrow = None  # narrow landing slots, in the pool's dtype, where --pool-kv-dtype keeps it narrower
+        if native and engine_config.pool_kv_dtype != "auto":
+            narrow_bytes = self.engine.pool_block_bytes
+            segment = self.transfer.allocate("landing-narrow", slots * narrow_bytes, guard=self._narrow_guard)
+            tensor = slot_tensor(
+                self.transfer.buffer(segment.name), self.engine.block_shape, engine_config.pool_torch_dtype
+            )
+            self.narrow = NarrowSlots(segment, tensor, SlotAllocator(slots), narrow_bytes)
         self.loop = EngineLoop(self.engine, name="decode-engine")
         self.writer = BlockWriter(self.loop, self.transfer, config.id, bs) if config.write_behind else None
         self._pool = ByAddress(lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id))
@@ -150,6 +158,7 @@ class DecodeWorker:
             self.landing_segment,
             landing,
             self.slots,
+            self.narrow,
         )
         self.local = LocalPrefill(
             self.loop,
@@ -181,6 +190,12 @@ class DecodeWorker:
         """The landing segment's capability check: bytes of slots granted to one Prefill call, while it runs."""
         first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
         return self.grants.check(token, range(first, last + 1), f"landing slots {first}..{last}")
+
+    def _narrow_guard(self, token: str, write: bool, offset: int, length: int) -> str | None:
+        """The narrow landing segment's: bytes of its slots granted to one Prefill call, while it runs."""
+        size = self.narrow.block_bytes
+        first, last = offset // size, (offset + length - 1) // size
+        return self.grants.check(token, range(first, last + 1), f"narrow landing slots {first}..{last}")
 
     # -- what a heartbeat reports ------------------------------------------------------------------
 
@@ -322,7 +337,14 @@ class DecodeWorker:
         sink: queue.Queue = queue.Queue()
         salt = req.cache_salt if req.HasField("cache_salt") else None
         run.landed = self.handoff.admit(
-            req.request_id, prompt, params, outputs, salt, req.placement.prefill_address, sink.put
+            req.request_id,
+            prompt,
+            params,
+            outputs,
+            salt,
+            req.placement.prefill_address,
+            sink.put,
+            narrow=req.placement.narrow_handoff,
         )
         first = self.handoff.prefill(req, sequence, len(outputs), run.landed, context)
         run.ttft_s = time.perf_counter() - t0

@@ -93,9 +93,8 @@ class PrefillJob:
     pushed: int = 0  # blocks whose every layer is on the decode worker
     issued: int = 0  # blocks whose every layer's push has started (pushed <= issued)
     started_at: float | None = None  # its first engine step
-    compute_s: float = (
-        0.0  # its share of the steps that computed it (each step's time x its tokens / the step's tokens)
-    )
+    compute_s: float = 0.0  # its share of the steps that computed it (each step's time x its tokens / theirs)
+    narrow: torch.dtype | None = None  # its landing slots keep the pool's narrower dtype: converted as pushed
     finished_at: float | None = None
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
@@ -326,7 +325,7 @@ class PoolConnector(KVConnector):
         [n, 2, bs, Hkv, D] in the pool layout from ``export``) to the landing (unless ``landing`` is False) and the
         job's pool slots (unless the job stores them later). Into a decode engine's cache, a run of blocks consecutive
         there is one slice per K or V."""
-        n = end - start
+        staged, n = staged if job.narrow is None else staged.to(job.narrow), end - start  # narrow: the pool's dtype
         kv_major = self.export is None  # host staging's [2, n, ...]: K of consecutive blocks are contiguous
         half = staged[0, 0].numel() * staged.element_size()
         at = (lambda i, kv: (kv * n + i) * half) if kv_major else (lambda i, kv: (i * 2 + kv) * half)

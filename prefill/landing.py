@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from mooncake.engine.blockcopy import block_runs, copy_blocks
+from mooncake.serving.kvlayout import tensor_bytes
 from transfer import Slice, TransferError
 
 log = logging.getLogger(__name__)
@@ -148,8 +149,23 @@ class MappedCache(CacheSegment):
         return True
 
 
+class NarrowSlots(Landing):
+    """Landing slots in the pool's narrower dtype (the Conductor's narrow hand-off): each layer's blocks converted
+    into a copy (the cache's [2, n, ...] order), which is pushed and kept until its push settles."""
+
+    def from_cache(self, conn, layer: int, table: list[int], start: int, end: int) -> list[Slice]:
+        job, n = self.job, end - start
+        staged = conn.kv_cache[layer - conn.first_layer][:, table[start:end]].to(job.narrow)  # [2, n, bs, Hkv, D]
+        half = staged[0, 0].numel() * staged.element_size()
+        slices = self.from_staged(layer, start, end, half, lambda i, kv: (kv * n + i) * half, True)
+        conn._push(job, tensor_bytes(staged), slices)
+        return []
+
+
 def landing_for(job) -> Landing:
     """The job's landing, by what its decode worker granted and this worker could map."""
+    if job.narrow is not None:
+        return NarrowSlots(job)
     if job.mapped_cache is not None:
         return MappedCache(job)
     if job.landing_blocks is not None:

@@ -149,7 +149,7 @@ class PrefillServicer(wpb_grpc.PrefillServicer):
         m.tokens.labels("pool_ssd").inc(resp.ssd_tokens)
         m.tokens.labels("remote").inc(resp.fetched_tokens)
         landing = request.landing
-        pushed = (len(landing.cache_blocks) or len(landing.offsets)) * self.worker.engine.block_bytes
+        pushed = (len(landing.cache_blocks) or len(landing.offsets)) * landing.block_bytes  # (narrow: fewer)
         m.kv_bytes.labels("pushed").inc(pushed)
         m.handoff.labels("cuda_ipc" if landing.cuda_ipc else "cache" if landing.cache_blocks else "slots").inc(pushed)
         m.kv_bytes.labels("pulled").inc(

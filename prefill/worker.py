@@ -327,9 +327,12 @@ class PrefillWorker:
             raise ValueError(
                 f"{have} landing blocks for a {len(req.prompt_token_ids)}-token prompt of {num_blocks} blocks"
             )
-        if landing.block_bytes != self.engine.block_bytes:  # the decode engine's blocks: the cache's dtype
+        # the decode engine's blocks (the cache's dtype), or narrow landing slots (the pool's: a narrow hand-off)
+        narrow = landing.block_bytes != self.engine.block_bytes and landing.block_bytes == self.engine.pool_block_bytes
+        if landing.block_bytes != self.engine.block_bytes and not (narrow and not direct and not landing.cuda_ipc):
             raise ValueError(
                 f"landing blocks of {landing.block_bytes} bytes; this model's blocks are {self.engine.block_bytes}"
+                f" ({self.engine.pool_block_bytes} in the pool)"
             )
         job = PrefillJob(
             rid,
@@ -340,6 +343,7 @@ class PrefillWorker:
             landing_token=landing.token,
         )
         job.landing_spec = segment_from_pb(landing.segment)
+        job.narrow = self.config.engine_config.pool_torch_dtype if narrow else None
         if direct:
             if landing.cache_num_blocks <= max(landing.cache_blocks):
                 raise ValueError(

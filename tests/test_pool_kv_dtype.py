@@ -27,7 +27,7 @@ from mooncake.engine.blockcopy import copy_blocks
 from mooncake.engine.config import EngineConfig
 from mooncake.engine.engine import LLMEngine
 from mooncake.engine.interface import EngineKind, flags_fingerprint
-from mooncake.engine.request import PromptKV
+from mooncake.engine.request import PromptKV, RequestOptions
 from mooncake.engine.tiny import make_tiny
 from protos import conductor_pb2 as cpb
 
@@ -66,23 +66,42 @@ def test_an_fp8_cache_and_an_fp8_pool_are_not_both_asked_for():
         EngineConfig(model="m", kv_cache_dtype="fp8", pool_kv_dtype="fp8")
 
 
+def engine(model: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN))
+
+
 def rounded_prefix_tokens(model: Path, prompt: list[int], blocks: int, max_tokens: int) -> list[int]:
     """One float32 engine alone continuing ``prompt`` from its first ``blocks`` blocks' KV rounded to e4m3 (as the
     pool gives them back), the rest of the prompt computed."""
-
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(model), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN))
-
-    first = engine()
+    first = engine(model)
     rid = first.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while not first.scheduler.requests[rid].output_token_ids:
         first.step()
     kv = first.export_kv(first.request_block_ids(rid)[:blocks])
     rounded = kv.to(torch.float8_e4m3fn).float()
-    second = engine()
+    second = engine(model)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = second.add_request(prompt, params, kv=PromptKV(blocks * 16, rounded))
     return list(run_to_completion(second)[out].output_token_ids)
+
+
+def rounded_handoff_tokens(model: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """One float32 engine computing ``prompt`` and its first token, and another going on from there with the prompt's
+    KV rounded to e4m3 (as a narrow hand-off lands it)."""
+    first = engine(model)
+    rid = first.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while not (so_far := list(first.scheduler.requests[rid].output_token_ids)):
+        first.step()
+    kv = first.export_kv(first.request_block_ids(rid)[: -(-len(prompt) // 16)])
+    second = engine(model)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rest = second.add_request(
+        prompt,
+        params,
+        kv=PromptKV(len(prompt), kv.to(torch.float8_e4m3fn).float()),
+        options=RequestOptions(outputs=tuple(so_far)),
+    )
+    return list(run_to_completion(second)[rest].output_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +164,45 @@ def test_a_decode_worker_writes_its_blocks_behind_in_fp8_and_reads_a_prefix_back
         assert tokens(got) != reference_tokens(model, prompt, 12)  # (the rounding shows: the test can fail)
     finally:
         cluster.stop()
+
+
+def test_a_narrow_hand_off_lands_in_fp8_slots_and_gives_one_engine_from_the_rounded_prompt(model, tmp_path):
+    """``--narrow-handoff always``: the prefill worker converts each layer's blocks to FP8 and writes them into the
+    decode worker's narrow landing slots, which it converts back as the request joins its engine (between hosts the
+    Conductor chooses this where it is predicted sooner; on one host it never would)."""
+    cluster = start_cluster(model, tmp_path, pool_kv_dtype="fp8", narrow_handoff="always", gateway=False, threads=1)
+    try:
+        rng = random.Random(4)  # a prompt whose tokens the rounding changes
+        prompt = [rng.randrange(10, 440) for _ in range(70)]  # four whole blocks and a partial one
+        want = rounded_handoff_tokens(model, prompt, 12)
+        assert want != reference_tokens(model, prompt, 12)  # (the rounding shows: the test can fail)
+        got = generate(backend(cluster), "narrow", prompt, 12, temperature=0.0, ignore_eos=True)
+        assert got[-1].cached_tokens == 0 and tokens(got) == want
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("mode", "bytes_per_s", "same_host", "pool", "narrow"),
+    [
+        ("auto", 0.1e9, False, "float8_e4m3fn", True),  # a slow link between hosts: a quarter of the bytes is sooner
+        ("auto", 10e9, False, "float8_e4m3fn", False),  # a fast one: converting both ways costs more than it saves
+        ("auto", 0.1e9, True, "float8_e4m3fn", False),  # one host: the decode engine's cache is written in place
+        ("auto", 0.1e9, False, "", False),  # a pool as wide as the caches: nothing narrower to move
+        ("always", 10e9, True, "float8_e4m3fn", True),
+        ("never", 0.1e9, False, "float8_e4m3fn", False),
+    ],
+)
+def test_the_conductor_moves_a_hand_off_narrow_where_it_is_predicted_sooner(mode, bytes_per_s, same_host, pool, narrow):
+    from conductor_helpers import conductor, decode, prefill, request
+
+    c = conductor("early_predictive", narrow_handoff=mode)
+    c.predictors.transfer.bytes_per_s = bytes_per_s  # as learnt from the pool's prefix fetches
+    p, d = prefill(0), decode(0)
+    d.kv_dtype, d.pool_kv_dtype = "float32", pool
+    if same_host:
+        d.address = p.address.rpartition(":")[0] + ":7001"
+    c.register(p, 0.0)
+    c.register(d, 0.0)
+    placed = c.schedule(request(blocks=20), 0.0)
+    assert placed.narrow is narrow

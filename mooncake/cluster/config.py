@@ -146,6 +146,12 @@ class ClusterConfig(BaseModel):
         description="where prompts are computed: auto (whichever is predicted sooner; conductor.local), "
         "never (a prefill worker) or always (the decode worker itself)",
     )
+    narrow_handoff: str = Field(
+        _CONDUCTOR["narrow_handoff"].default,
+        pattern="^(auto|always|never)$",
+        description="with --pool-kv-dtype: whether a prompt's KV moves to its decode worker in the pool's dtype: auto "
+        "(between hosts, when predicted sooner at the learnt bandwidth), always or never",
+    )
     planner: str = Field(
         "off",
         pattern="^(off|act|advise)$",

@@ -148,6 +148,7 @@ class LocalCluster:
             policy=c.policy,
             admission=c.admission,
             local_prefill=c.local_prefill,
+            narrow_handoff=c.narrow_handoff,
             block_bytes=self._block_bytes,  # as the chart gives it: the pool nodes' own, before any registers
             ttft_slo=c.ttft_slo_s,
             tbt_slo=c.tbt_slo_s,

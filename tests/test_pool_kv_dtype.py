@@ -206,3 +206,12 @@ def test_the_conductor_moves_a_hand_off_narrow_where_it_is_predicted_sooner(mode
     c.register(d, 0.0)
     placed = c.schedule(request(blocks=20), 0.0)
     assert placed.narrow is narrow
+
+
+def test_a_link_limit_needs_network_hosts(tiny_dir):
+    from pydantic import ValidationError
+
+    from mooncake.cluster.config import ClusterConfig
+
+    with pytest.raises(ValidationError, match="--link-mbit shapes the links of network hosts"):
+        ClusterConfig(model=str(tiny_dir), model_name="tiny", link_mbit=200)

@@ -182,6 +182,12 @@ class ClusterConfig(BaseModel):
         description="put each prefill worker (with its pool node) and each decode worker "
         "on a network host of its own (a namespace on a bridge; root only), so links can be cut",
     )
+    link_mbit: float | None = Field(
+        None,
+        gt=0,
+        description="with network_hosts: each host's link limited to this many megabits a second each way (tc "
+        "tbf), as a real network's bandwidth; none: the bridge's own (memory speed)",
+    )
     detect_s: float = Field(
         DETECT_S,
         gt=0,
@@ -254,6 +260,12 @@ class ClusterConfig(BaseModel):
             )
         if self.prefill_groups and self.engine != "native":
             raise ValueError("pipelined prefill groups run the native engine")
+        return self
+
+    @model_validator(mode="after")
+    def _link(self) -> "ClusterConfig":
+        if self.link_mbit is not None and not self.network_hosts:
+            raise ValueError("--link-mbit shapes the links of network hosts: it needs --network-hosts")
         return self
 
     @model_validator(mode="after")

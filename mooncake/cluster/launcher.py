@@ -83,7 +83,11 @@ class LocalCluster:
             return self.root_host
         for name in components:
             self.hosts[name] = host
-        return self.net.add_host(host)
+        new = host not in self.net.hosts
+        address = self.net.add_host(host)
+        if new and self.config.link_mbit:
+            self.net.shape(host, self.config.link_mbit)
+        return address
 
     def _port(self, name: str, host: str) -> int:
         """``name``'s port: free on the root host; on a network host of its own any port is free."""

@@ -81,6 +81,13 @@ class VirtualNetwork:
             *argv,
         ]
 
+    def shape(self, host: str, mbit: float) -> None:
+        """Limit ``host``'s link to ``mbit`` megabits a second each way (a token bucket on both ends of its veth):
+        what a real network's bandwidth is, where the bridge would otherwise move bytes at memory speed."""
+        for prefix, dev in (((), self._veth(host)), (("-n", f"{self.name}-{host}"), "eth0")):
+            tc = ["tc", *prefix, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit"]
+            subprocess.run([*tc, "burst", "256kb", "latency", "200ms"], check=True, capture_output=True, timeout=10)
+
     def cut(self, host: str) -> None:
         """Take ``host`` off the network: packets to and from it are dropped from now on, without a reset."""
         _ip("link", "set", self._veth(host), "down")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clusters import MAX_LEN, backend, conductor, generate, reference_tokens, start_cluster, tokens
+from clusters import MAX_LEN, backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
 from conftest import make_engine, run_to_completion
 from rich.console import Console
 
@@ -150,15 +150,16 @@ def test_a_decode_worker_writes_its_blocks_behind_in_fp8_and_reads_a_prefix_back
         rng = random.Random(15)  # a prompt whose tokens the rounded prefix changes
         shared = [rng.randrange(10, 440) for _ in range(160)]  # 10 blocks of 16
         be = backend(cluster)
-        first = generate(be, "turn-1", shared + [7, 8, 9], 4, temperature=0.0, ignore_eos=True)
+        # (long enough that its prompt's blocks are written behind while it runs: the write reads them from the
+        # engine, which lets a finished request's blocks go)
+        first = generate(be, "turn-1", shared + [7, 8, 9], 24, temperature=0.0, ignore_eos=True)
         assert first[-1].cached_tokens == 0
+        deadline = time.monotonic() + 10  # written behind by the decode worker; the Conductor's index hears of it
+        while instances(cluster)["kv0"].indexed_blocks < 10:
+            assert time.monotonic() < deadline, "the decode worker did not write the prompt's blocks to the pool"
+            time.sleep(0.1)
         prompt = shared + [rng.randrange(10, 440) for _ in range(20)]
-        deadline = time.monotonic() + 10  # written behind by the decode worker: read once the pool has them
-        while True:
-            got = generate(be, f"turn-2-{time.monotonic()}", prompt, 12, temperature=0.0, ignore_eos=True)
-            if got[-1].cached_tokens or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
+        got = generate(be, "turn-2", prompt, 12, temperature=0.0, ignore_eos=True)
         assert got[-1].cached_tokens == 160 and got[-1].cached_tokens_by_tier == {"remote": 160}
         assert tokens(got) == rounded_prefix_tokens(model, prompt, 10, 12)
         assert tokens(got) != reference_tokens(model, prompt, 12)  # (the rounding shows: the test can fail)

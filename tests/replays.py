@@ -20,6 +20,7 @@ from mooncake.serving.types import BackendError, GenerationRequest, Recovery
 
 NUM_REQUESTS = 60
 CONCURRENCY = 6
+MARGIN_TOKENS = 40  # a decode worker is struck while two of its streams have at least this many tokens to go
 SHARED_PREFIXES = 4  # requests share system-prompt-like prefixes, so the pool and its pulls are exercised
 
 
@@ -88,18 +89,25 @@ def replay(
             except BackendError as e:
                 errors[req.request_id] = f"{type(e).__name__}: {e.message}"
 
+    wanted = {r.request_id: r.sampling.max_tokens for r in requests(count)}
+
+    def mid_stream(rid: str) -> bool:
+        """Its client has tokens, and many more are to come (a stream near its end, or ended, may still be listed by
+        its decode worker: struck then, nothing would be resumed)."""
+        return 0 < len(received.get(rid, ())) < wanted.get(rid, 0) - MARGIN_TOKENS
+
     async def kill_when_busy() -> None:
         while streaming < count // 3:
             await asyncio.sleep(0.02)
         if victim.startswith("decode"):
-            # mid-stream: when two of its streams have tokens at their client. Its own count of streams is not enough:
-            # a stream counts there once its first output is sent, which the gateway may not have read yet, and a
-            # request whose client has no token yet is placed again from the start, not resumed
+            # mid-stream: when two of its streams have tokens at their client and many to come. Its own count of
+            # streams is not enough: a stream counts there once its first output is sent, which the gateway may not
+            # have read yet, and a request whose client has no token yet is placed again from the start, not resumed
             health = f"http://{cluster.component(victim).info['metrics']}/health"
             async with httpx.AsyncClient(timeout=5) as http:
                 while len(outputs) + len(errors) < count:
                     streams = (await http.get(health)).json()["streams"]
-                    if sum(bool(received.get(rid)) for rid in streams) >= 2:
+                    if sum(mid_stream(rid) for rid in streams) >= 2:
                         break
                     await asyncio.sleep(0.01)
         if struck is not None:

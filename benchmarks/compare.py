@@ -64,6 +64,7 @@ from benchmarks.benchutil import (
     scratch_dir,
     shielded,
 )
+from benchmarks.prediction_parts import describe_handoffs
 from conductor.admission import AdmissionKind
 from mooncake.cluster.components import component_argv
 from mooncake.cluster.config import ClusterConfig
@@ -303,6 +304,7 @@ def measure(run: SystemRun, server, requests, args, vocab: int, progress, consol
                     f"{rp._ms(s['tbt_p50_s'])} ms, {s['rejected']} rejected, {s['errors']} errors, cache hit "
                     f"{rp._share(s['cache_hit_ratio'])}"
                     + (f"; {rp.describe_predictions(s)}" if s.get("predicted_requests") else "")
+                    + (f"; {describe_handoffs(s['handoffs'])}" if s.get("handoffs") else "")
                 )
                 for line in rp.describe_phases(r):
                     console.log(f"{run.name:>32}   {line}")

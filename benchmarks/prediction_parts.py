@@ -57,6 +57,45 @@ def scrape(url: str | None, timeout_s: float = 5.0) -> Buckets | None:
     return out
 
 
+def scrape_handoffs(url: str | None, timeout_s: float = 5.0) -> dict | None:
+    """The Conductor's hand-off counters at ``url``: ``placed`` (placements on a prefill worker), ``narrow`` (those
+    whose KV moves in the pool's narrower dtype) and ``link_bytes_per_s`` (the bandwidth it has learnt); None: no URL,
+    or it did not answer."""
+    if not url:
+        return None
+    try:
+        text = httpx.get(url, timeout=timeout_s, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    out = {"placed": 0.0, "narrow": 0.0, "link_bytes_per_s": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "mooncake_conductor_placements_total" and sample.labels.get("kind") == "prefill_worker":
+                out["placed"] = sample.value
+            elif sample.name == "mooncake_conductor_narrow_handoffs_total":
+                out["narrow"] = sample.value
+            elif sample.name == "mooncake_conductor_transfer_bytes_per_second":
+                out["link_bytes_per_s"] = sample.value
+    return out
+
+
+def handoff_counts(before: dict | None, after: dict | None) -> dict:
+    """What the counters of ``scrape_handoffs`` moved between two scrapes (the bandwidth: the later figure)."""
+    if before is None or after is None:
+        return {}
+    return {
+        "placed": int(after["placed"] - before["placed"]),
+        "narrow": int(after["narrow"] - before["narrow"]),
+        "link_bytes_per_s": after["link_bytes_per_s"],
+    }
+
+
+def describe_handoffs(counts: dict) -> str:
+    """``12 of 40 hand-offs narrow, the link learnt at 23.1 MB/s``: a run's ``handoff_counts``."""
+    rate = counts["link_bytes_per_s"] / 1e6
+    return f"{counts['narrow']} of {counts['placed']} hand-offs narrow, the link learnt at {rate:.1f} MB/s"
+
+
 def part_shares(before: Buckets | None, after: Buckets | None) -> dict:
     """Per part, what was scored between the two scrapes: ``requests``, ``within_share`` (predicted within 25% of
     measured), ``over_share`` (predicted over 1.25x) and ``under_share`` (under 0.75x). Empty without both."""

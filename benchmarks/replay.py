@@ -43,7 +43,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from benchmarks.benchutil import make_progress, percentile
-from benchmarks.prediction_parts import describe_parts, part_shares, scrape
+from benchmarks.prediction_parts import describe_parts, handoff_counts, part_shares, scrape, scrape_handoffs
 from benchmarks.rate_profile import RateProfile
 from benchmarks.trace import (
     DEFAULT_TRACE,
@@ -277,13 +277,14 @@ def replay(
     phases = profile.phases(dues) if profile is not None else None
     if profile is not None:
         dues = [float(t) for t in profile.retime(dues)]
-    before = scrape(conductor_metrics)
+    before, handoffs_before = scrape(conductor_metrics), scrape_handoffs(conductor_metrics)
     results, wall = asyncio.run(
         _replay(requests, prompts, _base_url(url), model, dues, concurrency_limit, api_key, timeout_s, on_done)
     )
     if before is not None:
         time.sleep(PARTS_SETTLE_S)  # the last first tokens' reports reach the Conductor
     parts = part_shares(before, scrape(conductor_metrics))
+    handoffs = handoff_counts(handoffs_before, scrape_handoffs(conductor_metrics))
     if progress is not None:
         progress.remove_task(task)
     span = dues[-1]
@@ -291,7 +292,11 @@ def replay(
         "speed": speed,
         "profile": profile.describe() if profile is not None else None,
         "salt": salt,
-        "summary": {**summarize(results, ttft_slo_s, tbt_slo_s, span, wall), "prediction_parts": parts},
+        "summary": {
+            **summarize(results, ttft_slo_s, tbt_slo_s, span, wall),
+            "prediction_parts": parts,
+            "handoffs": handoffs,
+        },
         "phases": phase_summaries(results, phases, ttft_slo_s, tbt_slo_s),
         "requests": [asdict(r) for r in results],
     }

@@ -81,6 +81,16 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.narrow_handoffs = Counter(
+            "mooncake_conductor_narrow_handoffs",
+            "Placements whose prompt KV moves to decode in the pool's narrower dtype (--narrow-handoff)",
+            registry=r,
+        )
+        self.transfer_rate = Gauge(
+            "mooncake_conductor_transfer_bytes_per_second",
+            "The pool network's bandwidth as the Conductor has learnt it (prefix fetches and hand-offs across hosts)",
+            registry=r,
+        )
         self.handoff = Gauge(
             "mooncake_conductor_handoff_seconds",
             "The hand-off from a prefill worker to a decode worker, as "

@@ -223,18 +223,22 @@ class DecodePredictor:
 
 
 class TransferPredictor:
-    """Seconds to move bytes between pool nodes: latency + bytes / bandwidth (bandwidth an EMA of samples)."""
+    """Seconds to move bytes across the pool's network: latency + bytes / bandwidth. The configured bandwidth is a
+    guess until the first sample, which replaces it (moved toward by an EMA, a 10 GB/s guess would take a dozen
+    samples of a 25 MB/s link to fall below 1 GB/s); later samples move it as an EMA."""
 
     def __init__(self, config: PredictorConfig, alpha: float = 0.2) -> None:
         self.bytes_per_s = config.transfer_bytes_per_s
         self.latency_s = config.transfer_latency_s
         self.alpha = alpha
+        self.samples = 0
 
     def observe(self, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
             raise ValueError(f"bad transfer sample: {num_bytes} bytes in {seconds} s")
         rate = num_bytes / max(seconds - self.latency_s, seconds / 2)
-        self.bytes_per_s = (1 - self.alpha) * self.bytes_per_s + self.alpha * rate
+        self.bytes_per_s = (1 - self.alpha) * self.bytes_per_s + self.alpha * rate if self.samples else rate
+        self.samples += 1
 
     def predict(self, num_bytes: int) -> float:
         return 0.0 if num_bytes <= 0 else self.latency_s + num_bytes / self.bytes_per_s

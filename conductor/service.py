@@ -105,6 +105,7 @@ class ConductorService:
         self._removing: set[str] = set()  # instances the provider is stopping now
         self.store = store or MemoryStore()
         self.metrics = Metrics()
+        self.metrics.transfer_rate.set(self.conductor.predictors.transfer.bytes_per_s)  # its default until learnt
         self._priorities: set[int] = set()  # the priorities seen waiting (their gauges go back to 0)
         self._lock = threading.Lock()
         self._watchers: dict[str, _Watcher] = {}
@@ -310,6 +311,8 @@ class ConductorService:
             kind = "scheduled"
             self.metrics.placements.labels("decode_worker" if outcome.local else "prefill_worker").inc()
             self.metrics.match_blocks.observe(outcome.plan.reused_blocks)
+            if outcome.narrow:
+                self.metrics.narrow_handoffs.inc()
         else:
             kind = "wait" if isinstance(outcome, Wait) else outcome.reason.value
         self.metrics.decisions.labels(policy, kind).inc()
@@ -332,6 +335,8 @@ class ConductorService:
                 self.conductor.prefill_sample(s.prompt_tokens, s.cached_tokens, s.seconds, request.id or None)
             for s in request.transfer:
                 self.conductor.transfer_sample(s.bytes, s.seconds)
+            if request.transfer:
+                self.metrics.transfer_rate.set(self.conductor.predictors.transfer.bytes_per_s)
             for e in request.requests:
                 if e.handoff_s > 0:
                     self.conductor.handoff_sample(e.handoff_s)

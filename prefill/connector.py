@@ -17,13 +17,12 @@ node's pool **after** the answer (``store_later``): the engine keeps the request
 (``request_finished`` returns True), a ``PoolWriter`` thread copies them into the reserved pool slots and hands them
 back (``released_blocks``), and the worker commits the reservation then; a failed write loses a cache entry, never a
 request. A stage of a pipelined group (``prefill/group.py``) binds the cache of its own layers and pushes them at
-their global offsets; its pool writes still go layer by layer through the transfer engine
-(``PrefillJob.pool_segment``), since the pool node is another process's memory. Blocks
-imported from the pool (the reused prefix) are pushed the same way, from the engine's cache,
-in the step that imports them. ``wait_for_save`` waits for the step's transfers before the
-step ends (the engine may reuse those cache blocks once the request finishes); pushes through
-host staging (a CUDA cache) read copies, so they run on across steps and are waited for when
-the job's last blocks are under way.
+their global offsets; its pool writes still go layer by layer through the transfer engine (``PrefillJob.pool_segment``),
+since the pool node is another process's memory. Blocks imported from the pool (the reused prefix) are pushed the same
+way, from the engine's cache, in the step that imports them. ``wait_for_save`` waits for the step's transfers before
+the step ends (the engine may reuse those cache blocks once the request finishes); pushes through host staging (a CUDA
+cache) read copies, so they run on across steps and are waited for when the job's last blocks are under way. What the
+settled pushes across the network took measures the link (``link``: the worker reports it to the Conductor).
 
 The native engine's cache is in the pool layout, so its blocks are pushed straight from
 the cache (``bind``). Another engine's cache (vLLM's) is read through ``export``, which
@@ -58,6 +57,7 @@ from mooncake.engine.request import TokenLogprob
 from mooncake.serving.kvlayout import tensor_bytes
 from prefill.landing import Landing, landing_for
 from transfer import Segment, Slice, TransferEngine, TransferError
+from transfer.linkrate import LinkMeter
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +160,13 @@ class PoolConnector(KVConnector):
         self._pushes: list[Push] = []  # under way, not yet waited for
         self._lock = threading.Lock()  # _pushes: the staging thread appends too
         self.push_retries = 0  # pushes sent again after a transfer fault
+        self.link = LinkMeter(transfer)  # the network's bandwidth, as this connector's settled pushes measured it
         self._staging: HostStaging | None = None
         self._unsettled: set[PrefillJob] = set()  # jobs with pushes started and not yet waited for
         self._writer: PoolWriter | None = None  # started by the first job that stores later
         self._released: list[int] = []  # blocks the writer is done with (the engine frees them)
         self._step_jobs: list[PrefillJob | None] = []  # this step's requests' jobs (None: a request with no job)
-        # this step's start, its tokens, (job, its tokens) of each job
-        self._step: tuple[float, int, list] = (0.0, 0, [])
+        self._step: tuple[float, int, list] = (0.0, 0, [])  # this step's start, its tokens, (job, its tokens) of each
 
     def bind(
         self, kv_cache: torch.Tensor, first_layer: int = 0, num_layers: int | None = None, staged: bool | None = None
@@ -453,6 +453,7 @@ class PoolConnector(KVConnector):
                 except TransferError as again:
                     push.job.fail(again)
                     break
+        self.link.settled([(p.batch, p.slices) for p in pushes])
         for job in self._unsettled:
             if job.error is None:
                 job.pushed = job.issued

@@ -303,6 +303,9 @@ class PrefillWorker:
             self.link.beat_soon()  # its queue is shorter now: the Conductor hears it at once
             if held.fetch_seconds:
                 self.link.transfer_sample(len(fetched) * self.block_bytes, held.fetch_seconds)
+            pushed = self.connector.link.take()  # the hand-offs' pushes across the network measure it too
+            if pushed is not None:
+                self.link.transfer_sample(*pushed)
         return wpb.PrefillResponse(
             first_token=job.first_token,
             cached_tokens=cached,

@@ -136,12 +136,15 @@ def test_transfer_predictor_moves_toward_the_observed_bandwidth():
     t = TransferPredictor(PredictorConfig(transfer_bytes_per_s=10e9, transfer_latency_s=0.001))
     assert t.predict(10**9) == pytest.approx(0.101)
     assert t.predict(0) == 0.0
+    t.observe(100_000_000, 0.1 + 0.001)  # the link really moves 1 GB/s: the first sample replaces the guess
+    assert t.predict(10**9) == pytest.approx(1.001)
     estimates = []
-    for _ in range(60):  # the link really moves 1 GB/s
-        t.observe(100_000_000, 0.1 + 0.001)
+    for _ in range(30):  # then it slows to 0.5 GB/s
+        t.observe(100_000_000, 0.2 + 0.001)
         estimates.append(t.predict(10**9))
-    assert all(a < b for a, b in zip(estimates, estimates[1:]))  # every sample pulls the estimate up toward 1 s
-    assert estimates[-1] == pytest.approx(1.001, rel=0.01)
+    assert all(a < b for a, b in zip(estimates, estimates[1:]))  # every sample pulls the estimate up toward 2 s
+    assert estimates[0] == pytest.approx(1 / 0.9 + 0.001, rel=0.01)  # a fifth of the way: 0.9 GB/s
+    assert estimates[-1] == pytest.approx(2.001, rel=0.01)
     for num_bytes, seconds in [(0, 1.0), (100, 0.0), (-1, 1.0)]:
         with pytest.raises(ValueError):
             t.observe(num_bytes, seconds)

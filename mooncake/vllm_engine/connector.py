@@ -351,8 +351,10 @@ class MooncakePoolConnector(KVConnectorBase_V1):
 
 
 def _shared(vllm_config: VllmConfig, name: str, num_blocks: int) -> SharedKV:
-    """The shared copy of the cache of the engine named ``name`` (every head: the pool's block shape)."""
-    mc = vllm_config.model_config
-    shape = (mc.get_num_layers(vllm_config.parallel_config), 2, vllm_config.cache_config.block_size)
+    """The shared copy of the cache of the engine named ``name`` (every head: the pool's block shape; an FP8 cache's
+    in float8 e4m3, what its blocks export as and import from)."""
+    mc, cache = vllm_config.model_config, vllm_config.cache_config
+    shape = (mc.get_num_layers(vllm_config.parallel_config), 2, cache.block_size)
     shape += (mc.get_total_num_kv_heads(), mc.get_head_size())
-    return SharedKV(name, num_blocks, shape, mc.dtype, vllm_config.parallel_config.tensor_parallel_size)
+    dtype = mc.dtype if str(cache.cache_dtype) == "auto" else torch.float8_e4m3fn
+    return SharedKV(name, num_blocks, shape, dtype, vllm_config.parallel_config.tensor_parallel_size)

@@ -129,8 +129,6 @@ class VllmEngine:
                 )
         kwargs.update(vllm_args)
         self.world = _parallel_args(config, kwargs)
-        if self.world > 1 and config.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} with vLLM's ranks: not carried yet (size 1)")
         kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), GrammarLogitsProcessor]
         self._grammars: GrammarBook | None = None  # checks constrained requests' grammars (built on first use)
         kwargs["kv_transfer_config"] = KVTransferConfig(

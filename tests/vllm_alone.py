@@ -53,7 +53,7 @@ def _reference(args: dict) -> list[list[int]] | list[dict]:
     llm = LLM(
         model=args["model"],
         tensor_parallel_size=tp,
-        dtype="float32",
+        dtype=args.get("dtype", "float32"),
         block_size=args["block_size"],
         max_model_len=args["max_model_len"],
         enforce_eager=True,

@@ -48,10 +48,10 @@ class Counts:
     def streaming(self) -> int:
         return len(self._streams)
 
-    def stream_ids(self) -> list[str]:
-        """The request ids of the streams (what /health lists beside their count)."""
+    def stream_tokens(self) -> dict[str, int]:
+        """Each stream's request id and the output tokens it has generated so far (what /health lists)."""
         with self._lock:
-            return sorted(run.request_id for run in self._streams)
+            return {run.request_id: run.output_tokens for run in sorted(self._streams, key=lambda r: r.request_id)}
 
     def longest_gap(self, now: float) -> float:
         """How long the stream that has waited longest for its next token has waited by ``now`` (0: none streams)."""

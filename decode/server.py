@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 "id": args.id,
                 "running": worker.loop.num_running,
                 "streaming": worker.counts.streaming,
-                "streams": worker.counts.stream_ids(),  # which requests: an operator (and the chaos tests) can ask
+                # which requests, and how many tokens each has generated: an operator (and the chaos tests) can ask
+                "streams": worker.counts.stream_tokens(),
             },
         ),
         busy=lambda: worker.loop.num_running + worker.num_in_prefill,

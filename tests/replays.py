@@ -91,10 +91,12 @@ def replay(
 
     wanted = {r.request_id: r.sampling.max_tokens for r in requests(count)}
 
-    def mid_stream(rid: str) -> bool:
-        """Its client has tokens, and many more are to come (a stream near its end, or ended, may still be listed by
-        its decode worker: struck then, nothing would be resumed)."""
-        return 0 < len(received.get(rid, ())) < wanted.get(rid, 0) - MARGIN_TOKENS
+    def mid_stream(rid: str, generated: int) -> bool:
+        """Its client has tokens, and its decode worker has ``generated`` with many more to come. (A stream near its
+        end, or ended, may still be listed by its decode worker: struck then, nothing would be resumed. The client's
+        own count lags behind the worker's on a loaded machine: a worker that has sent every token while the client
+        still reads them is not mid-stream.)"""
+        return len(received.get(rid, ())) > 0 and generated < wanted.get(rid, 0) - MARGIN_TOKENS
 
     async def kill_when_busy() -> None:
         while streaming < count // 3:
@@ -107,7 +109,7 @@ def replay(
             async with httpx.AsyncClient(timeout=5) as http:
                 while len(outputs) + len(errors) < count:
                     streams = (await http.get(health)).json()["streams"]
-                    if sum(mid_stream(rid) for rid in streams) >= 2:
+                    if sum(mid_stream(rid, generated) for rid, generated in streams.items()) >= 2:
                         break
                     await asyncio.sleep(0.01)
         if struck is not None:

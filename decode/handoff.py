@@ -187,6 +187,7 @@ class Handoff:
         prefill_address: str,
         sink: Sink,
         narrow: bool = False,
+        hold: bool = False,
     ) -> Landed:
         """The request enters the engine waiting for its KV (ours gives it its blocks now); where that KV cannot land
         in the engine's cache, or is to move narrow (``narrow``, the Conductor's choice, where this worker has narrow
@@ -201,7 +202,7 @@ class Handoff:
                 sampling_params=params,
                 request_id=request_id,
                 kv=PromptKV.landing(total),
-                options=RequestOptions(cache_salt=cache_salt, outputs=tuple(outputs)),
+                options=RequestOptions(cache_salt=cache_salt, outputs=tuple(outputs), hold=hold),
             ).result()
         except NoRoom as e:
             raise Busy(f"decode worker {self.worker_id}: {e}", "decode_busy") from None

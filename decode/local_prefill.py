@@ -76,6 +76,7 @@ class LocalPrefill:
         ):  # (those need the whole prompt here)
             external, cached = self._read_prefix(plan.fetch_address, sequence, salt, plan.fetch_blocks)
         outputs_queue: queue.Queue = queue.Queue()
+        run.held = self.writer is not None and self.writer.holds
         future = self.loop.submit_nowait(
             outputs_queue.put,
             prompt_token_ids=prompt,
@@ -83,7 +84,7 @@ class LocalPrefill:
             request_id=rid,
             kv=PromptKV(cached, external) if external is not None else None,
             options=RequestOptions(
-                cache_salt=salt, outputs=tuple(outputs), chunk_tokens=req.placement.local_chunk_tokens
+                cache_salt=salt, outputs=tuple(outputs), chunk_tokens=req.placement.local_chunk_tokens, hold=run.held
             ),
         )
         future.result()  # a ValueError (the request's own: INVALID_ARGUMENT) ends it here

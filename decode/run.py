@@ -73,6 +73,7 @@ class Decoding:
         self.handoff_s = 0.0  # of it, all but the prefill worker's own queue and prefill (0: not measured, or reported)
         self.parts = (0.0, 0.0)  # and those two: the prefill worker's own queue and prefill (the Conductor's errors)
         self.written = None  # its write-behind (decode.writeback.Written), once it has one
+        self.held = False  # its engine request keeps its blocks past its end for the write-behind: released at close
         self.output_tokens = 0  # generated so far (the Conductor's planner learns output lengths from the last count)
         self.first_at = self.last_at = 0.0  # monotonic: when its first output and its latest reached its stream
         self.tokens_at_first = 0  # output tokens it had by its first output here (a resumed stream's earlier ones)
@@ -111,6 +112,9 @@ class Decoding:
         self.counts.streams(self, False)  # (a no-op for one that never streamed)
         if self.state is not DecodeState.DONE:
             self.loop.abort(self.request_id)
+        if self.held:  # after the write-behind's reads, queued before this on the engine's thread
+            self.loop.call(lambda engine: engine.release_held(self.request_id))
+            self.held = False
         if self.link is not None:
             self.link.finished(
                 self.request_id,
@@ -161,10 +165,10 @@ def stream(
             fields.update(first(out))
             first = None
         yield wpb.GenerateChunk(**fields)
+        if progress is not None:  # the newest token's KV is computed by the next step (an ended request's blocks are
+            progress(out.num_prompt_tokens + len(out.output_token_ids) - 1)  # held for this: RequestOptions.hold)
         if piece.finish is not None:
             if piece.stop is not None and not out.finished:
                 run.loop.abort(run.request_id)  # its engine still runs it
             run.state = DecodeState.DONE
             return
-        if progress is not None:  # the newest token's KV is computed by the next step
-            progress(out.num_prompt_tokens + len(out.output_token_ids) - 1)

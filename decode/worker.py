@@ -145,6 +145,8 @@ class DecodeWorker:
             self.narrow = NarrowSlots(segment, tensor, SlotAllocator(narrow_slots), narrow_bytes)
         self.loop = EngineLoop(self.engine, name="decode-engine")
         self.writer = BlockWriter(self.loop, self.transfer, config.id, bs) if config.write_behind else None
+        if self.writer is not None:  # a short answer's blocks outlive it until its write-behind read them
+            self.writer.holds = config.engine is EngineKind.NATIVE
         self._pool = ByAddress(lambda address: KVStoreClient(address, engine=self.transfer, owner=config.id))
         self.handoff = Handoff(
             config.id,
@@ -337,6 +339,7 @@ class DecodeWorker:
         sequence = prompt + outputs  # what the prefill computes (its KV lands here)
         sink: queue.Queue = queue.Queue()
         salt = req.cache_salt if req.HasField("cache_salt") else None
+        run.held = self.writer is not None and self.writer.holds
         run.landed = self.handoff.admit(
             req.request_id,
             prompt,
@@ -346,6 +349,7 @@ class DecodeWorker:
             req.placement.prefill_address,
             sink.put,
             narrow=req.placement.narrow_handoff,
+            hold=run.held,
         )
         first = self.handoff.prefill(req, sequence, len(outputs), run.landed, context)
         run.ttft_s = time.perf_counter() - t0

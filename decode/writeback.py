@@ -6,7 +6,10 @@
                                         (a few hundred KB per block)        prefill's node): reserve, write, commit
 
 A block's KV is complete one step after its last token was sampled (that step computes
-it), so the blocks written trail the stream by one token. They are written under the
+it), so the blocks written trail the stream by one token. A request that ended (a short
+answer ends before its prompt's blocks are read) keeps its blocks in the engine until the
+reads queued for it are done (``RequestOptions.hold``; the worker's ``Decoding.close``
+releases them after them on the engine's thread). They are written under the
 request's own block keys (prompt + output, DESIGN §4), on the node whose chain they
 continue, so the Conductor's index sees one prefix there: a stream resumed on another
 decode worker then loads all of it but the last partial block. Nothing here is on the
@@ -50,6 +53,7 @@ class BlockWriter:
         self._queue: queue.Queue[tuple[Written, int, Future] | None] = queue.Queue()
         self._clients = ByAddress(lambda address: KVStoreClient(address, engine=transfer, owner=owner))  # pool nodes
         self.blocks_written = 0  # blocks now in the pool through the write-behind (written, or found there already)
+        self.holds = False  # the engine keeps an ended request's blocks until released (ours: RequestOptions.hold)
         self._thread = threading.Thread(target=self._run, name="decode-writeback", daemon=True)
         self._thread.start()
 

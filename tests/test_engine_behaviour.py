@@ -370,3 +370,32 @@ def test_corrupt_weights_raise_value_error(tiny_llama, tmp_path, damage):
         weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="model.safetensors"):
         make_engine(model_dir)
+
+
+def test_a_held_requests_blocks_outlive_its_end_until_released_and_read_back_its_kv(tiny_llama):
+    """``RequestOptions.hold`` (a decode worker's write-behind): a request that ended keeps its blocks, which
+    ``computed_blocks`` still reads, until ``release_held`` frees them; released before it ends, nothing is held."""
+    engine = make_engine(tiny_llama.path, block_size=16, enable_prefix_caching=False)
+    free = engine.num_free_blocks
+    prompt = prompt_of(3, 40)  # two full blocks and a partial one
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rid = engine.add_request(prompt, params, options=RequestOptions(hold=True))
+    run_to_completion(engine)
+    assert engine.num_free_blocks == free - 3  # ended, its three blocks held
+    keys, kv, parent = engine.computed_blocks(rid, 0)
+    other = make_engine(tiny_llama.path, block_size=16, enable_prefix_caching=False)
+    alone = other.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while not other.scheduler.requests[alone].output_token_ids:
+        other.step()
+    assert len(keys) == 2 and parent is None
+    assert torch.equal(kv, other.export_kv(other.request_block_ids(alone)[:2]))  # its prompt's KV, read after its end
+    engine.release_held(rid)
+    assert engine.num_free_blocks == free and engine.computed_blocks(rid, 0) == ([], None, None)
+
+    early = engine.add_request(prompt, params, options=RequestOptions(hold=True))
+    engine.release_held(early)  # (its client went away before it ended: the decode worker's close)
+    run_to_completion(engine)
+    assert engine.num_free_blocks == free
+    plain = engine.add_request(prompt, params)
+    run_to_completion(engine)
+    assert engine.num_free_blocks == free and engine.computed_blocks(plain, 0) == ([], None, None)

@@ -53,9 +53,10 @@ def test_the_prompts_blocks_reach_the_pool_and_the_next_turn_reads_its_prefix_fr
     be = backend(cluster)
     # the earlier tests' prompts are on kv0 too (a 700-token one: 43 blocks): this one's 20 come on top of them
     before = instances(cluster)["kv0"].indexed_blocks
-    # an answer long enough that the prompt's blocks are written behind while it runs: the write reads them from the
-    # engine, which lets a finished request's blocks go (a short answer may end first: its next turn then recomputes)
-    first = generate(be, "turn-1", shared + prompt_of(10, seed=1), 24, temperature=0.0, ignore_eos=True)
+    # a one-token answer: the request ends with its first output, before the write-behind reads the prompt's blocks
+    # from the engine, which holds them until it has (RequestOptions.hold; without it they were freed, and the pool
+    # never got them)
+    first = generate(be, "turn-1", shared + prompt_of(10, seed=1), 1, temperature=0.0, ignore_eos=True)
     assert first[-1].cached_tokens == 0
     deadline = time.monotonic() + 10  # written behind by the decode worker; the Conductor's index hears of it
     while instances(cluster)["kv0"].indexed_blocks < before + 20:

@@ -157,6 +157,8 @@ class LLMEngine:
             | frozenset(getattr(tokenizer, "eos_token_ids", ()))
         )
         self._ids = itertools.count()
+        self._holding: set[str] = set()  # requests whose blocks outlive their end (RequestOptions.hold)
+        self._held: dict[str, tuple[list[bytes], list[int], int]] = {}  # ended ones: (block keys, blocks, computed)
 
     # -- requests -------------------------------------------------------------------
 
@@ -224,6 +226,8 @@ class LLMEngine:
             raise
         if params.seed is not None:
             self.runner.add_generator(rid, params.seed, num_sampled=len(outputs) + bool(kv is not None and kv.remote))
+        if opts.hold:
+            self._holding.add(rid)
         return rid
 
     def land(self, request_id: str, token: int, kv: torch.Tensor | None = None) -> RequestOutput | None:
@@ -304,17 +308,21 @@ class LLMEngine:
     ) -> tuple[list[bytes], torch.Tensor | None, bytes | None]:
         """Full blocks ``first_block..`` of a request in the engine whose KV is computed: their block keys, their
         KV in the pool layout, [n, L, 2, block_size, Hkv, D] (a copy), and the key before them (None for block 0).
-        ``([], None, None)`` when there are none yet or the request is gone. Engine thread only, between steps
+        ``([], None, None)`` when there are none yet or the request is gone (an ended one's blocks are read while
+        ``RequestOptions.hold`` keeps them). Engine thread only, between steps
         (the decode worker's write-behind calls it). In the pool's dtype (``pool_kv_dtype``)."""
         req = self.scheduler.requests.get(request_id)
-        if req is None:
+        if req is not None:
+            keys, block_ids, computed = req.block_keys(), req.block_ids, req.num_computed_tokens
+        elif request_id in self._held:  # it ended: its blocks are held until release_held
+            keys, block_ids, computed = self._held[request_id]
+        else:
             return [], None, None
-        keys = req.block_keys()
-        end = min(req.num_computed_tokens // self.block_size, len(keys), len(req.block_ids))
+        end = min(computed // self.block_size, len(keys), len(block_ids))
         if end <= first_block:
             return [], None, None
         parent = keys[first_block - 1] if first_block else None
-        kv = self.runner.export_blocks(req.block_ids[first_block:end])
+        kv = self.runner.export_blocks(block_ids[first_block:end])
         if kv.dtype != self.config.pool_torch_dtype:  # a pool kept narrower (--pool-kv-dtype): float8 at scale 1.0
             kv = kv.to(self.config.pool_torch_dtype)
         return keys[first_block:end], kv, parent
@@ -329,8 +337,24 @@ class LLMEngine:
     def _on_finish(self, request: Request) -> bool:
         # Called by the scheduler before a finished or aborted request's blocks are freed; True: the connector keeps
         # them (they come back through released_blocks, freed before a later step).
-        self.runner.drop_request(request.request_id)
-        return bool(self.connector.request_finished(request.request_id, list(request.block_ids)))
+        rid = request.request_id
+        self.runner.drop_request(rid)
+        if self.connector.request_finished(rid, list(request.block_ids)):
+            self._holding.discard(rid)  # the connector keeps them (a prefill may still write them): not ours to read
+            return True
+        if rid not in self._holding:
+            return False
+        self._holding.discard(rid)
+        self._held[rid] = (request.block_keys(), list(request.block_ids), request.num_computed_tokens)
+        return True
+
+    def release_held(self, request_id: str) -> None:
+        """The blocks of ``request_id`` (``RequestOptions.hold``) are read: freed if it ended, else freed as it ends.
+        Engine thread only."""
+        self._holding.discard(request_id)
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.pool.free(held[1])
 
     def reclaim(self) -> None:
         """Free the blocks the connector has let go of (``KVConnector.released_blocks``); every step does first."""

@@ -159,12 +159,14 @@ class RequestOptions:
     """The rest of what ``add_request`` takes: ``cache_salt`` (the root of its block keys), ``outputs`` (tokens already
     generated elsewhere: a prefill's first token, a resumed stream's; they count toward max_tokens),
     ``chunk_tokens`` (the most of its tokens one step computes; 0: the step's budget) and ``ahead`` (it starts before
-    the requests already waiting: a retry that outlived a failure)."""
+    the requests already waiting: a retry that outlived a failure), ``hold`` (its blocks outlive its end until
+    ``release_held``: a decode worker's write-behind reads them after a short answer ended)."""
 
     cache_salt: str | None = None
     outputs: tuple[int, ...] = ()
     chunk_tokens: int = 0
     ahead: bool = False
+    hold: bool = False
 
 
 @dataclass(eq=False)

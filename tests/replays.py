@@ -91,12 +91,13 @@ def replay(
 
     wanted = {r.request_id: r.sampling.max_tokens for r in requests(count)}
 
-    def mid_stream(rid: str, generated: int) -> bool:
-        """Its client has tokens, and its decode worker has ``generated`` with many more to come. (A stream near its
-        end, or ended, may still be listed by its decode worker: struck then, nothing would be resumed. The client's
-        own count lags behind the worker's on a loaded machine: a worker that has sent every token while the client
-        still reads them is not mid-stream.)"""
-        return len(received.get(rid, ())) > 0 and generated < wanted.get(rid, 0) - MARGIN_TOKENS
+    def mid_stream(rid: str, generated: int, before: dict[str, int]) -> bool:
+        """Its client has tokens, and its decode worker has ``generated``, more than at its previous look (``before``:
+        the stream is live there, not an ended one still listed), with many more to come. (Struck near its end, or
+        after it, nothing would be resumed. The client's own count lags behind the worker's on a loaded machine: a
+        worker that has sent every token while the client still reads them is not mid-stream.)"""
+        live = before.get(rid, generated) < generated
+        return live and len(received.get(rid, ())) > 0 and generated < wanted.get(rid, 0) - MARGIN_TOKENS
 
     async def kill_when_busy() -> None:
         while streaming < count // 3:
@@ -107,10 +108,12 @@ def replay(
             # have read yet, and a request whose client has no token yet is placed again from the start, not resumed
             health = f"http://{cluster.component(victim).info['metrics']}/health"
             async with httpx.AsyncClient(timeout=5) as http:
+                before: dict[str, int] = {}
                 while len(outputs) + len(errors) < count:
                     streams = (await http.get(health)).json()["streams"]
-                    if sum(mid_stream(rid, generated) for rid, generated in streams.items()) >= 2:
+                    if sum(mid_stream(rid, generated, before) for rid, generated in streams.items()) >= 2:
                         break
+                    before = streams
                     await asyncio.sleep(0.01)
         if struck is not None:
             struck.append(time.monotonic())

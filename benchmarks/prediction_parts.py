@@ -39,16 +39,23 @@ WITHIN = (0.75, 1.25)  # predicted over measured within 25%: the buckets' bounds
 Buckets = dict[str, dict[float, float]]  # part -> upper bound -> cumulative count
 
 
-def scrape(url: str | None, timeout_s: float = 5.0) -> Buckets | None:
-    """The prediction-ratio histogram at ``url`` (a Conductor's /metrics); None: no URL, or it did not answer."""
+def _families(url: str | None, timeout_s: float):
+    """The metric families at ``url`` (a Conductor's /metrics); None: no URL, or it did not answer."""
     if not url:
         return None
     try:
-        text = httpx.get(url, timeout=timeout_s, trust_env=False).text
+        return list(text_string_to_metric_families(httpx.get(url, timeout=timeout_s, trust_env=False).text))
     except httpx.HTTPError:
         return None
+
+
+def scrape(url: str | None, timeout_s: float = 5.0) -> Buckets | None:
+    """The prediction-ratio histogram at ``url`` (a Conductor's /metrics); None: no URL, or it did not answer."""
+    families = _families(url, timeout_s)
+    if families is None:
+        return None
     out: Buckets = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         if family.name != METRIC:
             continue
         for sample in family.samples:
@@ -61,14 +68,11 @@ def scrape_handoffs(url: str | None, timeout_s: float = 5.0) -> dict | None:
     """The Conductor's hand-off counters at ``url``: ``placed`` (placements on a prefill worker), ``narrow`` (those
     whose KV moves in the pool's narrower dtype) and ``link_bytes_per_s`` (the bandwidth it has learnt); None: no URL,
     or it did not answer."""
-    if not url:
-        return None
-    try:
-        text = httpx.get(url, timeout=timeout_s, trust_env=False).text
-    except httpx.HTTPError:
+    families = _families(url, timeout_s)
+    if families is None:
         return None
     out = {"placed": 0.0, "narrow": 0.0, "link_bytes_per_s": 0.0}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for sample in family.samples:
             if sample.name == "mooncake_conductor_placements_total" and sample.labels.get("kind") == "prefill_worker":
                 out["placed"] = sample.value
